@@ -1,0 +1,351 @@
+//! Typed configuration: defaults, layering and validation.
+//!
+//! Layers, last wins: the documented defaults (`config.toml` at the repository root, compiled
+//! in), then the user's file, then `MCP_RL__SECTION__KEY` environment variables. Whatever the
+//! layers say is validated before the server starts; every error names the key to fix.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::limit::{Limiter, TokenBucket};
+use crate::mcp::tools::TOOL_NAMES;
+
+/// The documented defaults, the base layer under every config.
+pub const DEFAULT_TOML: &str = include_str!("../config.toml");
+
+/// A config that cannot be used, with the key at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A file could not be read or a value has the wrong type (the message names the key).
+    #[error("cannot load config: {0}")]
+    Load(#[from] config::ConfigError),
+    /// A value is well-typed but not acceptable.
+    #[error("invalid config: `{key}`: {message}")]
+    Invalid {
+        /// The dotted key, e.g. `limits.caller.burst`.
+        key: String,
+        /// What is wrong and what would be right.
+        message: String,
+    },
+}
+
+fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key: key.into(), message: message.into() }
+}
+
+/// The validated configuration the server runs on.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The HTTP transport.
+    pub server: ServerConfig,
+    /// The paid API behind the tools.
+    pub upstream: UpstreamConfig,
+    /// The caller's tool budget.
+    pub caller_limit: Limiter,
+    /// Cost of each tool, by tool name; every tool has one.
+    pub costs: BTreeMap<String, u64>,
+    /// State housekeeping.
+    pub store: StoreConfig,
+    /// The mock paid API's knobs.
+    pub mock_upstream: MockUpstreamConfig,
+}
+
+/// `[server]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Listen address of `serve`.
+    pub listen: SocketAddr,
+    /// Accepted `Host` values on `/mcp`.
+    pub allowed_hosts: Vec<String>,
+    /// Largest accepted body on `/mcp`.
+    pub max_body_bytes: usize,
+}
+
+/// `[upstream]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    /// Base URL; empty means "start the embedded mock".
+    pub url: String,
+    /// Per-request timeout.
+    pub timeout_ms: u64,
+    /// Poll hint for image jobs.
+    pub image_poll_seconds: u64,
+    /// Poll hint for video jobs.
+    pub video_poll_seconds: u64,
+}
+
+/// `[store]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreConfig {
+    /// Interval between sweeps of idle state.
+    pub sweep_interval_ms: u64,
+}
+
+/// `[mock_upstream]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MockUpstreamConfig {
+    /// Listen address of the `mock-upstream` command.
+    pub listen: SocketAddr,
+    /// Latency added to every response.
+    pub latency_ms: u64,
+    /// Fraction of requests answered 429.
+    pub rate_429: f64,
+    /// Retry-After of those 429s.
+    pub retry_after_seconds: u64,
+    /// Fraction of requests answered 503.
+    pub rate_5xx: f64,
+    /// Concurrent predictions before 429.
+    pub max_concurrent_predictions: usize,
+    /// Duration of an image job.
+    pub image_job_ms: u64,
+    /// Duration of a video job.
+    pub video_job_ms: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    server: ServerConfig,
+    upstream: UpstreamConfig,
+    limits: RawLimits,
+    tools: BTreeMap<String, RawTool>,
+    store: StoreConfig,
+    mock_upstream: MockUpstreamConfig,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimits {
+    caller: RawLimit,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimit {
+    algorithm: String,
+    burst: Option<i64>,
+    refill_per_sec: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTool {
+    cost: i64,
+}
+
+/// The algorithms a scope may name.
+pub const ALGORITHMS: &[&str] = &["token_bucket"];
+
+impl Config {
+    /// Loads defaults, then `file` (required when given, else `./config.toml` if present),
+    /// then the environment, and validates the result.
+    pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
+        let env = config::Environment::with_prefix("MCP_RL")
+            .prefix_separator("__")
+            .separator("__")
+            .try_parsing(true)
+            .list_separator(",")
+            .with_list_parse_key("server.allowed_hosts");
+        Self::load_layers(file, Some(env))
+    }
+
+    /// The defaults plus `toml`, without the environment (for tests and embedding).
+    pub fn from_toml(toml: &str) -> Result<Self, ConfigError> {
+        let raw = config::Config::builder()
+            .add_source(config::File::from_str(DEFAULT_TOML, config::FileFormat::Toml))
+            .add_source(config::File::from_str(toml, config::FileFormat::Toml))
+            .build()?
+            .try_deserialize::<RawConfig>()?;
+        raw.validate()
+    }
+
+    /// The documented defaults alone.
+    pub fn defaults() -> Result<Self, ConfigError> {
+        Self::from_toml("")
+    }
+
+    fn load_layers(file: Option<&Path>, env: Option<config::Environment>) -> Result<Self, ConfigError> {
+        let mut builder = config::Config::builder()
+            .add_source(config::File::from_str(DEFAULT_TOML, config::FileFormat::Toml));
+        builder = match file {
+            Some(path) => builder.add_source(config::File::from(path).format(config::FileFormat::Toml).required(true)),
+            None => builder.add_source(
+                config::File::from(Path::new("config.toml")).format(config::FileFormat::Toml).required(false),
+            ),
+        };
+        if let Some(env) = env {
+            builder = builder.add_source(env);
+        }
+        builder.build()?.try_deserialize::<RawConfig>()?.validate()
+    }
+
+    /// The effective limits as a table for `check-config`.
+    pub fn limits_table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "{:<28} {:<14} {}", "scope", "algorithm", "parameters");
+        let params = match &self.caller_limit {
+            Limiter::TokenBucket(b) => format!(
+                "burst {} tokens, refill 1 token every {} ms",
+                b.capacity(),
+                b.period() as f64 / 1e6
+            ),
+        };
+        let _ = writeln!(out, "{:<28} {:<14} {}", "caller (tool budget)", self.caller_limit.algorithm(), params);
+        let _ = writeln!(out);
+        let _ = writeln!(out, "{:<28} {}", "tool", "cost");
+        for (tool, cost) in &self.costs {
+            let _ = writeln!(out, "{tool:<28} {cost}");
+        }
+        out
+    }
+}
+
+impl RawConfig {
+    fn validate(self) -> Result<Config, ConfigError> {
+        let caller_limit = self.limits.caller.build("limits.caller")?;
+
+        let mut costs = BTreeMap::new();
+        for (tool, spec) in self.tools {
+            let key = format!("tools.{tool}.cost");
+            if !TOOL_NAMES.contains(&tool.as_str()) {
+                return Err(invalid(
+                    format!("tools.{tool}"),
+                    format!("unknown tool `{tool}`; the tools are {}", TOOL_NAMES.join(", ")),
+                ));
+            }
+            let cost = u64::try_from(spec.cost)
+                .map_err(|_| invalid(&key, format!("a cost cannot be negative (got {})", spec.cost)))?;
+            if cost > caller_limit.capacity() {
+                return Err(invalid(
+                    &key,
+                    format!(
+                        "cost {cost} is larger than `limits.caller.burst` = {}, so `{tool}` could never be called; \
+                         lower the cost or raise the burst",
+                        caller_limit.capacity()
+                    ),
+                ));
+            }
+            costs.insert(tool, cost);
+        }
+        if let Some(missing) = TOOL_NAMES.iter().find(|t| !costs.contains_key(**t)) {
+            return Err(invalid(format!("tools.{missing}.cost"), "every tool needs a cost"));
+        }
+
+        if self.server.max_body_bytes == 0 {
+            return Err(invalid("server.max_body_bytes", "must be at least 1"));
+        }
+        if self.server.allowed_hosts.is_empty() {
+            return Err(invalid("server.allowed_hosts", "list at least one host name (e.g. \"localhost\")"));
+        }
+        if !self.upstream.url.is_empty() {
+            match reqwest::Url::parse(&self.upstream.url) {
+                Ok(u) if matches!(u.scheme(), "http" | "https") => {}
+                Ok(u) => return Err(invalid("upstream.url", format!("scheme `{}` is not http or https", u.scheme()))),
+                Err(e) => return Err(invalid("upstream.url", format!("not a URL: {e}"))),
+            }
+        }
+        for (key, value) in [
+            ("upstream.timeout_ms", self.upstream.timeout_ms),
+            ("upstream.image_poll_seconds", self.upstream.image_poll_seconds),
+            ("upstream.video_poll_seconds", self.upstream.video_poll_seconds),
+            ("store.sweep_interval_ms", self.store.sweep_interval_ms),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be greater than zero"));
+            }
+        }
+        for (key, rate) in [("mock_upstream.rate_429", self.mock_upstream.rate_429), ("mock_upstream.rate_5xx", self.mock_upstream.rate_5xx)] {
+            if !(0.0..=1.0).contains(&rate) {
+                return Err(invalid(key, format!("must be a fraction between 0.0 and 1.0 (got {rate})")));
+            }
+        }
+
+        Ok(Config {
+            server: self.server,
+            upstream: self.upstream,
+            caller_limit,
+            costs,
+            store: self.store,
+            mock_upstream: self.mock_upstream,
+        })
+    }
+}
+
+impl RawLimit {
+    fn build(&self, key: &str) -> Result<Limiter, ConfigError> {
+        match self.algorithm.as_str() {
+            "token_bucket" => {
+                let burst = self.burst.ok_or_else(|| invalid(format!("{key}.burst"), "token_bucket needs a burst"))?;
+                if burst <= 0 {
+                    return Err(invalid(format!("{key}.burst"), format!("must be a positive number of tokens (got {burst})")));
+                }
+                let burst = u64::try_from(burst).unwrap_or(u64::MAX).min(1 << 32);
+                let rate = self
+                    .refill_per_sec
+                    .ok_or_else(|| invalid(format!("{key}.refill_per_sec"), "token_bucket needs refill_per_sec"))?;
+                if !rate.is_finite() || rate <= 0.0 {
+                    return Err(invalid(format!("{key}.refill_per_sec"), format!("must be a positive rate (got {rate})")));
+                }
+                if rate > 1e9 {
+                    return Err(invalid(format!("{key}.refill_per_sec"), "must be at most 1e9 tokens per second"));
+                }
+                Ok(Limiter::TokenBucket(TokenBucket::new(burst, rate)))
+            }
+            other => Err(invalid(
+                format!("{key}.algorithm"),
+                format!("unknown algorithm `{other}`; expected one of {}", ALGORITHMS.join(", ")),
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(toml: &str) -> String {
+        match Config::from_toml(toml) {
+            Ok(_) => panic!("config should have been rejected:\n{toml}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn documented_defaults_load() {
+        let c = Config::defaults().expect("defaults are valid");
+        assert_eq!(c.caller_limit.capacity(), 60);
+        assert_eq!(c.costs["generate_image_to_video"], 20);
+        assert_eq!(c.costs.len(), TOOL_NAMES.len());
+    }
+
+    #[test]
+    fn cost_larger_than_bucket_names_both_keys() {
+        let e = err("[tools.generate_image_to_video]\ncost = 100\n");
+        assert!(e.contains("tools.generate_image_to_video.cost") && e.contains("limits.caller.burst"), "{e}");
+    }
+
+    #[test]
+    fn unknown_tool_unknown_algorithm_and_bad_rates_are_named() {
+        assert!(err("[tools.make_coffee]\ncost = 1\n").contains("tools.make_coffee"));
+        assert!(err("[limits.caller]\nalgorithm = \"magic\"\n").contains("limits.caller.algorithm"));
+        assert!(err("[limits.caller]\nrefill_per_sec = 0\n").contains("limits.caller.refill_per_sec"));
+        assert!(err("[limits.caller]\nrefill_per_sec = -1.5\n").contains("limits.caller.refill_per_sec"));
+        assert!(err("[limits.caller]\nburst = 0\n").contains("limits.caller.burst"));
+        assert!(err("[tools.save_article]\ncost = -2\n").contains("tools.save_article.cost"));
+        assert!(err("[upstream]\nurl = \"ftp://x\"\n").contains("upstream.url"));
+    }
+
+    #[test]
+    fn typos_are_rejected_not_ignored() {
+        let e = err("[limits.caller]\nbrust = 10\n");
+        assert!(e.contains("brust"), "{e}");
+    }
+}

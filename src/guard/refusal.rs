@@ -1,0 +1,163 @@
+//! Refusals an agent can act on.
+//!
+//! A limit hit inside a tool call is a *tool result* with `isError: true` — never a JSON-RPC
+//! error — so the text lands in the model's context and says, in whole seconds, how long to
+//! wait. The same facts are in `structuredContent.error` for programs.
+
+use rmcp::model::{CallToolResult, ContentBlock};
+use serde_json::{Map, Value, json};
+
+use crate::clock::{Nanos, ceil_ms, ceil_secs};
+
+/// Why a call was refused; the `code` field of the structured error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefusalCode {
+    /// A budget is empty.
+    RateLimited,
+    /// Too many jobs in flight.
+    Busy,
+    /// The same call repeated too many times in a row.
+    LoopDetected,
+    /// The upstream answered 429.
+    UpstreamRateLimited,
+    /// The upstream failed or timed out.
+    UpstreamUnavailable,
+    /// The shared limiter store is down and this tool fails closed.
+    LimiterUnavailable,
+    /// The arguments break the schema or a size limit.
+    InvalidArguments,
+}
+
+impl RefusalCode {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefusalCode::RateLimited => "rate_limited",
+            RefusalCode::Busy => "busy",
+            RefusalCode::LoopDetected => "loop_detected",
+            RefusalCode::UpstreamRateLimited => "upstream_rate_limited",
+            RefusalCode::UpstreamUnavailable => "upstream_unavailable",
+            RefusalCode::LimiterUnavailable => "limiter_unavailable",
+            RefusalCode::InvalidArguments => "invalid_arguments",
+        }
+    }
+}
+
+/// A refused tool call, ready to be turned into an `isError` tool result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// What kind of refusal.
+    pub code: RefusalCode,
+    /// The sentence the model reads.
+    pub message: String,
+    /// How long to wait before the same call can succeed, when that is known.
+    pub retry_after_ms: Option<u64>,
+    /// The budget that refused, e.g. `caller:tok:1f2e…`.
+    pub scope: Option<String>,
+    /// That budget's limit.
+    pub limit: Option<u64>,
+    /// What is left in it.
+    pub remaining: Option<u64>,
+}
+
+fn seconds(n: u64) -> String {
+    if n == 1 { "1 second".to_owned() } else { format!("{n} seconds") }
+}
+
+impl Refusal {
+    /// A budget is empty; `retry_after` is exact for this call's cost.
+    pub fn rate_limited(tool: &str, scope: String, limit: u64, remaining: u64, retry_after: Nanos) -> Self {
+        Self {
+            code: RefusalCode::RateLimited,
+            message: format!(
+                "Rate limit reached for {tool}. Wait {} before calling it again.",
+                seconds(ceil_secs(retry_after))
+            ),
+            retry_after_ms: Some(ceil_ms(retry_after)),
+            scope: Some(scope),
+            limit: Some(limit),
+            remaining: Some(remaining),
+        }
+    }
+
+    /// The arguments are unusable; nothing was charged.
+    pub fn invalid_arguments(tool: &str, problem: &str) -> Self {
+        Self {
+            code: RefusalCode::InvalidArguments,
+            message: format!("Invalid arguments for {tool}: {problem}. Fix the arguments and call it again."),
+            retry_after_ms: None,
+            scope: None,
+            limit: None,
+            remaining: None,
+        }
+    }
+
+    /// The upstream said 429; the wait is at least the upstream's Retry-After.
+    pub fn upstream_rate_limited(tool: &str, retry_after_ms: u64) -> Self {
+        Self {
+            code: RefusalCode::UpstreamRateLimited,
+            message: format!(
+                "The upstream API behind {tool} is rate limiting us. Wait {} before calling it again.",
+                seconds(retry_after_ms.div_ceil(1000))
+            ),
+            retry_after_ms: Some(retry_after_ms),
+            scope: Some(format!("upstream:{tool}")),
+            limit: None,
+            remaining: None,
+        }
+    }
+
+    /// The upstream failed; the agent may try again later.
+    pub fn upstream_unavailable(tool: &str, detail: &str, retry_after_ms: u64) -> Self {
+        Self {
+            code: RefusalCode::UpstreamUnavailable,
+            message: format!(
+                "The upstream API behind {tool} is unavailable ({detail}). Wait {} before trying again.",
+                seconds(retry_after_ms.div_ceil(1000))
+            ),
+            retry_after_ms: Some(retry_after_ms),
+            scope: Some(format!("upstream:{tool}")),
+            limit: None,
+            remaining: None,
+        }
+    }
+
+    /// The structured error object.
+    pub fn to_json(&self) -> Value {
+        let mut error = Map::new();
+        error.insert("code".into(), json!(self.code.as_str()));
+        error.insert("message".into(), json!(self.message));
+        for (key, value) in [("retry_after_ms", self.retry_after_ms), ("limit", self.limit), ("remaining", self.remaining)] {
+            if let Some(v) = value {
+                error.insert(key.into(), json!(v));
+            }
+        }
+        if let Some(scope) = &self.scope {
+            error.insert("scope".into(), json!(scope));
+        }
+        json!({ "error": error })
+    }
+
+    /// The `isError: true` tool result carrying the message and the structured error.
+    pub fn into_result(self) -> CallToolResult {
+        let mut result = CallToolResult::error(vec![ContentBlock::text(self.message.clone())]);
+        result.structured_content = Some(self.to_json());
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wait_is_rounded_up_to_whole_seconds() {
+        let r = Refusal::rate_limited("generate_image", "caller:x".into(), 60, 0, 11_800_000_000);
+        assert_eq!(r.message, "Rate limit reached for generate_image. Wait 12 seconds before calling it again.");
+        assert_eq!(r.retry_after_ms, Some(11_800));
+        let v = r.to_json();
+        assert_eq!(v["error"]["code"], "rate_limited");
+        assert_eq!(v["error"]["limit"], 60);
+        assert_eq!(v["error"]["remaining"], 0);
+    }
+}

@@ -1,0 +1,22 @@
+//! mcp-ratelimit: a reference MCP server that keeps AI agents from running up a bill.
+//!
+//! The layers, outside in: [`http`] (transport) and [`mcp`] (the rmcp handler and tools) hand
+//! every tool call to the [`guard`], which names the caller ([`identity`]), prices the call
+//! ([`config`] costs) and asks the [`limit`] algorithms, whose state lives in a [`store`], all on
+//! one [`clock`]. Tools reach the paid API through [`upstream`]; [`mock_upstream`] stands in for
+//! it. [`app`] wires it together.
+
+pub mod app;
+pub mod clock;
+pub mod config;
+pub mod guard;
+pub mod http;
+pub mod identity;
+pub mod limit;
+pub mod mcp;
+pub mod mock_upstream;
+pub mod store;
+pub mod upstream;
+
+pub use app::App;
+pub use config::Config;

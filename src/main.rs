@@ -1,0 +1,121 @@
+//! The command line. All the work is in the library; this only parses flags and starts it.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use mcp_ratelimit::clock::SystemClock;
+use mcp_ratelimit::mock_upstream::MockUpstream;
+use mcp_ratelimit::{App, Config};
+use tokio::net::TcpListener;
+
+#[derive(Debug, Parser)]
+#[command(name = "mcp-ratelimit", version, about = "An MCP server that keeps AI agents from running up a bill")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve MCP over streamable HTTP at /mcp.
+    Serve {
+        /// Config file (default: ./config.toml if present, else the built-in defaults).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Listen address, overriding server.listen.
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+    },
+    /// Serve MCP over stdin/stdout (Claude Desktop, Inspector --transport stdio). Logs go to stderr.
+    Stdio {
+        /// Config file.
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Run the mock paid API on its own, so several servers can share it.
+    MockUpstream {
+        /// Config file (for the [mock_upstream] knobs).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Listen address, overriding mock_upstream.listen.
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+    },
+    /// Validate a config and print the effective limits.
+    CheckConfig {
+        /// The file to check (default: ./config.toml if present).
+        file: Option<PathBuf>,
+    },
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Command::CheckConfig { file } = &cli.command {
+        return match Config::load(file.as_deref()) {
+            Ok(config) => {
+                println!("config OK\n\n{}", config.limits_table());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::from(2)
+            }
+        };
+    }
+    init_logging();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli.command)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Serve { config, listen } => {
+            let config = Config::load(config.as_deref())?;
+            let addr = listen.unwrap_or(config.server.listen);
+            let app = App::start(config, SystemClock::shared()).await?;
+            let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+            tracing::info!(mcp = %format!("http://{addr}/mcp"), upstream = app.upstream_url(), "serving");
+            tokio::select! {
+                served = app.serve_http(listener) => served?,
+                _ = tokio::signal::ctrl_c() => app.stop(),
+            }
+        }
+        Command::Stdio { config } => {
+            let config = Config::load(config.as_deref())?;
+            let app = App::start(config, SystemClock::shared()).await?;
+            tracing::info!(upstream = app.upstream_url(), "serving MCP on stdio");
+            app.serve_stdio().await?;
+        }
+        Command::MockUpstream { config, listen } => {
+            let config = Config::load(config.as_deref())?;
+            let addr = listen.unwrap_or(config.mock_upstream.listen);
+            let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+            let mock = MockUpstream::start(config.mock_upstream, SystemClock::shared(), listener).await?;
+            tracing::info!(url = %mock.url, "mock upstream serving");
+            tokio::signal::ctrl_c().await?;
+        }
+        Command::CheckConfig { .. } => unreachable!("handled before the runtime starts"),
+    }
+    Ok(())
+}

@@ -1,0 +1,6 @@
+//! The MCP face of the server: the rmcp handler every transport serves, and the tools.
+
+pub mod server;
+pub mod tools;
+
+pub use server::{McpServer, Transport};

@@ -1,0 +1,87 @@
+//! The rmcp server handler, and the one door every tool call goes through.
+//!
+//! `call_tool` is written by hand instead of generated: it identifies the caller, validates the
+//! arguments, and asks the [`Guard`](crate::guard::Guard) before the tool router runs anything.
+//! A tool added to `tools.rs` is guarded without doing anything, and cannot opt out.
+
+use std::sync::Arc;
+
+use rmcp::handler::server::router::tool::ToolRouter;
+use rmcp::handler::server::tool::ToolCallContext;
+use rmcp::model::{CallToolRequestParams, CallToolResponse, Implementation, ServerCapabilities, ServerConfig};
+use rmcp::service::RequestContext;
+use rmcp::{ErrorData, RoleServer, ServerHandler, tool_handler};
+
+use crate::app::AppState;
+use crate::identity::Caller;
+use crate::mcp::tools;
+
+/// Which transport a handler serves; decides where the caller comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// Streamable HTTP: the caller was identified by the HTTP layer.
+    Http,
+    /// stdio: one local caller.
+    Stdio,
+}
+
+/// The MCP server: one per session (HTTP) or process (stdio), all sharing one [`AppState`].
+#[derive(Clone)]
+pub struct McpServer {
+    pub(crate) app: Arc<AppState>,
+    transport: Transport,
+    tool_router: ToolRouter<Self>,
+}
+
+impl McpServer {
+    /// A handler over the shared state.
+    pub fn new(app: Arc<AppState>, transport: Transport) -> Self {
+        Self { app, transport, tool_router: Self::tool_router() }
+    }
+
+    fn caller_of(&self, context: &RequestContext<RoleServer>) -> Result<Caller, ErrorData> {
+        match self.transport {
+            Transport::Stdio => Ok(Caller::local()),
+            Transport::Http => context
+                .extensions
+                .get::<http::request::Parts>()
+                .and_then(|parts| parts.extensions.get::<Caller>())
+                .cloned()
+                // Falling back to a shared identity would merge every caller into one budget.
+                .ok_or_else(|| ErrorData::internal_error("request reached a tool without a caller identity", None)),
+        }
+    }
+}
+
+#[tool_handler(router = self.tool_router)]
+impl ServerHandler for McpServer {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+            .with_server_info(Implementation::new("mcp-ratelimit", env!("CARGO_PKG_VERSION")))
+            .with_instructions(
+                "Paid tools draw on a budget of tokens: list_articles 1, save_article 2, generate_image 5, \
+                 generate_image_to_video 20 by default. Call rate_limit_status (free) to plan. A refused call \
+                 says how many seconds to wait; wait that long instead of retrying. Image and video jobs \
+                 return a predict_id: poll get_prediction no sooner than next_poll_in_seconds.",
+            )
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        mut context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        if self.tool_router.get(&request.name).is_none() {
+            return Err(ErrorData::invalid_params(format!("unknown tool `{}`", request.name), None));
+        }
+        let caller = self.caller_of(&context)?;
+        if let Err(refusal) = tools::validate_arguments(&request.name, request.arguments.as_ref()) {
+            return Ok(refusal.into_result().into());
+        }
+        if let Err(refusal) = self.app.guard.admit(&caller, &request.name) {
+            return Ok(refusal.into_result().into());
+        }
+        context.extensions.insert(caller);
+        self.tool_router.call(ToolCallContext::new(self, request, context)).await
+    }
+}

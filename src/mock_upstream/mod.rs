@@ -1,0 +1,242 @@
+//! A stand-in for the paid API: a real HTTP service (axum), embedded or its own process.
+//!
+//! It behaves like the image APIs agents drive — submit a prediction, poll it by id — and has
+//! the knobs needed to show what limits are for: added latency, a share of 429s with
+//! Retry-After, a share of 503s, a cap on predictions running at once, and job durations.
+//! Job progress reads the shared [`Clock`](crate::clock::Clock), so tests finish a 30-second
+//! video job by advancing a manual clock. A prompt containing `[fail]` makes a job fail.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use rand::Rng;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::clock::{NANOS_PER_MS, Nanos, SharedClock};
+use crate::config::MockUpstreamConfig;
+use crate::upstream::api::{
+    Article, ArticlePage, NewArticle, NewPrediction, Prediction, PredictionKind, PredictionStatus, SavedArticle,
+};
+
+const SEEDED_ARTICLES: usize = 120;
+const MAX_ARTICLES: usize = 10_000;
+const MAX_JOBS: usize = 100_000;
+
+#[derive(Debug)]
+struct Job {
+    kind: PredictionKind,
+    prompt: String,
+    created_at: Nanos,
+    canceled_at: Option<Nanos>,
+}
+
+#[derive(Debug)]
+struct MockState {
+    config: MockUpstreamConfig,
+    clock: SharedClock,
+    articles: Mutex<VecDeque<Article>>,
+    jobs: Mutex<HashMap<String, Job>>,
+    next_article: std::sync::atomic::AtomicU64,
+}
+
+impl MockState {
+    fn duration(&self, kind: PredictionKind) -> Nanos {
+        let ms = match kind {
+            PredictionKind::Image => self.config.image_job_ms,
+            PredictionKind::Video => self.config.video_job_ms,
+        };
+        ms.saturating_mul(NANOS_PER_MS)
+    }
+
+    fn view(&self, id: &str, job: &Job, now: Nanos) -> Prediction {
+        let duration = self.duration(job.kind);
+        let elapsed = now.saturating_sub(job.created_at);
+        let (status, output, error) = if job.canceled_at.is_some() {
+            (PredictionStatus::Canceled, None, None)
+        } else if elapsed < duration / 5 {
+            (PredictionStatus::Starting, None, None)
+        } else if elapsed < duration {
+            (PredictionStatus::Processing, None, None)
+        } else if job.prompt.contains("[fail]") {
+            (PredictionStatus::Failed, None, Some("the model could not render this prompt".to_owned()))
+        } else {
+            let ext = if job.kind == PredictionKind::Image { "png" } else { "mp4" };
+            (PredictionStatus::Succeeded, Some(format!("https://files.mock-upstream.invalid/{id}.{ext}")), None)
+        };
+        Prediction { id: id.to_owned(), kind: job.kind, status, output, error }
+    }
+
+    fn running(&self, job: &Job, now: Nanos) -> bool {
+        job.canceled_at.is_none() && now.saturating_sub(job.created_at) < self.duration(job.kind)
+    }
+}
+
+/// The mock API's routes, ready to serve.
+pub fn router(config: MockUpstreamConfig, clock: SharedClock) -> Router {
+    let articles = (0..SEEDED_ARTICLES)
+        .map(|i| Article {
+            id: format!("a{i}"),
+            title: format!("{} #{i}", TOPICS[i % TOPICS.len()]),
+            summary: format!("Article {i} about {}.", TOPICS[i % TOPICS.len()].to_lowercase()),
+        })
+        .collect();
+    let state = Arc::new(MockState {
+        config,
+        clock,
+        articles: Mutex::new(articles),
+        jobs: Mutex::new(HashMap::new()),
+        next_article: std::sync::atomic::AtomicU64::new(SEEDED_ARTICLES as u64),
+    });
+    Router::new()
+        .route("/v1/articles", get(list_articles).post(save_article))
+        .route("/v1/predictions", post(create_prediction))
+        .route("/v1/predictions/{id}", get(get_prediction))
+        .route("/v1/predictions/{id}/cancel", post(cancel_prediction))
+        .layer(middleware::from_fn_with_state(state.clone(), chaos))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .with_state(state)
+}
+
+const TOPICS: &[&str] = &["Rate limits", "Token buckets", "Agents", "Retries", "Budgets", "Backoff"];
+
+/// A running mock upstream.
+#[derive(Debug)]
+pub struct MockUpstream {
+    /// Its base URL, e.g. `http://127.0.0.1:40123`.
+    pub url: String,
+    stop: CancellationToken,
+}
+
+impl MockUpstream {
+    /// Serves the mock on `listener` until dropped.
+    pub async fn start(config: MockUpstreamConfig, clock: SharedClock, listener: TcpListener) -> std::io::Result<Self> {
+        let url = format!("http://{}", listener.local_addr()?);
+        let stop = CancellationToken::new();
+        let app = router(config, clock);
+        let until = stop.clone();
+        tokio::spawn(async move {
+            let served = axum::serve(listener, app).with_graceful_shutdown(until.cancelled_owned()).await;
+            if let Err(e) = served {
+                tracing::error!(error = %e, "mock upstream stopped");
+            }
+        });
+        Ok(Self { url, stop })
+    }
+}
+
+impl Drop for MockUpstream {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn chaos(State(state): State<Arc<MockState>>, request: Request, next: Next) -> Response {
+    let config = &state.config;
+    if config.latency_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(config.latency_ms)).await;
+    }
+    let roll: f64 = rand::rng().random();
+    if roll < config.rate_429 {
+        return too_many(config.retry_after_seconds, "mock chaos: rate limited");
+    }
+    if roll < config.rate_429 + config.rate_5xx {
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"error": "mock chaos: unavailable"}))).into_response();
+    }
+    next.run(request).await
+}
+
+fn too_many(retry_after_seconds: u64, why: &str) -> Response {
+    (
+        StatusCode::TOO_MANY_REQUESTS,
+        [(header::RETRY_AFTER, retry_after_seconds.to_string())],
+        Json(json!({"error": why})),
+    )
+        .into_response()
+}
+
+#[derive(Debug, Deserialize)]
+struct ListQuery {
+    query: Option<String>,
+    limit: Option<usize>,
+    cursor: Option<String>,
+}
+
+async fn list_articles(State(state): State<Arc<MockState>>, Query(q): Query<ListQuery>) -> Response {
+    let limit = q.limit.unwrap_or(10).clamp(1, 100);
+    let Ok(offset) = q.cursor.as_deref().unwrap_or("0").parse::<usize>() else {
+        return (StatusCode::BAD_REQUEST, Json(json!({"error": "bad cursor"}))).into_response();
+    };
+    let needle = q.query.unwrap_or_default().to_lowercase();
+    let articles = state.articles.lock().unwrap_or_else(|p| p.into_inner());
+    let matching: Vec<&Article> = articles.iter().filter(|a| a.title.to_lowercase().contains(&needle)).collect();
+    let page: Vec<Article> = matching.iter().skip(offset).take(limit).map(|a| (*a).clone()).collect();
+    let next = offset + page.len();
+    let next_cursor = (next < matching.len()).then(|| next.to_string());
+    Json(ArticlePage { articles: page, next_cursor }).into_response()
+}
+
+async fn save_article(State(state): State<Arc<MockState>>, Json(new): Json<NewArticle>) -> Response {
+    let n = state.next_article.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let article = Article {
+        id: format!("a{n}"),
+        title: new.title.clone(),
+        summary: new.body.chars().take(120).collect(),
+    };
+    let mut articles = state.articles.lock().unwrap_or_else(|p| p.into_inner());
+    if articles.len() >= MAX_ARTICLES {
+        articles.pop_front();
+    }
+    articles.push_back(article.clone());
+    (StatusCode::CREATED, Json(SavedArticle { id: article.id, title: article.title })).into_response()
+}
+
+async fn create_prediction(State(state): State<Arc<MockState>>, Json(new): Json<NewPrediction>) -> Response {
+    let now = state.clock.now();
+    let mut jobs = state.jobs.lock().unwrap_or_else(|p| p.into_inner());
+    let running = jobs.values().filter(|j| state.running(j, now)).count();
+    if running >= state.config.max_concurrent_predictions {
+        return too_many(state.config.retry_after_seconds, "too many predictions running at once");
+    }
+    if jobs.len() >= MAX_JOBS {
+        // Forget the finished jobs first; a real API would archive them.
+        jobs.retain(|_, j| state.running(j, now));
+    }
+    let id = format!("p_{:016x}{:04x}", rand::rng().random::<u64>(), rand::rng().random::<u16>());
+    let job = Job { kind: new.kind, prompt: new.prompt, created_at: now, canceled_at: None };
+    let view = state.view(&id, &job, now);
+    jobs.insert(id, job);
+    (StatusCode::CREATED, Json(view)).into_response()
+}
+
+async fn get_prediction(State(state): State<Arc<MockState>>, Path(id): Path<String>) -> Response {
+    let now = state.clock.now();
+    let jobs = state.jobs.lock().unwrap_or_else(|p| p.into_inner());
+    match jobs.get(&id) {
+        Some(job) => Json(state.view(&id, job, now)).into_response(),
+        None => (StatusCode::NOT_FOUND, Json(json!({"error": "no such prediction"}))).into_response(),
+    }
+}
+
+async fn cancel_prediction(State(state): State<Arc<MockState>>, Path(id): Path<String>) -> Response {
+    let now = state.clock.now();
+    let mut jobs = state.jobs.lock().unwrap_or_else(|p| p.into_inner());
+    match jobs.get_mut(&id) {
+        Some(job) => {
+            if state.running(job, now) {
+                job.canceled_at = Some(now);
+            }
+            Json(state.view(&id, job, now)).into_response()
+        }
+        None => (StatusCode::NOT_FOUND, Json(json!({"error": "no such prediction"}))).into_response(),
+    }
+}

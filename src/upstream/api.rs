@@ -1,0 +1,107 @@
+//! The wire format of the paid API: what the mock serves and what the client sends.
+//!
+//! Kept in one place so the client and the mock cannot drift apart. It is shaped like the
+//! image APIs agents usually drive (submit a prediction, poll it by id).
+
+use serde::{Deserialize, Serialize};
+
+/// One article.
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct Article {
+    /// Upstream id.
+    pub id: String,
+    /// Headline.
+    pub title: String,
+    /// First lines of the body.
+    pub summary: String,
+}
+
+/// A page of articles.
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct ArticlePage {
+    /// The articles on this page.
+    pub articles: Vec<Article>,
+    /// Pass as `cursor` to get the next page; absent on the last page.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
+}
+
+/// Body of `POST /v1/articles`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NewArticle {
+    /// Headline.
+    pub title: String,
+    /// Full text.
+    pub body: String,
+}
+
+/// Answer to `POST /v1/articles`.
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct SavedArticle {
+    /// Upstream id of the new article.
+    pub id: String,
+    /// Headline as stored.
+    pub title: String,
+}
+
+/// What kind of job a prediction is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PredictionKind {
+    /// Text to image.
+    Image,
+    /// Image to video.
+    Video,
+}
+
+/// Body of `POST /v1/predictions`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NewPrediction {
+    /// Image or video.
+    pub kind: PredictionKind,
+    /// What to generate.
+    pub prompt: String,
+    /// Source image, for video jobs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_url: Option<String>,
+}
+
+/// Where a prediction is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PredictionStatus {
+    /// Accepted, waiting for a worker.
+    Starting,
+    /// Running.
+    Processing,
+    /// Done; `output` holds the result URL.
+    Succeeded,
+    /// Done without a result; `error` says why.
+    Failed,
+    /// Stopped on request.
+    Canceled,
+}
+
+impl PredictionStatus {
+    /// Whether the job will not change any more.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed | Self::Canceled)
+    }
+}
+
+/// A prediction as the upstream reports it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Prediction {
+    /// Upstream id (the `predict_id` agents see).
+    pub id: String,
+    /// Image or video.
+    pub kind: PredictionKind,
+    /// Current status.
+    pub status: PredictionStatus,
+    /// Result URL once succeeded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<String>,
+    /// Failure reason once failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
