@@ -61,13 +61,8 @@ impl App {
             config.caller_limit.clone(),
             config.costs.clone(),
         );
-        let state = Arc::new(AppState {
-            predictions: PredictionBook::new(clock.clone()),
-            guard,
-            upstream,
-            clock,
-            config,
-        });
+        let state =
+            Arc::new(AppState { predictions: PredictionBook::new(clock.clone()), guard, upstream, clock, config });
         let stop = CancellationToken::new();
         tokio::spawn(sweep_forever(state.clone(), stop.clone()));
         Ok(Self { state, upstream_url, stop, _mock: mock })

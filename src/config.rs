@@ -173,8 +173,8 @@ impl Config {
     }
 
     fn load_layers(file: Option<&Path>, env: Option<config::Environment>) -> Result<Self, ConfigError> {
-        let mut builder = config::Config::builder()
-            .add_source(config::File::from_str(DEFAULT_TOML, config::FileFormat::Toml));
+        let mut builder =
+            config::Config::builder().add_source(config::File::from_str(DEFAULT_TOML, config::FileFormat::Toml));
         builder = match file {
             Some(path) => builder.add_source(config::File::from(path).format(config::FileFormat::Toml).required(true)),
             None => builder.add_source(
@@ -192,11 +192,9 @@ impl Config {
         let mut out = String::new();
         let _ = writeln!(out, "{:<28} {:<14} {}", "scope", "algorithm", "parameters");
         let params = match &self.caller_limit {
-            Limiter::TokenBucket(b) => format!(
-                "burst {} tokens, refill 1 token every {} ms",
-                b.capacity(),
-                b.period() as f64 / 1e6
-            ),
+            Limiter::TokenBucket(b) => {
+                format!("burst {} tokens, refill 1 token every {} ms", b.capacity(), b.period() as f64 / 1e6)
+            }
         };
         let _ = writeln!(out, "{:<28} {:<14} {}", "caller (tool budget)", self.caller_limit.algorithm(), params);
         let _ = writeln!(out);
@@ -262,7 +260,10 @@ impl RawConfig {
                 return Err(invalid(key, "must be greater than zero"));
             }
         }
-        for (key, rate) in [("mock_upstream.rate_429", self.mock_upstream.rate_429), ("mock_upstream.rate_5xx", self.mock_upstream.rate_5xx)] {
+        for (key, rate) in [
+            ("mock_upstream.rate_429", self.mock_upstream.rate_429),
+            ("mock_upstream.rate_5xx", self.mock_upstream.rate_5xx),
+        ] {
             if !(0.0..=1.0).contains(&rate) {
                 return Err(invalid(key, format!("must be a fraction between 0.0 and 1.0 (got {rate})")));
             }
@@ -285,14 +286,20 @@ impl RawLimit {
             "token_bucket" => {
                 let burst = self.burst.ok_or_else(|| invalid(format!("{key}.burst"), "token_bucket needs a burst"))?;
                 if burst <= 0 {
-                    return Err(invalid(format!("{key}.burst"), format!("must be a positive number of tokens (got {burst})")));
+                    return Err(invalid(
+                        format!("{key}.burst"),
+                        format!("must be a positive number of tokens (got {burst})"),
+                    ));
                 }
                 let burst = u64::try_from(burst).unwrap_or(u64::MAX).min(1 << 32);
                 let rate = self
                     .refill_per_sec
                     .ok_or_else(|| invalid(format!("{key}.refill_per_sec"), "token_bucket needs refill_per_sec"))?;
                 if !rate.is_finite() || rate <= 0.0 {
-                    return Err(invalid(format!("{key}.refill_per_sec"), format!("must be a positive rate (got {rate})")));
+                    return Err(invalid(
+                        format!("{key}.refill_per_sec"),
+                        format!("must be a positive rate (got {rate})"),
+                    ));
                 }
                 if rate > 1e9 {
                     return Err(invalid(format!("{key}.refill_per_sec"), "must be at most 1e9 tokens per second"));

@@ -66,13 +66,10 @@ impl fmt::Display for Caller {
 
 /// The credential a request presents, if any.
 fn credential(headers: &HeaderMap) -> Option<&str> {
-    let bearer = headers
-        .get(http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            let (scheme, token) = v.trim().split_once(' ')?;
-            scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-        });
+    let bearer = headers.get(http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| {
+        let (scheme, token) = v.trim().split_once(' ')?;
+        scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+    });
     let api_key = || headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim);
     bearer.filter(|t| !t.is_empty()).or_else(|| api_key().filter(|t| !t.is_empty()))
 }

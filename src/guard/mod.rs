@@ -70,20 +70,11 @@ impl Guard {
         let checks = [Check { key: &scope, limiter: &self.caller_limit, cost }];
         let decisions = self.store.decide(&checks, self.clock.now());
         // The call can pass only when every scope admits it, so the wait is the longest one.
-        let refused = checks
-            .iter()
-            .zip(&decisions)
-            .filter(|(_, d)| !d.allowed)
-            .max_by_key(|(_, d)| d.retry_after);
+        let refused = checks.iter().zip(&decisions).filter(|(_, d)| !d.allowed).max_by_key(|(_, d)| d.retry_after);
         match refused {
             None => Ok(()),
             Some((check, d)) => {
-                info!(
-                    tool,
-                    scope = check.key,
-                    retry_after_ms = ceil_ms(d.retry_after),
-                    "rate_limited"
-                );
+                info!(tool, scope = check.key, retry_after_ms = ceil_ms(d.retry_after), "rate_limited");
                 Err(Refusal::rate_limited(tool, check.key.to_owned(), d.limit, d.remaining, d.retry_after))
             }
         }

@@ -127,7 +127,9 @@ impl Refusal {
         let mut error = Map::new();
         error.insert("code".into(), json!(self.code.as_str()));
         error.insert("message".into(), json!(self.message));
-        for (key, value) in [("retry_after_ms", self.retry_after_ms), ("limit", self.limit), ("remaining", self.remaining)] {
+        for (key, value) in
+            [("retry_after_ms", self.retry_after_ms), ("limit", self.limit), ("remaining", self.remaining)]
+        {
             if let Some(v) = value {
                 error.insert(key.into(), json!(v));
             }

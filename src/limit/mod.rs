@@ -66,6 +66,13 @@ impl Limiter {
         }
     }
 
+    /// Units returned per second on average (the sustained rate).
+    pub fn refill_per_sec(&self) -> f64 {
+        match self {
+            Limiter::TokenBucket(b) => crate::clock::NANOS_PER_SEC as f64 / b.period() as f64,
+        }
+    }
+
     /// Decides a call of `cost` units at `now` against the key's previous state.
     ///
     /// A cost of zero never charges and is how a scope's level is read without spending it.

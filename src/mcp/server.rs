@@ -8,7 +8,10 @@ use std::sync::Arc;
 
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::tool::ToolCallContext;
-use rmcp::model::{CallToolRequestParams, CallToolResponse, Implementation, ServerCapabilities, ServerConfig};
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, Implementation, ListToolsResult, PaginatedRequestParams,
+    ServerCapabilities, ServerConfig,
+};
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler, tool_handler};
 
@@ -58,12 +61,38 @@ impl ServerHandler for McpServer {
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
             .with_server_info(Implementation::new("mcp-ratelimit", env!("CARGO_PKG_VERSION")))
-            .with_instructions(
-                "Paid tools draw on a budget of tokens: list_articles 1, save_article 2, generate_image 5, \
-                 generate_image_to_video 20 by default. Call rate_limit_status (free) to plan. A refused call \
-                 says how many seconds to wait; wait that long instead of retrying. Image and video jobs \
-                 return a predict_id: poll get_prediction no sooner than next_poll_in_seconds.",
-            )
+            .with_instructions(format!(
+                "Tools draw on a budget of tokens; each tool's description says what it costs. Call \
+                 rate_limit_status (free) to plan. A refused call says how many seconds to wait: wait that \
+                 long instead of retrying. Image and video jobs return a predict_id: poll get_prediction no \
+                 sooner than next_poll_in_seconds. Your budget: {} tokens, refilled at {} per second.",
+                self.app.config.caller_limit.capacity(),
+                self.app.config.caller_limit.refill_per_sec(),
+            ))
+    }
+
+    /// Lists the tools with their configured cost appended, so a model sees prices before it calls.
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        let tools = self
+            .tool_router
+            .list_all()
+            .into_iter()
+            .map(|mut tool| {
+                let cost = self.app.guard.cost_of(&tool.name);
+                let price = match cost {
+                    0 => " Free: costs no budget.".to_owned(),
+                    1 => " Costs 1 token.".to_owned(),
+                    n => format!(" Costs {n} tokens."),
+                };
+                tool.description = Some(format!("{}{price}", tool.description.as_deref().unwrap_or_default()).into());
+                tool
+            })
+            .collect();
+        Ok(ListToolsResult::with_all_items(tools))
     }
 
     async fn call_tool(

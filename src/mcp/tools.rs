@@ -316,14 +316,15 @@ impl McpServer {
 impl McpServer {
     /// Lists articles from the upstream, a page at a time.
     #[tool(
-        description = "List articles whose titles match a query. Costs 1 token. Pages with `cursor`.",
+        description = "List articles whose titles match a query. Pages with `cursor`.",
         annotations(read_only_hint = true, open_world_hint = true)
     )]
     async fn list_articles(&self, Parameters(args): Parameters<ListArticlesArgs>) -> Result<CallToolResult, ErrorData> {
         let limit = args.limit.unwrap_or(10);
         match self.app.upstream.list_articles(args.query.as_deref(), limit, args.cursor.as_deref()).await {
             Ok(page) => {
-                let more = page.next_cursor.as_deref().map(|c| format!(" More with cursor \"{c}\".")).unwrap_or_default();
+                let more =
+                    page.next_cursor.as_deref().map(|c| format!(" More with cursor \"{c}\".")).unwrap_or_default();
                 let titles: Vec<&str> = page.articles.iter().map(|a| a.title.as_str()).collect();
                 success(format!("{} articles: {}.{more}", titles.len(), titles.join("; ")), page)
             }
@@ -333,7 +334,7 @@ impl McpServer {
 
     /// Saves an article upstream.
     #[tool(
-        description = "Save an article (title, body). Costs 2 tokens.",
+        description = "Save an article (title, body).",
         annotations(read_only_hint = false, destructive_hint = false, open_world_hint = true)
     )]
     async fn save_article(&self, Parameters(args): Parameters<SaveArticleArgs>) -> Result<CallToolResult, ErrorData> {
@@ -345,7 +346,7 @@ impl McpServer {
 
     /// Submits an image job.
     #[tool(
-        description = "Generate an image from a prompt (at most 4000 characters). Costs 5 tokens. Returns at once \
+        description = "Generate an image from a prompt (at most 4000 characters). Returns at once \
                        with a predict_id; poll get_prediction after next_poll_in_seconds.",
         annotations(read_only_hint = false, destructive_hint = false, open_world_hint = true)
     )]
@@ -360,7 +361,7 @@ impl McpServer {
 
     /// Submits a video job.
     #[tool(
-        description = "Generate a video from an image URL and a prompt. Costs 20 tokens. Returns at once with a \
+        description = "Generate a video from an image URL and a prompt. Returns at once with a \
                        predict_id; poll get_prediction after next_poll_in_seconds.",
         annotations(read_only_hint = false, destructive_hint = false, open_world_hint = true)
     )]
@@ -387,7 +388,9 @@ impl McpServer {
     ) -> Result<CallToolResult, ErrorData> {
         let book = &self.app.predictions;
         match book.gate(caller.id(), &args.predict_id) {
-            PollGate::NotYours => Ok(Refusal::invalid_arguments("get_prediction", "no prediction with that predict_id").into_result()),
+            PollGate::NotYours => {
+                Ok(Refusal::invalid_arguments("get_prediction", "no prediction with that predict_id").into_result())
+            }
             PollGate::Answer { last, wait } => report(last, Some(ceil_secs(wait))),
             PollGate::Due => match self.app.upstream.get_prediction(&args.predict_id).await {
                 Ok(prediction) => {
@@ -417,7 +420,15 @@ impl McpServer {
         let budgets = self.app.guard.status(&caller);
         let lines: Vec<String> = budgets
             .iter()
-            .map(|b| format!("{}: {} of {} left, full in {} s", b.scope, b.remaining, b.limit, b.reset_after_ms.div_ceil(1000)))
+            .map(|b| {
+                format!(
+                    "{}: {} of {} left, full in {} s",
+                    b.scope,
+                    b.remaining,
+                    b.limit,
+                    b.reset_after_ms.div_ceil(1000)
+                )
+            })
             .collect();
         let costs = self.app.guard.costs().clone();
         let price: Vec<String> = costs.iter().map(|(t, c)| format!("{t} {c}")).collect();

@@ -5,8 +5,10 @@
 //! Retry-After, a share of 503s, a cap on predictions running at once, and job durations.
 //! Job progress reads the shared [`Clock`](crate::clock::Clock), so tests finish a 30-second
 //! video job by advancing a manual clock. A prompt containing `[fail]` makes a job fail.
+//! `GET /v1/usage` reports what it was asked to do: the bill an agent ran up.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -47,6 +49,22 @@ struct MockState {
     articles: Mutex<VecDeque<Article>>,
     jobs: Mutex<HashMap<String, Job>>,
     next_article: std::sync::atomic::AtomicU64,
+    usage: Usage,
+}
+
+/// What the mock has been asked to do: the bill an agent ran up, and how hard it was hit.
+#[derive(Debug, Default)]
+struct Usage {
+    requests: AtomicU64,
+    articles_listed: AtomicU64,
+    articles_saved: AtomicU64,
+    predictions_created: AtomicU64,
+    polls: AtomicU64,
+    refused_429: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
 }
 
 impl MockState {
@@ -95,7 +113,8 @@ pub fn router(config: MockUpstreamConfig, clock: SharedClock) -> Router {
         clock,
         articles: Mutex::new(articles),
         jobs: Mutex::new(HashMap::new()),
-        next_article: std::sync::atomic::AtomicU64::new(SEEDED_ARTICLES as u64),
+        next_article: AtomicU64::new(SEEDED_ARTICLES as u64),
+        usage: Usage::default(),
     });
     Router::new()
         .route("/v1/articles", get(list_articles).post(save_article))
@@ -103,6 +122,7 @@ pub fn router(config: MockUpstreamConfig, clock: SharedClock) -> Router {
         .route("/v1/predictions/{id}", get(get_prediction))
         .route("/v1/predictions/{id}/cancel", post(cancel_prediction))
         .layer(middleware::from_fn_with_state(state.clone(), chaos))
+        .route("/v1/usage", get(usage))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .with_state(state)
 }
@@ -141,12 +161,14 @@ impl Drop for MockUpstream {
 }
 
 async fn chaos(State(state): State<Arc<MockState>>, request: Request, next: Next) -> Response {
+    bump(&state.usage.requests);
     let config = &state.config;
     if config.latency_ms > 0 {
         tokio::time::sleep(Duration::from_millis(config.latency_ms)).await;
     }
     let roll: f64 = rand::rng().random();
     if roll < config.rate_429 {
+        bump(&state.usage.refused_429);
         return too_many(config.retry_after_seconds, "mock chaos: rate limited");
     }
     if roll < config.rate_429 + config.rate_5xx {
@@ -172,6 +194,7 @@ struct ListQuery {
 }
 
 async fn list_articles(State(state): State<Arc<MockState>>, Query(q): Query<ListQuery>) -> Response {
+    bump(&state.usage.articles_listed);
     let limit = q.limit.unwrap_or(10).clamp(1, 100);
     let Ok(offset) = q.cursor.as_deref().unwrap_or("0").parse::<usize>() else {
         return (StatusCode::BAD_REQUEST, Json(json!({"error": "bad cursor"}))).into_response();
@@ -186,12 +209,10 @@ async fn list_articles(State(state): State<Arc<MockState>>, Query(q): Query<List
 }
 
 async fn save_article(State(state): State<Arc<MockState>>, Json(new): Json<NewArticle>) -> Response {
-    let n = state.next_article.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let article = Article {
-        id: format!("a{n}"),
-        title: new.title.clone(),
-        summary: new.body.chars().take(120).collect(),
-    };
+    bump(&state.usage.articles_saved);
+    let n = state.next_article.fetch_add(1, Ordering::Relaxed);
+    let article =
+        Article { id: format!("a{n}"), title: new.title.clone(), summary: new.body.chars().take(120).collect() };
     let mut articles = state.articles.lock().unwrap_or_else(|p| p.into_inner());
     if articles.len() >= MAX_ARTICLES {
         articles.pop_front();
@@ -205,12 +226,14 @@ async fn create_prediction(State(state): State<Arc<MockState>>, Json(new): Json<
     let mut jobs = state.jobs.lock().unwrap_or_else(|p| p.into_inner());
     let running = jobs.values().filter(|j| state.running(j, now)).count();
     if running >= state.config.max_concurrent_predictions {
+        bump(&state.usage.refused_429);
         return too_many(state.config.retry_after_seconds, "too many predictions running at once");
     }
     if jobs.len() >= MAX_JOBS {
         // Forget the finished jobs first; a real API would archive them.
         jobs.retain(|_, j| state.running(j, now));
     }
+    bump(&state.usage.predictions_created);
     let id = format!("p_{:016x}{:04x}", rand::rng().random::<u64>(), rand::rng().random::<u16>());
     let job = Job { kind: new.kind, prompt: new.prompt, created_at: now, canceled_at: None };
     let view = state.view(&id, &job, now);
@@ -219,6 +242,7 @@ async fn create_prediction(State(state): State<Arc<MockState>>, Json(new): Json<
 }
 
 async fn get_prediction(State(state): State<Arc<MockState>>, Path(id): Path<String>) -> Response {
+    bump(&state.usage.polls);
     let now = state.clock.now();
     let jobs = state.jobs.lock().unwrap_or_else(|p| p.into_inner());
     match jobs.get(&id) {
@@ -239,4 +263,18 @@ async fn cancel_prediction(State(state): State<Arc<MockState>>, Path(id): Path<S
         }
         None => (StatusCode::NOT_FOUND, Json(json!({"error": "no such prediction"}))).into_response(),
     }
+}
+
+/// `GET /v1/usage`: counters since start (not itself counted or subject to chaos).
+async fn usage(State(state): State<Arc<MockState>>) -> Json<serde_json::Value> {
+    let u = &state.usage;
+    let read = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    Json(json!({
+        "requests": read(&u.requests),
+        "articles_listed": read(&u.articles_listed),
+        "articles_saved": read(&u.articles_saved),
+        "predictions_created": read(&u.predictions_created),
+        "polls": read(&u.polls),
+        "refused_429": read(&u.refused_429),
+    }))
 }

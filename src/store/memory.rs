@@ -66,15 +66,10 @@ impl MemoryStore {
         // call would write (two scopes may share a key).
         let mut staged: Vec<(&str, usize, Outcome)> = Vec::with_capacity(checks.len());
         for (check, &shard) in checks.iter().zip(&shard_ids) {
-            let prev = staged
-                .iter()
-                .rev()
-                .find(|(k, _, _)| *k == check.key)
-                .map(|(_, _, o)| o.state)
-                .or_else(|| {
-                    let map = &guards.iter().find(|(i, _)| *i == shard)?.1;
-                    map.get(check.key).filter(|e| e.forget_at > now).map(|e| e.state)
-                });
+            let prev = staged.iter().rev().find(|(k, _, _)| *k == check.key).map(|(_, _, o)| o.state).or_else(|| {
+                let map = &guards.iter().find(|(i, _)| *i == shard)?.1;
+                map.get(check.key).filter(|e| e.forget_at > now).map(|e| e.state)
+            });
             staged.push((check.key, shard, check.limiter.check(prev, now, check.cost)));
         }
 
@@ -132,10 +127,8 @@ mod tests {
         let store = MemoryStore::new();
         let roomy = Limiter::TokenBucket(TokenBucket::new(100, 1.0));
         let tight = Limiter::TokenBucket(TokenBucket::new(5, 1.0));
-        let checks = [
-            Check { key: "caller:a", limiter: &roomy, cost: 5 },
-            Check { key: "tenant:t", limiter: &tight, cost: 5 },
-        ];
+        let checks =
+            [Check { key: "caller:a", limiter: &roomy, cost: 5 }, Check { key: "tenant:t", limiter: &tight, cost: 5 }];
         assert!(store.decide(&checks, 0).iter().all(|d| d.allowed));
         let second = store.decide(&checks, 0);
         assert!(second[0].allowed && !second[1].allowed);

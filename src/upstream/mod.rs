@@ -56,7 +56,12 @@ impl Upstream {
     }
 
     /// Lists articles matching `query`.
-    pub async fn list_articles(&self, query: Option<&str>, limit: u32, cursor: Option<&str>) -> Result<ArticlePage, UpstreamError> {
+    pub async fn list_articles(
+        &self,
+        query: Option<&str>,
+        limit: u32,
+        cursor: Option<&str>,
+    ) -> Result<ArticlePage, UpstreamError> {
         let mut url = self.url("v1/articles")?;
         {
             let mut q = url.query_pairs_mut();
@@ -117,7 +122,11 @@ async fn read_json<T: serde::de::DeserializeOwned>(
     }
     if !status.is_success() {
         let text = response.text().await.unwrap_or_default();
-        return Err(UpstreamError::Rejected(format!("HTTP {}: {}", status.as_u16(), text.chars().take(200).collect::<String>())));
+        return Err(UpstreamError::Rejected(format!(
+            "HTTP {}: {}",
+            status.as_u16(),
+            text.chars().take(200).collect::<String>()
+        )));
     }
     response.json::<T>().await.map_err(|e| UpstreamError::Unavailable(format!("unreadable answer: {e}")))
 }

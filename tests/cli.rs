@@ -1,0 +1,73 @@
+//! The command line: `check-config` accepts the defaults and names the key of every mistake.
+
+use std::io::Write;
+use std::process::Command;
+
+fn check_config(toml: &str, env: &[(&str, &str)]) -> (bool, String, String) {
+    let mut file = tempfile::NamedTempFile::new().expect("temp file");
+    file.write_all(toml.as_bytes()).expect("write config");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"));
+    command.arg("check-config").arg(file.path());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let out = command.output().expect("binary runs");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn documented_defaults_pass_and_print_the_limits_table() {
+    let (ok, stdout, _) = check_config("", &[]);
+    assert!(ok);
+    assert!(stdout.contains("token_bucket") && stdout.contains("generate_image_to_video"), "{stdout}");
+}
+
+#[test]
+fn cost_larger_than_its_bucket_fails_naming_both_keys() {
+    let (ok, _, stderr) = check_config("[tools.generate_image_to_video]\ncost = 100\n", &[]);
+    assert!(!ok);
+    assert!(stderr.contains("tools.generate_image_to_video.cost"), "{stderr}");
+    assert!(stderr.contains("limits.caller.burst"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn every_kind_of_mistake_names_its_key() {
+    for (toml, key) in [
+        ("[limits.caller]\nalgorithm = \"leaky_faucet\"\n", "limits.caller.algorithm"),
+        ("[limits.caller]\nrefill_per_sec = 0.0\n", "limits.caller.refill_per_sec"),
+        ("[limits.caller]\nburst = -3\n", "limits.caller.burst"),
+        ("[tools.teleport]\ncost = 1\n", "tools.teleport"),
+        ("[upstream]\nurl = \"not a url\"\n", "upstream.url"),
+        ("[server]\nlisten = \"nowhere\"\n", "server.listen"),
+        ("[limits.caller\n", "TOML"),
+    ] {
+        let (ok, _, stderr) = check_config(toml, &[]);
+        assert!(!ok, "{toml} should fail");
+        assert!(stderr.to_lowercase().contains(&key.to_lowercase()), "{toml}: {stderr}");
+    }
+}
+
+#[test]
+fn environment_overrides_the_file_and_is_validated_too() {
+    let (ok, stdout, _) = check_config("", &[("MCP_RL__LIMITS__CALLER__BURST", "120")]);
+    assert!(ok);
+    assert!(stdout.contains("burst 120"), "{stdout}");
+    let (ok, _, stderr) = check_config("", &[("MCP_RL__LIMITS__CALLER__BURST", "lots")]);
+    assert!(!ok);
+    assert!(stderr.contains("limits.caller.burst"), "{stderr}");
+}
+
+#[test]
+fn a_missing_config_file_is_an_error_not_a_default() {
+    let out = Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
+        .args(["check-config", "/nonexistent/mcp-ratelimit.toml"])
+        .output()
+        .expect("binary runs");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nonexistent"));
+}

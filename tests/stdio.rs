@@ -1,0 +1,33 @@
+//! The same budget over stdio, through the real binary started as a child process.
+
+mod common;
+
+use common::{call, error_code, is_error, structured, text};
+use rmcp::ServiceExt;
+use rmcp::transport::{ConfigureCommandExt, TokioChildProcess};
+use serde_json::json;
+
+#[tokio::test]
+async fn stdio_burst_then_refusal_through_the_binary() {
+    let command = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit")).configure(|c| {
+        c.arg("stdio").env("RUST_LOG", "warn");
+    });
+    let transport = TokioChildProcess::new(command).expect("binary starts");
+    let client = ().serve(transport).await.expect("stdio handshake");
+
+    let info = client.peer_info().and_then(|i| i.server_info.clone()).expect("serverInfo");
+    assert_eq!(info.name, "mcp-ratelimit");
+    assert_eq!(client.list_all_tools().await.expect("tools/list").len(), 6);
+
+    for i in 0..60 {
+        let r = call(&client, "list_articles", json!({"limit": 2})).await;
+        assert!(!is_error(&r), "call {i}: {}", text(&r));
+    }
+    let refused = call(&client, "list_articles", json!({})).await;
+    assert_eq!(error_code(&refused), Some("rate_limited"));
+    let error = &structured(&refused)["error"];
+    assert_eq!(error["scope"], "caller:local");
+    // Real time passes in a child process, so the wait is at most one token's worth.
+    assert!(error["retry_after_ms"].as_u64().is_some_and(|ms| (1..=1000).contains(&ms)), "{error}");
+    client.cancel().await.ok();
+}
