@@ -190,7 +190,7 @@ impl Config {
     /// The effective limits as a table for `check-config`.
     pub fn limits_table(&self) -> String {
         let mut out = String::new();
-        let _ = writeln!(out, "{:<28} {:<14} {}", "scope", "algorithm", "parameters");
+        let _ = writeln!(out, "{:<28} {:<14} parameters", "scope", "algorithm");
         let params = match &self.caller_limit {
             Limiter::TokenBucket(b) => {
                 format!("burst {} tokens, refill 1 token every {} ms", b.capacity(), b.period() as f64 / 1e6)
@@ -198,7 +198,7 @@ impl Config {
         };
         let _ = writeln!(out, "{:<28} {:<14} {}", "caller (tool budget)", self.caller_limit.algorithm(), params);
         let _ = writeln!(out);
-        let _ = writeln!(out, "{:<28} {}", "tool", "cost");
+        let _ = writeln!(out, "{:<28} cost", "tool");
         for (tool, cost) in &self.costs {
             let _ = writeln!(out, "{tool:<28} {cost}");
         }

@@ -251,3 +251,16 @@ async fn health_is_served() {
     let r = reqwest::get(format!("http://{}/health", server.addr)).await.expect("health");
     assert_eq!(r.status(), 200);
 }
+
+#[tokio::test]
+async fn the_upstream_job_cap_comes_back_as_upstream_rate_limited() {
+    // Defaults: the mock runs at most 10 jobs at once; our budget would allow 12 images.
+    let server = TestServer::start("").await;
+    let client = server.client(Some("fan-out")).await;
+    let (passed, refused) = spend_until_refused(&client, "generate_image", json!({"prompt": "p"}), 20).await;
+    assert_eq!(passed, 10);
+    assert_eq!(error_code(&refused), Some("upstream_rate_limited"));
+    assert_eq!(structured(&refused)["error"]["retry_after_ms"], 2000, "the mock's Retry-After: 2");
+    server.advance_secs(6.0);
+    assert!(!is_error(&call(&client, "generate_image", json!({"prompt": "p"})).await), "jobs finished, room again");
+}

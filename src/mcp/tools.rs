@@ -76,28 +76,36 @@ pub fn validate_arguments(tool: &str, args: Option<&JsonObject>) -> Result<(), R
     checked.map_err(|problem| Refusal::invalid_arguments(tool, &problem))
 }
 
-/// `list_articles` arguments.
+/// `list_articles` arguments. Every field is optional.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ListArticlesArgs {
-    /// Words to look for in article titles.
+    /// Words to look for in article titles (empty: all articles).
+    #[serde(default)]
     #[schemars(length(max = 200))]
-    pub query: Option<String>,
-    /// How many articles to return (1-50, default 10).
+    pub query: String,
+    /// How many articles to return (1-50).
+    #[serde(default = "default_page_size")]
     #[schemars(range(min = 1, max = 50))]
-    pub limit: Option<u32>,
-    /// The `next_cursor` of the previous page, to read the next one.
+    pub limit: u32,
+    /// The `next_cursor` of the previous page, to read the next one (empty: first page).
+    #[serde(default)]
     #[schemars(length(max = 64))]
-    pub cursor: Option<String>,
+    pub cursor: String,
+}
+
+fn default_page_size() -> u32 {
+    10
 }
 
 impl Validate for ListArticlesArgs {
     fn validate(&self) -> Result<(), String> {
-        at_most("query", self.query.as_deref().unwrap_or(""), 200)?;
-        at_most("cursor", self.cursor.as_deref().unwrap_or(""), 64)?;
-        match self.limit {
-            Some(l) if !(1..=50).contains(&l) => Err(format!("`limit` must be between 1 and 50 (got {l})")),
-            _ => Ok(()),
+        at_most("query", &self.query, 200)?;
+        at_most("cursor", &self.cursor, 64)?;
+        if (1..=50).contains(&self.limit) {
+            Ok(())
+        } else {
+            Err(format!("`limit` must be between 1 and 50 (got {})", self.limit))
         }
     }
 }
@@ -320,8 +328,9 @@ impl McpServer {
         annotations(read_only_hint = true, open_world_hint = true)
     )]
     async fn list_articles(&self, Parameters(args): Parameters<ListArticlesArgs>) -> Result<CallToolResult, ErrorData> {
-        let limit = args.limit.unwrap_or(10);
-        match self.app.upstream.list_articles(args.query.as_deref(), limit, args.cursor.as_deref()).await {
+        let query = Some(args.query.as_str()).filter(|q| !q.is_empty());
+        let cursor = Some(args.cursor.as_str()).filter(|c| !c.is_empty());
+        match self.app.upstream.list_articles(query, args.limit, cursor).await {
             Ok(page) => {
                 let more =
                     page.next_cursor.as_deref().map(|c| format!(" More with cursor \"{c}\".")).unwrap_or_default();
