@@ -11,7 +11,9 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::limit::{Limiter, TokenBucket};
+use crate::limit::{
+    ALGORITHMS, Concurrency, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingLog, SlidingWindow, TokenBucket,
+};
 use crate::mcp::tools::TOOL_NAMES;
 
 /// The documented defaults, the base layer under every config.
@@ -127,12 +129,18 @@ struct RawLimits {
     caller: RawLimit,
 }
 
+/// One scope's limiter as written in config: the algorithm and the union of all parameters.
+/// Parameters another algorithm would use are ignored (the defaults layer always has some).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawLimit {
     algorithm: String,
     burst: Option<i64>,
     refill_per_sec: Option<f64>,
+    leak_per_sec: Option<f64>,
+    limit: Option<i64>,
+    window_ms: Option<i64>,
+    max_in_flight: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -140,9 +148,6 @@ struct RawLimit {
 struct RawTool {
     cost: i64,
 }
-
-/// The algorithms a scope may name.
-pub const ALGORITHMS: &[&str] = &["token_bucket"];
 
 impl Config {
     /// Loads defaults, then `file` (required when given, else `./config.toml` if present),
@@ -191,12 +196,8 @@ impl Config {
     pub fn limits_table(&self) -> String {
         let mut out = String::new();
         let _ = writeln!(out, "{:<28} {:<14} parameters", "scope", "algorithm");
-        let params = match &self.caller_limit {
-            Limiter::TokenBucket(b) => {
-                format!("burst {} tokens, refill 1 token every {} ms", b.capacity(), b.period() as f64 / 1e6)
-            }
-        };
-        let _ = writeln!(out, "{:<28} {:<14} {}", "caller (tool budget)", self.caller_limit.algorithm(), params);
+        let limiter = &self.caller_limit;
+        let _ = writeln!(out, "{:<28} {:<14} {}", "caller (tool budget)", limiter.algorithm(), limiter.describe());
         let _ = writeln!(out);
         let _ = writeln!(out, "{:<28} cost", "tool");
         for (tool, cost) in &self.costs {
@@ -280,37 +281,79 @@ impl RawConfig {
     }
 }
 
+/// Largest count a limit may have (window counters are kept in 32 bits).
+const MAX_UNITS: i64 = u32::MAX as i64;
+/// Longest window: one year.
+const MAX_WINDOW_MS: i64 = 365 * 24 * 3_600_000;
+
 impl RawLimit {
-    fn build(&self, key: &str) -> Result<Limiter, ConfigError> {
-        match self.algorithm.as_str() {
-            "token_bucket" => {
-                let burst = self.burst.ok_or_else(|| invalid(format!("{key}.burst"), "token_bucket needs a burst"))?;
-                if burst <= 0 {
-                    return Err(invalid(
-                        format!("{key}.burst"),
-                        format!("must be a positive number of tokens (got {burst})"),
-                    ));
-                }
-                let burst = u64::try_from(burst).unwrap_or(u64::MAX).min(1 << 32);
-                let rate = self
-                    .refill_per_sec
-                    .ok_or_else(|| invalid(format!("{key}.refill_per_sec"), "token_bucket needs refill_per_sec"))?;
-                if !rate.is_finite() || rate <= 0.0 {
-                    return Err(invalid(
-                        format!("{key}.refill_per_sec"),
-                        format!("must be a positive rate (got {rate})"),
-                    ));
-                }
-                if rate > 1e9 {
-                    return Err(invalid(format!("{key}.refill_per_sec"), "must be at most 1e9 tokens per second"));
-                }
-                Ok(Limiter::TokenBucket(TokenBucket::new(burst, rate)))
-            }
-            other => Err(invalid(
-                format!("{key}.algorithm"),
-                format!("unknown algorithm `{other}`; expected one of {}", ALGORITHMS.join(", ")),
-            )),
+    fn units(&self, key: &str, name: &str, value: Option<i64>) -> Result<u64, ConfigError> {
+        let value =
+            value.ok_or_else(|| invalid(format!("{key}.{name}"), format!("{} needs `{name}`", self.algorithm)))?;
+        if value <= 0 || value > MAX_UNITS {
+            return Err(invalid(format!("{key}.{name}"), format!("must be between 1 and {MAX_UNITS} (got {value})")));
         }
+        Ok(value as u64)
+    }
+
+    fn rate(&self, key: &str, name: &str, value: Option<f64>) -> Result<f64, ConfigError> {
+        let rate =
+            value.ok_or_else(|| invalid(format!("{key}.{name}"), format!("{} needs `{name}`", self.algorithm)))?;
+        if !rate.is_finite() || rate <= 0.0 {
+            return Err(invalid(format!("{key}.{name}"), format!("must be a positive rate (got {rate})")));
+        }
+        if rate > 1e9 {
+            return Err(invalid(format!("{key}.{name}"), "must be at most 1e9 per second"));
+        }
+        Ok(rate)
+    }
+
+    fn window(&self, key: &str) -> Result<u64, ConfigError> {
+        let ms = self
+            .window_ms
+            .ok_or_else(|| invalid(format!("{key}.window_ms"), format!("{} needs `window_ms`", self.algorithm)))?;
+        if ms <= 0 || ms > MAX_WINDOW_MS {
+            return Err(invalid(
+                format!("{key}.window_ms"),
+                format!("must be between 1 and {MAX_WINDOW_MS} (got {ms})"),
+            ));
+        }
+        Ok(ms as u64 * 1_000_000)
+    }
+
+    fn build(&self, key: &str) -> Result<Limiter, ConfigError> {
+        Ok(match self.algorithm.as_str() {
+            "token_bucket" => Limiter::TokenBucket(TokenBucket::new(
+                self.units(key, "burst", self.burst)?,
+                self.rate(key, "refill_per_sec", self.refill_per_sec)?,
+            )),
+            "gcra" => Limiter::Gcra(Gcra::new(
+                self.units(key, "burst", self.burst)?,
+                self.rate(key, "refill_per_sec", self.refill_per_sec)?,
+            )),
+            "leaky_bucket" => Limiter::LeakyBucket(LeakyBucket::new(
+                self.units(key, "burst", self.burst)?,
+                self.rate(key, "leak_per_sec", self.leak_per_sec)?,
+            )),
+            "fixed_window" => {
+                Limiter::FixedWindow(FixedWindow::new(self.units(key, "limit", self.limit)?, self.window(key)?))
+            }
+            "sliding_log" => {
+                Limiter::SlidingLog(SlidingLog::new(self.units(key, "limit", self.limit)?, self.window(key)?))
+            }
+            "sliding_window" => {
+                Limiter::SlidingWindow(SlidingWindow::new(self.units(key, "limit", self.limit)?, self.window(key)?))
+            }
+            "concurrency" => {
+                Limiter::Concurrency(Concurrency::new(self.units(key, "max_in_flight", self.max_in_flight)?))
+            }
+            other => {
+                return Err(invalid(
+                    format!("{key}.algorithm"),
+                    format!("unknown algorithm `{other}`; expected one of {}", ALGORITHMS.join(", ")),
+                ));
+            }
+        })
     }
 }
 
@@ -348,6 +391,31 @@ mod tests {
         assert!(err("[limits.caller]\nburst = 0\n").contains("limits.caller.burst"));
         assert!(err("[tools.save_article]\ncost = -2\n").contains("tools.save_article.cost"));
         assert!(err("[upstream]\nurl = \"ftp://x\"\n").contains("upstream.url"));
+    }
+
+    #[test]
+    fn every_algorithm_can_be_selected_with_its_own_parameters() {
+        for (toml, name) in [
+            ("algorithm = \"gcra\"", "gcra"),
+            ("algorithm = \"fixed_window\"\nlimit = 100\nwindow_ms = 60000", "fixed_window"),
+            ("algorithm = \"sliding_log\"\nlimit = 100\nwindow_ms = 60000", "sliding_log"),
+            ("algorithm = \"sliding_window\"\nlimit = 100\nwindow_ms = 60000", "sliding_window"),
+            ("algorithm = \"leaky_bucket\"\nleak_per_sec = 2.0", "leaky_bucket"),
+            ("algorithm = \"concurrency\"\nmax_in_flight = 100", "concurrency"),
+        ] {
+            let c = Config::from_toml(&format!("[limits.caller]\n{toml}\n")).expect(name);
+            assert_eq!(c.caller_limit.algorithm(), name);
+        }
+    }
+
+    #[test]
+    fn an_algorithm_without_its_parameters_names_the_missing_key() {
+        assert!(err("[limits.caller]\nalgorithm = \"fixed_window\"\nlimit = 10\n").contains("limits.caller.window_ms"));
+        assert!(err("[limits.caller]\nalgorithm = \"sliding_log\"\nwindow_ms = 10\n").contains("limits.caller.limit"));
+        assert!(err("[limits.caller]\nalgorithm = \"concurrency\"\n").contains("limits.caller.max_in_flight"));
+        assert!(
+            err("[limits.caller]\nalgorithm = \"fixed_window\"\nlimit = 10\nwindow_ms = 0\n").contains("window_ms")
+        );
     }
 
     #[test]

@@ -56,7 +56,7 @@ fn every_kind_of_mistake_names_its_key() {
 fn environment_overrides_the_file_and_is_validated_too() {
     let (ok, stdout, _) = check_config("", &[("MCP_RL__LIMITS__CALLER__BURST", "120")]);
     assert!(ok);
-    assert!(stdout.contains("burst 120"), "{stdout}");
+    assert!(stdout.contains("burst 120,"), "{stdout}");
     let (ok, _, stderr) = check_config("", &[("MCP_RL__LIMITS__CALLER__BURST", "lots")]);
     assert!(!ok);
     assert!(stderr.contains("limits.caller.burst"), "{stderr}");

@@ -80,6 +80,21 @@ impl Refusal {
         }
     }
 
+    /// The scope already has its maximum of work in flight.
+    pub fn busy(tool: &str, scope: String, limit: u64) -> Self {
+        Self {
+            code: RefusalCode::Busy,
+            message: format!(
+                "Too much in flight for {tool}: {limit} at once is the limit. Wait for running jobs to finish \
+                 (poll get_prediction for them) before calling it again."
+            ),
+            retry_after_ms: None,
+            scope: Some(scope),
+            limit: Some(limit),
+            remaining: Some(0),
+        }
+    }
+
     /// The arguments are unusable; nothing was charged.
     pub fn invalid_arguments(tool: &str, problem: &str) -> Self {
         Self {

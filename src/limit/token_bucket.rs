@@ -12,8 +12,8 @@
 //! The level is kept in integer nanoseconds of refill ("one token = `period` ns"), so refill is
 //! just elapsed time and every wait comes out exact, with no floating-point drift.
 
-use crate::clock::{NANOS_PER_SEC, Nanos};
-use crate::limit::Decision;
+use crate::clock::Nanos;
+use crate::limit::{Algorithm, Decision, period_of};
 
 /// A bucket of `capacity` tokens that refills one token every `period` nanoseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,17 +31,8 @@ pub struct State {
 
 impl TokenBucket {
     /// A bucket of `capacity` tokens refilled at `refill_per_sec` tokens per second.
-    ///
-    /// Config validation guarantees both are positive; this clamps rather than panics anyway.
     pub fn new(capacity: u64, refill_per_sec: f64) -> Self {
-        let period = (NANOS_PER_SEC as f64 / refill_per_sec).round();
-        let period = if period.is_finite() && period >= 1.0 { period as u64 } else { 1 };
-        Self { capacity: capacity.max(1), period }
-    }
-
-    /// The most tokens the bucket holds.
-    pub fn capacity(&self) -> u64 {
-        self.capacity
+        Self { capacity: capacity.max(1), period: period_of(refill_per_sec) }
     }
 
     /// Nanoseconds it takes to refill one token.
@@ -52,79 +43,89 @@ impl TokenBucket {
     fn full(&self) -> u64 {
         self.capacity.saturating_mul(self.period)
     }
+}
 
-    /// Decides a call of `cost` tokens; returns the decision, the new state and when the key
-    /// may be forgotten (the instant the bucket is full again).
-    pub fn check(&self, prev: Option<State>, now: Nanos, cost: u64) -> (Decision, State, Nanos) {
+impl Algorithm for TokenBucket {
+    type State = State;
+
+    fn fresh(&self, now: Nanos) -> State {
+        State { level: self.full(), updated_at: now }
+    }
+
+    fn acquire(&self, state: &mut State, now: Nanos, cost: u64) -> Decision {
         let full = self.full();
-        let level = match prev {
-            None => full,
-            Some(s) => s.level.saturating_add(now.saturating_sub(s.updated_at)).min(full),
-        };
+        let level = state.level.saturating_add(now.saturating_sub(state.updated_at)).min(full);
         let need = cost.saturating_mul(self.period);
         let allowed = need <= level;
         let level = if allowed { level - need } else { level };
-        let decision = Decision {
+        if allowed && cost > 0 {
+            *state = State { level, updated_at: now.max(state.updated_at) };
+        }
+        Decision {
             allowed,
             limit: self.capacity,
             remaining: level / self.period,
             retry_after: if allowed { 0 } else { need - level },
             reset_after: full - level,
-        };
-        let state = State { level, updated_at: now };
-        (decision, state, now.saturating_add(full - level))
+        }
+    }
+
+    fn forget_at(&self, state: &State) -> Nanos {
+        state.updated_at.saturating_add(self.full().saturating_sub(state.level))
+    }
+
+    fn capacity(&self) -> u64 {
+        self.capacity
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const SEC: Nanos = NANOS_PER_SEC;
+    use crate::clock::NANOS_PER_SEC as SEC;
 
     #[test]
     fn burst_then_refused_with_exact_wait() {
         let b = TokenBucket::new(60, 1.0);
-        let mut state = None;
+        let mut s = b.fresh(0);
         for i in 0..60 {
-            let (d, s, _) = b.check(state, 0, 1);
+            let d = b.acquire(&mut s, 0, 1);
             assert!(d.allowed, "call {i} should pass");
             assert_eq!(d.remaining, 59 - i);
-            state = Some(s);
         }
-        let (d, s, _) = b.check(state, 0, 1);
+        let d = b.acquire(&mut s, 0, 1);
         assert!(!d.allowed);
         assert_eq!(d.retry_after, SEC);
         assert_eq!(d.reset_after, 60 * SEC);
-        let (d, _, _) = b.check(Some(s), SEC, 1);
-        assert!(d.allowed);
+        assert!(b.acquire(&mut s, SEC, 1).allowed);
     }
 
     #[test]
     fn refusal_charges_nothing_and_waits_for_its_own_cost() {
         let b = TokenBucket::new(60, 1.0);
-        let (_, s, _) = b.check(None, 0, 58);
-        let (d, s2, _) = b.check(Some(s), 0, 20);
+        let mut s = b.fresh(0);
+        b.acquire(&mut s, 0, 58);
+        let d = b.acquire(&mut s, 0, 20);
         assert!(!d.allowed);
         assert_eq!(d.remaining, 2);
         assert_eq!(d.retry_after, 18 * SEC);
-        let (d, _, _) = b.check(Some(s2), 18 * SEC, 20);
-        assert!(d.allowed);
+        assert!(b.acquire(&mut s, 18 * SEC, 20).allowed);
     }
 
     #[test]
     fn forget_at_is_when_the_bucket_is_full_again() {
         let b = TokenBucket::new(10, 2.0);
-        let (_, _, forget_at) = b.check(None, 5 * SEC, 4);
-        assert_eq!(forget_at, 5 * SEC + 2 * SEC);
+        let mut s = b.fresh(5 * SEC);
+        b.acquire(&mut s, 5 * SEC, 4);
+        assert_eq!(b.forget_at(&s), 7 * SEC);
     }
 
     #[test]
     fn fractional_rates_have_exact_periods() {
         let b = TokenBucket::new(5, 0.5);
         assert_eq!(b.period(), 2 * SEC);
-        let (_, s, _) = b.check(None, 0, 5);
-        let (d, _, _) = b.check(Some(s), 0, 1);
-        assert_eq!(d.retry_after, 2 * SEC);
+        let mut s = b.fresh(0);
+        b.acquire(&mut s, 0, 5);
+        assert_eq!(b.acquire(&mut s, 0, 1).retry_after, 2 * SEC);
     }
 }

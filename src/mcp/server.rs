@@ -67,7 +67,7 @@ impl ServerHandler for McpServer {
                  long instead of retrying. Image and video jobs return a predict_id: poll get_prediction no \
                  sooner than next_poll_in_seconds. Your budget: {} tokens, refilled at {} per second.",
                 self.app.config.caller_limit.capacity(),
-                self.app.config.caller_limit.refill_per_sec(),
+                self.app.config.caller_limit.rate_per_sec(),
             ))
     }
 
@@ -107,10 +107,15 @@ impl ServerHandler for McpServer {
         if let Err(refusal) = tools::validate_arguments(&request.name, request.arguments.as_ref()) {
             return Ok(refusal.into_result().into());
         }
-        if let Err(refusal) = self.app.guard.admit(&caller, &request.name) {
-            return Ok(refusal.into_result().into());
-        }
+        let admission = match self.app.guard.admit(&caller, &request.name) {
+            Ok(admission) => admission,
+            Err(refusal) => return Ok(refusal.into_result().into()),
+        };
         context.extensions.insert(caller);
-        self.tool_router.call(ToolCallContext::new(self, request, context)).await
+        let result = self.tool_router.call(ToolCallContext::new(self, request, context)).await;
+        // In-flight slots are held until here, and given back on every path: a cancelled call
+        // drops this future, and the admission with it.
+        drop(admission);
+        result
     }
 }

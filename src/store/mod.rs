@@ -1,12 +1,14 @@
 //! Where limiter state lives.
 //!
-//! A store takes a set of [`Check`]s — one per scope a call must pass — and decides them
+//! A store takes the [`Check`]s of one call — one per scope it must pass — and decides them
 //! **atomically**: either every scope admits the call and all are charged, or none is. The
-//! algorithms themselves live in [`crate::limit`]; a store only keeps their state.
+//! algorithms live in [`crate::limit`]; a store only keeps their state, keyed by scope.
 
 pub mod memory;
 
-use crate::clock::Nanos;
+use std::sync::Arc;
+
+use crate::clock::{Nanos, SharedClock};
 use crate::limit::{Decision, Limiter};
 pub use memory::MemoryStore;
 
@@ -37,10 +39,44 @@ impl Store {
         }
     }
 
+    /// Gives back in-flight slots taken by an admitted [`Check`] on a concurrency limiter.
+    pub fn release(&self, key: &str, limiter: &Limiter, cost: u64, now: Nanos) {
+        match self {
+            Store::Memory(m) => m.release(key, limiter, cost, now),
+        }
+    }
+
     /// Forgets every key whose state is back to "as if never seen"; returns how many went.
     pub fn sweep(&self, now: Nanos) -> usize {
         match self {
             Store::Memory(m) => m.sweep(now),
         }
+    }
+}
+
+/// In-flight slots held by an admitted call; dropping it gives them back.
+///
+/// The guard pipeline keeps one alive for as long as the work runs, so a slot comes back
+/// however the work ends: success, error, cancellation or a dropped connection (the future
+/// holding it is dropped).
+#[derive(Debug)]
+pub struct SlotGuard {
+    store: Arc<Store>,
+    clock: SharedClock,
+    key: String,
+    limiter: Limiter,
+    cost: u64,
+}
+
+impl SlotGuard {
+    /// Takes ownership of slots already charged by [`Store::decide`].
+    pub fn new(store: Arc<Store>, clock: SharedClock, key: String, limiter: Limiter, cost: u64) -> Self {
+        Self { store, clock, key, limiter, cost }
+    }
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        self.store.release(&self.key, &self.limiter, self.cost, self.clock.now());
     }
 }

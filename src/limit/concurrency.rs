@@ -1,0 +1,60 @@
+//! Concurrency: a fixed number of in-flight slots.
+//!
+//! **Choose it** to cap work *in flight* rather than work per time: jobs running at the
+//! upstream at once, parallel fan-out of one agent. A slot is taken when a call is admitted
+//! and given back when the work ends — finished, failed, cancelled or its connection dropped;
+//! the store hands out a guard that releases on drop, so no path can leak a slot.
+//!
+//! There is no window and no clock: a refused call cannot be told when a slot will free up
+//! (`retry_after` is zero); the refusal says `busy` and suggests polling instead.
+
+use crate::clock::Nanos;
+use crate::limit::{Algorithm, Decision};
+
+/// At most `max` units in flight at once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Concurrency {
+    max: u64,
+}
+
+/// Units currently in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct State {
+    in_flight: u64,
+}
+
+impl Concurrency {
+    /// At most `max` in flight.
+    pub fn new(max: u64) -> Self {
+        Self { max: max.max(1) }
+    }
+
+    /// Gives back `cost` slots.
+    pub fn release(&self, state: &mut State, cost: u64) {
+        state.in_flight = state.in_flight.saturating_sub(cost);
+    }
+}
+
+impl Algorithm for Concurrency {
+    type State = State;
+
+    fn fresh(&self, _now: Nanos) -> State {
+        State { in_flight: 0 }
+    }
+
+    fn acquire(&self, state: &mut State, _now: Nanos, cost: u64) -> Decision {
+        let allowed = state.in_flight.saturating_add(cost) <= self.max;
+        if allowed {
+            state.in_flight += cost;
+        }
+        Decision { allowed, limit: self.max, remaining: self.max - state.in_flight, retry_after: 0, reset_after: 0 }
+    }
+
+    fn forget_at(&self, state: &State) -> Nanos {
+        if state.in_flight == 0 { 0 } else { Nanos::MAX }
+    }
+
+    fn capacity(&self) -> u64 {
+        self.max
+    }
+}

@@ -1,0 +1,93 @@
+//! Fixed window: a counter per aligned window of time.
+//!
+//! **Choose it** when the contract is literally "N per calendar minute" (billing periods,
+//! published quotas) and its edge behaviour is acceptable: it is the cheapest limiter there is
+//! and the easiest to explain.
+//!
+//! **At a window edge** the counter resets all at once, so a caller can spend `limit` in the
+//! last instant of one window and `limit` again in the first instant of the next: up to 2×
+//! the limit within a span much shorter than the window. Use [`sliding_log`](super::sliding_log)
+//! or [`sliding_window`](super::sliding_window) when that matters.
+//!
+//! Windows are aligned to multiples of the window length on the store's clock.
+
+use crate::clock::Nanos;
+use crate::limit::{Algorithm, Decision};
+
+/// `limit` units per window of `window` nanoseconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FixedWindow {
+    limit: u64,
+    window: Nanos,
+}
+
+/// The window a key last counted in, and its count there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct State {
+    start: Nanos,
+    count: u64,
+}
+
+impl FixedWindow {
+    /// `limit` units per `window` nanoseconds.
+    pub fn new(limit: u64, window: Nanos) -> Self {
+        Self { limit: limit.max(1), window: window.max(1) }
+    }
+
+    /// The window length in nanoseconds.
+    pub fn window(&self) -> Nanos {
+        self.window
+    }
+}
+
+impl Algorithm for FixedWindow {
+    type State = State;
+
+    fn fresh(&self, now: Nanos) -> State {
+        State { start: now - now % self.window, count: 0 }
+    }
+
+    fn acquire(&self, state: &mut State, now: Nanos, cost: u64) -> Decision {
+        let start = now - now % self.window;
+        let count = if state.start == start { state.count } else { 0 };
+        let end = start.saturating_add(self.window);
+        let allowed = count.saturating_add(cost) <= self.limit;
+        let count = if allowed { count + cost } else { count };
+        if allowed && cost > 0 {
+            *state = State { start, count };
+        }
+        Decision {
+            allowed,
+            limit: self.limit,
+            remaining: self.limit - count,
+            retry_after: if allowed { 0 } else { end - now },
+            reset_after: if count == 0 { 0 } else { end - now },
+        }
+    }
+
+    fn forget_at(&self, state: &State) -> Nanos {
+        if state.count == 0 { 0 } else { state.start.saturating_add(self.window) }
+    }
+
+    fn capacity(&self) -> u64 {
+        self.limit
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::NANOS_PER_SEC as SEC;
+
+    #[test]
+    fn counts_reset_at_the_aligned_edge() {
+        let w = FixedWindow::new(2, 10 * SEC);
+        let mut s = w.fresh(3 * SEC);
+        assert!(w.acquire(&mut s, 3 * SEC, 1).allowed);
+        assert!(w.acquire(&mut s, 4 * SEC, 1).allowed);
+        let d = w.acquire(&mut s, 4 * SEC, 1);
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, 6 * SEC, "until the window ends at 10 s");
+        assert!(w.acquire(&mut s, 10 * SEC, 1).allowed);
+    }
+}

@@ -1,0 +1,118 @@
+//! GCRA: the generic cell rate algorithm (virtual scheduling form).
+//!
+//! **Choose it** for the same contract as a [token bucket](super::token_bucket) — a burst,
+//! then a steady rate, with costs — when state size matters: a key is one timestamp, the
+//! *theoretical arrival time* (TAT) at which the bucket would be full again. That is what makes
+//! it the algorithm of choice for Redis (one integer per key) and for `governor`.
+//!
+//! **At a window edge** there is none: like the token bucket, at most `burst + t × rate` units
+//! pass in any interval `t`. The two make identical decisions (a property test proves it).
+//!
+//! A call of cost `n` conforms when `max(TAT, now) + n·T − now ≤ burst·T`, where `T` is the
+//! emission interval (ns per unit); it then moves TAT forward by `n·T`.
+
+use crate::clock::Nanos;
+use crate::limit::{Algorithm, Decision, period_of};
+
+/// `burst` units at once, one more every `period` nanoseconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gcra {
+    burst: u64,
+    period: Nanos,
+}
+
+/// The theoretical arrival time: when the key is back to a full burst.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct State {
+    tat: Nanos,
+}
+
+impl Gcra {
+    /// A limiter admitting `burst` at once and `rate_per_sec` sustained.
+    pub fn new(burst: u64, rate_per_sec: f64) -> Self {
+        Self { burst: burst.max(1), period: period_of(rate_per_sec) }
+    }
+
+    /// The emission interval: ns per unit.
+    pub fn period(&self) -> Nanos {
+        self.period
+    }
+
+    fn tolerance(&self) -> u64 {
+        self.burst.saturating_mul(self.period)
+    }
+}
+
+impl Algorithm for Gcra {
+    type State = State;
+
+    fn fresh(&self, _now: Nanos) -> State {
+        State { tat: 0 }
+    }
+
+    fn acquire(&self, state: &mut State, now: Nanos, cost: u64) -> Decision {
+        let tolerance = self.tolerance();
+        let start = state.tat.max(now);
+        let new_tat = start.saturating_add(cost.saturating_mul(self.period));
+        let debt = new_tat - now;
+        if debt <= tolerance {
+            if cost > 0 {
+                state.tat = new_tat;
+            }
+            Decision {
+                allowed: true,
+                limit: self.burst,
+                remaining: (tolerance - debt) / self.period,
+                retry_after: 0,
+                reset_after: debt,
+            }
+        } else {
+            let held = start - now;
+            Decision {
+                allowed: false,
+                limit: self.burst,
+                remaining: tolerance.saturating_sub(held) / self.period,
+                retry_after: debt - tolerance,
+                reset_after: held,
+            }
+        }
+    }
+
+    fn forget_at(&self, state: &State) -> Nanos {
+        state.tat
+    }
+
+    fn capacity(&self) -> u64 {
+        self.burst
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::NANOS_PER_SEC as SEC;
+
+    #[test]
+    fn burst_then_one_per_period() {
+        let g = Gcra::new(3, 1.0);
+        let mut s = g.fresh(0);
+        assert!((0..3).all(|_| g.acquire(&mut s, 0, 1).allowed));
+        let d = g.acquire(&mut s, 0, 1);
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, SEC);
+        assert_eq!(d.reset_after, 3 * SEC);
+        assert!(g.acquire(&mut s, SEC, 1).allowed);
+        assert!(!g.acquire(&mut s, SEC, 1).allowed);
+    }
+
+    #[test]
+    fn costs_wait_for_their_own_size() {
+        let g = Gcra::new(10, 2.0);
+        let mut s = g.fresh(0);
+        assert!(g.acquire(&mut s, 0, 8).allowed);
+        let d = g.acquire(&mut s, 0, 5);
+        assert!(!d.allowed);
+        assert_eq!(d.remaining, 2);
+        assert_eq!(d.retry_after, 3 * SEC / 2);
+    }
+}

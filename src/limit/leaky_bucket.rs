@@ -1,0 +1,90 @@
+//! Leaky bucket as a meter.
+//!
+//! **Choose it** when you think of a caller's *load* rather than its credit: each call pours
+//! its cost into a bucket that drains at a constant rate, and a call that would overflow it is
+//! refused. As a meter it is the mirror image of the [token bucket](super::token_bucket) (level
+//! = capacity − tokens) and makes the same decisions; the *queue* form, which delays work
+//! instead of refusing it, is the spaced submission queue in `upstream`.
+//!
+//! **At a window edge** there is none: the bucket drains continuously, so at most
+//! `capacity + t × rate` units pass in any interval `t`.
+
+use crate::clock::Nanos;
+use crate::limit::{Algorithm, Decision, period_of};
+
+/// A bucket holding `capacity` units that drains one unit every `period` nanoseconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeakyBucket {
+    capacity: u64,
+    period: Nanos,
+}
+
+/// How full the bucket was (in ns of draining) when last seen, and when that was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct State {
+    water: u64,
+    updated_at: Nanos,
+}
+
+impl LeakyBucket {
+    /// A bucket of `capacity` units draining at `leak_per_sec` units per second.
+    pub fn new(capacity: u64, leak_per_sec: f64) -> Self {
+        Self { capacity: capacity.max(1), period: period_of(leak_per_sec) }
+    }
+
+    /// Nanoseconds to drain one unit.
+    pub fn period(&self) -> Nanos {
+        self.period
+    }
+}
+
+impl Algorithm for LeakyBucket {
+    type State = State;
+
+    fn fresh(&self, now: Nanos) -> State {
+        State { water: 0, updated_at: now }
+    }
+
+    fn acquire(&self, state: &mut State, now: Nanos, cost: u64) -> Decision {
+        let brim = self.capacity.saturating_mul(self.period);
+        let water = state.water.saturating_sub(now.saturating_sub(state.updated_at));
+        let poured = water.saturating_add(cost.saturating_mul(self.period));
+        let allowed = poured <= brim;
+        let water = if allowed { poured } else { water };
+        if allowed && cost > 0 {
+            *state = State { water, updated_at: now.max(state.updated_at) };
+        }
+        Decision {
+            allowed,
+            limit: self.capacity,
+            remaining: (brim - water) / self.period,
+            retry_after: if allowed { 0 } else { poured - brim },
+            reset_after: water,
+        }
+    }
+
+    fn forget_at(&self, state: &State) -> Nanos {
+        state.updated_at.saturating_add(state.water)
+    }
+
+    fn capacity(&self) -> u64 {
+        self.capacity
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::NANOS_PER_SEC as SEC;
+
+    #[test]
+    fn overflow_is_refused_until_enough_has_drained() {
+        let b = LeakyBucket::new(4, 2.0);
+        let mut s = b.fresh(0);
+        assert!(b.acquire(&mut s, 0, 3).allowed);
+        let d = b.acquire(&mut s, 0, 2);
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, SEC / 2);
+        assert!(b.acquire(&mut s, SEC / 2, 2).allowed);
+    }
+}

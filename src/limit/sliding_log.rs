@@ -1,0 +1,117 @@
+//! Sliding log: an exact record of what was admitted in the last window.
+//!
+//! **Choose it** when the limit must hold over *every* window of the given length, with no
+//! approximation — small limits on expensive operations ("5 video jobs per rolling hour").
+//! It costs memory proportional to the calls admitted per window (entries at the same instant
+//! are merged), so keep its limits small.
+//!
+//! **At a window edge** nothing special happens: a call at `t` counts until `t + window`, so
+//! no span of length `window` ever holds more than `limit` units. A refusal's `retry_after` is
+//! exactly when enough old entries will have aged out for this call's cost.
+
+use std::collections::VecDeque;
+
+use crate::clock::Nanos;
+use crate::limit::{Algorithm, Decision};
+
+/// At most `limit` units within any `window` nanoseconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlidingLog {
+    limit: u64,
+    window: Nanos,
+}
+
+/// Admitted calls still inside the window: `(time, units)`, oldest first, and their sum.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct State {
+    entries: VecDeque<(Nanos, u64)>,
+    total: u64,
+}
+
+impl SlidingLog {
+    /// At most `limit` units in any `window` nanoseconds.
+    pub fn new(limit: u64, window: Nanos) -> Self {
+        Self { limit: limit.max(1), window: window.max(1) }
+    }
+
+    /// The window length in nanoseconds.
+    pub fn window(&self) -> Nanos {
+        self.window
+    }
+
+    /// Drops entries that no longer count at `now` (those at or before `now - window`).
+    fn expire(&self, state: &mut State, now: Nanos) {
+        while let Some(&(at, units)) = state.entries.front() {
+            if at.saturating_add(self.window) > now {
+                break;
+            }
+            state.entries.pop_front();
+            state.total -= units;
+        }
+    }
+}
+
+impl Algorithm for SlidingLog {
+    type State = State;
+
+    fn fresh(&self, _now: Nanos) -> State {
+        State::default()
+    }
+
+    fn acquire(&self, state: &mut State, now: Nanos, cost: u64) -> Decision {
+        self.expire(state, now);
+        let allowed = state.total.saturating_add(cost) <= self.limit;
+        if allowed && cost > 0 {
+            match state.entries.back_mut() {
+                Some((at, units)) if *at >= now => *units += cost,
+                _ => state.entries.push_back((now, cost)),
+            }
+            state.total += cost;
+        }
+        let retry_after = if allowed {
+            0
+        } else {
+            // Walk the oldest entries until enough units would have aged out.
+            let mut freed = 0;
+            let mut wait = self.window;
+            for &(at, units) in &state.entries {
+                freed += units;
+                wait = at.saturating_add(self.window).saturating_sub(now);
+                if state.total - freed + cost <= self.limit {
+                    break;
+                }
+            }
+            wait
+        };
+        let reset_after = state.entries.back().map_or(0, |&(at, _)| at.saturating_add(self.window).saturating_sub(now));
+        Decision { allowed, limit: self.limit, remaining: self.limit - state.total, retry_after, reset_after }
+    }
+
+    fn forget_at(&self, state: &State) -> Nanos {
+        state.entries.back().map_or(0, |&(at, _)| at.saturating_add(self.window))
+    }
+
+    fn capacity(&self) -> u64 {
+        self.limit
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::NANOS_PER_SEC as SEC;
+
+    #[test]
+    fn waits_for_the_oldest_entries_to_age_out() {
+        let l = SlidingLog::new(3, 10 * SEC);
+        let mut s = l.fresh(0);
+        assert!(l.acquire(&mut s, 0, 1).allowed);
+        assert!(l.acquire(&mut s, 2 * SEC, 1).allowed);
+        assert!(l.acquire(&mut s, 4 * SEC, 1).allowed);
+        let d = l.acquire(&mut s, 5 * SEC, 2);
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, 7 * SEC, "two entries must go: the one at 2 s leaves at 12 s");
+        assert!(!l.acquire(&mut s, 11 * SEC, 2).allowed);
+        assert!(l.acquire(&mut s, 12 * SEC, 2).allowed);
+    }
+}

@@ -1,0 +1,151 @@
+//! Sliding window counter: the current window's count plus a weighted share of the previous.
+//!
+//! **Choose it** for window semantics ("100 per minute") without the fixed window's 2× edge
+//! burst and without a sliding log's memory: the state is two counters. The estimate of the
+//! last `window` is `previous × (1 − elapsed/window) + current`, which assumes the previous
+//! window's calls were spread evenly.
+//!
+//! **At a window edge** the previous window's count still weighs fully, so the classic edge
+//! burst (limit at the end of one window, limit at the start of the next) is refused.
+//! **Documented error:** the estimate is exact for evenly spread traffic; for adversarial
+//! traffic packed at the end of a window, any span of `window` holds at most `2 × limit`
+//! (never more than a fixed window), and any span of `window / 2` at most `1.5 × limit`.
+
+use crate::clock::Nanos;
+use crate::limit::{Algorithm, Decision};
+
+/// About `limit` units per sliding `window` nanoseconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlidingWindow {
+    limit: u64,
+    window: Nanos,
+}
+
+/// The current window's start, and the counts of it and the window before (a count never
+/// exceeds the limit, which config keeps within 32 bits, so the state is 16 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct State {
+    start: Nanos,
+    previous: u32,
+    current: u32,
+}
+
+impl SlidingWindow {
+    /// About `limit` units per sliding `window` nanoseconds.
+    pub fn new(limit: u64, window: Nanos) -> Self {
+        Self { limit: limit.clamp(1, u64::from(u32::MAX)), window: window.max(1) }
+    }
+
+    /// The window length in nanoseconds.
+    pub fn window(&self) -> Nanos {
+        self.window
+    }
+
+    /// The state rolled forward to the window containing `now`.
+    fn roll(&self, state: &State, now: Nanos) -> State {
+        let start = now - now % self.window;
+        if start == state.start {
+            *state
+        } else if start == state.start.saturating_add(self.window) {
+            State { start, previous: state.current, current: 0 }
+        } else {
+            State { start, previous: 0, current: 0 }
+        }
+    }
+
+    /// `weighted(previous) + current + cost`, scaled by `window` to stay in integers.
+    fn scaled_load(&self, s: &State, now: Nanos, cost: u64) -> u128 {
+        let elapsed = u128::from(now - s.start);
+        let window = u128::from(self.window);
+        u128::from(s.previous) * (window - elapsed) + (u128::from(s.current) + u128::from(cost)) * window
+    }
+
+    /// Time from `now` until `current + cost` fits beside the decaying previous count.
+    fn wait(&self, s: &State, now: Nanos, cost: u64) -> Nanos {
+        let window = u128::from(self.window);
+        let limit = u128::from(self.limit);
+        let (prev, cur, start) = if u64::from(s.current) + cost <= self.limit {
+            (u128::from(s.previous), u128::from(s.current), u128::from(s.start))
+        } else {
+            // Not in this window: in the next one, this window's count becomes "previous".
+            (u128::from(s.current), 0, u128::from(s.start) + window)
+        };
+        // Need prev × (window − e) ≤ (limit − cur − cost) × window, i.e.
+        // e ≥ window − ⌊(limit − cur − cost) × window / prev⌋.
+        let room = (limit - cur - u128::from(cost)) * window;
+        let elapsed = if prev == 0 { 0 } else { window.saturating_sub(room / prev) };
+        let at = start + elapsed;
+        u64::try_from(at.saturating_sub(u128::from(now))).unwrap_or(u64::MAX).max(1)
+    }
+}
+
+impl Algorithm for SlidingWindow {
+    type State = State;
+
+    fn fresh(&self, now: Nanos) -> State {
+        State { start: now - now % self.window, previous: 0, current: 0 }
+    }
+
+    fn acquire(&self, state: &mut State, now: Nanos, cost: u64) -> Decision {
+        let s = self.roll(state, now);
+        let window = u128::from(self.window);
+        let allowed = self.scaled_load(&s, now, cost) <= u128::from(self.limit) * window;
+        // Allowed means current + cost ≤ limit ≤ u32::MAX, so the sum fits.
+        let s = if allowed {
+            State { current: s.current.saturating_add(u32::try_from(cost).unwrap_or(u32::MAX)), ..s }
+        } else {
+            s
+        };
+        if allowed && cost > 0 {
+            *state = s;
+        }
+        let used = self.scaled_load(&s, now, 0).div_ceil(window);
+        let used = u64::try_from(used).unwrap_or(u64::MAX);
+        let full_at = if s.current > 0 {
+            s.start.saturating_add(2 * self.window)
+        } else if s.previous > 0 {
+            s.start.saturating_add(self.window)
+        } else {
+            now
+        };
+        Decision {
+            allowed,
+            limit: self.limit,
+            remaining: self.limit.saturating_sub(used),
+            retry_after: if allowed { 0 } else { self.wait(&s, now, cost) },
+            reset_after: full_at.saturating_sub(now),
+        }
+    }
+
+    fn forget_at(&self, state: &State) -> Nanos {
+        if state.current > 0 {
+            state.start.saturating_add(2 * self.window)
+        } else if state.previous > 0 {
+            state.start.saturating_add(self.window)
+        } else {
+            0
+        }
+    }
+
+    fn capacity(&self) -> u64 {
+        self.limit
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::NANOS_PER_SEC as SEC;
+
+    #[test]
+    fn previous_window_weighs_in_and_decays() {
+        let w = SlidingWindow::new(10, 10 * SEC);
+        let mut s = w.fresh(0);
+        assert!(w.acquire(&mut s, 9 * SEC, 10).allowed);
+        // 1 s into the next window the previous 10 still weigh 9.
+        let d = w.acquire(&mut s, 11 * SEC, 2);
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, SEC, "at 12 s the previous window weighs 8, leaving room for 2");
+        assert!(w.acquire(&mut s, 11 * SEC + d.retry_after, 2).allowed);
+    }
+}
