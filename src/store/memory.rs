@@ -96,7 +96,7 @@ impl MemoryStore {
     }
 
     /// The hot path: one scope, decided and charged in place under one shard lock.
-    fn decide_one(&self, check: &Check<'_>, now: Nanos) -> Decision {
+    pub fn decide_one(&self, check: &Check<'_>, now: Nanos) -> Decision {
         let fp = self.fingerprint(check.key);
         let mut map = lock(&self.shards[Self::shard_of(fp)]);
         if let Some(entry) = map.get_mut(&fp) {

@@ -39,6 +39,13 @@ impl Store {
         }
     }
 
+    /// Decides a single check without allocating: the common case of a call with one scope.
+    pub fn decide_one(&self, check: &Check<'_>, now: Nanos) -> Decision {
+        match self {
+            Store::Memory(m) => m.decide_one(check, now),
+        }
+    }
+
     /// Gives back in-flight slots taken by an admitted [`Check`] on a concurrency limiter.
     pub fn release(&self, key: &str, limiter: &Limiter, cost: u64, now: Nanos) {
         match self {
