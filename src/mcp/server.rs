@@ -112,9 +112,15 @@ impl ServerHandler for McpServer {
             Err(refusal) => return Ok(refusal.into_result().into()),
         };
         context.extensions.insert(caller);
-        let result = self.tool_router.call(ToolCallContext::new(self, request, context)).await;
-        // In-flight slots are held until here, and given back on every path: a cancelled call
-        // drops this future, and the admission with it.
+        // rmcp signals a client's cancellation (or the session closing) through this token but
+        // keeps polling the handler; racing it drops the tool's future at once, and with it any
+        // in-flight slot the admission holds, instead of when the upstream finally answers.
+        let cancelled = context.ct.clone();
+        let call = self.tool_router.call(ToolCallContext::new(self, request, context));
+        let result = tokio::select! {
+            result = call => result,
+            () = cancelled.cancelled() => Err(ErrorData::internal_error("the request was cancelled", None)),
+        };
         drop(admission);
         result
     }

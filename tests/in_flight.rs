@@ -1,0 +1,102 @@
+//! In-flight slots (the `concurrency` algorithm) through the MCP interface: a caller over its
+//! cap is told it is `busy`, and a slot comes back however the call ends — finished, failed or
+//! cancelled.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::*;
+use mcp_ratelimit::clock::ManualClock;
+use mcp_ratelimit::guard::Guard;
+use mcp_ratelimit::identity::Caller;
+use mcp_ratelimit::limit::{Concurrency, Limiter};
+use mcp_ratelimit::store::{MemoryStore, Store};
+use rmcp::model::{CallToolRequestParams, ClientRequest, Request};
+use rmcp::service::PeerRequestOptions;
+use serde_json::json;
+
+/// The caller's budget is two calls in flight; every tool costs one slot.
+fn two_slots(mock: &str) -> String {
+    format!(
+        "[limits.caller]\nalgorithm = \"concurrency\"\nmax_in_flight = 2\n\
+         [tools.save_article]\ncost = 1\n[tools.generate_image]\ncost = 1\n\
+         [tools.generate_image_to_video]\ncost = 1\n[mock_upstream]\n{mock}\n"
+    )
+}
+
+async fn in_flight_left(client: &Client) -> u64 {
+    let status = call(client, "rate_limit_status", json!({})).await;
+    structured(&status)["budgets"][0]["remaining"].as_u64().expect("remaining")
+}
+
+/// Waits (bounded) for an asynchronous effect on the server to show in `rate_limit_status`.
+async fn until_remaining(client: &Client, want: u64) {
+    for _ in 0..200 {
+        if in_flight_left(client).await == want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("remaining never reached {want}");
+}
+
+#[tokio::test]
+async fn fan_out_beyond_the_cap_is_busy_and_finished_calls_give_slots_back() {
+    let server = TestServer::start(&two_slots("latency_ms = 300")).await;
+    let client = server.client(Some("fan-out")).await;
+    let calls = (0..4).map(|_| call(&client, "list_articles", json!({})));
+    let results = futures::future::join_all(calls).await;
+    let busy: Vec<_> = results.iter().filter(|r| error_code(r) == Some("busy")).collect();
+    assert_eq!(results.iter().filter(|r| !is_error(r)).count(), 2);
+    assert_eq!(busy.len(), 2);
+    let error = &structured(busy[0])["error"];
+    assert_eq!(error["limit"], 2);
+    assert!(text(busy[0]).contains("get_prediction"), "busy suggests polling: {}", text(busy[0]));
+
+    assert_eq!(in_flight_left(&client).await, 2, "both slots back once the calls finished");
+    assert!(!is_error(&call(&client, "list_articles", json!({})).await));
+}
+
+#[tokio::test]
+async fn a_failed_call_gives_its_slot_back() {
+    let server = TestServer::start(&two_slots("rate_5xx = 1.0")).await;
+    let client = server.client(Some("unlucky")).await;
+    for _ in 0..5 {
+        let r = call(&client, "list_articles", json!({})).await;
+        assert_eq!(error_code(&r), Some("upstream_unavailable"), "never busy: {}", text(&r));
+    }
+    assert_eq!(in_flight_left(&client).await, 2);
+}
+
+#[tokio::test]
+async fn a_cancelled_call_gives_its_slot_back() {
+    let server = TestServer::start(&two_slots("latency_ms = 30000")).await;
+    let client = server.client(Some("impatient")).await;
+    let params = CallToolRequestParams::new("list_articles").with_arguments(serde_json::Map::new());
+    let request = ClientRequest::CallToolRequest(Request::new(params));
+    let handle =
+        client.peer().send_cancellable_request(request, PeerRequestOptions::no_options()).await.expect("request sent");
+    until_remaining(&client, 1).await;
+    handle.cancel(Some("changed my mind".into())).await.expect("cancel sent");
+    until_remaining(&client, 2).await;
+}
+
+#[tokio::test]
+async fn a_dropped_admission_gives_its_slot_back_even_when_its_task_is_aborted() {
+    let clock = ManualClock::new();
+    let costs = BTreeMap::from([("generate_image".to_owned(), 1)]);
+    let guard = Guard::new(Store::Memory(MemoryStore::new()), clock, Limiter::Concurrency(Concurrency::new(1)), costs);
+    let caller = Caller::from_token("holder");
+
+    let admission = guard.admit(&caller, "generate_image").expect("first slot");
+    assert_eq!(guard.admit(&caller, "generate_image").err().map(|r| r.code.as_str()), Some("busy"));
+    let holder = tokio::spawn(async move {
+        let _held = admission;
+        std::future::pending::<()>().await;
+    });
+    holder.abort();
+    assert!(holder.await.is_err_and(|e| e.is_cancelled()));
+    let _again = guard.admit(&caller, "generate_image").expect("slot released by the aborted task");
+}
