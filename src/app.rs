@@ -14,7 +14,9 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::SharedClock;
 use crate::config::Config;
 use crate::guard::Guard;
+use crate::identity::Identifier;
 use crate::mcp::{McpServer, Transport};
+use crate::metrics::Metrics;
 use crate::mock_upstream::MockUpstream;
 use crate::store::{MemoryStore, Store};
 use crate::upstream::Upstream;
@@ -27,8 +29,12 @@ pub struct AppState {
     pub config: Config,
     /// The one clock.
     pub clock: SharedClock,
+    /// Names callers (keys, tenants, tiers, trusted proxies).
+    pub identifier: Identifier,
     /// Budgets and refusals.
     pub guard: Guard,
+    /// What the limits are doing.
+    pub metrics: Arc<Metrics>,
     /// The paid API.
     pub upstream: Upstream,
     /// Jobs we submitted and when they may be polled.
@@ -55,14 +61,17 @@ impl App {
         };
         let upstream_url = mock.as_ref().map_or_else(|| config.upstream.url.clone(), |m| m.url.clone());
         let upstream = Upstream::new(&upstream_url, Duration::from_millis(config.upstream.timeout_ms))?;
-        let guard = Guard::new(
-            Store::Memory(MemoryStore::new()),
-            clock.clone(),
-            config.caller_limit.clone(),
-            config.costs.clone(),
-        );
-        let state =
-            Arc::new(AppState { predictions: PredictionBook::new(clock.clone()), guard, upstream, clock, config });
+        let metrics = Arc::new(Metrics::new());
+        let guard = Guard::new(Store::Memory(MemoryStore::new()), clock.clone(), &config, metrics.clone());
+        let state = Arc::new(AppState {
+            predictions: PredictionBook::new(clock.clone()),
+            identifier: Identifier::new(&config),
+            guard,
+            metrics,
+            upstream,
+            clock,
+            config,
+        });
         let stop = CancellationToken::new();
         tokio::spawn(sweep_forever(state.clone(), stop.clone()));
         Ok(Self { state, upstream_url, stop, _mock: mock })

@@ -6,10 +6,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 
+use ipnet::IpNet;
 use serde::Deserialize;
+use sha2::{Digest, Sha256};
 
 use crate::limit::{
     ALGORITHMS, Concurrency, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingLog, SlidingWindow, TokenBucket,
@@ -44,12 +46,16 @@ fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
 pub struct Config {
     /// The HTTP transport.
     pub server: ServerConfig,
+    /// API keys, tenants and whether a key is required.
+    pub auth: AuthConfig,
+    /// Tier name → factor applied to the per-caller budgets (`http`, `method`, `caller`).
+    pub tiers: BTreeMap<String, f64>,
+    /// The budgets of every scope, unscaled.
+    pub limits: Limits,
+    /// Each tool's cost and optional own budget; every tool has an entry.
+    pub tools: BTreeMap<String, ToolPolicy>,
     /// The paid API behind the tools.
     pub upstream: UpstreamConfig,
-    /// The caller's tool budget.
-    pub caller_limit: Limiter,
-    /// Cost of each tool, by tool name; every tool has one.
-    pub costs: BTreeMap<String, u64>,
     /// State housekeeping.
     pub store: StoreConfig,
     /// The mock paid API's knobs.
@@ -57,15 +63,68 @@ pub struct Config {
 }
 
 /// `[server]`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Listen address of `serve`.
     pub listen: SocketAddr,
-    /// Accepted `Host` values on `/mcp`.
+    /// Accepted `Host` values on `/mcp` (and hosts an `Origin` may name).
     pub allowed_hosts: Vec<String>,
+    /// Further accepted `Origin` values, exactly as browsers send them.
+    pub allowed_origins: Vec<String>,
     /// Largest accepted body on `/mcp`.
     pub max_body_bytes: usize,
+    /// Whether `X-Forwarded-For` from a trusted proxy names the caller.
+    pub trust_proxy: bool,
+    /// Proxies whose `X-Forwarded-For` is believed.
+    pub trusted_proxies: Vec<IpNet>,
+}
+
+/// `[auth]`.
+#[derive(Debug, Clone)]
+pub struct AuthConfig {
+    /// Refuse requests without a configured key (401).
+    pub required: bool,
+    /// Tier of callers without a configured key (when not required).
+    pub anonymous_tier: String,
+    /// The configured keys.
+    pub keys: Vec<ApiKey>,
+}
+
+/// A configured API key: its SHA-256, and the tenant and tier it belongs to.
+#[derive(Debug, Clone)]
+pub struct ApiKey {
+    /// SHA-256 of the key; the key itself is not kept.
+    pub sha256: [u8; 32],
+    /// Tenant whose shared budget the key draws on, if any.
+    pub tenant: Option<String>,
+    /// Tier that scales the key's own budgets.
+    pub tier: String,
+}
+
+/// The budgets of every scope a request passes, outside in.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// The coarse per-caller limit on `POST /mcp`, before any JSON is parsed.
+    pub http: Limiter,
+    /// Per caller and JSON-RPC method: `tools/list`.
+    pub tools_list: Limiter,
+    /// Per caller and JSON-RPC method: `tools/call`.
+    pub tools_call: Limiter,
+    /// Per caller and JSON-RPC method: everything else (`ping`, …) but session set-up.
+    pub other_methods: Limiter,
+    /// The caller's tool budget, charged each tool's cost.
+    pub caller: Limiter,
+    /// The budget all callers of one tenant share, charged each tool's cost.
+    pub tenant: Limiter,
+}
+
+/// `[tools.NAME]`.
+#[derive(Debug, Clone)]
+pub struct ToolPolicy {
+    /// Units charged to the caller and tenant budgets per call.
+    pub cost: u64,
+    /// An own budget for this tool, per tenant (or per caller without one), counted in calls.
+    pub budget: Option<Limiter>,
 }
 
 /// `[upstream]`.
@@ -115,18 +174,52 @@ pub struct MockUpstreamConfig {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
-    server: ServerConfig,
-    upstream: UpstreamConfig,
+    server: RawServer,
+    auth: RawAuth,
+    tiers: BTreeMap<String, f64>,
     limits: RawLimits,
     tools: BTreeMap<String, RawTool>,
+    upstream: UpstreamConfig,
     store: StoreConfig,
     mock_upstream: MockUpstreamConfig,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
+struct RawServer {
+    listen: SocketAddr,
+    allowed_hosts: Vec<String>,
+    allowed_origins: Vec<String>,
+    max_body_bytes: usize,
+    trust_proxy: bool,
+    trusted_proxies: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAuth {
+    required: bool,
+    anonymous_tier: String,
+    #[serde(default)]
+    keys: Vec<RawKey>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKey {
+    key: Option<String>,
+    sha256: Option<String>,
+    tenant: Option<String>,
+    tier: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawLimits {
+    http: RawLimit,
+    method: BTreeMap<String, RawLimit>,
     caller: RawLimit,
+    tenant: RawLimit,
 }
 
 /// One scope's limiter as written in config: the algorithm and the union of all parameters.
@@ -147,7 +240,11 @@ struct RawLimit {
 #[serde(deny_unknown_fields)]
 struct RawTool {
     cost: i64,
+    budget: Option<RawLimit>,
 }
+
+/// The JSON-RPC method groups with their own per-caller limit.
+pub const METHOD_GROUPS: [&str; 3] = ["tools_list", "tools_call", "other"];
 
 impl Config {
     /// Loads defaults, then `file` (required when given, else `./config.toml` if present),
@@ -158,7 +255,9 @@ impl Config {
             .separator("__")
             .try_parsing(true)
             .list_separator(",")
-            .with_list_parse_key("server.allowed_hosts");
+            .with_list_parse_key("server.allowed_hosts")
+            .with_list_parse_key("server.allowed_origins")
+            .with_list_parse_key("server.trusted_proxies");
         Self::load_layers(file, Some(env))
     }
 
@@ -192,26 +291,100 @@ impl Config {
         builder.build()?.try_deserialize::<RawConfig>()?.validate()
     }
 
+    /// What `tool` costs (zero for a tool without an entry, which validation prevents).
+    pub fn cost_of(&self, tool: &str) -> u64 {
+        self.tools.get(tool).map_or(0, |t| t.cost)
+    }
+
     /// The effective limits as a table for `check-config`.
     pub fn limits_table(&self) -> String {
         let mut out = String::new();
-        let _ = writeln!(out, "{:<28} {:<14} parameters", "scope", "algorithm");
-        let limiter = &self.caller_limit;
-        let _ = writeln!(out, "{:<28} {:<14} {}", "caller (tool budget)", limiter.algorithm(), limiter.describe());
+        let _ = writeln!(out, "{:<34} {:<15} parameters", "scope", "algorithm");
+        let limits = &self.limits;
+        for (scope, limiter) in [
+            ("http (per caller, POST /mcp)", &limits.http),
+            ("method tools/list (per caller)", &limits.tools_list),
+            ("method tools/call (per caller)", &limits.tools_call),
+            ("method other (per caller)", &limits.other_methods),
+            ("caller (tool budget)", &limits.caller),
+            ("tenant (shared tool budget)", &limits.tenant),
+        ] {
+            let _ = writeln!(out, "{scope:<34} {:<15} {}", limiter.algorithm(), limiter.describe());
+        }
         let _ = writeln!(out);
-        let _ = writeln!(out, "{:<28} cost", "tool");
-        for (tool, cost) in &self.costs {
-            let _ = writeln!(out, "{tool:<28} {cost}");
+        let tiers: Vec<String> = self.tiers.iter().map(|(t, f)| format!("{t} ×{f}")).collect();
+        let _ = writeln!(out, "tiers (scale per-caller scopes): {}", tiers.join(", "));
+        let _ = writeln!(
+            out,
+            "auth: {} configured key(s), key required: {}, anonymous tier: {}",
+            self.auth.keys.len(),
+            self.auth.required,
+            self.auth.anonymous_tier
+        );
+        let _ = writeln!(out);
+        let _ = writeln!(out, "{:<34} {:<6} own budget (per tenant, in calls)", "tool", "cost");
+        for (tool, policy) in &self.tools {
+            let budget =
+                policy.budget.as_ref().map_or("-".to_owned(), |b| format!("{} {}", b.algorithm(), b.describe()));
+            let _ = writeln!(out, "{tool:<34} {:<6} {budget}", policy.cost);
         }
         out
     }
 }
 
+fn parse_digest(key: &str, hex: &str) -> Result<[u8; 32], ConfigError> {
+    let hex = hex.trim();
+    let bad = || invalid(key, "must be 64 hexadecimal digits (the SHA-256 of the key, e.g. `sha256sum`)");
+    if hex.len() != 64 {
+        return Err(bad());
+    }
+    let mut digest = [0u8; 32];
+    for (i, byte) in digest.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2).ok_or_else(bad)?, 16).map_err(|_| bad())?;
+    }
+    Ok(digest)
+}
+
 impl RawConfig {
     fn validate(self) -> Result<Config, ConfigError> {
-        let caller_limit = self.limits.caller.build("limits.caller")?;
+        let tiers = self.tiers;
+        for (tier, factor) in &tiers {
+            if !factor.is_finite() || *factor <= 0.0 || *factor > 1e6 {
+                return Err(invalid(format!("tiers.{tier}"), format!("must be a positive factor (got {factor})")));
+            }
+        }
+        let tier_names = || tiers.keys().cloned().collect::<Vec<_>>().join(", ");
+        let known_tier = |key: String, tier: &str| -> Result<(), ConfigError> {
+            if tiers.contains_key(tier) {
+                Ok(())
+            } else {
+                Err(invalid(key, format!("unknown tier `{tier}`; the tiers are {}", tier_names())))
+            }
+        };
 
-        let mut costs = BTreeMap::new();
+        let mut method = self.limits.method;
+        let mut group = |name: &str| -> Result<Limiter, ConfigError> {
+            method
+                .remove(name)
+                .ok_or_else(|| invalid(format!("limits.method.{name}"), "missing"))?
+                .build(&format!("limits.method.{name}"))
+        };
+        let limits = Limits {
+            http: self.limits.http.build("limits.http")?,
+            tools_list: group("tools_list")?,
+            tools_call: group("tools_call")?,
+            other_methods: group("other")?,
+            caller: self.limits.caller.build("limits.caller")?,
+            tenant: self.limits.tenant.build("limits.tenant")?,
+        };
+        if let Some(unknown) = method.keys().next() {
+            return Err(invalid(
+                format!("limits.method.{unknown}"),
+                format!("unknown method group; the groups are {}", METHOD_GROUPS.join(", ")),
+            ));
+        }
+
+        let mut tools = BTreeMap::new();
         for (tool, spec) in self.tools {
             let key = format!("tools.{tool}.cost");
             if !TOOL_NAMES.contains(&tool.as_str()) {
@@ -222,28 +395,88 @@ impl RawConfig {
             }
             let cost = u64::try_from(spec.cost)
                 .map_err(|_| invalid(&key, format!("a cost cannot be negative (got {})", spec.cost)))?;
-            if cost > caller_limit.capacity() {
-                return Err(invalid(
-                    &key,
-                    format!(
-                        "cost {cost} is larger than `limits.caller.burst` = {}, so `{tool}` could never be called; \
-                         lower the cost or raise the burst",
-                        caller_limit.capacity()
-                    ),
-                ));
+            for (scope, limiter) in [("limits.caller", &limits.caller), ("limits.tenant", &limits.tenant)] {
+                if cost > limiter.capacity() {
+                    return Err(invalid(
+                        &key,
+                        format!(
+                            "cost {cost} is larger than `{scope}.{}` = {}, so `{tool}` could never be called; \
+                             lower the cost or raise the {}",
+                            limiter.capacity_key(),
+                            limiter.capacity(),
+                            limiter.capacity_key()
+                        ),
+                    ));
+                }
             }
-            costs.insert(tool, cost);
+            for (tier, factor) in &tiers {
+                let scaled = limits.caller.scaled(*factor).capacity();
+                if cost > scaled {
+                    return Err(invalid(
+                        &key,
+                        format!(
+                            "cost {cost} is larger than `limits.caller.{}` × `tiers.{tier}` = {scaled}, so callers \
+                             of tier {tier} could never call `{tool}`",
+                            limits.caller.capacity_key()
+                        ),
+                    ));
+                }
+            }
+            let budget = spec.budget.map(|b| b.build(&format!("tools.{tool}.budget"))).transpose()?;
+            tools.insert(tool, ToolPolicy { cost, budget });
         }
-        if let Some(missing) = TOOL_NAMES.iter().find(|t| !costs.contains_key(**t)) {
+        if let Some(missing) = TOOL_NAMES.iter().find(|t| !tools.contains_key(**t)) {
             return Err(invalid(format!("tools.{missing}.cost"), "every tool needs a cost"));
         }
 
-        if self.server.max_body_bytes == 0 {
+        known_tier("auth.anonymous_tier".into(), &self.auth.anonymous_tier)?;
+        let mut keys = Vec::with_capacity(self.auth.keys.len());
+        for (i, raw) in self.auth.keys.into_iter().enumerate() {
+            let at = format!("auth.keys[{i}]");
+            let sha256 = match (&raw.key, &raw.sha256) {
+                (Some(plain), None) if !plain.trim().is_empty() => Sha256::digest(plain.trim().as_bytes()).into(),
+                (None, Some(hex)) => parse_digest(&format!("{at}.sha256"), hex)?,
+                _ => {
+                    return Err(invalid(at, "give exactly one of `key` (plaintext, for local development) or `sha256`"));
+                }
+            };
+            let tier = raw.tier.unwrap_or_else(|| "default".to_owned());
+            known_tier(format!("{at}.tier"), &tier)?;
+            if raw.tenant.as_deref().is_some_and(|t| t.is_empty() || t.len() > 64 || t.contains(':')) {
+                return Err(invalid(format!("{at}.tenant"), "a tenant is 1-64 characters without `:`"));
+            }
+            if keys.iter().any(|k: &ApiKey| k.sha256 == sha256) {
+                return Err(invalid(at, "the same key is configured twice"));
+            }
+            keys.push(ApiKey { sha256, tenant: raw.tenant, tier });
+        }
+        if self.auth.required && keys.is_empty() {
+            return Err(invalid("auth.required", "is true but no `[[auth.keys]]` are configured: nobody could call"));
+        }
+
+        let server = self.server;
+        if server.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be at least 1"));
         }
-        if self.server.allowed_hosts.is_empty() {
+        if server.allowed_hosts.is_empty() {
             return Err(invalid("server.allowed_hosts", "list at least one host name (e.g. \"localhost\")"));
         }
+        for (i, origin) in server.allowed_origins.iter().enumerate() {
+            if reqwest::Url::parse(origin).map_or(true, |u| u.host_str().is_none()) {
+                return Err(invalid(
+                    format!("server.allowed_origins[{i}]"),
+                    "must be an origin like https://app.example.com",
+                ));
+            }
+        }
+        let mut trusted_proxies = Vec::with_capacity(server.trusted_proxies.len());
+        for (i, proxy) in server.trusted_proxies.iter().enumerate() {
+            let net = proxy.parse::<IpNet>().or_else(|_| proxy.parse::<IpAddr>().map(IpNet::from)).map_err(|_| {
+                invalid(format!("server.trusted_proxies[{i}]"), format!("`{proxy}` is not an IP or CIDR"))
+            })?;
+            trusted_proxies.push(net);
+        }
+
         if !self.upstream.url.is_empty() {
             match reqwest::Url::parse(&self.upstream.url) {
                 Ok(u) if matches!(u.scheme(), "http" | "https") => {}
@@ -271,10 +504,19 @@ impl RawConfig {
         }
 
         Ok(Config {
-            server: self.server,
+            server: ServerConfig {
+                listen: server.listen,
+                allowed_hosts: server.allowed_hosts,
+                allowed_origins: server.allowed_origins,
+                max_body_bytes: server.max_body_bytes,
+                trust_proxy: server.trust_proxy,
+                trusted_proxies,
+            },
+            auth: AuthConfig { required: self.auth.required, anonymous_tier: self.auth.anonymous_tier, keys },
+            tiers,
+            limits,
+            tools,
             upstream: self.upstream,
-            caller_limit,
-            costs,
             store: self.store,
             mock_upstream: self.mock_upstream,
         })
@@ -371,9 +613,9 @@ mod tests {
     #[test]
     fn documented_defaults_load() {
         let c = Config::defaults().expect("defaults are valid");
-        assert_eq!(c.caller_limit.capacity(), 60);
-        assert_eq!(c.costs["generate_image_to_video"], 20);
-        assert_eq!(c.costs.len(), TOOL_NAMES.len());
+        assert_eq!(c.limits.caller.capacity(), 60);
+        assert_eq!(c.cost_of("generate_image_to_video"), 20);
+        assert_eq!(c.tools.len(), TOOL_NAMES.len());
     }
 
     #[test]
@@ -404,7 +646,7 @@ mod tests {
             ("algorithm = \"concurrency\"\nmax_in_flight = 100", "concurrency"),
         ] {
             let c = Config::from_toml(&format!("[limits.caller]\n{toml}\n")).expect(name);
-            assert_eq!(c.caller_limit.algorithm(), name);
+            assert_eq!(c.limits.caller.algorithm(), name);
         }
     }
 

@@ -1,43 +1,48 @@
 //! Who is calling: the identity every budget hangs on.
 //!
 //! A caller is named by a one-way hash of its credential (`tok:` + the first 16 hex digits of
-//! SHA-256 of the Bearer token or X-API-Key), else by its peer address (`ip:…`), and is
-//! `local` over stdio. The raw token is dropped right here: it never reaches a map key, a log
-//! line or a metric label. The MCP session id is deliberately *not* an identity: opening a new
-//! session must not buy a fresh budget.
+//! SHA-256 of the Bearer token or X-API-Key), else by its address (`ip:…`), and is `local`
+//! over stdio. The raw token is dropped right here: it never reaches a map key, a log line or
+//! a metric label. A configured key also names the caller's tenant (whose budget it shares)
+//! and tier (which scales its own budgets).
+//!
+//! The MCP session id is deliberately *not* an identity: a new session must not buy a fresh
+//! budget. `X-Forwarded-For` is believed only from configured proxies, and then the caller is
+//! the right-most address that is not one of them — anything further left was written by the
+//! client and could be anything.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use http::HeaderMap;
+use ipnet::IpNet;
 use sha2::{Digest, Sha256};
+
+use crate::config::Config;
 
 /// The identity a request is charged to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Caller {
     id: String,
+    tenant: Option<Arc<str>>,
+    tier: Arc<str>,
 }
 
 impl Caller {
-    /// A caller known by a credential; only a hash of it is kept.
-    pub fn from_token(token: &str) -> Self {
-        let digest = Sha256::digest(token.as_bytes());
+    fn from_digest(digest: &[u8; 32], tenant: Option<Arc<str>>, tier: Arc<str>) -> Self {
         let mut id = String::with_capacity(20);
         id.push_str("tok:");
         for byte in &digest[..8] {
             id.push_str(&format!("{byte:02x}"));
         }
-        Self { id }
+        Self { id, tenant, tier }
     }
 
-    /// A caller known only by its network address.
-    pub fn from_ip(ip: IpAddr) -> Self {
-        Self { id: format!("ip:{ip}") }
-    }
-
-    /// The single caller behind a stdio transport.
-    pub fn local() -> Self {
-        Self { id: "local".to_owned() }
+    /// An unconfigured caller known by a credential (tier `default`, no tenant).
+    pub fn from_token(token: &str) -> Self {
+        Self::from_digest(&Sha256::digest(token.as_bytes()).into(), None, "default".into())
     }
 
     /// The stable, non-secret identifier (`tok:…`, `ip:…` or `local`).
@@ -45,16 +50,20 @@ impl Caller {
         &self.id
     }
 
-    /// Identifies the caller of an HTTP request: a Bearer token or X-API-Key if present and
-    /// non-empty, else the peer address.
-    pub fn from_request(headers: &HeaderMap, peer: Option<IpAddr>) -> Self {
-        if let Some(token) = credential(headers) {
-            return Self::from_token(token);
-        }
-        match peer {
-            Some(ip) => Self::from_ip(ip),
-            None => Self { id: "ip:unknown".to_owned() },
-        }
+    /// The tenant whose shared budget this caller draws on, if its key has one.
+    pub fn tenant(&self) -> Option<&str> {
+        self.tenant.as_deref()
+    }
+
+    /// The tier scaling this caller's own budgets.
+    pub fn tier(&self) -> &str {
+        &self.tier
+    }
+
+    /// A small, stable bucket (0-15) for metric labels: enough to see whether rejections come
+    /// from a few callers or many, never enough to name one.
+    pub fn bucket(&self) -> u8 {
+        Sha256::digest(self.id.as_bytes())[0] & 0x0f
     }
 }
 
@@ -62,6 +71,118 @@ impl fmt::Display for Caller {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.id)
     }
+}
+
+/// Why a request has no usable identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Unauthorized {
+    /// `auth.required` is on and the request presents no credential.
+    #[error("an API key is required: send `Authorization: Bearer <key>` or `X-API-Key: <key>`")]
+    Missing,
+    /// `auth.required` is on and the credential is not a configured key.
+    #[error("this API key is not recognised")]
+    Unknown,
+}
+
+#[derive(Debug)]
+struct KeyInfo {
+    tenant: Option<Arc<str>>,
+    tier: Arc<str>,
+}
+
+/// Turns requests into callers, per the `[auth]` and `[server]` config.
+#[derive(Debug)]
+pub struct Identifier {
+    keys: HashMap<[u8; 32], KeyInfo>,
+    required: bool,
+    anonymous_tier: Arc<str>,
+    trust_proxy: bool,
+    trusted_proxies: Vec<IpNet>,
+}
+
+impl Identifier {
+    /// An identifier for `config`.
+    pub fn new(config: &Config) -> Self {
+        let keys = config
+            .auth
+            .keys
+            .iter()
+            .map(|k| {
+                (k.sha256, KeyInfo { tenant: k.tenant.as_deref().map(Arc::from), tier: Arc::from(k.tier.as_str()) })
+            })
+            .collect();
+        Self {
+            keys,
+            required: config.auth.required,
+            anonymous_tier: Arc::from(config.auth.anonymous_tier.as_str()),
+            trust_proxy: config.server.trust_proxy,
+            trusted_proxies: config.server.trusted_proxies.clone(),
+        }
+    }
+
+    /// The single caller behind a stdio transport: the local user, trusted like a default key.
+    pub fn local(&self) -> Caller {
+        Caller { id: "local".to_owned(), tenant: None, tier: Arc::from("default") }
+    }
+
+    /// Identifies the caller of an HTTP request from its credential, else its address.
+    pub fn identify(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> Result<Caller, Unauthorized> {
+        match credential(headers) {
+            Some(token) => {
+                let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+                match self.keys.get(&digest) {
+                    Some(info) => Ok(Caller::from_digest(&digest, info.tenant.clone(), info.tier.clone())),
+                    None if self.required => Err(Unauthorized::Unknown),
+                    None => Ok(Caller::from_digest(&digest, None, self.anonymous_tier.clone())),
+                }
+            }
+            None if self.required => Err(Unauthorized::Missing),
+            None => {
+                let id = match self.client_ip(headers, peer) {
+                    Some(ip) => format!("ip:{ip}"),
+                    None => "ip:unknown".to_owned(),
+                };
+                Ok(Caller { id, tenant: None, tier: self.anonymous_tier.clone() })
+            }
+        }
+    }
+
+    fn trusted(&self, ip: IpAddr) -> bool {
+        self.trusted_proxies.iter().any(|net| net.contains(&ip))
+    }
+
+    /// The peer, or with `trust_proxy` and a trusted peer, the right-most untrusted
+    /// `X-Forwarded-For` hop.
+    fn client_ip(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> Option<IpAddr> {
+        let peer = peer?;
+        if !self.trust_proxy || !self.trusted(peer) {
+            return Some(peer);
+        }
+        let hops = headers
+            .get_all("x-forwarded-for")
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .collect::<Vec<_>>();
+        let mut client = peer;
+        for hop in hops.iter().rev() {
+            let Some(ip) = parse_hop(hop) else { break };
+            client = ip;
+            if !self.trusted(ip) {
+                break;
+            }
+        }
+        Some(client)
+    }
+}
+
+/// One `X-Forwarded-For` entry: an address, possibly with a port or IPv6 brackets.
+fn parse_hop(hop: &str) -> Option<IpAddr> {
+    hop.parse::<IpAddr>()
+        .ok()
+        .or_else(|| hop.parse::<std::net::SocketAddr>().ok().map(|s| s.ip()))
+        .or_else(|| hop.strip_prefix('[')?.strip_suffix(']')?.parse().ok())
 }
 
 /// The credential a request presents, if any.
@@ -81,29 +202,68 @@ mod tests {
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
-            h.insert(*k, v.parse().expect("valid header"));
+            h.append(*k, v.parse().expect("valid header"));
         }
         h
     }
 
+    fn identifier(toml: &str) -> Identifier {
+        Identifier::new(&Config::from_toml(toml).expect("config"))
+    }
+
+    fn ip(s: &str) -> Option<IpAddr> {
+        Some(s.parse().expect("ip"))
+    }
+
     #[test]
     fn token_is_hashed_never_kept() {
-        let c = Caller::from_request(&headers(&[("authorization", "Bearer sk-live-secret")]), None);
+        let c = identifier("").identify(&headers(&[("authorization", "Bearer sk-live-secret")]), None).expect("caller");
         assert!(c.id().starts_with("tok:") && c.id().len() == 20);
         assert!(!c.id().contains("secret"));
     }
 
     #[test]
     fn bearer_and_api_key_with_the_same_token_are_one_caller() {
-        let a = Caller::from_request(&headers(&[("authorization", "bearer abc")]), None);
-        let b = Caller::from_request(&headers(&[("x-api-key", "abc")]), None);
+        let id = identifier("");
+        let a = id.identify(&headers(&[("authorization", "bearer abc")]), None);
+        let b = id.identify(&headers(&[("x-api-key", "abc")]), None);
         assert_eq!(a, b);
     }
 
     #[test]
-    fn no_credential_falls_back_to_the_peer_address() {
-        let ip: IpAddr = "127.0.0.9".parse().expect("ip");
-        let c = Caller::from_request(&headers(&[("authorization", "Bearer  ")]), Some(ip));
-        assert_eq!(c.id(), "ip:127.0.0.9");
+    fn configured_keys_carry_tenant_and_tier() {
+        let id = identifier("[[auth.keys]]\nkey = \"k1\"\ntenant = \"acme\"\ntier = \"admin\"\n");
+        let c = id.identify(&headers(&[("x-api-key", "k1")]), None).expect("caller");
+        assert_eq!((c.tenant(), c.tier()), (Some("acme"), "admin"));
+        let other = id.identify(&headers(&[("x-api-key", "k2")]), None).expect("anonymous");
+        assert_eq!((other.tenant(), other.tier()), (None, "default"));
+    }
+
+    #[test]
+    fn required_auth_refuses_missing_and_unknown_keys() {
+        let id = identifier("[auth]\nrequired = true\n[[auth.keys]]\nkey = \"k1\"\n");
+        assert_eq!(id.identify(&headers(&[]), ip("10.0.0.1")), Err(Unauthorized::Missing));
+        assert_eq!(id.identify(&headers(&[("x-api-key", "nope")]), None), Err(Unauthorized::Unknown));
+        assert!(id.identify(&headers(&[("authorization", "Bearer k1")]), None).is_ok());
+    }
+
+    #[test]
+    fn forwarded_for_is_ignored_unless_trusted() {
+        let spoofed = headers(&[("x-forwarded-for", "6.6.6.6")]);
+        let off = identifier("");
+        assert_eq!(off.identify(&spoofed, ip("127.0.0.1")).expect("caller").id(), "ip:127.0.0.1");
+        let on = identifier("[server]\ntrust_proxy = true\n");
+        assert_eq!(on.identify(&spoofed, ip("127.0.0.1")).expect("caller").id(), "ip:6.6.6.6");
+        // A peer that is not a trusted proxy cannot forward for anyone.
+        assert_eq!(on.identify(&spoofed, ip("8.8.8.8")).expect("caller").id(), "ip:8.8.8.8");
+    }
+
+    #[test]
+    fn the_right_most_untrusted_hop_is_the_caller() {
+        let on = identifier("[server]\ntrust_proxy = true\ntrusted_proxies = [\"127.0.0.1/8\", \"10.0.0.0/8\"]\n");
+        let chain = headers(&[("x-forwarded-for", "1.1.1.1, 203.0.113.7"), ("x-forwarded-for", "10.1.2.3")]);
+        assert_eq!(on.identify(&chain, ip("127.0.0.1")).expect("caller").id(), "ip:203.0.113.7");
+        let garbage = headers(&[("x-forwarded-for", "not-an-ip, 10.1.2.3")]);
+        assert_eq!(on.identify(&garbage, ip("127.0.0.1")).expect("caller").id(), "ip:10.1.2.3");
     }
 }

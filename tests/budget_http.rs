@@ -75,7 +75,7 @@ async fn two_callers_are_kept_apart() {
     let r = call(&b, "generate_image", json!({"prompt": "p"})).await;
     assert!(!is_error(&r), "caller b has its own budget: {}", text(&r));
     let status = call(&b, "rate_limit_status", json!({})).await;
-    assert_eq!(structured(&status)["budgets"][0]["remaining"], 55);
+    assert_eq!(budget(&status, "caller:")["remaining"], 55);
 }
 
 #[tokio::test]
@@ -127,7 +127,7 @@ async fn over_long_prompt_is_refused_and_charges_nothing() {
     let exactly = call(&client, "generate_image", json!({"prompt": "y".repeat(4000)})).await;
     assert!(!is_error(&exactly), "4000 characters is allowed");
     let status = call(&client, "rate_limit_status", json!({})).await;
-    assert_eq!(structured(&status)["budgets"][0]["remaining"], 55, "only the valid call was charged");
+    assert_eq!(budget(&status, "caller:")["remaining"], 55, "only the valid call was charged");
     assert_eq!(server.upstream_usage().await["predictions_created"], 1);
 }
 
@@ -150,7 +150,7 @@ async fn malformed_arguments_and_unknown_tools_charge_nothing() {
     let unknown = rmcp::model::CallToolRequestParams::new("make_coffee");
     assert!(client.call_tool(unknown).await.is_err(), "an unknown tool is a protocol error");
     let status = call(&client, "rate_limit_status", json!({})).await;
-    assert_eq!(structured(&status)["budgets"][0]["remaining"], 60);
+    assert_eq!(budget(&status, "caller:")["remaining"], 60);
 }
 
 #[tokio::test]
@@ -163,10 +163,21 @@ async fn rate_limit_status_reports_the_budget_and_costs_nothing() {
     }
     let status = call(&client, "rate_limit_status", json!({})).await;
     let s = structured(&status);
-    assert_eq!(s["budgets"][0]["algorithm"], "token_bucket");
-    assert_eq!(s["budgets"][0]["limit"], 60);
-    assert_eq!(s["budgets"][0]["remaining"], 40);
-    assert_eq!(s["budgets"][0]["reset_after_ms"], 20_000);
+    let own = budget(&status, "caller:");
+    assert_eq!(own["algorithm"], "token_bucket");
+    assert_eq!(own["limit"], 60);
+    assert_eq!(own["remaining"], 40);
+    assert_eq!(own["reset_after_ms"], 20_000);
+    let video = budget(&status, "caller:tok:");
+    assert_eq!(video["remaining"], 40);
+    let per_tool = structured(&status)["budgets"]
+        .as_array()
+        .expect("budgets")
+        .iter()
+        .find(|b| b["scope"].as_str().is_some_and(|s| s.ends_with(":tool:generate_image_to_video")))
+        .expect("the video tool's own budget");
+    assert_eq!(per_tool["algorithm"], "sliding_log");
+    assert_eq!(per_tool["remaining"], 29, "one video of 30 per rolling hour");
     assert_eq!(s["costs"]["generate_image_to_video"], 20);
     assert!(s["caller"].as_str().is_some_and(|c| c.starts_with("tok:") && !c.contains("planner")));
 }

@@ -4,14 +4,15 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use mcp_ratelimit::Config;
 use mcp_ratelimit::clock::ManualClock;
 use mcp_ratelimit::guard::Guard;
 use mcp_ratelimit::identity::Caller;
-use mcp_ratelimit::limit::{Concurrency, Limiter};
+use mcp_ratelimit::metrics::Metrics;
 use mcp_ratelimit::store::{MemoryStore, Store};
 use rmcp::model::{CallToolRequestParams, ClientRequest, Request};
 use rmcp::service::PeerRequestOptions;
@@ -28,7 +29,7 @@ fn two_slots(mock: &str) -> String {
 
 async fn in_flight_left(client: &Client) -> u64 {
     let status = call(client, "rate_limit_status", json!({})).await;
-    structured(&status)["budgets"][0]["remaining"].as_u64().expect("remaining")
+    budget(&status, "caller:")["remaining"].as_u64().expect("remaining")
 }
 
 /// Waits (bounded) for an asynchronous effect on the server to show in `rate_limit_status`.
@@ -85,12 +86,14 @@ async fn a_cancelled_call_gives_its_slot_back() {
 
 #[tokio::test]
 async fn a_dropped_admission_gives_its_slot_back_even_when_its_task_is_aborted() {
-    let clock = ManualClock::new();
-    let costs = BTreeMap::from([("generate_image".to_owned(), 1)]);
-    let guard = Guard::new(Store::Memory(MemoryStore::new()), clock, Limiter::Concurrency(Concurrency::new(1)), costs);
+    let config = Config::from_toml(&two_slots("")).expect("config");
+    let metrics = Arc::new(Metrics::new());
+    let guard = Guard::new(Store::Memory(MemoryStore::new()), ManualClock::new(), &config, metrics.clone());
     let caller = Caller::from_token("holder");
 
-    let admission = guard.admit(&caller, "generate_image").expect("first slot");
+    let _first = guard.admit(&caller, "generate_image").expect("first slot");
+    let admission = guard.admit(&caller, "generate_image").expect("second slot");
+    assert!(metrics.render().contains("mcp_ratelimit_in_flight_calls 2"));
     assert_eq!(guard.admit(&caller, "generate_image").err().map(|r| r.code.as_str()), Some("busy"));
     let holder = tokio::spawn(async move {
         let _held = admission;
@@ -99,4 +102,5 @@ async fn a_dropped_admission_gives_its_slot_back_even_when_its_task_is_aborted()
     holder.abort();
     assert!(holder.await.is_err_and(|e| e.is_cancelled()));
     let _again = guard.admit(&caller, "generate_image").expect("slot released by the aborted task");
+    assert!(metrics.render().contains("mcp_ratelimit_in_flight_calls 2"));
 }

@@ -1,30 +1,35 @@
-//! The pipeline every tool call passes before its tool runs.
+//! The pipeline every request passes before work is done for it.
 //!
-//! The MCP server hands each `tools/call` to [`Guard::admit`] (see `mcp::server`), so no tool
-//! can skip it. Order matters: arguments are validated first (bad input charges nothing),
-//! then every scope the call draws on is decided at once — all pass and are charged, or none is.
+//! Three entry points, one per layer: [`Guard::admit_http`] (the coarse limit on `POST /mcp`,
+//! called by the HTTP tower layer), [`Guard::admit_method`] (`tools/list` and other methods) and
+//! [`Guard::admit`] (`tools/call`, called by `McpServer::call_tool` for every tool, so no tool
+//! can skip it). A tool call is checked against every scope that applies — method, caller,
+//! tenant, the tool's own budget — **atomically**: all pass and are charged, or none is.
 
+pub mod policy;
 pub mod refusal;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use tracing::info;
 
 use crate::clock::{SharedClock, ceil_ms};
+use crate::config::Config;
 use crate::identity::Caller;
-use crate::limit::Limiter;
+use crate::limit::{Decision, Limiter};
+use crate::metrics::{Layer, Metrics};
 use crate::store::{Check, SlotGuard, Store};
+pub use policy::{MethodGroup, Policy, TierLimits};
 pub use refusal::{Refusal, RefusalCode};
 
 /// One budget as a caller sees it in `rate_limit_status`.
 #[derive(Debug, Clone, serde::Serialize, schemars::JsonSchema)]
 pub struct BudgetStatus {
-    /// The scope key, e.g. `caller:tok:1f2e…`.
+    /// The scope key, e.g. `caller:tok:1f2e…` or `tenant:acme`.
     pub scope: String,
     /// The algorithm deciding it.
     pub algorithm: &'static str,
-    /// Its limit (burst).
+    /// Its limit (burst, window limit or slots).
     pub limit: u64,
     /// Units left now.
     pub remaining: u64,
@@ -32,62 +37,125 @@ pub struct BudgetStatus {
     pub reset_after_ms: u64,
 }
 
-/// What an admitted call holds while it runs: in-flight slots, given back when it is dropped.
-#[derive(Debug, Default)]
+/// What an admitted tool call holds while it runs: its in-flight slots (given back when it is
+/// dropped) and its place in the in-flight gauge.
+#[derive(Debug)]
 #[must_use = "dropping the admission releases its in-flight slots at once"]
 pub struct Admission {
     _slots: Vec<SlotGuard>,
+    metrics: Arc<Metrics>,
 }
 
-/// Decides whether a caller may run a tool now, and charges it.
+impl Drop for Admission {
+    fn drop(&mut self) {
+        self.metrics.in_flight(-1.0);
+    }
+}
+
+/// The coarse HTTP decision, with what the RateLimit headers need.
+#[derive(Debug, Clone)]
+pub struct HttpDecision {
+    /// The decision of the caller's `http` scope.
+    pub decision: Decision,
+    /// The limiter that took it (for the policy header).
+    pub limiter: Limiter,
+}
+
+/// Decides whether a caller may proceed, charges it, and explains refusals.
 #[derive(Debug)]
 pub struct Guard {
     store: Arc<Store>,
     clock: SharedClock,
-    caller_limit: Limiter,
-    costs: BTreeMap<String, u64>,
+    policy: Policy,
+    metrics: Arc<Metrics>,
+}
+
+fn method_scope(group: MethodGroup, caller: &Caller) -> String {
+    format!("method:{}:{}", group.as_str(), caller.id())
 }
 
 impl Guard {
-    /// A guard over `store` with the configured caller budget and tool costs.
-    pub fn new(store: Store, clock: SharedClock, caller_limit: Limiter, costs: BTreeMap<String, u64>) -> Self {
-        Self { store: Arc::new(store), clock, caller_limit, costs }
+    /// A guard over `store` with the limits of `config`.
+    pub fn new(store: Store, clock: SharedClock, config: &Config, metrics: Arc<Metrics>) -> Self {
+        Self { store: Arc::new(store), clock, policy: Policy::new(config), metrics }
     }
 
-    fn caller_scope(caller: &Caller) -> String {
-        format!("caller:{}", caller.id())
+    /// The resolved limits.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
     }
 
-    /// What `tool` costs; unknown tools are refused by the MCP layer before they get here.
-    pub fn cost_of(&self, tool: &str) -> u64 {
-        self.costs.get(tool).copied().unwrap_or(0)
-    }
-
-    /// The configured costs, for `rate_limit_status`.
-    pub fn costs(&self) -> &BTreeMap<String, u64> {
-        &self.costs
-    }
-
-    /// Charges `caller` for one call of `tool`, or explains exactly how long to wait.
-    pub fn admit(&self, caller: &Caller, tool: &str) -> Result<Admission, Refusal> {
-        let cost = self.cost_of(tool);
-        if cost == 0 {
-            return Ok(Admission::default());
+    /// Charges one `POST /mcp` to the caller's coarse HTTP budget.
+    pub fn admit_http(&self, caller: &Caller) -> HttpDecision {
+        let limiter = &self.policy.for_caller(caller).http;
+        let scope = format!("http:{}", caller.id());
+        let decision = self.store.decide_one(&Check { key: &scope, limiter, cost: 1 }, self.clock.now());
+        self.metrics.decision(Layer::Http, "POST /mcp", decision.allowed);
+        if !decision.allowed {
+            self.metrics.rejection(Layer::Http, "POST /mcp", "rate_limited", caller);
+            info!(layer = "http", scope, retry_after_ms = ceil_ms(decision.retry_after), "refused");
         }
-        let scope = Self::caller_scope(caller);
-        let checks = [Check { key: &scope, limiter: &self.caller_limit, cost }];
+        HttpDecision { decision, limiter: limiter.clone() }
+    }
+
+    /// Charges one request of a method group other than `tools/call` (which [`Guard::admit`]
+    /// charges together with the tool's budgets).
+    pub fn admit_method(&self, caller: &Caller, group: MethodGroup) -> Result<(), Refusal> {
+        let limiter = self.policy.for_caller(caller).method(group);
+        let scope = method_scope(group, caller);
+        let d = self.store.decide_one(&Check { key: &scope, limiter, cost: 1 }, self.clock.now());
+        self.metrics.decision(Layer::Method, group.as_str(), d.allowed);
+        if d.allowed {
+            return Ok(());
+        }
+        self.metrics.rejection(Layer::Method, group.as_str(), "rate_limited", caller);
+        info!(layer = "method", method = group.as_str(), scope, retry_after_ms = ceil_ms(d.retry_after), "refused");
+        Err(Refusal::rate_limited(group.as_str(), scope, d.limit, d.remaining, d.retry_after))
+    }
+
+    /// The scopes a call of `tool` by `caller` draws on, with their limiters and costs.
+    fn scopes<'p>(&'p self, caller: &Caller, tool: &str) -> Vec<(String, &'p Limiter, u64)> {
+        let tier = self.policy.for_caller(caller);
+        let cost = self.policy.cost_of(tool);
+        let mut scopes = vec![(method_scope(MethodGroup::ToolsCall, caller), &tier.tools_call, 1)];
+        if cost > 0 {
+            scopes.push((format!("caller:{}", caller.id()), &tier.caller, cost));
+            if let Some(tenant) = caller.tenant() {
+                scopes.push((format!("tenant:{tenant}"), &self.policy.tenant, cost));
+            }
+        }
+        if let Some(budget) = self.policy.tools.get(tool).and_then(|t| t.budget.as_ref()) {
+            let owner = match caller.tenant() {
+                Some(tenant) => format!("tenant:{tenant}"),
+                None => format!("caller:{}", caller.id()),
+            };
+            scopes.push((format!("{owner}:tool:{tool}"), budget, 1));
+        }
+        scopes
+    }
+
+    /// Charges `caller` for one call of `tool` in every scope at once, or explains exactly how
+    /// long to wait for the scope that refused.
+    pub fn admit(&self, caller: &Caller, tool: &str) -> Result<Admission, Refusal> {
+        let scopes = self.scopes(caller, tool);
+        let checks: Vec<Check<'_>> =
+            scopes.iter().map(|(key, limiter, cost)| Check { key, limiter, cost: *cost }).collect();
         let decisions = self.store.decide(&checks, self.clock.now());
-        // The call can pass only when every scope admits it, so the wait is the longest one.
+        // The call passes only when every scope admits it, so the wait is the longest one.
         let refused = checks.iter().zip(&decisions).filter(|(_, d)| !d.allowed).max_by_key(|(_, d)| d.retry_after);
+        self.metrics.decision(Layer::Tool, tool, refused.is_none());
         if let Some((check, d)) = refused {
             let refusal = if check.limiter.holds_slots() {
                 Refusal::busy(tool, check.key.to_owned(), d.limit)
             } else {
                 Refusal::rate_limited(tool, check.key.to_owned(), d.limit, d.remaining, d.retry_after)
             };
+            self.metrics.rejection(Layer::Tool, tool, refusal.code.as_str(), caller);
             info!(
+                layer = "tool",
                 tool,
                 scope = check.key,
+                caller_bucket = caller.bucket(),
                 code = refusal.code.as_str(),
                 retry_after_ms = ceil_ms(d.retry_after),
                 "refused"
@@ -101,22 +169,42 @@ impl Guard {
                 SlotGuard::new(self.store.clone(), self.clock.clone(), c.key.to_owned(), c.limiter.clone(), c.cost)
             })
             .collect();
-        Ok(Admission { _slots: slots })
+        self.metrics.in_flight(1.0);
+        Ok(Admission { _slots: slots, metrics: self.metrics.clone() })
     }
 
-    /// The caller's budgets right now, without spending anything.
-    pub fn status(&self, caller: &Caller) -> Vec<BudgetStatus> {
-        let scope = Self::caller_scope(caller);
-        let peek = [Check { key: &scope, limiter: &self.caller_limit, cost: 0 }];
-        let decisions = self.store.decide(&peek, self.clock.now());
-        peek.iter()
-            .zip(decisions)
-            .map(|(check, d)| BudgetStatus {
-                scope: check.key.to_owned(),
-                algorithm: check.limiter.algorithm(),
-                limit: d.limit,
-                remaining: d.remaining,
-                reset_after_ms: ceil_ms(d.reset_after),
+    /// The caller's budgets right now, without spending anything: the HTTP budget (when it
+    /// applies), the `tools/call` method budget, the caller's and tenant's tool budgets, and
+    /// every tool's own budget.
+    pub fn status(&self, caller: &Caller, over_http: bool) -> Vec<BudgetStatus> {
+        let tier = self.policy.for_caller(caller);
+        let mut peek: Vec<(String, &Limiter)> = Vec::new();
+        if over_http {
+            peek.push((format!("http:{}", caller.id()), &tier.http));
+        }
+        peek.push((method_scope(MethodGroup::ToolsCall, caller), &tier.tools_call));
+        peek.push((format!("caller:{}", caller.id()), &tier.caller));
+        if let Some(tenant) = caller.tenant() {
+            peek.push((format!("tenant:{tenant}"), &self.policy.tenant));
+        }
+        for (tool, policy) in &self.policy.tools {
+            if let Some(budget) = &policy.budget {
+                let owner =
+                    caller.tenant().map_or_else(|| format!("caller:{}", caller.id()), |t| format!("tenant:{t}"));
+                peek.push((format!("{owner}:tool:{tool}"), budget));
+            }
+        }
+        let now = self.clock.now();
+        peek.into_iter()
+            .map(|(scope, limiter)| {
+                let d = self.store.decide_one(&Check { key: &scope, limiter, cost: 0 }, now);
+                BudgetStatus {
+                    scope,
+                    algorithm: limiter.algorithm(),
+                    limit: d.limit,
+                    remaining: d.remaining,
+                    reset_after_ms: ceil_ms(d.reset_after),
+                }
             })
             .collect()
     }

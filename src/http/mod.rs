@@ -1,27 +1,27 @@
 //! The HTTP transport: the axum app around rmcp's streamable-HTTP service.
 //!
-//! Layers run before any JSON is parsed. The identity layer names the caller from headers and
-//! the peer address and hands it to the tools through the request's extensions; rmcp itself
-//! enforces the `Host` allow-list (DNS-rebinding protection) and the body size limit.
+//! On `/mcp`, outside in: [`front_door`] (DNS-rebinding protection, identity and auth, header
+//! checks), then the coarse limit ([`limit::HttpLimitLayer`]), then rmcp. `/health` and
+//! `/metrics` sit outside all of it and are never limited.
 
-use std::net::SocketAddr;
+pub mod front_door;
+pub mod limit;
+
 use std::sync::Arc;
 
-use axum::extract::{ConnectInfo, Request};
-use axum::middleware::{self, Next};
-use axum::response::Response;
+use axum::extract::State;
 use axum::routing::get;
-use axum::{Json, Router};
+use axum::{Json, Router, middleware};
+use http::header;
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::app::AppState;
-use crate::identity::Caller;
 use crate::mcp::{McpServer, Transport};
 
-/// The whole HTTP app: `/mcp` (guarded) and `/health` (never limited).
+/// The whole HTTP app.
 pub fn router(app: Arc<AppState>, stop: CancellationToken) -> Router {
     let server = &app.config.server;
     let config = StreamableHttpServerConfig::default()
@@ -36,14 +36,14 @@ pub fn router(app: Arc<AppState>, stop: CancellationToken) -> Router {
     );
     Router::new()
         .nest_service("/mcp", mcp)
-        .layer(middleware::from_fn(identify))
+        .layer(limit::HttpLimitLayer::new(app.clone()))
+        .layer(middleware::from_fn_with_state(app.clone(), front_door::identify))
+        .layer(middleware::from_fn_with_state(app.clone(), front_door::rebinding_protection))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/metrics", get(metrics))
+        .with_state(app)
 }
 
-/// Names the caller of every `/mcp` request; tools read it back from the extensions.
-async fn identify(mut request: Request, next: Next) -> Response {
-    let peer = request.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0.ip());
-    let caller = Caller::from_request(request.headers(), peer);
-    request.extensions_mut().insert(caller);
-    next.run(request).await
+async fn metrics(State(app): State<Arc<AppState>>) -> impl axum::response::IntoResponse {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
 }

@@ -200,6 +200,51 @@ impl Limiter {
         }
     }
 
+    /// The config parameter that sets [`Limiter::capacity`], for error messages.
+    pub fn capacity_key(&self) -> &'static str {
+        match self {
+            Limiter::TokenBucket(_) | Limiter::Gcra(_) | Limiter::LeakyBucket(_) => "burst",
+            Limiter::FixedWindow(_) | Limiter::SlidingLog(_) | Limiter::SlidingWindow(_) => "limit",
+            Limiter::Concurrency(_) => "max_in_flight",
+        }
+    }
+
+    /// This limiter with its capacity and its rate multiplied by `factor` (a tier); windows keep
+    /// their length. Capacities round to the nearest unit and never drop below one.
+    pub fn scaled(&self, factor: f64) -> Limiter {
+        if factor == 1.0 {
+            return self.clone();
+        }
+        let units = |n: u64| ((n as f64 * factor).round() as u64).max(1);
+        match self {
+            Limiter::TokenBucket(a) => {
+                Limiter::TokenBucket(TokenBucket::new(units(a.capacity()), per_sec(a.period()) * factor))
+            }
+            Limiter::Gcra(a) => Limiter::Gcra(Gcra::new(units(a.capacity()), per_sec(a.period()) * factor)),
+            Limiter::LeakyBucket(a) => {
+                Limiter::LeakyBucket(LeakyBucket::new(units(a.capacity()), per_sec(a.period()) * factor))
+            }
+            Limiter::FixedWindow(a) => Limiter::FixedWindow(FixedWindow::new(units(a.capacity()), a.window())),
+            Limiter::SlidingLog(a) => Limiter::SlidingLog(SlidingLog::new(units(a.capacity()), a.window())),
+            Limiter::SlidingWindow(a) => Limiter::SlidingWindow(SlidingWindow::new(units(a.capacity()), a.window())),
+            Limiter::Concurrency(a) => Limiter::Concurrency(Concurrency::new(units(a.capacity()))),
+        }
+    }
+
+    /// The window a quota policy header should name: the window itself for window algorithms,
+    /// the time to refill from empty for buckets, none for in-flight slots.
+    pub fn policy_window(&self) -> Option<Nanos> {
+        match self {
+            Limiter::TokenBucket(a) => Some(a.capacity().saturating_mul(a.period())),
+            Limiter::Gcra(a) => Some(a.capacity().saturating_mul(a.period())),
+            Limiter::LeakyBucket(a) => Some(a.capacity().saturating_mul(a.period())),
+            Limiter::FixedWindow(a) => Some(a.window()),
+            Limiter::SlidingLog(a) => Some(a.window()),
+            Limiter::SlidingWindow(a) => Some(a.window()),
+            Limiter::Concurrency(_) => None,
+        }
+    }
+
     /// Whether admitted units must be given back with [`Limiter::release`] (in-flight slots).
     pub fn holds_slots(&self) -> bool {
         matches!(self, Limiter::Concurrency(_))

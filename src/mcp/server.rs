@@ -9,13 +9,14 @@ use std::sync::Arc;
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::tool::ToolCallContext;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, Implementation, ListToolsResult, PaginatedRequestParams,
+    CallToolRequestParams, CallToolResponse, ErrorCode, Implementation, ListToolsResult, PaginatedRequestParams,
     ServerCapabilities, ServerConfig,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler, tool_handler};
 
 use crate::app::AppState;
+use crate::guard::{MethodGroup, Refusal};
 use crate::identity::Caller;
 use crate::mcp::tools;
 
@@ -32,7 +33,7 @@ pub enum Transport {
 #[derive(Clone)]
 pub struct McpServer {
     pub(crate) app: Arc<AppState>,
-    transport: Transport,
+    pub(crate) transport: Transport,
     tool_router: ToolRouter<Self>,
 }
 
@@ -44,7 +45,7 @@ impl McpServer {
 
     fn caller_of(&self, context: &RequestContext<RoleServer>) -> Result<Caller, ErrorData> {
         match self.transport {
-            Transport::Stdio => Ok(Caller::local()),
+            Transport::Stdio => Ok(self.app.identifier.local()),
             Transport::Http => context
                 .extensions
                 .get::<http::request::Parts>()
@@ -54,6 +55,18 @@ impl McpServer {
                 .ok_or_else(|| ErrorData::internal_error("request reached a tool without a caller identity", None)),
         }
     }
+
+    /// Charges a non-tool method to its per-caller limit; a refusal is a JSON-RPC error (there
+    /// is no tool result to carry it) with the same structured data a tool refusal has.
+    fn admit_method(&self, context: &RequestContext<RoleServer>, group: MethodGroup) -> Result<(), ErrorData> {
+        let caller = self.caller_of(context)?;
+        self.app.guard.admit_method(&caller, group).map_err(method_refusal)
+    }
+}
+
+fn method_refusal(refusal: Refusal) -> ErrorData {
+    let data = refusal.to_json().get("error").cloned();
+    ErrorData::new(ErrorCode(-32000), refusal.message, data)
 }
 
 #[tool_handler(router = self.tool_router)]
@@ -66,8 +79,8 @@ impl ServerHandler for McpServer {
                  rate_limit_status (free) to plan. A refused call says how many seconds to wait: wait that \
                  long instead of retrying. Image and video jobs return a predict_id: poll get_prediction no \
                  sooner than next_poll_in_seconds. Your budget: {} tokens, refilled at {} per second.",
-                self.app.config.caller_limit.capacity(),
-                self.app.config.caller_limit.rate_per_sec(),
+                self.app.config.limits.caller.capacity(),
+                self.app.config.limits.caller.rate_per_sec(),
             ))
     }
 
@@ -75,14 +88,15 @@ impl ServerHandler for McpServer {
     async fn list_tools(
         &self,
         _request: Option<PaginatedRequestParams>,
-        _context: RequestContext<RoleServer>,
+        context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
+        self.admit_method(&context, MethodGroup::ToolsList)?;
         let tools = self
             .tool_router
             .list_all()
             .into_iter()
             .map(|mut tool| {
-                let cost = self.app.guard.cost_of(&tool.name);
+                let cost = self.app.guard.policy().cost_of(&tool.name);
                 let price = match cost {
                     0 => " Free: costs no budget.".to_owned(),
                     1 => " Costs 1 token.".to_owned(),
@@ -93,6 +107,10 @@ impl ServerHandler for McpServer {
             })
             .collect();
         Ok(ListToolsResult::with_all_items(tools))
+    }
+
+    async fn ping(&self, context: RequestContext<RoleServer>) -> Result<(), ErrorData> {
+        self.admit_method(&context, MethodGroup::Other)
     }
 
     async fn call_tool(

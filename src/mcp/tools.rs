@@ -426,7 +426,7 @@ impl McpServer {
         Parameters(_): Parameters<NoArgs>,
         Extension(caller): Extension<Caller>,
     ) -> Result<CallToolResult, ErrorData> {
-        let budgets = self.app.guard.status(&caller);
+        let budgets = self.app.guard.status(&caller, self.transport == crate::mcp::Transport::Http);
         let lines: Vec<String> = budgets
             .iter()
             .map(|b| {
@@ -439,7 +439,8 @@ impl McpServer {
                 )
             })
             .collect();
-        let costs = self.app.guard.costs().clone();
+        let costs: BTreeMap<String, u64> =
+            self.app.guard.policy().tools.iter().map(|(tool, policy)| (tool.clone(), policy.cost)).collect();
         let price: Vec<String> = costs.iter().map(|(t, c)| format!("{t} {c}")).collect();
         success(
             format!("{}. Costs: {}.", lines.join("; "), price.join(", ")),

@@ -97,3 +97,75 @@ pub async fn spend_until_refused(client: &Client, tool: &str, args: Value, max: 
     }
     panic!("{tool} was never refused in {max} calls");
 }
+
+/// The budget in a `rate_limit_status` result whose scope starts with `prefix`.
+pub fn budget<'a>(status: &'a CallToolResult, prefix: &str) -> &'a Value {
+    structured(status)["budgets"]
+        .as_array()
+        .and_then(|b| b.iter().find(|b| b["scope"].as_str().is_some_and(|s| s.starts_with(prefix))))
+        .unwrap_or_else(|| panic!("no budget with scope {prefix}…: {}", structured(status)))
+}
+
+/// A hand-driven MCP session over raw HTTP, for asserting status codes and headers.
+pub struct RawSession {
+    pub http: reqwest::Client,
+    pub url: String,
+    pub headers: Vec<(String, String)>,
+    pub session_id: Option<String>,
+}
+
+impl RawSession {
+    pub fn new(url: &str, headers: &[(&str, &str)]) -> Self {
+        Self {
+            http: reqwest::Client::new(),
+            url: url.to_owned(),
+            headers: headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            session_id: None,
+        }
+    }
+
+    /// POSTs a JSON-RPC body as an MCP client would, returning status, headers and body text.
+    pub async fn post_raw(&self, body: String, content_type: &str) -> (u16, reqwest::header::HeaderMap, String) {
+        let mut request = self
+            .http
+            .post(&self.url)
+            .header("content-type", content_type)
+            .header("accept", "application/json, text/event-stream")
+            .body(body);
+        for (k, v) in &self.headers {
+            request = request.header(k.as_str(), v.as_str());
+        }
+        if let Some(id) = &self.session_id {
+            request = request.header("mcp-session-id", id.as_str()).header("mcp-protocol-version", "2025-11-25");
+        }
+        let response = request.send().await.expect("POST answered");
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        (status, headers, response.text().await.unwrap_or_default())
+    }
+
+    pub async fn post(&self, body: Value) -> (u16, reqwest::header::HeaderMap, String) {
+        self.post_raw(body.to_string(), "application/json").await
+    }
+
+    /// initialize + notifications/initialized; returns the HTTP statuses of both.
+    pub async fn open(&mut self) -> (u16, u16) {
+        let init = serde_json::json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw-test", "version": "1"}}});
+        let (status, headers, _) = self.post(init).await;
+        self.session_id = headers.get("mcp-session-id").and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let (second, _, _) =
+            self.post(serde_json::json!({"jsonrpc": "2.0", "method": "notifications/initialized"})).await;
+        (status, second)
+    }
+
+    pub async fn ping(&self, id: u64) -> (u16, reqwest::header::HeaderMap, String) {
+        self.post(serde_json::json!({"jsonrpc": "2.0", "id": id, "method": "ping"})).await
+    }
+}
+
+/// The JSON-RPC message inside a response body that may be SSE (`data: {...}` lines) or JSON.
+pub fn jsonrpc_of(body: &str) -> Value {
+    let data = body.lines().filter_map(|l| l.strip_prefix("data:")).map(str::trim).find(|d| d.starts_with('{'));
+    serde_json::from_str(data.unwrap_or(body)).unwrap_or(Value::Null)
+}

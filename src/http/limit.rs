@@ -1,0 +1,122 @@
+//! The coarse per-caller limit on `POST /mcp`, as a tower [`Layer`].
+//!
+//! It runs before rmcp reads the body, so a flood costs one map lookup per request, not a JSON
+//! parse and a session lookup. Only POSTs are counted — they are what costs the server work;
+//! the SSE `GET` and `DELETE` of a session never are. Every counted response carries the IETF
+//! RateLimit header fields (draft-ietf-httpapi-ratelimit-headers: `RateLimit-Policy` and
+//! `RateLimit` as structured fields) and `RateLimit-Remaining`; a refusal is `429` with
+//! `Retry-After` in whole seconds (at least 1) and a JSON-RPC error body.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use axum::response::Response;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, header};
+use serde_json::json;
+use tower::{Layer, Service};
+
+use crate::app::AppState;
+use crate::clock::{ceil_ms, ceil_secs};
+use crate::guard::HttpDecision;
+use crate::http::front_door::jsonrpc_error;
+use crate::identity::Caller;
+
+/// The policy name used in the RateLimit headers.
+const POLICY: &str = "http";
+
+/// Wraps a service with the coarse HTTP limit.
+#[derive(Debug, Clone)]
+pub struct HttpLimitLayer {
+    state: Arc<AppState>,
+}
+
+impl HttpLimitLayer {
+    /// A layer charging the callers of `state`'s guard.
+    pub fn new(state: Arc<AppState>) -> Self {
+        Self { state }
+    }
+}
+
+impl<S> Layer<S> for HttpLimitLayer {
+    type Service = HttpLimit<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        HttpLimit { inner, state: self.state.clone() }
+    }
+}
+
+/// The service [`HttpLimitLayer`] produces.
+#[derive(Debug, Clone)]
+pub struct HttpLimit<S> {
+    inner: S,
+    state: Arc<AppState>,
+}
+
+/// The RateLimit header fields for one decision.
+pub fn rate_limit_headers(d: &HttpDecision) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    let mut set = |name: &'static str, value: String| {
+        if let Ok(value) = HeaderValue::from_str(&value) {
+            headers.insert(HeaderName::from_static(name), value);
+        }
+    };
+    let window = d.limiter.policy_window().map(|w| format!(";w={}", ceil_secs(w).max(1))).unwrap_or_default();
+    set("ratelimit-policy", format!("\"{POLICY}\";q={}{window}", d.decision.limit));
+    set("ratelimit", format!("\"{POLICY}\";r={};t={}", d.decision.remaining, ceil_secs(d.decision.reset_after)));
+    set("ratelimit-remaining", d.decision.remaining.to_string());
+    headers
+}
+
+fn too_many_requests(d: &HttpDecision) -> Response {
+    let retry_after_ms = ceil_ms(d.decision.retry_after).max(1);
+    let mut response = jsonrpc_error(
+        StatusCode::TOO_MANY_REQUESTS,
+        -32000,
+        "Too many requests. Retry after the delay in Retry-After.",
+        Some(json!({ "retry_after_ms": retry_after_ms })),
+    );
+    let headers = response.headers_mut();
+    headers.extend(rate_limit_headers(d));
+    headers.insert(header::RETRY_AFTER, HeaderValue::from(ceil_secs(d.decision.retry_after).max(1)));
+    response
+}
+
+impl<S> Service<Request<Body>> for HttpLimit<S>
+where
+    S: Service<Request<Body>, Response = Response> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        if request.method() != Method::POST {
+            return Box::pin(self.inner.call(request));
+        }
+        let Some(caller) = request.extensions().get::<Caller>().cloned() else {
+            // The identity layer always runs first; without it every caller would share one key.
+            let response = jsonrpc_error(StatusCode::INTERNAL_SERVER_ERROR, -32603, "no caller identity", None);
+            return Box::pin(std::future::ready(Ok(response)));
+        };
+        let decision = self.state.guard.admit_http(&caller);
+        if !decision.decision.allowed {
+            return Box::pin(std::future::ready(Ok(too_many_requests(&decision))));
+        }
+        let headers = rate_limit_headers(&decision);
+        let served = self.inner.call(request);
+        Box::pin(async move {
+            let mut response = served.await?;
+            response.headers_mut().extend(headers);
+            Ok(response)
+        })
+    }
+}

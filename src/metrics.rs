@@ -1,0 +1,128 @@
+//! What the limits are doing, as Prometheus metrics at `GET /metrics`.
+//!
+//! Each server instance has its own recorder (not the process-global one), so two servers in
+//! one process — tests, or an embedding — never mix their numbers. Labels name layers, tools,
+//! outcomes and a 16-way *client bucket* (a hash of the caller id): enough to see whether
+//! rejections come from one caller or many, never enough to tell who. No label ever holds a
+//! token, a caller id or an address.
+
+use metrics::{Key, Label, Level, Metadata, Recorder, SharedString, Unit};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+
+use crate::identity::Caller;
+
+const META: Metadata<'static> = Metadata::new("mcp_ratelimit", Level::INFO, Some(module_path!()));
+
+/// `mcp_ratelimit_decisions_total{layer, tool, outcome}`.
+pub const DECISIONS: &str = "mcp_ratelimit_decisions_total";
+/// `mcp_ratelimit_rejections_total{layer, tool, code, client_bucket}`.
+pub const REJECTIONS: &str = "mcp_ratelimit_rejections_total";
+/// `mcp_ratelimit_in_flight_calls`: admitted tool calls still running.
+pub const IN_FLIGHT: &str = "mcp_ratelimit_in_flight_calls";
+/// `mcp_ratelimit_upstream_requests_total{tool, outcome}`.
+pub const UPSTREAM: &str = "mcp_ratelimit_upstream_requests_total";
+
+/// Where a decision was taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layer {
+    /// The coarse HTTP limit on `POST /mcp`.
+    Http,
+    /// A per-method limit (`tools/list`, `tools/call`, other).
+    Method,
+    /// The tool guard: caller, tenant and per-tool budgets, in-flight slots.
+    Tool,
+}
+
+impl Layer {
+    fn as_str(self) -> &'static str {
+        match self {
+            Layer::Http => "http",
+            Layer::Method => "method",
+            Layer::Tool => "tool",
+        }
+    }
+}
+
+/// The server's metrics.
+pub struct Metrics {
+    recorder: PrometheusRecorder,
+    handle: PrometheusHandle,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// A fresh recorder with every metric described.
+    pub fn new() -> Self {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let describe = |name: &'static str, unit: Unit, help: &'static str| {
+            recorder.describe_counter(name.into(), Some(unit), SharedString::const_str(help));
+        };
+        describe(DECISIONS, Unit::Count, "Limit decisions by layer, tool (or method) and outcome.");
+        describe(REJECTIONS, Unit::Count, "Refusals by layer, tool, code and client bucket (a 16-way hash).");
+        describe(UPSTREAM, Unit::Count, "Requests to the paid API by tool and outcome.");
+        recorder.describe_gauge(
+            IN_FLIGHT.into(),
+            Some(Unit::Count),
+            SharedString::const_str("Admitted tool calls still running."),
+        );
+        Self { recorder, handle }
+    }
+
+    fn count(&self, name: &'static str, labels: Vec<Label>) {
+        self.recorder.register_counter(&Key::from_parts(name, labels), &META).increment(1);
+    }
+
+    /// Records one decision.
+    pub fn decision(&self, layer: Layer, tool: &str, allowed: bool) {
+        let outcome = if allowed { "allowed" } else { "refused" };
+        self.count(
+            DECISIONS,
+            vec![
+                Label::new("layer", layer.as_str()),
+                Label::new("tool", tool.to_owned()),
+                Label::new("outcome", outcome),
+            ],
+        );
+    }
+
+    /// Records one refusal, labelled with the caller's bucket, never the caller.
+    pub fn rejection(&self, layer: Layer, tool: &str, code: &'static str, caller: &Caller) {
+        self.count(
+            REJECTIONS,
+            vec![
+                Label::new("layer", layer.as_str()),
+                Label::new("tool", tool.to_owned()),
+                Label::new("code", code),
+                Label::new("client_bucket", format!("b{:02}", caller.bucket())),
+            ],
+        );
+    }
+
+    /// Records one upstream request's outcome (`ok`, `rate_limited`, `unavailable`, …).
+    pub fn upstream(&self, tool: &str, outcome: &'static str) {
+        self.count(UPSTREAM, vec![Label::new("tool", tool.to_owned()), Label::new("outcome", outcome)]);
+    }
+
+    /// Moves the in-flight gauge by `delta`.
+    pub fn in_flight(&self, delta: f64) {
+        let gauge = self.recorder.register_gauge(&Key::from_name(IN_FLIGHT), &META);
+        if delta >= 0.0 { gauge.increment(delta) } else { gauge.decrement(-delta) }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        self.handle.render()
+    }
+}
