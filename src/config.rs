@@ -437,7 +437,10 @@ impl RawConfig {
                 (Some(plain), None) if !plain.trim().is_empty() => Sha256::digest(plain.trim().as_bytes()).into(),
                 (None, Some(hex)) => parse_digest(&format!("{at}.sha256"), hex)?,
                 _ => {
-                    return Err(invalid(at, "give exactly one of `key` (plaintext, for local development) or `sha256`"));
+                    return Err(invalid(
+                        at,
+                        "give exactly one of `key` (plaintext, for local development) or `sha256`",
+                    ));
                 }
             };
             let tier = raw.tier.unwrap_or_else(|| "default".to_owned());

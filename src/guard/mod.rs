@@ -98,9 +98,9 @@ impl Guard {
         HttpDecision { decision, limiter: limiter.clone() }
     }
 
-    /// Charges one request of a method group other than `tools/call` (which [`Guard::admit`]
-    /// charges together with the tool's budgets).
-    pub fn admit_method(&self, caller: &Caller, group: MethodGroup) -> Result<(), Refusal> {
+    /// Charges one `method` request to its group's limit (`tools/call` is charged by
+    /// [`Guard::admit`], together with the tool's budgets).
+    pub fn admit_method(&self, caller: &Caller, group: MethodGroup, method: &str) -> Result<(), Refusal> {
         let limiter = self.policy.for_caller(caller).method(group);
         let scope = method_scope(group, caller);
         let d = self.store.decide_one(&Check { key: &scope, limiter, cost: 1 }, self.clock.now());
@@ -110,7 +110,7 @@ impl Guard {
         }
         self.metrics.rejection(Layer::Method, group.as_str(), "rate_limited", caller);
         info!(layer = "method", method = group.as_str(), scope, retry_after_ms = ceil_ms(d.retry_after), "refused");
-        Err(Refusal::rate_limited(group.as_str(), scope, d.limit, d.remaining, d.retry_after))
+        Err(Refusal::rate_limited(method, scope, d.limit, d.remaining, d.retry_after))
     }
 
     /// The scopes a call of `tool` by `caller` draws on, with their limiters and costs.

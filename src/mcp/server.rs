@@ -58,9 +58,14 @@ impl McpServer {
 
     /// Charges a non-tool method to its per-caller limit; a refusal is a JSON-RPC error (there
     /// is no tool result to carry it) with the same structured data a tool refusal has.
-    fn admit_method(&self, context: &RequestContext<RoleServer>, group: MethodGroup) -> Result<(), ErrorData> {
+    fn admit_method(
+        &self,
+        context: &RequestContext<RoleServer>,
+        group: MethodGroup,
+        method: &str,
+    ) -> Result<(), ErrorData> {
         let caller = self.caller_of(context)?;
-        self.app.guard.admit_method(&caller, group).map_err(method_refusal)
+        self.app.guard.admit_method(&caller, group, method).map_err(method_refusal)
     }
 }
 
@@ -90,7 +95,7 @@ impl ServerHandler for McpServer {
         _request: Option<PaginatedRequestParams>,
         context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
-        self.admit_method(&context, MethodGroup::ToolsList)?;
+        self.admit_method(&context, MethodGroup::ToolsList, "tools/list")?;
         let tools = self
             .tool_router
             .list_all()
@@ -110,7 +115,7 @@ impl ServerHandler for McpServer {
     }
 
     async fn ping(&self, context: RequestContext<RoleServer>) -> Result<(), ErrorData> {
-        self.admit_method(&context, MethodGroup::Other)
+        self.admit_method(&context, MethodGroup::Other, "ping")
     }
 
     async fn call_tool(
