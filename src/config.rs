@@ -104,6 +104,8 @@ pub struct ApiKey {
 /// The budgets of every scope a request passes, outside in.
 #[derive(Debug, Clone)]
 pub struct Limits {
+    /// Master switch; `false` admits everything (for overhead measurements only).
+    pub enabled: bool,
     /// The coarse per-caller limit on `POST /mcp`, before any JSON is parsed.
     pub http: Limiter,
     /// Per caller and JSON-RPC method: `tools/list`.
@@ -216,6 +218,7 @@ struct RawKey {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawLimits {
+    enabled: bool,
     http: RawLimit,
     method: BTreeMap<String, RawLimit>,
     caller: RawLimit,
@@ -370,6 +373,7 @@ impl RawConfig {
                 .build(&format!("limits.method.{name}"))
         };
         let limits = Limits {
+            enabled: self.limits.enabled,
             http: self.limits.http.build("limits.http")?,
             tools_list: group("tools_list")?,
             tools_call: group("tools_call")?,

@@ -172,3 +172,21 @@ async fn health_and_metrics_are_never_limited() {
         assert_eq!(r.status(), 200, "{path}");
     }
 }
+
+#[tokio::test]
+async fn the_master_switch_turns_every_limit_off() {
+    let server =
+        TestServer::start("[limits]\nenabled = false\n[limits.http]\nburst = 1\n[limits.caller]\nburst = 40\n").await;
+    let mut s = RawSession::new(&server.url, &[]);
+    assert_eq!(s.open().await, (200, 202));
+    let (status, headers, _) = s.ping(1).await;
+    assert_eq!(status, 200);
+    assert!(headers.get("ratelimit").is_none(), "no limit, no headers");
+    let client = server.client(Some("free")).await;
+    for _ in 0..10 {
+        assert!(!is_error(
+            &call(&client, "generate_image_to_video", json!({"image_url": "https://x.test/a.png", "prompt": "p"}))
+                .await
+        ));
+    }
+}

@@ -64,6 +64,7 @@ pub struct HttpDecision {
 /// Decides whether a caller may proceed, charges it, and explains refusals.
 #[derive(Debug)]
 pub struct Guard {
+    enabled: bool,
     store: Arc<Store>,
     clock: SharedClock,
     policy: Policy,
@@ -77,7 +78,12 @@ fn method_scope(group: MethodGroup, caller: &Caller) -> String {
 impl Guard {
     /// A guard over `store` with the limits of `config`.
     pub fn new(store: Store, clock: SharedClock, config: &Config, metrics: Arc<Metrics>) -> Self {
-        Self { store: Arc::new(store), clock, policy: Policy::new(config), metrics }
+        Self { enabled: config.limits.enabled, store: Arc::new(store), clock, policy: Policy::new(config), metrics }
+    }
+
+    /// Whether limits are enforced at all (`limits.enabled`).
+    pub fn enabled(&self) -> bool {
+        self.enabled
     }
 
     /// The resolved limits.
@@ -101,6 +107,9 @@ impl Guard {
     /// Charges one `method` request to its group's limit (`tools/call` is charged by
     /// [`Guard::admit`], together with the tool's budgets).
     pub fn admit_method(&self, caller: &Caller, group: MethodGroup, method: &str) -> Result<(), Refusal> {
+        if !self.enabled {
+            return Ok(());
+        }
         let limiter = self.policy.for_caller(caller).method(group);
         let scope = method_scope(group, caller);
         let d = self.store.decide_one(&Check { key: &scope, limiter, cost: 1 }, self.clock.now());
@@ -137,6 +146,10 @@ impl Guard {
     /// Charges `caller` for one call of `tool` in every scope at once, or explains exactly how
     /// long to wait for the scope that refused.
     pub fn admit(&self, caller: &Caller, tool: &str) -> Result<Admission, Refusal> {
+        if !self.enabled {
+            self.metrics.in_flight(1.0);
+            return Ok(Admission { _slots: Vec::new(), metrics: self.metrics.clone() });
+        }
         let scopes = self.scopes(caller, tool);
         let checks: Vec<Check<'_>> =
             scopes.iter().map(|(key, limiter, cost)| Check { key, limiter, cost: *cost }).collect();

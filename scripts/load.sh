@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Load test: throughput and latency of `tools/call` through the whole server (HTTP layer,
+# session, guard, tool), with the limits off, with the limits on but never refusing, and the
+# cost of a refusal from the HTTP layer, all in one run on one build.
+#
+# The server is pinned to CPU 0 and wrk (Debian's package) to CPU 1, so the load generator
+# does not steal the server's core. Besides wrk's figures, the server's own CPU time per
+# request is read from /proc: that is what a refusal costs the server, whatever the client.
+#
+#   scripts/load.sh                  # 10 s per run, 16 connections
+#   DURATION=30 CONNECTIONS=64 scripts/load.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DURATION=${DURATION:-10}
+CONNECTIONS=${CONNECTIONS:-16}
+SESSIONS_PER_RUN=${SESSIONS_PER_RUN:-16}
+
+command -v wrk >/dev/null || { echo "installing wrk (Debian package)"; apt-get install -y -qq wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }; }
+cargo build --release --quiet
+BIN="${CARGO_TARGET_DIR:-target}/release/mcp-ratelimit"
+CORES=$(nproc)
+SERVER_CPU=0
+WRK_CPU=$(( CORES > 1 ? 1 : 0 ))
+TICKS=$(getconf CLK_TCK)
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
+open_session() { # url -> session id
+  local headers
+  headers=$(curl -sS -D - -o /dev/null "$1" -H 'Content-Type: application/json' \
+    -H 'Accept: application/json, text/event-stream' -H "Authorization: Bearer $TOKEN" \
+    -d '{"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"load","version":"1"}}}')
+  local sid
+  sid=$(grep -i '^mcp-session-id:' <<<"$headers" | awk '{print $2}' | tr -d '\r')
+  curl -sS -o /dev/null "$1" -H 'Content-Type: application/json' -H 'Accept: application/json, text/event-stream' \
+    -H "Authorization: Bearer $TOKEN" -H "Mcp-Session-Id: $sid" -H 'MCP-Protocol-Version: 2025-11-25' \
+    -d '{"jsonrpc":"2.0","method":"notifications/initialized"}'
+  echo "$sid"
+}
+
+# run NAME [KEY=VALUE env overrides for the server...]
+run() {
+  local name=$1; shift
+  local port url pid sids="" before after result
+  port=$(free_port)
+  url="http://127.0.0.1:$port/mcp"
+  env RUST_LOG=error "$@" taskset -c "$SERVER_CPU" "$BIN" serve --listen "127.0.0.1:$port" >/dev/null 2>&1 &
+  pid=$!
+  for _ in $(seq 1 100); do curl -fsS "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break; sleep 0.05; done
+  TOKEN=load-test
+  for _ in $(seq 1 "$SESSIONS_PER_RUN"); do
+    local sid
+    sid=$(open_session "$url")
+    [ -n "$sid" ] && sids="$sids${sids:+,}$sid"
+  done
+  # A short warm-up, then the measured run.
+  SESSIONS=$sids TOKEN=$TOKEN taskset -c "$WRK_CPU" wrk -t1 -c"$CONNECTIONS" -d2s -s scripts/load/tools_call.lua "http://127.0.0.1:$port" >/dev/null 2>&1 || true
+  before=$(cpu_ticks "$pid")
+  result=$(SESSIONS=$sids TOKEN=$TOKEN taskset -c "$WRK_CPU" wrk -t1 -c"$CONNECTIONS" -d"${DURATION}s" --latency \
+    -s scripts/load/tools_call.lua "http://127.0.0.1:$port" | grep '^RESULT')
+  after=$(cpu_ticks "$pid")
+  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true
+  local requests
+  requests=$(sed -E 's/.*requests=([0-9]+).*/\1/' <<<"$result")
+  local cpu_us=$(( (after - before) * 1000000 / TICKS ))
+  printf '%-34s %s cpu_us_per_request=%.1f\n' "$name" "${result#RESULT }" "$(awk -v c="$cpu_us" -v r="$requests" 'BEGIN { print (r > 0 ? c / r : 0) }')"
+}
+
+GENEROUS=(MCP_RL__LIMITS__HTTP__BURST=1000000000 MCP_RL__LIMITS__HTTP__REFILL_PER_SEC=1000000000
+  MCP_RL__LIMITS__METHOD__TOOLS_CALL__BURST=1000000000 MCP_RL__LIMITS__METHOD__TOOLS_CALL__REFILL_PER_SEC=1000000000
+  MCP_RL__LIMITS__CALLER__BURST=1000000000 MCP_RL__LIMITS__CALLER__REFILL_PER_SEC=1000000000
+  MCP_RL__TOOLS__RATE_LIMIT_STATUS__COST=1)
+
+echo "mcp-ratelimit load test: $(nproc) cores, server on CPU $SERVER_CPU, wrk on CPU $WRK_CPU, ${CONNECTIONS} connections, ${DURATION}s per run"
+echo "tool: rate_limit_status (no upstream call), charged 1 token in the 'on' runs"
+run "limits off (enabled=false)" MCP_RL__LIMITS__ENABLED=false MCP_RL__TOOLS__RATE_LIMIT_STATUS__COST=1
+run "limits on, generous budget" "${GENEROUS[@]}"
+run "refusals: every POST is a 429" MCP_RL__LIMITS__HTTP__BURST=1 MCP_RL__LIMITS__HTTP__REFILL_PER_SEC=0.001

@@ -1,0 +1,42 @@
+-- wrk driver: POSTs MCP tools/call requests, rotating through pre-opened sessions.
+-- SESSIONS (comma-separated Mcp-Session-Id values) and TOKEN come from the environment;
+-- scripts/load.sh opens the sessions with curl before starting wrk.
+local sessions = {}
+for id in string.gmatch(os.getenv("SESSIONS") or "", "[^,]+") do
+  sessions[#sessions + 1] = id
+end
+if #sessions == 0 then
+  sessions[1] = "none" -- the refusal run: every POST is refused before a session is looked up
+end
+local token = os.getenv("TOKEN") or "load-test"
+local tool = os.getenv("TOOL") or "rate_limit_status"
+local n = 0
+
+request = function()
+  n = n + 1
+  local headers = {
+    ["Content-Type"] = "application/json",
+    ["Accept"] = "application/json, text/event-stream",
+    ["Authorization"] = "Bearer " .. token,
+    ["MCP-Protocol-Version"] = "2025-11-25",
+    ["Mcp-Session-Id"] = sessions[(n % #sessions) + 1],
+  }
+  local body = string.format(
+    '{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"%s","arguments":{}}}', n, tool)
+  return wrk.format("POST", "/mcp", headers, body)
+end
+
+local statuses = {}
+response = function(status, headers, body)
+  statuses[status] = (statuses[status] or 0) + 1
+end
+
+done = function(summary, latency, requests)
+  local parts = {}
+  for status, count in pairs(statuses) do
+    parts[#parts + 1] = status .. "=" .. count
+  end
+  io.write(string.format("RESULT rps=%.0f p50_us=%d p99_us=%d requests=%d statuses=%s\n",
+    summary.requests / (summary.duration / 1e6), latency:percentile(50), latency:percentile(99),
+    summary.requests, table.concat(parts, ",")))
+end
