@@ -1,7 +1,7 @@
 # The two commands a new user needs: `make run` and `make test`.
 CARGO ?= cargo
 
-.PHONY: run test check fmt inspector build
+.PHONY: run test check fmt inspector build bench load conformance burst
 
 ## Serve MCP on http://127.0.0.1:3000/mcp with the defaults (in-memory limits, embedded mock upstream).
 run:
@@ -25,3 +25,19 @@ fmt:
 ## Drive the server with the official MCP Inspector CLI over HTTP and stdio (installs it into .tools/).
 inspector:
 	scripts/inspector.sh
+
+## Criterion benchmarks of every algorithm against governor (results in the README).
+bench:
+	scripts/bench.sh
+
+## wrk load test: limits off vs on, and the cost of a 429.
+load:
+	scripts/load.sh
+
+## The official MCP conformance suite against a fresh server.
+conformance:
+	scripts/conformance.sh
+
+## 150 POSTs with curl against a fresh server: the status-code histogram.
+burst:
+	scripts/burst.sh --start

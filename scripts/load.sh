@@ -3,6 +3,9 @@
 # session, guard, tool), with the limits off, with the limits on but never refusing, and the
 # cost of a refusal from the HTTP layer, all in one run on one build.
 #
+# The last run, GET /health, is the floor: the cheapest request this server (hyper, axum,
+# the kernel's TCP) can answer; a 429 cannot cost less than that.
+#
 # The server is pinned to CPU 0 and wrk (Debian's package) to CPU 1, so the load generator
 # does not steal the server's core. Besides wrk's figures, the server's own CPU time per
 # request is read from /proc: that is what a refusal costs the server, whatever the client.
@@ -40,9 +43,9 @@ open_session() { # url -> session id
   echo "$sid"
 }
 
-# run NAME [KEY=VALUE env overrides for the server...]
+# run NAME SCRIPT [KEY=VALUE env overrides for the server...]
 run() {
-  local name=$1; shift
+  local name=$1 script=$2; shift 2
   local port url pid sids="" before after result
   port=$(free_port)
   url="http://127.0.0.1:$port/mcp"
@@ -56,10 +59,10 @@ run() {
     [ -n "$sid" ] && sids="$sids${sids:+,}$sid"
   done
   # A short warm-up, then the measured run.
-  SESSIONS=$sids TOKEN=$TOKEN taskset -c "$WRK_CPU" wrk -t1 -c"$CONNECTIONS" -d2s -s scripts/load/tools_call.lua "http://127.0.0.1:$port" >/dev/null 2>&1 || true
+  SESSIONS=$sids TOKEN=$TOKEN taskset -c "$WRK_CPU" wrk -t1 -c"$CONNECTIONS" -d2s -s "$script" "http://127.0.0.1:$port" >/dev/null 2>&1 || true
   before=$(cpu_ticks "$pid")
   result=$(SESSIONS=$sids TOKEN=$TOKEN taskset -c "$WRK_CPU" wrk -t1 -c"$CONNECTIONS" -d"${DURATION}s" --latency \
-    -s scripts/load/tools_call.lua "http://127.0.0.1:$port" | grep '^RESULT')
+    -s "$script" "http://127.0.0.1:$port" | grep '^RESULT')
   after=$(cpu_ticks "$pid")
   kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true
   local requests
@@ -75,6 +78,8 @@ GENEROUS=(MCP_RL__LIMITS__HTTP__BURST=1000000000 MCP_RL__LIMITS__HTTP__REFILL_PE
 
 echo "mcp-ratelimit load test: $(nproc) cores, server on CPU $SERVER_CPU, wrk on CPU $WRK_CPU, ${CONNECTIONS} connections, ${DURATION}s per run"
 echo "tool: rate_limit_status (no upstream call), charged 1 token in the 'on' runs"
-run "limits off (enabled=false)" MCP_RL__LIMITS__ENABLED=false MCP_RL__TOOLS__RATE_LIMIT_STATUS__COST=1
-run "limits on, generous budget" "${GENEROUS[@]}"
-run "refusals: every POST is a 429" MCP_RL__LIMITS__HTTP__BURST=1 MCP_RL__LIMITS__HTTP__REFILL_PER_SEC=0.001
+CALL=scripts/load/tools_call.lua
+run "limits off (enabled=false)" "$CALL" MCP_RL__LIMITS__ENABLED=false MCP_RL__TOOLS__RATE_LIMIT_STATUS__COST=1
+run "limits on, generous budget" "$CALL" "${GENEROUS[@]}"
+run "refusals: every POST is a 429" scripts/load/static_ping.lua MCP_RL__LIMITS__HTTP__BURST=1 MCP_RL__LIMITS__HTTP__REFILL_PER_SEC=0.001
+run "HTTP floor: GET /health" scripts/load/health.lua

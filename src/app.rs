@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::ListenerExt;
 use rmcp::ServiceExt;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -94,6 +95,13 @@ impl App {
 
     /// Serves HTTP on `listener` until [`App::stop`] is called.
     pub async fn serve_http(&self, listener: TcpListener) -> std::io::Result<()> {
+        // An MCP response over SSE leaves in several small writes; without TCP_NODELAY, Nagle's
+        // algorithm and the client's delayed ACK stall each one by ~40 ms.
+        let listener = listener.tap_io(|tcp| {
+            if let Err(error) = tcp.set_nodelay(true) {
+                tracing::debug!(%error, "cannot set TCP_NODELAY");
+            }
+        });
         let app = self.router().into_make_service_with_connect_info::<SocketAddr>();
         axum::serve(listener, app).with_graceful_shutdown(self.stop.clone().cancelled_owned()).await
     }

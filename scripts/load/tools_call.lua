@@ -26,17 +26,9 @@ request = function()
   return wrk.format("POST", "/mcp", headers, body)
 end
 
-local statuses = {}
-response = function(status, headers, body)
-  statuses[status] = (statuses[status] or 0) + 1
-end
-
 done = function(summary, latency, requests)
-  local parts = {}
-  for status, count in pairs(statuses) do
-    parts[#parts + 1] = status .. "=" .. count
-  end
-  io.write(string.format("RESULT rps=%.0f p50_us=%d p99_us=%d requests=%d statuses=%s\n",
+  io.write(string.format("RESULT rps=%.0f p50_us=%d p99_us=%d requests=%d non_2xx=%d errors=%d\n",
     summary.requests / (summary.duration / 1e6), latency:percentile(50), latency:percentile(99),
-    summary.requests, table.concat(parts, ",")))
+    summary.requests, summary.errors.status,
+    summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout))
 end
