@@ -73,7 +73,7 @@ impl SlidingWindow {
         // Need prev × (window − e) ≤ (limit − cur − cost) × window, i.e.
         // e ≥ window − ⌊(limit − cur − cost) × window / prev⌋.
         let room = (limit - cur - u128::from(cost)) * window;
-        let elapsed = if prev == 0 { 0 } else { window.saturating_sub(room / prev) };
+        let elapsed = room.checked_div(prev).map_or(0, |share| window.saturating_sub(share));
         let at = start + elapsed;
         u64::try_from(at.saturating_sub(u128::from(now))).unwrap_or(u64::MAX).max(1)
     }
