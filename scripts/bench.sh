@@ -11,13 +11,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 started=$(date +%s)
-cargo bench --bench limiters -- "$@"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo bench --bench limiters -- "$@" | tee "$log"
 
 criterion_dir=${CRITERION_HOME:-${CARGO_TARGET_DIR:-target}/criterion}
-python3 - "$criterion_dir" "$started" <<'PY'
+python3 - "$criterion_dir" "$started" "$log" <<'PY'
 import json, os, sys
 
-root, started = sys.argv[1], float(sys.argv[2])
+root, started, log = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 rows = {}
 for dirpath, _, files in os.walk(root):
     if os.path.basename(dirpath) != "new" or "estimates.json" not in files or "benchmark.json" not in files:
@@ -28,13 +30,13 @@ for dirpath, _, files in os.walk(root):
     with open(os.path.join(dirpath, "benchmark.json")) as f:
         meta = json.load(f)
     with open(estimates) as f:
-        mean = json.load(f)["mean"]
+        est = json.load(f)
     key = (meta["group_id"], meta.get("value_str") or "", meta.get("function_id") or "")
-    ci = mean["confidence_interval"]
-    rows[key] = (mean["point_estimate"], ci["lower_bound"], ci["upper_bound"])
+    ci = est["mean"]["confidence_interval"]
+    rows[key] = (est["mean"]["point_estimate"], ci["lower_bound"], ci["upper_bound"], est["median"]["point_estimate"])
 
 if not rows:
-    sys.exit(f"no fresh criterion results under {root}")
+    print(f"no fresh criterion results under {root}")
 
 group_order = ["hot_key", "many_keys", "contended_two_threads", "clock_read"]
 alg_order = ["token_bucket", "gcra", "fixed_window", "sliding_log", "sliding_window", "leaky_bucket",
@@ -44,19 +46,34 @@ def order(k):
     return (group_order.index(g) if g in group_order else 99, g, clock,
             alg_order.index(alg) if alg in alg_order else 99, alg)
 
-header = f"{'group':<22} {'clock':<11} {'limiter':<19} {'ns/decision':>11} {'95% CI':>17} {'ours/governor':>13} {'decisions/s':>12}"
-print()
-print(header)
-print("-" * len(header))
-last = None
-for key in sorted(rows, key=order):
-    group, clock, alg = key
-    if last is not None and last != (group, clock):
-        print()
-    last = (group, clock)
-    mean, lo, hi = rows[key]
-    gov = rows.get((group, clock, "governor"))
-    ratio = "" if alg == "governor" or gov is None else f"{mean / gov[0]:.2f}x"
-    name = "governor" if alg == "governor" else f"ours {alg}"
-    print(f"{group:<22} {clock:<11} {name:<19} {mean:>11.1f} {f'[{lo:.1f}, {hi:.1f}]':>17} {ratio:>13} {1e9 / mean:>12.3g}")
+def table():
+    header = (f"{'group':<22} {'clock':<11} {'limiter':<19} {'mean ns':>8} {'95% CI of mean':>16} "
+              f"{'median ns':>9} {'ours/gov mean':>13} {'ours/gov median':>15} {'decisions/s':>11}")
+    print()
+    print("ns per decision (criterion mean and median); ours/gov < 1 means ours is faster;")
+    print("decisions/s = 1e9 / median (for contended_two_threads: both threads together)")
+    print(header)
+    print("-" * len(header))
+    last = None
+    for key in sorted(rows, key=order):
+        group, clock, alg = key
+        if last is not None and last != (group, clock):
+            print()
+        last = (group, clock)
+        mean, lo, hi, median = rows[key]
+        gov = rows.get((group, clock, "governor"))
+        paired = alg != "governor" and gov is not None
+        ratio_mean = f"{mean / gov[0]:.2f}x" if paired else ""
+        ratio_median = f"{median / gov[3]:.2f}x" if paired else ""
+        name = "governor" if alg == "governor" else f"ours {alg}"
+        print(f"{group:<22} {clock:<11} {name:<19} {mean:>8.1f} {f'[{lo:.1f}, {hi:.1f}]':>16} "
+              f"{median:>9.1f} {ratio_mean:>13} {ratio_median:>15} {1e9 / median:>11.3g}")
+
+if rows:
+    table()
+
+paired_lines = [line.rstrip()[len("paired "):] for line in open(log) if line.startswith("paired ")]
+if paired_lines:
+    print()
+    print("\n".join(paired_lines))
 PY

@@ -8,7 +8,7 @@
 use std::fmt::Debug;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Nanoseconds since the clock's origin. Only differences between two readings mean anything.
 pub type Nanos = u64;
@@ -28,15 +28,22 @@ pub trait Clock: Send + Sync + Debug {
 pub type SharedClock = Arc<dyn Clock>;
 
 /// Real monotonic time, counted from when the clock was made.
+///
+/// Read from the CPU's time-stamp counter through `quanta` (calibrated against the OS clock,
+/// and falling back to it where the TSC is not reliable): about 10 ns a reading instead of
+/// 25 ns for `Instant::now()`, which is a third of a whole limiter decision.
 #[derive(Debug)]
 pub struct SystemClock {
-    origin: Instant,
+    clock: quanta::Clock,
+    origin: u64,
 }
 
 impl SystemClock {
     /// A clock whose origin is now.
     pub fn new() -> Self {
-        Self { origin: Instant::now() }
+        let clock = quanta::Clock::new();
+        let origin = clock.raw();
+        Self { clock, origin }
     }
 
     /// The system clock as a [`SharedClock`].
@@ -53,7 +60,7 @@ impl Default for SystemClock {
 
 impl Clock for SystemClock {
     fn now(&self) -> Nanos {
-        u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
+        self.clock.delta_as_nanos(self.origin, self.clock.raw())
     }
 }
 
@@ -90,4 +97,23 @@ pub fn ceil_ms(nanos: Nanos) -> u64 {
 /// Whole seconds in `nanos`, rounded up: "wait 1 second" when 200 ms remain, never "wait 0".
 pub fn ceil_secs(nanos: Nanos) -> u64 {
     nanos.div_ceil(NANOS_PER_SEC)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_system_clock_is_monotonic_and_tracks_real_time() {
+        let clock = SystemClock::new();
+        let started = std::time::Instant::now();
+        let mut last = clock.now();
+        while started.elapsed() < Duration::from_millis(20) {
+            let now = clock.now();
+            assert!(now >= last, "went backwards: {last} -> {now}");
+            last = now;
+        }
+        let measured = Duration::from_nanos(clock.now());
+        assert!(measured >= Duration::from_millis(19) && measured < Duration::from_millis(500), "{measured:?}");
+    }
 }
