@@ -6,7 +6,9 @@
 //! rejections come from one caller or many, never enough to tell who. No label ever holds a
 //! token, a caller id or an address.
 
-use metrics::{Key, Label, Level, Metadata, Recorder, SharedString, Unit};
+use std::collections::HashMap;
+
+use metrics::{Counter, Gauge, Key, Label, Level, Metadata, Recorder, SharedString, Unit};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 
 use crate::identity::Caller;
@@ -43,10 +45,18 @@ impl Layer {
     }
 }
 
+/// The names decisions are recorded under, per layer, registered once at start-up so the hot
+/// path increments a handle instead of building a labelled key.
+const HTTP_NAMES: &[&str] = &["POST /mcp"];
+const METHOD_NAMES: &[&str] = &["tools/list", "tools/call", "other"];
+
 /// The server's metrics.
 pub struct Metrics {
     recorder: PrometheusRecorder,
     handle: PrometheusHandle,
+    /// `[layer][name] -> [allowed, refused]` for every known layer and name.
+    decisions: [HashMap<&'static str, [Counter; 2]>; 3],
+    in_flight: Gauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -77,7 +87,29 @@ impl Metrics {
             Some(Unit::Count),
             SharedString::const_str("Admitted tool calls still running."),
         );
-        Self { recorder, handle }
+        let register = |layer: Layer, names: &[&'static str]| -> HashMap<&'static str, [Counter; 2]> {
+            names
+                .iter()
+                .map(|&name| {
+                    let counter = |outcome: &'static str| {
+                        let labels = vec![
+                            Label::new("layer", layer.as_str()),
+                            Label::new("tool", name),
+                            Label::new("outcome", outcome),
+                        ];
+                        recorder.register_counter(&Key::from_parts(DECISIONS, labels), &META)
+                    };
+                    (name, [counter("allowed"), counter("refused")])
+                })
+                .collect()
+        };
+        let decisions = [
+            register(Layer::Http, HTTP_NAMES),
+            register(Layer::Method, METHOD_NAMES),
+            register(Layer::Tool, &crate::mcp::tools::TOOL_NAMES),
+        ];
+        let in_flight = recorder.register_gauge(&Key::from_name(IN_FLIGHT), &META);
+        Self { recorder, handle, decisions, in_flight }
     }
 
     fn count(&self, name: &'static str, labels: Vec<Label>) {
@@ -86,6 +118,15 @@ impl Metrics {
 
     /// Records one decision.
     pub fn decision(&self, layer: Layer, tool: &str, allowed: bool) {
+        let index = match layer {
+            Layer::Http => 0,
+            Layer::Method => 1,
+            Layer::Tool => 2,
+        };
+        if let Some(counters) = self.decisions[index].get(tool) {
+            counters[usize::from(!allowed)].increment(1);
+            return;
+        }
         let outcome = if allowed { "allowed" } else { "refused" };
         self.count(
             DECISIONS,
@@ -117,12 +158,36 @@ impl Metrics {
 
     /// Moves the in-flight gauge by `delta`.
     pub fn in_flight(&self, delta: f64) {
-        let gauge = self.recorder.register_gauge(&Key::from_name(IN_FLIGHT), &META);
-        if delta >= 0.0 { gauge.increment(delta) } else { gauge.decrement(-delta) }
+        if delta >= 0.0 { self.in_flight.increment(delta) } else { self.in_flight.decrement(-delta) }
     }
 
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
         self.handle.render()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pre_registered_and_ad_hoc_decisions_render_alike() {
+        let m = Metrics::new();
+        m.decision(Layer::Tool, "generate_image", true);
+        m.decision(Layer::Tool, "generate_image", false);
+        m.decision(Layer::Method, "tools/list", false);
+        m.decision(Layer::Tool, "not_a_tool", true);
+        m.in_flight(1.0);
+        let text = m.render();
+        for line in [
+            "mcp_ratelimit_decisions_total{layer=\"tool\",tool=\"generate_image\",outcome=\"allowed\"} 1",
+            "mcp_ratelimit_decisions_total{layer=\"tool\",tool=\"generate_image\",outcome=\"refused\"} 1",
+            "mcp_ratelimit_decisions_total{layer=\"method\",tool=\"tools/list\",outcome=\"refused\"} 1",
+            "mcp_ratelimit_decisions_total{layer=\"tool\",tool=\"not_a_tool\",outcome=\"allowed\"} 1",
+            "mcp_ratelimit_in_flight_calls 1",
+        ] {
+            assert!(text.contains(line), "missing {line} in\n{text}");
+        }
     }
 }
