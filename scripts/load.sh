@@ -27,7 +27,7 @@ SERVER_CPU=0
 WRK_CPU=$(( CORES > 1 ? 1 : 0 ))
 TICKS=$(getconf CLK_TCK)
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+. scripts/lib.sh
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
 open_session() { # url -> session id
@@ -47,11 +47,11 @@ open_session() { # url -> session id
 run() {
   local name=$1 script=$2; shift 2
   local port url pid sids="" before after result
-  port=$(free_port)
+  PORT=$(free_port)
+  port=$PORT
   url="http://127.0.0.1:$port/mcp"
-  env RUST_LOG=error "$@" taskset -c "$SERVER_CPU" "$BIN" serve --listen "127.0.0.1:$port" >/dev/null 2>&1 &
-  pid=$!
-  for _ in $(seq 1 100); do curl -fsS "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break; sleep 0.05; done
+  RUST_LOG=error start_server /dev/null env "$@" taskset -c "$SERVER_CPU" --
+  pid=$SERVER_PID
   TOKEN=load-test
   for _ in $(seq 1 "$SESSIONS_PER_RUN"); do
     local sid
@@ -64,7 +64,7 @@ run() {
   result=$(SESSIONS=$sids TOKEN=$TOKEN taskset -c "$WRK_CPU" wrk -t1 -c"$CONNECTIONS" -d"${DURATION}s" --latency \
     -s "$script" "http://127.0.0.1:$port" | grep '^RESULT')
   after=$(cpu_ticks "$pid")
-  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true
+  stop_server
   local requests
   requests=$(sed -E 's/.*requests=([0-9]+).*/\1/' <<<"$result")
   local cpu_us=$(( (after - before) * 1000000 / TICKS ))
