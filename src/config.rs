@@ -294,11 +294,6 @@ impl Config {
         builder.build()?.try_deserialize::<RawConfig>()?.validate()
     }
 
-    /// What `tool` costs (zero for a tool without an entry, which validation prevents).
-    pub fn cost_of(&self, tool: &str) -> u64 {
-        self.tools.get(tool).map_or(0, |t| t.cost)
-    }
-
     /// The effective limits as a table for `check-config`.
     pub fn limits_table(&self) -> String {
         let mut out = String::new();
@@ -621,7 +616,7 @@ mod tests {
     fn documented_defaults_load() {
         let c = Config::defaults().expect("defaults are valid");
         assert_eq!(c.limits.caller.capacity(), 60);
-        assert_eq!(c.cost_of("generate_image_to_video"), 20);
+        assert_eq!(c.tools["generate_image_to_video"].cost, 20);
         assert_eq!(c.tools.len(), TOOL_NAMES.len());
     }
 

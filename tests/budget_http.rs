@@ -239,6 +239,12 @@ async fn upstream_429_is_passed_on_with_its_retry_after_as_a_floor() {
     assert_eq!(error_code(&r), Some("upstream_rate_limited"));
     assert!(structured(&r)["error"]["retry_after_ms"].as_u64().is_some_and(|ms| ms >= 7000));
     assert!(text(&r).contains("Wait 7 seconds"), "{}", text(&r));
+    let metrics =
+        reqwest::get(format!("http://{}/metrics", server.addr)).await.expect("metrics").text().await.expect("text");
+    assert!(
+        metrics.contains(r#"mcp_ratelimit_upstream_requests_total{tool="generate_image",outcome="rate_limited"} 1"#),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]

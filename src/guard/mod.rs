@@ -71,8 +71,25 @@ pub struct Guard {
     metrics: Arc<Metrics>,
 }
 
+/// The scope keys, one place for their shape: `rate_limit_status` and refusals show them.
 fn method_scope(group: MethodGroup, caller: &Caller) -> String {
     format!("method:{}:{}", group.as_str(), caller.id())
+}
+
+fn caller_scope(caller: &Caller) -> String {
+    format!("caller:{}", caller.id())
+}
+
+fn tenant_scope(tenant: &str) -> String {
+    format!("tenant:{tenant}")
+}
+
+/// A tool's own budget belongs to the caller's tenant, or to the caller when it has none.
+fn tool_scope(caller: &Caller, tool: &str) -> String {
+    match caller.tenant() {
+        Some(tenant) => format!("tenant:{tenant}:tool:{tool}"),
+        None => format!("caller:{}:tool:{tool}", caller.id()),
+    }
 }
 
 impl Guard {
@@ -128,17 +145,13 @@ impl Guard {
         let cost = self.policy.cost_of(tool);
         let mut scopes = vec![(method_scope(MethodGroup::ToolsCall, caller), &tier.tools_call, 1)];
         if cost > 0 {
-            scopes.push((format!("caller:{}", caller.id()), &tier.caller, cost));
+            scopes.push((caller_scope(caller), &tier.caller, cost));
             if let Some(tenant) = caller.tenant() {
-                scopes.push((format!("tenant:{tenant}"), &self.policy.tenant, cost));
+                scopes.push((tenant_scope(tenant), &self.policy.tenant, cost));
             }
         }
         if let Some(budget) = self.policy.tools.get(tool).and_then(|t| t.budget.as_ref()) {
-            let owner = match caller.tenant() {
-                Some(tenant) => format!("tenant:{tenant}"),
-                None => format!("caller:{}", caller.id()),
-            };
-            scopes.push((format!("{owner}:tool:{tool}"), budget, 1));
+            scopes.push((tool_scope(caller, tool), budget, 1));
         }
         scopes
     }
@@ -196,15 +209,13 @@ impl Guard {
             peek.push((format!("http:{}", caller.id()), &tier.http));
         }
         peek.push((method_scope(MethodGroup::ToolsCall, caller), &tier.tools_call));
-        peek.push((format!("caller:{}", caller.id()), &tier.caller));
+        peek.push((caller_scope(caller), &tier.caller));
         if let Some(tenant) = caller.tenant() {
-            peek.push((format!("tenant:{tenant}"), &self.policy.tenant));
+            peek.push((tenant_scope(tenant), &self.policy.tenant));
         }
         for (tool, policy) in &self.policy.tools {
             if let Some(budget) = &policy.budget {
-                let owner =
-                    caller.tenant().map_or_else(|| format!("caller:{}", caller.id()), |t| format!("tenant:{t}"));
-                peek.push((format!("{owner}:tool:{tool}"), budget));
+                peek.push((tool_scope(caller, tool), budget));
             }
         }
         let now = self.clock.now();

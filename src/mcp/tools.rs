@@ -293,6 +293,12 @@ fn report(prediction: Prediction, wait_secs: Option<u64>) -> Result<CallToolResu
 }
 
 impl McpServer {
+    /// Counts an upstream answer in `mcp_ratelimit_upstream_requests_total` and passes it on.
+    fn observe<T>(&self, tool: &str, answer: Result<T, UpstreamError>) -> Result<T, UpstreamError> {
+        self.app.metrics.upstream(tool, answer.as_ref().map_or_else(UpstreamError::outcome, |_| "ok"));
+        answer
+    }
+
     fn poll_hint_secs(&self, kind: PredictionKind) -> u64 {
         let upstream = &self.app.config.upstream;
         match kind {
@@ -303,7 +309,7 @@ impl McpServer {
 
     async fn submit(&self, tool: &str, caller: &Caller, job: NewPrediction) -> Result<CallToolResult, ErrorData> {
         let kind = job.kind;
-        let prediction = match self.app.upstream.create_prediction(&job).await {
+        let prediction = match self.observe(tool, self.app.upstream.create_prediction(&job).await) {
             Ok(p) => p,
             Err(e) => return Ok(upstream_refusal(tool, e)),
         };
@@ -330,7 +336,7 @@ impl McpServer {
     async fn list_articles(&self, Parameters(args): Parameters<ListArticlesArgs>) -> Result<CallToolResult, ErrorData> {
         let query = Some(args.query.as_str()).filter(|q| !q.is_empty());
         let cursor = Some(args.cursor.as_str()).filter(|c| !c.is_empty());
-        match self.app.upstream.list_articles(query, args.limit, cursor).await {
+        match self.observe("list_articles", self.app.upstream.list_articles(query, args.limit, cursor).await) {
             Ok(page) => {
                 let more =
                     page.next_cursor.as_deref().map(|c| format!(" More with cursor \"{c}\".")).unwrap_or_default();
@@ -347,7 +353,8 @@ impl McpServer {
         annotations(read_only_hint = false, destructive_hint = false, open_world_hint = true)
     )]
     async fn save_article(&self, Parameters(args): Parameters<SaveArticleArgs>) -> Result<CallToolResult, ErrorData> {
-        match self.app.upstream.save_article(&NewArticle { title: args.title, body: args.body }).await {
+        let article = NewArticle { title: args.title, body: args.body };
+        match self.observe("save_article", self.app.upstream.save_article(&article).await) {
             Ok(saved) => success(format!("Saved article {} \"{}\".", saved.id, saved.title), saved),
             Err(e) => Ok(upstream_refusal("save_article", e)),
         }
@@ -401,7 +408,9 @@ impl McpServer {
                 Ok(Refusal::invalid_arguments("get_prediction", "no prediction with that predict_id").into_result())
             }
             PollGate::Answer { last, wait } => report(last, Some(ceil_secs(wait))),
-            PollGate::Due => match self.app.upstream.get_prediction(&args.predict_id).await {
+            PollGate::Due => match self
+                .observe("get_prediction", self.app.upstream.get_prediction(&args.predict_id).await)
+            {
                 Ok(prediction) => {
                     let hint = self.poll_hint_secs(prediction.kind);
                     book.record(caller.id(), prediction.clone(), hint * NANOS_PER_SEC);

@@ -33,6 +33,18 @@ pub enum UpstreamError {
     Rejected(String),
 }
 
+impl UpstreamError {
+    /// The `outcome` label of the upstream metric.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            UpstreamError::RateLimited { .. } => "rate_limited",
+            UpstreamError::Unavailable(_) => "unavailable",
+            UpstreamError::NotFound => "not_found",
+            UpstreamError::Rejected(_) => "rejected",
+        }
+    }
+}
+
 /// A client for the paid API.
 #[derive(Debug, Clone)]
 pub struct Upstream {
