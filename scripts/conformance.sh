@@ -16,6 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CONFORMANCE_VERSION="0.1.16"
+LIFECYCLE_VERSION="0.2.0-alpha.12"
 BASELINE="scripts/conformance-baseline.yml"
 # Scenarios that must pass for real, with the number of checks each one has to pass (a scenario
 # that only records WARNINGs, e.g. multiple-streams without a session id, would pass vacuously).
@@ -82,6 +83,27 @@ for entry in "${REQUIRED[@]}"; do
     status=1
   fi
 done
+
+# Session lifecycle (initialized accepted, DELETE accepted, 404 for a terminated session id) is
+# only in the 0.2 pre-release of the suite; it is pinned and run on its own, from its own prefix.
+ensure_lifecycle_suite() {
+  local prefix="$PWD/.tools/node-alpha"
+  if ! grep -q "\"version\": *\"$LIFECYCLE_VERSION\"" "$prefix/node_modules/@modelcontextprotocol/conformance/package.json" 2>/dev/null; then
+    echo "installing @modelcontextprotocol/conformance $LIFECYCLE_VERSION into $prefix" >&2
+    mkdir -p "$prefix"
+    npm install --prefix "$prefix" --save-exact --no-audit --no-fund --loglevel=error \
+      "@modelcontextprotocol/conformance@$LIFECYCLE_VERSION" >&2
+  fi
+  echo "$prefix/node_modules/.bin/conformance"
+}
+lifecycle=$("$(ensure_lifecycle_suite | tail -n 1)" server --url "$BASE/mcp" --scenario server-session-lifecycle 2>&1 || true)
+if grep -q "Passed: 3/3, 0 failed" <<<"$lifecycle"; then
+  echo "server-session-lifecycle ($LIFECYCLE_VERSION): 3/3 checks passed"
+else
+  echo "FAIL: server-session-lifecycle ($LIFECYCLE_VERSION):"
+  echo "$lifecycle" | tail -n 15
+  status=1
+fi
 
 # A legitimate client is never refused: the whole suite fits in the default budgets.
 metrics=$(curl -fsS "$BASE/metrics" || true)
