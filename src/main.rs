@@ -104,7 +104,10 @@ async fn run(command: Command) -> anyhow::Result<()> {
             tracing::info!(mcp = %format!("http://{addr}/mcp"), upstream = app.upstream_url(), "serving");
             tokio::select! {
                 served = app.serve_http(listener) => served?,
-                _ = tokio::signal::ctrl_c() => app.stop(),
+                () = shutdown_signal() => {
+                    tracing::info!("shutting down");
+                    app.stop();
+                }
             }
         }
         Command::Stdio { config } => {
@@ -119,9 +122,33 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
             let mock = MockUpstream::start(config.mock_upstream, SystemClock::shared(), listener).await?;
             tracing::info!(url = %mock.url, "mock upstream serving");
-            tokio::signal::ctrl_c().await?;
+            shutdown_signal().await;
         }
         Command::CheckConfig { .. } => unreachable!("handled before the runtime starts"),
     }
     Ok(())
+}
+
+/// Ctrl-C, or SIGTERM (what containers and service managers send to stop a process).
+async fn shutdown_signal() {
+    let interrupt = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {}
+        () = terminate => {}
+    }
 }

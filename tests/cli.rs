@@ -71,3 +71,30 @@ fn a_missing_config_file_is_an_error_not_a_default() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("nonexistent"));
 }
+
+#[test]
+fn serve_stops_cleanly_on_sigterm() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .env("RUST_LOG", "warn")
+        .spawn()
+        .expect("server starts");
+    // Wait (bounded) until it accepts connections.
+    let up = (0..200).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(25)); // polling the child process, bounded
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    assert!(up, "server never listened");
+    let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill runs");
+    assert!(killed.success());
+    let exited = (0..200).find_map(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(25)); // polling the child process, bounded
+        child.try_wait().ok().flatten()
+    });
+    let status = exited.unwrap_or_else(|| {
+        let _ = child.kill();
+        panic!("server ignored SIGTERM");
+    });
+    assert!(status.success(), "graceful exit, got {status}");
+}
