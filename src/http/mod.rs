@@ -35,13 +35,50 @@ pub fn router(app: Arc<AppState>, stop: CancellationToken) -> Router {
         config,
     );
     Router::new()
-        .nest_service("/mcp", mcp)
+        .nest_service("/mcp", Shared::new(mcp))
         .layer(limit::HttpLimitLayer::new(app.clone()))
         .layer(middleware::from_fn_with_state(app.clone(), front_door::identify))
         .layer(middleware::from_fn_with_state(app.clone(), front_door::rebinding_protection))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics))
         .with_state(app)
+}
+
+/// A service behind an `Arc`. axum and its `from_fn` layers clone the inner stack on every
+/// request; rmcp's service carries its config (host lists and more), so cloning it per layer
+/// per request shows in a profile. Behind an `Arc` those clones are a reference count, and the
+/// service itself is cloned once, only for a request that actually reaches it.
+#[derive(Debug)]
+struct Shared<S>(Arc<S>);
+
+impl<S> Shared<S> {
+    fn new(service: S) -> Self {
+        Self(Arc::new(service))
+    }
+}
+
+impl<S> Clone for Shared<S> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<S, R> tower::Service<R> for Shared<S>
+where
+    S: tower::Service<R> + Clone,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = tower::util::Oneshot<S, R>;
+
+    fn poll_ready(&mut self, _cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        // Readiness belongs to the clone that serves the request: `oneshot` waits for it.
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: R) -> Self::Future {
+        tower::ServiceExt::oneshot(S::clone(&self.0), request)
+    }
 }
 
 async fn metrics(State(app): State<Arc<AppState>>) -> impl axum::response::IntoResponse {
