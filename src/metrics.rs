@@ -35,7 +35,34 @@ pub enum Layer {
     Tool,
 }
 
+/// How a decision went.
+#[derive(Debug, Clone, Copy)]
+enum Outcome {
+    Allowed,
+    Refused,
+}
+
+/// The labelled key of `mcp_ratelimit_decisions_total`, the one place its labels are spelled.
+fn decision_key(layer: Layer, tool: &str, outcome: Outcome) -> Key {
+    let outcome = match outcome {
+        Outcome::Allowed => "allowed",
+        Outcome::Refused => "refused",
+    };
+    let labels =
+        vec![Label::new("layer", layer.as_str()), Label::new("tool", tool.to_owned()), Label::new("outcome", outcome)];
+    Key::from_parts(DECISIONS, labels)
+}
+
 impl Layer {
+    /// Position in the pre-registered handle tables.
+    fn index(self) -> usize {
+        match self {
+            Layer::Http => 0,
+            Layer::Method => 1,
+            Layer::Tool => 2,
+        }
+    }
+
     fn as_str(self) -> &'static str {
         match self {
             Layer::Http => "http",
@@ -91,15 +118,8 @@ impl Metrics {
             names
                 .iter()
                 .map(|&name| {
-                    let counter = |outcome: &'static str| {
-                        let labels = vec![
-                            Label::new("layer", layer.as_str()),
-                            Label::new("tool", name),
-                            Label::new("outcome", outcome),
-                        ];
-                        recorder.register_counter(&Key::from_parts(DECISIONS, labels), &META)
-                    };
-                    (name, [counter("allowed"), counter("refused")])
+                    let counter = |outcome| recorder.register_counter(&decision_key(layer, name, outcome), &META);
+                    (name, [counter(Outcome::Allowed), counter(Outcome::Refused)])
                 })
                 .collect()
         };
@@ -118,24 +138,12 @@ impl Metrics {
 
     /// Records one decision.
     pub fn decision(&self, layer: Layer, tool: &str, allowed: bool) {
-        let index = match layer {
-            Layer::Http => 0,
-            Layer::Method => 1,
-            Layer::Tool => 2,
-        };
-        if let Some(counters) = self.decisions[index].get(tool) {
+        if let Some(counters) = self.decisions[layer.index()].get(tool) {
             counters[usize::from(!allowed)].increment(1);
             return;
         }
-        let outcome = if allowed { "allowed" } else { "refused" };
-        self.count(
-            DECISIONS,
-            vec![
-                Label::new("layer", layer.as_str()),
-                Label::new("tool", tool.to_owned()),
-                Label::new("outcome", outcome),
-            ],
-        );
+        let outcome = if allowed { Outcome::Allowed } else { Outcome::Refused };
+        self.recorder.register_counter(&decision_key(layer, tool, outcome), &META).increment(1);
     }
 
     /// Records one refusal, labelled with the caller's bucket, never the caller.

@@ -46,6 +46,14 @@ pub struct Admission {
     metrics: Arc<Metrics>,
 }
 
+impl Admission {
+    /// The only way to make one: the in-flight gauge goes up here and down in `Drop`.
+    fn new(slots: Vec<SlotGuard>, metrics: Arc<Metrics>) -> Self {
+        metrics.in_flight(1.0);
+        Self { _slots: slots, metrics }
+    }
+}
+
 impl Drop for Admission {
     fn drop(&mut self) {
         self.metrics.in_flight(-1.0);
@@ -160,8 +168,7 @@ impl Guard {
     /// long to wait for the scope that refused.
     pub fn admit(&self, caller: &Caller, tool: &str) -> Result<Admission, Refusal> {
         if !self.enabled {
-            self.metrics.in_flight(1.0);
-            return Ok(Admission { _slots: Vec::new(), metrics: self.metrics.clone() });
+            return Ok(Admission::new(Vec::new(), self.metrics.clone()));
         }
         let scopes = self.scopes(caller, tool);
         let checks: Vec<Check<'_>> =
@@ -195,8 +202,7 @@ impl Guard {
                 SlotGuard::new(self.store.clone(), self.clock.clone(), c.key.to_owned(), c.limiter.clone(), c.cost)
             })
             .collect();
-        self.metrics.in_flight(1.0);
-        Ok(Admission { _slots: slots, metrics: self.metrics.clone() })
+        Ok(Admission::new(slots, self.metrics.clone()))
     }
 
     /// The caller's budgets right now, without spending anything: the HTTP budget (when it

@@ -264,6 +264,11 @@ fn upstream_refusal(tool: &str, error: UpstreamError) -> CallToolResult {
     refusal.into_result()
 }
 
+/// Someone else's job, or none at all: the same answer, so a `predict_id` never leaks.
+fn unknown_prediction() -> CallToolResult {
+    Refusal::invalid_arguments("get_prediction", "no prediction with that predict_id").into_result()
+}
+
 fn report(prediction: Prediction, wait_secs: Option<u64>) -> Result<CallToolResult, ErrorData> {
     let id = &prediction.id;
     let summary = match (prediction.status, &prediction.output, &prediction.error) {
@@ -404,23 +409,19 @@ impl McpServer {
     ) -> Result<CallToolResult, ErrorData> {
         let book = &self.app.predictions;
         match book.gate(caller.id(), &args.predict_id) {
-            PollGate::NotYours => {
-                Ok(Refusal::invalid_arguments("get_prediction", "no prediction with that predict_id").into_result())
-            }
+            PollGate::NotYours => Ok(unknown_prediction()),
             PollGate::Answer { last, wait } => report(last, Some(ceil_secs(wait))),
-            PollGate::Due => match self
-                .observe("get_prediction", self.app.upstream.get_prediction(&args.predict_id).await)
-            {
-                Ok(prediction) => {
-                    let hint = self.poll_hint_secs(prediction.kind);
-                    book.record(caller.id(), prediction.clone(), hint * NANOS_PER_SEC);
-                    report(prediction, Some(hint))
+            PollGate::Due => {
+                match self.observe("get_prediction", self.app.upstream.get_prediction(&args.predict_id).await) {
+                    Ok(prediction) => {
+                        let hint = self.poll_hint_secs(prediction.kind);
+                        book.record(caller.id(), prediction.clone(), hint * NANOS_PER_SEC);
+                        report(prediction, Some(hint))
+                    }
+                    Err(UpstreamError::NotFound) => Ok(unknown_prediction()),
+                    Err(e) => Ok(upstream_refusal("get_prediction", e)),
                 }
-                Err(UpstreamError::NotFound) => {
-                    Ok(Refusal::invalid_arguments("get_prediction", "no prediction with that predict_id").into_result())
-                }
-                Err(e) => Ok(upstream_refusal("get_prediction", e)),
-            },
+            }
         }
     }
 
