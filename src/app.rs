@@ -12,7 +12,7 @@ use rmcp::ServiceExt;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::clock::SharedClock;
+use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC, SharedClock};
 use crate::config::Config;
 use crate::guard::Guard;
 use crate::identity::Identifier;
@@ -21,7 +21,10 @@ use crate::metrics::Metrics;
 use crate::mock_upstream::MockUpstream;
 use crate::store::{MemoryStore, Store};
 use crate::upstream::Upstream;
-use crate::upstream::predictions::PredictionBook;
+use crate::upstream::backoff::{Backoff, RetryBudget};
+use crate::upstream::breaker::Breaker;
+use crate::upstream::jobs::{JobRules, Jobs};
+use crate::upstream::queue::SpacedQueue;
 
 /// State shared by every session.
 #[derive(Debug)]
@@ -36,10 +39,27 @@ pub struct AppState {
     pub guard: Guard,
     /// What the limits are doing.
     pub metrics: Arc<Metrics>,
-    /// The paid API.
-    pub upstream: Upstream,
-    /// Jobs we submitted and when they may be polled.
-    pub predictions: PredictionBook,
+    /// The paid API, behind its circuit breaker.
+    pub upstream: Arc<Upstream>,
+    /// Jobs accepted and not yet forgotten: their slots, the video queue, background polls.
+    pub jobs: Arc<Jobs>,
+}
+
+impl AppState {
+    /// Sets the gauges that are read from live state when `/metrics` is scraped.
+    pub fn sample_gauges(&self) {
+        use crate::metrics::{BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH};
+        use crate::upstream::breaker::BreakerState;
+        let queue = self.jobs.video_queue().len() as f64;
+        self.metrics.sample(QUEUE_DEPTH, vec![metrics::Label::new("queue", "video")], queue);
+        self.metrics.sample(JOBS_IN_FLIGHT, Vec::new(), self.jobs.in_flight() as f64);
+        let breaker = match self.upstream.breaker().state(self.clock.now()) {
+            BreakerState::Closed => 0.0,
+            BreakerState::HalfOpen => 1.0,
+            BreakerState::Open => 2.0,
+        };
+        self.metrics.sample(BREAKER_STATE, Vec::new(), breaker);
+    }
 }
 
 /// A started server: state, the embedded mock upstream if any, and the housekeeping task.
@@ -61,19 +81,32 @@ impl App {
             None
         };
         let upstream_url = mock.as_ref().map_or_else(|| config.upstream.url.clone(), |m| m.url.clone());
-        let upstream = Upstream::new(&upstream_url, Duration::from_millis(config.upstream.timeout_ms))?;
+        let up = &config.upstream;
+        let ms = |n: u64| n.saturating_mul(NANOS_PER_MS);
+        let timeout = Duration::from_millis(up.timeout_ms);
+        let breaker = Breaker::new(up.breaker_failures, ms(up.breaker_cooldown_ms));
+        let upstream = Arc::new(Upstream::new(&upstream_url, timeout, breaker, clock.clone())?);
         let metrics = Arc::new(Metrics::new());
-        let guard = Guard::new(Store::Memory(MemoryStore::new()), clock.clone(), &config, metrics.clone());
-        let state = Arc::new(AppState {
-            predictions: PredictionBook::new(clock.clone()),
-            identifier: Identifier::new(&config),
-            guard,
-            metrics,
-            upstream,
-            clock,
-            config,
-        });
         let stop = CancellationToken::new();
+        let rules = JobRules {
+            image_hint: up.image_poll_seconds.saturating_mul(NANOS_PER_SEC),
+            video_hint: up.video_poll_seconds.saturating_mul(NANOS_PER_SEC),
+            expiry: up.job_expiry_seconds.saturating_mul(NANOS_PER_SEC),
+            backoff: Backoff::new(up.max_attempts, Duration::from_millis(up.max_retry_after_ms)),
+            refresh_wait: timeout + Duration::from_secs(1),
+        };
+        let jobs = Arc::new(Jobs::new(
+            upstream.clone(),
+            Arc::new(SpacedQueue::new(ms(up.video_min_gap_ms), up.video_queue_max, clock.clone())),
+            RetryBudget::new(up.retry_budget_ratio, up.retry_budget_min_retries, ms(up.retry_budget_window_ms)),
+            rules,
+            clock.clone(),
+            metrics.clone(),
+            stop.child_token(),
+        ));
+        let guard = Guard::new(Store::Memory(MemoryStore::new()), clock.clone(), &config, metrics.clone());
+        let state =
+            Arc::new(AppState { identifier: Identifier::new(&config), guard, metrics, upstream, jobs, clock, config });
         tokio::spawn(sweep_forever(state.clone(), stop.clone()));
         Ok(Self { state, upstream_url, stop, _mock: mock })
     }
@@ -133,7 +166,7 @@ async fn sweep_forever(state: Arc<AppState>, stop: CancellationToken) {
             _ = stop.cancelled() => return,
             _ = every.tick() => {
                 let keys = state.guard.sweep();
-                let jobs = state.predictions.sweep();
+                let jobs = state.jobs.sweep();
                 if keys + jobs > 0 {
                     tracing::debug!(keys, jobs, "swept idle state");
                 }

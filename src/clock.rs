@@ -1,11 +1,15 @@
 //! The one source of time.
 //!
-//! Every limiter, the prediction book and the embedded mock upstream read time from a
-//! [`Clock`], never from `Instant::now()` directly. Production uses [`SystemClock`]; tests
-//! hold a [`ManualClock`] and walk a minute forward in a microsecond, so no test ever
+//! Every limiter, the job book, the upstream backoff and the embedded mock upstream read time
+//! from a [`Clock`], never from `Instant::now()` directly, and background work waits with
+//! [`Clock::sleep_until`] instead of `tokio::time::sleep`. Production uses [`SystemClock`];
+//! tests hold a [`ManualClock`] and walk a minute forward in a microsecond — a job's background
+//! poll or a backoff delay fires the moment the test moves time past it — so no test ever
 //! sleeps to wait out a window.
 
 use std::fmt::Debug;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -18,10 +22,16 @@ pub const NANOS_PER_MS: u64 = 1_000_000;
 /// Nanoseconds in one second.
 pub const NANOS_PER_SEC: u64 = 1_000_000_000;
 
+/// A future that resolves at an instant of a [`Clock`].
+pub type Sleep = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+
 /// A monotonic source of time shared by everything that limits.
 pub trait Clock: Send + Sync + Debug {
     /// The current reading. Never goes backwards.
     fn now(&self) -> Nanos;
+
+    /// Resolves once [`Clock::now`] has reached `deadline` (at once if it already has).
+    fn sleep_until(&self, deadline: Nanos) -> Sleep;
 }
 
 /// A shared handle to the clock the whole server uses.
@@ -62,12 +72,27 @@ impl Clock for SystemClock {
     fn now(&self) -> Nanos {
         self.clock.delta_as_nanos(self.origin, self.clock.raw())
     }
+
+    fn sleep_until(&self, deadline: Nanos) -> Sleep {
+        let left = deadline.saturating_sub(self.now());
+        Box::pin(tokio::time::sleep(Duration::from_nanos(left)))
+    }
 }
 
 /// A clock that only moves when told to: the fake clock tests drive.
-#[derive(Debug, Default)]
+///
+/// Sleepers wait on a watch channel that [`ManualClock::advance`] updates, so a background task
+/// parked until second 30 wakes as soon as a test advances past it, and not before.
+#[derive(Debug)]
 pub struct ManualClock {
     now: AtomicU64,
+    moved: tokio::sync::watch::Sender<Nanos>,
+}
+
+impl Default for ManualClock {
+    fn default() -> Self {
+        Self { now: AtomicU64::new(0), moved: tokio::sync::watch::Sender::new(0) }
+    }
 }
 
 impl ManualClock {
@@ -79,13 +104,26 @@ impl ManualClock {
     /// Moves time forward by `by`.
     pub fn advance(&self, by: Duration) {
         let by = u64::try_from(by.as_nanos()).unwrap_or(u64::MAX);
-        self.now.fetch_add(by, Ordering::SeqCst);
+        let now = self.now.fetch_add(by, Ordering::SeqCst).saturating_add(by);
+        self.moved.send_modify(|seen| *seen = (*seen).max(now));
     }
 }
 
 impl Clock for ManualClock {
     fn now(&self) -> Nanos {
         self.now.load(Ordering::SeqCst)
+    }
+
+    fn sleep_until(&self, deadline: Nanos) -> Sleep {
+        let mut moved = self.moved.subscribe();
+        Box::pin(async move {
+            // `wait_for` checks the current value first, so a deadline already passed (or passed
+            // between `subscribe` and here) resolves at once. The sender lives as long as the
+            // clock; if it is gone, time can never move again.
+            if moved.wait_for(|now| *now >= deadline).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        })
     }
 }
 
@@ -115,5 +153,18 @@ mod tests {
         }
         let measured = Duration::from_nanos(clock.now());
         assert!(measured >= Duration::from_millis(19) && measured < Duration::from_millis(500), "{measured:?}");
+    }
+
+    #[tokio::test]
+    async fn a_manual_sleeper_wakes_when_time_passes_its_deadline_and_not_before() {
+        let clock = ManualClock::new();
+        let mut sleep = tokio::spawn(clock.sleep_until(30 * NANOS_PER_SEC));
+        clock.advance(Duration::from_secs(29));
+        let early = tokio::time::timeout(Duration::from_millis(20), &mut sleep).await;
+        assert!(early.is_err(), "woke at 29 s for a 30 s deadline");
+        clock.advance(Duration::from_secs(1));
+        tokio::time::timeout(Duration::from_secs(5), sleep).await.expect("woke at 30 s").expect("task");
+        // A deadline already behind resolves at once.
+        tokio::time::timeout(Duration::from_secs(5), clock.sleep_until(NANOS_PER_SEC)).await.expect("past deadline");
     }
 }

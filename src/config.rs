@@ -58,6 +58,8 @@ pub struct Config {
     pub upstream: UpstreamConfig,
     /// State housekeeping.
     pub store: StoreConfig,
+    /// Stuck agents repeating the same call.
+    pub loop_detection: LoopDetectionConfig,
     /// The mock paid API's knobs.
     pub mock_upstream: MockUpstreamConfig,
 }
@@ -118,6 +120,11 @@ pub struct Limits {
     pub caller: Limiter,
     /// The budget all callers of one tenant share, charged each tool's cost.
     pub tenant: Limiter,
+    /// Jobs (image and video predictions) one caller may have in flight at once.
+    pub in_flight_caller: Limiter,
+    /// Jobs all callers of one tenant may have in flight at once (a caller without a tenant is
+    /// its own tenant, so this scope is its caller scope).
+    pub in_flight_tenant: Limiter,
 }
 
 /// `[tools.NAME]`.
@@ -141,6 +148,38 @@ pub struct UpstreamConfig {
     pub image_poll_seconds: u64,
     /// Poll hint for video jobs.
     pub video_poll_seconds: u64,
+    /// Least time between two video submissions to the upstream, across all callers.
+    pub video_min_gap_ms: u64,
+    /// Video jobs that may wait in the submission queue.
+    pub video_queue_max: usize,
+    /// Attempts of one server-owned upstream request (a queued submission, a background poll).
+    pub max_attempts: u32,
+    /// A Retry-After longer than this fails the job instead of parking it.
+    pub max_retry_after_ms: u64,
+    /// A job still pending this long after it was accepted is failed and its slot freed.
+    pub job_expiry_seconds: u64,
+    /// Consecutive upstream failures that open the circuit breaker.
+    pub breaker_failures: u32,
+    /// How long the breaker stays open before one probe may try.
+    pub breaker_cooldown_ms: u64,
+    /// Server-owned retries allowed, as a share of recent first attempts.
+    pub retry_budget_ratio: f64,
+    /// Retries allowed per window whatever the traffic, so a quiet server can still retry.
+    pub retry_budget_min_retries: u32,
+    /// The window the retry budget counts over.
+    pub retry_budget_window_ms: u64,
+}
+
+/// `[loop_detection]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoopDetectionConfig {
+    /// Whether identical repeated calls are refused.
+    pub enabled: bool,
+    /// Identical calls in a row (or occurrences in an A/B/A/B oscillation) that make a loop.
+    pub repeats: u32,
+    /// The window those calls must fall in, and how long a detected loop is stopped for.
+    pub window_ms: u64,
 }
 
 /// `[store]`.
@@ -183,6 +222,7 @@ struct RawConfig {
     tools: BTreeMap<String, RawTool>,
     upstream: UpstreamConfig,
     store: StoreConfig,
+    loop_detection: LoopDetectionConfig,
     mock_upstream: MockUpstreamConfig,
 }
 
@@ -223,6 +263,14 @@ struct RawLimits {
     method: BTreeMap<String, RawLimit>,
     caller: RawLimit,
     tenant: RawLimit,
+    in_flight: RawInFlight,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawInFlight {
+    caller: i64,
+    tenant: i64,
 }
 
 /// One scope's limiter as written in config: the algorithm and the union of all parameters.
@@ -306,6 +354,8 @@ impl Config {
             ("method other (per caller)", &limits.other_methods),
             ("caller (tool budget)", &limits.caller),
             ("tenant (shared tool budget)", &limits.tenant),
+            ("in flight (jobs per caller)", &limits.in_flight_caller),
+            ("in flight (jobs per tenant)", &limits.in_flight_tenant),
         ] {
             let _ = writeln!(out, "{scope:<34} {:<15} {}", limiter.algorithm(), limiter.describe());
         }
@@ -375,6 +425,8 @@ impl RawConfig {
             other_methods: group("other")?,
             caller: self.limits.caller.build("limits.caller")?,
             tenant: self.limits.tenant.build("limits.tenant")?,
+            in_flight_caller: slots("limits.in_flight.caller", self.limits.in_flight.caller)?,
+            in_flight_tenant: slots("limits.in_flight.tenant", self.limits.in_flight.tenant)?,
         };
         if let Some(unknown) = method.keys().next() {
             return Err(invalid(
@@ -486,15 +538,34 @@ impl RawConfig {
                 Err(e) => return Err(invalid("upstream.url", format!("not a URL: {e}"))),
             }
         }
+        let up = &self.upstream;
+        let loops = &self.loop_detection;
         for (key, value) in [
-            ("upstream.timeout_ms", self.upstream.timeout_ms),
-            ("upstream.image_poll_seconds", self.upstream.image_poll_seconds),
-            ("upstream.video_poll_seconds", self.upstream.video_poll_seconds),
+            ("upstream.timeout_ms", up.timeout_ms),
+            ("upstream.image_poll_seconds", up.image_poll_seconds),
+            ("upstream.video_poll_seconds", up.video_poll_seconds),
+            ("upstream.video_queue_max", up.video_queue_max as u64),
+            ("upstream.max_attempts", u64::from(up.max_attempts)),
+            ("upstream.max_retry_after_ms", up.max_retry_after_ms),
+            ("upstream.job_expiry_seconds", up.job_expiry_seconds),
+            ("upstream.breaker_failures", u64::from(up.breaker_failures)),
+            ("upstream.breaker_cooldown_ms", up.breaker_cooldown_ms),
+            ("upstream.retry_budget_window_ms", up.retry_budget_window_ms),
             ("store.sweep_interval_ms", self.store.sweep_interval_ms),
+            ("loop_detection.window_ms", loops.window_ms),
         ] {
             if value == 0 {
                 return Err(invalid(key, "must be greater than zero"));
             }
+        }
+        if loops.repeats < 2 {
+            return Err(invalid("loop_detection.repeats", "must be at least 2: one call is never a loop"));
+        }
+        if !(0.0..=1.0).contains(&up.retry_budget_ratio) {
+            return Err(invalid(
+                "upstream.retry_budget_ratio",
+                format!("must be a fraction between 0.0 and 1.0 (got {})", up.retry_budget_ratio),
+            ));
         }
         for (key, rate) in [
             ("mock_upstream.rate_429", self.mock_upstream.rate_429),
@@ -520,6 +591,7 @@ impl RawConfig {
             tools,
             upstream: self.upstream,
             store: self.store,
+            loop_detection: self.loop_detection,
             mock_upstream: self.mock_upstream,
         })
     }
@@ -527,6 +599,14 @@ impl RawConfig {
 
 /// Largest count a limit may have (window counters are kept in 32 bits).
 const MAX_UNITS: i64 = u32::MAX as i64;
+
+/// An in-flight cap: a `concurrency` limiter of `max` slots.
+fn slots(key: &str, max: i64) -> Result<Limiter, ConfigError> {
+    if max <= 0 || max > MAX_UNITS {
+        return Err(invalid(key, format!("must be between 1 and {MAX_UNITS} jobs (got {max})")));
+    }
+    Ok(Limiter::Concurrency(Concurrency::new(max as u64)))
+}
 /// Longest window: one year.
 const MAX_WINDOW_MS: i64 = 365 * 24 * 3_600_000;
 
@@ -635,6 +715,10 @@ mod tests {
         assert!(err("[limits.caller]\nburst = 0\n").contains("limits.caller.burst"));
         assert!(err("[tools.save_article]\ncost = -2\n").contains("tools.save_article.cost"));
         assert!(err("[upstream]\nurl = \"ftp://x\"\n").contains("upstream.url"));
+        assert!(err("[limits.in_flight]\ncaller = 0\n").contains("limits.in_flight.caller"));
+        assert!(err("[loop_detection]\nrepeats = 1\n").contains("loop_detection.repeats"));
+        assert!(err("[upstream]\nmax_attempts = 0\n").contains("upstream.max_attempts"));
+        assert!(err("[upstream]\nretry_budget_ratio = 1.5\n").contains("upstream.retry_budget_ratio"));
     }
 
     #[test]

@@ -23,6 +23,16 @@ pub const REJECTIONS: &str = "mcp_ratelimit_rejections_total";
 pub const IN_FLIGHT: &str = "mcp_ratelimit_in_flight_calls";
 /// `mcp_ratelimit_upstream_requests_total{tool, outcome}`.
 pub const UPSTREAM: &str = "mcp_ratelimit_upstream_requests_total";
+/// `mcp_ratelimit_upstream_retries_total{work, reason}`: retries of server-owned work.
+pub const UPSTREAM_RETRIES: &str = "mcp_ratelimit_upstream_retries_total";
+/// `mcp_ratelimit_loop_detections_total{tool}`: calls refused as a loop.
+pub const LOOP_DETECTIONS: &str = "mcp_ratelimit_loop_detections_total";
+/// `mcp_ratelimit_queue_depth{queue}`: jobs waiting to be submitted upstream.
+pub const QUEUE_DEPTH: &str = "mcp_ratelimit_queue_depth";
+/// `mcp_ratelimit_jobs_in_flight`: accepted jobs not yet final.
+pub const JOBS_IN_FLIGHT: &str = "mcp_ratelimit_jobs_in_flight";
+/// `mcp_ratelimit_breaker_state`: the upstream circuit breaker (0 closed, 1 half-open, 2 open).
+pub const BREAKER_STATE: &str = "mcp_ratelimit_breaker_state";
 
 /// Where a decision was taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,6 +119,14 @@ impl Metrics {
         describe(DECISIONS, Unit::Count, "Limit decisions by layer, tool (or method) and outcome.");
         describe(REJECTIONS, Unit::Count, "Refusals by layer, tool, code and client bucket (a 16-way hash).");
         describe(UPSTREAM, Unit::Count, "Requests to the paid API by tool and outcome.");
+        describe(UPSTREAM_RETRIES, Unit::Count, "Retries of server-owned upstream work by kind and reason.");
+        describe(LOOP_DETECTIONS, Unit::Count, "Tool calls refused because the caller repeated them in a loop.");
+        let gauge = |name: &'static str, help: &'static str| {
+            recorder.describe_gauge(name.into(), Some(Unit::Count), SharedString::const_str(help));
+        };
+        gauge(QUEUE_DEPTH, "Jobs waiting in a submission queue.");
+        gauge(JOBS_IN_FLIGHT, "Accepted jobs (image and video predictions) not yet final.");
+        gauge(BREAKER_STATE, "The upstream circuit breaker: 0 closed, 1 half-open, 2 open.");
         recorder.describe_gauge(
             IN_FLIGHT.into(),
             Some(Unit::Count),
@@ -162,6 +180,22 @@ impl Metrics {
     /// Records one upstream request's outcome (`ok`, `rate_limited`, `unavailable`, …).
     pub fn upstream(&self, tool: &str, outcome: &'static str) {
         self.count(UPSTREAM, vec![Label::new("tool", tool.to_owned()), Label::new("outcome", outcome)]);
+    }
+
+    /// Records one retry of server-owned upstream work (`submission` or `poll`).
+    pub fn upstream_retry(&self, work: &'static str, reason: &'static str) {
+        self.count(UPSTREAM_RETRIES, vec![Label::new("work", work), Label::new("reason", reason)]);
+    }
+
+    /// Records one call refused as a loop.
+    pub fn loop_detected(&self, tool: &str) {
+        self.count(LOOP_DETECTIONS, vec![Label::new("tool", tool.to_owned())]);
+    }
+
+    /// Sets a gauge sampled from live state when `/metrics` is scraped (queue depth, jobs in
+    /// flight, breaker state): read where the state is, so it can never drift from it.
+    pub fn sample(&self, name: &'static str, labels: Vec<Label>, value: f64) {
+        self.recorder.register_gauge(&Key::from_parts(name, labels), &META).set(value);
     }
 
     /// Moves the in-flight gauge by `delta`.

@@ -5,12 +5,15 @@ mod common;
 use common::*;
 use serde_json::json;
 
-/// A mock upstream that runs any number of jobs at once, so only our budget refuses.
-const ROOMY_UPSTREAM: &str = "[mock_upstream]\nmax_concurrent_predictions = 1000\n";
+/// A mock upstream that runs any number of jobs at once, no in-flight caps and no loop
+/// detection, so only the budget refuses a caller that repeats one call until it is refused.
+fn roomy() -> String {
+    format!("[mock_upstream]\nmax_concurrent_predictions = 1000\n{ROOMY_IN_FLIGHT}{NO_LOOP_DETECTION}")
+}
 
 #[tokio::test]
 async fn sixty_calls_then_refused_with_exact_wait() {
-    let server = TestServer::start("").await;
+    let server = TestServer::start(NO_LOOP_DETECTION).await;
     let client = server.client(Some("agent-a")).await;
 
     let (passed, refused) = spend_until_refused(&client, "list_articles", json!({}), 100).await;
@@ -32,7 +35,7 @@ async fn sixty_calls_then_refused_with_exact_wait() {
 
 #[tokio::test]
 async fn expensive_tools_draw_more_from_the_same_budget() {
-    let server = TestServer::start(ROOMY_UPSTREAM).await;
+    let server = TestServer::start(&roomy()).await;
 
     let images = server.client(Some("images")).await;
     let (passed, refused) = spend_until_refused(&images, "generate_image", json!({"prompt": "a red fox"}), 100).await;
@@ -67,7 +70,7 @@ async fn expensive_tools_draw_more_from_the_same_budget() {
 
 #[tokio::test]
 async fn two_callers_are_kept_apart() {
-    let server = TestServer::start(ROOMY_UPSTREAM).await;
+    let server = TestServer::start(&roomy()).await;
     let a = server.client(Some("token-a")).await;
     let b = server.client(Some("token-b")).await;
     let (passed, _) = spend_until_refused(&a, "generate_image", json!({"prompt": "p"}), 100).await;
@@ -80,7 +83,7 @@ async fn two_callers_are_kept_apart() {
 
 #[tokio::test]
 async fn new_session_does_not_reset_budget() {
-    let server = TestServer::start(ROOMY_UPSTREAM).await;
+    let server = TestServer::start(&roomy()).await;
     let first = server.client(Some("same-token")).await;
     let (passed, _) = spend_until_refused(
         &first,
@@ -99,7 +102,7 @@ async fn new_session_does_not_reset_budget() {
 
 #[tokio::test]
 async fn callers_without_credentials_share_their_address_budget() {
-    let server = TestServer::start(ROOMY_UPSTREAM).await;
+    let server = TestServer::start(&roomy()).await;
     let one = server.client(None).await;
     let two = server.client(None).await;
     let (passed, _) = spend_until_refused(
@@ -256,7 +259,7 @@ async fn server_reports_its_own_name_and_prices_in_tool_descriptions() {
     assert_eq!(implementation.name, "mcp-ratelimit");
     assert_eq!(implementation.version, env!("CARGO_PKG_VERSION"));
     let tools = client.list_all_tools().await.expect("tools/list");
-    assert_eq!(tools.len(), 6);
+    assert_eq!(tools.len(), 7);
     let image = tools.iter().find(|t| t.name == "generate_image").expect("generate_image");
     assert!(image.description.as_deref().is_some_and(|d| d.ends_with("Costs 7 tokens.")));
     assert_eq!(image.input_schema.get("properties").and_then(|p| p["prompt"].get("maxLength")), Some(&json!(4000)));
@@ -272,7 +275,7 @@ async fn health_is_served() {
 #[tokio::test]
 async fn the_upstream_job_cap_comes_back_as_upstream_rate_limited() {
     // Defaults: the mock runs at most 10 jobs at once; our budget would allow 12 images.
-    let server = TestServer::start("").await;
+    let server = TestServer::start(&format!("{ROOMY_IN_FLIGHT}{NO_LOOP_DETECTION}")).await;
     let client = server.client(Some("fan-out")).await;
     let (passed, refused) = spend_until_refused(&client, "generate_image", json!({"prompt": "p"}), 20).await;
     assert_eq!(passed, 10);

@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::*;
 use mcp_ratelimit::Config;
 use mcp_ratelimit::clock::ManualClock;
-use mcp_ratelimit::guard::Guard;
+use mcp_ratelimit::guard::{Guard, ToolCall};
 use mcp_ratelimit::identity::Caller;
 use mcp_ratelimit::metrics::Metrics;
 use mcp_ratelimit::store::{MemoryStore, Store};
@@ -23,7 +23,7 @@ fn two_slots(mock: &str) -> String {
     format!(
         "[limits.caller]\nalgorithm = \"concurrency\"\nmax_in_flight = 2\n\
          [tools.save_article]\ncost = 1\n[tools.generate_image]\ncost = 1\n\
-         [tools.generate_image_to_video]\ncost = 1\n[mock_upstream]\n{mock}\n"
+         [tools.generate_image_to_video]\ncost = 1\n{NO_LOOP_DETECTION}[mock_upstream]\n{mock}\n"
     )
 }
 
@@ -90,17 +90,19 @@ async fn a_dropped_admission_gives_its_slot_back_even_when_its_task_is_aborted()
     let metrics = Arc::new(Metrics::new());
     let guard = Guard::new(Store::Memory(MemoryStore::new()), ManualClock::new(), &config, metrics.clone());
     let caller = Caller::from_token("holder");
+    let args = json!({"title": "t", "body": "b"});
+    let save = ToolCall { tool: "save_article", args: &args, starts_job: false, loop_exempt: true };
 
-    let _first = guard.admit(&caller, "generate_image").expect("first slot");
-    let admission = guard.admit(&caller, "generate_image").expect("second slot");
+    let _first = guard.admit(&caller, &save).expect("first slot");
+    let admission = guard.admit(&caller, &save).expect("second slot");
     assert!(metrics.render().contains("mcp_ratelimit_in_flight_calls 2"));
-    assert_eq!(guard.admit(&caller, "generate_image").err().map(|r| r.code.as_str()), Some("busy"));
+    assert_eq!(guard.admit(&caller, &save).err().map(|r| r.code.as_str()), Some("busy"));
     let holder = tokio::spawn(async move {
         let _held = admission;
         std::future::pending::<()>().await;
     });
     holder.abort();
     assert!(holder.await.is_err_and(|e| e.is_cancelled()));
-    let _again = guard.admit(&caller, "generate_image").expect("slot released by the aborted task");
+    let _again = guard.admit(&caller, &save).expect("slot released by the aborted task");
     assert!(metrics.render().contains("mcp_ratelimit_in_flight_calls 2"));
 }

@@ -10,14 +10,15 @@ use serde_json::json;
 #[tokio::test]
 async fn stdio_burst_then_refusal_through_the_binary() {
     let command = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit")).configure(|c| {
-        c.arg("stdio").env("RUST_LOG", "warn");
+        // 60 identical calls exhaust the budget here; loop detection would stop them at 5.
+        c.arg("stdio").env("RUST_LOG", "warn").env("MCP_RL__LOOP_DETECTION__ENABLED", "false");
     });
     let transport = TokioChildProcess::new(command).expect("binary starts");
     let client = ().serve(transport).await.expect("stdio handshake");
 
     let info = client.peer_info().and_then(|i| i.server_info.clone()).expect("serverInfo");
     assert_eq!(info.name, "mcp-ratelimit");
-    assert_eq!(client.list_all_tools().await.expect("tools/list").len(), 6);
+    assert_eq!(client.list_all_tools().await.expect("tools/list").len(), 7);
 
     for i in 0..60 {
         let r = call(&client, "list_articles", json!({"limit": 2})).await;

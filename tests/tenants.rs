@@ -13,6 +13,13 @@ const TENANTS: &str = r#"
 burst = 50
 refill_per_sec = 1.0
 
+[limits.in_flight]
+caller = 1000
+tenant = 1000
+
+[loop_detection]
+enabled = false
+
 [mock_upstream]
 max_concurrent_predictions = 1000
 
@@ -92,7 +99,7 @@ async fn tiers_scale_a_callers_own_budgets() {
 
 #[tokio::test]
 async fn hammering_tools_list_does_not_reduce_what_tools_call_may_do() {
-    let server = TestServer::start("").await;
+    let server = TestServer::start(NO_LOOP_DETECTION).await;
     let client = server.client(Some("explorer")).await;
     let mut listed = 0;
     let mut refused = None;

@@ -3,9 +3,11 @@
 //! Three entry points, one per layer: [`Guard::admit_http`] (the coarse limit on `POST /mcp`,
 //! called by the HTTP tower layer), [`Guard::admit_method`] (`tools/list` and other methods) and
 //! [`Guard::admit`] (`tools/call`, called by `McpServer::call_tool` for every tool, so no tool
-//! can skip it). A tool call is checked against every scope that applies — method, caller,
-//! tenant, the tool's own budget — **atomically**: all pass and are charged, or none is.
+//! can skip it). A tool call is first checked for a loop ([`loops`]: the same call repeated),
+//! then against every scope that applies — method, caller, tenant, the tool's own budget, and
+//! for a job the in-flight caps — **atomically**: all pass and are charged, or none is.
 
+pub mod loops;
 pub mod policy;
 pub mod refusal;
 
@@ -15,6 +17,7 @@ use tracing::info;
 
 use crate::clock::{SharedClock, ceil_ms};
 use crate::config::Config;
+use crate::guard::loops::LoopDetector;
 use crate::identity::Caller;
 use crate::limit::{Decision, Limiter};
 use crate::metrics::{Layer, Metrics};
@@ -69,6 +72,20 @@ pub struct HttpDecision {
     pub limiter: Limiter,
 }
 
+/// A tool call as the guard sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct ToolCall<'a> {
+    /// The tool's name.
+    pub tool: &'a str,
+    /// Its arguments, canonical (defaults filled in), for loop detection.
+    pub args: &'a serde_json::Value,
+    /// Whether the call starts a job that holds in-flight slots until it is final.
+    pub starts_job: bool,
+    /// Whether the call can never be a loop (a poll of a pending job, which the job book
+    /// answers with its wait).
+    pub loop_exempt: bool,
+}
+
 /// Decides whether a caller may proceed, charges it, and explains refusals.
 #[derive(Debug)]
 pub struct Guard {
@@ -76,6 +93,7 @@ pub struct Guard {
     store: Arc<Store>,
     clock: SharedClock,
     policy: Policy,
+    loops: Option<LoopDetector>,
     metrics: Arc<Metrics>,
 }
 
@@ -100,10 +118,31 @@ fn tool_scope(caller: &Caller, tool: &str) -> String {
     }
 }
 
+/// The in-flight caps a job holds: the caller's, and its tenant's (a caller without a tenant is
+/// its own tenant, so then the caller's cap is the only one).
+fn in_flight_scopes<'p>(policy: &'p Policy, caller: &Caller) -> Vec<(String, &'p Limiter)> {
+    let mut scopes = vec![(format!("in_flight:caller:{}", caller.id()), &policy.in_flight_caller)];
+    if let Some(tenant) = caller.tenant() {
+        scopes.push((format!("in_flight:tenant:{tenant}"), &policy.in_flight_tenant));
+    }
+    scopes
+}
+
 impl Guard {
     /// A guard over `store` with the limits of `config`.
     pub fn new(store: Store, clock: SharedClock, config: &Config, metrics: Arc<Metrics>) -> Self {
-        Self { enabled: config.limits.enabled, store: Arc::new(store), clock, policy: Policy::new(config), metrics }
+        let loops = &config.loop_detection;
+        let loops = loops
+            .enabled
+            .then(|| LoopDetector::new(loops.repeats, loops.window_ms.saturating_mul(crate::clock::NANOS_PER_MS)));
+        Self {
+            enabled: config.limits.enabled,
+            store: Arc::new(store),
+            clock,
+            policy: Policy::new(config),
+            loops,
+            metrics,
+        }
     }
 
     /// Whether limits are enforced at all (`limits.enabled`).
@@ -148,7 +187,7 @@ impl Guard {
     }
 
     /// The scopes a call of `tool` by `caller` draws on, with their limiters and costs.
-    fn scopes<'p>(&'p self, caller: &Caller, tool: &str) -> Vec<(String, &'p Limiter, u64)> {
+    fn scopes<'p>(&'p self, caller: &Caller, tool: &str, starts_job: bool) -> Vec<(String, &'p Limiter, u64)> {
         let tier = self.policy.for_caller(caller);
         let cost = self.policy.cost_of(tool);
         let mut scopes = vec![(method_scope(MethodGroup::ToolsCall, caller), &tier.tools_call, 1)];
@@ -161,16 +200,53 @@ impl Guard {
         if let Some(budget) = self.policy.tools.get(tool).and_then(|t| t.budget.as_ref()) {
             scopes.push((tool_scope(caller, tool), budget, 1));
         }
+        if starts_job {
+            scopes.extend(in_flight_scopes(&self.policy, caller).into_iter().map(|(key, limiter)| (key, limiter, 1)));
+        }
         scopes
     }
 
-    /// Charges `caller` for one call of `tool` in every scope at once, or explains exactly how
-    /// long to wait for the scope that refused.
-    pub fn admit(&self, caller: &Caller, tool: &str) -> Result<Admission, Refusal> {
+    /// Refuses a call that repeats the caller's recent calls in a loop; otherwise records it.
+    fn check_loop(&self, caller: &Caller, call: &ToolCall<'_>) -> Result<Option<loops::Recorded>, Refusal> {
+        let Some(loops) = self.loops.as_ref().filter(|_| !call.loop_exempt) else { return Ok(None) };
+        match loops.check(caller.id(), call.tool, call.args, self.clock.now()) {
+            Ok(recorded) => Ok(Some(recorded)),
+            Err(looping) => {
+                let refusal = Refusal::loop_detected(call.tool, &looping);
+                self.metrics.decision(Layer::Tool, call.tool, false);
+                self.metrics.loop_detected(call.tool);
+                self.metrics.rejection(Layer::Tool, call.tool, refusal.code.as_str(), caller);
+                info!(
+                    layer = "tool",
+                    tool = call.tool,
+                    caller_bucket = caller.bucket(),
+                    code = refusal.code.as_str(),
+                    retry_after_ms = ceil_ms(looping.retry_after),
+                    oscillating = looping.oscillating,
+                    "refused"
+                );
+                Err(refusal)
+            }
+        }
+    }
+
+    /// Charges `caller` for `call` in every scope at once, or explains exactly how long to wait
+    /// for the scope that refused. A loop is refused before anything is charged, and a call
+    /// refused for budget does not count towards a loop.
+    pub fn admit(&self, caller: &Caller, call: &ToolCall<'_>) -> Result<Admission, Refusal> {
         if !self.enabled {
             return Ok(Admission::new(Vec::new(), self.metrics.clone()));
         }
-        let scopes = self.scopes(caller, tool);
+        let recorded = self.check_loop(caller, call)?;
+        let admitted = self.charge(caller, call.tool, call.starts_job);
+        if let (Err(_), Some(recorded), Some(loops)) = (&admitted, recorded, &self.loops) {
+            loops.forget(caller.id(), recorded);
+        }
+        admitted
+    }
+
+    fn charge(&self, caller: &Caller, tool: &str, starts_job: bool) -> Result<Admission, Refusal> {
+        let scopes = self.scopes(caller, tool, starts_job);
         let checks: Vec<Check<'_>> =
             scopes.iter().map(|(key, limiter, cost)| Check { key, limiter, cost: *cost }).collect();
         let decisions = self.store.decide(&checks, self.clock.now());
@@ -224,6 +300,7 @@ impl Guard {
                 peek.push((tool_scope(caller, tool), budget));
             }
         }
+        peek.extend(in_flight_scopes(&self.policy, caller));
         let now = self.clock.now();
         peek.into_iter()
             .map(|(scope, limiter)| {
@@ -239,8 +316,9 @@ impl Guard {
             .collect()
     }
 
-    /// Forgets idle limiter state; called on a schedule.
+    /// Forgets idle limiter state and loop histories; called on a schedule.
     pub fn sweep(&self) -> usize {
-        self.store.sweep(self.clock.now())
+        let now = self.clock.now();
+        self.store.sweep(now) + self.loops.as_ref().map_or(0, |loops| loops.sweep(now))
     }
 }

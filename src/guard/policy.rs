@@ -64,6 +64,10 @@ pub struct Policy {
     fallback: TierLimits,
     /// The shared budget of a tenant.
     pub tenant: Limiter,
+    /// Jobs one caller may have in flight.
+    pub in_flight_caller: Limiter,
+    /// Jobs one tenant may have in flight.
+    pub in_flight_tenant: Limiter,
     /// Cost and own budget of each tool.
     pub tools: BTreeMap<String, ToolPolicy>,
 }
@@ -80,7 +84,14 @@ impl Policy {
             caller: l.caller.scaled(factor),
         };
         let tiers = config.tiers.iter().map(|(name, factor)| (name.clone(), scale(*factor))).collect();
-        Self { tiers, fallback: scale(1.0), tenant: l.tenant.clone(), tools: config.tools.clone() }
+        Self {
+            tiers,
+            fallback: scale(1.0),
+            tenant: l.tenant.clone(),
+            in_flight_caller: l.in_flight_caller.clone(),
+            in_flight_tenant: l.in_flight_tenant.clone(),
+            tools: config.tools.clone(),
+        }
     }
 
     /// The limiters for `caller`'s tier (validated at start-up, so always a configured one).

@@ -8,6 +8,7 @@ use rmcp::model::{CallToolResult, ContentBlock};
 use serde_json::{Map, Value, json};
 
 use crate::clock::{Nanos, ceil_ms, ceil_secs};
+use crate::guard::loops::Looping;
 
 /// Why a call was refused; the `code` field of the structured error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,6 +59,8 @@ pub struct Refusal {
     pub limit: Option<u64>,
     /// What is left in it.
     pub remaining: Option<u64>,
+    /// For `busy`: the caller's jobs in flight (their `predict_id`s).
+    pub in_flight: Vec<String>,
 }
 
 fn seconds(n: u64) -> String {
@@ -77,6 +80,7 @@ impl Refusal {
             scope: Some(scope),
             limit: Some(limit),
             remaining: Some(remaining),
+            in_flight: Vec::new(),
         }
     }
 
@@ -92,6 +96,67 @@ impl Refusal {
             scope: Some(scope),
             limit: Some(limit),
             remaining: Some(0),
+            in_flight: Vec::new(),
+        }
+    }
+
+    /// A busy refusal for a job tool, naming the caller's jobs in flight and when the first of
+    /// them is worth polling.
+    pub fn with_jobs_in_flight(mut self, tool: &str, jobs: Vec<String>, soonest_news: Option<Nanos>) -> Self {
+        let limit = self.limit.unwrap_or_default();
+        let whose = match self.scope.as_deref() {
+            Some(scope) if scope.starts_with("in_flight:tenant:") => "your tenant",
+            _ => "you",
+        };
+        let yours =
+            if jobs.is_empty() { "None of them is yours.".to_owned() } else { format!("Yours: {}.", jobs.join(", ")) };
+        let when = soonest_news
+            .map_or_else(String::new, |wait| format!(" The first may have news in {}.", seconds(ceil_secs(wait))));
+        self.message = format!(
+            "Too many jobs in flight for {tool}: {whose} may run {limit} at once. {yours} Poll get_prediction for \
+             them (or stop one with cancel_prediction) before starting another.{when}"
+        );
+        self.retry_after_ms = soonest_news.map(|wait| ceil_ms(wait).max(1));
+        self.in_flight = jobs;
+        self
+    }
+
+    /// The queue in front of the upstream is full; `wait` is until a place frees up.
+    pub fn queue_full(tool: &str, length: usize, wait: Nanos) -> Self {
+        Self {
+            code: RefusalCode::Busy,
+            message: format!(
+                "The submission queue for {tool} is full ({length} jobs waiting). Wait {} before calling it again.",
+                seconds(ceil_secs(wait))
+            ),
+            retry_after_ms: Some(ceil_ms(wait).max(1)),
+            scope: Some(format!("queue:{tool}")),
+            limit: Some(length as u64),
+            remaining: Some(0),
+            in_flight: Vec::new(),
+        }
+    }
+
+    /// The caller repeated the same call in a loop; the same arguments are refused until the
+    /// window has passed.
+    pub fn loop_detected(tool: &str, looping: &Looping) -> Self {
+        let wait = seconds(ceil_secs(looping.retry_after));
+        let what = if looping.oscillating {
+            format!("you keep alternating between the same two calls, {tool} among them, with identical arguments")
+        } else {
+            format!("you called {tool} with identical arguments {} times in a row", looping.repeats)
+        };
+        Self {
+            code: RefusalCode::LoopDetected,
+            message: format!(
+                "Loop detected: {what}. The result will not change. Change the arguments or try something else; \
+                 these identical calls are refused for the next {wait}."
+            ),
+            retry_after_ms: Some(ceil_ms(looping.retry_after).max(1)),
+            scope: Some(format!("loop:{tool}")),
+            limit: Some(u64::from(looping.repeats)),
+            remaining: Some(0),
+            in_flight: Vec::new(),
         }
     }
 
@@ -104,6 +169,7 @@ impl Refusal {
             scope: None,
             limit: None,
             remaining: None,
+            in_flight: Vec::new(),
         }
     }
 
@@ -119,6 +185,7 @@ impl Refusal {
             scope: Some(format!("upstream:{tool}")),
             limit: None,
             remaining: None,
+            in_flight: Vec::new(),
         }
     }
 
@@ -134,6 +201,7 @@ impl Refusal {
             scope: Some(format!("upstream:{tool}")),
             limit: None,
             remaining: None,
+            in_flight: Vec::new(),
         }
     }
 
@@ -151,6 +219,9 @@ impl Refusal {
         }
         if let Some(scope) = &self.scope {
             error.insert("scope".into(), json!(scope));
+        }
+        if !self.in_flight.is_empty() {
+            error.insert("in_flight".into(), json!(self.in_flight));
         }
         json!({ "error": error })
     }

@@ -82,5 +82,6 @@ where
 }
 
 async fn metrics(State(app): State<Arc<AppState>>) -> impl axum::response::IntoResponse {
+    app.sample_gauges();
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
 }

@@ -3,22 +3,31 @@
 //! `call_tool` is written by hand instead of generated: it identifies the caller, validates the
 //! arguments, and asks the [`Guard`](crate::guard::Guard) before the tool router runs anything.
 //! A tool added to `tools.rs` is guarded without doing anything, and cannot opt out.
+//!
+//! Image and video jobs are also MCP Tasks (the SEP-2663 extension) for clients that declare
+//! it: the call answers a task whose `taskId` is the `predict_id` and whose `pollIntervalMs` is
+//! the poll hint, and `tasks/get` / `tasks/cancel` read and cancel the same job in the job book
+//! that `get_prediction` and `cancel_prediction` use. (rmcp's `TaskManager` would keep a second
+//! copy of every job, on the wall clock; the job book already is the task store.)
 
 use std::sync::Arc;
 
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::tool::ToolCallContext;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, ErrorCode, Implementation, ListToolsResult, PaginatedRequestParams,
-    ServerCapabilities, ServerConfig,
+    CallToolRequestParams, CallToolResponse, CancelTaskParams, CreateTaskResult, DetailedTask, ErrorCode,
+    GetTaskParams, GetTaskResult, Implementation, ListToolsResult, PaginatedRequestParams, ServerCapabilities,
+    ServerConfig, Task, TaskPayload, TaskStatus,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler, tool_handler};
 
 use crate::app::AppState;
-use crate::guard::{MethodGroup, Refusal};
+use crate::clock::NANOS_PER_MS;
+use crate::guard::{MethodGroup, Refusal, RefusalCode, ToolCall};
 use crate::identity::Caller;
-use crate::mcp::tools;
+use crate::mcp::tools::{self, Handoff};
+use crate::upstream::jobs::JobView;
 
 /// Which transport a handler serves; decides where the caller comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,16 +83,57 @@ fn method_refusal(refusal: Refusal) -> ErrorData {
     ErrorData::new(ErrorCode(-32000), refusal.message, data)
 }
 
+fn unknown_task(id: &str) -> ErrorData {
+    ErrorData::invalid_params(format!("unknown task: {id}"), None)
+}
+
+/// A job as an MCP Task: `working` while pending (the status message says where it is),
+/// `completed` once final — with the same result `get_prediction` gives, an `isError` one for a
+/// failed job, as SEP-2663 has tool errors — or `cancelled`.
+fn task_of(view: JobView, ttl_ms: u64) -> Result<DetailedTask, ErrorData> {
+    let created = chrono::DateTime::<chrono::Utc>::from(view.created).to_rfc3339();
+    let poll_ms = view.wait.map(|w| w.div_ceil(NANOS_PER_MS).max(1));
+    let status = view.prediction.status;
+    let mut task =
+        Task::new(view.prediction.id.clone(), TaskStatus::Working, created, rmcp::task_manager::current_timestamp())
+            .with_ttl_ms(ttl_ms);
+    task.poll_interval_ms = poll_ms;
+    let payload = match status {
+        crate::upstream::api::PredictionStatus::Canceled => TaskPayload::Cancelled,
+        s if s.is_terminal() => {
+            let failed = s == crate::upstream::api::PredictionStatus::Failed;
+            let mut result = tools::report(view)?;
+            if failed {
+                result.is_error = Some(true);
+            }
+            match serde_json::to_value(result) {
+                Ok(serde_json::Value::Object(result)) => TaskPayload::Completed { result },
+                _ => return Err(ErrorData::internal_error("cannot encode the task result", None)),
+            }
+        }
+        _ => {
+            if let Some(text) = tools::report(view)?.content.first().and_then(|c| c.as_text()) {
+                task.status_message = Some(text.text.clone());
+            }
+            TaskPayload::Working
+        }
+    };
+    Ok(DetailedTask::new(task, payload))
+}
+
 #[tool_handler(router = self.tool_router)]
 impl ServerHandler for McpServer {
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().enable_tasks().build())
             .with_server_info(Implementation::new("mcp-ratelimit", env!("CARGO_PKG_VERSION")))
             .with_instructions(format!(
                 "Tools draw on a budget of tokens; each tool's description says what it costs. Call \
                  rate_limit_status (free) to plan. A refused call says how many seconds to wait: wait that \
                  long instead of retrying. Image and video jobs return a predict_id: poll get_prediction no \
-                 sooner than next_poll_in_seconds. Your budget: {} tokens, refilled at {} per second.",
+                 sooner than next_poll_in_seconds; each job holds one of your {} in-flight slots until it is \
+                 final (cancel_prediction frees it). Repeating the exact same call is refused as a loop. Your \
+                 budget: {} tokens, refilled at {} per second.",
+                self.app.config.limits.in_flight_caller.capacity(),
                 self.app.config.limits.caller.capacity(),
                 self.app.config.limits.caller.rate_per_sec(),
             ))
@@ -127,14 +177,34 @@ impl ServerHandler for McpServer {
             return Err(ErrorData::invalid_params(format!("unknown tool `{}`", request.name), None));
         }
         let caller = self.caller_of(&context)?;
-        if let Err(refusal) = tools::validate_arguments(&request.name, request.arguments.as_ref()) {
-            return Ok(refusal.into_result().into());
-        }
-        let admission = match self.app.guard.admit(&caller, &request.name) {
-            Ok(admission) => admission,
+        let tool = request.name.to_string();
+        let args = match tools::validate_arguments(&tool, request.arguments.as_ref()) {
+            Ok(args) => args,
             Err(refusal) => return Ok(refusal.into_result().into()),
         };
-        context.extensions.insert(caller);
+        let starts_job = tools::starts_job(&tool);
+        // Known before anything is charged: the upstream is down, or the video queue is full.
+        let place = match self.before_charging(&tool) {
+            Ok(place) => place,
+            Err(refusal) => return Ok(refusal.into_result().into()),
+        };
+        let call =
+            ToolCall { tool: &tool, args: &args, starts_job, loop_exempt: self.loop_exempt(&tool, &args, &caller) };
+        let admission = match self.app.guard.admit(&caller, &call) {
+            Ok(admission) => Handoff::new(admission),
+            Err(refusal) if starts_job && refusal.code == RefusalCode::Busy => {
+                return Ok(self.explain_busy(&tool, refusal, &caller).into_result().into());
+            }
+            Err(refusal) => return Ok(refusal.into_result().into()),
+        };
+        let wants_task = starts_job && context.client_capabilities().is_some_and(|c| c.supports_tasks());
+        context.extensions.insert(caller.clone());
+        // A job tool takes the admission (its in-flight slots) into the job, which keeps it
+        // until the job is final; any other tool leaves it here, to be dropped when it returns.
+        context.extensions.insert(admission.clone());
+        if let Some(place) = place {
+            context.extensions.insert(Handoff::new(place));
+        }
         // rmcp signals a client's cancellation (or the session closing) through this token but
         // keeps polling the handler; racing it drops the tool's future at once, and with it any
         // in-flight slot the admission holds, instead of when the upstream finally answers.
@@ -144,7 +214,59 @@ impl ServerHandler for McpServer {
             result = call => result,
             () = cancelled.cancelled() => Err(ErrorData::internal_error("the request was cancelled", None)),
         };
-        drop(admission);
-        result
+        drop(admission.take());
+        match result {
+            Ok(CallToolResponse::Complete(done)) if wants_task && done.is_error != Some(true) => {
+                self.as_task(&caller, &done)
+            }
+            other => other,
+        }
+    }
+
+    async fn get_task(
+        &self,
+        request: GetTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<GetTaskResult, ErrorData> {
+        let caller = self.caller_of(&context)?;
+        self.admit_method(&context, MethodGroup::Other, "tasks/get")?;
+        let view =
+            self.app.jobs.poll(caller.id(), &request.task_id).await.ok_or_else(|| unknown_task(&request.task_id))?;
+        Ok(GetTaskResult::new(task_of(view, self.task_ttl_ms())?))
+    }
+
+    async fn cancel_task(
+        &self,
+        request: CancelTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<(), ErrorData> {
+        let caller = self.caller_of(&context)?;
+        self.admit_method(&context, MethodGroup::Other, "tasks/cancel")?;
+        match self.app.jobs.cancel(caller.id(), &request.task_id).await {
+            Ok(Some(_)) => Ok(()),
+            Ok(None) => Err(unknown_task(&request.task_id)),
+            Err(error) => Err(ErrorData::new(
+                ErrorCode(-32000),
+                format!("the job could not be cancelled upstream: {error}; try again"),
+                None,
+            )),
+        }
+    }
+}
+
+impl McpServer {
+    fn task_ttl_ms(&self) -> u64 {
+        self.app.config.upstream.job_expiry_seconds.saturating_mul(1000)
+    }
+
+    /// Turns an accepted job's result into a `CreateTaskResult` for a client that speaks Tasks.
+    fn as_task(&self, caller: &Caller, done: &rmcp::model::CallToolResult) -> Result<CallToolResponse, ErrorData> {
+        let id = done
+            .structured_content
+            .as_ref()
+            .and_then(|s| s["predict_id"].as_str())
+            .ok_or_else(|| ErrorData::internal_error("an accepted job has no predict_id", None))?;
+        let view = self.app.jobs.view(caller.id(), id).ok_or_else(|| unknown_task(id))?;
+        Ok(CallToolResponse::Task(CreateTaskResult::new(task_of(view, self.task_ttl_ms())?.task)))
     }
 }

@@ -3,9 +3,11 @@
 //! Tools never check budgets themselves: [`McpServer::call_tool`](super::server) has already
 //! validated their arguments (see [`validate_arguments`]) and charged the caller before a tool
 //! body runs. A tool only turns upstream answers into results, and upstream failures into
-//! refusals that carry the wait.
+//! refusals that carry the wait. The two job tools take over what the admission holds (their
+//! in-flight slots) and hand it to the job, which gives it back when the job is final.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use rmcp::handler::server::tool::Extension;
 use rmcp::handler::server::wrapper::Parameters;
@@ -15,32 +17,63 @@ use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::clock::{NANOS_PER_SEC, ceil_secs};
-use crate::guard::{BudgetStatus, Refusal};
+use crate::clock::{Nanos, ceil_ms, ceil_secs};
+use crate::guard::{Admission, BudgetStatus, Refusal};
 use crate::identity::Caller;
 use crate::mcp::McpServer;
 use crate::upstream::UpstreamError;
-use crate::upstream::api::{NewArticle, NewPrediction, Prediction, PredictionKind, PredictionStatus};
-use crate::upstream::predictions::PollGate;
+use crate::upstream::api::{NewArticle, NewPrediction, PredictionKind, PredictionStatus};
+use crate::upstream::jobs::JobView;
+use crate::upstream::queue::Reservation;
 
 /// Every tool this server exposes; config costs must name one of these.
-pub const TOOL_NAMES: [&str; 6] = [
+pub const TOOL_NAMES: [&str; 7] = [
     "list_articles",
     "save_article",
     "generate_image",
     "generate_image_to_video",
     "get_prediction",
+    "cancel_prediction",
     "rate_limit_status",
 ];
+
+/// Whether `tool` starts a job that holds in-flight slots until it is final.
+pub fn starts_job(tool: &str) -> bool {
+    matches!(tool, "generate_image" | "generate_image_to_video")
+}
+
+/// Whether `tool` has to reach the upstream to do anything (refused at once while the
+/// circuit breaker is open, before anything is charged).
+fn needs_upstream(tool: &str) -> bool {
+    matches!(tool, "list_articles" | "save_article" | "generate_image" | "generate_image_to_video")
+}
+
+/// Hands a value from `call_tool` to the tool body through rmcp's request extensions, which
+/// carry only `Clone` values: whoever takes it first owns it.
+#[derive(Debug)]
+pub(crate) struct Handoff<T>(Arc<Mutex<Option<T>>>);
+
+impl<T> Clone for Handoff<T> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<T> Handoff<T> {
+    pub(crate) fn new(value: T) -> Self {
+        Self(Arc::new(Mutex::new(Some(value))))
+    }
+
+    pub(crate) fn take(&self) -> Option<T> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
 
 /// Longest prompt accepted, in characters.
 pub const MAX_PROMPT_CHARS: usize = 4000;
 const MAX_TITLE_CHARS: usize = 200;
 const MAX_BODY_CHARS: usize = 100_000;
 const MAX_URL_CHARS: usize = 2048;
-/// How long to tell an agent to wait after an upstream failure without a Retry-After.
-const UPSTREAM_FAILURE_WAIT_MS: u64 = 5_000;
-
 /// Arguments checked before any budget is charged.
 trait Validate {
     /// Ok, or what is wrong in words an agent can fix.
@@ -56,20 +89,24 @@ fn not_blank(field: &str, value: &str) -> Result<(), String> {
     if value.trim().is_empty() { Err(format!("`{field}` must not be empty")) } else { Ok(()) }
 }
 
-fn parse<T: DeserializeOwned + Validate>(args: Option<&JsonObject>) -> Result<(), String> {
+/// Parses and checks `args`, answering them in canonical form: every default filled in, so
+/// `{}` and `{"limit": 10}` are the same call to loop detection.
+fn parse<T: DeserializeOwned + Serialize + Validate>(args: Option<&JsonObject>) -> Result<serde_json::Value, String> {
     let value = serde_json::Value::Object(args.cloned().unwrap_or_default());
     let parsed: T = serde_json::from_value(value).map_err(|e| e.to_string())?;
-    parsed.validate()
+    parsed.validate()?;
+    serde_json::to_value(&parsed).map_err(|e| e.to_string())
 }
 
-/// Checks `args` against the tool's schema and size limits, before anything is charged.
-pub fn validate_arguments(tool: &str, args: Option<&JsonObject>) -> Result<(), Refusal> {
+/// Checks `args` against the tool's schema and size limits, before anything is charged, and
+/// answers them in canonical form.
+pub fn validate_arguments(tool: &str, args: Option<&JsonObject>) -> Result<serde_json::Value, Refusal> {
     let checked = match tool {
         "list_articles" => parse::<ListArticlesArgs>(args),
         "save_article" => parse::<SaveArticleArgs>(args),
         "generate_image" => parse::<GenerateImageArgs>(args),
         "generate_image_to_video" => parse::<GenerateVideoArgs>(args),
-        "get_prediction" => parse::<GetPredictionArgs>(args),
+        "get_prediction" | "cancel_prediction" => parse::<PredictionArgs>(args),
         "rate_limit_status" => parse::<NoArgs>(args),
         _ => Err("unknown tool".to_owned()),
     };
@@ -77,7 +114,7 @@ pub fn validate_arguments(tool: &str, args: Option<&JsonObject>) -> Result<(), R
 }
 
 /// `list_articles` arguments. Every field is optional.
-#[derive(Debug, Deserialize, JsonSchema)]
+#[derive(Debug, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ListArticlesArgs {
     /// Words to look for in article titles (empty: all articles).
@@ -111,7 +148,7 @@ impl Validate for ListArticlesArgs {
 }
 
 /// `save_article` arguments.
-#[derive(Debug, Deserialize, JsonSchema)]
+#[derive(Debug, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SaveArticleArgs {
     /// Headline (at most 200 characters).
@@ -132,7 +169,7 @@ impl Validate for SaveArticleArgs {
 }
 
 /// `generate_image` arguments.
-#[derive(Debug, Deserialize, JsonSchema)]
+#[derive(Debug, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct GenerateImageArgs {
     /// What to draw (at most 4000 characters).
@@ -148,7 +185,7 @@ impl Validate for GenerateImageArgs {
 }
 
 /// `generate_image_to_video` arguments.
-#[derive(Debug, Deserialize, JsonSchema)]
+#[derive(Debug, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct GenerateVideoArgs {
     /// The http(s) URL of the first frame.
@@ -171,16 +208,16 @@ impl Validate for GenerateVideoArgs {
     }
 }
 
-/// `get_prediction` arguments.
-#[derive(Debug, Deserialize, JsonSchema)]
+/// `get_prediction` and `cancel_prediction` arguments.
+#[derive(Debug, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct GetPredictionArgs {
+pub struct PredictionArgs {
     /// The `predict_id` returned by generate_image or generate_image_to_video.
     #[schemars(length(min = 1, max = 64), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
     pub predict_id: String,
 }
 
-impl Validate for GetPredictionArgs {
+impl Validate for PredictionArgs {
     fn validate(&self) -> Result<(), String> {
         let ok = !self.predict_id.is_empty()
             && self.predict_id.len() <= 64
@@ -190,7 +227,7 @@ impl Validate for GetPredictionArgs {
 }
 
 /// No arguments.
-#[derive(Debug, Deserialize, JsonSchema)]
+#[derive(Debug, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NoArgs {}
 
@@ -203,15 +240,18 @@ impl Validate for NoArgs {
 /// What image and video submissions answer.
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct Submitted {
-    /// Pass to get_prediction.
+    /// Pass to get_prediction (or cancel_prediction).
     pub predict_id: String,
     /// Where the job is.
     pub status: PredictionStatus,
-    /// Poll get_prediction no sooner than this.
+    /// Poll get_prediction no sooner than this (it covers any wait in the submission queue).
     pub next_poll_in_seconds: u64,
+    /// While waiting to be submitted: the place in the queue (1 is next).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue_position: Option<usize>,
 }
 
-/// What get_prediction answers.
+/// What get_prediction and cancel_prediction answer.
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct PredictionReport {
     /// The job.
@@ -229,6 +269,36 @@ pub struct PredictionReport {
     /// While pending: poll again no sooner than this.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub next_poll_in_seconds: Option<u64>,
+    /// While waiting to be submitted: the place in the queue (1 is next).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue_position: Option<usize>,
+}
+
+/// One of the caller's jobs in flight, in rate_limit_status.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct JobInFlight {
+    /// The job.
+    pub predict_id: String,
+    /// Image or video.
+    pub kind: PredictionKind,
+    /// Where the job is.
+    pub status: PredictionStatus,
+    /// Poll get_prediction for it no sooner than this.
+    pub next_poll_in_seconds: u64,
+    /// While waiting to be submitted: the place in the queue (1 is next).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue_position: Option<usize>,
+}
+
+/// The video submission queue, in rate_limit_status.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct QueueStatus {
+    /// Jobs waiting now, everyone's.
+    pub length: usize,
+    /// The most that may wait.
+    pub max: usize,
+    /// Least time between two submissions, in milliseconds.
+    pub min_gap_ms: u64,
 }
 
 /// What rate_limit_status answers.
@@ -236,8 +306,12 @@ pub struct PredictionReport {
 pub struct StatusReport {
     /// The caller these budgets belong to (a hash, never a credential).
     pub caller: String,
-    /// Each budget a call draws on.
+    /// Each budget a call draws on, the in-flight caps among them.
     pub budgets: Vec<BudgetStatus>,
+    /// The caller's jobs not final yet, oldest first.
+    pub jobs_in_flight: Vec<JobInFlight>,
+    /// The queue video jobs wait in before they are submitted.
+    pub video_queue: QueueStatus,
     /// What each tool costs.
     pub costs: BTreeMap<String, u64>,
 }
@@ -249,6 +323,9 @@ fn success(summary: String, structured: impl Serialize) -> Result<CallToolResult
     Ok(result)
 }
 
+/// How long to tell an agent to wait after an upstream failure without a Retry-After.
+const UPSTREAM_FAILURE_WAIT_MS: u64 = 5_000;
+
 fn upstream_refusal(tool: &str, error: UpstreamError) -> CallToolResult {
     let refusal = match error {
         UpstreamError::RateLimited { retry_after } => {
@@ -259,29 +336,66 @@ fn upstream_refusal(tool: &str, error: UpstreamError) -> CallToolResult {
         UpstreamError::NotFound => Refusal::invalid_arguments(tool, "the upstream does not know that id"),
         UpstreamError::Rejected(detail) => Refusal::invalid_arguments(tool, &detail),
         UpstreamError::Unavailable(detail) => Refusal::upstream_unavailable(tool, &detail, UPSTREAM_FAILURE_WAIT_MS),
+        UpstreamError::CircuitOpen { retry_after } => breaker_open(tool, retry_after),
     };
     tracing::warn!(tool, code = refusal.code.as_str(), "upstream refusal");
     refusal.into_result()
 }
 
-/// Someone else's job, or none at all: the same answer, so a `predict_id` never leaks.
-fn unknown_prediction() -> CallToolResult {
-    Refusal::invalid_arguments("get_prediction", "no prediction with that predict_id").into_result()
+fn breaker_open(tool: &str, retry_after: Nanos) -> Refusal {
+    Refusal::upstream_unavailable(tool, "it failed repeatedly and the circuit breaker is open", ceil_ms(retry_after))
 }
 
-fn report(prediction: Prediction, wait_secs: Option<u64>) -> Result<CallToolResult, ErrorData> {
+/// Someone else's job, or none at all: the same answer, so a `predict_id` never leaks.
+fn unknown_prediction(tool: &str) -> CallToolResult {
+    Refusal::invalid_arguments(tool, "no prediction with that predict_id").into_result()
+}
+
+/// Whole seconds to tell an agent to wait, never zero while something is pending.
+fn wait_secs(wait: Nanos) -> u64 {
+    ceil_secs(wait).max(1)
+}
+
+fn ordinal(place: usize) -> String {
+    let suffix = match (place % 10, place % 100) {
+        (1, n) if n != 11 => "st",
+        (2, n) if n != 12 => "nd",
+        (3, n) if n != 13 => "rd",
+        _ => "th",
+    };
+    format!("{place}{suffix}")
+}
+
+fn status_word(status: PredictionStatus) -> &'static str {
+    match status {
+        PredictionStatus::Starting => "starting",
+        PredictionStatus::Processing => "processing",
+        PredictionStatus::Succeeded => "succeeded",
+        PredictionStatus::Failed => "failed",
+        PredictionStatus::Canceled => "canceled",
+    }
+}
+
+/// The text and structured report of a job, as get_prediction and cancel_prediction answer.
+pub(crate) fn report(view: JobView) -> Result<CallToolResult, ErrorData> {
+    let JobView { prediction, wait, queue_ahead, .. } = view;
     let id = &prediction.id;
+    let queue_position = queue_ahead.map(|ahead| ahead + 1);
     let summary = match (prediction.status, &prediction.output, &prediction.error) {
         (PredictionStatus::Succeeded, Some(url), _) => format!("Prediction {id} succeeded: {url}"),
         (PredictionStatus::Failed, _, reason) => {
             format!("Prediction {id} failed: {}", reason.as_deref().unwrap_or("no reason given"))
         }
         (PredictionStatus::Canceled, _, _) => format!("Prediction {id} was canceled."),
-        (status, _, _) => format!(
-            "Prediction {id} is {}. Call get_prediction again in {} seconds.",
-            serde_json::to_value(status).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default(),
-            wait_secs.unwrap_or(1)
-        ),
+        (status, _, _) => {
+            let place =
+                queue_position.map(|p| format!(", {} in the queue for submission", ordinal(p))).unwrap_or_default();
+            format!(
+                "Prediction {id} is {}{place}. Call get_prediction again in {} seconds.",
+                status_word(status),
+                wait_secs(wait.unwrap_or(0))
+            )
+        }
     };
     let pending = !prediction.status.is_terminal();
     success(
@@ -292,8 +406,23 @@ fn report(prediction: Prediction, wait_secs: Option<u64>) -> Result<CallToolResu
             status: prediction.status,
             output: prediction.output,
             error: prediction.error,
-            next_poll_in_seconds: pending.then(|| wait_secs.unwrap_or(1).max(1)),
+            next_poll_in_seconds: pending.then(|| wait_secs(wait.unwrap_or(0))),
+            queue_position,
         },
+    )
+}
+
+fn submitted(view: JobView) -> Result<CallToolResult, ErrorData> {
+    let id = view.prediction.id.clone();
+    let what = if view.prediction.kind == PredictionKind::Image { "Image" } else { "Video" };
+    let hint = wait_secs(view.wait.unwrap_or(0));
+    let queue_position = view.queue_ahead.map(|ahead| ahead + 1);
+    let place = queue_position
+        .map(|p| format!(" It is {} in the queue for submission to the upstream.", ordinal(p)))
+        .unwrap_or_default();
+    success(
+        format!("{what} job {id} accepted.{place} Call get_prediction with this predict_id in {hint} seconds."),
+        Submitted { predict_id: id, status: view.prediction.status, next_poll_in_seconds: hint, queue_position },
     )
 }
 
@@ -304,31 +433,45 @@ impl McpServer {
         answer
     }
 
-    fn poll_hint_secs(&self, kind: PredictionKind) -> u64 {
-        let upstream = &self.app.config.upstream;
-        match kind {
-            PredictionKind::Image => upstream.image_poll_seconds,
-            PredictionKind::Video => upstream.video_poll_seconds,
+    /// What must hold before `tool` is charged, with what it must carry to the tool body: the
+    /// upstream must not be known down (circuit breaker open), and a video job needs a place
+    /// in the submission queue.
+    pub(crate) fn before_charging(&self, tool: &str) -> Result<Option<Reservation>, Refusal> {
+        if needs_upstream(tool)
+            && let Some(open_for) = self.app.upstream.open_for()
+        {
+            return Err(breaker_open(tool, open_for));
+        }
+        if tool != "generate_image_to_video" {
+            return Ok(None);
+        }
+        let queue = self.app.jobs.video_queue();
+        self.app.jobs.reserve_video().map(Some).map_err(|wait| Refusal::queue_full(tool, queue.max(), wait))
+    }
+
+    /// Whether this call can never be a loop, because asking again is how it is meant to be
+    /// used and its answer changes with time: rate_limit_status, and polling a pending job
+    /// (answered with the wait left, however often it comes). Re-reading a final job is not
+    /// exempt: its answer will not change.
+    pub(crate) fn loop_exempt(&self, tool: &str, args: &serde_json::Value, caller: &Caller) -> bool {
+        match tool {
+            "rate_limit_status" => true,
+            "get_prediction" => args["predict_id"].as_str().is_some_and(|id| self.app.jobs.is_pending(caller.id(), id)),
+            _ => false,
         }
     }
 
-    async fn submit(&self, tool: &str, caller: &Caller, job: NewPrediction) -> Result<CallToolResult, ErrorData> {
-        let kind = job.kind;
-        let prediction = match self.observe(tool, self.app.upstream.create_prediction(&job).await) {
-            Ok(p) => p,
-            Err(e) => return Ok(upstream_refusal(tool, e)),
-        };
-        let hint = self.poll_hint_secs(kind);
-        self.app.predictions.record(caller.id(), prediction.clone(), hint * NANOS_PER_SEC);
-        let what = if kind == PredictionKind::Image { "Image" } else { "Video" };
-        success(
-            format!(
-                "{what} job {} submitted. Call get_prediction with this predict_id in {hint} seconds.",
-                prediction.id
-            ),
-            Submitted { predict_id: prediction.id, status: prediction.status, next_poll_in_seconds: hint },
-        )
+    /// A busy refusal for a job tool, made specific: the caller's jobs and when to look again.
+    pub(crate) fn explain_busy(&self, tool: &str, refusal: Refusal, caller: &Caller) -> Refusal {
+        let jobs = &self.app.jobs;
+        let mine = jobs.pending_of(caller.id()).into_iter().map(|v| v.prediction.id).collect();
+        refusal.with_jobs_in_flight(tool, mine, jobs.soonest_news(caller.id(), caller.tenant()))
     }
+}
+
+/// The admission (in-flight slots) a job tool hands to its job.
+fn held(admission: &Handoff<Admission>) -> Result<Admission, ErrorData> {
+    admission.take().ok_or_else(|| ErrorData::internal_error("a job tool ran without its admission", None))
 }
 
 #[tool_router(vis = "pub(crate)")]
@@ -368,67 +511,86 @@ impl McpServer {
     /// Submits an image job.
     #[tool(
         description = "Generate an image from a prompt (at most 4000 characters). Returns at once \
-                       with a predict_id; poll get_prediction after next_poll_in_seconds.",
+                       with a predict_id; poll get_prediction after next_poll_in_seconds. Each job \
+                       holds one of your in-flight slots until it is final.",
         annotations(read_only_hint = false, destructive_hint = false, open_world_hint = true)
     )]
     async fn generate_image(
         &self,
         Parameters(args): Parameters<GenerateImageArgs>,
         Extension(caller): Extension<Caller>,
+        Extension(admission): Extension<Handoff<Admission>>,
     ) -> Result<CallToolResult, ErrorData> {
-        let job = NewPrediction { kind: PredictionKind::Image, prompt: args.prompt, image_url: None };
-        self.submit("generate_image", &caller, job).await
+        let slots = Box::new(held(&admission)?);
+        match self.app.jobs.submit_image(caller.id(), caller.tenant(), args.prompt, slots).await {
+            Ok(view) => submitted(view),
+            Err(e) => Ok(upstream_refusal("generate_image", e)),
+        }
     }
 
-    /// Submits a video job.
+    /// Accepts a video job into the spaced submission queue.
     #[tool(
         description = "Generate a video from an image URL and a prompt. Returns at once with a \
-                       predict_id; poll get_prediction after next_poll_in_seconds.",
+                       predict_id: the job waits its turn in a queue that spaces submissions to the \
+                       upstream, and next_poll_in_seconds covers that wait. Each job holds one of your \
+                       in-flight slots until it is final.",
         annotations(read_only_hint = false, destructive_hint = false, open_world_hint = true)
     )]
     async fn generate_image_to_video(
         &self,
         Parameters(args): Parameters<GenerateVideoArgs>,
         Extension(caller): Extension<Caller>,
+        Extension(admission): Extension<Handoff<Admission>>,
+        Extension(place): Extension<Handoff<Reservation>>,
     ) -> Result<CallToolResult, ErrorData> {
+        let place =
+            place.take().ok_or_else(|| ErrorData::internal_error("a video job ran without its queue place", None))?;
+        let slots = Box::new(held(&admission)?);
         let job = NewPrediction { kind: PredictionKind::Video, prompt: args.prompt, image_url: Some(args.image_url) };
-        self.submit("generate_image_to_video", &caller, job).await
+        submitted(self.app.jobs.enqueue_video(caller.id(), caller.tenant(), job, place, slots))
     }
 
     /// Reads a job's status.
     #[tool(
-        description = "Status of an image or video job: starting, processing, succeeded (with output URL), failed \
-                       or canceled. While pending it says when to poll next; earlier polls are answered from \
-                       cache with the remaining wait.",
-        annotations(read_only_hint = true, open_world_hint = true)
+        description = "Status of an image or video job: starting (perhaps still queued for submission), \
+                       processing, succeeded (with output URL), failed (with the reason) or canceled. While \
+                       pending it says when to poll next; earlier polls are answered with the wait left.",
+        annotations(read_only_hint = true, open_world_hint = false)
     )]
     async fn get_prediction(
         &self,
-        Parameters(args): Parameters<GetPredictionArgs>,
+        Parameters(args): Parameters<PredictionArgs>,
         Extension(caller): Extension<Caller>,
     ) -> Result<CallToolResult, ErrorData> {
-        let book = &self.app.predictions;
-        match book.gate(caller.id(), &args.predict_id) {
-            PollGate::NotYours => Ok(unknown_prediction()),
-            PollGate::Answer { last, wait } => report(last, Some(ceil_secs(wait))),
-            PollGate::Due => {
-                match self.observe("get_prediction", self.app.upstream.get_prediction(&args.predict_id).await) {
-                    Ok(prediction) => {
-                        let hint = self.poll_hint_secs(prediction.kind);
-                        book.record(caller.id(), prediction.clone(), hint * NANOS_PER_SEC);
-                        report(prediction, Some(hint))
-                    }
-                    Err(UpstreamError::NotFound) => Ok(unknown_prediction()),
-                    Err(e) => Ok(upstream_refusal("get_prediction", e)),
-                }
-            }
+        match self.app.jobs.poll(caller.id(), &args.predict_id).await {
+            Some(view) => report(view),
+            None => Ok(unknown_prediction("get_prediction")),
+        }
+    }
+
+    /// Cancels one of the caller's jobs.
+    #[tool(
+        description = "Cancel one of your image or video jobs, upstream too; its in-flight slot is free at \
+                       once. A job that already finished keeps its result.",
+        annotations(read_only_hint = false, destructive_hint = true, idempotent_hint = true, open_world_hint = true)
+    )]
+    async fn cancel_prediction(
+        &self,
+        Parameters(args): Parameters<PredictionArgs>,
+        Extension(caller): Extension<Caller>,
+    ) -> Result<CallToolResult, ErrorData> {
+        match self.app.jobs.cancel(caller.id(), &args.predict_id).await {
+            Ok(Some(view)) => report(view),
+            Ok(None) => Ok(unknown_prediction("cancel_prediction")),
+            Err(e) => Ok(upstream_refusal("cancel_prediction", e)),
         }
     }
 
     /// The caller's own budgets.
     #[tool(
-        description = "Your own budgets: for each scope its algorithm, limit, tokens remaining and when it is full \
-                       again, plus what each tool costs. Free; use it to plan instead of hitting limits.",
+        description = "Your own budgets: for each scope its algorithm, limit, what remains and when it is full \
+                       again (your jobs in flight among them), your jobs in flight, the video submission queue, \
+                       and what each tool costs. Free; use it to plan instead of hitting limits.",
         annotations(read_only_hint = true, open_world_hint = false)
     )]
     async fn rate_limit_status(
@@ -437,7 +599,7 @@ impl McpServer {
         Extension(caller): Extension<Caller>,
     ) -> Result<CallToolResult, ErrorData> {
         let budgets = self.app.guard.status(&caller, self.transport == crate::mcp::Transport::Http);
-        let lines: Vec<String> = budgets
+        let mut lines: Vec<String> = budgets
             .iter()
             .map(|b| {
                 format!(
@@ -449,12 +611,33 @@ impl McpServer {
                 )
             })
             .collect();
+        let jobs_in_flight: Vec<JobInFlight> = self
+            .app
+            .jobs
+            .pending_of(caller.id())
+            .into_iter()
+            .map(|v| JobInFlight {
+                next_poll_in_seconds: wait_secs(v.wait.unwrap_or(0)),
+                queue_position: v.queue_ahead.map(|ahead| ahead + 1),
+                predict_id: v.prediction.id,
+                kind: v.prediction.kind,
+                status: v.prediction.status,
+            })
+            .collect();
+        if !jobs_in_flight.is_empty() {
+            let ids: Vec<&str> = jobs_in_flight.iter().map(|j| j.predict_id.as_str()).collect();
+            lines.push(format!("jobs in flight: {}", ids.join(", ")));
+        }
+        let queue = self.app.jobs.video_queue();
+        let video_queue =
+            QueueStatus { length: queue.len(), max: queue.max(), min_gap_ms: queue.gap() / crate::clock::NANOS_PER_MS };
+        lines.push(format!("video queue: {} of {} places taken", video_queue.length, video_queue.max));
         let costs: BTreeMap<String, u64> =
             self.app.guard.policy().tools.iter().map(|(tool, policy)| (tool.clone(), policy.cost)).collect();
         let price: Vec<String> = costs.iter().map(|(t, c)| format!("{t} {c}")).collect();
         success(
             format!("{}. Costs: {}.", lines.join("; "), price.join(", ")),
-            StatusReport { caller: caller.id().to_owned(), budgets, costs },
+            StatusReport { caller: caller.id().to_owned(), budgets, jobs_in_flight, video_queue, costs },
         )
     }
 }

@@ -5,7 +5,14 @@
 //! Retry-After, a share of 503s, a cap on predictions running at once, and job durations.
 //! Job progress reads the shared [`Clock`](crate::clock::Clock), so tests finish a 30-second
 //! video job by advancing a manual clock. A prompt containing `[fail]` makes a job fail.
-//! `GET /v1/usage` reports what it was asked to do: the bill an agent ran up.
+//! A submission carrying an `Idempotency-Key` it has seen returns the job it already made.
+//!
+//! For tests and experiments (never limited, never subject to chaos):
+//! - `GET /v1/usage`: what it was asked to do — the bill an agent ran up;
+//! - `GET /v1/submissions`: every `POST /v1/predictions` it received, with the clock reading
+//!   and the status it answered (to prove spacing and backoff);
+//! - `PUT /v1/chaos`: change the chaos knobs while running (`rate_429`, `rate_5xx`,
+//!   `retry_after_seconds`, `latency_ms`), e.g. to take the API down and bring it back.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,12 +49,45 @@ struct Job {
     canceled_at: Option<Nanos>,
 }
 
+/// The knobs `PUT /v1/chaos` may change while the mock runs.
+#[derive(Debug, Clone, Copy, Deserialize, serde::Serialize)]
+struct Chaos {
+    latency_ms: u64,
+    rate_429: f64,
+    retry_after_seconds: u64,
+    rate_5xx: f64,
+}
+
+/// Body of `PUT /v1/chaos`: the knobs to change; absent ones stay.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ChaosChange {
+    latency_ms: Option<u64>,
+    rate_429: Option<f64>,
+    retry_after_seconds: Option<u64>,
+    rate_5xx: Option<f64>,
+}
+
+/// One `POST /v1/predictions` as received.
+#[derive(Debug, Clone, serde::Serialize)]
+struct Submission {
+    /// Clock reading when it arrived, in nanoseconds.
+    at_ns: Nanos,
+    /// The HTTP status it was answered with.
+    status: u16,
+}
+
+const MAX_SUBMISSION_LOG: usize = 100_000;
+
 #[derive(Debug)]
 struct MockState {
     config: MockUpstreamConfig,
+    chaos: Mutex<Chaos>,
     clock: SharedClock,
     articles: Mutex<VecDeque<Article>>,
     jobs: Mutex<HashMap<String, Job>>,
+    idempotency: Mutex<HashMap<String, String>>,
+    submissions: Mutex<Vec<Submission>>,
     next_article: std::sync::atomic::AtomicU64,
     usage: Usage,
 }
@@ -60,7 +100,9 @@ struct Usage {
     articles_saved: AtomicU64,
     predictions_created: AtomicU64,
     polls: AtomicU64,
+    cancels: AtomicU64,
     refused_429: AtomicU64,
+    refused_5xx: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -108,11 +150,20 @@ pub fn router(config: MockUpstreamConfig, clock: SharedClock) -> Router {
             summary: format!("Article {i} about {}.", TOPICS[i % TOPICS.len()].to_lowercase()),
         })
         .collect();
+    let knobs = Chaos {
+        latency_ms: config.latency_ms,
+        rate_429: config.rate_429,
+        retry_after_seconds: config.retry_after_seconds,
+        rate_5xx: config.rate_5xx,
+    };
     let state = Arc::new(MockState {
         config,
+        chaos: Mutex::new(knobs),
         clock,
         articles: Mutex::new(articles),
         jobs: Mutex::new(HashMap::new()),
+        idempotency: Mutex::new(HashMap::new()),
+        submissions: Mutex::new(Vec::new()),
         next_article: AtomicU64::new(SEEDED_ARTICLES as u64),
         usage: Usage::default(),
     });
@@ -122,7 +173,10 @@ pub fn router(config: MockUpstreamConfig, clock: SharedClock) -> Router {
         .route("/v1/predictions/{id}", get(get_prediction))
         .route("/v1/predictions/{id}/cancel", post(cancel_prediction))
         .layer(middleware::from_fn_with_state(state.clone(), chaos))
+        .layer(middleware::from_fn_with_state(state.clone(), log_submissions))
         .route("/v1/usage", get(usage))
+        .route("/v1/submissions", get(submissions))
+        .route("/v1/chaos", axum::routing::put(change_chaos))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .with_state(state)
 }
@@ -160,21 +214,61 @@ impl Drop for MockUpstream {
     }
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 async fn chaos(State(state): State<Arc<MockState>>, request: Request, next: Next) -> Response {
     bump(&state.usage.requests);
-    let config = &state.config;
-    if config.latency_ms > 0 {
-        tokio::time::sleep(Duration::from_millis(config.latency_ms)).await;
+    let chaos = *lock(&state.chaos);
+    if chaos.latency_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(chaos.latency_ms)).await;
     }
     let roll: f64 = rand::rng().random();
-    if roll < config.rate_429 {
+    if roll < chaos.rate_429 {
         bump(&state.usage.refused_429);
-        return too_many(config.retry_after_seconds, "mock chaos: rate limited");
+        return too_many(chaos.retry_after_seconds, "mock chaos: rate limited");
     }
-    if roll < config.rate_429 + config.rate_5xx {
+    if roll < chaos.rate_429 + chaos.rate_5xx {
+        bump(&state.usage.refused_5xx);
         return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"error": "mock chaos: unavailable"}))).into_response();
     }
     next.run(request).await
+}
+
+/// Records every prediction submission with the time it arrived and how it was answered.
+async fn log_submissions(State(state): State<Arc<MockState>>, request: Request, next: Next) -> Response {
+    let is_submission = request.method() == axum::http::Method::POST && request.uri().path() == "/v1/predictions";
+    let at_ns = state.clock.now();
+    let response = next.run(request).await;
+    if is_submission {
+        let mut log = lock(&state.submissions);
+        if log.len() < MAX_SUBMISSION_LOG {
+            log.push(Submission { at_ns, status: response.status().as_u16() });
+        }
+    }
+    response
+}
+
+/// `GET /v1/submissions`: every submission received, oldest first.
+async fn submissions(State(state): State<Arc<MockState>>) -> Json<serde_json::Value> {
+    Json(json!({ "submissions": *lock(&state.submissions) }))
+}
+
+/// `PUT /v1/chaos`: changes the chaos knobs; answers the knobs now in force.
+async fn change_chaos(State(state): State<Arc<MockState>>, Json(change): Json<ChaosChange>) -> Response {
+    for rate in [change.rate_429, change.rate_5xx].into_iter().flatten() {
+        if !(0.0..=1.0).contains(&rate) {
+            return (StatusCode::BAD_REQUEST, Json(json!({"error": "rates are fractions between 0.0 and 1.0"})))
+                .into_response();
+        }
+    }
+    let mut chaos = lock(&state.chaos);
+    chaos.latency_ms = change.latency_ms.unwrap_or(chaos.latency_ms);
+    chaos.rate_429 = change.rate_429.unwrap_or(chaos.rate_429);
+    chaos.retry_after_seconds = change.retry_after_seconds.unwrap_or(chaos.retry_after_seconds);
+    chaos.rate_5xx = change.rate_5xx.unwrap_or(chaos.rate_5xx);
+    Json(*chaos).into_response()
 }
 
 fn too_many(retry_after_seconds: u64, why: &str) -> Response {
@@ -221,9 +315,21 @@ async fn save_article(State(state): State<Arc<MockState>>, Json(new): Json<NewAr
     (StatusCode::CREATED, Json(SavedArticle { id: article.id, title: article.title })).into_response()
 }
 
-async fn create_prediction(State(state): State<Arc<MockState>>, Json(new): Json<NewPrediction>) -> Response {
+async fn create_prediction(
+    State(state): State<Arc<MockState>>,
+    headers: axum::http::HeaderMap,
+    Json(new): Json<NewPrediction>,
+) -> Response {
     let now = state.clock.now();
-    let mut jobs = state.jobs.lock().unwrap_or_else(|p| p.into_inner());
+    let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let mut jobs = lock(&state.jobs);
+    let mut seen = lock(&state.idempotency);
+    if let Some(id) = key.as_ref().and_then(|k| seen.get(k))
+        && let Some(job) = jobs.get(id)
+    {
+        // A retry of a submission we already took (its answer was lost): the same job, no new bill.
+        return Json(state.view(id, job, now)).into_response();
+    }
     let running = jobs.values().filter(|j| state.running(j, now)).count();
     if running >= state.config.max_concurrent_predictions {
         bump(&state.usage.refused_429);
@@ -232,11 +338,15 @@ async fn create_prediction(State(state): State<Arc<MockState>>, Json(new): Json<
     if jobs.len() >= MAX_JOBS {
         // Forget the finished jobs first; a real API would archive them.
         jobs.retain(|_, j| state.running(j, now));
+        seen.retain(|_, id| jobs.contains_key(id));
     }
     bump(&state.usage.predictions_created);
     let id = format!("p_{:016x}{:04x}", rand::rng().random::<u64>(), rand::rng().random::<u16>());
     let job = Job { kind: new.kind, prompt: new.prompt, created_at: now, canceled_at: None };
     let view = state.view(&id, &job, now);
+    if let Some(key) = key {
+        seen.insert(key, id.clone());
+    }
     jobs.insert(id, job);
     (StatusCode::CREATED, Json(view)).into_response()
 }
@@ -252,6 +362,7 @@ async fn get_prediction(State(state): State<Arc<MockState>>, Path(id): Path<Stri
 }
 
 async fn cancel_prediction(State(state): State<Arc<MockState>>, Path(id): Path<String>) -> Response {
+    bump(&state.usage.cancels);
     let now = state.clock.now();
     let mut jobs = state.jobs.lock().unwrap_or_else(|p| p.into_inner());
     match jobs.get_mut(&id) {
@@ -275,6 +386,8 @@ async fn usage(State(state): State<Arc<MockState>>) -> Json<serde_json::Value> {
         "articles_saved": read(&u.articles_saved),
         "predictions_created": read(&u.predictions_created),
         "polls": read(&u.polls),
+        "cancels": read(&u.cancels),
         "refused_429": read(&u.refused_429),
+        "refused_5xx": read(&u.refused_5xx),
     }))
 }

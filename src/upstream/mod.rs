@@ -1,17 +1,26 @@
-//! Calls to the paid API, and what we remember about the jobs it runs.
+//! Calls to the paid API, and how the server protects it.
 //!
-//! Agent-visible synchronous calls are made exactly once: a 429 or a failure goes straight
-//! back to the model as a refusal with the wait, never into a server-side retry loop that
-//! would burn quota while the agent waits.
+//! Every request goes through one [`Upstream`] client, and through its circuit [`Breaker`]: once
+//! the API has failed `breaker_failures` times in a row, nothing reaches it until the cool-down
+//! has passed and one probe has succeeded. Agent-visible synchronous calls are made exactly
+//! once: a 429 or a failure goes straight back to the model as a refusal with the wait, never
+//! into a server-side retry loop that would burn quota while the agent waits. Work the server
+//! owns — queued submissions, background polls — is retried in [`jobs`] with [`backoff`], under a
+//! [`backoff::RetryBudget`], and spaced by the [`queue`].
 
 pub mod api;
-pub mod predictions;
+pub mod backoff;
+pub mod breaker;
+pub mod jobs;
+pub mod queue;
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use reqwest::{StatusCode, Url};
 
+use crate::clock::{Nanos, SharedClock};
 use api::{ArticlePage, NewArticle, NewPrediction, Prediction, SavedArticle};
+use breaker::Breaker;
 
 /// Why an upstream call did not produce a result.
 #[derive(Debug, thiserror::Error)]
@@ -31,6 +40,12 @@ pub enum UpstreamError {
     /// Another 4xx: our request was refused.
     #[error("upstream refused the request: {0}")]
     Rejected(String),
+    /// The circuit breaker is open: the request was not sent.
+    #[error("the upstream is failing; the circuit breaker is open")]
+    CircuitOpen {
+        /// How long until a request may be tried again.
+        retry_after: Nanos,
+    },
 }
 
 impl UpstreamError {
@@ -41,26 +56,57 @@ impl UpstreamError {
             UpstreamError::Unavailable(_) => "unavailable",
             UpstreamError::NotFound => "not_found",
             UpstreamError::Rejected(_) => "rejected",
+            UpstreamError::CircuitOpen { .. } => "circuit_open",
         }
+    }
+
+    /// Whether the same request may succeed later (429, 5xx, timeouts); a 4xx will not.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, UpstreamError::RateLimited { .. } | UpstreamError::Unavailable(_))
     }
 }
 
-/// A client for the paid API.
-#[derive(Debug, Clone)]
+/// A client for the paid API, with its circuit breaker.
+#[derive(Debug)]
 pub struct Upstream {
     http: reqwest::Client,
     base: Url,
+    breaker: Breaker,
+    clock: SharedClock,
 }
 
 impl Upstream {
-    /// A client for the API at `base` with a per-request `timeout`.
-    pub fn new(base: &str, timeout: Duration) -> anyhow::Result<Self> {
+    /// A client for the API at `base` with a per-request `timeout`, guarded by `breaker`.
+    pub fn new(base: &str, timeout: Duration, breaker: Breaker, clock: SharedClock) -> anyhow::Result<Self> {
         let mut base = Url::parse(base)?;
         if !base.path().ends_with('/') {
             base.set_path(&format!("{}/", base.path()));
         }
         let http = reqwest::Client::builder().timeout(timeout).build()?;
-        Ok(Self { http, base })
+        Ok(Self { http, base, breaker, clock })
+    }
+
+    /// The breaker, for gauges and for refusing before anything is charged.
+    pub fn breaker(&self) -> &Breaker {
+        &self.breaker
+    }
+
+    /// How long the breaker will still refuse every request, if it is open now.
+    pub fn open_for(&self) -> Option<Nanos> {
+        self.breaker.open_for(self.clock.now())
+    }
+
+    /// Sends `request` if the breaker lets it through, and tells the breaker how it went: only
+    /// failures of the API itself (5xx, timeouts, broken connections) count against it; a 429
+    /// or a 4xx is an API that answers.
+    async fn send<T: serde::de::DeserializeOwned>(&self, request: reqwest::RequestBuilder) -> Result<T, UpstreamError> {
+        let permit = self
+            .breaker
+            .permit(self.clock.now())
+            .map_err(|open| UpstreamError::CircuitOpen { retry_after: open.retry_after })?;
+        let answer = read_json(request.send().await).await;
+        self.breaker.record(permit, !matches!(answer, Err(UpstreamError::Unavailable(_))), self.clock.now());
+        answer
     }
 
     fn url(&self, path: &str) -> Result<Url, UpstreamError> {
@@ -85,27 +131,47 @@ impl Upstream {
                 q.append_pair("cursor", cursor);
             }
         }
-        read_json(self.http.get(url).send().await).await
+        self.send(self.http.get(url)).await
     }
 
     /// Saves an article.
     pub async fn save_article(&self, article: &NewArticle) -> Result<SavedArticle, UpstreamError> {
-        read_json(self.http.post(self.url("v1/articles")?).json(article).send().await).await
+        self.send(self.http.post(self.url("v1/articles")?).json(article)).await
     }
 
-    /// Submits a prediction job.
-    pub async fn create_prediction(&self, job: &NewPrediction) -> Result<Prediction, UpstreamError> {
-        read_json(self.http.post(self.url("v1/predictions")?).json(job).send().await).await
+    /// Submits a prediction job. `idempotency_key` makes a retry after a lost answer return the
+    /// job the first attempt created instead of paying for a second one.
+    pub async fn create_prediction(
+        &self,
+        job: &NewPrediction,
+        idempotency_key: &str,
+    ) -> Result<Prediction, UpstreamError> {
+        let request = self.http.post(self.url("v1/predictions")?).header("idempotency-key", idempotency_key).json(job);
+        self.send(request).await
     }
 
     /// Reads a prediction's current state.
     pub async fn get_prediction(&self, id: &str) -> Result<Prediction, UpstreamError> {
+        self.send(self.http.get(self.prediction_url(id, None)?)).await
+    }
+
+    /// Cancels a running prediction; answers its state afterwards.
+    pub async fn cancel_prediction(&self, id: &str) -> Result<Prediction, UpstreamError> {
+        self.send(self.http.post(self.prediction_url(id, Some("cancel"))?)).await
+    }
+
+    /// `v1/predictions/{id}[/{action}]`, with `id` as one escaped path segment.
+    fn prediction_url(&self, id: &str, action: Option<&str>) -> Result<Url, UpstreamError> {
         let mut url = self.url("v1/predictions/")?;
-        url.path_segments_mut()
-            .map_err(|_| UpstreamError::Unavailable("bad upstream URL".into()))?
-            .pop_if_empty()
-            .push(id);
-        read_json(self.http.get(url).send().await).await
+        {
+            let mut path =
+                url.path_segments_mut().map_err(|_| UpstreamError::Unavailable("bad upstream URL".into()))?;
+            path.pop_if_empty().push(id);
+            if let Some(action) = action {
+                path.push(action);
+            }
+        }
+        Ok(url)
     }
 }
 
@@ -121,9 +187,7 @@ async fn read_json<T: serde::de::DeserializeOwned>(
             .headers()
             .get(reqwest::header::RETRY_AFTER)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .filter(|s| s.is_finite() && *s >= 0.0)
-            .map(|s| Duration::from_secs_f64(s.min(86_400.0)));
+            .and_then(|v| backoff::parse_retry_after(v, SystemTime::now()));
         return Err(UpstreamError::RateLimited { retry_after });
     }
     if status == StatusCode::NOT_FOUND {

@@ -1,0 +1,553 @@
+//! Jobs: image and video predictions, from the tool call that accepted them until they are final.
+//!
+//! A job holds the caller's in-flight slots (whatever its admission took: the per-caller and
+//! per-tenant job caps) from acceptance until it is `succeeded`, `failed` or `canceled`, or
+//! expires. The server learns that by **polling the upstream itself**, in a background task per
+//! job, at the job's own hint — not only when an agent polls — so a job its agent forgot still
+//! gives its slot back. An agent's `get_prediction` never reaches the upstream: it is answered
+//! from the book, and a poll that arrives while the background poll it was told to wait for is
+//! still in flight waits for that answer instead of making a second request.
+//!
+//! Image jobs are submitted in the tool call itself (one attempt: a 429 goes back to the agent
+//! with its wait). Video jobs go through the [`SpacedQueue`]: the call returns at once with a
+//! `predict_id` of our own, and the job's task submits it when its turn comes, retrying 429s,
+//! 5xx and timeouts with [`Backoff`] under the [`RetryBudget`] — work the server owns. The
+//! submission carries the `predict_id` as its idempotency key, so a retry after a lost answer
+//! cannot start (and bill) a second job.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use rand::Rng;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
+use crate::metrics::Metrics;
+use crate::upstream::api::{NewPrediction, Prediction, PredictionKind, PredictionStatus};
+use crate::upstream::backoff::{Backoff, Retry, RetryBudget};
+use crate::upstream::queue::{Reservation, SpacedQueue};
+use crate::upstream::{Upstream, UpstreamError};
+
+/// Final jobs are remembered this long after their last change, so a late poll still reads
+/// the result (and re-reading it stays free).
+const KEEP_FOR: Nanos = 3_600 * NANOS_PER_SEC;
+
+/// Whatever a job's admission holds (its in-flight slots); dropped when the job is final.
+pub type Slots = Box<dyn Any + Send + Sync>;
+
+/// The fixed parameters of job handling, from `[upstream]`.
+#[derive(Debug, Clone)]
+pub struct JobRules {
+    /// Poll hint of an image job.
+    pub image_hint: Nanos,
+    /// Poll hint of a video job.
+    pub video_hint: Nanos,
+    /// A job still pending this long after acceptance is failed.
+    pub expiry: Nanos,
+    /// Retries of server-owned requests.
+    pub backoff: Backoff,
+    /// How long an agent's poll waits for a background poll already in flight (the upstream
+    /// request timeout, and a little more).
+    pub refresh_wait: Duration,
+}
+
+struct Job {
+    owner: String,
+    tenant: Option<String>,
+    upstream_id: Option<String>,
+    /// The last state, with `id` = the `predict_id` agents see.
+    last: Prediction,
+    next_poll_at: Nanos,
+    updated_at: Nanos,
+    expires_at: Nanos,
+    created: SystemTime,
+    slots: Option<Slots>,
+    cancel: CancellationToken,
+    changed: watch::Sender<u64>,
+}
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job").field("id", &self.last.id).field("status", &self.last.status).finish_non_exhaustive()
+    }
+}
+
+/// A job as its owner sees it.
+#[derive(Debug, Clone)]
+pub struct JobView {
+    /// The last known state; `prediction.id` is the `predict_id`.
+    pub prediction: Prediction,
+    /// While pending: how long until asking again is worth it (covers the queue wait).
+    pub wait: Option<Nanos>,
+    /// While queued for submission: jobs ahead of it.
+    pub queue_ahead: Option<usize>,
+    /// When the job was accepted (wall clock, for MCP Tasks' `createdAt`).
+    pub created: SystemTime,
+}
+
+impl JobView {
+    /// Whether the job is still going.
+    pub fn is_pending(&self) -> bool {
+        !self.prediction.status.is_terminal()
+    }
+}
+
+/// Every job this instance accepted.
+#[derive(Debug)]
+pub struct Jobs {
+    upstream: Arc<Upstream>,
+    clock: SharedClock,
+    metrics: Arc<Metrics>,
+    video_queue: Arc<SpacedQueue>,
+    retry_budget: RetryBudget,
+    rules: JobRules,
+    book: Mutex<HashMap<String, Job>>,
+    stop: CancellationToken,
+}
+
+fn tool_of(kind: PredictionKind) -> &'static str {
+    match kind {
+        PredictionKind::Image => "generate_image",
+        PredictionKind::Video => "generate_image_to_video",
+    }
+}
+
+fn nanos(d: Duration) -> Nanos {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// A fresh `predict_id` for a job the upstream has not named yet.
+fn new_id(prefix: &str) -> String {
+    let mut rng = rand::rng();
+    format!("{prefix}_{:016x}{:08x}", rng.random::<u64>(), rng.random::<u32>())
+}
+
+impl Jobs {
+    /// The job book over `upstream`, spacing video submissions through `video_queue`.
+    pub fn new(
+        upstream: Arc<Upstream>,
+        video_queue: Arc<SpacedQueue>,
+        retry_budget: RetryBudget,
+        rules: JobRules,
+        clock: SharedClock,
+        metrics: Arc<Metrics>,
+        stop: CancellationToken,
+    ) -> Self {
+        Self { upstream, clock, metrics, video_queue, retry_budget, rules, book: Mutex::new(HashMap::new()), stop }
+    }
+
+    fn book(&self) -> MutexGuard<'_, HashMap<String, Job>> {
+        // Jobs are replaced field by field under the lock, never left half-written.
+        self.book.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn hint(&self, kind: PredictionKind) -> Nanos {
+        match kind {
+            PredictionKind::Image => self.rules.image_hint,
+            PredictionKind::Video => self.rules.video_hint,
+        }
+    }
+
+    /// The video submission queue.
+    pub fn video_queue(&self) -> &SpacedQueue {
+        &self.video_queue
+    }
+
+    /// Promises a place in the video queue before the call is charged, or says how long until
+    /// one frees up.
+    pub fn reserve_video(&self) -> Result<Reservation, Nanos> {
+        self.video_queue.reserve()
+    }
+
+    /// Submits an image job now (one attempt: the agent gets any refusal with its wait) and
+    /// watches it until it is final, holding `slots` until then.
+    pub async fn submit_image(
+        self: &Arc<Self>,
+        owner: &str,
+        tenant: Option<&str>,
+        prompt: String,
+        slots: Slots,
+    ) -> Result<JobView, UpstreamError> {
+        let job = NewPrediction { kind: PredictionKind::Image, prompt, image_url: None };
+        let answer = self.upstream.create_prediction(&job, &new_id("k")).await;
+        self.metrics.upstream("generate_image", answer.as_ref().map_or_else(UpstreamError::outcome, |_| "ok"));
+        let prediction = answer?;
+        let id = prediction.id.clone();
+        self.insert(owner, tenant, Some(id.clone()), prediction, slots);
+        self.spawn(id.clone(), None);
+        Ok(self.view_of(&id).unwrap_or_else(|| unreachable_view(&id)))
+    }
+
+    /// Accepts a video job into the queue place `place` holds and returns at once; its task
+    /// submits it when its turn comes and watches it until it is final, holding `slots`.
+    pub fn enqueue_video(
+        self: &Arc<Self>,
+        owner: &str,
+        tenant: Option<&str>,
+        job: NewPrediction,
+        place: Reservation,
+        slots: Slots,
+    ) -> JobView {
+        let id = new_id("v");
+        let waiting = Prediction {
+            id: id.clone(),
+            kind: PredictionKind::Video,
+            status: PredictionStatus::Starting,
+            output: None,
+            error: None,
+        };
+        self.insert(owner, tenant, None, waiting, slots);
+        place.enqueue(&id);
+        self.spawn(id.clone(), Some(job));
+        self.view_of(&id).unwrap_or_else(|| unreachable_view(&id))
+    }
+
+    fn insert(&self, owner: &str, tenant: Option<&str>, upstream_id: Option<String>, last: Prediction, slots: Slots) {
+        let now = self.clock.now();
+        let job = Job {
+            owner: owner.to_owned(),
+            tenant: tenant.map(str::to_owned),
+            upstream_id,
+            next_poll_at: now.saturating_add(self.hint(last.kind)),
+            updated_at: now,
+            expires_at: now.saturating_add(self.rules.expiry),
+            created: SystemTime::now(),
+            slots: Some(slots),
+            cancel: CancellationToken::new(),
+            changed: watch::Sender::new(0),
+            last,
+        };
+        let mut book = self.book();
+        book.insert(job.last.id.clone(), job);
+    }
+
+    fn spawn(self: &Arc<Self>, id: String, queued: Option<NewPrediction>) {
+        let Some((cancel, expires_at)) = self.book().get(&id).map(|j| (j.cancel.clone(), j.expires_at)) else {
+            return;
+        };
+        let jobs = self.clone();
+        tokio::spawn(async move {
+            let stop = jobs.stop.clone();
+            let work = async {
+                if let Some(job) = queued
+                    && !jobs.submit_queued(&id, &job).await
+                {
+                    return;
+                }
+                jobs.watch(&id).await;
+            };
+            tokio::select! {
+                () = work => {}
+                () = cancel.cancelled() => {}
+                () = stop.cancelled() => {}
+                () = jobs.clock.sleep_until(expires_at) => jobs.expire(&id).await,
+            }
+        });
+    }
+
+    /// Submits a queued job when its turn comes; `false` if it ended instead.
+    async fn submit_queued(&self, id: &str, job: &NewPrediction) -> bool {
+        let tool = tool_of(job.kind);
+        self.retry_budget.record_request(self.clock.now());
+        let mut failed = 0;
+        loop {
+            if !self.video_queue.wait_turn(id).await {
+                return false;
+            }
+            let answer = self.upstream.create_prediction(job, id).await;
+            self.metrics.upstream(tool, answer.as_ref().map_or_else(UpstreamError::outcome, |_| "ok"));
+            let now = self.clock.now();
+            match answer {
+                Ok(prediction) => {
+                    self.started(id, prediction);
+                    return true;
+                }
+                Err(UpstreamError::CircuitOpen { retry_after }) => {
+                    // Nothing was sent: wait out the cool-down without spending an attempt.
+                    self.video_queue.requeue_front(id, now.saturating_add(retry_after));
+                }
+                Err(error) if error.is_transient() => {
+                    failed += 1;
+                    let next = self.backoff_after(failed, &error);
+                    match next {
+                        Retry::After(delay) if self.retry_budget.try_retry(now) => {
+                            self.metrics.upstream_retry("submission", error.outcome());
+                            self.video_queue.requeue_front(id, now.saturating_add(nanos(delay)));
+                        }
+                        Retry::After(_) => {
+                            self.fail(id, format!("the upstream failed ({error}) and the retry budget is spent"));
+                            return false;
+                        }
+                        Retry::GiveUp(why) => {
+                            self.fail(id, format!("could not submit the job: {why} (last answer: {error})"));
+                            return false;
+                        }
+                    }
+                }
+                Err(error) => {
+                    self.fail(id, format!("the upstream refused the job: {error}"));
+                    return false;
+                }
+            }
+        }
+    }
+
+    fn backoff_after(&self, failed: u32, error: &UpstreamError) -> Retry {
+        let retry_after = match error {
+            UpstreamError::RateLimited { retry_after } => *retry_after,
+            _ => None,
+        };
+        self.rules.backoff.after_failure(failed, retry_after, &mut rand::rng())
+    }
+
+    /// Polls the upstream at the job's hint until the job is final.
+    async fn watch(&self, id: &str) {
+        let mut failed = 0;
+        loop {
+            let Some((upstream_id, due)) = self.book().get(id).and_then(|j| {
+                let pending = !j.last.status.is_terminal();
+                j.upstream_id.clone().filter(|_| pending).map(|u| (u, j.next_poll_at))
+            }) else {
+                return;
+            };
+            self.clock.sleep_until(due).await;
+            let answer = self.upstream.get_prediction(&upstream_id).await;
+            self.metrics.upstream("get_prediction", answer.as_ref().map_or_else(UpstreamError::outcome, |_| "ok"));
+            match answer {
+                Ok(prediction) => {
+                    failed = 0;
+                    if self.update(id, prediction) {
+                        return;
+                    }
+                }
+                Err(UpstreamError::CircuitOpen { retry_after }) => self.poll_again_in(id, retry_after),
+                Err(UpstreamError::NotFound) => {
+                    self.fail(id, "the upstream no longer knows this job".to_owned());
+                    return;
+                }
+                Err(error) => {
+                    failed += 1;
+                    let next = self.backoff_after(failed, &error);
+                    match next {
+                        Retry::After(delay) => {
+                            self.metrics.upstream_retry("poll", error.outcome());
+                            self.poll_again_in(id, nanos(delay));
+                        }
+                        Retry::GiveUp(why) => {
+                            self.fail(id, format!("lost track of the job: {why} (last answer: {error})"));
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Records the upstream's answer to a submission.
+    fn started(&self, id: &str, prediction: Prediction) {
+        let upstream_id = prediction.id.clone();
+        if let Some(job) = self.book().get_mut(id) {
+            job.upstream_id = Some(upstream_id);
+        }
+        self.update(id, prediction);
+    }
+
+    /// Records what the upstream said about `id`; releases its slots when it is final. Returns
+    /// whether it is final.
+    fn update(&self, id: &str, mut prediction: Prediction) -> bool {
+        let now = self.clock.now();
+        let released;
+        let is_final;
+        {
+            let mut book = self.book();
+            let Some(job) = book.get_mut(id) else { return true };
+            if job.last.status.is_terminal() {
+                return true;
+            }
+            prediction.id = id.to_owned();
+            job.next_poll_at = now.saturating_add(self.hint(prediction.kind));
+            job.updated_at = now;
+            is_final = prediction.status.is_terminal();
+            job.last = prediction;
+            released = if is_final { job.slots.take() } else { None };
+            job.changed.send_modify(|v| *v += 1);
+        }
+        // Slots go back outside the book's lock: releasing takes the store's locks.
+        drop(released);
+        is_final
+    }
+
+    fn poll_again_in(&self, id: &str, delay: Nanos) {
+        if let Some(job) = self.book().get_mut(id) {
+            job.next_poll_at = self.clock.now().saturating_add(delay);
+            job.changed.send_modify(|v| *v += 1);
+        }
+    }
+
+    fn settle(&self, id: &str, status: PredictionStatus, error: Option<String>) {
+        let Some(kind) = self.book().get(id).map(|j| j.last.kind) else { return };
+        self.update(id, Prediction { id: id.to_owned(), kind, status, output: None, error });
+    }
+
+    fn fail(&self, id: &str, reason: String) {
+        tracing::warn!(predict_id = id, reason, "job failed");
+        self.settle(id, PredictionStatus::Failed, Some(reason));
+    }
+
+    /// A job pending past its expiry: failed, its slots freed, and cancelled upstream so it
+    /// stops holding the account's capacity too.
+    async fn expire(&self, id: &str) {
+        let upstream_id = self.book().get(id).filter(|j| !j.last.status.is_terminal()).map(|j| j.upstream_id.clone());
+        let Some(upstream_id) = upstream_id else { return };
+        self.video_queue.remove(id);
+        let secs = self.rules.expiry / NANOS_PER_SEC;
+        self.fail(id, format!("the job did not finish within {secs} seconds and was given up"));
+        if let Some(upstream_id) = upstream_id {
+            let answer = self.upstream.cancel_prediction(&upstream_id).await;
+            self.metrics.upstream("cancel_prediction", answer.as_ref().map_or_else(UpstreamError::outcome, |_| "ok"));
+        }
+    }
+
+    /// Cancels `owner`'s job `id`, upstream too, and frees its slots at once. `Ok(None)`: no
+    /// such job for this owner. An upstream that cannot be reached keeps the job (and its
+    /// slot) as it was: the refusal goes back to the agent.
+    pub async fn cancel(&self, owner: &str, id: &str) -> Result<Option<JobView>, UpstreamError> {
+        let upstream_id = match self.book().get(id).filter(|j| j.owner == owner) {
+            None => return Ok(None),
+            Some(job) if job.last.status.is_terminal() => None,
+            Some(job) => Some(job.upstream_id.clone()),
+        };
+        match upstream_id {
+            None => {}
+            // Still queued (or being submitted): leaving the line is enough.
+            Some(None) => {
+                self.video_queue.remove(id);
+                self.settle(id, PredictionStatus::Canceled, None);
+            }
+            Some(Some(upstream_id)) => {
+                let answer = self.upstream.cancel_prediction(&upstream_id).await;
+                self.metrics
+                    .upstream("cancel_prediction", answer.as_ref().map_or_else(UpstreamError::outcome, |_| "ok"));
+                match answer {
+                    // Finished before the cancel arrived: keep the real outcome.
+                    Ok(prediction) if prediction.status.is_terminal() => {
+                        self.update(id, prediction);
+                    }
+                    Ok(_) | Err(UpstreamError::NotFound) => self.settle(id, PredictionStatus::Canceled, None),
+                    Err(error) => return Err(error),
+                }
+            }
+        }
+        if let Some(job) = self.book().get(id) {
+            job.cancel.cancel();
+        }
+        Ok(self.view_of(id))
+    }
+
+    /// `owner`'s job `id`, as it stands; `None` for someone else's job or none at all.
+    pub fn view(&self, owner: &str, id: &str) -> Option<JobView> {
+        self.book().get(id).filter(|j| j.owner == owner)?;
+        self.view_of(id)
+    }
+
+    fn view_of(&self, id: &str) -> Option<JobView> {
+        let now = self.clock.now();
+        let book = self.book();
+        let job = book.get(id)?;
+        let pending = !job.last.status.is_terminal();
+        let queued = if pending && job.upstream_id.is_none() { self.video_queue.position(id) } else { None };
+        let wait = pending.then(|| match (&job.upstream_id, queued) {
+            // Not submitted yet: the time in the queue, then the first useful poll.
+            (None, Some(place)) => place.wait.saturating_add(self.hint(job.last.kind)),
+            (None, None) => self.hint(job.last.kind),
+            (Some(_), _) => job.next_poll_at.saturating_sub(now),
+        });
+        Some(JobView { prediction: job.last.clone(), wait, queue_ahead: queued.map(|p| p.ahead), created: job.created })
+    }
+
+    /// An agent's poll: the job as it stands, never a request to the upstream. When the
+    /// background poll the agent was told to wait for is due or in flight, waits (a bounded
+    /// time) for its answer, so an obedient agent reads fresh state.
+    pub async fn poll(&self, owner: &str, id: &str) -> Option<JobView> {
+        let give_up = tokio::time::Instant::now() + self.rules.refresh_wait;
+        loop {
+            let mut changed = {
+                let book = self.book();
+                let job = book.get(id).filter(|j| j.owner == owner)?;
+                let due =
+                    !job.last.status.is_terminal() && job.upstream_id.is_some() && self.clock.now() >= job.next_poll_at;
+                if !due {
+                    drop(book);
+                    return self.view_of(id);
+                }
+                job.changed.subscribe()
+            };
+            if tokio::time::timeout_at(give_up, changed.changed()).await.is_err() {
+                return self.view_of(id);
+            }
+        }
+    }
+
+    /// Whether `owner`'s job `id` exists and is still pending (its polls are never a loop).
+    pub fn is_pending(&self, owner: &str, id: &str) -> bool {
+        self.book().get(id).is_some_and(|j| j.owner == owner && !j.last.status.is_terminal())
+    }
+
+    /// `owner`'s pending jobs, oldest first.
+    pub fn pending_of(&self, owner: &str) -> Vec<JobView> {
+        let mut ids: Vec<(SystemTime, String)> = self
+            .book()
+            .values()
+            .filter(|j| j.owner == owner && !j.last.status.is_terminal())
+            .map(|j| (j.created, j.last.id.clone()))
+            .collect();
+        ids.sort();
+        ids.iter().filter_map(|(_, id)| self.view_of(id)).collect()
+    }
+
+    /// How long until the first pending job of `owner`, or of its `tenant`, is worth polling:
+    /// when a busy caller should look again.
+    pub fn soonest_news(&self, owner: &str, tenant: Option<&str>) -> Option<Nanos> {
+        let ids: Vec<String> = self
+            .book()
+            .values()
+            .filter(|j| !j.last.status.is_terminal())
+            .filter(|j| j.owner == owner || (tenant.is_some() && j.tenant.as_deref() == tenant))
+            .map(|j| j.last.id.clone())
+            .collect();
+        ids.iter().filter_map(|id| self.view_of(id)?.wait).min()
+    }
+
+    /// Jobs not final yet.
+    pub fn in_flight(&self) -> usize {
+        self.book().values().filter(|j| !j.last.status.is_terminal()).count()
+    }
+
+    /// Forgets final jobs untouched for an hour; returns how many went.
+    pub fn sweep(&self) -> usize {
+        let now = self.clock.now();
+        let mut book = self.book();
+        let before = book.len();
+        book.retain(|_, j| !j.last.status.is_terminal() || now.saturating_sub(j.updated_at) < KEEP_FOR);
+        before - book.len()
+    }
+}
+
+/// A job just inserted is always in the book; this keeps that invariant out of `unwrap`.
+fn unreachable_view(id: &str) -> JobView {
+    JobView {
+        prediction: Prediction {
+            id: id.to_owned(),
+            kind: PredictionKind::Image,
+            status: PredictionStatus::Failed,
+            output: None,
+            error: Some("the job was lost".to_owned()),
+        },
+        wait: None,
+        queue_ahead: None,
+        created: SystemTime::now(),
+    }
+}
