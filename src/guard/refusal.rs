@@ -59,8 +59,9 @@ pub struct Refusal {
     pub limit: Option<u64>,
     /// What is left in it.
     pub remaining: Option<u64>,
-    /// For `busy`: the caller's jobs in flight (their `predict_id`s).
-    pub in_flight: Vec<String>,
+    /// For `busy`: the caller's jobs in flight (their `predict_id`s). Boxed, not a `Vec`, to
+    /// keep every `Result<_, Refusal>` on the hot path small.
+    pub in_flight: Box<[String]>,
 }
 
 fn seconds(n: u64) -> String {
@@ -80,7 +81,7 @@ impl Refusal {
             scope: Some(scope),
             limit: Some(limit),
             remaining: Some(remaining),
-            in_flight: Vec::new(),
+            in_flight: Box::default(),
         }
     }
 
@@ -96,7 +97,7 @@ impl Refusal {
             scope: Some(scope),
             limit: Some(limit),
             remaining: Some(0),
-            in_flight: Vec::new(),
+            in_flight: Box::default(),
         }
     }
 
@@ -108,16 +109,15 @@ impl Refusal {
             Some(scope) if scope.starts_with("in_flight:tenant:") => "your tenant",
             _ => "you",
         };
-        let yours =
-            if jobs.is_empty() { "None of them is yours.".to_owned() } else { format!("Yours: {}.", jobs.join(", ")) };
+        let yours = if jobs.is_empty() { String::new() } else { format!("Yours: {}. ", jobs.join(", ")) };
         let when = soonest_news
             .map_or_else(String::new, |wait| format!(" The first may have news in {}.", seconds(ceil_secs(wait))));
         self.message = format!(
-            "Too many jobs in flight for {tool}: {whose} may run {limit} at once. {yours} Poll get_prediction for \
+            "Too many jobs in flight for {tool}: {whose} may run {limit} at once. {yours}Poll get_prediction for \
              them (or stop one with cancel_prediction) before starting another.{when}"
         );
         self.retry_after_ms = soonest_news.map(|wait| ceil_ms(wait).max(1));
-        self.in_flight = jobs;
+        self.in_flight = jobs.into_boxed_slice();
         self
     }
 
@@ -133,7 +133,7 @@ impl Refusal {
             scope: Some(format!("queue:{tool}")),
             limit: Some(length as u64),
             remaining: Some(0),
-            in_flight: Vec::new(),
+            in_flight: Box::default(),
         }
     }
 
@@ -156,7 +156,7 @@ impl Refusal {
             scope: Some(format!("loop:{tool}")),
             limit: Some(u64::from(looping.repeats)),
             remaining: Some(0),
-            in_flight: Vec::new(),
+            in_flight: Box::default(),
         }
     }
 
@@ -169,7 +169,7 @@ impl Refusal {
             scope: None,
             limit: None,
             remaining: None,
-            in_flight: Vec::new(),
+            in_flight: Box::default(),
         }
     }
 
@@ -185,7 +185,7 @@ impl Refusal {
             scope: Some(format!("upstream:{tool}")),
             limit: None,
             remaining: None,
-            in_flight: Vec::new(),
+            in_flight: Box::default(),
         }
     }
 
@@ -201,7 +201,7 @@ impl Refusal {
             scope: Some(format!("upstream:{tool}")),
             limit: None,
             remaining: None,
-            in_flight: Vec::new(),
+            in_flight: Box::default(),
         }
     }
 

@@ -75,6 +75,9 @@ struct Submission {
     at_ns: Nanos,
     /// The HTTP status it was answered with.
     status: u16,
+    /// Its `Idempotency-Key` (the server sends a job's `predict_id` when it has one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    idempotency_key: Option<String>,
 }
 
 const MAX_SUBMISSION_LOG: usize = 100_000;
@@ -240,11 +243,13 @@ async fn chaos(State(state): State<Arc<MockState>>, request: Request, next: Next
 async fn log_submissions(State(state): State<Arc<MockState>>, request: Request, next: Next) -> Response {
     let is_submission = request.method() == axum::http::Method::POST && request.uri().path() == "/v1/predictions";
     let at_ns = state.clock.now();
+    let idempotency_key =
+        request.headers().get("idempotency-key").and_then(|v| v.to_str().ok()).map(|k| k.chars().take(64).collect());
     let response = next.run(request).await;
     if is_submission {
         let mut log = lock(&state.submissions);
         if log.len() < MAX_SUBMISSION_LOG {
-            log.push(Submission { at_ns, status: response.status().as_u16() });
+            log.push(Submission { at_ns, status: response.status().as_u16(), idempotency_key });
         }
     }
     response

@@ -58,6 +58,38 @@ impl TestServer {
         reqwest::get(url).await.expect("usage").json().await.expect("usage json")
     }
 
+    /// Every prediction submission the mock received: (clock reading in ns, status, key).
+    pub async fn submissions(&self) -> Vec<(u64, u16, String)> {
+        let url = format!("{}/v1/submissions", self.app.upstream_url());
+        let log: Value = reqwest::get(url).await.expect("submissions").json().await.expect("json");
+        log["submissions"]
+            .as_array()
+            .expect("list")
+            .iter()
+            .map(|s| {
+                let key = s["idempotency_key"].as_str().unwrap_or_default().to_owned();
+                (s["at_ns"].as_u64().expect("at_ns"), s["status"].as_u64().expect("status") as u16, key)
+            })
+            .collect()
+    }
+
+    /// Changes the mock's chaos knobs while it runs (e.g. `{"rate_5xx": 1.0}` takes it down).
+    pub async fn chaos(&self, knobs: Value) {
+        let url = format!("{}/v1/chaos", self.app.upstream_url());
+        let r = reqwest::Client::new().put(url).json(&knobs).send().await.expect("chaos");
+        assert!(r.status().is_success(), "chaos change refused: {}", r.status());
+    }
+
+    /// `GET /metrics`.
+    pub async fn metrics(&self) -> String {
+        reqwest::get(format!("http://{}/metrics", self.addr)).await.expect("metrics").text().await.expect("text")
+    }
+
+    /// Moves the server's clock by whole milliseconds (exact, unlike a float of seconds).
+    pub fn advance_ms(&self, ms: u64) {
+        self.clock.advance(std::time::Duration::from_millis(ms));
+    }
+
     pub fn advance_secs(&self, secs: f64) {
         self.clock.advance(std::time::Duration::from_secs_f64(secs));
     }
@@ -92,6 +124,28 @@ pub fn error_code(r: &CallToolResult) -> Option<&str> {
 
 pub fn text(r: &CallToolResult) -> String {
     r.content.iter().filter_map(|c| c.as_text().map(|t| t.text.clone())).collect::<Vec<_>>().join("\n")
+}
+
+/// Waits, a bounded real time, for background work on the server (a job's poll, a queued
+/// submission) to reach the state `check` looks for. Time on the server's clock does not move.
+pub async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..500 {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("never happened: {what}");
+}
+
+/// Lets background tasks that were woken run to their next wait, before asserting that
+/// something did *not* happen.
+pub async fn settle() {
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
 }
 
 /// Calls `tool` until it is refused; returns how many calls passed.
