@@ -15,8 +15,10 @@ BIN=$(debug_bin)
 PORT=$(free_port)
 URL="http://127.0.0.1:$PORT/mcp"
 LOG=$(mktemp)
-# A roomy mock upstream, so the burst below meets our own budget rather than the mock's job cap.
-start_server "$LOG" env MCP_RL__MOCK_UPSTREAM__MAX_CONCURRENT_PREDICTIONS=1000 --
+# A roomy mock upstream and roomy in-flight caps, so the burst below meets the token budget
+# rather than the job caps (the jobs check further down meets those on purpose).
+start_server "$LOG" env MCP_RL__MOCK_UPSTREAM__MAX_CONCURRENT_PREDICTIONS=1000 \
+  MCP_RL__LIMITS__IN_FLIGHT__CALLER=1000 MCP_RL__LIMITS__IN_FLIGHT__TENANT=1000 --
 
 if [ "${1:-}" = "--ui" ]; then
   echo "server: $URL (transport: Streamable HTTP). Opening the Inspector UI; Ctrl-C to stop."
@@ -29,23 +31,35 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 
 echo "== HTTP: tools/list"
 tools=$(inspect "$URL" --transport http --method tools/list)
-for t in list_articles save_article generate_image generate_image_to_video get_prediction rate_limit_status; do
+for t in list_articles save_article generate_image generate_image_to_video get_prediction cancel_prediction \
+  rate_limit_status; do
   grep -q "\"$t\"" <<<"$tools" || fail "tool $t missing from tools/list over HTTP"
 done
-echo "six tools listed"
+echo "seven tools listed"
 
 echo "== HTTP: tools/call generate_image"
 out=$(inspect "$URL" --transport http --header "Authorization: Bearer inspector-demo" \
   --method tools/call --tool-name generate_image --tool-args-json '{"prompt":"a lighthouse at dusk"}')
-grep -q '"predict_id"' <<<"$out" || fail "generate_image returned no predict_id: $out"
+# The Inspector declares the MCP Tasks extension, so a job comes back as a task whose taskId is
+# the predict_id (a client without the extension gets predict_id + next_poll_in_seconds).
+grep -Eq '"(predict_id|taskId)"' <<<"$out" || fail "generate_image returned no predict_id or taskId: $out"
+grep -Eq '"pollIntervalMs": ?2000' <<<"$out" || grep -q '"next_poll_in_seconds"' <<<"$out" \
+  || fail "generate_image returned no poll hint: $out"
 echo "$out" | head -c 400; echo
+id=$(grep -Eo '"(predict_id|taskId)": ?"[A-Za-z0-9_-]+"' <<<"$out" | head -n 1 | grep -Eo '[A-Za-z0-9_-]+"$' | tr -d '"')
+
+echo "== HTTP: cancel_prediction frees the job's slot"
+out=$(inspect "$URL" --transport http --header "Authorization: Bearer inspector-demo" \
+  --method tools/call --tool-name cancel_prediction --tool-args-json "{\"predict_id\":\"$id\"}")
+grep -Eq '"status": ?"canceled"' <<<"$out" || fail "cancel_prediction did not cancel $id: $out"
+echo "$out" | head -c 300; echo
 
 echo "== HTTP: a burst of image calls with one key ends in a refusal the agent can act on"
 refusal=""
-for _ in $(seq 1 30); do  # each CLI run takes ~1 s, and a token comes back every second
+for i in $(seq 1 30); do  # each CLI run takes ~1 s, and a token comes back every second
   set +e
   out=$(inspect "$URL" --transport http --header "Authorization: Bearer inspector-burst" \
-    --method tools/call --tool-name generate_image --tool-args-json '{"prompt":"again"}' 2>&1)
+    --method tools/call --tool-name generate_image --tool-args-json "{\"prompt\":\"variation $i\"}" 2>&1)
   code=$?
   set -e
   if [ $code -eq 5 ]; then refusal=$out; break; fi
@@ -54,6 +68,19 @@ done
 grep -Eq '"code": ?"rate_limited"' <<<"$refusal" || fail "refusal lacks a code: $refusal"
 grep -q 'retry_after_ms' <<<"$refusal" || fail "refusal lacks retry_after_ms: $refusal"
 echo "$refusal" | head -c 400; echo
+
+echo "== HTTP: the same call five times in a row is stopped as a loop"
+loop=""
+for _ in $(seq 1 5); do
+  set +e
+  out=$(inspect "$URL" --transport http --header "Authorization: Bearer inspector-loop" \
+    --method tools/call --tool-name list_articles --tool-args-json '{"query":"agents"}' 2>&1)
+  code=$?
+  set -e
+  if [ $code -eq 5 ]; then loop=$out; break; fi
+done
+grep -Eq '"code": ?"loop_detected"' <<<"$loop" || fail "no loop_detected after five identical calls: $loop"
+echo "$loop" | head -c 300; echo
 
 echo "== stdio: tools/list (strict schema portability) and tools/call"
 tools=$(inspect --method tools/list --strict -e RUST_LOG=warn -- "$BIN" stdio)
