@@ -119,7 +119,8 @@ async fn a_429_with_retry_after_is_not_retried_before_it_and_the_retry_keeps_its
 #[tokio::test]
 async fn a_submission_gives_up_after_max_attempts_and_the_job_fails_with_the_reason() {
     // No spacing, so only the backoff decides when the attempts go.
-    let config = "[upstream]\nmax_attempts = 3\nvideo_min_gap_ms = 0\n[mock_upstream]\nrate_5xx = 1.0\n";
+    let config = "[upstream]\nmax_attempts = 3\nvideo_min_gap_ms = 0\nretry_budget_min_retries = 5\n\
+                  [mock_upstream]\nrate_5xx = 1.0\n";
     let server = TestServer::start(config).await;
     let client = server.client(Some("doomed")).await;
     let r = call(&client, "generate_image_to_video", video("never")).await;

@@ -251,8 +251,8 @@ impl Jobs {
     /// Submits a queued job when its turn comes; `false` if it ended instead.
     async fn submit_queued(&self, id: &str, job: &NewPrediction) -> bool {
         let tool = tool_of(job.kind);
-        self.retry_budget.record_request(self.clock.now());
         let mut failed = 0;
+        let mut sent = false;
         loop {
             if !self.video_queue.wait_turn(id).await {
                 return false;
@@ -260,6 +260,11 @@ impl Jobs {
             let answer = self.upstream.create_prediction(job, id).await;
             self.metrics.upstream(tool, answer.as_ref().map_or_else(UpstreamError::outcome, |_| "ok"));
             let now = self.clock.now();
+            // The budget is a share of the submissions the upstream actually received lately,
+            // counted when the first one goes out, so a long queue does not bank retries.
+            if !matches!(answer, Err(UpstreamError::CircuitOpen { .. })) && !std::mem::replace(&mut sent, true) {
+                self.retry_budget.record_request(now);
+            }
             match answer {
                 Ok(prediction) => {
                     self.started(id, prediction);
