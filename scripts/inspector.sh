@@ -54,31 +54,32 @@ out=$(inspect "$URL" --transport http --header "Authorization: Bearer inspector-
 grep -Eq '"status": ?"canceled"' <<<"$out" || fail "cancel_prediction did not cancel $id: $out"
 echo "$out" | head -c 300; echo
 
+# first_refusal N TOKEN TOOL ARGS_TEMPLATE: calls TOOL up to N times (ARGS_TEMPLATE with %d for the
+# attempt number) and prints the first isError result (the Inspector exits 5 for one).
+first_refusal() {
+  local n=$1 token=$2 tool=$3 template=$4 i out code
+  for i in $(seq 1 "$n"); do
+    set +e
+    # shellcheck disable=SC2059 # the template is ours
+    out=$(inspect "$URL" --transport http --header "Authorization: Bearer $token" \
+      --method tools/call --tool-name "$tool" --tool-args-json "$(printf "$template" "$i")" 2>&1)
+    code=$?
+    set -e
+    if [ $code -eq 5 ]; then echo "$out"; return; fi
+  done
+}
+
 echo "== HTTP: a burst of image calls with one key ends in a refusal the agent can act on"
-refusal=""
-for i in $(seq 1 30); do  # each CLI run takes ~1 s, and a token comes back every second
-  set +e
-  out=$(inspect "$URL" --transport http --header "Authorization: Bearer inspector-burst" \
-    --method tools/call --tool-name generate_image --tool-args-json "{\"prompt\":\"variation $i\"}" 2>&1)
-  code=$?
-  set -e
-  if [ $code -eq 5 ]; then refusal=$out; break; fi
-done
+# Each CLI run takes ~1 s and a token comes back every second; the prompts differ, as a working
+# agent's do, so this meets the budget and not loop detection.
+refusal=$(first_refusal 30 inspector-burst generate_image '{"prompt":"variation %d"}')
 [ -n "$refusal" ] || fail "no refusal after a burst"
 grep -Eq '"code": ?"rate_limited"' <<<"$refusal" || fail "refusal lacks a code: $refusal"
 grep -q 'retry_after_ms' <<<"$refusal" || fail "refusal lacks retry_after_ms: $refusal"
 echo "$refusal" | head -c 400; echo
 
 echo "== HTTP: the same call five times in a row is stopped as a loop"
-loop=""
-for _ in $(seq 1 5); do
-  set +e
-  out=$(inspect "$URL" --transport http --header "Authorization: Bearer inspector-loop" \
-    --method tools/call --tool-name list_articles --tool-args-json '{"query":"agents"}' 2>&1)
-  code=$?
-  set -e
-  if [ $code -eq 5 ]; then loop=$out; break; fi
-done
+loop=$(first_refusal 5 inspector-loop list_articles '{"query":"agents"}')
 grep -Eq '"code": ?"loop_detected"' <<<"$loop" || fail "no loop_detected after five identical calls: $loop"
 echo "$loop" | head -c 300; echo
 

@@ -19,7 +19,8 @@ const META: Metadata<'static> = Metadata::new("mcp_ratelimit", Level::INFO, Some
 pub const DECISIONS: &str = "mcp_ratelimit_decisions_total";
 /// `mcp_ratelimit_rejections_total{layer, tool, code, client_bucket}`.
 pub const REJECTIONS: &str = "mcp_ratelimit_rejections_total";
-/// `mcp_ratelimit_in_flight_calls`: admitted tool calls still running.
+/// `mcp_ratelimit_in_flight_calls`: admissions still held — tool calls running, and jobs holding
+/// their in-flight slots until they are final.
 pub const IN_FLIGHT: &str = "mcp_ratelimit_in_flight_calls";
 /// `mcp_ratelimit_upstream_requests_total{tool, outcome}`.
 pub const UPSTREAM: &str = "mcp_ratelimit_upstream_requests_total";
@@ -130,7 +131,7 @@ impl Metrics {
         recorder.describe_gauge(
             IN_FLIGHT.into(),
             Some(Unit::Count),
-            SharedString::const_str("Admitted tool calls still running."),
+            SharedString::const_str("Admissions still held: tool calls running and jobs not yet final."),
         );
         let register = |layer: Layer, names: &[&'static str]| -> HashMap<&'static str, [Counter; 2]> {
             names

@@ -429,7 +429,7 @@ fn submitted(view: JobView) -> Result<CallToolResult, ErrorData> {
 impl McpServer {
     /// Counts an upstream answer in `mcp_ratelimit_upstream_requests_total` and passes it on.
     fn observe<T>(&self, tool: &str, answer: Result<T, UpstreamError>) -> Result<T, UpstreamError> {
-        self.app.metrics.upstream(tool, answer.as_ref().map_or_else(UpstreamError::outcome, |_| "ok"));
+        self.app.metrics.upstream(tool, UpstreamError::outcome_of(&answer));
         answer
     }
 

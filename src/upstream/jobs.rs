@@ -173,7 +173,7 @@ impl Jobs {
     ) -> Result<JobView, UpstreamError> {
         let job = NewPrediction { kind: PredictionKind::Image, prompt, image_url: None };
         let answer = self.upstream.create_prediction(&job, &new_id("k")).await;
-        self.metrics.upstream("generate_image", answer.as_ref().map_or_else(UpstreamError::outcome, |_| "ok"));
+        self.metrics.upstream("generate_image", UpstreamError::outcome_of(&answer));
         let prediction = answer?;
         let id = prediction.id.clone();
         self.insert(owner, tenant, Some(id.clone()), prediction, slots);
@@ -258,7 +258,7 @@ impl Jobs {
                 return false;
             }
             let answer = self.upstream.create_prediction(job, id).await;
-            self.metrics.upstream(tool, answer.as_ref().map_or_else(UpstreamError::outcome, |_| "ok"));
+            self.metrics.upstream(tool, UpstreamError::outcome_of(&answer));
             let now = self.clock.now();
             // The budget is a share of the submissions the upstream actually received lately,
             // counted when the first one goes out, so a long queue does not bank retries.
@@ -320,7 +320,7 @@ impl Jobs {
             };
             self.clock.sleep_until(due).await;
             let answer = self.upstream.get_prediction(&upstream_id).await;
-            self.metrics.upstream("get_prediction", answer.as_ref().map_or_else(UpstreamError::outcome, |_| "ok"));
+            self.metrics.upstream("get_prediction", UpstreamError::outcome_of(&answer));
             match answer {
                 Ok(prediction) => {
                     failed = 0;
@@ -412,7 +412,7 @@ impl Jobs {
         self.fail(id, format!("the job did not finish within {secs} seconds and was given up"));
         if let Some(upstream_id) = upstream_id {
             let answer = self.upstream.cancel_prediction(&upstream_id).await;
-            self.metrics.upstream("cancel_prediction", answer.as_ref().map_or_else(UpstreamError::outcome, |_| "ok"));
+            self.metrics.upstream("cancel_prediction", UpstreamError::outcome_of(&answer));
         }
     }
 
@@ -434,8 +434,7 @@ impl Jobs {
             }
             Some(Some(upstream_id)) => {
                 let answer = self.upstream.cancel_prediction(&upstream_id).await;
-                self.metrics
-                    .upstream("cancel_prediction", answer.as_ref().map_or_else(UpstreamError::outcome, |_| "ok"));
+                self.metrics.upstream("cancel_prediction", UpstreamError::outcome_of(&answer));
                 match answer {
                     // Finished before the cancel arrived: keep the real outcome.
                     Ok(prediction) if prediction.status.is_terminal() => {

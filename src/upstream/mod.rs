@@ -60,6 +60,11 @@ impl UpstreamError {
         }
     }
 
+    /// The `outcome` label of an upstream answer, success included.
+    pub fn outcome_of<T>(answer: &Result<T, UpstreamError>) -> &'static str {
+        answer.as_ref().map_or_else(UpstreamError::outcome, |_| "ok")
+    }
+
     /// Whether the same request may succeed later (429, 5xx, timeouts); a 4xx will not.
     pub fn is_transient(&self) -> bool {
         matches!(self, UpstreamError::RateLimited { .. } | UpstreamError::Unavailable(_))
