@@ -24,7 +24,7 @@ use crate::upstream::Upstream;
 use crate::upstream::backoff::{Backoff, RetryBudget};
 use crate::upstream::breaker::Breaker;
 use crate::upstream::jobs::{JobRules, Jobs};
-use crate::upstream::queue::SpacedQueue;
+use crate::upstream::queue::{FairQueue, QueueRules};
 
 /// State shared by every session.
 #[derive(Debug)]
@@ -48,10 +48,20 @@ pub struct AppState {
 impl AppState {
     /// Sets the gauges that are read from live state when `/metrics` is scraped.
     pub fn sample_gauges(&self) {
-        use crate::metrics::{BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH};
+        use crate::metrics::{ACCOUNT_SLOTS_IN_USE, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH};
         use crate::upstream::breaker::BreakerState;
-        let queue = self.jobs.video_queue().len() as f64;
-        self.metrics.sample(QUEUE_DEPTH, vec![metrics::Label::new("queue", "video")], queue);
+        let occupancy = self.jobs.occupancy();
+        // Per flow bucket (a 16-way hash of the tenant or caller, never its name); every bucket
+        // is set, so an emptied one reads 0 instead of its last value.
+        let mut buckets = [0usize; 16];
+        for (flow, waiting) in &occupancy.per_flow {
+            buckets[usize::from(crate::identity::bucket_of(flow))] += waiting;
+        }
+        for (bucket, waiting) in buckets.iter().enumerate() {
+            let label = metrics::Label::new("flow_bucket", format!("b{bucket:02}"));
+            self.metrics.sample(QUEUE_DEPTH, vec![label], *waiting as f64);
+        }
+        self.metrics.sample(ACCOUNT_SLOTS_IN_USE, Vec::new(), occupancy.in_flight as f64);
         self.metrics.sample(JOBS_IN_FLIGHT, Vec::new(), self.jobs.in_flight() as f64);
         let breaker = match self.upstream.breaker().state(self.clock.now()) {
             BreakerState::Closed => 0.0,
@@ -95,9 +105,19 @@ impl App {
             backoff: Backoff::new(up.max_attempts, Duration::from_millis(up.max_retry_after_ms)),
             refresh_wait: timeout + Duration::from_secs(1),
         };
+        let queue = Arc::new(FairQueue::new(
+            QueueRules {
+                max_in_flight: up.max_in_flight,
+                video_gap: ms(up.video_min_gap_ms),
+                max_waiting: up.queue_max,
+                max_videos_waiting: up.video_queue_max,
+            },
+            clock.clone(),
+        ));
+        tokio::spawn(queue.clone().dispatch(stop.child_token()));
         let jobs = Arc::new(Jobs::new(
             upstream.clone(),
-            Arc::new(SpacedQueue::new(ms(up.video_min_gap_ms), up.video_queue_max, clock.clone())),
+            queue,
             RetryBudget::new(up.retry_budget_ratio, up.retry_budget_min_retries, ms(up.retry_budget_window_ms)),
             rules,
             clock.clone(),

@@ -120,6 +120,9 @@ pub struct Limits {
     pub caller: Limiter,
     /// The budget all callers of one tenant share, charged each tool's cost.
     pub tenant: Limiter,
+    /// The budget all unverified callers (no configured key) from one address share, charged
+    /// each tool's cost: made-up keys cannot buy budget.
+    pub address: Limiter,
     /// Jobs (image and video predictions) one caller may have in flight at once.
     pub in_flight_caller: Limiter,
     /// Jobs all callers of one tenant may have in flight at once (a caller without a tenant is
@@ -148,9 +151,13 @@ pub struct UpstreamConfig {
     pub image_poll_seconds: u64,
     /// Poll hint for video jobs.
     pub video_poll_seconds: u64,
+    /// Predictions the upstream account runs at once, for every caller together.
+    pub max_in_flight: usize,
+    /// Jobs that may wait for an account slot (or their video gap), all callers together.
+    pub queue_max: usize,
     /// Least time between two video submissions to the upstream, across all callers.
     pub video_min_gap_ms: u64,
-    /// Video jobs that may wait in the submission queue.
+    /// Video jobs that may wait in the queue.
     pub video_queue_max: usize,
     /// Attempts of one server-owned upstream request (a queued submission, a background poll).
     pub max_attempts: u32,
@@ -263,6 +270,7 @@ struct RawLimits {
     method: BTreeMap<String, RawLimit>,
     caller: RawLimit,
     tenant: RawLimit,
+    address: RawLimit,
     in_flight: RawInFlight,
 }
 
@@ -354,6 +362,7 @@ impl Config {
             ("method other (per caller)", &limits.other_methods),
             ("caller (tool budget)", &limits.caller),
             ("tenant (shared tool budget)", &limits.tenant),
+            ("address (unverified callers)", &limits.address),
             ("in flight (jobs per caller)", &limits.in_flight_caller),
             ("in flight (jobs per tenant)", &limits.in_flight_tenant),
         ] {
@@ -425,6 +434,7 @@ impl RawConfig {
             other_methods: group("other")?,
             caller: self.limits.caller.build("limits.caller")?,
             tenant: self.limits.tenant.build("limits.tenant")?,
+            address: self.limits.address.build("limits.address")?,
             in_flight_caller: slots("limits.in_flight.caller", self.limits.in_flight.caller)?,
             in_flight_tenant: slots("limits.in_flight.tenant", self.limits.in_flight.tenant)?,
         };
@@ -446,7 +456,11 @@ impl RawConfig {
             }
             let cost = u64::try_from(spec.cost)
                 .map_err(|_| invalid(&key, format!("a cost cannot be negative (got {})", spec.cost)))?;
-            for (scope, limiter) in [("limits.caller", &limits.caller), ("limits.tenant", &limits.tenant)] {
+            for (scope, limiter) in [
+                ("limits.caller", &limits.caller),
+                ("limits.tenant", &limits.tenant),
+                ("limits.address", &limits.address),
+            ] {
                 if cost > limiter.capacity() {
                     return Err(invalid(
                         &key,
@@ -544,6 +558,8 @@ impl RawConfig {
             ("upstream.timeout_ms", up.timeout_ms),
             ("upstream.image_poll_seconds", up.image_poll_seconds),
             ("upstream.video_poll_seconds", up.video_poll_seconds),
+            ("upstream.max_in_flight", up.max_in_flight as u64),
+            ("upstream.queue_max", up.queue_max as u64),
             ("upstream.video_queue_max", up.video_queue_max as u64),
             ("upstream.max_attempts", u64::from(up.max_attempts)),
             ("upstream.max_retry_after_ms", up.max_retry_after_ms),

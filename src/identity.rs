@@ -6,6 +6,11 @@
 //! a metric label. A configured key also names the caller's tenant (whose budget it shares)
 //! and tier (which scales its own budgets).
 //!
+//! A credential that is not a configured key proves nothing: anyone can make one up. Such a
+//! caller (and one with no credential) is *unverified*, and also carries the address it came
+//! from (IPv6 by its /64, which one host can hold whole), so the guard can charge every
+//! unverified caller of one address to one shared budget: rotating made-up keys buys nothing.
+//!
 //! The MCP session id is deliberately *not* an identity: a new session must not buy a fresh
 //! budget. `X-Forwarded-For` is believed only from configured proxies, and then the caller is
 //! the right-most address that is not one of them — anything further left was written by the
@@ -28,10 +33,16 @@ pub struct Caller {
     id: String,
     tenant: Option<Arc<str>>,
     tier: Arc<str>,
+    unverified_from: Option<Arc<str>>,
 }
 
 impl Caller {
-    fn from_digest(digest: &[u8; 32], tenant: Option<Arc<str>>, tier: Arc<str>) -> Self {
+    fn from_digest(
+        digest: &[u8; 32],
+        tenant: Option<Arc<str>>,
+        tier: Arc<str>,
+        unverified_from: Option<Arc<str>>,
+    ) -> Self {
         const HEX: &[u8; 16] = b"0123456789abcdef";
         let mut id = String::with_capacity(20);
         id.push_str("tok:");
@@ -39,12 +50,12 @@ impl Caller {
             id.push(char::from(HEX[usize::from(byte >> 4)]));
             id.push(char::from(HEX[usize::from(byte & 0x0f)]));
         }
-        Self { id, tenant, tier }
+        Self { id, tenant, tier, unverified_from }
     }
 
-    /// An unconfigured caller known by a credential (tier `default`, no tenant).
+    /// A caller known by a credential (tier `default`, no tenant, not tied to an address).
     pub fn from_token(token: &str) -> Self {
-        Self::from_digest(&Sha256::digest(token.as_bytes()).into(), None, "default".into())
+        Self::from_digest(&Sha256::digest(token.as_bytes()).into(), None, "default".into(), None)
     }
 
     /// The stable, non-secret identifier (`tok:…`, `ip:…` or `local`).
@@ -62,11 +73,22 @@ impl Caller {
         &self.tier
     }
 
+    /// For a caller without a configured key, the address it came from (`ip:…`, or `ip6:…/64`),
+    /// whose budget all such callers share; `None` for configured keys and stdio.
+    pub fn unverified_from(&self) -> Option<&str> {
+        self.unverified_from.as_deref()
+    }
+
     /// A small, stable bucket (0-15) for metric labels: enough to see whether rejections come
     /// from a few callers or many, never enough to name one.
     pub fn bucket(&self) -> u8 {
-        Sha256::digest(self.id.as_bytes())[0] & 0x0f
+        bucket_of(&self.id)
     }
+}
+
+/// The 16-way bucket (0-15) of an identifier (a caller id, a tenant's flow), for metric labels.
+pub fn bucket_of(id: &str) -> u8 {
+    Sha256::digest(id.as_bytes())[0] & 0x0f
 }
 
 impl fmt::Display for Caller {
@@ -124,7 +146,7 @@ impl Identifier {
 
     /// The single caller behind a stdio transport: the local user, trusted like a default key.
     pub fn local(&self) -> Caller {
-        Caller { id: "local".to_owned(), tenant: None, tier: Arc::from("default") }
+        Caller { id: "local".to_owned(), tenant: None, tier: Arc::from("default"), unverified_from: None }
     }
 
     /// Identifies the caller of an HTTP request from its credential, else its address.
@@ -133,18 +155,23 @@ impl Identifier {
             Some(token) => {
                 let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
                 match self.keys.get(&digest) {
-                    Some(info) => Ok(Caller::from_digest(&digest, info.tenant.clone(), info.tier.clone())),
+                    Some(info) => Ok(Caller::from_digest(&digest, info.tenant.clone(), info.tier.clone(), None)),
                     None if self.required => Err(Unauthorized::Unknown),
-                    None => Ok(Caller::from_digest(&digest, None, self.anonymous_tier.clone())),
+                    None => {
+                        let from = address_of(self.client_ip(headers, peer));
+                        Ok(Caller::from_digest(&digest, None, self.anonymous_tier.clone(), Some(from.into())))
+                    }
                 }
             }
             None if self.required => Err(Unauthorized::Missing),
             None => {
-                let id = match self.client_ip(headers, peer) {
+                let ip = self.client_ip(headers, peer);
+                let id = match ip {
                     Some(ip) => format!("ip:{ip}"),
                     None => "ip:unknown".to_owned(),
                 };
-                Ok(Caller { id, tenant: None, tier: self.anonymous_tier.clone() })
+                let from = Some(Arc::from(address_of(ip)));
+                Ok(Caller { id, tenant: None, tier: self.anonymous_tier.clone(), unverified_from: from })
             }
         }
     }
@@ -176,6 +203,23 @@ impl Identifier {
             }
         }
         Some(client)
+    }
+}
+
+/// The address an unverified caller is charged to: an IPv4 address, or an IPv6 /64 (a single
+/// host is routinely given a whole /64, so its addresses cost nothing to rotate).
+fn address_of(ip: Option<IpAddr>) -> String {
+    match ip {
+        Some(IpAddr::V4(v4)) => format!("ip:{v4}"),
+        Some(IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
+            Some(v4) => format!("ip:{v4}"),
+            None => {
+                let s = v6.segments();
+                let net = std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0);
+                format!("ip6:{net}/64")
+            }
+        },
+        None => "ip:unknown".to_owned(),
     }
 }
 

@@ -28,8 +28,11 @@ pub const UPSTREAM: &str = "mcp_ratelimit_upstream_requests_total";
 pub const UPSTREAM_RETRIES: &str = "mcp_ratelimit_upstream_retries_total";
 /// `mcp_ratelimit_loop_detections_total{tool}`: calls refused as a loop.
 pub const LOOP_DETECTIONS: &str = "mcp_ratelimit_loop_detections_total";
-/// `mcp_ratelimit_queue_depth{queue}`: jobs waiting to be submitted upstream.
+/// `mcp_ratelimit_queue_depth{flow_bucket}`: jobs waiting for the upstream account, per flow
+/// (tenant, or caller without one) bucket.
 pub const QUEUE_DEPTH: &str = "mcp_ratelimit_queue_depth";
+/// `mcp_ratelimit_account_slots_in_use`: the upstream account's slots held by running jobs.
+pub const ACCOUNT_SLOTS_IN_USE: &str = "mcp_ratelimit_account_slots_in_use";
 /// `mcp_ratelimit_jobs_in_flight`: accepted jobs not yet final.
 pub const JOBS_IN_FLIGHT: &str = "mcp_ratelimit_jobs_in_flight";
 /// `mcp_ratelimit_breaker_state`: the upstream circuit breaker (0 closed, 1 half-open, 2 open).
@@ -125,7 +128,8 @@ impl Metrics {
         let gauge = |name: &'static str, help: &'static str| {
             recorder.describe_gauge(name.into(), Some(Unit::Count), SharedString::const_str(help));
         };
-        gauge(QUEUE_DEPTH, "Jobs waiting in a submission queue.");
+        gauge(QUEUE_DEPTH, "Jobs waiting for the upstream account, by flow bucket (a 16-way hash of the tenant).");
+        gauge(ACCOUNT_SLOTS_IN_USE, "The upstream account's slots held by running jobs.");
         gauge(JOBS_IN_FLIGHT, "Accepted jobs (image and video predictions) not yet final.");
         gauge(BREAKER_STATE, "The upstream circuit breaker: 0 closed, 1 half-open, 2 open.");
         recorder.describe_gauge(

@@ -275,7 +275,9 @@ async fn health_is_served() {
 #[tokio::test]
 async fn the_upstream_job_cap_comes_back_as_upstream_rate_limited() {
     // Defaults: the mock runs at most 10 jobs at once; our budget would allow 12 images.
-    let server = TestServer::start(&format!("{ROOMY_IN_FLIGHT}{NO_LOOP_DETECTION}")).await;
+    // Our account cap as high as the budget, so the mock's own cap is what the 11th image meets.
+    let account = "[upstream]\nmax_in_flight = 1000\n";
+    let server = TestServer::start(&format!("{ROOMY_IN_FLIGHT}{NO_LOOP_DETECTION}{account}")).await;
     let client = server.client(Some("fan-out")).await;
     let (passed, refused) = spend_until_refused(&client, "generate_image", json!({"prompt": "p"}), 20).await;
     assert_eq!(passed, 10);

@@ -17,6 +17,9 @@ refill_per_sec = 1.0
 caller = 1000
 tenant = 1000
 
+[upstream]
+max_in_flight = 1000
+
 [loop_detection]
 enabled = false
 

@@ -57,7 +57,13 @@ async fn three_callers_videos_reach_the_upstream_spaced_by_the_gap_in_arrival_or
     let gaps: Vec<u64> = log.windows(2).map(|w| w[1].0 - w[0].0).collect();
     assert_eq!(gaps, vec![GAP_SECS * NANOS_PER_SEC; 2], "exactly the gap apart");
     let metrics = server.metrics().await;
-    assert!(metrics.contains("mcp_ratelimit_queue_depth{queue=\"video\"} 0"), "{metrics}");
+    assert!(metrics.contains("mcp_ratelimit_account_slots_in_use 3"), "{metrics}");
+    let waiting: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("mcp_ratelimit_queue_depth{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(waiting, 0.0, "{metrics}");
 }
 
 #[tokio::test]
@@ -80,7 +86,7 @@ async fn a_full_video_queue_is_busy_with_the_wait_and_charges_nothing() {
     assert!(text(&full).contains("Wait 6 seconds"), "{}", text(&full));
     let status = call(&client, "rate_limit_status", json!({})).await;
     assert_eq!(budget(&status, "caller:"), budget(&before, "caller:"), "the refused call cost nothing");
-    assert_eq!(structured(&status)["video_queue"]["length"], 2);
+    assert_eq!(structured(&status)["upstream_queue"]["videos_waiting"], 2);
 
     // An obedient agent that waits as told gets in.
     server.advance_secs(6.0);

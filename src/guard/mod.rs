@@ -110,6 +110,10 @@ fn tenant_scope(tenant: &str) -> String {
     format!("tenant:{tenant}")
 }
 
+fn address_scope(address: &str) -> String {
+    format!("address:{address}")
+}
+
 /// A tool's own budget belongs to the caller's tenant, or to the caller when it has none.
 fn tool_scope(caller: &Caller, tool: &str) -> String {
     match caller.tenant() {
@@ -195,6 +199,9 @@ impl Guard {
             scopes.push((caller_scope(caller), &tier.caller, cost));
             if let Some(tenant) = caller.tenant() {
                 scopes.push((tenant_scope(tenant), &self.policy.tenant, cost));
+            }
+            if let Some(address) = caller.unverified_from() {
+                scopes.push((address_scope(address), &self.policy.address, cost));
             }
         }
         if let Some(budget) = self.policy.tools.get(tool).and_then(|t| t.budget.as_ref()) {
@@ -294,6 +301,9 @@ impl Guard {
         peek.push((caller_scope(caller), &tier.caller));
         if let Some(tenant) = caller.tenant() {
             peek.push((tenant_scope(tenant), &self.policy.tenant));
+        }
+        if let Some(address) = caller.unverified_from() {
+            peek.push((address_scope(address), &self.policy.address));
         }
         for (tool, policy) in &self.policy.tools {
             if let Some(budget) = &policy.budget {

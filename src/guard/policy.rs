@@ -64,6 +64,8 @@ pub struct Policy {
     fallback: TierLimits,
     /// The shared budget of a tenant.
     pub tenant: Limiter,
+    /// The shared budget of unverified callers from one address.
+    pub address: Limiter,
     /// Jobs one caller may have in flight.
     pub in_flight_caller: Limiter,
     /// Jobs one tenant may have in flight.
@@ -88,6 +90,7 @@ impl Policy {
             tiers,
             fallback: scale(1.0),
             tenant: l.tenant.clone(),
+            address: l.address.clone(),
             in_flight_caller: l.in_flight_caller.clone(),
             in_flight_tenant: l.in_flight_tenant.clone(),
             tools: config.tools.clone(),

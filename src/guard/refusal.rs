@@ -121,17 +121,17 @@ impl Refusal {
         self
     }
 
-    /// The queue in front of the upstream is full; `wait` is until a place frees up.
-    pub fn queue_full(tool: &str, length: usize, wait: Nanos) -> Self {
+    /// The queue in front of the upstream account is full; `wait` is until a place frees up.
+    pub fn queue_full(tool: &str, wait: Nanos) -> Self {
         Self {
             code: RefusalCode::Busy,
             message: format!(
-                "The submission queue for {tool} is full ({length} jobs waiting). Wait {} before calling it again.",
+                "Too many jobs are waiting for the upstream to start {tool}. Wait {} before calling it again.",
                 seconds(ceil_secs(wait))
             ),
             retry_after_ms: Some(ceil_ms(wait).max(1)),
-            scope: Some(format!("queue:{tool}")),
-            limit: Some(length as u64),
+            scope: Some("queue:upstream".to_owned()),
+            limit: None,
             remaining: Some(0),
             in_flight: Box::default(),
         }

@@ -183,7 +183,7 @@ impl ServerHandler for McpServer {
             Err(refusal) => return Ok(refusal.into_result().into()),
         };
         let starts_job = tools::starts_job(&tool);
-        // Known before anything is charged: the upstream is down, or the video queue is full.
+        // Known before anything is charged: the upstream is down, or the account's queue is full.
         let place = match self.before_charging(&tool) {
             Ok(place) => place,
             Err(refusal) => return Ok(refusal.into_result().into()),

@@ -23,7 +23,7 @@ use crate::identity::Caller;
 use crate::mcp::McpServer;
 use crate::upstream::UpstreamError;
 use crate::upstream::api::{NewArticle, NewPrediction, PredictionKind, PredictionStatus};
-use crate::upstream::jobs::JobView;
+use crate::upstream::jobs::{JobView, Owner};
 use crate::upstream::queue::Reservation;
 
 /// Every tool this server exposes; config costs must name one of these.
@@ -290,15 +290,23 @@ pub struct JobInFlight {
     pub queue_position: Option<usize>,
 }
 
-/// The video submission queue, in rate_limit_status.
+/// The upstream account and the fair queue in front of it, in rate_limit_status.
 #[derive(Debug, Serialize, JsonSchema)]
 pub struct QueueStatus {
-    /// Jobs waiting now, everyone's.
-    pub length: usize,
-    /// The most that may wait.
-    pub max: usize,
-    /// Least time between two submissions, in milliseconds.
-    pub min_gap_ms: u64,
+    /// Predictions the account runs now, everyone's.
+    pub account_in_flight: usize,
+    /// Predictions the account runs at once.
+    pub account_max_in_flight: usize,
+    /// Jobs waiting for the account now, everyone's.
+    pub waiting: usize,
+    /// The most jobs that may wait.
+    pub max_waiting: usize,
+    /// Video jobs waiting now.
+    pub videos_waiting: usize,
+    /// The most video jobs that may wait.
+    pub max_videos_waiting: usize,
+    /// Least time between two video submissions, in milliseconds.
+    pub video_min_gap_ms: u64,
 }
 
 /// What rate_limit_status answers.
@@ -308,10 +316,10 @@ pub struct StatusReport {
     pub caller: String,
     /// Each budget a call draws on, the in-flight caps among them.
     pub budgets: Vec<BudgetStatus>,
-    /// The caller's jobs not final yet, oldest first.
+    /// The caller's jobs not final yet (waiting in the queue or running), oldest first.
     pub jobs_in_flight: Vec<JobInFlight>,
-    /// The queue video jobs wait in before they are submitted.
-    pub video_queue: QueueStatus,
+    /// The upstream account and the queue jobs wait in for it.
+    pub upstream_queue: QueueStatus,
     /// What each tool costs.
     pub costs: BTreeMap<String, u64>,
 }
@@ -434,19 +442,48 @@ impl McpServer {
     }
 
     /// What must hold before `tool` is charged, with what it must carry to the tool body: the
-    /// upstream must not be known down (circuit breaker open), and a video job needs a place
-    /// in the submission queue.
+    /// upstream must not be known down (circuit breaker open), and a job needs a place in the
+    /// queue for the upstream account, in case it has to wait for a slot.
     pub(crate) fn before_charging(&self, tool: &str) -> Result<Option<Reservation>, Refusal> {
         if needs_upstream(tool)
             && let Some(open_for) = self.app.upstream.open_for()
         {
             return Err(breaker_open(tool, open_for));
         }
-        if tool != "generate_image_to_video" {
-            return Ok(None);
+        let kind = match tool {
+            "generate_image" => PredictionKind::Image,
+            "generate_image_to_video" => PredictionKind::Video,
+            _ => return Ok(None),
+        };
+        self.app.jobs.reserve(kind).map(Some).map_err(|wait| Refusal::queue_full(tool, wait))
+    }
+
+    /// Who a job belongs to, and the flow it waits in: its tenant, or the caller without one,
+    /// weighted by the caller's tier.
+    fn owner_of(&self, caller: &Caller) -> Owner {
+        Owner {
+            caller: caller.id().to_owned(),
+            tenant: caller.tenant().map(str::to_owned),
+            flow: caller.tenant().map_or_else(|| format!("caller:{}", caller.id()), |t| format!("tenant:{t}")),
+            weight: self.app.config.tiers.get(caller.tier()).copied().unwrap_or(1.0),
         }
-        let queue = self.app.jobs.video_queue();
-        self.app.jobs.reserve_video().map(Some).map_err(|wait| Refusal::queue_full(tool, queue.max(), wait))
+    }
+
+    /// Starts a job with what `call_tool` handed over: the admission and the queue place.
+    async fn start_job(
+        &self,
+        tool: &str,
+        caller: &Caller,
+        job: NewPrediction,
+        admission: &Handoff<Admission>,
+        place: &Handoff<Reservation>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let place = place.take().ok_or_else(|| ErrorData::internal_error("a job ran without its queue place", None))?;
+        let slots = Box::new(held(admission)?);
+        match self.app.jobs.start(&self.owner_of(caller), job, place, slots).await {
+            Ok(view) => submitted(view),
+            Err(e) => Ok(upstream_refusal(tool, e)),
+        }
     }
 
     /// Whether this call can never be a loop, because asking again is how it is meant to be
@@ -520,12 +557,10 @@ impl McpServer {
         Parameters(args): Parameters<GenerateImageArgs>,
         Extension(caller): Extension<Caller>,
         Extension(admission): Extension<Handoff<Admission>>,
+        Extension(place): Extension<Handoff<Reservation>>,
     ) -> Result<CallToolResult, ErrorData> {
-        let slots = Box::new(held(&admission)?);
-        match self.app.jobs.submit_image(caller.id(), caller.tenant(), args.prompt, slots).await {
-            Ok(view) => submitted(view),
-            Err(e) => Ok(upstream_refusal("generate_image", e)),
-        }
+        let job = NewPrediction { kind: PredictionKind::Image, prompt: args.prompt, image_url: None };
+        self.start_job("generate_image", &caller, job, &admission, &place).await
     }
 
     /// Accepts a video job into the spaced submission queue.
@@ -543,11 +578,8 @@ impl McpServer {
         Extension(admission): Extension<Handoff<Admission>>,
         Extension(place): Extension<Handoff<Reservation>>,
     ) -> Result<CallToolResult, ErrorData> {
-        let place =
-            place.take().ok_or_else(|| ErrorData::internal_error("a video job ran without its queue place", None))?;
-        let slots = Box::new(held(&admission)?);
         let job = NewPrediction { kind: PredictionKind::Video, prompt: args.prompt, image_url: Some(args.image_url) };
-        submitted(self.app.jobs.enqueue_video(caller.id(), caller.tenant(), job, place, slots))
+        self.start_job("generate_image_to_video", &caller, job, &admission, &place).await
     }
 
     /// Reads a job's status.
@@ -628,16 +660,27 @@ impl McpServer {
             let ids: Vec<&str> = jobs_in_flight.iter().map(|j| j.predict_id.as_str()).collect();
             lines.push(format!("jobs in flight: {}", ids.join(", ")));
         }
-        let queue = self.app.jobs.video_queue();
-        let video_queue =
-            QueueStatus { length: queue.len(), max: queue.max(), min_gap_ms: queue.gap() / crate::clock::NANOS_PER_MS };
-        lines.push(format!("video queue: {} of {} places taken", video_queue.length, video_queue.max));
+        let rules = self.app.jobs.queue().rules();
+        let occupancy = self.app.jobs.occupancy();
+        let upstream_queue = QueueStatus {
+            account_in_flight: occupancy.in_flight,
+            account_max_in_flight: rules.max_in_flight,
+            waiting: occupancy.waiting,
+            max_waiting: rules.max_waiting,
+            videos_waiting: occupancy.videos_waiting,
+            max_videos_waiting: rules.max_videos_waiting,
+            video_min_gap_ms: rules.video_gap / crate::clock::NANOS_PER_MS,
+        };
+        lines.push(format!(
+            "upstream account: {} of {} running, {} waiting",
+            upstream_queue.account_in_flight, upstream_queue.account_max_in_flight, upstream_queue.waiting
+        ));
         let costs: BTreeMap<String, u64> =
             self.app.guard.policy().tools.iter().map(|(tool, policy)| (tool.clone(), policy.cost)).collect();
         let price: Vec<String> = costs.iter().map(|(t, c)| format!("{t} {c}")).collect();
         success(
             format!("{}. Costs: {}.", lines.join("; "), price.join(", ")),
-            StatusReport { caller: caller.id().to_owned(), budgets, jobs_in_flight, video_queue, costs },
+            StatusReport { caller: caller.id().to_owned(), budgets, jobs_in_flight, upstream_queue, costs },
         )
     }
 }

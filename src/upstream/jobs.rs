@@ -8,12 +8,14 @@
 //! from the book, and a poll that arrives while the background poll it was told to wait for is
 //! still in flight waits for that answer instead of making a second request.
 //!
-//! Image jobs are submitted in the tool call itself (one attempt: a 429 goes back to the agent
-//! with its wait). Video jobs go through the [`SpacedQueue`]: the call returns at once with a
-//! `predict_id` of our own, and the job's task submits it when its turn comes, retrying 429s,
-//! 5xx and timeouts with [`Backoff`] under the [`RetryBudget`] — work the server owns. The
-//! submission carries the `predict_id` as its idempotency key, so a retry after a lost answer
-//! cannot start (and bill) a second job.
+//! Every job also needs one of the upstream *account's* slots, from the [`FairQueue`]. An image
+//! job that finds one free (and nobody waiting) is submitted in the tool call itself — one
+//! attempt: a 429 goes back to the agent with its wait. Any other job — every video (spaced by
+//! the queue), and an image while the account is full — is accepted at once with a `predict_id`
+//! of our own and waits its turn; its task then submits it, retrying 429s, 5xx and timeouts
+//! with [`Backoff`] under the [`RetryBudget`] — work the server owns. The submission carries
+//! the `predict_id` as its idempotency key, so a retry after a lost answer cannot start (and
+//! bill) a second job.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -28,7 +30,7 @@ use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
 use crate::metrics::Metrics;
 use crate::upstream::api::{NewPrediction, Prediction, PredictionKind, PredictionStatus};
 use crate::upstream::backoff::{Backoff, Retry, RetryBudget};
-use crate::upstream::queue::{Reservation, SpacedQueue};
+use crate::upstream::queue::{AccountSlot, FairQueue, Position, Reservation, Turn};
 use crate::upstream::{Upstream, UpstreamError};
 
 /// Final jobs are remembered this long after their last change, so a late poll still reads
@@ -37,6 +39,19 @@ const KEEP_FOR: Nanos = 3_600 * NANOS_PER_SEC;
 
 /// Whatever a job's admission holds (its in-flight slots); dropped when the job is final.
 pub type Slots = Box<dyn Any + Send + Sync>;
+
+/// Who a job belongs to, and where it queues.
+#[derive(Debug, Clone)]
+pub struct Owner {
+    /// The caller id (only the owner may read or cancel the job).
+    pub caller: String,
+    /// The caller's tenant, if any.
+    pub tenant: Option<String>,
+    /// The fair queue's flow: the tenant, or the caller without one.
+    pub flow: String,
+    /// The flow's weight in the round robin (the caller's tier factor).
+    pub weight: f64,
+}
 
 /// The fixed parameters of job handling, from `[upstream]`.
 #[derive(Debug, Clone)]
@@ -55,8 +70,7 @@ pub struct JobRules {
 }
 
 struct Job {
-    owner: String,
-    tenant: Option<String>,
+    owner: Owner,
     upstream_id: Option<String>,
     /// The last state, with `id` = the `predict_id` agents see.
     last: Prediction,
@@ -64,7 +78,8 @@ struct Job {
     updated_at: Nanos,
     expires_at: Nanos,
     created: SystemTime,
-    slots: Option<Slots>,
+    /// The admission's slots and, once submitted, the account slot.
+    slots: Vec<Slots>,
     cancel: CancellationToken,
     changed: watch::Sender<u64>,
 }
@@ -101,7 +116,7 @@ pub struct Jobs {
     upstream: Arc<Upstream>,
     clock: SharedClock,
     metrics: Arc<Metrics>,
-    video_queue: Arc<SpacedQueue>,
+    queue: Arc<FairQueue>,
     retry_budget: RetryBudget,
     rules: JobRules,
     book: Mutex<HashMap<String, Job>>,
@@ -126,17 +141,17 @@ fn new_id(prefix: &str) -> String {
 }
 
 impl Jobs {
-    /// The job book over `upstream`, spacing video submissions through `video_queue`.
+    /// The job book over `upstream`, whose account's slots `queue` hands out.
     pub fn new(
         upstream: Arc<Upstream>,
-        video_queue: Arc<SpacedQueue>,
+        queue: Arc<FairQueue>,
         retry_budget: RetryBudget,
         rules: JobRules,
         clock: SharedClock,
         metrics: Arc<Metrics>,
         stop: CancellationToken,
     ) -> Self {
-        Self { upstream, clock, metrics, video_queue, retry_budget, rules, book: Mutex::new(HashMap::new()), stop }
+        Self { upstream, clock, metrics, queue, retry_budget, rules, book: Mutex::new(HashMap::new()), stop }
     }
 
     fn book(&self) -> MutexGuard<'_, HashMap<String, Job>> {
@@ -151,71 +166,66 @@ impl Jobs {
         }
     }
 
-    /// The video submission queue.
-    pub fn video_queue(&self) -> &SpacedQueue {
-        &self.video_queue
+    /// The queue in front of the upstream account.
+    pub fn queue(&self) -> &FairQueue {
+        &self.queue
     }
 
-    /// Promises a place in the video queue before the call is charged, or says how long until
-    /// one frees up.
-    pub fn reserve_video(&self) -> Result<Reservation, Nanos> {
-        self.video_queue.reserve()
+    /// Promises a place in the queue for a job of `kind` before the call is charged, or says
+    /// how long until one frees up.
+    pub fn reserve(&self, kind: PredictionKind) -> Result<Reservation, Nanos> {
+        self.queue.reserve(kind).map_err(|_| self.place_frees_in())
     }
 
-    /// Submits an image job now (one attempt: the agent gets any refusal with its wait) and
-    /// watches it until it is final, holding `slots` until then.
-    pub async fn submit_image(
+    /// Starts the job `job` for `owner`, holding `slots` until it is final, and returns at once.
+    /// An image that finds an account slot free is submitted now, in one attempt (the agent gets
+    /// any refusal with its wait); anything else waits its turn in the place `place` holds.
+    pub async fn start(
         self: &Arc<Self>,
-        owner: &str,
-        tenant: Option<&str>,
-        prompt: String,
+        owner: &Owner,
+        job: NewPrediction,
+        place: Reservation,
         slots: Slots,
     ) -> Result<JobView, UpstreamError> {
-        let job = NewPrediction { kind: PredictionKind::Image, prompt, image_url: None };
+        let kind = job.kind;
+        let place = match place.start_now() {
+            Ok(account) => return self.submit_now(owner, job, vec![slots, Box::new(account)]).await,
+            Err(place) => place,
+        };
+        let id = new_id(if kind == PredictionKind::Video { "v" } else { "i" });
+        let waiting =
+            Prediction { id: id.clone(), kind, status: PredictionStatus::Starting, output: None, error: None };
+        self.insert(owner, None, waiting, vec![slots]);
+        let turn = place.enqueue(&owner.flow, owner.weight, &id);
+        self.spawn(id.clone(), Some((job, turn)));
+        Ok(self.view_of(&id).unwrap_or_else(|| unreachable_view(&id)))
+    }
+
+    async fn submit_now(
+        self: &Arc<Self>,
+        owner: &Owner,
+        job: NewPrediction,
+        slots: Vec<Slots>,
+    ) -> Result<JobView, UpstreamError> {
         let answer = self.upstream.create_prediction(&job, &new_id("k")).await;
-        self.metrics.upstream("generate_image", UpstreamError::outcome_of(&answer));
+        self.metrics.upstream(tool_of(job.kind), UpstreamError::outcome_of(&answer));
         let prediction = answer?;
         let id = prediction.id.clone();
-        self.insert(owner, tenant, Some(id.clone()), prediction, slots);
+        self.insert(owner, Some(id.clone()), prediction, slots);
         self.spawn(id.clone(), None);
         Ok(self.view_of(&id).unwrap_or_else(|| unreachable_view(&id)))
     }
 
-    /// Accepts a video job into the queue place `place` holds and returns at once; its task
-    /// submits it when its turn comes and watches it until it is final, holding `slots`.
-    pub fn enqueue_video(
-        self: &Arc<Self>,
-        owner: &str,
-        tenant: Option<&str>,
-        job: NewPrediction,
-        place: Reservation,
-        slots: Slots,
-    ) -> JobView {
-        let id = new_id("v");
-        let waiting = Prediction {
-            id: id.clone(),
-            kind: PredictionKind::Video,
-            status: PredictionStatus::Starting,
-            output: None,
-            error: None,
-        };
-        self.insert(owner, tenant, None, waiting, slots);
-        place.enqueue(&id);
-        self.spawn(id.clone(), Some(job));
-        self.view_of(&id).unwrap_or_else(|| unreachable_view(&id))
-    }
-
-    fn insert(&self, owner: &str, tenant: Option<&str>, upstream_id: Option<String>, last: Prediction, slots: Slots) {
+    fn insert(&self, owner: &Owner, upstream_id: Option<String>, last: Prediction, slots: Vec<Slots>) {
         let now = self.clock.now();
         let job = Job {
-            owner: owner.to_owned(),
-            tenant: tenant.map(str::to_owned),
+            owner: owner.clone(),
             upstream_id,
             next_poll_at: now.saturating_add(self.hint(last.kind)),
             updated_at: now,
             expires_at: now.saturating_add(self.rules.expiry),
             created: SystemTime::now(),
-            slots: Some(slots),
+            slots,
             cancel: CancellationToken::new(),
             changed: watch::Sender::new(0),
             last,
@@ -224,7 +234,7 @@ impl Jobs {
         book.insert(job.last.id.clone(), job);
     }
 
-    fn spawn(self: &Arc<Self>, id: String, queued: Option<NewPrediction>) {
+    fn spawn(self: &Arc<Self>, id: String, queued: Option<(NewPrediction, Turn)>) {
         let Some((cancel, expires_at)) = self.book().get(&id).map(|j| (j.cancel.clone(), j.expires_at)) else {
             return;
         };
@@ -232,8 +242,8 @@ impl Jobs {
         tokio::spawn(async move {
             let stop = jobs.stop.clone();
             let work = async {
-                if let Some(job) = queued
-                    && !jobs.submit_queued(&id, &job).await
+                if let Some((job, turn)) = queued
+                    && !jobs.submit_queued(&id, &job, turn).await
                 {
                     return;
                 }
@@ -249,14 +259,16 @@ impl Jobs {
     }
 
     /// Submits a queued job when its turn comes; `false` if it ended instead.
-    async fn submit_queued(&self, id: &str, job: &NewPrediction) -> bool {
+    async fn submit_queued(&self, id: &str, job: &NewPrediction, mut turn: Turn) -> bool {
         let tool = tool_of(job.kind);
+        let Some(owner) = self.book().get(id).map(|j| j.owner.clone()) else { return false };
+        let retry_at =
+            |not_before: Nanos| self.queue.requeue_front(&owner.flow, owner.weight, id, job.kind, not_before);
         let mut failed = 0;
         let mut sent = false;
         loop {
-            if !self.video_queue.wait_turn(id).await {
-                return false;
-            }
+            // The sender is dropped when the job leaves the line (cancelled, expired).
+            let Ok(account) = turn.await else { return false };
             let answer = self.upstream.create_prediction(job, id).await;
             self.metrics.upstream(tool, UpstreamError::outcome_of(&answer));
             let now = self.clock.now();
@@ -267,20 +279,23 @@ impl Jobs {
             }
             match answer {
                 Ok(prediction) => {
-                    self.started(id, prediction);
+                    self.started(id, prediction, account);
                     return true;
                 }
                 Err(UpstreamError::CircuitOpen { retry_after }) => {
                     // Nothing was sent: wait out the cool-down without spending an attempt.
-                    self.video_queue.requeue_front(id, now.saturating_add(retry_after));
+                    drop(account);
+                    turn = retry_at(now.saturating_add(retry_after));
                 }
                 Err(error) if error.is_transient() => {
+                    // Nothing runs upstream while we back off: the slot goes to the next job.
+                    drop(account);
                     failed += 1;
                     let next = self.backoff_after(failed, &error);
                     match next {
                         Retry::After(delay) if self.retry_budget.try_retry(now) => {
                             self.metrics.upstream_retry("submission", error.outcome());
-                            self.video_queue.requeue_front(id, now.saturating_add(nanos(delay)));
+                            turn = retry_at(now.saturating_add(nanos(delay)));
                         }
                         Retry::After(_) => {
                             self.fail(id, format!("the upstream failed ({error}) and the retry budget is spent"));
@@ -351,11 +366,12 @@ impl Jobs {
         }
     }
 
-    /// Records the upstream's answer to a submission.
-    fn started(&self, id: &str, prediction: Prediction) {
+    /// Records the upstream's answer to a submission; the job holds `account` from now on.
+    fn started(&self, id: &str, prediction: Prediction, account: AccountSlot) {
         let upstream_id = prediction.id.clone();
         if let Some(job) = self.book().get_mut(id) {
             job.upstream_id = Some(upstream_id);
+            job.slots.push(Box::new(account));
         }
         self.update(id, prediction);
     }
@@ -377,7 +393,7 @@ impl Jobs {
             job.updated_at = now;
             is_final = prediction.status.is_terminal();
             job.last = prediction;
-            released = if is_final { job.slots.take() } else { None };
+            released = if is_final { std::mem::take(&mut job.slots) } else { Vec::new() };
             job.changed.send_modify(|v| *v += 1);
         }
         // Slots go back outside the book's lock: releasing takes the store's locks.
@@ -407,7 +423,7 @@ impl Jobs {
     async fn expire(&self, id: &str) {
         let upstream_id = self.book().get(id).filter(|j| !j.last.status.is_terminal()).map(|j| j.upstream_id.clone());
         let Some(upstream_id) = upstream_id else { return };
-        self.video_queue.remove(id);
+        self.queue.remove(id);
         let secs = self.rules.expiry / NANOS_PER_SEC;
         self.fail(id, format!("the job did not finish within {secs} seconds and was given up"));
         if let Some(upstream_id) = upstream_id {
@@ -420,7 +436,7 @@ impl Jobs {
     /// such job for this owner. An upstream that cannot be reached keeps the job (and its
     /// slot) as it was: the refusal goes back to the agent.
     pub async fn cancel(&self, owner: &str, id: &str) -> Result<Option<JobView>, UpstreamError> {
-        let upstream_id = match self.book().get(id).filter(|j| j.owner == owner) {
+        let upstream_id = match self.book().get(id).filter(|j| j.owner.caller == owner) {
             None => return Ok(None),
             Some(job) if job.last.status.is_terminal() => None,
             Some(job) => Some(job.upstream_id.clone()),
@@ -429,7 +445,7 @@ impl Jobs {
             None => {}
             // Still queued (or being submitted): leaving the line is enough.
             Some(None) => {
-                self.video_queue.remove(id);
+                self.queue.remove(id);
                 self.settle(id, PredictionStatus::Canceled, None);
             }
             Some(Some(upstream_id)) => {
@@ -453,7 +469,7 @@ impl Jobs {
 
     /// `owner`'s job `id`, as it stands; `None` for someone else's job or none at all.
     pub fn view(&self, owner: &str, id: &str) -> Option<JobView> {
-        self.book().get(id).filter(|j| j.owner == owner)?;
+        self.book().get(id).filter(|j| j.owner.caller == owner)?;
         self.view_of(id)
     }
 
@@ -462,14 +478,59 @@ impl Jobs {
         let book = self.book();
         let job = book.get(id)?;
         let pending = !job.last.status.is_terminal();
-        let queued = if pending && job.upstream_id.is_none() { self.video_queue.position(id) } else { None };
+        let queued = if pending && job.upstream_id.is_none() { self.queue.position(id) } else { None };
+        let kind = job.last.kind;
         let wait = pending.then(|| match (&job.upstream_id, queued) {
             // Not submitted yet: the time in the queue, then the first useful poll.
-            (None, Some(place)) => place.wait.saturating_add(self.hint(job.last.kind)),
-            (None, None) => self.hint(job.last.kind),
+            (None, Some(place)) => self.queue_wait(&book, kind, place, now).saturating_add(self.hint(kind)),
+            (None, None) => self.hint(kind),
             (Some(_), _) => job.next_poll_at.saturating_sub(now),
         });
         Some(JobView { prediction: job.last.clone(), wait, queue_ahead: queued.map(|p| p.ahead), created: job.created })
+    }
+
+    /// When the server will next hear from the upstream about a running job: how soon an
+    /// account slot may come back.
+    fn turnover(book: &HashMap<String, Job>, now: Nanos) -> Option<Nanos> {
+        book.values()
+            .filter(|j| j.upstream_id.is_some() && !j.last.status.is_terminal())
+            .map(|j| j.next_poll_at.saturating_sub(now))
+            .min()
+    }
+
+    /// What a job waiting at `place` may expect to wait for its turn: the video gaps ahead of
+    /// it, and — when more jobs are ahead than the account has free slots — until a running job
+    /// is seen to end, plus one image hint per further account's worth of jobs ahead. An
+    /// estimate: every poll recomputes it.
+    fn queue_wait(&self, book: &HashMap<String, Job>, kind: PredictionKind, place: Position, now: Nanos) -> Nanos {
+        let rules = self.queue.rules();
+        let videos = if kind == PredictionKind::Video {
+            let gap_left = self.queue.next_video_at().saturating_sub(now);
+            gap_left.saturating_add(rules.video_gap.saturating_mul(place.videos_ahead as u64))
+        } else {
+            0
+        };
+        let free = rules.max_in_flight.saturating_sub(self.queue.occupancy().in_flight);
+        let account = if place.ahead < free {
+            0
+        } else {
+            let rounds = ((place.ahead - free) / rules.max_in_flight.max(1)) as u64;
+            let first = Self::turnover(book, now).unwrap_or(self.rules.image_hint);
+            first.saturating_add(self.rules.image_hint.saturating_mul(rounds))
+        };
+        videos.max(account)
+    }
+
+    /// How long until a full queue has room: until a job may leave it — when an account slot
+    /// frees up (if none is free) and, while videos wait, when the video gap has passed.
+    fn place_frees_in(&self) -> Nanos {
+        let now = self.clock.now();
+        let occupancy = self.queue.occupancy();
+        let account_full = occupancy.in_flight >= self.queue.rules().max_in_flight;
+        let turnover =
+            if account_full { Self::turnover(&self.book(), now).unwrap_or(self.rules.image_hint) } else { 0 };
+        let gap_left = if occupancy.videos_waiting > 0 { self.queue.next_video_at().saturating_sub(now) } else { 0 };
+        turnover.max(gap_left).max(1)
     }
 
     /// An agent's poll: the job as it stands, never a request to the upstream. When the
@@ -480,7 +541,7 @@ impl Jobs {
         loop {
             let mut changed = {
                 let book = self.book();
-                let job = book.get(id).filter(|j| j.owner == owner)?;
+                let job = book.get(id).filter(|j| j.owner.caller == owner)?;
                 let due =
                     !job.last.status.is_terminal() && job.upstream_id.is_some() && self.clock.now() >= job.next_poll_at;
                 if !due {
@@ -497,7 +558,7 @@ impl Jobs {
 
     /// Whether `owner`'s job `id` exists and is still pending (its polls are never a loop).
     pub fn is_pending(&self, owner: &str, id: &str) -> bool {
-        self.book().get(id).is_some_and(|j| j.owner == owner && !j.last.status.is_terminal())
+        self.book().get(id).is_some_and(|j| j.owner.caller == owner && !j.last.status.is_terminal())
     }
 
     /// `owner`'s pending jobs, oldest first.
@@ -505,7 +566,7 @@ impl Jobs {
         let mut ids: Vec<(SystemTime, String)> = self
             .book()
             .values()
-            .filter(|j| j.owner == owner && !j.last.status.is_terminal())
+            .filter(|j| j.owner.caller == owner && !j.last.status.is_terminal())
             .map(|j| (j.created, j.last.id.clone()))
             .collect();
         ids.sort();
@@ -519,10 +580,15 @@ impl Jobs {
             .book()
             .values()
             .filter(|j| !j.last.status.is_terminal())
-            .filter(|j| j.owner == owner || (tenant.is_some() && j.tenant.as_deref() == tenant))
+            .filter(|j| j.owner.caller == owner || (tenant.is_some() && j.owner.tenant.as_deref() == tenant))
             .map(|j| j.last.id.clone())
             .collect();
         ids.iter().filter_map(|id| self.view_of(id)?.wait).min()
+    }
+
+    /// How many jobs of each flow wait in the queue, and the account's slots in use.
+    pub fn occupancy(&self) -> crate::upstream::queue::Occupancy {
+        self.queue.occupancy()
     }
 
     /// Jobs not final yet.

@@ -1,203 +1,419 @@
-//! The spaced submission queue: at most one upstream submission per `gap`, first come first
-//! served across every caller, with a bounded number of places.
+//! The account's fair queue: one upstream account shared by many callers.
 //!
-//! Video APIs take a submission only every so often; an agent that fans out ten videos, or ten
-//! agents that each send one, must not turn into ten submissions in the same second (ten 429s,
-//! and a retry storm after them). A job reserves a place *before* anything is charged (a full
-//! queue is refused `busy` with the wait, and the caller's budget is untouched), then waits for
-//! its turn here. Its task — not a dispatcher — does the submitting, so a cancelled job simply
-//! leaves the line.
+//! The paid API limits the *account* — a number of predictions running at once, shared by every
+//! token and connection — while our callers and tenants each have their own caps inside it.
+//! Every job needs one of the account's slots (`upstream.max_in_flight`) to reach the upstream.
+//! A job whose caller and tenant may start it, but for which the account has no free slot, waits
+//! here instead of being refused (or meeting the upstream's 429); video jobs also wait for their
+//! spacing (`upstream.video_min_gap_ms`, one submission per gap across all callers).
 //!
-//! The head of the line is served once the clock has reached both `next_free_at` (the previous
-//! submission plus `gap`) and the head's own `not_before` (a backoff after a failed attempt puts
-//! the job back at the *front* with the delay, so retries keep their place and stay spaced too).
-//! Every wait is on the shared [`Clock`](crate::clock::Clock), so tests walk it.
+//! Who goes next is decided by **deficit round robin across flows** (a flow is a tenant, or a
+//! caller without one): each flow with an eligible job earns its quantum (its tier's factor) per
+//! round and spends one unit per job served, and jobs within a flow keep their order. A tenant
+//! that queued fifty videos therefore delays another tenant's single video by one turn, not by
+//! fifty, and over a long contended run every busy flow gets its share of the submissions.
+//!
+//! A place is reserved *before* the call is charged (a full queue is refused `busy` with the
+//! wait, and nothing is charged), and turned into a waiting job or — when a slot is free and
+//! nobody is waiting for one — into a slot at once. One dispatcher task hands out slots; a
+//! [`AccountSlot`] goes back (and wakes the dispatcher) when dropped. A job that must retry gives
+//! its slot back and returns to the *front* of its flow with a `not_before`, so it keeps its
+//! place and the backoff applies. Every wait is on the shared [`Clock`](crate::clock::Clock).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tokio::sync::Notify;
+use tokio::sync::{Notify, oneshot};
+use tokio_util::sync::CancellationToken;
 
 use crate::clock::{Nanos, SharedClock};
+use crate::upstream::api::PredictionKind;
 
-#[derive(Debug)]
+/// How the queue is sized and paced.
+#[derive(Debug, Clone)]
+pub struct QueueRules {
+    /// The account's slots: predictions the upstream runs at once for us.
+    pub max_in_flight: usize,
+    /// Least time between two video submissions.
+    pub video_gap: Nanos,
+    /// Jobs that may wait, all kinds together.
+    pub max_waiting: usize,
+    /// Video jobs that may wait (their wait grows by a gap each).
+    pub max_videos_waiting: usize,
+}
+
 struct Waiting {
     id: String,
+    kind: PredictionKind,
     not_before: Nanos,
+    turn: oneshot::Sender<AccountSlot>,
 }
 
-#[derive(Debug, Default)]
-struct Line {
-    /// When the next submission may leave: the last one plus the gap.
-    next_free_at: Nanos,
-    waiting: VecDeque<Waiting>,
-    /// Places promised to calls still being admitted.
-    reserved: usize,
+#[derive(Default)]
+struct Flow {
+    quantum: f64,
+    deficit: f64,
+    jobs: VecDeque<Waiting>,
 }
 
-/// A FIFO of jobs waiting to be submitted, spaced by a minimum gap.
-#[derive(Debug)]
-pub struct SpacedQueue {
-    gap: Nanos,
-    max: usize,
+#[derive(Default)]
+struct State {
+    in_flight: usize,
+    next_video_at: Nanos,
+    flows: HashMap<String, Flow>,
+    /// Flows with waiting jobs, in round-robin order.
+    ring: VecDeque<String>,
+    reserved_images: usize,
+    reserved_videos: usize,
+}
+
+impl State {
+    fn waiting(&self, kind: Option<PredictionKind>) -> usize {
+        self.flows.values().flat_map(|f| &f.jobs).filter(|w| kind.is_none_or(|k| w.kind == k)).count()
+    }
+
+    fn eligible(&self, w: &Waiting, now: Nanos) -> bool {
+        now >= w.not_before && (w.kind != PredictionKind::Video || now >= self.next_video_at)
+    }
+
+    /// The next job to serve by deficit round robin, taken out of its flow; `None` if no slot is
+    /// free or no waiting job may go yet.
+    fn pick(&mut self, max_in_flight: usize, now: Nanos) -> Option<Waiting> {
+        if self.in_flight >= max_in_flight {
+            return None;
+        }
+        let any_eligible = self
+            .ring
+            .iter()
+            .any(|key| self.flows.get(key).and_then(|f| f.jobs.front()).is_some_and(|w| self.eligible(w, now)));
+        if !any_eligible {
+            return None;
+        }
+        // Terminates: an eligible flow earns at least its quantum (≥ 0.01) every round.
+        loop {
+            let key = self.ring.front()?.clone();
+            let next_video_at = self.next_video_at;
+            let flow = self.flows.get_mut(&key)?;
+            let head_ok = flow
+                .jobs
+                .front()
+                .is_some_and(|w| now >= w.not_before && (w.kind != PredictionKind::Video || now >= next_video_at));
+            if head_ok {
+                if flow.deficit < 1.0 {
+                    flow.deficit += flow.quantum;
+                }
+                if flow.deficit >= 1.0 {
+                    flow.deficit -= 1.0;
+                    let job = flow.jobs.pop_front();
+                    if flow.jobs.is_empty() {
+                        self.flows.remove(&key);
+                        self.ring.pop_front();
+                    } else if flow.deficit < 1.0 {
+                        self.ring.rotate_left(1);
+                    }
+                    return job;
+                }
+            }
+            self.ring.rotate_left(1);
+        }
+    }
+
+    /// When something may become eligible without any slot being freed.
+    fn next_wake(&self, max_in_flight: usize, now: Nanos) -> Option<Nanos> {
+        if self.in_flight >= max_in_flight {
+            return None;
+        }
+        self.flows
+            .values()
+            .filter_map(|f| f.jobs.front())
+            .map(|w| if w.kind == PredictionKind::Video { w.not_before.max(self.next_video_at) } else { w.not_before })
+            .filter(|&at| at > now)
+            .min()
+    }
+
+    fn remove(&mut self, id: &str) -> bool {
+        let Some(key) = self.flows.iter().find(|(_, f)| f.jobs.iter().any(|w| w.id == id)).map(|(k, _)| k.clone())
+        else {
+            return false;
+        };
+        if let Some(flow) = self.flows.get_mut(&key) {
+            flow.jobs.retain(|w| w.id != id);
+            if flow.jobs.is_empty() {
+                self.flows.remove(&key);
+                self.ring.retain(|k| *k != key);
+            }
+        }
+        true
+    }
+
+    fn push(&mut self, flow: &str, quantum: f64, job: Waiting, front: bool) {
+        let entry = self.flows.entry(flow.to_owned()).or_insert_with(|| Flow { quantum, ..Flow::default() });
+        entry.quantum = quantum;
+        let was_idle = entry.jobs.is_empty();
+        if front {
+            entry.jobs.push_front(job);
+        } else {
+            entry.jobs.push_back(job);
+        }
+        if was_idle {
+            // A retry keeps its place: its flow goes back to the front of the round.
+            if front { self.ring.push_front(flow.to_owned()) } else { self.ring.push_back(flow.to_owned()) }
+        }
+    }
+}
+
+/// The queue in front of the upstream account.
+pub struct FairQueue {
+    rules: QueueRules,
     clock: SharedClock,
-    line: Mutex<Line>,
+    state: Mutex<State>,
     changed: Notify,
 }
 
-/// Where a queued job stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Position {
-    /// Jobs ahead of it (0: it is next).
-    pub ahead: usize,
-    /// Expected time until it is submitted, if nothing ahead has to retry.
-    pub wait: Nanos,
+impl std::fmt::Debug for FairQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FairQueue").field("rules", &self.rules).finish_non_exhaustive()
+    }
+}
+
+/// One of the account's slots, held by a job while the upstream runs it; given back on drop.
+#[must_use = "dropping an account slot gives it back at once"]
+pub struct AccountSlot {
+    queue: Arc<FairQueue>,
+}
+
+impl std::fmt::Debug for AccountSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AccountSlot")
+    }
+}
+
+impl Drop for AccountSlot {
+    fn drop(&mut self) {
+        let mut state = self.queue.state();
+        state.in_flight = state.in_flight.saturating_sub(1);
+        drop(state);
+        self.queue.changed.notify_waiters();
+    }
 }
 
 /// A place promised in the queue while the call that asked for it is being admitted; given back
-/// if dropped without [`Reservation::enqueue`].
-#[derive(Debug)]
+/// if dropped unused.
 #[must_use = "dropping a reservation gives the place back"]
 pub struct Reservation {
-    queue: Arc<SpacedQueue>,
+    queue: Arc<FairQueue>,
+    kind: PredictionKind,
     used: bool,
 }
 
-impl SpacedQueue {
-    /// A queue of at most `max` jobs, submitting at most one per `gap`.
-    pub fn new(gap: Nanos, max: usize, clock: SharedClock) -> Self {
-        Self { gap, max: max.max(1), clock, line: Mutex::new(Line::default()), changed: Notify::new() }
+impl std::fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reservation").field("kind", &self.kind).finish_non_exhaustive()
+    }
+}
+
+/// A job waiting for its turn: resolves to its account slot, or to `None` if it left the line.
+pub type Turn = oneshot::Receiver<AccountSlot>;
+
+/// Where a waiting job stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Position {
+    /// Jobs that will be served before it, as the round robin stands now.
+    pub ahead: usize,
+    /// How many of those are videos (each waits a gap).
+    pub videos_ahead: usize,
+}
+
+/// What the queue holds, for `rate_limit_status` and `/metrics`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Occupancy {
+    /// Account slots in use.
+    pub in_flight: usize,
+    /// Jobs waiting, all flows.
+    pub waiting: usize,
+    /// Video jobs waiting.
+    pub videos_waiting: usize,
+    /// Jobs waiting per flow.
+    pub per_flow: Vec<(String, usize)>,
+}
+
+impl FairQueue {
+    /// A queue with `rules`, its waits on `clock`.
+    pub fn new(rules: QueueRules, clock: SharedClock) -> Self {
+        Self { rules, clock, state: Mutex::new(State::default()), changed: Notify::new() }
     }
 
-    fn line(&self) -> MutexGuard<'_, Line> {
-        // Every update leaves the line whole, so a poisoned lock is still consistent.
-        self.line.lock().unwrap_or_else(|p| p.into_inner())
+    fn state(&self) -> MutexGuard<'_, State> {
+        // Every update leaves the state whole, so a poisoned lock is still consistent.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The most jobs that may wait.
-    pub fn max(&self) -> usize {
-        self.max
+    /// How it is sized and paced.
+    pub fn rules(&self) -> &QueueRules {
+        &self.rules
     }
 
-    /// The least time between two submissions.
-    pub fn gap(&self) -> Nanos {
-        self.gap
-    }
-
-    /// Jobs waiting now.
-    pub fn len(&self) -> usize {
-        self.line().waiting.len()
-    }
-
-    /// Whether no job is waiting.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// When the head of `line` may leave.
-    fn head_ready_at(&self, line: &Line, now: Nanos) -> Nanos {
-        let head = line.waiting.front().map_or(0, |w| w.not_before);
-        now.max(line.next_free_at).max(head)
-    }
-
-    /// Promises a place, or says how long until one frees up (the head leaving).
-    pub fn reserve(self: &Arc<Self>) -> Result<Reservation, Nanos> {
-        let now = self.clock.now();
-        let mut line = self.line();
-        if line.waiting.len() + line.reserved >= self.max {
-            // A place frees when the head leaves; a reserved place may free sooner, never later.
-            return Err((self.head_ready_at(&line, now) - now).max(1));
-        }
-        line.reserved += 1;
-        Ok(Reservation { queue: self.clone(), used: false })
-    }
-
-    /// Where `id` stands, if it is waiting.
-    pub fn position(&self, id: &str) -> Option<Position> {
-        let now = self.clock.now();
-        let line = self.line();
-        let ahead = line.waiting.iter().position(|w| w.id == id)?;
-        let wait = self.head_ready_at(&line, now) - now + self.gap.saturating_mul(ahead as u64);
-        Some(Position { ahead, wait })
-    }
-
-    /// Waits until `id` is at the head and its time has come, then takes it out of the line and
-    /// starts the gap. `false` if `id` left the line meanwhile ([`SpacedQueue::remove`]).
-    pub async fn wait_turn(&self, id: &str) -> bool {
+    /// Serves waiting jobs as slots free up and gaps pass, until `stop`.
+    pub async fn dispatch(self: Arc<Self>, stop: CancellationToken) {
         loop {
-            // Registered before the line is read, so a change made in between still wakes us.
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            let ready_at = {
-                let now = self.clock.now();
-                let mut line = self.line();
-                match line.waiting.iter().position(|w| w.id == id) {
-                    None => return false,
-                    Some(0) => {
-                        let ready_at = self.head_ready_at(&line, now);
-                        if ready_at <= now {
-                            line.waiting.pop_front();
-                            line.next_free_at = now.saturating_add(self.gap);
-                            drop(line);
-                            self.changed.notify_waiters();
-                            return true;
+            let now = self.clock.now();
+            let (picked, wake_at) = {
+                let mut state = self.state();
+                match state.pick(self.rules.max_in_flight, now) {
+                    Some(job) => {
+                        state.in_flight += 1;
+                        if job.kind == PredictionKind::Video {
+                            state.next_video_at = now.saturating_add(self.rules.video_gap);
                         }
-                        Some(ready_at)
+                        (Some(job), None)
                     }
-                    Some(_) => None,
+                    None => (None, state.next_wake(self.rules.max_in_flight, now)),
                 }
             };
-            match ready_at {
-                Some(at) => {
-                    tokio::select! {
-                        () = self.clock.sleep_until(at) => {}
-                        () = &mut changed => {}
-                    }
+            if let Some(job) = picked {
+                // A job that left meanwhile drops its receiver: the slot comes straight back.
+                let _ = job.turn.send(AccountSlot { queue: self.clone() });
+                continue;
+            }
+            let sleep = async {
+                match wake_at {
+                    Some(at) => self.clock.sleep_until(at).await,
+                    None => std::future::pending().await,
                 }
-                None => changed.await,
+            };
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = &mut changed => {}
+                () = sleep => {}
             }
         }
     }
 
-    /// Puts `id` back at the head after a failed attempt, not to leave before `not_before`.
-    pub fn requeue_front(&self, id: &str, not_before: Nanos) {
-        self.line().waiting.push_front(Waiting { id: id.to_owned(), not_before });
+    /// Promises a place for a job of `kind`, or says the queue is full.
+    pub fn reserve(self: &Arc<Self>, kind: PredictionKind) -> Result<Reservation, Occupancy> {
+        let mut state = self.state();
+        let waiting = state.waiting(None) + state.reserved_images + state.reserved_videos;
+        let videos = state.waiting(Some(PredictionKind::Video)) + state.reserved_videos;
+        let full = waiting >= self.rules.max_waiting
+            || (kind == PredictionKind::Video && videos >= self.rules.max_videos_waiting);
+        if full {
+            drop(state);
+            return Err(self.occupancy());
+        }
+        match kind {
+            PredictionKind::Image => state.reserved_images += 1,
+            PredictionKind::Video => state.reserved_videos += 1,
+        }
+        Ok(Reservation { queue: self.clone(), kind, used: false })
+    }
+
+    /// Where `id` stands, if it is waiting.
+    pub fn position(&self, id: &str) -> Option<Position> {
+        let state = self.state();
+        let (flow_key, index) =
+            state.flows.iter().find_map(|(key, f)| f.jobs.iter().position(|w| w.id == id).map(|i| (key.clone(), i)))?;
+        // As the round robin stands: every flow ahead of ours in the ring serves up to `index + 1`
+        // jobs before ours comes up, every flow behind up to `index`.
+        let ring_at = state.ring.iter().position(|k| *k == flow_key).unwrap_or(0);
+        let mut ahead = index;
+        let mut videos_ahead = state
+            .flows
+            .get(&flow_key)
+            .map_or(0, |f| f.jobs.iter().take(index).filter(|w| w.kind == PredictionKind::Video).count());
+        for (i, key) in state.ring.iter().enumerate().filter(|(_, k)| **k != flow_key) {
+            let take = if i < ring_at { index + 1 } else { index };
+            if let Some(flow) = state.flows.get(key) {
+                let served: Vec<&Waiting> = flow.jobs.iter().take(take).collect();
+                ahead += served.len();
+                videos_ahead += served.iter().filter(|w| w.kind == PredictionKind::Video).count();
+            }
+        }
+        Some(Position { ahead, videos_ahead })
+    }
+
+    /// When the next video may be submitted, if a gap is running.
+    pub fn next_video_at(&self) -> Nanos {
+        self.state().next_video_at
+    }
+
+    /// Puts `id` back at the front of `flow` after a failed attempt (its slot already given
+    /// back), not to leave before `not_before`.
+    pub fn requeue_front(&self, flow: &str, quantum: f64, id: &str, kind: PredictionKind, not_before: Nanos) -> Turn {
+        let (turn, waiting) = oneshot::channel();
+        self.state().push(flow, quantum, Waiting { id: id.to_owned(), kind, not_before, turn }, true);
         self.changed.notify_waiters();
+        waiting
     }
 
     /// Takes `id` out of the line (a cancelled job); `true` if it was waiting.
     pub fn remove(&self, id: &str) -> bool {
-        let removed = {
-            let mut line = self.line();
-            let before = line.waiting.len();
-            line.waiting.retain(|w| w.id != id);
-            line.waiting.len() != before
-        };
+        let removed = self.state().remove(id);
         if removed {
             self.changed.notify_waiters();
         }
         removed
     }
+
+    /// What the queue holds now.
+    pub fn occupancy(&self) -> Occupancy {
+        let state = self.state();
+        let mut per_flow: Vec<(String, usize)> = state.flows.iter().map(|(k, f)| (k.clone(), f.jobs.len())).collect();
+        per_flow.sort();
+        Occupancy {
+            in_flight: state.in_flight,
+            waiting: state.waiting(None),
+            videos_waiting: state.waiting(Some(PredictionKind::Video)),
+            per_flow,
+        }
+    }
 }
 
 impl Reservation {
-    /// Turns the promised place into `id` waiting at the back of the line.
-    pub fn enqueue(mut self, id: &str) {
+    /// An account slot at once, if one is free and no job is waiting for one (nobody is
+    /// overtaken). Videos always wait their turn: the gap applies to them.
+    pub fn start_now(mut self) -> Result<AccountSlot, Self> {
+        let queue = self.queue.clone();
+        let mut state = queue.state();
+        let nobody_waiting = state.ring.is_empty();
+        if self.kind == PredictionKind::Image && nobody_waiting && state.in_flight < queue.rules.max_in_flight {
+            state.in_flight += 1;
+            state.reserved_images = state.reserved_images.saturating_sub(1);
+            self.used = true;
+            return Ok(AccountSlot { queue: queue.clone() });
+        }
+        drop(state);
+        Err(self)
+    }
+
+    /// Turns the promised place into job `id` waiting at the back of `flow` (weighted by
+    /// `quantum`, its tier's factor).
+    pub fn enqueue(mut self, flow: &str, quantum: f64, id: &str) -> Turn {
         self.used = true;
-        let mut line = self.queue.line();
-        line.reserved = line.reserved.saturating_sub(1);
-        line.waiting.push_back(Waiting { id: id.to_owned(), not_before: 0 });
-        drop(line);
+        let (turn, waiting) = oneshot::channel();
+        let mut state = self.queue.state();
+        match self.kind {
+            PredictionKind::Image => state.reserved_images = state.reserved_images.saturating_sub(1),
+            PredictionKind::Video => state.reserved_videos = state.reserved_videos.saturating_sub(1),
+        }
+        let quantum = quantum.clamp(0.01, 1000.0);
+        state.push(flow, quantum, Waiting { id: id.to_owned(), kind: self.kind, not_before: 0, turn }, false);
+        drop(state);
         self.queue.changed.notify_waiters();
+        waiting
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         if !self.used {
-            let mut line = self.queue.line();
-            line.reserved = line.reserved.saturating_sub(1);
+            let mut state = self.queue.state();
+            match self.kind {
+                PredictionKind::Image => state.reserved_images = state.reserved_images.saturating_sub(1),
+                PredictionKind::Video => state.reserved_videos = state.reserved_videos.saturating_sub(1),
+            }
         }
     }
 }
@@ -211,69 +427,105 @@ mod tests {
 
     const GAP: Nanos = 2 * NANOS_PER_SEC;
 
-    async fn settled<F: std::future::Future>(f: F) -> Option<F::Output> {
-        tokio::time::timeout(Duration::from_millis(50), f).await.ok()
+    fn queue(clock: &Arc<ManualClock>, slots: usize) -> Arc<FairQueue> {
+        let rules = QueueRules { max_in_flight: slots, video_gap: GAP, max_waiting: 100, max_videos_waiting: 100 };
+        let queue = Arc::new(FairQueue::new(rules, clock.clone()));
+        tokio::spawn(queue.clone().dispatch(CancellationToken::new()));
+        queue
+    }
+
+    async fn granted(turn: &mut Turn) -> Option<AccountSlot> {
+        tokio::time::timeout(Duration::from_millis(50), turn).await.ok()?.ok()
     }
 
     #[tokio::test]
-    async fn turns_are_first_come_first_served_and_spaced_by_the_gap() {
+    async fn round_robin_across_flows_not_first_come_first_served() {
         let clock = ManualClock::new();
-        let queue = Arc::new(SpacedQueue::new(GAP, 10, clock.clone()));
-        for id in ["a", "b", "c"] {
-            queue.reserve().expect("room").enqueue(id);
+        let q = queue(&clock, 1);
+        let held = q.reserve(PredictionKind::Image).expect("room").start_now().expect("a free slot");
+        let mut turns = Vec::new();
+        for i in 0..3 {
+            turns.push(("a", q.reserve(PredictionKind::Image).expect("room").enqueue("a", 1.0, &format!("a{i}"))));
         }
-        assert_eq!(queue.position("c"), Some(Position { ahead: 2, wait: 2 * GAP }));
-        assert_eq!(settled(queue.wait_turn("a")).await, Some(true), "the first goes at once");
-        assert_eq!(settled(queue.wait_turn("b")).await, None, "b waits for the gap");
-        clock.advance(Duration::from_nanos(GAP - 1));
-        assert_eq!(settled(queue.wait_turn("b")).await, None, "one nanosecond short");
-        clock.advance(Duration::from_nanos(1));
-        assert_eq!(settled(queue.wait_turn("b")).await, Some(true));
-        assert_eq!(queue.position("c"), Some(Position { ahead: 0, wait: GAP }));
-    }
-
-    #[tokio::test]
-    async fn a_full_queue_refuses_with_the_wait_until_the_head_leaves_and_unused_places_come_back() {
-        let clock = ManualClock::new();
-        let queue = Arc::new(SpacedQueue::new(GAP, 2, clock.clone()));
-        queue.reserve().expect("room").enqueue("a");
-        assert_eq!(settled(queue.wait_turn("a")).await, Some(true));
-        queue.reserve().expect("room").enqueue("b");
-        let held = queue.reserve().expect("room");
-        assert_eq!(queue.reserve().err(), Some(GAP), "b leaves when the gap has passed");
+        turns.push(("b", q.reserve(PredictionKind::Image).expect("room").enqueue("b", 1.0, "b0")));
+        assert_eq!(q.position("b0").map(|p| p.ahead), Some(1), "one of a's, then b's");
         drop(held);
-        assert!(queue.reserve().is_ok(), "an unused reservation gives its place back");
-    }
-
-    #[tokio::test]
-    async fn a_retry_keeps_its_place_at_the_front_and_waits_out_its_backoff() {
-        let clock = ManualClock::new();
-        let queue = Arc::new(SpacedQueue::new(GAP, 10, clock.clone()));
-        queue.reserve().expect("room").enqueue("a");
-        queue.reserve().expect("room").enqueue("b");
-        assert_eq!(settled(queue.wait_turn("a")).await, Some(true));
-        queue.requeue_front("a", 5 * NANOS_PER_SEC);
-        clock.advance(Duration::from_secs(4));
-        assert_eq!(settled(queue.wait_turn("b")).await, None, "b is behind a's retry");
-        clock.advance(Duration::from_secs(1));
-        assert_eq!(settled(queue.wait_turn("a")).await, Some(true));
-        assert_eq!(queue.position("b").map(|p| p.wait), Some(GAP));
-    }
-
-    #[tokio::test]
-    async fn a_removed_job_stops_waiting_and_the_next_moves_up() {
-        let clock = ManualClock::new();
-        let queue = Arc::new(SpacedQueue::new(GAP, 10, clock.clone()));
-        for id in ["a", "b"] {
-            queue.reserve().expect("room").enqueue(id);
+        let mut order = Vec::new();
+        for _ in 0..4 {
+            let mut next = None;
+            for (i, (flow, turn)) in turns.iter_mut().enumerate() {
+                if let Some(slot) = granted(turn).await {
+                    next = Some((i, *flow, slot));
+                    break;
+                }
+            }
+            let (i, flow, slot) = next.expect("someone is served");
+            order.push(flow);
+            turns.remove(i);
+            drop(slot);
         }
-        let waiting_b = tokio::spawn({
-            let queue = queue.clone();
-            async move { queue.wait_turn("b").await }
-        });
-        assert!(queue.remove("b"));
-        assert!(!waiting_b.await.expect("task"), "b left the line");
-        assert_eq!(queue.position("a").map(|p| p.ahead), Some(0));
-        assert_eq!(queue.len(), 1);
+        assert_eq!(order, vec!["a", "b", "a", "a"]);
+    }
+
+    #[tokio::test]
+    async fn videos_are_spaced_by_the_gap_and_images_pass_them_meanwhile() {
+        let clock = ManualClock::new();
+        let q = queue(&clock, 10);
+        let mut v1 = q.reserve(PredictionKind::Video).expect("room").enqueue("a", 1.0, "v1");
+        let mut v2 = q.reserve(PredictionKind::Video).expect("room").enqueue("a", 1.0, "v2");
+        let _first = granted(&mut v1).await.expect("the first video goes at once");
+        assert!(granted(&mut v2).await.is_none(), "the second waits for the gap");
+        let image = q.reserve(PredictionKind::Image).expect("room");
+        let image = image.start_now().err().expect("someone is waiting: no overtaking at the door");
+        let mut image = image.enqueue("b", 1.0, "i1");
+        assert!(granted(&mut image).await.is_some(), "an image needs no gap");
+        clock.advance(Duration::from_nanos(GAP));
+        assert!(granted(&mut v2).await.is_some());
+    }
+
+    #[tokio::test]
+    async fn a_full_account_holds_jobs_until_a_slot_is_given_back() {
+        let clock = ManualClock::new();
+        let q = queue(&clock, 2);
+        let a = q.reserve(PredictionKind::Image).expect("room").start_now().expect("slot");
+        let _b = q.reserve(PredictionKind::Image).expect("room").start_now().expect("slot");
+        let waiting = q.reserve(PredictionKind::Image).expect("room");
+        let mut waiting = waiting.start_now().err().expect("the account is full").enqueue("c", 1.0, "c0");
+        assert!(granted(&mut waiting).await.is_none());
+        assert_eq!(q.occupancy().in_flight, 2);
+        drop(a);
+        let _c = granted(&mut waiting).await.expect("the freed slot goes to the waiting job");
+        assert_eq!(q.occupancy().in_flight, 2);
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_refuses_and_unused_places_come_back() {
+        let clock = ManualClock::new();
+        let rules = QueueRules { max_in_flight: 1, video_gap: GAP, max_waiting: 3, max_videos_waiting: 1 };
+        let q = Arc::new(FairQueue::new(rules, clock.clone()));
+        let video = q.reserve(PredictionKind::Video).expect("room");
+        assert!(q.reserve(PredictionKind::Video).is_err(), "one video may wait");
+        let _i1 = q.reserve(PredictionKind::Image).expect("room");
+        let i2 = q.reserve(PredictionKind::Image).expect("room");
+        assert!(q.reserve(PredictionKind::Image).is_err(), "three places in all");
+        drop(i2);
+        assert!(q.reserve(PredictionKind::Image).is_ok(), "an unused reservation gives its place back");
+        drop(video);
+    }
+
+    #[test]
+    fn a_removed_job_leaves_the_line_and_weights_give_a_heavier_flow_more_turns() {
+        let mut state = State::default();
+        let push = |state: &mut State, flow: &str, q: f64, id: &str| {
+            let (turn, _) = oneshot::channel();
+            state.push(flow, q, Waiting { id: id.into(), kind: PredictionKind::Image, not_before: 0, turn }, false);
+        };
+        for i in 0..8 {
+            push(&mut state, "heavy", 3.0, &format!("h{i}"));
+            push(&mut state, "light", 1.0, &format!("l{i}"));
+        }
+        assert!(state.remove("l7"));
+        let served: Vec<String> = (0..8).filter_map(|_| state.pick(100, 0)).map(|w| w.id).collect();
+        assert_eq!(served.iter().filter(|id| id.starts_with('h')).count(), 6, "3:1 by weight: {served:?}");
     }
 }
