@@ -476,7 +476,7 @@ mod tests {
         let _first = granted(&mut v1).await.expect("the first video goes at once");
         assert!(granted(&mut v2).await.is_none(), "the second waits for the gap");
         let image = q.reserve(PredictionKind::Image).expect("room");
-        let image = image.start_now().err().expect("someone is waiting: no overtaking at the door");
+        let image = image.start_now().expect_err("someone is waiting: no overtaking at the door");
         let mut image = image.enqueue("b", 1.0, "i1");
         assert!(granted(&mut image).await.is_some(), "an image needs no gap");
         clock.advance(Duration::from_nanos(GAP));
@@ -490,7 +490,7 @@ mod tests {
         let a = q.reserve(PredictionKind::Image).expect("room").start_now().expect("slot");
         let _b = q.reserve(PredictionKind::Image).expect("room").start_now().expect("slot");
         let waiting = q.reserve(PredictionKind::Image).expect("room");
-        let mut waiting = waiting.start_now().err().expect("the account is full").enqueue("c", 1.0, "c0");
+        let mut waiting = waiting.start_now().expect_err("the account is full").enqueue("c", 1.0, "c0");
         assert!(granted(&mut waiting).await.is_none());
         assert_eq!(q.occupancy().in_flight, 2);
         drop(a);
