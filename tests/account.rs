@@ -80,12 +80,7 @@ async fn three_tenants_of_five_images_share_an_account_of_ten_and_the_upstream_n
     assert_eq!(server.upstream_usage().await["predictions_created"], 10);
     let metrics = server.metrics().await;
     assert!(metrics.contains("mcp_ratelimit_account_slots_in_use 10"), "{metrics}");
-    let queued: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("mcp_ratelimit_queue_depth{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
-    assert_eq!(queued, 5.0);
+    assert_eq!(metric_sum(&metrics, "mcp_ratelimit_queue_depth"), 5.0);
     let status = call(&clients[2], "rate_limit_status", json!({})).await;
     let mine = structured(&status)["jobs_in_flight"].as_array().expect("jobs").clone();
     assert_eq!(mine.len(), 5);

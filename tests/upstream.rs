@@ -58,12 +58,7 @@ async fn three_callers_videos_reach_the_upstream_spaced_by_the_gap_in_arrival_or
     assert_eq!(gaps, vec![GAP_SECS * NANOS_PER_SEC; 2], "exactly the gap apart");
     let metrics = server.metrics().await;
     assert!(metrics.contains("mcp_ratelimit_account_slots_in_use 3"), "{metrics}");
-    let waiting: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("mcp_ratelimit_queue_depth{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
-    assert_eq!(waiting, 0.0, "{metrics}");
+    assert_eq!(metric_sum(&metrics, "mcp_ratelimit_queue_depth"), 0.0, "{metrics}");
 }
 
 #[tokio::test]

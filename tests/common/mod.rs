@@ -126,6 +126,15 @@ pub fn text(r: &CallToolResult) -> String {
     r.content.iter().filter_map(|c| c.as_text().map(|t| t.text.clone())).collect::<Vec<_>>().join("\n")
 }
 
+/// The sum of every sample of `metric` in a Prometheus text exposition (all label sets).
+pub fn metric_sum(exposition: &str, metric: &str) -> f64 {
+    exposition
+        .lines()
+        .filter(|l| l.strip_prefix(metric).is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' ')))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// Waits, a bounded real time, for background work on the server (a job's poll, a queued
 /// submission) to reach the state `check` looks for. Time on the server's clock does not move.
 pub async fn eventually<F, Fut>(what: &str, mut check: F)
