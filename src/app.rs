@@ -19,7 +19,7 @@ use crate::identity::Identifier;
 use crate::mcp::{McpServer, Transport};
 use crate::metrics::Metrics;
 use crate::mock_upstream::MockUpstream;
-use crate::store::{MemoryStore, Store};
+use crate::store::Store;
 use crate::upstream::Upstream;
 use crate::upstream::backoff::{Backoff, RetryBudget};
 use crate::upstream::breaker::Breaker;
@@ -124,7 +124,7 @@ impl App {
             metrics.clone(),
             stop.child_token(),
         ));
-        let guard = Guard::new(Store::Memory(MemoryStore::new()), clock.clone(), &config, metrics.clone());
+        let guard = Guard::new(Store::memory(clock.clone()), clock.clone(), &config, metrics.clone());
         let state =
             Arc::new(AppState { identifier: Identifier::new(&config), guard, metrics, upstream, jobs, clock, config });
         tokio::spawn(sweep_forever(state.clone(), stop.clone()));

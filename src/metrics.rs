@@ -35,6 +35,8 @@ pub const QUEUE_DEPTH: &str = "mcp_ratelimit_queue_depth";
 pub const ACCOUNT_SLOTS_IN_USE: &str = "mcp_ratelimit_account_slots_in_use";
 /// `mcp_ratelimit_jobs_in_flight`: accepted jobs not yet final.
 pub const JOBS_IN_FLIGHT: &str = "mcp_ratelimit_jobs_in_flight";
+/// `mcp_ratelimit_store_errors_total{layer}`: decisions the limiter store could not make.
+pub const STORE_ERRORS: &str = "mcp_ratelimit_store_errors_total";
 /// `mcp_ratelimit_breaker_state`: the upstream circuit breaker (0 closed, 1 half-open, 2 open).
 pub const BREAKER_STATE: &str = "mcp_ratelimit_breaker_state";
 
@@ -77,7 +79,8 @@ impl Layer {
         }
     }
 
-    fn as_str(self) -> &'static str {
+    /// The `layer` label.
+    pub fn as_str(self) -> &'static str {
         match self {
             Layer::Http => "http",
             Layer::Method => "method",
@@ -125,6 +128,7 @@ impl Metrics {
         describe(UPSTREAM, Unit::Count, "Requests to the paid API by tool and outcome.");
         describe(UPSTREAM_RETRIES, Unit::Count, "Retries of server-owned upstream work by kind and reason.");
         describe(LOOP_DETECTIONS, Unit::Count, "Tool calls refused because the caller repeated them in a loop.");
+        describe(STORE_ERRORS, Unit::Count, "Decisions the limiter store could not make, by layer.");
         let gauge = |name: &'static str, help: &'static str| {
             recorder.describe_gauge(name.into(), Some(Unit::Count), SharedString::const_str(help));
         };
@@ -190,6 +194,11 @@ impl Metrics {
     /// Records one retry of server-owned upstream work (`submission` or `poll`).
     pub fn upstream_retry(&self, work: &'static str, reason: &'static str) {
         self.count(UPSTREAM_RETRIES, vec![Label::new("work", work), Label::new("reason", reason)]);
+    }
+
+    /// Records one decision the store could not make.
+    pub fn store_error(&self, layer: Layer) {
+        self.count(STORE_ERRORS, vec![Label::new("layer", layer.as_str())]);
     }
 
     /// Records one call refused as a loop.

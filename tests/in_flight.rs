@@ -13,7 +13,7 @@ use mcp_ratelimit::clock::ManualClock;
 use mcp_ratelimit::guard::{Guard, ToolCall};
 use mcp_ratelimit::identity::Caller;
 use mcp_ratelimit::metrics::Metrics;
-use mcp_ratelimit::store::{MemoryStore, Store};
+use mcp_ratelimit::store::Store;
 use rmcp::model::{CallToolRequestParams, ClientRequest, Request};
 use rmcp::service::PeerRequestOptions;
 use serde_json::json;
@@ -88,21 +88,22 @@ async fn a_cancelled_call_gives_its_slot_back() {
 async fn a_dropped_admission_gives_its_slot_back_even_when_its_task_is_aborted() {
     let config = Config::from_toml(&two_slots("")).expect("config");
     let metrics = Arc::new(Metrics::new());
-    let guard = Guard::new(Store::Memory(MemoryStore::new()), ManualClock::new(), &config, metrics.clone());
+    let clock = ManualClock::new();
+    let guard = Guard::new(Store::memory(clock.clone()), clock, &config, metrics.clone());
     let caller = Caller::from_token("holder");
     let args = json!({"title": "t", "body": "b"});
     let save = ToolCall { tool: "save_article", args: &args, starts_job: false, loop_exempt: true };
 
-    let _first = guard.admit(&caller, &save).expect("first slot");
-    let admission = guard.admit(&caller, &save).expect("second slot");
+    let _first = guard.admit(&caller, &save).await.expect("first slot");
+    let admission = guard.admit(&caller, &save).await.expect("second slot");
     assert!(metrics.render().contains("mcp_ratelimit_in_flight_calls 2"));
-    assert_eq!(guard.admit(&caller, &save).err().map(|r| r.code.as_str()), Some("busy"));
+    assert_eq!(guard.admit(&caller, &save).await.err().map(|r| r.code.as_str()), Some("busy"));
     let holder = tokio::spawn(async move {
         let _held = admission;
         std::future::pending::<()>().await;
     });
     holder.abort();
     assert!(holder.await.is_err_and(|e| e.is_cancelled()));
-    let _again = guard.admit(&caller, &save).expect("slot released by the aborted task");
+    let _again = guard.admit(&caller, &save).await.expect("slot released by the aborted task");
     assert!(metrics.render().contains("mcp_ratelimit_in_flight_calls 2"));
 }

@@ -10,6 +10,7 @@
 pub mod loops;
 pub mod policy;
 pub mod refusal;
+pub mod scope;
 
 use std::sync::Arc;
 
@@ -21,9 +22,10 @@ use crate::guard::loops::LoopDetector;
 use crate::identity::Caller;
 use crate::limit::{Decision, Limiter};
 use crate::metrics::{Layer, Metrics};
-use crate::store::{Check, SlotGuard, Store};
+use crate::store::{Check, SlotGuard, Store, StoreError};
 pub use policy::{MethodGroup, Policy, TierLimits};
 pub use refusal::{Refusal, RefusalCode};
+pub use scope::Scope;
 
 /// One budget as a caller sees it in `rate_limit_status`.
 #[derive(Debug, Clone, serde::Serialize, schemars::JsonSchema)]
@@ -86,6 +88,9 @@ pub struct ToolCall<'a> {
     pub loop_exempt: bool,
 }
 
+/// What a caller refused because the store could not decide is told to wait.
+const STORE_RETRY_MS: u64 = 1_000;
+
 /// Decides whether a caller may proceed, charges it, and explains refusals.
 #[derive(Debug)]
 pub struct Guard {
@@ -97,37 +102,11 @@ pub struct Guard {
     metrics: Arc<Metrics>,
 }
 
-/// The scope keys, one place for their shape: `rate_limit_status` and refusals show them.
-fn method_scope(group: MethodGroup, caller: &Caller) -> String {
-    format!("method:{}:{}", group.as_str(), caller.id())
-}
-
-fn caller_scope(caller: &Caller) -> String {
-    format!("caller:{}", caller.id())
-}
-
-fn tenant_scope(tenant: &str) -> String {
-    format!("tenant:{tenant}")
-}
-
-fn address_scope(address: &str) -> String {
-    format!("address:{address}")
-}
-
-/// A tool's own budget belongs to the caller's tenant, or to the caller when it has none.
-fn tool_scope(caller: &Caller, tool: &str) -> String {
-    match caller.tenant() {
-        Some(tenant) => format!("tenant:{tenant}:tool:{tool}"),
-        None => format!("caller:{}:tool:{tool}", caller.id()),
-    }
-}
-
-/// The in-flight caps a job holds: the caller's, and its tenant's (a caller without a tenant is
-/// its own tenant, so then the caller's cap is the only one).
-fn in_flight_scopes<'p>(policy: &'p Policy, caller: &Caller) -> Vec<(String, &'p Limiter)> {
-    let mut scopes = vec![(format!("in_flight:caller:{}", caller.id()), &policy.in_flight_caller)];
-    if let Some(tenant) = caller.tenant() {
-        scopes.push((format!("in_flight:tenant:{tenant}"), &policy.in_flight_tenant));
+/// The in-flight caps a job holds: the caller's, and its tenant's.
+fn in_flight_scopes<'p>(policy: &'p Policy, caller: &Caller) -> Vec<(Scope, &'p Limiter)> {
+    let mut scopes = vec![(Scope::in_flight_caller(caller), &policy.in_flight_caller)];
+    if let Some(tenant) = Scope::in_flight_tenant(caller) {
+        scopes.push((tenant, &policy.in_flight_tenant));
     }
     scopes
 }
@@ -159,56 +138,84 @@ impl Guard {
         &self.policy
     }
 
-    /// Charges one `POST /mcp` to the caller's coarse HTTP budget.
-    pub fn admit_http(&self, caller: &Caller) -> HttpDecision {
+    /// Logs and counts a store that could not decide.
+    fn store_failed(&self, layer: Layer, what: &str, error: &StoreError) {
+        self.metrics.store_error(layer);
+        tracing::warn!(layer = layer.as_str(), what, %error, "limiter store failed");
+    }
+
+    /// Charges one `POST /mcp` to the caller's coarse HTTP budget. `None` when the store could
+    /// not decide: the coarse layer protects the server, so it lets the request on to the
+    /// finer limits behind it rather than refusing everyone.
+    pub async fn admit_http(&self, caller: &Caller) -> Option<HttpDecision> {
         let limiter = &self.policy.for_caller(caller).http;
-        let scope = format!("http:{}", caller.id());
-        let decision = self.store.decide_one(&Check { key: &scope, limiter, cost: 1 }, self.clock.now());
+        let scope = Scope::http(caller);
+        let decision = match self.store.decide_one(&Check { key: scope.key(), limiter, cost: 1 }).await {
+            Ok(decision) => decision,
+            Err(error) => {
+                self.store_failed(Layer::Http, "POST /mcp", &error);
+                return None;
+            }
+        };
         self.metrics.decision(Layer::Http, "POST /mcp", decision.allowed);
         if !decision.allowed {
             self.metrics.rejection(Layer::Http, "POST /mcp", "rate_limited", caller);
-            info!(layer = "http", scope, retry_after_ms = ceil_ms(decision.retry_after), "refused");
+            info!(layer = "http", scope = scope.name(), retry_after_ms = ceil_ms(decision.retry_after), "refused");
         }
-        HttpDecision { decision, limiter: limiter.clone() }
+        Some(HttpDecision { decision, limiter: limiter.clone() })
     }
 
     /// Charges one `method` request to its group's limit (`tools/call` is charged by
     /// [`Guard::admit`], together with the tool's budgets).
-    pub fn admit_method(&self, caller: &Caller, group: MethodGroup, method: &str) -> Result<(), Refusal> {
+    pub async fn admit_method(&self, caller: &Caller, group: MethodGroup, method: &str) -> Result<(), Refusal> {
         if !self.enabled {
             return Ok(());
         }
         let limiter = self.policy.for_caller(caller).method(group);
-        let scope = method_scope(group, caller);
-        let d = self.store.decide_one(&Check { key: &scope, limiter, cost: 1 }, self.clock.now());
+        let scope = Scope::method(caller, group);
+        let d = match self.store.decide_one(&Check { key: scope.key(), limiter, cost: 1 }).await {
+            Ok(decision) => decision,
+            Err(error) => {
+                self.store_failed(Layer::Method, group.as_str(), &error);
+                return Err(Refusal::limiter_unavailable(method, STORE_RETRY_MS));
+            }
+        };
         self.metrics.decision(Layer::Method, group.as_str(), d.allowed);
         if d.allowed {
             return Ok(());
         }
         self.metrics.rejection(Layer::Method, group.as_str(), "rate_limited", caller);
-        info!(layer = "method", method = group.as_str(), scope, retry_after_ms = ceil_ms(d.retry_after), "refused");
-        Err(Refusal::rate_limited(method, scope, d.limit, d.remaining, d.retry_after))
+        let name = scope.name();
+        info!(
+            layer = "method",
+            method = group.as_str(),
+            scope = name,
+            retry_after_ms = ceil_ms(d.retry_after),
+            "refused"
+        );
+        Err(Refusal::rate_limited(method, name.to_owned(), d.limit, d.remaining, d.retry_after))
     }
 
     /// The scopes a call of `tool` by `caller` draws on, with their limiters and costs.
-    fn scopes<'p>(&'p self, caller: &Caller, tool: &str, starts_job: bool) -> Vec<(String, &'p Limiter, u64)> {
+    fn scopes<'p>(&'p self, caller: &Caller, tool: &str, starts_job: bool) -> Vec<(Scope, &'p Limiter, u64)> {
         let tier = self.policy.for_caller(caller);
         let cost = self.policy.cost_of(tool);
-        let mut scopes = vec![(method_scope(MethodGroup::ToolsCall, caller), &tier.tools_call, 1)];
+        let mut scopes = vec![(Scope::method(caller, MethodGroup::ToolsCall), &tier.tools_call, 1)];
         if cost > 0 {
-            scopes.push((caller_scope(caller), &tier.caller, cost));
-            if let Some(tenant) = caller.tenant() {
-                scopes.push((tenant_scope(tenant), &self.policy.tenant, cost));
+            scopes.push((Scope::caller(caller), &tier.caller, cost));
+            if let Some(tenant) = Scope::tenant(caller) {
+                scopes.push((tenant, &self.policy.tenant, cost));
             }
-            if let Some(address) = caller.unverified_from() {
-                scopes.push((address_scope(address), &self.policy.address, cost));
+            if let Some(address) = Scope::address(caller) {
+                scopes.push((address, &self.policy.address, cost));
             }
         }
         if let Some(budget) = self.policy.tools.get(tool).and_then(|t| t.budget.as_ref()) {
-            scopes.push((tool_scope(caller, tool), budget, 1));
+            scopes.push((Scope::tool(caller, tool), budget, 1));
         }
         if starts_job {
-            scopes.extend(in_flight_scopes(&self.policy, caller).into_iter().map(|(key, limiter)| (key, limiter, 1)));
+            scopes
+                .extend(in_flight_scopes(&self.policy, caller).into_iter().map(|(scope, limiter)| (scope, limiter, 1)));
         }
         scopes
     }
@@ -240,37 +247,44 @@ impl Guard {
     /// Charges `caller` for `call` in every scope at once, or explains exactly how long to wait
     /// for the scope that refused. A loop is refused before anything is charged, and a call
     /// refused for budget does not count towards a loop.
-    pub fn admit(&self, caller: &Caller, call: &ToolCall<'_>) -> Result<Admission, Refusal> {
+    pub async fn admit(&self, caller: &Caller, call: &ToolCall<'_>) -> Result<Admission, Refusal> {
         if !self.enabled {
             return Ok(Admission::new(Vec::new(), self.metrics.clone()));
         }
         let recorded = self.check_loop(caller, call)?;
-        let admitted = self.charge(caller, call.tool, call.starts_job);
+        let admitted = self.charge(caller, call.tool, call.starts_job).await;
         if let (Err(_), Some(recorded), Some(loops)) = (&admitted, recorded, &self.loops) {
             loops.forget(caller.id(), recorded);
         }
         admitted
     }
 
-    fn charge(&self, caller: &Caller, tool: &str, starts_job: bool) -> Result<Admission, Refusal> {
+    async fn charge(&self, caller: &Caller, tool: &str, starts_job: bool) -> Result<Admission, Refusal> {
         let scopes = self.scopes(caller, tool, starts_job);
         let checks: Vec<Check<'_>> =
-            scopes.iter().map(|(key, limiter, cost)| Check { key, limiter, cost: *cost }).collect();
-        let decisions = self.store.decide(&checks, self.clock.now());
+            scopes.iter().map(|(scope, limiter, cost)| Check { key: scope.key(), limiter, cost: *cost }).collect();
+        let decisions = match self.store.decide(&checks).await {
+            Ok(decisions) => decisions,
+            Err(error) => {
+                self.store_failed(Layer::Tool, tool, &error);
+                return Err(Refusal::limiter_unavailable(tool, STORE_RETRY_MS));
+            }
+        };
         // The call passes only when every scope admits it, so the wait is the longest one.
-        let refused = checks.iter().zip(&decisions).filter(|(_, d)| !d.allowed).max_by_key(|(_, d)| d.retry_after);
+        let refused = scopes.iter().zip(&decisions).filter(|(_, d)| !d.allowed).max_by_key(|(_, d)| d.retry_after);
         self.metrics.decision(Layer::Tool, tool, refused.is_none());
-        if let Some((check, d)) = refused {
-            let refusal = if check.limiter.holds_slots() {
-                Refusal::busy(tool, check.key.to_owned(), d.limit)
+        if let Some(((scope, limiter, _), d)) = refused {
+            let name = scope.name().to_owned();
+            let refusal = if limiter.holds_slots() {
+                Refusal::busy(tool, name, d.limit)
             } else {
-                Refusal::rate_limited(tool, check.key.to_owned(), d.limit, d.remaining, d.retry_after)
+                Refusal::rate_limited(tool, name, d.limit, d.remaining, d.retry_after)
             };
             self.metrics.rejection(Layer::Tool, tool, refusal.code.as_str(), caller);
             info!(
                 layer = "tool",
                 tool,
-                scope = check.key,
+                scope = scope.name(),
                 caller_bucket = caller.bucket(),
                 code = refusal.code.as_str(),
                 retry_after_ms = ceil_ms(d.retry_after),
@@ -281,9 +295,7 @@ impl Guard {
         let slots = checks
             .iter()
             .filter(|c| c.limiter.holds_slots())
-            .map(|c| {
-                SlotGuard::new(self.store.clone(), self.clock.clone(), c.key.to_owned(), c.limiter.clone(), c.cost)
-            })
+            .map(|c| SlotGuard::new(self.store.clone(), c.key.to_owned(), c.limiter.clone(), c.cost))
             .collect();
         Ok(Admission::new(slots, self.metrics.clone()))
     }
@@ -291,44 +303,45 @@ impl Guard {
     /// The caller's budgets right now, without spending anything: the HTTP budget (when it
     /// applies), the `tools/call` method budget, the caller's and tenant's tool budgets, and
     /// every tool's own budget.
-    pub fn status(&self, caller: &Caller, over_http: bool) -> Vec<BudgetStatus> {
+    pub async fn status(&self, caller: &Caller, over_http: bool) -> Result<Vec<BudgetStatus>, StoreError> {
         let tier = self.policy.for_caller(caller);
-        let mut peek: Vec<(String, &Limiter)> = Vec::new();
+        let mut peek: Vec<(Scope, &Limiter)> = Vec::new();
         if over_http {
-            peek.push((format!("http:{}", caller.id()), &tier.http));
+            peek.push((Scope::http(caller), &tier.http));
         }
-        peek.push((method_scope(MethodGroup::ToolsCall, caller), &tier.tools_call));
-        peek.push((caller_scope(caller), &tier.caller));
-        if let Some(tenant) = caller.tenant() {
-            peek.push((tenant_scope(tenant), &self.policy.tenant));
+        peek.push((Scope::method(caller, MethodGroup::ToolsCall), &tier.tools_call));
+        peek.push((Scope::caller(caller), &tier.caller));
+        if let Some(tenant) = Scope::tenant(caller) {
+            peek.push((tenant, &self.policy.tenant));
         }
-        if let Some(address) = caller.unverified_from() {
-            peek.push((address_scope(address), &self.policy.address));
+        if let Some(address) = Scope::address(caller) {
+            peek.push((address, &self.policy.address));
         }
         for (tool, policy) in &self.policy.tools {
             if let Some(budget) = &policy.budget {
-                peek.push((tool_scope(caller, tool), budget));
+                peek.push((Scope::tool(caller, tool), budget));
             }
         }
         peek.extend(in_flight_scopes(&self.policy, caller));
-        let now = self.clock.now();
-        peek.into_iter()
-            .map(|(scope, limiter)| {
-                let d = self.store.decide_one(&Check { key: &scope, limiter, cost: 0 }, now);
-                BudgetStatus {
-                    scope,
-                    algorithm: limiter.algorithm(),
-                    limit: d.limit,
-                    remaining: d.remaining,
-                    reset_after_ms: ceil_ms(d.reset_after),
-                }
+        // Cost 0 reads every level in one decision, without charging anything.
+        let checks: Vec<Check<'_>> =
+            peek.iter().map(|(scope, limiter)| Check { key: scope.key(), limiter, cost: 0 }).collect();
+        let decisions = self.store.decide(&checks).await?;
+        Ok(peek
+            .iter()
+            .zip(decisions)
+            .map(|((scope, limiter), d)| BudgetStatus {
+                scope: scope.name().to_owned(),
+                algorithm: limiter.algorithm(),
+                limit: d.limit,
+                remaining: d.remaining,
+                reset_after_ms: ceil_ms(d.reset_after),
             })
-            .collect()
+            .collect())
     }
 
     /// Forgets idle limiter state and loop histories; called on a schedule.
     pub fn sweep(&self) -> usize {
-        let now = self.clock.now();
-        self.store.sweep(now) + self.loops.as_ref().map_or(0, |loops| loops.sweep(now))
+        self.store.sweep() + self.loops.as_ref().map_or(0, |loops| loops.sweep(self.clock.now()))
     }
 }

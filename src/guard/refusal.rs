@@ -205,6 +205,23 @@ impl Refusal {
         }
     }
 
+    /// The shared limiter store could not decide and this call fails closed.
+    pub fn limiter_unavailable(tool: &str, retry_after_ms: u64) -> Self {
+        Self {
+            code: RefusalCode::LimiterUnavailable,
+            message: format!(
+                "The rate limiter is unavailable, so {tool} cannot be admitted safely right now. Wait {} before \
+                 trying again.",
+                seconds(retry_after_ms.div_ceil(1000))
+            ),
+            retry_after_ms: Some(retry_after_ms.max(1)),
+            scope: None,
+            limit: None,
+            remaining: None,
+            in_flight: Box::default(),
+        }
+    }
+
     /// The structured error object.
     pub fn to_json(&self) -> Value {
         let mut error = Map::new();

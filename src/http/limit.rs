@@ -86,7 +86,7 @@ fn too_many_requests(d: &HttpDecision) -> Response {
 
 impl<S> Service<Request<Body>> for HttpLimit<S>
 where
-    S: Service<Request<Body>, Response = Response> + Send + 'static,
+    S: Service<Request<Body>, Response = Response> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
 {
@@ -107,14 +107,21 @@ where
             let response = jsonrpc_error(StatusCode::INTERNAL_SERVER_ERROR, -32603, "no caller identity", None);
             return Box::pin(std::future::ready(Ok(response)));
         };
-        let decision = self.state.guard.admit_http(&caller);
-        if !decision.decision.allowed {
-            return Box::pin(std::future::ready(Ok(too_many_requests(&decision))));
-        }
-        let headers = rate_limit_headers(&decision);
-        let served = self.inner.call(request);
+        // The inner service is ready now (`poll_ready` said so); take it, leaving a clone, so
+        // the future may call it after awaiting the decision (tower's usual clone-and-swap).
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let state = self.state.clone();
         Box::pin(async move {
-            let mut response = served.await?;
+            let Some(decision) = state.guard.admit_http(&caller).await else {
+                // The store could not decide: the finer limits behind this layer still apply.
+                return inner.call(request).await;
+            };
+            if !decision.decision.allowed {
+                return Ok(too_many_requests(&decision));
+            }
+            let headers = rate_limit_headers(&decision);
+            let mut response = inner.call(request).await?;
             response.headers_mut().extend(headers);
             Ok(response)
         })

@@ -67,14 +67,14 @@ impl McpServer {
 
     /// Charges a non-tool method to its per-caller limit; a refusal is a JSON-RPC error (there
     /// is no tool result to carry it) with the same structured data a tool refusal has.
-    fn admit_method(
+    async fn admit_method(
         &self,
         context: &RequestContext<RoleServer>,
         group: MethodGroup,
         method: &str,
     ) -> Result<(), ErrorData> {
         let caller = self.caller_of(context)?;
-        self.app.guard.admit_method(&caller, group, method).map_err(method_refusal)
+        self.app.guard.admit_method(&caller, group, method).await.map_err(method_refusal)
     }
 }
 
@@ -145,7 +145,7 @@ impl ServerHandler for McpServer {
         _request: Option<PaginatedRequestParams>,
         context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
-        self.admit_method(&context, MethodGroup::ToolsList, "tools/list")?;
+        self.admit_method(&context, MethodGroup::ToolsList, "tools/list").await?;
         let tools = self
             .tool_router
             .list_all()
@@ -165,7 +165,7 @@ impl ServerHandler for McpServer {
     }
 
     async fn ping(&self, context: RequestContext<RoleServer>) -> Result<(), ErrorData> {
-        self.admit_method(&context, MethodGroup::Other, "ping")
+        self.admit_method(&context, MethodGroup::Other, "ping").await
     }
 
     async fn call_tool(
@@ -190,7 +190,7 @@ impl ServerHandler for McpServer {
         };
         let call =
             ToolCall { tool: &tool, args: &args, starts_job, loop_exempt: self.loop_exempt(&tool, &args, &caller) };
-        let admission = match self.app.guard.admit(&caller, &call) {
+        let admission = match self.app.guard.admit(&caller, &call).await {
             Ok(admission) => Handoff::new(admission),
             Err(refusal) if starts_job && refusal.code == RefusalCode::Busy => {
                 return Ok(self.explain_busy(&tool, refusal, &caller).into_result().into());
@@ -229,7 +229,7 @@ impl ServerHandler for McpServer {
         context: RequestContext<RoleServer>,
     ) -> Result<GetTaskResult, ErrorData> {
         let caller = self.caller_of(&context)?;
-        self.admit_method(&context, MethodGroup::Other, "tasks/get")?;
+        self.admit_method(&context, MethodGroup::Other, "tasks/get").await?;
         let view =
             self.app.jobs.poll(caller.id(), &request.task_id).await.ok_or_else(|| unknown_task(&request.task_id))?;
         Ok(GetTaskResult::new(task_of(view, self.task_ttl_ms())?))
@@ -241,7 +241,7 @@ impl ServerHandler for McpServer {
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
         let caller = self.caller_of(&context)?;
-        self.admit_method(&context, MethodGroup::Other, "tasks/cancel")?;
+        self.admit_method(&context, MethodGroup::Other, "tasks/cancel").await?;
         match self.app.jobs.cancel(caller.id(), &request.task_id).await {
             Ok(Some(_)) => Ok(()),
             Ok(None) => Err(unknown_task(&request.task_id)),

@@ -8,7 +8,7 @@ pub mod memory;
 
 use std::sync::Arc;
 
-use crate::clock::{Nanos, SharedClock};
+use crate::clock::SharedClock;
 use crate::limit::{Decision, Limiter};
 pub use memory::MemoryStore;
 
@@ -23,40 +23,63 @@ pub struct Check<'a> {
     pub cost: u64,
 }
 
+/// The shared store could not decide: unreachable, timed out, or it answered nonsense. The
+/// guard decides what that means for the call (fail open to the insurance limiter, or closed).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store did not answer (in time).
+    #[error("the limiter store is unavailable: {0}")]
+    Unavailable(String),
+}
+
 /// The state store behind every budget.
+///
+/// It owns time: a decision takes no `now` from its caller, because on a shared store only the
+/// store's clock means the same thing to every instance.
 #[derive(Debug)]
 pub enum Store {
-    /// Per-process state in a sharded map, swept when idle.
-    Memory(MemoryStore),
+    /// Per-process state in a sharded map, swept when idle, on the server's clock.
+    Memory {
+        /// The map.
+        map: MemoryStore,
+        /// Its time.
+        clock: SharedClock,
+    },
 }
 
 impl Store {
-    /// Decides `checks` atomically at `now`: one decision per check, in order. Charges happen
-    /// only when every decision is `allowed`.
-    pub fn decide(&self, checks: &[Check<'_>], now: Nanos) -> Vec<Decision> {
+    /// An in-memory store on `clock`.
+    pub fn memory(clock: SharedClock) -> Self {
+        Store::Memory { map: MemoryStore::new(), clock }
+    }
+
+    /// Decides `checks` atomically: one decision per check, in order. Charges happen only when
+    /// every decision is `allowed`.
+    pub async fn decide(&self, checks: &[Check<'_>]) -> Result<Vec<Decision>, StoreError> {
         match self {
-            Store::Memory(m) => m.decide(checks, now),
+            Store::Memory { map, clock } => Ok(map.decide(checks, clock.now())),
         }
     }
 
-    /// Decides a single check without allocating: the common case of a call with one scope.
-    pub fn decide_one(&self, check: &Check<'_>, now: Nanos) -> Decision {
+    /// Decides a single check: the common case of a call with one scope.
+    pub async fn decide_one(&self, check: &Check<'_>) -> Result<Decision, StoreError> {
         match self {
-            Store::Memory(m) => m.decide_one(check, now),
+            Store::Memory { map, clock } => Ok(map.decide_one(check, clock.now())),
         }
     }
 
-    /// Gives back in-flight slots taken by an admitted [`Check`] on a concurrency limiter.
-    pub fn release(&self, key: &str, limiter: &Limiter, cost: u64, now: Nanos) {
+    /// Gives back in-flight slots taken by an admitted [`Check`] on a concurrency limiter. Called
+    /// from `Drop`, so it never waits: the memory store releases in place.
+    pub fn release(&self, key: &str, limiter: &Limiter, cost: u64) {
         match self {
-            Store::Memory(m) => m.release(key, limiter, cost, now),
+            Store::Memory { map, clock } => map.release(key, limiter, cost, clock.now()),
         }
     }
 
     /// Forgets every key whose state is back to "as if never seen"; returns how many went.
-    pub fn sweep(&self, now: Nanos) -> usize {
+    pub fn sweep(&self) -> usize {
         match self {
-            Store::Memory(m) => m.sweep(now),
+            Store::Memory { map, clock } => map.sweep(clock.now()),
         }
     }
 }
@@ -69,7 +92,6 @@ impl Store {
 #[derive(Debug)]
 pub struct SlotGuard {
     store: Arc<Store>,
-    clock: SharedClock,
     key: String,
     limiter: Limiter,
     cost: u64,
@@ -77,13 +99,13 @@ pub struct SlotGuard {
 
 impl SlotGuard {
     /// Takes ownership of slots already charged by [`Store::decide`].
-    pub fn new(store: Arc<Store>, clock: SharedClock, key: String, limiter: Limiter, cost: u64) -> Self {
-        Self { store, clock, key, limiter, cost }
+    pub fn new(store: Arc<Store>, key: String, limiter: Limiter, cost: u64) -> Self {
+        Self { store, key, limiter, cost }
     }
 }
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        self.store.release(&self.key, &self.limiter, self.cost, self.clock.now());
+        self.store.release(&self.key, &self.limiter, self.cost);
     }
 }

@@ -1,0 +1,108 @@
+//! Scopes: which budget a decision charges, as a typed value instead of strings spread around.
+//!
+//! A scope has a **name** that agents see — `caller:tok:1f2e…`, `tenant:acme`,
+//! `in_flight:tenant:acme` — in refusals and in `rate_limit_status`, and a **store key** that
+//! prefixes the name with a hash tag: `{t:acme}tenant:acme`. Every scope of one caller's decision
+//! carries the same tag, so on a Redis Cluster all the keys of one decision live in one hash slot
+//! and the decision stays one atomic script. The tag is what those scopes have in common: the
+//! caller's tenant; for an unverified caller (no configured key) its address, which its address
+//! budget is shared by; otherwise the caller itself.
+
+use crate::guard::policy::MethodGroup;
+use crate::identity::Caller;
+
+/// One budget a call is charged to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scope {
+    /// `{tag}name`: the store key.
+    key: String,
+    /// Where the name starts in `key`.
+    name_at: usize,
+}
+
+/// The hash tag every scope of `caller` shares.
+fn tag_of(caller: &Caller) -> String {
+    match (caller.tenant(), caller.unverified_from()) {
+        (Some(tenant), _) => format!("t:{tenant}"),
+        (None, Some(address)) => format!("a:{address}"),
+        (None, None) => format!("c:{}", caller.id()),
+    }
+}
+
+impl Scope {
+    fn new(caller: &Caller, name: String) -> Self {
+        let tag = tag_of(caller);
+        let key = format!("{{{tag}}}{name}");
+        Self { name_at: tag.len() + 2, key }
+    }
+
+    /// The coarse HTTP budget of `caller`.
+    pub fn http(caller: &Caller) -> Self {
+        Self::new(caller, format!("http:{}", caller.id()))
+    }
+
+    /// The per-method budget of `caller` for `group`.
+    pub fn method(caller: &Caller, group: MethodGroup) -> Self {
+        Self::new(caller, format!("method:{}:{}", group.as_str(), caller.id()))
+    }
+
+    /// The caller's own tool budget.
+    pub fn caller(caller: &Caller) -> Self {
+        Self::new(caller, format!("caller:{}", caller.id()))
+    }
+
+    /// The budget the caller's tenant shares, if it has one.
+    pub fn tenant(caller: &Caller) -> Option<Self> {
+        caller.tenant().map(|tenant| Self::new(caller, format!("tenant:{tenant}")))
+    }
+
+    /// The budget the unverified callers of the caller's address share, if it is unverified.
+    pub fn address(caller: &Caller) -> Option<Self> {
+        caller.unverified_from().map(|address| Self::new(caller, format!("address:{address}")))
+    }
+
+    /// A tool's own budget: the tenant's, or the caller's without one.
+    pub fn tool(caller: &Caller, tool: &str) -> Self {
+        let name = match caller.tenant() {
+            Some(tenant) => format!("tenant:{tenant}:tool:{tool}"),
+            None => format!("caller:{}:tool:{tool}", caller.id()),
+        };
+        Self::new(caller, name)
+    }
+
+    /// The caller's jobs in flight.
+    pub fn in_flight_caller(caller: &Caller) -> Self {
+        Self::new(caller, format!("in_flight:caller:{}", caller.id()))
+    }
+
+    /// The tenant's jobs in flight, if the caller has a tenant (without one, the caller is its
+    /// own tenant and [`Scope::in_flight_caller`] is the only cap).
+    pub fn in_flight_tenant(caller: &Caller) -> Option<Self> {
+        caller.tenant().map(|tenant| Self::new(caller, format!("in_flight:tenant:{tenant}")))
+    }
+
+    /// What agents see: `caller:tok:1f2e…`, `tenant:acme`, ….
+    pub fn name(&self) -> &str {
+        &self.key[self.name_at..]
+    }
+
+    /// Where the state lives: the name behind the hash tag.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_scope_of_a_callers_decision_shares_one_hash_tag_and_names_stay_readable() {
+        let caller = Caller::from_token("agent");
+        let scopes = [Scope::http(&caller), Scope::caller(&caller), Scope::tool(&caller, "generate_image")];
+        let tag = |s: &Scope| s.key()[..s.key().find('}').expect("tagged") + 1].to_owned();
+        assert!(scopes.iter().all(|s| tag(s) == tag(&scopes[0])), "{scopes:?}");
+        assert_eq!(scopes[1].name(), format!("caller:{}", caller.id()));
+        assert!(scopes[1].key().starts_with("{c:tok:") && scopes[1].key().ends_with(scopes[1].name()));
+    }
+}
