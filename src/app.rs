@@ -48,7 +48,7 @@ pub struct AppState {
 impl AppState {
     /// Sets the gauges that are read from live state when `/metrics` is scraped.
     pub fn sample_gauges(&self) {
-        use crate::metrics::{ACCOUNT_SLOTS_IN_USE, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH};
+        use crate::metrics::{ACCOUNT_SLOTS_IN_USE, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH, STORE_UP};
         use crate::upstream::breaker::BreakerState;
         let occupancy = self.jobs.occupancy();
         // Per flow bucket (a 16-way hash of the tenant or caller, never its name); every bucket
@@ -69,6 +69,7 @@ impl AppState {
             BreakerState::Open => 2.0,
         };
         self.metrics.sample(BREAKER_STATE, Vec::new(), breaker);
+        self.metrics.sample(STORE_UP, Vec::new(), if self.guard.store_up() { 1.0 } else { 0.0 });
     }
 }
 

@@ -137,6 +137,18 @@ pub struct ToolPolicy {
     pub cost: u64,
     /// An own budget for this tool, per tenant (or per caller without one), counted in calls.
     pub budget: Option<Limiter>,
+    /// What the tool does while the shared limiter store cannot decide.
+    pub fail: Fail,
+}
+
+/// What a tool does while the shared limiter store (Redis) cannot decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fail {
+    /// Decide with the in-memory insurance limiter (per-instance limits ÷ expected instances).
+    Open,
+    /// Refuse with `limiter_unavailable` and a wait.
+    Closed,
 }
 
 /// `[upstream]`.
@@ -195,6 +207,9 @@ pub struct LoopDetectionConfig {
 pub struct StoreConfig {
     /// Interval between sweeps of idle state.
     pub sweep_interval_ms: u64,
+    /// Server instances expected to share the store: the insurance limiter gives each
+    /// 1/`expected_instances` of every limit while the store cannot decide.
+    pub expected_instances: u32,
 }
 
 /// `[mock_upstream]`.
@@ -300,6 +315,7 @@ struct RawLimit {
 struct RawTool {
     cost: i64,
     budget: Option<RawLimit>,
+    fail: Option<Fail>,
 }
 
 /// The JSON-RPC method groups with their own per-caller limit.
@@ -488,7 +504,9 @@ impl RawConfig {
                 }
             }
             let budget = spec.budget.map(|b| b.build(&format!("tools.{tool}.budget"))).transpose()?;
-            tools.insert(tool, ToolPolicy { cost, budget });
+            // Tools that cost money fail closed; free reads stay open.
+            let fail = spec.fail.unwrap_or(if cost > 0 { Fail::Closed } else { Fail::Open });
+            tools.insert(tool, ToolPolicy { cost, budget, fail });
         }
         if let Some(missing) = TOOL_NAMES.iter().find(|t| !tools.contains_key(**t)) {
             return Err(invalid(format!("tools.{missing}.cost"), "every tool needs a cost"));
@@ -568,6 +586,7 @@ impl RawConfig {
             ("upstream.breaker_cooldown_ms", up.breaker_cooldown_ms),
             ("upstream.retry_budget_window_ms", up.retry_budget_window_ms),
             ("store.sweep_interval_ms", self.store.sweep_interval_ms),
+            ("store.expected_instances", u64::from(self.store.expected_instances)),
             ("loop_detection.window_ms", loops.window_ms),
         ] {
             if value == 0 {

@@ -37,6 +37,8 @@ pub const ACCOUNT_SLOTS_IN_USE: &str = "mcp_ratelimit_account_slots_in_use";
 pub const JOBS_IN_FLIGHT: &str = "mcp_ratelimit_jobs_in_flight";
 /// `mcp_ratelimit_store_errors_total{layer}`: decisions the limiter store could not make.
 pub const STORE_ERRORS: &str = "mcp_ratelimit_store_errors_total";
+/// `mcp_ratelimit_store_up`: 1 while the limiter store answers, 0 while it fails.
+pub const STORE_UP: &str = "mcp_ratelimit_store_up";
 /// `mcp_ratelimit_breaker_state`: the upstream circuit breaker (0 closed, 1 half-open, 2 open).
 pub const BREAKER_STATE: &str = "mcp_ratelimit_breaker_state";
 
@@ -135,6 +137,7 @@ impl Metrics {
         gauge(QUEUE_DEPTH, "Jobs waiting for the upstream account, by flow bucket (a 16-way hash of the tenant).");
         gauge(ACCOUNT_SLOTS_IN_USE, "The upstream account's slots held by running jobs.");
         gauge(JOBS_IN_FLIGHT, "Accepted jobs (image and video predictions) not yet final.");
+        gauge(STORE_UP, "1 while the limiter store answers, 0 while it fails.");
         gauge(BREAKER_STATE, "The upstream circuit breaker: 0 closed, 1 half-open, 2 open.");
         recorder.describe_gauge(
             IN_FLIGHT.into(),

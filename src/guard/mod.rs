@@ -13,16 +13,18 @@ pub mod refusal;
 pub mod scope;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tracing::info;
 
 use crate::clock::{SharedClock, ceil_ms};
-use crate::config::Config;
+use crate::config::{Config, Fail};
 use crate::guard::loops::LoopDetector;
 use crate::identity::Caller;
 use crate::limit::{Decision, Limiter};
 use crate::metrics::{Layer, Metrics};
 use crate::store::{Check, SlotGuard, Store, StoreError};
+use crate::upstream::breaker::Breaker;
 pub use policy::{MethodGroup, Policy, TierLimits};
 pub use refusal::{Refusal, RefusalCode};
 pub use scope::Scope;
@@ -91,6 +93,21 @@ pub struct ToolCall<'a> {
 /// What a caller refused because the store could not decide is told to wait.
 const STORE_RETRY_MS: u64 = 1_000;
 
+/// How long a failing shared store is skipped before one decision probes it again.
+const STORE_PROBE_EVERY: crate::clock::Nanos = crate::clock::NANOS_PER_SEC;
+
+/// The limiter that decides while a shared store cannot: the same limits divided by
+/// `store.expected_instances`, in this instance's memory, so N instances deciding alone hand out
+/// about one budget between them instead of N.
+#[derive(Debug)]
+struct Insurance {
+    store: Arc<Store>,
+    policy: Policy,
+    /// Open while the shared store is failing: decisions skip it (no timeout to wait out on
+    /// every call) until one probe a second finds it back.
+    shared_down: Breaker,
+}
+
 /// Decides whether a caller may proceed, charges it, and explains refusals.
 #[derive(Debug)]
 pub struct Guard {
@@ -98,6 +115,8 @@ pub struct Guard {
     store: Arc<Store>,
     clock: SharedClock,
     policy: Policy,
+    insurance: Option<Insurance>,
+    store_up: AtomicBool,
     loops: Option<LoopDetector>,
     metrics: Arc<Metrics>,
 }
@@ -111,18 +130,85 @@ fn in_flight_scopes<'p>(policy: &'p Policy, caller: &Caller) -> Vec<(Scope, &'p 
     scopes
 }
 
+/// The scopes a call of `tool` by `caller` draws on under `policy`, with their limiters and
+/// costs.
+fn tool_scopes<'p>(
+    policy: &'p Policy,
+    caller: &Caller,
+    tool: &str,
+    starts_job: bool,
+) -> Vec<(Scope, &'p Limiter, u64)> {
+    let tier = policy.for_caller(caller);
+    let cost = policy.cost_of(tool);
+    let mut scopes = vec![(Scope::method(caller, MethodGroup::ToolsCall), &tier.tools_call, 1)];
+    if cost > 0 {
+        scopes.push((Scope::caller(caller), &tier.caller, cost));
+        if let Some(tenant) = Scope::tenant(caller) {
+            scopes.push((tenant, &policy.tenant, cost));
+        }
+        if let Some(address) = Scope::address(caller) {
+            scopes.push((address, &policy.address, cost));
+        }
+    }
+    if let Some(budget) = policy.tools.get(tool).and_then(|t| t.budget.as_ref()) {
+        scopes.push((Scope::tool(caller, tool), budget, 1));
+    }
+    if starts_job {
+        scopes.extend(in_flight_scopes(policy, caller).into_iter().map(|(scope, limiter)| (scope, limiter, 1)));
+    }
+    scopes
+}
+
+/// Every budget `caller` has under `policy`, to read at cost 0: the HTTP budget (when it
+/// applies), the `tools/call` method budget, the caller's, tenant's and address's tool budgets,
+/// every tool's own budget, and the in-flight caps.
+fn status_scopes<'p>(policy: &'p Policy, caller: &Caller, over_http: bool) -> Vec<(Scope, &'p Limiter, u64)> {
+    let tier = policy.for_caller(caller);
+    let mut peek: Vec<(Scope, &Limiter, u64)> = Vec::new();
+    if over_http {
+        peek.push((Scope::http(caller), &tier.http, 0));
+    }
+    peek.push((Scope::method(caller, MethodGroup::ToolsCall), &tier.tools_call, 0));
+    peek.push((Scope::caller(caller), &tier.caller, 0));
+    if let Some(tenant) = Scope::tenant(caller) {
+        peek.push((tenant, &policy.tenant, 0));
+    }
+    if let Some(address) = Scope::address(caller) {
+        peek.push((address, &policy.address, 0));
+    }
+    for (tool, tool_policy) in &policy.tools {
+        if let Some(budget) = &tool_policy.budget {
+            peek.push((Scope::tool(caller, tool), budget, 0));
+        }
+    }
+    peek.extend(in_flight_scopes(policy, caller).into_iter().map(|(scope, limiter)| (scope, limiter, 0)));
+    peek
+}
+
+fn checks_of<'a>(scopes: &'a [(Scope, &'a Limiter, u64)]) -> Vec<Check<'a>> {
+    scopes.iter().map(|(scope, limiter, cost)| Check { key: scope.key(), limiter, cost: *cost }).collect()
+}
+
 impl Guard {
-    /// A guard over `store` with the limits of `config`.
+    /// A guard over `store` with the limits of `config`; over a shared store, with an insurance
+    /// limiter for when it cannot decide.
     pub fn new(store: Store, clock: SharedClock, config: &Config, metrics: Arc<Metrics>) -> Self {
         let loops = &config.loop_detection;
         let loops = loops
             .enabled
             .then(|| LoopDetector::new(loops.repeats, loops.window_ms.saturating_mul(crate::clock::NANOS_PER_MS)));
+        let insurance = store.is_shared().then(|| Insurance {
+            store: Arc::new(Store::memory(clock.clone())),
+            policy: Policy::new(config).scaled(1.0 / config.store.expected_instances as f64),
+            shared_down: Breaker::new(1, STORE_PROBE_EVERY),
+        });
         Self {
             enabled: config.limits.enabled,
             store: Arc::new(store),
             clock,
             policy: Policy::new(config),
+            insurance,
+            store_up: AtomicBool::new(true),
             loops,
             metrics,
         }
@@ -138,25 +224,63 @@ impl Guard {
         &self.policy
     }
 
+    /// Whether the last decision on the limiter store succeeded (the `store_up` gauge).
+    pub fn store_up(&self) -> bool {
+        self.store_up.load(Ordering::Relaxed)
+    }
+
     /// Logs and counts a store that could not decide.
     fn store_failed(&self, layer: Layer, what: &str, error: &StoreError) {
         self.metrics.store_error(layer);
         tracing::warn!(layer = layer.as_str(), what, %error, "limiter store failed");
     }
 
-    /// Charges one `POST /mcp` to the caller's coarse HTTP budget. `None` when the store could
-    /// not decide: the coarse layer protects the server, so it lets the request on to the
-    /// finer limits behind it rather than refusing everyone.
-    pub async fn admit_http(&self, caller: &Caller) -> Option<HttpDecision> {
-        let limiter = &self.policy.for_caller(caller).http;
-        let scope = Scope::http(caller);
-        let decision = match self.store.decide_one(&Check { key: scope.key(), limiter, cost: 1 }).await {
-            Ok(decision) => decision,
-            Err(error) => {
-                self.store_failed(Layer::Http, "POST /mcp", &error);
-                return None;
-            }
+    /// Decides `checks` on the shared store, unless it is known to be down; `None` when it could
+    /// not decide (counted and logged), so the caller falls back as its policy says.
+    async fn decide_shared(&self, checks: &[Check<'_>], layer: Layer, what: &str) -> Option<Vec<Decision>> {
+        let permit = match &self.insurance {
+            Some(insurance) => Some(insurance.shared_down.permit(self.clock.now()).ok()?),
+            None => None,
         };
+        let decided = self.store.decide(checks).await;
+        if let (Some(insurance), Some(permit)) = (&self.insurance, permit) {
+            insurance.shared_down.record(permit, decided.is_ok(), self.clock.now());
+            self.store_up.store(decided.is_ok(), Ordering::Relaxed);
+        }
+        decided.map_err(|error| self.store_failed(layer, what, &error)).ok()
+    }
+
+    /// Decides `scopes` (built by `scopes_under` from a policy) on the shared store or, when it
+    /// cannot decide and the call may `fail` open, on the insurance limiter. Returns the
+    /// decisions with the scopes they were taken on and the store that holds any slots.
+    async fn decide<'s, F>(
+        &'s self,
+        scopes_under: F,
+        fail: Fail,
+        layer: Layer,
+        what: &str,
+    ) -> Option<(Vec<(Scope, &'s Limiter, u64)>, Vec<Decision>, &'s Arc<Store>)>
+    where
+        F: Fn(&'s Policy) -> Vec<(Scope, &'s Limiter, u64)>,
+    {
+        let scopes = scopes_under(&self.policy);
+        if let Some(decisions) = self.decide_shared(&checks_of(&scopes), layer, what).await {
+            return Some((scopes, decisions, &self.store));
+        }
+        let insurance = self.insurance.as_ref().filter(|_| fail == Fail::Open)?;
+        let scopes = scopes_under(&insurance.policy);
+        let decisions = insurance.store.decide(&checks_of(&scopes)).await.ok()?;
+        Some((scopes, decisions, &insurance.store))
+    }
+
+    /// Charges one `POST /mcp` to the caller's coarse HTTP budget. `None` only if nobody could
+    /// decide: the coarse layer protects the server, so it then lets the request on to the finer
+    /// limits behind it rather than refusing everyone.
+    pub async fn admit_http(&self, caller: &Caller) -> Option<HttpDecision> {
+        let scope = Scope::http(caller);
+        let under = |p| vec![(scope.clone(), &Policy::for_caller(p, caller).http, 1)];
+        let (scopes, mut decisions, _) = self.decide(under, Fail::Open, Layer::Http, "POST /mcp").await?;
+        let (decision, limiter) = (decisions.pop()?, scopes.first()?.1);
         self.metrics.decision(Layer::Http, "POST /mcp", decision.allowed);
         if !decision.allowed {
             self.metrics.rejection(Layer::Http, "POST /mcp", "rate_limited", caller);
@@ -171,14 +295,11 @@ impl Guard {
         if !self.enabled {
             return Ok(());
         }
-        let limiter = self.policy.for_caller(caller).method(group);
         let scope = Scope::method(caller, group);
-        let d = match self.store.decide_one(&Check { key: scope.key(), limiter, cost: 1 }).await {
-            Ok(decision) => decision,
-            Err(error) => {
-                self.store_failed(Layer::Method, group.as_str(), &error);
-                return Err(Refusal::limiter_unavailable(method, STORE_RETRY_MS));
-            }
+        let under = |p| vec![(scope.clone(), Policy::for_caller(p, caller).method(group), 1)];
+        let decided = self.decide(under, Fail::Open, Layer::Method, group.as_str()).await;
+        let Some(d) = decided.and_then(|(_, mut decisions, _)| decisions.pop()) else {
+            return Err(Refusal::limiter_unavailable(method, STORE_RETRY_MS));
         };
         self.metrics.decision(Layer::Method, group.as_str(), d.allowed);
         if d.allowed {
@@ -194,30 +315,6 @@ impl Guard {
             "refused"
         );
         Err(Refusal::rate_limited(method, name.to_owned(), d.limit, d.remaining, d.retry_after))
-    }
-
-    /// The scopes a call of `tool` by `caller` draws on, with their limiters and costs.
-    fn scopes<'p>(&'p self, caller: &Caller, tool: &str, starts_job: bool) -> Vec<(Scope, &'p Limiter, u64)> {
-        let tier = self.policy.for_caller(caller);
-        let cost = self.policy.cost_of(tool);
-        let mut scopes = vec![(Scope::method(caller, MethodGroup::ToolsCall), &tier.tools_call, 1)];
-        if cost > 0 {
-            scopes.push((Scope::caller(caller), &tier.caller, cost));
-            if let Some(tenant) = Scope::tenant(caller) {
-                scopes.push((tenant, &self.policy.tenant, cost));
-            }
-            if let Some(address) = Scope::address(caller) {
-                scopes.push((address, &self.policy.address, cost));
-            }
-        }
-        if let Some(budget) = self.policy.tools.get(tool).and_then(|t| t.budget.as_ref()) {
-            scopes.push((Scope::tool(caller, tool), budget, 1));
-        }
-        if starts_job {
-            scopes
-                .extend(in_flight_scopes(&self.policy, caller).into_iter().map(|(scope, limiter)| (scope, limiter, 1)));
-        }
-        scopes
     }
 
     /// Refuses a call that repeats the caller's recent calls in a loop; otherwise records it.
@@ -260,15 +357,10 @@ impl Guard {
     }
 
     async fn charge(&self, caller: &Caller, tool: &str, starts_job: bool) -> Result<Admission, Refusal> {
-        let scopes = self.scopes(caller, tool, starts_job);
-        let checks: Vec<Check<'_>> =
-            scopes.iter().map(|(scope, limiter, cost)| Check { key: scope.key(), limiter, cost: *cost }).collect();
-        let decisions = match self.store.decide(&checks).await {
-            Ok(decisions) => decisions,
-            Err(error) => {
-                self.store_failed(Layer::Tool, tool, &error);
-                return Err(Refusal::limiter_unavailable(tool, STORE_RETRY_MS));
-            }
+        let fail = self.policy.tools.get(tool).map_or(Fail::Closed, |t| t.fail);
+        let under = |p| tool_scopes(p, caller, tool, starts_job);
+        let Some((scopes, decisions, store)) = self.decide(under, fail, Layer::Tool, tool).await else {
+            return Err(Refusal::limiter_unavailable(tool, STORE_RETRY_MS));
         };
         // The call passes only when every scope admits it, so the wait is the longest one.
         let refused = scopes.iter().zip(&decisions).filter(|(_, d)| !d.allowed).max_by_key(|(_, d)| d.retry_after);
@@ -292,10 +384,12 @@ impl Guard {
             );
             return Err(refusal);
         }
-        let slots = checks
+        let slots = scopes
             .iter()
-            .filter(|c| c.limiter.holds_slots())
-            .map(|c| SlotGuard::new(self.store.clone(), c.key.to_owned(), c.limiter.clone(), c.cost))
+            .filter(|(_, limiter, _)| limiter.holds_slots())
+            .map(|(scope, limiter, cost)| {
+                SlotGuard::new(store.clone(), scope.key().to_owned(), (*limiter).clone(), *cost)
+            })
             .collect();
         Ok(Admission::new(slots, self.metrics.clone()))
     }
@@ -303,41 +397,23 @@ impl Guard {
     /// The caller's budgets right now, without spending anything: the HTTP budget (when it
     /// applies), the `tools/call` method budget, the caller's and tenant's tool budgets, and
     /// every tool's own budget.
-    pub async fn status(&self, caller: &Caller, over_http: bool) -> Result<Vec<BudgetStatus>, StoreError> {
-        let tier = self.policy.for_caller(caller);
-        let mut peek: Vec<(Scope, &Limiter)> = Vec::new();
-        if over_http {
-            peek.push((Scope::http(caller), &tier.http));
-        }
-        peek.push((Scope::method(caller, MethodGroup::ToolsCall), &tier.tools_call));
-        peek.push((Scope::caller(caller), &tier.caller));
-        if let Some(tenant) = Scope::tenant(caller) {
-            peek.push((tenant, &self.policy.tenant));
-        }
-        if let Some(address) = Scope::address(caller) {
-            peek.push((address, &self.policy.address));
-        }
-        for (tool, policy) in &self.policy.tools {
-            if let Some(budget) = &policy.budget {
-                peek.push((Scope::tool(caller, tool), budget));
-            }
-        }
-        peek.extend(in_flight_scopes(&self.policy, caller));
+    pub async fn status(&self, caller: &Caller, over_http: bool) -> Option<Vec<BudgetStatus>> {
+        let under = |policy| status_scopes(policy, caller, over_http);
         // Cost 0 reads every level in one decision, without charging anything.
-        let checks: Vec<Check<'_>> =
-            peek.iter().map(|(scope, limiter)| Check { key: scope.key(), limiter, cost: 0 }).collect();
-        let decisions = self.store.decide(&checks).await?;
-        Ok(peek
-            .iter()
-            .zip(decisions)
-            .map(|((scope, limiter), d)| BudgetStatus {
-                scope: scope.name().to_owned(),
-                algorithm: limiter.algorithm(),
-                limit: d.limit,
-                remaining: d.remaining,
-                reset_after_ms: ceil_ms(d.reset_after),
-            })
-            .collect())
+        let (scopes, decisions, _) = self.decide(under, Fail::Open, Layer::Tool, "rate_limit_status").await?;
+        Some(
+            scopes
+                .iter()
+                .zip(decisions)
+                .map(|((scope, limiter, _), d)| BudgetStatus {
+                    scope: scope.name().to_owned(),
+                    algorithm: limiter.algorithm(),
+                    limit: d.limit,
+                    remaining: d.remaining,
+                    reset_after_ms: ceil_ms(d.reset_after),
+                })
+                .collect(),
+        )
     }
 
     /// Forgets idle limiter state and loop histories; called on a schedule.

@@ -97,6 +97,31 @@ impl Policy {
         }
     }
 
+    /// These limits with every capacity and rate multiplied by `factor` (the insurance limiter's
+    /// share of a budget shared by several instances); costs stay as they are.
+    pub fn scaled(&self, factor: f64) -> Policy {
+        let tier = |t: &TierLimits| TierLimits {
+            http: t.http.scaled(factor),
+            tools_list: t.tools_list.scaled(factor),
+            tools_call: t.tools_call.scaled(factor),
+            other_methods: t.other_methods.scaled(factor),
+            caller: t.caller.scaled(factor),
+        };
+        let mut tools = self.tools.clone();
+        for policy in tools.values_mut() {
+            policy.budget = policy.budget.as_ref().map(|b| b.scaled(factor));
+        }
+        Policy {
+            tiers: self.tiers.iter().map(|(name, t)| (name.clone(), tier(t))).collect(),
+            fallback: tier(&self.fallback),
+            tenant: self.tenant.scaled(factor),
+            address: self.address.scaled(factor),
+            in_flight_caller: self.in_flight_caller.scaled(factor),
+            in_flight_tenant: self.in_flight_tenant.scaled(factor),
+            tools,
+        }
+    }
+
     /// The limiters for `caller`'s tier (validated at start-up, so always a configured one).
     pub fn for_caller(&self, caller: &Caller) -> &TierLimits {
         self.tiers.get(caller.tier()).unwrap_or(&self.fallback)

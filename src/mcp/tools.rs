@@ -630,9 +630,8 @@ impl McpServer {
         Parameters(_): Parameters<NoArgs>,
         Extension(caller): Extension<Caller>,
     ) -> Result<CallToolResult, ErrorData> {
-        let budgets = match self.app.guard.status(&caller, self.transport == crate::mcp::Transport::Http).await {
-            Ok(budgets) => budgets,
-            Err(_) => return Ok(Refusal::limiter_unavailable("rate_limit_status", 1_000).into_result()),
+        let Some(budgets) = self.app.guard.status(&caller, self.transport == crate::mcp::Transport::Http).await else {
+            return Ok(Refusal::limiter_unavailable("rate_limit_status", 1_000).into_result());
         };
         let mut lines: Vec<String> = budgets
             .iter()

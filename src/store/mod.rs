@@ -76,6 +76,13 @@ impl Store {
         }
     }
 
+    /// Whether other instances share this store's state (and it can therefore fail).
+    pub fn is_shared(&self) -> bool {
+        match self {
+            Store::Memory { .. } => false,
+        }
+    }
+
     /// Forgets every key whose state is back to "as if never seen"; returns how many went.
     pub fn sweep(&self) -> usize {
         match self {
