@@ -41,7 +41,9 @@
 //!
 //! **Connection.** One [`ConnectionManager`]: a single multiplexed, pipelined connection that
 //! every decision shares and that reconnects by itself. Every call is bounded by the timeout
-//! given to [`RedisStore::connect`], so no request waits longer than that on a dead Redis.
+//! given to [`RedisStore::connect`], so no request waits longer than that on a dead Redis. A
+//! call that timed out may still run when a slow Redis gets to it: it then charges a budget the
+//! caller was told nothing about: a lost answer can only refuse more, never admit more.
 
 use std::future::Future;
 use std::time::Duration;

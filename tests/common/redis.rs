@@ -92,12 +92,28 @@ impl TestRedis {
 
 impl Drop for TestRedis {
     fn drop(&mut self) {
-        if let Some(server) = &mut self.server {
-            // SIGKILL also ends a stopped process.
-            let _ = server.kill();
-            let _ = server.wait();
+        match &mut self.server {
+            Some(server) => {
+                // SIGKILL also ends a stopped process.
+                let _ = server.kill();
+                let _ = server.wait();
+            }
+            // A shared Redis keeps only what TTLs will clear: held slots have none.
+            None => {
+                let _ = delete_prefixed(&self.url, &self.prefix);
+            }
         }
     }
+}
+
+fn delete_prefixed(url: &str, prefix: &str) -> redis::RedisResult<()> {
+    let mut connection = redis::Client::open(url)?.get_connection_with_timeout(Duration::from_secs(1))?;
+    let keys: Vec<String> =
+        redis::Commands::scan_match(&mut connection, format!("{prefix}*"))?.collect::<Result<_, _>>()?;
+    if !keys.is_empty() {
+        redis::cmd("DEL").arg(keys).exec(&mut connection)?;
+    }
+    Ok(())
 }
 
 fn prefix() -> String {
