@@ -5,6 +5,7 @@
 //! algorithms live in [`crate::limit`]; a store only keeps their state, keyed by scope.
 
 pub mod memory;
+pub mod redis;
 
 use std::sync::Arc;
 

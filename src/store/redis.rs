@@ -1,0 +1,314 @@
+//! Limiter state in Redis, so that every instance of the server draws on one budget.
+//!
+//! **One round trip per call.** [`RedisStore::decide`] sends every [`Check`] of a call to one
+//! Lua script, which Redis runs atomically: it reads each key's state, decides every check on
+//! what it read (a later check on the same key sees what an earlier one would write), and only
+//! if *all* are allowed writes the charged states back; otherwise it writes nothing. That is
+//! [`crate::store::MemoryStore`]'s all-or-nothing rule, kept across instances without a lock.
+//! Time is Redis's own (`TIME`), so instances whose clocks disagree still share one clock.
+//!
+//! **The scripts** live in `src/store/redis/`, one file per algorithm named after its Rust twin
+//! in [`crate::limit`] (`token_bucket.lua` beside `token_bucket.rs`), plus `prelude.lua` (exact
+//! arithmetic, time, state encoding) and two entry points, `decide.lua` and `release.lua`.
+//! They are assembled into one script each with `include_str!`, loaded once with `SCRIPT LOAD`
+//! and run with `EVALSHA`; after a `SCRIPT FLUSH` or a failover, [`Script`] sees `NOSCRIPT` and
+//! loads them again.
+//!
+//! **State**: one string per key, the algorithm's name then integer fields, e.g.
+//! `gcra 1767225600333333 333` (each Lua file documents its own). Absolute instants are epoch
+//! microseconds, plus a nanosecond remainder where an algorithm needs one (GCRA's TAT, a window
+//! start that is not a whole microsecond). A key kept by another algorithm, or holding anything
+//! else, is treated as fresh, as `with_state!` does in Rust.
+//!
+//! **Exactness.** The scripts give the very [`Decision`] the Rust algorithm gives for the same
+//! state, time and cost, to the nanosecond. Lua numbers are doubles, exact for integers up to
+//! 2^53, and epoch nanoseconds are larger; so the clock is read in microseconds and every
+//! algorithm computes in nanoseconds *relative to now*, which stays exact as long as a bucket
+//! (capacity × period) and a window are at most 2^52 ns, about 52 days. A limiter beyond that,
+//! a cost above a limiter's capacity (the [`crate::limit::Algorithm`] precondition), or a clock
+//! reading that is not a whole microsecond is refused with [`StoreError::OutOfRange`] rather
+//! than decided approximately.
+//!
+//! **Forgetting.** Every written key gets a TTL at its state's `forget_at` (rounded up to the
+//! millisecond), so Redis drops idle callers by itself: there is no sweep.
+//!
+//! **In-flight slots** ([`crate::limit::Concurrency`]) are a counter with no TTL, given back by
+//! [`RedisStore::release`]. A server that dies while holding slots never gives them back; leases
+//! that expire unless renewed are the next step for this store.
+//!
+//! **Keys** are used exactly as the checks name them. A Redis Cluster needs every key of one
+//! call in one slot, which is for the caller to arrange with hash tags.
+//!
+//! **Connection.** One [`ConnectionManager`]: a single multiplexed, pipelined connection that
+//! every decision shares and that reconnects by itself. Every call is bounded by the timeout
+//! given to [`RedisStore::connect`], so no request waits longer than that on a dead Redis. A
+//! call that timed out may still run when a slow Redis gets to it: it then charges a budget the
+//! caller was told nothing about: a lost answer can only refuse more, never admit more.
+
+use std::future::Future;
+use std::time::Duration;
+
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::{Client, RedisError, RedisResult, Script};
+
+use crate::clock::Nanos;
+use crate::limit::{Decision, Limiter};
+use crate::store::Check;
+
+/// The decide script: the prelude, every algorithm, then the entry point.
+const DECIDE_SCRIPT: &str = concat!(
+    include_str!("redis/prelude.lua"),
+    include_str!("redis/token_bucket.lua"),
+    include_str!("redis/gcra.lua"),
+    include_str!("redis/fixed_window.lua"),
+    include_str!("redis/sliding_log.lua"),
+    include_str!("redis/sliding_window.lua"),
+    include_str!("redis/leaky_bucket.lua"),
+    include_str!("redis/concurrency.lua"),
+    include_str!("redis/decide.lua"),
+);
+
+/// The release script: the prelude, in-flight slots, then the entry point.
+const RELEASE_SCRIPT: &str = concat!(
+    include_str!("redis/prelude.lua"),
+    include_str!("redis/concurrency.lua"),
+    include_str!("redis/release.lua"),
+);
+
+/// The longest bucket (capacity × period) or window, in ns, the scripts decide exactly: two of
+/// them added still fit in the 53 bits of a Lua number's integer range.
+const MAX_SPAN: Nanos = 1 << 52;
+
+/// Integers the scripts hold exactly (a clock reading in microseconds must stay below).
+const MAX_EXACT: u64 = 1 << 53;
+
+/// Values in the script's reply per check: allowed, limit, remaining, retry_after, reset_after.
+const REPLY_FIELDS: usize = 5;
+
+/// Why the Redis store could not decide.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The URL given to [`RedisStore::connect`] cannot be parsed.
+    #[error("the Redis URL is not valid ({0}); expected redis://[:password@]host[:port][/db]")]
+    InvalidUrl(String),
+    /// Redis refused the connection, or it broke.
+    #[error("cannot reach Redis at {address}: {reason}. Is redis-server running there and reachable from this host?")]
+    Unreachable {
+        /// `host:port` (never the password).
+        address: String,
+        /// What the connection reported.
+        reason: String,
+    },
+    /// Redis did not answer within the store's timeout.
+    #[error(
+        "Redis at {address} did not answer within {} ms: it may be down, paused or overloaded (the store timeout bounds every call)",
+        timeout.as_millis()
+    )]
+    Timeout {
+        /// `host:port` (never the password).
+        address: String,
+        /// The bound that passed.
+        timeout: Duration,
+    },
+    /// Redis answered with an error, or with a reply the store cannot read.
+    #[error("the limiter script failed in Redis at {address}: {reason}")]
+    Script {
+        /// `host:port` (never the password).
+        address: String,
+        /// The error Redis gave, or what was wrong with its reply.
+        reason: String,
+    },
+    /// A check the scripts cannot decide exactly; nothing was sent.
+    #[error("{0}")]
+    OutOfRange(String),
+}
+
+/// Limiter state shared by every server instance through one Redis.
+pub struct RedisStore {
+    connection: ConnectionManager,
+    timeout: Duration,
+    /// `host:port`, for error messages: the URL may carry a password.
+    address: String,
+    decide: Script,
+    release: Script,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore").field("address", &self.address).field("timeout", &self.timeout).finish()
+    }
+}
+
+impl RedisStore {
+    /// Connects to the Redis at `url` (`redis://[:password@]host[:port][/db]`) and loads the
+    /// scripts. `timeout` bounds this and every later call.
+    pub async fn connect(url: &str, timeout: Duration) -> Result<RedisStore, StoreError> {
+        let client = Client::open(url).map_err(|e| StoreError::InvalidUrl(e.to_string()))?;
+        let address = client.get_connection_info().addr().to_string();
+        // Each attempt, and each reply, is bounded by the store timeout. One retry: a request
+        // during an outage fails fast (the guard decides what a failed store means), and the
+        // next one starts a new reconnect.
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(1);
+        let decide = Script::new(DECIDE_SCRIPT);
+        let release = Script::new(RELEASE_SCRIPT);
+        let connecting = async {
+            let mut connection = ConnectionManager::new_with_config(client, config).await?;
+            decide.load_async(&mut connection).await?;
+            release.load_async(&mut connection).await?;
+            Ok(connection)
+        };
+        let connection = bounded(&address, timeout, connecting).await?;
+        Ok(RedisStore { connection, timeout, address, decide, release })
+    }
+
+    /// Decides every check atomically in ONE script call (one round trip), time from Redis TIME.
+    ///
+    /// One decision per check, in order; the states are charged only when every decision is
+    /// `allowed`.
+    pub async fn decide(&self, checks: &[Check<'_>]) -> Result<Vec<Decision>, StoreError> {
+        self.run(checks, None).await
+    }
+
+    /// The same with an explicit clock reading (epoch nanoseconds, a multiple of 1000): for
+    /// tests that walk time, and parity with the Rust algorithms.
+    ///
+    /// TTLs are set as if Redis's clock stood at `now`: a key written at a `now` ahead of Redis
+    /// still expires one TTL after the write.
+    pub async fn decide_at(&self, checks: &[Check<'_>], now: Nanos) -> Result<Vec<Decision>, StoreError> {
+        if !now.is_multiple_of(1_000) || now / 1_000 >= MAX_EXACT {
+            return Err(StoreError::OutOfRange(format!(
+                "clock reading {now} ns: the Redis store reads time in whole microseconds below 2^53"
+            )));
+        }
+        self.run(checks, Some(now / 1_000)).await
+    }
+
+    /// Gives back in-flight slots taken by an admitted concurrency check.
+    ///
+    /// A no-op for rate limiters, and for a key that holds no slots.
+    pub async fn release(&self, key: &str, limiter: &Limiter, cost: u64) -> Result<(), StoreError> {
+        if !limiter.holds_slots() || cost == 0 {
+            return Ok(());
+        }
+        let mut invocation = self.release.key(key);
+        invocation.arg(cost);
+        let mut connection = self.connection.clone();
+        let _in_flight: i64 = bounded(&self.address, self.timeout, invocation.invoke_async(&mut connection)).await?;
+        Ok(())
+    }
+
+    async fn run(&self, checks: &[Check<'_>], now_us: Option<u64>) -> Result<Vec<Decision>, StoreError> {
+        if checks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut invocation = self.decide.prepare_invoke();
+        invocation.arg(now_us.map_or_else(String::new, |us| us.to_string()));
+        for check in checks {
+            invocation.key(check.key).arg(check.limiter.algorithm()).arg(check.limiter.capacity());
+            invocation.arg(script_span(check)?).arg(check.cost);
+        }
+        let mut connection = self.connection.clone();
+        let reply: Vec<i64> = bounded(&self.address, self.timeout, invocation.invoke_async(&mut connection)).await?;
+        self.decisions(&reply, checks.len())
+    }
+
+    /// Reads the script's reply: [`REPLY_FIELDS`] integers per check.
+    fn decisions(&self, reply: &[i64], checks: usize) -> Result<Vec<Decision>, StoreError> {
+        let malformed = |what: String| StoreError::Script { address: self.address.clone(), reason: what };
+        if reply.len() != checks * REPLY_FIELDS {
+            return Err(malformed(format!("{} values in the reply for {checks} checks", reply.len())));
+        }
+        let unsigned = |v: i64| u64::try_from(v).map_err(|_| malformed(format!("negative value {v} in the reply")));
+        reply
+            .chunks_exact(REPLY_FIELDS)
+            .map(|d| {
+                Ok(Decision {
+                    allowed: d[0] == 1,
+                    limit: unsigned(d[1])?,
+                    remaining: unsigned(d[2])?,
+                    retry_after: unsigned(d[3])?,
+                    reset_after: unsigned(d[4])?,
+                })
+            })
+            .collect()
+    }
+}
+
+/// The span the scripts take for a check's limiter (a bucket's period, a window's length, 0 for
+/// in-flight slots), once the check is known to be decidable exactly.
+fn script_span(check: &Check<'_>) -> Result<Nanos, StoreError> {
+    let limiter = check.limiter;
+    let capacity = limiter.capacity();
+    let out_of_range =
+        |why: String| StoreError::OutOfRange(format!("check on `{}` ({}): {why}", check.key, limiter.describe()));
+    if check.cost > capacity {
+        return Err(out_of_range(format!("cost {} is above its capacity {capacity}", check.cost)));
+    }
+    if capacity > MAX_SPAN || limiter.policy_window().unwrap_or(0) > MAX_SPAN {
+        return Err(out_of_range(format!(
+            "its bucket or window exceeds {} days, the most the Redis store decides exactly",
+            MAX_SPAN / (86_400 * crate::clock::NANOS_PER_SEC)
+        )));
+    }
+    Ok(match limiter {
+        Limiter::TokenBucket(a) => a.period(),
+        Limiter::Gcra(a) => a.period(),
+        Limiter::LeakyBucket(a) => a.period(),
+        Limiter::FixedWindow(a) => a.window(),
+        Limiter::SlidingLog(a) => a.window(),
+        Limiter::SlidingWindow(a) => a.window(),
+        Limiter::Concurrency(_) => 0,
+    })
+}
+
+/// Runs one Redis call under the store timeout, naming what went wrong in terms a user can act
+/// on.
+async fn bounded<T>(
+    address: &str,
+    timeout: Duration,
+    call: impl Future<Output = RedisResult<T>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(timeout, call).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(classify(address, timeout, e)),
+        Err(_) => Err(StoreError::Timeout { address: address.to_owned(), timeout }),
+    }
+}
+
+fn classify(address: &str, timeout: Duration, e: RedisError) -> StoreError {
+    let address = address.to_owned();
+    if e.is_timeout() {
+        StoreError::Timeout { address, timeout }
+    } else if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
+        StoreError::Unreachable { address, reason: e.to_string() }
+    } else {
+        StoreError::Script { address, reason: e.to_string() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::{FixedWindow, TokenBucket};
+
+    #[test]
+    fn checks_beyond_exact_integers_are_refused_before_sending() {
+        let year = Limiter::FixedWindow(FixedWindow::new(10, 365 * 86_400 * crate::clock::NANOS_PER_SEC));
+        let e = script_span(&Check { key: "k", limiter: &year, cost: 1 }).expect_err("a year is beyond 2^52 ns");
+        assert!(e.to_string().contains("52 days"), "{e}");
+        let bucket = Limiter::TokenBucket(TokenBucket::new(5, 1.0));
+        let e = script_span(&Check { key: "k", limiter: &bucket, cost: 6 }).expect_err("cost above capacity");
+        assert!(e.to_string().contains("cost 6 is above its capacity 5"), "{e}");
+        assert_eq!(script_span(&Check { key: "k", limiter: &bucket, cost: 5 }).ok(), Some(crate::clock::NANOS_PER_SEC));
+    }
+
+    #[test]
+    fn every_algorithm_has_its_script() {
+        for name in crate::limit::ALGORITHMS {
+            assert!(DECIDE_SCRIPT.contains(&format!("algorithms.{name} = {{")), "no script for {name}");
+        }
+    }
+}

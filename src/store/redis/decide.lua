@@ -1,0 +1,94 @@
+-- decide.lua: the entry point that decides every check of one call atomically, as
+-- MemoryStore::decide does: each check is decided on the state read (or staged by an earlier
+-- check on the same key), and only if ALL are allowed is every charged state written back,
+-- with a TTL at the moment it is as good as fresh. Otherwise nothing is written.
+--
+-- KEYS: one per check, as given.
+-- ARGV[1]: now in epoch microseconds, or "" to use Redis's TIME.
+-- ARGV[2..]: four per check: algorithm name, capacity, span (ns; see the prelude), cost.
+-- Returns five integers per check: allowed (1 or 0), limit, remaining, retry_after (ns),
+-- reset_after (ns).
+
+-- Redis before 5 refuses writes after TIME unless effects are replicated; later ones always do.
+if redis.replicate_commands then
+  redis.replicate_commands()
+end
+
+local now_us = read_now(ARGV[1])
+
+-- What a key holds: its algorithm's name and state. A missing key, or one that is not a
+-- limiter state, has no name, and every check treats it as fresh.
+local function read_state(key)
+  local raw = redis.call('GET', key)
+  if not raw then
+    return {}
+  end
+  local name, fields = decode(raw)
+  local algorithm = name and algorithms[name]
+  local state = algorithm and algorithm.load(fields)
+  if not state then
+    return {}
+  end
+  return { name = name, state = state }
+end
+
+local staged = {}
+local order = {}
+local reply = {}
+local all_allowed = true
+for i, key in ipairs(KEYS) do
+  local at = 2 + (i - 1) * 4
+  local name = ARGV[at]
+  local algorithm = algorithms[name]
+  if not algorithm then
+    return redis.error_reply('unknown limiter algorithm "' .. tostring(name) .. '"')
+  end
+  local limiter = { capacity = tonumber(ARGV[at + 1]), span = tonumber(ARGV[at + 2]) }
+  local cost = tonumber(ARGV[at + 3])
+
+  local entry = staged[key]
+  if not entry then
+    entry = read_state(key)
+    staged[key] = entry
+    order[#order + 1] = key
+  end
+  -- State kept by another algorithm (a config change) is treated as fresh, as in Rust.
+  local state = entry.state
+  if entry.name ~= name then
+    state = algorithm.fresh(limiter, now_us)
+  end
+
+  local decision, charged = algorithm.acquire(limiter, state, now_us, cost)
+  entry.name, entry.state, entry.limiter = name, charged or state, limiter
+  if charged then
+    entry.charged = true
+  end
+  all_allowed = all_allowed and decision.allowed
+  reply[#reply + 1] = decision.allowed and 1 or 0
+  reply[#reply + 1] = decision.limit
+  reply[#reply + 1] = decision.remaining
+  reply[#reply + 1] = decision.retry_after
+  reply[#reply + 1] = decision.reset_after
+end
+
+if all_allowed then
+  for _, key in ipairs(order) do
+    local entry = staged[key]
+    if entry.charged then
+      local algorithm = algorithms[entry.name]
+      local value = encode(entry.name, algorithm.save(entry.state))
+      local after = algorithm.forget_after(entry.limiter, entry.state, now_us)
+      if after == nil then
+        redis.call('SET', key, value)
+      elseif after <= 0 then
+        redis.call('DEL', key)
+      else
+        -- Whole milliseconds, rounded up: the key outlives its state's forget_at, never the
+        -- other way round.
+        redis.call('SET', key, value, 'PX', math.max(ceil_div(after, 1000000), 1))
+      end
+    end
+  end
+end
+
+return reply

@@ -1,0 +1,551 @@
+//! The Redis store against a real Redis: every Lua script decides exactly like its Rust twin
+//! (property tests, field by field, to the nanosecond), a call's checks are all-or-nothing in
+//! one round trip, no call is admitted twice under contention, keys expire at `forget_at`, a
+//! flushed script cache heals itself, and a dead Redis costs a request at most the timeout.
+//!
+//! Parity runs walk an explicit clock (`decide_at`) while Redis expires keys on its own clock.
+//! A key about to be forgotten (its `forget_at` less than [`MARGIN`] ahead) could expire in
+//! real time while the test's clock stands still, so the call after it moves on to `forget_at`,
+//! from where a forgotten key and a kept one decide alike.
+
+#[path = "common/redis.rs"]
+mod test_redis;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mcp_ratelimit::clock::Nanos;
+use mcp_ratelimit::limit::{
+    Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter, LimiterState, SlidingLog, SlidingWindow,
+    TokenBucket,
+};
+use mcp_ratelimit::store::redis::{RedisStore, StoreError};
+use mcp_ratelimit::store::{Check, MemoryStore};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use test_redis::TestRedis;
+
+const MS: Nanos = 1_000_000;
+const SEC: Nanos = 1_000_000_000;
+const DAY: Nanos = 86_400 * SEC;
+/// 2026-01-01T00:00:00Z: a realistic epoch reading, a multiple of every whole-second window.
+const EPOCH: Nanos = 1_767_225_600 * SEC;
+/// Generous: a loaded CI machine must not turn a slow answer into a failure.
+const TIMEOUT: Duration = Duration::from_secs(5);
+/// How close to its `forget_at` a key may be revisited by a parity run (see the module doc).
+const MARGIN: Nanos = 200 * MS;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a tokio runtime")
+}
+
+fn runner() -> TestRunner {
+    TestRunner::new(Config { cases: 40, failure_persistence: None, ..Config::default() })
+}
+
+/// The span a limiter's arithmetic turns on: a bucket's period or a window's length.
+fn span_of(limiter: &Limiter) -> Nanos {
+    match limiter {
+        Limiter::TokenBucket(a) => a.period(),
+        Limiter::Gcra(a) => a.period(),
+        Limiter::LeakyBucket(a) => a.period(),
+        Limiter::FixedWindow(a) => a.window(),
+        Limiter::SlidingLog(a) => a.window(),
+        Limiter::SlidingWindow(a) => a.window(),
+        Limiter::Concurrency(_) => unreachable!("in-flight slots have no clock; their parity test has its own steps"),
+    }
+}
+
+/// One call of a parity run: the time since the previous call (whole µs) and its cost.
+#[derive(Debug, Clone)]
+struct Step {
+    gap_us: u64,
+    cost: u64,
+}
+
+/// Calls for a limiter: mostly bursts at one instant, often exactly one or a few periods or
+/// windows apart, sometimes a long pause (up to 200 days, past any exact-integer shortcut);
+/// costs from 0 to the capacity, so often above what remains.
+fn steps(span: Nanos, capacity: u64) -> impl Strategy<Value = Vec<Step>> {
+    let span_us = span / 1_000;
+    let gap = prop_oneof![
+        5 => Just(0u64),
+        2 => Just(span_us),
+        1 => Just(span.div_ceil(1_000)),
+        1 => (2..=4u64).prop_map(move |k| k * span_us),
+        4 => 1..span_us.max(2),
+        1 => 0..span_us.saturating_mul(20).max(1),
+        1 => Just(200 * DAY / 1_000),
+    ];
+    prop::collection::vec((gap, 0..=capacity).prop_map(|(gap_us, cost)| Step { gap_us, cost }), 1..=30)
+}
+
+/// Runs random calls through each limiter twice, in Rust on a local state and in Redis with
+/// `decide_at` at the same instants, and requires identical decisions.
+fn decides_like_its_rust_twin(limiters: Vec<Limiter>) {
+    let redis = TestRedis::start();
+    let runtime = runtime();
+    let store = runtime.block_on(RedisStore::connect(&redis.url, TIMEOUT)).expect("connects to Redis");
+    let strategy = (0..limiters.len()).prop_flat_map({
+        let limiters = limiters.clone();
+        move |i| {
+            let span = span_of(&limiters[i]);
+            // Start on a window edge, or anywhere within the first span.
+            let phase_us = prop_oneof![Just(0u64), 0..(span / 1_000).max(1)];
+            (Just(i), phase_us, steps(span, limiters[i].capacity()))
+        }
+    });
+    let case = std::cell::Cell::new(0);
+    let outcome = runner().run(&strategy, |(i, phase_us, steps)| {
+        let limiter = &limiters[i];
+        case.set(case.get() + 1);
+        let key = redis.key(&format!("{}:{}", limiter.algorithm(), case.get()));
+        let span = span_of(limiter);
+        let mut now = (EPOCH - EPOCH % span).div_ceil(1_000) * 1_000 + phase_us * 1_000;
+        let mut state = limiter.fresh(now);
+        let mut not_before = 0;
+        for (n, step) in steps.iter().enumerate() {
+            now = (now + step.gap_us * 1_000).max(not_before);
+            let expected = limiter.acquire(&mut state, now, step.cost);
+            let check = Check { key: &key, limiter, cost: step.cost };
+            let got = runtime
+                .block_on(store.decide_at(&[check], now))
+                .map_err(|e| TestCaseError::fail(format!("call {n}: {e}")))?;
+            prop_assert_eq!(
+                &got,
+                &vec![expected],
+                "call {} of {} at {} ns (+{} µs), cost {}",
+                n,
+                limiter.describe(),
+                now,
+                step.gap_us,
+                step.cost
+            );
+            let forget_at = limiter.forget_at(&mut state, now);
+            not_before =
+                if forget_at > now && forget_at - now < MARGIN { forget_at.div_ceil(1_000) * 1_000 } else { 0 };
+        }
+        Ok(())
+    });
+    if let Err(e) = outcome {
+        panic!("{e}");
+    }
+}
+
+#[test]
+fn token_bucket_script_decides_like_token_bucket_rs() {
+    decides_like_its_rust_twin(vec![
+        Limiter::TokenBucket(TokenBucket::new(5, 3.0)),
+        Limiter::TokenBucket(TokenBucket::new(12, 0.7)),
+        Limiter::TokenBucket(TokenBucket::new(3, 1.0)),
+        Limiter::TokenBucket(TokenBucket::new(40, 1.0 / 86_400.0)),
+    ]);
+}
+
+#[test]
+fn gcra_script_decides_like_gcra_rs() {
+    decides_like_its_rust_twin(vec![
+        Limiter::Gcra(Gcra::new(5, 3.0)),
+        Limiter::Gcra(Gcra::new(12, 0.7)),
+        Limiter::Gcra(Gcra::new(3, 1.0)),
+        Limiter::Gcra(Gcra::new(40, 1.0 / 86_400.0)),
+    ]);
+}
+
+#[test]
+fn leaky_bucket_script_decides_like_leaky_bucket_rs() {
+    decides_like_its_rust_twin(vec![
+        Limiter::LeakyBucket(LeakyBucket::new(5, 3.0)),
+        Limiter::LeakyBucket(LeakyBucket::new(12, 0.7)),
+        Limiter::LeakyBucket(LeakyBucket::new(3, 1.0)),
+        Limiter::LeakyBucket(LeakyBucket::new(40, 1.0 / 86_400.0)),
+    ]);
+}
+
+#[test]
+fn fixed_window_script_decides_like_fixed_window_rs() {
+    decides_like_its_rust_twin(vec![
+        Limiter::FixedWindow(FixedWindow::new(3, SEC)),
+        Limiter::FixedWindow(FixedWindow::new(10, 2_500 * MS)),
+        Limiter::FixedWindow(FixedWindow::new(4, SEC - 1)),
+        Limiter::FixedWindow(FixedWindow::new(20, 30 * DAY)),
+    ]);
+}
+
+#[test]
+fn sliding_log_script_decides_like_sliding_log_rs() {
+    decides_like_its_rust_twin(vec![
+        Limiter::SlidingLog(SlidingLog::new(3, SEC)),
+        Limiter::SlidingLog(SlidingLog::new(6, 2_500 * MS)),
+        Limiter::SlidingLog(SlidingLog::new(4, SEC - 1)),
+        Limiter::SlidingLog(SlidingLog::new(8, 30 * DAY)),
+    ]);
+}
+
+#[test]
+fn sliding_window_script_decides_like_sliding_window_rs() {
+    decides_like_its_rust_twin(vec![
+        Limiter::SlidingWindow(SlidingWindow::new(3, SEC)),
+        Limiter::SlidingWindow(SlidingWindow::new(10, 2_500 * MS)),
+        Limiter::SlidingWindow(SlidingWindow::new(7, SEC - 1)),
+        // Counts times windows far beyond 2^53.
+        Limiter::SlidingWindow(SlidingWindow::new(1_000, 30 * DAY)),
+        Limiter::SlidingWindow(SlidingWindow::new(4_000_000_000, 7 * DAY)),
+    ]);
+}
+
+#[test]
+fn concurrency_script_counts_slots_like_concurrency_rs() {
+    let redis = TestRedis::start();
+    let runtime = runtime();
+    let store = runtime.block_on(RedisStore::connect(&redis.url, TIMEOUT)).expect("connects to Redis");
+    let strategy = prop_oneof![Just(1u64), Just(3u64), Just(10u64)]
+        .prop_flat_map(|max| (Just(max), prop::collection::vec((any::<bool>(), 0..=max), 1..=30)));
+    let case = std::cell::Cell::new(0);
+    let outcome = runner().run(&strategy, |(max, ops)| {
+        let limiter = Limiter::Concurrency(Concurrency::new(max));
+        case.set(case.get() + 1);
+        let key = redis.key(&format!("concurrency:{}", case.get()));
+        let mut state = limiter.fresh(EPOCH);
+        let mut held: Vec<u64> = vec![];
+        for (n, (acquire, cost)) in ops.into_iter().enumerate() {
+            if acquire || held.is_empty() {
+                let expected = limiter.acquire(&mut state, EPOCH, cost);
+                let got = runtime
+                    .block_on(store.decide_at(&[Check { key: &key, limiter: &limiter, cost }], EPOCH))
+                    .map_err(|e| TestCaseError::fail(format!("call {n}: {e}")))?;
+                prop_assert_eq!(&got, &vec![expected], "call {} of {}, cost {}", n, limiter.describe(), cost);
+                if expected.allowed {
+                    held.push(cost);
+                }
+            } else if let Some(slots) = held.pop() {
+                limiter.release(&mut state, slots);
+                runtime
+                    .block_on(store.release(&key, &limiter, slots))
+                    .map_err(|e| TestCaseError::fail(format!("release {n}: {e}")))?;
+            }
+        }
+        Ok(())
+    });
+    if let Err(e) = outcome {
+        panic!("{e}");
+    }
+}
+
+/// The Redis store and the memory store, fed the same calls: every decision must match.
+struct Twins {
+    redis: RedisStore,
+    memory: MemoryStore,
+}
+
+impl Twins {
+    async fn start(redis: &TestRedis) -> Self {
+        Self {
+            redis: RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis"),
+            memory: MemoryStore::new(),
+        }
+    }
+
+    async fn decide(&self, checks: &[Check<'_>], now: Nanos) -> Vec<Decision> {
+        let decisions = self.redis.decide_at(checks, now).await.expect("Redis decides");
+        assert_eq!(decisions, self.memory.decide(checks, now), "Redis and memory disagree");
+        decisions
+    }
+
+    /// What each key has left, read with cost-0 checks (which charge nothing).
+    async fn remaining(&self, checks: &[Check<'_>], now: Nanos) -> Vec<u64> {
+        let peeks: Vec<Check<'_>> = checks.iter().map(|c| Check { cost: 0, ..*c }).collect();
+        self.decide(&peeks, now).await.iter().map(|d| d.remaining).collect()
+    }
+}
+
+#[tokio::test]
+async fn a_refusal_in_the_last_scope_charges_none_and_a_pass_charges_all() {
+    let redis = TestRedis::start();
+    let twins = Twins::start(&redis).await;
+    let (a, b, c, d) = (redis.key("caller:a"), redis.key("tenant:t"), redis.key("tool:video"), redis.key("tool:image"));
+    let bucket = Limiter::TokenBucket(TokenBucket::new(100, 1.0));
+    let window = Limiter::FixedWindow(FixedWindow::new(100, 60 * SEC));
+    let log = Limiter::SlidingLog(SlidingLog::new(5, 60 * SEC));
+    let now = EPOCH;
+
+    assert!(twins.decide(&[Check { key: &c, limiter: &log, cost: 5 }], now).await[0].allowed);
+    let refused = [
+        Check { key: &a, limiter: &bucket, cost: 10 },
+        Check { key: &b, limiter: &window, cost: 10 },
+        Check { key: &c, limiter: &log, cost: 1 },
+    ];
+    let decisions = twins.decide(&refused, now).await;
+    assert_eq!(decisions.iter().map(|d| d.allowed).collect::<Vec<_>>(), [true, true, false]);
+    assert_eq!(twins.remaining(&refused, now).await, [100, 100, 0], "the refused call charged a scope");
+
+    let admitted = [
+        Check { key: &a, limiter: &bucket, cost: 10 },
+        Check { key: &b, limiter: &window, cost: 10 },
+        Check { key: &d, limiter: &log, cost: 1 },
+    ];
+    assert!(twins.decide(&admitted, now).await.iter().all(|d| d.allowed));
+    assert_eq!(twins.remaining(&admitted, now).await, [90, 90, 4], "an admitted call must charge every scope");
+}
+
+#[tokio::test]
+async fn two_checks_on_one_key_see_each_other() {
+    let redis = TestRedis::start();
+    let twins = Twins::start(&redis).await;
+    let key = redis.key("k");
+    let bucket = Limiter::TokenBucket(TokenBucket::new(10, 1.0));
+    let checks = [Check { key: &key, limiter: &bucket, cost: 6 }, Check { key: &key, limiter: &bucket, cost: 6 }];
+    let decisions = twins.decide(&checks, EPOCH).await;
+    assert!(decisions[0].allowed && !decisions[1].allowed);
+    assert_eq!(twins.remaining(&checks[..1], EPOCH).await, [10]);
+    let both = [Check { key: &key, limiter: &bucket, cost: 4 }, Check { key: &key, limiter: &bucket, cost: 6 }];
+    assert!(twins.decide(&both, EPOCH).await.iter().all(|d| d.allowed));
+    assert_eq!(twins.remaining(&checks[..1], EPOCH).await, [0]);
+}
+
+#[tokio::test]
+async fn sliding_window_weighs_counts_beyond_2_53_exactly() {
+    let redis = TestRedis::start();
+    let twins = Twins::start(&redis).await;
+    let key = redis.key("k");
+    let window = 7 * DAY;
+    let limiter = Limiter::SlidingWindow(SlidingWindow::new(4_000_000_000, window));
+    let edge = EPOCH - EPOCH % window;
+    assert!(twins.decide(&[Check { key: &key, limiter: &limiter, cost: 4_000_000_000 }], edge - SEC).await[0].allowed);
+    // 3.024 ms into the next window the previous 4e9 weigh exactly 3_999_999_980; their product
+    // with the window (about 2^81) is far past 2^53, and a double rounds the weight up to ..._981.
+    let now = edge + 3_024_000;
+    let peek = twins.decide(&[Check { key: &key, limiter: &limiter, cost: 0 }], now).await;
+    assert_eq!(peek[0].remaining, 20);
+    assert!(twins.decide(&[Check { key: &key, limiter: &limiter, cost: 20 }], now).await[0].allowed);
+    assert!(!twins.decide(&[Check { key: &key, limiter: &limiter, cost: 1 }], now).await[0].allowed);
+}
+
+async fn evalsha_calls(connection: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(connection).await.expect("INFO");
+    info.lines()
+        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|calls| calls.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn three_scopes_are_decided_in_one_script_call() {
+    let redis = TestRedis::private();
+    let store = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis");
+    let mut admin = redis::Client::open(redis.url.as_str())
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("admin connection");
+    let (a, b, c) = (redis.key("a"), redis.key("b"), redis.key("c"));
+    let bucket = Limiter::TokenBucket(TokenBucket::new(100, 1.0));
+    let gcra = Limiter::Gcra(Gcra::new(100, 1.0));
+    let window = Limiter::SlidingWindow(SlidingWindow::new(100, 60 * SEC));
+    let checks = [
+        Check { key: &a, limiter: &bucket, cost: 1 },
+        Check { key: &b, limiter: &gcra, cost: 1 },
+        Check { key: &c, limiter: &window, cost: 1 },
+    ];
+    let before = evalsha_calls(&mut admin).await;
+    let decisions = store.decide(&checks).await.expect("decides");
+    assert!(decisions.iter().all(|d| d.allowed));
+    assert_eq!(evalsha_calls(&mut admin).await - before, 1);
+}
+
+/// 16 tasks × 200 calls through one store on one key; returns the calls admitted.
+async fn hammer(store: Arc<RedisStore>, key: String, limiter: Limiter) -> usize {
+    let limiter = Arc::new(limiter);
+    let key = Arc::new(key);
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let (store, key, limiter) = (store.clone(), key.clone(), limiter.clone());
+            tokio::spawn(async move {
+                let mut admitted = 0;
+                for _ in 0..200 {
+                    let check = Check { key: &key, limiter: &limiter, cost: 1 };
+                    if store.decide(&[check]).await.expect("decides")[0].allowed {
+                        admitted += 1;
+                    }
+                }
+                admitted
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for task in tasks {
+        admitted += task.await.expect("task finished");
+    }
+    admitted
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn contention_admits_exactly_the_burst() {
+    let redis = TestRedis::start();
+    let store = Arc::new(RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis"));
+    for limiter in [
+        Limiter::TokenBucket(TokenBucket::new(500, 1.0 / 3_600.0)),
+        Limiter::SlidingLog(SlidingLog::new(500, 3_600 * SEC)),
+        Limiter::Concurrency(Concurrency::new(500)),
+    ] {
+        let name = limiter.algorithm();
+        assert_eq!(hammer(store.clone(), redis.key(name), limiter).await, 500, "{name}");
+    }
+}
+
+/// Redis's clock in microseconds.
+async fn redis_time_us(connection: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(connection).await.expect("TIME");
+    secs * 1_000_000 + micros
+}
+
+#[tokio::test]
+async fn written_keys_expire_at_forget_at_rounded_up_to_the_millisecond() {
+    let redis = TestRedis::start();
+    let store = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis");
+    let mut admin = redis::Client::open(redis.url.as_str())
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("admin connection");
+    // Not on a window edge, and every forget_at a fraction of a millisecond away, so rounding
+    // down instead of up would show.
+    let now = EPOCH + 123_457_000;
+    for (limiter, cost) in [
+        (Limiter::TokenBucket(TokenBucket::new(10, 3.0)), 4),
+        (Limiter::Gcra(Gcra::new(10, 3.0)), 2),
+        (Limiter::LeakyBucket(LeakyBucket::new(4, 3.0)), 1),
+        (Limiter::FixedWindow(FixedWindow::new(5, 60 * SEC)), 1),
+        (Limiter::SlidingLog(SlidingLog::new(5, 10 * SEC + 1_000)), 2),
+        (Limiter::SlidingWindow(SlidingWindow::new(5, 10 * SEC)), 3),
+    ] {
+        let mut state: LimiterState = limiter.fresh(now);
+        assert!(limiter.acquire(&mut state, now, cost).allowed);
+        let expected_ms = (limiter.forget_at(&mut state, now) - now).div_ceil(MS);
+        // The TTL is the key's absolute expiry less the instant Redis set it, which lies between
+        // two TIME readings: exact once both fall in one millisecond.
+        let mut exact = false;
+        for attempt in 0..50 {
+            let key = redis.key(&format!("{}:{attempt}", limiter.algorithm()));
+            let before = redis_time_us(&mut admin).await / 1_000;
+            let decided = store.decide_at(&[Check { key: &key, limiter: &limiter, cost }], now).await;
+            assert!(decided.expect("decides")[0].allowed);
+            let after = redis_time_us(&mut admin).await / 1_000;
+            let expires: u64 = redis::cmd("PEXPIRETIME").arg(&key).query_async(&mut admin).await.expect("PEXPIRETIME");
+            let name = limiter.algorithm();
+            assert!(
+                (expires - after..=expires - before).contains(&expected_ms),
+                "{name}: TTL between {} and {} ms, forget_at in {expected_ms} ms",
+                expires - after,
+                expires - before
+            );
+            if before == after {
+                assert_eq!(expires - before, expected_ms, "{name}");
+                exact = true;
+                break;
+            }
+        }
+        assert!(exact, "{}: never read Redis's clock twice within one millisecond", limiter.algorithm());
+    }
+
+    let slots = Limiter::Concurrency(Concurrency::new(3));
+    let key = redis.key("concurrency");
+    assert!(store.decide(&[Check { key: &key, limiter: &slots, cost: 2 }]).await.expect("decides")[0].allowed);
+    let ttl: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut admin).await.expect("PTTL");
+    assert_eq!(ttl, -1, "held slots are never forgotten");
+    store.release(&key, &slots, 2).await.expect("releases");
+    let exists: i64 = redis::cmd("EXISTS").arg(&key).query_async(&mut admin).await.expect("EXISTS");
+    assert_eq!(exists, 0, "a key with no slot held is as good as fresh");
+}
+
+#[tokio::test]
+async fn a_flushed_script_cache_is_reloaded() {
+    let redis = TestRedis::private();
+    let store = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis");
+    let mut admin = redis::Client::open(redis.url.as_str())
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("admin connection");
+    let key = redis.key("k");
+    let bucket = Limiter::TokenBucket(TokenBucket::new(10, 1.0 / 3_600.0));
+    let check = [Check { key: &key, limiter: &bucket, cost: 1 }];
+    assert_eq!(store.decide(&check).await.expect("decides")[0].remaining, 9);
+    let () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut admin).await.expect("SCRIPT FLUSH");
+    assert_eq!(store.decide(&check).await.expect("decides after SCRIPT FLUSH")[0].remaining, 8);
+}
+
+const SHORT: Duration = Duration::from_millis(300);
+/// Scheduling slack on a loaded machine, on top of the timeout.
+const SLACK: Duration = Duration::from_millis(300);
+
+#[tokio::test]
+async fn a_paused_redis_costs_a_call_at_most_the_timeout() {
+    let redis = TestRedis::private();
+    let store = RedisStore::connect(&redis.url, SHORT).await.expect("connects to Redis");
+    let key = redis.key("k");
+    let bucket = Limiter::TokenBucket(TokenBucket::new(10, 1.0));
+    let check = [Check { key: &key, limiter: &bucket, cost: 1 }];
+    assert!(store.decide(&check).await.is_ok());
+
+    redis.pause();
+    let started = Instant::now();
+    let outcome = store.decide(&check).await;
+    let waited = started.elapsed();
+    redis.resume();
+    let e = outcome.expect_err("a paused Redis cannot decide");
+    assert!(matches!(e, StoreError::Timeout { .. }), "{e:?}");
+    assert!(waited < SHORT + SLACK, "waited {waited:?}");
+    assert!(e.to_string().contains("did not answer within 300 ms"), "{e}");
+
+    // Once Redis runs again, so does the store.
+    let mut recovered = false;
+    for _ in 0..20 {
+        if store.decide(&check).await.is_ok() {
+            recovered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(recovered, "the store did not recover after Redis resumed");
+}
+
+#[tokio::test]
+async fn a_server_that_never_answers_costs_connect_at_most_the_timeout() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    // Accepts every connection and holds it open without a word.
+    tokio::spawn(async move {
+        let mut held = vec![];
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let started = Instant::now();
+    let e = RedisStore::connect(&format!("redis://{address}/"), SHORT).await.expect_err("nothing answers");
+    assert!(matches!(e, StoreError::Timeout { .. }), "{e:?}");
+    assert!(started.elapsed() < SHORT + SLACK, "waited {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn a_closed_port_is_named_without_its_password() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("address").port();
+    let e = RedisStore::connect(&format!("redis://:hunter2@127.0.0.1:{port}/"), TIMEOUT)
+        .await
+        .expect_err("nothing listens there");
+    let message = e.to_string();
+    assert!(matches!(e, StoreError::Unreachable { .. }), "{e:?}");
+    assert!(message.contains(&format!("127.0.0.1:{port}")) && message.contains("redis-server"), "{message}");
+    assert!(!message.contains("hunter2"), "{message}");
+}
+
+#[tokio::test]
+async fn a_clock_reading_finer_than_a_microsecond_is_refused() {
+    let redis = TestRedis::start();
+    let store = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis");
+    let key = redis.key("k");
+    let bucket = Limiter::TokenBucket(TokenBucket::new(10, 1.0));
+    let e = store.decide_at(&[Check { key: &key, limiter: &bucket, cost: 1 }], EPOCH + 1).await.expect_err("1 ns");
+    assert!(matches!(e, StoreError::OutOfRange(_)), "{e:?}");
+}
