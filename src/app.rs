@@ -13,13 +13,13 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC, SharedClock};
-use crate::config::Config;
+use crate::config::{Backend, Config};
 use crate::guard::Guard;
 use crate::identity::Identifier;
 use crate::mcp::{McpServer, Transport};
 use crate::metrics::Metrics;
 use crate::mock_upstream::MockUpstream;
-use crate::store::Store;
+use crate::store::{RedisStore, Store};
 use crate::upstream::Upstream;
 use crate::upstream::backoff::{Backoff, RetryBudget};
 use crate::upstream::breaker::Breaker;
@@ -125,7 +125,15 @@ impl App {
             metrics.clone(),
             stop.child_token(),
         ));
-        let guard = Guard::new(Store::memory(clock.clone()), clock.clone(), &config, metrics.clone());
+        let store = match config.store.backend {
+            Backend::Memory => Store::memory(clock.clone()),
+            Backend::Redis => {
+                let timeout = Duration::from_millis(config.store.timeout_ms);
+                let redis = RedisStore::connect(&config.store.redis_url, timeout).await?;
+                Store::Redis(Arc::new(redis))
+            }
+        };
+        let guard = Guard::new(store, clock.clone(), &config, metrics.clone());
         let state =
             Arc::new(AppState { identifier: Identifier::new(&config), guard, metrics, upstream, jobs, clock, config });
         tokio::spawn(sweep_forever(state.clone(), stop.clone()));

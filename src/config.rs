@@ -141,6 +141,16 @@ pub struct ToolPolicy {
     pub fail: Fail,
 }
 
+/// Where limiter state lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// In this process: one instance, nothing to set up.
+    Memory,
+    /// In Redis, shared by every instance.
+    Redis,
+}
+
 /// What a tool does while the shared limiter store (Redis) cannot decide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -205,6 +215,12 @@ pub struct LoopDetectionConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreConfig {
+    /// Where limiter state lives.
+    pub backend: Backend,
+    /// The Redis to share state in, when `backend = "redis"`.
+    pub redis_url: String,
+    /// The longest a request waits on the store before it counts as down.
+    pub timeout_ms: u64,
     /// Interval between sweeps of idle state.
     pub sweep_interval_ms: u64,
     /// Server instances expected to share the store: the insurance limiter gives each
@@ -586,11 +602,47 @@ impl RawConfig {
             ("upstream.breaker_cooldown_ms", up.breaker_cooldown_ms),
             ("upstream.retry_budget_window_ms", up.retry_budget_window_ms),
             ("store.sweep_interval_ms", self.store.sweep_interval_ms),
+            ("store.timeout_ms", self.store.timeout_ms),
             ("store.expected_instances", u64::from(self.store.expected_instances)),
             ("loop_detection.window_ms", loops.window_ms),
         ] {
             if value == 0 {
                 return Err(invalid(key, "must be greater than zero"));
+            }
+        }
+        if self.store.backend == Backend::Redis {
+            match reqwest::Url::parse(&self.store.redis_url) {
+                Ok(u) if matches!(u.scheme(), "redis" | "rediss") && u.host_str().is_some() => {}
+                Ok(u) if u.scheme().starts_with("redis+cluster") => {
+                    return Err(invalid(
+                        "store.redis_url",
+                        "Redis Cluster is not supported yet: give one node's redis:// or rediss:// URL",
+                    ));
+                }
+                _ => {
+                    return Err(invalid(
+                        "store.redis_url",
+                        format!("`{}` is not a redis:// or rediss:// URL with a host", self.store.redis_url),
+                    ));
+                }
+            }
+            // The Lua twins compute in doubles, exact to the nanosecond over at most 2^52 ns.
+            let mut spans: Vec<(String, &Limiter)> = vec![
+                ("limits.http".into(), &limits.http),
+                ("limits.method.tools_list".into(), &limits.tools_list),
+                ("limits.method.tools_call".into(), &limits.tools_call),
+                ("limits.method.other".into(), &limits.other_methods),
+                ("limits.caller".into(), &limits.caller),
+                ("limits.tenant".into(), &limits.tenant),
+                ("limits.address".into(), &limits.address),
+            ];
+            spans.extend(tools.iter().filter_map(|(t, p)| p.budget.as_ref().map(|b| (format!("tools.{t}.budget"), b))));
+            if let Some((key, _)) = spans.iter().find(|(_, l)| l.span() > 1 << 52) {
+                return Err(invalid(
+                    key.as_str(),
+                    "with store.backend = \"redis\" a window, or a bucket's burst × refill time, may span at most \
+                     52 days",
+                ));
             }
         }
         if loops.repeats < 2 {

@@ -245,6 +245,12 @@ impl Limiter {
         }
     }
 
+    /// The longest stretch of time the state remembers: a full bucket's refill time, or the
+    /// window (zero for in-flight slots).
+    pub fn span(&self) -> Nanos {
+        self.policy_window().unwrap_or(0)
+    }
+
     /// Whether admitted units must be given back with [`Limiter::release`] (in-flight slots).
     pub fn holds_slots(&self) -> bool {
         matches!(self, Limiter::Concurrency(_))

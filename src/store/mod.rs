@@ -2,7 +2,9 @@
 //!
 //! A store takes the [`Check`]s of one call — one per scope it must pass — and decides them
 //! **atomically**: either every scope admits the call and all are charged, or none is. The
-//! algorithms live in [`crate::limit`]; a store only keeps their state, keyed by scope.
+//! algorithms live in [`crate::limit`]; a store only keeps their state, keyed by scope: in this
+//! process's memory ([`memory`]), or in Redis, shared by every instance ([`redis`]), where each
+//! algorithm has a Lua twin and one call is one script.
 
 pub mod memory;
 pub mod redis;
@@ -12,6 +14,7 @@ use std::sync::Arc;
 use crate::clock::SharedClock;
 use crate::limit::{Decision, Limiter};
 pub use memory::MemoryStore;
+pub use redis::RedisStore;
 
 /// One scope a call must pass: the key its state is kept under, its limiter and the cost.
 #[derive(Debug, Clone, Copy)]
@@ -28,9 +31,12 @@ pub struct Check<'a> {
 /// guard decides what that means for the call (fail open to the insurance limiter, or closed).
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// The store did not answer (in time).
-    #[error("the limiter store is unavailable: {0}")]
-    Unavailable(String),
+    /// Redis could not decide.
+    #[error(transparent)]
+    Redis(#[from] redis::StoreError),
+    /// The store answered with fewer decisions than checks.
+    #[error("the limiter store returned no decision")]
+    NoDecision,
 }
 
 /// The state store behind every budget.
@@ -46,6 +52,8 @@ pub enum Store {
         /// Its time.
         clock: SharedClock,
     },
+    /// State in Redis, shared by every instance, on Redis's clock.
+    Redis(Arc<RedisStore>),
 }
 
 impl Store {
@@ -59,6 +67,7 @@ impl Store {
     pub async fn decide(&self, checks: &[Check<'_>]) -> Result<Vec<Decision>, StoreError> {
         match self {
             Store::Memory { map, clock } => Ok(map.decide(checks, clock.now())),
+            Store::Redis(redis) => Ok(redis.decide(checks).await?),
         }
     }
 
@@ -66,14 +75,28 @@ impl Store {
     pub async fn decide_one(&self, check: &Check<'_>) -> Result<Decision, StoreError> {
         match self {
             Store::Memory { map, clock } => Ok(map.decide_one(check, clock.now())),
+            Store::Redis(redis) => redis.decide(std::slice::from_ref(check)).await?.pop().ok_or(StoreError::NoDecision),
         }
     }
 
     /// Gives back in-flight slots taken by an admitted [`Check`] on a concurrency limiter. Called
-    /// from `Drop`, so it never waits: the memory store releases in place.
+    /// from `Drop`, so it never waits: the memory store releases in place, Redis in a task of its
+    /// own (a release that cannot reach Redis is logged; the slot is lost until Redis forgets it).
     pub fn release(&self, key: &str, limiter: &Limiter, cost: u64) {
         match self {
             Store::Memory { map, clock } => map.release(key, limiter, cost, clock.now()),
+            Store::Redis(redis) => {
+                let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                    tracing::warn!("an in-flight slot was released outside the runtime and is lost");
+                    return;
+                };
+                let (redis, key, limiter) = (redis.clone(), key.to_owned(), limiter.clone());
+                runtime.spawn(async move {
+                    if let Err(error) = redis.release(&key, &limiter, cost).await {
+                        tracing::warn!(%error, "could not give an in-flight slot back to Redis");
+                    }
+                });
+            }
         }
     }
 
@@ -81,6 +104,7 @@ impl Store {
     pub fn is_shared(&self) -> bool {
         match self {
             Store::Memory { .. } => false,
+            Store::Redis(_) => true,
         }
     }
 
@@ -88,6 +112,8 @@ impl Store {
     pub fn sweep(&self) -> usize {
         match self {
             Store::Memory { map, clock } => map.sweep(clock.now()),
+            // Every Redis key carries a TTL from its `forget_at`: Redis forgets by itself.
+            Store::Redis(_) => 0,
         }
     }
 }

@@ -47,15 +47,7 @@ impl TestRedis {
         for _ in 0..5 {
             let port = free_port();
             let url = format!("redis://127.0.0.1:{port}/");
-            let child = Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn();
-            let mut child = match child {
-                Ok(child) => child,
-                Err(e) => panic!("cannot start redis-server ({e}); {INSTALL}"),
-            };
+            let mut child = spawn(port);
             match wait_for_ping(&url, &mut child) {
                 Ok(()) => return Self { url, prefix: prefix(), server: Some(child) },
                 Err(e) => {
@@ -66,6 +58,23 @@ impl TestRedis {
             }
         }
         panic!("redis-server did not come up ({last_error}); {INSTALL}");
+    }
+
+    /// Kills the server (SIGKILL): connections break and the port stops answering.
+    pub fn kill(&mut self) {
+        let server = self.server.as_mut().expect("only a private server can be killed");
+        let _ = server.kill();
+        let _ = server.wait();
+    }
+
+    /// Starts a killed server again on the same port, empty.
+    pub fn restart(&mut self) {
+        let port = self.url.trim_end_matches('/').rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
+        let mut child = spawn(port);
+        if let Err(e) = wait_for_ping(&self.url, &mut child) {
+            panic!("redis-server did not come back on port {port} ({e})");
+        }
+        self.server = Some(child);
     }
 
     /// `name` under this test's prefix.
@@ -103,6 +112,18 @@ impl Drop for TestRedis {
                 let _ = delete_prefixed(&self.url, &self.prefix);
             }
         }
+    }
+}
+
+fn spawn(port: u16) -> Child {
+    let child = Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn();
+    match child {
+        Ok(child) => child,
+        Err(e) => panic!("cannot start redis-server ({e}); {INSTALL}"),
     }
 }
 

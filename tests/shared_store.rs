@@ -1,0 +1,120 @@
+//! Limits shared across instances through Redis, proven through MCP clients: three servers on
+//! one Redis give a caller one budget and one in-flight cap; while Redis is down, tools that
+//! cost money fail closed at once and free-or-open tools run under the insurance limiter; when
+//! Redis comes back the shared limits resume without a restart.
+
+mod common;
+#[path = "common/redis.rs"]
+mod test_redis;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+use test_redis::TestRedis;
+
+/// A caller token no other test (or run, on a shared `REDIS_URL`) uses.
+fn token(name: &str) -> String {
+    format!("{name}-{:016x}", rand::random::<u64>())
+}
+
+/// Redis as the store (`store` adds keys to `[store]`), a caller budget that does not refill
+/// while a test runs (Redis's clock is real time), and image jobs that outlast the test.
+fn shared(redis: &TestRedis, store: &str, extra: &str) -> String {
+    format!(
+        "[store]\nbackend = \"redis\"\nredis_url = \"{}\"\ntimeout_ms = 200\n{store}\
+         [limits.caller]\nrefill_per_sec = 0.001\n[mock_upstream]\nimage_job_ms = 600000\n{extra}",
+        redis.url
+    )
+}
+
+#[tokio::test]
+async fn three_instances_share_one_budget_and_one_in_flight_cap() {
+    let redis = TestRedis::start();
+    let config = shared(&redis, "", "");
+    let servers =
+        [TestServer::start(&config).await, TestServer::start(&config).await, TestServer::start(&config).await];
+
+    let reader = token("reader");
+    let mut clients = Vec::new();
+    for server in &servers {
+        clients.push(server.client(Some(&reader)).await);
+    }
+    let mut admitted = 0;
+    let mut refusal = None;
+    for i in 0..90 {
+        let r = call(&clients[i % 3], "list_articles", json!({"query": format!("q{i}")})).await;
+        if is_error(&r) {
+            refusal.get_or_insert(r);
+        } else {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 60, "one budget of 60 across three instances, not 180");
+    let refusal = refusal.expect("refused past the shared budget");
+    assert_eq!(error_code(&refusal), Some("rate_limited"));
+    assert!(structured(&refusal)["error"]["scope"].as_str().is_some_and(|s| s.starts_with("caller:tok:")));
+
+    let painter = token("painter");
+    let mut clients = Vec::new();
+    for server in &servers {
+        clients.push(server.client(Some(&painter)).await);
+    }
+    let mut accepted = Vec::new();
+    for i in 0..5 {
+        let r = call(&clients[i % 3], "generate_image", json!({"prompt": format!("p{i}")})).await;
+        accepted.push(structured(&r)["predict_id"].as_str().expect("accepted").to_owned());
+    }
+    let busy = call(&clients[2], "generate_image", json!({"prompt": "one more"})).await;
+    assert_eq!(error_code(&busy), Some("busy"), "one in-flight cap of 5 across the instances");
+    assert!(structured(&busy)["error"]["scope"].as_str().is_some_and(|s| s.starts_with("in_flight:caller:")));
+
+    // A cancelled job gives its slot back in Redis: another instance can use it.
+    let r = call(&clients[0], "cancel_prediction", json!({"predict_id": accepted[0]})).await;
+    assert_eq!(structured(&r)["status"], "canceled", "{}", text(&r));
+    eventually("the slot came back in Redis", || async {
+        let status = call(&clients[1], "rate_limit_status", json!({})).await;
+        budget(&status, "in_flight:caller:")["remaining"] == 1
+    })
+    .await;
+    assert!(!is_error(&call(&clients[1], "generate_image", json!({"prompt": "in its place"})).await));
+}
+
+#[tokio::test]
+async fn while_redis_is_down_paid_tools_fail_closed_open_ones_use_the_insurance_and_then_it_resumes() {
+    let mut redis = TestRedis::private();
+    let config = shared(&redis, "expected_instances = 2\n", "[tools.list_articles]\nfail = \"open\"\n");
+    let server = TestServer::start(&config).await;
+    let client = server.client(Some(&token("resilient"))).await;
+    assert!(!is_error(&call(&client, "list_articles", json!({"query": "before"})).await));
+
+    redis.kill();
+    let started = Instant::now();
+    let closed = call(&client, "generate_image", json!({"prompt": "costs money"})).await;
+    let waited = started.elapsed();
+    assert_eq!(error_code(&closed), Some("limiter_unavailable"), "{}", text(&closed));
+    assert!(structured(&closed)["error"]["retry_after_ms"].as_u64().is_some_and(|ms| ms >= 1));
+    assert!(waited < Duration::from_secs(2), "answered in {waited:?}, not after a long wait on a dead Redis");
+
+    // list_articles fails open: the insurance limiter holds 60 / 2 instances = 30 for the caller.
+    let mut admitted = 0;
+    for i in 0..40 {
+        if !is_error(&call(&client, "list_articles", json!({"query": format!("down {i}")})).await) {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 30, "the insurance limiter's share, not an open door");
+    let metrics = server.metrics().await;
+    assert!(metrics.contains("mcp_ratelimit_store_up 0"), "{metrics}");
+    assert!(metric_sum(&metrics, "mcp_ratelimit_store_errors_total") >= 1.0, "{metrics}");
+
+    // Redis comes back (empty): after the store breaker's probe interval the shared limits
+    // resume, without restarting the server.
+    redis.restart();
+    server.advance_secs(1.0);
+    eventually("the shared store answers again", || async {
+        !is_error(&call(&client, "generate_image", json!({"prompt": format!("{:?}", Instant::now())})).await)
+    })
+    .await;
+    assert!(server.metrics().await.contains("mcp_ratelimit_store_up 1"));
+}
