@@ -321,24 +321,10 @@ async fn sliding_window_weighs_counts_beyond_2_53_exactly() {
     assert!(!twins.decide(&[Check { key: &key, limiter: &limiter, cost: 1 }], now).await[0].allowed);
 }
 
-async fn evalsha_calls(connection: &mut redis::aio::MultiplexedConnection) -> u64 {
-    let info: String = redis::cmd("INFO").arg("commandstats").query_async(connection).await.expect("INFO");
-    info.lines()
-        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .and_then(|calls| calls.parse().ok())
-        .unwrap_or(0)
-}
-
 #[tokio::test]
 async fn three_scopes_are_decided_in_one_script_call() {
     let redis = TestRedis::private();
     let store = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis");
-    let mut admin = redis::Client::open(redis.url.as_str())
-        .expect("url")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("admin connection");
     let (a, b, c) = (redis.key("a"), redis.key("b"), redis.key("c"));
     let bucket = Limiter::TokenBucket(TokenBucket::new(100, 1.0));
     let gcra = Limiter::Gcra(Gcra::new(100, 1.0));
@@ -348,10 +334,10 @@ async fn three_scopes_are_decided_in_one_script_call() {
         Check { key: &b, limiter: &gcra, cost: 1 },
         Check { key: &c, limiter: &window, cost: 1 },
     ];
-    let before = evalsha_calls(&mut admin).await;
+    let before = redis.evalsha_calls();
     let decisions = store.decide(&checks).await.expect("decides");
     assert!(decisions.iter().all(|d| d.allowed));
-    assert_eq!(evalsha_calls(&mut admin).await - before, 1);
+    assert_eq!(redis.evalsha_calls() - before, 1);
 }
 
 /// 16 tasks × 200 calls through one store on one key; returns the calls admitted.

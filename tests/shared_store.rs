@@ -118,3 +118,28 @@ async fn while_redis_is_down_paid_tools_fail_closed_open_ones_use_the_insurance_
     .await;
     assert!(server.metrics().await.contains("mcp_ratelimit_store_up 1"));
 }
+
+#[tokio::test]
+async fn a_refused_caller_is_refused_locally_until_its_wait_is_over_without_a_round_trip() {
+    let redis = TestRedis::private();
+    let server = TestServer::start(&shared(&redis, "", NO_LOOP_DETECTION)).await;
+    let client = server.client(Some(&token("hot"))).await;
+    let (passed, refused) = spend_until_refused(&client, "save_article", json!({"title": "t", "body": "b0"}), 40).await;
+    assert_eq!(passed, 30, "60 tokens, 2 a save");
+    let wait = structured(&refused)["error"]["retry_after_ms"].as_u64().expect("wait");
+
+    // Each call is one POST: the coarse HTTP layer still asks Redis (one EVALSHA), the tool's
+    // decision no longer does.
+    let before = redis.evalsha_calls();
+    for i in 1..=5 {
+        let r = call(&client, "save_article", json!({"title": "t", "body": format!("b{i}")})).await;
+        assert_eq!(error_code(&r), Some("rate_limited"));
+        assert_eq!(structured(&r)["error"]["scope"], structured(&refused)["error"]["scope"]);
+        assert!(structured(&r)["error"]["retry_after_ms"].as_u64().is_some_and(|ms| ms <= wait));
+    }
+    assert_eq!(redis.evalsha_calls() - before, 5, "five HTTP decisions, no tool decision");
+    // A cheaper call may pass where the expensive one may not: it still goes to Redis.
+    let r = call(&client, "list_articles", json!({})).await;
+    assert_eq!(redis.evalsha_calls() - before, 7);
+    assert_eq!(error_code(&r), Some("rate_limited"), "nothing left at all");
+}

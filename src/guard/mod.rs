@@ -10,6 +10,7 @@
 pub mod loops;
 pub mod policy;
 pub mod refusal;
+pub mod refusals;
 pub mod scope;
 
 use std::sync::Arc;
@@ -20,6 +21,7 @@ use tracing::info;
 use crate::clock::{SharedClock, ceil_ms};
 use crate::config::{Config, Fail};
 use crate::guard::loops::LoopDetector;
+use crate::guard::refusals::RefusalMemory;
 use crate::identity::Caller;
 use crate::limit::{Decision, Limiter};
 use crate::metrics::{Layer, Metrics};
@@ -106,6 +108,8 @@ struct Insurance {
     /// Open while the shared store is failing: decisions skip it (no timeout to wait out on
     /// every call) until one probe a second finds it back.
     shared_down: Breaker,
+    /// The shared store's refusals still in force, answered here without a round trip.
+    refused: RefusalMemory,
 }
 
 /// Decides whether a caller may proceed, charges it, and explains refusals.
@@ -201,6 +205,7 @@ impl Guard {
             store: Arc::new(Store::memory(clock.clone())),
             policy: Policy::new(config).scaled(1.0 / config.store.expected_instances as f64),
             shared_down: Breaker::new(1, STORE_PROBE_EVERY),
+            refused: RefusalMemory::default(),
         });
         Self {
             enabled: config.limits.enabled,
@@ -264,7 +269,17 @@ impl Guard {
         F: Fn(&'s Policy) -> Vec<(Scope, &'s Limiter, u64)>,
     {
         let scopes = scopes_under(&self.policy);
+        let keyed: Vec<(&str, &Limiter, u64)> = scopes.iter().map(|(s, l, c)| (s.key(), *l, *c)).collect();
+        if let Some(insurance) = &self.insurance
+            && let Some(decisions) = insurance.refused.recall(&keyed, self.clock.now())
+        {
+            return Some((scopes, decisions, &self.store));
+        }
+        let now = self.clock.now();
         if let Some(decisions) = self.decide_shared(&checks_of(&scopes), layer, what).await {
+            if let Some(insurance) = &self.insurance {
+                insurance.refused.remember(&keyed, &decisions, now);
+            }
             return Some((scopes, decisions, &self.store));
         }
         let insurance = self.insurance.as_ref().filter(|_| fail == Fail::Open)?;
@@ -418,6 +433,8 @@ impl Guard {
 
     /// Forgets idle limiter state and loop histories; called on a schedule.
     pub fn sweep(&self) -> usize {
-        self.store.sweep() + self.loops.as_ref().map_or(0, |loops| loops.sweep(self.clock.now()))
+        let now = self.clock.now();
+        let refusals = self.insurance.as_ref().map_or(0, |i| i.refused.sweep(now));
+        self.store.sweep() + refusals + self.loops.as_ref().map_or(0, |loops| loops.sweep(now))
     }
 }

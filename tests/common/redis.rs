@@ -77,6 +77,19 @@ impl TestRedis {
         self.server = Some(child);
     }
 
+    /// How many EVALSHA calls the server has run (`INFO commandstats`): one per decision.
+    pub fn evalsha_calls(&self) -> u64 {
+        let info: String = redis::Client::open(self.url.as_str())
+            .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(1)))
+            .and_then(|mut c| redis::cmd("INFO").arg("commandstats").query(&mut c))
+            .expect("INFO commandstats");
+        info.lines()
+            .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|calls| calls.parse().ok())
+            .unwrap_or(0)
+    }
+
     /// `name` under this test's prefix.
     pub fn key(&self, name: &str) -> String {
         format!("{}{name}", self.prefix)

@@ -1,0 +1,126 @@
+//! A local memory of a shared store's refusals, so that a hot abuser does not cost a Redis round
+//! trip per request.
+//!
+//! When the shared store refuses a scope, it says exactly when a call of that cost could pass.
+//! Until then only time can make room — nothing gives rate budget back — so a call of at least
+//! the same cost on that scope is refused here, with the time left, without asking the store.
+//! It never admits anything: a call the memory does not cover goes to the store as before, and
+//! in-flight slots (which another instance may free at any moment) are never remembered.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use crate::clock::Nanos;
+use crate::limit::{Decision, Limiter};
+
+/// Scopes remembered at most; past it, new refusals are simply not remembered.
+const MAX_ENTRIES: usize = 100_000;
+
+#[derive(Debug, Clone, Copy)]
+struct Refused {
+    until: Nanos,
+    full_at: Nanos,
+    cost: u64,
+    limit: u64,
+    remaining: u64,
+}
+
+/// Refusals of the shared store still in force, by scope key.
+#[derive(Debug, Default)]
+pub struct RefusalMemory {
+    refused: Mutex<HashMap<String, Refused>>,
+}
+
+impl RefusalMemory {
+    fn entries(&self) -> std::sync::MutexGuard<'_, HashMap<String, Refused>> {
+        self.refused.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The decisions for `scopes` at `now` if one of them is still refused for at least its cost:
+    /// that scope refused with the time left, the others marked allowed (they were not asked and
+    /// charge nothing). `None`: the store must decide.
+    pub fn recall(&self, scopes: &[(&str, &Limiter, u64)], now: Nanos) -> Option<Vec<Decision>> {
+        let entries = self.entries();
+        let hit = scopes.iter().position(|(key, limiter, cost)| {
+            !limiter.holds_slots() && *cost > 0 && entries.get(*key).is_some_and(|r| now < r.until && *cost >= r.cost)
+        })?;
+        let refused = entries.get(scopes[hit].0).copied()?;
+        Some(
+            scopes
+                .iter()
+                .enumerate()
+                .map(|(i, (_, limiter, _))| {
+                    if i == hit {
+                        Decision {
+                            allowed: false,
+                            limit: refused.limit,
+                            remaining: refused.remaining,
+                            retry_after: refused.until - now,
+                            reset_after: refused.full_at.saturating_sub(now),
+                        }
+                    } else {
+                        Decision {
+                            allowed: true,
+                            limit: limiter.capacity(),
+                            remaining: 0,
+                            retry_after: 0,
+                            reset_after: 0,
+                        }
+                    }
+                })
+                .collect(),
+        )
+    }
+
+    /// Remembers what the store refused among `decisions` for `scopes`, decided at `now`.
+    pub fn remember(&self, scopes: &[(&str, &Limiter, u64)], decisions: &[Decision], now: Nanos) {
+        let mut entries = self.entries();
+        for ((key, limiter, cost), d) in scopes.iter().zip(decisions) {
+            if d.allowed || limiter.holds_slots() || *cost == 0 || d.retry_after == 0 {
+                continue;
+            }
+            if entries.len() >= MAX_ENTRIES && !entries.contains_key(*key) {
+                continue;
+            }
+            let refused = Refused {
+                until: now.saturating_add(d.retry_after),
+                full_at: now.saturating_add(d.reset_after),
+                cost: *cost,
+                limit: d.limit,
+                remaining: d.remaining,
+            };
+            entries.insert((*key).to_owned(), refused);
+        }
+    }
+
+    /// Forgets refusals that have run out; returns how many went.
+    pub fn sweep(&self, now: Nanos) -> usize {
+        let mut entries = self.entries();
+        let before = entries.len();
+        entries.retain(|_, r| r.until > now);
+        before - entries.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::{Concurrency, TokenBucket};
+
+    #[test]
+    fn refuses_as_costly_calls_until_the_store_said_and_never_admits() {
+        let memory = RefusalMemory::default();
+        let bucket = Limiter::TokenBucket(TokenBucket::new(60, 1.0));
+        let refused = Decision { allowed: false, limit: 60, remaining: 2, retry_after: 3_000, reset_after: 58_000 };
+        memory.remember(&[("k", &bucket, 5)], &[refused], 1_000);
+        assert!(memory.recall(&[("k", &bucket, 4)], 1_000).is_none(), "a cheaper call may pass: ask the store");
+        let again = memory.recall(&[("k", &bucket, 5)], 2_000).expect("refused locally");
+        assert_eq!((again[0].allowed, again[0].retry_after), (false, 2_000));
+        assert!(memory.recall(&[("k", &bucket, 5)], 4_000).is_none(), "run out: ask the store");
+
+        let slots = Limiter::Concurrency(Concurrency::new(1));
+        memory.remember(&[("s", &slots, 1)], &[refused], 0);
+        assert!(memory.recall(&[("s", &slots, 1)], 0).is_none(), "a slot may come back at any moment");
+        assert_eq!(memory.sweep(10_000), 1);
+    }
+}
