@@ -1,7 +1,7 @@
 # The two commands a new user needs: `make run` and `make test`.
 CARGO ?= cargo
 
-.PHONY: run test check fmt inspector build bench load conformance burst
+.PHONY: run test check fmt inspector build bench load conformance burst cluster
 
 ## Serve MCP on http://127.0.0.1:3000/mcp with the defaults (in-memory limits, embedded mock upstream).
 run:
@@ -41,3 +41,7 @@ conformance:
 ## 150 POSTs with curl against a fresh server: the status-code histogram.
 burst:
 	scripts/burst.sh --start
+
+## Redis, one mock upstream and three instances: one caller gets one budget, not three.
+cluster:
+	scripts/cluster.sh
