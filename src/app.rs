@@ -129,14 +129,17 @@ impl App {
             Backend::Memory => Store::memory(clock.clone()),
             Backend::Redis => {
                 let timeout = Duration::from_millis(config.store.timeout_ms);
-                let redis = RedisStore::connect(&config.store.redis_url, timeout).await?;
-                Store::Redis(Arc::new(redis))
+                let lease = Duration::from_millis(config.store.lease_ms);
+                Store::redis(RedisStore::connect(&config.store.redis_url, timeout).await?.with_lease(lease))
             }
         };
         let guard = Guard::new(store, clock.clone(), &config, metrics.clone());
         let state =
             Arc::new(AppState { identifier: Identifier::new(&config), guard, metrics, upstream, jobs, clock, config });
         tokio::spawn(sweep_forever(state.clone(), stop.clone()));
+        if let Some(every) = state.guard.store().renew_every() {
+            tokio::spawn(renew_forever(state.clone(), every, stop.clone()));
+        }
         Ok(Self { state, upstream_url, stop, _mock: mock })
     }
 
@@ -184,6 +187,23 @@ impl App {
 impl Drop for App {
     fn drop(&mut self) {
         self.stop.cancel();
+    }
+}
+
+/// Renews the in-flight leases this instance holds in a shared store. On the wall clock: the
+/// leases run out on Redis's clock, whatever the server's clock says.
+async fn renew_forever(state: Arc<AppState>, every: Duration, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {
+                if let Err(error) = state.guard.store().renew_leases().await {
+                    tracing::warn!(%error, "could not renew in-flight leases");
+                }
+            }
+        }
     }
 }
 

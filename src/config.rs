@@ -221,6 +221,9 @@ pub struct StoreConfig {
     pub redis_url: String,
     /// The longest a request waits on the store before it counts as down.
     pub timeout_ms: u64,
+    /// How long in-flight slots held in a shared store last unless renewed: what a crashed
+    /// instance's slots are lost for.
+    pub lease_ms: u64,
     /// Interval between sweeps of idle state.
     pub sweep_interval_ms: u64,
     /// Server instances expected to share the store: the insurance limiter gives each
@@ -603,6 +606,7 @@ impl RawConfig {
             ("upstream.retry_budget_window_ms", up.retry_budget_window_ms),
             ("store.sweep_interval_ms", self.store.sweep_interval_ms),
             ("store.timeout_ms", self.store.timeout_ms),
+            ("store.lease_ms", self.store.lease_ms),
             ("store.expected_instances", u64::from(self.store.expected_instances)),
             ("loop_detection.window_ms", loops.window_ms),
         ] {

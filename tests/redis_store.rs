@@ -19,7 +19,7 @@ use mcp_ratelimit::limit::{
     Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter, LimiterState, SlidingLog, SlidingWindow,
     TokenBucket,
 };
-use mcp_ratelimit::store::redis::{RedisStore, StoreError};
+use mcp_ratelimit::store::redis::{Lease, RedisStore, StoreError, new_lease};
 use mcp_ratelimit::store::{Check, MemoryStore};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
@@ -207,21 +207,23 @@ fn concurrency_script_counts_slots_like_concurrency_rs() {
         case.set(case.get() + 1);
         let key = redis.key(&format!("concurrency:{}", case.get()));
         let mut state = limiter.fresh(EPOCH);
-        let mut held: Vec<u64> = vec![];
+        let mut held: Vec<(Lease, u64)> = vec![];
         for (n, (acquire, cost)) in ops.into_iter().enumerate() {
             if acquire || held.is_empty() {
                 let expected = limiter.acquire(&mut state, EPOCH, cost);
+                // Slots are leases on Redis's own clock (releases read it too); none runs out here.
+                let lease = new_lease();
                 let got = runtime
-                    .block_on(store.decide_at(&[Check { key: &key, limiter: &limiter, cost }], EPOCH))
+                    .block_on(store.decide_leased(&[Check { key: &key, limiter: &limiter, cost }], lease, None))
                     .map_err(|e| TestCaseError::fail(format!("call {n}: {e}")))?;
                 prop_assert_eq!(&got, &vec![expected], "call {} of {}, cost {}", n, limiter.describe(), cost);
                 if expected.allowed {
-                    held.push(cost);
+                    held.push((lease, cost));
                 }
-            } else if let Some(slots) = held.pop() {
+            } else if let Some((lease, slots)) = held.pop() {
                 limiter.release(&mut state, slots);
                 runtime
-                    .block_on(store.release(&key, &limiter, slots))
+                    .block_on(store.release(&key, lease))
                     .map_err(|e| TestCaseError::fail(format!("release {n}: {e}")))?;
             }
         }
@@ -437,10 +439,13 @@ async fn written_keys_expire_at_forget_at_rounded_up_to_the_millisecond() {
 
     let slots = Limiter::Concurrency(Concurrency::new(3));
     let key = redis.key("concurrency");
-    assert!(store.decide(&[Check { key: &key, limiter: &slots, cost: 2 }]).await.expect("decides")[0].allowed);
+    let lease = new_lease();
+    let held = store.decide_leased(&[Check { key: &key, limiter: &slots, cost: 2 }], lease, None).await;
+    assert!(held.expect("decides")[0].allowed);
     let ttl: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut admin).await.expect("PTTL");
-    assert_eq!(ttl, -1, "held slots are never forgotten");
-    store.release(&key, &slots, 2).await.expect("releases");
+    let lease_ms = i64::try_from(store.lease().as_millis()).expect("ms");
+    assert!(ttl > lease_ms - 1_000 && ttl <= lease_ms, "held slots last as long as their lease: {ttl} ms");
+    store.release(&key, lease).await.expect("releases");
     let exists: i64 = redis::cmd("EXISTS").arg(&key).query_async(&mut admin).await.expect("EXISTS");
     assert_eq!(exists, 0, "a key with no slot held is as good as fresh");
 }
@@ -535,3 +540,42 @@ async fn a_clock_reading_finer_than_a_microsecond_is_refused() {
     let e = store.decide_at(&[Check { key: &key, limiter: &bucket, cost: 1 }], EPOCH + 1).await.expect_err("1 ns");
     assert!(matches!(e, StoreError::OutOfRange(_)), "{e:?}");
 }
+
+#[tokio::test]
+async fn an_unrenewed_lease_runs_out_and_frees_its_slots_and_a_renewed_one_does_not() {
+    let redis = TestRedis::start();
+    let store = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis").with_lease(LEASE);
+    let mut admin =
+        redis::Client::open(redis.url.as_str()).expect("url").get_multiplexed_async_connection().await.expect("admin");
+    let slots = Limiter::Concurrency(Concurrency::new(2));
+    let (crashed, alive) = (redis.key("crashed"), redis.key("alive"));
+    // Both taken half a lease ago, on the script's clock: they run out half a lease from now.
+    let now = redis_time_us(&mut admin).await * 1_000;
+    let half = LEASE.as_nanos() as Nanos / 2;
+    for key in [&crashed, &alive] {
+        let held = store.decide_leased(&[Check { key, limiter: &slots, cost: 2 }], new_lease(), Some(now - half)).await;
+        assert!(held.expect("decides")[0].allowed);
+    }
+    // The holder of `alive` renews its lease; the holder of `crashed` is gone and does not.
+    let lease_of = |raw: String| raw.split(' ').nth(1).and_then(|id| id.parse::<Lease>().ok()).expect("a lease");
+    let alive_lease = lease_of(redis::cmd("GET").arg(&alive).query_async(&mut admin).await.expect("GET"));
+    store.renew(&[(alive.as_str(), alive_lease, 2)]).await.expect("renews");
+
+    // Read both just after the first leases run out, on the script's clock (no waiting in real
+    // time): the renewed one lasts a whole lease from its renewal.
+    let later = now + half + MS;
+    let crashed_now = store.decide_at(&[Check { key: &crashed, limiter: &slots, cost: 1 }], later).await;
+    assert!(crashed_now.expect("decides")[0].allowed, "an unrenewed lease runs out: its slots are free");
+    let alive_now = store.decide_at(&[Check { key: &alive, limiter: &slots, cost: 1 }], later).await;
+    assert!(!alive_now.expect("decides")[0].allowed, "a renewed lease still holds its slots");
+
+    // A lease that expired while its holder could not reach Redis is taken again on renewal.
+    let gone = redis.key("gone");
+    let retaken = store.renew(&[(gone.as_str(), new_lease(), 1)]).await.expect("renews");
+    assert_eq!(retaken, 1);
+    let held = store.decide(&[Check { key: &gone, limiter: &slots, cost: 0 }]).await.expect("decides");
+    assert_eq!(held[0].remaining, 1, "the renewed lease counts again");
+}
+
+/// How long leases last in the lease test.
+const LEASE: Duration = Duration::from_secs(10);

@@ -83,7 +83,9 @@ async fn three_instances_share_one_budget_and_one_in_flight_cap() {
 #[tokio::test]
 async fn while_redis_is_down_paid_tools_fail_closed_open_ones_use_the_insurance_and_then_it_resumes() {
     let mut redis = TestRedis::private();
-    let config = shared(&redis, "expected_instances = 2\n", "[tools.list_articles]\nfail = \"open\"\n");
+    // A roomy HTTP layer: this test is about the tool decisions behind it.
+    let extra = "[tools.list_articles]\nfail = \"open\"\n[limits.http]\nburst = 10000\n";
+    let config = shared(&redis, "expected_instances = 2\n", extra);
     let server = TestServer::start(&config).await;
     let client = server.client(Some(&token("resilient"))).await;
     assert!(!is_error(&call(&client, "list_articles", json!({"query": "before"})).await));
@@ -111,8 +113,9 @@ async fn while_redis_is_down_paid_tools_fail_closed_open_ones_use_the_insurance_
     // Redis comes back (empty): after the store breaker's probe interval the shared limits
     // resume, without restarting the server.
     redis.restart();
-    server.advance_secs(1.0);
     eventually("the shared store answers again", || async {
+        // Each try waits out the store breaker's second, so the next decision probes Redis.
+        server.advance_secs(1.0);
         !is_error(&call(&client, "generate_image", json!({"prompt": format!("{:?}", Instant::now())})).await)
     })
     .await;
@@ -142,4 +145,61 @@ async fn a_refused_caller_is_refused_locally_until_its_wait_is_over_without_a_ro
     let r = call(&client, "list_articles", json!({})).await;
     assert_eq!(redis.evalsha_calls() - before, 7);
     assert_eq!(error_code(&r), Some("rate_limited"), "nothing left at all");
+}
+
+/// A `serve` process of its own (so it can be killed outright) on the shared Redis.
+struct Instance {
+    child: tokio::process::Child,
+    url: String,
+}
+
+impl Instance {
+    async fn start(redis: &TestRedis, lease_ms: u64) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .env("MCP_RL__STORE__BACKEND", "redis")
+            .env("MCP_RL__STORE__REDIS_URL", &redis.url)
+            .env("MCP_RL__STORE__LEASE_MS", lease_ms.to_string())
+            // The same limits as the in-process instances of `shared`: instances share a config.
+            .env("MCP_RL__LIMITS__CALLER__REFILL_PER_SEC", "0.001")
+            .env("MCP_RL__MOCK_UPSTREAM__IMAGE_JOB_MS", "600000")
+            .env("RUST_LOG", "warn")
+            .kill_on_drop(true)
+            .spawn()
+            .expect("the binary starts");
+        let health = format!("http://127.0.0.1:{port}/health");
+        eventually("the instance answers /health", || async { reqwest::get(&health).await.is_ok() }).await;
+        Self { child, url: format!("http://127.0.0.1:{port}/mcp") }
+    }
+}
+
+#[tokio::test]
+async fn a_crashed_instances_slots_come_back_when_its_leases_run_out() {
+    let redis = TestRedis::start();
+    let painter = token("painter");
+    let mut doomed = Instance::start(&redis, 400).await;
+    let transport = rmcp::transport::StreamableHttpClientTransport::from_config(
+        rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(doomed.url.clone())
+            .auth_header(painter.clone()),
+    );
+    let client = rmcp::ServiceExt::serve((), transport).await.expect("client connects");
+    for i in 0..5 {
+        let r = call(&client, "generate_image", json!({"prompt": format!("p{i}")})).await;
+        assert!(!is_error(&r), "{}", text(&r));
+    }
+    // The instance dies holding its 5 slots: no release, no renewal.
+    doomed.child.kill().await.expect("killed");
+
+    let survivor = TestServer::start(&shared(&redis, "lease_ms = 400\n", "")).await;
+    let client = survivor.client(Some(&painter)).await;
+    let busy = call(&client, "generate_image", json!({"prompt": "right after the crash"})).await;
+    assert_eq!(error_code(&busy), Some("busy"), "the dead instance's leases still hold the slots");
+    // The leases run out on Redis's clock, 400 ms after the last renewal.
+    eventually("the crashed instance's slots came back", || async {
+        let status = call(&client, "rate_limit_status", json!({})).await;
+        budget(&status, "in_flight:caller:")["remaining"] == 5
+    })
+    .await;
+    assert!(!is_error(&call(&client, "generate_image", json!({"prompt": "after the leases"})).await));
 }

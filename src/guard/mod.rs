@@ -25,7 +25,7 @@ use crate::guard::refusals::RefusalMemory;
 use crate::identity::Caller;
 use crate::limit::{Decision, Limiter};
 use crate::metrics::{Layer, Metrics};
-use crate::store::{Check, SlotGuard, Store, StoreError};
+use crate::store::{Check, Lease, SlotGuard, Store, StoreError, new_lease};
 use crate::upstream::breaker::Breaker;
 pub use policy::{MethodGroup, Policy, TierLimits};
 pub use refusal::{Refusal, RefusalCode};
@@ -229,6 +229,11 @@ impl Guard {
         &self.policy
     }
 
+    /// Where limiter state lives.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
     /// Whether the last decision on the limiter store succeeded (the `store_up` gauge).
     pub fn store_up(&self) -> bool {
         self.store_up.load(Ordering::Relaxed)
@@ -242,12 +247,18 @@ impl Guard {
 
     /// Decides `checks` on the shared store, unless it is known to be down; `None` when it could
     /// not decide (counted and logged), so the caller falls back as its policy says.
-    async fn decide_shared(&self, checks: &[Check<'_>], layer: Layer, what: &str) -> Option<Vec<Decision>> {
+    async fn decide_shared(
+        &self,
+        checks: &[Check<'_>],
+        lease: Lease,
+        layer: Layer,
+        what: &str,
+    ) -> Option<Vec<Decision>> {
         let permit = match &self.insurance {
             Some(insurance) => Some(insurance.shared_down.permit(self.clock.now()).ok()?),
             None => None,
         };
-        let decided = self.store.decide(checks).await;
+        let decided = self.store.decide_leased(checks, lease).await;
         if let (Some(insurance), Some(permit)) = (&self.insurance, permit) {
             insurance.shared_down.record(permit, decided.is_ok(), self.clock.now());
             self.store_up.store(decided.is_ok(), Ordering::Relaxed);
@@ -261,6 +272,7 @@ impl Guard {
     async fn decide<'s, F>(
         &'s self,
         scopes_under: F,
+        lease: Lease,
         fail: Fail,
         layer: Layer,
         what: &str,
@@ -276,7 +288,7 @@ impl Guard {
             return Some((scopes, decisions, &self.store));
         }
         let now = self.clock.now();
-        if let Some(decisions) = self.decide_shared(&checks_of(&scopes), layer, what).await {
+        if let Some(decisions) = self.decide_shared(&checks_of(&scopes), lease, layer, what).await {
             if let Some(insurance) = &self.insurance {
                 insurance.refused.remember(&keyed, &decisions, now);
             }
@@ -284,7 +296,7 @@ impl Guard {
         }
         let insurance = self.insurance.as_ref().filter(|_| fail == Fail::Open)?;
         let scopes = scopes_under(&insurance.policy);
-        let decisions = insurance.store.decide(&checks_of(&scopes)).await.ok()?;
+        let decisions = insurance.store.decide_leased(&checks_of(&scopes), lease).await.ok()?;
         Some((scopes, decisions, &insurance.store))
     }
 
@@ -294,7 +306,7 @@ impl Guard {
     pub async fn admit_http(&self, caller: &Caller) -> Option<HttpDecision> {
         let scope = Scope::http(caller);
         let under = |p| vec![(scope.clone(), &Policy::for_caller(p, caller).http, 1)];
-        let (scopes, mut decisions, _) = self.decide(under, Fail::Open, Layer::Http, "POST /mcp").await?;
+        let (scopes, mut decisions, _) = self.decide(under, new_lease(), Fail::Open, Layer::Http, "POST /mcp").await?;
         let (decision, limiter) = (decisions.pop()?, scopes.first()?.1);
         self.metrics.decision(Layer::Http, "POST /mcp", decision.allowed);
         if !decision.allowed {
@@ -312,7 +324,7 @@ impl Guard {
         }
         let scope = Scope::method(caller, group);
         let under = |p| vec![(scope.clone(), Policy::for_caller(p, caller).method(group), 1)];
-        let decided = self.decide(under, Fail::Open, Layer::Method, group.as_str()).await;
+        let decided = self.decide(under, new_lease(), Fail::Open, Layer::Method, group.as_str()).await;
         let Some(d) = decided.and_then(|(_, mut decisions, _)| decisions.pop()) else {
             return Err(Refusal::limiter_unavailable(method, STORE_RETRY_MS));
         };
@@ -374,7 +386,8 @@ impl Guard {
     async fn charge(&self, caller: &Caller, tool: &str, starts_job: bool) -> Result<Admission, Refusal> {
         let fail = self.policy.tools.get(tool).map_or(Fail::Closed, |t| t.fail);
         let under = |p| tool_scopes(p, caller, tool, starts_job);
-        let Some((scopes, decisions, store)) = self.decide(under, fail, Layer::Tool, tool).await else {
+        let lease = new_lease();
+        let Some((scopes, decisions, store)) = self.decide(under, lease, fail, Layer::Tool, tool).await else {
             return Err(Refusal::limiter_unavailable(tool, STORE_RETRY_MS));
         };
         // The call passes only when every scope admits it, so the wait is the longest one.
@@ -403,7 +416,7 @@ impl Guard {
             .iter()
             .filter(|(_, limiter, _)| limiter.holds_slots())
             .map(|(scope, limiter, cost)| {
-                SlotGuard::new(store.clone(), scope.key().to_owned(), (*limiter).clone(), *cost)
+                SlotGuard::new(store.clone(), scope.key().to_owned(), (*limiter).clone(), *cost, lease)
             })
             .collect();
         Ok(Admission::new(slots, self.metrics.clone()))
@@ -415,7 +428,8 @@ impl Guard {
     pub async fn status(&self, caller: &Caller, over_http: bool) -> Option<Vec<BudgetStatus>> {
         let under = |policy| status_scopes(policy, caller, over_http);
         // Cost 0 reads every level in one decision, without charging anything.
-        let (scopes, decisions, _) = self.decide(under, Fail::Open, Layer::Tool, "rate_limit_status").await?;
+        let (scopes, decisions, _) =
+            self.decide(under, new_lease(), Fail::Open, Layer::Tool, "rate_limit_status").await?;
         Some(
             scopes
                 .iter()

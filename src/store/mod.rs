@@ -9,12 +9,13 @@
 pub mod memory;
 pub mod redis;
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use crate::clock::SharedClock;
 use crate::limit::{Decision, Limiter};
 pub use memory::MemoryStore;
-pub use redis::RedisStore;
+pub use redis::{Lease, RedisStore, new_lease};
 
 /// One scope a call must pass: the key its state is kept under, its limiter and the cost.
 #[derive(Debug, Clone, Copy)]
@@ -53,7 +54,13 @@ pub enum Store {
         clock: SharedClock,
     },
     /// State in Redis, shared by every instance, on Redis's clock.
-    Redis(Arc<RedisStore>),
+    Redis {
+        /// The connection and scripts.
+        redis: Arc<RedisStore>,
+        /// The in-flight leases this instance holds (key, lease) → units, renewed on a schedule
+        /// by [`Store::renew_leases`] until given back.
+        held: Mutex<HashMap<(String, Lease), u64>>,
+    },
 }
 
 impl Store {
@@ -62,12 +69,30 @@ impl Store {
         Store::Memory { map: MemoryStore::new(), clock }
     }
 
+    /// A store in `redis`, shared by every instance connected to it.
+    pub fn redis(redis: RedisStore) -> Self {
+        Store::Redis { redis: Arc::new(redis), held: Mutex::new(HashMap::new()) }
+    }
+
+    fn held(held: &Mutex<HashMap<(String, Lease), u64>>) -> std::sync::MutexGuard<'_, HashMap<(String, Lease), u64>> {
+        held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Decides `checks` atomically: one decision per check, in order. Charges happen only when
     /// every decision is `allowed`.
     pub async fn decide(&self, checks: &[Check<'_>]) -> Result<Vec<Decision>, StoreError> {
         match self {
             Store::Memory { map, clock } => Ok(map.decide(checks, clock.now())),
-            Store::Redis(redis) => Ok(redis.decide(checks).await?),
+            Store::Redis { redis, .. } => Ok(redis.decide(checks).await?),
+        }
+    }
+
+    /// [`Store::decide`], with any in-flight slots taken under `lease`: the id a [`SlotGuard`]
+    /// gives them back (and, on Redis, renews them) by.
+    pub async fn decide_leased(&self, checks: &[Check<'_>], lease: Lease) -> Result<Vec<Decision>, StoreError> {
+        match self {
+            Store::Memory { map, clock } => Ok(map.decide(checks, clock.now())),
+            Store::Redis { redis, .. } => Ok(redis.decide_leased(checks, lease, None).await?),
         }
     }
 
@@ -75,28 +100,65 @@ impl Store {
     pub async fn decide_one(&self, check: &Check<'_>) -> Result<Decision, StoreError> {
         match self {
             Store::Memory { map, clock } => Ok(map.decide_one(check, clock.now())),
-            Store::Redis(redis) => redis.decide(std::slice::from_ref(check)).await?.pop().ok_or(StoreError::NoDecision),
+            Store::Redis { redis, .. } => {
+                redis.decide(std::slice::from_ref(check)).await?.pop().ok_or(StoreError::NoDecision)
+            }
+        }
+    }
+
+    /// Notes that this instance holds `units` slots on `key` under `lease`, to renew them until
+    /// they are given back (Redis only: memory slots cannot outlive their process).
+    fn hold(&self, key: &str, lease: Lease, units: u64) {
+        if let Store::Redis { held, .. } = self {
+            Self::held(held).insert((key.to_owned(), lease), units);
         }
     }
 
     /// Gives back in-flight slots taken by an admitted [`Check`] on a concurrency limiter. Called
     /// from `Drop`, so it never waits: the memory store releases in place, Redis in a task of its
-    /// own (a release that cannot reach Redis is logged; the slot is lost until Redis forgets it).
-    pub fn release(&self, key: &str, limiter: &Limiter, cost: u64) {
+    /// own (a release that cannot reach Redis is logged; the lease then runs out by itself).
+    pub fn release(&self, key: &str, limiter: &Limiter, cost: u64, lease: Lease) {
         match self {
             Store::Memory { map, clock } => map.release(key, limiter, cost, clock.now()),
-            Store::Redis(redis) => {
+            Store::Redis { redis, held } => {
+                Self::held(held).remove(&(key.to_owned(), lease));
                 let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-                    tracing::warn!("an in-flight slot was released outside the runtime and is lost");
+                    tracing::warn!("in-flight slots were released outside the runtime: their lease will run out");
                     return;
                 };
-                let (redis, key, limiter) = (redis.clone(), key.to_owned(), limiter.clone());
+                let (redis, key) = (redis.clone(), key.to_owned());
                 runtime.spawn(async move {
-                    if let Err(error) = redis.release(&key, &limiter, cost).await {
-                        tracing::warn!(%error, "could not give an in-flight slot back to Redis");
+                    if let Err(error) = redis.release(&key, lease).await {
+                        tracing::warn!(%error, "could not give in-flight slots back to Redis: their lease will run out");
                     }
                 });
             }
+        }
+    }
+
+    /// Renews every lease this instance still holds (Redis), in one round trip; how often to
+    /// call it: [`Store::renew_every`].
+    pub async fn renew_leases(&self) -> Result<(), StoreError> {
+        let Store::Redis { redis, held } = self else { return Ok(()) };
+        let leases: Vec<(String, Lease, u64)> =
+            Self::held(held).iter().map(|((key, lease), units)| (key.clone(), *lease, *units)).collect();
+        let borrowed: Vec<(&str, Lease, u64)> = leases.iter().map(|(k, l, u)| (k.as_str(), *l, *u)).collect();
+        let retaken = redis.renew(&borrowed).await?;
+        if retaken > 0 {
+            tracing::warn!(
+                retaken,
+                "in-flight leases had expired (Redis unreachable for a whole lease) and were taken again"
+            );
+        }
+        Ok(())
+    }
+
+    /// How often leases must be renewed (a third of their duration), or `None` for a store
+    /// without leases.
+    pub fn renew_every(&self) -> Option<std::time::Duration> {
+        match self {
+            Store::Memory { .. } => None,
+            Store::Redis { redis, .. } => Some(redis.lease() / 3),
         }
     }
 
@@ -104,7 +166,7 @@ impl Store {
     pub fn is_shared(&self) -> bool {
         match self {
             Store::Memory { .. } => false,
-            Store::Redis(_) => true,
+            Store::Redis { .. } => true,
         }
     }
 
@@ -113,7 +175,7 @@ impl Store {
         match self {
             Store::Memory { map, clock } => map.sweep(clock.now()),
             // Every Redis key carries a TTL from its `forget_at`: Redis forgets by itself.
-            Store::Redis(_) => 0,
+            Store::Redis { .. } => 0,
         }
     }
 }
@@ -129,17 +191,20 @@ pub struct SlotGuard {
     key: String,
     limiter: Limiter,
     cost: u64,
+    lease: Lease,
 }
 
 impl SlotGuard {
-    /// Takes ownership of slots already charged by [`Store::decide`].
-    pub fn new(store: Arc<Store>, key: String, limiter: Limiter, cost: u64) -> Self {
-        Self { store, key, limiter, cost }
+    /// Takes ownership of slots already charged by [`Store::decide_leased`] under `lease`; on a
+    /// shared store they are renewed until this guard is dropped.
+    pub fn new(store: Arc<Store>, key: String, limiter: Limiter, cost: u64, lease: Lease) -> Self {
+        store.hold(&key, lease, cost);
+        Self { store, key, limiter, cost, lease }
     }
 }
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        self.store.release(&self.key, &self.limiter, self.cost);
+        self.store.release(&self.key, &self.limiter, self.cost, self.lease);
     }
 }

@@ -32,9 +32,12 @@
 //! **Forgetting.** Every written key gets a TTL at its state's `forget_at` (rounded up to the
 //! millisecond), so Redis drops idle callers by itself: there is no sweep.
 //!
-//! **In-flight slots** ([`crate::limit::Concurrency`]) are a counter with no TTL, given back by
-//! [`RedisStore::release`]. A server that dies while holding slots never gives them back; leases
-//! that expire unless renewed are the next step for this store.
+//! **In-flight slots** ([`crate::limit::Concurrency`]) are *leases*: each admission that takes
+//! slots names a lease (a random id of its instance's choosing) that lasts `lease` (default
+//! 30 s); the instance renews the leases it still holds ([`RedisStore::renew`], one script for
+//! all of them) and gives them back when the work ends ([`RedisStore::release`]). A server that
+//! dies holding slots stops renewing, and its slots come back when the leases run out, instead of
+//! leaking for ever. Decisions are those of the Rust twin as long as no lease expires.
 //!
 //! **Keys** are used exactly as the checks name them. A Redis Cluster needs every key of one
 //! call in one slot, which is for the caller to arrange with hash tags.
@@ -75,12 +78,37 @@ const RELEASE_SCRIPT: &str = concat!(
     include_str!("redis/release.lua"),
 );
 
+/// The renew script: the prelude, in-flight slots, then the entry point.
+const RENEW_SCRIPT: &str =
+    concat!(include_str!("redis/prelude.lua"), include_str!("redis/concurrency.lua"), include_str!("redis/renew.lua"),);
+
+/// How long a lease on in-flight slots lasts unless renewed.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+/// A lease id: what an admission's slots are held under (below 2^52, exact in a Lua number).
+pub type Lease = u64;
+
+/// A fresh lease id.
+pub fn new_lease() -> Lease {
+    rand::random::<u64>() & ((1 << 52) - 1)
+}
+
 /// The longest bucket (capacity × period) or window, in ns, the scripts decide exactly: two of
 /// them added still fit in the 53 bits of a Lua number's integer range.
 const MAX_SPAN: Nanos = 1 << 52;
 
 /// Integers the scripts hold exactly (a clock reading in microseconds must stay below).
 const MAX_EXACT: u64 = 1 << 53;
+
+/// A clock reading in whole epoch microseconds below 2^53, as the scripts read time.
+fn micros(now: Nanos) -> Result<u64, StoreError> {
+    if !now.is_multiple_of(1_000) || now / 1_000 >= MAX_EXACT {
+        return Err(StoreError::OutOfRange(format!(
+            "clock reading {now} ns: the Redis store reads time in whole microseconds below 2^53"
+        )));
+    }
+    Ok(now / 1_000)
+}
 
 /// Values in the script's reply per check: allowed, limit, remaining, retry_after, reset_after.
 const REPLY_FIELDS: usize = 5;
@@ -131,6 +159,8 @@ pub struct RedisStore {
     address: String,
     decide: Script,
     release: Script,
+    renew: Script,
+    lease: Duration,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -154,14 +184,27 @@ impl RedisStore {
             .set_number_of_retries(1);
         let decide = Script::new(DECIDE_SCRIPT);
         let release = Script::new(RELEASE_SCRIPT);
+        let renew = Script::new(RENEW_SCRIPT);
         let connecting = async {
             let mut connection = ConnectionManager::new_with_config(client, config).await?;
             decide.load_async(&mut connection).await?;
             release.load_async(&mut connection).await?;
+            renew.load_async(&mut connection).await?;
             Ok(connection)
         };
         let connection = bounded(&address, timeout, connecting).await?;
-        Ok(RedisStore { connection, timeout, address, decide, release })
+        Ok(RedisStore { connection, timeout, address, decide, release, renew, lease: DEFAULT_LEASE })
+    }
+
+    /// This store with leases on in-flight slots lasting `lease` unless renewed.
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long a lease on in-flight slots lasts unless renewed.
+    pub fn lease(&self) -> Duration {
+        self.lease
     }
 
     /// Decides every check atomically in ONE script call (one round trip), time from Redis TIME.
@@ -169,7 +212,19 @@ impl RedisStore {
     /// One decision per check, in order; the states are charged only when every decision is
     /// `allowed`.
     pub async fn decide(&self, checks: &[Check<'_>]) -> Result<Vec<Decision>, StoreError> {
-        self.run(checks, None).await
+        self.run(checks, None, new_lease()).await
+    }
+
+    /// [`RedisStore::decide`], with any in-flight slots taken under `lease` (to renew and release
+    /// them by), at an explicit clock reading when `now` is given (see [`RedisStore::decide_at`]).
+    pub async fn decide_leased(
+        &self,
+        checks: &[Check<'_>],
+        lease: Lease,
+        now: Option<Nanos>,
+    ) -> Result<Vec<Decision>, StoreError> {
+        let now_us = now.map(micros).transpose()?;
+        self.run(checks, now_us, lease).await
     }
 
     /// The same with an explicit clock reading (epoch nanoseconds, a multiple of 1000): for
@@ -178,34 +233,43 @@ impl RedisStore {
     /// TTLs are set as if Redis's clock stood at `now`: a key written at a `now` ahead of Redis
     /// still expires one TTL after the write.
     pub async fn decide_at(&self, checks: &[Check<'_>], now: Nanos) -> Result<Vec<Decision>, StoreError> {
-        if !now.is_multiple_of(1_000) || now / 1_000 >= MAX_EXACT {
-            return Err(StoreError::OutOfRange(format!(
-                "clock reading {now} ns: the Redis store reads time in whole microseconds below 2^53"
-            )));
-        }
-        self.run(checks, Some(now / 1_000)).await
+        self.run(checks, Some(micros(now)?), new_lease()).await
     }
 
-    /// Gives back in-flight slots taken by an admitted concurrency check.
-    ///
-    /// A no-op for rate limiters, and for a key that holds no slots.
-    pub async fn release(&self, key: &str, limiter: &Limiter, cost: u64) -> Result<(), StoreError> {
-        if !limiter.holds_slots() || cost == 0 {
-            return Ok(());
-        }
+    /// Gives back the in-flight slots `lease` holds on `key`, when the work ends. A lease that is
+    /// gone already (expired, or given back) has nothing to give back.
+    pub async fn release(&self, key: &str, lease: Lease) -> Result<(), StoreError> {
         let mut invocation = self.release.key(key);
-        invocation.arg(cost);
+        invocation.arg(lease);
         let mut connection = self.connection.clone();
         let _in_flight: i64 = bounded(&self.address, self.timeout, invocation.invoke_async(&mut connection)).await?;
         Ok(())
     }
 
-    async fn run(&self, checks: &[Check<'_>], now_us: Option<u64>) -> Result<Vec<Decision>, StoreError> {
+    /// Extends every lease in `held` (key, lease, units) by another lease duration, in one script;
+    /// a lease that expired meanwhile is taken again, as its work still runs. Returns how many
+    /// had expired.
+    pub async fn renew(&self, held: &[(&str, Lease, u64)]) -> Result<u64, StoreError> {
+        if held.is_empty() {
+            return Ok(0);
+        }
+        let mut invocation = self.renew.prepare_invoke();
+        invocation.arg(u64::try_from(self.lease.as_micros()).unwrap_or(u64::MAX));
+        for (key, lease, units) in held {
+            invocation.key(*key).arg(*lease).arg(*units);
+        }
+        let mut connection = self.connection.clone();
+        let retaken: i64 = bounded(&self.address, self.timeout, invocation.invoke_async(&mut connection)).await?;
+        Ok(u64::try_from(retaken).unwrap_or(0))
+    }
+
+    async fn run(&self, checks: &[Check<'_>], now_us: Option<u64>, lease: Lease) -> Result<Vec<Decision>, StoreError> {
         if checks.is_empty() {
             return Ok(Vec::new());
         }
         let mut invocation = self.decide.prepare_invoke();
         invocation.arg(now_us.map_or_else(String::new, |us| us.to_string()));
+        invocation.arg(lease).arg(u64::try_from(self.lease.as_micros()).unwrap_or(u64::MAX));
         for check in checks {
             invocation.key(check.key).arg(check.limiter.algorithm()).arg(check.limiter.capacity());
             invocation.arg(script_span(check)?).arg(check.cost);

@@ -5,7 +5,9 @@
 --
 -- KEYS: one per check, as given.
 -- ARGV[1]: now in epoch microseconds, or "" to use Redis's TIME.
--- ARGV[2..]: four per check: algorithm name, capacity, span (ns; see the prelude), cost.
+-- ARGV[2], ARGV[3]: the lease in-flight slots are taken under, and its duration in us
+-- (see concurrency.lua).
+-- ARGV[4..]: four per check: algorithm name, capacity, span (ns; see the prelude), cost.
 -- Returns five integers per check: allowed (1 or 0), limit, remaining, retry_after (ns),
 -- reset_after (ns).
 
@@ -15,6 +17,7 @@ if redis.replicate_commands then
 end
 
 local now_us = read_now(ARGV[1])
+local lease, lease_us = tonumber(ARGV[2]), tonumber(ARGV[3])
 
 -- What a key holds: its algorithm's name and state. A missing key, or one that is not a
 -- limiter state, has no name, and every check treats it as fresh.
@@ -37,13 +40,18 @@ local order = {}
 local reply = {}
 local all_allowed = true
 for i, key in ipairs(KEYS) do
-  local at = 2 + (i - 1) * 4
+  local at = 4 + (i - 1) * 4
   local name = ARGV[at]
   local algorithm = algorithms[name]
   if not algorithm then
     return redis.error_reply('unknown limiter algorithm "' .. tostring(name) .. '"')
   end
-  local limiter = { capacity = tonumber(ARGV[at + 1]), span = tonumber(ARGV[at + 2]) }
+  local limiter = {
+    capacity = tonumber(ARGV[at + 1]),
+    span = tonumber(ARGV[at + 2]),
+    lease = lease,
+    lease_us = lease_us,
+  }
   local cost = tonumber(ARGV[at + 3])
 
   local entry = staged[key]

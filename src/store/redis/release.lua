@@ -1,24 +1,22 @@
--- release.lua: the entry point that gives back in-flight slots taken by an admitted
--- concurrency check (concurrency.lua). A key that holds no concurrency state has nothing to
--- give back; a key whose last slot comes back is deleted, as good as fresh.
+-- release.lua: the entry point that gives back the slots of one lease (concurrency.lua) on one
+-- key, when the work that held them ends. A lease already gone (expired, or given back) has
+-- nothing to give back.
 --
--- KEYS[1]: the key. ARGV[1]: the slots to give back.
--- Returns the slots still in flight.
-local key = KEYS[1]
-local cost = tonumber(ARGV[1])
-local raw = redis.call('GET', key)
-if not raw then
-  return 0
+-- KEYS[1]: the key. ARGV[1]: the lease.
+-- Returns the slots still in flight on the key.
+local now_us = read_now('')
+local lease = tonumber(ARGV[1])
+local state = load_leases(KEYS[1])
+local kept = {}
+for _, held in ipairs(state.leases) do
+  if held.id ~= lease then
+    kept[#kept + 1] = held
+  end
 end
-local name, fields = decode(raw)
-local state = name == 'concurrency' and algorithms.concurrency.load(fields)
-if not state then
-  return 0
+state.leases = kept
+store_leases(KEYS[1], state, now_us)
+local in_flight = 0
+for _, held in ipairs(state.leases) do
+  in_flight = in_flight + held.units
 end
-state = algorithms.concurrency.release(state, cost)
-if state.in_flight == 0 then
-  redis.call('DEL', key)
-else
-  redis.call('SET', key, encode('concurrency', algorithms.concurrency.save(state)))
-end
-return state.in_flight
+return in_flight
