@@ -106,15 +106,26 @@ impl App {
             backoff: Backoff::new(up.max_attempts, Duration::from_millis(up.max_retry_after_ms)),
             refresh_wait: timeout + Duration::from_secs(1),
         };
-        let queue = Arc::new(FairQueue::new(
-            QueueRules {
-                max_in_flight: up.max_in_flight,
-                video_gap: ms(up.video_min_gap_ms),
-                max_waiting: up.queue_max,
-                max_videos_waiting: up.video_queue_max,
-            },
-            clock.clone(),
-        ));
+        let store = Arc::new(match config.store.backend {
+            Backend::Memory => Store::memory(clock.clone()),
+            Backend::Redis => {
+                let timeout = Duration::from_millis(config.store.timeout_ms);
+                let lease = Duration::from_millis(config.store.lease_ms);
+                Store::redis(RedisStore::connect(&config.store.redis_url, timeout).await?.with_lease(lease))
+            }
+        });
+        let queue = Arc::new(
+            FairQueue::new(
+                QueueRules {
+                    max_in_flight: up.max_in_flight,
+                    video_gap: ms(up.video_min_gap_ms),
+                    max_waiting: up.queue_max,
+                    max_videos_waiting: up.video_queue_max,
+                },
+                clock.clone(),
+            )
+            .spaced_in(store.clone()),
+        );
         tokio::spawn(queue.clone().dispatch(stop.child_token()));
         let jobs = Arc::new(Jobs::new(
             upstream.clone(),
@@ -125,14 +136,6 @@ impl App {
             metrics.clone(),
             stop.child_token(),
         ));
-        let store = match config.store.backend {
-            Backend::Memory => Store::memory(clock.clone()),
-            Backend::Redis => {
-                let timeout = Duration::from_millis(config.store.timeout_ms);
-                let lease = Duration::from_millis(config.store.lease_ms);
-                Store::redis(RedisStore::connect(&config.store.redis_url, timeout).await?.with_lease(lease))
-            }
-        };
         let guard = Guard::new(store, clock.clone(), &config, metrics.clone());
         let state =
             Arc::new(AppState { identifier: Identifier::new(&config), guard, metrics, upstream, jobs, clock, config });

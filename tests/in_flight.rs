@@ -89,7 +89,7 @@ async fn a_dropped_admission_gives_its_slot_back_even_when_its_task_is_aborted()
     let config = Config::from_toml(&two_slots("")).expect("config");
     let metrics = Arc::new(Metrics::new());
     let clock = ManualClock::new();
-    let guard = Guard::new(Store::memory(clock.clone()), clock, &config, metrics.clone());
+    let guard = Guard::new(Arc::new(Store::memory(clock.clone())), clock, &config, metrics.clone());
     let caller = Caller::from_token("holder");
     let args = json!({"title": "t", "body": "b"});
     let save = ToolCall { tool: "save_article", args: &args, starts_job: false, loop_exempt: true };

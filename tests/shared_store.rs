@@ -203,3 +203,62 @@ async fn a_crashed_instances_slots_come_back_when_its_leases_run_out() {
     .await;
     assert!(!is_error(&call(&client, "generate_image", json!({"prompt": "after the leases"})).await));
 }
+
+/// A server on the real clock (Redis's clock is real time too), serving on a free port.
+async fn real_time_server(config: &str) -> (std::sync::Arc<mcp_ratelimit::App>, String) {
+    let config = mcp_ratelimit::Config::from_toml(config).expect("config");
+    let app = std::sync::Arc::new(
+        mcp_ratelimit::App::start(config, mcp_ratelimit::clock::SystemClock::shared()).await.expect("starts"),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}/mcp", listener.local_addr().expect("addr"));
+    let serving = app.clone();
+    tokio::spawn(async move { serving.serve_http(listener).await });
+    (app, url)
+}
+
+#[tokio::test]
+async fn three_instances_space_their_video_submissions_as_one_queue() {
+    let redis = TestRedis::start();
+    // One mock upstream for all three, on the real clock, recording when submissions arrive.
+    let mock_config = mcp_ratelimit::Config::defaults().expect("defaults").mock_upstream;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let clock = mcp_ratelimit::clock::SystemClock::shared();
+    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(mock_config, clock, listener).await.expect("mock");
+    const GAP_MS: u64 = 300;
+    let config = shared(&redis, "", &format!("[upstream]\nurl = \"{}\"\nvideo_min_gap_ms = {GAP_MS}\n", mock.url));
+    let mut servers = Vec::new();
+    for _ in 0..3 {
+        servers.push(real_time_server(&config).await);
+    }
+    // Three callers, one on each instance, each sending two videos at once.
+    let mut clients = Vec::new();
+    for (_, url) in &servers {
+        let transport = rmcp::transport::StreamableHttpClientTransport::from_config(
+            rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(url.clone())
+                .auth_header(token("director")),
+        );
+        clients.push(rmcp::ServiceExt::serve((), transport).await.expect("client connects"));
+    }
+    let video = |i: usize| json!({"image_url": "https://example.com/a.png", "prompt": format!("scene {i}")});
+    let calls = clients.iter().enumerate().flat_map(|(i, c)| {
+        [call(c, "generate_image_to_video", video(2 * i)), call(c, "generate_image_to_video", video(2 * i + 1))]
+    });
+    for r in futures::future::join_all(calls).await {
+        assert!(!is_error(&r), "{}", text(&r));
+    }
+    let log_url = format!("{}/v1/submissions", mock.url);
+    let mut arrivals = Vec::new();
+    for _ in 0..500 {
+        let log: serde_json::Value = reqwest::get(&log_url).await.expect("log").json().await.expect("json");
+        arrivals = log["submissions"].as_array().expect("list").iter().filter_map(|s| s["at_ns"].as_u64()).collect();
+        if arrivals.len() >= 6 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(arrivals.len(), 6, "every video was submitted");
+    let gaps: Vec<u64> = arrivals.windows(2).map(|w| (w[1] - w[0]) / 1_000_000).collect();
+    // Spaced on Redis's clock; the mock stamps arrivals on its own, a few ms of jitter apart.
+    assert!(gaps.iter().all(|&gap| gap + 20 >= GAP_MS), "submissions {gaps:?} ms apart, the gap is {GAP_MS} ms");
+}

@@ -196,7 +196,7 @@ fn checks_of<'a>(scopes: &'a [(Scope, &'a Limiter, u64)]) -> Vec<Check<'a>> {
 impl Guard {
     /// A guard over `store` with the limits of `config`; over a shared store, with an insurance
     /// limiter for when it cannot decide.
-    pub fn new(store: Store, clock: SharedClock, config: &Config, metrics: Arc<Metrics>) -> Self {
+    pub fn new(store: Arc<Store>, clock: SharedClock, config: &Config, metrics: Arc<Metrics>) -> Self {
         let loops = &config.loop_detection;
         let loops = loops
             .enabled
@@ -209,7 +209,7 @@ impl Guard {
         });
         Self {
             enabled: config.limits.enabled,
-            store: Arc::new(store),
+            store,
             clock,
             policy: Policy::new(config),
             insurance,

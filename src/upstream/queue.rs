@@ -19,6 +19,12 @@
 //! [`AccountSlot`] goes back (and wakes the dispatcher) when dropped. A job that must retry gives
 //! its slot back and returns to the *front* of its flow with a `not_before`, so it keeps its
 //! place and the backoff applies. Every wait is on the shared [`Clock`](crate::clock::Clock).
+//!
+//! Over a shared store (Redis) the video spacing holds across instances: before a video leaves,
+//! the dispatcher claims the gap in the store (a GCRA of burst 1, one per gap, on Redis's clock),
+//! so three instances submit videos as one queue would; an instance that finds the gap taken puts
+//! the video back at the front and waits the time the store says. (The account's in-flight cap
+//! and the round robin are still per instance.)
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -26,8 +32,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::{Notify, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::clock::{Nanos, SharedClock};
+use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
+use crate::limit::{Gcra, Limiter};
+use crate::store::{Check, Store};
 use crate::upstream::api::PredictionKind;
+
+/// The key the video gap is claimed under in a shared store (its own hash tag: one slot).
+const VIDEO_GAP_KEY: &str = "{upstream}video_gap";
 
 /// How the queue is sized and paced.
 #[derive(Debug, Clone)]
@@ -46,6 +57,9 @@ struct Waiting {
     id: String,
     kind: PredictionKind,
     not_before: Nanos,
+    /// The flow it waits in, and that flow's quantum (set by `State::push`).
+    flow: String,
+    quantum: f64,
     turn: oneshot::Sender<AccountSlot>,
 }
 
@@ -146,7 +160,19 @@ impl State {
         true
     }
 
-    fn push(&mut self, flow: &str, quantum: f64, job: Waiting, front: bool) {
+    /// Puts a job [`State::pick`] took back at the front of its flow, with its unit of deficit,
+    /// as if it had not been picked.
+    fn unpick(&mut self, job: Waiting) {
+        let (flow, quantum) = (job.flow.clone(), job.quantum);
+        self.push(&flow, quantum, job, true);
+        if let Some(entry) = self.flows.get_mut(&flow) {
+            entry.deficit += 1.0;
+        }
+    }
+
+    fn push(&mut self, flow: &str, quantum: f64, mut job: Waiting, front: bool) {
+        job.flow = flow.to_owned();
+        job.quantum = quantum;
         let entry = self.flows.entry(flow.to_owned()).or_insert_with(|| Flow { quantum, ..Flow::default() });
         entry.quantum = quantum;
         let was_idle = entry.jobs.is_empty();
@@ -168,6 +194,8 @@ pub struct FairQueue {
     clock: SharedClock,
     state: Mutex<State>,
     changed: Notify,
+    /// A shared store the video gap is claimed in, so every instance spaces videos as one.
+    shared: Option<(Arc<Store>, Limiter)>,
 }
 
 impl std::fmt::Debug for FairQueue {
@@ -240,7 +268,32 @@ pub struct Occupancy {
 impl FairQueue {
     /// A queue with `rules`, its waits on `clock`.
     pub fn new(rules: QueueRules, clock: SharedClock) -> Self {
-        Self { rules, clock, state: Mutex::new(State::default()), changed: Notify::new() }
+        Self { rules, clock, state: Mutex::new(State::default()), changed: Notify::new(), shared: None }
+    }
+
+    /// This queue with its video spacing claimed in `store` when it is shared by several
+    /// instances.
+    pub fn spaced_in(mut self, store: Arc<Store>) -> Self {
+        if store.is_shared() && self.rules.video_gap > 0 {
+            let per_sec = NANOS_PER_SEC as f64 / self.rules.video_gap as f64;
+            self.shared = Some((store, Limiter::Gcra(Gcra::new(1, per_sec))));
+        }
+        self
+    }
+
+    /// Claims the video gap in the shared store: `None` if this video may go now, else how long
+    /// until the gap another instance claimed has passed. A store that cannot answer leaves the
+    /// local spacing in charge.
+    async fn claim_video_gap(&self) -> Option<Nanos> {
+        let (store, gap) = self.shared.as_ref()?;
+        match store.decide_one(&Check { key: VIDEO_GAP_KEY, limiter: gap, cost: 1 }).await {
+            Ok(d) if d.allowed => None,
+            Ok(d) => Some(d.retry_after.max(1)),
+            Err(error) => {
+                tracing::warn!(%error, "cannot claim the video gap in the shared store; spacing locally");
+                None
+            }
+        }
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -274,6 +327,16 @@ impl FairQueue {
                 }
             };
             if let Some(job) = picked {
+                if job.kind == PredictionKind::Video
+                    && let Some(wait) = self.claim_video_gap().await
+                {
+                    // Another instance submitted a video within the gap: back to the front.
+                    let mut state = self.state();
+                    state.in_flight = state.in_flight.saturating_sub(1);
+                    state.next_video_at = self.clock.now().saturating_add(wait);
+                    state.unpick(job);
+                    continue;
+                }
                 // A job that left meanwhile drops its receiver: the slot comes straight back.
                 let _ = job.turn.send(AccountSlot { queue: self.clone() });
                 continue;
@@ -343,7 +406,8 @@ impl FairQueue {
     /// back), not to leave before `not_before`.
     pub fn requeue_front(&self, flow: &str, quantum: f64, id: &str, kind: PredictionKind, not_before: Nanos) -> Turn {
         let (turn, waiting) = oneshot::channel();
-        self.state().push(flow, quantum, Waiting { id: id.to_owned(), kind, not_before, turn }, true);
+        let job = Waiting { id: id.to_owned(), kind, not_before, flow: String::new(), quantum, turn };
+        self.state().push(flow, quantum, job, true);
         self.changed.notify_waiters();
         waiting
     }
@@ -399,7 +463,8 @@ impl Reservation {
             PredictionKind::Video => state.reserved_videos = state.reserved_videos.saturating_sub(1),
         }
         let quantum = quantum.clamp(0.01, 1000.0);
-        state.push(flow, quantum, Waiting { id: id.to_owned(), kind: self.kind, not_before: 0, turn }, false);
+        let job = Waiting { id: id.to_owned(), kind: self.kind, not_before: 0, flow: String::new(), quantum, turn };
+        state.push(flow, quantum, job, false);
         drop(state);
         self.queue.changed.notify_waiters();
         waiting
@@ -518,7 +583,15 @@ mod tests {
         let mut state = State::default();
         let push = |state: &mut State, flow: &str, q: f64, id: &str| {
             let (turn, _) = oneshot::channel();
-            state.push(flow, q, Waiting { id: id.into(), kind: PredictionKind::Image, not_before: 0, turn }, false);
+            let job = Waiting {
+                id: id.into(),
+                kind: PredictionKind::Image,
+                not_before: 0,
+                flow: String::new(),
+                quantum: q,
+                turn,
+            };
+            state.push(flow, q, job, false);
         };
         for i in 0..8 {
             push(&mut state, "heavy", 3.0, &format!("h{i}"));
