@@ -124,7 +124,7 @@ impl App {
                 },
                 clock.clone(),
             )
-            .spaced_in(store.clone()),
+            .shared_in(store.clone()),
         );
         tokio::spawn(queue.clone().dispatch(stop.child_token()));
         let jobs = Arc::new(Jobs::new(

@@ -30,7 +30,8 @@ fn shared(redis: &TestRedis, store: &str, extra: &str) -> String {
 
 #[tokio::test]
 async fn three_instances_share_one_budget_and_one_in_flight_cap() {
-    let redis = TestRedis::start();
+    // Jobs claim upstream-wide keys (the account, the video gap): a server of this test's own.
+    let redis = TestRedis::private();
     let config = shared(&redis, "", "");
     let servers =
         [TestServer::start(&config).await, TestServer::start(&config).await, TestServer::start(&config).await];
@@ -176,7 +177,7 @@ impl Instance {
 
 #[tokio::test]
 async fn a_crashed_instances_slots_come_back_when_its_leases_run_out() {
-    let redis = TestRedis::start();
+    let redis = TestRedis::private();
     let painter = token("painter");
     let mut doomed = Instance::start(&redis, 400).await;
     let transport = rmcp::transport::StreamableHttpClientTransport::from_config(
@@ -219,7 +220,7 @@ async fn real_time_server(config: &str) -> (std::sync::Arc<mcp_ratelimit::App>, 
 
 #[tokio::test]
 async fn three_instances_space_their_video_submissions_as_one_queue() {
-    let redis = TestRedis::start();
+    let redis = TestRedis::private();
     // One mock upstream for all three, on the real clock, recording when submissions arrive.
     let mock_config = mcp_ratelimit::Config::defaults().expect("defaults").mock_upstream;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -261,4 +262,51 @@ async fn three_instances_space_their_video_submissions_as_one_queue() {
     let gaps: Vec<u64> = arrivals.windows(2).map(|w| (w[1] - w[0]) / 1_000_000).collect();
     // Spaced on Redis's clock; the mock stamps arrivals on its own, a few ms of jitter apart.
     assert!(gaps.iter().all(|&gap| gap + 20 >= GAP_MS), "submissions {gaps:?} ms apart, the gap is {GAP_MS} ms");
+}
+
+#[tokio::test]
+async fn two_instances_share_one_upstream_account_and_a_slot_freed_anywhere_starts_a_waiting_job() {
+    let redis = TestRedis::private();
+    let config = shared(&redis, "", "[upstream]\nmax_in_flight = 3\n");
+    let servers = [TestServer::start(&config).await, TestServer::start(&config).await];
+    let mut running = Vec::new();
+    let mut waiting = 0;
+    for i in 0..6 {
+        let server = &servers[i % 2];
+        let client = server.client(Some(&token(&format!("caller{i}")))).await;
+        let r = call(&client, "generate_image", json!({"prompt": format!("p{i}")})).await;
+        assert!(!is_error(&r), "{}", text(&r));
+        if structured(&r)["queue_position"].is_u64() {
+            waiting += 1;
+        } else {
+            running.push((i % 2, client, structured(&r)["predict_id"].as_str().expect("id").to_owned()));
+        }
+    }
+    let created = || async {
+        let mut n = 0;
+        for server in &servers {
+            n += server.upstream_usage().await["predictions_created"].as_u64().expect("count");
+        }
+        n
+    };
+    assert_eq!((running.len(), waiting), (3, 3), "one account of 3 across both instances");
+    assert_eq!(created().await, 3);
+
+    // A job ends on one instance: its account slot comes back in Redis, and a job waiting on
+    // either instance starts when its dispatcher next asks (a second later on its clock).
+    let (_, client, id) = &running[0];
+    let r = call(client, "cancel_prediction", json!({"predict_id": id})).await;
+    assert_eq!(structured(&r)["status"], "canceled");
+    eventually("a waiting job started in the freed slot", || async {
+        for server in &servers {
+            server.advance_secs(1.0);
+        }
+        created().await == 4
+    })
+    .await;
+    for server in &servers {
+        server.advance_secs(5.0);
+    }
+    settle().await;
+    assert_eq!(created().await, 4, "still one account of 3");
 }

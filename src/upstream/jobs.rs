@@ -188,7 +188,7 @@ impl Jobs {
         slots: Slots,
     ) -> Result<JobView, UpstreamError> {
         let kind = job.kind;
-        let place = match place.start_now() {
+        let place = match place.start_now().await {
             Ok(account) => return self.submit_now(owner, job, vec![slots, Box::new(account)]).await,
             Err(place) => place,
         };

@@ -20,11 +20,13 @@
 //! its slot back and returns to the *front* of its flow with a `not_before`, so it keeps its
 //! place and the backoff applies. Every wait is on the shared [`Clock`](crate::clock::Clock).
 //!
-//! Over a shared store (Redis) the video spacing holds across instances: before a video leaves,
-//! the dispatcher claims the gap in the store (a GCRA of burst 1, one per gap, on Redis's clock),
-//! so three instances submit videos as one queue would; an instance that finds the gap taken puts
-//! the video back at the front and waits the time the store says. (The account's in-flight cap
-//! and the round robin are still per instance.)
+//! Over a shared store (Redis) the account's cap and the video spacing hold across instances:
+//! before a job leaves, the dispatcher claims an account slot in the store (a lease on a
+//! `concurrency` scope of `max_in_flight`, renewed while the job runs, like any in-flight slot)
+//! and, for a video, the gap (a GCRA of burst 1, one per gap, on Redis's clock) — both in one
+//! all-or-nothing decision. An instance that finds the account full or the gap taken puts the
+//! job back at the front of its flow and tries again when the store says (the gap) or after a
+//! second (a slot another instance holds). The round robin itself is per instance.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -33,12 +35,32 @@ use tokio::sync::{Notify, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
-use crate::limit::{Gcra, Limiter};
-use crate::store::{Check, Store};
+use crate::limit::{Concurrency, Gcra, Limiter};
+use crate::store::{Check, SlotGuard, Store, new_lease};
 use crate::upstream::api::PredictionKind;
 
-/// The key the video gap is claimed under in a shared store (its own hash tag: one slot).
+/// The keys the account's slots and the video gap are claimed under in a shared store (one
+/// hash tag: one slot, one decision).
+const ACCOUNT_KEY: &str = "{upstream}account:in_flight";
 const VIDEO_GAP_KEY: &str = "{upstream}video_gap";
+/// How long an instance waits before asking again for an account slot another instance holds
+/// (it cannot be told when one frees).
+const ACCOUNT_RETRY: Nanos = NANOS_PER_SEC;
+
+/// The account and the video gap in a shared store.
+struct Shared {
+    store: Arc<Store>,
+    account: Limiter,
+    gap: Option<Limiter>,
+}
+
+/// What the shared store said to a job about to leave.
+enum Claim {
+    /// Go, holding this account slot (none without a shared store, or when it cannot answer).
+    Go(Option<SlotGuard>),
+    /// Not yet: the account is full (`true`) or the gap is taken, for this long.
+    Wait(Nanos, bool),
+}
 
 /// How the queue is sized and paced.
 #[derive(Debug, Clone)]
@@ -74,6 +96,8 @@ struct Flow {
 struct State {
     in_flight: usize,
     next_video_at: Nanos,
+    /// Over a shared store: no job leaves before this (the account was full everywhere).
+    account_full_until: Nanos,
     flows: HashMap<String, Flow>,
     /// Flows with waiting jobs, in round-robin order.
     ring: VecDeque<String>,
@@ -93,7 +117,7 @@ impl State {
     /// The next job to serve by deficit round robin, taken out of its flow; `None` if no slot is
     /// free or no waiting job may go yet.
     fn pick(&mut self, max_in_flight: usize, now: Nanos) -> Option<Waiting> {
-        if self.in_flight >= max_in_flight {
+        if self.in_flight >= max_in_flight || now < self.account_full_until {
             return None;
         }
         let any_eligible = self
@@ -136,6 +160,9 @@ impl State {
     fn next_wake(&self, max_in_flight: usize, now: Nanos) -> Option<Nanos> {
         if self.in_flight >= max_in_flight {
             return None;
+        }
+        if now < self.account_full_until && !self.ring.is_empty() {
+            return Some(self.account_full_until);
         }
         self.flows
             .values()
@@ -194,8 +221,9 @@ pub struct FairQueue {
     clock: SharedClock,
     state: Mutex<State>,
     changed: Notify,
-    /// A shared store the video gap is claimed in, so every instance spaces videos as one.
-    shared: Option<(Arc<Store>, Limiter)>,
+    /// A shared store the account's slots and the video gap are claimed in, so every instance
+    /// keeps one cap and one spacing.
+    shared: Option<Shared>,
 }
 
 impl std::fmt::Debug for FairQueue {
@@ -208,6 +236,8 @@ impl std::fmt::Debug for FairQueue {
 #[must_use = "dropping an account slot gives it back at once"]
 pub struct AccountSlot {
     queue: Arc<FairQueue>,
+    /// Its lease in a shared store, given back with it.
+    _lease: Option<SlotGuard>,
 }
 
 impl std::fmt::Debug for AccountSlot {
@@ -271,27 +301,42 @@ impl FairQueue {
         Self { rules, clock, state: Mutex::new(State::default()), changed: Notify::new(), shared: None }
     }
 
-    /// This queue with its video spacing claimed in `store` when it is shared by several
-    /// instances.
-    pub fn spaced_in(mut self, store: Arc<Store>) -> Self {
-        if store.is_shared() && self.rules.video_gap > 0 {
-            let per_sec = NANOS_PER_SEC as f64 / self.rules.video_gap as f64;
-            self.shared = Some((store, Limiter::Gcra(Gcra::new(1, per_sec))));
+    /// This queue with the account's cap and the video spacing claimed in `store` when it is
+    /// shared by several instances.
+    pub fn shared_in(mut self, store: Arc<Store>) -> Self {
+        if store.is_shared() {
+            let account = Limiter::Concurrency(Concurrency::new(self.rules.max_in_flight as u64));
+            let gap = (self.rules.video_gap > 0)
+                .then(|| Limiter::Gcra(Gcra::new(1, NANOS_PER_SEC as f64 / self.rules.video_gap as f64)));
+            self.shared = Some(Shared { store, account, gap });
         }
         self
     }
 
-    /// Claims the video gap in the shared store: `None` if this video may go now, else how long
-    /// until the gap another instance claimed has passed. A store that cannot answer leaves the
-    /// local spacing in charge.
-    async fn claim_video_gap(&self) -> Option<Nanos> {
-        let (store, gap) = self.shared.as_ref()?;
-        match store.decide_one(&Check { key: VIDEO_GAP_KEY, limiter: gap, cost: 1 }).await {
-            Ok(d) if d.allowed => None,
-            Ok(d) => Some(d.retry_after.max(1)),
+    /// Claims, in the shared store, an account slot and for a video the gap, in one decision. A
+    /// store that cannot answer leaves the local cap and spacing in charge.
+    async fn claim(&self, kind: PredictionKind) -> Claim {
+        let Some(shared) = &self.shared else { return Claim::Go(None) };
+        let mut checks = vec![Check { key: ACCOUNT_KEY, limiter: &shared.account, cost: 1 }];
+        if let (PredictionKind::Video, Some(gap)) = (kind, &shared.gap) {
+            checks.push(Check { key: VIDEO_GAP_KEY, limiter: gap, cost: 1 });
+        }
+        let lease = new_lease();
+        match shared.store.decide_leased(&checks, lease).await {
+            Ok(decisions) if decisions.iter().all(|d| d.allowed) => {
+                let slot =
+                    SlotGuard::new(shared.store.clone(), ACCOUNT_KEY.to_owned(), shared.account.clone(), 1, lease);
+                Claim::Go(Some(slot))
+            }
+            Ok(decisions) => {
+                let account_full = decisions.first().is_some_and(|d| !d.allowed);
+                let gap = decisions.get(1).filter(|d| !d.allowed).map_or(0, |d| d.retry_after);
+                let wait = if account_full { gap.max(ACCOUNT_RETRY) } else { gap.max(1) };
+                Claim::Wait(wait, account_full)
+            }
             Err(error) => {
-                tracing::warn!(%error, "cannot claim the video gap in the shared store; spacing locally");
-                None
+                tracing::warn!(%error, "cannot claim the upstream account in the shared store; limiting locally");
+                Claim::Go(None)
             }
         }
     }
@@ -327,18 +372,25 @@ impl FairQueue {
                 }
             };
             if let Some(job) = picked {
-                if job.kind == PredictionKind::Video
-                    && let Some(wait) = self.claim_video_gap().await
-                {
-                    // Another instance submitted a video within the gap: back to the front.
-                    let mut state = self.state();
-                    state.in_flight = state.in_flight.saturating_sub(1);
-                    state.next_video_at = self.clock.now().saturating_add(wait);
-                    state.unpick(job);
-                    continue;
-                }
+                let lease = match self.claim(job.kind).await {
+                    Claim::Go(lease) => lease,
+                    Claim::Wait(wait, account_full) => {
+                        // Another instance holds the slots, or submitted a video within the gap:
+                        // back to the front, until the store says.
+                        let mut state = self.state();
+                        state.in_flight = state.in_flight.saturating_sub(1);
+                        let until = self.clock.now().saturating_add(wait);
+                        if account_full {
+                            state.account_full_until = until;
+                        } else {
+                            state.next_video_at = until;
+                        }
+                        state.unpick(job);
+                        continue;
+                    }
+                };
                 // A job that left meanwhile drops its receiver: the slot comes straight back.
-                let _ = job.turn.send(AccountSlot { queue: self.clone() });
+                let _ = job.turn.send(AccountSlot { queue: self.clone(), _lease: lease });
                 continue;
             }
             let sleep = async {
@@ -438,18 +490,33 @@ impl FairQueue {
 impl Reservation {
     /// An account slot at once, if one is free and no job is waiting for one (nobody is
     /// overtaken). Videos always wait their turn: the gap applies to them.
-    pub fn start_now(mut self) -> Result<AccountSlot, Self> {
+    pub async fn start_now(mut self) -> Result<AccountSlot, Self> {
         let queue = self.queue.clone();
-        let mut state = queue.state();
-        let nobody_waiting = state.ring.is_empty();
-        if self.kind == PredictionKind::Image && nobody_waiting && state.in_flight < queue.rules.max_in_flight {
+        {
+            let mut state = queue.state();
+            let free = state.ring.is_empty()
+                && state.in_flight < queue.rules.max_in_flight
+                && queue.clock.now() >= state.account_full_until;
+            if self.kind != PredictionKind::Image || !free {
+                return Err(self);
+            }
+            // Taken locally first, so two calls racing here cannot both pass the local cap.
             state.in_flight += 1;
-            state.reserved_images = state.reserved_images.saturating_sub(1);
-            self.used = true;
-            return Ok(AccountSlot { queue: queue.clone() });
         }
-        drop(state);
-        Err(self)
+        match queue.claim(self.kind).await {
+            Claim::Go(lease) => {
+                let mut state = queue.state();
+                state.reserved_images = state.reserved_images.saturating_sub(1);
+                self.used = true;
+                Ok(AccountSlot { queue: queue.clone(), _lease: lease })
+            }
+            Claim::Wait(wait, _) => {
+                let mut state = queue.state();
+                state.in_flight = state.in_flight.saturating_sub(1);
+                state.account_full_until = queue.clock.now().saturating_add(wait);
+                Err(self)
+            }
+        }
     }
 
     /// Turns the promised place into job `id` waiting at the back of `flow` (weighted by
@@ -507,7 +574,7 @@ mod tests {
     async fn round_robin_across_flows_not_first_come_first_served() {
         let clock = ManualClock::new();
         let q = queue(&clock, 1);
-        let held = q.reserve(PredictionKind::Image).expect("room").start_now().expect("a free slot");
+        let held = q.reserve(PredictionKind::Image).expect("room").start_now().await.expect("a free slot");
         let mut turns = Vec::new();
         for i in 0..3 {
             turns.push(("a", q.reserve(PredictionKind::Image).expect("room").enqueue("a", 1.0, &format!("a{i}"))));
@@ -541,7 +608,7 @@ mod tests {
         let _first = granted(&mut v1).await.expect("the first video goes at once");
         assert!(granted(&mut v2).await.is_none(), "the second waits for the gap");
         let image = q.reserve(PredictionKind::Image).expect("room");
-        let image = image.start_now().expect_err("someone is waiting: no overtaking at the door");
+        let image = image.start_now().await.expect_err("someone is waiting: no overtaking at the door");
         let mut image = image.enqueue("b", 1.0, "i1");
         assert!(granted(&mut image).await.is_some(), "an image needs no gap");
         clock.advance(Duration::from_nanos(GAP));
@@ -552,10 +619,10 @@ mod tests {
     async fn a_full_account_holds_jobs_until_a_slot_is_given_back() {
         let clock = ManualClock::new();
         let q = queue(&clock, 2);
-        let a = q.reserve(PredictionKind::Image).expect("room").start_now().expect("slot");
-        let _b = q.reserve(PredictionKind::Image).expect("room").start_now().expect("slot");
+        let a = q.reserve(PredictionKind::Image).expect("room").start_now().await.expect("slot");
+        let _b = q.reserve(PredictionKind::Image).expect("room").start_now().await.expect("slot");
         let waiting = q.reserve(PredictionKind::Image).expect("room");
-        let mut waiting = waiting.start_now().expect_err("the account is full").enqueue("c", 1.0, "c0");
+        let mut waiting = waiting.start_now().await.expect_err("the account is full").enqueue("c", 1.0, "c0");
         assert!(granted(&mut waiting).await.is_none());
         assert_eq!(q.occupancy().in_flight, 2);
         drop(a);
