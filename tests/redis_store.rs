@@ -579,3 +579,63 @@ async fn an_unrenewed_lease_runs_out_and_frees_its_slots_and_a_renewed_one_does_
 
 /// How long leases last in the lease test.
 const LEASE: Duration = Duration::from_secs(10);
+
+#[test]
+fn the_loop_script_decides_like_the_loop_detector() {
+    use mcp_ratelimit::guard::loops::{LoopDetector, signature};
+    use mcp_ratelimit::store::redis::LoopAnswer;
+    let redis = TestRedis::start();
+    let runtime = runtime();
+    let store = runtime.block_on(RedisStore::connect(&redis.url, TIMEOUT)).expect("connects to Redis");
+    const WINDOW: Nanos = 60 * SEC;
+    // Calls from a small alphabet (so repeats and A/B runs are common), now and then a step of
+    // time, sometimes a whole window.
+    let step = prop_oneof![8 => Just(0u64), 1 => Just(SEC), 1 => Just(WINDOW), 1 => Just(WINDOW - 1_000)];
+    let strategy = prop::collection::vec((0..2u8, step), 1..=40);
+    let case = std::cell::Cell::new(0);
+    let outcome = runner().run(&strategy, |calls| {
+        case.set(case.get() + 1);
+        let key = redis.key(&format!("loops:{}", case.get()));
+        let local = LoopDetector::new(5, WINDOW);
+        let mut now = EPOCH;
+        for (n, (letter, dt)) in calls.into_iter().enumerate() {
+            now += dt;
+            let args = serde_json::json!({ "page": letter });
+            let expected = local.check("caller", "list_articles", &args, now);
+            let answer = runtime
+                .block_on(store.loop_check(&key, signature(7, "list_articles", &args), WINDOW, 5, Some(now)))
+                .map_err(|e| TestCaseError::fail(format!("call {n}: {e}")))?;
+            match (expected, answer) {
+                (Ok(_), LoopAnswer::Recorded(_)) => {}
+                (Err(looping), LoopAnswer::Looping { retry_after, oscillating }) => {
+                    prop_assert_eq!(
+                        (looping.retry_after, looping.oscillating),
+                        (retry_after, oscillating),
+                        "call {}",
+                        n
+                    );
+                }
+                (expected, answer) => prop_assert!(false, "call {}: local {:?}, Redis {:?}", n, expected, answer),
+            }
+        }
+        Ok(())
+    });
+    if let Err(e) = outcome {
+        panic!("{e}");
+    }
+    // And the two patterns by name: the 5th of one call, the 9th of an A/B run.
+    let key = redis.key("loops:named");
+    let sig = |letter: u8| signature(7, "list_articles", &serde_json::json!({ "page": letter }));
+    let answers: Vec<LoopAnswer> = [0u8, 0, 0, 0, 0]
+        .iter()
+        .map(|&l| runtime.block_on(store.loop_check(&key, sig(l), WINDOW, 5, Some(EPOCH))).expect("answers"))
+        .collect();
+    assert!(answers[..4].iter().all(|a| matches!(a, LoopAnswer::Recorded(_))));
+    assert_eq!(answers[4], LoopAnswer::Looping { retry_after: WINDOW, oscillating: false });
+    let key = redis.key("loops:alternating");
+    let answers: Vec<LoopAnswer> = (0..9u8)
+        .map(|i| runtime.block_on(store.loop_check(&key, sig(i % 2), WINDOW, 5, Some(EPOCH))).expect("answers"))
+        .collect();
+    assert!(answers[..8].iter().all(|a| matches!(a, LoopAnswer::Recorded(_))));
+    assert_eq!(answers[8], LoopAnswer::Looping { retry_after: WINDOW, oscillating: true });
+}

@@ -310,3 +310,19 @@ async fn two_instances_share_one_upstream_account_and_a_slot_freed_anywhere_star
     settle().await;
     assert_eq!(created().await, 4, "still one account of 3");
 }
+
+#[tokio::test]
+async fn a_loop_round_robin_over_two_instances_is_stopped_on_its_fifth_call_not_its_tenth() {
+    let redis = TestRedis::start();
+    let config = shared(&redis, "", "");
+    let servers = [TestServer::start(&config).await, TestServer::start(&config).await];
+    let stuck = token("stuck");
+    let clients = [servers[0].client(Some(&stuck)).await, servers[1].client(Some(&stuck)).await];
+    let same = json!({"query": "the same thing again"});
+    for i in 0..4 {
+        let r = call(&clients[i % 2], "list_articles", same.clone()).await;
+        assert!(!is_error(&r), "call {i}: {}", text(&r));
+    }
+    let r = call(&clients[0], "list_articles", same).await;
+    assert_eq!(error_code(&r), Some("loop_detected"), "one history across the instances: {}", text(&r));
+}

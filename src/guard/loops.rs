@@ -185,14 +185,19 @@ impl LoopDetector {
         history.stops.push(Stop { signature, until: now.saturating_add(self.window), oscillating });
     }
 
-    /// The keyed xxh3-128 of the tool name and the canonical arguments.
     fn signature(&self, tool: &str, args: &Value) -> u128 {
-        let mut text = String::new();
-        // A quoted name ends unambiguously, so no tool/arguments split can collide with another.
-        push_json_string(&mut text, tool);
-        push_canonical(&mut text, args);
-        xxh3_128_with_seed(text.as_bytes(), self.seed)
+        signature(self.seed, tool, args)
     }
+}
+
+/// The xxh3-128, keyed by `seed`, of the tool name and the canonical arguments: what makes two
+/// calls "the same call".
+pub fn signature(seed: u64, tool: &str, args: &Value) -> u128 {
+    let mut text = String::new();
+    // A quoted name ends unambiguously, so no tool/arguments split can collide with another.
+    push_json_string(&mut text, tool);
+    push_canonical(&mut text, args);
+    xxh3_128_with_seed(text.as_bytes(), seed)
 }
 
 /// What is left to write while canonicalising.

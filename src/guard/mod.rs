@@ -20,12 +20,13 @@ use tracing::info;
 
 use crate::clock::{SharedClock, ceil_ms};
 use crate::config::{Config, Fail};
-use crate::guard::loops::LoopDetector;
+use crate::guard::loops::{LoopDetector, Looping};
 use crate::guard::refusals::RefusalMemory;
 use crate::identity::Caller;
 use crate::limit::{Decision, Limiter};
 use crate::metrics::{Layer, Metrics};
-use crate::store::{Check, Lease, SlotGuard, Store, StoreError, new_lease};
+use crate::store::redis::LoopAnswer;
+use crate::store::{Check, Lease, RedisStore, SlotGuard, Store, StoreError, new_lease};
 use crate::upstream::breaker::Breaker;
 pub use policy::{MethodGroup, Policy, TierLimits};
 pub use refusal::{Refusal, RefusalCode};
@@ -121,8 +122,59 @@ pub struct Guard {
     policy: Policy,
     insurance: Option<Insurance>,
     store_up: AtomicBool,
-    loops: Option<LoopDetector>,
+    loops: Option<Loops>,
     metrics: Arc<Metrics>,
+}
+
+/// The seed of call signatures kept in a shared store: every instance must compute the same
+/// signature for the same call. (A known seed lets a caller craft two calls that collide; that
+/// only ever stops its own calls, since histories are per caller.)
+const SHARED_SIGNATURE_SEED: u64 = 0x6d63_702d_726c_6f6f;
+
+/// Loop detection: in this instance's memory, and over a shared store in Redis, so that every
+/// instance sees one history per caller (the local detector decides while Redis cannot).
+#[derive(Debug)]
+struct Loops {
+    local: LoopDetector,
+    shared: Option<Arc<RedisStore>>,
+    repeats: u32,
+    window: crate::clock::Nanos,
+}
+
+/// A recorded call, to take back if a later step refuses it.
+#[derive(Debug, Clone, Copy)]
+enum LoopMark {
+    Local(loops::Recorded),
+    Shared(u64),
+}
+
+impl Loops {
+    async fn check(&self, caller: &Caller, call: &ToolCall<'_>, now: crate::clock::Nanos) -> Result<LoopMark, Looping> {
+        if let Some(redis) = &self.shared {
+            let signature = loops::signature(SHARED_SIGNATURE_SEED, call.tool, call.args);
+            let key = Scope::loops(caller);
+            match redis.loop_check(key.key(), signature, self.window, self.repeats, None).await {
+                Ok(LoopAnswer::Recorded(seq)) => return Ok(LoopMark::Shared(seq)),
+                Ok(LoopAnswer::Looping { retry_after, oscillating }) => {
+                    return Err(Looping { retry_after, repeats: self.repeats, oscillating });
+                }
+                Err(error) => tracing::warn!(%error, "loop history unavailable in the shared store; checking locally"),
+            }
+        }
+        self.local.check(caller.id(), call.tool, call.args, now).map(LoopMark::Local)
+    }
+
+    async fn forget(&self, caller: &Caller, mark: LoopMark) {
+        match (mark, &self.shared) {
+            (LoopMark::Local(recorded), _) => self.local.forget(caller.id(), recorded),
+            (LoopMark::Shared(seq), Some(redis)) => {
+                if let Err(error) = redis.loop_forget(Scope::loops(caller).key(), seq, self.window).await {
+                    tracing::warn!(%error, "could not take a call back from the shared loop history");
+                }
+            }
+            (LoopMark::Shared(_), None) => {}
+        }
+    }
 }
 
 /// The in-flight caps a job holds: the caller's, and its tenant's.
@@ -197,10 +249,14 @@ impl Guard {
     /// A guard over `store` with the limits of `config`; over a shared store, with an insurance
     /// limiter for when it cannot decide.
     pub fn new(store: Arc<Store>, clock: SharedClock, config: &Config, metrics: Arc<Metrics>) -> Self {
-        let loops = &config.loop_detection;
-        let loops = loops
-            .enabled
-            .then(|| LoopDetector::new(loops.repeats, loops.window_ms.saturating_mul(crate::clock::NANOS_PER_MS)));
+        let detection = &config.loop_detection;
+        let window = detection.window_ms.saturating_mul(crate::clock::NANOS_PER_MS);
+        let loops = detection.enabled.then(|| Loops {
+            local: LoopDetector::new(detection.repeats, window),
+            shared: store.redis_store().cloned(),
+            repeats: detection.repeats,
+            window,
+        });
         let insurance = store.is_shared().then(|| Insurance {
             store: Arc::new(Store::memory(clock.clone())),
             policy: Policy::new(config).scaled(1.0 / config.store.expected_instances as f64),
@@ -345,9 +401,9 @@ impl Guard {
     }
 
     /// Refuses a call that repeats the caller's recent calls in a loop; otherwise records it.
-    fn check_loop(&self, caller: &Caller, call: &ToolCall<'_>) -> Result<Option<loops::Recorded>, Refusal> {
+    async fn check_loop(&self, caller: &Caller, call: &ToolCall<'_>) -> Result<Option<LoopMark>, Refusal> {
         let Some(loops) = self.loops.as_ref().filter(|_| !call.loop_exempt) else { return Ok(None) };
-        match loops.check(caller.id(), call.tool, call.args, self.clock.now()) {
+        match loops.check(caller, call, self.clock.now()).await {
             Ok(recorded) => Ok(Some(recorded)),
             Err(looping) => {
                 let refusal = Refusal::loop_detected(call.tool, &looping);
@@ -375,10 +431,10 @@ impl Guard {
         if !self.enabled {
             return Ok(Admission::new(Vec::new(), self.metrics.clone()));
         }
-        let recorded = self.check_loop(caller, call)?;
+        let recorded = self.check_loop(caller, call).await?;
         let admitted = self.charge(caller, call.tool, call.starts_job).await;
         if let (Err(_), Some(recorded), Some(loops)) = (&admitted, recorded, &self.loops) {
-            loops.forget(caller.id(), recorded);
+            loops.forget(caller, recorded).await;
         }
         admitted
     }
@@ -449,6 +505,6 @@ impl Guard {
     pub fn sweep(&self) -> usize {
         let now = self.clock.now();
         let refusals = self.insurance.as_ref().map_or(0, |i| i.refused.sweep(now));
-        self.store.sweep() + refusals + self.loops.as_ref().map_or(0, |loops| loops.sweep(now))
+        self.store.sweep() + refusals + self.loops.as_ref().map_or(0, |loops| loops.local.sweep(now))
     }
 }

@@ -81,6 +81,11 @@ impl Scope {
         caller.tenant().map(|tenant| Self::new(caller, format!("in_flight:tenant:{tenant}")))
     }
 
+    /// The caller's recent calls, for loop detection.
+    pub fn loops(caller: &Caller) -> Self {
+        Self::new(caller, format!("loops:{}", caller.id()))
+    }
+
     /// What agents see: `caller:tok:1f2e…`, `tenant:acme`, ….
     pub fn name(&self) -> &str {
         &self.key[self.name_at..]

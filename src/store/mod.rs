@@ -162,6 +162,14 @@ impl Store {
         }
     }
 
+    /// The Redis behind a shared store.
+    pub fn redis_store(&self) -> Option<&Arc<RedisStore>> {
+        match self {
+            Store::Memory { .. } => None,
+            Store::Redis { redis, .. } => Some(redis),
+        }
+    }
+
     /// Whether other instances share this store's state (and it can therefore fail).
     pub fn is_shared(&self) -> bool {
         match self {

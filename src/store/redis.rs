@@ -82,6 +82,23 @@ const RELEASE_SCRIPT: &str = concat!(
 const RENEW_SCRIPT: &str =
     concat!(include_str!("redis/prelude.lua"), include_str!("redis/concurrency.lua"), include_str!("redis/renew.lua"),);
 
+/// The loop script: the prelude, then the loop detector's twin.
+const LOOPS_SCRIPT: &str = concat!(include_str!("redis/prelude.lua"), include_str!("redis/loops.lua"));
+
+/// What the loop detector's script answered to a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoopAnswer {
+    /// Not a loop; recorded as this sequence number (to take it back by).
+    Recorded(u64),
+    /// A loop: refused for this long.
+    Looping {
+        /// Nanoseconds until the call may be made again.
+        retry_after: Nanos,
+        /// Whether it was an A/B oscillation.
+        oscillating: bool,
+    },
+}
+
 /// How long a lease on in-flight slots lasts unless renewed.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
@@ -160,6 +177,7 @@ pub struct RedisStore {
     decide: Script,
     release: Script,
     renew: Script,
+    loops: Script,
     lease: Duration,
 }
 
@@ -185,15 +203,16 @@ impl RedisStore {
         let decide = Script::new(DECIDE_SCRIPT);
         let release = Script::new(RELEASE_SCRIPT);
         let renew = Script::new(RENEW_SCRIPT);
+        let loops = Script::new(LOOPS_SCRIPT);
         let connecting = async {
             let mut connection = ConnectionManager::new_with_config(client, config).await?;
-            decide.load_async(&mut connection).await?;
-            release.load_async(&mut connection).await?;
-            renew.load_async(&mut connection).await?;
+            for script in [&decide, &release, &renew, &loops] {
+                script.load_async(&mut connection).await?;
+            }
             Ok(connection)
         };
         let connection = bounded(&address, timeout, connecting).await?;
-        Ok(RedisStore { connection, timeout, address, decide, release, renew, lease: DEFAULT_LEASE })
+        Ok(RedisStore { connection, timeout, address, decide, release, renew, loops, lease: DEFAULT_LEASE })
     }
 
     /// This store with leases on in-flight slots lasting `lease` unless renewed.
@@ -261,6 +280,41 @@ impl RedisStore {
         let mut connection = self.connection.clone();
         let retaken: i64 = bounded(&self.address, self.timeout, invocation.invoke_async(&mut connection)).await?;
         Ok(u64::try_from(retaken).unwrap_or(0))
+    }
+
+    /// Checks a caller's call (its `signature`) against the history under `key`, as
+    /// [`crate::guard::loops::LoopDetector::check`] does, and records it if it is not a loop;
+    /// at an explicit clock reading when `now` is given.
+    pub async fn loop_check(
+        &self,
+        key: &str,
+        signature: u128,
+        window: Nanos,
+        repeats: u32,
+        now: Option<Nanos>,
+    ) -> Result<LoopAnswer, StoreError> {
+        let mut invocation = self.loops.key(key);
+        invocation.arg(now.map(micros).transpose()?.map_or_else(String::new, |us| us.to_string()));
+        invocation.arg("check").arg(window.div_ceil(1_000)).arg(repeats).arg(format!("{signature:032x}"));
+        let mut connection = self.connection.clone();
+        let reply: Vec<i64> = bounded(&self.address, self.timeout, invocation.invoke_async(&mut connection)).await?;
+        let value = |i: usize| reply.get(i).copied().and_then(|v| u64::try_from(v).ok());
+        match (value(0), value(1)) {
+            (Some(1), Some(seq)) => Ok(LoopAnswer::Recorded(seq)),
+            (Some(0), Some(us)) => {
+                Ok(LoopAnswer::Looping { retry_after: us.saturating_mul(1_000), oscillating: value(2) == Some(1) })
+            }
+            _ => Err(StoreError::Script { address: self.address.clone(), reason: format!("loop reply {reply:?}") }),
+        }
+    }
+
+    /// Takes back a call [`RedisStore::loop_check`] recorded as `seq`.
+    pub async fn loop_forget(&self, key: &str, seq: u64, window: Nanos) -> Result<(), StoreError> {
+        let mut invocation = self.loops.key(key);
+        invocation.arg("").arg("forget").arg(window.div_ceil(1_000)).arg(0).arg(seq);
+        let mut connection = self.connection.clone();
+        let _: Vec<i64> = bounded(&self.address, self.timeout, invocation.invoke_async(&mut connection)).await?;
+        Ok(())
     }
 
     async fn run(&self, checks: &[Check<'_>], now_us: Option<u64>, lease: Lease) -> Result<Vec<Decision>, StoreError> {
