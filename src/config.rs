@@ -615,20 +615,9 @@ impl RawConfig {
             }
         }
         if self.store.backend == Backend::Redis {
-            match reqwest::Url::parse(&self.store.redis_url) {
-                Ok(u) if matches!(u.scheme(), "redis" | "rediss") && u.host_str().is_some() => {}
-                Ok(u) if u.scheme().starts_with("redis+cluster") => {
-                    return Err(invalid(
-                        "store.redis_url",
-                        "Redis Cluster is not supported yet: give one node's redis:// or rediss:// URL",
-                    ));
-                }
-                _ => {
-                    return Err(invalid(
-                        "store.redis_url",
-                        format!("`{}` is not a redis:// or rediss:// URL with a host", self.store.redis_url),
-                    ));
-                }
+            // The store's own reading of the URL: one server, or a cluster's seed nodes.
+            if let Err(e) = crate::store::RedisStore::check_url(&self.store.redis_url) {
+                return Err(invalid("store.redis_url", e.to_string()));
             }
             // The Lua twins compute in doubles, exact to the nanosecond over at most 2^52 ns.
             let mut spans: Vec<(String, &Limiter)> = vec![

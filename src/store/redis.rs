@@ -39,20 +39,33 @@
 //! dies holding slots stops renewing, and its slots come back when the leases run out, instead of
 //! leaking for ever. Decisions are those of the Rust twin as long as no lease expires.
 //!
-//! **Keys** are used exactly as the checks name them. A Redis Cluster needs every key of one
-//! call in one slot, which is for the caller to arrange with hash tags.
+//! **Keys** are used exactly as the checks name them. A Redis Cluster runs a script only on keys
+//! of one hash slot, so every key of one call must carry the same hash tag (`{t:acme}caller:x`,
+//! `{t:acme}tenant:acme`), as [`crate::guard`]'s scopes do; a call that mixes slots is refused
+//! by Redis and comes back as [`StoreError::CrossSlot`]. Renewing leases, the one call that
+//! gathers keys of many callers, is sent as one script per slot.
 //!
-//! **Connection.** One [`ConnectionManager`]: a single multiplexed, pipelined connection that
-//! every decision shares and that reconnects by itself. Every call is bounded by the timeout
-//! given to [`RedisStore::connect`], so no request waits longer than that on a dead Redis. A
-//! call that timed out may still run when a slow Redis gets to it: it then charges a budget the
-//! caller was told nothing about: a lost answer can only refuse more, never admit more.
+//! **Connection.** To one Redis (`redis://`): one [`ConnectionManager`], a single multiplexed,
+//! pipelined connection that every decision shares and that reconnects by itself. To a cluster
+//! (`redis+cluster://host1:port1,host2:port2`, or several `redis://` URLs separated by commas,
+//! the seed nodes): one [`ClusterConnection`], which learns the slot map from the seeds, sends
+//! each script call to the primary holding its keys' slot and follows `MOVED` when slots move.
+//! The same [`Script`]s run on either; `SCRIPT LOAD` goes to every node, so a node that lost its
+//! script cache (restart, failover, `SCRIPT FLUSH`) gets it back on its next `NOSCRIPT`. Every
+//! call is bounded by the timeout given to [`RedisStore::connect`], so no request waits longer
+//! than that on a dead Redis. A call that timed out may still run when a slow Redis gets to it:
+//! it then charges a budget the caller was told nothing about: a lost answer can only refuse
+//! more, never admit more.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::time::Duration;
 
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use ::redis::{Client, RedisError, RedisResult, Script};
+use ::redis::cluster::ClusterClient;
+use ::redis::cluster_async::ClusterConnection;
+use ::redis::cluster_routing::Slot;
+use ::redis::{Client, ErrorKind, FromRedisValue, RedisError, RedisResult, Script, ScriptInvocation, ServerErrorKind};
 
 use crate::clock::Nanos;
 use crate::limit::{Decision, Limiter};
@@ -133,8 +146,12 @@ const REPLY_FIELDS: usize = 5;
 /// Why the Redis store could not decide.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// The URL given to [`RedisStore::connect`] cannot be parsed.
-    #[error("the Redis URL is not valid ({0}); expected redis://[:password@]host[:port][/db]")]
+    /// The URL given to [`RedisStore::connect`] cannot be used (the message never shows a password).
+    #[error(
+        "the Redis URL is not valid ({0}); expected redis://[:password@]host[:port][/db] for one server, or \
+         redis+cluster://[:password@]host1:port1,host2:port2,... (or redis:// URLs separated by commas) for \
+         the nodes of a Redis Cluster"
+    )]
     InvalidUrl(String),
     /// Redis refused the connection, or it broke.
     #[error("cannot reach Redis at {address}: {reason}. Is redis-server running there and reachable from this host?")]
@@ -163,16 +180,156 @@ pub enum StoreError {
         /// The error Redis gave, or what was wrong with its reply.
         reason: String,
     },
+    /// A Redis Cluster refused a call whose keys hash to different slots: a caller of the store
+    /// did not give the keys of one call one hash tag.
+    #[error(
+        "the Redis Cluster at {address} refused a call whose keys hash to different slots (CROSSSLOT): every key \
+         of one call must carry the same hash tag, e.g. {{t:acme}}caller:x and {{t:acme}}tenant:acme"
+    )]
+    CrossSlot {
+        /// The seed nodes' `host:port` (never the password).
+        address: String,
+    },
     /// A check the scripts cannot decide exactly; nothing was sent.
     #[error("{0}")]
     OutOfRange(String),
 }
 
-/// Limiter state shared by every server instance through one Redis.
+/// Where the store's Redis is, as `store.redis_url` says.
+enum Target {
+    /// One server: its URL as given, and its `host:port` for messages.
+    Node { url: String, address: String },
+    /// A Redis Cluster: one `redis://` URL per seed node, and their `host:port`s for messages.
+    Cluster { nodes: Vec<String>, address: String },
+}
+
+impl Target {
+    /// Reads a URL of one of the forms [`StoreError::InvalidUrl`] lists; the error never shows a
+    /// password.
+    fn parse(url: &str) -> Result<Target, StoreError> {
+        let url = url.trim();
+        if url.starts_with("rediss") || url.contains("rediss://") {
+            return Err(StoreError::InvalidUrl(
+                "TLS to Redis (rediss://) is not supported: this build's redis crate has no TLS; reach Redis over \
+                 a private network (or a TLS tunnel such as stunnel) with redis:// or redis+cluster://"
+                    .into(),
+            ));
+        }
+        let nodes: Vec<String> = if let Some(rest) = url.strip_prefix("redis+cluster://") {
+            // The password and the database apply to every node: `[user:pass@]h1:p1,h2:p2[/db]`.
+            let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+            let (userinfo, hosts) = authority.rsplit_once('@').map_or(("", authority), |(u, h)| (u, h));
+            let at = if userinfo.is_empty() { "" } else { "@" };
+            hosts.split(',').map(|host| format!("redis://{userinfo}{at}{}/{path}", host.trim())).collect()
+        } else if url.contains(',') {
+            url.split(',').map(|node| node.trim().to_owned()).collect()
+        } else {
+            let address = node_address(url, &["redis"])?;
+            return Ok(Target::Node { url: url.to_owned(), address });
+        };
+        let mut addresses = Vec::with_capacity(nodes.len());
+        for node in &nodes {
+            addresses.push(node_address(node, &["redis"])?);
+            let db = reqwest::Url::parse(node).map(|u| u.path().trim_matches('/').to_owned()).unwrap_or_default();
+            if !(db.is_empty() || db == "0") {
+                return Err(StoreError::InvalidUrl(format!("database {db}: a Redis Cluster has only database 0")));
+            }
+        }
+        // What the cluster client itself checks: the nodes agree on password and protocol.
+        ClusterClient::new(nodes.clone()).map_err(|e| StoreError::InvalidUrl(e.to_string()))?;
+        Ok(Target::Cluster { nodes, address: format!("{} (cluster)", addresses.join(", ")) })
+    }
+
+    fn address(&self) -> &str {
+        match self {
+            Target::Node { address, .. } | Target::Cluster { address, .. } => address,
+        }
+    }
+
+    /// Opens the connection, each attempt and each reply bounded by `timeout`.
+    async fn connect(self, timeout: Duration) -> RedisResult<Connection> {
+        match self {
+            Target::Node { url, .. } => {
+                // One retry: a request during an outage fails fast (the guard decides what a
+                // failed store means), and the next one starts a new reconnect.
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(timeout))
+                    .set_response_timeout(Some(timeout))
+                    .set_number_of_retries(1);
+                Ok(Connection::Node(ConnectionManager::new_with_config(Client::open(url)?, config).await?))
+            }
+            Target::Cluster { nodes, .. } => {
+                // One retry is also what following a MOVED takes, after slots moved.
+                let client = ClusterClient::builder(nodes)
+                    .connection_timeout(timeout)
+                    .response_timeout(timeout)
+                    .retries(1)
+                    .build()?;
+                Ok(Connection::Cluster(client.get_async_connection().await?))
+            }
+        }
+    }
+}
+
+/// The `host:port` of one node's URL, once its scheme is one of `schemes`, it names a host and
+/// its port is a real one.
+fn node_address(url: &str, schemes: &[&str]) -> Result<String, StoreError> {
+    let invalid = |why: String| StoreError::InvalidUrl(format!("`{}`: {why}", without_password(url)));
+    let parsed = reqwest::Url::parse(url).map_err(|e| invalid(e.to_string()))?;
+    if !schemes.contains(&parsed.scheme()) {
+        let expected = schemes.iter().map(|s| format!("{s}://")).collect::<Vec<_>>().join(" or ");
+        return Err(invalid(format!("the scheme is {}://, not {expected}", parsed.scheme())));
+    }
+    let host = parsed.host_str().filter(|h| !h.is_empty()).ok_or_else(|| invalid("no host".into()))?;
+    match parsed.port().unwrap_or(6379) {
+        0 => Err(invalid("port 0".into())),
+        port => Ok(format!("{host}:{port}")),
+    }
+}
+
+/// `url` with its user information (any password) replaced by `***`.
+fn without_password(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
+    let authority = &rest[..rest.find('/').unwrap_or(rest.len())];
+    match authority.rfind('@') {
+        Some(at) => format!("{scheme}://***{}", &rest[at..]),
+        None => url.to_owned(),
+    }
+}
+
+/// The connection every call of a store shares.
+#[derive(Clone)]
+enum Connection {
+    /// One Redis, through one multiplexed connection that reconnects by itself.
+    Node(ConnectionManager),
+    /// A Redis Cluster: each call goes to the primary holding its keys' slot.
+    Cluster(ClusterConnection),
+}
+
+impl Connection {
+    /// Runs a script call (EVALSHA, loading the script where a node answers NOSCRIPT).
+    async fn invoke<T: FromRedisValue>(&self, invocation: &ScriptInvocation<'_>) -> RedisResult<T> {
+        match self.clone() {
+            Connection::Node(mut connection) => invocation.invoke_async(&mut connection).await,
+            Connection::Cluster(mut connection) => invocation.invoke_async(&mut connection).await,
+        }
+    }
+
+    /// Loads a script (on every node of a cluster).
+    async fn load(&self, script: &Script) -> RedisResult<()> {
+        match self.clone() {
+            Connection::Node(mut connection) => script.load_async(&mut connection).await.map(drop),
+            Connection::Cluster(mut connection) => script.load_async(&mut connection).await.map(drop),
+        }
+    }
+}
+
+/// Limiter state shared by every server instance through one Redis or one Redis Cluster.
 pub struct RedisStore {
-    connection: ConnectionManager,
+    connection: Connection,
     timeout: Duration,
-    /// `host:port`, for error messages: the URL may carry a password.
+    /// `host:port` (the seed nodes' of a cluster), for error messages: the URL may carry a
+    /// password.
     address: String,
     decide: Script,
     release: Script,
@@ -188,31 +345,34 @@ impl std::fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
-    /// Connects to the Redis at `url` (`redis://[:password@]host[:port][/db]`) and loads the
-    /// scripts. `timeout` bounds this and every later call.
+    /// Connects to the Redis at `url` and loads the scripts: one server
+    /// (`redis://[:password@]host[:port][/db]`), or the seed nodes of a Redis Cluster
+    /// (`redis+cluster://[:password@]host1:port1,host2:port2,...`, or `redis://` URLs separated by
+    /// commas). `timeout` bounds this and every later call.
     pub async fn connect(url: &str, timeout: Duration) -> Result<RedisStore, StoreError> {
-        let client = Client::open(url).map_err(|e| StoreError::InvalidUrl(e.to_string()))?;
-        let address = client.get_connection_info().addr().to_string();
-        // Each attempt, and each reply, is bounded by the store timeout. One retry: a request
-        // during an outage fails fast (the guard decides what a failed store means), and the
-        // next one starts a new reconnect.
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout))
-            .set_response_timeout(Some(timeout))
-            .set_number_of_retries(1);
-        let decide = Script::new(DECIDE_SCRIPT);
-        let release = Script::new(RELEASE_SCRIPT);
-        let renew = Script::new(RENEW_SCRIPT);
-        let loops = Script::new(LOOPS_SCRIPT);
+        let target = Target::parse(url)?;
+        let address = target.address().to_owned();
+        let (decide, release, renew, loops) = (
+            Script::new(DECIDE_SCRIPT),
+            Script::new(RELEASE_SCRIPT),
+            Script::new(RENEW_SCRIPT),
+            Script::new(LOOPS_SCRIPT),
+        );
         let connecting = async {
-            let mut connection = ConnectionManager::new_with_config(client, config).await?;
+            let connection = target.connect(timeout).await?;
             for script in [&decide, &release, &renew, &loops] {
-                script.load_async(&mut connection).await?;
+                connection.load(script).await?;
             }
             Ok(connection)
         };
         let connection = bounded(&address, timeout, connecting).await?;
         Ok(RedisStore { connection, timeout, address, decide, release, renew, loops, lease: DEFAULT_LEASE })
+    }
+
+    /// Checks that `url` has one of the forms [`RedisStore::connect`] takes, without connecting:
+    /// for config validation. The error never shows a password.
+    pub fn check_url(url: &str) -> Result<(), StoreError> {
+        Target::parse(url).map(drop)
     }
 
     /// This store with leases on in-flight slots lasting `lease` unless renewed.
@@ -260,25 +420,37 @@ impl RedisStore {
     pub async fn release(&self, key: &str, lease: Lease) -> Result<(), StoreError> {
         let mut invocation = self.release.key(key);
         invocation.arg(lease);
-        let mut connection = self.connection.clone();
-        let _in_flight: i64 = bounded(&self.address, self.timeout, invocation.invoke_async(&mut connection)).await?;
+        let _in_flight: i64 = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
         Ok(())
     }
 
-    /// Extends every lease in `held` (key, lease, units) by another lease duration, in one script;
-    /// a lease that expired meanwhile is taken again, as its work still runs. Returns how many
-    /// had expired.
+    /// Extends every lease in `held` (key, lease, units) by another lease duration, in one script
+    /// (on a cluster, one per hash slot, side by side); a lease that expired meanwhile is taken
+    /// again, as its work still runs. Returns how many had expired.
     pub async fn renew(&self, held: &[(&str, Lease, u64)]) -> Result<u64, StoreError> {
-        if held.is_empty() {
-            return Ok(0);
-        }
+        let batches: Vec<Vec<(&str, Lease, u64)>> = match self.connection {
+            Connection::Node(_) => vec![held.to_vec()],
+            // A cluster runs one script on one slot's keys only; leases of many callers span many.
+            Connection::Cluster(_) => {
+                let mut by_slot: HashMap<Slot, Vec<(&str, Lease, u64)>> = HashMap::new();
+                for lease in held {
+                    by_slot.entry(Slot::for_key(lease.0)).or_default().push(*lease);
+                }
+                by_slot.into_values().collect()
+            }
+        };
+        let renewing = batches.iter().filter(|batch| !batch.is_empty()).map(|batch| self.renew_batch(batch));
+        Ok(futures::future::try_join_all(renewing).await?.into_iter().sum())
+    }
+
+    /// [`RedisStore::renew`] for leases whose keys share a slot.
+    async fn renew_batch(&self, held: &[(&str, Lease, u64)]) -> Result<u64, StoreError> {
         let mut invocation = self.renew.prepare_invoke();
         invocation.arg(u64::try_from(self.lease.as_micros()).unwrap_or(u64::MAX));
         for (key, lease, units) in held {
             invocation.key(*key).arg(*lease).arg(*units);
         }
-        let mut connection = self.connection.clone();
-        let retaken: i64 = bounded(&self.address, self.timeout, invocation.invoke_async(&mut connection)).await?;
+        let retaken: i64 = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
         Ok(u64::try_from(retaken).unwrap_or(0))
     }
 
@@ -296,8 +468,7 @@ impl RedisStore {
         let mut invocation = self.loops.key(key);
         invocation.arg(now.map(micros).transpose()?.map_or_else(String::new, |us| us.to_string()));
         invocation.arg("check").arg(window.div_ceil(1_000)).arg(repeats).arg(format!("{signature:032x}"));
-        let mut connection = self.connection.clone();
-        let reply: Vec<i64> = bounded(&self.address, self.timeout, invocation.invoke_async(&mut connection)).await?;
+        let reply: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
         let value = |i: usize| reply.get(i).copied().and_then(|v| u64::try_from(v).ok());
         match (value(0), value(1)) {
             (Some(1), Some(seq)) => Ok(LoopAnswer::Recorded(seq)),
@@ -312,8 +483,7 @@ impl RedisStore {
     pub async fn loop_forget(&self, key: &str, seq: u64, window: Nanos) -> Result<(), StoreError> {
         let mut invocation = self.loops.key(key);
         invocation.arg("").arg("forget").arg(window.div_ceil(1_000)).arg(0).arg(seq);
-        let mut connection = self.connection.clone();
-        let _: Vec<i64> = bounded(&self.address, self.timeout, invocation.invoke_async(&mut connection)).await?;
+        let _: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
         Ok(())
     }
 
@@ -328,8 +498,7 @@ impl RedisStore {
             invocation.key(check.key).arg(check.limiter.algorithm()).arg(check.limiter.capacity());
             invocation.arg(script_span(check)?).arg(check.cost);
         }
-        let mut connection = self.connection.clone();
-        let reply: Vec<i64> = bounded(&self.address, self.timeout, invocation.invoke_async(&mut connection)).await?;
+        let reply: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
         self.decisions(&reply, checks.len())
     }
 
@@ -398,7 +567,11 @@ async fn bounded<T>(
 
 fn classify(address: &str, timeout: Duration, e: RedisError) -> StoreError {
     let address = address.to_owned();
-    if e.is_timeout() {
+    if e.kind() == ErrorKind::Server(ServerErrorKind::CrossSlot) {
+        StoreError::CrossSlot { address }
+    } else if e.kind() == ErrorKind::InvalidClientConfig {
+        StoreError::InvalidUrl(e.to_string())
+    } else if e.is_timeout() {
         StoreError::Timeout { address, timeout }
     } else if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
         StoreError::Unreachable { address, reason: e.to_string() }
@@ -421,6 +594,20 @@ mod tests {
         let e = script_span(&Check { key: "k", limiter: &bucket, cost: 6 }).expect_err("cost above capacity");
         assert!(e.to_string().contains("cost 6 is above its capacity 5"), "{e}");
         assert_eq!(script_span(&Check { key: "k", limiter: &bucket, cost: 5 }).ok(), Some(crate::clock::NANOS_PER_SEC));
+    }
+
+    #[test]
+    fn a_cluster_url_names_its_seed_nodes_and_never_its_password() {
+        let Ok(Target::Cluster { nodes, address }) = Target::parse("redis+cluster://:pw@a:7000,b/0") else {
+            panic!("a cluster")
+        };
+        assert_eq!(nodes, ["redis://:pw@a:7000/0", "redis://:pw@b/0"]);
+        assert_eq!(address, "a:7000, b:6379 (cluster)");
+        assert_eq!(without_password("redis://user:pw@a:7000/0"), "redis://***@a:7000/0");
+        assert_eq!(without_password("redis://a:7000/x@y"), "redis://a:7000/x@y");
+        let e = RedisStore::check_url("redis+cluster://:pw@a:7000,b:x").expect_err("bad port").to_string();
+        assert!(e.contains("`redis://***@b:x/`: invalid port number") && !e.contains("pw"), "{e}");
+        assert!(Target::parse("rediss://a:6380").is_err(), "no TLS in this build: refused up front, not at connect");
     }
 
     #[test]

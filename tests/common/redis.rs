@@ -5,6 +5,9 @@
 //! and nothing ever needs FLUSHDB. A test that touches server-wide state (command statistics,
 //! the script cache, pausing the process) asks for a [`TestRedis::private`] server instead.
 //! Without a Redis the tests fail, saying how to get one: they never skip silently.
+//!
+//! [`TestRedisCluster`] is the same for a Redis Cluster: the one `REDIS_CLUSTER_URL` names, or
+//! three primaries of the test's own, joined by `redis-cli --cluster create`.
 #![allow(dead_code)]
 
 use std::net::TcpListener;
@@ -178,4 +181,232 @@ fn wait_for_ping(url: &str, child: &mut Child) -> Result<(), String> {
             Err(_) => std::thread::sleep(Duration::from_millis(20)),
         }
     }
+}
+
+const INSTALL_CLUSTER: &str = "these tests need a Redis Cluster: install Redis (`apt-get install redis-server \
+                               redis-tools`) so they can start three `redis-server`s and join them with \
+                               `redis-cli --cluster create`, or set REDIS_CLUSTER_URL to a cluster they may write \
+                               to (redis+cluster://host1:port1,host2:port2,...)";
+
+/// How long a freshly created cluster has to reach `cluster_state:ok` on every node.
+const CLUSTER_STARTUP: Duration = Duration::from_secs(30);
+
+/// A Redis Cluster a test may use, and the suffix its hash tags must carry.
+pub struct TestRedisCluster {
+    /// Where to connect: `redis+cluster://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3` or
+    /// `REDIS_CLUSTER_URL`.
+    pub url: String,
+    /// One `redis://` URL per seed node, for commands sent to a node of the test's choosing.
+    seeds: Vec<String>,
+    run: String,
+    servers: Vec<Child>,
+    /// Each node's working directory (its `nodes-<port>.conf`), removed when dropped.
+    _dirs: Vec<tempfile::TempDir>,
+}
+
+impl TestRedisCluster {
+    /// `REDIS_CLUSTER_URL` when it is set, else a cluster of this test's own.
+    pub fn start() -> Self {
+        match std::env::var("REDIS_CLUSTER_URL") {
+            Ok(url) if !url.is_empty() => {
+                let cluster = Self { seeds: seeds_of(&url), url, run: run(), servers: vec![], _dirs: vec![] };
+                if let Err(e) = cluster_ok(&cluster.seeds[0]) {
+                    panic!("REDIS_CLUSTER_URL is set but that cluster is not usable ({e}); {INSTALL_CLUSTER}");
+                }
+                cluster
+            }
+            _ => Self::private(),
+        }
+    }
+
+    /// Three `redis-server --cluster-enabled yes` on free loopback ports, each in a temporary
+    /// directory of its own, every slot assigned by `redis-cli --cluster create`.
+    pub fn private() -> Self {
+        if let Err(e) = Command::new("redis-cli").arg("--version").output() {
+            panic!("cannot run redis-cli ({e}); {INSTALL_CLUSTER}");
+        }
+        let mut last_error = String::new();
+        // As for one server, a free port may be taken before the server binds it: try again.
+        for _ in 0..5 {
+            let ports = cluster_ports();
+            let mut cluster = Self {
+                url: format!("redis+cluster://{}", ports.map(|p| format!("127.0.0.1:{p}")).join(",")),
+                seeds: ports.iter().map(|p| format!("redis://127.0.0.1:{p}/")).collect(),
+                run: run(),
+                servers: vec![],
+                _dirs: vec![],
+            };
+            match cluster.spawn_and_join(ports) {
+                Ok(()) => return cluster,
+                Err(e) => last_error = e,
+            }
+        }
+        panic!("the Redis Cluster did not come up ({last_error}); {INSTALL_CLUSTER}");
+    }
+
+    fn spawn_and_join(&mut self, ports: [u16; 3]) -> Result<(), String> {
+        for port in ports {
+            let dir = tempfile::tempdir().map_err(|e| format!("a temporary directory: {e}"))?;
+            let nodes_file = dir.path().join(format!("nodes-{port}.conf"));
+            let child = Command::new("redis-server")
+                .args(["--cluster-enabled", "yes", "--cluster-config-file"])
+                .arg(&nodes_file)
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .current_dir(dir.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn();
+            let mut child = match child {
+                Ok(child) => child,
+                Err(e) => panic!("cannot start redis-server ({e}); {INSTALL_CLUSTER}"),
+            };
+            let answered = wait_for_ping(&format!("redis://127.0.0.1:{port}/"), &mut child);
+            self.servers.push(child);
+            self._dirs.push(dir);
+            answered?;
+        }
+        let create = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(ports.map(|p| format!("127.0.0.1:{p}")))
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("redis-cli --cluster create: {e}"))?;
+        if !create.status.success() {
+            return Err(format!(
+                "redis-cli --cluster create exited with {}: {}",
+                create.status,
+                String::from_utf8_lossy(&create.stdout).lines().last().unwrap_or_default()
+            ));
+        }
+        let started = Instant::now();
+        for seed in &self.seeds {
+            loop {
+                match cluster_ok(seed) {
+                    Ok(()) => break,
+                    Err(e) if started.elapsed() > CLUSTER_STARTUP => return Err(format!("{seed}: {e}")),
+                    Err(_) => std::thread::sleep(Duration::from_millis(50)),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `{tag}name`, with this test's run in the tag: keys of one tag share a slot, and tests
+    /// on a shared cluster never see each other's keys.
+    pub fn key(&self, tag: &str, name: &str) -> String {
+        format!("{{{tag}:{}}}{name}", self.run)
+    }
+
+    /// `redis://host:port/` of every primary, from `CLUSTER SLOTS`.
+    pub fn primaries(&self) -> Vec<String> {
+        let mut primaries: Vec<String> = self.slot_ranges().into_iter().map(|(_, _, node)| node).collect();
+        primaries.sort();
+        primaries.dedup();
+        primaries
+    }
+
+    /// `redis://host:port/` of the primary that holds `key`'s slot (`CLUSTER KEYSLOT`).
+    pub fn primary_of(&self, key: &str) -> String {
+        let slot: u16 =
+            redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(&mut connect(&self.seeds[0])).expect("KEYSLOT");
+        let ranges = self.slot_ranges();
+        let (_, _, node) =
+            ranges.into_iter().find(|(start, end, _)| (*start..=*end).contains(&slot)).expect("every slot is served");
+        node
+    }
+
+    /// Whether the node at `node` (a `redis://` URL) holds `key`.
+    pub fn holds(node: &str, key: &str) -> bool {
+        // READONLY-free EXISTS: a primary answers for its own slots and MOVED for the others.
+        matches!(redis::cmd("EXISTS").arg(key).query::<i64>(&mut connect(node)), Ok(1))
+    }
+
+    /// (first slot, last slot, `redis://host:port/` of the primary) for every range.
+    fn slot_ranges(&self) -> Vec<(u16, u16, String)> {
+        let slots: Vec<redis::Value> =
+            redis::cmd("CLUSTER").arg("SLOTS").query(&mut connect(&self.seeds[0])).expect("SLOTS");
+        let int = |v: &redis::Value| match v {
+            redis::Value::Int(i) => u16::try_from(*i).expect("a slot or port"),
+            other => panic!("CLUSTER SLOTS: {other:?} is not a number"),
+        };
+        let text = |v: &redis::Value| match v {
+            redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+            other => panic!("CLUSTER SLOTS: {other:?} is not a string"),
+        };
+        slots
+            .iter()
+            .map(|range| match range {
+                // [first, last, [ip, port, id, ...] of the primary, replicas...]
+                redis::Value::Array(fields) => match &fields[2] {
+                    redis::Value::Array(primary) => (
+                        int(&fields[0]),
+                        int(&fields[1]),
+                        format!("redis://{}:{}/", text(&primary[0]), int(&primary[1])),
+                    ),
+                    other => panic!("CLUSTER SLOTS: {other:?} is not a node"),
+                },
+                other => panic!("CLUSTER SLOTS: {other:?} is not a range"),
+            })
+            .collect()
+    }
+}
+
+impl Drop for TestRedisCluster {
+    fn drop(&mut self) {
+        // A shared cluster keeps only what TTLs clear: every key the store writes has one.
+        for server in &mut self.servers {
+            let _ = server.kill();
+            let _ = server.wait();
+        }
+    }
+}
+
+/// One `redis://` URL per seed node of a `redis+cluster://` URL or a comma-separated list.
+fn seeds_of(url: &str) -> Vec<String> {
+    match url.strip_prefix("redis+cluster://") {
+        Some(rest) => {
+            let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+            let (auth, hosts) =
+                authority.rsplit_once('@').map_or((String::new(), authority), |(a, h)| (format!("{a}@"), h));
+            hosts.split(',').map(|host| format!("redis://{auth}{host}/{path}")).collect()
+        }
+        None => url.split(',').map(str::to_owned).collect(),
+    }
+}
+
+fn connect(url: &str) -> redis::Connection {
+    redis::Client::open(url)
+        .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(2)))
+        .unwrap_or_else(|e| panic!("cannot reach cluster node {url}: {e}"))
+}
+
+/// Whether `CLUSTER INFO` on `node` says `cluster_state:ok`.
+fn cluster_ok(node: &str) -> Result<(), String> {
+    let client = redis::Client::open(node).map_err(|e| e.to_string())?;
+    let mut connection = client.get_connection_with_timeout(Duration::from_secs(1)).map_err(|e| e.to_string())?;
+    let info: String = redis::cmd("CLUSTER").arg("INFO").query(&mut connection).map_err(|e| e.to_string())?;
+    if info.lines().any(|line| line.trim() == "cluster_state:ok") {
+        Ok(())
+    } else {
+        Err(info.lines().find(|l| l.starts_with("cluster_state")).unwrap_or("no cluster_state").to_owned())
+    }
+}
+
+/// Three free loopback ports whose cluster bus ports (each port + 10000) are free too.
+fn cluster_ports() -> [u16; 3] {
+    let mut ports: Vec<u16> = Vec::with_capacity(3);
+    while ports.len() < 3 {
+        let port = free_port();
+        let clashes = ports.iter().any(|&p| [p, p + 10_000].contains(&port) || p == port + 10_000);
+        if port < 55_000 && !clashes && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            ports.push(port);
+        }
+    }
+    [ports[0], ports[1], ports[2]]
+}
+
+fn run() -> String {
+    format!("{:012x}", rand::random::<u64>() >> 16)
 }
