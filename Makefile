@@ -1,7 +1,7 @@
 # The two commands a new user needs: `make run` and `make test`.
 CARGO ?= cargo
 
-.PHONY: run test check fmt inspector build bench load conformance burst cluster
+.PHONY: run test check fmt inspector build bench bench-redis load conformance burst cluster
 
 ## Serve MCP on http://127.0.0.1:3000/mcp with the defaults (in-memory limits, embedded mock upstream).
 run:
@@ -29,6 +29,10 @@ inspector:
 ## Criterion benchmarks of every algorithm against governor (results in the README).
 bench:
 	scripts/bench.sh
+
+## The Redis store against one Redis round trip: decisions/s, latency, one vs three scopes (starts its own Redis).
+bench-redis:
+	scripts/bench-redis.sh
 
 ## wrk load test: limits off vs on, and the cost of a 429.
 load:
