@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Load test: throughput and latency of `tools/call` through the whole server (HTTP layer,
-# session, guard, tool), with the limits off, with the limits on but never refusing, and the
-# cost of a refusal from the HTTP layer, all in one run on one build.
+# session, guard, tool), with the limits off, with the limits on but never refusing (in memory,
+# then on a Redis store), and the cost of a refusal from the HTTP layer, all in one run on one
+# build.
 #
 # The last run, GET /health, is the floor: the cheapest request this server (hyper, axum,
 # the kernel's TCP) can answer; a 429 cannot cost less than that.
@@ -84,5 +85,16 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
   run "limits off (enabled=false), round $round" "$CALL" MCP_RL__LIMITS__ENABLED=false MCP_RL__TOOLS__RATE_LIMIT_STATUS__COST=1
   run "limits on, generous budget, round $round" "$CALL" "${GENEROUS[@]}"
 done
+# The same on the Redis store: every decision a round trip to a redis-server on the wrk core.
+if command -v redis-server >/dev/null && command -v redis-cli >/dev/null; then
+  REDIS_PORT=$(free_port)
+  taskset -c "$WRK_CPU" redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null 2>&1 &
+  REDIS_PID=$!
+  for _ in $(seq 1 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
+  run "limits on, generous budget, Redis store" "$CALL" "${GENEROUS[@]}" MCP_RL__STORE__BACKEND=redis \
+    "MCP_RL__STORE__REDIS_URL=redis://127.0.0.1:$REDIS_PORT"
+  kill "$REDIS_PID" 2>/dev/null || true
+  wait "$REDIS_PID" 2>/dev/null || true
+fi
 run "refusals: every POST is a 429" scripts/load/static_ping.lua MCP_RL__LIMITS__HTTP__BURST=1 MCP_RL__LIMITS__HTTP__REFILL_PER_SEC=0.001
 run "HTTP floor: GET /health" scripts/load/health.lua
