@@ -92,6 +92,12 @@ async fn while_redis_is_down_paid_tools_fail_closed_open_ones_use_the_insurance_
     assert!(!is_error(&call(&client, "list_articles", json!({"query": "before"})).await));
 
     redis.kill();
+    // Time from Redis dying to the first insurance-limited answer, a whole MCP call included
+    // (README: "Redis store"; printed with --nocapture).
+    let started = Instant::now();
+    let first = call(&client, "list_articles", json!({"query": "the first after the crash"})).await;
+    eprintln!("first insurance-limited answer {:?} after Redis died", started.elapsed());
+    assert!(!is_error(&first), "{}", text(&first));
     let started = Instant::now();
     let closed = call(&client, "generate_image", json!({"prompt": "costs money"})).await;
     let waited = started.elapsed();
@@ -106,7 +112,7 @@ async fn while_redis_is_down_paid_tools_fail_closed_open_ones_use_the_insurance_
             admitted += 1;
         }
     }
-    assert_eq!(admitted, 30, "the insurance limiter's share, not an open door");
+    assert_eq!(admitted + 1, 30, "the insurance limiter's share, not an open door");
     let metrics = server.metrics().await;
     assert!(metrics.contains("mcp_ratelimit_store_up 0"), "{metrics}");
     assert!(metric_sum(&metrics, "mcp_ratelimit_store_errors_total") >= 1.0, "{metrics}");

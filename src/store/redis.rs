@@ -252,10 +252,14 @@ impl Target {
             Target::Node { url, .. } => {
                 // One retry: a request during an outage fails fast (the guard decides what a
                 // failed store means), and the next one starts a new reconnect.
+                // Reconnect attempts start at once (not after the default 100 ms), so a dead
+                // Redis is noticed, and a revived one found, within the store timeout.
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(timeout))
                     .set_response_timeout(Some(timeout))
-                    .set_number_of_retries(1);
+                    .set_number_of_retries(1)
+                    .set_min_delay(Duration::from_millis(1))
+                    .set_max_delay(timeout);
                 Ok(Connection::Node(ConnectionManager::new_with_config(Client::open(url)?, config).await?))
             }
             Target::Cluster { nodes, .. } => {
