@@ -21,6 +21,17 @@ local function live_leases(state, now_us)
   return live
 end
 
+-- The leases without the one named `id`.
+local function without_lease(leases, id)
+  local kept = {}
+  for _, lease in ipairs(leases) do
+    if lease.id ~= id then
+      kept[#kept + 1] = lease
+    end
+  end
+  return kept
+end
+
 local function units_of(leases)
   local units = 0
   for _, lease in ipairs(leases) do

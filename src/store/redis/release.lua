@@ -7,16 +7,6 @@
 local now_us = read_now('')
 local lease = tonumber(ARGV[1])
 local state = load_leases(KEYS[1])
-local kept = {}
-for _, held in ipairs(state.leases) do
-  if held.id ~= lease then
-    kept[#kept + 1] = held
-  end
-end
-state.leases = kept
+state.leases = without_lease(state.leases, lease)
 store_leases(KEYS[1], state, now_us)
-local in_flight = 0
-for _, held in ipairs(state.leases) do
-  in_flight = in_flight + held.units
-end
-return in_flight
+return units_of(state.leases)

@@ -19,14 +19,8 @@ for i, key in ipairs(KEYS) do
     end
   end
   if not found then
-    local kept = {}
-    for _, held in ipairs(state.leases) do
-      if held.id ~= lease then
-        kept[#kept + 1] = held
-      end
-    end
-    kept[#kept + 1] = { id = lease, units = units, expires_us = now_us + lease_us }
-    state.leases = kept
+    state.leases = without_lease(state.leases, lease)
+    state.leases[#state.leases + 1] = { id = lease, units = units, expires_us = now_us + lease_us }
     retaken = retaken + 1
   end
   store_leases(key, state, now_us)
