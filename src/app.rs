@@ -127,15 +127,18 @@ impl App {
             .shared_in(store.clone()),
         );
         tokio::spawn(queue.clone().dispatch(stop.child_token()));
-        let jobs = Arc::new(Jobs::new(
-            upstream.clone(),
-            queue,
-            RetryBudget::new(up.retry_budget_ratio, up.retry_budget_min_retries, ms(up.retry_budget_window_ms)),
-            rules,
-            clock.clone(),
-            metrics.clone(),
-            stop.child_token(),
-        ));
+        let jobs = Arc::new(
+            Jobs::new(
+                upstream.clone(),
+                queue,
+                RetryBudget::new(up.retry_budget_ratio, up.retry_budget_min_retries, ms(up.retry_budget_window_ms)),
+                rules,
+                clock.clone(),
+                metrics.clone(),
+                stop.child_token(),
+            )
+            .published_in(store.redis_store().cloned()),
+        );
         let guard = Guard::new(store, clock.clone(), &config, metrics.clone());
         let state =
             Arc::new(AppState { identifier: Identifier::new(&config), guard, metrics, upstream, jobs, clock, config });

@@ -332,3 +332,57 @@ async fn a_loop_round_robin_over_two_instances_is_stopped_on_its_fifth_call_not_
     let r = call(&clients[0], "list_articles", same).await;
     assert_eq!(error_code(&r), Some("loop_detected"), "one history across the instances: {}", text(&r));
 }
+
+#[tokio::test]
+async fn a_job_accepted_by_one_instance_can_be_polled_and_cancelled_on_another() {
+    let redis = TestRedis::private();
+    // One mock upstream for both instances, on a clock of the test's own.
+    let mock_clock = mcp_ratelimit::clock::ManualClock::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let mock_config = mcp_ratelimit::Config::defaults().expect("defaults").mock_upstream;
+    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(mock_config, mock_clock.clone(), listener)
+        .await
+        .expect("mock");
+    let config = shared(&redis, "", &format!("[upstream]\nurl = \"{}\"\n", mock.url));
+    let (a, b) = (TestServer::start(&config).await, TestServer::start(&config).await);
+    let agent = token("roaming");
+    let (on_a, on_b) = (a.client(Some(&agent)).await, b.client(Some(&agent)).await);
+
+    let r = call(&on_a, "generate_image", json!({"prompt": "a harbour"})).await;
+    let id = structured(&r)["predict_id"].as_str().expect("id").to_owned();
+    eventually("instance b sees the job", || async {
+        let r = call(&on_b, "get_prediction", json!({"predict_id": id})).await;
+        !is_error(&r) && structured(&r)["status"] == "starting"
+    })
+    .await;
+    let stranger = b.client(Some(&token("stranger"))).await;
+    let r = call(&stranger, "get_prediction", json!({"predict_id": id})).await;
+    assert_eq!(error_code(&r), Some("invalid_arguments"), "someone else's job is unknown there too");
+
+    // The job finishes at the upstream; instance a learns it at its next poll and publishes it.
+    mock_clock.advance(Duration::from_secs(6));
+    a.advance_secs(2.0);
+    eventually("instance b reads the result", || async {
+        let r = call(&on_b, "get_prediction", json!({"predict_id": id})).await;
+        structured(&r)["status"] == "succeeded"
+            && structured(&r)["output"].as_str().is_some_and(|url| url.contains(id.as_str()))
+    })
+    .await;
+
+    // A second job, cancelled from instance b: upstream at once, and instance a gives the slot
+    // back when it next polls.
+    let r = call(&on_a, "generate_image", json!({"prompt": "a lighthouse"})).await;
+    let second = structured(&r)["predict_id"].as_str().expect("id").to_owned();
+    eventually("instance b sees the second job", || async {
+        !is_error(&call(&on_b, "get_prediction", json!({"predict_id": second})).await)
+    })
+    .await;
+    let r = call(&on_b, "cancel_prediction", json!({"predict_id": second})).await;
+    assert_eq!(structured(&r)["status"], "canceled", "{}", text(&r));
+    a.advance_secs(2.0);
+    eventually("instance a gave the slot back", || async {
+        let status = call(&on_b, "rate_limit_status", json!({})).await;
+        budget(&status, "in_flight:caller:")["remaining"] == 5
+    })
+    .await;
+}

@@ -319,6 +319,14 @@ impl Connection {
         }
     }
 
+    /// Runs a plain command (routed by its key on a cluster).
+    async fn query<T: FromRedisValue>(&self, command: &::redis::Cmd) -> RedisResult<T> {
+        match self.clone() {
+            Connection::Node(mut connection) => command.query_async(&mut connection).await,
+            Connection::Cluster(mut connection) => command.query_async(&mut connection).await,
+        }
+    }
+
     /// Loads a script (on every node of a cluster).
     async fn load(&self, script: &Script) -> RedisResult<()> {
         match self.clone() {
@@ -481,6 +489,22 @@ impl RedisStore {
             }
             _ => Err(StoreError::Script { address: self.address.clone(), reason: format!("loop reply {reply:?}") }),
         }
+    }
+
+    /// Writes `value` under `key` for `ttl`: a record every instance may read (a job's state).
+    pub async fn put(&self, key: &str, value: &str, ttl: Duration) -> Result<(), StoreError> {
+        let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let mut command = ::redis::cmd("SET");
+        command.arg(key).arg(value).arg("PX").arg(ms);
+        let _: () = bounded(&self.address, self.timeout, self.connection.query(&command)).await?;
+        Ok(())
+    }
+
+    /// What [`RedisStore::put`] wrote under `key`, if it is still there.
+    pub async fn get(&self, key: &str) -> Result<Option<String>, StoreError> {
+        let mut command = ::redis::cmd("GET");
+        command.arg(key);
+        bounded(&self.address, self.timeout, self.connection.query(&command)).await
     }
 
     /// Takes back a call [`RedisStore::loop_check`] recorded as `seq`.

@@ -8,6 +8,11 @@
 //! from the book, and a poll that arrives while the background poll it was told to wait for is
 //! still in flight waits for that answer instead of making a second request.
 //!
+//! Over a shared store (Redis) the book is also published: every change of a job writes a
+//! snapshot of it (owner, state, when to poll next) to Redis, so an agent whose next session lands
+//! on another instance can still poll its job there, and cancel it (the cancel goes to the
+//! upstream; the owning instance sees it at its next poll and gives the slots back).
+//!
 //! Every job also needs one of the upstream *account's* slots, from the [`FairQueue`]. An image
 //! job that finds one free (and nobody waiting) is submitted in the tool call itself — one
 //! attempt: a 429 goes back to the agent with its wait. Any other job — every video (spaced by
@@ -28,6 +33,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
 use crate::metrics::Metrics;
+use crate::store::RedisStore;
 use crate::upstream::api::{NewPrediction, Prediction, PredictionKind, PredictionStatus};
 use crate::upstream::backoff::{Backoff, Retry, RetryBudget};
 use crate::upstream::queue::{AccountSlot, FairQueue, Position, Reservation, Turn};
@@ -121,6 +127,27 @@ pub struct Jobs {
     rules: JobRules,
     book: Mutex<HashMap<String, Job>>,
     stop: CancellationToken,
+    /// Where snapshots of the book are published for the other instances.
+    shared: Option<Arc<RedisStore>>,
+}
+
+/// A job as published for the other instances.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Snapshot {
+    owner: String,
+    prediction: Prediction,
+    upstream_id: Option<String>,
+    /// Wall-clock milliseconds since the epoch (instances share no other clock).
+    next_poll_unix_ms: u64,
+    created_unix_ms: u64,
+}
+
+fn snapshot_key(id: &str) -> String {
+    format!("job:{{{id}}}")
+}
+
+fn unix_ms(at: SystemTime) -> u64 {
+    at.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 fn tool_of(kind: PredictionKind) -> &'static str {
@@ -151,7 +178,54 @@ impl Jobs {
         metrics: Arc<Metrics>,
         stop: CancellationToken,
     ) -> Self {
-        Self { upstream, clock, metrics, queue, retry_budget, rules, book: Mutex::new(HashMap::new()), stop }
+        let book = Mutex::new(HashMap::new());
+        Self { upstream, clock, metrics, queue, retry_budget, rules, book, stop, shared: None }
+    }
+
+    /// This book, published in `redis` for the other instances.
+    pub fn published_in(mut self, redis: Option<Arc<RedisStore>>) -> Self {
+        self.shared = redis;
+        self
+    }
+
+    /// Writes the job's snapshot for the other instances (in the background: the book's callers
+    /// never wait on Redis; a lost write is overwritten by the next change).
+    fn publish(&self, id: &str) {
+        let Some(redis) = &self.shared else { return };
+        let now = self.clock.now();
+        let snapshot = self.book().get(id).map(|job| Snapshot {
+            owner: job.owner.caller.clone(),
+            prediction: job.last.clone(),
+            upstream_id: job.upstream_id.clone(),
+            next_poll_unix_ms: unix_ms(SystemTime::now()) + job.next_poll_at.saturating_sub(now) / 1_000_000,
+            created_unix_ms: unix_ms(job.created),
+        });
+        let (Some(snapshot), Ok(runtime)) = (snapshot, tokio::runtime::Handle::try_current()) else { return };
+        let Ok(value) = serde_json::to_string(&snapshot) else { return };
+        let (redis, key) = (redis.clone(), snapshot_key(id));
+        runtime.spawn(async move {
+            if let Err(error) = redis.put(&key, &value, Duration::from_nanos(KEEP_FOR)).await {
+                tracing::warn!(%error, "could not publish a job's state to the shared store");
+            }
+        });
+    }
+
+    /// `owner`'s job `id` as another instance published it.
+    async fn published(&self, owner: &str, id: &str) -> Option<Snapshot> {
+        let redis = self.shared.as_ref()?;
+        let raw = redis.get(&snapshot_key(id)).await.ok()??;
+        serde_json::from_str::<Snapshot>(&raw).ok().filter(|s| s.owner == owner)
+    }
+
+    fn view_of_snapshot(snapshot: Snapshot) -> JobView {
+        let pending = !snapshot.prediction.status.is_terminal();
+        let wait = snapshot.next_poll_unix_ms.saturating_sub(unix_ms(SystemTime::now())).saturating_mul(1_000_000);
+        JobView {
+            prediction: snapshot.prediction,
+            wait: pending.then_some(wait),
+            queue_ahead: None,
+            created: SystemTime::UNIX_EPOCH + Duration::from_millis(snapshot.created_unix_ms),
+        }
     }
 
     fn book(&self) -> MutexGuard<'_, HashMap<String, Job>> {
@@ -230,8 +304,9 @@ impl Jobs {
             changed: watch::Sender::new(0),
             last,
         };
-        let mut book = self.book();
-        book.insert(job.last.id.clone(), job);
+        let id = job.last.id.clone();
+        self.book().insert(id.clone(), job);
+        self.publish(&id);
     }
 
     fn spawn(self: &Arc<Self>, id: String, queued: Option<(NewPrediction, Turn)>) {
@@ -398,6 +473,7 @@ impl Jobs {
         }
         // Slots go back outside the book's lock: releasing takes the store's locks.
         drop(released);
+        self.publish(id);
         is_final
     }
 
@@ -406,6 +482,7 @@ impl Jobs {
             job.next_poll_at = self.clock.now().saturating_add(delay);
             job.changed.send_modify(|v| *v += 1);
         }
+        self.publish(id);
     }
 
     fn settle(&self, id: &str, status: PredictionStatus, error: Option<String>) {
@@ -436,10 +513,14 @@ impl Jobs {
     /// such job for this owner. An upstream that cannot be reached keeps the job (and its
     /// slot) as it was: the refusal goes back to the agent.
     pub async fn cancel(&self, owner: &str, id: &str) -> Result<Option<JobView>, UpstreamError> {
-        let upstream_id = match self.book().get(id).filter(|j| j.owner.caller == owner) {
-            None => return Ok(None),
-            Some(job) if job.last.status.is_terminal() => None,
-            Some(job) => Some(job.upstream_id.clone()),
+        let local = self.book().get(id).map(|job| {
+            let mine = job.owner.caller == owner;
+            (mine, (!job.last.status.is_terminal()).then(|| job.upstream_id.clone()))
+        });
+        let upstream_id = match local {
+            None => return self.cancel_elsewhere(owner, id).await,
+            Some((false, _)) => return Ok(None),
+            Some((true, upstream_id)) => upstream_id,
         };
         match upstream_id {
             None => {}
@@ -465,6 +546,39 @@ impl Jobs {
             job.cancel.cancel();
         }
         Ok(self.view_of(id))
+    }
+
+    /// Cancels `owner`'s job `id` that another instance accepted, as it published it: upstream,
+    /// and in its snapshot; the owning instance sees the cancel at its next poll and gives the
+    /// slots back. A job still waiting in that instance's queue cannot be taken out from here.
+    async fn cancel_elsewhere(&self, owner: &str, id: &str) -> Result<Option<JobView>, UpstreamError> {
+        let Some(mut snapshot) = self.published(owner, id).await else { return Ok(None) };
+        if snapshot.prediction.status.is_terminal() {
+            return Ok(Some(Self::view_of_snapshot(snapshot)));
+        }
+        let Some(upstream_id) = snapshot.upstream_id.clone() else {
+            return Err(UpstreamError::Rejected(
+                "the job is still waiting in another server instance's queue; cancel it from the session that \
+                 started it, or poll it until it has started"
+                    .to_owned(),
+            ));
+        };
+        let answer = self.upstream.cancel_prediction(&upstream_id).await;
+        self.metrics.upstream("cancel_prediction", UpstreamError::outcome_of(&answer));
+        match answer {
+            // Finished before the cancel arrived: keep the real outcome.
+            Ok(prediction) if prediction.status.is_terminal() => {
+                snapshot.prediction = Prediction { id: id.to_owned(), ..prediction };
+            }
+            Ok(_) | Err(UpstreamError::NotFound) => {
+                snapshot.prediction.status = PredictionStatus::Canceled;
+            }
+            Err(error) => return Err(error),
+        }
+        if let (Some(redis), Ok(value)) = (&self.shared, serde_json::to_string(&snapshot)) {
+            let _ = redis.put(&snapshot_key(id), &value, Duration::from_nanos(KEEP_FOR)).await;
+        }
+        Ok(Some(Self::view_of_snapshot(snapshot)))
     }
 
     /// `owner`'s job `id`, as it stands; `None` for someone else's job or none at all.
@@ -539,6 +653,13 @@ impl Jobs {
     pub async fn poll(&self, owner: &str, id: &str) -> Option<JobView> {
         let give_up = tokio::time::Instant::now() + self.rules.refresh_wait;
         loop {
+            let local = self.book().get(id).map(|j| j.owner.caller == owner);
+            match local {
+                // Accepted by another instance: its published state.
+                None => return self.published(owner, id).await.map(Self::view_of_snapshot),
+                Some(false) => return None,
+                Some(true) => {}
+            }
             let mut changed = {
                 let book = self.book();
                 let job = book.get(id).filter(|j| j.owner.caller == owner)?;
