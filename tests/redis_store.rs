@@ -369,16 +369,22 @@ async fn hammer(store: Arc<RedisStore>, key: String, limiter: Limiter) -> usize 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn contention_admits_exactly_the_burst() {
+async fn contention_from_three_instances_admits_exactly_the_burst() {
     let redis = TestRedis::start();
-    let store = Arc::new(RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis"));
+    // Three stores, each with its own connection, as three server instances would have.
+    let mut stores = Vec::new();
+    for _ in 0..3 {
+        stores.push(Arc::new(RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis")));
+    }
     for limiter in [
         Limiter::TokenBucket(TokenBucket::new(500, 1.0 / 3_600.0)),
         Limiter::SlidingLog(SlidingLog::new(500, 3_600 * SEC)),
         Limiter::Concurrency(Concurrency::new(500)),
     ] {
         let name = limiter.algorithm();
-        assert_eq!(hammer(store.clone(), redis.key(name), limiter).await, 500, "{name}");
+        let runs = stores.iter().map(|store| hammer(store.clone(), redis.key(name), limiter.clone()));
+        let admitted: usize = futures::future::join_all(runs).await.into_iter().sum();
+        assert_eq!(admitted, 500, "{name}: 3 instances × 16 tasks × 200 calls on a limit of 500");
     }
 }
 
