@@ -337,16 +337,16 @@ impl Guard {
         F: Fn(&'s Policy) -> Vec<(Scope, &'s Limiter, u64)>,
     {
         let scopes = scopes_under(&self.policy);
-        let keyed: Vec<(&str, &Limiter, u64)> = scopes.iter().map(|(s, l, c)| (s.key(), *l, *c)).collect();
+        let checks = checks_of(&scopes);
         if let Some(insurance) = &self.insurance
-            && let Some(decisions) = insurance.refused.recall(&keyed, self.clock.now())
+            && let Some(decisions) = insurance.refused.recall(&checks, self.clock.now())
         {
             return Some((scopes, decisions, &self.store));
         }
         let now = self.clock.now();
-        if let Some(decisions) = self.decide_shared(&checks_of(&scopes), lease, layer, what).await {
+        if let Some(decisions) = self.decide_shared(&checks, lease, layer, what).await {
             if let Some(insurance) = &self.insurance {
-                insurance.refused.remember(&keyed, &decisions, now);
+                insurance.refused.remember(&checks, &decisions, now);
             }
             return Some((scopes, decisions, &self.store));
         }

@@ -11,7 +11,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use crate::clock::Nanos;
-use crate::limit::{Decision, Limiter};
+use crate::limit::Decision;
+use crate::store::Check;
 
 /// Scopes remembered at most; past it, new refusals are simply not remembered.
 const MAX_ENTRIES: usize = 100_000;
@@ -39,17 +40,19 @@ impl RefusalMemory {
     /// The decisions for `scopes` at `now` if one of them is still refused for at least its cost:
     /// that scope refused with the time left, the others marked allowed (they were not asked and
     /// charge nothing). `None`: the store must decide.
-    pub fn recall(&self, scopes: &[(&str, &Limiter, u64)], now: Nanos) -> Option<Vec<Decision>> {
+    pub fn recall(&self, checks: &[Check<'_>], now: Nanos) -> Option<Vec<Decision>> {
         let entries = self.entries();
-        let hit = scopes.iter().position(|(key, limiter, cost)| {
-            !limiter.holds_slots() && *cost > 0 && entries.get(*key).is_some_and(|r| now < r.until && *cost >= r.cost)
+        let hit = checks.iter().position(|c| {
+            !c.limiter.holds_slots()
+                && c.cost > 0
+                && entries.get(c.key).is_some_and(|r| now < r.until && c.cost >= r.cost)
         })?;
-        let refused = entries.get(scopes[hit].0).copied()?;
+        let refused = entries.get(checks[hit].key).copied()?;
         Some(
-            scopes
+            checks
                 .iter()
                 .enumerate()
-                .map(|(i, (_, limiter, _))| {
+                .map(|(i, c)| {
                     if i == hit {
                         Decision {
                             allowed: false,
@@ -59,37 +62,32 @@ impl RefusalMemory {
                             reset_after: refused.full_at.saturating_sub(now),
                         }
                     } else {
-                        Decision {
-                            allowed: true,
-                            limit: limiter.capacity(),
-                            remaining: 0,
-                            retry_after: 0,
-                            reset_after: 0,
-                        }
+                        let limit = c.limiter.capacity();
+                        Decision { allowed: true, limit, remaining: 0, retry_after: 0, reset_after: 0 }
                     }
                 })
                 .collect(),
         )
     }
 
-    /// Remembers what the store refused among `decisions` for `scopes`, decided at `now`.
-    pub fn remember(&self, scopes: &[(&str, &Limiter, u64)], decisions: &[Decision], now: Nanos) {
+    /// Remembers what the store refused among `decisions` for `checks`, decided at `now`.
+    pub fn remember(&self, checks: &[Check<'_>], decisions: &[Decision], now: Nanos) {
         let mut entries = self.entries();
-        for ((key, limiter, cost), d) in scopes.iter().zip(decisions) {
-            if d.allowed || limiter.holds_slots() || *cost == 0 || d.retry_after == 0 {
+        for (c, d) in checks.iter().zip(decisions) {
+            if d.allowed || c.limiter.holds_slots() || c.cost == 0 || d.retry_after == 0 {
                 continue;
             }
-            if entries.len() >= MAX_ENTRIES && !entries.contains_key(*key) {
+            if entries.len() >= MAX_ENTRIES && !entries.contains_key(c.key) {
                 continue;
             }
             let refused = Refused {
                 until: now.saturating_add(d.retry_after),
                 full_at: now.saturating_add(d.reset_after),
-                cost: *cost,
+                cost: c.cost,
                 limit: d.limit,
                 remaining: d.remaining,
             };
-            entries.insert((*key).to_owned(), refused);
+            entries.insert(c.key.to_owned(), refused);
         }
     }
 
@@ -105,22 +103,23 @@ impl RefusalMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::{Concurrency, TokenBucket};
+    use crate::limit::{Concurrency, Limiter, TokenBucket};
 
     #[test]
     fn refuses_as_costly_calls_until_the_store_said_and_never_admits() {
         let memory = RefusalMemory::default();
         let bucket = Limiter::TokenBucket(TokenBucket::new(60, 1.0));
+        let on = |key, limiter, cost| [Check { key, limiter, cost }];
         let refused = Decision { allowed: false, limit: 60, remaining: 2, retry_after: 3_000, reset_after: 58_000 };
-        memory.remember(&[("k", &bucket, 5)], &[refused], 1_000);
-        assert!(memory.recall(&[("k", &bucket, 4)], 1_000).is_none(), "a cheaper call may pass: ask the store");
-        let again = memory.recall(&[("k", &bucket, 5)], 2_000).expect("refused locally");
+        memory.remember(&on("k", &bucket, 5), &[refused], 1_000);
+        assert!(memory.recall(&on("k", &bucket, 4), 1_000).is_none(), "a cheaper call may pass: ask the store");
+        let again = memory.recall(&on("k", &bucket, 5), 2_000).expect("refused locally");
         assert_eq!((again[0].allowed, again[0].retry_after), (false, 2_000));
-        assert!(memory.recall(&[("k", &bucket, 5)], 4_000).is_none(), "run out: ask the store");
+        assert!(memory.recall(&on("k", &bucket, 5), 4_000).is_none(), "run out: ask the store");
 
         let slots = Limiter::Concurrency(Concurrency::new(1));
-        memory.remember(&[("s", &slots, 1)], &[refused], 0);
-        assert!(memory.recall(&[("s", &slots, 1)], 0).is_none(), "a slot may come back at any moment");
+        memory.remember(&on("s", &slots, 1), &[refused], 0);
+        assert!(memory.recall(&on("s", &slots, 1), 0).is_none(), "a slot may come back at any moment");
         assert_eq!(memory.sweep(10_000), 1);
     }
 }
