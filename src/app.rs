@@ -41,7 +41,7 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// The paid API, behind its circuit breaker.
     pub upstream: Arc<Upstream>,
-    /// Jobs accepted and not yet forgotten: their slots, the video queue, background polls.
+    /// Jobs accepted and not yet forgotten: their slots, the account's fair queue, background polls.
     pub jobs: Arc<Jobs>,
 }
 

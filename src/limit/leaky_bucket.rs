@@ -4,7 +4,7 @@
 //! its cost into a bucket that drains at a constant rate, and a call that would overflow it is
 //! refused. As a meter it is the mirror image of the [token bucket](super::token_bucket) (level
 //! = capacity − tokens) and makes the same decisions; the *queue* form, which delays work
-//! instead of refusing it, is the spaced submission queue in `upstream`.
+//! instead of refusing it, is the fair queue in front of the upstream account (`upstream::queue`).
 //!
 //! **At a window edge** there is none: the bucket drains continuously, so at most
 //! `capacity + t × rate` units pass in any interval `t`.

@@ -563,7 +563,7 @@ impl McpServer {
         self.start_job("generate_image", &caller, job, &admission, &place).await
     }
 
-    /// Accepts a video job into the spaced submission queue.
+    /// Accepts a video job into the fair queue, where videos are spaced.
     #[tool(
         description = "Generate a video from an image URL and a prompt. Returns at once with a \
                        predict_id: the job waits its turn in a queue that spaces submissions to the \
