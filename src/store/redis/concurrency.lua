@@ -40,70 +40,72 @@ local function units_of(leases)
   return units
 end
 
-algorithms.concurrency = {
-  load = function(fields)
-    if #fields % 3 ~= 0 then
-      return nil
-    end
-    local leases = {}
-    for i = 1, #fields, 3 do
-      leases[#leases + 1] = { id = fields[i], units = fields[i + 1], expires_us = fields[i + 2] }
-    end
-    return { leases = leases }
-  end,
+definitions.concurrency = function()
+  return {
+    load = function(fields)
+      if #fields % 3 ~= 0 then
+        return nil
+      end
+      local leases = {}
+      for i = 1, #fields, 3 do
+        leases[#leases + 1] = { id = fields[i], units = fields[i + 1], expires_us = fields[i + 2] }
+      end
+      return { leases = leases }
+    end,
 
-  save = function(state)
-    local fields = {}
-    for _, lease in ipairs(state.leases) do
-      fields[#fields + 1] = lease.id
-      fields[#fields + 1] = lease.units
-      fields[#fields + 1] = lease.expires_us
-    end
-    return fields
-  end,
+    save = function(state)
+      local fields = {}
+      for _, lease in ipairs(state.leases) do
+        fields[#fields + 1] = lease.id
+        fields[#fields + 1] = lease.units
+        fields[#fields + 1] = lease.expires_us
+      end
+      return fields
+    end,
 
-  fresh = function()
-    return { leases = {} }
-  end,
+    fresh = function()
+      return { leases = {} }
+    end,
 
-  acquire = function(limiter, state, now_us, cost)
-    local leases = live_leases(state, now_us)
-    local in_flight = units_of(leases)
-    local allowed = in_flight + cost <= limiter.capacity
-    local charged = nil
-    if allowed and cost > 0 then
-      in_flight = in_flight + cost
-      local expires_us = now_us + limiter.lease_us
-      local merged = false
-      for _, lease in ipairs(leases) do
-        -- Two checks of one admission on the same key share its lease.
-        if lease.id == limiter.lease then
-          lease.units, lease.expires_us, merged = lease.units + cost, expires_us, true
+    acquire = function(limiter, state, now_us, cost)
+      local leases = live_leases(state, now_us)
+      local in_flight = units_of(leases)
+      local allowed = in_flight + cost <= limiter.capacity
+      local charged = nil
+      if allowed and cost > 0 then
+        in_flight = in_flight + cost
+        local expires_us = now_us + limiter.lease_us
+        local merged = false
+        for _, lease in ipairs(leases) do
+          -- Two checks of one admission on the same key share its lease.
+          if lease.id == limiter.lease then
+            lease.units, lease.expires_us, merged = lease.units + cost, expires_us, true
+          end
         end
+        if not merged then
+          leases[#leases + 1] = { id = limiter.lease, units = cost, expires_us = expires_us }
+        end
+        charged = { leases = leases }
       end
-      if not merged then
-        leases[#leases + 1] = { id = limiter.lease, units = cost, expires_us = expires_us }
-      end
-      charged = { leases = leases }
-    end
-    return {
-      allowed = allowed,
-      limit = limiter.capacity,
-      -- Saturating: a cap lowered under held slots must not go negative.
-      remaining = math.max(limiter.capacity - in_flight, 0),
-      retry_after = 0,
-      reset_after = 0,
-    }, charged
-  end,
+      return {
+        allowed = allowed,
+        limit = limiter.capacity,
+        -- Saturating: a cap lowered under held slots must not go negative.
+        remaining = math.max(limiter.capacity - in_flight, 0),
+        retry_after = 0,
+        reset_after = 0,
+      }, charged
+    end,
 
-  forget_after = function(_, state, now_us)
-    local last = now_us
-    for _, lease in ipairs(state.leases) do
-      last = math.max(last, lease.expires_us)
-    end
-    return (last - now_us) * 1000
-  end,
-}
+    forget_after = function(_, state, now_us)
+      local last = now_us
+      for _, lease in ipairs(state.leases) do
+        last = math.max(last, lease.expires_us)
+      end
+      return (last - now_us) * 1000
+    end,
+  }
+end
 
 -- Writes a concurrency state back with its TTL at the last lease's expiry, or deletes it.
 local function store_leases(key, state, now_us)

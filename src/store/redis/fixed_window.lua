@@ -4,55 +4,57 @@
 -- State: "fixed_window <start_us> <start_ns> <count>": the start of the window the key last
 -- counted in (epoch microseconds plus a nanosecond remainder, for windows that are not a whole
 -- microsecond) and its count there.
-algorithms.fixed_window = {
-  load = function(fields)
-    if #fields ~= 3 then
-      return nil
-    end
-    return { start_us = fields[1], start_ns = fields[2], count = fields[3] }
-  end,
+definitions.fixed_window = function()
+  return {
+    load = function(fields)
+      if #fields ~= 3 then
+        return nil
+      end
+      return { start_us = fields[1], start_ns = fields[2], count = fields[3] }
+    end,
 
-  save = function(state)
-    return { state.start_us, state.start_ns, state.count }
-  end,
+    save = function(state)
+      return { state.start_us, state.start_ns, state.count }
+    end,
 
-  fresh = function(limiter, now_us)
-    local start_us, start_ns = instant(now_us, -window_offset(now_us, limiter.span))
-    return { start_us = start_us, start_ns = start_ns, count = 0 }
-  end,
+    fresh = function(limiter, now_us)
+      local start_us, start_ns = instant(now_us, -window_offset(now_us, limiter.span))
+      return { start_us = start_us, start_ns = start_ns, count = 0 }
+    end,
 
-  acquire = function(limiter, state, now_us, cost)
-    local window = limiter.span
-    local offset = window_offset(now_us, window)
-    local start_us, start_ns = instant(now_us, -offset)
-    local count = 0
-    if state.start_us == start_us and state.start_ns == start_ns then
-      count = state.count
-    end
-    local allowed = count + cost <= limiter.capacity
-    if allowed then
-      count = count + cost
-    end
-    local charged = nil
-    if allowed and cost > 0 then
-      charged = { start_us = start_us, start_ns = start_ns, count = count }
-    end
-    local until_end = window - offset
-    return {
-      allowed = allowed,
-      limit = limiter.capacity,
-      -- Saturating: a limit lowered under a live key must not go negative.
-      remaining = math.max(limiter.capacity - count, 0),
-      retry_after = allowed and 0 or until_end,
-      reset_after = count == 0 and 0 or until_end,
-    }, charged
-  end,
+    acquire = function(limiter, state, now_us, cost)
+      local window = limiter.span
+      local offset = window_offset(now_us, window)
+      local start_us, start_ns = instant(now_us, -offset)
+      local count = 0
+      if state.start_us == start_us and state.start_ns == start_ns then
+        count = state.count
+      end
+      local allowed = count + cost <= limiter.capacity
+      if allowed then
+        count = count + cost
+      end
+      local charged = nil
+      if allowed and cost > 0 then
+        charged = { start_us = start_us, start_ns = start_ns, count = count }
+      end
+      local until_end = window - offset
+      return {
+        allowed = allowed,
+        limit = limiter.capacity,
+        -- Saturating: a limit lowered under a live key must not go negative.
+        remaining = math.max(limiter.capacity - count, 0),
+        retry_after = allowed and 0 or until_end,
+        reset_after = count == 0 and 0 or until_end,
+      }, charged
+    end,
 
-  -- Forgotten when its window ends.
-  forget_after = function(limiter, state, now_us)
-    if state.count == 0 then
-      return 0
-    end
-    return (state.start_us - now_us) * 1000 + state.start_ns + limiter.span
-  end,
-}
+    -- Forgotten when its window ends.
+    forget_after = function(limiter, state, now_us)
+      if state.count == 0 then
+        return 0
+      end
+      return (state.start_us - now_us) * 1000 + state.start_ns + limiter.span
+    end,
+  }
+end

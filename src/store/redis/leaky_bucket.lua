@@ -4,46 +4,48 @@
 --
 -- State: "leaky_bucket <water> <updated_us>": how full the bucket was (ns of draining) when
 -- last charged, and when that was in epoch microseconds (always a whole microsecond).
-algorithms.leaky_bucket = {
-  load = function(fields)
-    if #fields ~= 2 then
-      return nil
-    end
-    return { water = fields[1], updated_us = fields[2] }
-  end,
+definitions.leaky_bucket = function()
+  return {
+    load = function(fields)
+      if #fields ~= 2 then
+        return nil
+      end
+      return { water = fields[1], updated_us = fields[2] }
+    end,
 
-  save = function(state)
-    return { state.water, state.updated_us }
-  end,
+    save = function(state)
+      return { state.water, state.updated_us }
+    end,
 
-  fresh = function(_, now_us)
-    return { water = 0, updated_us = now_us }
-  end,
+    fresh = function(_, now_us)
+      return { water = 0, updated_us = now_us }
+    end,
 
-  acquire = function(limiter, state, now_us, cost)
-    local period = limiter.span
-    local brim = limiter.capacity * period
-    local water = math.max(state.water - elapsed_ns(now_us, state.updated_us, state.water), 0)
-    local poured = water + cost * period
-    local allowed = poured <= brim
-    if allowed then
-      water = poured
-    end
-    local charged = nil
-    if allowed and cost > 0 then
-      charged = { water = water, updated_us = math.max(now_us, state.updated_us) }
-    end
-    return {
-      allowed = allowed,
-      limit = limiter.capacity,
-      remaining = div(math.max(brim - water, 0), period),
-      retry_after = allowed and 0 or poured - brim,
-      reset_after = water,
-    }, charged
-  end,
+    acquire = function(limiter, state, now_us, cost)
+      local period = limiter.span
+      local brim = limiter.capacity * period
+      local water = math.max(state.water - elapsed_ns(now_us, state.updated_us, state.water), 0)
+      local poured = water + cost * period
+      local allowed = poured <= brim
+      if allowed then
+        water = poured
+      end
+      local charged = nil
+      if allowed and cost > 0 then
+        charged = { water = water, updated_us = math.max(now_us, state.updated_us) }
+      end
+      return {
+        allowed = allowed,
+        limit = limiter.capacity,
+        remaining = div(math.max(brim - water, 0), period),
+        retry_after = allowed and 0 or poured - brim,
+        reset_after = water,
+      }, charged
+    end,
 
-  -- Forgotten once it has drained.
-  forget_after = function(_, state, now_us)
-    return (state.updated_us - now_us) * 1000 + state.water
-  end,
-}
+    -- Forgotten once it has drained.
+    forget_after = function(_, state, now_us)
+      return (state.updated_us - now_us) * 1000 + state.water
+    end,
+  }
+end

@@ -5,87 +5,89 @@
 -- window, oldest first, each at a whole epoch microsecond (it was a `now`); calls at the same
 -- instant are merged. Reading and writing it is linear in its entries, like the memory twin's
 -- retry walk, which is why this algorithm is for small limits.
-algorithms.sliding_log = {
-  load = function(fields)
-    if #fields % 2 ~= 0 then
-      return nil
-    end
-    local entries = {}
-    for i = 1, #fields, 2 do
-      entries[#entries + 1] = { at_us = fields[i], units = fields[i + 1] }
-    end
-    return { entries = entries }
-  end,
-
-  save = function(state)
-    local fields = {}
-    for _, entry in ipairs(state.entries) do
-      fields[#fields + 1] = entry.at_us
-      fields[#fields + 1] = entry.units
-    end
-    return fields
-  end,
-
-  fresh = function()
-    return { entries = {} }
-  end,
-
-  acquire = function(limiter, state, now_us, cost)
-    local window = limiter.span
-    -- Entries that still count at now: those after now - window (the oldest go first).
-    local entries, total = {}, 0
-    for _, entry in ipairs(state.entries) do
-      if #entries > 0 or elapsed_ns(now_us, entry.at_us, window) < window then
-        entries[#entries + 1] = { at_us = entry.at_us, units = entry.units }
-        total = total + entry.units
+definitions.sliding_log = function()
+  return {
+    load = function(fields)
+      if #fields % 2 ~= 0 then
+        return nil
       end
-    end
-    local allowed = total + cost <= limiter.capacity
-    local charged = nil
-    if allowed and cost > 0 then
-      local last = entries[#entries]
-      if last ~= nil and last.at_us >= now_us then
-        last.units = last.units + cost
-      else
-        entries[#entries + 1] = { at_us = now_us, units = cost }
+      local entries = {}
+      for i = 1, #fields, 2 do
+        entries[#entries + 1] = { at_us = fields[i], units = fields[i + 1] }
       end
-      total = total + cost
-      charged = { entries = entries }
-    end
-    local retry_after = 0
-    if not allowed then
-      -- Walk the oldest entries until enough units would have aged out.
-      local freed = 0
-      retry_after = window
-      for _, entry in ipairs(entries) do
-        freed = freed + entry.units
-        retry_after = math.max((entry.at_us - now_us) * 1000 + window, 0)
-        if total - freed + cost <= limiter.capacity then
-          break
+      return { entries = entries }
+    end,
+
+    save = function(state)
+      local fields = {}
+      for _, entry in ipairs(state.entries) do
+        fields[#fields + 1] = entry.at_us
+        fields[#fields + 1] = entry.units
+      end
+      return fields
+    end,
+
+    fresh = function()
+      return { entries = {} }
+    end,
+
+    acquire = function(limiter, state, now_us, cost)
+      local window = limiter.span
+      -- Entries that still count at now: those after now - window (the oldest go first).
+      local entries, total = {}, 0
+      for _, entry in ipairs(state.entries) do
+        if #entries > 0 or elapsed_ns(now_us, entry.at_us, window) < window then
+          entries[#entries + 1] = { at_us = entry.at_us, units = entry.units }
+          total = total + entry.units
         end
       end
-    end
-    local reset_after = 0
-    local last = entries[#entries]
-    if last ~= nil then
-      reset_after = math.max((last.at_us - now_us) * 1000 + window, 0)
-    end
-    return {
-      allowed = allowed,
-      limit = limiter.capacity,
-      -- Saturating: a limit lowered under a live key must not go negative.
-      remaining = math.max(limiter.capacity - total, 0),
-      retry_after = retry_after,
-      reset_after = reset_after,
-    }, charged
-  end,
+      local allowed = total + cost <= limiter.capacity
+      local charged = nil
+      if allowed and cost > 0 then
+        local last = entries[#entries]
+        if last ~= nil and last.at_us >= now_us then
+          last.units = last.units + cost
+        else
+          entries[#entries + 1] = { at_us = now_us, units = cost }
+        end
+        total = total + cost
+        charged = { entries = entries }
+      end
+      local retry_after = 0
+      if not allowed then
+        -- Walk the oldest entries until enough units would have aged out.
+        local freed = 0
+        retry_after = window
+        for _, entry in ipairs(entries) do
+          freed = freed + entry.units
+          retry_after = math.max((entry.at_us - now_us) * 1000 + window, 0)
+          if total - freed + cost <= limiter.capacity then
+            break
+          end
+        end
+      end
+      local reset_after = 0
+      local last = entries[#entries]
+      if last ~= nil then
+        reset_after = math.max((last.at_us - now_us) * 1000 + window, 0)
+      end
+      return {
+        allowed = allowed,
+        limit = limiter.capacity,
+        -- Saturating: a limit lowered under a live key must not go negative.
+        remaining = math.max(limiter.capacity - total, 0),
+        retry_after = retry_after,
+        reset_after = reset_after,
+      }, charged
+    end,
 
-  -- Forgotten when its newest entry ages out.
-  forget_after = function(limiter, state, now_us)
-    local last = state.entries[#state.entries]
-    if last == nil then
-      return 0
-    end
-    return (last.at_us - now_us) * 1000 + limiter.span
-  end,
-}
+    -- Forgotten when its newest entry ages out.
+    forget_after = function(limiter, state, now_us)
+      local last = state.entries[#state.entries]
+      if last == nil then
+        return 0
+      end
+      return (last.at_us - now_us) * 1000 + limiter.span
+    end,
+  }
+end

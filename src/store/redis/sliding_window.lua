@@ -17,83 +17,85 @@ local function sliding_window_weight(previous, offset, window)
   return whole
 end
 
-algorithms.sliding_window = {
-  load = function(fields)
-    if #fields ~= 4 then
-      return nil
-    end
-    return { start_us = fields[1], start_ns = fields[2], previous = fields[3], current = fields[4] }
-  end,
-
-  save = function(state)
-    return { state.start_us, state.start_ns, state.previous, state.current }
-  end,
-
-  fresh = function(limiter, now_us)
-    local start_us, start_ns = instant(now_us, -window_offset(now_us, limiter.span))
-    return { start_us = start_us, start_ns = start_ns, previous = 0, current = 0 }
-  end,
-
-  acquire = function(limiter, state, now_us, cost)
-    local window, limit = limiter.span, limiter.capacity
-    local offset = window_offset(now_us, window)
-    -- Roll the state forward to the window holding now.
-    local previous, current = 0, 0
-    local since = since_ns(now_us, state.start_us, state.start_ns, 2 * window)
-    if since == offset then
-      previous, current = state.previous, state.current
-    elseif since == offset + window then
-      previous = state.current
-    end
-    local weight = sliding_window_weight(previous, offset, window)
-    local allowed = weight + current + cost <= limit
-    if allowed then
-      current = current + cost
-    end
-    local charged = nil
-    if allowed and cost > 0 then
-      local start_us, start_ns = instant(now_us, -offset)
-      charged = { start_us = start_us, start_ns = start_ns, previous = previous, current = current }
-    end
-    local retry_after = 0
-    if not allowed then
-      -- When current + cost fits beside the decaying previous count: in this window, or else in
-      -- the next one, where this window's count becomes the previous one.
-      local older, counted, start = previous, current, -offset
-      if current + cost > limit then
-        older, counted, start = current, 0, window - offset
+definitions.sliding_window = function()
+  return {
+    load = function(fields)
+      if #fields ~= 4 then
+        return nil
       end
-      -- Rust: elapsed = window - floor(room * window / older), saturating, 0 when older is 0.
-      local room = limit - counted - cost
-      local elapsed = 0
-      if older > 0 and room < older then
-        elapsed = window - mul_div(window, room, older)
-      end
-      retry_after = math.max(start + elapsed, 1)
-    end
-    local reset_after = 0
-    if current > 0 then
-      reset_after = 2 * window - offset
-    elseif previous > 0 then
-      reset_after = window - offset
-    end
-    return {
-      allowed = allowed,
-      limit = limit,
-      remaining = math.max(limit - current - weight, 0),
-      retry_after = retry_after,
-      reset_after = reset_after,
-    }, charged
-  end,
+      return { start_us = fields[1], start_ns = fields[2], previous = fields[3], current = fields[4] }
+    end,
 
-  -- Forgotten once neither of its counts weighs any more.
-  forget_after = function(limiter, state, now_us)
-    local start = (state.start_us - now_us) * 1000 + state.start_ns
-    if state.current > 0 then
-      return start + 2 * limiter.span
-    elseif state.previous > 0 then
-      return start + limiter.span
-    end
-    return 0
-  end,
-}
+    save = function(state)
+      return { state.start_us, state.start_ns, state.previous, state.current }
+    end,
+
+    fresh = function(limiter, now_us)
+      local start_us, start_ns = instant(now_us, -window_offset(now_us, limiter.span))
+      return { start_us = start_us, start_ns = start_ns, previous = 0, current = 0 }
+    end,
+
+    acquire = function(limiter, state, now_us, cost)
+      local window, limit = limiter.span, limiter.capacity
+      local offset = window_offset(now_us, window)
+      -- Roll the state forward to the window holding now.
+      local previous, current = 0, 0
+      local since = since_ns(now_us, state.start_us, state.start_ns, 2 * window)
+      if since == offset then
+        previous, current = state.previous, state.current
+      elseif since == offset + window then
+        previous = state.current
+      end
+      local weight = sliding_window_weight(previous, offset, window)
+      local allowed = weight + current + cost <= limit
+      if allowed then
+        current = current + cost
+      end
+      local charged = nil
+      if allowed and cost > 0 then
+        local start_us, start_ns = instant(now_us, -offset)
+        charged = { start_us = start_us, start_ns = start_ns, previous = previous, current = current }
+      end
+      local retry_after = 0
+      if not allowed then
+        -- When current + cost fits beside the decaying previous count: in this window, or else in
+        -- the next one, where this window's count becomes the previous one.
+        local older, counted, start = previous, current, -offset
+        if current + cost > limit then
+          older, counted, start = current, 0, window - offset
+        end
+        -- Rust: elapsed = window - floor(room * window / older), saturating, 0 when older is 0.
+        local room = limit - counted - cost
+        local elapsed = 0
+        if older > 0 and room < older then
+          elapsed = window - mul_div(window, room, older)
+        end
+        retry_after = math.max(start + elapsed, 1)
+      end
+      local reset_after = 0
+      if current > 0 then
+        reset_after = 2 * window - offset
+      elseif previous > 0 then
+        reset_after = window - offset
+      end
+      return {
+        allowed = allowed,
+        limit = limit,
+        remaining = math.max(limit - current - weight, 0),
+        retry_after = retry_after,
+        reset_after = reset_after,
+      }, charged
+    end,
+
+    -- Forgotten once neither of its counts weighs any more.
+    forget_after = function(limiter, state, now_us)
+      local start = (state.start_us - now_us) * 1000 + state.start_ns
+      if state.current > 0 then
+        return start + 2 * limiter.span
+      elseif state.previous > 0 then
+        return start + limiter.span
+      end
+      return 0
+    end,
+  }
+end

@@ -4,46 +4,48 @@
 --
 -- State: "token_bucket <level> <updated_us>": the level (ns of refill) when last charged, and
 -- when that was in epoch microseconds (always a whole microsecond: it is a `now`).
-algorithms.token_bucket = {
-  load = function(fields)
-    if #fields ~= 2 then
-      return nil
-    end
-    return { level = fields[1], updated_us = fields[2] }
-  end,
+definitions.token_bucket = function()
+  return {
+    load = function(fields)
+      if #fields ~= 2 then
+        return nil
+      end
+      return { level = fields[1], updated_us = fields[2] }
+    end,
 
-  save = function(state)
-    return { state.level, state.updated_us }
-  end,
+    save = function(state)
+      return { state.level, state.updated_us }
+    end,
 
-  fresh = function(limiter, now_us)
-    return { level = limiter.capacity * limiter.span, updated_us = now_us }
-  end,
+    fresh = function(limiter, now_us)
+      return { level = limiter.capacity * limiter.span, updated_us = now_us }
+    end,
 
-  acquire = function(limiter, state, now_us, cost)
-    local period = limiter.span
-    local full = limiter.capacity * period
-    local level = math.min(state.level + elapsed_ns(now_us, state.updated_us, full), full)
-    local need = cost * period
-    local allowed = need <= level
-    if allowed then
-      level = level - need
-    end
-    local charged = nil
-    if allowed and cost > 0 then
-      charged = { level = level, updated_us = math.max(now_us, state.updated_us) }
-    end
-    return {
-      allowed = allowed,
-      limit = limiter.capacity,
-      remaining = div(level, period),
-      retry_after = allowed and 0 or need - level,
-      reset_after = full - level,
-    }, charged
-  end,
+    acquire = function(limiter, state, now_us, cost)
+      local period = limiter.span
+      local full = limiter.capacity * period
+      local level = math.min(state.level + elapsed_ns(now_us, state.updated_us, full), full)
+      local need = cost * period
+      local allowed = need <= level
+      if allowed then
+        level = level - need
+      end
+      local charged = nil
+      if allowed and cost > 0 then
+        charged = { level = level, updated_us = math.max(now_us, state.updated_us) }
+      end
+      return {
+        allowed = allowed,
+        limit = limiter.capacity,
+        remaining = div(level, period),
+        retry_after = allowed and 0 or need - level,
+        reset_after = full - level,
+      }, charged
+    end,
 
-  -- Full again once the missing level has refilled.
-  forget_after = function(limiter, state, now_us)
-    return (state.updated_us - now_us) * 1000 + limiter.capacity * limiter.span - state.level
-  end,
-}
+    -- Full again once the missing level has refilled.
+    forget_after = function(limiter, state, now_us)
+      return (state.updated_us - now_us) * 1000 + limiter.capacity * limiter.span - state.level
+    end,
+  }
+end
