@@ -641,7 +641,7 @@ mod tests {
     #[test]
     fn every_algorithm_has_its_script() {
         for name in crate::limit::ALGORITHMS {
-            assert!(DECIDE_SCRIPT.contains(&format!("algorithms.{name} = {{")), "no script for {name}");
+            assert!(DECIDE_SCRIPT.contains(&format!("definitions.{name} = function()")), "no script for {name}");
         }
     }
 }
