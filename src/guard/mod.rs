@@ -314,7 +314,7 @@ impl Guard {
             Some(insurance) => Some(insurance.shared_down.permit(self.clock.now()).ok()?),
             None => None,
         };
-        let decided = self.store.decide_leased(checks, lease).await;
+        let decided = self.store.decide(checks, lease).await;
         if let (Some(insurance), Some(permit)) = (&self.insurance, permit) {
             insurance.shared_down.record(permit, decided.is_ok(), self.clock.now());
             self.store_up.store(decided.is_ok(), Ordering::Relaxed);
@@ -352,7 +352,7 @@ impl Guard {
         }
         let insurance = self.insurance.as_ref().filter(|_| fail == Fail::Open)?;
         let scopes = scopes_under(&insurance.policy);
-        let decisions = insurance.store.decide_leased(&checks_of(&scopes), lease).await.ok()?;
+        let decisions = insurance.store.decide(&checks_of(&scopes), lease).await.ok()?;
         Some((scopes, decisions, &insurance.store))
     }
 

@@ -35,9 +35,6 @@ pub enum StoreError {
     /// Redis could not decide.
     #[error(transparent)]
     Redis(#[from] redis::StoreError),
-    /// The store answered with fewer decisions than checks.
-    #[error("the limiter store returned no decision")]
-    NoDecision,
 }
 
 /// The state store behind every budget.
@@ -79,30 +76,12 @@ impl Store {
     }
 
     /// Decides `checks` atomically: one decision per check, in order. Charges happen only when
-    /// every decision is `allowed`.
-    pub async fn decide(&self, checks: &[Check<'_>]) -> Result<Vec<Decision>, StoreError> {
-        match self {
-            Store::Memory { map, clock } => Ok(map.decide(checks, clock.now())),
-            Store::Redis { redis, .. } => Ok(redis.decide(checks).await?),
-        }
-    }
-
-    /// [`Store::decide`], with any in-flight slots taken under `lease`: the id a [`SlotGuard`]
-    /// gives them back (and, on Redis, renews them) by.
-    pub async fn decide_leased(&self, checks: &[Check<'_>], lease: Lease) -> Result<Vec<Decision>, StoreError> {
+    /// every decision is `allowed`; any in-flight slots are taken under `lease`, the id a
+    /// [`SlotGuard`] gives them back (and, on Redis, renews them) by.
+    pub async fn decide(&self, checks: &[Check<'_>], lease: Lease) -> Result<Vec<Decision>, StoreError> {
         match self {
             Store::Memory { map, clock } => Ok(map.decide(checks, clock.now())),
             Store::Redis { redis, .. } => Ok(redis.decide_leased(checks, lease, None).await?),
-        }
-    }
-
-    /// Decides a single check: the common case of a call with one scope.
-    pub async fn decide_one(&self, check: &Check<'_>) -> Result<Decision, StoreError> {
-        match self {
-            Store::Memory { map, clock } => Ok(map.decide_one(check, clock.now())),
-            Store::Redis { redis, .. } => {
-                redis.decide(std::slice::from_ref(check)).await?.pop().ok_or(StoreError::NoDecision)
-            }
         }
     }
 
@@ -203,7 +182,7 @@ pub struct SlotGuard {
 }
 
 impl SlotGuard {
-    /// Takes ownership of slots already charged by [`Store::decide_leased`] under `lease`; on a
+    /// Takes ownership of slots already charged by [`Store::decide`] under `lease`; on a
     /// shared store they are renewed until this guard is dropped.
     pub fn new(store: Arc<Store>, key: String, limiter: Limiter, cost: u64, lease: Lease) -> Self {
         store.hold(&key, lease, cost);

@@ -322,7 +322,7 @@ impl FairQueue {
             checks.push(Check { key: VIDEO_GAP_KEY, limiter: gap, cost: 1 });
         }
         let lease = new_lease();
-        match shared.store.decide_leased(&checks, lease).await {
+        match shared.store.decide(&checks, lease).await {
             Ok(decisions) if decisions.iter().all(|d| d.allowed) => {
                 let slot =
                     SlotGuard::new(shared.store.clone(), ACCOUNT_KEY.to_owned(), shared.account.clone(), 1, lease);
