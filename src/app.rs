@@ -111,7 +111,9 @@ impl App {
             Backend::Redis => {
                 let timeout = Duration::from_millis(config.store.timeout_ms);
                 let lease = Duration::from_millis(config.store.lease_ms);
-                Store::redis(RedisStore::connect(&config.store.redis_url, timeout).await?.with_lease(lease))
+                let ca = config.store.redis_ca().map_err(|e| anyhow::anyhow!("store.redis_ca_file: {e}"))?;
+                let redis = RedisStore::connect_trusting(&config.store.redis_url, timeout, ca).await?;
+                Store::redis(redis.with_lease(lease))
             }
         });
         let queue = Arc::new(

@@ -219,6 +219,9 @@ pub struct StoreConfig {
     pub backend: Backend,
     /// The Redis to share state in, when `backend = "redis"`.
     pub redis_url: String,
+    /// A PEM file of the CA to verify a TLS Redis (`rediss://`) against instead of the system's
+    /// trust store; empty for the system's.
+    pub redis_ca_file: String,
     /// The longest a request waits on the store before it counts as down.
     pub timeout_ms: u64,
     /// How long in-flight slots held in a shared store last unless renewed: what a crashed
@@ -229,6 +232,21 @@ pub struct StoreConfig {
     /// Server instances expected to share the store: the insurance limiter gives each
     /// 1/`expected_instances` of every limit while the store cannot decide.
     pub expected_instances: u32,
+}
+
+impl StoreConfig {
+    /// The certificates of `redis_ca_file` (PEM), or `None` to trust the system's store.
+    pub fn redis_ca(&self) -> Result<Option<Vec<u8>>, String> {
+        if self.redis_ca_file.is_empty() {
+            return Ok(None);
+        }
+        let pem =
+            std::fs::read(&self.redis_ca_file).map_err(|e| format!("cannot read `{}`: {e}", self.redis_ca_file))?;
+        if !pem.windows(27).any(|w| w == b"-----BEGIN CERTIFICATE-----") {
+            return Err(format!("`{}` holds no PEM certificate (-----BEGIN CERTIFICATE-----)", self.redis_ca_file));
+        }
+        Ok(Some(pem))
+    }
 }
 
 /// `[mock_upstream]`.
@@ -618,6 +636,9 @@ impl RawConfig {
             // The store's own reading of the URL: one server, or a cluster's seed nodes.
             if let Err(e) = crate::store::RedisStore::check_url(&self.store.redis_url) {
                 return Err(invalid("store.redis_url", e.to_string()));
+            }
+            if !self.store.redis_ca_file.is_empty() {
+                self.store.redis_ca().map_err(|e| invalid("store.redis_ca_file", e))?;
             }
             // The Lua twins compute in doubles, exact to the nanosecond over at most 2^52 ns.
             let mut spans: Vec<(String, &Limiter)> = vec![

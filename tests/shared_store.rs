@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::json;
-use test_redis::TestRedis;
+use test_redis::{TestRedis, TlsRedis};
 
 /// A caller token no other test (or run, on a shared `REDIS_URL`) uses.
 fn token(name: &str) -> String {
@@ -385,4 +385,42 @@ async fn a_job_accepted_by_one_instance_can_be_polled_and_cancelled_on_another()
         budget(&status, "in_flight:caller:")["remaining"] == 5
     })
     .await;
+}
+
+#[tokio::test]
+async fn two_instances_share_one_budget_over_tls_to_a_redis_with_a_private_ca() {
+    let redis = TlsRedis::start();
+    let store = |ca: &str| {
+        format!(
+            "[store]\nbackend = \"redis\"\nredis_url = \"{}\"\nredis_ca_file = \"{ca}\"\ntimeout_ms = 500\n\
+             [limits.caller]\nrefill_per_sec = 0.001\n",
+            redis.url
+        )
+    };
+    let config = store(&redis.ca_file.to_string_lossy());
+    let servers = [TestServer::start(&config).await, TestServer::start(&config).await];
+    let reader = token("tls-reader");
+    let clients = [servers[0].client(Some(&reader)).await, servers[1].client(Some(&reader)).await];
+    let mut admitted = 0;
+    for i in 0..70 {
+        if !is_error(&call(&clients[i % 2], "list_articles", json!({"query": format!("q{i}")})).await) {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 60, "one budget of 60 across two instances, over TLS");
+
+    // The system's trust store does not know this server's CA: no connection, and the server
+    // says why instead of starting without its shared limits.
+    let config = mcp_ratelimit::Config::from_toml(&store("")).expect("valid config");
+    let e = mcp_ratelimit::App::start(config, mcp_ratelimit::clock::SystemClock::shared())
+        .await
+        .expect_err("an unknown CA is refused");
+    let message = format!("{e:#}");
+    assert!(message.to_lowercase().contains("certificate"), "{message}");
+
+    // A CA file that is not a certificate is a config error naming the key.
+    let junk = tempfile::NamedTempFile::new().expect("a file");
+    std::fs::write(junk.path(), "not a certificate").expect("write");
+    let e = mcp_ratelimit::Config::from_toml(&store(&junk.path().to_string_lossy())).expect_err("junk CA");
+    assert!(e.to_string().contains("store.redis_ca_file"), "{e}");
 }

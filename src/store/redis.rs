@@ -45,15 +45,18 @@
 //! by Redis and comes back as [`StoreError::CrossSlot`]. Renewing leases, the one call that
 //! gathers keys of many callers, is sent as one script per slot.
 //!
-//! **Connection.** To one Redis (`redis://`): one [`ConnectionManager`], a single multiplexed,
-//! pipelined connection that every decision shares and that reconnects by itself. To a cluster
-//! (`redis+cluster://host1:port1,host2:port2`, or several `redis://` URLs separated by commas,
-//! the seed nodes): one [`ClusterConnection`], which learns the slot map from the seeds, sends
+//! **Connection.** To one Redis (`redis://`, or `rediss://` over TLS): one [`ConnectionManager`],
+//! a single multiplexed, pipelined connection that every decision shares and that reconnects by
+//! itself. To a cluster (`redis+cluster://host1:port1,host2:port2` or `rediss+cluster://…`, or
+//! several `redis://`/`rediss://` URLs separated by commas, the seed nodes): one
+//! [`ClusterConnection`], which learns the slot map from the seeds, sends
 //! each script call to the primary holding its keys' slot and follows `MOVED` when slots move.
 //! The same [`Script`]s run on either; `SCRIPT LOAD` goes to every node, so a node that lost its
 //! script cache (restart, failover, `SCRIPT FLUSH`) gets it back on its next `NOSCRIPT`. Every
 //! call is bounded by the timeout given to [`RedisStore::connect`], so no request waits longer
-//! than that on a dead Redis. A call that timed out may still run when a slow Redis gets to it:
+//! than that on a dead Redis. TLS (rustls) verifies the server against the system's trust store,
+//! or only against the CA given to [`RedisStore::connect_trusting`] (`store.redis_ca_file`), as
+//! managed Redis services with a private CA need. A call that timed out may still run when a slow Redis gets to it:
 //! it then charges a budget the caller was told nothing about: a lost answer can only refuse
 //! more, never admit more.
 
@@ -65,7 +68,10 @@ use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::ClusterClient;
 use ::redis::cluster_async::ClusterConnection;
 use ::redis::cluster_routing::Slot;
-use ::redis::{Client, ErrorKind, FromRedisValue, RedisError, RedisResult, Script, ScriptInvocation, ServerErrorKind};
+use ::redis::{
+    Client, ErrorKind, FromRedisValue, RedisError, RedisResult, Script, ScriptInvocation, ServerErrorKind,
+    TlsCertificates,
+};
 
 use crate::clock::Nanos;
 use crate::limit::{Decision, Limiter};
@@ -148,9 +154,9 @@ const REPLY_FIELDS: usize = 5;
 pub enum StoreError {
     /// The URL given to [`RedisStore::connect`] cannot be used (the message never shows a password).
     #[error(
-        "the Redis URL is not valid ({0}); expected redis://[:password@]host[:port][/db] for one server, or \
-         redis+cluster://[:password@]host1:port1,host2:port2,... (or redis:// URLs separated by commas) for \
-         the nodes of a Redis Cluster"
+        "the Redis URL is not valid ({0}); expected redis://[:password@]host[:port][/db] (rediss:// for TLS) for \
+         one server, or redis+cluster://[:password@]host1:port1,host2:port2,... (rediss+cluster:// for TLS; or \
+         redis:// URLs separated by commas) for the nodes of a Redis Cluster"
     )]
     InvalidUrl(String),
     /// Redis refused the connection, or it broke.
@@ -197,10 +203,11 @@ pub enum StoreError {
 
 /// Where the store's Redis is, as `store.redis_url` says.
 enum Target {
-    /// One server: its URL as given, and its `host:port` for messages.
-    Node { url: String, address: String },
-    /// A Redis Cluster: one `redis://` URL per seed node, and their `host:port`s for messages.
-    Cluster { nodes: Vec<String>, address: String },
+    /// One server: its URL as given, its `host:port` for messages, and whether it is TLS.
+    Node { url: String, address: String, tls: bool },
+    /// A Redis Cluster: one `redis://` (or `rediss://`) URL per seed node, their `host:port`s
+    /// for messages, and whether they are TLS.
+    Cluster { nodes: Vec<String>, address: String, tls: bool },
 }
 
 impl Target {
@@ -208,28 +215,30 @@ impl Target {
     /// password.
     fn parse(url: &str) -> Result<Target, StoreError> {
         let url = url.trim();
-        if url.starts_with("rediss") || url.contains("rediss://") {
-            return Err(StoreError::InvalidUrl(
-                "TLS to Redis (rediss://) is not supported: this build's redis crate has no TLS; reach Redis over \
-                 a private network (or a TLS tunnel such as stunnel) with redis:// or redis+cluster://"
-                    .into(),
-            ));
-        }
-        let nodes: Vec<String> = if let Some(rest) = url.strip_prefix("redis+cluster://") {
+        let cluster = [("redis+cluster://", "redis"), ("rediss+cluster://", "rediss")]
+            .into_iter()
+            .find_map(|(prefix, scheme)| url.strip_prefix(prefix).map(|rest| (rest, scheme)));
+        let nodes: Vec<String> = if let Some((rest, scheme)) = cluster {
             // The password and the database apply to every node: `[user:pass@]h1:p1,h2:p2[/db]`.
             let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
             let (userinfo, hosts) = authority.rsplit_once('@').map_or(("", authority), |(u, h)| (u, h));
             let at = if userinfo.is_empty() { "" } else { "@" };
-            hosts.split(',').map(|host| format!("redis://{userinfo}{at}{}/{path}", host.trim())).collect()
+            hosts.split(',').map(|host| format!("{scheme}://{userinfo}{at}{}/{path}", host.trim())).collect()
         } else if url.contains(',') {
             url.split(',').map(|node| node.trim().to_owned()).collect()
         } else {
-            let address = node_address(url, &["redis"])?;
-            return Ok(Target::Node { url: url.to_owned(), address });
+            let address = node_address(url, SCHEMES)?;
+            return Ok(Target::Node { url: url.to_owned(), address, tls: url.starts_with("rediss://") });
         };
+        let tls = nodes.first().is_some_and(|node| node.starts_with("rediss://"));
         let mut addresses = Vec::with_capacity(nodes.len());
         for node in &nodes {
-            addresses.push(node_address(node, &["redis"])?);
+            addresses.push(node_address(node, SCHEMES)?);
+            if node.starts_with("rediss://") != tls {
+                return Err(StoreError::InvalidUrl(
+                    "some nodes are rediss:// and some redis://: a cluster's nodes are all TLS or none".into(),
+                ));
+            }
             let db = reqwest::Url::parse(node).map(|u| u.path().trim_matches('/').to_owned()).unwrap_or_default();
             if !(db.is_empty() || db == "0") {
                 return Err(StoreError::InvalidUrl(format!("database {db}: a Redis Cluster has only database 0")));
@@ -237,7 +246,7 @@ impl Target {
         }
         // What the cluster client itself checks: the nodes agree on password and protocol.
         ClusterClient::new(nodes.clone()).map_err(|e| StoreError::InvalidUrl(e.to_string()))?;
-        Ok(Target::Cluster { nodes, address: format!("{} (cluster)", addresses.join(", ")) })
+        Ok(Target::Cluster { nodes, address: format!("{} (cluster)", addresses.join(", ")), tls })
     }
 
     fn address(&self) -> &str {
@@ -246,10 +255,18 @@ impl Target {
         }
     }
 
-    /// Opens the connection, each attempt and each reply bounded by `timeout`.
-    async fn connect(self, timeout: Duration) -> RedisResult<Connection> {
+    fn tls(&self) -> bool {
         match self {
-            Target::Node { url, .. } => {
+            Target::Node { tls, .. } | Target::Cluster { tls, .. } => *tls,
+        }
+    }
+
+    /// Opens the connection, each attempt and each reply bounded by `timeout`; a TLS server is
+    /// verified against `certificates` (their root, or the system's trust store without one).
+    async fn connect(self, timeout: Duration, certificates: TlsCertificates) -> RedisResult<Connection> {
+        let custom_root = certificates.root_cert.is_some();
+        match self {
+            Target::Node { url, tls, .. } => {
                 // One retry: a request during an outage fails fast (the guard decides what a
                 // failed store means), and the next one starts a new reconnect.
                 // Reconnect attempts start at once (not after the default 100 ms), so a dead
@@ -260,20 +277,26 @@ impl Target {
                     .set_number_of_retries(1)
                     .set_min_delay(Duration::from_millis(1))
                     .set_max_delay(timeout);
-                Ok(Connection::Node(ConnectionManager::new_with_config(Client::open(url)?, config).await?))
+                let client =
+                    if tls && custom_root { Client::build_with_tls(url, certificates)? } else { Client::open(url)? };
+                Ok(Connection::Node(ConnectionManager::new_with_config(client, config).await?))
             }
-            Target::Cluster { nodes, .. } => {
+            Target::Cluster { nodes, tls, .. } => {
                 // One retry is also what following a MOVED takes, after slots moved.
-                let client = ClusterClient::builder(nodes)
-                    .connection_timeout(timeout)
-                    .response_timeout(timeout)
-                    .retries(1)
-                    .build()?;
+                let mut builder =
+                    ClusterClient::builder(nodes).connection_timeout(timeout).response_timeout(timeout).retries(1);
+                if tls && custom_root {
+                    builder = builder.certs(certificates);
+                }
+                let client = builder.build()?;
                 Ok(Connection::Cluster(client.get_async_connection().await?))
             }
         }
     }
 }
+
+/// The URL schemes of one node: plain, and TLS.
+const SCHEMES: &[&str] = &["redis", "rediss"];
 
 /// The `host:port` of one node's URL, once its scheme is one of `schemes`, it names a host and
 /// its port is a real one.
@@ -362,7 +385,23 @@ impl RedisStore {
     /// (`redis+cluster://[:password@]host1:port1,host2:port2,...`, or `redis://` URLs separated by
     /// commas). `timeout` bounds this and every later call.
     pub async fn connect(url: &str, timeout: Duration) -> Result<RedisStore, StoreError> {
+        Self::connect_trusting(url, timeout, None).await
+    }
+
+    /// [`RedisStore::connect`], verifying a TLS server (`rediss://`) against `ca_pem` (the PEM
+    /// certificates of a private CA) alone instead of the system's trust store.
+    pub async fn connect_trusting(
+        url: &str,
+        timeout: Duration,
+        ca_pem: Option<Vec<u8>>,
+    ) -> Result<RedisStore, StoreError> {
         let target = Target::parse(url)?;
+        if target.tls() {
+            // One process-wide rustls provider, whatever else in the build enables: ring. An
+            // error only means one is installed already, which serves as well.
+            let _ = ::rustls::crypto::ring::default_provider().install_default();
+        }
+        let certificates = TlsCertificates { client_tls: None, root_cert: ca_pem };
         let address = target.address().to_owned();
         let (decide, release, renew, loops) = (
             Script::new(DECIDE_SCRIPT),
@@ -371,7 +410,7 @@ impl RedisStore {
             Script::new(LOOPS_SCRIPT),
         );
         let connecting = async {
-            let connection = target.connect(timeout).await?;
+            let connection = target.connect(timeout, certificates).await?;
             for script in [&decide, &release, &renew, &loops] {
                 connection.load(script).await?;
             }
@@ -626,8 +665,8 @@ mod tests {
 
     #[test]
     fn a_cluster_url_names_its_seed_nodes_and_never_its_password() {
-        let Ok(Target::Cluster { nodes, address }) = Target::parse("redis+cluster://:pw@a:7000,b/0") else {
-            panic!("a cluster")
+        let Ok(Target::Cluster { nodes, address, tls: false }) = Target::parse("redis+cluster://:pw@a:7000,b/0") else {
+            panic!("a plain cluster")
         };
         assert_eq!(nodes, ["redis://:pw@a:7000/0", "redis://:pw@b/0"]);
         assert_eq!(address, "a:7000, b:6379 (cluster)");
@@ -635,7 +674,20 @@ mod tests {
         assert_eq!(without_password("redis://a:7000/x@y"), "redis://a:7000/x@y");
         let e = RedisStore::check_url("redis+cluster://:pw@a:7000,b:x").expect_err("bad port").to_string();
         assert!(e.contains("`redis://***@b:x/`: invalid port number") && !e.contains("pw"), "{e}");
-        assert!(Target::parse("rediss://a:6380").is_err(), "no TLS in this build: refused up front, not at connect");
+    }
+
+    #[test]
+    fn rediss_urls_ask_for_tls_on_every_node_or_none() {
+        assert!(matches!(Target::parse("rediss://:pw@a:6380/0"), Ok(Target::Node { tls: true, .. })));
+        assert!(matches!(Target::parse("redis://a:6380"), Ok(Target::Node { tls: false, .. })));
+        let Ok(Target::Cluster { nodes, tls: true, .. }) = Target::parse("rediss+cluster://:pw@a:7000,b:7001") else {
+            panic!("a TLS cluster")
+        };
+        assert_eq!(nodes, ["rediss://:pw@a:7000/", "rediss://:pw@b:7001/"]);
+        let e = RedisStore::check_url("rediss://a:7000,redis://b:7001").expect_err("mixed").to_string();
+        assert!(e.contains("all TLS or none"), "{e}");
+        let e = RedisStore::check_url("https://a:6379").expect_err("not redis").to_string();
+        assert!(e.contains("not redis:// or rediss://"), "{e}");
     }
 
     #[test]

@@ -183,6 +183,121 @@ fn wait_for_ping(url: &str, child: &mut Child) -> Result<(), String> {
     }
 }
 
+/// A `redis-server` of the test's own that speaks only TLS (`rediss://`), with a certificate for
+/// 127.0.0.1 signed by a CA made for this server alone (`ca_file`): nothing on the machine
+/// trusts it unless told to.
+pub struct TlsRedis {
+    /// `rediss://127.0.0.1:<port>/`.
+    pub url: String,
+    /// The PEM file of the CA that signed the server's certificate.
+    pub ca_file: std::path::PathBuf,
+    server: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl TlsRedis {
+    /// Makes a CA and a server certificate with `openssl`, and starts the server.
+    pub fn start() -> Self {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let path = |name: &str| dir.path().join(name).to_string_lossy().into_owned();
+        let openssl = |args: &[&str]| {
+            let out = Command::new("openssl").args(args).current_dir(dir.path()).output();
+            match out {
+                Ok(out) if out.status.success() => {}
+                Ok(out) => panic!("openssl {args:?} failed: {}", String::from_utf8_lossy(&out.stderr)),
+                Err(e) => panic!("cannot run openssl ({e}): install it (`apt-get install openssl`)"),
+            }
+        };
+        let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+        openssl(
+            &[
+                &["req", "-x509"][..],
+                &ec,
+                &["-days", "2", "-subj", "/CN=mcp-ratelimit test CA", "-keyout", "ca.key", "-out", "ca.crt"],
+                &["-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign"],
+            ]
+            .concat(),
+        );
+        openssl(
+            &[&["req"][..], &ec, &["-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr"]].concat(),
+        );
+        std::fs::write(dir.path().join("server.ext"), "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+            .expect("write the extensions file");
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "server.ext",
+            "-out",
+            "server.crt",
+        ]);
+        let ca_file = dir.path().join("ca.crt");
+        let ca = std::fs::read(&ca_file).expect("the CA certificate");
+        let mut last_error = String::new();
+        for _ in 0..5 {
+            let port = free_port();
+            let child = Command::new("redis-server")
+                .args(["--port", "0", "--tls-port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--tls-cert-file", &path("server.crt"), "--tls-key-file", &path("server.key")])
+                .args(["--tls-ca-cert-file", &path("ca.crt"), "--tls-auth-clients", "no"])
+                .args(["--save", "", "--appendonly", "no"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn();
+            let mut child = match child {
+                Ok(child) => child,
+                Err(e) => panic!("cannot start redis-server ({e}); {INSTALL}"),
+            };
+            let url = format!("rediss://127.0.0.1:{port}/");
+            let started = Instant::now();
+            let answered = loop {
+                if let Ok(Some(status)) = child.try_wait() {
+                    break Err(format!("redis-server exited with {status} (built without TLS?)"));
+                }
+                match tls_ping(&url, &ca) {
+                    Ok(()) => break Ok(()),
+                    Err(e) if started.elapsed() > STARTUP => break Err(e),
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            };
+            match answered {
+                Ok(()) => return Self { url, ca_file, server: child, _dir: dir },
+                Err(e) => {
+                    last_error = e;
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+            }
+        }
+        panic!("redis-server with TLS did not come up ({last_error}); {INSTALL}");
+    }
+}
+
+impl Drop for TlsRedis {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+    }
+}
+
+fn tls_ping(url: &str, ca: &[u8]) -> Result<(), String> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let certificates = redis::TlsCertificates { client_tls: None, root_cert: Some(ca.to_vec()) };
+    let client = redis::Client::build_with_tls(url, certificates).map_err(|e| e.to_string())?;
+    let mut connection = client.get_connection_with_timeout(Duration::from_secs(1)).map_err(|e| e.to_string())?;
+    let pong: String = redis::cmd("PING").query(&mut connection).map_err(|e| e.to_string())?;
+    if pong == "PONG" { Ok(()) } else { Err(format!("PING answered {pong}")) }
+}
+
 const INSTALL_CLUSTER: &str = "these tests need a Redis Cluster: install Redis (`apt-get install redis-server \
                                redis-tools`) so they can start three `redis-server`s and join them with \
                                `redis-cli --cluster create`, or set REDIS_CLUSTER_URL to a cluster they may write \
