@@ -147,6 +147,7 @@ impl App {
         tokio::spawn(sweep_forever(state.clone(), stop.clone()));
         if let Some(every) = state.guard.store().renew_every() {
             tokio::spawn(renew_forever(state.clone(), every, stop.clone()));
+            tokio::spawn(answer_cancel_requests_forever(state.clone(), stop.clone()));
         }
         Ok(Self { state, upstream_url, stop, _mock: mock })
     }
@@ -209,6 +210,23 @@ async fn renew_forever(state: Arc<AppState>, every: Duration, stop: Cancellation
             _ = tick.tick() => {
                 if let Err(error) = state.guard.store().renew_leases().await {
                     tracing::warn!(%error, "could not renew in-flight leases");
+                }
+            }
+        }
+    }
+}
+
+/// Cancels this instance's jobs that an agent asked another instance to cancel. On the wall
+/// clock, like the leases: the request comes from another process.
+async fn answer_cancel_requests_forever(state: Arc<AppState>, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(crate::upstream::jobs::CANCEL_REQUESTS_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {
+                if let Err(error) = state.jobs.answer_cancel_requests().await {
+                    tracing::debug!(%error, "could not read the cancel requests");
                 }
             }
         }

@@ -232,7 +232,10 @@ async fn three_instances_space_their_video_submissions_as_one_queue() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let clock = mcp_ratelimit::clock::SystemClock::shared();
     let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(mock_config, clock, listener).await.expect("mock");
-    const GAP_MS: u64 = 300;
+    const GAP_MS: u64 = 400;
+    // Submissions are spaced on Redis's clock and stamped on arrival at the mock: a loaded
+    // machine delays one submission's trip more than the next one's by tens of ms.
+    const JITTER_MS: u64 = 100;
     let config = shared(&redis, "", &format!("[upstream]\nurl = \"{}\"\nvideo_min_gap_ms = {GAP_MS}\n", mock.url));
     let mut servers = Vec::new();
     for _ in 0..3 {
@@ -266,8 +269,7 @@ async fn three_instances_space_their_video_submissions_as_one_queue() {
     }
     assert_eq!(arrivals.len(), 6, "every video was submitted");
     let gaps: Vec<u64> = arrivals.windows(2).map(|w| (w[1] - w[0]) / 1_000_000).collect();
-    // Spaced on Redis's clock; the mock stamps arrivals on its own, a few ms of jitter apart.
-    assert!(gaps.iter().all(|&gap| gap + 20 >= GAP_MS), "submissions {gaps:?} ms apart, the gap is {GAP_MS} ms");
+    assert!(gaps.iter().all(|&gap| gap + JITTER_MS >= GAP_MS), "submissions {gaps:?} ms apart, the gap is {GAP_MS} ms");
 }
 
 #[tokio::test]
@@ -423,4 +425,49 @@ async fn two_instances_share_one_budget_over_tls_to_a_redis_with_a_private_ca() 
     std::fs::write(junk.path(), "not a certificate").expect("write");
     let e = mcp_ratelimit::Config::from_toml(&store(&junk.path().to_string_lossy())).expect_err("junk CA");
     assert!(e.to_string().contains("store.redis_ca_file"), "{e}");
+}
+
+#[tokio::test]
+async fn a_job_waiting_in_one_instances_queue_is_cancelled_from_another_and_never_submitted() {
+    let redis = TestRedis::private();
+    let mock_clock = mcp_ratelimit::clock::ManualClock::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let mock_config = mcp_ratelimit::Config::defaults().expect("defaults").mock_upstream;
+    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(mock_config, mock_clock.clone(), listener)
+        .await
+        .expect("mock");
+    // An account of one slot: the second image waits in instance a's queue behind the first.
+    let config = shared(&redis, "", &format!("[upstream]\nurl = \"{}\"\nmax_in_flight = 1\n", mock.url));
+    let (a, b) = (TestServer::start(&config).await, TestServer::start(&config).await);
+    let agent = token("impatient");
+    let (on_a, on_b) = (a.client(Some(&agent)).await, b.client(Some(&agent)).await);
+
+    let running = call(&on_a, "generate_image", json!({"prompt": "the first"})).await;
+    assert!(!is_error(&running), "{}", text(&running));
+    let r = call(&on_a, "generate_image", json!({"prompt": "waits its turn"})).await;
+    assert_eq!(structured(&r)["queue_position"], 1, "queued behind the running job: {}", text(&r));
+    let queued = structured(&r)["predict_id"].as_str().expect("id").to_owned();
+    eventually("instance b sees the queued job", || async {
+        !is_error(&call(&on_b, "get_prediction", json!({"predict_id": queued})).await)
+    })
+    .await;
+
+    let r = call(&on_b, "cancel_prediction", json!({"predict_id": queued})).await;
+    assert_eq!(structured(&r)["status"], "canceled", "{}", text(&r));
+    let r = call(&on_a, "get_prediction", json!({"predict_id": queued})).await;
+    assert_eq!(structured(&r)["status"], "canceled", "instance a took it out of its queue: {}", text(&r));
+    let status = call(&on_a, "rate_limit_status", json!({})).await;
+    assert_eq!(budget(&status, "in_flight:caller:")["remaining"], 4, "its slot came back; the running job keeps one");
+
+    // The account frees up: nothing is waiting any more, so nothing else is submitted.
+    mock_clock.advance(Duration::from_secs(6));
+    a.advance_secs(2.0);
+    eventually("the first job finished", || async {
+        structured(&call(&on_a, "get_prediction", json!({"predict_id": structured(&running)["predict_id"]})).await)
+            ["status"]
+            == "succeeded"
+    })
+    .await;
+    a.advance_secs(2.0);
+    assert_eq!(a.submissions().await.len(), 1, "the cancelled job never reached the upstream");
 }

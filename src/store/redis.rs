@@ -546,6 +546,35 @@ impl RedisStore {
         bounded(&self.address, self.timeout, self.connection.query(&command)).await
     }
 
+    /// Adds `member` to the set at `key`, which is kept `ttl` past its latest addition.
+    pub async fn set_add(&self, key: &str, member: &str, ttl: Duration) -> Result<(), StoreError> {
+        let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let mut script = ::redis::cmd("EVAL");
+        // One call (a pipeline of two could be split by a failover): add, then keep.
+        script.arg("redis.call('SADD', KEYS[1], ARGV[1]) return redis.call('PEXPIRE', KEYS[1], ARGV[2])");
+        script.arg(1).arg(key).arg(member).arg(ms);
+        let _: i64 = bounded(&self.address, self.timeout, self.connection.query(&script)).await?;
+        Ok(())
+    }
+
+    /// The members of the set at `key` (none when it is gone).
+    pub async fn set_members(&self, key: &str) -> Result<Vec<String>, StoreError> {
+        let mut command = ::redis::cmd("SMEMBERS");
+        command.arg(key);
+        bounded(&self.address, self.timeout, self.connection.query(&command)).await
+    }
+
+    /// Removes `members` from the set at `key`.
+    pub async fn set_remove(&self, key: &str, members: &[String]) -> Result<(), StoreError> {
+        if members.is_empty() {
+            return Ok(());
+        }
+        let mut command = ::redis::cmd("SREM");
+        command.arg(key).arg(members);
+        let _: i64 = bounded(&self.address, self.timeout, self.connection.query(&command)).await?;
+        Ok(())
+    }
+
     /// Takes back a call [`RedisStore::loop_check`] recorded as `seq`.
     pub async fn loop_forget(&self, key: &str, seq: u64, window: Nanos) -> Result<(), StoreError> {
         let mut invocation = self.loops.key(key);

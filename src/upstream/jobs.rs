@@ -10,8 +10,11 @@
 //!
 //! Over a shared store (Redis) the book is also published: every change of a job writes a
 //! snapshot of it (owner, state, when to poll next) to Redis, so an agent whose next session lands
-//! on another instance can still poll its job there, and cancel it (the cancel goes to the
-//! upstream; the owning instance sees it at its next poll and gives the slots back).
+//! on another instance can still poll its job there, and cancel it: a started job is cancelled
+//! upstream (the owning instance sees it at its next poll and gives the slots back); a job still
+//! waiting in the owning instance's queue is cancelled by that instance, which reads the cancel
+//! requests left for it in Redis a few times a second ([`Jobs::answer_cancel_requests`]) and
+//! publishes the canceled job, which the asking instance waits for.
 //!
 //! Every job also needs one of the upstream *account's* slots, from the [`FairQueue`]. An image
 //! job that finds one free (and nobody waiting) is submitted in the tool call itself — one
@@ -42,6 +45,13 @@ use crate::upstream::{Upstream, UpstreamError};
 /// Final jobs are remembered this long after their last change, so a late poll still reads
 /// the result (and re-reading it stays free).
 const KEEP_FOR: Nanos = 3_600 * NANOS_PER_SEC;
+/// The set of `predict_id`s whose cancel was asked on an instance that does not hold them.
+const CANCEL_REQUESTS_KEY: &str = "{upstream}job:cancel_requests";
+/// How often an instance with queued jobs reads the cancel requests (wall clock: instances share
+/// no other).
+pub const CANCEL_REQUESTS_EVERY: Duration = Duration::from_millis(200);
+/// How long an instance that asked another to cancel a queued job waits to see it canceled.
+const CANCEL_CONFIRM: Duration = Duration::from_secs(3);
 
 /// Whatever a job's admission holds (its in-flight slots); dropped when the job is final.
 pub type Slots = Box<dyn Any + Send + Sync>;
@@ -548,20 +558,18 @@ impl Jobs {
         Ok(self.view_of(id))
     }
 
-    /// Cancels `owner`'s job `id` that another instance accepted, as it published it: upstream,
-    /// and in its snapshot; the owning instance sees the cancel at its next poll and gives the
-    /// slots back. A job still waiting in that instance's queue cannot be taken out from here.
+    /// Cancels `owner`'s job `id` that another instance accepted, as it published it. A started
+    /// job is cancelled upstream, and in its snapshot; the owning instance sees the cancel at its
+    /// next poll and gives the slots back. A job still waiting in that instance's queue can only
+    /// be taken out by it: the request is left in Redis, and the answer is the job as that
+    /// instance publishes it once canceled.
     async fn cancel_elsewhere(&self, owner: &str, id: &str) -> Result<Option<JobView>, UpstreamError> {
         let Some(mut snapshot) = self.published(owner, id).await else { return Ok(None) };
         if snapshot.prediction.status.is_terminal() {
             return Ok(Some(Self::view_of_snapshot(snapshot)));
         }
         let Some(upstream_id) = snapshot.upstream_id.clone() else {
-            return Err(UpstreamError::Rejected(
-                "the job is still waiting in another server instance's queue; cancel it from the session that \
-                 started it, or poll it until it has started"
-                    .to_owned(),
-            ));
+            return self.ask_owner_to_cancel(owner, id).await;
         };
         let answer = self.upstream.cancel_prediction(&upstream_id).await;
         self.metrics.upstream("cancel_prediction", UpstreamError::outcome_of(&answer));
@@ -579,6 +587,60 @@ impl Jobs {
             let _ = redis.put(&snapshot_key(id), &value, Duration::from_nanos(KEEP_FOR)).await;
         }
         Ok(Some(Self::view_of_snapshot(snapshot)))
+    }
+
+    /// Leaves a cancel request for the instance whose queue holds `id`, and waits (at most
+    /// [`CANCEL_CONFIRM`]) for it to publish the job final.
+    async fn ask_owner_to_cancel(&self, owner: &str, id: &str) -> Result<Option<JobView>, UpstreamError> {
+        let unreachable =
+            |e: crate::store::redis::StoreError| UpstreamError::Unavailable(format!("cannot ask for the cancel: {e}"));
+        let Some(redis) = &self.shared else { return Ok(None) };
+        redis.set_add(CANCEL_REQUESTS_KEY, id, Duration::from_nanos(KEEP_FOR)).await.map_err(unreachable)?;
+        let asked = std::time::Instant::now();
+        loop {
+            tokio::time::sleep(CANCEL_REQUESTS_EVERY / 4).await;
+            match self.published(owner, id).await {
+                Some(snapshot) if snapshot.prediction.status.is_terminal() => {
+                    return Ok(Some(Self::view_of_snapshot(snapshot)));
+                }
+                None => return Ok(None),
+                Some(_) if asked.elapsed() >= CANCEL_CONFIRM => {
+                    return Err(UpstreamError::Unavailable(format!(
+                        "the job waits in another server instance's queue, which has not confirmed the cancel \
+                         within {} s (it may be down: then the job never starts, and its slots come back when \
+                         their leases run out); the request stands, poll the job to see it canceled",
+                        CANCEL_CONFIRM.as_secs()
+                    )));
+                }
+                Some(_) => {}
+            }
+        }
+    }
+
+    /// Cancels the jobs of this instance that another instance was asked to cancel (see
+    /// [`Jobs::cancel_elsewhere`]): one read of the requests while this instance has jobs not yet
+    /// final; the requests it answered are removed, the others left for their instances.
+    pub async fn answer_cancel_requests(&self) -> Result<usize, crate::store::redis::StoreError> {
+        let Some(redis) = &self.shared else { return Ok(0) };
+        if self.in_flight() == 0 {
+            return Ok(0);
+        }
+        let requested = redis.set_members(CANCEL_REQUESTS_KEY).await?;
+        let mine: Vec<(String, String)> = {
+            let book = self.book();
+            requested.iter().filter_map(|id| book.get(id).map(|job| (id.clone(), job.owner.caller.clone()))).collect()
+        };
+        let mut answered = Vec::with_capacity(mine.len());
+        for (id, owner) in mine {
+            match self.cancel(&owner, &id).await {
+                Ok(_) => answered.push(id),
+                // The upstream refused the cancel: leave the request for the next round.
+                Err(error) => tracing::warn!(%error, "could not cancel a job another instance asked to cancel"),
+            }
+        }
+        let count = answered.len();
+        redis.set_remove(CANCEL_REQUESTS_KEY, &answered).await?;
+        Ok(count)
     }
 
     /// `owner`'s job `id`, as it stands; `None` for someone else's job or none at all.
