@@ -157,7 +157,7 @@ fn governor_fake<const STEP: u64>() -> GovernorFake<STEP> {
 /// One decision of ours on the hot key at `now` (for concurrency: acquire, then release).
 #[inline(always)]
 fn ours_once(store: &MemoryStore, limiter: &Limiter, key: &str, now: u64) -> bool {
-    let decision = store.decide_one(&Check { key: black_box(key), limiter, cost: 1 }, now);
+    let decision = store.decide_one(&Check { key: black_box(key), limiter, cost: 1, shadow: false }, now);
     if limiter.holds_slots() && decision.allowed {
         store.release(key, limiter, 1, now);
     }
@@ -297,7 +297,8 @@ fn hot_key(c: &mut Criterion) {
                 let limiter = limiter(algorithm);
                 if algorithm == "concurrency_1_held" {
                     // One slot stays taken, so the key's entry is never removed on release.
-                    let held = store.decide_one(&Check { key: HOT_KEY, limiter: &limiter, cost: 1 }, tick::<0>());
+                    let held = store
+                        .decide_one(&Check { key: HOT_KEY, limiter: &limiter, cost: 1, shadow: false }, tick::<0>());
                     assert!(held.allowed);
                 }
                 let regime = (MemoryStore::new(), limiter.clone());
@@ -367,7 +368,10 @@ fn many_keys(c: &mut Criterion) {
                 let store = MemoryStore::new();
                 let limiter = limiter(algorithm);
                 for key in keys {
-                    store.decide_one(&Check { key, limiter: &limiter, cost: 1 }, tick::<STEP_ONE_THREAD>());
+                    store.decide_one(
+                        &Check { key, limiter: &limiter, cost: 1, shadow: false },
+                        tick::<STEP_ONE_THREAD>(),
+                    );
                 }
                 assert_eq!(store.len(), keys.len(), "every key is pre-warmed");
                 (store, limiter)

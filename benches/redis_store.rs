@@ -81,9 +81,9 @@ impl Keys {
 
     fn checks<'a>(&'a self, budgets: &'a Budgets, scopes: usize) -> Vec<Check<'a>> {
         let all = [
-            Check { key: &self.caller, limiter: &budgets.caller, cost: 1 },
-            Check { key: &self.tenant, limiter: &budgets.tenant, cost: 1 },
-            Check { key: &self.tool, limiter: &budgets.tool, cost: 1 },
+            Check { key: &self.caller, limiter: &budgets.caller, cost: 1, shadow: false },
+            Check { key: &self.tenant, limiter: &budgets.tenant, cost: 1, shadow: false },
+            Check { key: &self.tool, limiter: &budgets.tool, cost: 1, shadow: false },
         ];
         all[..scopes].to_vec()
     }

@@ -33,8 +33,8 @@ pub struct AppState {
     pub config: Config,
     /// The one clock.
     pub clock: SharedClock,
-    /// Names callers (keys, tenants, tiers, trusted proxies).
-    pub identifier: Identifier,
+    /// Names callers (keys, tenants, tiers, trusted proxies); swapped whole by a reload.
+    pub identifier: arc_swap::ArcSwap<Identifier>,
     /// Budgets and refusals.
     pub guard: Guard,
     /// What the limits are doing.
@@ -142,8 +142,15 @@ impl App {
             .published_in(store.redis_store().cloned()),
         );
         let guard = Guard::new(store, clock.clone(), &config, metrics.clone());
-        let state =
-            Arc::new(AppState { identifier: Identifier::new(&config), guard, metrics, upstream, jobs, clock, config });
+        let state = Arc::new(AppState {
+            identifier: arc_swap::ArcSwap::from_pointee(Identifier::new(&config)),
+            guard,
+            metrics,
+            upstream,
+            jobs,
+            clock,
+            config,
+        });
         tokio::spawn(sweep_forever(state.clone(), stop.clone()));
         if let Some(every) = state.guard.store().renew_every() {
             tokio::spawn(renew_forever(state.clone(), every, stop.clone()));
@@ -185,6 +192,12 @@ impl App {
         let running = McpServer::new(self.state.clone(), Transport::Stdio).serve(rmcp::transport::stdio()).await?;
         running.waiting().await?;
         Ok(())
+    }
+
+    /// Reloads the config from `file` on `SIGHUP` and whenever the file changes, until stopped
+    /// (see [`crate::reload`]).
+    pub fn reload_on_change(&self, file: Option<std::path::PathBuf>) {
+        tokio::spawn(crate::reload::watch(self.state.clone(), file, self.stop.child_token()));
     }
 
     /// Stops serving and the background tasks.

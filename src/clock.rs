@@ -14,7 +14,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-/// Nanoseconds since the clock's origin. Only differences between two readings mean anything.
+/// Nanoseconds since the Unix epoch (as the system clock stood when the process started, then
+/// monotonic), so that windows of a minute or a day line up with the calendar's, as Redis's do;
+/// a [`ManualClock`] starts at the epoch itself.
 pub type Nanos = u64;
 
 /// Nanoseconds in one millisecond, for converting waits into the `_ms` fields agents read.
@@ -37,7 +39,7 @@ pub trait Clock: Send + Sync + Debug {
 /// A shared handle to the clock the whole server uses.
 pub type SharedClock = Arc<dyn Clock>;
 
-/// Real monotonic time, counted from when the clock was made.
+/// Real monotonic time: the wall clock's reading when the clock was made, then the time since.
 ///
 /// Read from the CPU's time-stamp counter through `quanta` (calibrated against the OS clock,
 /// and falling back to it where the TSC is not reliable): about 10 ns a reading instead of
@@ -46,6 +48,8 @@ pub type SharedClock = Arc<dyn Clock>;
 pub struct SystemClock {
     clock: quanta::Clock,
     origin: u64,
+    /// The wall clock at `origin`, in nanoseconds since the Unix epoch.
+    epoch_at_origin: Nanos,
 }
 
 impl SystemClock {
@@ -53,7 +57,9 @@ impl SystemClock {
     pub fn new() -> Self {
         let clock = quanta::Clock::new();
         let origin = clock.raw();
-        Self { clock, origin }
+        let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let epoch_at_origin = u64::try_from(since_epoch.as_nanos()).unwrap_or(0);
+        Self { clock, origin, epoch_at_origin }
     }
 
     /// The system clock as a [`SharedClock`].
@@ -70,7 +76,7 @@ impl Default for SystemClock {
 
 impl Clock for SystemClock {
     fn now(&self) -> Nanos {
-        self.clock.delta_as_nanos(self.origin, self.clock.raw())
+        self.epoch_at_origin.saturating_add(self.clock.delta_as_nanos(self.origin, self.clock.raw()))
     }
 
     fn sleep_until(&self, deadline: Nanos) -> Sleep {
@@ -145,14 +151,19 @@ mod tests {
     fn the_system_clock_is_monotonic_and_tracks_real_time() {
         let clock = SystemClock::new();
         let started = std::time::Instant::now();
-        let mut last = clock.now();
+        let first = clock.now();
+        let mut last = first;
         while started.elapsed() < Duration::from_millis(20) {
             let now = clock.now();
             assert!(now >= last, "went backwards: {last} -> {now}");
             last = now;
         }
-        let measured = Duration::from_nanos(clock.now());
+        let measured = Duration::from_nanos(clock.now() - first);
         assert!(measured >= Duration::from_millis(19) && measured < Duration::from_millis(500), "{measured:?}");
+        // Readings are Unix time, so windows line up with the calendar.
+        let wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970");
+        let skew = wall.as_nanos().abs_diff(u128::from(clock.now()));
+        assert!(skew < 1_000_000_000, "{skew} ns from the wall clock");
     }
 
     #[tokio::test]

@@ -52,6 +52,10 @@ pub struct Config {
     pub tiers: BTreeMap<String, f64>,
     /// The budgets of every scope, unscaled.
     pub limits: Limits,
+    /// Daily spend caps per tenant.
+    pub spend_caps: SpendCaps,
+    /// Per-tenant budgets and caps instead of the defaults.
+    pub tenants: BTreeMap<String, TenantOverride>,
     /// Each tool's cost and optional own budget; every tool has an entry.
     pub tools: BTreeMap<String, ToolPolicy>,
     /// The paid API behind the tools.
@@ -101,28 +105,101 @@ pub struct ApiKey {
     pub tenant: Option<String>,
     /// Tier that scales the key's own budgets.
     pub tier: String,
+    /// The key's own caller budget, instead of its tier's (not scaled by the tier).
+    pub caller: Option<Vec<Limit>>,
 }
 
-/// The budgets of every scope a request passes, outside in.
+/// Whether a limit refuses, or only counts the calls it would have refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Refuses what is over the limit.
+    Enforce,
+    /// Lets everything through, but logs and counts (`outcome="shadow_refused"`) what it would
+    /// have refused: to try a new limit on real traffic first.
+    Shadow,
+}
+
+/// One limit of a scope. A scope may have several (a burst bucket plus a daily window), all
+/// decided in the same atomic decision.
+#[derive(Debug, Clone)]
+pub struct Limit {
+    /// The algorithm and its parameters.
+    pub limiter: Limiter,
+    /// Enforced, or shadow.
+    pub mode: Mode,
+    /// Tool results carry a warning once this percentage of the limit is used (`None`: never).
+    pub warn_at_percent: Option<u8>,
+    /// Empty for a scope's first limit; `#name` for the others, appended to the scope's store key
+    /// and name so each keeps its own state. Derived from the limit's `name` (or its algorithm),
+    /// not its position in a changed list, so a reload keeps the counters of the limits it keeps.
+    pub suffix: String,
+}
+
+impl Limit {
+    /// An enforced limit with no warning, as a scope's first.
+    pub fn enforced(limiter: Limiter) -> Self {
+        Self { limiter, mode: Mode::Enforce, warn_at_percent: None, suffix: String::new() }
+    }
+
+    /// This limit with capacity and rate multiplied by `factor` (tiers, the insurance limiter).
+    pub fn scaled(&self, factor: f64) -> Self {
+        Self { limiter: self.limiter.scaled(factor), ..self.clone() }
+    }
+
+    /// Whether it refuses (not shadow).
+    pub fn enforced_mode(&self) -> bool {
+        self.mode == Mode::Enforce
+    }
+}
+
+/// Windows at least this long warn at 80 % used unless told otherwise: short windows refill
+/// before a warning could help an agent plan.
+const WARN_BY_DEFAULT_FROM: u64 = 3_600 * 1_000_000_000;
+
+/// The daily spend cap of a tenant (or of a caller without one), in cost units.
+#[derive(Debug, Clone)]
+pub struct SpendCaps {
+    /// The cap of every tenant without its own (`None`: no cap).
+    pub daily_units: Option<u64>,
+    /// Price of one cost unit, to show caps in money (0: units only).
+    pub price_per_unit: f64,
+    /// The currency of that price.
+    pub currency: String,
+    /// Percentage of a cap used at which tool results carry a warning.
+    pub warn_at_percent: u8,
+}
+
+/// `[tenants.NAME]`: what one tenant has instead of the defaults.
+#[derive(Debug, Clone, Default)]
+pub struct TenantOverride {
+    /// The tenant's shared budget instead of `limits.tenant`.
+    pub budget: Option<Vec<Limit>>,
+    /// Its daily spend cap instead of `spend_caps.daily_units`.
+    pub daily_spend_units: Option<u64>,
+}
+
+/// The budgets of every scope a request passes, outside in. Every scope but the in-flight caps
+/// has one or more limits.
 #[derive(Debug, Clone)]
 pub struct Limits {
     /// Master switch; `false` admits everything (for overhead measurements only).
     pub enabled: bool,
     /// The coarse per-caller limit on `POST /mcp`, before any JSON is parsed.
-    pub http: Limiter,
+    pub http: Vec<Limit>,
     /// Per caller and JSON-RPC method: `tools/list`.
-    pub tools_list: Limiter,
+    pub tools_list: Vec<Limit>,
     /// Per caller and JSON-RPC method: `tools/call`.
-    pub tools_call: Limiter,
+    pub tools_call: Vec<Limit>,
     /// Per caller and JSON-RPC method: everything else (`ping`, …) but session set-up.
-    pub other_methods: Limiter,
+    pub other_methods: Vec<Limit>,
     /// The caller's tool budget, charged each tool's cost.
-    pub caller: Limiter,
+    pub caller: Vec<Limit>,
     /// The budget all callers of one tenant share, charged each tool's cost.
-    pub tenant: Limiter,
+    pub tenant: Vec<Limit>,
     /// The budget all unverified callers (no configured key) from one address share, charged
     /// each tool's cost: made-up keys cannot buy budget.
-    pub address: Limiter,
+    pub address: Vec<Limit>,
     /// Jobs (image and video predictions) one caller may have in flight at once.
     pub in_flight_caller: Limiter,
     /// Jobs all callers of one tenant may have in flight at once (a caller without a tenant is
@@ -135,8 +212,9 @@ pub struct Limits {
 pub struct ToolPolicy {
     /// Units charged to the caller and tenant budgets per call.
     pub cost: u64,
-    /// An own budget for this tool, per tenant (or per caller without one), counted in calls.
-    pub budget: Option<Limiter>,
+    /// An own budget for this tool, per tenant (or per caller without one), counted in calls
+    /// (empty: none).
+    pub budget: Vec<Limit>,
     /// What the tool does while the shared limiter store cannot decide.
     pub fail: Fail,
 }
@@ -278,6 +356,9 @@ struct RawConfig {
     auth: RawAuth,
     tiers: BTreeMap<String, f64>,
     limits: RawLimits,
+    spend_caps: RawSpendCaps,
+    #[serde(default)]
+    tenants: BTreeMap<String, RawTenant>,
     tools: BTreeMap<String, RawTool>,
     upstream: UpstreamConfig,
     store: StoreConfig,
@@ -312,18 +393,62 @@ struct RawKey {
     sha256: Option<String>,
     tenant: Option<String>,
     tier: Option<String>,
+    caller: Option<RawScope>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSpendCaps {
+    daily_units: i64,
+    daily_money: f64,
+    price_per_unit: f64,
+    currency: String,
+    warn_at_percent: i64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTenant {
+    budget: Option<RawScope>,
+    daily_spend_units: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawLimits {
     enabled: bool,
-    http: RawLimit,
-    method: BTreeMap<String, RawLimit>,
-    caller: RawLimit,
-    tenant: RawLimit,
-    address: RawLimit,
+    http: RawScope,
+    method: BTreeMap<String, RawScope>,
+    caller: RawScope,
+    tenant: RawScope,
+    address: RawScope,
     in_flight: RawInFlight,
+}
+
+/// A scope's limits as written: one table (today's form), or a list of tables.
+#[derive(Debug)]
+enum RawScope {
+    One(RawLimit),
+    Many(Vec<RawLimit>),
+}
+
+impl<'de> Deserialize<'de> for RawScope {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = RawScope;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a limit (a table with `algorithm`) or a list of limits")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<RawScope, A::Error> {
+                RawLimit::deserialize(serde::de::value::MapAccessDeserializer::new(map)).map(RawScope::One)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, seq: A) -> Result<RawScope, A::Error> {
+                Vec::<RawLimit>::deserialize(serde::de::value::SeqAccessDeserializer::new(seq)).map(RawScope::Many)
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -345,13 +470,16 @@ struct RawLimit {
     limit: Option<i64>,
     window_ms: Option<i64>,
     max_in_flight: Option<i64>,
+    mode: Option<Mode>,
+    name: Option<String>,
+    warn_at_percent: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawTool {
     cost: i64,
-    budget: Option<RawLimit>,
+    budget: Option<RawScope>,
     fail: Option<Fail>,
 }
 
@@ -408,18 +536,29 @@ impl Config {
         let mut out = String::new();
         let _ = writeln!(out, "{:<34} {:<15} parameters", "scope", "algorithm");
         let limits = &self.limits;
-        for (scope, limiter) in [
-            ("http (per caller, POST /mcp)", &limits.http),
+        let in_flight =
+            [Limit::enforced(limits.in_flight_caller.clone()), Limit::enforced(limits.in_flight_tenant.clone())];
+        for (scope, list) in [
+            ("http (per caller, POST /mcp)", limits.http.as_slice()),
             ("method tools/list (per caller)", &limits.tools_list),
             ("method tools/call (per caller)", &limits.tools_call),
             ("method other (per caller)", &limits.other_methods),
             ("caller (tool budget)", &limits.caller),
             ("tenant (shared tool budget)", &limits.tenant),
             ("address (unverified callers)", &limits.address),
-            ("in flight (jobs per caller)", &limits.in_flight_caller),
-            ("in flight (jobs per tenant)", &limits.in_flight_tenant),
+            ("in flight (jobs per caller)", &in_flight[..1]),
+            ("in flight (jobs per tenant)", &in_flight[1..]),
         ] {
-            let _ = writeln!(out, "{scope:<34} {:<15} {}", limiter.algorithm(), limiter.describe());
+            for limit in list {
+                let shadow = if limit.enforced_mode() { "" } else { " (shadow)" };
+                let scope = format!("{scope}{}", limit.suffix);
+                let _ =
+                    writeln!(out, "{scope:<34} {:<15} {}{shadow}", limit.limiter.algorithm(), limit.limiter.describe());
+            }
+        }
+        if let Some(cap) = self.spend_caps.daily_units {
+            let _ =
+                writeln!(out, "{:<34} {:<15} {cap} cost units per UTC day", "spend cap (per tenant)", "fixed_window");
         }
         let _ = writeln!(out);
         let tiers: Vec<String> = self.tiers.iter().map(|(t, f)| format!("{t} ×{f}")).collect();
@@ -434,8 +573,9 @@ impl Config {
         let _ = writeln!(out);
         let _ = writeln!(out, "{:<34} {:<6} own budget (per tenant, in calls)", "tool", "cost");
         for (tool, policy) in &self.tools {
-            let budget =
-                policy.budget.as_ref().map_or("-".to_owned(), |b| format!("{} {}", b.algorithm(), b.describe()));
+            let budget: Vec<String> =
+                policy.budget.iter().map(|b| format!("{} {}", b.limiter.algorithm(), b.limiter.describe())).collect();
+            let budget = if budget.is_empty() { "-".to_owned() } else { budget.join(" + ") };
             let _ = writeln!(out, "{tool:<34} {:<6} {budget}", policy.cost);
         }
         out
@@ -473,7 +613,7 @@ impl RawConfig {
         };
 
         let mut method = self.limits.method;
-        let mut group = |name: &str| -> Result<Limiter, ConfigError> {
+        let mut group = |name: &str| -> Result<Vec<Limit>, ConfigError> {
             method
                 .remove(name)
                 .ok_or_else(|| invalid(format!("limits.method.{name}"), "missing"))?
@@ -499,6 +639,9 @@ impl RawConfig {
         }
 
         let mut tools = BTreeMap::new();
+        let enforced = |limits: &[Limit]| -> Vec<Limiter> {
+            limits.iter().filter(|l| l.enforced_mode()).map(|l| l.limiter.clone()).collect()
+        };
         for (tool, spec) in self.tools {
             let key = format!("tools.{tool}.cost");
             if !TOOL_NAMES.contains(&tool.as_str()) {
@@ -509,11 +652,14 @@ impl RawConfig {
             }
             let cost = u64::try_from(spec.cost)
                 .map_err(|_| invalid(&key, format!("a cost cannot be negative (got {})", spec.cost)))?;
-            for (scope, limiter) in [
-                ("limits.caller", &limits.caller),
-                ("limits.tenant", &limits.tenant),
-                ("limits.address", &limits.address),
-            ] {
+            let scopes = [
+                ("limits.caller", enforced(&limits.caller)),
+                ("limits.tenant", enforced(&limits.tenant)),
+                ("limits.address", enforced(&limits.address)),
+            ];
+            for (scope, limiter) in
+                scopes.iter().flat_map(|(scope, limiters)| limiters.iter().map(move |l| (*scope, l)))
+            {
                 if cost > limiter.capacity() {
                     return Err(invalid(
                         &key,
@@ -528,19 +674,24 @@ impl RawConfig {
                 }
             }
             for (tier, factor) in &tiers {
-                let scaled = limits.caller.scaled(*factor).capacity();
-                if cost > scaled {
-                    return Err(invalid(
-                        &key,
-                        format!(
-                            "cost {cost} is larger than `limits.caller.{}` × `tiers.{tier}` = {scaled}, so callers \
-                             of tier {tier} could never call `{tool}`",
-                            limits.caller.capacity_key()
-                        ),
-                    ));
+                for limiter in enforced(&limits.caller) {
+                    let scaled = limiter.scaled(*factor).capacity();
+                    if cost > scaled {
+                        return Err(invalid(
+                            &key,
+                            format!(
+                                "cost {cost} is larger than `limits.caller.{}` × `tiers.{tier}` = {scaled}, so \
+                                 callers of tier {tier} could never call `{tool}`",
+                                limiter.capacity_key()
+                            ),
+                        ));
+                    }
                 }
             }
-            let budget = spec.budget.map(|b| b.build(&format!("tools.{tool}.budget"))).transpose()?;
+            let budget = match spec.budget {
+                Some(budget) => budget.build(&format!("tools.{tool}.budget"))?,
+                None => Vec::new(),
+            };
             // Tools that cost money fail closed; free reads stay open.
             let fail = spec.fail.unwrap_or(if cost > 0 { Fail::Closed } else { Fail::Open });
             tools.insert(tool, ToolPolicy { cost, budget, fail });
@@ -571,10 +722,67 @@ impl RawConfig {
             if keys.iter().any(|k: &ApiKey| k.sha256 == sha256) {
                 return Err(invalid(at, "the same key is configured twice"));
             }
-            keys.push(ApiKey { sha256, tenant: raw.tenant, tier });
+            let caller = raw.caller.map(|c| c.build(&format!("{at}.caller"))).transpose()?;
+            keys.push(ApiKey { sha256, tenant: raw.tenant, tier, caller });
         }
         if self.auth.required && keys.is_empty() {
             return Err(invalid("auth.required", "is true but no `[[auth.keys]]` are configured: nobody could call"));
+        }
+
+        let caps = self.spend_caps;
+        if !(caps.price_per_unit.is_finite() && caps.price_per_unit >= 0.0) {
+            return Err(invalid("spend_caps.price_per_unit", "must be a price of 0 or more"));
+        }
+        if !(1..=100).contains(&caps.warn_at_percent) {
+            return Err(invalid("spend_caps.warn_at_percent", "must be a percentage from 1 to 100"));
+        }
+        let cap_units = |key: &str, units: i64| -> Result<Option<u64>, ConfigError> {
+            match units {
+                0 => Ok(None),
+                1..=MAX_UNITS => Ok(Some(units as u64)),
+                _ => Err(invalid(key, format!("must be 0 (no cap) or between 1 and {MAX_UNITS} cost units"))),
+            }
+        };
+        let mut daily_units = cap_units("spend_caps.daily_units", caps.daily_units)?;
+        if caps.daily_money != 0.0 {
+            if !(caps.daily_money.is_finite() && caps.daily_money > 0.0) {
+                return Err(invalid("spend_caps.daily_money", "must be 0 (no cap) or a positive amount"));
+            }
+            if caps.price_per_unit == 0.0 {
+                return Err(invalid(
+                    "spend_caps.daily_money",
+                    "needs `spend_caps.price_per_unit` to turn money into units",
+                ));
+            }
+            let units = (caps.daily_money / caps.price_per_unit).floor().min(MAX_UNITS as f64) as i64;
+            let units = cap_units("spend_caps.daily_money", units.max(1))?;
+            // Both given: the tighter one.
+            daily_units = daily_units.into_iter().chain(units).min();
+        }
+        let spend_caps = SpendCaps {
+            daily_units,
+            price_per_unit: caps.price_per_unit,
+            currency: caps.currency,
+            warn_at_percent: caps.warn_at_percent as u8,
+        };
+        let mut tenants = BTreeMap::new();
+        for (name, raw) in self.tenants {
+            let at = format!("tenants.{name}");
+            if name.is_empty() || name.len() > 64 || name.contains(':') {
+                return Err(invalid(at, "a tenant is 1-64 characters without `:`"));
+            }
+            let budget = raw.budget.map(|b| b.build(&format!("{at}.budget"))).transpose()?;
+            let daily_spend_units =
+                raw.daily_spend_units.map(|u| cap_units(&format!("{at}.daily_spend_units"), u)).transpose()?.flatten();
+            tenants.insert(name, TenantOverride { budget, daily_spend_units });
+        }
+        let max_cost = tools.values().map(|t| t.cost).max().unwrap_or(0);
+        for (key, cap) in std::iter::once(("spend_caps.daily_units".to_owned(), spend_caps.daily_units))
+            .chain(tenants.iter().map(|(t, o)| (format!("tenants.{t}.daily_spend_units"), o.daily_spend_units)))
+        {
+            if let Some(cap) = cap.filter(|cap| *cap < max_cost) {
+                return Err(invalid(key, format!("a cap of {cap} is below the dearest tool's cost {max_cost}")));
+            }
         }
 
         let server = self.server;
@@ -641,7 +849,7 @@ impl RawConfig {
                 self.store.redis_ca().map_err(|e| invalid("store.redis_ca_file", e))?;
             }
             // The Lua twins compute in doubles, exact to the nanosecond over at most 2^52 ns.
-            let mut spans: Vec<(String, &Limiter)> = vec![
+            let mut spans: Vec<(String, &[Limit])> = vec![
                 ("limits.http".into(), &limits.http),
                 ("limits.method.tools_list".into(), &limits.tools_list),
                 ("limits.method.tools_call".into(), &limits.tools_call),
@@ -650,8 +858,16 @@ impl RawConfig {
                 ("limits.tenant".into(), &limits.tenant),
                 ("limits.address".into(), &limits.address),
             ];
-            spans.extend(tools.iter().filter_map(|(t, p)| p.budget.as_ref().map(|b| (format!("tools.{t}.budget"), b))));
-            if let Some((key, _)) = spans.iter().find(|(_, l)| l.span() > 1 << 52) {
+            spans.extend(tools.iter().map(|(t, p)| (format!("tools.{t}.budget"), p.budget.as_slice())));
+            spans.extend(
+                tenants.iter().filter_map(|(t, o)| o.budget.as_deref().map(|b| (format!("tenants.{t}.budget"), b))),
+            );
+            spans.extend(
+                keys.iter()
+                    .enumerate()
+                    .filter_map(|(i, k)| k.caller.as_deref().map(|c| (format!("auth.keys[{i}].caller"), c))),
+            );
+            if let Some((key, _)) = spans.iter().find(|(_, l)| l.iter().any(|l| l.limiter.span() > 1 << 52)) {
                 return Err(invalid(
                     key.as_str(),
                     "with store.backend = \"redis\" a window, or a bucket's burst × refill time, may span at most \
@@ -689,6 +905,8 @@ impl RawConfig {
             auth: AuthConfig { required: self.auth.required, anonymous_tier: self.auth.anonymous_tier, keys },
             tiers,
             limits,
+            spend_caps,
+            tenants,
             tools,
             upstream: self.upstream,
             store: self.store,
@@ -708,6 +926,56 @@ fn slots(key: &str, max: i64) -> Result<Limiter, ConfigError> {
     }
     Ok(Limiter::Concurrency(Concurrency::new(max as u64)))
 }
+impl RawScope {
+    /// The scope's limits, each named by its key (`limits.caller`, or `limits.caller[1]` in a
+    /// list).
+    fn build(&self, key: &str) -> Result<Vec<Limit>, ConfigError> {
+        let (raw, listed): (Vec<&RawLimit>, bool) = match self {
+            RawScope::One(limit) => (vec![limit], false),
+            RawScope::Many(list) => (list.iter().collect(), true),
+        };
+        if raw.is_empty() {
+            return Err(invalid(key, "an empty list of limits: give at least one"));
+        }
+        let mut limits: Vec<Limit> = Vec::with_capacity(raw.len());
+        for (i, r) in raw.into_iter().enumerate() {
+            let at = if listed { format!("{key}[{i}]") } else { key.to_owned() };
+            let limiter = r.build(&at)?;
+            let suffix = match &r.name {
+                Some(name) => {
+                    let ok = (1..=32).contains(&name.len())
+                        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+                    if !ok {
+                        return Err(invalid(format!("{at}.name"), "1-32 letters, digits, `_` or `-`"));
+                    }
+                    if limits.iter().any(|l| l.suffix == format!("#{name}")) {
+                        return Err(invalid(format!("{at}.name"), format!("`{name}` names two limits of {key}")));
+                    }
+                    format!("#{name}")
+                }
+                None if i == 0 => String::new(),
+                None => {
+                    let base = limiter.algorithm();
+                    let mut suffix = format!("#{base}");
+                    let mut n = 2;
+                    while limits.iter().any(|l| l.suffix == suffix) {
+                        suffix = format!("#{base}{n}");
+                        n += 1;
+                    }
+                    suffix
+                }
+            };
+            let warn_at_percent = match r.warn_at_percent {
+                Some(p) if (1..=100).contains(&p) => Some(p as u8),
+                Some(_) => return Err(invalid(format!("{at}.warn_at_percent"), "must be a percentage from 1 to 100")),
+                None => limiter.policy_window().filter(|w| *w >= WARN_BY_DEFAULT_FROM).map(|_| 80),
+            };
+            limits.push(Limit { limiter, mode: r.mode.unwrap_or(Mode::Enforce), warn_at_percent, suffix });
+        }
+        Ok(limits)
+    }
+}
+
 /// Longest window: one year.
 const MAX_WINDOW_MS: i64 = 365 * 24 * 3_600_000;
 
@@ -796,7 +1064,7 @@ mod tests {
     #[test]
     fn documented_defaults_load() {
         let c = Config::defaults().expect("defaults are valid");
-        assert_eq!(c.limits.caller.capacity(), 60);
+        assert_eq!(c.limits.caller[0].limiter.capacity(), 60);
         assert_eq!(c.tools["generate_image_to_video"].cost, 20);
         assert_eq!(c.tools.len(), TOOL_NAMES.len());
     }
@@ -833,7 +1101,7 @@ mod tests {
             ("algorithm = \"concurrency\"\nmax_in_flight = 100", "concurrency"),
         ] {
             let c = Config::from_toml(&format!("[limits.caller]\n{toml}\n")).expect(name);
-            assert_eq!(c.limits.caller.algorithm(), name);
+            assert_eq!(c.limits.caller[0].limiter.algorithm(), name);
         }
     }
 

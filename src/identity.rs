@@ -43,6 +43,12 @@ impl Caller {
         tier: Arc<str>,
         unverified_from: Option<Arc<str>>,
     ) -> Self {
+        Self { id: Self::id_of_digest(digest), tenant, tier, unverified_from }
+    }
+
+    /// The id of the caller whose credential has SHA-256 `digest`: `tok:` and 64 bits of it, so
+    /// the credential itself cannot be read back.
+    pub fn id_of_digest(digest: &[u8; 32]) -> String {
         const HEX: &[u8; 16] = b"0123456789abcdef";
         let mut id = String::with_capacity(20);
         id.push_str("tok:");
@@ -50,7 +56,7 @@ impl Caller {
             id.push(char::from(HEX[usize::from(byte >> 4)]));
             id.push(char::from(HEX[usize::from(byte & 0x0f)]));
         }
-        Self { id, tenant, tier, unverified_from }
+        id
     }
 
     /// A caller known by a credential (tier `default`, no tenant, not tied to an address).

@@ -4,7 +4,7 @@
 //! every tool call to the [`guard`], which names the caller ([`identity`]), prices the call
 //! ([`config`] costs) and asks the [`limit`] algorithms, whose state lives in a [`store`], all on
 //! one [`clock`], and [`metrics`] shows what they decide. Tools reach the paid API through [`upstream`]; [`mock_upstream`] stands in for
-//! it. [`app`] wires it together.
+//! it. [`app`] wires it together, and [`reload`] puts new limits in force on a running server.
 
 pub mod app;
 pub mod clock;
@@ -16,6 +16,7 @@ pub mod limit;
 pub mod mcp;
 pub mod metrics;
 pub mod mock_upstream;
+pub mod reload;
 pub mod store;
 pub mod upstream;
 

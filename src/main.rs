@@ -96,10 +96,11 @@ fn main() -> ExitCode {
 
 async fn run(command: Command) -> anyhow::Result<()> {
     match command {
-        Command::Serve { config, listen } => {
-            let config = Config::load(config.as_deref())?;
+        Command::Serve { config: file, listen } => {
+            let config = Config::load(file.as_deref())?;
             let addr = listen.unwrap_or(config.server.listen);
             let app = App::start(config, SystemClock::shared()).await?;
+            app.reload_on_change(config_file(file));
             let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
             tracing::info!(mcp = %format!("http://{addr}/mcp"), upstream = app.upstream_url(), "serving");
             tokio::select! {
@@ -110,9 +111,10 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 }
             }
         }
-        Command::Stdio { config } => {
-            let config = Config::load(config.as_deref())?;
+        Command::Stdio { config: file } => {
+            let config = Config::load(file.as_deref())?;
             let app = App::start(config, SystemClock::shared()).await?;
+            app.reload_on_change(config_file(file));
             tracing::info!(upstream = app.upstream_url(), "serving MCP on stdio");
             app.serve_stdio().await?;
         }
@@ -127,6 +129,15 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::CheckConfig { .. } => unreachable!("handled before the runtime starts"),
     }
     Ok(())
+}
+
+/// The file a server's config came from and is reloaded from: `--config`, else `./config.toml`
+/// when there is one (as [`Config::load`] reads it).
+fn config_file(given: Option<PathBuf>) -> Option<PathBuf> {
+    given.or_else(|| {
+        let local = PathBuf::from("config.toml");
+        local.exists().then_some(local)
+    })
 }
 
 /// Ctrl-C, or SIGTERM (what containers and service managers send to stop a process).

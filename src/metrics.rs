@@ -42,6 +42,9 @@ pub const STORE_UP: &str = "mcp_ratelimit_store_up";
 /// `mcp_ratelimit_breaker_state`: the upstream circuit breaker (0 closed, 1 half-open, 2 open).
 pub const BREAKER_STATE: &str = "mcp_ratelimit_breaker_state";
 
+/// `mcp_ratelimit_config_reloads_total{outcome}`: config reloads applied or refused.
+pub const CONFIG_RELOADS: &str = "mcp_ratelimit_config_reloads_total";
+
 /// Where a decision was taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layer {
@@ -58,6 +61,8 @@ pub enum Layer {
 enum Outcome {
     Allowed,
     Refused,
+    /// A shadow limit would have refused; the call went through.
+    ShadowRefused,
 }
 
 /// The labelled key of `mcp_ratelimit_decisions_total`, the one place its labels are spelled.
@@ -65,6 +70,7 @@ fn decision_key(layer: Layer, tool: &str, outcome: Outcome) -> Key {
     let outcome = match outcome {
         Outcome::Allowed => "allowed",
         Outcome::Refused => "refused",
+        Outcome::ShadowRefused => "shadow_refused",
     };
     let labels =
         vec![Label::new("layer", layer.as_str()), Label::new("tool", tool.to_owned()), Label::new("outcome", outcome)];
@@ -176,6 +182,12 @@ impl Metrics {
         self.recorder.register_counter(&decision_key(layer, tool, outcome), &META).increment(1);
     }
 
+    /// Records one refusal a shadow limit would have made (`outcome="shadow_refused"`); the
+    /// call itself is counted allowed or refused by the enforced limits as usual.
+    pub fn shadow_refusal(&self, layer: Layer, tool: &str) {
+        self.recorder.register_counter(&decision_key(layer, tool, Outcome::ShadowRefused), &META).increment(1);
+    }
+
     /// Records one refusal, labelled with the caller's bucket, never the caller.
     pub fn rejection(&self, layer: Layer, tool: &str, code: &'static str, caller: &Caller) {
         self.count(
@@ -202,6 +214,11 @@ impl Metrics {
     /// Records one decision the store could not make.
     pub fn store_error(&self, layer: Layer) {
         self.count(STORE_ERRORS, vec![Label::new("layer", layer.as_str())]);
+    }
+
+    /// Records one config reload, `applied` or `refused`.
+    pub fn config_reload(&self, outcome: &'static str) {
+        self.count(CONFIG_RELOADS, vec![Label::new("outcome", outcome)]);
     }
 
     /// Records one call refused as a loop.

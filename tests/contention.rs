@@ -21,7 +21,7 @@ fn hammer(store: &MemoryStore, limiter: &Limiter, now: u64, cost: u64) -> u64 {
             .map(|_| {
                 s.spawn(|| {
                     start.wait();
-                    let check = Check { key: "caller:tok:hot", limiter, cost };
+                    let check = Check { key: "caller:tok:hot", limiter, cost, shadow: false };
                     (0..CALLS_PER_THREAD).filter(|_| store.decide_one(&check, now).allowed).count() as u64 * cost
                 })
             })

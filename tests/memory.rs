@@ -48,7 +48,7 @@ fn a_million_callers_fit_in_128_bytes_each_and_sweep_gives_it_back() {
             key.clear();
             use std::fmt::Write;
             let _ = write!(key, "caller:tok:{i:016x}");
-            assert!(store.decide_one(&Check { key: &key, limiter: &limiter, cost: 1 }, 0).allowed);
+            assert!(store.decide_one(&Check { key: &key, limiter: &limiter, cost: 1, shadow: false }, 0).allowed);
         }
         assert_eq!(store.len(), CALLERS);
         let per_key = (live() - baseline) as f64 / CALLERS as f64;

@@ -83,9 +83,9 @@ async fn a_tenants_three_scopes_are_charged_all_or_nothing_on_the_cluster() {
     let tool_log = Limiter::SlidingLog(SlidingLog::new(5, 60 * SEC));
     let call = |cost| {
         [
-            Check { key: &caller, limiter: &bucket, cost },
-            Check { key: &tenant, limiter: &log, cost },
-            Check { key: &tool, limiter: &tool_log, cost },
+            Check { key: &caller, limiter: &bucket, cost, shadow: false },
+            Check { key: &tenant, limiter: &log, cost, shadow: false },
+            Check { key: &tool, limiter: &tool_log, cost, shadow: false },
         ]
     };
 
@@ -134,7 +134,7 @@ fn token_bucket_and_sliding_log_decide_on_the_cluster_like_the_memory_store() {
             let checks: Vec<Check<'_>> = (0..3)
                 .map(|i| {
                     let limiter = &limiters[picks[i]];
-                    Check { key: &keys[i], limiter, cost: call.costs[i].min(limiter.capacity()) }
+                    Check { key: &keys[i], limiter, cost: call.costs[i].min(limiter.capacity()), shadow: false }
                 })
                 .collect();
             let expected = memory.decide(&checks, now);
@@ -167,7 +167,12 @@ fn in_flight_slots_on_the_cluster_are_taken_and_given_back_like_the_memory_store
         let mut held = vec![];
         for (n, (take, costs)) in ops.into_iter().enumerate() {
             let checks: Vec<Check<'_>> = (0..3)
-                .map(|i| Check { key: &keys[i], limiter: &limiters[i], cost: costs[i].min(limiters[i].capacity()) })
+                .map(|i| Check {
+                    key: &keys[i],
+                    limiter: &limiters[i],
+                    cost: costs[i].min(limiters[i].capacity()),
+                    shadow: false,
+                })
                 .collect();
             if take || held.is_empty() {
                 let expected = memory.decide(&checks, EPOCH);
@@ -216,7 +221,7 @@ async fn callers_whose_tags_hash_to_different_nodes_are_each_decided_on_their_ow
     let bucket = Limiter::TokenBucket(TokenBucket::new(10, 1.0 / 3_600.0));
     for (tag, cost) in [(&a, 3), (&b, 7)] {
         let keys = [cluster.key(tag, "caller"), cluster.key(tag, "tool:y")];
-        let checks = keys.each_ref().map(|key| Check { key, limiter: &bucket, cost });
+        let checks = keys.each_ref().map(|key| Check { key, limiter: &bucket, cost, shadow: false });
         let decisions = store.decide(&checks).await.expect("decides");
         assert!(decisions.iter().all(|d| d.allowed && d.remaining == 10 - cost), "{tag}: {decisions:?}");
         let node = cluster.primary_of(&keys[0]);
@@ -237,12 +242,15 @@ async fn keys_spanning_slots_are_refused_with_a_clear_error_and_charge_nothing()
     let (a, b) = tags_on_two_nodes(&cluster);
     let (ka, kb) = (cluster.key(&a, "caller"), cluster.key(&b, "caller"));
     let bucket = Limiter::TokenBucket(TokenBucket::new(10, 1.0 / 3_600.0));
-    let checks = [Check { key: &ka, limiter: &bucket, cost: 1 }, Check { key: &kb, limiter: &bucket, cost: 1 }];
+    let checks = [
+        Check { key: &ka, limiter: &bucket, cost: 1, shadow: false },
+        Check { key: &kb, limiter: &bucket, cost: 1, shadow: false },
+    ];
     let e = store.decide(&checks).await.expect_err("two slots in one script");
     assert!(matches!(e, StoreError::CrossSlot { .. }), "{e:?}");
     assert!(e.to_string().contains("hash tag"), "{e}");
     for key in [&ka, &kb] {
-        let peek = store.decide(&[Check { key, limiter: &bucket, cost: 0 }]).await.expect("decides");
+        let peek = store.decide(&[Check { key, limiter: &bucket, cost: 0, shadow: false }]).await.expect("decides");
         assert_eq!(peek[0].remaining, 10, "{key} was charged by a refused call");
     }
 }
@@ -257,7 +265,7 @@ async fn leases_of_callers_on_different_nodes_are_renewed_together() {
     let slots = Limiter::Concurrency(Concurrency::new(2));
     let (la, lb) = (new_lease(), new_lease());
     for (key, lease) in [(&ka, la), (&kb, lb)] {
-        let taken = store.decide_leased(&[Check { key, limiter: &slots, cost: 2 }], lease, None).await;
+        let taken = store.decide_leased(&[Check { key, limiter: &slots, cost: 2, shadow: false }], lease, None).await;
         assert!(taken.expect("decides")[0].allowed);
     }
     // Renewed in time: nothing had expired, on either node.
@@ -266,7 +274,7 @@ async fn leases_of_callers_on_different_nodes_are_renewed_together() {
     tokio::time::sleep(Duration::from_millis(450)).await;
     assert_eq!(store.renew(&[(&ka, la, 2), (&kb, lb, 2)]).await.expect("renews across slots"), 2);
     for key in [&ka, &kb] {
-        let more = store.decide(&[Check { key, limiter: &slots, cost: 1 }]).await.expect("decides");
+        let more = store.decide(&[Check { key, limiter: &slots, cost: 1, shadow: false }]).await.expect("decides");
         assert!(!more[0].allowed, "{key}: the renewed lease holds both slots");
     }
 }
@@ -289,7 +297,7 @@ async fn every_node_reloads_a_flushed_script_cache() {
                 redis::Client::open(other.as_str()).and_then(|c| c.get_connection()).expect("node connection");
             let () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut connection).expect("SCRIPT FLUSH");
         }
-        let check = [Check { key: &key, limiter: &bucket, cost: 1 }];
+        let check = [Check { key: &key, limiter: &bucket, cost: 1, shadow: false }];
         assert_eq!(store.decide(&check).await.expect("decides after SCRIPT FLUSH")[0].remaining, 9, "{node}");
         assert!(TestRedisCluster::holds(node, &key));
     }
@@ -303,7 +311,7 @@ async fn hammer(store: Arc<RedisStore>, key: Arc<String>, limiter: Arc<Limiter>)
             tokio::spawn(async move {
                 let mut admitted = 0;
                 for _ in 0..100 {
-                    let check = Check { key: &key, limiter: &limiter, cost: 1 };
+                    let check = Check { key: &key, limiter: &limiter, cost: 1, shadow: false };
                     if store.decide(&[check]).await.expect("decides")[0].allowed {
                         admitted += 1;
                     }
@@ -404,10 +412,9 @@ fn a_malformed_cluster_url_is_refused_naming_store_redis_url() {
         ("redis+cluster://10.0.0.1:0", "port 0"),
         ("redis+cluster://10.0.0.1:7000/2", "only database 0"),
         ("redis://10.0.0.1:7000,http://10.0.0.2:7000", "not redis://"),
-        ("rediss+cluster://10.0.0.1:7000,10.0.0.2:7000", "TLS"),
+        ("rediss://10.0.0.1:7000,redis://10.0.0.2:7000", "all TLS or none"),
         ("redis://:a@10.0.0.1:7000,redis://:b@10.0.0.2:7000", "password"),
         ("cluster://10.0.0.1:7000", "not redis://"),
-        ("rediss://10.0.0.1:6380", "TLS"),
     ] {
         let e = Config::from_toml(&redis_config(url)).expect_err(url).to_string();
         assert!(e.contains("`store.redis_url`") && e.contains(why), "{url}: {e}");
@@ -418,6 +425,8 @@ fn a_malformed_cluster_url_is_refused_naming_store_redis_url() {
         "redis+cluster://:secret@redis-a.internal,redis-b.internal:7001/0",
         "redis://10.0.0.1:7000, redis://10.0.0.2:7001",
         "redis://:secret@10.0.0.1:6379/3",
+        "rediss://10.0.0.1:6380",
+        "rediss+cluster://:secret@10.0.0.1:7000,10.0.0.2:7000",
     ] {
         assert!(Config::from_toml(&redis_config(url)).is_ok(), "{url} is refused");
     }

@@ -107,7 +107,7 @@ fn decides_like_its_rust_twin(limiters: Vec<Limiter>) {
         for (n, step) in steps.iter().enumerate() {
             now = (now + step.gap_us * 1_000).max(not_before);
             let expected = limiter.acquire(&mut state, now, step.cost);
-            let check = Check { key: &key, limiter, cost: step.cost };
+            let check = Check { key: &key, limiter, cost: step.cost, shadow: false };
             let got = runtime
                 .block_on(store.decide_at(&[check], now))
                 .map_err(|e| TestCaseError::fail(format!("call {n}: {e}")))?;
@@ -214,7 +214,11 @@ fn concurrency_script_counts_slots_like_concurrency_rs() {
                 // Slots are leases on Redis's own clock (releases read it too); none runs out here.
                 let lease = new_lease();
                 let got = runtime
-                    .block_on(store.decide_leased(&[Check { key: &key, limiter: &limiter, cost }], lease, None))
+                    .block_on(store.decide_leased(
+                        &[Check { key: &key, limiter: &limiter, cost, shadow: false }],
+                        lease,
+                        None,
+                    ))
                     .map_err(|e| TestCaseError::fail(format!("call {n}: {e}")))?;
                 prop_assert_eq!(&got, &vec![expected], "call {} of {}, cost {}", n, limiter.describe(), cost);
                 if expected.allowed {
@@ -271,20 +275,20 @@ async fn a_refusal_in_the_last_scope_charges_none_and_a_pass_charges_all() {
     let log = Limiter::SlidingLog(SlidingLog::new(5, 60 * SEC));
     let now = EPOCH;
 
-    assert!(twins.decide(&[Check { key: &c, limiter: &log, cost: 5 }], now).await[0].allowed);
+    assert!(twins.decide(&[Check { key: &c, limiter: &log, cost: 5, shadow: false }], now).await[0].allowed);
     let refused = [
-        Check { key: &a, limiter: &bucket, cost: 10 },
-        Check { key: &b, limiter: &window, cost: 10 },
-        Check { key: &c, limiter: &log, cost: 1 },
+        Check { key: &a, limiter: &bucket, cost: 10, shadow: false },
+        Check { key: &b, limiter: &window, cost: 10, shadow: false },
+        Check { key: &c, limiter: &log, cost: 1, shadow: false },
     ];
     let decisions = twins.decide(&refused, now).await;
     assert_eq!(decisions.iter().map(|d| d.allowed).collect::<Vec<_>>(), [true, true, false]);
     assert_eq!(twins.remaining(&refused, now).await, [100, 100, 0], "the refused call charged a scope");
 
     let admitted = [
-        Check { key: &a, limiter: &bucket, cost: 10 },
-        Check { key: &b, limiter: &window, cost: 10 },
-        Check { key: &d, limiter: &log, cost: 1 },
+        Check { key: &a, limiter: &bucket, cost: 10, shadow: false },
+        Check { key: &b, limiter: &window, cost: 10, shadow: false },
+        Check { key: &d, limiter: &log, cost: 1, shadow: false },
     ];
     assert!(twins.decide(&admitted, now).await.iter().all(|d| d.allowed));
     assert_eq!(twins.remaining(&admitted, now).await, [90, 90, 4], "an admitted call must charge every scope");
@@ -296,11 +300,17 @@ async fn two_checks_on_one_key_see_each_other() {
     let twins = Twins::start(&redis).await;
     let key = redis.key("k");
     let bucket = Limiter::TokenBucket(TokenBucket::new(10, 1.0));
-    let checks = [Check { key: &key, limiter: &bucket, cost: 6 }, Check { key: &key, limiter: &bucket, cost: 6 }];
+    let checks = [
+        Check { key: &key, limiter: &bucket, cost: 6, shadow: false },
+        Check { key: &key, limiter: &bucket, cost: 6, shadow: false },
+    ];
     let decisions = twins.decide(&checks, EPOCH).await;
     assert!(decisions[0].allowed && !decisions[1].allowed);
     assert_eq!(twins.remaining(&checks[..1], EPOCH).await, [10]);
-    let both = [Check { key: &key, limiter: &bucket, cost: 4 }, Check { key: &key, limiter: &bucket, cost: 6 }];
+    let both = [
+        Check { key: &key, limiter: &bucket, cost: 4, shadow: false },
+        Check { key: &key, limiter: &bucket, cost: 6, shadow: false },
+    ];
     assert!(twins.decide(&both, EPOCH).await.iter().all(|d| d.allowed));
     assert_eq!(twins.remaining(&checks[..1], EPOCH).await, [0]);
 }
@@ -313,14 +323,18 @@ async fn sliding_window_weighs_counts_beyond_2_53_exactly() {
     let window = 7 * DAY;
     let limiter = Limiter::SlidingWindow(SlidingWindow::new(4_000_000_000, window));
     let edge = EPOCH - EPOCH % window;
-    assert!(twins.decide(&[Check { key: &key, limiter: &limiter, cost: 4_000_000_000 }], edge - SEC).await[0].allowed);
+    assert!(
+        twins.decide(&[Check { key: &key, limiter: &limiter, cost: 4_000_000_000, shadow: false }], edge - SEC).await
+            [0]
+        .allowed
+    );
     // 3.024 ms into the next window the previous 4e9 weigh exactly 3_999_999_980; their product
     // with the window (about 2^81) is far past 2^53, and a double rounds the weight up to ..._981.
     let now = edge + 3_024_000;
-    let peek = twins.decide(&[Check { key: &key, limiter: &limiter, cost: 0 }], now).await;
+    let peek = twins.decide(&[Check { key: &key, limiter: &limiter, cost: 0, shadow: false }], now).await;
     assert_eq!(peek[0].remaining, 20);
-    assert!(twins.decide(&[Check { key: &key, limiter: &limiter, cost: 20 }], now).await[0].allowed);
-    assert!(!twins.decide(&[Check { key: &key, limiter: &limiter, cost: 1 }], now).await[0].allowed);
+    assert!(twins.decide(&[Check { key: &key, limiter: &limiter, cost: 20, shadow: false }], now).await[0].allowed);
+    assert!(!twins.decide(&[Check { key: &key, limiter: &limiter, cost: 1, shadow: false }], now).await[0].allowed);
 }
 
 #[tokio::test]
@@ -332,9 +346,9 @@ async fn three_scopes_are_decided_in_one_script_call() {
     let gcra = Limiter::Gcra(Gcra::new(100, 1.0));
     let window = Limiter::SlidingWindow(SlidingWindow::new(100, 60 * SEC));
     let checks = [
-        Check { key: &a, limiter: &bucket, cost: 1 },
-        Check { key: &b, limiter: &gcra, cost: 1 },
-        Check { key: &c, limiter: &window, cost: 1 },
+        Check { key: &a, limiter: &bucket, cost: 1, shadow: false },
+        Check { key: &b, limiter: &gcra, cost: 1, shadow: false },
+        Check { key: &c, limiter: &window, cost: 1, shadow: false },
     ];
     let before = redis.evalsha_calls();
     let decisions = store.decide(&checks).await.expect("decides");
@@ -352,7 +366,7 @@ async fn hammer(store: Arc<RedisStore>, key: String, limiter: Limiter) -> usize 
             tokio::spawn(async move {
                 let mut admitted = 0;
                 for _ in 0..200 {
-                    let check = Check { key: &key, limiter: &limiter, cost: 1 };
+                    let check = Check { key: &key, limiter: &limiter, cost: 1, shadow: false };
                     if store.decide(&[check]).await.expect("decides")[0].allowed {
                         admitted += 1;
                     }
@@ -371,10 +385,12 @@ async fn hammer(store: Arc<RedisStore>, key: String, limiter: Limiter) -> usize 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn contention_from_three_instances_admits_exactly_the_burst() {
     let redis = TestRedis::start();
-    // Three stores, each with its own connection, as three server instances would have.
+    // Three stores, each with its own connection, as three server instances would have. Slots
+    // are held to the end: leases that outlast the test however slow the machine is.
     let mut stores = Vec::new();
     for _ in 0..3 {
-        stores.push(Arc::new(RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis")));
+        let store = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis");
+        stores.push(Arc::new(store.with_lease(Duration::from_secs(3_600))));
     }
     for limiter in [
         Limiter::TokenBucket(TokenBucket::new(500, 1.0 / 3_600.0)),
@@ -423,7 +439,7 @@ async fn written_keys_expire_at_forget_at_rounded_up_to_the_millisecond() {
         for attempt in 0..50 {
             let key = redis.key(&format!("{}:{attempt}", limiter.algorithm()));
             let before = redis_time_us(&mut admin).await / 1_000;
-            let decided = store.decide_at(&[Check { key: &key, limiter: &limiter, cost }], now).await;
+            let decided = store.decide_at(&[Check { key: &key, limiter: &limiter, cost, shadow: false }], now).await;
             assert!(decided.expect("decides")[0].allowed);
             let after = redis_time_us(&mut admin).await / 1_000;
             let expires: u64 = redis::cmd("PEXPIRETIME").arg(&key).query_async(&mut admin).await.expect("PEXPIRETIME");
@@ -446,7 +462,7 @@ async fn written_keys_expire_at_forget_at_rounded_up_to_the_millisecond() {
     let slots = Limiter::Concurrency(Concurrency::new(3));
     let key = redis.key("concurrency");
     let lease = new_lease();
-    let held = store.decide_leased(&[Check { key: &key, limiter: &slots, cost: 2 }], lease, None).await;
+    let held = store.decide_leased(&[Check { key: &key, limiter: &slots, cost: 2, shadow: false }], lease, None).await;
     assert!(held.expect("decides")[0].allowed);
     let ttl: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut admin).await.expect("PTTL");
     let lease_ms = i64::try_from(store.lease().as_millis()).expect("ms");
@@ -467,7 +483,7 @@ async fn a_flushed_script_cache_is_reloaded() {
         .expect("admin connection");
     let key = redis.key("k");
     let bucket = Limiter::TokenBucket(TokenBucket::new(10, 1.0 / 3_600.0));
-    let check = [Check { key: &key, limiter: &bucket, cost: 1 }];
+    let check = [Check { key: &key, limiter: &bucket, cost: 1, shadow: false }];
     assert_eq!(store.decide(&check).await.expect("decides")[0].remaining, 9);
     let () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut admin).await.expect("SCRIPT FLUSH");
     assert_eq!(store.decide(&check).await.expect("decides after SCRIPT FLUSH")[0].remaining, 8);
@@ -483,7 +499,7 @@ async fn a_paused_redis_costs_a_call_at_most_the_timeout() {
     let store = RedisStore::connect(&redis.url, SHORT).await.expect("connects to Redis");
     let key = redis.key("k");
     let bucket = Limiter::TokenBucket(TokenBucket::new(10, 1.0));
-    let check = [Check { key: &key, limiter: &bucket, cost: 1 }];
+    let check = [Check { key: &key, limiter: &bucket, cost: 1, shadow: false }];
     assert!(store.decide(&check).await.is_ok());
 
     redis.pause();
@@ -543,7 +559,10 @@ async fn a_clock_reading_finer_than_a_microsecond_is_refused() {
     let store = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis");
     let key = redis.key("k");
     let bucket = Limiter::TokenBucket(TokenBucket::new(10, 1.0));
-    let e = store.decide_at(&[Check { key: &key, limiter: &bucket, cost: 1 }], EPOCH + 1).await.expect_err("1 ns");
+    let e = store
+        .decide_at(&[Check { key: &key, limiter: &bucket, cost: 1, shadow: false }], EPOCH + 1)
+        .await
+        .expect_err("1 ns");
     assert!(matches!(e, StoreError::OutOfRange(_)), "{e:?}");
 }
 
@@ -559,7 +578,9 @@ async fn an_unrenewed_lease_runs_out_and_frees_its_slots_and_a_renewed_one_does_
     let now = redis_time_us(&mut admin).await * 1_000;
     let half = LEASE.as_nanos() as Nanos / 2;
     for key in [&crashed, &alive] {
-        let held = store.decide_leased(&[Check { key, limiter: &slots, cost: 2 }], new_lease(), Some(now - half)).await;
+        let held = store
+            .decide_leased(&[Check { key, limiter: &slots, cost: 2, shadow: false }], new_lease(), Some(now - half))
+            .await;
         assert!(held.expect("decides")[0].allowed);
     }
     // The holder of `alive` renews its lease; the holder of `crashed` is gone and does not.
@@ -570,16 +591,16 @@ async fn an_unrenewed_lease_runs_out_and_frees_its_slots_and_a_renewed_one_does_
     // Read both just after the first leases run out, on the script's clock (no waiting in real
     // time): the renewed one lasts a whole lease from its renewal.
     let later = now + half + MS;
-    let crashed_now = store.decide_at(&[Check { key: &crashed, limiter: &slots, cost: 1 }], later).await;
+    let crashed_now = store.decide_at(&[Check { key: &crashed, limiter: &slots, cost: 1, shadow: false }], later).await;
     assert!(crashed_now.expect("decides")[0].allowed, "an unrenewed lease runs out: its slots are free");
-    let alive_now = store.decide_at(&[Check { key: &alive, limiter: &slots, cost: 1 }], later).await;
+    let alive_now = store.decide_at(&[Check { key: &alive, limiter: &slots, cost: 1, shadow: false }], later).await;
     assert!(!alive_now.expect("decides")[0].allowed, "a renewed lease still holds its slots");
 
     // A lease that expired while its holder could not reach Redis is taken again on renewal.
     let gone = redis.key("gone");
     let retaken = store.renew(&[(gone.as_str(), new_lease(), 1)]).await.expect("renews");
     assert_eq!(retaken, 1);
-    let held = store.decide(&[Check { key: &gone, limiter: &slots, cost: 0 }]).await.expect("decides");
+    let held = store.decide(&[Check { key: &gone, limiter: &slots, cost: 0, shadow: false }]).await.expect("decides");
     assert_eq!(held[0].remaining, 1, "the renewed lease counts again");
 }
 

@@ -16,9 +16,12 @@ pub mod scope;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use arc_swap::ArcSwap;
+
 use tracing::info;
 
 use crate::clock::{SharedClock, ceil_ms};
+use crate::config::Limit;
 use crate::config::{Config, Fail};
 use crate::guard::loops::{LoopDetector, Looping};
 use crate::guard::refusals::RefusalMemory;
@@ -35,7 +38,7 @@ pub use scope::Scope;
 /// One budget as a caller sees it in `rate_limit_status`.
 #[derive(Debug, Clone, serde::Serialize, schemars::JsonSchema)]
 pub struct BudgetStatus {
-    /// The scope key, e.g. `caller:tok:1f2e…` or `tenant:acme`.
+    /// The scope key, e.g. `caller:tok:1f2e…`, `tenant:acme` or `caller:tok:1f2e…#day`.
     pub scope: String,
     /// The algorithm deciding it.
     pub algorithm: &'static str,
@@ -45,6 +48,12 @@ pub struct BudgetStatus {
     pub remaining: u64,
     /// Milliseconds until it is full again if nothing is spent.
     pub reset_after_ms: u64,
+    /// A shadow limit: counted, never refusing.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub shadow: bool,
+    /// A spend cap in money, when a price per unit is configured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub money: Option<Money>,
 }
 
 /// What an admitted tool call holds while it runs: its in-flight slots (given back when it is
@@ -53,6 +62,7 @@ pub struct BudgetStatus {
 #[must_use = "dropping the admission releases its in-flight slots at once"]
 pub struct Admission {
     _slots: Vec<SlotGuard>,
+    warnings: Vec<Warning>,
     metrics: Arc<Metrics>,
 }
 
@@ -60,7 +70,17 @@ impl Admission {
     /// The only way to make one: the in-flight gauge goes up here and down in `Drop`.
     fn new(slots: Vec<SlotGuard>, metrics: Arc<Metrics>) -> Self {
         metrics.in_flight(1.0);
-        Self { _slots: slots, metrics }
+        Self { _slots: slots, warnings: Vec::new(), metrics }
+    }
+
+    fn warning(mut self, warnings: Vec<Warning>) -> Self {
+        self.warnings = warnings;
+        self
+    }
+
+    /// Limits this call took past their warning level (spend caps at 80 %, daily windows…).
+    pub fn warnings(&self) -> &[Warning] {
+        &self.warnings
     }
 }
 
@@ -105,7 +125,6 @@ const STORE_PROBE_EVERY: crate::clock::Nanos = crate::clock::NANOS_PER_SEC;
 #[derive(Debug)]
 struct Insurance {
     store: Arc<Store>,
-    policy: Policy,
     /// Open while the shared store is failing: decisions skip it (no timeout to wait out on
     /// every call) until one probe a second finds it back.
     shared_down: Breaker,
@@ -116,10 +135,11 @@ struct Insurance {
 /// Decides whether a caller may proceed, charges it, and explains refusals.
 #[derive(Debug)]
 pub struct Guard {
-    enabled: bool,
     store: Arc<Store>,
     clock: SharedClock,
-    policy: Policy,
+    /// The limits in force; a reload swaps them whole, and a decision keeps the ones it started
+    /// with.
+    live: ArcSwap<Live>,
     insurance: Option<Insurance>,
     store_up: AtomicBool,
     loops: Option<Loops>,
@@ -177,72 +197,212 @@ impl Loops {
     }
 }
 
-/// The in-flight caps a job holds: the caller's, and its tenant's.
-fn in_flight_scopes<'p>(policy: &'p Policy, caller: &Caller) -> Vec<(Scope, &'p Limiter)> {
-    let mut scopes = vec![(Scope::in_flight_caller(caller), &policy.in_flight_caller)];
-    if let Some(tenant) = Scope::in_flight_tenant(caller) {
-        scopes.push((tenant, &policy.in_flight_tenant));
+/// One limit a decision takes: the scope (with the limit's suffix), the limit, and the cost.
+type Planned<'p> = (Scope, &'p Limit, u64);
+
+/// Adds `scope`'s `limits` at `cost`: the first under the scope itself, each other one under the
+/// scope with its suffix.
+fn plan<'p>(out: &mut Vec<Planned<'p>>, scope: Scope, limits: &'p [Limit], cost: u64) {
+    for limit in limits {
+        let scope = if limit.suffix.is_empty() { scope.clone() } else { scope.for_limit(&limit.suffix) };
+        out.push((scope, limit, cost));
     }
-    scopes
 }
 
-/// The scopes a call of `tool` by `caller` draws on under `policy`, with their limiters and
-/// costs.
-fn tool_scopes<'p>(
-    policy: &'p Policy,
-    caller: &Caller,
-    tool: &str,
-    starts_job: bool,
-) -> Vec<(Scope, &'p Limiter, u64)> {
+/// The in-flight caps a job holds: the caller's, and its tenant's.
+fn in_flight_scopes<'p>(policy: &'p Policy, caller: &Caller, cost: u64, out: &mut Vec<Planned<'p>>) {
+    out.push((Scope::in_flight_caller(caller), &policy.in_flight_caller, cost));
+    if let Some(tenant) = Scope::in_flight_tenant(caller) {
+        out.push((tenant, &policy.in_flight_tenant, cost));
+    }
+}
+
+/// The scopes a call of `tool` by `caller` draws on under `policy`, with their limits and costs.
+fn tool_scopes<'p>(policy: &'p Policy, caller: &Caller, tool: &str, starts_job: bool) -> Vec<Planned<'p>> {
     let tier = policy.for_caller(caller);
     let cost = policy.cost_of(tool);
-    let mut scopes = vec![(Scope::method(caller, MethodGroup::ToolsCall), &tier.tools_call, 1)];
+    let mut scopes = Vec::with_capacity(8);
+    plan(&mut scopes, Scope::method(caller, MethodGroup::ToolsCall), &tier.tools_call, 1);
     if cost > 0 {
-        scopes.push((Scope::caller(caller), &tier.caller, cost));
-        if let Some(tenant) = Scope::tenant(caller) {
-            scopes.push((tenant, &policy.tenant, cost));
+        plan(&mut scopes, Scope::caller(caller), policy.caller_budget(caller), cost);
+        if let (Some(scope), Some(tenant)) = (Scope::tenant(caller), caller.tenant()) {
+            plan(&mut scopes, scope, policy.tenant_budget(tenant), cost);
         }
         if let Some(address) = Scope::address(caller) {
-            scopes.push((address, &policy.address, cost));
+            plan(&mut scopes, address, &policy.address, cost);
+        }
+        if let Some(cap) = policy.spend_cap(caller.tenant()) {
+            scopes.push((Scope::spend(caller), cap, cost));
         }
     }
-    if let Some(budget) = policy.tools.get(tool).and_then(|t| t.budget.as_ref()) {
-        scopes.push((Scope::tool(caller, tool), budget, 1));
+    if let Some(tool_policy) = policy.tools.get(tool) {
+        plan(&mut scopes, Scope::tool(caller, tool), &tool_policy.budget, 1);
     }
     if starts_job {
-        scopes.extend(in_flight_scopes(policy, caller).into_iter().map(|(scope, limiter)| (scope, limiter, 1)));
+        in_flight_scopes(policy, caller, 1, &mut scopes);
     }
     scopes
 }
 
-/// Every budget `caller` has under `policy`, to read at cost 0: the HTTP budget (when it
-/// applies), the `tools/call` method budget, the caller's, tenant's and address's tool budgets,
-/// every tool's own budget, and the in-flight caps.
-fn status_scopes<'p>(policy: &'p Policy, caller: &Caller, over_http: bool) -> Vec<(Scope, &'p Limiter, u64)> {
+/// What `rate_limit_status` reads for `caller` (every limit, at cost 0), plus the HTTP scope
+/// when the caller comes over HTTP.
+fn status_scopes<'p>(policy: &'p Policy, caller: &Caller, over_http: bool) -> Vec<Planned<'p>> {
     let tier = policy.for_caller(caller);
-    let mut peek: Vec<(Scope, &Limiter, u64)> = Vec::new();
+    let mut peek = Vec::with_capacity(12);
     if over_http {
-        peek.push((Scope::http(caller), &tier.http, 0));
+        plan(&mut peek, Scope::http(caller), &tier.http, 0);
     }
-    peek.push((Scope::method(caller, MethodGroup::ToolsCall), &tier.tools_call, 0));
-    peek.push((Scope::caller(caller), &tier.caller, 0));
-    if let Some(tenant) = Scope::tenant(caller) {
-        peek.push((tenant, &policy.tenant, 0));
+    plan(&mut peek, Scope::method(caller, MethodGroup::ToolsCall), &tier.tools_call, 0);
+    plan(&mut peek, Scope::caller(caller), policy.caller_budget(caller), 0);
+    if let (Some(scope), Some(tenant)) = (Scope::tenant(caller), caller.tenant()) {
+        plan(&mut peek, scope, policy.tenant_budget(tenant), 0);
     }
     if let Some(address) = Scope::address(caller) {
-        peek.push((address, &policy.address, 0));
+        plan(&mut peek, address, &policy.address, 0);
+    }
+    if let Some(cap) = policy.spend_cap(caller.tenant()) {
+        peek.push((Scope::spend(caller), cap, 0));
     }
     for (tool, tool_policy) in &policy.tools {
-        if let Some(budget) = &tool_policy.budget {
-            peek.push((Scope::tool(caller, tool), budget, 0));
-        }
+        plan(&mut peek, Scope::tool(caller, tool), &tool_policy.budget, 0);
     }
-    peek.extend(in_flight_scopes(policy, caller).into_iter().map(|(scope, limiter)| (scope, limiter, 0)));
+    in_flight_scopes(policy, caller, 0, &mut peek);
     peek
 }
 
-fn checks_of<'a>(scopes: &'a [(Scope, &'a Limiter, u64)]) -> Vec<Check<'a>> {
-    scopes.iter().map(|(scope, limiter, cost)| Check { key: scope.key(), limiter, cost: *cost }).collect()
+fn checks_of<'a>(scopes: &'a [Planned<'a>]) -> Vec<Check<'a>> {
+    scopes
+        .iter()
+        .map(|(scope, limit, cost)| Check {
+            key: scope.key(),
+            limiter: &limit.limiter,
+            cost: *cost,
+            shadow: !limit.enforced_mode(),
+        })
+        .collect()
+}
+
+/// The enforced limit that refused with the longest wait (the call passes only when every
+/// enforced limit admits it); shadow limits' refusals are counted and logged here.
+fn refused_by<'a, 'p>(
+    scopes: &'a [Planned<'p>],
+    decisions: &'a [Decision],
+    metrics: &Metrics,
+    layer: Layer,
+    what: &str,
+) -> Option<(&'a Planned<'p>, &'a Decision)> {
+    for ((scope, limit, _), d) in scopes.iter().zip(decisions) {
+        if !d.allowed && !limit.enforced_mode() {
+            metrics.shadow_refusal(layer, what);
+            info!(
+                layer = layer.as_str(),
+                what,
+                scope = scope.name(),
+                retry_after_ms = ceil_ms(d.retry_after),
+                "shadow limit would have refused"
+            );
+        }
+    }
+    scopes
+        .iter()
+        .zip(decisions)
+        .filter(|((_, limit, _), d)| !d.allowed && limit.enforced_mode())
+        .max_by_key(|(_, d)| d.retry_after)
+}
+
+/// A limit past its warning level after an admitted call, for the agent to plan with.
+#[derive(Debug, Clone, serde::Serialize, schemars::JsonSchema)]
+pub struct Warning {
+    /// The scope, e.g. `spend:tenant:acme` or `caller:tok:1f2e…#day`.
+    pub scope: String,
+    /// The limit in words.
+    pub policy: String,
+    /// Units used of it.
+    pub used: u64,
+    /// Its limit.
+    pub limit: u64,
+    /// Percentage used, rounded down.
+    pub percent_used: u64,
+    /// Milliseconds until it is full again if nothing is spent.
+    pub reset_after_ms: u64,
+    /// The same in money, when a price per unit is configured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub money: Option<Money>,
+}
+
+/// Spend and a cap in money.
+#[derive(Debug, Clone, serde::Serialize, schemars::JsonSchema)]
+pub struct Money {
+    /// Spent so far in the window.
+    pub used: f64,
+    /// The cap.
+    pub cap: f64,
+    /// The currency.
+    pub currency: String,
+}
+
+impl Warning {
+    /// The sentence an agent reads.
+    pub fn sentence(&self) -> String {
+        let money = self
+            .money
+            .as_ref()
+            .map_or_else(String::new, |m| format!(" ({:.2} of {:.2} {})", m.used, m.cap, m.currency));
+        format!(
+            "Note: {}% of the limit {} ({}) is used: {} of {} units{money}. It is full again in {} s; plan the \
+             remaining calls.",
+            self.percent_used,
+            self.scope,
+            self.policy,
+            self.used,
+            self.limit,
+            self.reset_after_ms.div_ceil(1000)
+        )
+    }
+}
+
+/// The warnings of an admitted decision: every limit with a warning level that the call took
+/// past it.
+fn warnings_of(policy: &Policy, scopes: &[Planned<'_>], decisions: &[Decision]) -> Vec<Warning> {
+    let mut warnings = Vec::new();
+    for ((scope, limit, cost), d) in scopes.iter().zip(decisions) {
+        let Some(at) = limit.warn_at_percent else { continue };
+        let used = d.limit.saturating_sub(d.remaining);
+        if *cost == 0 || d.limit == 0 || u128::from(used) * 100 < u128::from(at) * u128::from(d.limit) {
+            continue;
+        }
+        let money = policy.price.as_ref().filter(|_| scope.name().starts_with("spend:")).map(|(price, currency)| {
+            Money { used: used as f64 * price, cap: d.limit as f64 * price, currency: currency.clone() }
+        });
+        warnings.push(Warning {
+            scope: scope.name().to_owned(),
+            policy: limit.limiter.describe(),
+            used,
+            limit: d.limit,
+            percent_used: used.saturating_mul(100) / d.limit,
+            reset_after_ms: ceil_ms(d.reset_after),
+            money,
+        });
+    }
+    warnings
+}
+
+/// The limits one decision is taken under.
+#[derive(Debug)]
+struct Live {
+    /// `limits.enabled`.
+    enabled: bool,
+    policy: Arc<Policy>,
+    /// The insurance limiter's share of them, over a shared store.
+    insurance: Option<Policy>,
+}
+
+impl Live {
+    fn new(config: &Config, shared: bool) -> Self {
+        let policy = Policy::new(config);
+        let insurance = shared.then(|| policy.scaled(1.0 / config.store.expected_instances as f64));
+        Self { enabled: config.limits.enabled, policy: Arc::new(policy), insurance }
+    }
 }
 
 impl Guard {
@@ -259,15 +419,13 @@ impl Guard {
         });
         let insurance = store.is_shared().then(|| Insurance {
             store: Arc::new(Store::memory(clock.clone())),
-            policy: Policy::new(config).scaled(1.0 / config.store.expected_instances as f64),
             shared_down: Breaker::new(1, STORE_PROBE_EVERY),
             refused: RefusalMemory::default(),
         });
         Self {
-            enabled: config.limits.enabled,
+            live: ArcSwap::from_pointee(Live::new(config, store.is_shared())),
             store,
             clock,
-            policy: Policy::new(config),
             insurance,
             store_up: AtomicBool::new(true),
             loops,
@@ -277,12 +435,22 @@ impl Guard {
 
     /// Whether limits are enforced at all (`limits.enabled`).
     pub fn enabled(&self) -> bool {
-        self.enabled
+        self.live.load().enabled
     }
 
-    /// The resolved limits.
-    pub fn policy(&self) -> &Policy {
-        &self.policy
+    /// The limits in force.
+    pub fn policy(&self) -> Arc<Policy> {
+        self.live.load().policy.clone()
+    }
+
+    /// Puts the limits of `config` in force for every decision from now on. Usage carries over:
+    /// the state lives under scope keys that do not depend on the limits' numbers. Refusals the
+    /// shared store made under the old limits are forgotten, so a looser limit applies at once.
+    pub fn reload(&self, config: &Config) {
+        self.live.store(Arc::new(Live::new(config, self.store.is_shared())));
+        if let Some(insurance) = &self.insurance {
+            insurance.refused.clear();
+        }
     }
 
     /// Where limiter state lives.
@@ -327,16 +495,17 @@ impl Guard {
     /// decisions with the scopes they were taken on and the store that holds any slots.
     async fn decide<'s, F>(
         &'s self,
+        live: &'s Live,
         scopes_under: F,
         lease: Lease,
         fail: Fail,
         layer: Layer,
         what: &str,
-    ) -> Option<(Vec<(Scope, &'s Limiter, u64)>, Vec<Decision>, &'s Arc<Store>)>
+    ) -> Option<(Vec<Planned<'s>>, Vec<Decision>, &'s Arc<Store>)>
     where
-        F: Fn(&'s Policy) -> Vec<(Scope, &'s Limiter, u64)>,
+        F: Fn(&'s Policy) -> Vec<Planned<'s>>,
     {
-        let scopes = scopes_under(&self.policy);
+        let scopes = scopes_under(&live.policy);
         let checks = checks_of(&scopes);
         if let Some(insurance) = &self.insurance
             && let Some(decisions) = insurance.refused.recall(&checks, self.clock.now())
@@ -351,7 +520,7 @@ impl Guard {
             return Some((scopes, decisions, &self.store));
         }
         let insurance = self.insurance.as_ref().filter(|_| fail == Fail::Open)?;
-        let scopes = scopes_under(&insurance.policy);
+        let scopes = scopes_under(live.insurance.as_ref()?);
         let decisions = insurance.store.decide(&checks_of(&scopes), lease).await.ok()?;
         Some((scopes, decisions, &insurance.store))
     }
@@ -360,34 +529,59 @@ impl Guard {
     /// decide: the coarse layer protects the server, so it then lets the request on to the finer
     /// limits behind it rather than refusing everyone.
     pub async fn admit_http(&self, caller: &Caller) -> Option<HttpDecision> {
-        let scope = Scope::http(caller);
-        let under = |p| vec![(scope.clone(), &Policy::for_caller(p, caller).http, 1)];
-        let (scopes, mut decisions, _) = self.decide(under, new_lease(), Fail::Open, Layer::Http, "POST /mcp").await?;
-        let (decision, limiter) = (decisions.pop()?, scopes.first()?.1);
-        self.metrics.decision(Layer::Http, "POST /mcp", decision.allowed);
-        if !decision.allowed {
-            self.metrics.rejection(Layer::Http, "POST /mcp", "rate_limited", caller);
-            info!(layer = "http", scope = scope.name(), retry_after_ms = ceil_ms(decision.retry_after), "refused");
-        }
-        Some(HttpDecision { decision, limiter: limiter.clone() })
+        let under = |p| {
+            let mut scopes = Vec::with_capacity(1);
+            plan(&mut scopes, Scope::http(caller), &Policy::for_caller(p, caller).http, 1);
+            scopes
+        };
+        let live = self.live.load_full();
+        let (scopes, decisions, _) =
+            self.decide(&live, under, new_lease(), Fail::Open, Layer::Http, "POST /mcp").await?;
+        let refused = refused_by(&scopes, &decisions, &self.metrics, Layer::Http, "POST /mcp");
+        self.metrics.decision(Layer::Http, "POST /mcp", refused.is_none());
+        // The headers speak of the limit that refused, else of the enforced one with least left.
+        let ((scope, limit, _), decision) = match refused {
+            Some(refused) => {
+                self.metrics.rejection(Layer::Http, "POST /mcp", "rate_limited", caller);
+                info!(
+                    layer = "http",
+                    scope = refused.0.0.name(),
+                    retry_after_ms = ceil_ms(refused.1.retry_after),
+                    "refused"
+                );
+                refused
+            }
+            None => scopes
+                .iter()
+                .zip(&decisions)
+                .filter(|((_, limit, _), _)| limit.enforced_mode())
+                .min_by_key(|(_, d)| d.remaining)
+                .or_else(|| scopes.iter().zip(&decisions).next())?,
+        };
+        let _ = scope;
+        let decision = Decision { allowed: refused.is_none(), ..*decision };
+        Some(HttpDecision { decision, limiter: limit.limiter.clone() })
     }
 
     /// Charges one `method` request to its group's limit (`tools/call` is charged by
     /// [`Guard::admit`], together with the tool's budgets).
     pub async fn admit_method(&self, caller: &Caller, group: MethodGroup, method: &str) -> Result<(), Refusal> {
-        if !self.enabled {
+        let live = self.live.load_full();
+        if !live.enabled {
             return Ok(());
         }
-        let scope = Scope::method(caller, group);
-        let under = |p| vec![(scope.clone(), Policy::for_caller(p, caller).method(group), 1)];
-        let decided = self.decide(under, new_lease(), Fail::Open, Layer::Method, group.as_str()).await;
-        let Some(d) = decided.and_then(|(_, mut decisions, _)| decisions.pop()) else {
+        let under = |p| {
+            let mut scopes = Vec::with_capacity(1);
+            plan(&mut scopes, Scope::method(caller, group), Policy::for_caller(p, caller).method(group), 1);
+            scopes
+        };
+        let decided = self.decide(&live, under, new_lease(), Fail::Open, Layer::Method, group.as_str()).await;
+        let Some((scopes, decisions, _)) = decided else {
             return Err(Refusal::limiter_unavailable(method, STORE_RETRY_MS));
         };
-        self.metrics.decision(Layer::Method, group.as_str(), d.allowed);
-        if d.allowed {
-            return Ok(());
-        }
+        let refused = refused_by(&scopes, &decisions, &self.metrics, Layer::Method, group.as_str());
+        self.metrics.decision(Layer::Method, group.as_str(), refused.is_none());
+        let Some(((scope, limit, _), d)) = refused else { return Ok(()) };
         self.metrics.rejection(Layer::Method, group.as_str(), "rate_limited", caller);
         let name = scope.name();
         info!(
@@ -397,7 +591,8 @@ impl Guard {
             retry_after_ms = ceil_ms(d.retry_after),
             "refused"
         );
-        Err(Refusal::rate_limited(method, name.to_owned(), d.limit, d.remaining, d.retry_after))
+        let refusal = Refusal::rate_limited(method, name.to_owned(), d.limit, d.remaining, d.retry_after);
+        Err(if scopes.len() > 1 { refusal.naming_limit(limit.limiter.describe()) } else { refusal })
     }
 
     /// Refuses a call that repeats the caller's recent calls in a loop; otherwise records it.
@@ -428,33 +623,40 @@ impl Guard {
     /// for the scope that refused. A loop is refused before anything is charged, and a call
     /// refused for budget does not count towards a loop.
     pub async fn admit(&self, caller: &Caller, call: &ToolCall<'_>) -> Result<Admission, Refusal> {
-        if !self.enabled {
+        let live = self.live.load_full();
+        if !live.enabled {
             return Ok(Admission::new(Vec::new(), self.metrics.clone()));
         }
         let recorded = self.check_loop(caller, call).await?;
-        let admitted = self.charge(caller, call.tool, call.starts_job).await;
+        let admitted = self.charge(&live, caller, call.tool, call.starts_job).await;
         if let (Err(_), Some(recorded), Some(loops)) = (&admitted, recorded, &self.loops) {
             loops.forget(caller, recorded).await;
         }
         admitted
     }
 
-    async fn charge(&self, caller: &Caller, tool: &str, starts_job: bool) -> Result<Admission, Refusal> {
-        let fail = self.policy.tools.get(tool).map_or(Fail::Closed, |t| t.fail);
+    async fn charge(&self, live: &Live, caller: &Caller, tool: &str, starts_job: bool) -> Result<Admission, Refusal> {
+        let fail = live.policy.tools.get(tool).map_or(Fail::Closed, |t| t.fail);
         let under = |p| tool_scopes(p, caller, tool, starts_job);
         let lease = new_lease();
-        let Some((scopes, decisions, store)) = self.decide(under, lease, fail, Layer::Tool, tool).await else {
+        let Some((scopes, decisions, store)) = self.decide(live, under, lease, fail, Layer::Tool, tool).await else {
             return Err(Refusal::limiter_unavailable(tool, STORE_RETRY_MS));
         };
-        // The call passes only when every scope admits it, so the wait is the longest one.
-        let refused = scopes.iter().zip(&decisions).filter(|(_, d)| !d.allowed).max_by_key(|(_, d)| d.retry_after);
+        // The call passes only when every enforced limit admits it, so the wait is the longest.
+        let refused = refused_by(&scopes, &decisions, &self.metrics, Layer::Tool, tool);
         self.metrics.decision(Layer::Tool, tool, refused.is_none());
-        if let Some(((scope, limiter, _), d)) = refused {
+        if let Some(((scope, limit, _), d)) = refused {
             let name = scope.name().to_owned();
-            let refusal = if limiter.holds_slots() {
+            let refusal = if limit.limiter.holds_slots() {
                 Refusal::busy(tool, name, d.limit)
             } else {
-                Refusal::rate_limited(tool, name, d.limit, d.remaining, d.retry_after)
+                let refusal = Refusal::rate_limited(tool, name, d.limit, d.remaining, d.retry_after);
+                // Of several limits on one scope, say which refused.
+                let several = !limit.suffix.is_empty()
+                    || scopes.iter().any(|(s, l, _)| {
+                        !l.suffix.is_empty() && s.key().strip_suffix(l.suffix.as_str()) == Some(scope.key())
+                    });
+                if several { refusal.naming_limit(limit.limiter.describe()) } else { refusal }
             };
             self.metrics.rejection(Layer::Tool, tool, refusal.code.as_str(), caller);
             info!(
@@ -470,12 +672,13 @@ impl Guard {
         }
         let slots = scopes
             .iter()
-            .filter(|(_, limiter, _)| limiter.holds_slots())
-            .map(|(scope, limiter, cost)| {
-                SlotGuard::new(store.clone(), scope.key().to_owned(), (*limiter).clone(), *cost, lease)
+            .filter(|(_, limit, _)| limit.limiter.holds_slots())
+            .map(|(scope, limit, cost)| {
+                SlotGuard::new(store.clone(), scope.key().to_owned(), limit.limiter.clone(), *cost, lease)
             })
             .collect();
-        Ok(Admission::new(slots, self.metrics.clone()))
+        let warnings = warnings_of(&live.policy, &scopes, &decisions);
+        Ok(Admission::new(slots, self.metrics.clone()).warning(warnings))
     }
 
     /// The caller's budgets right now, without spending anything: the HTTP budget (when it
@@ -484,18 +687,27 @@ impl Guard {
     pub async fn status(&self, caller: &Caller, over_http: bool) -> Option<Vec<BudgetStatus>> {
         let under = |policy| status_scopes(policy, caller, over_http);
         // Cost 0 reads every level in one decision, without charging anything.
+        let live = self.live.load_full();
         let (scopes, decisions, _) =
-            self.decide(under, new_lease(), Fail::Open, Layer::Tool, "rate_limit_status").await?;
+            self.decide(&live, under, new_lease(), Fail::Open, Layer::Tool, "rate_limit_status").await?;
         Some(
             scopes
                 .iter()
                 .zip(decisions)
-                .map(|((scope, limiter, _), d)| BudgetStatus {
+                .map(|((scope, limit, _), d)| BudgetStatus {
                     scope: scope.name().to_owned(),
-                    algorithm: limiter.algorithm(),
+                    algorithm: limit.limiter.algorithm(),
                     limit: d.limit,
                     remaining: d.remaining,
                     reset_after_ms: ceil_ms(d.reset_after),
+                    shadow: !limit.enforced_mode(),
+                    money: live.policy.price.as_ref().filter(|_| scope.name().starts_with("spend:")).map(
+                        |(price, currency)| Money {
+                            used: d.limit.saturating_sub(d.remaining) as f64 * price,
+                            cap: d.limit as f64 * price,
+                            currency: currency.clone(),
+                        },
+                    ),
                 })
                 .collect(),
         )

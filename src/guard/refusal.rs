@@ -53,15 +53,25 @@ pub struct Refusal {
     pub message: String,
     /// How long to wait before the same call can succeed, when that is known.
     pub retry_after_ms: Option<u64>,
-    /// The budget that refused, e.g. `caller:tok:1f2e…`.
-    pub scope: Option<String>,
+    /// The budget that refused, e.g. `caller:tok:1f2e…` (boxed: keeps every `Result<_, Refusal>`
+    /// on the hot path small).
+    pub scope: Option<Box<str>>,
     /// That budget's limit.
     pub limit: Option<u64>,
     /// What is left in it.
     pub remaining: Option<u64>,
-    /// For `busy`: the caller's jobs in flight (their `predict_id`s). Boxed, not a `Vec`, to
-    /// keep every `Result<_, Refusal>` on the hot path small.
-    pub in_flight: Box<[String]>,
+    /// What only some refusals carry; boxed to keep every `Result<_, Refusal>` on the hot path
+    /// small.
+    pub details: Option<Box<Details>>,
+}
+
+/// The parts of a [`Refusal`] that only some refusals have.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Details {
+    /// For `busy`: the caller's jobs in flight (their `predict_id`s).
+    pub in_flight: Vec<String>,
+    /// The limit that refused, in words (`100 per 86400000 ms window`), when its scope has several.
+    pub policy: Option<String>,
 }
 
 fn seconds(n: u64) -> String {
@@ -78,11 +88,21 @@ impl Refusal {
                 seconds(ceil_secs(retry_after))
             ),
             retry_after_ms: Some(ceil_ms(retry_after)),
-            scope: Some(scope),
+            scope: Some(scope.into()),
             limit: Some(limit),
             remaining: Some(remaining),
-            in_flight: Box::default(),
+            details: None,
         }
+    }
+
+    /// This refusal naming the limit that refused (one of its scope's several), in the message
+    /// and as `policy`.
+    pub fn naming_limit(mut self, policy: String) -> Self {
+        if let Some(scope) = &self.scope {
+            self.message = self.message.replacen(". Wait", &format!(" ({scope}: {policy}). Wait"), 1);
+        }
+        self.details.get_or_insert_default().policy = Some(policy);
+        self
     }
 
     /// The scope already has its maximum of work in flight.
@@ -94,10 +114,10 @@ impl Refusal {
                  (poll get_prediction for them) before calling it again."
             ),
             retry_after_ms: None,
-            scope: Some(scope),
+            scope: Some(scope.into()),
             limit: Some(limit),
             remaining: Some(0),
-            in_flight: Box::default(),
+            details: None,
         }
     }
 
@@ -117,7 +137,7 @@ impl Refusal {
              them (or stop one with cancel_prediction) before starting another.{when}"
         );
         self.retry_after_ms = soonest_news.map(|wait| ceil_ms(wait).max(1));
-        self.in_flight = jobs.into_boxed_slice();
+        self.details.get_or_insert_default().in_flight = jobs;
         self
     }
 
@@ -130,10 +150,10 @@ impl Refusal {
                 seconds(ceil_secs(wait))
             ),
             retry_after_ms: Some(ceil_ms(wait).max(1)),
-            scope: Some("queue:upstream".to_owned()),
+            scope: Some("queue:upstream".into()),
             limit: None,
             remaining: Some(0),
-            in_flight: Box::default(),
+            details: None,
         }
     }
 
@@ -153,10 +173,10 @@ impl Refusal {
                  these identical calls are refused for the next {wait}."
             ),
             retry_after_ms: Some(ceil_ms(looping.retry_after).max(1)),
-            scope: Some(format!("loop:{tool}")),
+            scope: Some(format!("loop:{tool}").into()),
             limit: Some(u64::from(looping.repeats)),
             remaining: Some(0),
-            in_flight: Box::default(),
+            details: None,
         }
     }
 
@@ -169,7 +189,7 @@ impl Refusal {
             scope: None,
             limit: None,
             remaining: None,
-            in_flight: Box::default(),
+            details: None,
         }
     }
 
@@ -182,10 +202,10 @@ impl Refusal {
                 seconds(retry_after_ms.div_ceil(1000))
             ),
             retry_after_ms: Some(retry_after_ms),
-            scope: Some(format!("upstream:{tool}")),
+            scope: Some(format!("upstream:{tool}").into()),
             limit: None,
             remaining: None,
-            in_flight: Box::default(),
+            details: None,
         }
     }
 
@@ -198,10 +218,10 @@ impl Refusal {
                 seconds(retry_after_ms.div_ceil(1000))
             ),
             retry_after_ms: Some(retry_after_ms),
-            scope: Some(format!("upstream:{tool}")),
+            scope: Some(format!("upstream:{tool}").into()),
             limit: None,
             remaining: None,
-            in_flight: Box::default(),
+            details: None,
         }
     }
 
@@ -218,7 +238,7 @@ impl Refusal {
             scope: None,
             limit: None,
             remaining: None,
-            in_flight: Box::default(),
+            details: None,
         }
     }
 
@@ -237,8 +257,13 @@ impl Refusal {
         if let Some(scope) = &self.scope {
             error.insert("scope".into(), json!(scope));
         }
-        if !self.in_flight.is_empty() {
-            error.insert("in_flight".into(), json!(self.in_flight));
+        if let Some(details) = &self.details {
+            if !details.in_flight.is_empty() {
+                error.insert("in_flight".into(), json!(details.in_flight));
+            }
+            if let Some(policy) = &details.policy {
+                error.insert("policy".into(), json!(policy));
+            }
         }
         json!({ "error": error })
     }

@@ -44,6 +44,7 @@ impl RefusalMemory {
         let entries = self.entries();
         let hit = checks.iter().position(|c| {
             !c.limiter.holds_slots()
+                && !c.shadow
                 && c.cost > 0
                 && entries.get(c.key).is_some_and(|r| now < r.until && c.cost >= r.cost)
         })?;
@@ -74,7 +75,7 @@ impl RefusalMemory {
     pub fn remember(&self, checks: &[Check<'_>], decisions: &[Decision], now: Nanos) {
         let mut entries = self.entries();
         for (c, d) in checks.iter().zip(decisions) {
-            if d.allowed || c.limiter.holds_slots() || c.cost == 0 || d.retry_after == 0 {
+            if d.allowed || c.shadow || c.limiter.holds_slots() || c.cost == 0 || d.retry_after == 0 {
                 continue;
             }
             if entries.len() >= MAX_ENTRIES && !entries.contains_key(c.key) {
@@ -89,6 +90,11 @@ impl RefusalMemory {
             };
             entries.insert(c.key.to_owned(), refused);
         }
+    }
+
+    /// Forgets every refusal (the limits they were made under changed).
+    pub fn clear(&self) {
+        self.entries().clear();
     }
 
     /// Forgets refusals that have run out; returns how many went.
@@ -109,7 +115,7 @@ mod tests {
     fn refuses_as_costly_calls_until_the_store_said_and_never_admits() {
         let memory = RefusalMemory::default();
         let bucket = Limiter::TokenBucket(TokenBucket::new(60, 1.0));
-        let on = |key, limiter, cost| [Check { key, limiter, cost }];
+        let on = |key, limiter, cost| [Check { key, limiter, cost, shadow: false }];
         let refused = Decision { allowed: false, limit: 60, remaining: 2, retry_after: 3_000, reset_after: 58_000 };
         memory.remember(&on("k", &bucket, 5), &[refused], 1_000);
         assert!(memory.recall(&on("k", &bucket, 4), 1_000).is_none(), "a cheaper call may pass: ask the store");

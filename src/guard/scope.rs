@@ -86,6 +86,21 @@ impl Scope {
         Self::new(caller, format!("loops:{}", caller.id()))
     }
 
+    /// The daily spend cap of the caller's tenant, or of the caller without one.
+    pub fn spend(caller: &Caller) -> Self {
+        let name = match caller.tenant() {
+            Some(tenant) => format!("spend:tenant:{tenant}"),
+            None => format!("spend:caller:{}", caller.id()),
+        };
+        Self::new(caller, name)
+    }
+
+    /// This scope for another of its limits: `suffix` (`#day`) appended to its key and name, so
+    /// each limit of a scope keeps its own state.
+    pub fn for_limit(&self, suffix: &str) -> Self {
+        Self { key: format!("{}{suffix}", self.key), name_at: self.name_at }
+    }
+
     /// What agents see: `caller:tok:1f2e…`, `tenant:acme`, ….
     pub fn name(&self) -> &str {
         &self.key[self.name_at..]

@@ -90,7 +90,7 @@ pub async fn rebinding_protection(State(state): State<Arc<AppState>>, request: R
 /// limiter and the tools.
 pub async fn identify(State(state): State<Arc<AppState>>, mut request: Request, next: Next) -> Response {
     let peer = request.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0.ip());
-    let caller = match state.identifier.identify(request.headers(), peer) {
+    let caller = match state.identifier.load().identify(request.headers(), peer) {
         Ok(caller) => caller,
         Err(unauthorized) => {
             let mut response =

@@ -299,6 +299,20 @@ impl Limiter {
         }
     }
 
+    /// The limit as an agent reads it: `60 tokens, refilled at 1 per second`,
+    /// `2000 tokens per 86400-second window`.
+    pub fn in_words(&self) -> String {
+        match self {
+            Limiter::TokenBucket(_) | Limiter::Gcra(_) | Limiter::LeakyBucket(_) => {
+                format!("{} tokens, refilled at {} per second", self.capacity(), self.rate_per_sec())
+            }
+            Limiter::FixedWindow(_) | Limiter::SlidingLog(_) | Limiter::SlidingWindow(_) => {
+                format!("{} tokens per {}-second window", self.capacity(), self.span() / 1_000_000_000)
+            }
+            Limiter::Concurrency(_) => format!("{} at once", self.capacity()),
+        }
+    }
+
     /// Units returned per second on average (the sustained rate); zero for in-flight slots.
     pub fn rate_per_sec(&self) -> f64 {
         match self {

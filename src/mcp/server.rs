@@ -15,9 +15,9 @@ use std::sync::Arc;
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::tool::ToolCallContext;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CancelTaskParams, CreateTaskResult, DetailedTask, ErrorCode,
-    GetTaskParams, GetTaskResult, Implementation, ListToolsResult, PaginatedRequestParams, ServerCapabilities,
-    ServerConfig, Task, TaskPayload, TaskStatus,
+    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, ContentBlock, CreateTaskResult,
+    DetailedTask, ErrorCode, GetTaskParams, GetTaskResult, Implementation, ListToolsResult, PaginatedRequestParams,
+    ServerCapabilities, ServerConfig, Task, TaskPayload, TaskStatus,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler, tool_handler};
@@ -54,7 +54,7 @@ impl McpServer {
 
     fn caller_of(&self, context: &RequestContext<RoleServer>) -> Result<Caller, ErrorData> {
         match self.transport {
-            Transport::Stdio => Ok(self.app.identifier.local()),
+            Transport::Stdio => Ok(self.app.identifier.load().local()),
             Transport::Http => context
                 .extensions
                 .get::<http::request::Parts>()
@@ -132,10 +132,17 @@ impl ServerHandler for McpServer {
                  long instead of retrying. Image and video jobs return a predict_id: poll get_prediction no \
                  sooner than next_poll_in_seconds; each job holds one of your {} in-flight slots until it is \
                  final (cancel_prediction frees it). Repeating the exact same call is refused as a loop. Your \
-                 budget: {} tokens, refilled at {} per second.",
+                 budget: {}.",
                 self.app.config.limits.in_flight_caller.capacity(),
-                self.app.config.limits.caller.capacity(),
-                self.app.config.limits.caller.rate_per_sec(),
+                self.app
+                    .config
+                    .limits
+                    .caller
+                    .iter()
+                    .filter(|l| l.enforced_mode())
+                    .map(|l| l.limiter.in_words())
+                    .collect::<Vec<_>>()
+                    .join(", and "),
             ))
     }
 
@@ -190,8 +197,11 @@ impl ServerHandler for McpServer {
         };
         let call =
             ToolCall { tool: &tool, args: &args, starts_job, loop_exempt: self.loop_exempt(&tool, &args, &caller) };
-        let admission = match self.app.guard.admit(&caller, &call).await {
-            Ok(admission) => Handoff::new(admission),
+        let (admission, warnings) = match self.app.guard.admit(&caller, &call).await {
+            Ok(admission) => {
+                let warnings = admission.warnings().to_vec();
+                (Handoff::new(admission), warnings)
+            }
             Err(refusal) if starts_job && refusal.code == RefusalCode::Busy => {
                 return Ok(self.explain_busy(&tool, refusal, &caller).into_result().into());
             }
@@ -218,6 +228,9 @@ impl ServerHandler for McpServer {
         match result {
             Ok(CallToolResponse::Complete(done)) if wants_task && done.is_error != Some(true) => {
                 self.as_task(&caller, &done)
+            }
+            Ok(CallToolResponse::Complete(done)) if !warnings.is_empty() && done.is_error != Some(true) => {
+                Ok(CallToolResponse::Complete(with_warnings(done, &warnings)))
             }
             other => other,
         }
@@ -269,4 +282,16 @@ impl McpServer {
         let view = self.app.jobs.view(caller.id(), id).ok_or_else(|| unknown_task(id))?;
         Ok(CallToolResponse::Task(CreateTaskResult::new(task_of(view, self.task_ttl_ms())?.task)))
     }
+}
+
+/// A tool result that also tells the agent which limits it is close to (in its text, and as
+/// `structuredContent.warnings`), so it can plan before it is refused.
+fn with_warnings(mut done: CallToolResult, warnings: &[crate::guard::Warning]) -> CallToolResult {
+    for warning in warnings {
+        done.content.push(ContentBlock::text(warning.sentence()));
+    }
+    if let Some(serde_json::Value::Object(structured)) = &mut done.structured_content {
+        structured.insert("warnings".into(), serde_json::json!(warnings));
+    }
+    done
 }

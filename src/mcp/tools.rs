@@ -465,7 +465,7 @@ impl McpServer {
             caller: caller.id().to_owned(),
             tenant: caller.tenant().map(str::to_owned),
             flow: caller.tenant().map_or_else(|| format!("caller:{}", caller.id()), |t| format!("tenant:{t}")),
-            weight: self.app.config.tiers.get(caller.tier()).copied().unwrap_or(1.0),
+            weight: self.app.guard.policy().factor_of(caller),
         }
     }
 

@@ -138,7 +138,9 @@ impl MemoryStore {
             staged.push((fp, state));
         }
 
-        let all_allowed = decisions.iter().all(|d: &Decision| d.allowed);
+        // A shadow limit's refusal does not stop the call (its own state is unchanged: a refusal
+        // never charges).
+        let all_allowed = decisions.iter().zip(checks).all(|(d, c): (&Decision, _)| d.allowed || c.shadow);
         if all_allowed && checks.iter().any(|c| c.cost > 0) {
             for ((fp, mut state), check) in staged.into_iter().zip(checks) {
                 let forget_at = check.limiter.forget_at(&mut state, now);
@@ -207,12 +209,14 @@ mod tests {
         let store = MemoryStore::new();
         let roomy = Limiter::TokenBucket(TokenBucket::new(100, 1.0));
         let tight = Limiter::TokenBucket(TokenBucket::new(5, 1.0));
-        let checks =
-            [Check { key: "caller:a", limiter: &roomy, cost: 5 }, Check { key: "tenant:t", limiter: &tight, cost: 5 }];
+        let checks = [
+            Check { key: "caller:a", limiter: &roomy, cost: 5, shadow: false },
+            Check { key: "tenant:t", limiter: &tight, cost: 5, shadow: false },
+        ];
         assert!(store.decide(&checks, 0).iter().all(|d| d.allowed));
         let second = store.decide(&checks, 0);
         assert!(second[0].allowed && !second[1].allowed);
-        let peek = store.decide(&[Check { key: "caller:a", limiter: &roomy, cost: 0 }], 0);
+        let peek = store.decide(&[Check { key: "caller:a", limiter: &roomy, cost: 0, shadow: false }], 0);
         assert_eq!(peek[0].remaining, 95, "the refused call must not have charged the caller");
     }
 
@@ -220,18 +224,21 @@ mod tests {
     fn two_scopes_on_one_key_see_each_other() {
         let store = MemoryStore::new();
         let l = Limiter::TokenBucket(TokenBucket::new(10, 1.0));
-        let checks = [Check { key: "k", limiter: &l, cost: 6 }, Check { key: "k", limiter: &l, cost: 6 }];
+        let checks = [
+            Check { key: "k", limiter: &l, cost: 6, shadow: false },
+            Check { key: "k", limiter: &l, cost: 6, shadow: false },
+        ];
         let d = store.decide(&checks, 0);
         assert!(d[0].allowed && !d[1].allowed);
-        assert_eq!(store.decide(&[Check { key: "k", limiter: &l, cost: 0 }], 0)[0].remaining, 10);
+        assert_eq!(store.decide(&[Check { key: "k", limiter: &l, cost: 0, shadow: false }], 0)[0].remaining, 10);
     }
 
     #[test]
     fn sweep_forgets_only_full_buckets() {
         let store = MemoryStore::new();
         let l = Limiter::TokenBucket(TokenBucket::new(10, 1.0));
-        store.decide(&[Check { key: "a", limiter: &l, cost: 1 }], 0);
-        store.decide(&[Check { key: "b", limiter: &l, cost: 10 }], 0);
+        store.decide(&[Check { key: "a", limiter: &l, cost: 1, shadow: false }], 0);
+        store.decide(&[Check { key: "b", limiter: &l, cost: 10, shadow: false }], 0);
         assert_eq!(store.sweep(SEC), 1);
         assert_eq!(store.len(), 1);
         assert_eq!(store.sweep(10 * SEC), 1);
@@ -242,8 +249,8 @@ mod tests {
     fn released_slots_are_swept_once_idle() {
         let store = MemoryStore::new();
         let l = Limiter::Concurrency(Concurrency::new(2));
-        assert!(store.decide(&[Check { key: "c", limiter: &l, cost: 2 }], 0)[0].allowed);
-        assert!(!store.decide(&[Check { key: "c", limiter: &l, cost: 1 }], 0)[0].allowed);
+        assert!(store.decide(&[Check { key: "c", limiter: &l, cost: 2, shadow: false }], 0)[0].allowed);
+        assert!(!store.decide(&[Check { key: "c", limiter: &l, cost: 1, shadow: false }], 0)[0].allowed);
         assert_eq!(store.sweep(u64::MAX - 1), 0, "held slots are never swept");
         store.release("c", &l, 2, 0);
         assert_eq!(store.sweep(0), 1, "an idle slot entry is swept");

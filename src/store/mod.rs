@@ -26,6 +26,9 @@ pub struct Check<'a> {
     pub limiter: &'a Limiter,
     /// Units this call costs in this scope; zero only reads the level.
     pub cost: u64,
+    /// A shadow limit: decided and reported like the others, but its refusal does not stop the
+    /// call (the others are charged; a refused shadow limit itself is not).
+    pub shadow: bool,
 }
 
 /// The shared store could not decide: unreachable, timed out, or it answered nonsense. The

@@ -592,7 +592,7 @@ impl RedisStore {
         invocation.arg(lease).arg(u64::try_from(self.lease.as_micros()).unwrap_or(u64::MAX));
         for check in checks {
             invocation.key(check.key).arg(check.limiter.algorithm()).arg(check.limiter.capacity());
-            invocation.arg(script_span(check)?).arg(check.cost);
+            invocation.arg(script_span(check)?).arg(check.cost).arg(u8::from(check.shadow));
         }
         let reply: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
         self.decisions(&reply, checks.len())
@@ -684,12 +684,17 @@ mod tests {
     #[test]
     fn checks_beyond_exact_integers_are_refused_before_sending() {
         let year = Limiter::FixedWindow(FixedWindow::new(10, 365 * 86_400 * crate::clock::NANOS_PER_SEC));
-        let e = script_span(&Check { key: "k", limiter: &year, cost: 1 }).expect_err("a year is beyond 2^52 ns");
+        let e = script_span(&Check { key: "k", limiter: &year, cost: 1, shadow: false })
+            .expect_err("a year is beyond 2^52 ns");
         assert!(e.to_string().contains("52 days"), "{e}");
         let bucket = Limiter::TokenBucket(TokenBucket::new(5, 1.0));
-        let e = script_span(&Check { key: "k", limiter: &bucket, cost: 6 }).expect_err("cost above capacity");
+        let e = script_span(&Check { key: "k", limiter: &bucket, cost: 6, shadow: false })
+            .expect_err("cost above capacity");
         assert!(e.to_string().contains("cost 6 is above its capacity 5"), "{e}");
-        assert_eq!(script_span(&Check { key: "k", limiter: &bucket, cost: 5 }).ok(), Some(crate::clock::NANOS_PER_SEC));
+        assert_eq!(
+            script_span(&Check { key: "k", limiter: &bucket, cost: 5, shadow: false }).ok(),
+            Some(crate::clock::NANOS_PER_SEC)
+        );
     }
 
     #[test]

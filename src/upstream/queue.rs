@@ -317,9 +317,9 @@ impl FairQueue {
     /// store that cannot answer leaves the local cap and spacing in charge.
     async fn claim(&self, kind: PredictionKind) -> Claim {
         let Some(shared) = &self.shared else { return Claim::Go(None) };
-        let mut checks = vec![Check { key: ACCOUNT_KEY, limiter: &shared.account, cost: 1 }];
+        let mut checks = vec![Check { key: ACCOUNT_KEY, limiter: &shared.account, cost: 1, shadow: false }];
         if let (PredictionKind::Video, Some(gap)) = (kind, &shared.gap) {
-            checks.push(Check { key: VIDEO_GAP_KEY, limiter: gap, cost: 1 });
+            checks.push(Check { key: VIDEO_GAP_KEY, limiter: gap, cost: 1, shadow: false });
         }
         let lease = new_lease();
         match shared.store.decide(&checks, lease).await {

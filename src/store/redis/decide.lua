@@ -7,7 +7,8 @@
 -- ARGV[1]: now in epoch microseconds, or "" to use Redis's TIME.
 -- ARGV[2], ARGV[3]: the lease in-flight slots are taken under, and its duration in us
 -- (see concurrency.lua).
--- ARGV[4..]: four per check: algorithm name, capacity, span (ns; see the prelude), cost.
+-- ARGV[4..]: five per check: algorithm name, capacity, span (ns; see the prelude), cost, and
+-- 1 for a shadow limit (its refusal does not stop the call; being refused, it charges nothing).
 -- Returns five integers per check: allowed (1 or 0), limit, remaining, retry_after (ns),
 -- reset_after (ns).
 
@@ -40,7 +41,7 @@ local order = {}
 local reply = {}
 local all_allowed = true
 for i, key in ipairs(KEYS) do
-  local at = 4 + (i - 1) * 4
+  local at = 4 + (i - 1) * 5
   local name = ARGV[at]
   local algorithm = algorithms[name]
   if not algorithm then
@@ -53,6 +54,7 @@ for i, key in ipairs(KEYS) do
     lease_us = lease_us,
   }
   local cost = tonumber(ARGV[at + 3])
+  local shadow = ARGV[at + 4] == '1'
 
   local entry = staged[key]
   if not entry then
@@ -71,7 +73,7 @@ for i, key in ipairs(KEYS) do
   if charged then
     entry.charged = true
   end
-  all_allowed = all_allowed and decision.allowed
+  all_allowed = all_allowed and (decision.allowed or shadow)
   reply[#reply + 1] = decision.allowed and 1 or 0
   reply[#reply + 1] = decision.limit
   reply[#reply + 1] = decision.remaining
