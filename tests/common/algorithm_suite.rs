@@ -306,7 +306,7 @@ pub fn retry_after_is_exact(backend: &impl Backend, cases: u32) {
     let strategy = (0usize..6, 1u64..20, window_ms(), arrivals(3_000 * MS, 20, resolution));
     check(cases, strategy, |(algorithm, capacity, span_ms, calls)| {
         let limiter = limiter(algorithm, capacity, span_ms);
-        // The sliding window's estimate gives a wait that is enough, not always the shortest.
+        // The sliding window (an estimate) is held only to a wait that is enough, as it always was.
         let exact = !matches!(limiter, Limiter::SlidingWindow(_));
         let mut key = backend.start(&limiter, START);
         let mut now = START;
