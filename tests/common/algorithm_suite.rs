@@ -1,0 +1,410 @@
+//! The algorithm test suite, written once and run against both stores: `tests/algorithms.rs`
+//! runs it on the Rust algorithms with a local state (the memory store's arithmetic),
+//! `tests/algorithms_redis.rs` on the Redis store's Lua scripts. Same properties, same models,
+//! same numbers.
+//!
+//! Every algorithm is checked against a reference model, on an explicit clock, with random
+//! arrival times and costs (proptest). The models keep the whole history and recompute from
+//! scratch, so they share no state-handling code with the algorithms they check. A [`Backend`]
+//! only says where a key's state lives; the properties never look inside it, except to ask
+//! whether two keys hold the same state.
+
+use std::collections::HashMap;
+use std::fmt::Debug;
+
+use mcp_ratelimit::clock::Nanos;
+use mcp_ratelimit::limit::{
+    Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingLog, SlidingWindow, TokenBucket,
+};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+
+const MS: Nanos = 1_000_000;
+
+/// Where every run starts: 2026-01-01T00:00:00Z in epoch nanoseconds, a clock reading Redis's
+/// scripts can take (they read epoch microseconds).
+const START: Nanos = 1_767_225_600_000 * MS;
+
+/// Where a limiter's state lives while the suite drives it.
+pub trait Backend {
+    /// One key's state in this backend.
+    type Key: Key;
+
+    /// The finest step this backend's clock takes: every arrival falls on a multiple of it.
+    fn resolution(&self) -> Nanos;
+
+    /// A key never seen before, decided by `limiter`, first seen at `now`.
+    fn start(&self, limiter: &Limiter, now: Nanos) -> Self::Key;
+}
+
+/// One key under one limiter.
+pub trait Key: Sized {
+    /// What [`Key::state`] reads: equal for two keys that hold the same state.
+    type State: PartialEq + Debug;
+
+    /// Decides a call of `cost` units at `now` (a multiple of [`Backend::resolution`]).
+    fn acquire(&mut self, now: Nanos, cost: u64) -> Decision;
+
+    /// An independent copy of this key as it stands: what happens to one never touches the other.
+    fn fork(&self) -> Self;
+
+    /// Gives back the in-flight slots of the latest admitted call still held, which took `cost`.
+    fn release(&mut self, cost: u64);
+
+    /// The state this key holds now.
+    fn state(&self) -> Self::State;
+}
+
+/// One call: time since the previous call, and its cost.
+#[derive(Debug, Clone, Copy)]
+struct Arrival {
+    gap: Nanos,
+    cost: u64,
+}
+
+/// Calls whose gaps fall on multiples of `resolution`.
+fn arrivals(max_gap: Nanos, max_cost: u64, resolution: Nanos) -> impl Strategy<Value = Vec<Arrival>> {
+    // Mostly bursts (gap 0), sometimes short or long pauses, and often whole multiples of
+    // 250 ms so that calls land exactly on window edges and refill boundaries.
+    let gap = prop_oneof![
+        3 => Just(0u64),
+        3 => 0..max_gap / 4,
+        2 => 0..max_gap,
+        1 => 0..max_gap * 8,
+        3 => (0..12u64).prop_map(|k| k * 250 * MS),
+    ];
+    let gap = gap.prop_map(move |gap| gap - gap % resolution);
+    prop::collection::vec((gap, 0..=max_cost).prop_map(|(gap, cost)| Arrival { gap, cost }), 1..250)
+}
+
+/// The calls with every cost within `capacity` (the [`mcp_ratelimit::limit::Algorithm`]
+/// precondition).
+fn capped(calls: Vec<Arrival>, capacity: u64) -> Vec<Arrival> {
+    calls.into_iter().map(|a| Arrival { cost: a.cost.min(capacity), ..a }).collect()
+}
+
+/// Window lengths: any, or round ones that quantized gaps land on exactly.
+fn window_ms() -> impl Strategy<Value = u64> {
+    prop_oneof![1u64..5_000, prop::sample::select(vec![250u64, 500, 750, 1_000, 2_000])]
+}
+
+/// Runs a limiter over arrivals on a new key, returning each call's time, cost and decision.
+fn run(backend: &impl Backend, limiter: &Limiter, calls: &[Arrival]) -> Vec<(Nanos, u64, Decision)> {
+    let mut now = START;
+    let mut key = backend.start(limiter, now);
+    calls
+        .iter()
+        .map(|a| {
+            now += a.gap;
+            (now, a.cost, key.acquire(now, a.cost))
+        })
+        .collect()
+}
+
+/// Algorithm number `algorithm` (0 to 5: the rate algorithms, 6: in-flight slots) with
+/// `capacity` units and `span_ms` as its refill period or window.
+fn limiter(algorithm: usize, capacity: u64, span_ms: u64) -> Limiter {
+    let rate = 1_000.0 / span_ms as f64;
+    let window = span_ms * MS;
+    match algorithm {
+        0 => Limiter::TokenBucket(TokenBucket::new(capacity, rate)),
+        1 => Limiter::Gcra(Gcra::new(capacity, rate)),
+        2 => Limiter::LeakyBucket(LeakyBucket::new(capacity, rate)),
+        3 => Limiter::FixedWindow(FixedWindow::new(capacity, window)),
+        4 => Limiter::SlidingLog(SlidingLog::new(capacity, window)),
+        5 => Limiter::SlidingWindow(SlidingWindow::new(capacity, window)),
+        _ => Limiter::Concurrency(Concurrency::new(capacity)),
+    }
+}
+
+/// Runs `test` on `cases` random values of `strategy`, shrinking a failure to a small case.
+fn check<S: Strategy>(cases: u32, strategy: S, test: impl Fn(S::Value) -> Result<(), TestCaseError>) {
+    // By default shrinking stops after 4 × `cases` runs, too few to shrink 250 calls when
+    // `cases` is small (Redis).
+    let config = Config { cases, max_shrink_iters: 2_000, failure_persistence: None, ..Config::default() };
+    let mut runner = TestRunner::new(config);
+    if let Err(e) = runner.run(&strategy, test) {
+        panic!("{e}");
+    }
+}
+
+/// Reference token bucket: replays every admitted call from the start to get the level.
+struct BucketModel {
+    capacity: u64,
+    period: Nanos,
+    admitted: Vec<(Nanos, u64)>,
+}
+
+impl BucketModel {
+    fn level(&self, now: Nanos) -> u64 {
+        let full = self.capacity * self.period;
+        let mut level = full;
+        let mut last = 0;
+        for &(at, cost) in &self.admitted {
+            level = (level + (at - last)).min(full) - cost * self.period;
+            last = at;
+        }
+        (level + (now - last)).min(full)
+    }
+
+    fn call(&mut self, now: Nanos, cost: u64) -> (bool, Nanos) {
+        let level = self.level(now);
+        let need = cost * self.period;
+        if need <= level {
+            if cost > 0 {
+                self.admitted.push((now, cost));
+            }
+            (true, 0)
+        } else {
+            (false, need - level)
+        }
+    }
+}
+
+pub fn token_bucket_matches_the_replay_model(backend: &impl Backend, cases: u32) {
+    let strategy = (1u64..30, window_ms(), arrivals(3_000 * MS, 30, backend.resolution()));
+    check(cases, strategy, |(capacity, period_ms, calls)| {
+        let bucket = TokenBucket::new(capacity, 1_000.0 / period_ms as f64);
+        let mut model = BucketModel { capacity, period: bucket.period(), admitted: vec![] };
+        for (now, cost, d) in run(backend, &Limiter::TokenBucket(bucket), &capped(calls, capacity)) {
+            let (allowed, wait) = model.call(now, cost);
+            prop_assert_eq!(d.allowed, allowed, "at {} cost {}", now, cost);
+            prop_assert_eq!(d.retry_after, wait);
+        }
+        Ok(())
+    });
+}
+
+/// GCRA and the leaky bucket (as a meter) are the token bucket in other clothes: the same
+/// parameters must give the same decision and the same wait, call for call.
+pub fn gcra_and_leaky_bucket_decide_exactly_like_the_token_bucket(backend: &impl Backend, cases: u32) {
+    let strategy = (1u64..30, window_ms(), arrivals(3_000 * MS, 30, backend.resolution()));
+    check(cases, strategy, |(capacity, period_ms, calls)| {
+        let calls = capped(calls, capacity);
+        let [bucket, gcra, leaky] =
+            [0, 1, 2].map(|algorithm| run(backend, &limiter(algorithm, capacity, period_ms), &calls));
+        for ((b, g), l) in bucket.iter().zip(&gcra).zip(&leaky) {
+            prop_assert_eq!((b.2.allowed, b.2.retry_after), (g.2.allowed, g.2.retry_after));
+            prop_assert_eq!((b.2.allowed, b.2.retry_after), (l.2.allowed, l.2.retry_after));
+            prop_assert_eq!(b.2.remaining, g.2.remaining);
+            prop_assert_eq!(b.2.remaining, l.2.remaining);
+        }
+        Ok(())
+    });
+}
+
+pub fn fixed_window_matches_a_count_per_window(backend: &impl Backend, cases: u32) {
+    let strategy = (1u64..30, window_ms(), arrivals(5_000 * MS, 30, backend.resolution()));
+    check(cases, strategy, |(limit, window_ms, calls)| {
+        let window = window_ms * MS;
+        let mut counts: HashMap<Nanos, u64> = HashMap::new();
+        let limiter = Limiter::FixedWindow(FixedWindow::new(limit, window));
+        for (now, cost, d) in run(backend, &limiter, &capped(calls, limit)) {
+            let count = counts.entry(now / window).or_default();
+            let allowed = *count + cost <= limit;
+            if allowed {
+                *count += cost;
+            }
+            prop_assert_eq!(d.allowed, allowed);
+            if !allowed {
+                prop_assert_eq!(d.retry_after, (now / window + 1) * window - now);
+            }
+        }
+        Ok(())
+    });
+}
+
+pub fn sliding_log_matches_the_full_history(backend: &impl Backend, cases: u32) {
+    let strategy = (1u64..30, window_ms(), arrivals(5_000 * MS, 30, backend.resolution()));
+    check(cases, strategy, |(limit, window_ms, calls)| {
+        let window = window_ms * MS;
+        let mut admitted: Vec<(Nanos, u64)> = vec![];
+        let in_window = |log: &[(Nanos, u64)], t: Nanos| -> u64 {
+            log.iter().filter(|(at, _)| at + window > t).map(|(_, c)| c).sum()
+        };
+        let limiter = Limiter::SlidingLog(SlidingLog::new(limit, window));
+        for (now, cost, d) in run(backend, &limiter, &capped(calls, limit)) {
+            let allowed = in_window(&admitted, now) + cost <= limit;
+            prop_assert_eq!(d.allowed, allowed, "at {} cost {}", now, cost);
+            if allowed {
+                if cost > 0 {
+                    admitted.push((now, cost));
+                }
+            } else {
+                // The exact wait: the first instant an entry ages out and the call fits.
+                let wait = admitted
+                    .iter()
+                    .map(|(at, _)| at + window)
+                    .filter(|&t| t > now && in_window(&admitted, t) + cost <= limit)
+                    .min()
+                    .map(|t| t - now);
+                prop_assert_eq!(Some(d.retry_after), wait);
+            }
+        }
+        Ok(())
+    });
+}
+
+pub fn sliding_window_matches_the_weighted_estimate(backend: &impl Backend, cases: u32) {
+    let strategy = (1u64..30, window_ms(), arrivals(5_000 * MS, 30, backend.resolution()));
+    check(cases, strategy, |(limit, window_ms, calls)| {
+        let window = window_ms * MS;
+        let mut counts: HashMap<Nanos, u64> = HashMap::new();
+        let limiter = Limiter::SlidingWindow(SlidingWindow::new(limit, window));
+        for (now, cost, d) in run(backend, &limiter, &capped(calls, limit)) {
+            let k = now / window;
+            let elapsed = now - k * window;
+            let previous = if k == 0 { 0 } else { counts.get(&(k - 1)).copied().unwrap_or(0) };
+            let current = counts.get(&k).copied().unwrap_or(0);
+            let scaled =
+                u128::from(previous) * u128::from(window - elapsed) + u128::from(current + cost) * u128::from(window);
+            let allowed = scaled <= u128::from(limit) * u128::from(window);
+            prop_assert_eq!(d.allowed, allowed, "at {} cost {}", now, cost);
+            if allowed {
+                *counts.entry(k).or_default() += cost;
+            }
+        }
+        Ok(())
+    });
+}
+
+/// A refusal charges nothing: it leaves the key's state exactly as a call of cost zero (a read)
+/// at the same instant would, and dropping every refused call from the input changes no
+/// decision of the calls that were admitted, field for field.
+pub fn refusals_never_charge(backend: &impl Backend, cases: u32) {
+    let strategy = (0usize..7, 1u64..20, window_ms(), arrivals(3_000 * MS, 20, backend.resolution()));
+    check(cases, strategy, |(algorithm, capacity, span_ms, calls)| {
+        let limiter = limiter(algorithm, capacity, span_ms);
+        let mut key = backend.start(&limiter, START);
+        let mut now = START;
+        let mut admitted = vec![];
+        for a in capped(calls, capacity) {
+            now += a.gap;
+            let before = key.fork();
+            let d = key.acquire(now, a.cost);
+            if d.allowed {
+                admitted.push((now, a.cost, d));
+            } else {
+                let mut read = before;
+                read.acquire(now, 0);
+                prop_assert_eq!(key.state(), read.state(), "refused at {} cost {}: {:?}", now, a.cost, d);
+            }
+        }
+        let mut replay = backend.start(&limiter, START);
+        for (now, cost, d) in admitted {
+            prop_assert_eq!(replay.acquire(now, cost), d, "admitted at {} cost {}, without the refusals", now, cost);
+        }
+        Ok(())
+    });
+}
+
+/// A refusal's wait is exact for the algorithms that can know it: at the first instant the
+/// backend's clock can express at or after the wait the same call passes, at the instant
+/// before (one nanosecond in memory, one microsecond on Redis) it is still refused.
+pub fn retry_after_is_exact(backend: &impl Backend, cases: u32) {
+    let resolution = backend.resolution();
+    let strategy = (0usize..6, 1u64..20, window_ms(), arrivals(3_000 * MS, 20, resolution));
+    check(cases, strategy, |(algorithm, capacity, span_ms, calls)| {
+        let limiter = limiter(algorithm, capacity, span_ms);
+        // The sliding window (an estimate) is held only to a wait that is enough, as it always was.
+        let exact = !matches!(limiter, Limiter::SlidingWindow(_));
+        let mut key = backend.start(&limiter, START);
+        let mut now = START;
+        for a in capped(calls, capacity) {
+            now += a.gap;
+            let d = key.acquire(now, a.cost);
+            if !d.allowed {
+                let at = (now + d.retry_after).div_ceil(resolution) * resolution;
+                prop_assert!(
+                    key.fork().acquire(at, a.cost).allowed,
+                    "not admitted {} ns after its retry_after {}",
+                    at - now - d.retry_after,
+                    d.retry_after
+                );
+                if exact {
+                    prop_assert!(
+                        !key.fork().acquire(at - resolution, a.cost).allowed,
+                        "admitted before its retry_after {}",
+                        d.retry_after
+                    );
+                }
+            }
+        }
+        Ok(())
+    });
+}
+
+pub fn concurrency_counts_slots_exactly(backend: &impl Backend, cases: u32) {
+    let strategy = (1u64..10, prop::collection::vec((any::<bool>(), 0u64..5), 1..200));
+    check(cases, strategy, |(max, ops)| {
+        let mut key = backend.start(&Limiter::Concurrency(Concurrency::new(max)), START);
+        let mut held: Vec<u64> = vec![];
+        for (acquire, cost) in ops {
+            let cost = cost.min(max);
+            if acquire || held.is_empty() {
+                let in_flight: u64 = held.iter().sum();
+                let d = key.acquire(START, cost);
+                prop_assert_eq!(d.allowed, in_flight + cost <= max);
+                if d.allowed {
+                    held.push(cost);
+                }
+                prop_assert_eq!(d.remaining, max - held.iter().sum::<u64>());
+            } else if let Some(c) = held.pop() {
+                key.release(c);
+            }
+        }
+        Ok(())
+    });
+}
+
+/// Documented bound of the sliding window counter: any span of one window holds at most twice
+/// the limit, whatever the arrival pattern.
+pub fn sliding_window_never_exceeds_twice_the_limit_in_any_window(backend: &impl Backend, cases: u32) {
+    let strategy = (1u64..20, window_ms(), arrivals(2_000 * MS, 5, backend.resolution()));
+    check(cases, strategy, |(limit, window_ms, calls)| {
+        let window = window_ms * MS;
+        let limiter = Limiter::SlidingWindow(SlidingWindow::new(limit, window));
+        let admitted: Vec<(Nanos, u64)> = run(backend, &limiter, &capped(calls, limit))
+            .into_iter()
+            .filter(|(_, _, d)| d.allowed)
+            .map(|(t, c, _)| (t, c))
+            .collect();
+        for &(start, _) in &admitted {
+            let in_span: u64 =
+                admitted.iter().filter(|(t, _)| *t >= start && *t < start + window).map(|(_, c)| c).sum();
+            prop_assert!(in_span <= 2 * limit, "{} in one window, limit {}", in_span, limit);
+        }
+        Ok(())
+    });
+}
+
+/// The window-edge attack: `limit` calls at the last instant the backend can express before a
+/// window boundary, `limit` at the boundary; returns how many were admitted.
+fn edge_burst(backend: &impl Backend, limiter: &Limiter, window: Nanos) -> u64 {
+    let edge = (START / window + 10) * window;
+    let mut key = backend.start(limiter, START);
+    let mut admitted = 0;
+    for now in [edge - backend.resolution(), edge] {
+        for _ in 0..limiter.capacity() {
+            if key.acquire(now, 1).allowed {
+                admitted += 1;
+            }
+        }
+    }
+    admitted
+}
+
+const MINUTE: Nanos = 60_000 * MS;
+
+pub fn fixed_window_lets_twice_the_limit_through_across_an_edge(backend: &impl Backend) {
+    assert_eq!(edge_burst(backend, &Limiter::FixedWindow(FixedWindow::new(100, MINUTE)), MINUTE), 200);
+}
+
+pub fn sliding_log_never_lets_more_than_the_limit_through_an_edge(backend: &impl Backend) {
+    assert_eq!(edge_burst(backend, &Limiter::SlidingLog(SlidingLog::new(100, MINUTE)), MINUTE), 100);
+}
+
+pub fn sliding_window_stays_within_its_documented_error_at_an_edge(backend: &impl Backend) {
+    let admitted = edge_burst(backend, &Limiter::SlidingWindow(SlidingWindow::new(100, MINUTE)), MINUTE);
+    assert!(admitted <= 101, "the previous window still weighs fully at the edge: {admitted}");
+}
