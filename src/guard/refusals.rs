@@ -91,6 +91,17 @@ impl RefusalMemory {
         }
     }
 
+    /// Forgets every refusal: an operator gave budget back (a reset or refund through the admin
+    /// API), which this memory's one assumption — only time makes room — no longer covers.
+    pub fn clear(&self) {
+        self.entries().clear();
+    }
+
+    /// Whether any refusal is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.entries().is_empty()
+    }
+
     /// Forgets refusals that have run out; returns how many went.
     pub fn sweep(&self, now: Nanos) -> usize {
         let mut entries = self.entries();
