@@ -247,7 +247,7 @@ async fn answer_cancel_requests_forever(state: Arc<AppState>, stop: Cancellation
 /// instance's admin API (see `guard::operator`). On the wall clock: the news comes from another
 /// process.
 async fn hear_operators_forever(state: Arc<AppState>, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(crate::upstream::jobs::CANCEL_REQUESTS_EVERY);
+    let mut tick = tokio::time::interval(crate::guard::operator::HEAR_OPERATORS_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seen = 0;
     loop {

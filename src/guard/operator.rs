@@ -27,6 +27,10 @@ use crate::store::{Check, StoreError, new_lease};
 /// The counter every instance watches to hear that an operator gave budget back.
 const FORGIVEN_KEY: &str = "{admin}forgiven";
 
+/// How often an instance that remembers refusals looks at that counter (wall clock: the news
+/// comes from another process), which bounds how late it hears of a reset or refund.
+pub const HEAR_OPERATORS_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// Whose budgets an operator acts on.
 #[derive(Debug, Clone)]
 pub enum Target {
