@@ -155,6 +155,7 @@ impl App {
         if let Some(every) = state.guard.store().renew_every() {
             tokio::spawn(renew_forever(state.clone(), every, stop.clone()));
             tokio::spawn(answer_cancel_requests_forever(state.clone(), stop.clone()));
+            tokio::spawn(hear_operators_forever(state.clone(), stop.clone()));
         }
         Ok(Self { state, upstream_url, stop, _mock: mock })
     }
@@ -185,6 +186,15 @@ impl App {
         });
         let app = self.router().into_make_service_with_connect_info::<SocketAddr>();
         axum::serve(listener, app).with_graceful_shutdown(self.stop.clone().cancelled_owned()).await
+    }
+
+    /// Serves the admin API on `listener` until [`App::stop`] is called; `None` when no
+    /// `admin.key` is configured (the admin API is off).
+    pub fn serve_admin(&self, listener: TcpListener) -> Option<impl Future<Output = std::io::Result<()>> + use<>> {
+        let key = self.state.config.admin.key_sha256?;
+        let app = crate::admin::router(self.state.clone(), key);
+        let stop = self.stop.clone();
+        Some(async move { axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await })
     }
 
     /// Serves MCP over stdin/stdout until the client closes it.
@@ -242,6 +252,24 @@ async fn answer_cancel_requests_forever(state: Arc<AppState>, stop: Cancellation
                     tracing::debug!(%error, "could not read the cancel requests");
                 }
             }
+        }
+    }
+}
+
+/// Forgets this instance's remembered refusals when an operator gave budget back through any
+/// instance's admin API (see `guard::operator`). On the wall clock: the news comes from another
+/// process.
+async fn hear_operators_forever(state: Arc<AppState>, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(crate::guard::operator::HEAR_OPERATORS_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut seen = 0;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => match state.guard.hear_operators(seen).await {
+                Ok(now) => seen = now,
+                Err(error) => tracing::debug!(%error, "could not read the operators' refunds and resets"),
+            },
         }
     }
 }

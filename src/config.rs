@@ -66,7 +66,28 @@ pub struct Config {
     pub loop_detection: LoopDetectionConfig,
     /// The mock paid API's knobs.
     pub mock_upstream: MockUpstreamConfig,
+    /// The admin API's listener and key.
+    pub admin: AdminConfig,
 }
+
+/// `[admin]`: the operator's API, on a listener of its own.
+#[derive(Clone)]
+pub struct AdminConfig {
+    /// Where the admin API listens.
+    pub listen: SocketAddr,
+    /// SHA-256 of the bearer key it requires; `None` (no key configured) leaves it off. The key
+    /// itself is not kept.
+    pub key_sha256: Option<[u8; 32]>,
+}
+
+impl std::fmt::Debug for AdminConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminConfig").field("listen", &self.listen).field("on", &self.key_sha256.is_some()).finish()
+    }
+}
+
+/// The shortest admin key accepted: it guards every budget of every caller.
+const MIN_ADMIN_KEY_CHARS: usize = 16;
 
 /// `[server]`.
 #[derive(Debug, Clone)]
@@ -364,6 +385,20 @@ struct RawConfig {
     store: StoreConfig,
     loop_detection: LoopDetectionConfig,
     mock_upstream: MockUpstreamConfig,
+    admin: RawAdmin,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAdmin {
+    listen: SocketAddr,
+    key: String,
+}
+
+impl std::fmt::Debug for RawAdmin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawAdmin").field("listen", &self.listen).finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -893,7 +928,10 @@ impl RawConfig {
             }
         }
 
+        let admin = self.admin.validate()?;
+
         Ok(Config {
+            admin,
             server: ServerConfig {
                 listen: server.listen,
                 allowed_hosts: server.allowed_hosts,
@@ -913,6 +951,24 @@ impl RawConfig {
             loop_detection: self.loop_detection,
             mock_upstream: self.mock_upstream,
         })
+    }
+}
+
+impl RawAdmin {
+    fn validate(self) -> Result<AdminConfig, ConfigError> {
+        let key = self.key.trim();
+        if !key.is_empty() && key.chars().count() < MIN_ADMIN_KEY_CHARS {
+            return Err(invalid(
+                "admin.key",
+                format!(
+                    "is {} characters; an admin key needs at least {MIN_ADMIN_KEY_CHARS} (e.g. `openssl rand -hex 32`), \
+                     or leave it empty to keep the admin API off",
+                    key.chars().count()
+                ),
+            ));
+        }
+        let key_sha256 = (!key.is_empty()).then(|| Sha256::digest(key.as_bytes()).into());
+        Ok(AdminConfig { listen: self.listen, key_sha256 })
     }
 }
 
@@ -1113,6 +1169,16 @@ mod tests {
         assert!(
             err("[limits.caller]\nalgorithm = \"fixed_window\"\nlimit = 10\nwindow_ms = 0\n").contains("window_ms")
         );
+    }
+
+    #[test]
+    fn a_short_admin_key_is_refused_and_no_key_keeps_the_admin_api_off() {
+        let e = err("[admin]\nkey = \"short\"\n");
+        assert!(e.contains("admin.key") && !e.contains("short"), "{e}");
+        assert!(Config::defaults().expect("defaults").admin.key_sha256.is_none());
+        let on = Config::from_toml("[admin]\nkey = \"0123456789abcdef\"\n").expect("16 characters");
+        assert!(on.admin.key_sha256.is_some());
+        assert!(!format!("{on:?}").contains("0123456789abcdef"), "the key never shows in a Debug print");
     }
 
     #[test]

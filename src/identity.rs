@@ -120,6 +120,22 @@ struct KeyInfo {
     tier: Arc<str>,
 }
 
+/// Why an operator's name for a caller names nobody this server can act on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UnknownCaller {
+    /// Not of any form a caller id takes.
+    #[error("`{0}` is not a caller id: expected tok:<16 hex digits>, ip:<address> or local")]
+    Malformed(String),
+    /// A `tok:` id that no configured key has, without the address it calls from.
+    #[error(
+        "`{0}` is not a configured key's caller (GET /admin/keys lists those); a made-up key's budgets are          kept with the address it calls from: give it as `from` (e.g. from=ip:203.0.113.7)"
+    )]
+    NeedsAddress(String),
+    /// `from` is not an address as the server names them.
+    #[error("`{0}` is not an address: expected ip:<IPv4 address>, ip6:<IPv6 /64 network> or ip:unknown")]
+    BadAddress(String),
+}
+
 /// Turns requests into callers, per the `[auth]` and `[server]` config.
 #[derive(Debug)]
 pub struct Identifier {
@@ -148,6 +164,50 @@ impl Identifier {
             trust_proxy: config.server.trust_proxy,
             trusted_proxies: config.server.trusted_proxies.clone(),
         }
+    }
+
+    /// The caller a configured key's SHA-256 names, as requests presenting that key are named.
+    pub fn configured(&self, sha256: &[u8; 32]) -> Option<Caller> {
+        let info = self.keys.get(sha256)?;
+        Some(Caller::from_digest(sha256, info.tenant.clone(), info.tier.clone(), None))
+    }
+
+    /// A caller of `tenant`, through which an operator reaches the tenant's budgets; `None` when
+    /// no configured key belongs to it.
+    pub fn member_of(&self, tenant: &str) -> Option<Caller> {
+        // The smallest digest, so the same member answers every time.
+        let (digest, _) =
+            self.keys.iter().filter(|(_, info)| info.tenant.as_deref() == Some(tenant)).min_by_key(|(d, _)| **d)?;
+        self.configured(digest)
+    }
+
+    /// The caller an operator names by the id the server shows (`tok:…` in refusal scopes and
+    /// `rate_limit_status`, `ip:…`, `local`), never by a key. A `tok:` id that is no configured
+    /// key's is an unverified caller, whose budgets are kept with its address: `from` names it.
+    pub fn by_id(&self, id: &str, from: Option<&str>) -> Result<Caller, UnknownCaller> {
+        if id == "local" {
+            return Ok(self.local());
+        }
+        if let Some(hex) = id.strip_prefix("tok:") {
+            if hex.len() != 16 || !hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+                return Err(UnknownCaller::Malformed(id.to_owned()));
+            }
+            if let Some(caller) = self.keys.keys().filter_map(|digest| self.configured(digest)).find(|c| c.id == id) {
+                return Ok(caller);
+            }
+            let from = from.ok_or_else(|| UnknownCaller::NeedsAddress(id.to_owned()))?;
+            let from = canonical_address(from).ok_or_else(|| UnknownCaller::BadAddress(from.to_owned()))?;
+            let tier = self.anonymous_tier.clone();
+            return Ok(Caller { id: id.to_owned(), tenant: None, tier, unverified_from: Some(from.into()) });
+        }
+        let ip = match id.strip_prefix("ip:") {
+            Some("unknown") => None,
+            Some(ip) => Some(ip.parse::<IpAddr>().map_err(|_| UnknownCaller::Malformed(id.to_owned()))?),
+            None => return Err(UnknownCaller::Malformed(id.to_owned())),
+        };
+        let id = ip.map_or_else(|| "ip:unknown".to_owned(), |ip| format!("ip:{ip}"));
+        let from = Some(Arc::from(address_of(ip)));
+        Ok(Caller { id, tenant: None, tier: self.anonymous_tier.clone(), unverified_from: from })
     }
 
     /// The single caller behind a stdio transport: the local user, trusted like a default key.
@@ -229,6 +289,18 @@ fn address_of(ip: Option<IpAddr>) -> String {
     }
 }
 
+/// An address as [`address_of`] writes it (`ip:…`, `ip6:…/64`, `ip:unknown`), in that form.
+fn canonical_address(text: &str) -> Option<String> {
+    if text == "ip:unknown" {
+        return Some(text.to_owned());
+    }
+    if let Some(ip) = text.strip_prefix("ip:") {
+        return Some(address_of(Some(ip.parse().ok()?)));
+    }
+    let net = text.strip_prefix("ip6:")?.strip_suffix("/64")?.parse::<std::net::Ipv6Addr>().ok()?;
+    Some(address_of(Some(IpAddr::V6(net))))
+}
+
 /// One `X-Forwarded-For` entry: an address, possibly with a port or IPv6 brackets.
 fn parse_hop(hop: &str) -> Option<IpAddr> {
     hop.parse::<IpAddr>()
@@ -300,6 +372,21 @@ mod tests {
         assert_eq!(id.identify(&headers(&[]), ip("10.0.0.1")), Err(Unauthorized::Missing));
         assert_eq!(id.identify(&headers(&[("x-api-key", "nope")]), None), Err(Unauthorized::Unknown));
         assert!(id.identify(&headers(&[("authorization", "Bearer k1")]), None).is_ok());
+    }
+
+    #[test]
+    fn an_operator_names_callers_as_the_server_shows_them() {
+        let id = identifier("[[auth.keys]]\nkey = \"k1\"\ntenant = \"acme\"\n");
+        let keyed = id.identify(&headers(&[("x-api-key", "k1")]), None).expect("caller");
+        assert_eq!(id.by_id(keyed.id(), None), Ok(keyed.clone()));
+        assert_eq!(id.member_of("acme"), Some(keyed));
+        let anonymous = id.identify(&headers(&[("x-api-key", "made-up")]), ip("203.0.113.7")).expect("caller");
+        assert_eq!(id.by_id(anonymous.id(), None), Err(UnknownCaller::NeedsAddress(anonymous.id().to_owned())));
+        assert_eq!(id.by_id(anonymous.id(), Some("ip:203.0.113.7")), Ok(anonymous));
+        let v6 = id.identify(&headers(&[]), ip("2001:db8::7")).expect("caller");
+        assert_eq!(id.by_id("ip:2001:db8::7", None), Ok(v6));
+        assert!(matches!(id.by_id("tok:xyz", None), Err(UnknownCaller::Malformed(_))));
+        assert!(matches!(id.by_id("alice", None), Err(UnknownCaller::Malformed(_))));
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! one [`clock`], and [`metrics`] shows what they decide. Tools reach the paid API through [`upstream`]; [`mock_upstream`] stands in for
 //! it. [`app`] wires it together, and [`reload`] puts new limits in force on a running server.
 
+pub mod admin;
 pub mod app;
 pub mod clock;
 pub mod config;

@@ -99,10 +99,22 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Serve { config: file, listen } => {
             let config = Config::load(file.as_deref())?;
             let addr = listen.unwrap_or(config.server.listen);
+            let admin = config.admin.clone();
             let app = App::start(config, SystemClock::shared()).await?;
             app.reload_on_change(config_file(file));
             let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
             tracing::info!(mcp = %format!("http://{addr}/mcp"), upstream = app.upstream_url(), "serving");
+            if admin.key_sha256.is_some() {
+                let at = admin.listen;
+                let listener =
+                    TcpListener::bind(at).await.with_context(|| format!("cannot listen on {at} (admin.listen)"))?;
+                if let Some(serving) = app.serve_admin(listener) {
+                    tracing::info!(admin = %format!("http://{at}/admin/openapi.json"), "admin API on");
+                    tokio::spawn(serving);
+                }
+            } else {
+                tracing::info!("admin API off: no admin.key configured");
+            }
             tokio::select! {
                 served = app.serve_http(listener) => served?,
                 () = shutdown_signal() => {

@@ -120,7 +120,7 @@ impl Key for RedisKey {
         let at = (!self.limiter.holds_slots()).then_some(now);
         let mut first: Option<Decision> = None;
         for _ in 0..ATTEMPTS {
-            let check = Check { key: &self.key, limiter: &self.limiter, cost };
+            let check = Check { key: &self.key, limiter: &self.limiter, cost, shadow: false };
             let decision = match redis.runtime.block_on(redis.store.decide_leased(&[check], lease, at)).as_deref() {
                 Ok([decision]) => *decision,
                 other => panic!("{} at {now} ns, cost {cost}: {other:?}", self.limiter.describe()),

@@ -8,6 +8,7 @@
 //! for a job the in-flight caps — **atomically**: all pass and are charged, or none is.
 
 pub mod loops;
+pub mod operator;
 pub mod policy;
 pub mod refusal;
 pub mod refusals;
@@ -20,7 +21,7 @@ use arc_swap::ArcSwap;
 
 use tracing::info;
 
-use crate::clock::{SharedClock, ceil_ms};
+use crate::clock::{Nanos, SharedClock, ceil_ms};
 use crate::config::Limit;
 use crate::config::{Config, Fail};
 use crate::guard::loops::{LoopDetector, Looping};
@@ -29,7 +30,7 @@ use crate::identity::Caller;
 use crate::limit::{Decision, Limiter};
 use crate::metrics::{Layer, Metrics};
 use crate::store::redis::LoopAnswer;
-use crate::store::{Check, Lease, RedisStore, SlotGuard, Store, StoreError, new_lease};
+use crate::store::{Check, Lease, RedisStore, SlotGuard, Store, StoreError, Verdict, new_lease};
 use crate::upstream::breaker::Breaker;
 pub use policy::{MethodGroup, Policy, TierLimits};
 pub use refusal::{Refusal, RefusalCode};
@@ -270,6 +271,10 @@ fn status_scopes<'p>(policy: &'p Policy, caller: &Caller, over_http: bool) -> Ve
     peek
 }
 
+/// What [`Guard::decide`] answers: the scopes with their decisions, the store holding any slots,
+/// and the operator block that stopped the call (which of those asked about, the time left).
+type Decided<'s> = (Vec<Planned<'s>>, Vec<Decision>, &'s Arc<Store>, Option<(usize, Nanos)>);
+
 fn checks_of<'a>(scopes: &'a [Planned<'a>]) -> Vec<Check<'a>> {
     scopes
         .iter()
@@ -474,15 +479,16 @@ impl Guard {
     async fn decide_shared(
         &self,
         checks: &[Check<'_>],
+        blocks: &[&str],
         lease: Lease,
         layer: Layer,
         what: &str,
-    ) -> Option<Vec<Decision>> {
+    ) -> Option<Verdict> {
         let permit = match &self.insurance {
             Some(insurance) => Some(insurance.shared_down.permit(self.clock.now()).ok()?),
             None => None,
         };
-        let decided = self.store.decide(checks, lease).await;
+        let decided = self.store.decide_unless_blocked(checks, blocks, lease).await;
         if let (Some(insurance), Some(permit)) = (&self.insurance, permit) {
             insurance.shared_down.record(permit, decided.is_ok(), self.clock.now());
             self.store_up.store(decided.is_ok(), Ordering::Relaxed);
@@ -492,16 +498,20 @@ impl Guard {
 
     /// Decides `scopes` (built by `scopes_under` from a policy) on the shared store or, when it
     /// cannot decide and the call may `fail` open, on the insurance limiter. Returns the
-    /// decisions with the scopes they were taken on and the store that holds any slots.
+    /// decisions with the scopes they were taken on and the store that holds any slots, and
+    /// which of `blocks` (operator blocks, read with the decision) stopped it, with the time
+    /// left — then nothing was decided. Blocks live in the shared store: the insurance limiter
+    /// cannot see them.
     async fn decide<'s, F>(
         &'s self,
         live: &'s Live,
         scopes_under: F,
+        blocks: &[&str],
         lease: Lease,
         fail: Fail,
         layer: Layer,
         what: &str,
-    ) -> Option<(Vec<Planned<'s>>, Vec<Decision>, &'s Arc<Store>)>
+    ) -> Option<Decided<'s>>
     where
         F: Fn(&'s Policy) -> Vec<Planned<'s>>,
     {
@@ -510,19 +520,25 @@ impl Guard {
         if let Some(insurance) = &self.insurance
             && let Some(decisions) = insurance.refused.recall(&checks, self.clock.now())
         {
-            return Some((scopes, decisions, &self.store));
+            return Some((scopes, decisions, &self.store, None));
         }
         let now = self.clock.now();
-        if let Some(decisions) = self.decide_shared(&checks, lease, layer, what).await {
-            if let Some(insurance) = &self.insurance {
-                insurance.refused.remember(&checks, &decisions, now);
+        match self.decide_shared(&checks, blocks, lease, layer, what).await {
+            Some(Verdict::Decided(decisions)) => {
+                if let Some(insurance) = &self.insurance {
+                    insurance.refused.remember(&checks, &decisions, now);
+                }
+                return Some((scopes, decisions, &self.store, None));
             }
-            return Some((scopes, decisions, &self.store));
+            Some(Verdict::Blocked { index, left }) => {
+                return Some((scopes, Vec::new(), &self.store, Some((index, left))));
+            }
+            None => {}
         }
         let insurance = self.insurance.as_ref().filter(|_| fail == Fail::Open)?;
         let scopes = scopes_under(live.insurance.as_ref()?);
         let decisions = insurance.store.decide(&checks_of(&scopes), lease).await.ok()?;
-        Some((scopes, decisions, &insurance.store))
+        Some((scopes, decisions, &insurance.store, None))
     }
 
     /// Charges one `POST /mcp` to the caller's coarse HTTP budget. `None` only if nobody could
@@ -535,8 +551,8 @@ impl Guard {
             scopes
         };
         let live = self.live.load_full();
-        let (scopes, decisions, _) =
-            self.decide(&live, under, new_lease(), Fail::Open, Layer::Http, "POST /mcp").await?;
+        let (scopes, decisions, _, _) =
+            self.decide(&live, under, &[], new_lease(), Fail::Open, Layer::Http, "POST /mcp").await?;
         let refused = refused_by(&scopes, &decisions, &self.metrics, Layer::Http, "POST /mcp");
         self.metrics.decision(Layer::Http, "POST /mcp", refused.is_none());
         // The headers speak of the limit that refused, else of the enforced one with least left.
@@ -575,8 +591,8 @@ impl Guard {
             plan(&mut scopes, Scope::method(caller, group), Policy::for_caller(p, caller).method(group), 1);
             scopes
         };
-        let decided = self.decide(&live, under, new_lease(), Fail::Open, Layer::Method, group.as_str()).await;
-        let Some((scopes, decisions, _)) = decided else {
+        let decided = self.decide(&live, under, &[], new_lease(), Fail::Open, Layer::Method, group.as_str()).await;
+        let Some((scopes, decisions, _, _)) = decided else {
             return Err(Refusal::limiter_unavailable(method, STORE_RETRY_MS));
         };
         let refused = refused_by(&scopes, &decisions, &self.metrics, Layer::Method, group.as_str());
@@ -639,9 +655,17 @@ impl Guard {
         let fail = live.policy.tools.get(tool).map_or(Fail::Closed, |t| t.fail);
         let under = |p| tool_scopes(p, caller, tool, starts_job);
         let lease = new_lease();
-        let Some((scopes, decisions, store)) = self.decide(live, under, lease, fail, Layer::Tool, tool).await else {
+        let blocks: Vec<Scope> =
+            std::iter::once(Scope::block_caller(caller)).chain(Scope::block_tenant(caller)).collect();
+        let block_keys: Vec<&str> = blocks.iter().map(Scope::key).collect();
+        let Some((scopes, decisions, store, blocked)) =
+            self.decide(live, under, &block_keys, lease, fail, Layer::Tool, tool).await
+        else {
             return Err(Refusal::limiter_unavailable(tool, STORE_RETRY_MS));
         };
+        if let Some((index, left)) = blocked {
+            return Err(self.refuse_blocked(caller, tool, blocks.get(index).map_or("block", Scope::name), left));
+        }
         // The call passes only when every enforced limit admits it, so the wait is the longest.
         let refused = refused_by(&scopes, &decisions, &self.metrics, Layer::Tool, tool);
         self.metrics.decision(Layer::Tool, tool, refused.is_none());
@@ -688,8 +712,8 @@ impl Guard {
         let under = |policy| status_scopes(policy, caller, over_http);
         // Cost 0 reads every level in one decision, without charging anything.
         let live = self.live.load_full();
-        let (scopes, decisions, _) =
-            self.decide(&live, under, new_lease(), Fail::Open, Layer::Tool, "rate_limit_status").await?;
+        let (scopes, decisions, _, _) =
+            self.decide(&live, under, &[], new_lease(), Fail::Open, Layer::Tool, "rate_limit_status").await?;
         Some(
             scopes
                 .iter()

@@ -105,6 +105,23 @@ impl Refusal {
         self
     }
 
+    /// An operator blocked the caller (or its tenant) for a while, through the admin API.
+    pub fn blocked(tool: &str, scope: String, left: Nanos) -> Self {
+        let whom = if scope.starts_with("block:tenant:") { "your tenant" } else { "you" };
+        Self {
+            code: RefusalCode::RateLimited,
+            message: format!(
+                "An operator has blocked {whom} from calling tools for a while. Wait {} before calling {tool} again.",
+                seconds(ceil_secs(left))
+            ),
+            retry_after_ms: Some(ceil_ms(left).max(1)),
+            scope: Some(scope.into()),
+            limit: None,
+            remaining: Some(0),
+            details: None,
+        }
+    }
+
     /// The scope already has its maximum of work in flight.
     pub fn busy(tool: &str, scope: String, limit: u64) -> Self {
         Self {

@@ -92,9 +92,16 @@ impl RefusalMemory {
         }
     }
 
-    /// Forgets every refusal (the limits they were made under changed).
+    /// Forgets every refusal: the limits they were made under changed (a reload), or an operator
+    /// gave budget back (a reset or refund through the admin API), which this memory's one
+    /// assumption — only time makes room — no longer covers.
     pub fn clear(&self) {
         self.entries().clear();
+    }
+
+    /// Whether any refusal is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.entries().is_empty()
     }
 
     /// Forgets refusals that have run out; returns how many went.

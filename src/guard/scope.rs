@@ -81,6 +81,17 @@ impl Scope {
         caller.tenant().map(|tenant| Self::new(caller, format!("in_flight:tenant:{tenant}")))
     }
 
+    /// An operator's block on the caller (set through the admin API).
+    pub fn block_caller(caller: &Caller) -> Self {
+        Self::new(caller, format!("block:caller:{}", caller.id()))
+    }
+
+    /// An operator's block on the caller's tenant, if it has one: every caller of the tenant
+    /// reads the same key (their tag is the tenant).
+    pub fn block_tenant(caller: &Caller) -> Option<Self> {
+        caller.tenant().map(|tenant| Self::new(caller, format!("block:tenant:{tenant}")))
+    }
+
     /// The caller's recent calls, for loop detection.
     pub fn loops(caller: &Caller) -> Self {
         Self::new(caller, format!("loops:{}", caller.id()))

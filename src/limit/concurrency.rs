@@ -57,4 +57,9 @@ impl Algorithm for Concurrency {
     fn capacity(&self) -> u64 {
         self.max
     }
+
+    /// Releases `units` slots, as the end of that much work would.
+    fn refund(&self, state: &mut State, _now: Nanos, units: u64) {
+        self.release(state, units);
+    }
 }

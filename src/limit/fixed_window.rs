@@ -72,6 +72,14 @@ impl Algorithm for FixedWindow {
     fn capacity(&self) -> u64 {
         self.limit
     }
+
+    /// Takes `units` back from the current window's count; a count of an earlier window no
+    /// longer counts anyway.
+    fn refund(&self, state: &mut State, now: Nanos, units: u64) {
+        if state.start == now - now % self.window {
+            state.count = state.count.saturating_sub(units);
+        }
+    }
 }
 
 #[cfg(test)]

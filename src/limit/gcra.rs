@@ -85,6 +85,13 @@ impl Algorithm for Gcra {
     fn capacity(&self) -> u64 {
         self.burst
     }
+
+    /// Moves TAT back by `units` periods, never before `now` (which already means full).
+    fn refund(&self, state: &mut State, now: Nanos, units: u64) {
+        if state.tat > now {
+            state.tat = state.tat.saturating_sub(units.min(self.burst).saturating_mul(self.period)).max(now);
+        }
+    }
 }
 
 #[cfg(test)]

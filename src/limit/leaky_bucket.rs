@@ -70,6 +70,13 @@ impl Algorithm for LeakyBucket {
     fn capacity(&self) -> u64 {
         self.capacity
     }
+
+    /// Takes `units` of water out, never below empty.
+    fn refund(&self, state: &mut State, now: Nanos, units: u64) {
+        let water = state.water.saturating_sub(now.saturating_sub(state.updated_at));
+        let back = units.min(self.capacity).saturating_mul(self.period);
+        *state = State { water: water.saturating_sub(back), updated_at: now.max(state.updated_at) };
+    }
 }
 
 #[cfg(test)]

@@ -69,6 +69,11 @@ pub trait Algorithm {
 
     /// The most this limiter can admit at once; a larger cost can never pass.
     fn capacity(&self) -> u64;
+
+    /// Gives `units` back to `state` at `now` (an operator's refund), never beyond the capacity:
+    /// afterwards the key admits what it admitted before plus at most `units`. Units past the
+    /// capacity are ignored, so a refund of any size means "fill it up".
+    fn refund(&self, state: &mut Self::State, now: Nanos, units: u64);
 }
 
 /// The state one key keeps, whichever algorithm owns it.
@@ -277,6 +282,14 @@ impl Limiter {
     /// When `state` becomes indistinguishable from a fresh one.
     pub fn forget_at(&self, state: &mut LimiterState, now: Nanos) -> Nanos {
         with_state!(self, state, now, |alg, s| alg.forget_at(s))
+    }
+
+    /// Gives `units` back to the budget in `state` at `now`, never beyond its capacity (see
+    /// [`Algorithm::refund`]).
+    pub fn refund(&self, state: &mut LimiterState, now: Nanos, units: u64) {
+        // Past the capacity a refund only fills up; clamped here so both stores see one number.
+        let units = units.min(self.capacity());
+        with_state!(self, state, now, |alg, s| alg.refund(s, now, units))
     }
 
     /// Gives back `cost` in-flight slots; a no-op for rate algorithms.

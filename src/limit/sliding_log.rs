@@ -94,6 +94,22 @@ impl Algorithm for SlidingLog {
     fn capacity(&self) -> u64 {
         self.limit
     }
+
+    /// Drops `units` from the newest entries: the calls being refunded are usually the latest.
+    fn refund(&self, state: &mut State, now: Nanos, units: u64) {
+        self.expire(state, now);
+        let mut left = units;
+        while left > 0 {
+            let Some(newest) = state.entries.back_mut() else { break };
+            let taken = newest.1.min(left);
+            newest.1 -= taken;
+            state.total -= taken;
+            left -= taken;
+            if newest.1 == 0 {
+                state.entries.pop_back();
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -130,6 +130,15 @@ impl Algorithm for SlidingWindow {
     fn capacity(&self) -> u64 {
         self.limit
     }
+
+    /// Takes `units` back from the current window's count first (the most recent calls), then
+    /// from the previous one's.
+    fn refund(&self, state: &mut State, now: Nanos, units: u64) {
+        let s = self.roll(state, now);
+        let from_current = u32::try_from(units).unwrap_or(u32::MAX).min(s.current);
+        let rest = u32::try_from(units - u64::from(from_current)).unwrap_or(u32::MAX);
+        *state = State { current: s.current - from_current, previous: s.previous.saturating_sub(rest), ..s };
+    }
 }
 
 #[cfg(test)]

@@ -77,6 +77,13 @@ impl Algorithm for TokenBucket {
     fn capacity(&self) -> u64 {
         self.capacity
     }
+
+    fn refund(&self, state: &mut State, now: Nanos, units: u64) {
+        let full = self.full();
+        let level = state.level.saturating_add(now.saturating_sub(state.updated_at)).min(full);
+        let back = units.min(self.capacity).saturating_mul(self.period);
+        *state = State { level: level.saturating_add(back).min(full), updated_at: now.max(state.updated_at) };
+    }
 }
 
 #[cfg(test)]
@@ -118,6 +125,18 @@ mod tests {
         let mut s = b.fresh(5 * SEC);
         b.acquire(&mut s, 5 * SEC, 4);
         assert_eq!(b.forget_at(&s), 7 * SEC);
+    }
+
+    #[test]
+    fn a_refund_gives_tokens_back_up_to_the_burst() {
+        let b = TokenBucket::new(10, 1.0);
+        let mut s = b.fresh(0);
+        b.acquire(&mut s, 0, 10);
+        b.refund(&mut s, 0, 4);
+        assert_eq!(b.acquire(&mut s, 0, 0).remaining, 4);
+        b.refund(&mut s, 0, 1_000);
+        assert_eq!(b.acquire(&mut s, 0, 0).remaining, 10, "never beyond the burst");
+        assert_eq!(b.forget_at(&s), 0, "full again: as good as fresh");
     }
 
     #[test]

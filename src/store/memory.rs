@@ -14,6 +14,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use xxhash_rust::xxh3::xxh3_128_with_seed;
@@ -59,6 +60,10 @@ type Shard = HashMap<Fingerprint, Entry, BuildHasherDefault<FingerprintHasher>>;
 pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
     seed: u64,
+    /// Operator blocks: key → until when. Rare, so a plain map; `blocking` counts its entries so
+    /// the hot path skips the lock while there are none.
+    blocks: Mutex<HashMap<String, Nanos>>,
+    blocking: AtomicUsize,
 }
 
 impl Default for MemoryStore {
@@ -76,7 +81,12 @@ fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
 impl MemoryStore {
     /// An empty store.
     pub fn new() -> Self {
-        Self { shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(), seed: rand::random() }
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            seed: rand::random(),
+            blocks: Mutex::new(HashMap::new()),
+            blocking: AtomicUsize::new(0),
+        }
     }
 
     fn fingerprint(&self, key: &str) -> Fingerprint {
@@ -164,21 +174,83 @@ impl MemoryStore {
         }
     }
 
+    /// Gives `units` back to the budget under `key` (an operator's refund), never beyond its
+    /// capacity, and returns its level after it. A key never seen is full already.
+    pub fn refund(&self, key: &str, limiter: &Limiter, units: u64, now: Nanos) -> Decision {
+        let fp = self.fingerprint(key);
+        let mut map = lock(&self.shards[Self::shard_of(fp)]);
+        let Some(entry) = map.get_mut(&fp) else { return limiter.acquire(&mut limiter.fresh(now), now, 0) };
+        limiter.refund(&mut entry.state, now, units);
+        entry.forget_at = limiter.forget_at(&mut entry.state, now);
+        limiter.acquire(&mut entry.state.clone(), now, 0)
+    }
+
+    /// Forgets the state under each of `keys` (the next call finds a fresh budget); returns how
+    /// many were there.
+    pub fn forget(&self, keys: &[&str]) -> u64 {
+        keys.iter()
+            .filter(|key| {
+                let fp = self.fingerprint(key);
+                lock(&self.shards[Self::shard_of(fp)]).remove(&fp).is_some()
+            })
+            .count() as u64
+    }
+
+    fn blocks(&self) -> MutexGuard<'_, HashMap<String, Nanos>> {
+        self.blocks.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Sets the operator block `key` until `until`.
+    pub fn block(&self, key: &str, until: Nanos) {
+        let mut blocks = self.blocks();
+        blocks.insert(key.to_owned(), until);
+        self.blocking.store(blocks.len(), Ordering::Relaxed);
+    }
+
+    /// Lifts the block `key`; whether there was one in force at `now`.
+    pub fn unblock(&self, key: &str, now: Nanos) -> bool {
+        let mut blocks = self.blocks();
+        let lifted = blocks.remove(key).is_some_and(|until| until > now);
+        self.blocking.store(blocks.len(), Ordering::Relaxed);
+        lifted
+    }
+
+    /// The first of `keys` blocked at `now`, with the time its block has left.
+    pub fn blocked(&self, keys: &[&str], now: Nanos) -> Option<(usize, Nanos)> {
+        if keys.is_empty() || self.blocking.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let blocks = self.blocks();
+        keys.iter().enumerate().find_map(|(i, key)| {
+            let until = *blocks.get(*key)?;
+            (until > now).then(|| (i, until - now))
+        })
+    }
+
     /// Drops every entry that has gone back to its fresh state by `now`, and returns the
     /// memory of shards that shrank a lot.
     pub fn sweep(&self, now: Nanos) -> usize {
-        self.shards
-            .iter()
-            .map(|shard| {
-                let mut map = lock(shard);
-                let before = map.len();
-                map.retain(|_, e| e.forget_at > now);
-                if map.capacity() > 64 && map.len() < map.capacity() / 4 {
-                    map.shrink_to_fit();
-                }
-                before - map.len()
-            })
-            .sum()
+        let blocks = {
+            let mut blocks = self.blocks();
+            let before = blocks.len();
+            blocks.retain(|_, until| *until > now);
+            self.blocking.store(blocks.len(), Ordering::Relaxed);
+            before - blocks.len()
+        };
+        blocks
+            + self
+                .shards
+                .iter()
+                .map(|shard| {
+                    let mut map = lock(shard);
+                    let before = map.len();
+                    map.retain(|_, e| e.forget_at > now);
+                    if map.capacity() > 64 && map.len() < map.capacity() / 4 {
+                        map.shrink_to_fit();
+                    }
+                    before - map.len()
+                })
+                .sum::<usize>()
     }
 
     /// Keys currently held.

@@ -31,6 +31,21 @@ pub struct Check<'a> {
     pub shadow: bool,
 }
 
+/// What a decision found: the decisions, one per check, or an operator's block that stopped it
+/// before anything was decided or charged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Decided as [`Store::decide`] decides.
+    Decided(Vec<Decision>),
+    /// The block at `index` among those asked about holds for `left` more.
+    Blocked {
+        /// Which block.
+        index: usize,
+        /// How long it still holds.
+        left: crate::clock::Nanos,
+    },
+}
+
 /// The shared store could not decide: unreachable, timed out, or it answered nonsense. The
 /// guard decides what that means for the call (fail open to the insurance limiter, or closed).
 #[derive(Debug, thiserror::Error)]
@@ -85,6 +100,72 @@ impl Store {
         match self {
             Store::Memory { map, clock } => Ok(map.decide(checks, clock.now())),
             Store::Redis { redis, .. } => Ok(redis.decide_leased(checks, lease, None).await?),
+        }
+    }
+
+    /// [`Store::decide`], unless one of `blocks` (keys set by [`Store::block`]) holds: read in the
+    /// same step, so a block costs a shared store no extra round trip.
+    pub async fn decide_unless_blocked(
+        &self,
+        checks: &[Check<'_>],
+        blocks: &[&str],
+        lease: Lease,
+    ) -> Result<Verdict, StoreError> {
+        match self {
+            Store::Memory { map, clock } => {
+                let now = clock.now();
+                Ok(match map.blocked(blocks, now) {
+                    Some((index, left)) => Verdict::Blocked { index, left },
+                    None => Verdict::Decided(map.decide(checks, now)),
+                })
+            }
+            Store::Redis { redis, .. } => Ok(redis.decide_unless_blocked(checks, blocks, lease).await?),
+        }
+    }
+
+    /// Gives `units` back to the budget `limiter` keeps under `key`, never beyond its capacity;
+    /// returns its level after it.
+    pub async fn refund(&self, key: &str, limiter: &Limiter, units: u64) -> Result<Decision, StoreError> {
+        match self {
+            Store::Memory { map, clock } => Ok(map.refund(key, limiter, units, clock.now())),
+            Store::Redis { redis, .. } => Ok(redis.refund(key, limiter, units, None).await?),
+        }
+    }
+
+    /// Forgets the budgets under `keys` (on Redis they must share a hash tag): the next call
+    /// finds them full. Returns how many had state.
+    pub async fn forget(&self, keys: &[&str]) -> Result<u64, StoreError> {
+        match self {
+            Store::Memory { map, .. } => Ok(map.forget(keys)),
+            Store::Redis { redis, .. } => Ok(redis.forget(keys).await?),
+        }
+    }
+
+    /// Sets the block `key` for `duration` (on Redis, for every instance).
+    pub async fn block(&self, key: &str, duration: std::time::Duration) -> Result<(), StoreError> {
+        match self {
+            Store::Memory { map, clock } => {
+                let nanos = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
+                map.block(key, clock.now().saturating_add(nanos));
+                Ok(())
+            }
+            Store::Redis { redis, .. } => Ok(redis.block(key, duration).await?),
+        }
+    }
+
+    /// Lifts the block `key`; whether one was in force.
+    pub async fn unblock(&self, key: &str) -> Result<bool, StoreError> {
+        match self {
+            Store::Memory { map, clock } => Ok(map.unblock(key, clock.now())),
+            Store::Redis { redis, .. } => Ok(redis.forget(&[key]).await? > 0),
+        }
+    }
+
+    /// How long the block `key` still holds, if it does.
+    pub async fn block_left(&self, key: &str) -> Result<Option<crate::clock::Nanos>, StoreError> {
+        match self {
+            Store::Memory { map, clock } => Ok(map.blocked(&[key], clock.now()).map(|(_, left)| left)),
+            Store::Redis { redis, .. } => Ok(redis.block_left(key).await?),
         }
     }
 

@@ -75,7 +75,7 @@ use ::redis::{
 
 use crate::clock::Nanos;
 use crate::limit::{Decision, Limiter};
-use crate::store::Check;
+use crate::store::{Check, Verdict};
 
 /// The decide script: the prelude, every algorithm, then the entry point.
 const DECIDE_SCRIPT: &str = concat!(
@@ -100,6 +100,19 @@ const RELEASE_SCRIPT: &str = concat!(
 /// The renew script: the prelude, in-flight slots, then the entry point.
 const RENEW_SCRIPT: &str =
     concat!(include_str!("redis/prelude.lua"), include_str!("redis/concurrency.lua"), include_str!("redis/renew.lua"),);
+
+/// The refund script: the prelude, every algorithm, then the entry point.
+const REFUND_SCRIPT: &str = concat!(
+    include_str!("redis/prelude.lua"),
+    include_str!("redis/token_bucket.lua"),
+    include_str!("redis/gcra.lua"),
+    include_str!("redis/fixed_window.lua"),
+    include_str!("redis/sliding_log.lua"),
+    include_str!("redis/sliding_window.lua"),
+    include_str!("redis/leaky_bucket.lua"),
+    include_str!("redis/concurrency.lua"),
+    include_str!("redis/refund.lua"),
+);
 
 /// The loop script: the prelude, then the loop detector's twin.
 const LOOPS_SCRIPT: &str = concat!(include_str!("redis/prelude.lua"), include_str!("redis/loops.lua"));
@@ -370,6 +383,7 @@ pub struct RedisStore {
     release: Script,
     renew: Script,
     loops: Script,
+    refund: Script,
     lease: Duration,
 }
 
@@ -403,21 +417,22 @@ impl RedisStore {
         }
         let certificates = TlsCertificates { client_tls: None, root_cert: ca_pem };
         let address = target.address().to_owned();
-        let (decide, release, renew, loops) = (
+        let (decide, release, renew, loops, refund) = (
             Script::new(DECIDE_SCRIPT),
             Script::new(RELEASE_SCRIPT),
             Script::new(RENEW_SCRIPT),
             Script::new(LOOPS_SCRIPT),
+            Script::new(REFUND_SCRIPT),
         );
         let connecting = async {
             let connection = target.connect(timeout, certificates).await?;
-            for script in [&decide, &release, &renew, &loops] {
+            for script in [&decide, &release, &renew, &loops, &refund] {
                 connection.load(script).await?;
             }
             Ok(connection)
         };
         let connection = bounded(&address, timeout, connecting).await?;
-        Ok(RedisStore { connection, timeout, address, decide, release, renew, loops, lease: DEFAULT_LEASE })
+        Ok(RedisStore { connection, timeout, address, decide, release, renew, loops, refund, lease: DEFAULT_LEASE })
     }
 
     /// Checks that `url` has one of the forms [`RedisStore::connect`] takes, without connecting:
@@ -584,8 +599,33 @@ impl RedisStore {
     }
 
     async fn run(&self, checks: &[Check<'_>], now_us: Option<u64>, lease: Lease) -> Result<Vec<Decision>, StoreError> {
+        match self.run_unless_blocked(checks, &[], now_us, lease).await? {
+            Verdict::Decided(decisions) => Ok(decisions),
+            Verdict::Blocked { .. } => Err(self.malformed("a block answered a decision that named none".into())),
+        }
+    }
+
+    /// [`RedisStore::decide_leased`], unless one of `blocks` (keys an operator set with
+    /// [`RedisStore::block`]) still exists: read in the same script, so a block costs no round
+    /// trip. The block keys must share the checks' hash tag.
+    pub async fn decide_unless_blocked(
+        &self,
+        checks: &[Check<'_>],
+        blocks: &[&str],
+        lease: Lease,
+    ) -> Result<Verdict, StoreError> {
+        self.run_unless_blocked(checks, blocks, None, lease).await
+    }
+
+    async fn run_unless_blocked(
+        &self,
+        checks: &[Check<'_>],
+        blocks: &[&str],
+        now_us: Option<u64>,
+        lease: Lease,
+    ) -> Result<Verdict, StoreError> {
         if checks.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Verdict::Decided(Vec::new()));
         }
         let mut invocation = self.decide.prepare_invoke();
         invocation.arg(now_us.map_or_else(String::new, |us| us.to_string()));
@@ -594,8 +634,77 @@ impl RedisStore {
             invocation.key(check.key).arg(check.limiter.algorithm()).arg(check.limiter.capacity());
             invocation.arg(script_span(check)?).arg(check.cost).arg(u8::from(check.shadow));
         }
+        for block in blocks {
+            invocation.key(*block);
+        }
         let reply: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
-        self.decisions(&reply, checks.len())
+        if let [-1, place, left_ms] = reply[..] {
+            let index = usize::try_from(place - 1).ok().filter(|i| *i < blocks.len());
+            let index = index.ok_or_else(|| self.malformed(format!("block reply {reply:?}")))?;
+            let left = u64::try_from(left_ms).unwrap_or(0).saturating_mul(crate::clock::NANOS_PER_MS);
+            return Ok(Verdict::Blocked { index, left });
+        }
+        self.decisions(&reply, checks.len()).map(Verdict::Decided)
+    }
+
+    fn malformed(&self, reason: String) -> StoreError {
+        StoreError::Script { address: self.address.clone(), reason }
+    }
+
+    /// Gives `units` back to the budget `limiter` keeps under `key`, never beyond its capacity
+    /// (an operator's refund; `refund.lua`), at an explicit clock reading when `now` is given.
+    /// Returns the budget's level after it, as a cost-0 decision.
+    pub async fn refund(
+        &self,
+        key: &str,
+        limiter: &Limiter,
+        units: u64,
+        now: Option<Nanos>,
+    ) -> Result<Decision, StoreError> {
+        let units = units.min(limiter.capacity());
+        let span = script_span(&Check { key, limiter, cost: 0, shadow: false })?;
+        let mut invocation = self.refund.key(key);
+        invocation.arg(now.map(micros).transpose()?.map_or_else(String::new, |us| us.to_string()));
+        invocation.arg(limiter.algorithm()).arg(limiter.capacity()).arg(span).arg(units);
+        let reply: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
+        self.decisions(&reply, 1)?.pop().ok_or_else(|| self.malformed(format!("refund reply {reply:?}")))
+    }
+
+    /// Deletes `keys` (one `DEL`: on a cluster they must share a hash tag); returns how many were
+    /// there.
+    pub async fn forget(&self, keys: &[&str]) -> Result<u64, StoreError> {
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let mut command = ::redis::cmd("DEL");
+        command.arg(keys);
+        bounded(&self.address, self.timeout, self.connection.query(&command)).await
+    }
+
+    /// Sets the operator block `key` for `duration`, which [`RedisStore::decide_unless_blocked`]
+    /// honours on every instance.
+    pub async fn block(&self, key: &str, duration: Duration) -> Result<(), StoreError> {
+        self.put(key, "blocked", duration).await
+    }
+
+    /// How long the block `key` still holds, if it does.
+    pub async fn block_left(&self, key: &str) -> Result<Option<Nanos>, StoreError> {
+        let mut command = ::redis::cmd("PTTL");
+        command.arg(key);
+        let left: i64 = bounded(&self.address, self.timeout, self.connection.query(&command)).await?;
+        Ok(u64::try_from(left).ok().filter(|ms| *ms > 0).map(|ms| ms.saturating_mul(crate::clock::NANOS_PER_MS)))
+    }
+
+    /// Adds one to the counter at `key` and returns it (a signal every instance can watch).
+    pub async fn bump(&self, key: &str) -> Result<u64, StoreError> {
+        let mut command = ::redis::cmd("INCR");
+        command.arg(key);
+        bounded(&self.address, self.timeout, self.connection.query(&command)).await
+    }
+
+    /// The counter at `key` (0 when there is none).
+    pub async fn counter(&self, key: &str) -> Result<u64, StoreError> {
+        Ok(self.get(key).await?.and_then(|v| v.parse().ok()).unwrap_or(0))
     }
 
     /// Reads the script's reply: [`REPLY_FIELDS`] integers per check.

@@ -45,6 +45,9 @@ use crate::upstream::{Upstream, UpstreamError};
 /// Final jobs are remembered this long after their last change, so a late poll still reads
 /// the result (and re-reading it stays free).
 const KEEP_FOR: Nanos = 3_600 * NANOS_PER_SEC;
+/// The set of `predict_id`s of jobs not yet final on any instance, so an operator on one
+/// instance can list the others' (their snapshots say the rest).
+const IN_FLIGHT_KEY: &str = "{upstream}job:in_flight";
 /// The set of `predict_id`s whose cancel was asked on an instance that does not hold them.
 const CANCEL_REQUESTS_KEY: &str = "{upstream}job:cancel_requests";
 /// How often an instance with queued jobs reads the cancel requests (wall clock: instances share
@@ -145,6 +148,9 @@ pub struct Jobs {
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct Snapshot {
     owner: String,
+    /// The owner's tenant (absent in snapshots of older versions).
+    #[serde(default)]
+    tenant: Option<String>,
     prediction: Prediction,
     upstream_id: Option<String>,
     /// Wall-clock milliseconds since the epoch (instances share no other clock).
@@ -205,6 +211,7 @@ impl Jobs {
         let now = self.clock.now();
         let snapshot = self.book().get(id).map(|job| Snapshot {
             owner: job.owner.caller.clone(),
+            tenant: job.owner.tenant.clone(),
             prediction: job.last.clone(),
             upstream_id: job.upstream_id.clone(),
             next_poll_unix_ms: unix_ms(SystemTime::now()) + job.next_poll_at.saturating_sub(now) / 1_000_000,
@@ -317,6 +324,25 @@ impl Jobs {
         let id = job.last.id.clone();
         self.book().insert(id.clone(), job);
         self.publish(&id);
+        self.index(&id, true);
+    }
+
+    /// Adds a job to (or, once final, takes it out of) the shared set of jobs in flight, in the
+    /// background like [`Jobs::publish`]. A member left behind by a lost write is dropped when an
+    /// operator lists the jobs and finds its snapshot final or gone.
+    fn index(&self, id: &str, in_flight: bool) {
+        let (Some(redis), Ok(runtime)) = (&self.shared, tokio::runtime::Handle::try_current()) else { return };
+        let (redis, id) = (redis.clone(), id.to_owned());
+        runtime.spawn(async move {
+            let written = if in_flight {
+                redis.set_add(IN_FLIGHT_KEY, &id, Duration::from_nanos(KEEP_FOR)).await
+            } else {
+                redis.set_remove(IN_FLIGHT_KEY, &[id]).await
+            };
+            if let Err(error) = written {
+                tracing::debug!(%error, "could not update the shared set of jobs in flight");
+            }
+        });
     }
 
     fn spawn(self: &Arc<Self>, id: String, queued: Option<(NewPrediction, Turn)>) {
@@ -484,6 +510,9 @@ impl Jobs {
         // Slots go back outside the book's lock: releasing takes the store's locks.
         drop(released);
         self.publish(id);
+        if is_final {
+            self.index(id, false);
+        }
         is_final
     }
 
@@ -769,6 +798,64 @@ impl Jobs {
         ids.iter().filter_map(|id| self.view_of(id)?.wait).min()
     }
 
+    /// Whose job `id` is (the caller id), on this instance or, over a shared store, another.
+    pub async fn owner_of(&self, id: &str) -> Option<String> {
+        if let Some(owner) = self.book().get(id).map(|job| job.owner.caller.clone()) {
+            return Some(owner);
+        }
+        let raw = self.shared.as_ref()?.get(&snapshot_key(id)).await.ok()??;
+        serde_json::from_str::<Snapshot>(&raw).ok().map(|snapshot| snapshot.owner)
+    }
+
+    /// Every job not yet final — of `caller`, of `tenant`, or all — oldest first: this
+    /// instance's from its book, and over a shared store the other instances' from their
+    /// snapshots.
+    pub async fn in_flight_of(&self, caller: Option<&str>, tenant: Option<&str>) -> Vec<JobListing> {
+        let wanted = |owner: &str, owner_tenant: Option<&str>| {
+            caller.is_none_or(|c| c == owner) && tenant.is_none_or(|t| owner_tenant == Some(t))
+        };
+        let local: Vec<(String, Owner)> = self
+            .book()
+            .values()
+            .filter(|j| !j.last.status.is_terminal() && wanted(&j.owner.caller, j.owner.tenant.as_deref()))
+            .map(|j| (j.last.id.clone(), j.owner.clone()))
+            .collect();
+        let mut listed: Vec<JobListing> = local
+            .into_iter()
+            .filter_map(|(id, owner)| {
+                let view = self.view_of(&id)?;
+                Some(JobListing::of(view, owner.caller, owner.tenant, true))
+            })
+            .collect();
+        if let Some(redis) = &self.shared {
+            let members = redis.set_members(IN_FLIGHT_KEY).await.unwrap_or_default();
+            let elsewhere: Vec<String> = {
+                let book = self.book();
+                members.into_iter().filter(|id| !book.contains_key(id)).collect()
+            };
+            let keys: Vec<String> = elsewhere.iter().map(|id| snapshot_key(id)).collect();
+            let reads = keys.iter().map(|key| redis.get(key));
+            let snapshots = futures::future::join_all(reads).await;
+            let mut gone = Vec::new();
+            for (id, read) in elsewhere.into_iter().zip(snapshots) {
+                match read.ok().flatten().and_then(|raw| serde_json::from_str::<Snapshot>(&raw).ok()) {
+                    Some(s) if !s.prediction.status.is_terminal() => {
+                        if wanted(&s.owner, s.tenant.as_deref()) {
+                            let (owner, tenant) = (s.owner.clone(), s.tenant.clone());
+                            listed.push(JobListing::of(Self::view_of_snapshot(s), owner, tenant, false));
+                        }
+                    }
+                    Some(_) | None => gone.push(id),
+                }
+            }
+            if let Err(error) = redis.set_remove(IN_FLIGHT_KEY, &gone).await {
+                tracing::debug!(%error, "could not tidy the shared set of jobs in flight");
+            }
+        }
+        listed.sort_by_key(|job| job.created_unix_ms);
+        listed
+    }
+
     /// How many jobs of each flow wait in the queue, and the account's slots in use.
     pub fn occupancy(&self) -> crate::upstream::queue::Occupancy {
         self.queue.occupancy()
@@ -786,6 +873,42 @@ impl Jobs {
         let before = book.len();
         book.retain(|_, j| !j.last.status.is_terminal() || now.saturating_sub(j.updated_at) < KEEP_FOR);
         before - book.len()
+    }
+}
+
+/// A job not yet final, as an operator lists it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct JobListing {
+    /// The job's id, as its agent knows it.
+    pub predict_id: String,
+    /// Whose it is (a caller id, never a key).
+    pub caller: String,
+    /// The owner's tenant, if any.
+    pub tenant: Option<String>,
+    /// Image or video.
+    pub kind: PredictionKind,
+    /// `starting` or `processing`.
+    pub status: PredictionStatus,
+    /// While queued for the upstream account: its place (1 = next).
+    pub queue_position: Option<usize>,
+    /// When it was accepted, in milliseconds since the epoch.
+    pub created_unix_ms: u64,
+    /// Whether this instance runs it (otherwise another instance published it).
+    pub on_this_instance: bool,
+}
+
+impl JobListing {
+    fn of(view: JobView, caller: String, tenant: Option<String>, here: bool) -> Self {
+        Self {
+            predict_id: view.prediction.id,
+            caller,
+            tenant,
+            kind: view.prediction.kind,
+            status: view.prediction.status,
+            queue_position: view.queue_ahead.map(|ahead| ahead + 1),
+            created_unix_ms: unix_ms(view.created),
+            on_this_instance: here,
+        }
     }
 }
 

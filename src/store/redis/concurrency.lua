@@ -97,6 +97,22 @@ definitions.concurrency = function()
       }, charged
     end,
 
+    -- An operator's refund: `units` slots given back from the newest live leases, as Rust's
+    -- release takes them off the count.
+    refund = function(_, state, now_us, units)
+      local leases = live_leases(state, now_us)
+      local left = units
+      while left > 0 and #leases > 0 do
+        local newest = leases[#leases]
+        local taken = math.min(newest.units, left)
+        newest.units, left = newest.units - taken, left - taken
+        if newest.units == 0 then
+          leases[#leases] = nil
+        end
+      end
+      return { leases = leases }
+    end,
+
     forget_after = function(_, state, now_us)
       local last = now_us
       for _, lease in ipairs(state.leases) do

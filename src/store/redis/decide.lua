@@ -3,7 +3,9 @@
 -- check on the same key), and only if ALL are allowed is every charged state written back,
 -- with a TTL at the moment it is as good as fresh. Otherwise nothing is written.
 --
--- KEYS: one per check, as given.
+-- KEYS: one per check, as given; then any operator blocks (block keys with a TTL, set through
+-- the admin API): while one exists nothing is decided or charged, and the reply is
+-- {-1, the block's place among them (1-based), its milliseconds left}.
 -- ARGV[1]: now in epoch microseconds, or "" to use Redis's TIME.
 -- ARGV[2], ARGV[3]: the lease in-flight slots are taken under, and its duration in us
 -- (see concurrency.lua).
@@ -36,11 +38,20 @@ local function read_state(key)
   return { name = name, state = state }
 end
 
+local checks = (#ARGV - 3) / 5
+for b = checks + 1, #KEYS do
+  local left = redis.call('PTTL', KEYS[b])
+  if left > 0 then
+    return { -1, b - checks, left }
+  end
+end
+
 local staged = {}
 local order = {}
 local reply = {}
 local all_allowed = true
-for i, key in ipairs(KEYS) do
+for i = 1, checks do
+  local key = KEYS[i]
   local at = 4 + (i - 1) * 5
   local name = ARGV[at]
   local algorithm = algorithms[name]
@@ -85,18 +96,7 @@ if all_allowed then
   for _, key in ipairs(order) do
     local entry = staged[key]
     if entry.charged then
-      local algorithm = algorithms[entry.name]
-      local value = encode(entry.name, algorithm.save(entry.state))
-      local after = algorithm.forget_after(entry.limiter, entry.state, now_us)
-      if after == nil then
-        redis.call('SET', key, value)
-      elseif after <= 0 then
-        redis.call('DEL', key)
-      else
-        -- Whole milliseconds, rounded up: the key outlives its state's forget_at, never the
-        -- other way round.
-        redis.call('SET', key, value, 'PX', math.max(ceil_div(after, 1000000), 1))
-      end
+      write_state(key, entry.name, entry.limiter, entry.state, now_us)
     end
   end
 end

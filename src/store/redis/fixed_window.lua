@@ -49,6 +49,16 @@ definitions.fixed_window = function()
       }, charged
     end,
 
+    -- An operator's refund: the units taken back from the current window's count (an earlier
+    -- window's count no longer counts).
+    refund = function(limiter, state, now_us, units)
+      local start_us, start_ns = instant(now_us, -window_offset(now_us, limiter.span))
+      if state.start_us == start_us and state.start_ns == start_ns then
+        return { start_us = start_us, start_ns = start_ns, count = math.max(state.count - units, 0) }
+      end
+      return state
+    end,
+
     -- Forgotten when its window ends.
     forget_after = function(limiter, state, now_us)
       if state.count == 0 then

@@ -51,6 +51,17 @@ definitions.gcra = function()
       }, nil
     end,
 
+    -- An operator's refund: TAT moves back by the units' periods, never before now (full).
+    refund = function(limiter, state, now_us, units)
+      local held = ahead_ns(now_us, state.tat_us, state.tat_ns)
+      if held <= 0 then
+        return state
+      end
+      local back = math.min(units, limiter.capacity) * limiter.span
+      local tat_us, tat_ns = instant(now_us, math.max(held - back, 0))
+      return { tat_us = tat_us, tat_ns = tat_ns }
+    end,
+
     forget_after = function(_, state, now_us)
       return (state.tat_us - now_us) * 1000 + state.tat_ns
     end,

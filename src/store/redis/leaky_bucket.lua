@@ -43,6 +43,13 @@ definitions.leaky_bucket = function()
       }, charged
     end,
 
+    -- An operator's refund: the units' water taken out, never below empty.
+    refund = function(limiter, state, now_us, units)
+      local water = math.max(state.water - elapsed_ns(now_us, state.updated_us, state.water), 0)
+      local back = math.min(units, limiter.capacity) * limiter.span
+      return { water = math.max(water - back, 0), updated_us = math.max(now_us, state.updated_us) }
+    end,
+
     -- Forgotten once it has drained.
     forget_after = function(_, state, now_us)
       return (state.updated_us - now_us) * 1000 + state.water

@@ -25,6 +25,8 @@
 --     call is refused or costs nothing (a refused call is never charged)
 --   forget_after(limiter, state, now_us) -> ns from now until the state is as good as fresh
 --     (0 or less: already; nil: never)
+--   refund(limiter, state, now_us, units) -> the state with `units` given back, never beyond
+--     the capacity (an operator's refund; refund.lua)
 -- `limiter` is { capacity = units, span = ns }: the span is a bucket's period (ns per unit) or
 -- a window's length (0 for in-flight slots).
 local algorithms = {}
@@ -181,4 +183,20 @@ local function decode(raw)
     end
   end
   return name, fields
+end
+
+-- Writes `state` of algorithm `name` under `key`, with a TTL at the moment it is as good as
+-- fresh (whole milliseconds, rounded up: the key outlives its state's forget_at, never the other
+-- way round), or deletes the key when that moment has passed.
+local function write_state(key, name, limiter, state, now_us)
+  local algorithm = algorithms[name]
+  local value = encode(name, algorithm.save(state))
+  local after = algorithm.forget_after(limiter, state, now_us)
+  if after == nil then
+    redis.call('SET', key, value)
+  elseif after <= 0 then
+    redis.call('DEL', key)
+  else
+    redis.call('SET', key, value, 'PX', math.max(ceil_div(after, 1000000), 1))
+  end
 end

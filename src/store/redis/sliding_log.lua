@@ -81,6 +81,27 @@ definitions.sliding_log = function()
       }, charged
     end,
 
+    -- An operator's refund: the entries still in the window, less `units` taken from the newest.
+    refund = function(limiter, state, now_us, units)
+      local window = limiter.span
+      local entries = {}
+      for _, entry in ipairs(state.entries) do
+        if #entries > 0 or elapsed_ns(now_us, entry.at_us, window) < window then
+          entries[#entries + 1] = { at_us = entry.at_us, units = entry.units }
+        end
+      end
+      local left = units
+      while left > 0 and #entries > 0 do
+        local newest = entries[#entries]
+        local taken = math.min(newest.units, left)
+        newest.units, left = newest.units - taken, left - taken
+        if newest.units == 0 then
+          entries[#entries] = nil
+        end
+      end
+      return { entries = entries }
+    end,
+
     -- Forgotten when its newest entry ages out.
     forget_after = function(limiter, state, now_us)
       local last = state.entries[#state.entries]

@@ -87,6 +87,28 @@ definitions.sliding_window = function()
       }, charged
     end,
 
+    -- An operator's refund: rolled to now's window like acquire, then the units taken back from
+    -- the current count first, then from the previous one.
+    refund = function(limiter, state, now_us, units)
+      local window = limiter.span
+      local offset = window_offset(now_us, window)
+      local previous, current = 0, 0
+      local since = since_ns(now_us, state.start_us, state.start_ns, 2 * window)
+      if since == offset then
+        previous, current = state.previous, state.current
+      elseif since == offset + window then
+        previous = state.current
+      end
+      local from_current = math.min(units, current)
+      local start_us, start_ns = instant(now_us, -offset)
+      return {
+        start_us = start_us,
+        start_ns = start_ns,
+        previous = math.max(previous - (units - from_current), 0),
+        current = current - from_current,
+      }
+    end,
+
     -- Forgotten once neither of its counts weighs any more.
     forget_after = function(limiter, state, now_us)
       local start = (state.start_us - now_us) * 1000 + state.start_ns

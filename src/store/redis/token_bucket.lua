@@ -43,6 +43,15 @@ definitions.token_bucket = function()
       }, charged
     end,
 
+    -- An operator's refund: the level brought to now, plus the units, never beyond full.
+    refund = function(limiter, state, now_us, units)
+      local period = limiter.span
+      local full = limiter.capacity * period
+      local level = math.min(state.level + elapsed_ns(now_us, state.updated_us, full), full)
+      local back = math.min(units, limiter.capacity) * period
+      return { level = math.min(level + back, full), updated_us = math.max(now_us, state.updated_us) }
+    end,
+
     -- Full again once the missing level has refilled.
     forget_after = function(limiter, state, now_us)
       return (state.updated_us - now_us) * 1000 + limiter.capacity * limiter.span - state.level

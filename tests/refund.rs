@@ -1,0 +1,176 @@
+//! An operator's refund, on every algorithm: it never gives a budget more than its capacity,
+//! gives exactly the units asked where the algorithm counts units one by one, and the Lua twin
+//! (`refund.lua` and each algorithm's `refund`) leaves Redis in the very state the Rust
+//! algorithm leaves memory in — the decisions after it agree field by field.
+
+#[path = "common/redis.rs"]
+mod test_redis;
+
+use std::time::Duration;
+
+use mcp_ratelimit::clock::Nanos;
+use mcp_ratelimit::limit::{
+    Concurrency, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingLog, SlidingWindow, TokenBucket,
+};
+use mcp_ratelimit::store::redis::RedisStore;
+use mcp_ratelimit::store::{Check, MemoryStore};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use test_redis::TestRedis;
+
+const MS: Nanos = 1_000_000;
+const SEC: Nanos = 1_000_000_000;
+/// 2026-01-01T00:00:00Z: a realistic epoch reading, a multiple of every whole-second window.
+const EPOCH: Nanos = 1_767_225_600 * SEC;
+const TIMEOUT: Duration = Duration::from_secs(5);
+/// A key closer than this to its `forget_at` may expire in Redis's real time while the test's
+/// clock stands still: the next step then moves on to `forget_at` (see tests/redis_store.rs).
+const MARGIN: Nanos = 200 * MS;
+
+fn limiters() -> Vec<Limiter> {
+    vec![
+        Limiter::TokenBucket(TokenBucket::new(7, 3.0)),
+        Limiter::Gcra(Gcra::new(7, 3.0)),
+        Limiter::LeakyBucket(LeakyBucket::new(7, 0.7)),
+        Limiter::FixedWindow(FixedWindow::new(7, 10 * SEC)),
+        Limiter::SlidingLog(SlidingLog::new(7, 10 * SEC)),
+        Limiter::SlidingWindow(SlidingWindow::new(7, 10 * SEC)),
+    ]
+}
+
+/// One step: after `gap_us`, spend `cost` or give back `units`.
+#[derive(Debug, Clone)]
+enum Step {
+    Spend { gap_us: u64, cost: u64 },
+    Refund { gap_us: u64, units: u64 },
+}
+
+fn steps(capacity: u64) -> impl Strategy<Value = Vec<Step>> {
+    let gap = prop_oneof![4 => Just(0u64), 3 => 1..3_000_000u64, 1 => 3_000_000..30_000_000u64];
+    let step = prop_oneof![
+        3 => (gap.clone(), 0..=capacity).prop_map(|(gap_us, cost)| Step::Spend { gap_us, cost }),
+        2 => (gap, 1..=capacity * 3).prop_map(|(gap_us, units)| Step::Refund { gap_us, units }),
+    ];
+    prop::collection::vec(step, 1..=25)
+}
+
+fn runner() -> TestRunner {
+    TestRunner::new(Config { cases: 64, failure_persistence: None, ..Config::default() })
+}
+
+/// What a key can admit right now.
+fn remaining(limiter: &Limiter, state: &mut mcp_ratelimit::limit::LimiterState, now: Nanos) -> u64 {
+    limiter.acquire(state, now, 0).remaining
+}
+
+#[test]
+fn a_refund_never_lifts_a_budget_past_its_capacity_and_gives_what_it_says() {
+    let mut all = limiters();
+    all.push(Limiter::Concurrency(Concurrency::new(7)));
+    let strategy = (0..all.len()).prop_flat_map(|i| (Just(i), steps(7)));
+    let outcome = runner().run(&strategy, |(i, steps)| {
+        let limiter = &all[i];
+        let mut now = EPOCH;
+        let mut state = limiter.fresh(now);
+        for step in &steps {
+            match *step {
+                Step::Spend { gap_us, cost } => {
+                    now += gap_us * 1_000;
+                    limiter.acquire(&mut state, now, cost);
+                }
+                Step::Refund { gap_us, units } => {
+                    now += gap_us * 1_000;
+                    let before = remaining(limiter, &mut state, now);
+                    limiter.refund(&mut state, now, units);
+                    let after = remaining(limiter, &mut state, now);
+                    prop_assert!(after <= limiter.capacity(), "{}: {after} left after a refund", limiter.describe());
+                    prop_assert!(after >= before, "{}: a refund took budget away", limiter.describe());
+                    // The sliding window's previous count weighs in fractions; every other
+                    // algorithm counts units one by one and gives back exactly what was asked.
+                    if !matches!(limiter, Limiter::SlidingWindow(_)) {
+                        prop_assert_eq!(after, (before + units).min(limiter.capacity()), "{}", limiter.describe());
+                    }
+                    // However it was refunded, one instant admits no more than the capacity.
+                    let mut burst = state.clone();
+                    let admitted =
+                        (0..=limiter.capacity()).take_while(|_| limiter.acquire(&mut burst, now, 1).allowed).count();
+                    prop_assert!(admitted as u64 == after, "{}: {admitted} admitted, {after} said", limiter.describe());
+                }
+            }
+        }
+        Ok(())
+    });
+    if let Err(e) = outcome {
+        panic!("{e}");
+    }
+}
+
+#[test]
+fn refund_lua_leaves_redis_as_the_rust_refund_leaves_memory() {
+    let redis = TestRedis::start();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let store = runtime.block_on(RedisStore::connect(&redis.url, TIMEOUT)).expect("connects to Redis");
+    let all = limiters();
+    let strategy = (0..all.len()).prop_flat_map(|i| (Just(i), steps(7)));
+    let case = std::cell::Cell::new(0);
+    let outcome = runner().run(&strategy, |(i, steps)| {
+        let limiter = &all[i];
+        case.set(case.get() + 1);
+        let key = redis.key(&format!("refund:{}:{}", limiter.algorithm(), case.get()));
+        let memory = MemoryStore::new();
+        let mut now = EPOCH;
+        let mut not_before = 0;
+        for (n, step) in steps.iter().enumerate() {
+            let (gap_us, expected, got) = match *step {
+                Step::Spend { gap_us, cost } => {
+                    now = (now + gap_us * 1_000).max(not_before);
+                    let check = Check { key: &key, limiter, cost, shadow: false };
+                    let got = runtime.block_on(store.decide_at(&[check], now)).map(|mut d| d.pop());
+                    (gap_us, Some(memory.decide_one(&check, now)), got.map_err(|e| TestCaseError::fail(e.to_string()))?)
+                }
+                Step::Refund { gap_us, units } => {
+                    now = (now + gap_us * 1_000).max(not_before);
+                    let got = runtime.block_on(store.refund(&key, limiter, units, Some(now)));
+                    (
+                        gap_us,
+                        Some(memory.refund(&key, limiter, units, now)),
+                        Some(got.map_err(|e| TestCaseError::fail(e.to_string()))?),
+                    )
+                }
+            };
+            prop_assert_eq!(got, expected, "step {} ({:?}, +{} µs) of {}", n, step, gap_us, limiter.describe());
+            // When the key is full again (as good as forgotten), to keep off Redis's real-time expiry.
+            let read = memory.decide_one(&Check { key: &key, limiter, cost: 0, shadow: false }, now);
+            let full_at = now + read.reset_after;
+            not_before = if full_at > now && full_at - now < MARGIN { full_at.div_ceil(1_000) * 1_000 } else { 0 };
+        }
+        Ok(())
+    });
+    if let Err(e) = outcome {
+        panic!("{e}");
+    }
+}
+
+#[test]
+fn refund_lua_gives_in_flight_slots_back_like_a_release() {
+    let redis = TestRedis::start();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let store = runtime.block_on(RedisStore::connect(&redis.url, TIMEOUT)).expect("connects to Redis");
+    let slots = Limiter::Concurrency(Concurrency::new(5));
+    let key = redis.key("refund:slots");
+    let memory = MemoryStore::new();
+    let now = EPOCH;
+    for cost in [2, 2] {
+        let check = Check { key: &key, limiter: &slots, cost, shadow: false };
+        let got = runtime.block_on(store.decide_at(&[check], now)).expect("decides");
+        assert_eq!(got, vec![memory.decide_one(&check, now)]);
+    }
+    for units in [3, 3] {
+        let got = runtime.block_on(store.refund(&key, &slots, units, Some(now))).expect("refunds");
+        assert_eq!(got, memory.refund(&key, &slots, units, now), "after giving back {units}");
+    }
+    let read = runtime
+        .block_on(store.decide_at(&[Check { key: &key, limiter: &slots, cost: 0, shadow: false }], now))
+        .expect("reads");
+    assert_eq!(read[0].remaining, 5, "every slot back, never more");
+}
