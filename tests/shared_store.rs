@@ -394,7 +394,7 @@ async fn two_instances_share_one_budget_over_tls_to_a_redis_with_a_private_ca() 
     let redis = TlsRedis::start();
     let store = |ca: &str| {
         format!(
-            "[store]\nbackend = \"redis\"\nredis_url = \"{}\"\nredis_ca_file = \"{ca}\"\ntimeout_ms = 500\n\
+            "[store]\nbackend = \"redis\"\nredis_url = \"{}\"\nredis_ca_file = \"{ca}\"\ntimeout_ms = 5000\n\
              [limits.caller]\nrefill_per_sec = 0.001\n",
             redis.url
         )
@@ -412,7 +412,8 @@ async fn two_instances_share_one_budget_over_tls_to_a_redis_with_a_private_ca() 
     assert_eq!(admitted, 60, "one budget of 60 across two instances, over TLS");
 
     // The system's trust store does not know this server's CA: no connection, and the server
-    // says why instead of starting without its shared limits.
+    // says why instead of starting without its shared limits. (A roomy store timeout: reading
+    // the system's trust store and a handshake on a loaded machine can take longer than a call.)
     let config = mcp_ratelimit::Config::from_toml(&store("")).expect("valid config");
     let e = mcp_ratelimit::App::start(config, mcp_ratelimit::clock::SystemClock::shared())
         .await
