@@ -509,8 +509,7 @@ impl Guard {
         blocks: &[&str],
         lease: Lease,
         fail: Fail,
-        layer: Layer,
-        what: &str,
+        (layer, what): (Layer, &str),
     ) -> Option<Decided<'s>>
     where
         F: Fn(&'s Policy) -> Vec<Planned<'s>>,
@@ -552,7 +551,7 @@ impl Guard {
         };
         let live = self.live.load_full();
         let (scopes, decisions, _, _) =
-            self.decide(&live, under, &[], new_lease(), Fail::Open, Layer::Http, "POST /mcp").await?;
+            self.decide(&live, under, &[], new_lease(), Fail::Open, (Layer::Http, "POST /mcp")).await?;
         let refused = refused_by(&scopes, &decisions, &self.metrics, Layer::Http, "POST /mcp");
         self.metrics.decision(Layer::Http, "POST /mcp", refused.is_none());
         // The headers speak of the limit that refused, else of the enforced one with least left.
@@ -591,7 +590,7 @@ impl Guard {
             plan(&mut scopes, Scope::method(caller, group), Policy::for_caller(p, caller).method(group), 1);
             scopes
         };
-        let decided = self.decide(&live, under, &[], new_lease(), Fail::Open, Layer::Method, group.as_str()).await;
+        let decided = self.decide(&live, under, &[], new_lease(), Fail::Open, (Layer::Method, group.as_str())).await;
         let Some((scopes, decisions, _, _)) = decided else {
             return Err(Refusal::limiter_unavailable(method, STORE_RETRY_MS));
         };
@@ -659,7 +658,7 @@ impl Guard {
             std::iter::once(Scope::block_caller(caller)).chain(Scope::block_tenant(caller)).collect();
         let block_keys: Vec<&str> = blocks.iter().map(Scope::key).collect();
         let Some((scopes, decisions, store, blocked)) =
-            self.decide(live, under, &block_keys, lease, fail, Layer::Tool, tool).await
+            self.decide(live, under, &block_keys, lease, fail, (Layer::Tool, tool)).await
         else {
             return Err(Refusal::limiter_unavailable(tool, STORE_RETRY_MS));
         };
@@ -713,7 +712,7 @@ impl Guard {
         // Cost 0 reads every level in one decision, without charging anything.
         let live = self.live.load_full();
         let (scopes, decisions, _, _) =
-            self.decide(&live, under, &[], new_lease(), Fail::Open, Layer::Tool, "rate_limit_status").await?;
+            self.decide(&live, under, &[], new_lease(), Fail::Open, (Layer::Tool, "rate_limit_status")).await?;
         Some(
             scopes
                 .iter()
