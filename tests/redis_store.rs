@@ -295,6 +295,31 @@ async fn a_refusal_in_the_last_scope_charges_none_and_a_pass_charges_all() {
 }
 
 #[tokio::test]
+async fn a_refusing_shadow_limit_neither_stops_the_call_nor_is_charged_on_either_store() {
+    let redis = TestRedis::start();
+    let twins = Twins::start(&redis).await;
+    let (burst, day) = (redis.key("caller:s"), redis.key("caller:s#day"));
+    let bucket = Limiter::TokenBucket(TokenBucket::new(100, 1.0));
+    let tiny = Limiter::FixedWindow(FixedWindow::new(2, DAY));
+    let now = EPOCH;
+    let call = [
+        Check { key: &burst, limiter: &bucket, cost: 1, shadow: false },
+        Check { key: &day, limiter: &tiny, cost: 1, shadow: true },
+    ];
+    for n in 0..5 {
+        let decisions = twins.decide(&call, now).await;
+        assert!(decisions[0].allowed, "call {n}: the enforced limit decides");
+        assert_eq!(decisions[1].allowed, n < 2, "call {n}: the shadow limit reports what it would do");
+    }
+    // Every call charged the enforced limit; the shadow one stopped counting at its limit.
+    assert_eq!(twins.remaining(&call, now).await, [95, 0]);
+    // As an enforced limit, the same refusal stops the call and charges nothing.
+    let enforced = [call[0], Check { shadow: false, ..call[1] }];
+    assert!(!twins.decide(&enforced, now).await[0..2].iter().all(|d| d.allowed));
+    assert_eq!(twins.remaining(&call, now).await, [95, 0]);
+}
+
+#[tokio::test]
 async fn two_checks_on_one_key_see_each_other() {
     let redis = TestRedis::start();
     let twins = Twins::start(&redis).await;
