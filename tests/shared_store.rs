@@ -154,6 +154,18 @@ async fn a_refused_caller_is_refused_locally_until_its_wait_is_over_without_a_ro
     assert_eq!(error_code(&r), Some("rate_limited"), "nothing left at all");
 }
 
+/// One mock upstream for several instances, on a clock of the test's own.
+async fn shared_mock() -> (std::sync::Arc<mcp_ratelimit::clock::ManualClock>, mcp_ratelimit::mock_upstream::MockUpstream)
+{
+    let mock_clock = mcp_ratelimit::clock::ManualClock::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let mock_config = mcp_ratelimit::Config::defaults().expect("defaults").mock_upstream;
+    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(mock_config, mock_clock.clone(), listener)
+        .await
+        .expect("mock");
+    (mock_clock, mock)
+}
+
 /// A `serve` process of its own (so it can be killed outright) on the shared Redis.
 struct Instance {
     child: tokio::process::Child,
@@ -338,13 +350,7 @@ async fn a_loop_round_robin_over_two_instances_is_stopped_on_its_fifth_call_not_
 #[tokio::test]
 async fn a_job_accepted_by_one_instance_can_be_polled_and_cancelled_on_another() {
     let redis = TestRedis::private();
-    // One mock upstream for both instances, on a clock of the test's own.
-    let mock_clock = mcp_ratelimit::clock::ManualClock::new();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let mock_config = mcp_ratelimit::Config::defaults().expect("defaults").mock_upstream;
-    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(mock_config, mock_clock.clone(), listener)
-        .await
-        .expect("mock");
+    let (mock_clock, mock) = shared_mock().await;
     let config = shared(&redis, "", &format!("[upstream]\nurl = \"{}\"\n", mock.url));
     let (a, b) = (TestServer::start(&config).await, TestServer::start(&config).await);
     let agent = token("roaming");
@@ -431,12 +437,7 @@ async fn two_instances_share_one_budget_over_tls_to_a_redis_with_a_private_ca() 
 #[tokio::test]
 async fn a_job_waiting_in_one_instances_queue_is_cancelled_from_another_and_never_submitted() {
     let redis = TestRedis::private();
-    let mock_clock = mcp_ratelimit::clock::ManualClock::new();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let mock_config = mcp_ratelimit::Config::defaults().expect("defaults").mock_upstream;
-    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(mock_config, mock_clock.clone(), listener)
-        .await
-        .expect("mock");
+    let (mock_clock, mock) = shared_mock().await;
     // An account of one slot: the second image waits in instance a's queue behind the first.
     let config = shared(&redis, "", &format!("[upstream]\nurl = \"{}\"\nmax_in_flight = 1\n", mock.url));
     let (a, b) = (TestServer::start(&config).await, TestServer::start(&config).await);
