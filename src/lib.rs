@@ -3,7 +3,7 @@
 //! The layers, outside in: [`http`] (transport) and [`mcp`] (the rmcp handler and tools) hand
 //! every tool call to the [`guard`], which names the caller ([`identity`]), prices the call
 //! ([`config`] costs) and asks the [`limit`] algorithms, whose state lives in a [`store`], all on
-//! one [`clock`], and [`metrics`] shows what they decide. Tools reach the paid API through [`upstream`]; [`mock_upstream`] stands in for
+//! one [`clock`], and [`metrics`] shows what they decide; [`simulate`] replays agents against them. Tools reach the paid API through [`upstream`]; [`mock_upstream`] stands in for
 //! it. [`app`] wires it together.
 
 pub mod app;
@@ -16,6 +16,7 @@ pub mod limit;
 pub mod mcp;
 pub mod metrics;
 pub mod mock_upstream;
+pub mod simulate;
 pub mod store;
 pub mod upstream;
 

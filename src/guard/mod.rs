@@ -285,6 +285,12 @@ impl Guard {
         &self.policy
     }
 
+    /// The budgets a call of `tool` by `caller` draws on, with the units it costs in each (a job's
+    /// in-flight caps among them): what [`Guard::admit`] charges, for tools that reason about it.
+    pub fn scopes_of(&self, caller: &Caller, tool: &str, starts_job: bool) -> Vec<(Scope, &Limiter, u64)> {
+        tool_scopes(&self.policy, caller, tool, starts_job)
+    }
+
     /// Where limiter state lives.
     pub fn store(&self) -> &Arc<Store> {
         &self.store
