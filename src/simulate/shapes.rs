@@ -107,7 +107,8 @@ impl Agent {
             (Answer::Refused { retry_after }, Reaction::WaitRetryAfter) => retry_after.unwrap_or(*turn),
             (Answer::Refused { .. }, Reaction::Reconnect) => rng.random_range(200..=400) * NANOS_PER_MS,
         };
-        *next = at.saturating_add(wait);
+        // Time moves on after every call, even after a refusal that named no wait.
+        *next = at.saturating_add(wait.max(NANOS_PER_MS));
     }
 }
 
