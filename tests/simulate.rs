@@ -122,7 +122,9 @@ fn the_same_seed_prints_the_same_bytes_and_another_seed_other_numbers() {
     };
     let first = run("7");
     assert_eq!(first, run("7"), "two runs with seed 7");
-    assert_ne!(first, run("8"), "the seed drives the jitter");
+    // The tables alone (the heading names the seed): another seed draws other timings.
+    let tables = |out: &[u8]| String::from_utf8_lossy(out).lines().skip(1).collect::<Vec<_>>().join("\n");
+    assert_ne!(tables(&first), tables(&run("8")), "the seed drives the jitter");
 }
 
 #[test]
