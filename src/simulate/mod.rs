@@ -43,7 +43,7 @@ use shapes::Answer;
 pub use shapes::{SHAPES, Shape};
 
 /// Why `concurrency` is not run: it cannot hold a budget per time.
-const NOT_A_RATE: &str = "a slot cap (work in flight), not a rate: it cannot hold a budget per time";
+const NOT_A_RATE: &str = "a slot cap (work in flight), not a rate";
 
 /// What to simulate.
 #[derive(Debug, Clone)]
@@ -626,7 +626,7 @@ impl Report {
         }
         for shape in &self.shapes {
             let _ = writeln!(out);
-            let _ = writeln!(out, "{}: {} ({})", shape.shape, shape.description, span(shape.horizon_ms));
+            let _ = writeln!(out, "{} ({}): {}", shape.shape, span(shape.horizon_ms), shape.description);
             let _ = writeln!(
                 out,
                 "  {:<16} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9}",
