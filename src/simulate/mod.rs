@@ -680,8 +680,8 @@ fn trimmed(value: f64) -> String {
 /// `10 min`, `8 h`, `330 s`.
 fn span(ms: u64) -> String {
     match ms {
-        ms if ms % 3_600_000 == 0 => format!("{} h", ms / 3_600_000),
-        ms if ms % 60_000 == 0 => format!("{} min", ms / 60_000),
+        ms if ms.is_multiple_of(3_600_000) => format!("{} h", ms / 3_600_000),
+        ms if ms.is_multiple_of(60_000) => format!("{} min", ms / 60_000),
         ms => format!("{} s", trimmed(ms as f64 / 1000.0)),
     }
 }

@@ -86,7 +86,7 @@ pub(crate) enum Agent {
     /// Calls at fixed instants, in order, whatever the answers.
     Scheduled(std::vec::IntoIter<Nanos>),
     /// One call per turn (±10 %); a refusal gets its [`Reaction`].
-    Reactive { next: Nanos, turn: Nanos, reaction: Reaction, rng: StdRng },
+    Reactive { next: Nanos, turn: Nanos, reaction: Reaction, rng: Box<StdRng> },
 }
 
 impl Agent {
@@ -178,7 +178,7 @@ impl Shape {
     /// The agent, drawing its randomness from `seed`.
     pub(crate) fn agent(self, budget: &Budget, seed: u64) -> Agent {
         let mut rng = StdRng::seed_from_u64(seed);
-        let reactive = |reaction, rng| Agent::Reactive { next: 0, turn: turn(budget), reaction, rng };
+        let reactive = |reaction, rng| Agent::Reactive { next: 0, turn: turn(budget), reaction, rng: Box::new(rng) };
         let horizon = self.horizon(budget);
         let steady_from = |start: Nanos| (0..).map(move |k| start + k * steady_gap(budget));
         let schedule: Vec<Nanos> = match self {
@@ -242,7 +242,7 @@ fn secs(nanos: Nanos) -> String {
         return format!("{} ms", nanos / NANOS_PER_MS);
     }
     let tenths = (nanos + NANOS_PER_SEC / 20) / (NANOS_PER_SEC / 10);
-    if tenths % 10 == 0 { format!("{} s", tenths / 10) } else { format!("{}.{} s", tenths / 10, tenths % 10) }
+    if tenths.is_multiple_of(10) { format!("{} s", tenths / 10) } else { format!("{}.{} s", tenths / 10, tenths % 10) }
 }
 
 #[cfg(test)]
