@@ -1,7 +1,7 @@
 # The two commands a new user needs: `make run` and `make test`.
 CARGO ?= cargo
 
-.PHONY: run test check fmt inspector build bench bench-redis load conformance burst cluster
+.PHONY: run test check fmt inspector build bench bench-redis load conformance burst cluster simulate
 
 ## Serve MCP on http://127.0.0.1:3000/mcp with the defaults (in-memory limits, embedded mock upstream).
 run:
@@ -49,3 +49,7 @@ burst:
 ## Redis, one mock upstream and three instances: one caller gets one budget, not three.
 cluster:
 	scripts/cluster.sh
+
+## Agent traffic shapes against the configured budgets, every algorithm: tables, and charts in simulate-out/.
+simulate:
+	$(CARGO) run --release -- simulate

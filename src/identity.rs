@@ -25,7 +25,7 @@ use http::HeaderMap;
 use ipnet::IpNet;
 use sha2::{Digest, Sha256};
 
-use crate::config::Config;
+use crate::config::{ApiKey, Config};
 
 /// The identity a request is charged to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -62,6 +62,12 @@ impl Caller {
     /// A caller known by a credential (tier `default`, no tenant, not tied to an address).
     pub fn from_token(token: &str) -> Self {
         Self::from_digest(&Sha256::digest(token.as_bytes()).into(), None, "default".into(), None)
+    }
+
+    /// The caller a configured key names, with its tenant and tier: what [`Identifier::identify`]
+    /// returns for that key, for callers that act as a key without holding it (the simulator).
+    pub fn of_key(key: &ApiKey) -> Self {
+        Self::from_digest(&key.sha256, key.tenant.as_deref().map(Arc::from), Arc::from(key.tier.as_str()), None)
     }
 
     /// The stable, non-secret identifier (`tok:…`, `ip:…` or `local`).
@@ -362,6 +368,9 @@ mod tests {
         let id = identifier("[[auth.keys]]\nkey = \"k1\"\ntenant = \"acme\"\ntier = \"admin\"\n");
         let c = id.identify(&headers(&[("x-api-key", "k1")]), None).expect("caller");
         assert_eq!((c.tenant(), c.tier()), (Some("acme"), "admin"));
+        let config =
+            Config::from_toml("[[auth.keys]]\nkey = \"k1\"\ntenant = \"acme\"\ntier = \"admin\"\n").expect("config");
+        assert_eq!(Caller::of_key(&config.auth.keys[0]), c, "the key's caller without the key");
         let other = id.identify(&headers(&[("x-api-key", "k2")]), None).expect("anonymous");
         assert_eq!((other.tenant(), other.tier()), (None, "default"));
     }

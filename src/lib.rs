@@ -3,8 +3,9 @@
 //! The layers, outside in: [`http`] (transport) and [`mcp`] (the rmcp handler and tools) hand
 //! every tool call to the [`guard`], which names the caller ([`identity`]), prices the call
 //! ([`config`] costs) and asks the [`limit`] algorithms, whose state lives in a [`store`], all on
-//! one [`clock`], and [`metrics`] shows what they decide. Tools reach the paid API through [`upstream`]; [`mock_upstream`] stands in for
-//! it. [`app`] wires it together, and [`reload`] puts new limits in force on a running server.
+//! one [`clock`], and [`metrics`] shows what they decide; [`simulate`] replays agents against them.
+//! Tools reach the paid API through [`upstream`]; [`mock_upstream`] stands in for it. [`app`] wires
+//! it together, and [`reload`] puts new limits in force on a running server.
 
 pub mod admin;
 pub mod app;
@@ -18,6 +19,7 @@ pub mod mcp;
 pub mod metrics;
 pub mod mock_upstream;
 pub mod reload;
+pub mod simulate;
 pub mod store;
 pub mod upstream;
 

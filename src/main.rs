@@ -5,9 +5,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::builder::PossibleValuesParser;
+use clap::{Parser, Subcommand, ValueEnum};
 use mcp_ratelimit::clock::SystemClock;
+use mcp_ratelimit::limit::ALGORITHMS;
 use mcp_ratelimit::mock_upstream::MockUpstream;
+use mcp_ratelimit::simulate::{self, Plan, Shape};
 use mcp_ratelimit::{App, Config};
 use tokio::net::TcpListener;
 
@@ -55,6 +58,40 @@ enum Command {
         /// The file to check (default: ./config.toml if present).
         file: Option<PathBuf>,
     },
+    /// Replay agent traffic shapes against the configured budgets on a virtual clock, one run per
+    /// algorithm: a table per shape, and an SVG chart per shape.
+    Simulate {
+        /// Config file (default: ./config.toml if present, else the built-in defaults).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Shapes to replay (repeat, or comma-separate); default: all.
+        #[arg(long = "shape", value_delimiter = ',', value_parser = PossibleValuesParser::new(simulate::shape_names()))]
+        shapes: Vec<String>,
+        /// Algorithms to compare (repeat, or comma-separate); default: all.
+        #[arg(long = "algorithm", value_delimiter = ',', value_parser = PossibleValuesParser::new(ALGORITHMS))]
+        algorithms: Vec<String>,
+        /// The tool the agent calls; default: the costliest tool that answers at once.
+        #[arg(long)]
+        tool: Option<String>,
+        /// Seed of every random draw (fan-out timing, round trips, turns).
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Where the charts go, one `<shape>.svg` each.
+        #[arg(long, default_value = "simulate-out")]
+        out: PathBuf,
+        /// `text` (tables) or `json`.
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
+}
+
+/// How `simulate` prints its report.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Format {
+    /// Fixed-width tables, one per shape.
+    Text,
+    /// One JSON document.
+    Json,
 }
 
 fn init_logging() {
@@ -76,6 +113,9 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         };
+    }
+    if let Command::Simulate { config, shapes, algorithms, tool, seed, out, format } = cli.command {
+        return run_simulation(config.as_deref(), shapes, algorithms, tool, seed, &out, format);
     }
     init_logging();
     let runtime = match tokio::runtime::Runtime::new() {
@@ -138,7 +178,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             tracing::info!(url = %mock.url, "mock upstream serving");
             shutdown_signal().await;
         }
-        Command::CheckConfig { .. } => unreachable!("handled before the runtime starts"),
+        Command::CheckConfig { .. } | Command::Simulate { .. } => unreachable!("handled before the runtime starts"),
     }
     Ok(())
 }
@@ -150,6 +190,60 @@ fn config_file(given: Option<PathBuf>) -> Option<PathBuf> {
         let local = PathBuf::from("config.toml");
         local.exists().then_some(local)
     })
+}
+
+/// `simulate`: no logging (the guard logs every refusal, and a simulation refuses thousands), no
+/// async runtime, and exit code 2 for anything the command line or the config got wrong.
+fn run_simulation(
+    config: Option<&std::path::Path>,
+    shapes: Vec<String>,
+    algorithms: Vec<String>,
+    tool: Option<String>,
+    seed: u64,
+    out: &std::path::Path,
+    format: Format,
+) -> ExitCode {
+    let config = match Config::load(config) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let mut plan = Plan::everything(seed);
+    if !shapes.is_empty() {
+        // Clap has checked every name against the shapes' own list.
+        plan.shapes = shapes.iter().filter_map(|name| Shape::from_name(name)).collect();
+    }
+    if !algorithms.is_empty() {
+        plan.algorithms = algorithms;
+    }
+    plan.tool = tool;
+    let started = std::time::Instant::now();
+    let simulated = simulate::run(&config, &plan).and_then(|mut report| {
+        report.write_charts(out)?;
+        Ok(report)
+    });
+    match simulated {
+        Ok(report) => {
+            eprintln!("simulated {} tool calls in {:.0?}", report.calls(), started.elapsed());
+            match format {
+                Format::Text => print!("{}", report.to_text()),
+                Format::Json => match serde_json::to_string_pretty(&report) {
+                    Ok(json) => println!("{json}"),
+                    Err(e) => {
+                        eprintln!("cannot write the report as JSON: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                },
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            if e.is_usage() { ExitCode::from(2) } else { ExitCode::FAILURE }
+        }
+    }
 }
 
 /// Ctrl-C, or SIGTERM (what containers and service managers send to stop a process).

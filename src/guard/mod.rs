@@ -458,6 +458,16 @@ impl Guard {
         }
     }
 
+    /// The budgets a call of `tool` by `caller` draws on, with the units it costs in each (a job's
+    /// in-flight caps among them): what [`Guard::admit`] charges, for tools that reason about it.
+    pub fn scopes_of(&self, caller: &Caller, tool: &str, starts_job: bool) -> Vec<(Scope, Limit, u64)> {
+        let policy = self.policy();
+        tool_scopes(&policy, caller, tool, starts_job)
+            .into_iter()
+            .map(|(scope, limit, units)| (scope, limit.clone(), units))
+            .collect()
+    }
+
     /// Where limiter state lives.
     pub fn store(&self) -> &Arc<Store> {
         &self.store

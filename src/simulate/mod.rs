@@ -1,0 +1,714 @@
+//! `mcp-ratelimit simulate`: agent traffic replayed against the configured budgets.
+//!
+//! Each [`Shape`] is an agent — steady, bursty, fanning out, retrying, looping for hours — and
+//! each run replays one shape against one algorithm on a [`ManualClock`], through a real
+//! [`Guard`] on a memory store: the same [`Guard::admit`] the MCP server calls for every tool
+//! call, so the tables show what the server would decide, not what a model of it says. Hours of
+//! agent time take milliseconds, and the only randomness is a seeded RNG's, so one seed always
+//! prints the same numbers.
+//!
+//! To compare algorithms rather than configs, a run puts one algorithm in place of every rate
+//! scope the simulated call draws on (the `tools/call` method, caller, tenant, address and the
+//! tool's own budget) and keeps each scope's capacity and rate: a bucket of `burst` refilling at
+//! `rate` becomes a window of `burst` units per `burst / rate` seconds, and back. In-flight caps
+//! are slot counts, not rates, and stay as configured; `concurrency` cannot stand in for a rate
+//! and is reported as not simulated.
+//!
+//! Every simulated call has arguments of its own, so loop detection (which would stop a loop of
+//! identical calls long before any budget) stays on and never fires: the simulator is about the
+//! budgets. The coarse HTTP limit in front of `/mcp` is a different layer and is not replayed.
+
+pub mod chart;
+pub mod shapes;
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::clock::{Clock, ManualClock, NANOS_PER_MS, NANOS_PER_SEC, Nanos, SharedClock};
+use crate::config::Config;
+use crate::guard::{Guard, ToolCall};
+use crate::identity::{Caller, Identifier};
+use crate::limit::{ALGORITHMS, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingLog, SlidingWindow, TokenBucket};
+use crate::mcp::tools::starts_job;
+use crate::metrics::Metrics;
+use crate::store::Store;
+use shapes::Answer;
+pub use shapes::{SHAPES, Shape};
+
+/// Why `concurrency` is not run: it cannot hold a budget per time.
+const NOT_A_RATE: &str = "a slot cap (work in flight), not a rate";
+
+/// What to simulate.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// The shapes to replay, in order.
+    pub shapes: Vec<Shape>,
+    /// The algorithms to compare (names from [`ALGORITHMS`]), in order.
+    pub algorithms: Vec<String>,
+    /// The tool the agent calls; `None`: the costliest tool that answers at once.
+    pub tool: Option<String>,
+    /// Seeds every random draw.
+    pub seed: u64,
+}
+
+impl Plan {
+    /// Every shape against every algorithm, with the default tool.
+    pub fn everything(seed: u64) -> Self {
+        Self {
+            shapes: SHAPES.to_vec(),
+            algorithms: ALGORITHMS.iter().map(|a| (*a).to_owned()).collect(),
+            tool: None,
+            seed,
+        }
+    }
+}
+
+/// A simulation that cannot run, or whose charts cannot be written.
+#[derive(Debug, thiserror::Error)]
+pub enum SimulateError {
+    /// An algorithm name not in [`ALGORITHMS`].
+    #[error("unknown algorithm `{0}`; the algorithms are {known}", known = ALGORITHMS.join(", "))]
+    UnknownAlgorithm(String),
+    /// A tool the config does not have.
+    #[error("unknown tool `{tool}`; the tools are {}", known.join(", "))]
+    UnknownTool {
+        /// The name asked for.
+        tool: String,
+        /// The tools there are.
+        known: Vec<String>,
+    },
+    /// A tool that costs nothing: no budget would ever stop it.
+    #[error("`{0}` costs nothing (cost 0), so no budget limits it; choose a tool with a cost, e.g. save_article")]
+    FreeTool(String),
+    /// No tool has a cost in this config.
+    #[error("no tool has a cost in this config: there is no budget to simulate")]
+    NothingPaid,
+    /// Every scope the tool draws on is an in-flight cap.
+    #[error("every budget `{0}` draws on is an in-flight cap: nothing limits it per time")]
+    NoRate(String),
+    /// The simulated caller could not be named (it needs a key the config accepts).
+    #[error("cannot name the simulated caller: {0}")]
+    Caller(#[from] crate::identity::Unauthorized),
+    /// A chart could not be drawn or written.
+    #[error("cannot write the chart {path}: {message}")]
+    Chart {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+impl SimulateError {
+    /// Whether the command line asked for something that cannot be (exit code 2), rather than
+    /// the simulation failing to write its output.
+    pub fn is_usage(&self) -> bool {
+        !matches!(self, SimulateError::Chart { .. })
+    }
+}
+
+/// The names of every shape, for the command line.
+pub fn shape_names() -> Vec<&'static str> {
+    SHAPES.iter().map(|s| s.name()).collect()
+}
+
+/// The budget that binds the simulated call: of the scopes it draws on, the one that sustains
+/// the fewest calls per second. The shapes are paced from it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Budget {
+    /// The scope, e.g. `caller:tok:1f2e…`.
+    pub scope: String,
+    /// Units one call costs in it.
+    pub units_per_call: u64,
+    /// Calls it admits at once (its capacity over the cost).
+    pub burst_calls: u64,
+    /// Calls per second it sustains.
+    pub calls_per_sec: f64,
+    /// Its window in milliseconds: capacity / rate for a bucket, the window for a window.
+    pub window_ms: u64,
+    #[serde(skip)]
+    window: Nanos,
+    #[serde(skip)]
+    call_period: Nanos,
+}
+
+impl Budget {
+    /// The binding budget among `scopes` (scope, limiter, units per call); `None` if all are
+    /// in-flight caps.
+    fn binding<'a>(scopes: impl IntoIterator<Item = (&'a str, &'a Limiter, u64)>) -> Option<Budget> {
+        scopes
+            .into_iter()
+            .filter_map(|(scope, limiter, units)| {
+                let window = limiter.policy_window()?;
+                let units = units.max(1);
+                // Time the scope takes to give back one call's units.
+                let call_period =
+                    u64::try_from(u128::from(window) * u128::from(units) / u128::from(limiter.capacity()))
+                        .unwrap_or(u64::MAX)
+                        .max(1);
+                Some(Budget {
+                    scope: scope.to_owned(),
+                    units_per_call: units,
+                    burst_calls: (limiter.capacity() / units).max(1),
+                    calls_per_sec: NANOS_PER_SEC as f64 / call_period as f64,
+                    window_ms: window / NANOS_PER_MS,
+                    window,
+                    call_period,
+                })
+            })
+            .max_by_key(|budget| budget.call_period)
+    }
+
+    /// The window in nanoseconds.
+    pub(crate) fn window(&self) -> Nanos {
+        self.window.max(1)
+    }
+
+    /// Nanoseconds the budget takes to give back one call.
+    pub(crate) fn call_period(&self) -> Nanos {
+        self.call_period
+    }
+}
+
+/// One scope the simulated call draws on, as configured.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScopeLine {
+    /// The scope's name.
+    pub scope: String,
+    /// Its configured algorithm.
+    pub algorithm: &'static str,
+    /// Its parameters, as `check-config` prints them.
+    pub parameters: String,
+    /// Units one call costs in it.
+    pub units_per_call: u64,
+}
+
+/// One shape against one algorithm.
+#[derive(Debug, Clone, Serialize)]
+pub struct Run {
+    /// The algorithm every rate scope used.
+    pub algorithm: &'static str,
+    /// Calls the agent made.
+    pub calls: u64,
+    /// Calls admitted.
+    pub allowed: u64,
+    /// Calls refused.
+    pub refused: u64,
+    /// Refusals after a refusal, with no admission between: the first refusal tells the agent
+    /// how long to wait, every further one is a call it could have saved.
+    pub wasted: u64,
+    /// Cost units admitted.
+    pub spend: u64,
+    /// The most admitted calls (what reached the upstream) in any one second.
+    pub peak_per_second: u64,
+    /// The most admitted calls in any 60 seconds.
+    pub peak_per_minute: u64,
+    #[serde(skip)]
+    admitted_per_bucket: Vec<u32>,
+    #[serde(skip)]
+    refused_per_bucket: Vec<u32>,
+}
+
+/// An algorithm a shape was not run against, and why.
+#[derive(Debug, Clone, Serialize)]
+pub struct Skipped {
+    /// The algorithm.
+    pub algorithm: &'static str,
+    /// Why it cannot stand in for the budgets.
+    pub reason: &'static str,
+}
+
+/// One shape against every algorithm.
+#[derive(Debug, Clone, Serialize)]
+pub struct ShapeReport {
+    /// The shape's name.
+    pub shape: &'static str,
+    /// What the agent does, with this budget's numbers.
+    pub description: String,
+    /// How much agent time was replayed, in milliseconds.
+    pub horizon_ms: u64,
+    /// The chart's time bucket, in milliseconds; bucket `k` is centred on `k × bucket_ms`.
+    pub bucket_ms: u64,
+    /// One run per algorithm.
+    pub runs: Vec<Run>,
+    /// The algorithms not run, with the reason.
+    pub not_simulated: Vec<Skipped>,
+    /// Where its chart was written, once it was.
+    pub chart: Option<PathBuf>,
+}
+
+/// Everything a simulation found.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// The seed of every random draw.
+    pub seed: u64,
+    /// The tool the agent calls.
+    pub tool: String,
+    /// Its cost.
+    pub cost: u64,
+    /// Who the agent is.
+    pub caller: String,
+    /// The scopes each call draws on, as configured.
+    pub scopes: Vec<ScopeLine>,
+    /// The one that binds.
+    pub binding: Budget,
+    /// Whether loop detection was on (it never fires: every call has its own arguments).
+    pub loop_detection: bool,
+    /// Whether limits were enforced at all (`limits.enabled`).
+    pub limits_enabled: bool,
+    /// One entry per shape.
+    pub shapes: Vec<ShapeReport>,
+}
+
+/// Replays every shape of `plan` against every algorithm of it, under `config`'s budgets.
+pub fn run(config: &Config, plan: &Plan) -> Result<Report, SimulateError> {
+    let algorithms = plan
+        .algorithms
+        .iter()
+        .map(|name| {
+            ALGORITHMS.iter().copied().find(|a| a == name).ok_or_else(|| SimulateError::UnknownAlgorithm(name.clone()))
+        })
+        .collect::<Result<Vec<&'static str>, _>>()?;
+    let tool = pick_tool(config, plan.tool.as_deref())?;
+    let cost = config.tools.get(tool).map_or(0, |t| t.cost);
+    let (caller, who) = simulated_caller(config)?;
+    let starts_job = starts_job(tool);
+
+    let configured = guard(config, ManualClock::new());
+    let drawn = configured.scopes_of(&caller, tool, starts_job);
+    let scopes: Vec<ScopeLine> = drawn
+        .iter()
+        .map(|(scope, limit, units)| ScopeLine {
+            scope: scope.name().to_owned(),
+            algorithm: limit.limiter.algorithm(),
+            parameters: limit.limiter.describe(),
+            units_per_call: *units,
+        })
+        .collect();
+    let binding = Budget::binding(drawn.iter().map(|(scope, limit, units)| (scope.name(), &limit.limiter, *units)))
+        .ok_or_else(|| SimulateError::NoRate(tool.to_owned()))?;
+
+    let variants: Vec<(&'static str, Result<Config, &'static str>)> =
+        algorithms.iter().map(|a| (*a, with_algorithm(config, tool, a))).collect();
+    let job = starts_job.then(|| job_duration(config, tool));
+    let replays: Vec<(Shape, &'static str, Replay<'_>)> = plan
+        .shapes
+        .iter()
+        .flat_map(|shape| variants.iter().map(move |(algorithm, variant)| (*shape, *algorithm, variant)))
+        .filter_map(|(shape, algorithm, variant)| {
+            let config = variant.as_ref().ok()?;
+            let bucket = bucket_for(shape.horizon(&binding));
+            let seed = seed_of(plan.seed, shape);
+            Some((shape, algorithm, Replay { config, caller: &caller, tool, cost, job, bucket, seed }))
+        })
+        .collect();
+    let mut runs = replay_all(&replays, &binding).into_iter();
+    let mut shapes = Vec::with_capacity(plan.shapes.len());
+    for shape in &plan.shapes {
+        let horizon = shape.horizon(&binding);
+        let mut report = ShapeReport {
+            shape: shape.name(),
+            description: shape.describe(&binding),
+            horizon_ms: horizon / NANOS_PER_MS,
+            bucket_ms: bucket_for(horizon) / NANOS_PER_MS,
+            runs: Vec::new(),
+            not_simulated: Vec::new(),
+            chart: None,
+        };
+        for (algorithm, variant) in &variants {
+            match variant {
+                Ok(_) => report.runs.extend(runs.next()),
+                Err(reason) => report.not_simulated.push(Skipped { algorithm, reason }),
+            }
+        }
+        shapes.push(report);
+    }
+    Ok(Report {
+        seed: plan.seed,
+        tool: tool.to_owned(),
+        cost,
+        caller: who,
+        scopes,
+        binding,
+        loop_detection: config.loop_detection.enabled,
+        limits_enabled: config.limits.enabled,
+        shapes,
+    })
+}
+
+/// Runs every replay, spread over the machine's cores (each run is independent: its own clock,
+/// store and guard), and returns the runs in the order given.
+fn replay_all(replays: &[(Shape, &'static str, Replay<'_>)], budget: &Budget) -> Vec<Run> {
+    let next = AtomicUsize::new(0);
+    let done = Mutex::new(Vec::with_capacity(replays.len()));
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(replays.len());
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| {
+                loop {
+                    let index = next.fetch_add(1, Ordering::Relaxed);
+                    let Some((shape, algorithm, replay)) = replays.get(index) else { return };
+                    // The memory store never waits, so the guard's futures complete on first poll.
+                    let run = futures::executor::block_on(replay.run(algorithm, *shape, budget));
+                    done.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push((index, run));
+                }
+            });
+        }
+    });
+    let mut done = done.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
+    done.sort_by_key(|(index, _)| *index);
+    done.into_iter().map(|(_, run)| run).collect()
+}
+
+/// A guard on its own memory store and `clock`: what the server builds, minus the transports.
+fn guard(config: &Config, clock: Arc<ManualClock>) -> Guard {
+    let clock: SharedClock = clock;
+    Guard::new(Arc::new(Store::memory(clock.clone())), clock, config, Arc::new(Metrics::new()))
+}
+
+/// Each shape's draws depend on the seed and the shape alone, so every algorithm meets the same
+/// open-loop traffic and a shape run alone prints what it prints in the full run.
+fn seed_of(seed: u64, shape: Shape) -> u64 {
+    let index = SHAPES.iter().position(|s| *s == shape).unwrap_or(0) as u64;
+    seed ^ (index + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// The tool asked for, or the costliest one that answers at once (a job tool holds in-flight
+/// slots, which would mix a slot cap into a comparison of rates).
+fn pick_tool<'c>(config: &'c Config, asked: Option<&str>) -> Result<&'c str, SimulateError> {
+    if let Some(asked) = asked {
+        let Some((name, policy)) = config.tools.get_key_value(asked) else {
+            let known = config.tools.keys().cloned().collect();
+            return Err(SimulateError::UnknownTool { tool: asked.to_owned(), known });
+        };
+        return if policy.cost == 0 { Err(SimulateError::FreeTool(name.clone())) } else { Ok(name) };
+    }
+    let paid = || config.tools.iter().filter(|(_, policy)| policy.cost > 0);
+    let costliest = |tools: Vec<(&'c String, u64)>| tools.into_iter().max_by_key(|(_, cost)| *cost).map(|(t, _)| t);
+    costliest(paid().filter(|(tool, _)| !starts_job(tool)).map(|(t, p)| (t, p.cost)).collect())
+        .or_else(|| costliest(paid().map(|(t, p)| (t, p.cost)).collect()))
+        .map(String::as_str)
+        .ok_or(SimulateError::NothingPaid)
+}
+
+/// The agent: the first configured key (its tenant and tier), or without keys an agent whose key
+/// is not configured, named by the server's own [`Identifier`] as it would be over HTTP from
+/// loopback (the anonymous tier, and its address's budget too).
+fn simulated_caller(config: &Config) -> Result<(Caller, String), SimulateError> {
+    if let Some(key) = config.auth.keys.first() {
+        let tenant = key.tenant.as_deref().map_or_else(|| "no tenant".to_owned(), |t| format!("tenant {t}"));
+        return Ok((Caller::of_key(key), format!("the first configured key ({tenant}, tier {})", key.tier)));
+    }
+    let mut headers = http::HeaderMap::new();
+    headers.insert(http::header::AUTHORIZATION, http::HeaderValue::from_static("Bearer simulated-agent"));
+    let caller = Identifier::new(config).identify(&headers, Some(IpAddr::V4(Ipv4Addr::LOCALHOST)))?;
+    let who = format!("an agent with a key that is not configured, from 127.0.0.1 (tier {})", caller.tier());
+    Ok((caller, who))
+}
+
+/// `config` with `algorithm` in place of every rate scope a call of `tool` may draw on, each
+/// keeping its capacity and rate; `Err` with the reason when the algorithm cannot hold a rate.
+fn with_algorithm(config: &Config, tool: &str, algorithm: &str) -> Result<Config, &'static str> {
+    let mut config = config.clone();
+    let limits = &mut config.limits;
+    let own = config.tools.get_mut(tool).map(|t| &mut t.budget);
+    for limits in
+        [&mut limits.tools_call, &mut limits.caller, &mut limits.tenant, &mut limits.address].into_iter().chain(own)
+    {
+        for limit in limits.iter_mut() {
+            limit.limiter = reshaped(&limit.limiter, algorithm)?;
+        }
+    }
+    Ok(config)
+}
+
+/// `limiter`'s budget (capacity, and capacity per span) under `algorithm`. A slot cap has no rate
+/// to carry and is kept as it is.
+fn reshaped(limiter: &Limiter, algorithm: &str) -> Result<Limiter, &'static str> {
+    let Some(span) = limiter.policy_window() else { return Ok(limiter.clone()) };
+    let capacity = limiter.capacity();
+    let rate = capacity as f64 * NANOS_PER_SEC as f64 / span as f64;
+    Ok(match algorithm {
+        "token_bucket" => Limiter::TokenBucket(TokenBucket::new(capacity, rate)),
+        "gcra" => Limiter::Gcra(Gcra::new(capacity, rate)),
+        "leaky_bucket" => Limiter::LeakyBucket(LeakyBucket::new(capacity, rate)),
+        "fixed_window" => Limiter::FixedWindow(FixedWindow::new(capacity, span)),
+        "sliding_log" => Limiter::SlidingLog(SlidingLog::new(capacity, span)),
+        "sliding_window" => Limiter::SlidingWindow(SlidingWindow::new(capacity, span)),
+        _ => return Err(NOT_A_RATE),
+    })
+}
+
+/// How long a job started by `tool` holds its in-flight slots: the mock upstream's job time.
+fn job_duration(config: &Config, tool: &str) -> Nanos {
+    let ms = if tool == "generate_image_to_video" {
+        config.mock_upstream.video_job_ms
+    } else {
+        config.mock_upstream.image_job_ms
+    };
+    ms.saturating_mul(NANOS_PER_MS)
+}
+
+/// A chart bucket of a round length giving at most about 200 points over `horizon`.
+fn bucket_for(horizon: Nanos) -> Nanos {
+    const ROUND_SECS: [u64; 13] = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600];
+    let wanted = horizon.div_ceil(200);
+    let secs = ROUND_SECS.into_iter().find(|s| s * NANOS_PER_SEC >= wanted).unwrap_or(3600);
+    secs * NANOS_PER_SEC
+}
+
+/// What one run needs besides the shape.
+struct Replay<'a> {
+    config: &'a Config,
+    caller: &'a Caller,
+    tool: &'a str,
+    cost: u64,
+    /// For a job tool, how long an admission holds its slots.
+    job: Option<Nanos>,
+    bucket: Nanos,
+    seed: u64,
+}
+
+impl Replay<'_> {
+    /// Replays `shape` through a fresh guard: every call goes through [`Guard::admit`] at its
+    /// instant on the manual clock; an admission is released when the tool would return (at once)
+    /// or, for a job, when the job would be final.
+    async fn run(&self, algorithm: &'static str, shape: Shape, budget: &Budget) -> Run {
+        let clock = ManualClock::new();
+        let guard = guard(self.config, clock.clone());
+        let horizon = shape.horizon(budget);
+        let mut tally = Tally::new(horizon, self.bucket);
+        let mut agent = shape.agent(budget, self.seed);
+        let mut jobs = VecDeque::new();
+        while let Some(at) = agent.next_call().filter(|at| *at < horizon) {
+            clock.advance(Duration::from_nanos(at.saturating_sub(clock.now())));
+            while jobs.front().is_some_and(|(done, _)| *done <= at) {
+                jobs.pop_front();
+            }
+            let args = serde_json::json!({ "simulated_call": tally.calls });
+            let call = ToolCall { tool: self.tool, args: &args, starts_job: self.job.is_some(), loop_exempt: false };
+            let answer = match guard.admit(self.caller, &call).await {
+                Ok(admission) => {
+                    match self.job {
+                        Some(lasts) => jobs.push_back((at.saturating_add(lasts), admission)),
+                        None => drop(admission),
+                    }
+                    Answer::Admitted
+                }
+                Err(refusal) => Answer::Refused { retry_after: refusal.retry_after_ms.map(|ms| ms * NANOS_PER_MS) },
+            };
+            tally.record(at, answer);
+            agent.answered(at, answer);
+        }
+        tally.into_run(algorithm, self.cost)
+    }
+}
+
+/// Counts of one run as it goes.
+struct Tally {
+    calls: u64,
+    refused: u64,
+    wasted: u64,
+    last_refused: bool,
+    admitted_at: Vec<Nanos>,
+    admitted_per_bucket: Vec<u32>,
+    refused_per_bucket: Vec<u32>,
+    bucket: Nanos,
+}
+
+impl Tally {
+    fn new(horizon: Nanos, bucket: Nanos) -> Self {
+        let buckets = usize::try_from(horizon / bucket + 1).unwrap_or(0);
+        Self {
+            calls: 0,
+            refused: 0,
+            wasted: 0,
+            last_refused: false,
+            admitted_at: Vec::new(),
+            admitted_per_bucket: vec![0; buckets],
+            refused_per_bucket: vec![0; buckets],
+            bucket,
+        }
+    }
+
+    fn record(&mut self, at: Nanos, answer: Answer) {
+        self.calls += 1;
+        // Buckets are centred on multiples of their length, so a window edge (a multiple of the
+        // window, itself a multiple of the bucket by default) falls mid-bucket and the calls just
+        // before and just after it are counted together.
+        let index = usize::try_from((at + self.bucket / 2) / self.bucket).unwrap_or(usize::MAX);
+        let refused = matches!(answer, Answer::Refused { .. });
+        let per_bucket = if refused { &mut self.refused_per_bucket } else { &mut self.admitted_per_bucket };
+        if let Some(count) = per_bucket.get_mut(index) {
+            *count += 1;
+        }
+        if refused {
+            self.refused += 1;
+            self.wasted += u64::from(self.last_refused);
+        } else {
+            self.admitted_at.push(at);
+        }
+        self.last_refused = refused;
+    }
+
+    fn into_run(self, algorithm: &'static str, cost: u64) -> Run {
+        let allowed = self.admitted_at.len() as u64;
+        Run {
+            algorithm,
+            calls: self.calls,
+            allowed,
+            refused: self.refused,
+            wasted: self.wasted,
+            spend: allowed * cost,
+            peak_per_second: peak(&self.admitted_at, NANOS_PER_SEC),
+            peak_per_minute: peak(&self.admitted_at, 60 * NANOS_PER_SEC),
+            admitted_per_bucket: self.admitted_per_bucket,
+            refused_per_bucket: self.refused_per_bucket,
+        }
+    }
+}
+
+/// The most instants of `at` (in order) within any span `[t, t + span)`.
+fn peak(at: &[Nanos], span: Nanos) -> u64 {
+    let mut first = 0;
+    let mut most = 0;
+    for (last, t) in at.iter().enumerate() {
+        while *t - at[first] >= span {
+            first += 1;
+        }
+        most = most.max(last + 1 - first);
+    }
+    most as u64
+}
+
+impl Report {
+    /// The report as fixed-width tables, one per shape.
+    pub fn to_text(&self) -> String {
+        let mut out = String::new();
+        let b = &self.binding;
+        let _ = writeln!(out, "mcp-ratelimit simulate (seed {})", self.seed);
+        let _ = writeln!(out);
+        let _ = writeln!(out, "tool     {} (cost {})", self.tool, self.cost);
+        let _ = writeln!(out, "caller   {}", self.caller);
+        let _ = writeln!(out, "budgets  each call draws on, as configured:");
+        for s in &self.scopes {
+            let units = if s.units_per_call == 1 { "unit" } else { "units" };
+            let _ = writeln!(
+                out,
+                "           {:<44} {:<15} {:<28} {} {units} a call",
+                s.scope, s.algorithm, s.parameters, s.units_per_call
+            );
+        }
+        let _ = writeln!(
+            out,
+            "binding  {}: {} calls at once, then {} calls/s (a {} s window for the window algorithms)",
+            b.scope,
+            b.burst_calls,
+            trimmed(b.calls_per_sec),
+            trimmed(b.window_ms as f64 / 1000.0)
+        );
+        let _ = writeln!(out, "runs     each algorithm in place of every rate scope above, with its burst and rate;");
+        let _ = writeln!(out, "         in-flight caps stay as they are. Virtual clock, the server's own guard.");
+        let loops = if self.loop_detection { "on" } else { "off" };
+        let _ = writeln!(out, "args     every call has new arguments: loop detection ({loops}) never stops one.");
+        let _ = writeln!(
+            out,
+            "wasted   a refusal after a refusal: the first says how long to wait, the rest were avoidable."
+        );
+        let _ = writeln!(out, "peak     admitted calls (what the upstream saw) in any 1 s / any 60 s.");
+        if !self.limits_enabled {
+            let _ = writeln!(out, "note     limits.enabled = false: the guard admits everything.");
+        }
+        for shape in &self.shapes {
+            let _ = writeln!(out);
+            let _ = writeln!(out, "{} ({}): {}", shape.shape, span(shape.horizon_ms), shape.description);
+            let _ = writeln!(
+                out,
+                "  {:<16} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9}",
+                "algorithm", "calls", "allowed", "refused", "wasted", "spend", "peak/1s", "peak/60s"
+            );
+            for r in &shape.runs {
+                let _ = writeln!(
+                    out,
+                    "  {:<16} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9}",
+                    r.algorithm, r.calls, r.allowed, r.refused, r.wasted, r.spend, r.peak_per_second, r.peak_per_minute
+                );
+            }
+            for s in &shape.not_simulated {
+                let _ = writeln!(out, "  {:<16} not simulated: {}", s.algorithm, s.reason);
+            }
+        }
+        let charts: Vec<String> =
+            self.shapes.iter().filter_map(|s| s.chart.as_ref()).map(|p| p.display().to_string()).collect();
+        if !charts.is_empty() {
+            let _ = writeln!(out);
+            let _ = writeln!(out, "charts   {}", charts.join(" "));
+        }
+        out
+    }
+
+    /// Calls replayed in all, for the timing line.
+    pub fn calls(&self) -> u64 {
+        self.shapes.iter().flat_map(|s| &s.runs).map(|r| r.calls).sum()
+    }
+
+    /// Draws one chart per shape into `dir` (created if needed) as `<shape>.svg`.
+    pub fn write_charts(&mut self, dir: &Path) -> Result<(), SimulateError> {
+        let failed = |path: &Path, message: String| SimulateError::Chart { path: path.to_owned(), message };
+        std::fs::create_dir_all(dir).map_err(|e| failed(dir, e.to_string()))?;
+        for shape in &mut self.shapes {
+            let path = dir.join(format!("{}.svg", shape.shape));
+            let svg = chart::svg(shape, &self.tool, self.cost).map_err(|message| failed(&path, message))?;
+            std::fs::write(&path, svg).map_err(|e| failed(&path, e.to_string()))?;
+            shape.chart = Some(path);
+        }
+        Ok(())
+    }
+}
+
+/// `0.5`, `2`, `0.0083`: a rate or a length without trailing zeros.
+fn trimmed(value: f64) -> String {
+    let text = format!("{value:.4}");
+    text.trim_end_matches('0').trim_end_matches('.').to_owned()
+}
+
+/// `10 min`, `8 h`, `330 s`.
+fn span(ms: u64) -> String {
+    match ms {
+        ms if ms.is_multiple_of(3_600_000) => format!("{} h", ms / 3_600_000),
+        ms if ms.is_multiple_of(60_000) => format!("{} min", ms / 60_000),
+        ms => format!("{} s", trimmed(ms as f64 / 1000.0)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peak_counts_the_fullest_span() {
+        let s = NANOS_PER_SEC;
+        assert_eq!(peak(&[], s), 0);
+        assert_eq!(peak(&[0, s / 2, s - 1, s, 3 * s], s), 3, "[0, 1 s) holds three");
+        assert_eq!(peak(&[5, 5, 5], s), 3);
+    }
+
+    #[test]
+    fn a_budget_keeps_its_burst_and_rate_under_every_algorithm() {
+        let bucket = Limiter::TokenBucket(TokenBucket::new(60, 1.0));
+        for algorithm in ALGORITHMS.iter().filter(|a| **a != "concurrency") {
+            let other = reshaped(&bucket, algorithm).expect("a rate algorithm");
+            assert_eq!((other.algorithm(), other.capacity()), (*algorithm, 60));
+            assert_eq!(other.policy_window(), Some(60 * NANOS_PER_SEC), "{algorithm}");
+            assert_eq!(reshaped(&other, "token_bucket").expect("back"), bucket, "{algorithm} and back");
+        }
+        assert_eq!(reshaped(&bucket, "concurrency"), Err(NOT_A_RATE));
+    }
+}
