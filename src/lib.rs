@@ -3,9 +3,11 @@
 //! The layers, outside in: [`http`] (transport) and [`mcp`] (the rmcp handler and tools) hand
 //! every tool call to the [`guard`], which names the caller ([`identity`]), prices the call
 //! ([`config`] costs) and asks the [`limit`] algorithms, whose state lives in a [`store`], all on
-//! one [`clock`], and [`metrics`] shows what they decide. Tools reach the paid API through [`upstream`]; [`mock_upstream`] stands in for
+//! one [`clock`], and [`metrics`] shows what they decide ([`activity`]: the last ten minutes, for the
+//! dashboard). Tools reach the paid API through [`upstream`]; [`mock_upstream`] stands in for
 //! it. [`app`] wires it together.
 
+pub mod activity;
 pub mod app;
 pub mod clock;
 pub mod config;

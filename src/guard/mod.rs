@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use tracing::info;
 
+use crate::activity::{Activity, Refused};
 use crate::clock::{SharedClock, ceil_ms};
 use crate::config::{Config, Fail};
 use crate::guard::loops::{LoopDetector, Looping};
@@ -124,6 +125,7 @@ pub struct Guard {
     store_up: AtomicBool,
     loops: Option<Loops>,
     metrics: Arc<Metrics>,
+    activity: Activity,
 }
 
 /// The seed of call signatures kept in a shared store: every instance must compute the same
@@ -272,6 +274,7 @@ impl Guard {
             store_up: AtomicBool::new(true),
             loops,
             metrics,
+            activity: Activity::new(),
         }
     }
 
@@ -288,6 +291,11 @@ impl Guard {
     /// Where limiter state lives.
     pub fn store(&self) -> &Arc<Store> {
         &self.store
+    }
+
+    /// What the limits did lately, for the dashboard: refusals, and the levels of busy scopes.
+    pub fn activity(&self) -> &Activity {
+        &self.activity
     }
 
     /// Whether the last decision on the limiter store succeeded (the `store_up` gauge).
@@ -368,6 +376,17 @@ impl Guard {
         if !decision.allowed {
             self.metrics.rejection(Layer::Http, "POST /mcp", "rate_limited", caller);
             info!(layer = "http", scope = scope.name(), retry_after_ms = ceil_ms(decision.retry_after), "refused");
+            let refused = Refused {
+                layer: Layer::Http,
+                tool: "POST /mcp",
+                code: "rate_limited",
+                scope: Some(scope.name()),
+                limit: Some(decision.limit),
+                remaining: Some(decision.remaining),
+                retry_after_ms: Some(ceil_ms(decision.retry_after)),
+                message: "Too many requests: answered 429 before any JSON was read.",
+            };
+            self.activity.refused(caller, refused, self.clock.now());
         }
         Some(HttpDecision { decision, limiter: limiter.clone() })
     }
@@ -397,7 +416,9 @@ impl Guard {
             retry_after_ms = ceil_ms(d.retry_after),
             "refused"
         );
-        Err(Refusal::rate_limited(method, name.to_owned(), d.limit, d.remaining, d.retry_after))
+        let refusal = Refusal::rate_limited(method, name.to_owned(), d.limit, d.remaining, d.retry_after);
+        self.activity.refused(caller, refusal.seen(Layer::Method, method), self.clock.now());
+        Err(refusal)
     }
 
     /// Refuses a call that repeats the caller's recent calls in a loop; otherwise records it.
@@ -468,6 +489,8 @@ impl Guard {
             );
             return Err(refusal);
         }
+        let levels = scopes.iter().zip(&decisions).map(|((scope, _, _), d)| (scope.name(), d));
+        self.activity.admitted(caller, levels, self.clock.now());
         let slots = scopes
             .iter()
             .filter(|(_, limiter, _)| limiter.holds_slots())
