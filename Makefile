@@ -1,15 +1,26 @@
 # The two commands a new user needs: `make run` and `make test`.
 CARGO ?= cargo
 
-.PHONY: run test check fmt inspector build bench bench-redis load conformance burst cluster simulate
+.PHONY: run test check fmt inspector build bench bench-redis load conformance burst cluster simulate chromium dashboard-screenshot
 
 ## Serve MCP on http://127.0.0.1:3000/mcp with the defaults (in-memory limits, embedded mock upstream).
 run:
 	$(CARGO) run --release -- serve
 
-## Every test: unit, property, integration (HTTP and stdio), CLI.
-test:
+## Every test: unit, property, integration (HTTP and stdio), CLI, the dashboard in headless Chromium.
+test: chromium
 	$(CARGO) test --all-targets --no-fail-fast
+
+## Debian's chromium for tests/dashboard.rs, installed when missing (as root with apt-get; else the test says how).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || [ -n "$$CHROMIUM" ] || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "chromium missing: installing Debian's package for tests/dashboard.rs"; \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+	      || echo "could not install chromium: tests/dashboard.rs will fail saying how to get it"; \
+	  else \
+	    echo "chromium missing: tests/dashboard.rs will fail; apt-get install chromium, or set CHROMIUM"; \
+	  fi; }
 
 build:
 	$(CARGO) build
@@ -53,3 +64,7 @@ cluster:
 ## Agent traffic shapes against the configured budgets, every algorithm: tables, and charts in simulate-out/.
 simulate:
 	$(CARGO) run --release -- simulate
+
+## docs/dashboard.png: the browser test's screenshot of /dashboard with refusals on it.
+dashboard-screenshot: chromium
+	scripts/dashboard-screenshot.sh

@@ -3,10 +3,12 @@
 //! The layers, outside in: [`http`] (transport) and [`mcp`] (the rmcp handler and tools) hand
 //! every tool call to the [`guard`], which names the caller ([`identity`]), prices the call
 //! ([`config`] costs) and asks the [`limit`] algorithms, whose state lives in a [`store`], all on
-//! one [`clock`], and [`metrics`] shows what they decide; [`simulate`] replays agents against them.
-//! Tools reach the paid API through [`upstream`]; [`mock_upstream`] stands in for it. [`app`] wires
-//! it together, and [`reload`] puts new limits in force on a running server.
+//! one [`clock`], and [`metrics`] shows what they decide ([`activity`]: the last ten minutes, for the
+//! dashboard); [`simulate`] replays agents against them. Tools reach the paid API through
+//! [`upstream`]; [`mock_upstream`] stands in for it. [`app`] wires it together, and [`reload`] puts
+//! new limits in force on a running server.
 
+pub mod activity;
 pub mod admin;
 pub mod app;
 pub mod clock;

@@ -21,6 +21,7 @@ use arc_swap::ArcSwap;
 
 use tracing::info;
 
+use crate::activity::{Activity, Refused};
 use crate::clock::{Nanos, SharedClock, ceil_ms};
 use crate::config::Limit;
 use crate::config::{Config, Fail};
@@ -145,6 +146,7 @@ pub struct Guard {
     store_up: AtomicBool,
     loops: Option<Loops>,
     metrics: Arc<Metrics>,
+    activity: Activity,
 }
 
 /// The seed of call signatures kept in a shared store: every instance must compute the same
@@ -435,6 +437,7 @@ impl Guard {
             store_up: AtomicBool::new(true),
             loops,
             metrics,
+            activity: Activity::new(),
         }
     }
 
@@ -471,6 +474,11 @@ impl Guard {
     /// Where limiter state lives.
     pub fn store(&self) -> &Arc<Store> {
         &self.store
+    }
+
+    /// What the limits did lately, for the dashboard: refusals, and the levels of busy scopes.
+    pub fn activity(&self) -> &Activity {
+        &self.activity
     }
 
     /// Whether the last decision on the limiter store succeeded (the `store_up` gauge).
@@ -574,6 +582,17 @@ impl Guard {
                     retry_after_ms = ceil_ms(refused.1.retry_after),
                     "refused"
                 );
+                let record = Refused {
+                    layer: Layer::Http,
+                    tool: "POST /mcp",
+                    code: "rate_limited",
+                    scope: Some(refused.0.0.name()),
+                    limit: Some(refused.1.limit),
+                    remaining: Some(refused.1.remaining),
+                    retry_after_ms: Some(ceil_ms(refused.1.retry_after)),
+                    message: "Too many requests: answered 429 before any JSON was read.",
+                };
+                self.activity.refused(caller, record, self.clock.now());
                 refused
             }
             None => scopes
@@ -617,7 +636,9 @@ impl Guard {
             "refused"
         );
         let refusal = Refusal::rate_limited(method, name.to_owned(), d.limit, d.remaining, d.retry_after);
-        Err(if scopes.len() > 1 { refusal.naming_limit(limit.limiter.describe()) } else { refusal })
+        let refusal = if scopes.len() > 1 { refusal.naming_limit(limit.limiter.describe()) } else { refusal };
+        self.activity.refused(caller, refusal.seen(Layer::Method, method), self.clock.now());
+        Err(refusal)
     }
 
     /// Refuses a call that repeats the caller's recent calls in a loop; otherwise records it.
@@ -703,6 +724,8 @@ impl Guard {
             );
             return Err(refusal);
         }
+        let levels = scopes.iter().zip(&decisions).map(|((scope, _, _), d)| (scope.name(), d));
+        self.activity.admitted(caller, levels, self.clock.now());
         let slots = scopes
             .iter()
             .filter(|(_, limit, _)| limit.limiter.holds_slots())

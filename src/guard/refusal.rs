@@ -7,8 +7,10 @@
 use rmcp::model::{CallToolResult, ContentBlock};
 use serde_json::{Map, Value, json};
 
+use crate::activity::Refused;
 use crate::clock::{Nanos, ceil_ms, ceil_secs};
 use crate::guard::loops::Looping;
+use crate::metrics::Layer;
 
 /// Why a call was refused; the `code` field of the structured error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +32,17 @@ pub enum RefusalCode {
 }
 
 impl RefusalCode {
+    /// Every code.
+    pub const ALL: [RefusalCode; 7] = [
+        RefusalCode::RateLimited,
+        RefusalCode::Busy,
+        RefusalCode::LoopDetected,
+        RefusalCode::UpstreamRateLimited,
+        RefusalCode::UpstreamUnavailable,
+        RefusalCode::LimiterUnavailable,
+        RefusalCode::InvalidArguments,
+    ];
+
     /// The wire name.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -285,6 +298,48 @@ impl Refusal {
         json!({ "error": error })
     }
 
+    /// The refusal an `isError` tool result carries (what [`Refusal::into_result`] wrote), for
+    /// whoever sees only results; `None` for any other result.
+    pub fn of_result(result: &CallToolResult) -> Option<Self> {
+        if result.is_error != Some(true) {
+            return None;
+        }
+        let error = result.structured_content.as_ref()?.get("error")?;
+        let code = error.get("code")?.as_str()?;
+        let number = |key: &str| error.get(key).and_then(Value::as_u64);
+        Some(Self {
+            code: RefusalCode::ALL.into_iter().find(|c| c.as_str() == code)?,
+            message: error.get("message")?.as_str()?.to_owned(),
+            retry_after_ms: number("retry_after_ms"),
+            scope: error.get("scope").and_then(Value::as_str).map(Box::from),
+            limit: number("limit"),
+            remaining: number("remaining"),
+            details: {
+                let in_flight: Vec<String> = error
+                    .get("in_flight")
+                    .and_then(Value::as_array)
+                    .map(|jobs| jobs.iter().filter_map(|j| j.as_str().map(str::to_owned)).collect())
+                    .unwrap_or_default();
+                let policy = error.get("policy").and_then(Value::as_str).map(str::to_owned);
+                (!in_flight.is_empty() || policy.is_some()).then(|| Box::new(Details { in_flight, policy }))
+            },
+        })
+    }
+
+    /// This refusal of `tool` at `layer`, as the dashboard records it.
+    pub fn seen<'a>(&'a self, layer: Layer, tool: &'a str) -> Refused<'a> {
+        Refused {
+            layer,
+            tool,
+            code: self.code.as_str(),
+            scope: self.scope.as_deref(),
+            limit: self.limit,
+            remaining: self.remaining,
+            retry_after_ms: self.retry_after_ms,
+            message: &self.message,
+        }
+    }
+
     /// The `isError: true` tool result carrying the message and the structured error.
     pub fn into_result(self) -> CallToolResult {
         let mut result = CallToolResult::error(vec![ContentBlock::text(self.message.clone())]);
@@ -306,5 +361,17 @@ mod tests {
         assert_eq!(v["error"]["code"], "rate_limited");
         assert_eq!(v["error"]["limit"], 60);
         assert_eq!(v["error"]["remaining"], 0);
+    }
+
+    #[test]
+    fn a_result_gives_back_the_refusal_it_carries() {
+        let busy = Refusal::busy("generate_image", "in_flight:caller:x".into(), 5);
+        let rate = Refusal::rate_limited("list_articles", "caller:x".into(), 60, 0, 1_000_000_000);
+        let bad = Refusal::invalid_arguments("generate_image", "prompt too long");
+        for refusal in [busy, rate, bad] {
+            assert_eq!(Refusal::of_result(&refusal.clone().into_result()), Some(refusal));
+        }
+        let ok = CallToolResult::success(vec![ContentBlock::text("fine")]);
+        assert_eq!(Refusal::of_result(&ok), None);
     }
 }

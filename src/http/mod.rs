@@ -2,8 +2,10 @@
 //!
 //! On `/mcp`, outside in: [`front_door`] (DNS-rebinding protection, identity and auth, header
 //! checks), then the coarse limit ([`limit::HttpLimitLayer`]), then rmcp. `/health` and
-//! `/metrics` sit outside all of it and are never limited.
+//! `/metrics` sit outside all of it and are never limited. The [`dashboard`] sits behind the
+//! DNS-rebinding protection only: never limited, no identity needed.
 
+pub mod dashboard;
 pub mod front_door;
 pub mod limit;
 
@@ -39,6 +41,7 @@ pub fn router(app: Arc<AppState>, stop: CancellationToken) -> Router {
         .layer(limit::HttpLimitLayer::new(app.clone()))
         .layer(middleware::from_fn_with_state(app.clone(), front_door::identify))
         .layer(middleware::from_fn_with_state(app.clone(), front_door::rebinding_protection))
+        .merge(dashboard::routes().layer(middleware::from_fn_with_state(app.clone(), front_door::rebinding_protection)))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics))
         .with_state(app)

@@ -2,7 +2,8 @@
 //!
 //! `call_tool` is written by hand instead of generated: it identifies the caller, validates the
 //! arguments, and asks the [`Guard`](crate::guard::Guard) before the tool router runs anything.
-//! A tool added to `tools.rs` is guarded without doing anything, and cannot opt out.
+//! A tool added to `tools.rs` is guarded without doing anything, and cannot opt out. Every
+//! refused call, whatever refused it, is recorded for the dashboard on its way out.
 //!
 //! Image and video jobs are also MCP Tasks (the SEP-2663 extension) for clients that declare
 //! it: the call answers a task whose `taskId` is the `predict_id` and whose `pollIntervalMs` is
@@ -27,6 +28,7 @@ use crate::clock::NANOS_PER_MS;
 use crate::guard::{MethodGroup, Refusal, RefusalCode, ToolCall};
 use crate::identity::Caller;
 use crate::mcp::tools::{self, Handoff};
+use crate::metrics::Layer;
 use crate::upstream::jobs::JobView;
 
 /// Which transport a handler serves; decides where the caller comes from.
@@ -187,13 +189,13 @@ impl ServerHandler for McpServer {
         let tool = request.name.to_string();
         let args = match tools::validate_arguments(&tool, request.arguments.as_ref()) {
             Ok(args) => args,
-            Err(refusal) => return Ok(refusal.into_result().into()),
+            Err(refusal) => return Ok(self.refuse(&caller, &tool, refusal)),
         };
         let starts_job = tools::starts_job(&tool);
         // Known before anything is charged: the upstream is down, or the account's queue is full.
         let place = match self.before_charging(&tool) {
             Ok(place) => place,
-            Err(refusal) => return Ok(refusal.into_result().into()),
+            Err(refusal) => return Ok(self.refuse(&caller, &tool, refusal)),
         };
         let call =
             ToolCall { tool: &tool, args: &args, starts_job, loop_exempt: self.loop_exempt(&tool, &args, &caller) };
@@ -203,9 +205,9 @@ impl ServerHandler for McpServer {
                 (Handoff::new(admission), warnings)
             }
             Err(refusal) if starts_job && refusal.code == RefusalCode::Busy => {
-                return Ok(self.explain_busy(&tool, refusal, &caller).into_result().into());
+                return Ok(self.refuse(&caller, &tool, self.explain_busy(&tool, refusal, &caller)));
             }
-            Err(refusal) => return Ok(refusal.into_result().into()),
+            Err(refusal) => return Ok(self.refuse(&caller, &tool, refusal)),
         };
         let wants_task = starts_job && context.client_capabilities().is_some_and(|c| c.supports_tasks());
         context.extensions.insert(caller.clone());
@@ -225,6 +227,12 @@ impl ServerHandler for McpServer {
             () = cancelled.cancelled() => Err(ErrorData::internal_error("the request was cancelled", None)),
         };
         drop(admission.take());
+        // A refusal from the tool itself (the upstream's 429 or failure) is seen like the others.
+        if let Ok(CallToolResponse::Complete(done)) = &result
+            && let Some(refusal) = Refusal::of_result(done)
+        {
+            self.seen_refused(&caller, &tool, &refusal);
+        }
         match result {
             Ok(CallToolResponse::Complete(done)) if wants_task && done.is_error != Some(true) => {
                 self.as_task(&caller, &done)
@@ -268,6 +276,17 @@ impl ServerHandler for McpServer {
 }
 
 impl McpServer {
+    /// Records a refused tool call for the dashboard.
+    fn seen_refused(&self, caller: &Caller, tool: &str, refusal: &Refusal) {
+        self.app.guard.activity().refused(caller, refusal.seen(Layer::Tool, tool), self.app.clock.now());
+    }
+
+    /// The tool result of a refused call, recorded for the dashboard on its way out.
+    fn refuse(&self, caller: &Caller, tool: &str, refusal: Refusal) -> CallToolResponse {
+        self.seen_refused(caller, tool, &refusal);
+        refusal.into_result().into()
+    }
+
     fn task_ttl_ms(&self) -> u64 {
         self.app.config.upstream.job_expiry_seconds.saturating_mul(1000)
     }

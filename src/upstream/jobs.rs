@@ -861,6 +861,16 @@ impl Jobs {
         self.queue.occupancy()
     }
 
+    /// Who owns each job not final yet, and whether it has reached the upstream (else it waits
+    /// in the queue): one entry per job, for the dashboard's jobs per tenant.
+    pub fn pending_owners(&self) -> Vec<(Owner, bool)> {
+        let book = self.book();
+        book.values()
+            .filter(|j| !j.last.status.is_terminal())
+            .map(|j| (j.owner.clone(), j.upstream_id.is_some()))
+            .collect()
+    }
+
     /// Jobs not final yet.
     pub fn in_flight(&self) -> usize {
         self.book().values().filter(|j| !j.last.status.is_terminal()).count()

@@ -1,0 +1,588 @@
+//! What the limits did lately, kept for the live dashboard (`GET /dashboard`).
+//!
+//! `/metrics` counts for ever and names nobody. A person watching the server wants the last few
+//! minutes: which tool is refused, with which code, for whom and why, and which budgets run low.
+//! This keeps exactly that, in bounded memory:
+//!
+//! - refusals per tool and code, in a ring of [`BUCKETS`] buckets of [`BUCKET`] (ten minutes);
+//! - the latest [`LATEST`] refusals, each with its scope, limit, level and message;
+//! - up to [`MAX_SCOPES`] budgets with their last level (remaining of limit) and refusal count.
+//!
+//! Only refusals are recorded in full. An admitted call costs one atomic increment; the levels of
+//! its scopes are sampled, under the lock, for one admitted call in [`SAMPLE_EVERY`] and for any
+//! call that leaves a scope at a quarter or less. A budget running low therefore shows up at once
+//! (and such calls are bounded by the budget's own refill rate), while the hot path of a server
+//! with room to spare takes no lock.
+//!
+//! Nobody is named: a caller appears as a keyed hash of its id (`#3fa2c1`, keyed per process, so
+//! the page cannot be used to test a guessed key or address) and its 16-way metrics bucket
+//! (`b07`, the `client_bucket` of `/metrics` and the logs); an unverified caller's address the
+//! same way. Scope names and messages are redacted like that *before* they are stored. Tenants
+//! are names from the config and appear as they are. Time is whatever the caller passes in:
+//! readings of the server's one clock.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::Serialize;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC, Nanos};
+use crate::identity::Caller;
+use crate::limit::Decision;
+use crate::metrics::Layer;
+
+/// The width of one bucket of the refusal counts.
+pub const BUCKET: Nanos = 10 * NANOS_PER_SEC;
+/// Buckets kept: the window the dashboard shows is `BUCKETS × BUCKET` (ten minutes).
+pub const BUCKETS: usize = 60;
+/// Latest refusals kept in full.
+pub const LATEST: usize = 50;
+/// Scopes whose level is kept; past it, the one seen longest ago makes room.
+pub const MAX_SCOPES: usize = 256;
+/// One admitted call in this many has its scopes' levels sampled (besides every low one).
+pub const SAMPLE_EVERY: u64 = 16;
+/// Busiest scopes a snapshot lists.
+const TOP_SCOPES: usize = 12;
+
+/// A refusal as the dashboard records it. Strings may hold a caller's id: they are redacted
+/// before anything is stored.
+#[derive(Debug, Clone, Copy)]
+pub struct Refused<'a> {
+    /// Where it was refused.
+    pub layer: Layer,
+    /// The tool, the method (`tools/list`, `ping`, …) or `POST /mcp`.
+    pub tool: &'a str,
+    /// The refusal code (`rate_limited`, `busy`, `loop_detected`, …).
+    pub code: &'static str,
+    /// The scope that refused, by name (`caller:tok:…`, `tenant:acme`), when there is one.
+    pub scope: Option<&'a str>,
+    /// That scope's limit.
+    pub limit: Option<u64>,
+    /// What was left in it.
+    pub remaining: Option<u64>,
+    /// The wait the caller was given.
+    pub retry_after_ms: Option<u64>,
+    /// The sentence the caller read.
+    pub message: &'a str,
+}
+
+/// Refusal counts of one tool, one code, per bucket.
+#[derive(Debug, Clone)]
+struct Series {
+    counts: [u32; BUCKETS],
+    /// The newest bucket counted; slots after it (modulo the ring) are stale.
+    last: u64,
+}
+
+impl Series {
+    fn new(bucket: u64) -> Self {
+        Self { counts: [0; BUCKETS], last: bucket }
+    }
+
+    fn add(&mut self, bucket: u64) {
+        if bucket > self.last {
+            // The slots of the buckets skipped since the last count hold counts from a lap ago.
+            for skipped in 1..=(bucket - self.last).min(BUCKETS as u64) {
+                self.counts[slot(self.last + skipped)] = 0;
+            }
+            self.last = bucket;
+        }
+        // A count from a clock read just before another thread's still lands in its own bucket.
+        if self.last - bucket < BUCKETS as u64 {
+            let count = &mut self.counts[slot(bucket)];
+            *count = count.saturating_add(1);
+        }
+    }
+
+    /// The counts of the window ending with `bucket`, oldest first.
+    fn window(&self, bucket: u64) -> [u32; BUCKETS] {
+        let mut out = [0; BUCKETS];
+        for (i, count) in out.iter_mut().enumerate() {
+            let Some(b) = (bucket + i as u64 + 1).checked_sub(BUCKETS as u64) else { continue };
+            if b <= self.last && self.last - b < BUCKETS as u64 {
+                *count = self.counts[slot(b)];
+            }
+        }
+        out
+    }
+}
+
+fn slot(bucket: u64) -> usize {
+    (bucket % BUCKETS as u64) as usize
+}
+
+/// One tool's (or method's) refusals per code.
+#[derive(Debug)]
+struct ToolSeries {
+    layer: Layer,
+    codes: Vec<(&'static str, Series)>,
+}
+
+/// One refusal, redacted.
+#[derive(Debug)]
+struct Entry {
+    at: Nanos,
+    layer: Layer,
+    tool: String,
+    code: &'static str,
+    caller: u32,
+    bucket: u8,
+    tenant: Option<String>,
+    scope: Option<String>,
+    limit: Option<u64>,
+    remaining: Option<u64>,
+    retry_after_ms: Option<u64>,
+    message: String,
+}
+
+/// A scope's last known level.
+#[derive(Debug)]
+struct Level {
+    at: Nanos,
+    limit: u64,
+    remaining: u64,
+    bucket: u8,
+    refused: u64,
+    samples: u64,
+}
+
+#[derive(Debug, Default)]
+struct Recent {
+    per_tool: HashMap<String, ToolSeries>,
+    latest: VecDeque<Entry>,
+    /// By redacted scope name.
+    scopes: HashMap<String, Level>,
+}
+
+impl Recent {
+    fn level(&mut self, scope: String, at: Nanos) -> &mut Level {
+        if self.scopes.len() >= MAX_SCOPES
+            && !self.scopes.contains_key(&scope)
+            && let Some(oldest) = self.scopes.iter().min_by_key(|(_, l)| l.at).map(|(k, _)| k.clone())
+        {
+            self.scopes.remove(&oldest);
+        }
+        self.scopes.entry(scope).or_insert(Level { at, limit: 0, remaining: 0, bucket: 0, refused: 0, samples: 0 })
+    }
+}
+
+/// What the limits did lately: fed by the guard and the tool door, read by the dashboard.
+#[derive(Debug)]
+pub struct Activity {
+    /// Keys the hash callers and addresses are shown by.
+    key: u64,
+    admitted: AtomicU64,
+    refused: AtomicU64,
+    recent: Mutex<Recent>,
+}
+
+impl Default for Activity {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Activity {
+    /// Nothing seen yet; callers are hashed with a fresh random key.
+    pub fn new() -> Self {
+        Self { key: rand::random(), admitted: AtomicU64::new(0), refused: AtomicU64::new(0), recent: Mutex::default() }
+    }
+
+    fn recent(&self) -> std::sync::MutexGuard<'_, Recent> {
+        self.recent.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How an identifier (a caller id, an address) is shown: `#` and six hex digits of a keyed
+    /// hash, the same for the same identifier while this process runs.
+    pub fn hashed(&self, id: &str) -> String {
+        format!("#{:06x}", self.hash(id))
+    }
+
+    fn hash(&self, id: &str) -> u32 {
+        (xxh3_64_with_seed(id.as_bytes(), self.key) & 0x00ff_ffff) as u32
+    }
+
+    /// `text` with the caller's id and address replaced by their hashed forms.
+    fn redact(&self, text: &str, caller: &Caller) -> String {
+        let mut out = text.to_owned();
+        for id in [Some(caller.id()), caller.unverified_from()].into_iter().flatten() {
+            if out.contains(id) {
+                out = out.replace(id, &self.hashed(id));
+            }
+        }
+        out
+    }
+
+    /// Counts one admitted call and, for one in [`SAMPLE_EVERY`] or when a scope is down to a
+    /// quarter, records the levels its scopes were left at (`levels`: scope name and decision).
+    pub fn admitted<'a, I>(&self, caller: &Caller, levels: I, now: Nanos)
+    where
+        I: Iterator<Item = (&'a str, &'a Decision)> + Clone,
+    {
+        let n = self.admitted.fetch_add(1, Ordering::Relaxed);
+        let low = levels.clone().any(|(_, d)| d.remaining.saturating_mul(4) <= d.limit);
+        if !low && !n.is_multiple_of(SAMPLE_EVERY) {
+            return;
+        }
+        let bucket = caller.bucket();
+        let named: Vec<(String, &Decision)> = levels.map(|(scope, d)| (self.redact(scope, caller), d)).collect();
+        let mut recent = self.recent();
+        for (scope, d) in named {
+            let level = recent.level(scope, now);
+            (level.at, level.limit, level.remaining, level.bucket) = (now, d.limit, d.remaining, bucket);
+            level.samples += 1;
+        }
+    }
+
+    /// Records one refusal.
+    pub fn refused(&self, caller: &Caller, refused: Refused<'_>, now: Nanos) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        let bucket = caller.bucket();
+        let scope = refused.scope.map(|s| self.redact(s, caller));
+        let entry = Entry {
+            at: now,
+            layer: refused.layer,
+            tool: refused.tool.to_owned(),
+            code: refused.code,
+            caller: self.hash(caller.id()),
+            bucket,
+            tenant: caller.tenant().map(str::to_owned),
+            scope: scope.clone(),
+            limit: refused.limit,
+            remaining: refused.remaining,
+            retry_after_ms: refused.retry_after_ms,
+            message: self.redact(refused.message, caller),
+        };
+        let mut recent = self.recent();
+        let series = match recent.per_tool.get_mut(refused.tool) {
+            Some(series) => series,
+            None => recent
+                .per_tool
+                .entry(refused.tool.to_owned())
+                .or_insert(ToolSeries { layer: refused.layer, codes: Vec::new() }),
+        };
+        let at = now / BUCKET;
+        match series.codes.iter_mut().find(|(code, _)| *code == refused.code) {
+            Some((_, counts)) => counts.add(at),
+            None => {
+                let mut counts = Series::new(at);
+                counts.add(at);
+                series.codes.push((refused.code, counts));
+            }
+        }
+        if recent.latest.len() >= LATEST {
+            recent.latest.pop_back();
+        }
+        recent.latest.push_front(entry);
+        if let Some(scope) = scope.filter(|s| is_budget(s)) {
+            let level = recent.level(scope, now);
+            level.at = now;
+            level.bucket = bucket;
+            level.refused += 1;
+            if let (Some(limit), Some(remaining)) = (refused.limit, refused.remaining) {
+                (level.limit, level.remaining) = (limit, remaining);
+            }
+        }
+    }
+
+    /// What the dashboard shows at `now`: the last ten minutes.
+    pub fn snapshot(&self, now: Nanos) -> Snapshot {
+        let bucket = now / BUCKET;
+        let window = BUCKET * BUCKETS as u64;
+        let recent_enough = |at: Nanos| now.saturating_sub(at) < window;
+        let ago_ms = |at: Nanos| now.saturating_sub(at) / NANOS_PER_MS;
+        let mut recent = self.recent();
+        let mut tools: Vec<ToolRefusals> = recent
+            .per_tool
+            .iter()
+            .map(|(tool, series)| {
+                let mut per_bucket = [0u32; BUCKETS];
+                let mut codes: Vec<CodeCount> = series
+                    .codes
+                    .iter()
+                    .map(|(code, counts)| {
+                        let counts = counts.window(bucket);
+                        for (sum, n) in per_bucket.iter_mut().zip(counts) {
+                            *sum = sum.saturating_add(n);
+                        }
+                        CodeCount { code, refused: counts.iter().map(|&n| u64::from(n)).sum() }
+                    })
+                    .filter(|c| c.refused > 0)
+                    .collect();
+                codes.sort_by(|a, b| b.refused.cmp(&a.refused).then(a.code.cmp(b.code)));
+                ToolRefusals {
+                    tool: tool.clone(),
+                    layer: series.layer.as_str(),
+                    refused: codes.iter().map(|c| c.refused).sum(),
+                    codes,
+                    per_bucket: per_bucket.to_vec(),
+                }
+            })
+            .filter(|t| t.refused > 0)
+            .collect();
+        tools.sort_by(|a, b| b.refused.cmp(&a.refused).then_with(|| a.tool.cmp(&b.tool)));
+        let latest = recent
+            .latest
+            .iter()
+            .filter(|e| recent_enough(e.at))
+            .map(|e| LatestRefusal {
+                ago_ms: ago_ms(e.at),
+                layer: e.layer.as_str(),
+                tool: e.tool.clone(),
+                code: e.code,
+                caller: format!("#{:06x}", e.caller),
+                bucket: format!("b{:02}", e.bucket),
+                tenant: e.tenant.clone(),
+                scope: e.scope.clone(),
+                limit: e.limit,
+                remaining: e.remaining,
+                retry_after_ms: e.retry_after_ms,
+                message: e.message.clone(),
+            })
+            .collect();
+        recent.scopes.retain(|_, level| recent_enough(level.at));
+        let mut scopes: Vec<(&String, &Level)> = recent.scopes.iter().collect();
+        // Busiest: most refused, then fullest (least left of its limit), then most seen.
+        let used = |l: &Level| if l.limit == 0 { 0.0 } else { 1.0 - l.remaining as f64 / l.limit as f64 };
+        scopes.sort_by(|(an, a), (bn, b)| {
+            b.refused.cmp(&a.refused).then(used(b).total_cmp(&used(a))).then(b.samples.cmp(&a.samples)).then(an.cmp(bn))
+        });
+        let scopes = scopes
+            .into_iter()
+            .take(TOP_SCOPES)
+            .map(|(scope, l)| ScopeLevel {
+                scope: scope.clone(),
+                kind: kind_of(scope),
+                bucket: format!("b{:02}", l.bucket),
+                limit: l.limit,
+                remaining: l.remaining,
+                refused: l.refused,
+                ago_ms: ago_ms(l.at),
+            })
+            .collect();
+        Snapshot {
+            window_s: window / NANOS_PER_SEC,
+            bucket_s: BUCKET / NANOS_PER_SEC,
+            admitted_total: self.admitted.load(Ordering::Relaxed),
+            refused_total: self.refused.load(Ordering::Relaxed),
+            refused_in_window: tools.iter().map(|t| t.refused).sum(),
+            tools,
+            latest,
+            scopes,
+        }
+    }
+}
+
+/// Whether a refusal's scope is a budget with a level (not a loop stop, the upstream's queue
+/// or the upstream itself, which name no caller and have no level of their own).
+fn is_budget(scope: &str) -> bool {
+    !matches!(kind_of(scope), "loop" | "queue" | "upstream" | "other")
+}
+
+/// What kind of budget a (redacted) scope name is, for people.
+fn kind_of(scope: &str) -> &'static str {
+    if scope.contains(":tool:") {
+        return "tool budget";
+    }
+    match scope.split(':').next() {
+        Some("http") => "HTTP",
+        Some("method") => "method",
+        Some("caller") => "caller",
+        Some("tenant") => "tenant",
+        Some("address") => "address",
+        Some("in_flight") => "in flight",
+        Some("loop") => "loop",
+        Some("queue") => "queue",
+        Some("upstream") => "upstream",
+        _ => "other",
+    }
+}
+
+/// The last ten minutes, as `GET /dashboard/data` serves them.
+#[derive(Debug, Clone, Serialize)]
+pub struct Snapshot {
+    /// The window everything below covers, in seconds.
+    pub window_s: u64,
+    /// The width of one bucket of `per_bucket`, in seconds.
+    pub bucket_s: u64,
+    /// Tool calls admitted since start.
+    pub admitted_total: u64,
+    /// Refusals since start, every layer.
+    pub refused_total: u64,
+    /// Refusals within the window.
+    pub refused_in_window: u64,
+    /// Refusals per tool (or method, or `POST /mcp`) within the window, most refused first.
+    pub tools: Vec<ToolRefusals>,
+    /// The latest refusals, newest first.
+    pub latest: Vec<LatestRefusal>,
+    /// The busiest scopes: most refused, then fullest.
+    pub scopes: Vec<ScopeLevel>,
+}
+
+/// One tool's refusals within the window.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolRefusals {
+    /// The tool, method or `POST /mcp`.
+    pub tool: String,
+    /// `http`, `method` or `tool`.
+    pub layer: &'static str,
+    /// Refusals within the window.
+    pub refused: u64,
+    /// The same, per code, most first.
+    pub codes: Vec<CodeCount>,
+    /// Refusals per bucket, oldest first; the last one is the current bucket.
+    pub per_bucket: Vec<u32>,
+}
+
+/// Refusals of one code.
+#[derive(Debug, Clone, Serialize)]
+pub struct CodeCount {
+    /// `rate_limited`, `busy`, …
+    pub code: &'static str,
+    /// How many within the window.
+    pub refused: u64,
+}
+
+/// One recent refusal, redacted.
+#[derive(Debug, Clone, Serialize)]
+pub struct LatestRefusal {
+    /// How long ago, on the server's clock.
+    pub ago_ms: u64,
+    /// `http`, `method` or `tool`.
+    pub layer: &'static str,
+    /// The tool, method or `POST /mcp`.
+    pub tool: String,
+    /// The refusal code.
+    pub code: &'static str,
+    /// The caller, hashed (`#3fa2c1`).
+    pub caller: String,
+    /// The caller's metrics bucket (`b07`).
+    pub bucket: String,
+    /// The caller's tenant, if its key has one.
+    pub tenant: Option<String>,
+    /// The scope that refused, redacted.
+    pub scope: Option<String>,
+    /// Its limit.
+    pub limit: Option<u64>,
+    /// What was left in it.
+    pub remaining: Option<u64>,
+    /// The wait the caller was given.
+    pub retry_after_ms: Option<u64>,
+    /// The sentence the caller read, redacted.
+    pub message: String,
+}
+
+/// A scope's last known level.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScopeLevel {
+    /// The scope, redacted (`caller:#3fa2c1`, `tenant:acme:tool:generate_image`).
+    pub scope: String,
+    /// `caller`, `tenant`, `tool budget`, `address`, `in flight`, …
+    pub kind: &'static str,
+    /// The metrics bucket of the caller last seen on it.
+    pub bucket: String,
+    /// Its limit.
+    pub limit: u64,
+    /// Units left when last seen.
+    pub remaining: u64,
+    /// Refusals it gave within the window.
+    pub refused: u64,
+    /// How long ago it was last seen.
+    pub ago_ms: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused<'a>(tool: &'a str, scope: &'a str, message: &'a str) -> Refused<'a> {
+        Refused {
+            layer: Layer::Tool,
+            tool,
+            code: "rate_limited",
+            scope: Some(scope),
+            limit: Some(60),
+            remaining: Some(0),
+            retry_after_ms: Some(1000),
+            message,
+        }
+    }
+
+    #[test]
+    fn counts_land_in_their_bucket_and_leave_the_window_after_ten_minutes() {
+        let activity = Activity::new();
+        let caller = Caller::from_token("agent");
+        for at in [0, 1, 2] {
+            activity.refused(&caller, refused("list_articles", "caller:x", "wait"), at * NANOS_PER_SEC);
+        }
+        activity.refused(&caller, refused("list_articles", "caller:x", "wait"), 15 * NANOS_PER_SEC);
+        let snap = activity.snapshot(15 * NANOS_PER_SEC);
+        let tool = &snap.tools[0];
+        assert_eq!((tool.refused, snap.refused_in_window, snap.refused_total), (4, 4, 4));
+        assert_eq!(&tool.per_bucket[BUCKETS - 2..], &[3, 1]);
+        // 590 s later the first bucket has left the window; the second is its oldest.
+        let snap = activity.snapshot(15 * NANOS_PER_SEC + 590 * NANOS_PER_SEC);
+        assert_eq!(snap.tools[0].per_bucket[0], 1);
+        assert_eq!(snap.tools[0].refused, 1);
+        let snap = activity.snapshot(20 * 60 * NANOS_PER_SEC);
+        assert!(snap.tools.is_empty() && snap.latest.is_empty() && snap.scopes.is_empty(), "{snap:?}");
+        assert_eq!(snap.refused_total, 4, "the total counts since start");
+        // A lap later the ring's slots are reused from zero.
+        activity.refused(&caller, refused("list_articles", "caller:x", "wait"), 20 * 60 * NANOS_PER_SEC);
+        assert_eq!(activity.snapshot(20 * 60 * NANOS_PER_SEC).tools[0].per_bucket.iter().sum::<u32>(), 1);
+    }
+
+    #[test]
+    fn callers_and_addresses_are_stored_only_hashed() {
+        let activity = Activity::new();
+        let caller = Caller::from_token("sk-secret");
+        let scope = format!("caller:{}", caller.id());
+        let message = format!("refused for {}", caller.id());
+        activity.refused(&caller, refused("generate_image", &scope, &message), 0);
+        let d = Decision { allowed: true, limit: 60, remaining: 1, retry_after: 0, reset_after: 0 };
+        let method = format!("method:tools/call:{}", caller.id());
+        activity.admitted(&caller, [(method.as_str(), &d)].into_iter(), 0);
+        let json = serde_json::to_string(&activity.snapshot(0)).expect("json");
+        assert!(!json.contains(caller.id()) && !json.contains(&caller.id()[4..]), "{json}");
+        let hashed = activity.hashed(caller.id());
+        assert!(json.contains(&format!("caller:{hashed}")) && json.contains(&format!("method:tools/call:{hashed}")));
+        assert!(json.contains(&format!("\"caller\":\"{hashed}\"")), "{json}");
+        assert!(json.contains(&format!("\"bucket\":\"b{:02}\"", caller.bucket())), "{json}");
+    }
+
+    #[test]
+    fn levels_are_sampled_now_and_then_and_whenever_a_scope_runs_low() {
+        let activity = Activity::new();
+        let caller = Caller::from_token("agent");
+        let roomy = Decision { allowed: true, limit: 100, remaining: 90, retry_after: 0, reset_after: 0 };
+        for _ in 1..SAMPLE_EVERY * 2 {
+            activity.admitted(&caller, [("tenant:roomy", &roomy)].into_iter(), 0);
+        }
+        let low = Decision { remaining: 20, ..roomy };
+        activity.admitted(&caller, [("tenant:low", &low)].into_iter(), 0);
+        // A loop stop is a refusal, not a budget with a level.
+        activity.refused(&caller, refused("list_articles", "loop:list_articles", "loop"), 0);
+        let snap = activity.snapshot(0);
+        assert_eq!(snap.latest[0].scope.as_deref(), Some("loop:list_articles"));
+        assert_eq!(snap.admitted_total, SAMPLE_EVERY * 2);
+        let level = |name: &str| snap.scopes.iter().find(|s| s.scope == name).map(|s| s.remaining);
+        assert_eq!(level("tenant:roomy"), Some(90), "sampled: {:?}", snap.scopes);
+        assert_eq!(level("tenant:low"), Some(20), "the 32nd call was not due a sample, but it ran low");
+        assert_eq!(snap.scopes.len(), 2, "{:?}", snap.scopes);
+        assert_eq!(snap.scopes[0].scope, "tenant:low", "the fuller scope ranks first");
+    }
+
+    #[test]
+    fn memory_stays_bounded_by_the_latest_and_the_scope_caps() {
+        let activity = Activity::new();
+        for i in 0..(MAX_SCOPES * 2) {
+            let caller = Caller::from_token(&format!("agent-{i}"));
+            let scope = format!("caller:{}", caller.id());
+            activity.refused(&caller, refused("list_articles", &scope, "wait"), i as u64);
+        }
+        let recent = activity.recent();
+        assert_eq!((recent.latest.len(), recent.scopes.len()), (LATEST, MAX_SCOPES));
+    }
+}

@@ -1,0 +1,192 @@
+//! The live dashboard: `GET /dashboard`, a page served by the server itself, and
+//! `GET /dashboard/data`, the JSON it polls once a second.
+//!
+//! The page is plain HTML, CSS and JavaScript compiled into the binary (`include_str!`): no build
+//! step, no CDN, nothing fetched from anywhere but this server, so it works with no network. It
+//! shows which tool is refused, for whom (a hashed caller and its bucket) and why, the busiest
+//! budgets with their level, the jobs in flight per tenant, the upstream account's queue, the
+//! circuit breaker and the limiter store. The data comes from [`Activity`](crate::activity) (the
+//! last ten minutes of refusals and sampled levels) and from live state read when it is asked
+//! for, like the gauges of `/metrics`.
+//!
+//! Like `/metrics` it is never limited; like `/mcp` it sits behind the DNS-rebinding protection
+//! (a foreign `Host` or `Origin` gets 403), so a web page elsewhere cannot read it through the
+//! user's browser. It is read-only and names nobody: callers and addresses only hashed. The page
+//! runs under a Content-Security-Policy that allows nothing but this server's own script, style
+//! and data, and it writes every value into the DOM as text.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use http::{HeaderValue, header};
+use serde::Serialize;
+
+use crate::activity::Snapshot;
+use crate::app::AppState;
+use crate::clock::NANOS_PER_MS;
+use crate::config::Backend;
+use crate::upstream::breaker::BreakerState;
+
+const PAGE: &str = include_str!("dashboard.html");
+const SCRIPT: &str = include_str!("dashboard.js");
+const STYLE: &str = include_str!("dashboard.css");
+
+/// Only this server's own script, style and data; no inline code, no framing, no forms.
+const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; \
+                   base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+/// The dashboard's routes (the caller puts the DNS-rebinding protection in front).
+pub fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/dashboard", get(|| async { guarded("text/html; charset=utf-8", PAGE) }))
+        .route("/dashboard/dashboard.js", get(|| async { guarded("text/javascript; charset=utf-8", SCRIPT) }))
+        .route("/dashboard/dashboard.css", get(|| async { guarded("text/css; charset=utf-8", STYLE) }))
+        .route("/dashboard/data", get(data))
+}
+
+/// A response with the headers every dashboard answer carries: no sniffing, no caching (the page
+/// and its data change with the binary and with every second), no framing, no referrer.
+fn guarded(content_type: &'static str, body: impl IntoResponse) -> Response {
+    let mut response = body.into_response();
+    let headers = response.headers_mut();
+    for (name, value) in [
+        (header::CONTENT_TYPE, content_type),
+        (header::CONTENT_SECURITY_POLICY, CSP),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (header::CACHE_CONTROL, "no-store"),
+        (header::X_FRAME_OPTIONS, "DENY"),
+        (header::REFERRER_POLICY, "no-referrer"),
+    ] {
+        headers.insert(name, HeaderValue::from_static(value));
+    }
+    response
+}
+
+async fn data(State(app): State<Arc<AppState>>) -> Response {
+    match serde_json::to_string(&Board::read(&app)) {
+        Ok(json) => guarded("application/json", json),
+        Err(error) => {
+            tracing::warn!(%error, "cannot encode the dashboard's data");
+            guarded("application/json", (http::StatusCode::INTERNAL_SERVER_ERROR, "{}"))
+        }
+    }
+}
+
+/// Everything the page shows, read at one instant of the server's clock.
+#[derive(Debug, Serialize)]
+struct Board {
+    /// The server's clock, in milliseconds since it started.
+    now_ms: u64,
+    /// Whether limits are enforced at all (`limits.enabled`).
+    limits_enabled: bool,
+    #[serde(flatten)]
+    activity: Snapshot,
+    jobs: JobsNow,
+    breaker: BreakerNow,
+    store: StoreNow,
+}
+
+/// Jobs in flight and the upstream account's queue.
+#[derive(Debug, Serialize)]
+struct JobsNow {
+    /// Jobs not final yet.
+    in_flight: usize,
+    /// Per tenant (or hashed caller without one): running and waiting jobs, most first.
+    per_owner: Vec<OwnerJobs>,
+    /// The upstream account's slots in use, and how many it has.
+    account_in_use: usize,
+    account_max: usize,
+    /// Jobs waiting for an account slot, and the most that may.
+    queue_waiting: usize,
+    queue_max: usize,
+    /// Videos among them, and the most that may wait.
+    videos_waiting: usize,
+    videos_max: usize,
+}
+
+#[derive(Debug, Serialize)]
+struct OwnerJobs {
+    /// `tenant acme`, or `caller #3fa2c1` for a caller without a tenant.
+    owner: String,
+    running: usize,
+    waiting: usize,
+}
+
+#[derive(Debug, Serialize)]
+struct BreakerNow {
+    /// `closed`, `half_open` or `open`.
+    state: &'static str,
+    /// While open: milliseconds until one probe may go.
+    open_for_ms: Option<u64>,
+    /// Consecutive failures that open it.
+    failures_to_open: u32,
+}
+
+#[derive(Debug, Serialize)]
+struct StoreNow {
+    /// `memory` or `redis`.
+    backend: &'static str,
+    /// Whether the last decision on it succeeded.
+    up: bool,
+}
+
+impl Board {
+    fn read(app: &AppState) -> Self {
+        let now = app.clock.now();
+        let activity = app.guard.activity();
+        let mut per_owner: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+        for (owner, started) in app.jobs.pending_owners() {
+            let name = match &owner.tenant {
+                Some(tenant) => format!("tenant {tenant}"),
+                None => format!("caller {}", activity.hashed(&owner.caller)),
+            };
+            let counts = per_owner.entry(name).or_default();
+            if started {
+                counts.0 += 1;
+            } else {
+                counts.1 += 1;
+            }
+        }
+        let mut per_owner: Vec<OwnerJobs> =
+            per_owner.into_iter().map(|(owner, (running, waiting))| OwnerJobs { owner, running, waiting }).collect();
+        per_owner.sort_by_key(|o| std::cmp::Reverse(o.running + o.waiting));
+        let occupancy = app.jobs.occupancy();
+        let upstream = &app.config.upstream;
+        let breaker = match app.upstream.breaker().state(now) {
+            BreakerState::Closed => "closed",
+            BreakerState::HalfOpen => "half_open",
+            BreakerState::Open => "open",
+        };
+        Self {
+            now_ms: now / NANOS_PER_MS,
+            limits_enabled: app.guard.enabled(),
+            activity: activity.snapshot(now),
+            jobs: JobsNow {
+                in_flight: per_owner.iter().map(|o| o.running + o.waiting).sum(),
+                per_owner,
+                account_in_use: occupancy.in_flight,
+                account_max: upstream.max_in_flight,
+                queue_waiting: occupancy.waiting,
+                queue_max: upstream.queue_max,
+                videos_waiting: occupancy.videos_waiting,
+                videos_max: upstream.video_queue_max,
+            },
+            breaker: BreakerNow {
+                state: breaker,
+                open_for_ms: app.upstream.open_for().map(|n| n.div_ceil(NANOS_PER_MS)),
+                failures_to_open: upstream.breaker_failures,
+            },
+            store: StoreNow {
+                backend: match app.config.store.backend {
+                    Backend::Memory => "memory",
+                    Backend::Redis => "redis",
+                },
+                up: app.guard.store_up(),
+            },
+        }
+    }
+}
