@@ -556,7 +556,8 @@ pub struct ScopeLevel {
     pub limit: u64,
     /// Units left when last seen.
     pub remaining: u64,
-    /// Refusals it gave within the window.
+    /// Refusals it gave since it was first seen (a budget unseen for a whole window is
+    /// forgotten).
     pub refused: u64,
     /// How long ago it was last seen.
     pub ago_ms: u64,
