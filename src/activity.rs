@@ -22,8 +22,8 @@
 //! readings of the server's one clock.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use serde::Serialize;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -116,8 +116,23 @@ fn slot(bucket: u64) -> usize {
 /// One tool's (or method's) refusals per code.
 #[derive(Debug)]
 struct ToolSeries {
+    /// The tool's name, shared with its refusals in the latest list.
+    name: Arc<str>,
     layer: Layer,
     codes: Vec<(&'static str, Series)>,
+}
+
+impl ToolSeries {
+    fn count(&mut self, code: &'static str, bucket: u64) {
+        match self.codes.iter_mut().find(|(c, _)| *c == code) {
+            Some((_, counts)) => counts.add(bucket),
+            None => {
+                let mut counts = Series::new(bucket);
+                counts.add(bucket);
+                self.codes.push((code, counts));
+            }
+        }
+    }
 }
 
 /// One refusal, redacted.
@@ -125,12 +140,12 @@ struct ToolSeries {
 struct Entry {
     at: Nanos,
     layer: Layer,
-    tool: String,
+    tool: Arc<str>,
     code: &'static str,
     caller: u32,
     bucket: u8,
     tenant: Option<String>,
-    scope: Option<String>,
+    scope: Option<Arc<str>>,
     limit: Option<u64>,
     remaining: Option<u64>,
     retry_after_ms: Option<u64>,
@@ -140,6 +155,8 @@ struct Entry {
 /// A scope's last known level.
 #[derive(Debug)]
 struct Level {
+    /// The redacted scope name, shared with the refusals it gave.
+    name: Arc<str>,
     at: Nanos,
     limit: u64,
     remaining: u64,
@@ -150,21 +167,44 @@ struct Level {
 
 #[derive(Debug, Default)]
 struct Recent {
-    per_tool: HashMap<String, ToolSeries>,
+    per_tool: HashMap<Arc<str>, ToolSeries>,
     latest: VecDeque<Entry>,
     /// By redacted scope name.
-    scopes: HashMap<String, Level>,
+    scopes: HashMap<Arc<str>, Level>,
 }
 
 impl Recent {
-    fn level(&mut self, scope: String, at: Nanos) -> &mut Level {
+    /// Updates the level of the (redacted) `scope` seen at `at`, making room for it if it is new;
+    /// returns its shared name. (One hash lookup when it is known: this runs for every refusal.)
+    fn touch(&mut self, scope: &str, at: Nanos, update: impl FnOnce(&mut Level)) -> Arc<str> {
+        if let Some(level) = self.scopes.get_mut(scope) {
+            level.at = at;
+            update(level);
+            return level.name.clone();
+        }
         if self.scopes.len() >= MAX_SCOPES
-            && !self.scopes.contains_key(&scope)
-            && let Some(oldest) = self.scopes.iter().min_by_key(|(_, l)| l.at).map(|(k, _)| k.clone())
+            && let Some(oldest) = self.scopes.values().min_by_key(|l| l.at).map(|l| l.name.clone())
         {
             self.scopes.remove(&oldest);
         }
-        self.scopes.entry(scope).or_insert(Level { at, limit: 0, remaining: 0, bucket: 0, refused: 0, samples: 0 })
+        let name: Arc<str> = Arc::from(scope);
+        let mut level = Level { name: name.clone(), at, limit: 0, remaining: 0, bucket: 0, refused: 0, samples: 0 };
+        update(&mut level);
+        self.scopes.insert(name.clone(), level);
+        name
+    }
+
+    /// Counts a refusal of `tool` with `code` in `bucket`; returns the tool's shared name.
+    fn count(&mut self, tool: &str, layer: Layer, code: &'static str, bucket: u64) -> Arc<str> {
+        if let Some(series) = self.per_tool.get_mut(tool) {
+            series.count(code, bucket);
+            return series.name.clone();
+        }
+        let name: Arc<str> = Arc::from(tool);
+        let mut series = ToolSeries { name: name.clone(), layer, codes: Vec::new() };
+        series.count(code, bucket);
+        self.per_tool.insert(name.clone(), series);
+        name
     }
 }
 
@@ -197,21 +237,33 @@ impl Activity {
     /// How an identifier (a caller id, an address) is shown: `#` and six hex digits of a keyed
     /// hash, the same for the same identifier while this process runs.
     pub fn hashed(&self, id: &str) -> String {
-        format!("#{:06x}", self.hash(id))
+        shown(self.hash(id))
     }
 
     fn hash(&self, id: &str) -> u32 {
         (xxh3_64_with_seed(id.as_bytes(), self.key) & 0x00ff_ffff) as u32
     }
 
-    /// `text` with the caller's id and address replaced by their hashed forms.
-    fn redact(&self, text: &str, caller: &Caller) -> String {
-        let mut out = text.to_owned();
-        for id in [Some(caller.id()), caller.unverified_from()].into_iter().flatten() {
-            if out.contains(id) {
-                out = out.replace(id, &self.hashed(id));
-            }
+    /// Writes `text` into `out` (cleared first) with the caller's id and address replaced by
+    /// their hashed forms. One pass, no allocation beyond `out`'s growth: it runs for every
+    /// refusal.
+    fn redact_into(&self, text: &str, caller: &Caller, out: &mut String) {
+        out.clear();
+        let ids = [Some(caller.id()), caller.unverified_from()];
+        let mut rest = text;
+        loop {
+            let next = ids.iter().flatten().filter_map(|id| Some((find(rest, id)?, *id))).min();
+            let Some((at, id)) = next else { break };
+            out.push_str(&rest[..at]);
+            push_hashed(out, self.hash(id));
+            rest = &rest[at + id.len()..];
         }
+        out.push_str(rest);
+    }
+
+    fn redact(&self, text: &str, caller: &Caller) -> String {
+        let mut out = String::with_capacity(text.len());
+        self.redact_into(text, caller, &mut out);
         out
     }
 
@@ -227,12 +279,14 @@ impl Activity {
             return;
         }
         let bucket = caller.bucket();
-        let named: Vec<(String, &Decision)> = levels.map(|(scope, d)| (self.redact(scope, caller), d)).collect();
+        let mut name = String::with_capacity(64);
         let mut recent = self.recent();
-        for (scope, d) in named {
-            let level = recent.level(scope, now);
-            (level.at, level.limit, level.remaining, level.bucket) = (now, d.limit, d.remaining, bucket);
-            level.samples += 1;
+        for (scope, d) in levels {
+            self.redact_into(scope, caller, &mut name);
+            recent.touch(&name, now, |level| {
+                (level.limit, level.remaining, level.bucket) = (d.limit, d.remaining, bucket);
+                level.samples += 1;
+            });
         }
     }
 
@@ -240,51 +294,42 @@ impl Activity {
     pub fn refused(&self, caller: &Caller, refused: Refused<'_>, now: Nanos) {
         self.refused.fetch_add(1, Ordering::Relaxed);
         let bucket = caller.bucket();
-        let scope = refused.scope.map(|s| self.redact(s, caller));
-        let entry = Entry {
-            at: now,
-            layer: refused.layer,
-            tool: refused.tool.to_owned(),
-            code: refused.code,
-            caller: self.hash(caller.id()),
-            bucket,
-            tenant: caller.tenant().map(str::to_owned),
-            scope: scope.clone(),
-            limit: refused.limit,
-            remaining: refused.remaining,
-            retry_after_ms: refused.retry_after_ms,
-            message: self.redact(refused.message, caller),
-        };
-        let mut recent = self.recent();
-        let series = match recent.per_tool.get_mut(refused.tool) {
-            Some(series) => series,
-            None => recent
-                .per_tool
-                .entry(refused.tool.to_owned())
-                .or_insert(ToolSeries { layer: refused.layer, codes: Vec::new() }),
-        };
-        let at = now / BUCKET;
-        match series.codes.iter_mut().find(|(code, _)| *code == refused.code) {
-            Some((_, counts)) => counts.add(at),
-            None => {
-                let mut counts = Series::new(at);
-                counts.add(at);
-                series.codes.push((refused.code, counts));
-            }
+        let message = self.redact(refused.message, caller);
+        let tenant = caller.tenant().map(str::to_owned);
+        let mut scope = String::new();
+        if let Some(name) = refused.scope {
+            self.redact_into(name, caller, &mut scope);
         }
+        let mut recent = self.recent();
+        let scope: Option<Arc<str>> = match refused.scope {
+            None => None,
+            Some(_) if is_budget(&scope) => Some(recent.touch(&scope, now, |level| {
+                level.bucket = bucket;
+                level.refused += 1;
+                if let (Some(limit), Some(remaining)) = (refused.limit, refused.remaining) {
+                    (level.limit, level.remaining) = (limit, remaining);
+                }
+            })),
+            Some(_) => Some(Arc::from(scope)),
+        };
+        let tool = recent.count(refused.tool, refused.layer, refused.code, now / BUCKET);
         if recent.latest.len() >= LATEST {
             recent.latest.pop_back();
         }
-        recent.latest.push_front(entry);
-        if let Some(scope) = scope.filter(|s| is_budget(s)) {
-            let level = recent.level(scope, now);
-            level.at = now;
-            level.bucket = bucket;
-            level.refused += 1;
-            if let (Some(limit), Some(remaining)) = (refused.limit, refused.remaining) {
-                (level.limit, level.remaining) = (limit, remaining);
-            }
-        }
+        recent.latest.push_front(Entry {
+            at: now,
+            layer: refused.layer,
+            tool,
+            code: refused.code,
+            caller: self.hash(caller.id()),
+            bucket,
+            tenant,
+            scope,
+            limit: refused.limit,
+            remaining: refused.remaining,
+            retry_after_ms: refused.retry_after_ms,
+            message,
+        });
     }
 
     /// What the dashboard shows at `now`: the last ten minutes.
@@ -313,7 +358,7 @@ impl Activity {
                     .collect();
                 codes.sort_by(|a, b| b.refused.cmp(&a.refused).then(a.code.cmp(b.code)));
                 ToolRefusals {
-                    tool: tool.clone(),
+                    tool: tool.to_string(),
                     layer: series.layer.as_str(),
                     refused: codes.iter().map(|c| c.refused).sum(),
                     codes,
@@ -330,12 +375,12 @@ impl Activity {
             .map(|e| LatestRefusal {
                 ago_ms: ago_ms(e.at),
                 layer: e.layer.as_str(),
-                tool: e.tool.clone(),
+                tool: e.tool.to_string(),
                 code: e.code,
-                caller: format!("#{:06x}", e.caller),
+                caller: shown(e.caller),
                 bucket: format!("b{:02}", e.bucket),
                 tenant: e.tenant.clone(),
-                scope: e.scope.clone(),
+                scope: e.scope.as_deref().map(str::to_owned),
                 limit: e.limit,
                 remaining: e.remaining,
                 retry_after_ms: e.retry_after_ms,
@@ -343,7 +388,7 @@ impl Activity {
             })
             .collect();
         recent.scopes.retain(|_, level| recent_enough(level.at));
-        let mut scopes: Vec<(&String, &Level)> = recent.scopes.iter().collect();
+        let mut scopes: Vec<(&Arc<str>, &Level)> = recent.scopes.iter().collect();
         // Busiest: most refused, then fullest (least left of its limit), then most seen.
         let used = |l: &Level| if l.limit == 0 { 0.0 } else { 1.0 - l.remaining as f64 / l.limit as f64 };
         scopes.sort_by(|(an, a), (bn, b)| {
@@ -353,7 +398,7 @@ impl Activity {
             .into_iter()
             .take(TOP_SCOPES)
             .map(|(scope, l)| ScopeLevel {
-                scope: scope.clone(),
+                scope: scope.to_string(),
                 kind: kind_of(scope),
                 bucket: format!("b{:02}", l.bucket),
                 limit: l.limit,
@@ -373,6 +418,30 @@ impl Activity {
             scopes,
         }
     }
+}
+
+/// Appends `#` and the six hex digits of a 24-bit hash.
+fn push_hashed(out: &mut String, hash: u32) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    out.push('#');
+    for shift in (0..6).rev() {
+        out.push(char::from(HEX[((hash >> (shift * 4)) & 0xf) as usize]));
+    }
+}
+
+/// A hash as the page shows it: `#3fa2c1`.
+fn shown(hash: u32) -> String {
+    let mut out = String::with_capacity(7);
+    push_hashed(&mut out, hash);
+    out
+}
+
+/// Where `needle` first occurs in `haystack`. A plain scan: scope names and ids are a few dozen
+/// bytes, where `str::find` spends more setting up its two-way search than searching.
+fn find(haystack: &str, needle: &str) -> Option<usize> {
+    let needle = needle.as_bytes();
+    let first = *needle.first()?;
+    haystack.as_bytes().windows(needle.len()).position(|w| w[0] == first && w == needle)
 }
 
 /// Whether a refusal's scope is a budget with a level (not a loop stop, the upstream's queue
@@ -487,7 +556,8 @@ pub struct ScopeLevel {
     pub limit: u64,
     /// Units left when last seen.
     pub remaining: u64,
-    /// Refusals it gave within the window.
+    /// Refusals it gave since it was first seen (a budget unseen for a whole window is
+    /// forgotten).
     pub refused: u64,
     /// How long ago it was last seen.
     pub ago_ms: u64,
@@ -550,6 +620,20 @@ mod tests {
         assert!(json.contains(&format!("caller:{hashed}")) && json.contains(&format!("method:tools/call:{hashed}")));
         assert!(json.contains(&format!("\"caller\":\"{hashed}\"")), "{json}");
         assert!(json.contains(&format!("\"bucket\":\"b{:02}\"", caller.bucket())), "{json}");
+    }
+
+    #[test]
+    fn an_unverified_callers_id_and_address_are_both_hashed_wherever_they_appear() {
+        let activity = Activity::new();
+        let identifier = crate::identity::Identifier::new(&crate::Config::defaults().expect("defaults"));
+        let mut headers = http::HeaderMap::new();
+        headers.insert("x-api-key", http::HeaderValue::from_static("made-up"));
+        let caller = identifier.identify(&headers, Some([203, 0, 113, 9].into())).expect("a caller");
+        let address = caller.unverified_from().expect("unverified").to_owned();
+        let text = format!("{address} then {} then address:{address}", caller.id());
+        let (a, c) = (activity.hashed(&address), activity.hashed(caller.id()));
+        assert_eq!(activity.redact(&text, &caller), format!("{a} then {c} then address:{a}"));
+        assert_eq!(activity.redact("tenant:acme", &caller), "tenant:acme");
     }
 
     #[test]
