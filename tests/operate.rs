@@ -325,8 +325,13 @@ async fn the_binary_reloads_on_sighup_and_on_a_changed_file_and_keeps_its_limits
 
     // A broken edit is refused: the limits of the last good file keep working.
     std::fs::write(&file, "[limits.caller]\nalgorithm = \"leaky_faucet\"\n").expect("write");
-    // Give the watcher time to see it (it would apply within its 200 ms settle if it could).
-    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    // The watcher saw it and refused it (counted), instead of a wait that hopes it had.
+    let metrics_url = format!("http://127.0.0.1:{port}/metrics");
+    eventually("the broken file was refused", || async {
+        let metrics = reqwest::get(&metrics_url).await.expect("metrics").text().await.expect("text");
+        metrics.contains("mcp_ratelimit_config_reloads_total{outcome=\"refused\"} 1\n")
+    })
+    .await;
     assert_eq!(caller(&call(&agent, "rate_limit_status", json!({})).await).0, Some(80));
 
     // Fixed, then SIGHUP (an operator's explicit reload) — also picked up by the watcher; either
@@ -340,7 +345,6 @@ async fn the_binary_reloads_on_sighup_and_on_a_changed_file_and_keeps_its_limits
     })
     .await;
     assert_eq!(caller(&call(&agent, "rate_limit_status", json!({})).await).1, Some(45), "the tighter burst, at once");
-    let metrics =
-        reqwest::get(format!("http://127.0.0.1:{port}/metrics")).await.expect("metrics").text().await.expect("text");
+    let metrics = reqwest::get(&metrics_url).await.expect("metrics").text().await.expect("text");
     assert!(metrics.contains("mcp_ratelimit_config_reloads_total{outcome=\"refused\"} 1\n"), "{metrics}");
 }
