@@ -368,6 +368,26 @@ impl Warning {
     }
 }
 
+/// A spend cap's use and limit in money, when a price per unit is configured.
+fn money_of(policy: &Policy, scope: &Scope, d: &Decision) -> Option<Money> {
+    let (price, currency) = policy.price.as_ref().filter(|_| scope.name().starts_with("spend:"))?;
+    let used = d.limit.saturating_sub(d.remaining);
+    Some(Money { used: used as f64 * price, cap: d.limit as f64 * price, currency: currency.clone() })
+}
+
+/// One limit as `rate_limit_status` (and the admin API) shows it.
+fn budget_status(policy: &Policy, scope: &Scope, limit: &Limit, d: &Decision) -> BudgetStatus {
+    BudgetStatus {
+        scope: scope.name().to_owned(),
+        algorithm: limit.limiter.algorithm(),
+        limit: d.limit,
+        remaining: d.remaining,
+        reset_after_ms: ceil_ms(d.reset_after),
+        shadow: !limit.enforced_mode(),
+        money: money_of(policy, scope, d),
+    }
+}
+
 /// The warnings of an admitted decision: every limit with a warning level that the call took
 /// past it.
 fn warnings_of(policy: &Policy, scopes: &[Planned<'_>], decisions: &[Decision]) -> Vec<Warning> {
@@ -378,9 +398,7 @@ fn warnings_of(policy: &Policy, scopes: &[Planned<'_>], decisions: &[Decision]) 
         if *cost == 0 || d.limit == 0 || u128::from(used) * 100 < u128::from(at) * u128::from(d.limit) {
             continue;
         }
-        let money = policy.price.as_ref().filter(|_| scope.name().starts_with("spend:")).map(|(price, currency)| {
-            Money { used: used as f64 * price, cap: d.limit as f64 * price, currency: currency.clone() }
-        });
+        let money = money_of(policy, scope, d);
         warnings.push(Warning {
             scope: scope.name().to_owned(),
             policy: limit.limiter.describe(),
@@ -750,21 +768,7 @@ impl Guard {
             scopes
                 .iter()
                 .zip(decisions)
-                .map(|((scope, limit, _), d)| BudgetStatus {
-                    scope: scope.name().to_owned(),
-                    algorithm: limit.limiter.algorithm(),
-                    limit: d.limit,
-                    remaining: d.remaining,
-                    reset_after_ms: ceil_ms(d.reset_after),
-                    shadow: !limit.enforced_mode(),
-                    money: live.policy.price.as_ref().filter(|_| scope.name().starts_with("spend:")).map(
-                        |(price, currency)| Money {
-                            used: d.limit.saturating_sub(d.remaining) as f64 * price,
-                            cap: d.limit as f64 * price,
-                            currency: currency.clone(),
-                        },
-                    ),
-                })
+                .map(|((scope, limit, _), d)| budget_status(&live.policy, scope, limit, &d))
                 .collect(),
         )
     }

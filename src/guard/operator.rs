@@ -19,9 +19,8 @@
 use crate::clock::{Nanos, ceil_ms};
 use crate::config::Limit;
 use crate::guard::policy::MethodGroup;
-use crate::guard::{BudgetStatus, Guard, Planned, Refusal, Scope, plan, status_scopes};
+use crate::guard::{BudgetStatus, Guard, Planned, Refusal, Scope, budget_status, plan, status_scopes};
 use crate::identity::Caller;
-use crate::limit::Decision;
 use crate::metrics::Layer;
 use crate::store::{Check, StoreError, new_lease};
 
@@ -168,18 +167,6 @@ fn tool_budgets<'p>(policy: &'p crate::guard::Policy, caller: &Caller, out: &mut
     }
 }
 
-fn status_of(scope: &Scope, limit: &Limit, d: &Decision) -> BudgetStatus {
-    BudgetStatus {
-        scope: scope.name().to_owned(),
-        algorithm: limit.limiter.algorithm(),
-        limit: d.limit,
-        remaining: d.remaining,
-        reset_after_ms: ceil_ms(d.reset_after),
-        shadow: !limit.enforced_mode(),
-        money: None,
-    }
-}
-
 impl Guard {
     /// The refusal of a call an operator's block stopped, counted and logged like any other.
     pub(super) fn refuse_blocked(&self, caller: &Caller, tool: &str, scope: &str, left: Nanos) -> Refusal {
@@ -215,7 +202,7 @@ impl Guard {
             .map(|(scope, limit)| Check { key: scope.key(), limiter: &limit.limiter, cost: 0, shadow: false })
             .collect();
         let decisions = self.store.decide(&checks, new_lease()).await?;
-        Ok(scopes.iter().zip(&decisions).map(|((scope, limit), d)| status_of(scope, limit, d)).collect())
+        Ok(scopes.iter().zip(&decisions).map(|((scope, limit), d)| budget_status(&policy, scope, limit, d)).collect())
     }
 
     /// The blocks in force on `target`.
@@ -262,7 +249,7 @@ impl Guard {
         let decision = self.store.refund(scope.key(), &limit.limiter, units).await?;
         self.forgive().await;
         tracing::info!(action = "refund", target = %target.label(), scope = scope.name(), units, "admin action");
-        Ok(status_of(scope, limit, &decision))
+        Ok(budget_status(&policy, scope, limit, &decision))
     }
 
     /// Blocks `target`'s tool calls for `duration`: each is refused `rate_limited` with the time
