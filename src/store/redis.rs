@@ -77,18 +77,25 @@ use crate::clock::Nanos;
 use crate::limit::{Decision, Limiter};
 use crate::store::{Check, Verdict};
 
+/// A script of the prelude, every algorithm, then the entry point `entry` (a file in `redis/`).
+macro_rules! with_every_algorithm {
+    ($entry:literal) => {
+        concat!(
+            include_str!("redis/prelude.lua"),
+            include_str!("redis/token_bucket.lua"),
+            include_str!("redis/gcra.lua"),
+            include_str!("redis/fixed_window.lua"),
+            include_str!("redis/sliding_log.lua"),
+            include_str!("redis/sliding_window.lua"),
+            include_str!("redis/leaky_bucket.lua"),
+            include_str!("redis/concurrency.lua"),
+            include_str!($entry),
+        )
+    };
+}
+
 /// The decide script: the prelude, every algorithm, then the entry point.
-const DECIDE_SCRIPT: &str = concat!(
-    include_str!("redis/prelude.lua"),
-    include_str!("redis/token_bucket.lua"),
-    include_str!("redis/gcra.lua"),
-    include_str!("redis/fixed_window.lua"),
-    include_str!("redis/sliding_log.lua"),
-    include_str!("redis/sliding_window.lua"),
-    include_str!("redis/leaky_bucket.lua"),
-    include_str!("redis/concurrency.lua"),
-    include_str!("redis/decide.lua"),
-);
+const DECIDE_SCRIPT: &str = with_every_algorithm!("redis/decide.lua");
 
 /// The release script: the prelude, in-flight slots, then the entry point.
 const RELEASE_SCRIPT: &str = concat!(
@@ -102,17 +109,7 @@ const RENEW_SCRIPT: &str =
     concat!(include_str!("redis/prelude.lua"), include_str!("redis/concurrency.lua"), include_str!("redis/renew.lua"),);
 
 /// The refund script: the prelude, every algorithm, then the entry point.
-const REFUND_SCRIPT: &str = concat!(
-    include_str!("redis/prelude.lua"),
-    include_str!("redis/token_bucket.lua"),
-    include_str!("redis/gcra.lua"),
-    include_str!("redis/fixed_window.lua"),
-    include_str!("redis/sliding_log.lua"),
-    include_str!("redis/sliding_window.lua"),
-    include_str!("redis/leaky_bucket.lua"),
-    include_str!("redis/concurrency.lua"),
-    include_str!("redis/refund.lua"),
-);
+const REFUND_SCRIPT: &str = with_every_algorithm!("redis/refund.lua");
 
 /// The loop script: the prelude, then the loop detector's twin.
 const LOOPS_SCRIPT: &str = concat!(include_str!("redis/prelude.lua"), include_str!("redis/loops.lua"));
