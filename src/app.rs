@@ -1,82 +1,63 @@
-//! The composition root: builds the shared state once and serves it over a transport.
+//! The composition root: builds the shared [`AppState`] once, puts the HTTP layers, rmcp's
+//! service and the routes together, and serves them over a transport.
 //!
-//! Everything a tool call needs lives in [`AppState`], shared by every session of every
-//! transport, so a caller has one budget however many sessions it opens.
+//! Nothing below imports this module: the layers, the MCP handler and the limits are handed what
+//! they need here.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::extract::State;
+use axum::routing::get;
 use axum::serve::ListenerExt;
+use axum::{Json, Router, middleware};
+use http::header;
 use rmcp::ServiceExt;
+use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
+use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::breaker::Breaker;
 use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC, SharedClock};
-use crate::config::{Backend, Config};
-use crate::guard::Guard;
-use crate::identity::Identifier;
+use crate::config::Config;
+use crate::http::front_door::{self, AllowedHosts, IdentifyLayer};
+use crate::http::limit::HttpLimitLayer;
+use crate::http::{Shared, dashboard};
 use crate::mcp::{McpServer, Transport};
-use crate::metrics::Metrics;
 use crate::mock_upstream::MockUpstream;
-use crate::store::{RedisStore, Store};
-use crate::upstream::Upstream;
+use crate::rate_limits::{LimitsError, RateLimits};
+use crate::state::AppState;
 use crate::upstream::backoff::{Backoff, RetryBudget};
-use crate::upstream::breaker::Breaker;
 use crate::upstream::jobs::{JobRules, Jobs};
 use crate::upstream::queue::{FairQueue, QueueRules};
+use crate::upstream::{ClientError, Upstream};
 
-/// State shared by every session.
-#[derive(Debug)]
-pub struct AppState {
-    /// The validated config.
-    pub config: Config,
-    /// The one clock.
-    pub clock: SharedClock,
-    /// Names callers (keys, tenants, tiers, trusted proxies); swapped whole by a reload.
-    pub identifier: arc_swap::ArcSwap<Identifier>,
-    /// Budgets and refusals.
-    pub guard: Guard,
-    /// What the limits are doing.
-    pub metrics: Arc<Metrics>,
-    /// The paid API, behind its circuit breaker.
-    pub upstream: Arc<Upstream>,
-    /// Jobs accepted and not yet forgotten: their slots, the account's fair queue, background polls.
-    pub jobs: Arc<Jobs>,
-}
-
-impl AppState {
-    /// Sets the gauges that are read from live state when `/metrics` is scraped.
-    pub fn sample_gauges(&self) {
-        use crate::metrics::{ACCOUNT_SLOTS_IN_USE, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH, STORE_UP};
-        use crate::upstream::breaker::BreakerState;
-        let occupancy = self.jobs.occupancy();
-        // Per flow bucket (a 16-way hash of the tenant or caller, never its name); every bucket
-        // is set, so an emptied one reads 0 instead of its last value.
-        let mut buckets = [0usize; 16];
-        for (flow, waiting) in &occupancy.per_flow {
-            buckets[usize::from(crate::identity::bucket_of(flow))] += waiting;
-        }
-        for (bucket, waiting) in buckets.iter().enumerate() {
-            let label = metrics::Label::new("flow_bucket", format!("b{bucket:02}"));
-            self.metrics.sample(QUEUE_DEPTH, vec![label], *waiting as f64);
-        }
-        self.metrics.sample(ACCOUNT_SLOTS_IN_USE, Vec::new(), occupancy.in_flight as f64);
-        self.metrics.sample(JOBS_IN_FLIGHT, Vec::new(), self.jobs.in_flight() as f64);
-        let breaker = match self.upstream.breaker().state(self.clock.now()) {
-            BreakerState::Closed => 0.0,
-            BreakerState::HalfOpen => 1.0,
-            BreakerState::Open => 2.0,
-        };
-        self.metrics.sample(BREAKER_STATE, Vec::new(), breaker);
-        self.metrics.sample(STORE_UP, Vec::new(), if self.guard.store_up() { 1.0 } else { 0.0 });
-    }
+/// Why the server could not start or serve.
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    /// A listener (the embedded mock upstream's, or a transport's) could not be opened or failed.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// The upstream client could not be made.
+    #[error(transparent)]
+    Upstream(#[from] ClientError),
+    /// The limits could not be built (their store did not answer, or the CA file is bad).
+    #[error(transparent)]
+    Limits(#[from] LimitsError),
+    /// The MCP session over stdio could not start or ended in error.
+    #[error("MCP over stdio: {0}")]
+    Stdio(String),
 }
 
 /// A started server: state, the embedded mock upstream if any, and the housekeeping task.
 #[derive(Debug)]
 pub struct App {
     state: Arc<AppState>,
+    /// The limits, as any rmcp server would use them; their housekeeping lives as long as this.
+    limits: RateLimits,
     upstream_url: String,
     stop: CancellationToken,
     _mock: Option<MockUpstream>,
@@ -84,7 +65,7 @@ pub struct App {
 
 impl App {
     /// Builds the state, starting the embedded mock upstream when `upstream.url` is empty.
-    pub async fn start(config: Config, clock: SharedClock) -> anyhow::Result<Self> {
+    pub async fn start(config: Config, clock: SharedClock) -> Result<Self, AppError> {
         let mock = if config.upstream.url.is_empty() {
             let listener = TcpListener::bind("127.0.0.1:0").await?;
             Some(MockUpstream::start(config.mock_upstream.clone(), clock.clone(), listener).await?)
@@ -97,7 +78,7 @@ impl App {
         let timeout = Duration::from_millis(up.timeout_ms);
         let breaker = Breaker::new(up.breaker_failures, ms(up.breaker_cooldown_ms));
         let upstream = Arc::new(Upstream::new(&upstream_url, timeout, breaker, clock.clone())?);
-        let metrics = Arc::new(Metrics::new());
+        let catalogue = crate::mcp::tools::catalogue();
         let stop = CancellationToken::new();
         let rules = JobRules {
             image_hint: up.image_poll_seconds.saturating_mul(NANOS_PER_SEC),
@@ -106,16 +87,8 @@ impl App {
             backoff: Backoff::new(up.max_attempts, Duration::from_millis(up.max_retry_after_ms)),
             refresh_wait: timeout + Duration::from_secs(1),
         };
-        let store = Arc::new(match config.store.backend {
-            Backend::Memory => Store::memory(clock.clone()),
-            Backend::Redis => {
-                let timeout = Duration::from_millis(config.store.timeout_ms);
-                let lease = Duration::from_millis(config.store.lease_ms);
-                let ca = config.store.redis_ca().map_err(|e| anyhow::anyhow!("store.redis_ca_file: {e}"))?;
-                let redis = RedisStore::connect_trusting(&config.store.redis_url, timeout, ca).await?;
-                Store::redis(redis.with_lease(lease))
-            }
-        });
+        let limits = RateLimits::start(&config, catalogue, clock.clone()).await?;
+        let store = limits.guard().store().clone();
         let queue = Arc::new(
             FairQueue::new(
                 QueueRules {
@@ -136,28 +109,26 @@ impl App {
                 RetryBudget::new(up.retry_budget_ratio, up.retry_budget_min_retries, ms(up.retry_budget_window_ms)),
                 rules,
                 clock.clone(),
-                metrics.clone(),
+                limits.metrics().clone(),
                 stop.child_token(),
             )
             .published_in(store.redis_store().cloned()),
         );
-        let guard = Guard::new(store, clock.clone(), &config, metrics.clone());
         let state = Arc::new(AppState {
-            identifier: arc_swap::ArcSwap::from_pointee(Identifier::new(&config)),
-            guard,
-            metrics,
+            identifier: limits.identifier().clone(),
+            catalogue: limits.catalogue().clone(),
+            guard: limits.guard().clone(),
+            metrics: limits.metrics().clone(),
             upstream,
             jobs,
             clock,
             config,
         });
         tokio::spawn(sweep_forever(state.clone(), stop.clone()));
-        if let Some(every) = state.guard.store().renew_every() {
-            tokio::spawn(renew_forever(state.clone(), every, stop.clone()));
+        if state.guard.store().is_shared() {
             tokio::spawn(answer_cancel_requests_forever(state.clone(), stop.clone()));
-            tokio::spawn(hear_operators_forever(state.clone(), stop.clone()));
         }
-        Ok(Self { state, upstream_url, stop, _mock: mock })
+        Ok(Self { state, limits, upstream_url, stop, _mock: mock })
     }
 
     /// The shared state (for tests and embedding).
@@ -170,9 +141,34 @@ impl App {
         &self.upstream_url
     }
 
-    /// The axum app for the HTTP transport.
-    pub fn router(&self) -> axum::Router {
-        crate::http::router(self.state.clone(), self.stop.clone())
+    /// The axum app for the HTTP transport: `/mcp` behind the front door and the coarse limit,
+    /// the dashboard behind the DNS-rebinding protection, `/health` and `/metrics` open.
+    pub fn router(&self) -> Router {
+        let app = &self.state;
+        let server = &app.config.server;
+        let config = StreamableHttpServerConfig::default()
+            .with_allowed_hosts(server.allowed_hosts.clone())
+            .with_max_request_body_bytes(server.max_body_bytes)
+            .with_cancellation_token(self.stop.child_token());
+        let shared = app.clone();
+        let mcp = StreamableHttpService::new(
+            move || Ok(McpServer::new(shared.clone(), Transport::Http)),
+            Arc::new(LocalSessionManager::default()),
+            config,
+        );
+        let allowed = Arc::new(AllowedHosts::of(server));
+        let dashboard = dashboard::routes()
+            .layer(middleware::from_fn_with_state(allowed.clone(), front_door::rebinding_protection));
+        Router::new()
+            .nest_service("/mcp", Shared::new(mcp))
+            .layer(HttpLimitLayer::new(app.guard.clone()))
+            .layer(middleware::from_fn_with_state(server.max_body_bytes, front_door::mcp_post_checks))
+            .layer(IdentifyLayer::new(app.identifier.clone()))
+            .layer(middleware::from_fn_with_state(allowed, front_door::rebinding_protection))
+            .merge(dashboard)
+            .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+            .route("/metrics", get(metrics))
+            .with_state(app.clone())
     }
 
     /// Serves HTTP on `listener` until [`App::stop`] is called.
@@ -198,44 +194,34 @@ impl App {
     }
 
     /// Serves MCP over stdin/stdout until the client closes it.
-    pub async fn serve_stdio(&self) -> anyhow::Result<()> {
-        let running = McpServer::new(self.state.clone(), Transport::Stdio).serve(rmcp::transport::stdio()).await?;
-        running.waiting().await?;
+    pub async fn serve_stdio(&self) -> Result<(), AppError> {
+        let running = McpServer::new(self.state.clone(), Transport::Stdio)
+            .serve(rmcp::transport::stdio())
+            .await
+            .map_err(|e| AppError::Stdio(e.to_string()))?;
+        running.waiting().await.map_err(|e| AppError::Stdio(e.to_string()))?;
         Ok(())
     }
 
     /// Reloads the config from `file` on `SIGHUP` and whenever the file changes, until stopped
     /// (see [`crate::reload`]).
     pub fn reload_on_change(&self, file: Option<std::path::PathBuf>) {
-        tokio::spawn(crate::reload::watch(self.state.clone(), file, self.stop.child_token()));
+        let state = self.state.clone();
+        tokio::spawn(crate::reload::watch(file, self.stop.child_token(), move |file| {
+            state.reload_from(file);
+        }));
     }
 
     /// Stops serving and the background tasks.
     pub fn stop(&self) {
         self.stop.cancel();
+        self.limits.stop();
     }
 }
 
 impl Drop for App {
     fn drop(&mut self) {
         self.stop.cancel();
-    }
-}
-
-/// Renews the in-flight leases this instance holds in a shared store. On the wall clock: the
-/// leases run out on Redis's clock, whatever the server's clock says.
-async fn renew_forever(state: Arc<AppState>, every: Duration, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tick.tick() => {
-                if let Err(error) = state.guard.store().renew_leases().await {
-                    tracing::warn!(%error, "could not renew in-flight leases");
-                }
-            }
-        }
     }
 }
 
@@ -256,24 +242,6 @@ async fn answer_cancel_requests_forever(state: Arc<AppState>, stop: Cancellation
     }
 }
 
-/// Forgets this instance's remembered refusals when an operator gave budget back through any
-/// instance's admin API (see `guard::operator`). On the wall clock: the news comes from another
-/// process.
-async fn hear_operators_forever(state: Arc<AppState>, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(crate::guard::operator::HEAR_OPERATORS_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut seen = 0;
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tick.tick() => match state.guard.hear_operators(seen).await {
-                Ok(now) => seen = now,
-                Err(error) => tracing::debug!(%error, "could not read the operators' refunds and resets"),
-            },
-        }
-    }
-}
-
 async fn sweep_forever(state: Arc<AppState>, stop: CancellationToken) {
     let mut every = tokio::time::interval(Duration::from_millis(state.config.store.sweep_interval_ms));
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -281,12 +249,16 @@ async fn sweep_forever(state: Arc<AppState>, stop: CancellationToken) {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = every.tick() => {
-                let keys = state.guard.sweep();
                 let jobs = state.jobs.sweep();
-                if keys + jobs > 0 {
-                    tracing::debug!(keys, jobs, "swept idle state");
+                if jobs > 0 {
+                    tracing::debug!(jobs, "swept forgotten jobs");
                 }
             }
         }
     }
+}
+
+async fn metrics(State(app): State<Arc<AppState>>) -> impl axum::response::IntoResponse {
+    app.sample_gauges();
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
 }

@@ -16,10 +16,71 @@ use sha2::{Digest, Sha256};
 use crate::limit::{
     ALGORITHMS, Concurrency, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingLog, SlidingWindow, TokenBucket,
 };
-use crate::mcp::tools::TOOL_NAMES;
 
 /// The documented defaults, the base layer under every config.
 pub const DEFAULT_TOML: &str = include_str!("../config.toml");
+
+/// The tools a server offers, as its limits must know them: each tool's name, and whether a call
+/// of it holds in-flight slots for as long as its admission lives (a job, until it is final).
+///
+/// The limits know no tools of their own: a server builds its catalogue from its tool router at
+/// start-up and passes it down, and a config is checked against it (`[tools.NAME]` must name a
+/// tool, and every tool needs a cost).
+///
+/// ```
+/// use mcp_ratelimit::config::Catalogue;
+///
+/// let tools = Catalogue::new().tool("search").job("render_video");
+/// assert!(tools.contains("search") && !tools.holds_slots("search"));
+/// assert!(tools.holds_slots("render_video"));
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Catalogue {
+    /// Tool name → whether its calls hold in-flight slots.
+    tools: BTreeMap<String, bool>,
+}
+
+impl Catalogue {
+    /// An empty catalogue.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// With a tool that answers and is done: its admission is released when the call returns.
+    pub fn tool(mut self, name: impl Into<String>) -> Self {
+        self.tools.insert(name.into(), false);
+        self
+    }
+
+    /// With a tool whose calls hold one slot of the caller's and the tenant's in-flight caps
+    /// (`limits.in_flight`) for as long as their admission lives.
+    pub fn job(mut self, name: impl Into<String>) -> Self {
+        self.tools.insert(name.into(), true);
+        self
+    }
+
+    /// The tools' names, in order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tools.keys().map(String::as_str)
+    }
+
+    /// Whether `name` is one of the tools.
+    pub fn contains(&self, name: &str) -> bool {
+        self.tools.contains_key(name)
+    }
+
+    /// Whether calls of `name` hold in-flight slots.
+    pub fn holds_slots(&self, name: &str) -> bool {
+        self.tools.get(name).copied().unwrap_or(false)
+    }
+
+    fn listed(&self) -> String {
+        if self.tools.is_empty() {
+            return "none".to_owned();
+        }
+        self.names().collect::<Vec<_>>().join(", ")
+    }
+}
 
 /// A config that cannot be used, with the key at fault.
 #[derive(Debug, thiserror::Error)]
@@ -380,6 +441,7 @@ struct RawConfig {
     spend_caps: RawSpendCaps,
     #[serde(default)]
     tenants: BTreeMap<String, RawTenant>,
+    #[serde(default)]
     tools: BTreeMap<String, RawTool>,
     upstream: UpstreamConfig,
     store: StoreConfig,
@@ -523,8 +585,8 @@ pub const METHOD_GROUPS: [&str; 3] = ["tools_list", "tools_call", "other"];
 
 impl Config {
     /// Loads defaults, then `file` (required when given, else `./config.toml` if present),
-    /// then the environment, and validates the result.
-    pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
+    /// then the environment, and validates the result against the server's `tools`.
+    pub fn load(file: Option<&Path>, tools: &Catalogue) -> Result<Self, ConfigError> {
         let env = config::Environment::with_prefix("MCP_RL")
             .prefix_separator("__")
             .separator("__")
@@ -533,27 +595,61 @@ impl Config {
             .with_list_parse_key("server.allowed_hosts")
             .with_list_parse_key("server.allowed_origins")
             .with_list_parse_key("server.trusted_proxies");
-        Self::load_layers(file, Some(env))
+        Self::load_layers(file, Some(env), tools)
     }
 
-    /// The defaults plus `toml`, without the environment (for tests and embedding).
-    pub fn from_toml(toml: &str) -> Result<Self, ConfigError> {
-        let raw = config::Config::builder()
-            .add_source(config::File::from_str(DEFAULT_TOML, config::FileFormat::Toml))
+    /// The defaults plus `toml`, without the environment (for tests and embedding), checked
+    /// against the server's `tools`.
+    ///
+    /// ```
+    /// use mcp_ratelimit::config::{Catalogue, Config};
+    ///
+    /// let tools = Catalogue::new().tool("search");
+    /// let config = Config::from_toml("[tools.search]\ncost = 2\n", &tools)?;
+    /// assert_eq!(config.tools["search"].cost, 2);
+    /// // A tool the server does not have is a mistake, named with the key to fix.
+    /// let typo = Config::from_toml("[tools.serach]\ncost = 2\n", &tools).unwrap_err();
+    /// assert!(typo.to_string().contains("tools.serach"));
+    /// # Ok::<(), mcp_ratelimit::config::ConfigError>(())
+    /// ```
+    pub fn from_toml(toml: &str, tools: &Catalogue) -> Result<Self, ConfigError> {
+        Self::defaults_for(tools)?
             .add_source(config::File::from_str(toml, config::FileFormat::Toml))
             .build()?
-            .try_deserialize::<RawConfig>()?;
-        raw.validate()
+            .try_deserialize::<RawConfig>()?
+            .validate(tools)
     }
 
     /// The documented defaults alone.
-    pub fn defaults() -> Result<Self, ConfigError> {
-        Self::from_toml("")
+    pub fn defaults(tools: &Catalogue) -> Result<Self, ConfigError> {
+        Self::from_toml("", tools)
     }
 
-    fn load_layers(file: Option<&Path>, env: Option<config::Environment>) -> Result<Self, ConfigError> {
-        let mut builder =
-            config::Config::builder().add_source(config::File::from_str(DEFAULT_TOML, config::FileFormat::Toml));
+    /// The documented defaults as the base layer, keeping only the `[tools]` entries of `tools`:
+    /// the defaults price the reference server's tools, which another server does not have.
+    fn defaults_for(tools: &Catalogue) -> Result<config::ConfigBuilder<config::builder::DefaultState>, ConfigError> {
+        let defaults = config::Config::builder()
+            .add_source(config::File::from_str(DEFAULT_TOML, config::FileFormat::Toml))
+            .build()?
+            .try_deserialize::<config::Map<String, config::Value>>()?;
+        let mut builder = config::Config::builder();
+        for (section, mut value) in defaults {
+            if section == "tools" {
+                let mut priced = value.into_table()?;
+                priced.retain(|name, _| tools.contains(name));
+                value = config::Value::from(priced);
+            }
+            builder = builder.set_default(section, value)?;
+        }
+        Ok(builder)
+    }
+
+    fn load_layers(
+        file: Option<&Path>,
+        env: Option<config::Environment>,
+        tools: &Catalogue,
+    ) -> Result<Self, ConfigError> {
+        let mut builder = Self::defaults_for(tools)?;
         builder = match file {
             Some(path) => builder.add_source(config::File::from(path).format(config::FileFormat::Toml).required(true)),
             None => builder.add_source(
@@ -563,7 +659,7 @@ impl Config {
         if let Some(env) = env {
             builder = builder.add_source(env);
         }
-        builder.build()?.try_deserialize::<RawConfig>()?.validate()
+        builder.build()?.try_deserialize::<RawConfig>()?.validate(tools)
     }
 
     /// The effective limits as a table for `check-config`.
@@ -631,7 +727,7 @@ fn parse_digest(key: &str, hex: &str) -> Result<[u8; 32], ConfigError> {
 }
 
 impl RawConfig {
-    fn validate(self) -> Result<Config, ConfigError> {
+    fn validate(self, catalogue: &Catalogue) -> Result<Config, ConfigError> {
         let tiers = self.tiers;
         for (tier, factor) in &tiers {
             if !factor.is_finite() || *factor <= 0.0 || *factor > 1e6 {
@@ -679,10 +775,10 @@ impl RawConfig {
         };
         for (tool, spec) in self.tools {
             let key = format!("tools.{tool}.cost");
-            if !TOOL_NAMES.contains(&tool.as_str()) {
+            if !catalogue.contains(&tool) {
                 return Err(invalid(
                     format!("tools.{tool}"),
-                    format!("unknown tool `{tool}`; the tools are {}", TOOL_NAMES.join(", ")),
+                    format!("unknown tool `{tool}`; the tools are {}", catalogue.listed()),
                 ));
             }
             let cost = u64::try_from(spec.cost)
@@ -731,7 +827,7 @@ impl RawConfig {
             let fail = spec.fail.unwrap_or(if cost > 0 { Fail::Closed } else { Fail::Open });
             tools.insert(tool, ToolPolicy { cost, budget, fail });
         }
-        if let Some(missing) = TOOL_NAMES.iter().find(|t| !tools.contains_key(**t)) {
+        if let Some(missing) = catalogue.names().find(|t| !tools.contains_key(*t)) {
             return Err(invalid(format!("tools.{missing}.cost"), "every tool needs a cost"));
         }
 
@@ -1110,8 +1206,25 @@ impl RawLimit {
 mod tests {
     use super::*;
 
+    /// The tools the documented defaults price: the reference server's catalogue, read from
+    /// `config.toml` rather than imported from the MCP layer.
+    fn reference() -> Catalogue {
+        let defaults = config::Config::builder()
+            .add_source(config::File::from_str(DEFAULT_TOML, config::FileFormat::Toml))
+            .build()
+            .expect("the defaults parse");
+        let tools = defaults.get_table("tools").expect("the defaults price tools");
+        tools.into_keys().fold(Catalogue::new(), Catalogue::tool)
+    }
+
+    impl Config {
+        fn from_toml_test(toml: &str) -> Result<Self, ConfigError> {
+            Self::from_toml(toml, &reference())
+        }
+    }
+
     fn err(toml: &str) -> String {
-        match Config::from_toml(toml) {
+        match Config::from_toml_test(toml) {
             Ok(_) => panic!("config should have been rejected:\n{toml}"),
             Err(e) => e.to_string(),
         }
@@ -1119,10 +1232,15 @@ mod tests {
 
     #[test]
     fn documented_defaults_load() {
-        let c = Config::defaults().expect("defaults are valid");
+        let c = Config::from_toml_test("").expect("defaults are valid");
         assert_eq!(c.limits.caller[0].limiter.capacity(), 60);
         assert_eq!(c.tools["generate_image_to_video"].cost, 20);
-        assert_eq!(c.tools.len(), TOOL_NAMES.len());
+        assert_eq!(c.tools.len(), reference().names().count());
+        // Without those tools in the catalogue, their default prices are not loaded.
+        assert!(Config::defaults(&Catalogue::new().tool("search")).is_err(), "search has no cost");
+        let other = Config::from_toml("[tools.search]\ncost = 3\n", &Catalogue::new().tool("search"))
+            .expect("another server's catalogue");
+        assert_eq!(other.tools.keys().collect::<Vec<_>>(), ["search"]);
     }
 
     #[test]
@@ -1156,7 +1274,7 @@ mod tests {
             ("algorithm = \"leaky_bucket\"\nleak_per_sec = 2.0", "leaky_bucket"),
             ("algorithm = \"concurrency\"\nmax_in_flight = 100", "concurrency"),
         ] {
-            let c = Config::from_toml(&format!("[limits.caller]\n{toml}\n")).expect(name);
+            let c = Config::from_toml_test(&format!("[limits.caller]\n{toml}\n")).expect(name);
             assert_eq!(c.limits.caller[0].limiter.algorithm(), name);
         }
     }
@@ -1175,8 +1293,8 @@ mod tests {
     fn a_short_admin_key_is_refused_and_no_key_keeps_the_admin_api_off() {
         let e = err("[admin]\nkey = \"short\"\n");
         assert!(e.contains("admin.key") && !e.contains("short"), "{e}");
-        assert!(Config::defaults().expect("defaults").admin.key_sha256.is_none());
-        let on = Config::from_toml("[admin]\nkey = \"0123456789abcdef\"\n").expect("16 characters");
+        assert!(Config::from_toml_test("").expect("defaults").admin.key_sha256.is_none());
+        let on = Config::from_toml_test("[admin]\nkey = \"0123456789abcdef\"\n").expect("16 characters");
         assert!(on.admin.key_sha256.is_some());
         assert!(!format!("{on:?}").contains("0123456789abcdef"), "the key never shows in a Debug print");
     }

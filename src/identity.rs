@@ -338,7 +338,7 @@ mod tests {
     }
 
     fn identifier(toml: &str) -> Identifier {
-        Identifier::new(&Config::from_toml(toml).expect("config"))
+        Identifier::new(&Config::from_toml(toml, &crate::config::Catalogue::new()).expect("config"))
     }
 
     fn ip(s: &str) -> Option<IpAddr> {
@@ -368,8 +368,11 @@ mod tests {
         let id = identifier("[[auth.keys]]\nkey = \"k1\"\ntenant = \"acme\"\ntier = \"admin\"\n");
         let c = id.identify(&headers(&[("x-api-key", "k1")]), None).expect("caller");
         assert_eq!((c.tenant(), c.tier()), (Some("acme"), "admin"));
-        let config =
-            Config::from_toml("[[auth.keys]]\nkey = \"k1\"\ntenant = \"acme\"\ntier = \"admin\"\n").expect("config");
+        let config = Config::from_toml(
+            "[[auth.keys]]\nkey = \"k1\"\ntenant = \"acme\"\ntier = \"admin\"\n",
+            &crate::config::Catalogue::new(),
+        )
+        .expect("config");
         assert_eq!(Caller::of_key(&config.auth.keys[0]), c, "the key's caller without the key");
         let other = id.identify(&headers(&[("x-api-key", "k2")]), None).expect("anonymous");
         assert_eq!((other.tenant(), other.tier()), (None, "default"));

@@ -11,6 +11,7 @@
 pub mod activity;
 pub mod admin;
 pub mod app;
+pub mod breaker;
 pub mod clock;
 pub mod config;
 pub mod guard;
@@ -20,10 +21,14 @@ pub mod limit;
 pub mod mcp;
 pub mod metrics;
 pub mod mock_upstream;
+pub mod rate_limits;
 pub mod reload;
 pub mod simulate;
+pub mod state;
 pub mod store;
 pub mod upstream;
 
 pub use app::App;
-pub use config::Config;
+pub use config::{Catalogue, Config};
+pub use mcp::LimitedRouter;
+pub use rate_limits::RateLimits;

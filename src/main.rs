@@ -9,6 +9,7 @@ use clap::builder::PossibleValuesParser;
 use clap::{Parser, Subcommand, ValueEnum};
 use mcp_ratelimit::clock::SystemClock;
 use mcp_ratelimit::limit::ALGORITHMS;
+use mcp_ratelimit::mcp::tools::catalogue;
 use mcp_ratelimit::mock_upstream::MockUpstream;
 use mcp_ratelimit::simulate::{self, Plan, Shape};
 use mcp_ratelimit::{App, Config};
@@ -103,7 +104,7 @@ fn init_logging() {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Command::CheckConfig { file } = &cli.command {
-        return match Config::load(file.as_deref()) {
+        return match Config::load(file.as_deref(), &catalogue()) {
             Ok(config) => {
                 println!("config OK\n\n{}", config.limits_table());
                 ExitCode::SUCCESS
@@ -137,7 +138,7 @@ fn main() -> ExitCode {
 async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Serve { config: file, listen } => {
-            let config = Config::load(file.as_deref())?;
+            let config = Config::load(file.as_deref(), &catalogue())?;
             let addr = listen.unwrap_or(config.server.listen);
             let admin = config.admin.clone();
             let app = App::start(config, SystemClock::shared()).await?;
@@ -164,14 +165,14 @@ async fn run(command: Command) -> anyhow::Result<()> {
             }
         }
         Command::Stdio { config: file } => {
-            let config = Config::load(file.as_deref())?;
+            let config = Config::load(file.as_deref(), &catalogue())?;
             let app = App::start(config, SystemClock::shared()).await?;
             app.reload_on_change(config_file(file));
             tracing::info!(upstream = app.upstream_url(), "serving MCP on stdio");
             app.serve_stdio().await?;
         }
         Command::MockUpstream { config, listen } => {
-            let config = Config::load(config.as_deref())?;
+            let config = Config::load(config.as_deref(), &catalogue())?;
             let addr = listen.unwrap_or(config.mock_upstream.listen);
             let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
             let mock = MockUpstream::start(config.mock_upstream, SystemClock::shared(), listener).await?;
@@ -203,7 +204,7 @@ fn run_simulation(
     out: &std::path::Path,
     format: Format,
 ) -> ExitCode {
-    let config = match Config::load(config) {
+    let config = match Config::load(config, &catalogue()) {
         Ok(config) => config,
         Err(e) => {
             eprintln!("{e}");

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use metrics::{Counter, Gauge, Key, Label, Level, Metadata, Recorder, SharedString, Unit};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 
+use crate::config::Catalogue;
 use crate::identity::Caller;
 
 const META: Metadata<'static> = Metadata::new("mcp_ratelimit", Level::INFO, Some(module_path!()));
@@ -107,7 +108,7 @@ pub struct Metrics {
     recorder: PrometheusRecorder,
     handle: PrometheusHandle,
     /// `[layer][name] -> [allowed, refused]` for every known layer and name.
-    decisions: [HashMap<&'static str, [Counter; 2]>; 3],
+    decisions: [HashMap<String, [Counter; 2]>; 3],
     in_flight: Gauge,
 }
 
@@ -118,14 +119,16 @@ impl std::fmt::Debug for Metrics {
 }
 
 impl Default for Metrics {
+    /// Metrics with no tool's counters registered ahead (each is registered at its first use).
     fn default() -> Self {
-        Self::new()
+        Self::new(&Catalogue::new())
     }
 }
 
 impl Metrics {
-    /// A fresh recorder with every metric described.
-    pub fn new() -> Self {
+    /// A fresh recorder with every metric described, and the decision counters of every tool of
+    /// `tools` registered ahead.
+    pub fn new(tools: &Catalogue) -> Self {
         let recorder = PrometheusBuilder::new().build_recorder();
         let handle = recorder.handle();
         let describe = |name: &'static str, unit: Unit, help: &'static str| {
@@ -150,19 +153,18 @@ impl Metrics {
             Some(Unit::Count),
             SharedString::const_str("Admissions still held: tool calls running and jobs not yet final."),
         );
-        let register = |layer: Layer, names: &[&'static str]| -> HashMap<&'static str, [Counter; 2]> {
+        let register = |layer: Layer, names: &mut dyn Iterator<Item = &str>| -> HashMap<String, [Counter; 2]> {
             names
-                .iter()
-                .map(|&name| {
+                .map(|name| {
                     let counter = |outcome| recorder.register_counter(&decision_key(layer, name, outcome), &META);
-                    (name, [counter(Outcome::Allowed), counter(Outcome::Refused)])
+                    (name.to_owned(), [counter(Outcome::Allowed), counter(Outcome::Refused)])
                 })
                 .collect()
         };
         let decisions = [
-            register(Layer::Http, HTTP_NAMES),
-            register(Layer::Method, METHOD_NAMES),
-            register(Layer::Tool, &crate::mcp::tools::TOOL_NAMES),
+            register(Layer::Http, &mut HTTP_NAMES.iter().copied()),
+            register(Layer::Method, &mut METHOD_NAMES.iter().copied()),
+            register(Layer::Tool, &mut tools.names()),
         ];
         let in_flight = recorder.register_gauge(&Key::from_name(IN_FLIGHT), &META);
         Self { recorder, handle, decisions, in_flight }
@@ -249,7 +251,7 @@ mod tests {
 
     #[test]
     fn pre_registered_and_ad_hoc_decisions_render_alike() {
-        let m = Metrics::new();
+        let m = Metrics::new(&Catalogue::new().job("generate_image"));
         m.decision(Layer::Tool, "generate_image", true);
         m.decision(Layer::Tool, "generate_image", false);
         m.decision(Layer::Method, "tools/list", false);

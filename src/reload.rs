@@ -17,79 +17,21 @@
 //! that changes them says so in the log, and they take effect at the next restart.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::app::AppState;
-use crate::config::Config;
-
 /// How long file events are gathered before one reload: an editor's save is several events.
 const SETTLE: Duration = Duration::from_millis(200);
 
-/// What a reload did.
-#[derive(Debug)]
-pub enum Reloaded {
-    /// The new limits are live. Settings named here changed too but need a restart.
-    Applied {
-        /// Keys whose new values take effect only at the next start.
-        need_restart: Vec<&'static str>,
-    },
-    /// The file did not load or validate; the running config stays.
-    Refused(String),
-}
-
-impl AppState {
-    /// Loads `file` (and the environment) as at start-up and, if it validates, makes its limits
-    /// live.
-    pub fn reload_from(&self, file: Option<&Path>) -> Reloaded {
-        match Config::load(file) {
-            Ok(config) => self.reload(&config),
-            Err(error) => self.refuse(error.to_string()),
-        }
-    }
-
-    /// Makes the limits of `config` live (see the module doc for what a reload changes).
-    pub fn reload(&self, config: &Config) -> Reloaded {
-        self.guard.reload(config);
-        self.identifier.store(Arc::new(crate::identity::Identifier::new(config)));
-        let running = &self.config;
-        let mut need_restart = Vec::new();
-        for (key, changed) in [
-            ("server.listen", running.server.listen != config.server.listen),
-            ("server.allowed_hosts", running.server.allowed_hosts != config.server.allowed_hosts),
-            ("server.max_body_bytes", running.server.max_body_bytes != config.server.max_body_bytes),
-            ("store.backend", running.store.backend != config.store.backend),
-            ("store.redis_url", running.store.redis_url != config.store.redis_url),
-            ("upstream.url", running.upstream.url != config.upstream.url),
-            ("loop_detection", format!("{:?}", running.loop_detection) != format!("{:?}", config.loop_detection)),
-        ] {
-            if changed {
-                need_restart.push(key);
-            }
-        }
-        self.metrics.config_reload("applied");
-        if need_restart.is_empty() {
-            tracing::info!("config reloaded: new limits are live, usage carried over");
-        } else {
-            tracing::warn!(?need_restart, "config reloaded: new limits are live; these settings need a restart");
-        }
-        Reloaded::Applied { need_restart }
-    }
-
-    fn refuse(&self, error: String) -> Reloaded {
-        self.metrics.config_reload("refused");
-        tracing::error!(%error, "config reload refused; the running config stays");
-        Reloaded::Refused(error)
-    }
-}
-
-/// Reloads `state`'s config from `file` on every `SIGHUP` and whenever the file changes, until
-/// `stop`. `file` is the one the server started with (`--config`, else `./config.toml` when
-/// present); without one only `SIGHUP` reloads (the environment may have changed nothing, but
-/// that is the operator's call).
-pub async fn watch(state: Arc<AppState>, file: Option<PathBuf>, stop: CancellationToken) {
+/// Calls `reload` with `file` on every `SIGHUP` and whenever the file changes, until `stop`.
+/// `file` is the one the server started with (`--config`, else `./config.toml` when present);
+/// without one only `SIGHUP` reloads (the environment may have changed nothing, but that is the
+/// operator's call). What a reload does is the caller's: `App` passes `AppState::reload_from`.
+pub async fn watch<F>(file: Option<PathBuf>, stop: CancellationToken, reload: F)
+where
+    F: Fn(Option<&Path>) + Send + 'static,
+{
     let (changed_tx, mut changed) = tokio::sync::mpsc::channel::<()>(16);
     // Kept alive for as long as this task runs; dropping it stops the watching.
     let _watcher = file.as_deref().and_then(|file| watch_file(file, changed_tx));
@@ -102,11 +44,11 @@ pub async fn watch(state: Arc<AppState>, file: Option<PathBuf>, stop: Cancellati
                 tokio::time::sleep(SETTLE).await;
                 while changed.try_recv().is_ok() {}
                 tracing::info!("config file changed: reloading");
-                state.reload_from(file.as_deref());
+                reload(file.as_deref());
             }
             Some(()) = next_hangup(&mut hangups) => {
                 tracing::info!("SIGHUP: reloading the config");
-                state.reload_from(file.as_deref());
+                reload(file.as_deref());
             }
         }
     }

@@ -23,7 +23,7 @@ proptest! {
         auth in header_bytes(), key in header_bytes(), forwarded in header_bytes(), trust in any::<bool>(),
     ) {
         let toml = format!("[server]\ntrust_proxy = {trust}\n[[auth.keys]]\nkey = \"known\"\ntenant = \"t\"\n");
-        let identifier = Identifier::new(&Config::from_toml(&toml).expect("config"));
+        let identifier = Identifier::new(&Config::from_toml(&toml, &mcp_ratelimit::mcp::tools::catalogue()).expect("config"));
         let mut headers = http::HeaderMap::new();
         for (name, bytes) in [("authorization", &auth), ("x-api-key", &key), ("x-forwarded-for", &forwarded)] {
             if let Ok(value) = http::HeaderValue::from_bytes(bytes) {

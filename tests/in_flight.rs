@@ -86,8 +86,8 @@ async fn a_cancelled_call_gives_its_slot_back() {
 
 #[tokio::test]
 async fn a_dropped_admission_gives_its_slot_back_even_when_its_task_is_aborted() {
-    let config = Config::from_toml(&two_slots("")).expect("config");
-    let metrics = Arc::new(Metrics::new());
+    let config = Config::from_toml(&two_slots(""), &mcp_ratelimit::mcp::tools::catalogue()).expect("config");
+    let metrics = Arc::new(Metrics::new(&mcp_ratelimit::mcp::tools::catalogue()));
     let clock = ManualClock::new();
     let guard = Guard::new(Arc::new(Store::memory(clock.clone())), clock, &config, metrics.clone());
     let caller = Caller::from_token("holder");

@@ -254,15 +254,23 @@ async fn a_reload_mid_burst_carries_usage_over_and_a_broken_config_is_refused() 
     assert_eq!(remaining(&status), Some(50));
 
     // Looser: the burst doubles, and the caller continues from where it was, not from full.
-    let looser = mcp_ratelimit::Config::from_toml(&format!("{ROOMY}[limits.caller]\nburst = 120\n")).expect("valid");
+    let looser = mcp_ratelimit::Config::from_toml(
+        &format!("{ROOMY}[limits.caller]\nburst = 120\n"),
+        &mcp_ratelimit::mcp::tools::catalogue(),
+    )
+    .expect("valid");
     let state = server.app.state();
-    assert!(matches!(state.reload(&looser), mcp_ratelimit::reload::Reloaded::Applied { .. }));
+    assert!(matches!(state.reload(&looser), mcp_ratelimit::state::Reloaded::Applied { .. }));
     let status = call(&agent, "rate_limit_status", json!({})).await;
     assert_eq!((budget(&status, "caller:")["limit"].as_u64(), remaining(&status)), (Some(120), Some(50)));
 
     // Tighter: a burst of 40 (the least a guest-tier caller can afford a video with) applies at
     // once, below the 50 the caller had left.
-    let tighter = mcp_ratelimit::Config::from_toml(&format!("{ROOMY}[limits.caller]\nburst = 40\n")).expect("valid");
+    let tighter = mcp_ratelimit::Config::from_toml(
+        &format!("{ROOMY}[limits.caller]\nburst = 40\n"),
+        &mcp_ratelimit::mcp::tools::catalogue(),
+    )
+    .expect("valid");
     state.reload(&tighter);
     let (admitted, _) = spend_until_refused(&agent, "list_articles", query(100), 100).await;
     assert_eq!(admitted, 40);
@@ -272,7 +280,7 @@ async fn a_reload_mid_burst_carries_usage_over_and_a_broken_config_is_refused() 
     let file = dir.path().join("config.toml");
     std::fs::write(&file, "[limits.caller]\nburst = -1\n").expect("write");
     match state.reload_from(Some(&file)) {
-        mcp_ratelimit::reload::Reloaded::Refused(why) => assert!(why.contains("limits.caller.burst"), "{why}"),
+        mcp_ratelimit::state::Reloaded::Refused(why) => assert!(why.contains("limits.caller.burst"), "{why}"),
         other => panic!("a broken config was applied: {other:?}"),
     }
     let status = call(&agent, "rate_limit_status", json!({})).await;

@@ -416,7 +416,8 @@ fn a_malformed_cluster_url_is_refused_naming_store_redis_url() {
         ("redis://:a@10.0.0.1:7000,redis://:b@10.0.0.2:7000", "password"),
         ("cluster://10.0.0.1:7000", "not redis://"),
     ] {
-        let e = Config::from_toml(&redis_config(url)).expect_err(url).to_string();
+        let e =
+            Config::from_toml(&redis_config(url), &mcp_ratelimit::mcp::tools::catalogue()).expect_err(url).to_string();
         assert!(e.contains("`store.redis_url`") && e.contains(why), "{url}: {e}");
         assert!(!e.contains("hunter2"), "{url}: the password is shown: {e}");
     }
@@ -428,7 +429,10 @@ fn a_malformed_cluster_url_is_refused_naming_store_redis_url() {
         "rediss://10.0.0.1:6380",
         "rediss+cluster://:secret@10.0.0.1:7000,10.0.0.2:7000",
     ] {
-        assert!(Config::from_toml(&redis_config(url)).is_ok(), "{url} is refused");
+        assert!(
+            Config::from_toml(&redis_config(url), &mcp_ratelimit::mcp::tools::catalogue()).is_ok(),
+            "{url} is refused"
+        );
     }
 }
 

@@ -159,7 +159,8 @@ async fn shared_mock() -> (std::sync::Arc<mcp_ratelimit::clock::ManualClock>, mc
 {
     let mock_clock = mcp_ratelimit::clock::ManualClock::new();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let mock_config = mcp_ratelimit::Config::defaults().expect("defaults").mock_upstream;
+    let mock_config =
+        mcp_ratelimit::Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults").mock_upstream;
     let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(mock_config, mock_clock.clone(), listener)
         .await
         .expect("mock");
@@ -225,7 +226,7 @@ async fn a_crashed_instances_slots_come_back_when_its_leases_run_out() {
 
 /// A server on the real clock (Redis's clock is real time too), serving on a free port.
 async fn real_time_server(config: &str) -> (std::sync::Arc<mcp_ratelimit::App>, String) {
-    let config = mcp_ratelimit::Config::from_toml(config).expect("config");
+    let config = mcp_ratelimit::Config::from_toml(config, &mcp_ratelimit::mcp::tools::catalogue()).expect("config");
     let app = std::sync::Arc::new(
         mcp_ratelimit::App::start(config, mcp_ratelimit::clock::SystemClock::shared()).await.expect("starts"),
     );
@@ -240,7 +241,8 @@ async fn real_time_server(config: &str) -> (std::sync::Arc<mcp_ratelimit::App>, 
 async fn three_instances_space_their_video_submissions_as_one_queue() {
     let redis = TestRedis::private();
     // One mock upstream for all three, on the real clock, recording when submissions arrive.
-    let mock_config = mcp_ratelimit::Config::defaults().expect("defaults").mock_upstream;
+    let mock_config =
+        mcp_ratelimit::Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults").mock_upstream;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let clock = mcp_ratelimit::clock::SystemClock::shared();
     let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(mock_config, clock, listener).await.expect("mock");
@@ -420,7 +422,8 @@ async fn two_instances_share_one_budget_over_tls_to_a_redis_with_a_private_ca() 
     // The system's trust store does not know this server's CA: no connection, and the server
     // says why instead of starting without its shared limits. (A roomy store timeout: reading
     // the system's trust store and a handshake on a loaded machine can take longer than a call.)
-    let config = mcp_ratelimit::Config::from_toml(&store("")).expect("valid config");
+    let config =
+        mcp_ratelimit::Config::from_toml(&store(""), &mcp_ratelimit::mcp::tools::catalogue()).expect("valid config");
     let e = mcp_ratelimit::App::start(config, mcp_ratelimit::clock::SystemClock::shared())
         .await
         .expect_err("an unknown CA is refused");
@@ -430,7 +433,11 @@ async fn two_instances_share_one_budget_over_tls_to_a_redis_with_a_private_ca() 
     // A CA file that is not a certificate is a config error naming the key.
     let junk = tempfile::NamedTempFile::new().expect("a file");
     std::fs::write(junk.path(), "not a certificate").expect("write");
-    let e = mcp_ratelimit::Config::from_toml(&store(&junk.path().to_string_lossy())).expect_err("junk CA");
+    let e = mcp_ratelimit::Config::from_toml(
+        &store(&junk.path().to_string_lossy()),
+        &mcp_ratelimit::mcp::tools::catalogue(),
+    )
+    .expect_err("junk CA");
     assert!(e.to_string().contains("store.redis_ca_file"), "{e}");
 }
 

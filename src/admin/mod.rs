@@ -20,7 +20,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::routing::{MethodRouter, delete, get, post, put};
 
-use crate::app::AppState;
+use crate::state::AppState;
 
 /// The OpenAPI 3.1 document describing every route.
 pub const OPENAPI: &str = include_str!("openapi.json");

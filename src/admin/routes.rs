@@ -13,8 +13,8 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 
-use crate::app::AppState;
 use crate::guard::operator::{OperatorError, Target};
+use crate::state::AppState;
 
 /// The longest block: 30 days.
 const MAX_BLOCK_MS: u64 = 30 * 86_400 * 1_000;

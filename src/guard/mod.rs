@@ -22,6 +22,7 @@ use arc_swap::ArcSwap;
 use tracing::info;
 
 use crate::activity::{Activity, Refused};
+use crate::breaker::Breaker;
 use crate::clock::{Nanos, SharedClock, ceil_ms};
 use crate::config::Limit;
 use crate::config::{Config, Fail};
@@ -32,7 +33,6 @@ use crate::limit::{Decision, Limiter};
 use crate::metrics::{Layer, Metrics};
 use crate::store::redis::LoopAnswer;
 use crate::store::{Check, Lease, RedisStore, SlotGuard, Store, StoreError, Verdict, new_lease};
-use crate::upstream::breaker::Breaker;
 pub use policy::{MethodGroup, Policy, TierLimits};
 pub use refusal::{Refusal, RefusalCode};
 pub use scope::Scope;

@@ -1,10 +1,10 @@
 //! Refusals an agent can act on.
 //!
-//! A limit hit inside a tool call is a *tool result* with `isError: true` — never a JSON-RPC
-//! error — so the text lands in the model's context and says, in whole seconds, how long to
-//! wait. The same facts are in `structuredContent.error` for programs.
+//! A refusal is a sentence for the model, saying in whole seconds how long to wait, and the same
+//! facts as a JSON object for programs ([`Refusal::to_json`]). How it travels is the transport's
+//! business: the MCP layer makes it a tool result with `isError: true` (never a JSON-RPC error,
+//! so the text lands in the model's context; see `mcp::refusal`).
 
-use rmcp::model::{CallToolResult, ContentBlock};
 use serde_json::{Map, Value, json};
 
 use crate::activity::Refused;
@@ -298,13 +298,10 @@ impl Refusal {
         json!({ "error": error })
     }
 
-    /// The refusal an `isError` tool result carries (what [`Refusal::into_result`] wrote), for
-    /// whoever sees only results; `None` for any other result.
-    pub fn of_result(result: &CallToolResult) -> Option<Self> {
-        if result.is_error != Some(true) {
-            return None;
-        }
-        let error = result.structured_content.as_ref()?.get("error")?;
+    /// The refusal [`Refusal::to_json`] wrote, read back (for whoever sees only a tool's result);
+    /// `None` for any other JSON.
+    pub fn from_json(json: &Value) -> Option<Self> {
+        let error = json.get("error")?;
         let code = error.get("code")?.as_str()?;
         let number = |key: &str| error.get(key).and_then(Value::as_u64);
         Some(Self {
@@ -339,13 +336,6 @@ impl Refusal {
             message: &self.message,
         }
     }
-
-    /// The `isError: true` tool result carrying the message and the structured error.
-    pub fn into_result(self) -> CallToolResult {
-        let mut result = CallToolResult::error(vec![ContentBlock::text(self.message.clone())]);
-        result.structured_content = Some(self.to_json());
-        result
-    }
 }
 
 #[cfg(test)]
@@ -364,14 +354,15 @@ mod tests {
     }
 
     #[test]
-    fn a_result_gives_back_the_refusal_it_carries() {
+    fn the_json_gives_back_the_refusal_it_carries() {
         let busy = Refusal::busy("generate_image", "in_flight:caller:x".into(), 5);
         let rate = Refusal::rate_limited("list_articles", "caller:x".into(), 60, 0, 1_000_000_000);
+        let named = rate.clone().naming_limit("token_bucket burst 60".into());
         let bad = Refusal::invalid_arguments("generate_image", "prompt too long");
-        for refusal in [busy, rate, bad] {
-            assert_eq!(Refusal::of_result(&refusal.clone().into_result()), Some(refusal));
+        for refusal in [busy, rate, named, bad] {
+            assert_eq!(Refusal::from_json(&refusal.to_json()), Some(refusal));
         }
-        let ok = CallToolResult::success(vec![ContentBlock::text("fine")]);
-        assert_eq!(Refusal::of_result(&ok), None);
+        assert_eq!(Refusal::from_json(&json!({"articles": []})), None);
+        assert_eq!(Refusal::from_json(&json!({"error": {"code": "teapot", "message": "no"}})), None);
     }
 }

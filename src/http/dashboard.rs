@@ -26,10 +26,10 @@ use http::{HeaderValue, header};
 use serde::Serialize;
 
 use crate::activity::Snapshot;
-use crate::app::AppState;
+use crate::breaker::BreakerState;
 use crate::clock::NANOS_PER_MS;
 use crate::config::Backend;
-use crate::upstream::breaker::BreakerState;
+use crate::state::AppState;
 
 const PAGE: &str = include_str!("dashboard.html");
 const SCRIPT: &str = include_str!("dashboard.js");

@@ -1,20 +1,42 @@
 //! The checks that run on `/mcp` before any limit is charged or any JSON is parsed.
 //!
 //! Outside in: DNS-rebinding protection (a foreign `Host` or `Origin` gets 403 before anything
-//! else), then identity (and 401 when `auth.required` and the key is unknown), then the cheap
-//! header checks that can refuse a request without reading it (413 on a declared body over the
-//! limit, 415 on a POST that is not JSON). A request refused here is never charged.
+//! else), then identity ([`IdentifyLayer`]: 401 when `auth.required` and the key is unknown),
+//! then the cheap header checks that can refuse an MCP request without reading it (413 on a
+//! declared body over the limit, 415 on a POST that is not JSON). A request refused here is never
+//! charged.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
+use arc_swap::ArcSwap;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, Method, StatusCode, header};
 use serde_json::json;
+use tower::{Layer, Service};
 
-use crate::app::AppState;
+use crate::config::ServerConfig;
+use crate::identity::Identifier;
+
+/// The `Host` and `Origin` values a server answers to (`server.allowed_hosts`,
+/// `server.allowed_origins`): the state of [`rebinding_protection`].
+#[derive(Debug, Clone)]
+pub struct AllowedHosts {
+    /// Accepted `Host` values (an entry without a port matches any port).
+    pub hosts: Vec<String>,
+    /// Further accepted `Origin` values, exactly as browsers send them.
+    pub origins: Vec<String>,
+}
+
+impl AllowedHosts {
+    /// The hosts and origins `server` allows.
+    pub fn of(server: &ServerConfig) -> Self {
+        Self { hosts: server.allowed_hosts.clone(), origins: server.allowed_origins.clone() }
+    }
+}
 
 /// A JSON-RPC error body with `id: null`, as MCP clients expect on transport-level refusals.
 pub fn jsonrpc_error(status: StatusCode, code: i64, message: &str, data: Option<serde_json::Value>) -> Response {
@@ -52,22 +74,21 @@ fn host_allowed(allowed_hosts: &[String], authority: &str) -> bool {
 }
 
 /// Whether `Host` and `Origin` are ones this server answers to.
-fn rebinding_problem(headers: &HeaderMap, state: &AppState) -> Option<&'static str> {
-    let server = &state.config.server;
+fn rebinding_problem(headers: &HeaderMap, allowed: &AllowedHosts) -> Option<&'static str> {
     let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
-    if !host.is_some_and(|h| host_allowed(&server.allowed_hosts, h)) {
+    if !host.is_some_and(|h| host_allowed(&allowed.hosts, h)) {
         return Some("Host header is not allowed");
     }
     if let Some(origin) = headers.get(header::ORIGIN) {
         let origin = origin.to_str().unwrap_or("");
-        let listed = server.allowed_origins.iter().any(|o| o.eq_ignore_ascii_case(origin));
+        let listed = allowed.origins.iter().any(|o| o.eq_ignore_ascii_case(origin));
         let same_host = reqwest::Url::parse(origin).ok().is_some_and(|u| {
             let authority = match (u.host_str(), u.port_or_known_default()) {
                 (Some(h), Some(p)) => format!("{h}:{p}"),
                 (Some(h), None) => h.to_owned(),
                 _ => return false,
             };
-            host_allowed(&server.allowed_hosts, &authority)
+            host_allowed(&allowed.hosts, &authority)
         });
         if !listed && !same_host {
             return Some("Origin is not allowed");
@@ -77,40 +98,89 @@ fn rebinding_problem(headers: &HeaderMap, state: &AppState) -> Option<&'static s
 }
 
 /// 403 for a foreign `Host` or `Origin`, before anything else.
-pub async fn rebinding_protection(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
-    if let Some(problem) = rebinding_problem(request.headers(), &state) {
+pub async fn rebinding_protection(State(allowed): State<Arc<AllowedHosts>>, request: Request, next: Next) -> Response {
+    if let Some(problem) = rebinding_problem(request.headers(), &allowed) {
         tracing::info!(problem, "refused: DNS-rebinding protection");
         return jsonrpc_error(StatusCode::FORBIDDEN, -32000, problem, None);
     }
     next.run(request).await
 }
 
-/// Names the caller (401 when a key is required and missing or unknown), then refuses what can
-/// be refused from headers alone. The caller goes into the request's extensions for the
-/// limiter and the tools.
-pub async fn identify(State(state): State<Arc<AppState>>, mut request: Request, next: Next) -> Response {
-    let peer = request.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0.ip());
-    let caller = match state.identifier.load().identify(request.headers(), peer) {
-        Ok(caller) => caller,
-        Err(unauthorized) => {
-            let mut response =
-                jsonrpc_error(StatusCode::UNAUTHORIZED, -32001, &format!("Unauthorized: {unauthorized}."), None);
-            response.headers_mut().insert(header::WWW_AUTHENTICATE, http::HeaderValue::from_static("Bearer"));
-            return response;
+/// Names the caller of every request (a one-way hash of its key, else its address) and puts the
+/// [`Caller`] into the request's extensions, for the limit behind it and the tools; answers 401
+/// when `auth.required` and the key is missing or unknown. The address comes from axum's
+/// `ConnectInfo<SocketAddr>` (serve with `into_make_service_with_connect_info`).
+#[derive(Debug, Clone)]
+pub struct IdentifyLayer {
+    identifier: Arc<ArcSwap<Identifier>>,
+}
+
+impl IdentifyLayer {
+    /// A layer naming callers with `identifier` (swapped whole by a config reload).
+    pub fn new(identifier: Arc<ArcSwap<Identifier>>) -> Self {
+        Self { identifier }
+    }
+}
+
+impl<S> Layer<S> for IdentifyLayer {
+    type Service = Identified<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Identified { inner, identifier: self.identifier.clone() }
+    }
+}
+
+/// The service [`IdentifyLayer`] produces.
+#[derive(Debug, Clone)]
+pub struct Identified<S> {
+    inner: S,
+    identifier: Arc<ArcSwap<Identifier>>,
+}
+
+impl<S> Service<Request> for Identified<S>
+where
+    S: Service<Request, Response = Response>,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = futures::future::Either<S::Future, std::future::Ready<Result<Response, S::Error>>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: Request) -> Self::Future {
+        let peer = request.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0.ip());
+        match self.identifier.load().identify(request.headers(), peer) {
+            Ok(caller) => {
+                request.extensions_mut().insert(caller);
+                futures::future::Either::Left(self.inner.call(request))
+            }
+            Err(unauthorized) => {
+                let mut response =
+                    jsonrpc_error(StatusCode::UNAUTHORIZED, -32001, &format!("Unauthorized: {unauthorized}."), None);
+                response.headers_mut().insert(header::WWW_AUTHENTICATE, http::HeaderValue::from_static("Bearer"));
+                futures::future::Either::Right(std::future::ready(Ok(response)))
+            }
         }
-    };
+    }
+}
+
+/// Refuses an MCP `POST` that can be refused from its headers alone, before it is charged or
+/// read: 413 when it declares a body over `max_body_bytes`, 415 when it is not JSON.
+pub async fn mcp_post_checks(State(max_body_bytes): State<usize>, request: Request, next: Next) -> Response {
     if request.method() == Method::POST {
         let declared = request
             .headers()
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
-        let max = state.config.server.max_body_bytes;
-        if declared.is_some_and(|n| n > max as u64) {
+        if declared.is_some_and(|n| n > max_body_bytes as u64) {
             return jsonrpc_error(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 -32600,
-                &format!("Request body too large: the limit is {max} bytes."),
+                &format!("Request body too large: the limit is {max_body_bytes} bytes."),
                 None,
             );
         }
@@ -127,7 +197,6 @@ pub async fn identify(State(state): State<Arc<AppState>>, mut request: Request, 
             );
         }
     }
-    request.extensions_mut().insert(caller);
     next.run(request).await
 }
 

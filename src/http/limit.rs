@@ -18,25 +18,35 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, head
 use serde_json::json;
 use tower::{Layer, Service};
 
-use crate::app::AppState;
 use crate::clock::{ceil_ms, ceil_secs};
-use crate::guard::HttpDecision;
+use crate::guard::{Guard, HttpDecision};
 use crate::http::front_door::jsonrpc_error;
 use crate::identity::Caller;
 
 /// The policy name used in the RateLimit headers.
 const POLICY: &str = "http";
 
-/// Wraps a service with the coarse HTTP limit.
+/// Wraps a service with the coarse HTTP limit (`limits.http`) of each caller.
+///
+/// The caller must already be in the request's extensions ([`Caller`], put there by
+/// [`front_door::identify`](crate::http::front_door::identify) or your own layer): a request
+/// without one is answered 500 rather than counted against a key everyone would share.
 #[derive(Debug, Clone)]
 pub struct HttpLimitLayer {
-    state: Arc<AppState>,
+    guard: Arc<Guard>,
+    every_method: bool,
 }
 
 impl HttpLimitLayer {
-    /// A layer charging the callers of `state`'s guard.
-    pub fn new(state: Arc<AppState>) -> Self {
-        Self { state }
+    /// A layer charging one unit of `guard`'s HTTP budget per `POST` (what costs an MCP server
+    /// work; the SSE `GET` and `DELETE` of a session are never counted).
+    pub fn new(guard: Arc<Guard>) -> Self {
+        Self { guard, every_method: false }
+    }
+
+    /// Charges requests of every method, for an HTTP API that is not MCP.
+    pub fn every_method(self) -> Self {
+        Self { every_method: true, ..self }
     }
 }
 
@@ -44,7 +54,7 @@ impl<S> Layer<S> for HttpLimitLayer {
     type Service = HttpLimit<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        HttpLimit { inner, state: self.state.clone() }
+        HttpLimit { inner, guard: self.guard.clone(), every_method: self.every_method }
     }
 }
 
@@ -52,7 +62,8 @@ impl<S> Layer<S> for HttpLimitLayer {
 #[derive(Debug, Clone)]
 pub struct HttpLimit<S> {
     inner: S,
-    state: Arc<AppState>,
+    guard: Arc<Guard>,
+    every_method: bool,
 }
 
 /// The RateLimit header fields for one decision.
@@ -99,7 +110,8 @@ where
     }
 
     fn call(&mut self, request: Request<Body>) -> Self::Future {
-        if request.method() != Method::POST || !self.state.guard.enabled() {
+        let counted = self.every_method || request.method() == Method::POST;
+        if !counted || !self.guard.enabled() {
             return Box::pin(self.inner.call(request));
         }
         let Some(caller) = request.extensions().get::<Caller>().cloned() else {
@@ -111,9 +123,9 @@ where
         // the future may call it after awaiting the decision (tower's usual clone-and-swap).
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let state = self.state.clone();
+        let guard = self.guard.clone();
         Box::pin(async move {
-            let Some(decision) = state.guard.admit_http(&caller).await else {
+            let Some(decision) = guard.admit_http(&caller).await else {
                 // The store could not decide: the finer limits behind this layer still apply.
                 return inner.call(request).await;
             };

@@ -1,9 +1,10 @@
-//! The HTTP transport: the axum app around rmcp's streamable-HTTP service.
+//! The HTTP pieces: tower layers any axum app can use, and the dashboard.
 //!
 //! On `/mcp`, outside in: [`front_door`] (DNS-rebinding protection, identity and auth, header
-//! checks), then the coarse limit ([`limit::HttpLimitLayer`]), then rmcp. `/health` and
-//! `/metrics` sit outside all of it and are never limited. The [`dashboard`] sits behind the
-//! DNS-rebinding protection only: never limited, no identity needed.
+//! checks), then the coarse limit ([`limit::HttpLimitLayer`]), then rmcp. Each layer takes only
+//! what it needs (the allowed hosts, the identifier, the guard), so it can be used, and tested,
+//! alone. [`crate::app`] puts them together with rmcp's service, `/health` and `/metrics` (never
+//! limited) and the [`dashboard`] (behind the DNS-rebinding protection only).
 
 pub mod dashboard;
 pub mod front_door;
@@ -11,51 +12,16 @@ pub mod limit;
 
 use std::sync::Arc;
 
-use axum::extract::State;
-use axum::routing::get;
-use axum::{Json, Router, middleware};
-use http::header;
-use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
-use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
-use serde_json::json;
-use tokio_util::sync::CancellationToken;
-
-use crate::app::AppState;
-use crate::mcp::{McpServer, Transport};
-
-/// The whole HTTP app.
-pub fn router(app: Arc<AppState>, stop: CancellationToken) -> Router {
-    let server = &app.config.server;
-    let config = StreamableHttpServerConfig::default()
-        .with_allowed_hosts(server.allowed_hosts.clone())
-        .with_max_request_body_bytes(server.max_body_bytes)
-        .with_cancellation_token(stop.child_token());
-    let shared = app.clone();
-    let mcp = StreamableHttpService::new(
-        move || Ok(McpServer::new(shared.clone(), Transport::Http)),
-        Arc::new(LocalSessionManager::default()),
-        config,
-    );
-    Router::new()
-        .nest_service("/mcp", Shared::new(mcp))
-        .layer(limit::HttpLimitLayer::new(app.clone()))
-        .layer(middleware::from_fn_with_state(app.clone(), front_door::identify))
-        .layer(middleware::from_fn_with_state(app.clone(), front_door::rebinding_protection))
-        .merge(dashboard::routes().layer(middleware::from_fn_with_state(app.clone(), front_door::rebinding_protection)))
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
-        .route("/metrics", get(metrics))
-        .with_state(app)
-}
-
 /// A service behind an `Arc`. axum and its `from_fn` layers clone the inner stack on every
 /// request; rmcp's service carries its config (host lists and more), so cloning it per layer
 /// per request shows in a profile. Behind an `Arc` those clones are a reference count, and the
 /// service itself is cloned once, only for a request that actually reaches it.
 #[derive(Debug)]
-struct Shared<S>(Arc<S>);
+pub struct Shared<S>(Arc<S>);
 
 impl<S> Shared<S> {
-    fn new(service: S) -> Self {
+    /// `service`, behind an `Arc`.
+    pub fn new(service: S) -> Self {
         Self(Arc::new(service))
     }
 }
@@ -82,9 +48,4 @@ where
     fn call(&mut self, request: R) -> Self::Future {
         tower::ServiceExt::oneshot(S::clone(&self.0), request)
     }
-}
-
-async fn metrics(State(app): State<Arc<AppState>>) -> impl axum::response::IntoResponse {
-    app.sample_gauges();
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
 }

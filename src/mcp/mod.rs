@@ -1,6 +1,9 @@
 //! The MCP face of the server: the rmcp handler every transport serves, and the tools.
 
+pub mod limited;
+pub mod refusal;
 pub mod server;
 pub mod tools;
 
 pub use server::{McpServer, Transport};
+pub use limited::LimitedRouter;

@@ -16,19 +16,20 @@ use std::sync::Arc;
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::tool::ToolCallContext;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, ContentBlock, CreateTaskResult,
-    DetailedTask, ErrorCode, GetTaskParams, GetTaskResult, Implementation, ListToolsResult, PaginatedRequestParams,
-    ServerCapabilities, ServerConfig, Task, TaskPayload, TaskStatus,
+    CallToolRequestParams, CallToolResponse, CancelTaskParams, CreateTaskResult, DetailedTask, ErrorCode,
+    GetTaskParams, GetTaskResult, Implementation, ListToolsResult, PaginatedRequestParams, ServerCapabilities,
+    ServerConfig, Task, TaskPayload, TaskStatus,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler, tool_handler};
 
-use crate::app::AppState;
 use crate::clock::NANOS_PER_MS;
 use crate::guard::{MethodGroup, Refusal, RefusalCode, ToolCall};
 use crate::identity::Caller;
+use crate::mcp::refusal;
 use crate::mcp::tools::{self, Handoff};
 use crate::metrics::Layer;
+use crate::state::AppState;
 use crate::upstream::jobs::JobView;
 
 /// Which transport a handler serves; decides where the caller comes from.
@@ -76,13 +77,8 @@ impl McpServer {
         method: &str,
     ) -> Result<(), ErrorData> {
         let caller = self.caller_of(context)?;
-        self.app.guard.admit_method(&caller, group, method).await.map_err(method_refusal)
+        self.app.guard.admit_method(&caller, group, method).await.map_err(|r| refusal::method_error(&r))
     }
-}
-
-fn method_refusal(refusal: Refusal) -> ErrorData {
-    let data = refusal.to_json().get("error").cloned();
-    ErrorData::new(ErrorCode(-32000), refusal.message, data)
 }
 
 fn unknown_task(id: &str) -> ErrorData {
@@ -229,7 +225,7 @@ impl ServerHandler for McpServer {
         drop(admission.take());
         // A refusal from the tool itself (the upstream's 429 or failure) is seen like the others.
         if let Ok(CallToolResponse::Complete(done)) = &result
-            && let Some(refusal) = Refusal::of_result(done)
+            && let Some(refusal) = refusal::refusal_in(done)
         {
             self.seen_refused(&caller, &tool, &refusal);
         }
@@ -238,7 +234,7 @@ impl ServerHandler for McpServer {
                 self.as_task(&caller, &done)
             }
             Ok(CallToolResponse::Complete(done)) if !warnings.is_empty() && done.is_error != Some(true) => {
-                Ok(CallToolResponse::Complete(with_warnings(done, &warnings)))
+                Ok(CallToolResponse::Complete(refusal::with_warnings(done, &warnings)))
             }
             other => other,
         }
@@ -284,7 +280,7 @@ impl McpServer {
     /// The tool result of a refused call, recorded for the dashboard on its way out.
     fn refuse(&self, caller: &Caller, tool: &str, refusal: Refusal) -> CallToolResponse {
         self.seen_refused(caller, tool, &refusal);
-        refusal.into_result().into()
+        refusal::tool_result(&refusal).into()
     }
 
     fn task_ttl_ms(&self) -> u64 {
@@ -301,16 +297,4 @@ impl McpServer {
         let view = self.app.jobs.view(caller.id(), id).ok_or_else(|| unknown_task(id))?;
         Ok(CallToolResponse::Task(CreateTaskResult::new(task_of(view, self.task_ttl_ms())?.task)))
     }
-}
-
-/// A tool result that also tells the agent which limits it is close to (in its text, and as
-/// `structuredContent.warnings`), so it can plan before it is refused.
-fn with_warnings(mut done: CallToolResult, warnings: &[crate::guard::Warning]) -> CallToolResult {
-    for warning in warnings {
-        done.content.push(ContentBlock::text(warning.sentence()));
-    }
-    if let Some(serde_json::Value::Object(structured)) = &mut done.structured_content {
-        structured.insert("warnings".into(), serde_json::json!(warnings));
-    }
-    done
 }

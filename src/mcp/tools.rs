@@ -18,24 +18,23 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::clock::{Nanos, ceil_ms, ceil_secs};
+use crate::config::Catalogue;
 use crate::guard::{Admission, BudgetStatus, Refusal};
 use crate::identity::Caller;
 use crate::mcp::McpServer;
+use crate::mcp::refusal;
 use crate::upstream::UpstreamError;
 use crate::upstream::api::{NewArticle, NewPrediction, PredictionKind, PredictionStatus};
 use crate::upstream::jobs::{JobView, Owner};
 use crate::upstream::queue::Reservation;
 
-/// Every tool this server exposes; config costs must name one of these.
-pub const TOOL_NAMES: [&str; 7] = [
-    "list_articles",
-    "save_article",
-    "generate_image",
-    "generate_image_to_video",
-    "get_prediction",
-    "cancel_prediction",
-    "rate_limit_status",
-];
+/// The tools this server offers, as its limits must know them: read from the tool router, so a
+/// tool added below is in the catalogue (and needs a cost in the config) without another list.
+pub fn catalogue() -> Catalogue {
+    McpServer::tool_router().list_all().into_iter().fold(Catalogue::new(), |catalogue, tool| {
+        if starts_job(&tool.name) { catalogue.job(tool.name) } else { catalogue.tool(tool.name) }
+    })
+}
 
 /// Whether `tool` starts a job that holds in-flight slots until it is final.
 pub fn starts_job(tool: &str) -> bool {
@@ -347,7 +346,7 @@ fn upstream_refusal(tool: &str, error: UpstreamError) -> CallToolResult {
         UpstreamError::CircuitOpen { retry_after } => breaker_open(tool, retry_after),
     };
     tracing::warn!(tool, code = refusal.code.as_str(), "upstream refusal");
-    refusal.into_result()
+    refusal::tool_result(&refusal)
 }
 
 fn breaker_open(tool: &str, retry_after: Nanos) -> Refusal {
@@ -356,7 +355,7 @@ fn breaker_open(tool: &str, retry_after: Nanos) -> Refusal {
 
 /// Someone else's job, or none at all: the same answer, so a `predict_id` never leaks.
 fn unknown_prediction(tool: &str) -> CallToolResult {
-    Refusal::invalid_arguments(tool, "no prediction with that predict_id").into_result()
+    refusal::tool_result(&Refusal::invalid_arguments(tool, "no prediction with that predict_id"))
 }
 
 /// Whole seconds to tell an agent to wait, never zero while something is pending.
@@ -631,7 +630,7 @@ impl McpServer {
         Extension(caller): Extension<Caller>,
     ) -> Result<CallToolResult, ErrorData> {
         let Some(budgets) = self.app.guard.status(&caller, self.transport == crate::mcp::Transport::Http).await else {
-            return Ok(Refusal::limiter_unavailable("rate_limit_status", 1_000).into_result());
+            return Ok(refusal::tool_result(&Refusal::limiter_unavailable("rate_limit_status", 1_000)));
         };
         let mut lines: Vec<String> = budgets
             .iter()
@@ -692,12 +691,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_routed_tool_is_in_the_catalog_and_back() {
-        let routed: Vec<String> = McpServer::tool_router().list_all().into_iter().map(|t| t.name.to_string()).collect();
-        let mut names: Vec<String> = TOOL_NAMES.iter().map(|s| s.to_string()).collect();
-        names.sort();
-        assert_eq!(routed, names);
-        for name in TOOL_NAMES {
+    fn every_routed_tool_is_in_the_catalogue_with_a_validator() {
+        let catalogue = catalogue();
+        assert_eq!(catalogue.names().count(), 7);
+        assert!(catalogue.holds_slots("generate_image") && !catalogue.holds_slots("list_articles"));
+        for name in catalogue.names() {
             // Each catalogued tool has a validator (an unknown one would say "unknown tool").
             let r = validate_arguments(name, None);
             assert!(r.as_ref().err().is_none_or(|e| !e.message.contains("unknown tool")), "{name}");

@@ -370,7 +370,7 @@ fn replay_all(replays: &[(Shape, &'static str, Replay<'_>)], budget: &Budget) ->
 /// A guard on its own memory store and `clock`: what the server builds, minus the transports.
 fn guard(config: &Config, clock: Arc<ManualClock>) -> Guard {
     let clock: SharedClock = clock;
-    Guard::new(Arc::new(Store::memory(clock.clone())), clock, config, Arc::new(Metrics::new()))
+    Guard::new(Arc::new(Store::memory(clock.clone())), clock, config, Arc::new(Metrics::default()))
 }
 
 /// Each shape's draws depend on the seed and the shape alone, so every algorithm meets the same

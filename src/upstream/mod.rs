@@ -10,7 +10,6 @@
 
 pub mod api;
 pub mod backoff;
-pub mod breaker;
 pub mod jobs;
 pub mod queue;
 
@@ -18,9 +17,9 @@ use std::time::{Duration, SystemTime};
 
 use reqwest::{StatusCode, Url};
 
+use crate::breaker::Breaker;
 use crate::clock::{Nanos, SharedClock};
 use api::{ArticlePage, NewArticle, NewPrediction, Prediction, SavedArticle};
-use breaker::Breaker;
 
 /// Why an upstream call did not produce a result.
 #[derive(Debug, thiserror::Error)]
@@ -71,6 +70,22 @@ impl UpstreamError {
     }
 }
 
+/// An upstream client that cannot be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// `upstream.url` is not a URL.
+    #[error("`upstream.url` = `{url}` is not a URL: {reason}")]
+    BadUrl {
+        /// The URL as configured.
+        url: String,
+        /// Why it does not parse.
+        reason: String,
+    },
+    /// The HTTP client could not be built (its TLS back end did not start).
+    #[error("cannot build the upstream HTTP client: {0}")]
+    Client(#[from] reqwest::Error),
+}
+
 /// A client for the paid API, with its circuit breaker.
 #[derive(Debug)]
 pub struct Upstream {
@@ -82,8 +97,9 @@ pub struct Upstream {
 
 impl Upstream {
     /// A client for the API at `base` with a per-request `timeout`, guarded by `breaker`.
-    pub fn new(base: &str, timeout: Duration, breaker: Breaker, clock: SharedClock) -> anyhow::Result<Self> {
-        let mut base = Url::parse(base)?;
+    pub fn new(base: &str, timeout: Duration, breaker: Breaker, clock: SharedClock) -> Result<Self, ClientError> {
+        let mut base =
+            Url::parse(base).map_err(|e| ClientError::BadUrl { url: base.to_owned(), reason: e.to_string() })?;
         if !base.path().ends_with('/') {
             base.set_path(&format!("{}/", base.path()));
         }

@@ -33,7 +33,7 @@ pub struct TestServer {
 impl TestServer {
     /// Starts a server with the defaults plus `toml`.
     pub async fn start(toml: &str) -> Self {
-        let config = Config::from_toml(toml).expect("test config is valid");
+        let config = Config::from_toml(toml, &mcp_ratelimit::mcp::tools::catalogue()).expect("test config is valid");
         let clock = ManualClock::new();
         let app = Arc::new(App::start(config, clock.clone()).await.expect("server starts"));
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");

@@ -1,4 +1,6 @@
-//! A circuit breaker per upstream, as Envoy and resilience4j keep one.
+//! A circuit breaker, as Envoy and resilience4j keep one per upstream: the paid API's (see
+//! [`crate::upstream`]), and the shared limiter store's (the guard stops waiting on a Redis that is
+//! down, and probes it once a second).
 //!
 //! When an upstream keeps failing, calling it harder helps nobody: agents wait on timeouts and
 //! the upstream gets no room to recover. After `failures_to_open` consecutive failures the

@@ -1,0 +1,135 @@
+//! Our limits around any rmcp `ToolRouter`: the one change a server needs is the router its
+//! `#[tool_handler]` calls.
+//!
+//! ```ignore
+//! #[tool_handler(router = self.tools)]        // was: self.tool_router
+//! impl ServerHandler for MyServer {}
+//! // where   tools: LimitedRouter::new(Self::tool_router(), limits)
+//! ```
+//!
+//! Every call then passes [`Guard::admit`](crate::guard::Guard::admit) before the tool runs:
+//! loops are refused, the tool's cost is charged to the caller's, tenant's and tool's budgets at
+//! once (all or none), and a tool the [`Catalogue`](crate::config::Catalogue) marks as a job takes
+//! an in-flight slot for as long as it runs. A refusal is the tool result an agent can act on
+//! (`isError`, the wait in whole seconds, `structuredContent.error`); limits close to their end
+//! add warnings to the result. `tools/list` shows each tool's cost in its description.
+//!
+//! The caller is the one the HTTP layer named ([`RateLimits::http_layer`]); without that layer,
+//! it is named here from the request's headers and address; over stdio it is the local caller.
+
+use std::borrow::Cow;
+
+use rmcp::handler::server::router::tool::ToolRouter;
+use rmcp::handler::server::tool::ToolCallContext;
+use rmcp::model::{CallToolResponse, Tool};
+use rmcp::service::RequestContext;
+use rmcp::{ErrorData, RoleServer};
+
+use crate::guard::ToolCall;
+use crate::identity::Caller;
+use crate::mcp::refusal;
+use crate::metrics::Layer;
+use crate::rate_limits::RateLimits;
+
+/// A `ToolRouter` whose every call is guarded by [`RateLimits`]; it has the methods
+/// `#[tool_handler(router = …)]` calls (`call`, `list_all`, `get`).
+#[derive(Debug)]
+pub struct LimitedRouter<S> {
+    router: ToolRouter<S>,
+    limits: RateLimits,
+}
+
+impl<S> Clone for LimitedRouter<S> {
+    fn clone(&self) -> Self {
+        Self { router: self.router.clone(), limits: self.limits.clone() }
+    }
+}
+
+impl<S: Send + Sync + 'static> LimitedRouter<S> {
+    /// `router`, with every call guarded by `limits`.
+    pub fn new(router: ToolRouter<S>, limits: RateLimits) -> Self {
+        Self { router, limits }
+    }
+
+    /// Charges the call, runs the tool if it may, and answers a refusal the agent can act on if
+    /// it may not. An unknown tool is the JSON-RPC error rmcp gives (`-32602`), charged nothing.
+    pub async fn call(&self, context: ToolCallContext<'_, S>) -> Result<CallToolResponse, ErrorData> {
+        if self.router.get(context.name()).is_none() {
+            return Err(ErrorData::invalid_params("tool not found", None));
+        }
+        let caller = caller_of(&self.limits, &context.request_context)?;
+        let tool = context.name().to_owned();
+        let args = serde_json::Value::Object(context.arguments.clone().unwrap_or_default());
+        let call = ToolCall {
+            tool: &tool,
+            args: &args,
+            starts_job: self.limits.catalogue().holds_slots(&tool),
+            loop_exempt: false,
+        };
+        let guard = self.limits.guard();
+        let admission = match guard.admit(&caller, &call).await {
+            Ok(admission) => admission,
+            Err(refused) => {
+                guard.activity().refused(&caller, refused.seen(Layer::Tool, &tool), self.limits.clock().now());
+                return Ok(refusal::tool_result(&refused).into());
+            }
+        };
+        // A client's cancellation (or the session closing) drops the tool, and with it the
+        // admission's in-flight slots, at once instead of when the tool would have returned.
+        let cancelled = context.request_context.ct.clone();
+        let result = tokio::select! {
+            result = self.router.call(context) => result,
+            () = cancelled.cancelled() => Err(ErrorData::internal_error("the request was cancelled", None)),
+        };
+        let warnings = admission.warnings().to_vec();
+        drop(admission);
+        match result {
+            Ok(CallToolResponse::Complete(done)) if !warnings.is_empty() && done.is_error != Some(true) => {
+                Ok(CallToolResponse::Complete(refusal::with_warnings(done, &warnings)))
+            }
+            other => other,
+        }
+    }
+
+    /// Every tool, with its cost added to its description so a model sees prices before it calls.
+    pub fn list_all(&self) -> Vec<Tool> {
+        let policy = self.limits.guard().policy();
+        self.router
+            .list_all()
+            .into_iter()
+            .map(|mut tool| {
+                let price = match policy.cost_of(&tool.name) {
+                    0 => " Free: costs no budget.".to_owned(),
+                    1 => " Costs 1 token.".to_owned(),
+                    n => format!(" Costs {n} tokens."),
+                };
+                let description = format!("{}{price}", tool.description.as_deref().unwrap_or_default());
+                tool.description = Some(Cow::Owned(description));
+                tool
+            })
+            .collect()
+    }
+
+    /// The tool called `name`, as the router has it.
+    pub fn get(&self, name: &str) -> Option<&Tool> {
+        self.router.get(name)
+    }
+}
+
+/// The caller of an MCP request: the one the HTTP layer named, else one named here from the
+/// request's headers and address (401-like `invalid_request` when `auth.required` refuses it),
+/// else — over stdio, where there is no HTTP request — the local caller.
+pub fn caller_of(limits: &RateLimits, context: &RequestContext<RoleServer>) -> Result<Caller, ErrorData> {
+    let Some(parts) = context.extensions.get::<http::request::Parts>() else {
+        return Ok(limits.identifier().load().local());
+    };
+    if let Some(caller) = parts.extensions.get::<Caller>() {
+        return Ok(caller.clone());
+    }
+    let peer = parts.extensions.get::<axum::extract::ConnectInfo<std::net::SocketAddr>>().map(|c| c.0.ip());
+    limits
+        .identifier()
+        .load()
+        .identify(&parts.headers, peer)
+        .map_err(|unauthorized| ErrorData::invalid_request(format!("Unauthorized: {unauthorized}."), None))
+}

@@ -1,0 +1,64 @@
+//! How a [`Refusal`] reaches an MCP client.
+//!
+//! A limit hit inside a tool call is a *tool result* with `isError: true`, never a JSON-RPC
+//! error: the text lands in the model's context and says, in whole seconds, how long to wait,
+//! and the same facts are in `structuredContent.error` for programs. A refused method that has
+//! no tool result to carry it (`tools/list`, `ping`, `tasks/get`) is a JSON-RPC error with the
+//! same structured data.
+
+use rmcp::ErrorData;
+use rmcp::model::{CallToolResult, ContentBlock, ErrorCode};
+
+use crate::guard::{Refusal, Warning};
+
+/// The `isError: true` tool result carrying the refusal's message and its structured error.
+pub fn tool_result(refusal: &Refusal) -> CallToolResult {
+    let mut result = CallToolResult::error(vec![ContentBlock::text(refusal.message.clone())]);
+    result.structured_content = Some(refusal.to_json());
+    result
+}
+
+/// The refusal an `isError` tool result carries (what [`tool_result`] wrote), for whoever sees
+/// only results; `None` for any other result.
+pub fn refusal_in(result: &CallToolResult) -> Option<Refusal> {
+    if result.is_error != Some(true) {
+        return None;
+    }
+    Refusal::from_json(result.structured_content.as_ref()?)
+}
+
+/// A refused method as a JSON-RPC error (`-32000`) with the structured error as its data.
+pub fn method_error(refusal: &Refusal) -> ErrorData {
+    let data = refusal.to_json().get("error").cloned();
+    ErrorData::new(ErrorCode(-32000), refusal.message.clone(), data)
+}
+
+/// A tool result that also tells the agent which limits it is close to (in its text, and as
+/// `structuredContent.warnings`), so it can plan before it is refused.
+pub fn with_warnings(mut done: CallToolResult, warnings: &[Warning]) -> CallToolResult {
+    for warning in warnings {
+        done.content.push(ContentBlock::text(warning.sentence()));
+    }
+    if let Some(serde_json::Value::Object(structured)) = &mut done.structured_content {
+        structured.insert("warnings".into(), serde_json::json!(warnings));
+    }
+    done
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_result_gives_back_the_refusal_it_carries() {
+        let busy = Refusal::busy("generate_image", "in_flight:caller:x".into(), 5);
+        let rate = Refusal::rate_limited("list_articles", "caller:x".into(), 60, 0, 1_000_000_000);
+        for refusal in [busy, rate] {
+            let result = tool_result(&refusal);
+            assert_eq!(result.is_error, Some(true));
+            assert_eq!(refusal_in(&result), Some(refusal));
+        }
+        let ok = CallToolResult::success(vec![ContentBlock::text("fine")]);
+        assert_eq!(refusal_in(&ok), None);
+    }
+}

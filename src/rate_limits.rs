@@ -1,0 +1,253 @@
+//! The limits as a library: one handle that gives every caller of your rmcp server (or of any
+//! axum app) a budget, charges each tool its cost, caps calls in flight, and explains every
+//! refusal in words an agent can act on.
+//!
+//! Build a [`RateLimits`] from a config ([`RateLimits::from_toml`], or a [`Config`] you load or
+//! change in code) and the [`Catalogue`] of your tools, then use it in one or both places:
+//! - around your tools: [`LimitedRouter`](crate::mcp::limited::LimitedRouter) wraps an rmcp
+//!   `ToolRouter`, so `#[tool_handler(router = self.tools)]` guards every call;
+//! - in front of HTTP: [`RateLimits::http_layer`] names each caller and charges its coarse HTTP
+//!   budget, answering 429 with `Retry-After` and the RateLimit headers.
+//!
+//! ```
+//! use mcp_ratelimit::config::Catalogue;
+//! use mcp_ratelimit::RateLimits;
+//!
+//! # tokio_test_block_on(async {
+//! let tools = Catalogue::new().tool("search").job("render");
+//! let limits = RateLimits::from_toml(
+//!     r#"
+//!     [limits.caller]
+//!     algorithm = "token_bucket"
+//!     burst = 10
+//!     refill_per_sec = 0.5
+//!
+//!     [tools.search]
+//!     cost = 1
+//!
+//!     [tools.render]
+//!     cost = 5
+//!     "#,
+//!     tools,
+//! )
+//! .await?;
+//! assert!(limits.guard().enabled());
+//! # Ok::<(), mcp_ratelimit::rate_limits::LimitsError>(())
+//! # }).unwrap();
+//! # fn tokio_test_block_on<F: std::future::Future>(f: F) -> F::Output {
+//! #     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(f)
+//! # }
+//! ```
+//!
+//! The limits run on their own: idle state is swept, and over Redis in-flight leases are renewed
+//! and operators' resets heard, in tasks that stop when the last clone of the handle is dropped.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tokio_util::sync::CancellationToken;
+
+use crate::clock::{SharedClock, SystemClock};
+use crate::config::{Backend, Catalogue, Config, ConfigError};
+use crate::guard::Guard;
+use crate::http::front_door::IdentifyLayer;
+use crate::http::limit::HttpLimitLayer;
+use crate::identity::Identifier;
+use crate::metrics::Metrics;
+use crate::store::{RedisStore, Store, StoreError};
+
+/// Why limits could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum LimitsError {
+    /// The config does not load or validate (the message names the key).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// `store.redis_ca_file` cannot be used.
+    #[error("`store.redis_ca_file`: {0}")]
+    RedisCa(String),
+    /// The shared limiter store did not answer.
+    #[error("the limiter store: {0}")]
+    Store(#[from] StoreError),
+}
+
+/// Everything that decides: the guard (budgets, costs, in-flight caps, loops), who callers are,
+/// the metrics, and the tools they are for. Cheap to clone: clones share one state.
+#[derive(Debug, Clone)]
+pub struct RateLimits {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    guard: Arc<Guard>,
+    identifier: Arc<ArcSwap<Identifier>>,
+    metrics: Arc<Metrics>,
+    catalogue: Catalogue,
+    clock: SharedClock,
+    stop: CancellationToken,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl RateLimits {
+    /// The documented defaults plus `toml`, for the tools of `tools`, on the system clock.
+    pub async fn from_toml(toml: &str, tools: Catalogue) -> Result<Self, LimitsError> {
+        let config = Config::from_toml(toml, &tools)?;
+        Self::start(&config, tools, SystemClock::shared()).await
+    }
+
+    /// The limits of `config` (checked against `tools`, as [`Config::load`] did), with their
+    /// state where `store.backend` says (connecting to Redis when it says so), on `clock`.
+    pub async fn start(config: &Config, tools: Catalogue, clock: SharedClock) -> Result<Self, LimitsError> {
+        let store = match config.store.backend {
+            Backend::Memory => Store::memory(clock.clone()),
+            Backend::Redis => {
+                let timeout = Duration::from_millis(config.store.timeout_ms);
+                let lease = Duration::from_millis(config.store.lease_ms);
+                let ca = config.store.redis_ca().map_err(LimitsError::RedisCa)?;
+                let redis = RedisStore::connect_trusting(&config.store.redis_url, timeout, ca)
+                    .await
+                    .map_err(StoreError::from)?;
+                Store::redis(redis.with_lease(lease))
+            }
+        };
+        let metrics = Arc::new(Metrics::new(&tools));
+        let guard = Arc::new(Guard::new(Arc::new(store), clock.clone(), config, metrics.clone()));
+        let stop = CancellationToken::new();
+        tokio::spawn(sweep_forever(guard.clone(), Duration::from_millis(config.store.sweep_interval_ms), stop.clone()));
+        if let Some(every) = guard.store().renew_every() {
+            tokio::spawn(renew_forever(guard.clone(), every, stop.clone()));
+            tokio::spawn(hear_operators_forever(guard.clone(), stop.clone()));
+        }
+        let identifier = Arc::new(ArcSwap::from_pointee(Identifier::new(config)));
+        Ok(Self { inner: Arc::new(Inner { guard, identifier, metrics, catalogue: tools, clock, stop }) })
+    }
+
+    /// Decides every call: [`Guard::admit`] for a tool call, [`Guard::admit_http`] for a request.
+    pub fn guard(&self) -> &Arc<Guard> {
+        &self.inner.guard
+    }
+
+    /// Names callers from a request's headers and address (swapped whole by [`RateLimits::reload`]).
+    pub fn identifier(&self) -> &Arc<ArcSwap<Identifier>> {
+        &self.inner.identifier
+    }
+
+    /// What the limits decided, for a `/metrics` route ([`Metrics::render`]).
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.inner.metrics
+    }
+
+    /// The tools the limits are for.
+    pub fn catalogue(&self) -> &Catalogue {
+        &self.inner.catalogue
+    }
+
+    /// The clock every decision reads.
+    pub fn clock(&self) -> &SharedClock {
+        &self.inner.clock
+    }
+
+    /// Puts the limits, keys and tenants of `config` in force from the next decision on; usage
+    /// carries over (see [`Guard::reload`]).
+    pub fn reload(&self, config: &Config) {
+        self.inner.guard.reload(config);
+        self.inner.identifier.store(Arc::new(Identifier::new(config)));
+    }
+
+    /// The tower layer for an axum app: names each caller ([`IdentifyLayer`]: its key's hash,
+    /// else its address; 401 when `auth.required` and the key is unknown), then charges its coarse
+    /// HTTP budget (`limits.http`) for every `POST` ([`HttpLimitLayer`]: 429 with `Retry-After`
+    /// and the RateLimit headers). Serve the app with `into_make_service_with_connect_info` so
+    /// callers without a key are told apart by address.
+    pub fn http_layer(&self) -> HttpLayer {
+        HttpLayer {
+            identify: IdentifyLayer::new(self.inner.identifier.clone()),
+            limit: HttpLimitLayer::new(self.inner.guard.clone()),
+        }
+    }
+
+    /// Stops the housekeeping tasks now rather than when the last clone is dropped.
+    pub fn stop(&self) {
+        self.inner.stop.cancel();
+    }
+}
+
+/// [`IdentifyLayer`] around [`HttpLimitLayer`]: what [`RateLimits::http_layer`] gives.
+#[derive(Debug, Clone)]
+pub struct HttpLayer {
+    identify: IdentifyLayer,
+    limit: HttpLimitLayer,
+}
+
+impl HttpLayer {
+    /// Charges requests of every method, not only `POST`: for an HTTP API that is not MCP.
+    pub fn every_method(self) -> Self {
+        Self { limit: self.limit.every_method(), ..self }
+    }
+}
+
+impl<S> tower::Layer<S> for HttpLayer {
+    type Service = <IdentifyLayer as tower::Layer<<HttpLimitLayer as tower::Layer<S>>::Service>>::Service;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        self.identify.layer(self.limit.layer(inner))
+    }
+}
+
+/// Forgets idle limiter state on a schedule, so memory stays bounded however many callers come.
+async fn sweep_forever(guard: Arc<Guard>, every: Duration, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(every.max(Duration::from_millis(1)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => {
+                let keys = guard.sweep();
+                if keys > 0 {
+                    tracing::debug!(keys, "swept idle limiter state");
+                }
+            }
+        }
+    }
+}
+
+/// Renews the in-flight leases this instance holds in a shared store. On the wall clock: the
+/// leases run out on Redis's clock, whatever the server's clock says.
+async fn renew_forever(guard: Arc<Guard>, every: Duration, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => {
+                if let Err(error) = guard.store().renew_leases().await {
+                    tracing::warn!(%error, "could not renew in-flight leases");
+                }
+            }
+        }
+    }
+}
+
+/// Forgets this instance's remembered refusals when an operator gave budget back through any
+/// instance's admin API (see `guard::operator`). On the wall clock: the news comes from another
+/// process.
+async fn hear_operators_forever(guard: Arc<Guard>, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(crate::guard::operator::HEAR_OPERATORS_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut seen = 0;
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => match guard.hear_operators(seen).await {
+                Ok(now) => seen = now,
+                Err(error) => tracing::debug!(%error, "could not read the operators' refunds and resets"),
+            },
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! The state every session of every transport shares, so a caller has one budget however many
+//! sessions it opens: the limits (guard, identity, metrics) and the upstream (client, job book).
+//!
+//! [`crate::app`] builds it; the MCP handler, the dashboard and the admin API read it. Reloading
+//! the config is a change of this state ([`AppState::reload`]); [`crate::reload`] only says when.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+
+use crate::clock::SharedClock;
+use crate::config::{Catalogue, Config};
+use crate::guard::Guard;
+use crate::identity::Identifier;
+use crate::metrics::Metrics;
+use crate::upstream::Upstream;
+use crate::upstream::jobs::Jobs;
+
+/// State shared by every session.
+#[derive(Debug)]
+pub struct AppState {
+    /// The validated config.
+    pub config: Config,
+    /// The tools the server offers, as the limits know them (a reloaded config is checked
+    /// against it).
+    pub catalogue: Catalogue,
+    /// The one clock.
+    pub clock: SharedClock,
+    /// Names callers (keys, tenants, tiers, trusted proxies); swapped whole by a reload.
+    pub identifier: Arc<ArcSwap<Identifier>>,
+    /// Budgets and refusals.
+    pub guard: Arc<Guard>,
+    /// What the limits are doing.
+    pub metrics: Arc<Metrics>,
+    /// The paid API, behind its circuit breaker.
+    pub upstream: Arc<Upstream>,
+    /// Jobs accepted and not yet forgotten: their slots, the account's fair queue, background polls.
+    pub jobs: Arc<Jobs>,
+}
+
+impl AppState {
+    /// Sets the gauges that are read from live state when `/metrics` is scraped.
+    pub fn sample_gauges(&self) {
+        use crate::breaker::BreakerState;
+        use crate::metrics::{ACCOUNT_SLOTS_IN_USE, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH, STORE_UP};
+        let occupancy = self.jobs.occupancy();
+        // Per flow bucket (a 16-way hash of the tenant or caller, never its name); every bucket
+        // is set, so an emptied one reads 0 instead of its last value.
+        let mut buckets = [0usize; 16];
+        for (flow, waiting) in &occupancy.per_flow {
+            buckets[usize::from(crate::identity::bucket_of(flow))] += waiting;
+        }
+        for (bucket, waiting) in buckets.iter().enumerate() {
+            let label = metrics::Label::new("flow_bucket", format!("b{bucket:02}"));
+            self.metrics.sample(QUEUE_DEPTH, vec![label], *waiting as f64);
+        }
+        self.metrics.sample(ACCOUNT_SLOTS_IN_USE, Vec::new(), occupancy.in_flight as f64);
+        self.metrics.sample(JOBS_IN_FLIGHT, Vec::new(), self.jobs.in_flight() as f64);
+        let breaker = match self.upstream.breaker().state(self.clock.now()) {
+            BreakerState::Closed => 0.0,
+            BreakerState::HalfOpen => 1.0,
+            BreakerState::Open => 2.0,
+        };
+        self.metrics.sample(BREAKER_STATE, Vec::new(), breaker);
+        self.metrics.sample(STORE_UP, Vec::new(), if self.guard.store_up() { 1.0 } else { 0.0 });
+    }
+}
+
+/// What a reload did.
+#[derive(Debug)]
+pub enum Reloaded {
+    /// The new limits are live. Settings named here changed too but need a restart.
+    Applied {
+        /// Keys whose new values take effect only at the next start.
+        need_restart: Vec<&'static str>,
+    },
+    /// The file did not load or validate; the running config stays.
+    Refused(String),
+}
+
+impl AppState {
+    /// Loads `file` (and the environment) as at start-up and, if it validates, makes its limits
+    /// live.
+    pub fn reload_from(&self, file: Option<&Path>) -> Reloaded {
+        match Config::load(file, &self.catalogue) {
+            Ok(config) => self.reload(&config),
+            Err(error) => self.refuse(error.to_string()),
+        }
+    }
+
+    /// Makes the limits of `config` live (see the module doc for what a reload changes).
+    pub fn reload(&self, config: &Config) -> Reloaded {
+        self.guard.reload(config);
+        self.identifier.store(Arc::new(Identifier::new(config)));
+        let running = &self.config;
+        let mut need_restart = Vec::new();
+        for (key, changed) in [
+            ("server.listen", running.server.listen != config.server.listen),
+            ("server.allowed_hosts", running.server.allowed_hosts != config.server.allowed_hosts),
+            ("server.max_body_bytes", running.server.max_body_bytes != config.server.max_body_bytes),
+            ("store.backend", running.store.backend != config.store.backend),
+            ("store.redis_url", running.store.redis_url != config.store.redis_url),
+            ("upstream.url", running.upstream.url != config.upstream.url),
+            ("loop_detection", format!("{:?}", running.loop_detection) != format!("{:?}", config.loop_detection)),
+        ] {
+            if changed {
+                need_restart.push(key);
+            }
+        }
+        self.metrics.config_reload("applied");
+        if need_restart.is_empty() {
+            tracing::info!("config reloaded: new limits are live, usage carried over");
+        } else {
+            tracing::warn!(?need_restart, "config reloaded: new limits are live; these settings need a restart");
+        }
+        Reloaded::Applied { need_restart }
+    }
+
+    fn refuse(&self, error: String) -> Reloaded {
+        self.metrics.config_reload("refused");
+        tracing::error!(%error, "config reload refused; the running config stays");
+        Reloaded::Refused(error)
+    }
+}
