@@ -1,15 +1,22 @@
 # The two commands a new user needs: `make run` and `make test`.
 CARGO ?= cargo
 
-.PHONY: run test check fmt inspector build bench bench-redis load conformance burst cluster simulate chromium dashboard-screenshot
+.PHONY: run test docs check fmt inspector build bench bench-redis load conformance burst cluster simulate chromium dashboard-screenshot
 
 ## Serve MCP on http://127.0.0.1:3000/mcp with the defaults (in-memory limits, embedded mock upstream).
 run:
 	$(CARGO) run --release -- serve
 
-## Every test: unit, property, integration (HTTP and stdio), CLI, the dashboard in headless Chromium.
+## Every test: unit, property, integration (HTTP and stdio), CLI, the examples, the dashboard in
+## headless Chromium, then the doc examples (which --all-targets leaves out).
 test: chromium
 	$(CARGO) test --all-targets --no-fail-fast
+	$(CARGO) test --doc
+
+## The library's docs with every warning an error, and what `cargo package` would publish.
+docs:
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps
+	$(CARGO) package --list --allow-dirty >/dev/null
 
 ## Debian's chromium for tests/dashboard.rs, installed when missing (as root with apt-get; else the test says how).
 chromium:

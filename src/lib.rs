@@ -1,12 +1,25 @@
-//! mcp-ratelimit: a reference MCP server that keeps AI agents from running up a bill.
+//! mcp-ratelimit: limits that keep AI agents from running up a bill, as a library for any rmcp
+//! server, and the reference MCP server built on it.
 //!
-//! The layers, outside in: [`http`] (transport) and [`mcp`] (the rmcp handler and tools) hand
-//! every tool call to the [`guard`], which names the caller ([`identity`]), prices the call
-//! ([`config`] costs) and asks the [`limit`] algorithms, whose state lives in a [`store`], all on
-//! one [`clock`], and [`metrics`] shows what they decide ([`activity`]: the last ten minutes, for the
-//! dashboard); [`simulate`] replays agents against them. Tools reach the paid API through
-//! [`upstream`]; [`mock_upstream`] stands in for it. [`app`] wires it together, and [`reload`] puts
-//! new limits in force on a running server.
+//! **As a library**: build [`RateLimits`] from a config and the [`Catalogue`] of your tools, wrap
+//! your `ToolRouter` in a [`LimitedRouter`] (or call [`Guard::admit`](guard::Guard::admit) in
+//! your own `call_tool`), and put [`RateLimits::http_layer`] in front of your axum router. See
+//! `examples/rmcp_server.rs` and `examples/axum_only.rs`.
+//!
+//! **The layers**, inside out; no module imports one above it, and no two import each other:
+//! - the core, which knows nothing of MCP or of any tool: [`clock`] (the one source of time),
+//!   [`limit`] (the algorithms), [`store`] (their state: memory or Redis), [`guard`] (every scope
+//!   of a call decided at once, refusals), [`identity`] (who calls), [`config`] (typed and
+//!   validated, checked against the catalogue passed down), [`metrics`], [`activity`] (the last
+//!   ten minutes, for the dashboard) and [`breaker`];
+//! - the library around it: [`rate_limits`] (the handle), [`http`] (tower layers) and the rmcp
+//!   glue in [`mcp::limited`] and [`mcp::refusal`];
+//! - this server: [`mcp::server`] and [`mcp::tools`] (seven tools over a paid API), [`upstream`]
+//!   (jobs, the fair queue, backoff), [`state`] (what every session shares), [`admin`],
+//!   [`reload`], [`simulate`] and [`mock_upstream`];
+//! - [`app`], which wires the server together; nothing imports it.
+
+#![warn(missing_docs)]
 
 pub mod activity;
 pub mod admin;

@@ -103,6 +103,41 @@ impl RateLimits {
 
     /// The limits of `config` (checked against `tools`, as [`Config::load`] did), with their
     /// state where `store.backend` says (connecting to Redis when it says so), on `clock`.
+    ///
+    /// A config can be changed in code before it is used, and the guard asked directly (here on a
+    /// manual clock, so the wait is exact):
+    ///
+    /// ```
+    /// use mcp_ratelimit::clock::ManualClock;
+    /// use mcp_ratelimit::config::{Catalogue, Config, Limit};
+    /// use mcp_ratelimit::guard::ToolCall;
+    /// use mcp_ratelimit::limit::{Limiter, TokenBucket};
+    /// use mcp_ratelimit::RateLimits;
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+    /// let tools = Catalogue::new().tool("search");
+    /// let mut config = Config::from_toml("[tools.search]\ncost = 1\n", &tools)?;
+    /// // Three calls at once, then one every two seconds.
+    /// config.limits.caller = vec![Limit::enforced(Limiter::TokenBucket(TokenBucket::new(3, 0.5)))];
+    /// let clock = ManualClock::new();
+    /// let limits = RateLimits::start(&config, tools, clock.clone()).await?;
+    ///
+    /// let caller = limits.identifier().load().local();
+    /// for query in ["a", "b", "c", "d"] {
+    ///     let args = serde_json::json!({ "q": query });
+    ///     let call = ToolCall { tool: "search", args: &args, starts_job: false, loop_exempt: false };
+    ///     match limits.guard().admit(&caller, &call).await {
+    ///         Ok(_admission) => assert_ne!(query, "d"),
+    ///         Err(refusal) => {
+    ///             assert_eq!(query, "d");
+    ///             assert_eq!(refusal.retry_after_ms, Some(2_000));
+    ///             assert!(refusal.message.contains("Wait 2 seconds"));
+    ///         }
+    ///     }
+    /// }
+    /// # Ok::<(), mcp_ratelimit::rate_limits::LimitsError>(())
+    /// # }).unwrap();
+    /// ```
     pub async fn start(config: &Config, tools: Catalogue, clock: SharedClock) -> Result<Self, LimitsError> {
         let store = match config.store.backend {
             Backend::Memory => Store::memory(clock.clone()),

@@ -2,7 +2,7 @@
 //! default), never on the MCP listener.
 //!
 //! Everything on it — every route, an unknown one, `openapi.json` too — first passes
-//! [`auth::require_key`]: `Authorization: Bearer <admin.key>`, compared in constant time, or 401.
+//! `auth::require_key`: `Authorization: Bearer <admin.key>`, compared in constant time, or 401.
 //! The routes ([`ROUTES`], described by `openapi.json` beside this file and served at
 //! `GET /admin/openapi.json`) inspect a caller's or tenant's budgets, reset them, refund units,
 //! block a caller or tenant for a while, and list and cancel jobs in flight. They act on the

@@ -286,7 +286,7 @@ impl Guard {
     }
 
     /// Forgets the remembered refusals if an operator gave budget back since `seen` (the counter
-    /// [`Guard::forgive`] bumps); returns the counter now. Asks the store only while refusals
+    /// `Guard::forgive` bumps); returns the counter now. Asks the store only while refusals
     /// are remembered: otherwise there is nothing to forget.
     pub async fn hear_operators(&self, seen: u64) -> Result<u64, StoreError> {
         let (Some(insurance), Some(redis)) = (&self.insurance, self.store.redis_store()) else { return Ok(seen) };

@@ -107,7 +107,7 @@ pub async fn rebinding_protection(State(allowed): State<Arc<AllowedHosts>>, requ
 }
 
 /// Names the caller of every request (a one-way hash of its key, else its address) and puts the
-/// [`Caller`] into the request's extensions, for the limit behind it and the tools; answers 401
+/// [`Caller`](crate::identity::Caller) into the request's extensions, for the limit behind it and the tools; answers 401
 /// when `auth.required` and the key is missing or unknown. The address comes from axum's
 /// `ConnectInfo<SocketAddr>` (serve with `into_make_service_with_connect_info`).
 #[derive(Debug, Clone)]

@@ -29,7 +29,7 @@ const POLICY: &str = "http";
 /// Wraps a service with the coarse HTTP limit (`limits.http`) of each caller.
 ///
 /// The caller must already be in the request's extensions ([`Caller`], put there by
-/// [`front_door::identify`](crate::http::front_door::identify) or your own layer): a request
+/// [`IdentifyLayer`](crate::http::front_door::IdentifyLayer) or your own layer): a request
 /// without one is answered 500 rather than counted against a key everyone would share.
 #[derive(Debug, Clone)]
 pub struct HttpLimitLayer {

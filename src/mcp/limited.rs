@@ -1,7 +1,7 @@
 //! Our limits around any rmcp `ToolRouter`: the one change a server needs is the router its
 //! `#[tool_handler]` calls.
 //!
-//! ```ignore
+//! ```text
 //! #[tool_handler(router = self.tools)]        // was: self.tool_router
 //! impl ServerHandler for MyServer {}
 //! // where   tools: LimitedRouter::new(Self::tool_router(), limits)

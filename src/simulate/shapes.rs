@@ -7,8 +7,8 @@
 //! an agent that never waits asks for twice what the budget gives. Every random draw (fan-out
 //! timing, round trips, turns) comes from the run's seeded RNG.
 //!
-//! Open-loop agents ([`Agent::Scheduled`]) call at instants fixed in advance, whatever they are
-//! told: the same traffic meets every algorithm. Closed-loop agents ([`Agent::Reactive`]) take
+//! Open-loop agents (`Agent::Scheduled`) call at instants fixed in advance, whatever they are
+//! told: the same traffic meets every algorithm. Closed-loop agents (`Agent::Reactive`) take
 //! one turn per call and differ only in what they do with a refusal.
 
 use rand::rngs::StdRng;

@@ -647,7 +647,7 @@ impl Jobs {
     }
 
     /// Cancels the jobs of this instance that another instance was asked to cancel (see
-    /// [`Jobs::cancel_elsewhere`]): one read of the requests while this instance has jobs not yet
+    /// `Jobs::cancel_elsewhere`): one read of the requests while this instance has jobs not yet
     /// final; the requests it answered are removed, the others left for their instances.
     pub async fn answer_cancel_requests(&self) -> Result<usize, crate::store::redis::StoreError> {
         let Some(redis) = &self.shared else { return Ok(0) };
