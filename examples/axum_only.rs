@@ -22,9 +22,8 @@ refill_per_sec = 0.2
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // No MCP tools here: the catalogue is empty, and only the HTTP budget applies.
     let limits = RateLimits::from_toml(LIMITS, Catalogue::new()).await?;
-    let app = axum::Router::new()
-        .route("/search", get(|| async { "results" }))
-        .layer(limits.http_layer().every_method());
+    let app =
+        axum::Router::new().route("/search", get(|| async { "results" })).layer(limits.http_layer().every_method());
 
     let listen: SocketAddr = std::env::var("LISTEN").unwrap_or_else(|_| "127.0.0.1:8081".into()).parse()?;
     let listener = tokio::net::TcpListener::bind(listen).await?;

@@ -70,7 +70,11 @@ async fn rmcp_example_refuses_the_call_its_budget_cannot_pay_with_the_wait() {
     // One token comes back every 10 s; a little of it has refilled while the calls ran.
     let wait = error["retry_after_ms"].as_u64().expect("retry_after_ms");
     assert!((5_000..=10_000).contains(&wait), "wait {wait} ms");
-    assert!(text(&refused).contains("Wait 10 seconds") || text(&refused).contains("Wait 9 seconds"), "{}", text(&refused));
+    assert!(
+        text(&refused).contains("Wait 10 seconds") || text(&refused).contains("Wait 9 seconds"),
+        "{}",
+        text(&refused)
+    );
 
     client.cancel().await.expect("client closes");
 }

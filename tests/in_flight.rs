@@ -45,17 +45,30 @@ async fn until_remaining(client: &Client, want: u64) {
 
 #[tokio::test]
 async fn fan_out_beyond_the_cap_is_busy_and_finished_calls_give_slots_back() {
-    let server = TestServer::start(&two_slots("latency_ms = 300")).await;
+    use futures::StreamExt;
+    let server = TestServer::start(&two_slots("")).await;
     let client = server.client(Some("fan-out")).await;
-    let calls = (0..4).map(|_| call(&client, "list_articles", json!({})));
-    let results = futures::future::join_all(calls).await;
-    let busy: Vec<_> = results.iter().filter(|r| error_code(r) == Some("busy")).collect();
-    assert_eq!(results.iter().filter(|r| !is_error(r)).count(), 2);
-    assert_eq!(busy.len(), 2);
-    let error = &structured(busy[0])["error"];
+    // The mock holds every request at its gate: the two admitted calls stay in flight, on no clock,
+    // until the test opens it.
+    server.chaos(json!({"hold": true})).await;
+    let mut calls: futures::stream::FuturesUnordered<_> =
+        (0..4).map(|_| call(&client, "list_articles", json!({}))).collect();
+    // Only refusals can come back while the gate is shut: the first two answers are both `busy`.
+    let mut busy = Vec::new();
+    for _ in 0..2 {
+        busy.push(calls.next().await.expect("an answer"));
+    }
+    for refused in &busy {
+        assert_eq!(error_code(refused), Some("busy"), "{}", text(refused));
+    }
+    let error = &structured(&busy[0])["error"];
     assert_eq!(error["limit"], 2);
-    assert!(text(busy[0]).contains("get_prediction"), "busy suggests polling: {}", text(busy[0]));
+    assert!(text(&busy[0]).contains("get_prediction"), "busy suggests polling: {}", text(&busy[0]));
 
+    server.chaos(json!({"hold": false})).await;
+    let served: Vec<_> = calls.collect().await;
+    assert_eq!(served.len(), 2);
+    assert!(served.iter().all(|r| !is_error(r)), "the two held calls finish once the gate opens");
     assert_eq!(in_flight_left(&client).await, 2, "both slots back once the calls finished");
     assert!(!is_error(&call(&client, "list_articles", json!({})).await));
 }
@@ -73,8 +86,10 @@ async fn a_failed_call_gives_its_slot_back() {
 
 #[tokio::test]
 async fn a_cancelled_call_gives_its_slot_back() {
-    let server = TestServer::start(&two_slots("latency_ms = 30000")).await;
+    let server = TestServer::start(&two_slots("")).await;
     let client = server.client(Some("impatient")).await;
+    // Held at the mock's gate, the call stays in flight until it is cancelled.
+    server.chaos(json!({"hold": true})).await;
     let params = CallToolRequestParams::new("list_articles").with_arguments(serde_json::Map::new());
     let request = ClientRequest::CallToolRequest(Request::new(params));
     let handle =

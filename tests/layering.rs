@@ -74,7 +74,12 @@ fn graph() -> (BTreeMap<String, BTreeSet<String>>, Vec<String>) {
             for (number, line) in text.lines().enumerate() {
                 let code = line.trim_start();
                 if !code.starts_with("//") && MCP_CRATES.iter().any(|c| code.contains(&format!("{c}::"))) {
-                    problems.push(format!("{}:{}: core `{module}` uses MCP: {}", file.display(), number + 1, line.trim()));
+                    problems.push(format!(
+                        "{}:{}: core `{module}` uses MCP: {}",
+                        file.display(),
+                        number + 1,
+                        line.trim()
+                    ));
                 }
             }
         }

@@ -10,8 +10,13 @@ use serde_json::json;
 #[tokio::test]
 async fn stdio_burst_then_refusal_through_the_binary() {
     let command = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit")).configure(|c| {
-        // 60 identical calls exhaust the budget here; loop detection would stop them at 5.
-        c.arg("stdio").env("RUST_LOG", "warn").env("MCP_RL__LOOP_DETECTION__ENABLED", "false");
+        // 60 identical calls exhaust the budget here; loop detection would stop them at 5. The
+        // binary runs on the wall clock, so the refill is one token per 1000 s: nothing comes back
+        // while the test runs, however slow the machine, and the 61st call is refused exactly.
+        c.arg("stdio")
+            .env("RUST_LOG", "warn")
+            .env("MCP_RL__LOOP_DETECTION__ENABLED", "false")
+            .env("MCP_RL__LIMITS__CALLER__REFILL_PER_SEC", "0.001");
     });
     let transport = TokioChildProcess::new(command).expect("binary starts");
     let client = ().serve(transport).await.expect("stdio handshake");
@@ -28,7 +33,10 @@ async fn stdio_burst_then_refusal_through_the_binary() {
     assert_eq!(error_code(&refused), Some("rate_limited"));
     let error = &structured(&refused)["error"];
     assert_eq!(error["scope"], "caller:local");
-    // Real time passes in a child process, so the wait is at most one token's worth.
-    assert!(error["retry_after_ms"].as_u64().is_some_and(|ms| (1..=1000).contains(&ms)), "{error}");
+    assert_eq!(error["limit"], 60);
+    assert_eq!(error["remaining"], 0);
+    // One token's worth (1000 s) less the seconds the burst took on the wall clock.
+    let wait = error["retry_after_ms"].as_u64().expect("retry_after_ms");
+    assert!((940_000..=1_000_000).contains(&wait), "{error}");
     client.cancel().await.ok();
 }

@@ -5,5 +5,5 @@ pub mod refusal;
 pub mod server;
 pub mod tools;
 
-pub use server::{McpServer, Transport};
 pub use limited::LimitedRouter;
+pub use server::{McpServer, Transport};

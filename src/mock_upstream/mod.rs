@@ -12,7 +12,9 @@
 //! - `GET /v1/submissions`: every `POST /v1/predictions` it received, with the clock reading
 //!   and the status it answered (to prove spacing and backoff);
 //! - `PUT /v1/chaos`: change the chaos knobs while running (`rate_429`, `rate_5xx`,
-//!   `retry_after_seconds`, `latency_ms`), e.g. to take the API down and bring it back.
+//!   `retry_after_seconds`, `latency_ms`), e.g. to take the API down and bring it back; and
+//!   `hold`: while `true`, every request waits at a gate until it is `false` again, so a test can
+//!   keep calls in flight for as long as it needs without waiting on the wall clock.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,6 +64,7 @@ struct Chaos {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ChaosChange {
+    hold: Option<bool>,
     latency_ms: Option<u64>,
     rate_429: Option<f64>,
     retry_after_seconds: Option<u64>,
@@ -86,6 +89,8 @@ const MAX_SUBMISSION_LOG: usize = 100_000;
 struct MockState {
     config: MockUpstreamConfig,
     chaos: Mutex<Chaos>,
+    /// `true` while requests are held at the gate (`hold`).
+    gate: tokio::sync::watch::Sender<bool>,
     clock: SharedClock,
     articles: Mutex<VecDeque<Article>>,
     jobs: Mutex<HashMap<String, Job>>,
@@ -162,6 +167,7 @@ pub fn router(config: MockUpstreamConfig, clock: SharedClock) -> Router {
     let state = Arc::new(MockState {
         config,
         chaos: Mutex::new(knobs),
+        gate: tokio::sync::watch::Sender::new(false),
         clock,
         articles: Mutex::new(articles),
         jobs: Mutex::new(HashMap::new()),
@@ -223,6 +229,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 async fn chaos(State(state): State<Arc<MockState>>, request: Request, next: Next) -> Response {
     bump(&state.usage.requests);
+    // Held: wait until the gate opens (a closed channel cannot happen: the state owns the sender).
+    let _ = state.gate.subscribe().wait_for(|held| !held).await;
     let chaos = *lock(&state.chaos);
     if chaos.latency_ms > 0 {
         tokio::time::sleep(Duration::from_millis(chaos.latency_ms)).await;
@@ -268,12 +276,17 @@ async fn change_chaos(State(state): State<Arc<MockState>>, Json(change): Json<Ch
                 .into_response();
         }
     }
+    if let Some(hold) = change.hold {
+        state.gate.send_replace(hold);
+    }
     let mut chaos = lock(&state.chaos);
     chaos.latency_ms = change.latency_ms.unwrap_or(chaos.latency_ms);
     chaos.rate_429 = change.rate_429.unwrap_or(chaos.rate_429);
     chaos.retry_after_seconds = change.retry_after_seconds.unwrap_or(chaos.retry_after_seconds);
     chaos.rate_5xx = change.rate_5xx.unwrap_or(chaos.rate_5xx);
-    Json(*chaos).into_response()
+    let mut answer = json!(*chaos);
+    answer["hold"] = json!(*state.gate.borrow());
+    Json(answer).into_response()
 }
 
 fn too_many(retry_after_seconds: u64, why: &str) -> Response {
