@@ -56,8 +56,6 @@ pub enum AppError {
 #[derive(Debug)]
 pub struct App {
     state: Arc<AppState>,
-    /// The limits, as any rmcp server would use them; their housekeeping lives as long as this.
-    limits: RateLimits,
     upstream_url: String,
     stop: CancellationToken,
     _mock: Option<MockUpstream>,
@@ -114,21 +112,12 @@ impl App {
             )
             .published_in(store.redis_store().cloned()),
         );
-        let state = Arc::new(AppState {
-            identifier: limits.identifier().clone(),
-            catalogue: limits.catalogue().clone(),
-            guard: limits.guard().clone(),
-            metrics: limits.metrics().clone(),
-            upstream,
-            jobs,
-            clock,
-            config,
-        });
+        let state = Arc::new(AppState { limits, upstream, jobs, clock, config });
         tokio::spawn(sweep_forever(state.clone(), stop.clone()));
-        if state.guard.store().is_shared() {
+        if state.limits.guard().store().is_shared() {
             tokio::spawn(answer_cancel_requests_forever(state.clone(), stop.clone()));
         }
-        Ok(Self { state, limits, upstream_url, stop, _mock: mock })
+        Ok(Self { state, upstream_url, stop, _mock: mock })
     }
 
     /// The shared state (for tests and embedding).
@@ -161,9 +150,9 @@ impl App {
             .layer(middleware::from_fn_with_state(allowed.clone(), front_door::rebinding_protection));
         Router::new()
             .nest_service("/mcp", Shared::new(mcp))
-            .layer(HttpLimitLayer::new(app.guard.clone()))
+            .layer(HttpLimitLayer::new(app.limits.guard().clone()))
             .layer(middleware::from_fn_with_state(server.max_body_bytes, front_door::mcp_post_checks))
-            .layer(IdentifyLayer::new(app.identifier.clone()))
+            .layer(IdentifyLayer::new(app.limits.identifier().clone()))
             .layer(middleware::from_fn_with_state(allowed, front_door::rebinding_protection))
             .merge(dashboard)
             .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
@@ -215,7 +204,7 @@ impl App {
     /// Stops serving and the background tasks.
     pub fn stop(&self) {
         self.stop.cancel();
-        self.limits.stop();
+        self.state.limits.stop();
     }
 }
 
@@ -260,5 +249,5 @@ async fn sweep_forever(state: Arc<AppState>, stop: CancellationToken) {
 
 async fn metrics(State(app): State<Arc<AppState>>) -> impl axum::response::IntoResponse {
     app.sample_gauges();
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render())
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.limits.metrics().render())
 }

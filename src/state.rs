@@ -7,13 +7,9 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use arc_swap::ArcSwap;
-
 use crate::clock::SharedClock;
-use crate::config::{Catalogue, Config};
-use crate::guard::Guard;
-use crate::identity::Identifier;
-use crate::metrics::Metrics;
+use crate::config::Config;
+use crate::rate_limits::RateLimits;
 use crate::upstream::Upstream;
 use crate::upstream::jobs::Jobs;
 
@@ -22,17 +18,11 @@ use crate::upstream::jobs::Jobs;
 pub struct AppState {
     /// The validated config.
     pub config: Config,
-    /// The tools the server offers, as the limits know them (a reloaded config is checked
-    /// against it).
-    pub catalogue: Catalogue,
     /// The one clock.
     pub clock: SharedClock,
-    /// Names callers (keys, tenants, tiers, trusted proxies); swapped whole by a reload.
-    pub identifier: Arc<ArcSwap<Identifier>>,
-    /// Budgets and refusals.
-    pub guard: Arc<Guard>,
-    /// What the limits are doing.
-    pub metrics: Arc<Metrics>,
+    /// The limits, as any rmcp server uses them: the guard (budgets and refusals), who callers
+    /// are, the metrics, and the catalogue of our tools (a reloaded config is checked against it).
+    pub limits: RateLimits,
     /// The paid API, behind its circuit breaker.
     pub upstream: Arc<Upstream>,
     /// Jobs accepted and not yet forgotten: their slots, the account's fair queue, background polls.
@@ -53,17 +43,17 @@ impl AppState {
         }
         for (bucket, waiting) in buckets.iter().enumerate() {
             let label = metrics::Label::new("flow_bucket", format!("b{bucket:02}"));
-            self.metrics.sample(QUEUE_DEPTH, vec![label], *waiting as f64);
+            self.limits.metrics().sample(QUEUE_DEPTH, vec![label], *waiting as f64);
         }
-        self.metrics.sample(ACCOUNT_SLOTS_IN_USE, Vec::new(), occupancy.in_flight as f64);
-        self.metrics.sample(JOBS_IN_FLIGHT, Vec::new(), self.jobs.in_flight() as f64);
+        self.limits.metrics().sample(ACCOUNT_SLOTS_IN_USE, Vec::new(), occupancy.in_flight as f64);
+        self.limits.metrics().sample(JOBS_IN_FLIGHT, Vec::new(), self.jobs.in_flight() as f64);
         let breaker = match self.upstream.breaker().state(self.clock.now()) {
             BreakerState::Closed => 0.0,
             BreakerState::HalfOpen => 1.0,
             BreakerState::Open => 2.0,
         };
-        self.metrics.sample(BREAKER_STATE, Vec::new(), breaker);
-        self.metrics.sample(STORE_UP, Vec::new(), if self.guard.store_up() { 1.0 } else { 0.0 });
+        self.limits.metrics().sample(BREAKER_STATE, Vec::new(), breaker);
+        self.limits.metrics().sample(STORE_UP, Vec::new(), if self.limits.guard().store_up() { 1.0 } else { 0.0 });
     }
 }
 
@@ -83,7 +73,7 @@ impl AppState {
     /// Loads `file` (and the environment) as at start-up and, if it validates, makes its limits
     /// live.
     pub fn reload_from(&self, file: Option<&Path>) -> Reloaded {
-        match Config::load(file, &self.catalogue) {
+        match Config::load(file, &self.limits.catalogue()) {
             Ok(config) => self.reload(&config),
             Err(error) => self.refuse(error.to_string()),
         }
@@ -91,8 +81,7 @@ impl AppState {
 
     /// Makes the limits of `config` live (see the module doc for what a reload changes).
     pub fn reload(&self, config: &Config) -> Reloaded {
-        self.guard.reload(config);
-        self.identifier.store(Arc::new(Identifier::new(config)));
+        self.limits.reload(config);
         let running = &self.config;
         let mut need_restart = Vec::new();
         for (key, changed) in [
@@ -108,7 +97,7 @@ impl AppState {
                 need_restart.push(key);
             }
         }
-        self.metrics.config_reload("applied");
+        self.limits.metrics().config_reload("applied");
         if need_restart.is_empty() {
             tracing::info!("config reloaded: new limits are live, usage carried over");
         } else {
@@ -118,7 +107,7 @@ impl AppState {
     }
 
     fn refuse(&self, error: String) -> Reloaded {
-        self.metrics.config_reload("refused");
+        self.limits.metrics().config_reload("refused");
         tracing::error!(%error, "config reload refused; the running config stays");
         Reloaded::Refused(error)
     }

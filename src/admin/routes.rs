@@ -106,7 +106,7 @@ fn text<'a>(object: &'a Map<String, Value>, field: &'static str) -> Result<Optio
 /// The caller an operator names in the path (and, for a made-up key, `from` in the query).
 fn caller_target(app: &AppState, id: &str, query: &HashMap<String, String>) -> Result<Target, Problem> {
     use crate::identity::UnknownCaller;
-    match app.identifier.load().by_id(id, query.get("from").map(String::as_str)) {
+    match app.limits.identifier().load().by_id(id, query.get("from").map(String::as_str)) {
         Ok(caller) => Ok(Target::Caller(caller)),
         Err(e @ UnknownCaller::Malformed(_)) => Err(Problem::invalid("caller", e.to_string())),
         Err(e @ UnknownCaller::BadAddress(_)) => Err(Problem::invalid("from", e.to_string())),
@@ -116,7 +116,8 @@ fn caller_target(app: &AppState, id: &str, query: &HashMap<String, String>) -> R
 
 /// The tenant named in the path: one a configured key belongs to.
 fn tenant_target(app: &AppState, tenant: &str) -> Result<Target, Problem> {
-    app.identifier
+    app.limits
+        .identifier()
         .load()
         .member_of(tenant)
         .map(Target::Tenant)
@@ -141,7 +142,7 @@ pub async fn keys(State(app): State<Arc<AppState>>) -> Answer {
         .iter()
         .enumerate()
         .filter_map(|(i, key)| {
-            let caller = app.identifier.load().configured(&key.sha256)?;
+            let caller = app.limits.identifier().load().configured(&key.sha256)?;
             Some(json!({"config": format!("auth.keys[{i}]"), "caller": caller.id(), "tenant": caller.tenant(),
                         "tier": caller.tier()}))
         })
@@ -151,8 +152,8 @@ pub async fn keys(State(app): State<Arc<AppState>>) -> Answer {
 
 async fn inspect(app: &AppState, target: Target) -> Answer {
     tracing::info!(action = "inspect", target = %target.label(), "admin action");
-    let budgets = app.guard.budgets(&target).await?;
-    let blocks = app.guard.blocks(&target).await?;
+    let budgets = app.limits.guard().budgets(&target).await?;
+    let blocks = app.limits.guard().blocks(&target).await?;
     let mut answer = json!({"budgets": budgets, "blocks": blocks});
     match &target {
         Target::Caller(caller) => {
@@ -168,7 +169,7 @@ async fn inspect(app: &AppState, target: Target) -> Answer {
                 .keys
                 .iter()
                 .filter(|k| k.tenant.as_deref() == Some(tenant))
-                .filter_map(|k| Some(app.identifier.load().configured(&k.sha256)?.id().to_owned()))
+                .filter_map(|k| Some(app.limits.identifier().load().configured(&k.sha256)?.id().to_owned()))
                 .collect();
             answer["tenant"] = json!(tenant);
             answer["callers"] = json!(callers);
@@ -179,7 +180,7 @@ async fn inspect(app: &AppState, target: Target) -> Answer {
 
 async fn reset(app: &AppState, target: Target, body: &Bytes) -> Answer {
     let body = body_object(body, &["scope"])?;
-    let scopes = app.guard.reset(&target, text(&body, "scope")?).await?;
+    let scopes = app.limits.guard().reset(&target, text(&body, "scope")?).await?;
     Ok(Json(json!({ "reset": scopes })))
 }
 
@@ -187,7 +188,7 @@ async fn refund(app: &AppState, target: Target, body: &Bytes) -> Answer {
     let body = body_object(body, &["units", "scope"])?;
     let units = whole(&body, "units", 1, u64::from(u32::MAX))?
         .ok_or_else(|| Problem::invalid("units", "required: how many units to give back"))?;
-    let budget = app.guard.refund(&target, text(&body, "scope")?, units).await?;
+    let budget = app.limits.guard().refund(&target, text(&body, "scope")?, units).await?;
     Ok(Json(json!({ "refunded": units, "budget": budget })))
 }
 
@@ -195,12 +196,12 @@ async fn block(app: &AppState, target: Target, body: &Bytes) -> Answer {
     let body = body_object(body, &["duration_ms"])?;
     let ms = whole(&body, "duration_ms", 1, MAX_BLOCK_MS)?
         .ok_or_else(|| Problem::invalid("duration_ms", "required: how long the block holds, in milliseconds"))?;
-    let blocked = app.guard.block(&target, Duration::from_millis(ms)).await?;
+    let blocked = app.limits.guard().block(&target, Duration::from_millis(ms)).await?;
     Ok(Json(json!({ "blocked": blocked })))
 }
 
 async fn unblock(app: &AppState, target: Target) -> Answer {
-    let lifted = app.guard.unblock(&target).await?;
+    let lifted = app.limits.guard().unblock(&target).await?;
     Ok(Json(json!({ "lifted": lifted })))
 }
 

@@ -137,7 +137,7 @@ struct StoreNow {
 impl Board {
     fn read(app: &AppState) -> Self {
         let now = app.clock.now();
-        let activity = app.guard.activity();
+        let activity = app.limits.guard().activity();
         let mut per_owner: BTreeMap<String, (usize, usize)> = BTreeMap::new();
         for (owner, started) in app.jobs.pending_owners() {
             let name = match &owner.tenant {
@@ -163,7 +163,7 @@ impl Board {
         };
         Self {
             now_ms: now / NANOS_PER_MS,
-            limits_enabled: app.guard.enabled(),
+            limits_enabled: app.limits.guard().enabled(),
             activity: activity.snapshot(now),
             jobs: JobsNow {
                 in_flight: per_owner.iter().map(|o| o.running + o.waiting).sum(),
@@ -185,7 +185,7 @@ impl Board {
                     Backend::Memory => "memory",
                     Backend::Redis => "redis",
                 },
-                up: app.guard.store_up(),
+                up: app.limits.guard().store_up(),
             },
         }
     }

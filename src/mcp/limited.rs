@@ -21,11 +21,11 @@ use std::borrow::Cow;
 
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::tool::ToolCallContext;
-use rmcp::model::{CallToolResponse, Tool};
+use rmcp::model::{CallToolResponse, CallToolResult, JsonObject, Tool};
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer};
 
-use crate::guard::ToolCall;
+use crate::guard::{Admission, ToolCall};
 use crate::identity::Caller;
 use crate::mcp::refusal;
 use crate::metrics::Layer;
@@ -57,23 +57,11 @@ impl<S: Send + Sync + 'static> LimitedRouter<S> {
         if self.router.get(context.name()).is_none() {
             return Err(ErrorData::invalid_params("tool not found", None));
         }
-        let caller = caller_of(&self.limits, &context.request_context)?;
-        let tool = context.name().to_owned();
-        let args = serde_json::Value::Object(context.arguments.clone().unwrap_or_default());
-        let call = ToolCall {
-            tool: &tool,
-            args: &args,
-            starts_job: self.limits.catalogue().holds_slots(&tool),
-            loop_exempt: false,
-        };
-        let guard = self.limits.guard();
-        let admission = match guard.admit(&caller, &call).await {
-            Ok(admission) => admission,
-            Err(refused) => {
-                guard.activity().refused(&caller, refused.seen(Layer::Tool, &tool), self.limits.clock().now());
-                return Ok(refusal::tool_result(&refused).into());
-            }
-        };
+        let admission =
+            match admit(&self.limits, &context.request_context, context.name(), context.arguments.as_ref()).await? {
+                Ok(admission) => admission,
+                Err(refused) => return Ok(refused.into()),
+            };
         // A client's cancellation (or the session closing) drops the tool, and with it the
         // admission's in-flight slots, at once instead of when the tool would have returned.
         let cancelled = context.request_context.ct.clone();
@@ -114,6 +102,40 @@ impl<S: Send + Sync + 'static> LimitedRouter<S> {
     pub fn get(&self, name: &str) -> Option<&Tool> {
         self.router.get(name)
     }
+}
+
+/// Guards one call of `tool` with `arguments`, for a server that writes its own `call_tool`:
+/// the [`Admission`] to hold while the tool runs (dropping it gives its in-flight slots back),
+/// or the tool result that explains the refusal, to return as it is. `Err` only when the caller
+/// cannot be named (see [`caller_of`]).
+///
+/// ```text
+/// async fn call_tool(&self, request: CallToolRequestParams, context: RequestContext<RoleServer>)
+///     -> Result<CallToolResponse, ErrorData> {
+///     let _admission = match admit(&self.limits, &context, &request.name, request.arguments.as_ref()).await? {
+///         Ok(admission) => admission,
+///         Err(refused) => return Ok(refused.into()),
+///     };
+///     self.tool_router.call(ToolCallContext::new(self, request, context)).await
+/// }
+/// ```
+pub async fn admit(
+    limits: &RateLimits,
+    context: &RequestContext<RoleServer>,
+    tool: &str,
+    arguments: Option<&JsonObject>,
+) -> Result<Result<Admission, CallToolResult>, ErrorData> {
+    let caller = caller_of(limits, context)?;
+    let args = serde_json::Value::Object(arguments.cloned().unwrap_or_default());
+    let call = ToolCall { tool, args: &args, starts_job: limits.catalogue().holds_slots(tool), loop_exempt: false };
+    let guard = limits.guard();
+    Ok(match guard.admit(&caller, &call).await {
+        Ok(admission) => Ok(admission),
+        Err(refused) => {
+            guard.activity().refused(&caller, refused.seen(Layer::Tool, tool), limits.clock().now());
+            Err(refusal::tool_result(&refused))
+        }
+    })
 }
 
 /// The caller of an MCP request: the one the HTTP layer named, else one named here from the

@@ -57,7 +57,7 @@ impl McpServer {
 
     fn caller_of(&self, context: &RequestContext<RoleServer>) -> Result<Caller, ErrorData> {
         match self.transport {
-            Transport::Stdio => Ok(self.app.identifier.load().local()),
+            Transport::Stdio => Ok(self.app.limits.identifier().load().local()),
             Transport::Http => context
                 .extensions
                 .get::<http::request::Parts>()
@@ -77,7 +77,7 @@ impl McpServer {
         method: &str,
     ) -> Result<(), ErrorData> {
         let caller = self.caller_of(context)?;
-        self.app.guard.admit_method(&caller, group, method).await.map_err(|r| refusal::method_error(&r))
+        self.app.limits.guard().admit_method(&caller, group, method).await.map_err(|r| refusal::method_error(&r))
     }
 }
 
@@ -156,7 +156,7 @@ impl ServerHandler for McpServer {
             .list_all()
             .into_iter()
             .map(|mut tool| {
-                let cost = self.app.guard.policy().cost_of(&tool.name);
+                let cost = self.app.limits.guard().policy().cost_of(&tool.name);
                 let price = match cost {
                     0 => " Free: costs no budget.".to_owned(),
                     1 => " Costs 1 token.".to_owned(),
@@ -195,7 +195,7 @@ impl ServerHandler for McpServer {
         };
         let call =
             ToolCall { tool: &tool, args: &args, starts_job, loop_exempt: self.loop_exempt(&tool, &args, &caller) };
-        let (admission, warnings) = match self.app.guard.admit(&caller, &call).await {
+        let (admission, warnings) = match self.app.limits.guard().admit(&caller, &call).await {
             Ok(admission) => {
                 let warnings = admission.warnings().to_vec();
                 (Handoff::new(admission), warnings)
@@ -274,7 +274,7 @@ impl ServerHandler for McpServer {
 impl McpServer {
     /// Records a refused tool call for the dashboard.
     fn seen_refused(&self, caller: &Caller, tool: &str, refusal: &Refusal) {
-        self.app.guard.activity().refused(caller, refusal.seen(Layer::Tool, tool), self.app.clock.now());
+        self.app.limits.guard().activity().refused(caller, refusal.seen(Layer::Tool, tool), self.app.clock.now());
     }
 
     /// The tool result of a refused call, recorded for the dashboard on its way out.

@@ -436,7 +436,7 @@ fn submitted(view: JobView) -> Result<CallToolResult, ErrorData> {
 impl McpServer {
     /// Counts an upstream answer in `mcp_ratelimit_upstream_requests_total` and passes it on.
     fn observe<T>(&self, tool: &str, answer: Result<T, UpstreamError>) -> Result<T, UpstreamError> {
-        self.app.metrics.upstream(tool, UpstreamError::outcome_of(&answer));
+        self.app.limits.metrics().upstream(tool, UpstreamError::outcome_of(&answer));
         answer
     }
 
@@ -464,7 +464,7 @@ impl McpServer {
             caller: caller.id().to_owned(),
             tenant: caller.tenant().map(str::to_owned),
             flow: caller.tenant().map_or_else(|| format!("caller:{}", caller.id()), |t| format!("tenant:{t}")),
-            weight: self.app.guard.policy().factor_of(caller),
+            weight: self.app.limits.guard().policy().factor_of(caller),
         }
     }
 
@@ -629,7 +629,9 @@ impl McpServer {
         Parameters(_): Parameters<NoArgs>,
         Extension(caller): Extension<Caller>,
     ) -> Result<CallToolResult, ErrorData> {
-        let Some(budgets) = self.app.guard.status(&caller, self.transport == crate::mcp::Transport::Http).await else {
+        let Some(budgets) =
+            self.app.limits.guard().status(&caller, self.transport == crate::mcp::Transport::Http).await
+        else {
             return Ok(refusal::tool_result(&Refusal::limiter_unavailable("rate_limit_status", 1_000)));
         };
         let mut lines: Vec<String> = budgets
@@ -677,7 +679,7 @@ impl McpServer {
             upstream_queue.account_in_flight, upstream_queue.account_max_in_flight, upstream_queue.waiting
         ));
         let costs: BTreeMap<String, u64> =
-            self.app.guard.policy().tools.iter().map(|(tool, policy)| (tool.clone(), policy.cost)).collect();
+            self.app.limits.guard().policy().tools.iter().map(|(tool, policy)| (tool.clone(), policy.cost)).collect();
         let price: Vec<String> = costs.iter().map(|(t, c)| format!("{t} {c}")).collect();
         success(
             format!("{}. Costs: {}.", lines.join("; "), price.join(", ")),
