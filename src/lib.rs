@@ -15,7 +15,7 @@
 //! - the library around it: [`rate_limits`] (the handle), [`http`] (tower layers) and the rmcp
 //!   glue in [`mcp::limited`] and [`mcp::refusal`];
 //! - this server: [`mcp::server`] and [`mcp::tools`] (seven tools over a paid API), [`upstream`]
-//!   (jobs, the fair queue, backoff), [`state`] (what every session shares), [`admin`],
+//!   (jobs, the fair queue, backoff), [`state`] (what every session shares), [`dashboard`], [`admin`],
 //!   [`reload`], [`simulate`] and [`mock_upstream`];
 //! - [`app`], which wires the server together; nothing imports it.
 
@@ -27,6 +27,7 @@ pub mod app;
 pub mod breaker;
 pub mod clock;
 pub mod config;
+pub mod dashboard;
 pub mod guard;
 pub mod http;
 pub mod identity;
