@@ -73,7 +73,7 @@ impl AppState {
     /// Loads `file` (and the environment) as at start-up and, if it validates, makes its limits
     /// live.
     pub fn reload_from(&self, file: Option<&Path>) -> Reloaded {
-        match Config::load(file, &self.limits.catalogue()) {
+        match Config::load(file, self.limits.catalogue()) {
             Ok(config) => self.reload(&config),
             Err(error) => self.refuse(error.to_string()),
         }
