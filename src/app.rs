@@ -3,11 +3,9 @@
 //! Everything a tool call needs lives in [`AppState`], shared by every session of every
 //! transport, so a caller has one budget however many sessions it opens.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
 use rmcp::ServiceExt;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -175,17 +173,12 @@ impl App {
         crate::http::router(self.state.clone(), self.stop.clone())
     }
 
-    /// Serves HTTP on `listener` until [`App::stop`] is called.
+    /// Serves HTTP on `listener` until [`App::stop`] is called, with the header and body
+    /// deadlines of `[server]` (see [`crate::http::serve`]).
     pub async fn serve_http(&self, listener: TcpListener) -> std::io::Result<()> {
-        // An MCP response over SSE leaves in several small writes; without TCP_NODELAY, Nagle's
-        // algorithm and the client's delayed ACK stall each one by ~40 ms.
-        let listener = listener.tap_io(|tcp| {
-            if let Err(error) = tcp.set_nodelay(true) {
-                tracing::debug!(%error, "cannot set TCP_NODELAY");
-            }
-        });
-        let app = self.router().into_make_service_with_connect_info::<SocketAddr>();
-        axum::serve(listener, app).with_graceful_shutdown(self.stop.clone().cancelled_owned()).await
+        let limits = crate::http::serve::ConnectionLimits::of(&self.state.config.server);
+        crate::http::serve::serve(listener, self.router(), limits, self.stop.clone()).await;
+        Ok(())
     }
 
     /// Serves the admin API on `listener` until [`App::stop`] is called; `None` when no

@@ -8,6 +8,8 @@
 pub mod dashboard;
 pub mod front_door;
 pub mod limit;
+pub mod serve;
+pub mod sessions;
 
 use std::sync::Arc;
 
@@ -15,7 +17,6 @@ use axum::extract::State;
 use axum::routing::get;
 use axum::{Json, Router, middleware};
 use http::header;
-use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -31,13 +32,16 @@ pub fn router(app: Arc<AppState>, stop: CancellationToken) -> Router {
         .with_max_request_body_bytes(server.max_body_bytes)
         .with_cancellation_token(stop.child_token());
     let shared = app.clone();
+    let session_manager = sessions::manager(server);
+    let cap = sessions::SessionCap::new(session_manager.clone(), server.max_sessions);
     let mcp = StreamableHttpService::new(
         move || Ok(McpServer::new(shared.clone(), Transport::Http)),
-        Arc::new(LocalSessionManager::default()),
+        session_manager,
         config,
     );
     Router::new()
         .nest_service("/mcp", Shared::new(mcp))
+        .layer(middleware::from_fn_with_state(cap, sessions::cap))
         .layer(limit::HttpLimitLayer::new(app.clone()))
         .layer(middleware::from_fn_with_state(app.clone(), front_door::identify))
         .layer(middleware::from_fn_with_state(app.clone(), front_door::rebinding_protection))
