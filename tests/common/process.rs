@@ -93,6 +93,11 @@ impl Process {
         self.log().matches("panicked at").count()
     }
 
+    /// Whether it has exited.
+    pub fn exited(&mut self) -> bool {
+        !matches!(self.child.try_wait(), Ok(None))
+    }
+
     /// Kills it outright.
     pub async fn kill(&mut self) {
         let _ = self.child.kill().await;
@@ -113,14 +118,16 @@ impl Server {
     pub async fn start(toml: &str, env: &[(&str, String)]) -> Self {
         let port = free_port();
         let listen = format!("127.0.0.1:{port}");
-        let process = Process::spawn(&["serve", "--listen", &listen], toml, env);
+        let mut process = Process::spawn(&["serve", "--listen", &listen], toml, env);
         let base = format!("http://{listen}");
         let health = format!("{base}/health");
         let http = reqwest::Client::new();
-        wait_until("serve answers /health", Duration::from_secs(30), || async {
-            http.get(&health).send().await.is_ok_and(|r| r.status().is_success())
-        })
-        .await;
+        let started = Instant::now();
+        while !http.get(&health).send().await.is_ok_and(|r| r.status().is_success()) {
+            assert!(!process.exited(), "serve exited: {}", process.log());
+            assert!(started.elapsed() < Duration::from_secs(30), "serve never answered /health: {}", process.log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         Self { process, url: format!("{base}/mcp"), base }
     }
 
