@@ -4,17 +4,14 @@
 //! Nothing below imports this module: the layers, the MCP handler and the limits are handed what
 //! they need here.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::State;
 use axum::routing::get;
-use axum::serve::ListenerExt;
 use axum::{Json, Router, middleware};
 use http::header;
 use rmcp::ServiceExt;
-use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use serde_json::json;
 use tokio::net::TcpListener;
@@ -24,9 +21,9 @@ use crate::breaker::Breaker;
 use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC, SharedClock};
 use crate::config::Config;
 use crate::dashboard;
-use crate::http::Shared;
 use crate::http::front_door::{self, AllowedHosts, IdentifyLayer};
 use crate::http::limit::HttpLimitLayer;
+use crate::http::{Shared, sessions};
 use crate::mcp::{McpServer, Transport};
 use crate::mock_upstream::MockUpstream;
 use crate::rate_limits::{LimitsError, RateLimits};
@@ -141,9 +138,11 @@ impl App {
             .with_max_request_body_bytes(server.max_body_bytes)
             .with_cancellation_token(self.stop.child_token());
         let shared = app.clone();
+        let session_manager = sessions::manager(server);
+        let cap = sessions::SessionCap::new(session_manager.clone(), server.max_sessions);
         let mcp = StreamableHttpService::new(
             move || Ok(McpServer::new(shared.clone(), Transport::Http)),
-            Arc::new(LocalSessionManager::default()),
+            session_manager,
             config,
         );
         let allowed = Arc::new(AllowedHosts::of(server));
@@ -151,6 +150,7 @@ impl App {
             .layer(middleware::from_fn_with_state(allowed.clone(), front_door::rebinding_protection));
         Router::new()
             .nest_service("/mcp", Shared::new(mcp))
+            .layer(middleware::from_fn_with_state(cap, sessions::cap))
             .layer(HttpLimitLayer::new(app.limits.guard().clone()))
             .layer(middleware::from_fn_with_state(server.max_body_bytes, front_door::mcp_post_checks))
             .layer(IdentifyLayer::new(app.limits.identifier().clone()))
@@ -161,17 +161,12 @@ impl App {
             .with_state(app.clone())
     }
 
-    /// Serves HTTP on `listener` until [`App::stop`] is called.
+    /// Serves HTTP on `listener` until [`App::stop`] is called, with the header and body
+    /// deadlines of `[server]` (see [`crate::http::serve`]).
     pub async fn serve_http(&self, listener: TcpListener) -> std::io::Result<()> {
-        // An MCP response over SSE leaves in several small writes; without TCP_NODELAY, Nagle's
-        // algorithm and the client's delayed ACK stall each one by ~40 ms.
-        let listener = listener.tap_io(|tcp| {
-            if let Err(error) = tcp.set_nodelay(true) {
-                tracing::debug!(%error, "cannot set TCP_NODELAY");
-            }
-        });
-        let app = self.router().into_make_service_with_connect_info::<SocketAddr>();
-        axum::serve(listener, app).with_graceful_shutdown(self.stop.clone().cancelled_owned()).await
+        let limits = crate::http::serve::ConnectionLimits::of(&self.state.config.server);
+        crate::http::serve::serve(listener, self.router(), limits, self.stop.clone()).await;
+        Ok(())
     }
 
     /// Serves the admin API on `listener` until [`App::stop`] is called; `None` when no

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
+use std::time::Duration;
 
 use ipnet::IpNet;
 use serde::Deserialize;
@@ -165,6 +166,14 @@ pub struct ServerConfig {
     pub trust_proxy: bool,
     /// Proxies whose `X-Forwarded-For` is believed.
     pub trusted_proxies: Vec<IpNet>,
+    /// An MCP session with no message for this long is closed and forgotten.
+    pub session_idle_timeout: Duration,
+    /// MCP sessions open at once; an `initialize` beyond them gets 503.
+    pub max_sessions: usize,
+    /// The longest a client may take to send a request's headers.
+    pub header_read_timeout: Duration,
+    /// The longest a client may take to send a request's body, from its headers on.
+    pub body_read_timeout: Duration,
 }
 
 /// `[auth]`.
@@ -472,6 +481,10 @@ struct RawServer {
     max_body_bytes: usize,
     trust_proxy: bool,
     trusted_proxies: Vec<String>,
+    session_idle_timeout_seconds: u64,
+    max_sessions: usize,
+    header_read_timeout_ms: u64,
+    body_read_timeout_ms: u64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -920,6 +933,20 @@ impl RawConfig {
         if server.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be at least 1"));
         }
+        // A day at most: longer would be a typo, and timers add these to the current instant.
+        for (key, value, day) in [
+            ("server.session_idle_timeout_seconds", server.session_idle_timeout_seconds, 86_400),
+            ("server.max_sessions", server.max_sessions as u64, u64::MAX),
+            ("server.header_read_timeout_ms", server.header_read_timeout_ms, 86_400_000),
+            ("server.body_read_timeout_ms", server.body_read_timeout_ms, 86_400_000),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be greater than zero"));
+            }
+            if value > day {
+                return Err(invalid(key, format!("{value} is more than a day ({day})")));
+            }
+        }
         if server.allowed_hosts.is_empty() {
             return Err(invalid("server.allowed_hosts", "list at least one host name (e.g. \"localhost\")"));
         }
@@ -1035,6 +1062,10 @@ impl RawConfig {
                 max_body_bytes: server.max_body_bytes,
                 trust_proxy: server.trust_proxy,
                 trusted_proxies,
+                session_idle_timeout: Duration::from_secs(server.session_idle_timeout_seconds),
+                max_sessions: server.max_sessions,
+                header_read_timeout: Duration::from_millis(server.header_read_timeout_ms),
+                body_read_timeout: Duration::from_millis(server.body_read_timeout_ms),
             },
             auth: AuthConfig { required: self.auth.required, anonymous_tier: self.auth.anonymous_tier, keys },
             tiers,

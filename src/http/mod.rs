@@ -8,6 +8,8 @@
 
 pub mod front_door;
 pub mod limit;
+pub mod serve;
+pub mod sessions;
 
 use std::sync::Arc;
 

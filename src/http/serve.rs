@@ -1,0 +1,144 @@
+//! Serving the HTTP app on a listener, with the connection-level defences `axum::serve` has
+//! no knobs for.
+//!
+//! A client that sends its headers a byte at a time, or never finishes, holds a connection and
+//! a task for as long as it likes unless something times it out; `axum::serve` sets no timer.
+//! Here each connection is served by hyper-util's builder with a timer, so:
+//!
+//! - **headers** must arrive within `server.header_read_timeout_ms` (hyper's
+//!   `header_read_timeout`; on a kept-alive connection the clock starts after the previous
+//!   response, so an idle connection is closed after the same time);
+//! - **bodies** must arrive whole within `server.body_read_timeout_ms` of the headers: a total
+//!   deadline, not a gap between chunks (tower-http's `RequestBodyTimeoutLayer` restarts its
+//!   clock at every frame, so a byte a second would never trip it). Past it: `408` with
+//!   `Connection: close`. The body is read here, up to `server.max_body_bytes`, before any
+//!   layer behind sees the request.
+//!
+//! Everything else is as `axum::serve`: `TCP_NODELAY`, the peer address as `ConnectInfo`,
+//! HTTP/1 with upgrades and HTTP/2, and a graceful stop.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{ConnectInfo, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::serve::{Listener, ListenerExt};
+use http::{HeaderValue, StatusCode, header};
+use http_body::Body as _;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt as _;
+
+use crate::config::ServerConfig;
+use crate::http::front_door::jsonrpc_error;
+
+/// How long a stop waits for open connections (SSE streams end with the stop token).
+const DRAIN: Duration = Duration::from_secs(5);
+
+/// What a client is allowed on one connection.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectionLimits {
+    /// To send a request's headers.
+    pub header_read_timeout: Duration,
+    /// To send a request's whole body, from its headers.
+    pub body_read_timeout: Duration,
+    /// The largest body read.
+    pub max_body_bytes: usize,
+}
+
+impl ConnectionLimits {
+    /// The limits `[server]` configures.
+    pub fn of(server: &ServerConfig) -> Self {
+        Self {
+            header_read_timeout: server.header_read_timeout,
+            body_read_timeout: server.body_read_timeout,
+            max_body_bytes: server.max_body_bytes,
+        }
+    }
+}
+
+/// Serves `app` on `listener` until `stop` is cancelled.
+pub async fn serve(listener: TcpListener, app: Router, limits: ConnectionLimits, stop: CancellationToken) {
+    // An MCP response over SSE leaves in several small writes; without TCP_NODELAY, Nagle's
+    // algorithm and the client's delayed ACK stall each one by ~40 ms.
+    let mut listener = listener.tap_io(|tcp| {
+        if let Err(error) = tcp.set_nodelay(true) {
+            tracing::debug!(%error, "cannot set TCP_NODELAY");
+        }
+    });
+    let app = app.layer(middleware::from_fn_with_state(limits, read_body_by_deadline));
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout);
+    let graceful = GracefulShutdown::new();
+    loop {
+        // `Listener::accept` retries failed accepts itself (e.g. out of file descriptors).
+        let (tcp, peer) = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = stop.cancelled() => break,
+        };
+        let service = app.clone().map_request(move |mut request: Request<hyper::body::Incoming>| {
+            request.extensions_mut().insert(ConnectInfo::<SocketAddr>(peer));
+            request
+        });
+        let connection =
+            builder.serve_connection_with_upgrades(TokioIo::new(tcp), TowerToHyperService::new(service)).into_owned();
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                // Timeouts and clients going away: theirs to explain, not the server's.
+                tracing::trace!(%error, %peer, "connection ended");
+            }
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(DRAIN, graceful.shutdown()).await.is_err() {
+        tracing::debug!("connections still open after {DRAIN:?}; stopping anyway");
+    }
+}
+
+/// Reads the body within its deadline, then passes the request on with the body in memory.
+/// A body declared larger than the limit is not read: the front door answers 413.
+async fn read_body_by_deadline(State(limits): State<ConnectionLimits>, request: Request, next: Next) -> Response {
+    let hint = request.body().size_hint();
+    if hint.exact() == Some(0) || hint.lower() > limits.max_body_bytes as u64 {
+        return next.run(request).await;
+    }
+    let (parts, body) = request.into_parts();
+    let read = tokio::time::timeout(limits.body_read_timeout, axum::body::to_bytes(body, limits.max_body_bytes));
+    match read.await {
+        Ok(Ok(bytes)) => next.run(Request::from_parts(parts, Body::from(bytes))).await,
+        Ok(Err(error)) => {
+            let too_large =
+                std::error::Error::source(&error).is_some_and(|e| e.is::<http_body_util::LengthLimitError>());
+            if too_large {
+                let max = limits.max_body_bytes;
+                let message = format!("Request body too large: the limit is {max} bytes.");
+                close(jsonrpc_error(StatusCode::PAYLOAD_TOO_LARGE, -32600, &message, None))
+            } else {
+                // The client broke off mid-body; nobody is left to read an answer.
+                close(jsonrpc_error(StatusCode::BAD_REQUEST, -32600, "The request body was cut off.", None))
+            }
+        }
+        Err(_) => {
+            tracing::info!(timeout = ?limits.body_read_timeout, "refused: request body too slow");
+            let message = format!(
+                "Request Timeout: the body did not arrive within {} ms of the headers.",
+                limits.body_read_timeout.as_millis()
+            );
+            close(jsonrpc_error(StatusCode::REQUEST_TIMEOUT, -32600, &message, None))
+        }
+    }
+}
+
+/// Asks hyper to close the connection after this response: the rest of the body is unread.
+fn close(mut response: Response) -> Response {
+    response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}

@@ -1,0 +1,297 @@
+//! Idle abuse, through the binary: thousands of MCP sessions opened and left idle, and clients
+//! that send their headers or their body a byte at a time. Memory stays bounded (sessions are
+//! capped by `server.max_sessions`, and reaped after `server.session_idle_timeout_seconds`),
+//! slow clients are cut off by `server.header_read_timeout_ms` / `body_read_timeout_ms`, and a
+//! well-behaved caller's p99 during the abuse stays within 2× its p99 without it.
+//!
+//! `make test` runs it with 1,000 sessions; `scripts/idle-abuse.sh` with 10,000
+//! (`IDLE_ABUSE_SESSIONS`), printing the figures the README quotes.
+
+#[path = "common/process.rs"]
+mod process;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use process::{Server, Session, quantile};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// The slow clients' deadlines, short so the test is.
+const HEADER_TIMEOUT: Duration = Duration::from_millis(1000);
+const BODY_TIMEOUT: Duration = Duration::from_millis(1000);
+/// How late a cut may come on a loaded 2-core machine.
+const LATE: Duration = Duration::from_secs(3);
+/// Slow clients of each kind at once.
+const SLOW_CLIENTS: usize = 25;
+/// Calls the well-behaved caller times, without the abuse and during it.
+const SAMPLES: usize = 1000;
+
+fn sessions() -> usize {
+    std::env::var("IDLE_ABUSE_SESSIONS").ok().and_then(|n| n.parse().ok()).unwrap_or(1000)
+}
+
+/// Times `SAMPLES` free tool calls (`rate_limit_status`: the guard, the session, no upstream).
+async fn latencies(caller: &Session) -> Vec<Duration> {
+    let mut samples = Vec::with_capacity(SAMPLES);
+    for _ in 0..SAMPLES {
+        let started = Instant::now();
+        let answer = caller.call("rate_limit_status", json!({})).await.expect("answered");
+        samples.push(started.elapsed());
+        assert!(answer.status == 200 && !answer.is_error(), "the well-behaved caller was refused: {answer:?}");
+    }
+    samples
+}
+
+/// Opens `count` sessions, each for its own made-up key (as an attacker rotating keys would),
+/// `parallel` at a time; returns them with the status of each `initialize`.
+async fn open_sessions(url: &str, first: usize, count: usize, parallel: usize) -> Vec<(u16, Session)> {
+    let http = reqwest::Client::new();
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(first));
+    let mut tasks = Vec::new();
+    for _ in 0..parallel {
+        let (http, url, next) = (http.clone(), url.to_owned(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut opened = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= first + count {
+                    return opened;
+                }
+                let mut session = Session::new(&http, &url, &format!("idle-abuser-{i}"));
+                let status = session.open().await.expect("initialize answered");
+                opened.push((status, session));
+            }
+        }));
+    }
+    let mut all = Vec::new();
+    for task in tasks {
+        all.extend(task.await.expect("opener"));
+    }
+    all
+}
+
+/// A client that sends a request's headers a byte every 100 ms until the server hangs up;
+/// returns how long the server let it.
+async fn slow_headers(addr: &str) -> Duration {
+    let mut tcp = TcpStream::connect(addr).await.expect("connect");
+    let started = Instant::now();
+    let _ = tcp.write_all(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ").await;
+    let mut byte = [0u8; 1];
+    loop {
+        tokio::select! {
+            read = tcp.read(&mut byte) => if matches!(read, Ok(0) | Err(_)) { return started.elapsed() },
+            () = tokio::time::sleep(Duration::from_millis(100)) => {
+                if tcp.write_all(b"a").await.is_err() {
+                    return started.elapsed();
+                }
+            }
+        }
+        assert!(started.elapsed() < HEADER_TIMEOUT + LATE * 2, "a slow header was never cut off");
+    }
+}
+
+/// A client that sends whole headers, then its body a byte every 100 ms; returns how long
+/// until the answer, and the answer's status line.
+async fn slow_body(addr: &str) -> (Duration, String) {
+    let mut tcp = TcpStream::connect(addr).await.expect("connect");
+    let head = "POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+                Accept: application/json, text/event-stream\r\nContent-Length: 1000\r\n\r\n{";
+    tcp.write_all(head.as_bytes()).await.expect("headers sent");
+    let started = Instant::now();
+    let mut answer = Vec::new();
+    let mut buffer = [0u8; 512];
+    loop {
+        tokio::select! {
+            read = tcp.read(&mut buffer) => match read {
+                Ok(0) | Err(_) => break,
+                Ok(n) => answer.extend_from_slice(&buffer[..n]),
+            },
+            () = tokio::time::sleep(Duration::from_millis(100)) => {
+                if tcp.write_all(b" ").await.is_err() && !answer.is_empty() {
+                    break;
+                }
+            }
+        }
+        assert!(started.elapsed() < BODY_TIMEOUT + LATE * 2, "a slow body was never cut off");
+    }
+    let text = String::from_utf8_lossy(&answer);
+    (started.elapsed(), text.lines().next().unwrap_or_default().to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sessions_and_slow_clients_stay_bounded_and_a_caller_keeps_its_latency() {
+    let n = sessions();
+    // Long enough to open every session and measure before the first is reaped.
+    let idle = Duration::from_secs(10 + n as u64 / 250);
+    let config = format!(
+        "[server]\nmax_sessions = {n}\nsession_idle_timeout_seconds = {}\nheader_read_timeout_ms = {}\n\
+         body_read_timeout_ms = {}\n[limits.http]\nburst = 1000000\n[limits.method.tools_call]\nburst = 1000000\n",
+        idle.as_secs(),
+        HEADER_TIMEOUT.as_millis(),
+        BODY_TIMEOUT.as_millis()
+    );
+    let server = Server::start(&config, &[]).await;
+    let addr = server.base.trim_start_matches("http://").to_owned();
+    let http = reqwest::Client::new();
+    let mut caller = Session::new(&http, &server.url, "well-behaved");
+    assert_eq!(caller.open().await.expect("open"), 200);
+    latencies(&caller).await; // warm-up: connections, allocator, the caller's state
+    let rss_before = server.process.rss_kib();
+    let mut quiet = latencies(&caller).await;
+
+    // The sessions, left idle. The caller's own session counts towards the cap.
+    let started = Instant::now();
+    let opened = open_sessions(&server.url, 0, n - 1, 16).await;
+    let opening = started.elapsed();
+    assert!(opened.iter().all(|(status, s)| *status == 200 && s.id.is_some()), "every session below the cap opens");
+    let beyond = open_sessions(&server.url, n, 20, 4).await;
+    assert!(beyond.iter().all(|(status, _)| *status == 503), "past max_sessions an initialize gets 503");
+    let rss_sessions = server.process.rss_kib();
+
+    // The slow clients, each kind SLOW_CLIENTS at a time, again and again while the caller is timed.
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut header_cuts = Vec::new();
+    let mut body_cuts = Vec::new();
+    for _ in 0..SLOW_CLIENTS {
+        let (at, until) = (addr.clone(), stop.clone());
+        header_cuts.push(tokio::spawn(async move {
+            let mut cuts = Vec::new();
+            while !until.load(Ordering::Relaxed) {
+                cuts.push(slow_headers(&at).await);
+            }
+            cuts
+        }));
+        let (at, until) = (addr.clone(), stop.clone());
+        body_cuts.push(tokio::spawn(async move {
+            let mut cuts = Vec::new();
+            while !until.load(Ordering::Relaxed) {
+                cuts.push(slow_body(&at).await);
+            }
+            cuts
+        }));
+    }
+    tokio::time::sleep(HEADER_TIMEOUT / 2).await; // every slow client is connected and trickling
+    let abused = latencies(&caller).await;
+    stop.store(true, Ordering::Relaxed);
+    let header_cuts: Vec<Duration> =
+        futures::future::join_all(header_cuts).await.into_iter().flatten().flatten().collect();
+    let body_cuts: Vec<(Duration, String)> =
+        futures::future::join_all(body_cuts).await.into_iter().flatten().flatten().collect();
+    let rss_abused = server.process.rss_kib();
+    let measured = started.elapsed();
+    assert!(measured < idle, "opening and measuring took {measured:?}, longer than the idle time {idle:?}");
+
+    // Reaped: once the idle time has passed with no message, the cap has room again…
+    let probe = Session::new(&http, &server.url, "after-the-idle-time");
+    process::wait_until("idle sessions are reaped and the cap has room", idle + Duration::from_secs(30), || {
+        let mut probe = probe.clone();
+        async move { probe.open().await.is_ok_and(|s| s == 200) }
+    })
+    .await;
+    let reaped_after = started.elapsed();
+    // The baseline is measured twice, before the abuse and after it, so that whatever else
+    // the machine is doing weighs on both sides of the comparison.
+    let mut caller = Session::new(&http, &server.url, "well-behaved");
+    assert_eq!(caller.open().await.expect("open"), 200);
+    quiet.extend(latencies(&caller).await);
+    // …and once the last of them has been idle that long, they are all gone (404). Asked once
+    // each, then: a message to a live session would restart its idle time.
+    tokio::time::sleep_until((started + opening + idle + Duration::from_secs(2)).into()).await;
+    for (_, session) in opened.iter().step_by((n / 20).max(1)) {
+        assert_eq!(session.ping().await.expect("answered"), 404, "an idle session outlived the idle time");
+    }
+    // A second wave reuses the memory of the first: bounded, not leaking.
+    let again = open_sessions(&server.url, 2 * n, n - 3, 16).await; // three callers still hold one each
+    assert!(again.iter().all(|(status, _)| *status == 200), "the cap is free again after the reaping");
+    let rss_again = server.process.rss_kib();
+
+    let p = |samples: &[Duration], q| quantile(samples, q).as_secs_f64() * 1000.0;
+    let per_session = rss_sessions.saturating_sub(rss_before) as f64 * 1024.0 / n as f64;
+    let slowest_header = header_cuts.iter().max().copied().unwrap_or_default();
+    let fastest_header = header_cuts.iter().min().copied().unwrap_or_default();
+    let slowest_body = body_cuts.iter().map(|(d, _)| *d).max().unwrap_or_default();
+    println!("idle abuse: {n} sessions (max_sessions {n}, idle time {idle:?})");
+    println!("  opened {} sessions in {opening:.1?}; {} initializes past the cap got 503", n - 1, beyond.len());
+    println!(
+        "  RSS: {rss_before} KiB before, {rss_sessions} KiB with {n} idle sessions ({per_session:.0} bytes a session), \
+         {rss_abused} KiB after the slow clients, {rss_again} KiB with a second wave after the reaping"
+    );
+    println!("  idle sessions reaped {reaped_after:.1?} after the first was opened (idle time {idle:?})");
+    println!(
+        "  slow headers: {} connections cut after {fastest_header:.2?}-{slowest_header:.2?} (header_read_timeout {HEADER_TIMEOUT:?})",
+        header_cuts.len()
+    );
+    println!(
+        "  slow bodies: {} requests answered {:?} after at most {slowest_body:.2?} (body_read_timeout {BODY_TIMEOUT:?})",
+        body_cuts.len(),
+        body_cuts.first().map(|(_, s)| s.as_str()).unwrap_or_default()
+    );
+    println!(
+        "  well-behaved caller: p50 {:.2} ms / p99 {:.2} ms quiet ({} calls, before and after); p50 {:.2} ms / p99 {:.2} ms during the abuse ({SAMPLES} calls)",
+        p(&quiet, 0.5),
+        p(&quiet, 0.99),
+        quiet.len(),
+        p(&abused, 0.5),
+        p(&abused, 0.99)
+    );
+    println!("  panics: {}", server.process.panics());
+
+    assert_eq!(server.process.panics(), 0, "{}", server.process.log());
+    assert!(!header_cuts.is_empty() && !body_cuts.is_empty());
+    assert!(
+        fastest_header + Duration::from_millis(50) >= HEADER_TIMEOUT && slowest_header <= HEADER_TIMEOUT + LATE,
+        "slow headers cut after {fastest_header:?}-{slowest_header:?}, the timeout is {HEADER_TIMEOUT:?}"
+    );
+    for (took, status) in &body_cuts {
+        assert!(status.starts_with("HTTP/1.1 408"), "a slow body got {status:?}");
+        assert!(
+            *took + Duration::from_millis(50) >= BODY_TIMEOUT && *took <= BODY_TIMEOUT + LATE,
+            "408 after {took:?}"
+        );
+    }
+    // The bound: max_sessions × what an idle session costs (about 105 KiB in a debug build).
+    assert!(per_session < 160.0 * 1024.0, "{per_session:.0} bytes per idle session");
+    assert!(
+        rss_again <= rss_sessions.max(rss_abused) + rss_sessions / 10,
+        "a second wave after the reaping grew memory: {rss_sessions} -> {rss_again} KiB"
+    );
+    assert!(
+        quantile(&abused, 0.99) <= quantile(&quiet, 0.99) * 2,
+        "the caller's p99 went from {:?} to {:?} under the abuse",
+        quantile(&quiet, 0.99),
+        quantile(&abused, 0.99)
+    );
+}
+
+#[test]
+fn bad_session_and_timeout_settings_are_refused_naming_the_key() {
+    for (key, value, says) in [
+        ("SESSION_IDLE_TIMEOUT_SECONDS", "0", "server.session_idle_timeout_seconds"),
+        ("SESSION_IDLE_TIMEOUT_SECONDS", "100000", "more than a day"),
+        ("MAX_SESSIONS", "0", "server.max_sessions"),
+        ("HEADER_READ_TIMEOUT_MS", "-5", "server.header_read_timeout_ms"),
+        ("BODY_READ_TIMEOUT_MS", "soon", "server.body_read_timeout_ms"),
+        ("BODY_READ_TIMEOUT_MS", "0", "must be greater than zero"),
+    ] {
+        let output = std::process::Command::new(process::BINARY)
+            .arg("check-config")
+            .env(format!("MCP_RL__SERVER__{key}"), value)
+            .output()
+            .expect("check-config runs");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{key}={value}: {stderr}");
+        assert!(stderr.contains(says), "{key}={value} should say {says:?}: {stderr}");
+    }
+    let output = std::process::Command::new(process::BINARY)
+        .arg("check-config")
+        .env("MCP_RL__SERVER__SESSION_IDLE_TIMEOUT_SECONDS", "60")
+        .env("MCP_RL__SERVER__MAX_SESSIONS", "500")
+        .env("MCP_RL__SERVER__HEADER_READ_TIMEOUT_MS", "2000")
+        .env("MCP_RL__SERVER__BODY_READ_TIMEOUT_MS", "5000")
+        .output()
+        .expect("check-config runs");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+}
