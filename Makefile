@@ -1,7 +1,7 @@
 # The two commands a new user needs: `make run` and `make test`.
 CARGO ?= cargo
 
-.PHONY: run test docs check fmt inspector build bench bench-redis load conformance burst cluster simulate chromium dashboard-screenshot
+.PHONY: run test docs fuzz check fmt inspector build bench bench-redis load conformance burst cluster simulate chromium dashboard-screenshot
 
 ## Serve MCP on http://127.0.0.1:3000/mcp with the defaults (in-memory limits, embedded mock upstream).
 run:
@@ -75,3 +75,7 @@ simulate:
 ## docs/dashboard.png: the browser test's screenshot of /dashboard with refusals on it.
 dashboard-screenshot: chromium
 	scripts/dashboard-screenshot.sh
+
+## Coverage-guided fuzzing of every input a client controls (cargo fuzz), 300 s per target.
+fuzz:
+	scripts/fuzz.sh
