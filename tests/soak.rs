@@ -401,7 +401,7 @@ async fn soak() {
         }
     }
     let mut warnings: Vec<(usize, String)> = warnings.into_iter().map(|(k, n)| (n, k)).collect();
-    warnings.sort_by(|a, b| b.0.cmp(&a.0));
+    warnings.sort_by_key(|w| std::cmp::Reverse(w.0));
     let mut panics: Vec<usize> = servers.iter().map(|s| s.process.panics()).collect();
     panics.push(upstream.process.panics());
 

@@ -1,7 +1,8 @@
 //! The HTTP transport: the axum app around rmcp's streamable-HTTP service.
 //!
-//! On `/mcp`, outside in: [`front_door`] (DNS-rebinding protection, identity and auth, header
-//! checks), then the coarse limit ([`limit::HttpLimitLayer`]), then rmcp. `/health` and
+//! Every connection is served by [`serve`] (header and body deadlines). On `/mcp`, outside in:
+//! [`front_door`] (DNS-rebinding protection, identity and auth, header checks), then the coarse
+//! limit ([`limit::HttpLimitLayer`]), then the session cap ([`sessions`]), then rmcp. `/health` and
 //! `/metrics` sit outside all of it and are never limited. The [`dashboard`] sits behind the
 //! DNS-rebinding protection only: never limited, no identity needed.
 
