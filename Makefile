@@ -1,7 +1,7 @@
 # The two commands a new user needs: `make run` and `make test`.
 CARGO ?= cargo
 
-.PHONY: run test docs fuzz check fmt inspector build bench bench-redis load conformance burst cluster simulate chromium dashboard-screenshot
+.PHONY: run test docs fuzz check fmt inspector build bench bench-redis load conformance burst cluster soak idle-abuse simulate chromium dashboard-screenshot
 
 ## Serve MCP on http://127.0.0.1:3000/mcp with the defaults (in-memory limits, embedded mock upstream).
 run:
@@ -67,6 +67,14 @@ burst:
 ## Redis, one mock upstream and three instances: one caller gets one budget, not three.
 cluster:
 	scripts/cluster.sh
+
+## 10 minutes of three instances, a Redis killed every 2 minutes, a chaos upstream, 50 callers at twice their budget: the report.
+soak:
+	scripts/soak.sh
+
+## 10,000 idle MCP sessions and byte-at-a-time clients against one instance: memory, reaping, cut-offs, a caller's p99.
+idle-abuse:
+	scripts/idle-abuse.sh
 
 ## Agent traffic shapes against the configured budgets, every algorithm: tables, and charts in simulate-out/.
 simulate:

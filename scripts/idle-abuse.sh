@@ -7,6 +7,7 @@
 # (which `make test` runs with 1,000 sessions) at another size, so it fails on the same bounds.
 #
 #   scripts/idle-abuse.sh [SESSIONS]      (default 10000)
+#   MCP_RATELIMIT_BIN=target/release/mcp-ratelimit scripts/idle-abuse.sh   (serve from another build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -933,10 +933,12 @@ impl RawConfig {
         if server.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be at least 1"));
         }
+        if server.max_sessions == 0 {
+            return Err(invalid("server.max_sessions", "must be greater than zero"));
+        }
         // A day at most: longer would be a typo, and timers add these to the current instant.
         for (key, value, day) in [
             ("server.session_idle_timeout_seconds", server.session_idle_timeout_seconds, 86_400),
-            ("server.max_sessions", server.max_sessions as u64, u64::MAX),
             ("server.header_read_timeout_ms", server.header_read_timeout_ms, 86_400_000),
             ("server.body_read_timeout_ms", server.body_read_timeout_ms, 86_400_000),
         ] {

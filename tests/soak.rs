@@ -135,6 +135,8 @@ struct Call {
     ended: Instant,
     /// `served`, a refusal code, `HTTP <status>`, or `no answer`.
     outcome: String,
+    /// For a poll or cancel: the instance that took the job, and how long before this call.
+    job: Option<(usize, Duration)>,
 }
 
 impl Call {
@@ -164,7 +166,7 @@ fn pick_tool(roll: u32) -> &'static str {
 }
 
 async fn caller_loop(i: usize, sessions: Vec<Session>, until: Instant, record: Arc<Mutex<Record>>) {
-    let mut mine: Vec<String> = Vec::new();
+    let mut mine: Vec<(String, usize, Instant)> = Vec::new();
     let began = Instant::now();
     let mut offered = 0u64;
     for n in 0u64.. {
@@ -178,13 +180,19 @@ async fn caller_loop(i: usize, sessions: Vec<Session>, until: Instant, record: A
             tool = "rate_limit_status";
         }
         let unique = format!("c{i} n{n}");
+        let job = match tool {
+            "get_prediction" => Some(&mine[rand::random_range(0..mine.len())]),
+            "cancel_prediction" => mine.last(),
+            _ => None,
+        };
+        let predict_id = job.map(|(id, _, _)| id.clone()).unwrap_or_default();
+        let job = job.map(|(_, took_it, at)| (*took_it, at.elapsed()));
         let args = match tool {
             "list_articles" => json!({"query": unique}),
             "save_article" => json!({"title": unique, "body": "soak"}),
             "generate_image" => json!({"prompt": unique}),
             "generate_image_to_video" => json!({"image_url": "https://example.com/a.png", "prompt": unique}),
-            "get_prediction" => json!({"predict_id": mine[rand::random_range(0..mine.len())]}),
-            "cancel_prediction" => json!({"predict_id": mine[mine.len() - 1]}),
+            "get_prediction" | "cancel_prediction" => json!({"predict_id": predict_id}),
             _ => json!({}),
         };
         let started = Instant::now();
@@ -200,13 +208,13 @@ async fn caller_loop(i: usize, sessions: Vec<Session>, until: Instant, record: A
             && let Some(id) = a.structured()["predict_id"].as_str()
             && matches!(tool, "generate_image" | "generate_image_to_video")
         {
-            mine.push(id.to_owned());
+            mine.push((id.to_owned(), instance, Instant::now()));
             record.lock().expect("record").predictions.push((i, instance, id.to_owned()));
             if mine.len() > 20 {
                 mine.remove(0);
             }
         }
-        record.lock().expect("record").calls.push(Call { caller: i, instance, tool, started, ended, outcome });
+        record.lock().expect("record").calls.push(Call { caller: i, instance, tool, started, ended, outcome, job });
         // Paced by cost: the units asked for so far at OVERLOAD times the refill rate; free
         // calls in between, a tenth of a second apart.
         offered += cost_of(tool);
@@ -381,6 +389,19 @@ async fn soak() {
             metric_sum(&metrics, "mcp_ratelimit_account_slots_in_use"),
         ));
     }
+    // What the instances warned about, by kind (digits and ids left out), most frequent first.
+    let mut warnings: BTreeMap<String, usize> = BTreeMap::new();
+    for server in &servers {
+        for line in server.process.log().lines().filter(|l| l.contains("WARN")) {
+            let plain = without_colours(line);
+            let text = plain.split_once("WARN").map_or(plain.as_str(), |(_, rest)| rest).trim();
+            let text = text.split_once(": ").map_or(text, |(_, message)| message);
+            let kind: String = text.chars().filter(|c| !c.is_ascii_digit()).take(110).collect();
+            *warnings.entry(kind).or_default() += 1;
+        }
+    }
+    let mut warnings: Vec<(usize, String)> = warnings.into_iter().map(|(k, n)| (n, k)).collect();
+    warnings.sort_by_key(|w| std::cmp::Reverse(w.0));
     let mut panics: Vec<usize> = servers.iter().map(|s| s.process.panics()).collect();
     panics.push(upstream.process.panics());
 
@@ -472,7 +493,44 @@ async fn soak() {
         "  in-flight slots still held at the end: {slots_held} (rate_limit_status); gauges jobs/account slots per instance: {gauges:?}"
     );
     println!("  outcomes: {codes:?}");
+    let unknown: Vec<&Call> = record.calls.iter().filter(|c| c.outcome == "invalid_arguments").collect();
+    let elsewhere_unknown = unknown.iter().filter(|c| c.job.is_some_and(|(k, _)| k != c.instance)).count();
+    let soon = unknown.iter().filter(|c| c.job.is_some_and(|(_, age)| age < Duration::from_secs(1))).count();
+    let in_outage = unknown.iter().filter(|c| in_window(c)).count();
+    println!(
+        "  polls and cancels answered \"no prediction with that predict_id\": {} ({elsewhere_unknown} on another instance \
+         than the one that took the job; {soon} within 1 s of its acceptance; {in_outage} while that instance lacked its store)",
+        unknown.len()
+    );
+    let mut timeline: Vec<String> = Vec::new();
+    for k in 0..INSTANCES {
+        let mut spans: Vec<(f64, f64)> = windows
+            .iter()
+            .filter(|(i, _, _)| *i == k)
+            .map(|(_, a, b)| {
+                (
+                    a.saturating_duration_since(measured).as_secs_f64(),
+                    b.saturating_duration_since(measured).as_secs_f64(),
+                )
+            })
+            .collect();
+        spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut merged: Vec<(f64, f64)> = Vec::new();
+        for (a, b) in spans {
+            match merged.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        let text: Vec<String> = merged.iter().map(|(a, b)| format!("{a:.0}-{b:.0}")).collect();
+        timeline.push(format!("instance {k}: {}", text.join(" ")));
+    }
+    println!("  without its store (s after the warm-up; kills at {:?}): {}", kill_times(run), timeline.join("; "));
     println!("  refusals by tool: {per_tool:?}");
+    println!("  warnings logged by the instances, by kind:");
+    for (n, kind) in warnings.iter().take(12) {
+        println!("    {n:>6} {kind}");
+    }
     println!(
         "  latency of tool calls: p50 {:.1} ms, p99 {:.1} ms (outside Redis outages p50 {:.1} ms, p99 {:.1} ms)",
         ms(quantile(&took, 0.5)),
@@ -490,4 +548,22 @@ async fn soak() {
     for (i, (start, end)) in rss_start.iter().zip(&rss_end).enumerate() {
         assert!(*end as f64 <= *start as f64 * 1.10, "instance {i}: RSS {start} -> {end} KiB");
     }
+}
+
+/// `line` without its ANSI colour sequences (tracing colours its output).
+fn without_colours(line: &str) -> String {
+    let mut plain = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            plain.push(c);
+        }
+    }
+    plain
 }

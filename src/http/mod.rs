@@ -1,10 +1,11 @@
 //! The HTTP pieces: tower layers any axum app can use.
 //!
-//! On `/mcp`, outside in: [`front_door`] (DNS-rebinding protection, identity and auth, header
-//! checks), then the coarse limit ([`limit::HttpLimitLayer`]), then rmcp. Each layer takes only
-//! what it needs (the allowed hosts, the identifier, the guard), so it can be used, and tested,
-//! alone. [`crate::app`] puts them together with rmcp's service, `/health` and `/metrics` (never
-//! limited) and the dashboard (behind the DNS-rebinding protection only).
+//! Every connection is served by [`serve`] (header and body deadlines). On `/mcp`, outside in:
+//! [`front_door`] (DNS-rebinding protection, identity and auth, header checks), then the coarse
+//! limit ([`limit::HttpLimitLayer`]), then the session cap ([`sessions`]), then rmcp. Each layer
+//! takes only what it needs (the allowed hosts, the identifier, the guard), so it can be used, and
+//! tested, alone. [`crate::app`] puts them together with rmcp's service, `/health` and `/metrics`
+//! (never limited) and the dashboard (behind the DNS-rebinding protection only).
 
 pub mod front_door;
 pub mod limit;

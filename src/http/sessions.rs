@@ -5,7 +5,8 @@
 //! session with no message for `server.session_idle_timeout_seconds` is closed (rmcp's own
 //! idle timer, which then drops it from its map), and at most `server.max_sessions` are open at
 //! once: an `initialize` beyond that gets `503` with `Retry-After` instead of another session.
-//! Memory is then bounded by `max_sessions` × the size of an idle session, whoever opens them.
+//! Memory is then bounded by `max_sessions` × the size of an idle session (about 110 KiB, nearly
+//! all rmcp's channels), whoever opens them.
 //! Budgets are not per session, so closing one takes nothing from its caller.
 
 use std::sync::Arc;

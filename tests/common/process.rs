@@ -15,6 +15,12 @@ use serde_json::{Value, json};
 /// The binary under test: the one `cargo test` built.
 pub const BINARY: &str = env!("CARGO_BIN_EXE_mcp-ratelimit");
 
+/// The binary the processes run: `MCP_RATELIMIT_BIN` (e.g. a release build, for figures a
+/// deployment would see), else [`BINARY`].
+pub fn binary() -> String {
+    std::env::var("MCP_RATELIMIT_BIN").ok().filter(|b| !b.is_empty()).unwrap_or_else(|| BINARY.to_owned())
+}
+
 /// A free loopback port (bound and let go: another process may take it first, rarely).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free loopback port").port()
@@ -57,7 +63,7 @@ impl Process {
         std::fs::write(&config, toml).expect("write the config");
         let log = dir.path().join("stderr.log");
         let stderr = std::fs::File::create(&log).expect("a log file");
-        let mut command = tokio::process::Command::new(BINARY);
+        let mut command = tokio::process::Command::new(binary());
         command
             .args(args)
             .arg("--config")
