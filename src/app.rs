@@ -176,8 +176,8 @@ impl App {
     /// Serves HTTP on `listener` until [`App::stop`] is called, with the header and body
     /// deadlines of `[server]` (see [`crate::http::serve`]).
     pub async fn serve_http(&self, listener: TcpListener) -> std::io::Result<()> {
-        let limits = crate::http::serve::ConnectionLimits::of(&self.state.config.server);
-        crate::http::serve::serve(listener, self.router(), limits, self.stop.clone()).await;
+        let headers_within = self.state.config.server.header_read_timeout;
+        crate::http::serve::serve(listener, self.router(), headers_within, self.stop.clone()).await;
         Ok(())
     }
 

@@ -1,8 +1,9 @@
 //! The HTTP transport: the axum app around rmcp's streamable-HTTP service.
 //!
-//! Every connection is served by [`serve`] (header and body deadlines). On `/mcp`, outside in:
+//! Every connection is served by [`serve`] (a header deadline). On `/mcp`, outside in:
 //! [`front_door`] (DNS-rebinding protection, identity and auth, header checks), then the coarse
-//! limit ([`limit::HttpLimitLayer`]), then the session cap ([`sessions`]), then rmcp. `/health` and
+//! limit ([`limit::HttpLimitLayer`]), then the body deadline ([`serve::read_body_by_deadline`]),
+//! then the session cap ([`sessions`]), then rmcp. `/health` and
 //! `/metrics` sit outside all of it and are never limited. The [`dashboard`] sits behind the
 //! DNS-rebinding protection only: never limited, no identity needed.
 
@@ -43,6 +44,7 @@ pub fn router(app: Arc<AppState>, stop: CancellationToken) -> Router {
     Router::new()
         .nest_service("/mcp", Shared::new(mcp))
         .layer(middleware::from_fn_with_state(cap, sessions::cap))
+        .layer(middleware::from_fn_with_state(serve::BodyDeadline::of(server), serve::read_body_by_deadline))
         .layer(limit::HttpLimitLayer::new(app.clone()))
         .layer(middleware::from_fn_with_state(app.clone(), front_door::identify))
         .layer(middleware::from_fn_with_state(app.clone(), front_door::rebinding_protection))
