@@ -173,8 +173,8 @@ impl App {
         crate::http::router(self.state.clone(), self.stop.clone())
     }
 
-    /// Serves HTTP on `listener` until [`App::stop`] is called, with the header and body
-    /// deadlines of `[server]` (see [`crate::http::serve`]).
+    /// Serves HTTP on `listener` until [`App::stop`] is called, with the header deadline of
+    /// `[server]` (see [`crate::http::serve`]).
     pub async fn serve_http(&self, listener: TcpListener) -> std::io::Result<()> {
         let headers_within = self.state.config.server.header_read_timeout;
         crate::http::serve::serve(listener, self.router(), headers_within, self.stop.clone()).await;
