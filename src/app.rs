@@ -23,7 +23,7 @@ use crate::config::Config;
 use crate::dashboard;
 use crate::http::front_door::{self, AllowedHosts, IdentifyLayer};
 use crate::http::limit::HttpLimitLayer;
-use crate::http::{Shared, sessions};
+use crate::http::{Shared, serve, sessions};
 use crate::mcp::{McpServer, Transport};
 use crate::mock_upstream::MockUpstream;
 use crate::rate_limits::{LimitsError, RateLimits};
@@ -151,6 +151,7 @@ impl App {
         Router::new()
             .nest_service("/mcp", Shared::new(mcp))
             .layer(middleware::from_fn_with_state(cap, sessions::cap))
+            .layer(middleware::from_fn_with_state(serve::BodyDeadline::of(server), serve::read_body_by_deadline))
             .layer(HttpLimitLayer::new(app.limits.guard().clone()))
             .layer(middleware::from_fn_with_state(server.max_body_bytes, front_door::mcp_post_checks))
             .layer(IdentifyLayer::new(app.limits.identifier().clone()))
@@ -161,11 +162,11 @@ impl App {
             .with_state(app.clone())
     }
 
-    /// Serves HTTP on `listener` until [`App::stop`] is called, with the header and body
-    /// deadlines of `[server]` (see [`crate::http::serve`]).
+    /// Serves HTTP on `listener` until [`App::stop`] is called, with the header deadline of
+    /// `[server]` (see [`crate::http::serve`]).
     pub async fn serve_http(&self, listener: TcpListener) -> std::io::Result<()> {
-        let limits = crate::http::serve::ConnectionLimits::of(&self.state.config.server);
-        crate::http::serve::serve(listener, self.router(), limits, self.stop.clone()).await;
+        let headers_within = self.state.config.server.header_read_timeout;
+        crate::http::serve::serve(listener, self.router(), headers_within, self.stop.clone()).await;
         Ok(())
     }
 

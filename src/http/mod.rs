@@ -1,11 +1,12 @@
 //! The HTTP pieces: tower layers any axum app can use.
 //!
-//! Every connection is served by [`serve`] (header and body deadlines). On `/mcp`, outside in:
+//! Every connection is served by [`serve`] (a header deadline). On `/mcp`, outside in:
 //! [`front_door`] (DNS-rebinding protection, identity and auth, header checks), then the coarse
-//! limit ([`limit::HttpLimitLayer`]), then the session cap ([`sessions`]), then rmcp. Each layer
-//! takes only what it needs (the allowed hosts, the identifier, the guard), so it can be used, and
-//! tested, alone. [`crate::app`] puts them together with rmcp's service, `/health` and `/metrics`
-//! (never limited) and the dashboard (behind the DNS-rebinding protection only).
+//! limit ([`limit::HttpLimitLayer`]), then the body deadline ([`serve::read_body_by_deadline`]),
+//! then the session cap ([`sessions`]), then rmcp. Each layer takes only what it needs (the
+//! allowed hosts, the identifier, the guard, the deadlines), so it can be used, and tested, alone.
+//! [`crate::app`] puts them together with rmcp's service, `/health` and `/metrics` (never limited)
+//! and the dashboard (behind the DNS-rebinding protection only).
 
 pub mod front_door;
 pub mod limit;

@@ -8,11 +8,12 @@
 //! - **headers** must arrive within `server.header_read_timeout_ms` (hyper's
 //!   `header_read_timeout`; on a kept-alive connection the clock starts after the previous
 //!   response, so an idle connection is closed after the same time);
-//! - **bodies** must arrive whole within `server.body_read_timeout_ms` of the headers: a total
-//!   deadline, not a gap between chunks (tower-http's `RequestBodyTimeoutLayer` restarts its
-//!   clock at every frame, so a byte a second would never trip it). Past it: `408` with
-//!   `Connection: close`. The body is read here, up to `server.max_body_bytes`, before any
-//!   layer behind sees the request.
+//! - **bodies** on `/mcp` must arrive whole within `server.body_read_timeout_ms` of reaching
+//!   [`read_body_by_deadline`]: a total deadline, not a gap between chunks (tower-http's
+//!   `RequestBodyTimeoutLayer` restarts its clock at every frame, so a byte a second would
+//!   never trip it). Past it: `408` with `Connection: close`. That layer sits behind the front
+//!   door and the HTTP limit (see [`crate::http::router`]), so a refused request's body is
+//!   never read, and reads the body, up to `server.max_body_bytes`, before rmcp sees it.
 //!
 //! Everything else is as `axum::serve`: `TCP_NODELAY`, the peer address as `ConnectInfo`,
 //! HTTP/1 with upgrades and HTTP/2, and a graceful stop.
@@ -23,7 +24,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{ConnectInfo, Request, State};
-use axum::middleware::{self, Next};
+use axum::middleware::Next;
 use axum::response::Response;
 use axum::serve::{Listener, ListenerExt};
 use http::{HeaderValue, StatusCode, header};
@@ -42,30 +43,25 @@ use crate::http::front_door::jsonrpc_error;
 /// How long a stop waits for open connections (SSE streams end with the stop token).
 const DRAIN: Duration = Duration::from_secs(5);
 
-/// What a client is allowed on one connection.
+/// How long a request's body may take, and how large it may be.
 #[derive(Debug, Clone, Copy)]
-pub struct ConnectionLimits {
-    /// To send a request's headers.
-    pub header_read_timeout: Duration,
-    /// To send a request's whole body, from its headers.
-    pub body_read_timeout: Duration,
+pub struct BodyDeadline {
+    /// To send the whole body.
+    pub timeout: Duration,
     /// The largest body read.
-    pub max_body_bytes: usize,
+    pub max_bytes: usize,
 }
 
-impl ConnectionLimits {
-    /// The limits `[server]` configures.
+impl BodyDeadline {
+    /// The deadline `[server]` configures.
     pub fn of(server: &ServerConfig) -> Self {
-        Self {
-            header_read_timeout: server.header_read_timeout,
-            body_read_timeout: server.body_read_timeout,
-            max_body_bytes: server.max_body_bytes,
-        }
+        Self { timeout: server.body_read_timeout, max_bytes: server.max_body_bytes }
     }
 }
 
-/// Serves `app` on `listener` until `stop` is cancelled.
-pub async fn serve(listener: TcpListener, app: Router, limits: ConnectionLimits, stop: CancellationToken) {
+/// Serves `app` on `listener` until `stop` is cancelled; headers must arrive within
+/// `header_read_timeout`.
+pub async fn serve(listener: TcpListener, app: Router, header_read_timeout: Duration, stop: CancellationToken) {
     // An MCP response over SSE leaves in several small writes; without TCP_NODELAY, Nagle's
     // algorithm and the client's delayed ACK stall each one by ~40 ms.
     let mut listener = listener.tap_io(|tcp| {
@@ -73,9 +69,8 @@ pub async fn serve(listener: TcpListener, app: Router, limits: ConnectionLimits,
             tracing::debug!(%error, "cannot set TCP_NODELAY");
         }
     });
-    let app = app.layer(middleware::from_fn_with_state(limits, read_body_by_deadline));
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout);
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(header_read_timeout);
     let graceful = GracefulShutdown::new();
     loop {
         // `Listener::accept` retries failed accepts itself (e.g. out of file descriptors).
@@ -104,21 +99,21 @@ pub async fn serve(listener: TcpListener, app: Router, limits: ConnectionLimits,
 }
 
 /// Reads the body within its deadline, then passes the request on with the body in memory.
-/// A body declared larger than the limit is not read: the front door answers 413.
-async fn read_body_by_deadline(State(limits): State<ConnectionLimits>, request: Request, next: Next) -> Response {
+/// A body declared larger than the limit is not read (the front door answers 413 first).
+pub async fn read_body_by_deadline(State(limits): State<BodyDeadline>, request: Request, next: Next) -> Response {
     let hint = request.body().size_hint();
-    if hint.exact() == Some(0) || hint.lower() > limits.max_body_bytes as u64 {
+    if hint.exact() == Some(0) || hint.lower() > limits.max_bytes as u64 {
         return next.run(request).await;
     }
     let (parts, body) = request.into_parts();
-    let read = tokio::time::timeout(limits.body_read_timeout, axum::body::to_bytes(body, limits.max_body_bytes));
+    let read = tokio::time::timeout(limits.timeout, axum::body::to_bytes(body, limits.max_bytes));
     match read.await {
         Ok(Ok(bytes)) => next.run(Request::from_parts(parts, Body::from(bytes))).await,
         Ok(Err(error)) => {
             let too_large =
                 std::error::Error::source(&error).is_some_and(|e| e.is::<http_body_util::LengthLimitError>());
             if too_large {
-                let max = limits.max_body_bytes;
+                let max = limits.max_bytes;
                 let message = format!("Request body too large: the limit is {max} bytes.");
                 close(jsonrpc_error(StatusCode::PAYLOAD_TOO_LARGE, -32600, &message, None))
             } else {
@@ -127,10 +122,10 @@ async fn read_body_by_deadline(State(limits): State<ConnectionLimits>, request: 
             }
         }
         Err(_) => {
-            tracing::info!(timeout = ?limits.body_read_timeout, "refused: request body too slow");
+            tracing::info!(timeout = ?limits.timeout, "refused: request body too slow");
             let message = format!(
                 "Request Timeout: the body did not arrive within {} ms of the headers.",
-                limits.body_read_timeout.as_millis()
+                limits.timeout.as_millis()
             );
             close(jsonrpc_error(StatusCode::REQUEST_TIMEOUT, -32600, &message, None))
         }
