@@ -24,7 +24,8 @@ if ! command -v cargo-fuzz >/dev/null 2>&1; then
 fi
 export RUSTC_BOOTSTRAP=1
 # Beside the project's own build (CARGO_TARGET_DIR, or cargo's configured target dir).
-TARGET_DIR="${CARGO_TARGET_DIR:-$(cargo metadata --format-version 1 --no-deps | sed -E 's/.*"target_directory":"([^"]*)".*/\1/')}/fuzz"
+. scripts/lib.sh
+TARGET_DIR="$(target_dir)/fuzz"
 
 printf '%-14s %8s %12s %10s %8s %8s\n' target seconds executions "execs/s" corpus cov
 for target in "${TARGETS[@]}"; do

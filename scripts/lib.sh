@@ -17,10 +17,17 @@ free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
+# Where cargo builds: CARGO_TARGET_DIR, else what cargo's own config says (build.target-dir),
+# else ./target.
+target_dir() {
+  if [ -n "${CARGO_TARGET_DIR:-}" ]; then echo "$CARGO_TARGET_DIR"; return; fi
+  cargo metadata --format-version 1 --no-deps | sed -E 's/.*"target_directory":"([^"]*)".*/\1/'
+}
+
 # The debug binary, built if the sources changed.
 debug_bin() {
   cargo build --quiet
-  echo "${CARGO_TARGET_DIR:-target}/debug/mcp-ratelimit"
+  echo "$(target_dir)/debug/mcp-ratelimit"
 }
 
 stop_server() {

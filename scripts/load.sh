@@ -22,7 +22,8 @@ SESSIONS_PER_RUN=${SESSIONS_PER_RUN:-16}
 
 command -v wrk >/dev/null || { echo "installing wrk (Debian package)"; apt-get install -y -qq wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }; }
 cargo build --release --quiet
-BIN="${CARGO_TARGET_DIR:-target}/release/mcp-ratelimit"
+. scripts/lib.sh
+BIN="$(target_dir)/release/mcp-ratelimit"
 CORES=$(nproc)
 SERVER_CPU=0
 WRK_CPU=$(( CORES > 1 ? 1 : 0 ))
