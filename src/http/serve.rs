@@ -12,7 +12,7 @@
 //!   [`read_body_by_deadline`]: a total deadline, not a gap between chunks (tower-http's
 //!   `RequestBodyTimeoutLayer` restarts its clock at every frame, so a byte a second would
 //!   never trip it). Past it: `408` with `Connection: close`. That layer sits behind the front
-//!   door and the HTTP limit (see [`crate::http::router`]), so a refused request's body is
+//!   door and the HTTP limit (see [`crate::app::App::router`]), so a refused request's body is
 //!   never read, and reads the body, up to `server.max_body_bytes`, before rmcp sees it.
 //!
 //! Everything else is as `axum::serve`: `TCP_NODELAY`, the peer address as `ConnectInfo`,
