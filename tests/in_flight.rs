@@ -5,7 +5,6 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::*;
 use mcp_ratelimit::Config;
@@ -34,13 +33,7 @@ async fn in_flight_left(client: &Client) -> u64 {
 
 /// Waits (bounded) for an asynchronous effect on the server to show in `rate_limit_status`.
 async fn until_remaining(client: &Client, want: u64) {
-    for _ in 0..200 {
-        if in_flight_left(client).await == want {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("remaining never reached {want}");
+    eventually(&format!("remaining reaches {want}"), || async { in_flight_left(client).await == want }).await;
 }
 
 #[tokio::test]

@@ -5,6 +5,7 @@
 //! is served by the insurance limiter; when the latency goes away, shared limits resume by
 //! themselves. Prints the figures the README quotes (`--nocapture`).
 
+mod common;
 #[path = "common/process.rs"]
 mod process;
 #[path = "common/redis.rs"]
@@ -16,7 +17,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use process::{Server, Session, metric_sum, quantile};
+use common::metric_sum;
+use process::{Server, Session, quantile};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};

@@ -16,6 +16,7 @@
 //! Redis keeps an append-only file, fsynced on every write, so a restart keeps the budgets (a
 //! Redis without persistence hands every caller a fresh burst when it comes back).
 
+mod common;
 #[path = "common/process.rs"]
 mod process;
 
@@ -24,7 +25,8 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use process::{Server, Session, Upstream, metric_sum, quantile};
+use common::metric_sum;
+use process::{Server, Session, Upstream, quantile};
 use serde_json::json;
 
 const CALLERS: usize = 50;

@@ -167,15 +167,6 @@ impl Upstream {
     }
 }
 
-/// The sum of every sample of `metric` in a Prometheus exposition (all label sets).
-pub fn metric_sum(exposition: &str, metric: &str) -> f64 {
-    exposition
-        .lines()
-        .filter(|l| l.strip_prefix(metric).is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' ')))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// One MCP session over raw HTTP (what any client sends), with a Bearer token.
 #[derive(Clone)]
 pub struct Session {
