@@ -25,7 +25,7 @@ use rmcp::model::{CallToolResponse, CallToolResult, JsonObject, Tool};
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer};
 
-use crate::guard::{Admission, ToolCall};
+use crate::guard::{Admission, Policy, ToolCall};
 use crate::identity::Caller;
 use crate::mcp::refusal;
 use crate::metrics::Layer;
@@ -81,27 +81,31 @@ impl<S: Send + Sync + 'static> LimitedRouter<S> {
 
     /// Every tool, with its cost added to its description so a model sees prices before it calls.
     pub fn list_all(&self) -> Vec<Tool> {
-        let policy = self.limits.guard().policy();
-        self.router
-            .list_all()
-            .into_iter()
-            .map(|mut tool| {
-                let price = match policy.cost_of(&tool.name) {
-                    0 => " Free: costs no budget.".to_owned(),
-                    1 => " Costs 1 token.".to_owned(),
-                    n => format!(" Costs {n} tokens."),
-                };
-                let description = format!("{}{price}", tool.description.as_deref().unwrap_or_default());
-                tool.description = Some(Cow::Owned(description));
-                tool
-            })
-            .collect()
+        priced(self.router.list_all(), &self.limits.guard().policy())
     }
 
     /// The tool called `name`, as the router has it.
     pub fn get(&self, name: &str) -> Option<&Tool> {
         self.router.get(name)
     }
+}
+
+/// `tools` with each one's cost under `policy` appended to its description ("Costs 5 tokens."),
+/// as `tools/list` shows them.
+pub fn priced(tools: Vec<Tool>, policy: &Policy) -> Vec<Tool> {
+    tools
+        .into_iter()
+        .map(|mut tool| {
+            let price = match policy.cost_of(&tool.name) {
+                0 => " Free: costs no budget.".to_owned(),
+                1 => " Costs 1 token.".to_owned(),
+                n => format!(" Costs {n} tokens."),
+            };
+            let description = format!("{}{price}", tool.description.as_deref().unwrap_or_default());
+            tool.description = Some(Cow::Owned(description));
+            tool
+        })
+        .collect()
 }
 
 /// Guards one call of `tool` with `arguments`, for a server that writes its own `call_tool`:

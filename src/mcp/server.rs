@@ -26,8 +26,8 @@ use rmcp::{ErrorData, RoleServer, ServerHandler, tool_handler};
 use crate::clock::NANOS_PER_MS;
 use crate::guard::{MethodGroup, Refusal, RefusalCode, ToolCall};
 use crate::identity::Caller;
-use crate::mcp::refusal;
 use crate::mcp::tools::{self, Handoff};
+use crate::mcp::{limited, refusal};
 use crate::metrics::Layer;
 use crate::state::AppState;
 use crate::upstream::jobs::JobView;
@@ -151,21 +151,7 @@ impl ServerHandler for McpServer {
         context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
         self.admit_method(&context, MethodGroup::ToolsList, "tools/list").await?;
-        let tools = self
-            .tool_router
-            .list_all()
-            .into_iter()
-            .map(|mut tool| {
-                let cost = self.app.limits.guard().policy().cost_of(&tool.name);
-                let price = match cost {
-                    0 => " Free: costs no budget.".to_owned(),
-                    1 => " Costs 1 token.".to_owned(),
-                    n => format!(" Costs {n} tokens."),
-                };
-                tool.description = Some(format!("{}{price}", tool.description.as_deref().unwrap_or_default()).into());
-                tool
-            })
-            .collect();
+        let tools = limited::priced(self.tool_router.list_all(), &self.app.limits.guard().policy());
         Ok(ListToolsResult::with_all_items(tools))
     }
 
