@@ -3,7 +3,9 @@
 
 mod common;
 
+use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use common::{call, error_code, is_error, structured, text};
@@ -14,11 +16,31 @@ use serde_json::json;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-/// An example's binary, built by `cargo test --all-targets` next to this test's own.
-fn example(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let debug = exe.parent().and_then(|deps| deps.parent()).expect("target/debug");
-    debug.join("examples").join(name)
+/// An example's binary, built here (`cargo build --example NAME`, once per test run) so the test
+/// runs what it names: `cargo test --all-targets` builds examples only as test harnesses, and a
+/// plain `target/debug/examples/NAME` exists only where an earlier build left one.
+fn example(name: &str) -> PathBuf {
+    static BUILT: Mutex<Vec<(String, PathBuf)>> = Mutex::new(Vec::new());
+    let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, path)) = built.iter().find(|(n, _)| n == name) {
+        return path.clone();
+    }
+    let mut cargo = std::process::Command::new(env!("CARGO"));
+    cargo.current_dir(env!("CARGO_MANIFEST_DIR")).args(["build", "--example", name, "--message-format=json"]);
+    if !cfg!(debug_assertions) {
+        cargo.arg("--release");
+    }
+    let output = cargo.stderr(Stdio::inherit()).output().unwrap_or_else(|e| panic!("cannot run cargo: {e}"));
+    assert!(output.status.success(), "cargo build --example {name} failed");
+    // The artifact message names the executable wherever the target dir is.
+    let path = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+        .unwrap_or_else(|| panic!("cargo build --example {name} named no executable"));
+    built.push((name.to_owned(), path.clone()));
+    path
 }
 
 /// Starts an example on a free port and returns it with the URL it printed.
@@ -29,7 +51,7 @@ async fn start(name: &str) -> (Child, String) {
         .stdout(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
-        .unwrap_or_else(|e| panic!("cannot start examples/{name}: {e} (built by `cargo test --all-targets`)"));
+        .unwrap_or_else(|e| panic!("cannot start examples/{name}: {e}"));
     let stdout = child.stdout.take().expect("stdout");
     let mut lines = BufReader::new(stdout).lines();
     let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
