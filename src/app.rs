@@ -87,12 +87,8 @@ impl App {
         let store = limits.guard().store().clone();
         let queue = Arc::new(
             FairQueue::new(
-                QueueRules {
-                    max_in_flight: up.max_in_flight,
-                    video_gap: ms(up.video_min_gap_ms),
-                    max_waiting: up.queue_max,
-                    max_videos_waiting: up.video_queue_max,
-                },
+                QueueRules::new(up.max_in_flight, ms(up.video_min_gap_ms), up.queue_max, up.video_queue_max)
+                    .unverified_share(up.unverified_slots(), up.unverified_places()),
                 clock.clone(),
             )
             .shared_in(store.clone()),
@@ -139,7 +135,8 @@ impl App {
             .with_cancellation_token(self.stop.child_token());
         let shared = app.clone();
         let session_manager = sessions::manager(server);
-        let cap = sessions::SessionCap::new(session_manager.clone(), server.max_sessions);
+        let cap =
+            sessions::SessionCap::new(session_manager.clone(), server.max_sessions, server.max_sessions_per_address);
         let mcp = StreamableHttpService::new(
             move || Ok(McpServer::new(shared.clone(), Transport::Http)),
             session_manager,

@@ -170,6 +170,9 @@ pub struct ServerConfig {
     pub session_idle_timeout: Duration,
     /// MCP sessions open at once; an `initialize` beyond them gets 503.
     pub max_sessions: usize,
+    /// MCP sessions the unverified callers of one address may hold together; an `initialize`
+    /// beyond them gets 429.
+    pub max_sessions_per_address: usize,
     /// The longest a client may take to send a request's headers.
     pub header_read_timeout: Duration,
     /// The longest a client may take to send a request's body, from its headers on.
@@ -278,6 +281,9 @@ pub struct Limits {
     pub enabled: bool,
     /// The coarse per-caller limit on `POST /mcp`, before any JSON is parsed.
     pub http: Vec<Limit>,
+    /// The coarse limit on `POST /mcp` that all unverified callers of one address share, beside
+    /// each one's own `http`.
+    pub address_http: Vec<Limit>,
     /// Per caller and JSON-RPC method: `tools/list`.
     pub tools_list: Vec<Limit>,
     /// Per caller and JSON-RPC method: `tools/call`.
@@ -296,6 +302,8 @@ pub struct Limits {
     /// Jobs all callers of one tenant may have in flight at once (a caller without a tenant is
     /// its own tenant, so this scope is its caller scope).
     pub in_flight_tenant: Limiter,
+    /// Jobs all unverified callers of one address may have in flight at once.
+    pub in_flight_address: Limiter,
 }
 
 /// `[tools.NAME]`.
@@ -366,6 +374,29 @@ pub struct UpstreamConfig {
     pub retry_budget_min_retries: u32,
     /// The window the retry budget counts over.
     pub retry_budget_window_ms: u64,
+    /// The share (0 to 1) of the account's slots (`max_in_flight`) and of the queue
+    /// (`queue_max`) that unverified callers of every address together may hold, so configured
+    /// tenants always find room.
+    pub unverified_share: f64,
+}
+
+impl UpstreamConfig {
+    /// The account's slots unverified callers may hold together: `max_in_flight` ×
+    /// `unverified_share`, rounded down.
+    pub fn unverified_slots(&self) -> usize {
+        share_of(self.max_in_flight, self.unverified_share)
+    }
+
+    /// The queue places unverified callers may hold together: `queue_max` × `unverified_share`,
+    /// rounded down.
+    pub fn unverified_places(&self) -> usize {
+        share_of(self.queue_max, self.unverified_share)
+    }
+}
+
+/// `share` (0 to 1) of `whole`, rounded down: a share never grants what it does not cover.
+fn share_of(whole: usize, share: f64) -> usize {
+    if share >= 1.0 { whole } else { (whole as f64 * share.max(0.0)).floor() as usize }
 }
 
 /// `[loop_detection]`.
@@ -483,6 +514,7 @@ struct RawServer {
     trusted_proxies: Vec<String>,
     session_idle_timeout_seconds: u64,
     max_sessions: usize,
+    max_sessions_per_address: usize,
     header_read_timeout_ms: u64,
     body_read_timeout_ms: u64,
 }
@@ -528,6 +560,7 @@ struct RawTenant {
 struct RawLimits {
     enabled: bool,
     http: RawScope,
+    address_http: RawScope,
     method: BTreeMap<String, RawScope>,
     caller: RawScope,
     tenant: RawScope,
@@ -566,6 +599,7 @@ impl<'de> Deserialize<'de> for RawScope {
 struct RawInFlight {
     caller: i64,
     tenant: i64,
+    address: i64,
 }
 
 /// One scope's limiter as written in config: the algorithm and the union of all parameters.
@@ -680,10 +714,14 @@ impl Config {
         let mut out = String::new();
         let _ = writeln!(out, "{:<34} {:<15} parameters", "scope", "algorithm");
         let limits = &self.limits;
-        let in_flight =
-            [Limit::enforced(limits.in_flight_caller.clone()), Limit::enforced(limits.in_flight_tenant.clone())];
+        let in_flight = [
+            Limit::enforced(limits.in_flight_caller.clone()),
+            Limit::enforced(limits.in_flight_tenant.clone()),
+            Limit::enforced(limits.in_flight_address.clone()),
+        ];
         for (scope, list) in [
             ("http (per caller, POST /mcp)", limits.http.as_slice()),
+            ("address_http (unverified, POST)", &limits.address_http),
             ("method tools/list (per caller)", &limits.tools_list),
             ("method tools/call (per caller)", &limits.tools_call),
             ("method other (per caller)", &limits.other_methods),
@@ -691,7 +729,8 @@ impl Config {
             ("tenant (shared tool budget)", &limits.tenant),
             ("address (unverified callers)", &limits.address),
             ("in flight (jobs per caller)", &in_flight[..1]),
-            ("in flight (jobs per tenant)", &in_flight[1..]),
+            ("in flight (jobs per tenant)", &in_flight[1..2]),
+            ("in flight (jobs per address)", &in_flight[2..]),
         ] {
             for limit in list {
                 let shadow = if limit.enforced_mode() { "" } else { " (shadow)" };
@@ -713,6 +752,17 @@ impl Config {
             self.auth.keys.len(),
             self.auth.required,
             self.auth.anonymous_tier
+        );
+        let up = &self.upstream;
+        let _ = writeln!(
+            out,
+            "unverified callers (no configured key), all addresses together: {} of the account's {} slots, {} of \
+             its {} queue places; {} sessions per address",
+            up.unverified_slots(),
+            up.max_in_flight,
+            up.unverified_places(),
+            up.queue_max,
+            self.server.max_sessions_per_address
         );
         let _ = writeln!(out);
         let _ = writeln!(out, "{:<34} {:<6} own budget (per tenant, in calls)", "tool", "cost");
@@ -766,6 +816,7 @@ impl RawConfig {
         let limits = Limits {
             enabled: self.limits.enabled,
             http: self.limits.http.build("limits.http")?,
+            address_http: self.limits.address_http.build("limits.address_http")?,
             tools_list: group("tools_list")?,
             tools_call: group("tools_call")?,
             other_methods: group("other")?,
@@ -774,6 +825,7 @@ impl RawConfig {
             address: self.limits.address.build("limits.address")?,
             in_flight_caller: slots("limits.in_flight.caller", self.limits.in_flight.caller)?,
             in_flight_tenant: slots("limits.in_flight.tenant", self.limits.in_flight.tenant)?,
+            in_flight_address: slots("limits.in_flight.address", self.limits.in_flight.address)?,
         };
         if let Some(unknown) = method.keys().next() {
             return Err(invalid(
@@ -936,6 +988,9 @@ impl RawConfig {
         if server.max_sessions == 0 {
             return Err(invalid("server.max_sessions", "must be greater than zero"));
         }
+        if server.max_sessions_per_address == 0 {
+            return Err(invalid("server.max_sessions_per_address", "must be greater than zero"));
+        }
         // A day at most: longer would be a typo, and timers add these to the current instant.
         for (key, value, day) in [
             ("server.session_idle_timeout_seconds", server.session_idle_timeout_seconds, 86_400),
@@ -1011,6 +1066,7 @@ impl RawConfig {
             // The Lua twins compute in doubles, exact to the nanosecond over at most 2^52 ns.
             let mut spans: Vec<(String, &[Limit])> = vec![
                 ("limits.http".into(), &limits.http),
+                ("limits.address_http".into(), &limits.address_http),
                 ("limits.method.tools_list".into(), &limits.tools_list),
                 ("limits.method.tools_call".into(), &limits.tools_call),
                 ("limits.method.other".into(), &limits.other_methods),
@@ -1037,6 +1093,12 @@ impl RawConfig {
         }
         if loops.repeats < 2 {
             return Err(invalid("loop_detection.repeats", "must be at least 2: one call is never a loop"));
+        }
+        if !(0.0..=1.0).contains(&up.unverified_share) {
+            return Err(invalid(
+                "upstream.unverified_share",
+                format!("must be a fraction between 0.0 and 1.0 (got {})", up.unverified_share),
+            ));
         }
         if !(0.0..=1.0).contains(&up.retry_budget_ratio) {
             return Err(invalid(
@@ -1066,6 +1128,7 @@ impl RawConfig {
                 trusted_proxies,
                 session_idle_timeout: Duration::from_secs(server.session_idle_timeout_seconds),
                 max_sessions: server.max_sessions,
+                max_sessions_per_address: server.max_sessions_per_address,
                 header_read_timeout: Duration::from_millis(server.header_read_timeout_ms),
                 body_read_timeout: Duration::from_millis(server.body_read_timeout_ms),
             },

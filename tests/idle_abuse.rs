@@ -126,9 +126,13 @@ async fn idle_sessions_and_slow_clients_stay_bounded_and_a_caller_keeps_its_late
     let n = sessions();
     // Long enough to open every session and measure before the first is reaped.
     let idle = Duration::from_secs(10 + n as u64 / 250);
+    // The server-wide cap is what this test is about: the cap per address (every session here
+    // comes from loopback, each with a made-up key) and the address's request limit are raised
+    // out of its way (tests/made_up_keys.rs holds those).
     let config = format!(
-        "[server]\nmax_sessions = {n}\nsession_idle_timeout_seconds = {}\nheader_read_timeout_ms = {}\n\
-         body_read_timeout_ms = {}\n[limits.http]\nburst = 1000000\n[limits.method.tools_call]\nburst = 1000000\n",
+        "[server]\nmax_sessions = {n}\nmax_sessions_per_address = {n}\nsession_idle_timeout_seconds = {}\n\
+         header_read_timeout_ms = {}\nbody_read_timeout_ms = {}\n[limits.http]\nburst = 1000000\n\
+         [limits.address_http]\nburst = 1000000\n[limits.method.tools_call]\nburst = 1000000\n",
         idle.as_secs(),
         HEADER_TIMEOUT.as_millis(),
         BODY_TIMEOUT.as_millis()

@@ -115,3 +115,38 @@ async fn a_dropped_admission_gives_its_slot_back_even_when_its_task_is_aborted()
     let _again = guard.admit(&caller, &save).await.expect("slot released by the aborted task");
     assert!(metrics.render().contains("mcp_ratelimit_in_flight_calls 2"));
 }
+
+/// A slot cap in `mode = "shadow"` that would have refused took no slot, so the call it let
+/// through gives none back when it ends: the cap keeps counting the calls that do hold one.
+#[tokio::test]
+async fn a_shadow_slot_cap_that_would_refuse_takes_no_slot_and_gives_none_back() {
+    let config = format!(
+        "[limits.caller]\nalgorithm = \"concurrency\"\nmax_in_flight = 1\nmode = \"shadow\"\n\
+         [tools.generate_image]\ncost = 1\n[tools.save_article]\ncost = 1\n{NO_LOOP_DETECTION}{ROOMY_IN_FLIGHT}"
+    );
+    let server = TestServer::start(&config).await;
+    let client = server.client(Some("shadowed-jobs")).await;
+    let shadow_refused = |metrics: &str| {
+        metrics
+            .lines()
+            .filter(|l| l.contains("outcome=\"shadow_refused\"") && l.contains("tool=\"generate_image\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    // The jobs run on the manual clock, which never moves here: each holds what it took.
+    let image = |n: u32| call(&client, "generate_image", json!({ "prompt": format!("image {n}") }));
+    let first = image(1).await;
+    assert!(!is_error(&first), "{}", text(&first));
+    let second = image(2).await;
+    assert!(!is_error(&second), "a shadow cap lets the call through: {}", text(&second));
+    assert_eq!(shadow_refused(&server.metrics().await), 1.0, "and counts the refusal it would have made");
+    // The second job ends first. It held no slot, so it gives none back: the first still holds
+    // the only one, and a third job is counted as over the cap again.
+    let id = structured(&second)["predict_id"].as_str().expect("predict_id").to_owned();
+    let cancelled = call(&client, "cancel_prediction", json!({ "predict_id": id })).await;
+    assert_eq!(structured(&cancelled)["status"], "canceled", "{}", text(&cancelled));
+    assert_eq!(in_flight_left(&client).await, 0, "the first job's slot is still held");
+    let third = image(3).await;
+    assert!(!is_error(&third), "{}", text(&third));
+    assert_eq!(shadow_refused(&server.metrics().await), 2.0, "the third would have been refused too");
+}

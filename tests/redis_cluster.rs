@@ -20,7 +20,7 @@ use common::*;
 use mcp_ratelimit::Config;
 use mcp_ratelimit::clock::Nanos;
 use mcp_ratelimit::limit::{Concurrency, Decision, Limiter, SlidingLog, TokenBucket};
-use mcp_ratelimit::store::redis::{RedisStore, StoreError, new_lease};
+use mcp_ratelimit::store::redis::{HeldLease, RedisStore, Renewed, StoreError, new_lease};
 use mcp_ratelimit::store::{Check, MemoryStore};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
@@ -268,11 +268,15 @@ async fn leases_of_callers_on_different_nodes_are_renewed_together() {
         let taken = store.decide_leased(&[Check { key, limiter: &slots, cost: 2, shadow: false }], lease, None).await;
         assert!(taken.expect("decides")[0].allowed);
     }
+    let held = [
+        HeldLease { key: &ka, lease: la, units: 2, capacity: 2 },
+        HeldLease { key: &kb, lease: lb, units: 2, capacity: 2 },
+    ];
     // Renewed in time: nothing had expired, on either node.
-    assert_eq!(store.renew(&[(&ka, la, 2), (&kb, lb, 2)]).await.expect("renews across slots"), 0);
+    assert_eq!(store.renew(&held).await.expect("renews across slots"), [Renewed::Renewed; 2]);
     // Left to run out, then renewed: both are taken again.
     tokio::time::sleep(Duration::from_millis(450)).await;
-    assert_eq!(store.renew(&[(&ka, la, 2), (&kb, lb, 2)]).await.expect("renews across slots"), 2);
+    assert_eq!(store.renew(&held).await.expect("renews across slots"), [Renewed::Retaken; 2]);
     for key in [&ka, &kb] {
         let more = store.decide(&[Check { key, limiter: &slots, cost: 1, shadow: false }]).await.expect("decides");
         assert!(!more[0].allowed, "{key}: the renewed lease holds both slots");

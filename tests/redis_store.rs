@@ -19,7 +19,7 @@ use mcp_ratelimit::limit::{
     Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter, LimiterState, SlidingLog, SlidingWindow,
     TokenBucket,
 };
-use mcp_ratelimit::store::redis::{Lease, RedisStore, StoreError, new_lease};
+use mcp_ratelimit::store::redis::{HeldLease, Lease, RedisStore, Renewed, StoreError, new_lease};
 use mcp_ratelimit::store::{Check, MemoryStore};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
@@ -493,8 +493,12 @@ async fn written_keys_expire_at_forget_at_rounded_up_to_the_millisecond() {
     let lease_ms = i64::try_from(store.lease().as_millis()).expect("ms");
     assert!(ttl > lease_ms - 1_000 && ttl <= lease_ms, "held slots last as long as their lease: {ttl} ms");
     store.release(&key, lease).await.expect("releases");
-    let exists: i64 = redis::cmd("EXISTS").arg(&key).query_async(&mut admin).await.expect("EXISTS");
-    assert_eq!(exists, 0, "a key with no slot held is as good as fresh");
+    // What is left is the released lease's tombstone (0 slots, so a late renewal cannot bring it
+    // back): every slot is free, and the key goes when the tombstone does, a lease from now.
+    let level = store.decide(&[Check { key: &key, limiter: &slots, cost: 0, shadow: false }]).await;
+    assert_eq!(level.expect("decides")[0].remaining, 3, "a key with no slot held admits as a fresh one");
+    let ttl: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut admin).await.expect("PTTL");
+    assert!(ttl > lease_ms - 1_000 && ttl <= lease_ms, "the tombstone lasts one lease: {ttl} ms");
 }
 
 #[tokio::test]
@@ -611,7 +615,9 @@ async fn an_unrenewed_lease_runs_out_and_frees_its_slots_and_a_renewed_one_does_
     // The holder of `alive` renews its lease; the holder of `crashed` is gone and does not.
     let lease_of = |raw: String| raw.split(' ').nth(1).and_then(|id| id.parse::<Lease>().ok()).expect("a lease");
     let alive_lease = lease_of(redis::cmd("GET").arg(&alive).query_async(&mut admin).await.expect("GET"));
-    store.renew(&[(alive.as_str(), alive_lease, 2)]).await.expect("renews");
+    let renewed =
+        store.renew(&[HeldLease { key: &alive, lease: alive_lease, units: 2, capacity: 2 }]).await.expect("renews");
+    assert_eq!(renewed, [Renewed::Renewed]);
 
     // Read both just after the first leases run out, on the script's clock (no waiting in real
     // time): the renewed one lasts a whole lease from its renewal.
@@ -623,10 +629,56 @@ async fn an_unrenewed_lease_runs_out_and_frees_its_slots_and_a_renewed_one_does_
 
     // A lease that expired while its holder could not reach Redis is taken again on renewal.
     let gone = redis.key("gone");
-    let retaken = store.renew(&[(gone.as_str(), new_lease(), 1)]).await.expect("renews");
-    assert_eq!(retaken, 1);
-    let held = store.decide(&[Check { key: &gone, limiter: &slots, cost: 0, shadow: false }]).await.expect("decides");
-    assert_eq!(held[0].remaining, 1, "the renewed lease counts again");
+    let retaken =
+        store.renew(&[HeldLease { key: &gone, lease: new_lease(), units: 1, capacity: 2 }]).await.expect("renews");
+    assert_eq!(retaken, [Renewed::Retaken]);
+    let level = store.decide(&[Check { key: &gone, limiter: &slots, cost: 0, shadow: false }]).await.expect("decides");
+    assert_eq!(level[0].remaining, 1, "the renewed lease counts again");
+}
+
+#[tokio::test]
+async fn a_renewal_never_takes_an_expired_lease_again_above_the_cap() {
+    let redis = TestRedis::start();
+    let store = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis").with_lease(LEASE);
+    let slots = Limiter::Concurrency(Concurrency::new(2));
+    let key = redis.key("after_an_outage");
+    // While this instance could not reach Redis, its lease ran out and others took both slots.
+    let theirs = new_lease();
+    let two = [Check { key: &key, limiter: &slots, cost: 2, shadow: false }];
+    assert!(store.decide_leased(&two, theirs, None).await.expect("decides")[0].allowed);
+    let mine = HeldLease { key: &key, lease: new_lease(), units: 1, capacity: 2 };
+    assert_eq!(store.renew(&[mine]).await.expect("renews"), [Renewed::Lost], "no room: the lease is lost");
+    // Counted exactly: when the others' two slots come back, both are free (a third, taken
+    // again above the cap, would still hold one).
+    store.release(&key, theirs).await.expect("releases");
+    let level = store.decide(&[Check { key: &key, limiter: &slots, cost: 0, shadow: false }]).await.expect("decides");
+    assert_eq!((level[0].limit, level[0].remaining), (2, 2), "two were in flight, not three");
+    // With room, the same renewal takes it again; never more than fits.
+    let roomy = redis.key("room_for_one");
+    let one = store.decide(&[Check { key: &roomy, limiter: &slots, cost: 1, shadow: false }]).await;
+    assert!(one.expect("decides")[0].allowed);
+    let two = [HeldLease { key: &roomy, lease: new_lease(), units: 1, capacity: 2 }; 2];
+    let answers = store.renew(&[two[0], HeldLease { lease: new_lease(), ..two[1] }]).await.expect("renews");
+    assert_eq!(answers, [Renewed::Retaken, Renewed::Lost], "the second would be a third slot of two");
+    let level = store.decide(&[Check { key: &roomy, limiter: &slots, cost: 0, shadow: false }]).await.expect("decides");
+    assert_eq!(level[0].remaining, 0);
+}
+
+#[tokio::test]
+async fn a_renewal_that_reaches_redis_after_the_release_does_not_bring_the_slot_back() {
+    let redis = TestRedis::start();
+    let store = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis").with_lease(LEASE);
+    let slots = Limiter::Concurrency(Concurrency::new(2));
+    let key = redis.key("released");
+    let lease = new_lease();
+    let taken = store.decide_leased(&[Check { key: &key, limiter: &slots, cost: 1, shadow: false }], lease, None).await;
+    assert!(taken.expect("decides")[0].allowed);
+    // The renewal read the lease as held, then the job ended and its release got there first.
+    store.release(&key, lease).await.expect("releases");
+    let late = HeldLease { key: &key, lease, units: 1, capacity: 2 };
+    assert_eq!(store.renew(&[late]).await.expect("renews"), [Renewed::GivenBack]);
+    let level = store.decide(&[Check { key: &key, limiter: &slots, cost: 0, shadow: false }]).await.expect("decides");
+    assert_eq!(level[0].remaining, 2, "no phantom slot");
 }
 
 /// How long leases last in the lease test.

@@ -95,10 +95,14 @@ impl Drop for Admission {
 /// The coarse HTTP decision, with what the RateLimit headers need.
 #[derive(Debug, Clone)]
 pub struct HttpDecision {
-    /// The decision of the caller's `http` scope.
+    /// The decision of the limit the headers speak of: the one that refused, else the enforced
+    /// one with least left.
     pub decision: Decision,
     /// The limiter that took it (for the policy header).
     pub limiter: Limiter,
+    /// The policy's name in the headers: `http` (the caller's own limit) or `address_http` (the
+    /// limit its address shares, for an unverified caller).
+    pub policy: &'static str,
 }
 
 /// A tool call as the guard sees it.
@@ -184,12 +188,12 @@ impl Loops {
                 Err(error) => tracing::warn!(%error, "loop history unavailable in the shared store; checking locally"),
             }
         }
-        self.local.check(caller.id(), call.tool, call.args, now).map(LoopMark::Local)
+        self.local.check(scope::loop_owner(caller), call.tool, call.args, now).map(LoopMark::Local)
     }
 
     async fn forget(&self, caller: &Caller, mark: LoopMark) {
         match (mark, &self.shared) {
-            (LoopMark::Local(recorded), _) => self.local.forget(caller.id(), recorded),
+            (LoopMark::Local(recorded), _) => self.local.forget(scope::loop_owner(caller), recorded),
             (LoopMark::Shared(seq), Some(redis)) => {
                 if let Err(error) = redis.loop_forget(Scope::loops(caller).key(), seq, self.window).await {
                     tracing::warn!(%error, "could not take a call back from the shared loop history");
@@ -212,11 +216,24 @@ fn plan<'p>(out: &mut Vec<Planned<'p>>, scope: Scope, limits: &'p [Limit], cost:
     }
 }
 
-/// The in-flight caps a job holds: the caller's, and its tenant's.
+/// The in-flight caps a job holds: the caller's, its tenant's, and for an unverified caller its
+/// address's.
 fn in_flight_scopes<'p>(policy: &'p Policy, caller: &Caller, cost: u64, out: &mut Vec<Planned<'p>>) {
     out.push((Scope::in_flight_caller(caller), &policy.in_flight_caller, cost));
     if let Some(tenant) = Scope::in_flight_tenant(caller) {
         out.push((tenant, &policy.in_flight_tenant, cost));
+    }
+    if let Some(address) = Scope::in_flight_address(caller) {
+        out.push((address, &policy.in_flight_address, cost));
+    }
+}
+
+/// The coarse HTTP scopes of one request: the caller's, and for an unverified caller its
+/// address's.
+fn http_scopes<'p>(policy: &'p Policy, caller: &Caller, cost: u64, out: &mut Vec<Planned<'p>>) {
+    plan(out, Scope::http(caller), &policy.for_caller(caller).http, cost);
+    if let Some(address) = Scope::address_http(caller) {
+        plan(out, address, &policy.address_http, cost);
     }
 }
 
@@ -253,7 +270,7 @@ fn status_scopes<'p>(policy: &'p Policy, caller: &Caller, over_http: bool) -> Ve
     let tier = policy.for_caller(caller);
     let mut peek = Vec::with_capacity(12);
     if over_http {
-        plan(&mut peek, Scope::http(caller), &tier.http, 0);
+        http_scopes(policy, caller, 0, &mut peek);
     }
     plan(&mut peek, Scope::method(caller, MethodGroup::ToolsCall), &tier.tools_call, 0);
     plan(&mut peek, Scope::caller(caller), policy.caller_budget(caller), 0);
@@ -581,8 +598,8 @@ impl Guard {
     /// limits behind it rather than refusing everyone.
     pub async fn admit_http(&self, caller: &Caller) -> Option<HttpDecision> {
         let under = |p| {
-            let mut scopes = Vec::with_capacity(1);
-            plan(&mut scopes, Scope::http(caller), &Policy::for_caller(p, caller).http, 1);
+            let mut scopes = Vec::with_capacity(2);
+            http_scopes(p, caller, 1, &mut scopes);
             scopes
         };
         let live = self.live.load_full();
@@ -620,9 +637,9 @@ impl Guard {
                 .min_by_key(|(_, d)| d.remaining)
                 .or_else(|| scopes.iter().zip(&decisions).next())?,
         };
-        let _ = scope;
+        let policy = if scope.name().starts_with("address_http:") { "address_http" } else { "http" };
         let decision = Decision { allowed: refused.is_none(), ..*decision };
-        Some(HttpDecision { decision, limiter: limit.limiter.clone() })
+        Some(HttpDecision { decision, limiter: limit.limiter.clone(), policy })
     }
 
     /// Charges one `method` request to its group's limit (`tools/call` is charged by
@@ -744,10 +761,13 @@ impl Guard {
         }
         let levels = scopes.iter().zip(&decisions).map(|((scope, _, _), d)| (scope.name(), d));
         self.activity.admitted(caller, levels, self.clock.now());
+        // Only the slots the decision took: a shadow cap that would have refused took none, and
+        // a guard for it would give back someone else's slot (or renew a lease above the cap).
         let slots = scopes
             .iter()
-            .filter(|(_, limit, _)| limit.limiter.holds_slots())
-            .map(|(scope, limit, cost)| {
+            .zip(&decisions)
+            .filter(|((_, limit, _), d)| limit.limiter.holds_slots() && d.allowed)
+            .map(|((scope, limit, cost), _)| {
                 SlotGuard::new(store.clone(), scope.key().to_owned(), limit.limiter.clone(), *cost, lease)
             })
             .collect();

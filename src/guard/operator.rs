@@ -88,8 +88,9 @@ impl Target {
                     plan(&mut scopes, Scope::method(caller, group), tier.method(group), 0);
                 }
                 plan(&mut scopes, Scope::caller(caller), policy.caller_budget(caller), 0);
-                // With a tenant, the tools' own budgets and the spend cap are the tenant's.
-                if caller.tenant().is_none() {
+                // With a tenant, the tools' own budgets and the spend cap are the tenant's; for
+                // an unverified caller they are its address's, shared with every other.
+                if caller.tenant().is_none() && caller.unverified_from().is_none() {
                     tool_budgets(policy, caller, &mut scopes);
                     if let Some(cap) = policy.spend_cap(None) {
                         scopes.push((Scope::spend(caller), cap, 0));

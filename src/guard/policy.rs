@@ -85,10 +85,14 @@ pub struct Policy {
     tenant: Vec<Limit>,
     /// The shared budget of unverified callers from one address.
     pub address: Vec<Limit>,
+    /// The coarse HTTP limit unverified callers from one address share.
+    pub address_http: Vec<Limit>,
     /// Jobs one caller may have in flight.
     pub in_flight_caller: Limit,
     /// Jobs one tenant may have in flight.
     pub in_flight_tenant: Limit,
+    /// Jobs the unverified callers of one address may have in flight together.
+    pub in_flight_address: Limit,
     /// Price of one cost unit and its currency, to show spend in money (`None`: units only).
     pub price: Option<(f64, String)>,
     /// Cost and own budget of each tool.
@@ -128,8 +132,10 @@ impl Policy {
             fallback: base,
             tenant: l.tenant.clone(),
             address: l.address.clone(),
+            address_http: l.address_http.clone(),
             in_flight_caller: Limit::enforced(l.in_flight_caller.clone()),
             in_flight_tenant: Limit::enforced(l.in_flight_tenant.clone()),
+            in_flight_address: Limit::enforced(l.in_flight_address.clone()),
             price: (caps.price_per_unit > 0.0).then(|| (caps.price_per_unit, caps.currency.clone())),
             tools: config.tools.clone(),
             key_budgets: config
@@ -164,8 +170,10 @@ impl Policy {
             fallback: self.fallback.scaled(factor),
             tenant: scaled(&self.tenant, factor),
             address: scaled(&self.address, factor),
+            address_http: scaled(&self.address_http, factor),
             in_flight_caller: self.in_flight_caller.scaled(factor),
             in_flight_tenant: self.in_flight_tenant.scaled(factor),
+            in_flight_address: self.in_flight_address.scaled(factor),
             price: self.price.clone(),
             tools,
             key_budgets: each(&self.key_budgets),

@@ -157,6 +157,9 @@ impl Refusal {
         let limit = self.limit.unwrap_or_default();
         let whose = match self.scope.as_deref() {
             Some(scope) if scope.starts_with("in_flight:tenant:") => "your tenant",
+            Some(scope) if scope.starts_with("in_flight:address:") => {
+                "the callers without a configured API key from your address, together,"
+            }
             _ => "you",
         };
         let yours = if jobs.is_empty() { String::new() } else { format!("Yours: {}. ", jobs.join(", ")) };
@@ -182,6 +185,34 @@ impl Refusal {
             retry_after_ms: Some(ceil_ms(wait).max(1)),
             scope: Some("queue:upstream".into()),
             limit: None,
+            remaining: Some(0),
+            details: None,
+        }
+    }
+
+    /// The share of the upstream account that callers without a configured key may hold
+    /// together (`slots` running, `places` waiting) is taken, or is none; `wait` is until a place
+    /// may free up.
+    pub fn unverified_share_full(tool: &str, wait: Nanos, slots: usize, places: usize) -> Self {
+        let message = if slots == 0 || places == 0 {
+            format!(
+                "This server keeps its upstream account for callers with a configured API key: {tool} needs one. \
+                 Send your key as `Authorization: Bearer <key>` or `X-API-Key: <key>`."
+            )
+        } else {
+            format!(
+                "Callers without a configured API key may hold {slots} running and {places} waiting jobs of the \
+                 upstream account together, and they are taken. Wait {} before calling {tool} again, or send a \
+                 configured API key.",
+                seconds(ceil_secs(wait))
+            )
+        };
+        Self {
+            code: RefusalCode::Busy,
+            message,
+            retry_after_ms: Some(ceil_ms(wait).max(1)),
+            scope: Some("queue:upstream:unverified".into()),
+            limit: Some(places as u64),
             remaining: Some(0),
             details: None,
         }

@@ -7,6 +7,12 @@
 //! and the decision stays one atomic script. The tag is what those scopes have in common: the
 //! caller's tenant; for an unverified caller (no configured key) its address, which its address
 //! budget is shared by; otherwise the caller itself.
+//!
+//! An unverified caller proves nothing about who it is (anyone can invent a key per request),
+//! so what a tenant's callers share, all unverified callers of one address share: the tool
+//! budgets (`address:<ip>:tool:<tool>`), the spend cap and the loop history are the address's,
+//! and the address has its own request limit (`address_http:<ip>`), cost budget (`address:<ip>`)
+//! and jobs in flight (`in_flight:address:<ip>`) beside each caller's own.
 
 use crate::guard::policy::MethodGroup;
 use crate::identity::Caller;
@@ -61,11 +67,19 @@ impl Scope {
         caller.unverified_from().map(|address| Self::new(caller, format!("address:{address}")))
     }
 
-    /// A tool's own budget: the tenant's, or the caller's without one.
+    /// The coarse HTTP budget all unverified callers of the caller's address share, if it is
+    /// unverified.
+    pub fn address_http(caller: &Caller) -> Option<Self> {
+        caller.unverified_from().map(|address| Self::new(caller, format!("address_http:{address}")))
+    }
+
+    /// A tool's own budget: the tenant's, the address's for an unverified caller, or the
+    /// caller's.
     pub fn tool(caller: &Caller, tool: &str) -> Self {
-        let name = match caller.tenant() {
-            Some(tenant) => format!("tenant:{tenant}:tool:{tool}"),
-            None => format!("caller:{}:tool:{tool}", caller.id()),
+        let name = match (caller.tenant(), caller.unverified_from()) {
+            (Some(tenant), _) => format!("tenant:{tenant}:tool:{tool}"),
+            (None, Some(address)) => format!("address:{address}:tool:{tool}"),
+            (None, None) => format!("caller:{}:tool:{tool}", caller.id()),
         };
         Self::new(caller, name)
     }
@@ -81,6 +95,12 @@ impl Scope {
         caller.tenant().map(|tenant| Self::new(caller, format!("in_flight:tenant:{tenant}")))
     }
 
+    /// The jobs in flight of every unverified caller of the caller's address, if it is
+    /// unverified.
+    pub fn in_flight_address(caller: &Caller) -> Option<Self> {
+        caller.unverified_from().map(|address| Self::new(caller, format!("in_flight:address:{address}")))
+    }
+
     /// An operator's block on the caller (set through the admin API).
     pub fn block_caller(caller: &Caller) -> Self {
         Self::new(caller, format!("block:caller:{}", caller.id()))
@@ -92,16 +112,18 @@ impl Scope {
         caller.tenant().map(|tenant| Self::new(caller, format!("block:tenant:{tenant}")))
     }
 
-    /// The caller's recent calls, for loop detection.
+    /// The caller's recent calls, for loop detection: its address's for an unverified caller.
     pub fn loops(caller: &Caller) -> Self {
-        Self::new(caller, format!("loops:{}", caller.id()))
+        Self::new(caller, format!("loops:{}", loop_owner(caller)))
     }
 
-    /// The daily spend cap of the caller's tenant, or of the caller without one.
+    /// The daily spend cap of the caller's tenant, of its address for an unverified caller, or
+    /// of the caller.
     pub fn spend(caller: &Caller) -> Self {
-        let name = match caller.tenant() {
-            Some(tenant) => format!("spend:tenant:{tenant}"),
-            None => format!("spend:caller:{}", caller.id()),
+        let name = match (caller.tenant(), caller.unverified_from()) {
+            (Some(tenant), _) => format!("spend:tenant:{tenant}"),
+            (None, Some(address)) => format!("spend:address:{address}"),
+            (None, None) => format!("spend:caller:{}", caller.id()),
         };
         Self::new(caller, name)
     }
@@ -121,6 +143,12 @@ impl Scope {
     pub fn key(&self) -> &str {
         &self.key
     }
+}
+
+/// Whose call history loop detection keeps for `caller`: its own, or for an unverified caller
+/// its address's, so a stuck agent that invents a key per call is still seen repeating itself.
+pub fn loop_owner(caller: &Caller) -> &str {
+    caller.unverified_from().unwrap_or(caller.id())
 }
 
 #[cfg(test)]

@@ -6,6 +6,11 @@
 //! RateLimit header fields (draft-ietf-httpapi-ratelimit-headers: `RateLimit-Policy` and
 //! `RateLimit` as structured fields) and `RateLimit-Remaining`; a refusal is `429` with
 //! `Retry-After` in whole seconds (at least 1) and a JSON-RPC error body.
+//!
+//! An unverified caller (no configured key, or a made-up one) is also charged, in the same
+//! atomic decision, to the limit all unverified callers of its address share
+//! (`limits.address_http`), so a key invented per request still meets a 429; the headers then
+//! name whichever policy (`http` or `address_http`) refused, or has least left.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -23,10 +28,8 @@ use crate::guard::{Guard, HttpDecision};
 use crate::http::front_door::jsonrpc_error;
 use crate::identity::Caller;
 
-/// The policy name used in the RateLimit headers.
-const POLICY: &str = "http";
-
-/// Wraps a service with the coarse HTTP limit (`limits.http`) of each caller.
+/// Wraps a service with the coarse HTTP limit (`limits.http`) of each caller, and of its address
+/// for an unverified caller (`limits.address_http`).
 ///
 /// The caller must already be in the request's extensions ([`Caller`], put there by
 /// [`IdentifyLayer`](crate::http::front_door::IdentifyLayer) or your own layer): a request
@@ -75,8 +78,9 @@ pub fn rate_limit_headers(d: &HttpDecision) -> HeaderMap {
         }
     };
     let window = d.limiter.policy_window().map(|w| format!(";w={}", ceil_secs(w).max(1))).unwrap_or_default();
-    set("ratelimit-policy", format!("\"{POLICY}\";q={}{window}", d.decision.limit));
-    set("ratelimit", format!("\"{POLICY}\";r={};t={}", d.decision.remaining, ceil_secs(d.decision.reset_after)));
+    let policy = d.policy;
+    set("ratelimit-policy", format!("\"{policy}\";q={}{window}", d.decision.limit));
+    set("ratelimit", format!("\"{policy}\";r={};t={}", d.decision.remaining, ceil_secs(d.decision.reset_after)));
     set("ratelimit-remaining", d.decision.remaining.to_string());
     headers
 }

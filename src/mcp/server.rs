@@ -175,7 +175,7 @@ impl ServerHandler for McpServer {
         };
         let starts_job = tools::starts_job(&tool);
         // Known before anything is charged: the upstream is down, or the account's queue is full.
-        let place = match self.before_charging(&tool) {
+        let place = match self.before_charging(&tool, &caller) {
             Ok(place) => place,
             Err(refusal) => return Ok(self.refuse(&caller, &tool, refusal)),
         };

@@ -26,7 +26,7 @@ use crate::mcp::refusal;
 use crate::upstream::UpstreamError;
 use crate::upstream::api::{NewArticle, NewPrediction, PredictionKind, PredictionStatus};
 use crate::upstream::jobs::{JobView, Owner};
-use crate::upstream::queue::Reservation;
+use crate::upstream::queue::{QueueFull, Reservation};
 
 /// The tools this server offers, as its limits must know them: read from the tool router, so a
 /// tool added below is in the catalogue (and needs a cost in the config) without another list.
@@ -443,7 +443,7 @@ impl McpServer {
     /// What must hold before `tool` is charged, with what it must carry to the tool body: the
     /// upstream must not be known down (circuit breaker open), and a job needs a place in the
     /// queue for the upstream account, in case it has to wait for a slot.
-    pub(crate) fn before_charging(&self, tool: &str) -> Result<Option<Reservation>, Refusal> {
+    pub(crate) fn before_charging(&self, tool: &str, caller: &Caller) -> Result<Option<Reservation>, Refusal> {
         if needs_upstream(tool)
             && let Some(open_for) = self.app.upstream.open_for()
         {
@@ -454,17 +454,27 @@ impl McpServer {
             "generate_image_to_video" => PredictionKind::Video,
             _ => return Ok(None),
         };
-        self.app.jobs.reserve(kind).map(Some).map_err(|wait| Refusal::queue_full(tool, wait))
+        self.app.jobs.reserve(kind, caller.unverified_from().is_some()).map(Some).map_err(|(full, wait)| match full {
+            QueueFull::Full => Refusal::queue_full(tool, wait),
+            QueueFull::UnverifiedShare { slots, places } => Refusal::unverified_share_full(tool, wait, slots, places),
+        })
     }
 
-    /// Who a job belongs to, and the flow it waits in: its tenant, or the caller without one,
-    /// weighted by the caller's tier.
+    /// Who a job belongs to, and the flow it waits in: its tenant, its address for an unverified
+    /// caller (all of whose unverified callers are one flow), or the caller, weighted by the
+    /// caller's tier.
     fn owner_of(&self, caller: &Caller) -> Owner {
+        let flow = match (caller.tenant(), caller.unverified_from()) {
+            (Some(tenant), _) => format!("tenant:{tenant}"),
+            (None, Some(address)) => format!("address:{address}"),
+            (None, None) => format!("caller:{}", caller.id()),
+        };
         Owner {
             caller: caller.id().to_owned(),
             tenant: caller.tenant().map(str::to_owned),
-            flow: caller.tenant().map_or_else(|| format!("caller:{}", caller.id()), |t| format!("tenant:{t}")),
+            flow,
             weight: self.app.limits.guard().policy().factor_of(caller),
+            unverified: caller.unverified_from().is_some(),
         }
     }
 

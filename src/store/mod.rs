@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use crate::clock::SharedClock;
 use crate::limit::{Decision, Limiter};
 pub use memory::MemoryStore;
-pub use redis::{Lease, RedisStore, new_lease};
+pub use redis::{HeldLease, Lease, RedisStore, Renewed, new_lease};
 
 /// One scope a call must pass: the key its state is kept under, its limiter and the cost.
 #[derive(Debug, Clone, Copy)]
@@ -72,9 +72,9 @@ pub enum Store {
     Redis {
         /// The connection and scripts.
         redis: Arc<RedisStore>,
-        /// The in-flight leases this instance holds (key, lease) → units, renewed on a schedule
-        /// by [`Store::renew_leases`] until given back.
-        held: Mutex<HashMap<(String, Lease), u64>>,
+        /// The in-flight leases this instance holds (key, lease) → (units, the key's cap),
+        /// renewed on a schedule by [`Store::renew_leases`] until given back.
+        held: Mutex<Held>,
     },
 }
 
@@ -89,7 +89,7 @@ impl Store {
         Store::Redis { redis: Arc::new(redis), held: Mutex::new(HashMap::new()) }
     }
 
-    fn held(held: &Mutex<HashMap<(String, Lease), u64>>) -> std::sync::MutexGuard<'_, HashMap<(String, Lease), u64>> {
+    fn held(held: &Mutex<Held>) -> std::sync::MutexGuard<'_, Held> {
         held.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -169,11 +169,12 @@ impl Store {
         }
     }
 
-    /// Notes that this instance holds `units` slots on `key` under `lease`, to renew them until
-    /// they are given back (Redis only: memory slots cannot outlive their process).
-    fn hold(&self, key: &str, lease: Lease, units: u64) {
+    /// Notes that this instance holds `units` slots on `key` (capped at `capacity`) under
+    /// `lease`, to renew them until they are given back (Redis only: memory slots cannot
+    /// outlive their process).
+    fn hold(&self, key: &str, lease: Lease, units: u64, capacity: u64) {
         if let Store::Redis { held, .. } = self {
-            Self::held(held).insert((key.to_owned(), lease), units);
+            Self::held(held).insert((key.to_owned(), lease), (units, capacity));
         }
     }
 
@@ -200,18 +201,38 @@ impl Store {
     }
 
     /// Renews every lease this instance still holds (Redis), in one round trip; how often to
-    /// call it: [`Store::renew_every`].
+    /// call it: [`Store::renew_every`]. A lease that expired and no longer fits under its cap
+    /// (others took the slots while this instance could not reach Redis) is lost: it is no
+    /// longer renewed, and the work holding it runs uncounted until it ends.
     pub async fn renew_leases(&self) -> Result<(), StoreError> {
         let Store::Redis { redis, held } = self else { return Ok(()) };
-        let leases: Vec<(String, Lease, u64)> =
-            Self::held(held).iter().map(|((key, lease), units)| (key.clone(), *lease, *units)).collect();
-        let borrowed: Vec<(&str, Lease, u64)> = leases.iter().map(|(k, l, u)| (k.as_str(), *l, *u)).collect();
-        let retaken = redis.renew(&borrowed).await?;
+        let leases: Vec<(String, Lease, u64, u64)> =
+            Self::held(held).iter().map(|((key, lease), (units, cap))| (key.clone(), *lease, *units, *cap)).collect();
+        let borrowed: Vec<HeldLease<'_>> = leases
+            .iter()
+            .map(|(key, lease, units, capacity)| HeldLease { key, lease: *lease, units: *units, capacity: *capacity })
+            .collect();
+        let answers = redis.renew(&borrowed).await?;
+        let count = |what: Renewed| answers.iter().filter(|a| **a == what).count();
+        let (retaken, lost) = (count(Renewed::Retaken), count(Renewed::Lost));
         if retaken > 0 {
             tracing::warn!(
                 retaken,
                 "in-flight leases had expired (Redis unreachable for a whole lease) and were taken again"
             );
+        }
+        if lost > 0 {
+            tracing::warn!(
+                lost,
+                "in-flight leases had expired and their caps are full (others took the slots meanwhile): no \
+                 longer counted, their jobs run on uncounted until they end"
+            );
+        }
+        let mut held = Self::held(held);
+        for (lease, answer) in borrowed.iter().zip(&answers) {
+            if matches!(answer, Renewed::Lost | Renewed::GivenBack) {
+                held.remove(&(lease.key.to_owned(), lease.lease));
+            }
         }
         Ok(())
     }
@@ -251,6 +272,9 @@ impl Store {
     }
 }
 
+/// The leases an instance holds: (key, lease) → (units, the key's cap).
+type Held = HashMap<(String, Lease), (u64, u64)>;
+
 /// In-flight slots held by an admitted call; dropping it gives them back.
 ///
 /// The guard pipeline keeps one alive for as long as the work runs, so a slot comes back
@@ -269,7 +293,7 @@ impl SlotGuard {
     /// Takes ownership of slots already charged by [`Store::decide`] under `lease`; on a
     /// shared store they are renewed until this guard is dropped.
     pub fn new(store: Arc<Store>, key: String, limiter: Limiter, cost: u64, lease: Lease) -> Self {
-        store.hold(&key, lease, cost);
+        store.hold(&key, lease, cost, limiter.capacity());
         Self { store, key, limiter, cost, lease }
     }
 }

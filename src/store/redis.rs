@@ -134,6 +134,33 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// A lease id: what an admission's slots are held under (below 2^52, exact in a Lua number).
 pub type Lease = u64;
 
+/// A lease an instance holds and renews: its key, its id, its units, and the key's capacity
+/// (a lease taken again after it expired must fit under it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeldLease<'a> {
+    /// The concurrency key.
+    pub key: &'a str,
+    /// The lease id.
+    pub lease: Lease,
+    /// Slots it holds.
+    pub units: u64,
+    /// The key's cap.
+    pub capacity: u64,
+}
+
+/// What a renewal did with one lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renewed {
+    /// It was live and lasts another lease duration.
+    Renewed,
+    /// It had expired and was taken again (its work still runs, and the cap had room).
+    Retaken,
+    /// It was given back meanwhile: nothing to renew.
+    GivenBack,
+    /// It had expired and the cap had no room for it any more: no longer counted.
+    Lost,
+}
+
 /// A fresh lease id.
 pub fn new_lease() -> Lease {
     rand::random::<u64>() & ((1 << 52) - 1)
@@ -482,39 +509,62 @@ impl RedisStore {
     /// gone already (expired, or given back) has nothing to give back.
     pub async fn release(&self, key: &str, lease: Lease) -> Result<(), StoreError> {
         let mut invocation = self.release.key(key);
-        invocation.arg(lease);
+        invocation.arg(lease).arg(u64::try_from(self.lease.as_micros()).unwrap_or(u64::MAX));
         let _in_flight: i64 = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
         Ok(())
     }
 
-    /// Extends every lease in `held` (key, lease, units) by another lease duration, in one script
-    /// (on a cluster, one per hash slot, side by side); a lease that expired meanwhile is taken
-    /// again, as its work still runs. Returns how many had expired.
-    pub async fn renew(&self, held: &[(&str, Lease, u64)]) -> Result<u64, StoreError> {
-        let batches: Vec<Vec<(&str, Lease, u64)>> = match self.connection {
-            Connection::Node(_) => vec![held.to_vec()],
+    /// Extends every lease in `held` by another lease duration, in one script (on a cluster, one
+    /// per hash slot, side by side), and says what became of each, in order. A lease that
+    /// expired meanwhile is taken again, as its work still runs, if its key's cap has room; one
+    /// given back meanwhile is never taken again.
+    pub async fn renew(&self, held: &[HeldLease<'_>]) -> Result<Vec<Renewed>, StoreError> {
+        let batches: Vec<Vec<usize>> = match self.connection {
+            Connection::Node(_) => vec![(0..held.len()).collect()],
             // A cluster runs one script on one slot's keys only; leases of many callers span many.
             Connection::Cluster(_) => {
-                let mut by_slot: HashMap<Slot, Vec<(&str, Lease, u64)>> = HashMap::new();
-                for lease in held {
-                    by_slot.entry(Slot::for_key(lease.0)).or_default().push(*lease);
+                let mut by_slot: HashMap<Slot, Vec<usize>> = HashMap::new();
+                for (i, lease) in held.iter().enumerate() {
+                    by_slot.entry(Slot::for_key(lease.key)).or_default().push(i);
                 }
                 by_slot.into_values().collect()
             }
         };
-        let renewing = batches.iter().filter(|batch| !batch.is_empty()).map(|batch| self.renew_batch(batch));
-        Ok(futures::future::try_join_all(renewing).await?.into_iter().sum())
+        let renewing = batches.iter().filter(|batch| !batch.is_empty()).map(|batch| self.renew_batch(held, batch));
+        let mut answers = vec![Renewed::Renewed; held.len()];
+        for (batch, statuses) in batches.iter().zip(futures::future::try_join_all(renewing).await?) {
+            for (&i, status) in batch.iter().zip(statuses) {
+                answers[i] = status;
+            }
+        }
+        Ok(answers)
     }
 
-    /// [`RedisStore::renew`] for leases whose keys share a slot.
-    async fn renew_batch(&self, held: &[(&str, Lease, u64)]) -> Result<u64, StoreError> {
+    /// [`RedisStore::renew`] for the leases at `indices` of `held`, whose keys share a slot.
+    async fn renew_batch(&self, held: &[HeldLease<'_>], indices: &[usize]) -> Result<Vec<Renewed>, StoreError> {
         let mut invocation = self.renew.prepare_invoke();
         invocation.arg(u64::try_from(self.lease.as_micros()).unwrap_or(u64::MAX));
-        for (key, lease, units) in held {
-            invocation.key(*key).arg(*lease).arg(*units);
+        for lease in indices.iter().filter_map(|&i| held.get(i)) {
+            invocation.key(lease.key).arg(lease.lease).arg(lease.units).arg(lease.capacity);
         }
-        let retaken: i64 = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
-        Ok(u64::try_from(retaken).unwrap_or(0))
+        let statuses: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
+        if statuses.len() != indices.len() {
+            return Err(self.malformed(format!(
+                "renew.lua answered {} statuses for {} leases",
+                statuses.len(),
+                indices.len()
+            )));
+        }
+        statuses
+            .into_iter()
+            .map(|status| match status {
+                0 => Ok(Renewed::Renewed),
+                1 => Ok(Renewed::Retaken),
+                2 => Ok(Renewed::GivenBack),
+                3 => Ok(Renewed::Lost),
+                other => Err(self.malformed(format!("renew.lua answered status {other}"))),
+            })
+            .collect()
     }
 
     /// Checks a caller's call (its `signature`) against the history under `key`, as

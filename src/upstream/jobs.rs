@@ -39,7 +39,7 @@ use crate::metrics::Metrics;
 use crate::store::RedisStore;
 use crate::upstream::api::{NewPrediction, Prediction, PredictionKind, PredictionStatus};
 use crate::upstream::backoff::{Backoff, Retry, RetryBudget};
-use crate::upstream::queue::{AccountSlot, FairQueue, Position, Reservation, Turn};
+use crate::upstream::queue::{AccountSlot, FairQueue, Flowing, Position, QueueFull, Reservation, Turn};
 use crate::upstream::{Upstream, UpstreamError};
 
 /// Final jobs are remembered this long after their last change, so a late poll still reads
@@ -66,10 +66,21 @@ pub struct Owner {
     pub caller: String,
     /// The caller's tenant, if any.
     pub tenant: Option<String>,
-    /// The fair queue's flow: the tenant, or the caller without one.
+    /// The fair queue's flow: the tenant, the address of an unverified caller (all of whose
+    /// unverified callers are one flow), or the caller.
     pub flow: String,
     /// The flow's weight in the round robin (the caller's tier factor).
     pub weight: f64,
+    /// A caller without a configured key: its jobs are held to the unverified share of the
+    /// account's slots and queue.
+    pub unverified: bool,
+}
+
+impl Owner {
+    /// The flow its jobs wait in.
+    pub fn flowing(&self) -> Flowing<'_> {
+        Flowing { name: &self.flow, quantum: self.weight, unverified: self.unverified }
+    }
 }
 
 /// The fixed parameters of job handling, from `[upstream]`.
@@ -262,10 +273,11 @@ impl Jobs {
         &self.queue
     }
 
-    /// Promises a place in the queue for a job of `kind` before the call is charged, or says
-    /// how long until one frees up.
-    pub fn reserve(&self, kind: PredictionKind) -> Result<Reservation, Nanos> {
-        self.queue.reserve(kind).map_err(|_| self.place_frees_in())
+    /// Promises a place in the queue for a job of `kind` (of an unverified caller: within their
+    /// share) before the call is charged, or says why there is none and how long until one
+    /// frees up.
+    pub fn reserve(&self, kind: PredictionKind, unverified: bool) -> Result<Reservation, (QueueFull, Nanos)> {
+        self.queue.reserve(kind, unverified).map_err(|full| (full, self.place_frees_in()))
     }
 
     /// Starts the job `job` for `owner`, holding `slots` until it is final, and returns at once.
@@ -287,7 +299,7 @@ impl Jobs {
         let waiting =
             Prediction { id: id.clone(), kind, status: PredictionStatus::Starting, output: None, error: None };
         self.insert(owner, None, waiting, vec![slots]);
-        let turn = place.enqueue(&owner.flow, owner.weight, &id);
+        let turn = place.enqueue(&owner.flowing(), &id);
         self.spawn(id.clone(), Some((job, turn)));
         Ok(self.view_of(&id).unwrap_or_else(|| unreachable_view(&id)))
     }
@@ -373,8 +385,7 @@ impl Jobs {
     async fn submit_queued(&self, id: &str, job: &NewPrediction, mut turn: Turn) -> bool {
         let tool = tool_of(job.kind);
         let Some(owner) = self.book().get(id).map(|j| j.owner.clone()) else { return false };
-        let retry_at =
-            |not_before: Nanos| self.queue.requeue_front(&owner.flow, owner.weight, id, job.kind, not_before);
+        let retry_at = |not_before: Nanos| self.queue.requeue_front(&owner.flowing(), id, job.kind, not_before);
         let mut failed = 0;
         let mut sent = false;
         loop {

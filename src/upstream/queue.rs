@@ -27,6 +27,15 @@
 //! all-or-nothing decision. An instance that finds the account full or the gap taken puts the
 //! job back at the front of its flow and tries again when the store says (the gap) or after a
 //! second (a slot another instance holds). The round robin itself is per instance.
+//!
+//! **Unverified callers** (no configured key, or a made-up one) prove nothing about who they
+//! are, so all of them together may hold only `upstream.unverified_share` of the account's slots
+//! and of the queue's places ([`QueueRules::unverified_slots`], [`QueueRules::unverified_places`]):
+//! however many keys a script invents, configured tenants always find room. All unverified
+//! callers of one address wait in one flow. A waiting unverified job whose share is taken is not
+//! eligible, so it neither takes a slot nor holds back a configured tenant's job behind it. Over
+//! a shared store the share is claimed in the same decision as the account slot, so it holds
+//! across instances too.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -42,24 +51,37 @@ use crate::upstream::api::PredictionKind;
 /// The keys the account's slots and the video gap are claimed under in a shared store (one
 /// hash tag: one slot, one decision).
 const ACCOUNT_KEY: &str = "{upstream}account:in_flight";
+const UNVERIFIED_KEY: &str = "{upstream}account:unverified";
 const VIDEO_GAP_KEY: &str = "{upstream}video_gap";
 /// How long an instance waits before asking again for an account slot another instance holds
 /// (it cannot be told when one frees).
 const ACCOUNT_RETRY: Nanos = NANOS_PER_SEC;
 
-/// The account and the video gap in a shared store.
+/// The account, its unverified share and the video gap in a shared store.
 struct Shared {
     store: Arc<Store>,
     account: Limiter,
+    unverified: Limiter,
     gap: Option<Limiter>,
+}
+
+/// What a job about to leave waits for when the shared store says not yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Blocker {
+    /// Every account slot is taken (by any instance).
+    Account,
+    /// The unverified callers' share of the slots is taken.
+    UnverifiedShare,
+    /// Another video left within the gap.
+    Gap,
 }
 
 /// What the shared store said to a job about to leave.
 enum Claim {
-    /// Go, holding this account slot (none without a shared store, or when it cannot answer).
-    Go(Option<SlotGuard>),
-    /// Not yet: the account is full (`true`) or the gap is taken, for this long.
-    Wait(Nanos, bool),
+    /// Go, holding these leases (none without a shared store, or when it cannot answer).
+    Go(Vec<SlotGuard>),
+    /// Not yet, for this long.
+    Wait(Nanos, Blocker),
 }
 
 /// How the queue is sized and paced.
@@ -73,11 +95,41 @@ pub struct QueueRules {
     pub max_waiting: usize,
     /// Video jobs that may wait (their wait grows by a gap each).
     pub max_videos_waiting: usize,
+    /// The account's slots unverified callers may hold, all together.
+    pub unverified_slots: usize,
+    /// The places in the queue unverified callers may hold, all together.
+    pub unverified_places: usize,
+}
+
+impl QueueRules {
+    /// A queue without an unverified share (everyone may take every slot and place).
+    pub fn new(max_in_flight: usize, video_gap: Nanos, max_waiting: usize, max_videos_waiting: usize) -> Self {
+        Self {
+            max_in_flight,
+            video_gap,
+            max_waiting,
+            max_videos_waiting,
+            unverified_slots: max_in_flight,
+            unverified_places: max_waiting,
+        }
+    }
+
+    /// These rules with unverified callers held to `slots` of the account and `places` in the
+    /// queue.
+    pub fn unverified_share(self, slots: usize, places: usize) -> Self {
+        Self {
+            unverified_slots: slots.min(self.max_in_flight),
+            unverified_places: places.min(self.max_waiting),
+            ..self
+        }
+    }
 }
 
 struct Waiting {
     id: String,
     kind: PredictionKind,
+    /// An unverified caller's job, held to the unverified share.
+    unverified: bool,
     not_before: Nanos,
     /// The flow it waits in, and that flow's quantum (set by `State::push`).
     flow: String,
@@ -95,14 +147,20 @@ struct Flow {
 #[derive(Default)]
 struct State {
     in_flight: usize,
+    /// Of `in_flight`, the slots unverified callers' jobs hold.
+    unverified_in_flight: usize,
     next_video_at: Nanos,
     /// Over a shared store: no job leaves before this (the account was full everywhere).
     account_full_until: Nanos,
+    /// Over a shared store: no unverified job leaves before this (their share was taken).
+    unverified_full_until: Nanos,
     flows: HashMap<String, Flow>,
     /// Flows with waiting jobs, in round-robin order.
     ring: VecDeque<String>,
     reserved_images: usize,
     reserved_videos: usize,
+    /// Of the reservations, those of unverified callers.
+    reserved_unverified: usize,
 }
 
 impl State {
@@ -110,32 +168,35 @@ impl State {
         self.flows.values().flat_map(|f| &f.jobs).filter(|w| kind.is_none_or(|k| w.kind == k)).count()
     }
 
-    fn eligible(&self, w: &Waiting, now: Nanos) -> bool {
-        now >= w.not_before && (w.kind != PredictionKind::Video || now >= self.next_video_at)
+    /// Whether the unverified callers' share of the account is taken (here, or as the shared
+    /// store last said).
+    fn unverified_share_taken(&self, rules: &QueueRules, now: Nanos) -> bool {
+        self.unverified_in_flight >= rules.unverified_slots || now < self.unverified_full_until
+    }
+
+    fn eligible(&self, w: &Waiting, rules: &QueueRules, now: Nanos) -> bool {
+        now >= w.not_before
+            && (w.kind != PredictionKind::Video || now >= self.next_video_at)
+            && !(w.unverified && self.unverified_share_taken(rules, now))
     }
 
     /// The next job to serve by deficit round robin, taken out of its flow; `None` if no slot is
     /// free or no waiting job may go yet.
-    fn pick(&mut self, max_in_flight: usize, now: Nanos) -> Option<Waiting> {
-        if self.in_flight >= max_in_flight || now < self.account_full_until {
+    fn pick(&mut self, rules: &QueueRules, now: Nanos) -> Option<Waiting> {
+        if self.in_flight >= rules.max_in_flight || now < self.account_full_until {
             return None;
         }
-        let any_eligible = self
-            .ring
-            .iter()
-            .any(|key| self.flows.get(key).and_then(|f| f.jobs.front()).is_some_and(|w| self.eligible(w, now)));
-        if !any_eligible {
+        let eligible_head = |state: &State, key: &String| {
+            state.flows.get(key).and_then(|f| f.jobs.front()).is_some_and(|w| state.eligible(w, rules, now))
+        };
+        if !self.ring.iter().any(|key| eligible_head(self, key)) {
             return None;
         }
         // Terminates: an eligible flow earns at least its quantum (≥ 0.01) every round.
         loop {
             let key = self.ring.front()?.clone();
-            let next_video_at = self.next_video_at;
+            let head_ok = eligible_head(self, &key);
             let flow = self.flows.get_mut(&key)?;
-            let head_ok = flow
-                .jobs
-                .front()
-                .is_some_and(|w| now >= w.not_before && (w.kind != PredictionKind::Video || now >= next_video_at));
             if head_ok {
                 if flow.deficit < 1.0 {
                     flow.deficit += flow.quantum;
@@ -157,8 +218,8 @@ impl State {
     }
 
     /// When something may become eligible without any slot being freed.
-    fn next_wake(&self, max_in_flight: usize, now: Nanos) -> Option<Nanos> {
-        if self.in_flight >= max_in_flight {
+    fn next_wake(&self, rules: &QueueRules, now: Nanos) -> Option<Nanos> {
+        if self.in_flight >= rules.max_in_flight {
             return None;
         }
         if now < self.account_full_until && !self.ring.is_empty() {
@@ -167,9 +228,56 @@ impl State {
         self.flows
             .values()
             .filter_map(|f| f.jobs.front())
-            .map(|w| if w.kind == PredictionKind::Video { w.not_before.max(self.next_video_at) } else { w.not_before })
+            // An unverified job whose share is held here waits for a slot to come back (which
+            // wakes the dispatcher), not for a time.
+            .filter(|w| !(w.unverified && self.unverified_in_flight >= rules.unverified_slots))
+            .map(|w| {
+                let mut at = w.not_before;
+                if w.kind == PredictionKind::Video {
+                    at = at.max(self.next_video_at);
+                }
+                if w.unverified {
+                    at = at.max(self.unverified_full_until);
+                }
+                at
+            })
             .filter(|&at| at > now)
             .min()
+    }
+
+    /// Whether a job may take a free slot at the door without overtaking anyone: nobody waits,
+    /// or (for a configured caller's job) only unverified jobs whose share is taken, which
+    /// could not have the slot anyway.
+    fn door_open(&self, rules: &QueueRules, unverified: bool, now: Nanos) -> bool {
+        if self.in_flight >= rules.max_in_flight || now < self.account_full_until {
+            return false;
+        }
+        if self.ring.is_empty() {
+            return !unverified || !self.unverified_share_taken(rules, now);
+        }
+        !unverified
+            && self.unverified_share_taken(rules, now)
+            && self.flows.values().flat_map(|f| &f.jobs).all(|w| w.unverified)
+    }
+
+    fn unverified_waiting(&self) -> usize {
+        self.flows.values().flat_map(|f| &f.jobs).filter(|w| w.unverified).count()
+    }
+
+    /// Counts a slot taken by a job of this class.
+    fn take_slot(&mut self, unverified: bool) {
+        self.in_flight += 1;
+        if unverified {
+            self.unverified_in_flight += 1;
+        }
+    }
+
+    /// Gives back a slot taken by a job of this class.
+    fn give_slot(&mut self, unverified: bool) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        if unverified {
+            self.unverified_in_flight = self.unverified_in_flight.saturating_sub(1);
+        }
     }
 
     fn remove(&mut self, id: &str) -> bool {
@@ -236,8 +344,10 @@ impl std::fmt::Debug for FairQueue {
 #[must_use = "dropping an account slot gives it back at once"]
 pub struct AccountSlot {
     queue: Arc<FairQueue>,
-    /// Its lease in a shared store, given back with it.
-    _lease: Option<SlotGuard>,
+    /// Held by an unverified caller's job: also one of their share.
+    unverified: bool,
+    /// Its leases in a shared store (the account's, and the share's), given back with it.
+    _leases: Vec<SlotGuard>,
 }
 
 impl std::fmt::Debug for AccountSlot {
@@ -248,9 +358,7 @@ impl std::fmt::Debug for AccountSlot {
 
 impl Drop for AccountSlot {
     fn drop(&mut self) {
-        let mut state = self.queue.state();
-        state.in_flight = state.in_flight.saturating_sub(1);
-        drop(state);
+        self.queue.state().give_slot(self.unverified);
         self.queue.changed.notify_waiters();
     }
 }
@@ -261,7 +369,22 @@ impl Drop for AccountSlot {
 pub struct Reservation {
     queue: Arc<FairQueue>,
     kind: PredictionKind,
+    unverified: bool,
     used: bool,
+}
+
+/// Why a job could not have a place in the queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum QueueFull {
+    /// Every place (or every video place) is taken.
+    Full,
+    /// The unverified callers' share of the places, or of the slots, is taken (or is none).
+    UnverifiedShare {
+        /// Slots unverified callers may hold.
+        slots: usize,
+        /// Places unverified callers may hold.
+        places: usize,
+    },
 }
 
 impl std::fmt::Debug for Reservation {
@@ -293,6 +416,10 @@ pub struct Occupancy {
     pub videos_waiting: usize,
     /// Jobs waiting per flow.
     pub per_flow: Vec<(String, usize)>,
+    /// Account slots unverified callers' jobs hold.
+    pub unverified_in_flight: usize,
+    /// Unverified callers' jobs waiting.
+    pub unverified_waiting: usize,
 }
 
 impl FairQueue {
@@ -306,37 +433,53 @@ impl FairQueue {
     pub fn shared_in(mut self, store: Arc<Store>) -> Self {
         if store.is_shared() {
             let account = Limiter::Concurrency(Concurrency::new(self.rules.max_in_flight as u64));
+            let unverified = Limiter::Concurrency(Concurrency::new(self.rules.unverified_slots.max(1) as u64));
             let gap = (self.rules.video_gap > 0)
                 .then(|| Limiter::Gcra(Gcra::new(1, NANOS_PER_SEC as f64 / self.rules.video_gap as f64)));
-            self.shared = Some(Shared { store, account, gap });
+            self.shared = Some(Shared { store, account, unverified, gap });
         }
         self
     }
 
-    /// Claims, in the shared store, an account slot and for a video the gap, in one decision. A
-    /// store that cannot answer leaves the local cap and spacing in charge.
-    async fn claim(&self, kind: PredictionKind) -> Claim {
-        let Some(shared) = &self.shared else { return Claim::Go(None) };
+    /// Claims, in the shared store, an account slot, for an unverified caller's job one of their
+    /// share, and for a video the gap, in one decision. A store that cannot answer leaves the
+    /// local cap, share and spacing in charge.
+    async fn claim(&self, kind: PredictionKind, unverified: bool) -> Claim {
+        let Some(shared) = &self.shared else { return Claim::Go(Vec::new()) };
         let mut checks = vec![Check { key: ACCOUNT_KEY, limiter: &shared.account, cost: 1, shadow: false }];
+        let mut blockers = vec![Blocker::Account];
+        if unverified {
+            checks.push(Check { key: UNVERIFIED_KEY, limiter: &shared.unverified, cost: 1, shadow: false });
+            blockers.push(Blocker::UnverifiedShare);
+        }
         if let (PredictionKind::Video, Some(gap)) = (kind, &shared.gap) {
             checks.push(Check { key: VIDEO_GAP_KEY, limiter: gap, cost: 1, shadow: false });
+            blockers.push(Blocker::Gap);
         }
         let lease = new_lease();
         match shared.store.decide(&checks, lease).await {
             Ok(decisions) if decisions.iter().all(|d| d.allowed) => {
-                let slot =
-                    SlotGuard::new(shared.store.clone(), ACCOUNT_KEY.to_owned(), shared.account.clone(), 1, lease);
-                Claim::Go(Some(slot))
+                let lease_of = |key: &str, limiter: &Limiter| {
+                    SlotGuard::new(shared.store.clone(), key.to_owned(), limiter.clone(), 1, lease)
+                };
+                let mut leases = vec![lease_of(ACCOUNT_KEY, &shared.account)];
+                if unverified {
+                    leases.push(lease_of(UNVERIFIED_KEY, &shared.unverified));
+                }
+                Claim::Go(leases)
             }
             Ok(decisions) => {
-                let account_full = decisions.first().is_some_and(|d| !d.allowed);
-                let gap = decisions.get(1).filter(|d| !d.allowed).map_or(0, |d| d.retry_after);
-                let wait = if account_full { gap.max(ACCOUNT_RETRY) } else { gap.max(1) };
-                Claim::Wait(wait, account_full)
+                // The slots first: a gap passes by itself, a slot only when another job ends.
+                let refused = |b: Blocker| blockers.iter().zip(&decisions).find(|(x, d)| **x == b && !d.allowed);
+                let gap = refused(Blocker::Gap).map_or(0, |(_, d)| d.retry_after);
+                match [Blocker::Account, Blocker::UnverifiedShare].into_iter().find(|b| refused(*b).is_some()) {
+                    Some(slots) => Claim::Wait(gap.max(ACCOUNT_RETRY), slots),
+                    None => Claim::Wait(gap.max(1), Blocker::Gap),
+                }
             }
             Err(error) => {
                 tracing::warn!(%error, "cannot claim the upstream account in the shared store; limiting locally");
-                Claim::Go(None)
+                Claim::Go(Vec::new())
             }
         }
     }
@@ -360,37 +503,38 @@ impl FairQueue {
             let now = self.clock.now();
             let (picked, wake_at) = {
                 let mut state = self.state();
-                match state.pick(self.rules.max_in_flight, now) {
+                match state.pick(&self.rules, now) {
                     Some(job) => {
-                        state.in_flight += 1;
+                        state.take_slot(job.unverified);
                         if job.kind == PredictionKind::Video {
                             state.next_video_at = now.saturating_add(self.rules.video_gap);
                         }
                         (Some(job), None)
                     }
-                    None => (None, state.next_wake(self.rules.max_in_flight, now)),
+                    None => (None, state.next_wake(&self.rules, now)),
                 }
             };
             if let Some(job) = picked {
-                let lease = match self.claim(job.kind).await {
-                    Claim::Go(lease) => lease,
-                    Claim::Wait(wait, account_full) => {
-                        // Another instance holds the slots, or submitted a video within the gap:
-                        // back to the front, until the store says.
+                let leases = match self.claim(job.kind, job.unverified).await {
+                    Claim::Go(leases) => leases,
+                    Claim::Wait(wait, blocker) => {
+                        // Another instance holds the slots (or the share), or submitted a video
+                        // within the gap: back to the front, until the store says.
                         let mut state = self.state();
-                        state.in_flight = state.in_flight.saturating_sub(1);
+                        state.give_slot(job.unverified);
                         let until = self.clock.now().saturating_add(wait);
-                        if account_full {
-                            state.account_full_until = until;
-                        } else {
-                            state.next_video_at = until;
+                        match blocker {
+                            Blocker::Account => state.account_full_until = until,
+                            Blocker::UnverifiedShare => state.unverified_full_until = until,
+                            Blocker::Gap => state.next_video_at = until,
                         }
                         state.unpick(job);
                         continue;
                     }
                 };
                 // A job that left meanwhile drops its receiver: the slot comes straight back.
-                let _ = job.turn.send(AccountSlot { queue: self.clone(), _lease: lease });
+                let slot = AccountSlot { queue: self.clone(), unverified: job.unverified, _leases: leases };
+                let _ = job.turn.send(slot);
                 continue;
             }
             let sleep = async {
@@ -407,22 +551,32 @@ impl FairQueue {
         }
     }
 
-    /// Promises a place for a job of `kind`, or says the queue is full.
-    pub fn reserve(self: &Arc<Self>, kind: PredictionKind) -> Result<Reservation, Occupancy> {
+    /// Promises a place for a job of `kind` (of an unverified caller, held to their share), or
+    /// says why there is none.
+    pub fn reserve(self: &Arc<Self>, kind: PredictionKind, unverified: bool) -> Result<Reservation, QueueFull> {
         let mut state = self.state();
         let waiting = state.waiting(None) + state.reserved_images + state.reserved_videos;
         let videos = state.waiting(Some(PredictionKind::Video)) + state.reserved_videos;
-        let full = waiting >= self.rules.max_waiting
-            || (kind == PredictionKind::Video && videos >= self.rules.max_videos_waiting);
-        if full {
-            drop(state);
-            return Err(self.occupancy());
+        if waiting >= self.rules.max_waiting
+            || (kind == PredictionKind::Video && videos >= self.rules.max_videos_waiting)
+        {
+            return Err(QueueFull::Full);
+        }
+        let rules = &self.rules;
+        if unverified
+            && (rules.unverified_slots == 0
+                || state.unverified_waiting() + state.reserved_unverified >= rules.unverified_places)
+        {
+            return Err(QueueFull::UnverifiedShare { slots: rules.unverified_slots, places: rules.unverified_places });
         }
         match kind {
             PredictionKind::Image => state.reserved_images += 1,
             PredictionKind::Video => state.reserved_videos += 1,
         }
-        Ok(Reservation { queue: self.clone(), kind, used: false })
+        if unverified {
+            state.reserved_unverified += 1;
+        }
+        Ok(Reservation { queue: self.clone(), kind, unverified, used: false })
     }
 
     /// Where `id` stands, if it is waiting.
@@ -433,11 +587,10 @@ impl FairQueue {
         // As the round robin stands: every flow ahead of ours in the ring serves up to `index + 1`
         // jobs before ours comes up, every flow behind up to `index`.
         let ring_at = state.ring.iter().position(|k| *k == flow_key).unwrap_or(0);
+        let mine = state.flows.get(&flow_key);
         let mut ahead = index;
-        let mut videos_ahead = state
-            .flows
-            .get(&flow_key)
-            .map_or(0, |f| f.jobs.iter().take(index).filter(|w| w.kind == PredictionKind::Video).count());
+        let mut videos_ahead =
+            mine.map_or(0, |f| f.jobs.iter().take(index).filter(|w| w.kind == PredictionKind::Video).count());
         for (i, key) in state.ring.iter().enumerate().filter(|(_, k)| **k != flow_key) {
             let take = if i < ring_at { index + 1 } else { index };
             if let Some(flow) = state.flows.get(key) {
@@ -456,9 +609,11 @@ impl FairQueue {
 
     /// Puts `id` back at the front of `flow` after a failed attempt (its slot already given
     /// back), not to leave before `not_before`.
-    pub fn requeue_front(&self, flow: &str, quantum: f64, id: &str, kind: PredictionKind, not_before: Nanos) -> Turn {
+    pub fn requeue_front(&self, flow: &Flowing<'_>, id: &str, kind: PredictionKind, not_before: Nanos) -> Turn {
         let (turn, waiting) = oneshot::channel();
-        let job = Waiting { id: id.to_owned(), kind, not_before, flow: String::new(), quantum, turn };
+        let (unverified, quantum) = (flow.unverified, flow.quantum);
+        let job = Waiting { id: id.to_owned(), kind, unverified, not_before, flow: String::new(), quantum, turn };
+        let flow = flow.name;
         self.state().push(flow, quantum, job, true);
         self.changed.notify_waiters();
         waiting
@@ -483,6 +638,8 @@ impl FairQueue {
             waiting: state.waiting(None),
             videos_waiting: state.waiting(Some(PredictionKind::Video)),
             per_flow,
+            unverified_in_flight: state.unverified_in_flight,
+            unverified_waiting: state.unverified_waiting(),
         }
     }
 }
@@ -494,60 +651,85 @@ impl Reservation {
         let queue = self.queue.clone();
         {
             let mut state = queue.state();
-            let free = state.ring.is_empty()
-                && state.in_flight < queue.rules.max_in_flight
-                && queue.clock.now() >= state.account_full_until;
+            let free = state.door_open(&queue.rules, self.unverified, queue.clock.now());
             if self.kind != PredictionKind::Image || !free {
                 return Err(self);
             }
             // Taken locally first, so two calls racing here cannot both pass the local cap.
-            state.in_flight += 1;
+            state.take_slot(self.unverified);
         }
-        match queue.claim(self.kind).await {
-            Claim::Go(lease) => {
-                let mut state = queue.state();
-                state.reserved_images = state.reserved_images.saturating_sub(1);
+        match queue.claim(self.kind, self.unverified).await {
+            Claim::Go(leases) => {
+                self.release_place(&mut queue.state());
                 self.used = true;
-                Ok(AccountSlot { queue: queue.clone(), _lease: lease })
+                Ok(AccountSlot { queue: queue.clone(), unverified: self.unverified, _leases: leases })
             }
-            Claim::Wait(wait, _) => {
+            Claim::Wait(wait, blocker) => {
                 let mut state = queue.state();
-                state.in_flight = state.in_flight.saturating_sub(1);
-                state.account_full_until = queue.clock.now().saturating_add(wait);
+                state.give_slot(self.unverified);
+                let until = queue.clock.now().saturating_add(wait);
+                match blocker {
+                    Blocker::UnverifiedShare => state.unverified_full_until = until,
+                    Blocker::Account | Blocker::Gap => state.account_full_until = until,
+                }
                 Err(self)
             }
         }
     }
 
-    /// Turns the promised place into job `id` waiting at the back of `flow` (weighted by
-    /// `quantum`, its tier's factor).
-    pub fn enqueue(mut self, flow: &str, quantum: f64, id: &str) -> Turn {
+    /// Turns the promised place into job `id` waiting at the back of its flow.
+    pub fn enqueue(mut self, flow: &Flowing<'_>, id: &str) -> Turn {
         self.used = true;
         let (turn, waiting) = oneshot::channel();
         let mut state = self.queue.state();
+        self.release_place(&mut state);
+        let quantum = flow.quantum.clamp(0.01, 1000.0);
+        let job = Waiting {
+            id: id.to_owned(),
+            kind: self.kind,
+            unverified: self.unverified,
+            not_before: 0,
+            flow: String::new(),
+            quantum,
+            turn,
+        };
+        state.push(flow.name, quantum, job, false);
+        drop(state);
+        self.queue.changed.notify_waiters();
+        waiting
+    }
+
+    /// Gives the promised place back to the count (it became a slot, a waiting job, or nothing).
+    fn release_place(&self, state: &mut State) {
         match self.kind {
             PredictionKind::Image => state.reserved_images = state.reserved_images.saturating_sub(1),
             PredictionKind::Video => state.reserved_videos = state.reserved_videos.saturating_sub(1),
         }
-        let quantum = quantum.clamp(0.01, 1000.0);
-        let job = Waiting { id: id.to_owned(), kind: self.kind, not_before: 0, flow: String::new(), quantum, turn };
-        state.push(flow, quantum, job, false);
-        drop(state);
-        self.queue.changed.notify_waiters();
-        waiting
+        if self.unverified {
+            state.reserved_unverified = state.reserved_unverified.saturating_sub(1);
+        }
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         if !self.used {
-            let mut state = self.queue.state();
-            match self.kind {
-                PredictionKind::Image => state.reserved_images = state.reserved_images.saturating_sub(1),
-                PredictionKind::Video => state.reserved_videos = state.reserved_videos.saturating_sub(1),
-            }
+            self.release_place(&mut self.queue.state());
         }
     }
+}
+
+/// The flow a job waits in: its name (a tenant, the address of unverified callers, or a caller),
+/// its weight in the round robin (the caller's tier factor), and whether it is an unverified
+/// callers' flow, held to their share.
+#[derive(Debug, Clone, Copy)]
+pub struct Flowing<'a> {
+    /// The flow's name.
+    pub name: &'a str,
+    /// Its quantum in the round robin.
+    pub quantum: f64,
+    /// Unverified callers' jobs.
+    pub unverified: bool,
 }
 
 #[cfg(test)]
@@ -560,10 +742,14 @@ mod tests {
     const GAP: Nanos = 2 * NANOS_PER_SEC;
 
     fn queue(clock: &Arc<ManualClock>, slots: usize) -> Arc<FairQueue> {
-        let rules = QueueRules { max_in_flight: slots, video_gap: GAP, max_waiting: 100, max_videos_waiting: 100 };
+        let rules = QueueRules::new(slots, GAP, 100, 100);
         let queue = Arc::new(FairQueue::new(rules, clock.clone()));
         tokio::spawn(queue.clone().dispatch(CancellationToken::new()));
         queue
+    }
+
+    fn flow(name: &str) -> Flowing<'_> {
+        Flowing { name, quantum: 1.0, unverified: false }
     }
 
     async fn granted(turn: &mut Turn) -> Option<AccountSlot> {
@@ -574,12 +760,15 @@ mod tests {
     async fn round_robin_across_flows_not_first_come_first_served() {
         let clock = ManualClock::new();
         let q = queue(&clock, 1);
-        let held = q.reserve(PredictionKind::Image).expect("room").start_now().await.expect("a free slot");
+        let held = q.reserve(PredictionKind::Image, false).expect("room").start_now().await.expect("a free slot");
         let mut turns = Vec::new();
         for i in 0..3 {
-            turns.push(("a", q.reserve(PredictionKind::Image).expect("room").enqueue("a", 1.0, &format!("a{i}"))));
+            turns.push((
+                "a",
+                q.reserve(PredictionKind::Image, false).expect("room").enqueue(&flow("a"), &format!("a{i}")),
+            ));
         }
-        turns.push(("b", q.reserve(PredictionKind::Image).expect("room").enqueue("b", 1.0, "b0")));
+        turns.push(("b", q.reserve(PredictionKind::Image, false).expect("room").enqueue(&flow("b"), "b0")));
         assert_eq!(q.position("b0").map(|p| p.ahead), Some(1), "one of a's, then b's");
         drop(held);
         let mut order = Vec::new();
@@ -603,13 +792,13 @@ mod tests {
     async fn videos_are_spaced_by_the_gap_and_images_pass_them_meanwhile() {
         let clock = ManualClock::new();
         let q = queue(&clock, 10);
-        let mut v1 = q.reserve(PredictionKind::Video).expect("room").enqueue("a", 1.0, "v1");
-        let mut v2 = q.reserve(PredictionKind::Video).expect("room").enqueue("a", 1.0, "v2");
+        let mut v1 = q.reserve(PredictionKind::Video, false).expect("room").enqueue(&flow("a"), "v1");
+        let mut v2 = q.reserve(PredictionKind::Video, false).expect("room").enqueue(&flow("a"), "v2");
         let _first = granted(&mut v1).await.expect("the first video goes at once");
         assert!(granted(&mut v2).await.is_none(), "the second waits for the gap");
-        let image = q.reserve(PredictionKind::Image).expect("room");
+        let image = q.reserve(PredictionKind::Image, false).expect("room");
         let image = image.start_now().await.expect_err("someone is waiting: no overtaking at the door");
-        let mut image = image.enqueue("b", 1.0, "i1");
+        let mut image = image.enqueue(&flow("b"), "i1");
         assert!(granted(&mut image).await.is_some(), "an image needs no gap");
         clock.advance(Duration::from_nanos(GAP));
         assert!(granted(&mut v2).await.is_some());
@@ -619,10 +808,10 @@ mod tests {
     async fn a_full_account_holds_jobs_until_a_slot_is_given_back() {
         let clock = ManualClock::new();
         let q = queue(&clock, 2);
-        let a = q.reserve(PredictionKind::Image).expect("room").start_now().await.expect("slot");
-        let _b = q.reserve(PredictionKind::Image).expect("room").start_now().await.expect("slot");
-        let waiting = q.reserve(PredictionKind::Image).expect("room");
-        let mut waiting = waiting.start_now().await.expect_err("the account is full").enqueue("c", 1.0, "c0");
+        let a = q.reserve(PredictionKind::Image, false).expect("room").start_now().await.expect("slot");
+        let _b = q.reserve(PredictionKind::Image, false).expect("room").start_now().await.expect("slot");
+        let waiting = q.reserve(PredictionKind::Image, false).expect("room");
+        let mut waiting = waiting.start_now().await.expect_err("the account is full").enqueue(&flow("c"), "c0");
         assert!(granted(&mut waiting).await.is_none());
         assert_eq!(q.occupancy().in_flight, 2);
         drop(a);
@@ -633,15 +822,15 @@ mod tests {
     #[tokio::test]
     async fn a_full_queue_refuses_and_unused_places_come_back() {
         let clock = ManualClock::new();
-        let rules = QueueRules { max_in_flight: 1, video_gap: GAP, max_waiting: 3, max_videos_waiting: 1 };
+        let rules = QueueRules::new(1, GAP, 3, 1);
         let q = Arc::new(FairQueue::new(rules, clock.clone()));
-        let video = q.reserve(PredictionKind::Video).expect("room");
-        assert!(q.reserve(PredictionKind::Video).is_err(), "one video may wait");
-        let _i1 = q.reserve(PredictionKind::Image).expect("room");
-        let i2 = q.reserve(PredictionKind::Image).expect("room");
-        assert!(q.reserve(PredictionKind::Image).is_err(), "three places in all");
+        let video = q.reserve(PredictionKind::Video, false).expect("room");
+        assert!(q.reserve(PredictionKind::Video, false).is_err(), "one video may wait");
+        let _i1 = q.reserve(PredictionKind::Image, false).expect("room");
+        let i2 = q.reserve(PredictionKind::Image, false).expect("room");
+        assert!(q.reserve(PredictionKind::Image, false).is_err(), "three places in all");
         drop(i2);
-        assert!(q.reserve(PredictionKind::Image).is_ok(), "an unused reservation gives its place back");
+        assert!(q.reserve(PredictionKind::Image, false).is_ok(), "an unused reservation gives its place back");
         drop(video);
     }
 
@@ -653,6 +842,7 @@ mod tests {
             let job = Waiting {
                 id: id.into(),
                 kind: PredictionKind::Image,
+                unverified: false,
                 not_before: 0,
                 flow: String::new(),
                 quantum: q,
@@ -665,7 +855,8 @@ mod tests {
             push(&mut state, "light", 1.0, &format!("l{i}"));
         }
         assert!(state.remove("l7"));
-        let served: Vec<String> = (0..8).filter_map(|_| state.pick(100, 0)).map(|w| w.id).collect();
+        let served: Vec<String> =
+            (0..8).filter_map(|_| state.pick(&QueueRules::new(100, GAP, 100, 100), 0)).map(|w| w.id).collect();
         assert_eq!(served.iter().filter(|id| id.starts_with('h')).count(), 6, "3:1 by weight: {served:?}");
     }
 }

@@ -20,7 +20,7 @@ pub type Client = RunningService<RoleClient, ()>;
 pub const NO_LOOP_DETECTION: &str = "[loop_detection]\nenabled = false\n";
 
 /// For tests about budgets that start many jobs at once: the in-flight caps out of the way.
-pub const ROOMY_IN_FLIGHT: &str = "[limits.in_flight]\ncaller = 1000\ntenant = 1000\n";
+pub const ROOMY_IN_FLIGHT: &str = "[limits.in_flight]\ncaller = 1000\ntenant = 1000\naddress = 1000\n";
 
 /// A server started in-process on a free loopback port, on a manual clock.
 pub struct TestServer {

@@ -1,0 +1,273 @@
+//! Made-up keys gain nothing at any layer: a credential that is not a configured key proves
+//! nothing (anyone can invent one per request), so every unverified caller of one address
+//! shares with the others what the address is given — its request limit, its cost budget, its
+//! jobs in flight, one flow in the fair queue, its sessions, its tools' own budgets, its spend cap
+//! and its loop history — and unverified callers of every address together hold only
+//! `upstream.unverified_share` of the account, so configured tenants always find room. Through
+//! MCP clients and raw HTTP on a manual clock.
+
+mod common;
+#[path = "common/process.rs"]
+mod process;
+
+use common::*;
+use process::Session;
+use serde_json::{Value, json};
+
+const ACME: &str = "[[auth.keys]]\nkey = \"acme-key\"\ntenant = \"acme\"\n";
+const GLOBEX: &str = "[[auth.keys]]\nkey = \"globex-key\"\ntenant = \"globex\"\n";
+
+fn image(prompt: &str) -> Value {
+    json!({ "prompt": prompt })
+}
+
+#[tokio::test]
+async fn twenty_made_up_keys_asking_for_a_hundred_images_leave_a_configured_tenant_room() {
+    // The defaults: 10 account slots, 5 of them (and 25 of 50 queue places) for unverified
+    // callers; 10 jobs in flight per address.
+    let server = TestServer::start(ACME).await;
+    let mut accepted = Vec::new();
+    let mut busy = None;
+    for key in 0..20 {
+        let agent = server.client(Some(&format!("made-up-{key}"))).await;
+        for n in 0..5 {
+            let r = call(&agent, "generate_image", image(&format!("{key}-{n}"))).await;
+            if is_error(&r) {
+                busy.get_or_insert(r);
+            } else {
+                accepted.push(structured(&r)["predict_id"].as_str().expect("predict_id").to_owned());
+            }
+        }
+    }
+    assert_eq!(accepted.len(), 10, "the address's 10 jobs in flight, not 20 keys × 5");
+    let busy = busy.expect("refused beyond them");
+    assert_eq!(error_code(&busy), Some("busy"), "{}", text(&busy));
+    assert_eq!(structured(&busy)["error"]["scope"], "in_flight:address:ip:127.0.0.1");
+    assert_eq!(structured(&busy)["error"]["limit"], 10);
+    // Of those, the unverified share of the account runs; the rest wait in the address's flow.
+    assert_eq!(server.upstream_usage().await["predictions_created"], 5);
+    let occupancy = server.app.state().jobs.occupancy();
+    assert_eq!((occupancy.in_flight, occupancy.unverified_in_flight), (5, 5));
+    assert_eq!(occupancy.per_flow, vec![("address:ip:127.0.0.1".to_owned(), 5)], "one flow for the address");
+
+    // A paying tenant's image starts at once: nobody it could overtake may take the slot.
+    let customer = server.client(Some("acme-key")).await;
+    let mine = call(&customer, "generate_image", image("the customer's")).await;
+    assert!(!is_error(&mine), "{}", text(&mine));
+    assert!(structured(&mine)["queue_position"].is_null(), "not queued behind them: {}", text(&mine));
+    assert_eq!(server.upstream_usage().await["predictions_created"], 6);
+    let id = structured(&mine)["predict_id"].as_str().expect("predict_id").to_owned();
+    // One job length (the mock's 6 s) and the poll after it: succeeded, well within two.
+    server.advance_secs(6.0);
+    eventually("the tenant's image succeeded", || async {
+        structured(&call(&customer, "get_prediction", json!({ "predict_id": id })).await)["status"] == "succeeded"
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn unverified_callers_never_hold_more_than_their_share_of_the_account_or_its_queue() {
+    // Three addresses' worth of room per address, so only the share holds them.
+    let config = format!("{ACME}[limits.in_flight]\ncaller = 1000\ntenant = 1000\naddress = 1000\n");
+    let server = TestServer::start(&config).await;
+    let mut accepted = 0;
+    let mut refusal = None;
+    for key in 0..60 {
+        let agent = server.client(Some(&format!("invented-{key}"))).await;
+        let r = call(&agent, "generate_image", image(&format!("job {key}"))).await;
+        if is_error(&r) {
+            refusal.get_or_insert(r);
+        } else {
+            accepted += 1;
+        }
+    }
+    assert_eq!(accepted, 5 + 25, "5 of the 10 slots running, 25 of the 50 places waiting");
+    let refusal = refusal.expect("refused beyond the share");
+    assert_eq!(error_code(&refusal), Some("busy"));
+    assert_eq!(structured(&refusal)["error"]["scope"], "queue:upstream:unverified", "{}", text(&refusal));
+    assert!(structured(&refusal)["error"]["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0));
+    assert!(text(&refusal).contains("configured API key"), "{}", text(&refusal));
+    // A configured tenant still has 5 slots, and the other 25 places, to itself.
+    let customer = server.client(Some("acme-key")).await;
+    for n in 0..5 {
+        let r = call(&customer, "generate_image", image(&format!("acme {n}"))).await;
+        assert!(!is_error(&r) && structured(&r)["queue_position"].is_null(), "{n}: {}", text(&r));
+    }
+    assert_eq!(server.upstream_usage().await["predictions_created"], 10);
+    assert_eq!(server.upstream_usage().await["refused_429"], 0);
+}
+
+#[tokio::test]
+async fn all_unverified_callers_of_an_address_are_one_flow_in_the_fair_queue() {
+    // One account slot, no share: the round robin alone decides who goes next.
+    let config = format!("{ACME}[upstream]\nmax_in_flight = 1\nunverified_share = 1.0\n{ROOMY_IN_FLIGHT}");
+    let server = TestServer::start(&config).await;
+    let first = server.client(Some("made-up-first")).await;
+    assert!(!is_error(&call(&first, "generate_image", image("holds the slot")).await));
+    // Five invented keys queue two jobs each: one flow of ten, not five flows of two.
+    for key in 0..5 {
+        let agent = server.client(Some(&format!("made-up-{key}"))).await;
+        for n in 0..2 {
+            let r = call(&agent, "generate_image", image(&format!("{key}/{n}"))).await;
+            assert!(structured(&r)["queue_position"].is_u64(), "{}", text(&r));
+        }
+    }
+    let customer = server.client(Some("acme-key")).await;
+    let mine = call(&customer, "generate_image", image("the tenant's")).await;
+    assert_eq!(structured(&mine)["queue_position"], 2, "one of the address's, then the tenant's: {}", text(&mine));
+}
+
+#[tokio::test]
+async fn rotating_keys_per_request_meets_a_429_and_configured_keys_keep_their_budgets() {
+    let server = TestServer::start(&format!("{ACME}{GLOBEX}")).await;
+    let http = reqwest::Client::new();
+    let ping = json!({"jsonrpc": "2.0", "id": 1, "method": "ping"});
+    let mut refused = None;
+    for n in 0..1500 {
+        // A fresh key per request: each gets a fresh `limits.http`, never a fresh address.
+        let answer = Session::new(&http, &server.url, &format!("rotated-{n}")).post(&ping).await.expect("answered");
+        if answer.status == 429 {
+            refused = Some(n);
+            break;
+        }
+    }
+    // The clock stands still: exactly the address's burst of 1200 POSTs got through.
+    assert_eq!(refused, Some(1200), "the address's request limit, whatever the keys");
+    let response = http
+        .post(&server.url)
+        .header("content-type", "application/json")
+        .bearer_auth("yet-another-made-up-key")
+        .body(ping.to_string())
+        .send()
+        .await
+        .expect("answered");
+    assert_eq!(response.status(), 429);
+    assert_eq!(response.headers()["ratelimit-policy"], "\"address_http\";q=1200;w=60");
+    assert!(response.headers()["retry-after"].to_str().is_ok_and(|s| s == "1"), "{:?}", response.headers());
+
+    // Two configured keys from that address: each its own budget, neither charged to the address.
+    for key in ["acme-key", "globex-key"] {
+        let client = server.client(Some(key)).await;
+        let (passed, refusal) = spend_until_refused(&client, "list_articles", 100).await;
+        assert_eq!(passed, 60, "{key}: the whole caller budget");
+        assert!(structured(&refusal)["error"]["scope"].as_str().is_some_and(|s| s.starts_with("caller:tok:")));
+    }
+}
+
+/// Calls `tool` with fresh arguments until refused; (admitted, the refusal).
+async fn spend_until_refused(client: &Client, tool: &str, at_most: usize) -> (usize, rmcp::model::CallToolResult) {
+    for n in 0..at_most {
+        let r = call(client, tool, json!({ "query": format!("q{n}") })).await;
+        if is_error(&r) {
+            return (n, r);
+        }
+    }
+    panic!("{tool} was never refused in {at_most} calls");
+}
+
+#[tokio::test]
+async fn an_addresss_tool_budgets_spend_cap_and_loop_history_are_shared_by_its_made_up_keys() {
+    let config = "[tools.save_article.budget]\nalgorithm = \"fixed_window\"\nlimit = 3\nwindow_ms = 3600000\n\
+                  [spend_caps]\ndaily_units = 20\n";
+    let server = TestServer::start(config).await;
+    // The tool's own budget: 3 saves per address, whichever keys ask.
+    for n in 0..3 {
+        let agent = server.client(Some(&format!("saver-{n}"))).await;
+        let r = call(&agent, "save_article", json!({"title": format!("t{n}"), "body": "b"})).await;
+        assert!(!is_error(&r), "{}", text(&r));
+    }
+    let agent = server.client(Some("saver-4")).await;
+    let r = call(&agent, "save_article", json!({"title": "t4", "body": "b"})).await;
+    assert_eq!(error_code(&r), Some("rate_limited"));
+    assert_eq!(structured(&r)["error"]["scope"], "address:ip:127.0.0.1:tool:save_article");
+
+    // The spend cap: 20 units a day for the address, 6 of them spent on those saves.
+    for n in 0..14 {
+        let agent = server.client(Some(&format!("reader-{n}"))).await;
+        assert!(!is_error(&call(&agent, "list_articles", json!({"query": format!("r{n}")})).await));
+    }
+    let agent = server.client(Some("reader-15")).await;
+    let r = call(&agent, "list_articles", json!({"query": "one more"})).await;
+    assert_eq!(error_code(&r), Some("rate_limited"));
+    assert_eq!(structured(&r)["error"]["scope"], "spend:address:ip:127.0.0.1");
+
+    // The loop history: the same call from five invented keys is one agent repeating itself.
+    let server = TestServer::start("").await;
+    let mut last = None;
+    for n in 0..5 {
+        let agent = server.client(Some(&format!("looping-{n}"))).await;
+        last = Some(call(&agent, "list_articles", json!({"query": "the same thing"})).await);
+    }
+    let last = last.expect("five calls");
+    assert_eq!(error_code(&last), Some("loop_detected"), "{}", text(&last));
+}
+
+/// `initialize` over raw HTTP for `token`: the status, and the session id when one was opened.
+async fn initialize(http: &reqwest::Client, url: &str, token: &str) -> (u16, Option<String>) {
+    let mut session = Session::new(http, url, token);
+    let status = session.open().await.expect("answered");
+    (status, session.id)
+}
+
+#[tokio::test]
+async fn the_unverified_callers_of_one_address_hold_at_most_their_sessions() {
+    let server = TestServer::start(&format!("{ACME}[server]\nmax_sessions_per_address = 3\n")).await;
+    let http = reqwest::Client::new();
+    let mut open = Vec::new();
+    for n in 0..3 {
+        let (status, id) = initialize(&http, &server.url, &format!("session-{n}")).await;
+        assert_eq!(status, 200);
+        open.push(id.expect("a session id"));
+    }
+    let refused = http
+        .post(&server.url)
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream")
+        .bearer_auth("session-3")
+        .body(
+            json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+                "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}})
+            .to_string(),
+        )
+        .send()
+        .await
+        .expect("answered");
+    assert_eq!(refused.status(), 429, "a fourth made-up key from the address");
+    assert_eq!(refused.headers()["retry-after"], "5");
+    let body: Value = refused.json().await.expect("a JSON-RPC error");
+    assert!(body["error"]["message"].as_str().is_some_and(|m| m.contains("this address")), "{body}");
+    // A configured key from the same address is not counted with them.
+    assert_eq!(initialize(&http, &server.url, "acme-key").await.0, 200);
+    // Closing one gives the address its place back.
+    let closed = http.delete(&server.url).header("mcp-session-id", &open[0]).bearer_auth("session-0").send().await;
+    assert!(closed.expect("DELETE answered").status().is_success());
+    eventually("the closed session is gone from rmcp's map", || async {
+        initialize(&http, &server.url, "session-4").await.0 == 200
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_initializes_never_open_more_sessions_than_a_cap_allows() {
+    // The server-wide cap, with configured keys (no address involved).
+    let keys: String = (0..40).map(|n| format!("[[auth.keys]]\nkey = \"key-{n}\"\n")).collect();
+    let server = TestServer::start(&format!("[server]\nmax_sessions = 5\n{keys}")).await;
+    let http = reqwest::Client::new();
+    let opening = (0..40).map(|n| {
+        let (http, url) = (http.clone(), server.url.clone());
+        tokio::spawn(async move { initialize(&http, &url, &format!("key-{n}")).await.0 })
+    });
+    let statuses: Vec<u16> = futures::future::join_all(opening).await.into_iter().map(|s| s.expect("task")).collect();
+    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 5, "{statuses:?}");
+    assert!(statuses.iter().all(|s| *s == 200 || *s == 503), "{statuses:?}");
+
+    // The cap per address, with made-up keys at once from one address.
+    let server = TestServer::start("[server]\nmax_sessions_per_address = 5\n").await;
+    let opening = (0..40).map(|n| {
+        let (http, url) = (http.clone(), server.url.clone());
+        tokio::spawn(async move { initialize(&http, &url, &format!("made-up-{n}")).await.0 })
+    });
+    let statuses: Vec<u16> = futures::future::join_all(opening).await.into_iter().map(|s| s.expect("task")).collect();
+    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 5, "{statuses:?}");
+    assert!(statuses.iter().all(|s| *s == 200 || *s == 429), "{statuses:?}");
+}
