@@ -87,6 +87,20 @@ async fn unverified_callers_never_hold_more_than_their_share_of_the_account_or_i
     assert_eq!(structured(&refusal)["error"]["scope"], "queue:upstream:unverified", "{}", text(&refusal));
     assert!(structured(&refusal)["error"]["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0));
     assert!(text(&refusal).contains("configured API key"), "{}", text(&refusal));
+    // An unverified caller can see the share it is held to, and plan with it.
+    let agent = server.client(Some("invented-to-ask")).await;
+    let status = call(&agent, "rate_limit_status", json!({})).await;
+    let share = json!({"in_flight": 5, "max_in_flight": 5, "waiting": 25, "max_waiting": 25});
+    assert_eq!(structured(&status)["upstream_queue"]["unverified_share"], share, "{}", text(&status));
+    let scopes: Vec<&str> = structured(&status)["budgets"]
+        .as_array()
+        .expect("budgets")
+        .iter()
+        .filter_map(|b| b["scope"].as_str())
+        .collect();
+    for scope in ["address_http:ip:127.0.0.1", "address:ip:127.0.0.1", "in_flight:address:ip:127.0.0.1"] {
+        assert!(scopes.contains(&scope), "{scope} in {scopes:?}");
+    }
     // A configured tenant still has 5 slots, and the other 25 places, to itself.
     let customer = server.client(Some("acme-key")).await;
     for n in 0..5 {
@@ -95,6 +109,8 @@ async fn unverified_callers_never_hold_more_than_their_share_of_the_account_or_i
     }
     assert_eq!(server.upstream_usage().await["predictions_created"], 10);
     assert_eq!(server.upstream_usage().await["refused_429"], 0);
+    let status = call(&customer, "rate_limit_status", json!({})).await;
+    assert!(structured(&status)["upstream_queue"]["unverified_share"].is_null(), "a configured key is not held to it");
 }
 
 #[tokio::test]
@@ -270,4 +286,31 @@ async fn concurrent_initializes_never_open_more_sessions_than_a_cap_allows() {
     let statuses: Vec<u16> = futures::future::join_all(opening).await.into_iter().map(|s| s.expect("task")).collect();
     assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 5, "{statuses:?}");
     assert!(statuses.iter().all(|s| *s == 200 || *s == 429), "{statuses:?}");
+}
+
+#[tokio::test]
+async fn ipv6_callers_rotating_addresses_within_one_64_are_one_address() {
+    // Behind a trusted proxy (loopback), the caller is the forwarded IPv6 address. One host holds
+    // its /64 whole, so rotating the low 64 bits (and the key) buys nothing either.
+    let config = "[server]\ntrust_proxy = true\n[limits.address_http]\nburst = 10\nrefill_per_sec = 0.1\n";
+    let server = TestServer::start(config).await;
+    let http = reqwest::Client::new();
+    let ping = json!({"jsonrpc": "2.0", "id": 1, "method": "ping"}).to_string();
+    let post = |token: String, from: String| {
+        http.post(&server.url)
+            .header("content-type", "application/json")
+            .header("x-forwarded-for", from)
+            .bearer_auth(token)
+            .body(ping.clone())
+            .send()
+    };
+    for n in 0..10 {
+        let r = post(format!("k{n}"), format!("2001:db8:0:7::{:x}", n + 1)).await.expect("answered");
+        assert_ne!(r.status(), 429, "request {n}");
+    }
+    let refused = post("k10".into(), "2001:db8:0:7:ffff:ffff:ffff:fffe".into()).await.expect("answered");
+    assert_eq!(refused.status(), 429, "the /64's 11th request");
+    assert_eq!(refused.headers()["ratelimit-policy"], "\"address_http\";q=10;w=100");
+    let elsewhere = post("k11".into(), "2001:db8:0:8::1".into()).await.expect("answered");
+    assert_ne!(elsewhere.status(), 429, "another /64 is another address");
 }

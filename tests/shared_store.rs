@@ -250,7 +250,12 @@ async fn three_instances_space_their_video_submissions_as_one_queue() {
     // Submissions are spaced on Redis's clock and stamped on arrival at the mock: a loaded
     // machine delays one submission's trip more than the next one's by tens of ms.
     const JITTER_MS: u64 = 100;
-    let config = shared(&redis, "", &format!("[upstream]\nurl = \"{}\"\nvideo_min_gap_ms = {GAP_MS}\n", mock.url));
+    // Every caller here has a made-up key: no share of the account is kept for configured ones.
+    let config = shared(
+        &redis,
+        "",
+        &format!("[upstream]\nurl = \"{}\"\nvideo_min_gap_ms = {GAP_MS}\nunverified_share = 1.0\n", mock.url),
+    );
     let mut servers = Vec::new();
     for _ in 0..3 {
         servers.push(real_time_server(&config).await);
@@ -289,7 +294,8 @@ async fn three_instances_space_their_video_submissions_as_one_queue() {
 #[tokio::test]
 async fn two_instances_share_one_upstream_account_and_a_slot_freed_anywhere_starts_a_waiting_job() {
     let redis = TestRedis::private();
-    let config = shared(&redis, "", "[upstream]\nmax_in_flight = 3\n");
+    // Every caller here has a made-up key: no share of the account is kept for configured ones.
+    let config = shared(&redis, "", "[upstream]\nmax_in_flight = 3\nunverified_share = 1.0\n");
     let servers = [TestServer::start(&config).await, TestServer::start(&config).await];
     let mut running = Vec::new();
     let mut waiting = 0;
@@ -331,6 +337,52 @@ async fn two_instances_share_one_upstream_account_and_a_slot_freed_anywhere_star
     }
     settle().await;
     assert_eq!(created().await, 4, "still one account of 3");
+}
+
+#[tokio::test]
+async fn unverified_callers_hold_their_share_of_the_account_across_instances_and_a_tenant_finds_room() {
+    let redis = TestRedis::private();
+    let tenant = token("tenant-key");
+    let keys = format!("[[auth.keys]]\nkey = \"{tenant}\"\ntenant = \"acme\"\n");
+    // An account of 4, half of it for unverified callers: 2 across both instances, not 2 each.
+    let config = shared(&redis, "", &format!("[upstream]\nmax_in_flight = 4\nunverified_share = 0.5\n{keys}"));
+    let servers = [TestServer::start(&config).await, TestServer::start(&config).await];
+    let created = || async {
+        let mut n = 0;
+        for server in &servers {
+            n += server.upstream_usage().await["predictions_created"].as_u64().expect("count");
+        }
+        n
+    };
+    let mut waiting = 0;
+    for i in 0..6 {
+        let client = servers[i % 2].client(Some(&token(&format!("made-up{i}")))).await;
+        let r = call(&client, "generate_image", json!({"prompt": format!("p{i}")})).await;
+        assert!(!is_error(&r), "{}", text(&r));
+        waiting += usize::from(structured(&r)["queue_position"].is_u64());
+    }
+    // Each instance's dispatcher asks Redis again a second later (on its clock) for the share.
+    for _ in 0..3 {
+        for server in &servers {
+            server.advance_secs(1.0);
+        }
+        settle().await;
+    }
+    assert_eq!(created().await, 2, "the unverified share, across both instances");
+    assert!(waiting >= 3, "the rest wait: {waiting}");
+    // A configured tenant's image on either instance finds one of the other two slots.
+    for server in &servers {
+        let client = server.client(Some(&tenant)).await;
+        let r = call(&client, "generate_image", json!({"prompt": "the tenant's"})).await;
+        assert!(!is_error(&r), "{}", text(&r));
+    }
+    eventually("both tenant images started", || async {
+        for server in &servers {
+            server.advance_secs(1.0);
+        }
+        created().await == 4
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -446,7 +498,9 @@ async fn a_job_waiting_in_one_instances_queue_is_cancelled_from_another_and_neve
     let redis = TestRedis::private();
     let (mock_clock, mock) = shared_mock().await;
     // An account of one slot: the second image waits in instance a's queue behind the first.
-    let config = shared(&redis, "", &format!("[upstream]\nurl = \"{}\"\nmax_in_flight = 1\n", mock.url));
+    // (Its caller has a made-up key: no share of the account is kept for configured ones.)
+    let config =
+        shared(&redis, "", &format!("[upstream]\nurl = \"{}\"\nmax_in_flight = 1\nunverified_share = 1.0\n", mock.url));
     let (a, b) = (TestServer::start(&config).await, TestServer::start(&config).await);
     let agent = token("impatient");
     let (on_a, on_b) = (a.client(Some(&agent)).await, b.client(Some(&agent)).await);

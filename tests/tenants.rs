@@ -16,6 +16,7 @@ refill_per_sec = 1.0
 [limits.in_flight]
 caller = 1000
 tenant = 1000
+address = 1000
 
 [upstream]
 max_in_flight = 1000

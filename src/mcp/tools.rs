@@ -306,6 +306,23 @@ pub struct QueueStatus {
     pub max_videos_waiting: usize,
     /// Least time between two video submissions, in milliseconds.
     pub video_min_gap_ms: u64,
+    /// For a caller without a configured key: the share of the account and of the queue that
+    /// such callers hold together, and may hold.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unverified_share: Option<UnverifiedShare>,
+}
+
+/// The account's slots and queue places that callers without a configured key share.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct UnverifiedShare {
+    /// Their jobs the account runs now.
+    pub in_flight: usize,
+    /// The most of those it runs at once.
+    pub max_in_flight: usize,
+    /// Their jobs waiting now.
+    pub waiting: usize,
+    /// The most of those that may wait.
+    pub max_waiting: usize,
 }
 
 /// What rate_limit_status answers.
@@ -683,6 +700,12 @@ impl McpServer {
             videos_waiting: occupancy.videos_waiting,
             max_videos_waiting: rules.max_videos_waiting,
             video_min_gap_ms: rules.video_gap / crate::clock::NANOS_PER_MS,
+            unverified_share: caller.unverified_from().map(|_| UnverifiedShare {
+                in_flight: occupancy.unverified_in_flight,
+                max_in_flight: rules.unverified_slots,
+                waiting: occupancy.unverified_waiting,
+                max_waiting: rules.unverified_places,
+            }),
         };
         lines.push(format!(
             "upstream account: {} of {} running, {} waiting",
