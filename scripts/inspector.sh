@@ -18,7 +18,7 @@ LOG=$(mktemp)
 # A roomy mock upstream and roomy in-flight caps, so the burst below meets the token budget
 # rather than the job caps (the jobs check further down meets those on purpose).
 start_server "$LOG" env MCP_RL__MOCK_UPSTREAM__MAX_CONCURRENT_PREDICTIONS=1000 \
-  MCP_RL__LIMITS__IN_FLIGHT__CALLER=1000 MCP_RL__LIMITS__IN_FLIGHT__TENANT=1000 --
+  MCP_RL__LIMITS__IN_FLIGHT__CALLER=1000 MCP_RL__LIMITS__IN_FLIGHT__TENANT=1000 MCP_RL__LIMITS__IN_FLIGHT__ADDRESS=1000 --
 
 if [ "${1:-}" = "--ui" ]; then
   echo "server: $URL (transport: Streamable HTTP). Opening the Inspector UI; Ctrl-C to stop."

@@ -73,9 +73,13 @@ run() {
   printf '%-44s %s cpu_us_per_request=%.1f\n' "$name" "${result#RESULT }" "$(awk -v c="$cpu_us" -v r="$requests" 'BEGIN { print (r > 0 ? c / r : 0) }')"
 }
 
+# Every limit the load's caller draws on, never refusing: its key is not configured, so its
+# address's limits (limits.address, limits.address_http) apply to it too.
 GENEROUS=(MCP_RL__LIMITS__HTTP__BURST=1000000000 MCP_RL__LIMITS__HTTP__REFILL_PER_SEC=1000000000
   MCP_RL__LIMITS__METHOD__TOOLS_CALL__BURST=1000000000 MCP_RL__LIMITS__METHOD__TOOLS_CALL__REFILL_PER_SEC=1000000000
   MCP_RL__LIMITS__CALLER__BURST=1000000000 MCP_RL__LIMITS__CALLER__REFILL_PER_SEC=1000000000
+  MCP_RL__LIMITS__ADDRESS__BURST=1000000000 MCP_RL__LIMITS__ADDRESS__REFILL_PER_SEC=1000000000
+  MCP_RL__LIMITS__ADDRESS_HTTP__BURST=1000000000 MCP_RL__LIMITS__ADDRESS_HTTP__REFILL_PER_SEC=1000000000
   MCP_RL__TOOLS__RATE_LIMIT_STATUS__COST=1)
 
 echo "mcp-ratelimit load test: $(nproc) cores, server on CPU $SERVER_CPU, wrk on CPU $WRK_CPU, ${CONNECTIONS} connections, ${DURATION}s per run"
