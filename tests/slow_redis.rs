@@ -153,7 +153,8 @@ async fn a_slow_or_lossy_redis_costs_a_request_at_most_the_store_timeout_and_ser
     let config = format!(
         "[store]\nbackend = \"redis\"\nredis_url = \"redis://{proxy}/\"\ntimeout_ms = {}\n\
          [tools.list_articles]\nfail = \"open\"\n[tools.save_article]\nfail = \"closed\"\n\
-         [limits.http]\nburst = 100000\n[limits.method.tools_call]\nburst = 100000\n\
+         [limits.http]\nburst = 100000\n[limits.address_http]\nburst = 100000\n\
+         [limits.method.tools_call]\nburst = 100000\n\
          [limits.caller]\nburst = 100000\n[limits.address]\nburst = 1000000\n[loop_detection]\nenabled = false\n",
         STORE_TIMEOUT.as_millis()
     );
