@@ -130,6 +130,28 @@ async fn while_redis_is_down_paid_tools_fail_closed_open_ones_use_the_insurance_
 }
 
 #[tokio::test]
+async fn with_the_documented_defaults_list_articles_fails_open_and_the_paid_tools_closed_while_redis_is_down() {
+    // Nothing about `fail` here: only the backend, so the defaults (config.toml) decide.
+    let mut redis = TestRedis::private();
+    let config = format!("[store]\nbackend = \"redis\"\nredis_url = \"{}\"\ntimeout_ms = 200\n", redis.url);
+    let server = TestServer::start(&config).await;
+    let client = server.client(Some(&token("defaults"))).await;
+    assert!(!is_error(&call(&client, "list_articles", json!({"query": "before"})).await));
+
+    redis.kill();
+    for i in 0..3 {
+        let r = call(&client, "list_articles", json!({"query": format!("down {i}")})).await;
+        assert!(!is_error(&r), "a cheap read is served by the insurance limiter: {}", text(&r));
+    }
+    let r = call(&client, "save_article", json!({"title": "t", "body": "while down"})).await;
+    assert_eq!(error_code(&r), Some("limiter_unavailable"), "{}", text(&r));
+    let r = call(&client, "generate_image", json!({"prompt": "while down"})).await;
+    assert_eq!(error_code(&r), Some("limiter_unavailable"), "{}", text(&r));
+    let metrics = server.metrics().await;
+    assert!(metrics.contains("mcp_ratelimit_store_up 0"), "Redis was really down: {metrics}");
+}
+
+#[tokio::test]
 async fn a_refused_caller_is_refused_locally_until_its_wait_is_over_without_a_round_trip() {
     let redis = TestRedis::private();
     let server = TestServer::start(&shared(&redis, "", NO_LOOP_DETECTION)).await;
