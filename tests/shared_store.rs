@@ -181,11 +181,16 @@ async fn shared_mock() -> (std::sync::Arc<mcp_ratelimit::clock::ManualClock>, mc
 {
     let mock_clock = mcp_ratelimit::clock::ManualClock::new();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let mock_config =
-        mcp_ratelimit::Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults").mock_upstream;
-    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(mock_config, mock_clock.clone(), listener)
-        .await
-        .expect("mock");
+    let defaults = mcp_ratelimit::Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults");
+    let deadlines = mcp_ratelimit::http::serve::Deadlines::of(&defaults.server);
+    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(
+        defaults.mock_upstream,
+        deadlines,
+        mock_clock.clone(),
+        listener,
+    )
+    .await
+    .expect("mock");
     (mock_clock, mock)
 }
 
@@ -263,11 +268,13 @@ async fn real_time_server(config: &str) -> (std::sync::Arc<mcp_ratelimit::App>, 
 async fn three_instances_space_their_video_submissions_as_one_queue() {
     let redis = TestRedis::private();
     // One mock upstream for all three, on the real clock, recording when submissions arrive.
-    let mock_config =
-        mcp_ratelimit::Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults").mock_upstream;
+    let defaults = mcp_ratelimit::Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults");
+    let deadlines = mcp_ratelimit::http::serve::Deadlines::of(&defaults.server);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let clock = mcp_ratelimit::clock::SystemClock::shared();
-    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(mock_config, clock, listener).await.expect("mock");
+    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(defaults.mock_upstream, deadlines, clock, listener)
+        .await
+        .expect("mock");
     const GAP_MS: u64 = 400;
     // Submissions are spaced on Redis's clock and stamped on arrival at the mock: a loaded
     // machine delays one submission's trip more than the next one's by tens of ms.
