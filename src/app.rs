@@ -64,7 +64,8 @@ impl App {
     pub async fn start(config: Config, clock: SharedClock) -> Result<Self, AppError> {
         let mock = if config.upstream.url.is_empty() {
             let listener = TcpListener::bind("127.0.0.1:0").await?;
-            Some(MockUpstream::start(config.mock_upstream.clone(), clock.clone(), listener).await?)
+            let deadlines = serve::Deadlines::of(&config.server);
+            Some(MockUpstream::start(config.mock_upstream.clone(), deadlines, clock.clone(), listener).await?)
         } else {
             None
         };
@@ -167,13 +168,14 @@ impl App {
         Ok(())
     }
 
-    /// Serves the admin API on `listener` until [`App::stop`] is called; `None` when no
-    /// `admin.key` is configured (the admin API is off).
-    pub fn serve_admin(&self, listener: TcpListener) -> Option<impl Future<Output = std::io::Result<()>> + use<>> {
+    /// Serves the admin API on `listener` until [`App::stop`] is called, with the header and body
+    /// deadlines of `[server]`; `None` when no `admin.key` is configured (the admin API is off).
+    pub fn serve_admin(&self, listener: TcpListener) -> Option<impl Future<Output = ()> + use<>> {
         let key = self.state.config.admin.key_sha256?;
-        let app = crate::admin::router(self.state.clone(), key);
+        let deadlines = serve::Deadlines::of(&self.state.config.server);
+        let app = crate::admin::router(self.state.clone(), key, deadlines.body.answered_plainly());
         let stop = self.stop.clone();
-        Some(async move { axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await })
+        Some(serve::serve(listener, app, deadlines.headers, stop))
     }
 
     /// Serves MCP over stdin/stdout until the client closes it.

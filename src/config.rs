@@ -888,7 +888,8 @@ impl RawConfig {
                 Some(budget) => budget.build(&format!("tools.{tool}.budget"))?,
                 None => Vec::new(),
             };
-            // Tools that cost money fail closed; free reads stay open.
+            // A tool that says nothing fails closed if it costs, open if it is free (config.toml
+            // says `open` for list_articles, a cheap read).
             let fail = spec.fail.unwrap_or(if cost > 0 { Fail::Closed } else { Fail::Open });
             tools.insert(tool, ToolPolicy { cost, budget, fail });
         }

@@ -47,7 +47,7 @@ enum Command {
     },
     /// Run the mock paid API on its own, so several servers can share it.
     MockUpstream {
-        /// Config file (for the [mock_upstream] knobs).
+        /// Config file (for the [mock_upstream] knobs, and the header and body deadlines of [server]).
         #[arg(long)]
         config: Option<PathBuf>,
         /// Listen address, overriding mock_upstream.listen.
@@ -175,7 +175,8 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let config = Config::load(config.as_deref(), &catalogue())?;
             let addr = listen.unwrap_or(config.mock_upstream.listen);
             let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-            let mock = MockUpstream::start(config.mock_upstream, SystemClock::shared(), listener).await?;
+            let deadlines = mcp_ratelimit::http::serve::Deadlines::of(&config.server);
+            let mock = MockUpstream::start(config.mock_upstream, deadlines, SystemClock::shared(), listener).await?;
             tracing::info!(url = %mock.url, "mock upstream serving");
             shutdown_signal().await;
         }

@@ -2,7 +2,8 @@
 //! that send their headers or their body a byte at a time. Memory stays bounded (sessions are
 //! capped by `server.max_sessions`, and reaped after `server.session_idle_timeout_seconds`),
 //! slow clients are cut off by `server.header_read_timeout_ms` / `body_read_timeout_ms`, and a
-//! well-behaved caller's p99 during the abuse stays within 2× its p99 without it.
+//! well-behaved caller's p99 during the abuse stays within 2× its p99 without it. The admin
+//! listener and `mock-upstream` cut slow clients off by the same deadlines.
 //!
 //! `make test` runs it with 1,000 sessions; `scripts/idle-abuse.sh` with 10,000
 //! (`IDLE_ABUSE_SESSIONS`), printing the figures the README quotes.
@@ -93,12 +94,14 @@ async fn slow_headers(addr: &str) -> Duration {
     }
 }
 
-/// A client that sends whole headers, then its body a byte every 100 ms; returns how long
-/// until the answer, and the answer's status line.
-async fn slow_body(addr: &str) -> (Duration, String) {
+/// A POST to `/mcp` of a 1000-byte body, as far as its first byte.
+const MCP_HEAD: &str = "POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+                        Accept: application/json, text/event-stream\r\nContent-Length: 1000\r\n\r\n{";
+
+/// A client that sends whole headers (and a body's first bytes: `head`), then the rest of its
+/// body a byte every 100 ms; returns how long until the answer, and the answer's status line.
+async fn slow_body(addr: &str, head: &str) -> (Duration, String) {
     let mut tcp = TcpStream::connect(addr).await.expect("connect");
-    let head = "POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
-                Accept: application/json, text/event-stream\r\nContent-Length: 1000\r\n\r\n{";
     tcp.write_all(head.as_bytes()).await.expect("headers sent");
     let started = Instant::now();
     let mut answer = Vec::new();
@@ -172,7 +175,7 @@ async fn idle_sessions_and_slow_clients_stay_bounded_and_a_caller_keeps_its_late
         body_cuts.push(tokio::spawn(async move {
             let mut cuts = Vec::new();
             while !until.load(Ordering::Relaxed) {
-                cuts.push(slow_body(&at).await);
+                cuts.push(slow_body(&at, MCP_HEAD).await);
             }
             cuts
         }));
@@ -268,6 +271,59 @@ async fn idle_sessions_and_slow_clients_stay_bounded_and_a_caller_keeps_its_late
         quantile(&quiet, 0.99),
         quantile(&abused, 0.99)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_clients_are_cut_off_on_the_admin_listener_and_the_mock_upstream_too() {
+    const KEY: &str = "an-admin-key-for-the-slow-clients";
+    let deadlines = format!(
+        "[server]\nheader_read_timeout_ms = {}\nbody_read_timeout_ms = {}\n",
+        HEADER_TIMEOUT.as_millis(),
+        BODY_TIMEOUT.as_millis()
+    );
+    let admin = format!("127.0.0.1:{}", process::free_port());
+    let server = Server::start(&format!("{deadlines}[admin]\nlisten = \"{admin}\"\nkey = \"{KEY}\"\n"), &[]).await;
+    let http = reqwest::Client::new();
+    let openapi = format!("http://{admin}/admin/openapi.json");
+    process::wait_until("the admin API answers", Duration::from_secs(30), || async {
+        http.get(&openapi).bearer_auth(KEY).send().await.is_ok_and(|r| r.status().is_success())
+    })
+    .await;
+    let mock = process::Upstream::start(&deadlines).await;
+    let upstream = mock.url.trim_start_matches("http://").to_owned();
+
+    // The admin API reads a body only once the key is checked: the slow body carries it.
+    let admin_head = format!(
+        "POST /admin/callers/tok:0123456789abcdef/reset HTTP/1.1\r\nHost: 127.0.0.1\r\n\
+         Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{"
+    );
+    let upstream_head = "POST /v1/articles HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+                         Content-Length: 1000\r\n\r\n{";
+    let (admin_headers, upstream_headers, admin_body, upstream_body) = tokio::join!(
+        slow_headers(&admin),
+        slow_headers(&upstream),
+        slow_body(&admin, &admin_head),
+        slow_body(&upstream, upstream_head)
+    );
+    println!(
+        "slow headers cut after {admin_headers:.2?} (admin), {upstream_headers:.2?} (mock upstream); slow bodies \
+         answered {:?} after {:.2?} (admin), {:?} after {:.2?} (mock upstream)",
+        admin_body.1, admin_body.0, upstream_body.1, upstream_body.0
+    );
+    for (listener, took) in [("admin", admin_headers), ("mock upstream", upstream_headers)] {
+        assert!(
+            took + Duration::from_millis(50) >= HEADER_TIMEOUT && took <= HEADER_TIMEOUT + LATE,
+            "{listener}: slow headers cut after {took:?}, the timeout is {HEADER_TIMEOUT:?}"
+        );
+    }
+    for (listener, (took, status)) in [("admin", admin_body), ("mock upstream", upstream_body)] {
+        assert!(status.starts_with("HTTP/1.1 408"), "{listener}: a slow body got {status:?}");
+        assert!(
+            took + Duration::from_millis(50) >= BODY_TIMEOUT && took <= BODY_TIMEOUT + LATE,
+            "{listener}: 408 after {took:?}, the timeout is {BODY_TIMEOUT:?}"
+        );
+    }
+    assert_eq!(server.process.panics() + mock.process.panics(), 0, "{}", server.process.log());
 }
 
 #[test]

@@ -518,6 +518,40 @@ async fn a_flushed_script_cache_is_reloaded() {
     assert_eq!(store.decide(&check).await.expect("decides after SCRIPT FLUSH")[0].remaining, 8);
 }
 
+#[tokio::test]
+async fn a_record_is_never_replaced_by_an_older_version_nor_once_final() {
+    let redis = TestRedis::start();
+    let store = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis");
+    let key = redis.key("job:{j1}");
+    let ttl = Duration::from_secs(60);
+    let record = |version: u64, status: &str, done: bool| {
+        serde_json::json!({"version": version, "final": done, "status": status}).to_string()
+    };
+    let read = || async { store.get(&key).await.expect("reads").expect("a record") };
+    // A record written by an older server (no version, no final flag) is replaced.
+    store.put(&key, r#"{"status":"starting"}"#, ttl).await.expect("writes");
+    assert!(store.put_record(&key, &record(2, "processing", false), 2, ttl).await.expect("writes"));
+    // An older version, delayed, does not land after a newer one; the same version does.
+    assert!(!store.put_record(&key, &record(1, "starting", false), 1, ttl).await.expect("answers"));
+    assert_eq!(read().await, record(2, "processing", false));
+    assert!(store.put_record(&key, &record(2, "processing", false), 2, ttl).await.expect("writes"));
+    // Once final it stands, whatever version comes after it.
+    assert!(store.put_record(&key, &record(3, "canceled", true), 3, ttl).await.expect("writes"));
+    assert!(!store.put_record(&key, &record(4, "processing", false), 4, ttl).await.expect("answers"));
+    assert!(!store.put_record(&key, &record(5, "succeeded", true), 5, ttl).await.expect("answers"));
+    assert_eq!(read().await, record(3, "canceled", true));
+    // Anything that is not a JSON object is no record: replaced.
+    store.put(&key, "not json", ttl).await.expect("writes");
+    assert!(store.put_record(&key, &record(1, "starting", false), 1, ttl).await.expect("writes"));
+    let mut admin = redis::Client::open(redis.url.as_str())
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("admin connection");
+    let left: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut admin).await.expect("PTTL");
+    assert!((59_000..=60_000).contains(&left), "kept for its lifetime: {left} ms");
+}
+
 const SHORT: Duration = Duration::from_millis(300);
 /// Scheduling slack on a loaded machine, on top of the timeout.
 const SLACK: Duration = Duration::from_millis(300);

@@ -10,7 +10,7 @@ mod test_redis;
 use std::time::{Duration, Instant};
 
 use common::*;
-use serde_json::json;
+use serde_json::{Value, json};
 use test_redis::{TestRedis, TlsRedis};
 
 /// A caller token no other test (or run, on a shared `REDIS_URL`) uses.
@@ -130,6 +130,28 @@ async fn while_redis_is_down_paid_tools_fail_closed_open_ones_use_the_insurance_
 }
 
 #[tokio::test]
+async fn with_the_documented_defaults_list_articles_fails_open_and_the_paid_tools_closed_while_redis_is_down() {
+    // Nothing about `fail` here: only the backend, so the defaults (config.toml) decide.
+    let mut redis = TestRedis::private();
+    let config = format!("[store]\nbackend = \"redis\"\nredis_url = \"{}\"\ntimeout_ms = 200\n", redis.url);
+    let server = TestServer::start(&config).await;
+    let client = server.client(Some(&token("defaults"))).await;
+    assert!(!is_error(&call(&client, "list_articles", json!({"query": "before"})).await));
+
+    redis.kill();
+    for i in 0..3 {
+        let r = call(&client, "list_articles", json!({"query": format!("down {i}")})).await;
+        assert!(!is_error(&r), "a cheap read is served by the insurance limiter: {}", text(&r));
+    }
+    let r = call(&client, "save_article", json!({"title": "t", "body": "while down"})).await;
+    assert_eq!(error_code(&r), Some("limiter_unavailable"), "{}", text(&r));
+    let r = call(&client, "generate_image", json!({"prompt": "while down"})).await;
+    assert_eq!(error_code(&r), Some("limiter_unavailable"), "{}", text(&r));
+    let metrics = server.metrics().await;
+    assert!(metrics.contains("mcp_ratelimit_store_up 0"), "Redis was really down: {metrics}");
+}
+
+#[tokio::test]
 async fn a_refused_caller_is_refused_locally_until_its_wait_is_over_without_a_round_trip() {
     let redis = TestRedis::private();
     let server = TestServer::start(&shared(&redis, "", NO_LOOP_DETECTION)).await;
@@ -159,11 +181,16 @@ async fn shared_mock() -> (std::sync::Arc<mcp_ratelimit::clock::ManualClock>, mc
 {
     let mock_clock = mcp_ratelimit::clock::ManualClock::new();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let mock_config =
-        mcp_ratelimit::Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults").mock_upstream;
-    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(mock_config, mock_clock.clone(), listener)
-        .await
-        .expect("mock");
+    let defaults = mcp_ratelimit::Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults");
+    let deadlines = mcp_ratelimit::http::serve::Deadlines::of(&defaults.server);
+    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(
+        defaults.mock_upstream,
+        deadlines,
+        mock_clock.clone(),
+        listener,
+    )
+    .await
+    .expect("mock");
     (mock_clock, mock)
 }
 
@@ -241,11 +268,13 @@ async fn real_time_server(config: &str) -> (std::sync::Arc<mcp_ratelimit::App>, 
 async fn three_instances_space_their_video_submissions_as_one_queue() {
     let redis = TestRedis::private();
     // One mock upstream for all three, on the real clock, recording when submissions arrive.
-    let mock_config =
-        mcp_ratelimit::Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults").mock_upstream;
+    let defaults = mcp_ratelimit::Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults");
+    let deadlines = mcp_ratelimit::http::serve::Deadlines::of(&defaults.server);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let clock = mcp_ratelimit::clock::SystemClock::shared();
-    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(mock_config, clock, listener).await.expect("mock");
+    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(defaults.mock_upstream, deadlines, clock, listener)
+        .await
+        .expect("mock");
     const GAP_MS: u64 = 400;
     // Submissions are spaced on Redis's clock and stamped on arrival at the mock: a loaded
     // machine delays one submission's trip more than the next one's by tens of ms.
@@ -533,4 +562,267 @@ async fn a_job_waiting_in_one_instances_queue_is_cancelled_from_another_and_neve
     .await;
     a.advance_secs(2.0);
     assert_eq!(a.submissions().await.len(), 1, "the cancelled job never reached the upstream");
+}
+
+/// A TCP link to Redis that a test can cut (every connection through it dropped, new ones
+/// closed at once, as a network partition looks to the client) and mend. Redis keeps its data.
+struct Link {
+    url: String,
+    up: tokio::sync::watch::Sender<bool>,
+}
+
+impl Link {
+    async fn to(redis: &TestRedis) -> Self {
+        let target: std::net::SocketAddr =
+            redis.url.trim_start_matches("redis://").trim_end_matches('/').parse().expect("redis address");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the link");
+        let url = format!("redis://{}/", listener.local_addr().expect("link address"));
+        let up = tokio::sync::watch::Sender::new(true);
+        let state = up.subscribe();
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let mut state = state.clone();
+                if !*state.borrow() {
+                    continue; // dropped: closed at once
+                }
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::TcpStream::connect(target).await else { return };
+                    // Small commands, one at a time: without this, Nagle and delayed ACKs stall each.
+                    let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = state.wait_for(|up| !*up) => {}
+                    }
+                });
+            }
+        });
+        Self { url, up }
+    }
+
+    fn cut(&self) {
+        self.up.send_replace(false);
+    }
+
+    fn mend(&self) {
+        self.up.send_replace(true);
+    }
+}
+
+/// A job's status as `client` sees it, or the refusal's code.
+async fn status_of(client: &Client, id: &str) -> String {
+    let r = call(client, "get_prediction", json!({"predict_id": id})).await;
+    let seen = structured(&r)["status"].as_str().or_else(|| error_code(&r));
+    seen.unwrap_or("no status").to_owned()
+}
+
+/// Where a status is in a job's life: a view of a lower rank after a higher one went back.
+fn rank(status: &str) -> u8 {
+    match status {
+        "starting" => 0,
+        "processing" => 1,
+        "succeeded" | "failed" | "canceled" => 2,
+        other => panic!("not a job status: {other}"),
+    }
+}
+
+/// Redis at `url` as the store, and limits out of the way of tests that poll a job many times.
+fn redis_store(url: &str) -> String {
+    format!(
+        "[store]\nbackend = \"redis\"\nredis_url = \"{url}\"\ntimeout_ms = 200\n{NO_LOOP_DETECTION}\
+         [limits.http]\nburst = 100000\n[limits.method.tools_call]\nburst = 100000\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_finishes_while_its_instance_cannot_reach_redis_is_published_once_it_can() {
+    let redis = TestRedis::private();
+    let link = Link::to(&redis).await;
+    // Instance a owns the job and reaches Redis through the link; instance b directly.
+    let (a, b) = (TestServer::start(&redis_store(&link.url)).await, TestServer::start(&redis_store(&redis.url)).await);
+    let agent = token("roaming");
+    let (on_a, on_b) = (a.client(Some(&agent)).await, b.client(Some(&agent)).await);
+    let r = call(&on_a, "generate_image", json!({"prompt": "a harbour at dusk"})).await;
+    let id = structured(&r)["predict_id"].as_str().expect("accepted").to_owned();
+    // Every status instance b showed, each change once.
+    let mut seen_on_b: Vec<String> = Vec::new();
+    let see = |seen: &mut Vec<String>, status: String| {
+        if seen.last() != Some(&status) {
+            seen.push(status);
+        }
+    };
+    for want in ["starting", "processing"] {
+        let asked = Instant::now();
+        while seen_on_b.last().map(String::as_str) != Some(want) {
+            assert!(asked.elapsed() < Duration::from_secs(5), "instance b never saw the job {want}: {seen_on_b:?}");
+            see(&mut seen_on_b, status_of(&on_b, &id).await);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // The mock's image takes 6 s: processing after 1.2 s; instance a polls every 2 s.
+        a.advance_secs(2.0);
+    }
+
+    // Cut off from Redis, instance a sees the job finish (its poll of the upstream needs no Redis).
+    link.cut();
+    a.advance_secs(4.0);
+    eventually("instance a sees the job succeed", || async { status_of(&on_a, &id).await == "succeeded" }).await;
+    // Long enough for its publisher to fail and back off; b still reads the last snapshot.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let during = status_of(&on_b, &id).await;
+    assert_eq!(during, "processing", "instance b reads the snapshot written before the cut");
+    see(&mut seen_on_b, during);
+
+    link.mend();
+    let mended = Instant::now();
+    let mut last = String::new();
+    while mended.elapsed() < Duration::from_secs(5) && last != "succeeded" {
+        last = status_of(&on_b, &id).await;
+        see(&mut seen_on_b, last.clone());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(last, "succeeded", "published again once Redis could be reached: b saw {seen_on_b:?}");
+    eprintln!("instance b saw the job succeed {:?} after the link was mended", mended.elapsed());
+    let r = call(&on_b, "get_prediction", json!({"predict_id": id})).await;
+    assert!(structured(&r)["output"].as_str().is_some_and(|url| url.contains(id.as_str())), "{}", text(&r));
+    assert!(
+        seen_on_b.windows(2).all(|w| rank(&w[0]) <= rank(&w[1])),
+        "an older state after a newer one: {seen_on_b:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_rapid_changes_reach_redis_in_order_across_an_outage_and_the_in_flight_set_follows() {
+    const JOBS: usize = 20;
+    let redis = TestRedis::private();
+    let link = Link::to(&redis).await;
+    let config = format!(
+        "{}{ROOMY_IN_FLIGHT}[upstream]\nmax_in_flight = 30\n[mock_upstream]\nmax_concurrent_predictions = 30\n\
+         [limits.caller]\nburst = 1000\n",
+        redis_store(&link.url)
+    );
+    let owner = TestServer::start(&config).await;
+    let client = owner.client(Some(&token("prolific"))).await;
+    let mut ids = Vec::new();
+    for i in 0..JOBS {
+        let r = call(&client, "generate_image", json!({"prompt": format!("picture {i}")})).await;
+        assert!(!is_error(&r), "{}", text(&r));
+        ids.push(structured(&r)["predict_id"].as_str().expect("accepted").to_owned());
+    }
+    // A reader straight on Redis records every (version, status) each snapshot goes through.
+    let reader = redis::Client::open(redis.url.as_str()).expect("url");
+    let connection = reader.get_multiplexed_async_connection().await.expect("connects");
+    let keys: Vec<String> = ids.iter().map(|id| format!("job:{{{id}}}")).collect();
+    let watching = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let watcher = {
+        let (keys, watching, mut connection) = (keys.clone(), watching.clone(), connection.clone());
+        tokio::spawn(async move {
+            let mut seen: Vec<Vec<(u64, String)>> = vec![Vec::new(); keys.len()];
+            while watching.load(std::sync::atomic::Ordering::Relaxed) {
+                let values: Vec<Option<String>> =
+                    redis::cmd("MGET").arg(&keys).query_async(&mut connection).await.expect("MGET");
+                for (k, value) in values.iter().enumerate() {
+                    let Some(snapshot) = value.as_deref().and_then(|v| serde_json::from_str::<Value>(v).ok()) else {
+                        continue;
+                    };
+                    let version = snapshot["version"].as_u64().unwrap_or(0);
+                    let status = snapshot["prediction"]["status"].as_str().unwrap_or("none").to_owned();
+                    if seen[k].last() != Some(&(version, status.clone())) {
+                        seen[k].push((version, status));
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            seen
+        })
+    };
+    let members = || {
+        let mut connection = connection.clone();
+        async move {
+            let members: Vec<String> =
+                redis::cmd("SMEMBERS").arg("{upstream}job:in_flight").query_async(&mut connection).await.expect("set");
+            members
+        }
+    };
+    eventually("every job is in the shared set of jobs in flight", || async {
+        let members = members().await;
+        ids.iter().all(|id| members.contains(id))
+    })
+    .await;
+
+    // Every second of the job's 6, each of its polls (every 2 s) changes its snapshot; Redis is
+    // out of reach from the 3rd second to the 7th, while every job finishes.
+    for second in 1..=8 {
+        if second == 3 {
+            link.cut();
+        }
+        if second == 7 {
+            link.mend();
+        }
+        owner.advance_secs(1.0);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for id in &ids {
+        assert_eq!(status_of(&client, id).await, "succeeded", "the owner's own book");
+    }
+    eventually("every snapshot in Redis is final and the set of jobs in flight holds none", || async {
+        let mut connection = connection.clone();
+        let values: Vec<Option<String>> =
+            redis::cmd("MGET").arg(&keys).query_async(&mut connection).await.expect("MGET");
+        let finished = values.iter().all(|v| v.as_deref().is_some_and(|v| v.contains("\"succeeded\"")));
+        let members = members().await;
+        finished && ids.iter().all(|id| !members.contains(id))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    watching.store(false, std::sync::atomic::Ordering::Relaxed);
+    let seen = watcher.await.expect("the reader");
+    for (id, history) in ids.iter().zip(&seen) {
+        assert!(history.windows(2).all(|w| w[0].0 < w[1].0), "{id}: a version went back: {history:?}");
+        assert!(
+            history.windows(2).all(|w| rank(&w[0].1) <= rank(&w[1].1)),
+            "{id}: an older state after a newer one: {history:?}"
+        );
+        assert_eq!(history.last().map(|(_, s)| s.as_str()), Some("succeeded"), "{id}: {history:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_job_cancelled_on_another_instance_stays_canceled_there_whatever_its_owner_writes_next() {
+    let redis = TestRedis::private();
+    let (mock_clock, mock) = shared_mock().await;
+    let config = format!("{}[upstream]\nurl = \"{}\"\n", redis_store(&redis.url), mock.url);
+    let (a, b) = (TestServer::start(&config).await, TestServer::start(&config).await);
+    let agent = token("changed-its-mind");
+    let (on_a, on_b) = (a.client(Some(&agent)).await, b.client(Some(&agent)).await);
+    let r = call(&on_a, "generate_image", json!({"prompt": "a lighthouse"})).await;
+    let id = structured(&r)["predict_id"].as_str().expect("accepted").to_owned();
+    eventually("instance b sees the job", || async { status_of(&on_b, &id).await == "starting" }).await;
+    let r = call(&on_b, "cancel_prediction", json!({"predict_id": id})).await;
+    assert_eq!(structured(&r)["status"], "canceled", "{}", text(&r));
+
+    // Instance a does not know yet: its next poll fails (503), and it writes the job again, not
+    // final, with its next poll time.
+    let chaos = |knobs: Value| {
+        let url = format!("{}/v1/chaos", mock.url);
+        async move { reqwest::Client::new().put(url).json(&knobs).send().await.expect("chaos").status() }
+    };
+    assert!(chaos(json!({"rate_5xx": 1.0})).await.is_success());
+    a.advance_secs(2.0);
+    let usage = format!("{}/v1/usage", mock.url);
+    eventually("instance a's poll failed", || async {
+        let usage: Value = reqwest::get(&usage).await.expect("usage").json().await.expect("json");
+        usage["refused_5xx"].as_u64() >= Some(1)
+    })
+    .await;
+    assert_eq!(status_of(&on_a, &id).await, "starting", "the owner has not heard of the cancel yet");
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert_eq!(status_of(&on_b, &id).await, "canceled", "the owner's later write undid the cancel");
+    }
+
+    // The upstream is back: the owner hears of the cancel, and everyone agrees.
+    assert!(chaos(json!({"rate_5xx": 0.0})).await.is_success());
+    mock_clock.advance(Duration::from_secs(1));
+    a.advance_secs(5.0);
+    eventually("instance a sees the cancel", || async { status_of(&on_a, &id).await == "canceled" }).await;
+    assert_eq!(status_of(&on_b, &id).await, "canceled");
 }

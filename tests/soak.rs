@@ -9,6 +9,8 @@
 //!   run (burst + refill × duration); what the fail-open tool got from the insurance limiter
 //!   while Redis was down is reported separately;
 //! - every prediction reaches a final state, and no in-flight slot is still held at the end;
+//! - no stale view of a job on another instance than its owner (see [`stale_views`]), during the
+//!   traffic or after the drain;
 //! - no call goes unanswered.
 //!
 //! It is ignored by `make test`; `scripts/soak.sh [--minutes N]` runs it (`SOAK_MINUTES`,
@@ -48,6 +50,9 @@ const REDIS_DOWN: Duration = Duration::from_secs(5);
 const GRACE: Duration = Duration::from_secs(3);
 /// How long predictions get to become final once traffic stops (2-5 s jobs, retries).
 const DRAIN: Duration = Duration::from_secs(180);
+/// How long a job's change may take to reach the other instances with Redis up: the owner's
+/// publisher writes at once, and after a failed write tries again within a second.
+const PROPAGATION: Duration = Duration::from_secs(2);
 
 /// The tools and how often each is called, in percent.
 const MIX: [(&str, u32); 7] = [
@@ -139,6 +144,10 @@ struct Call {
     outcome: String,
     /// For a poll or cancel: the instance that took the job, and how long before this call.
     job: Option<(usize, Duration)>,
+    /// The job this call accepted, polled or cancelled.
+    predict_id: Option<String>,
+    /// The job's status it answered (`unknown` for "no prediction with that predict_id").
+    status: Option<String>,
 }
 
 impl Call {
@@ -187,7 +196,8 @@ async fn caller_loop(i: usize, sessions: Vec<Session>, until: Instant, record: A
             "cancel_prediction" => mine.last(),
             _ => None,
         };
-        let predict_id = job.map(|(id, _, _)| id.clone()).unwrap_or_default();
+        let polled = job.map(|(id, _, _)| id.clone());
+        let predict_id = polled.clone().unwrap_or_default();
         let job = job.map(|(_, took_it, at)| (*took_it, at.elapsed()));
         let args = match tool {
             "list_articles" => json!({"query": unique}),
@@ -206,17 +216,35 @@ async fn caller_loop(i: usize, sessions: Vec<Session>, until: Instant, record: A
             Ok(a) if !a.is_error() => "served".to_owned(),
             Ok(a) => a.code().unwrap_or("error without a code").to_owned(),
         };
+        let mut accepted = None;
         if let Ok(a) = &answer
             && let Some(id) = a.structured()["predict_id"].as_str()
             && matches!(tool, "generate_image" | "generate_image_to_video")
         {
+            accepted = Some(id.to_owned());
             mine.push((id.to_owned(), instance, Instant::now()));
             record.lock().expect("record").predictions.push((i, instance, id.to_owned()));
             if mine.len() > 20 {
                 mine.remove(0);
             }
         }
-        record.lock().expect("record").calls.push(Call { caller: i, instance, tool, started, ended, outcome, job });
+        let status = match &answer {
+            Ok(a) if outcome == "served" => a.structured()["status"].as_str().map(str::to_owned),
+            _ if outcome == "invalid_arguments" && polled.is_some() => Some("unknown".to_owned()),
+            _ => None,
+        };
+        let predict_id = accepted.or(polled);
+        record.lock().expect("record").calls.push(Call {
+            caller: i,
+            instance,
+            tool,
+            started,
+            ended,
+            outcome,
+            job,
+            predict_id,
+            status,
+        });
         // Paced by cost: the units asked for so far at OVERLOAD times the refill rate; free
         // calls in between, a tenth of a second apart.
         offered += cost_of(tool);
@@ -361,7 +389,9 @@ async fn soak() {
         }
     }
     let drained_in = drain_started.elapsed();
-    // The same jobs as the other instances show them (from the snapshots their owners publish).
+    // The same jobs as the other instances show them (from the snapshots their owners publish),
+    // once every job's last change has had the time to reach them.
+    tokio::time::sleep(PROPAGATION).await;
     let mut elsewhere: BTreeMap<String, usize> = BTreeMap::new();
     for (owner, instance, id) in &record.predictions {
         for other in (0..INSTANCES).filter(|k| k != instance) {
@@ -410,6 +440,7 @@ async fn soak() {
     // The report.
     let in_window =
         |c: &Call| windows.iter().any(|(k, from, to)| *k == c.instance && c.started < *to && c.ended > *from);
+    let stale = stale_views(&record, &windows);
     let mut per_caller = vec![(0u64, 0u64, None::<Instant>, None::<Instant>); CALLERS];
     for call in &record.calls {
         let entry = &mut per_caller[call.caller];
@@ -490,7 +521,16 @@ async fn soak() {
         record.predictions.len(),
         pending.len()
     );
-    println!("  the same jobs as the other instances show them, where not final: {elsewhere:?}");
+    println!(
+        "  the same jobs as the other instances show them {PROPAGATION:?} after the drain, where not final (stale): {elsewhere:?}"
+    );
+    println!(
+        "  stale views during the traffic (another instance than the owner showing an older state than one seen {PROPAGATION:?} before, \
+         neither instance without its store): {} of {} such views{}",
+        stale.stale.len(),
+        stale.views,
+        stale.stale.first().map_or_else(String::new, |first| format!("; the first: {first}"))
+    );
     println!(
         "  in-flight slots still held at the end: {slots_held} (rate_limit_status); gauges jobs/account slots per instance: {gauges:?}"
     );
@@ -545,11 +585,68 @@ async fn soak() {
     assert_eq!(unanswered, 0, "calls without an answer");
     assert!(over.is_empty(), "admitted above the budget: {over:?}");
     assert!(pending.is_empty(), "predictions never final: {pending:?}");
+    assert!(elsewhere.is_empty(), "final jobs another instance still shows otherwise: {elsewhere:?}");
+    assert!(stale.stale.is_empty(), "stale views during the traffic: {:?}", stale.stale);
     assert_eq!(slots_held, 0, "in-flight slots held at the end");
     assert!(gauges.iter().all(|(jobs, slots)| *jobs == 0.0 && *slots == 0.0), "{gauges:?}");
     for (i, (start, end)) in rss_start.iter().zip(&rss_end).enumerate() {
         assert!(*end as f64 <= *start as f64 * 1.10, "instance {i}: RSS {start} -> {end} KiB");
     }
+}
+
+/// Views of jobs on instances other than the one that took them, and the stale ones among them.
+struct Staleness {
+    /// Polls and cancels answered on another instance than the job's owner, outside outages.
+    views: usize,
+    /// The stale ones, described.
+    stale: Vec<String>,
+}
+
+/// Where a status is in a job's life; a job another instance does not know is before its start.
+fn rank(status: &str) -> i8 {
+    match status {
+        "unknown" => -1,
+        "starting" => 0,
+        "processing" => 1,
+        _ => 2,
+    }
+}
+
+/// The stale views during the traffic. A view is a poll or cancel answered with the job's status
+/// (or "no prediction with that predict_id") on an instance other than the one that took the
+/// job; it is **stale** when it shows an older state (starting < processing < final; a job not
+/// known at all is older than starting) than one already shown for that job — by any instance,
+/// its acceptance included — at least [`PROPAGATION`] before the view was asked for. Views that
+/// overlap a window in which the reading instance or the owner was without its store (the
+/// windows of the report, which run [`GRACE`] past each outage) are not counted: nobody can
+/// publish or read a snapshot then. The owner's own views are not counted either: the owner
+/// shows what it last heard from the upstream, and a cancel made elsewhere reaches it at its next
+/// poll of the job.
+fn stale_views(record: &Record, windows: &[(usize, Instant, Instant)]) -> Staleness {
+    let owners: BTreeMap<&str, usize> = record.predictions.iter().map(|(_, k, id)| (id.as_str(), *k)).collect();
+    let lacked_store =
+        |k: usize, c: &Call| windows.iter().any(|(i, from, to)| *i == k && c.started < *to && c.ended > *from);
+    // Each job is polled only by its own caller, one call at a time: its calls are in order.
+    let mut seen: BTreeMap<&str, Vec<(Instant, i8)>> = BTreeMap::new();
+    let mut result = Staleness { views: 0, stale: Vec::new() };
+    for call in &record.calls {
+        let (Some(id), Some(status)) = (call.predict_id.as_deref(), call.status.as_deref()) else { continue };
+        let Some(&owner) = owners.get(id) else { continue };
+        let history = seen.entry(id).or_default();
+        if call.instance != owner && !lacked_store(call.instance, call) && !lacked_store(owner, call) {
+            result.views += 1;
+            let newer = history.iter().find(|(at, r)| *r > rank(status) && *at + PROPAGATION <= call.started);
+            if let Some((at, r)) = newer {
+                result.stale.push(format!(
+                    "{id} (owner instance {owner}) shown {status} by instance {} {:.1?} after a view of rank {r}",
+                    call.instance,
+                    call.started - *at
+                ));
+            }
+        }
+        history.push((call.ended, rank(status)));
+    }
+    result
 }
 
 /// `line` without its ANSI colour sequences (tracing colours its output).

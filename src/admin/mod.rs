@@ -3,6 +3,9 @@
 //!
 //! Everything on it — every route, an unknown one, `openapi.json` too — first passes
 //! `auth::require_key`: `Authorization: Bearer <admin.key>`, compared in constant time, or 401.
+//! Its connections are held to the `[server]` deadlines, as the MCP endpoint's are (see
+//! [`crate::http::serve`]): headers within `header_read_timeout_ms`, and — once the key is
+//! checked — the body within `body_read_timeout_ms` (else 408).
 //! The routes ([`ROUTES`], described by `openapi.json` beside this file and served at
 //! `GET /admin/openapi.json`) inspect a caller's or tenant's budgets, reset them, refund units,
 //! block a caller or tenant for a while, and list and cancel jobs in flight. They act on the
@@ -20,6 +23,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::routing::{MethodRouter, delete, get, post, put};
 
+use crate::http::serve::{BodyDeadline, read_body_by_deadline};
 use crate::state::AppState;
 
 /// The OpenAPI 3.1 document describing every route.
@@ -64,12 +68,14 @@ fn handler(method: &str, path: &str) -> Option<MethodRouter<Arc<AppState>>> {
     })
 }
 
-/// The admin app, requiring the key whose SHA-256 is `key_sha256` on every request.
-pub fn router(app: Arc<AppState>, key_sha256: [u8; 32]) -> Router {
+/// The admin app, requiring the key whose SHA-256 is `key_sha256` on every request, then
+/// reading a request's body within `body` (so an unauthenticated one is never read).
+pub fn router(app: Arc<AppState>, key_sha256: [u8; 32], body: BodyDeadline) -> Router {
     let routes = ROUTES.iter().filter_map(|(method, path)| Some((*path, handler(method, path)?)));
     let router = routes.fold(Router::new(), |router, (path, handler)| router.route(path, handler));
     router
         .fallback(routes::no_such_route)
+        .layer(axum::middleware::from_fn_with_state(body, read_body_by_deadline))
         .layer(axum::middleware::from_fn_with_state(Arc::new(key_sha256), auth::require_key))
         .with_state(app)
 }

@@ -1,4 +1,4 @@
-//! Serving the HTTP app on a listener, with the connection-level defences `axum::serve` has
+//! Serving an HTTP app on a listener, with the connection-level defences `axum::serve` has
 //! no knobs for.
 //!
 //! A client that sends its headers a byte at a time, or never finishes, holds a connection and
@@ -8,12 +8,16 @@
 //! - **headers** must arrive within `server.header_read_timeout_ms` (hyper's
 //!   `header_read_timeout`; on a kept-alive connection the clock starts after the previous
 //!   response, so an idle connection is closed after the same time);
-//! - **bodies** on `/mcp` must arrive whole within `server.body_read_timeout_ms` of reaching
+//! - **bodies** must arrive whole within `server.body_read_timeout_ms` of reaching
 //!   [`read_body_by_deadline`]: a total deadline, not a gap between chunks (tower-http's
 //!   `RequestBodyTimeoutLayer` restarts its clock at every frame, so a byte a second would
-//!   never trip it). Past it: `408` with `Connection: close`. That layer sits behind the front
-//!   door and the HTTP limit (see [`crate::app::App::router`]), so a refused request's body is
-//!   never read, and reads the body, up to `server.max_body_bytes`, before rmcp sees it.
+//!   never trip it). Past it: `408` with `Connection: close`. On `/mcp` that layer sits behind
+//!   the front door and the HTTP limit (see [`crate::app::App::router`]), so a refused request's
+//!   body is never read, and reads the body, up to `server.max_body_bytes`, before rmcp sees it.
+//!
+//! Every listener is served this way, with the same `[server]` deadlines ([`Deadlines::of`]):
+//! the MCP endpoint, the admin API (its body deadline behind the key check) and the mock
+//! upstream, embedded or the `mock-upstream` command.
 //!
 //! Everything else is as `axum::serve`: `TCP_NODELAY`, the peer address as `ConnectInfo`,
 //! HTTP/1 with upgrades and HTTP/2, and a graceful stop.
@@ -25,7 +29,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::middleware::Next;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::serve::{Listener, ListenerExt};
 use http::{HeaderValue, StatusCode, header};
 use http_body::Body as _;
@@ -50,12 +54,55 @@ pub struct BodyDeadline {
     pub timeout: Duration,
     /// The largest body read.
     pub max_bytes: usize,
+    /// How a body that breaks them is answered.
+    pub refusal: Refusal,
+}
+
+/// The shape of the answer to a body too slow, too large or cut off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// A JSON-RPC error, as an MCP client reads it (`/mcp`).
+    JsonRpc,
+    /// `{"error": {"code": …, "message": …}}`, the admin API's shape (and the mock upstream's).
+    Plain,
 }
 
 impl BodyDeadline {
-    /// The deadline `[server]` configures.
+    /// The deadline `[server]` configures, refused as JSON-RPC errors.
     pub fn of(server: &ServerConfig) -> Self {
-        Self { timeout: server.body_read_timeout, max_bytes: server.max_body_bytes }
+        Self { timeout: server.body_read_timeout, max_bytes: server.max_body_bytes, refusal: Refusal::JsonRpc }
+    }
+
+    /// This deadline, refused as plain JSON errors.
+    pub fn answered_plainly(self) -> Self {
+        Self { refusal: Refusal::Plain, ..self }
+    }
+
+    fn refuse(&self, status: StatusCode, code: &str, message: &str) -> Response {
+        let response = match self.refusal {
+            Refusal::JsonRpc => jsonrpc_error(status, -32600, message, None),
+            Refusal::Plain => {
+                (status, axum::Json(serde_json::json!({"error": {"code": code, "message": message}}))).into_response()
+            }
+        };
+        close(response)
+    }
+}
+
+/// The deadlines a listener holds its clients to: the headers, then the body.
+#[derive(Debug, Clone, Copy)]
+pub struct Deadlines {
+    /// To send a request's headers.
+    pub headers: Duration,
+    /// To send its body.
+    pub body: BodyDeadline,
+}
+
+impl Deadlines {
+    /// The deadlines `[server]` configures (`header_read_timeout_ms`, `body_read_timeout_ms`,
+    /// `max_body_bytes`), refused as JSON-RPC errors.
+    pub fn of(server: &ServerConfig) -> Self {
+        Self { headers: server.header_read_timeout, body: BodyDeadline::of(server) }
     }
 }
 
@@ -99,26 +146,30 @@ pub async fn serve(listener: TcpListener, app: Router, header_read_timeout: Dura
 }
 
 /// Reads the body within its deadline, then passes the request on with the body in memory.
-/// A body declared larger than the limit is not read (the front door answers 413 first).
+/// A body declared larger than the limit is refused unread (on `/mcp` the front door answers
+/// 413 before this layer).
 pub async fn read_body_by_deadline(State(limits): State<BodyDeadline>, request: Request, next: Next) -> Response {
+    let too_large = || {
+        let message = format!("Request body too large: the limit is {} bytes.", limits.max_bytes);
+        limits.refuse(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", &message)
+    };
     let hint = request.body().size_hint();
-    if hint.exact() == Some(0) || hint.lower() > limits.max_bytes as u64 {
+    if hint.exact() == Some(0) {
         return next.run(request).await;
+    }
+    if hint.lower() > limits.max_bytes as u64 {
+        return too_large();
     }
     let (parts, body) = request.into_parts();
     let read = tokio::time::timeout(limits.timeout, axum::body::to_bytes(body, limits.max_bytes));
     match read.await {
         Ok(Ok(bytes)) => next.run(Request::from_parts(parts, Body::from(bytes))).await,
         Ok(Err(error)) => {
-            let too_large =
-                std::error::Error::source(&error).is_some_and(|e| e.is::<http_body_util::LengthLimitError>());
-            if too_large {
-                let max = limits.max_bytes;
-                let message = format!("Request body too large: the limit is {max} bytes.");
-                close(jsonrpc_error(StatusCode::PAYLOAD_TOO_LARGE, -32600, &message, None))
+            if std::error::Error::source(&error).is_some_and(|e| e.is::<http_body_util::LengthLimitError>()) {
+                too_large()
             } else {
                 // The client broke off mid-body; nobody is left to read an answer.
-                close(jsonrpc_error(StatusCode::BAD_REQUEST, -32600, "The request body was cut off.", None))
+                limits.refuse(StatusCode::BAD_REQUEST, "body_cut_off", "The request body was cut off.")
             }
         }
         Err(_) => {
@@ -127,7 +178,7 @@ pub async fn read_body_by_deadline(State(limits): State<BodyDeadline>, request: 
                 "Request Timeout: the body did not arrive within {} ms of the headers.",
                 limits.timeout.as_millis()
             );
-            close(jsonrpc_error(StatusCode::REQUEST_TIMEOUT, -32600, &message, None))
+            limits.refuse(StatusCode::REQUEST_TIMEOUT, "request_timeout", &message)
         }
     }
 }

@@ -35,6 +35,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clock::{NANOS_PER_MS, Nanos, SharedClock};
 use crate::config::MockUpstreamConfig;
+use crate::http::serve::{Deadlines, read_body_by_deadline, serve};
 use crate::upstream::api::{
     Article, ArticlePage, NewArticle, NewPrediction, Prediction, PredictionKind, PredictionStatus, SavedArticle,
 };
@@ -201,18 +202,19 @@ pub struct MockUpstream {
 }
 
 impl MockUpstream {
-    /// Serves the mock on `listener` until dropped.
-    pub async fn start(config: MockUpstreamConfig, clock: SharedClock, listener: TcpListener) -> std::io::Result<Self> {
+    /// Serves the mock on `listener` until dropped, holding its clients to `deadlines` (the
+    /// `[server]` ones: a slow client is cut off here as on the MCP endpoint).
+    pub async fn start(
+        config: MockUpstreamConfig,
+        deadlines: Deadlines,
+        clock: SharedClock,
+        listener: TcpListener,
+    ) -> std::io::Result<Self> {
         let url = format!("http://{}", listener.local_addr()?);
         let stop = CancellationToken::new();
-        let app = router(config, clock);
-        let until = stop.clone();
-        tokio::spawn(async move {
-            let served = axum::serve(listener, app).with_graceful_shutdown(until.cancelled_owned()).await;
-            if let Err(e) = served {
-                tracing::error!(error = %e, "mock upstream stopped");
-            }
-        });
+        let body = deadlines.body.answered_plainly();
+        let app = router(config, clock).layer(middleware::from_fn_with_state(body, read_body_by_deadline));
+        tokio::spawn(serve(listener, app, deadlines.headers, stop.clone()));
         Ok(Self { url, stop })
     }
 }

@@ -9,8 +9,9 @@
 //!
 //! **The scripts** live in `src/store/redis/`, one file per algorithm named after its Rust twin
 //! in [`crate::limit`] (`token_bucket.lua` beside `token_bucket.rs`), plus `prelude.lua` (exact
-//! arithmetic, time, state encoding) and two entry points, `decide.lua` and `release.lua`.
-//! They are assembled into one script each with `include_str!`, loaded once with `SCRIPT LOAD`
+//! arithmetic, time, state encoding) and the entry points (`decide.lua`, `release.lua`,
+//! `renew.lua`, `refund.lua`, `loops.lua`); `record.lua` stands alone: the write of a shared
+//! record (a job's snapshot) that never replaces a final or newer one. They are assembled into one script each with `include_str!`, loaded once with `SCRIPT LOAD`
 //! and run with `EVALSHA`; after a `SCRIPT FLUSH` or a failover, [`Script`] sees `NOSCRIPT` and
 //! loads them again.
 //!
@@ -113,6 +114,9 @@ const REFUND_SCRIPT: &str = with_every_algorithm!("redis/refund.lua");
 
 /// The loop script: the prelude, then the loop detector's twin.
 const LOOPS_SCRIPT: &str = concat!(include_str!("redis/prelude.lua"), include_str!("redis/loops.lua"));
+
+/// The record script: a shared record that a final or newer one is never replaced by.
+const RECORD_SCRIPT: &str = include_str!("redis/record.lua");
 
 /// What the loop detector's script answered to a call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -408,6 +412,7 @@ pub struct RedisStore {
     renew: Script,
     loops: Script,
     refund: Script,
+    record: Script,
     lease: Duration,
 }
 
@@ -441,22 +446,24 @@ impl RedisStore {
         }
         let certificates = TlsCertificates { client_tls: None, root_cert: ca_pem };
         let address = target.address().to_owned();
-        let (decide, release, renew, loops, refund) = (
+        let (decide, release, renew, loops, refund, record) = (
             Script::new(DECIDE_SCRIPT),
             Script::new(RELEASE_SCRIPT),
             Script::new(RENEW_SCRIPT),
             Script::new(LOOPS_SCRIPT),
             Script::new(REFUND_SCRIPT),
+            Script::new(RECORD_SCRIPT),
         );
         let connecting = async {
             let connection = target.connect(timeout, certificates).await?;
-            for script in [&decide, &release, &renew, &loops, &refund] {
+            for script in [&decide, &release, &renew, &loops, &refund, &record] {
                 connection.load(script).await?;
             }
             Ok(connection)
         };
         let connection = bounded(&address, timeout, connecting).await?;
-        Ok(RedisStore { connection, timeout, address, decide, release, renew, loops, refund, lease: DEFAULT_LEASE })
+        let lease = DEFAULT_LEASE;
+        Ok(RedisStore { connection, timeout, address, decide, release, renew, loops, refund, record, lease })
     }
 
     /// Checks that `url` has one of the forms [`RedisStore::connect`] takes, without connecting:
@@ -601,7 +608,18 @@ impl RedisStore {
         Ok(())
     }
 
-    /// What [`RedisStore::put`] wrote under `key`, if it is still there.
+    /// Writes the record `value` (a JSON object with `version` and `final` fields) under `key`
+    /// for `ttl`, unless the record there must stand: one that is final, or of a higher version
+    /// than `version` (`record.lua`). Returns whether it was written.
+    pub async fn put_record(&self, key: &str, value: &str, version: u64, ttl: Duration) -> Result<bool, StoreError> {
+        let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let mut invocation = self.record.key(key);
+        invocation.arg(value).arg(version).arg(ms);
+        let written: i64 = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
+        Ok(written == 1)
+    }
+
+    /// What [`RedisStore::put`] or [`RedisStore::put_record`] wrote under `key`, if it is still there.
     pub async fn get(&self, key: &str) -> Result<Option<String>, StoreError> {
         let mut command = ::redis::cmd("GET");
         command.arg(key);

@@ -8,8 +8,14 @@
 //! from the book, and a poll that arrives while the background poll it was told to wait for is
 //! still in flight waits for that answer instead of making a second request.
 //!
-//! Over a shared store (Redis) the book is also published: every change of a job writes a
-//! snapshot of it (owner, state, when to poll next) to Redis, so an agent whose next session lands
+//! Over a shared store (Redis) the book is also published: every change of a job marks it for
+//! one writer per instance (the publisher, [`Jobs::published_in`]), which writes the job's
+//! snapshot (owner, state, when to poll next) to Redis and keeps the shared set of jobs in flight
+//! in step. It writes the job's *current* state, one job after another, so an older state can
+//! never land after a newer one; a write Redis does not take (it is down) leaves the job marked,
+//! and is tried again with a backoff until Redis takes it. In Redis a final snapshot is never
+//! replaced, nor a snapshot by an older version of itself (`record.lua`), so a cancel written by
+//! another instance is not undone by the owner's next write. An agent whose next session lands
 //! on another instance can still poll its job there, and cancel it: a started job is cancelled
 //! upstream (the owning instance sees it at its next poll and gives the slots back); a job still
 //! waiting in the owning instance's queue is cancelled by that instance, which reads the cancel
@@ -26,17 +32,18 @@
 //! bill) a second job.
 
 use std::any::Any;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use rand::Rng;
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
 use crate::metrics::Metrics;
 use crate::store::RedisStore;
+use crate::store::redis::StoreError;
 use crate::upstream::api::{NewPrediction, Prediction, PredictionKind, PredictionStatus};
 use crate::upstream::backoff::{Backoff, Retry, RetryBudget};
 use crate::upstream::queue::{AccountSlot, FairQueue, Flowing, Position, QueueFull, Reservation, Turn};
@@ -55,6 +62,11 @@ const CANCEL_REQUESTS_KEY: &str = "{upstream}job:cancel_requests";
 pub const CANCEL_REQUESTS_EVERY: Duration = Duration::from_millis(200);
 /// How long an instance that asked another to cancel a queued job waits to see it canceled.
 const CANCEL_CONFIRM: Duration = Duration::from_secs(3);
+/// How soon the publisher writes again after Redis did not take a write, doubling each time up
+/// to [`REPUBLISH_AT_MOST`] (wall clock: it waits on Redis, not on the jobs).
+const REPUBLISH_FIRST: Duration = Duration::from_millis(100);
+/// The longest the publisher waits between two tries: as often as the store breaker probes.
+const REPUBLISH_AT_MOST: Duration = Duration::from_secs(1);
 
 /// Whatever a job's admission holds (its in-flight slots); dropped when the job is final.
 pub type Slots = Box<dyn Any + Send + Sync>;
@@ -112,6 +124,10 @@ struct Job {
     slots: Vec<Slots>,
     cancel: CancellationToken,
     changed: watch::Sender<u64>,
+    /// Snapshots of it the publisher has made: the version of the latest.
+    published: u64,
+    /// Whether the shared set of jobs in flight is known to hold it.
+    indexed: bool,
 }
 
 impl std::fmt::Debug for Job {
@@ -149,10 +165,19 @@ pub struct Jobs {
     queue: Arc<FairQueue>,
     retry_budget: RetryBudget,
     rules: JobRules,
-    book: Mutex<HashMap<String, Job>>,
+    book: Arc<Mutex<Book>>,
     stop: CancellationToken,
     /// Where snapshots of the book are published for the other instances.
     shared: Option<Arc<RedisStore>>,
+    /// The jobs whose snapshot Redis does not have yet.
+    outbox: Arc<Outbox>,
+}
+
+type Book = HashMap<String, Job>;
+
+fn lock_book(book: &Mutex<Book>) -> MutexGuard<'_, Book> {
+    // Jobs are replaced field by field under the lock, never left half-written.
+    book.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A job as published for the other instances.
@@ -167,6 +192,152 @@ struct Snapshot {
     /// Wall-clock milliseconds since the epoch (instances share no other clock).
     next_poll_unix_ms: u64,
     created_unix_ms: u64,
+    /// How many snapshots of the job its owner has made, this one included: `record.lua` never
+    /// lets a snapshot replace one of a higher version (0 in snapshots of older versions).
+    #[serde(default)]
+    version: u64,
+    /// Whether the job is final: `record.lua` never replaces a final snapshot, so another
+    /// instance's cancel is not undone by the owner's next write (absent in older snapshots).
+    #[serde(default, rename = "final")]
+    is_final: bool,
+}
+
+impl Snapshot {
+    /// `job` as it stands at `now` on the book's clock, as its version `job.published`.
+    fn of(job: &Job, now: Nanos) -> Self {
+        Snapshot {
+            owner: job.owner.caller.clone(),
+            tenant: job.owner.tenant.clone(),
+            prediction: job.last.clone(),
+            upstream_id: job.upstream_id.clone(),
+            next_poll_unix_ms: unix_ms(SystemTime::now())
+                .saturating_add(job.next_poll_at.saturating_sub(now) / 1_000_000),
+            created_unix_ms: unix_ms(job.created),
+            version: job.published,
+            is_final: job.last.status.is_terminal(),
+        }
+    }
+}
+
+/// The jobs changed since their snapshot was last written, and the publisher's wake-up call.
+#[derive(Debug, Default)]
+struct Outbox {
+    changed: Mutex<BTreeSet<String>>,
+    wake: Notify,
+}
+
+impl Outbox {
+    fn changed(&self) -> MutexGuard<'_, BTreeSet<String>> {
+        self.changed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Marks `id` for the publisher (a job marked twice is written once, as it then stands).
+    fn mark(&self, id: &str) {
+        self.changed().insert(id.to_owned());
+        self.wake.notify_one();
+    }
+
+    fn take(&self) -> Vec<String> {
+        std::mem::take(&mut *self.changed()).into_iter().collect()
+    }
+
+    fn put_back(&self, ids: Vec<String>) {
+        self.changed().extend(ids);
+    }
+}
+
+/// The one writer of an instance's snapshots (see [`Jobs::published_in`]).
+struct Publisher {
+    redis: Arc<RedisStore>,
+    book: Arc<Mutex<Book>>,
+    outbox: Arc<Outbox>,
+    clock: SharedClock,
+}
+
+impl Publisher {
+    /// Writes the marked jobs until `stop`: each as it stands when its turn comes. When Redis
+    /// does not take a write, that job and the rest stay marked and the round is tried again
+    /// after a backoff (Redis is most likely down for all of them).
+    async fn run(self, stop: CancellationToken) {
+        let mut retry_in = REPUBLISH_FIRST;
+        let mut failing = false;
+        loop {
+            tokio::select! {
+                () = self.outbox.wake.notified() => {}
+                () = stop.cancelled() => return,
+            }
+            loop {
+                let marked = self.outbox.take();
+                if marked.is_empty() {
+                    break;
+                }
+                let Err((error, unwritten)) = self.write_each(marked).await else {
+                    if std::mem::take(&mut failing) {
+                        tracing::info!("job states published to the shared store again");
+                    }
+                    retry_in = REPUBLISH_FIRST;
+                    continue;
+                };
+                self.outbox.put_back(unwritten);
+                if std::mem::replace(&mut failing, true) {
+                    tracing::debug!(%error, ?retry_in, "still cannot publish job states");
+                } else {
+                    tracing::warn!(%error, "could not publish job states to the shared store; trying again until it takes them");
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(retry_in) => {}
+                    () = stop.cancelled() => return,
+                }
+                retry_in = (retry_in * 2).min(REPUBLISH_AT_MOST);
+            }
+        }
+    }
+
+    /// Writes each of `ids` in turn; on the first failure, the error and the ids not written.
+    async fn write_each(&self, ids: Vec<String>) -> Result<(), (StoreError, Vec<String>)> {
+        for (i, id) in ids.iter().enumerate() {
+            if let Err(error) = self.write(id).await {
+                return Err((error, ids[i..].to_vec()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes job `id`'s snapshot as it stands (nothing once it has left the book), then adds it
+    /// to or removes it from the shared set of jobs in flight if that changed: after the
+    /// snapshot, so a lister that finds a member also finds its snapshot.
+    async fn write(&self, id: &str) -> Result<(), StoreError> {
+        let now = self.clock.now();
+        let marked = lock_book(&self.book).get_mut(id).map(|job| {
+            job.published += 1;
+            let pending = !job.last.status.is_terminal();
+            (Snapshot::of(job, now), (pending != job.indexed).then_some(pending))
+        });
+        let Some((snapshot, index)) = marked else { return Ok(()) };
+        match serde_json::to_string(&snapshot) {
+            // Written, or Redis kept the one there (final, or newer): either way Redis has it right.
+            Ok(value) => {
+                self.redis.put_record(&snapshot_key(id), &value, snapshot.version, keep()).await?;
+            }
+            Err(error) => tracing::warn!(%error, predict_id = id, "a job's snapshot cannot be written as JSON"),
+        }
+        if let Some(in_flight) = index {
+            if in_flight {
+                self.redis.set_add(IN_FLIGHT_KEY, id, keep()).await?;
+            } else {
+                self.redis.set_remove(IN_FLIGHT_KEY, &[id.to_owned()]).await?;
+            }
+            if let Some(job) = lock_book(&self.book).get_mut(id) {
+                job.indexed = in_flight;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How long snapshots and the set of jobs in flight are kept after their last write.
+fn keep() -> Duration {
+    Duration::from_nanos(KEEP_FOR)
 }
 
 fn snapshot_key(id: &str) -> String {
@@ -205,37 +376,37 @@ impl Jobs {
         metrics: Arc<Metrics>,
         stop: CancellationToken,
     ) -> Self {
-        let book = Mutex::new(HashMap::new());
-        Self { upstream, clock, metrics, queue, retry_budget, rules, book, stop, shared: None }
+        let book = Arc::new(Mutex::new(HashMap::new()));
+        let outbox = Arc::default();
+        Self { upstream, clock, metrics, queue, retry_budget, rules, book, stop, shared: None, outbox }
     }
 
-    /// This book, published in `redis` for the other instances.
+    /// This book, published in `redis` for the other instances: starts its publisher, which
+    /// runs until the book's stop token is cancelled. Call it once, inside a Tokio runtime
+    /// (outside one the book stays this instance's own, and says so).
     pub fn published_in(mut self, redis: Option<Arc<RedisStore>>) -> Self {
-        self.shared = redis;
+        let Some(redis) = redis else { return self };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!("no async runtime to publish jobs from: other instances will not see this one's jobs");
+            return self;
+        };
+        let publisher = Publisher {
+            redis: redis.clone(),
+            book: self.book.clone(),
+            outbox: self.outbox.clone(),
+            clock: self.clock.clone(),
+        };
+        runtime.spawn(publisher.run(self.stop.clone()));
+        self.shared = Some(redis);
         self
     }
 
-    /// Writes the job's snapshot for the other instances (in the background: the book's callers
-    /// never wait on Redis; a lost write is overwritten by the next change).
+    /// Marks the job for the publisher, which writes its snapshot for the other instances (the
+    /// book's callers never wait on Redis).
     fn publish(&self, id: &str) {
-        let Some(redis) = &self.shared else { return };
-        let now = self.clock.now();
-        let snapshot = self.book().get(id).map(|job| Snapshot {
-            owner: job.owner.caller.clone(),
-            tenant: job.owner.tenant.clone(),
-            prediction: job.last.clone(),
-            upstream_id: job.upstream_id.clone(),
-            next_poll_unix_ms: unix_ms(SystemTime::now()) + job.next_poll_at.saturating_sub(now) / 1_000_000,
-            created_unix_ms: unix_ms(job.created),
-        });
-        let (Some(snapshot), Ok(runtime)) = (snapshot, tokio::runtime::Handle::try_current()) else { return };
-        let Ok(value) = serde_json::to_string(&snapshot) else { return };
-        let (redis, key) = (redis.clone(), snapshot_key(id));
-        runtime.spawn(async move {
-            if let Err(error) = redis.put(&key, &value, Duration::from_nanos(KEEP_FOR)).await {
-                tracing::warn!(%error, "could not publish a job's state to the shared store");
-            }
-        });
+        if self.shared.is_some() {
+            self.outbox.mark(id);
+        }
     }
 
     /// `owner`'s job `id` as another instance published it.
@@ -256,9 +427,8 @@ impl Jobs {
         }
     }
 
-    fn book(&self) -> MutexGuard<'_, HashMap<String, Job>> {
-        // Jobs are replaced field by field under the lock, never left half-written.
-        self.book.lock().unwrap_or_else(|p| p.into_inner())
+    fn book(&self) -> MutexGuard<'_, Book> {
+        lock_book(&self.book)
     }
 
     fn hint(&self, kind: PredictionKind) -> Nanos {
@@ -331,30 +501,13 @@ impl Jobs {
             slots,
             cancel: CancellationToken::new(),
             changed: watch::Sender::new(0),
+            published: 0,
+            indexed: false,
             last,
         };
         let id = job.last.id.clone();
         self.book().insert(id.clone(), job);
         self.publish(&id);
-        self.index(&id, true);
-    }
-
-    /// Adds a job to (or, once final, takes it out of) the shared set of jobs in flight, in the
-    /// background like [`Jobs::publish`]. A member left behind by a lost write is dropped when an
-    /// operator lists the jobs and finds its snapshot final or gone.
-    fn index(&self, id: &str, in_flight: bool) {
-        let (Some(redis), Ok(runtime)) = (&self.shared, tokio::runtime::Handle::try_current()) else { return };
-        let (redis, id) = (redis.clone(), id.to_owned());
-        runtime.spawn(async move {
-            let written = if in_flight {
-                redis.set_add(IN_FLIGHT_KEY, &id, Duration::from_nanos(KEEP_FOR)).await
-            } else {
-                redis.set_remove(IN_FLIGHT_KEY, &[id]).await
-            };
-            if let Err(error) = written {
-                tracing::debug!(%error, "could not update the shared set of jobs in flight");
-            }
-        });
     }
 
     fn spawn(self: &Arc<Self>, id: String, queued: Option<(NewPrediction, Turn)>) {
@@ -521,9 +674,6 @@ impl Jobs {
         // Slots go back outside the book's lock: releasing takes the store's locks.
         drop(released);
         self.publish(id);
-        if is_final {
-            self.index(id, false);
-        }
         is_final
     }
 
@@ -623,8 +773,20 @@ impl Jobs {
             }
             Err(error) => return Err(error),
         }
+        // Final: the owner's later writes of the job, not final until it polls, cannot undo it.
+        (snapshot.version, snapshot.is_final) = (snapshot.version.saturating_add(1), true);
         if let (Some(redis), Ok(value)) = (&self.shared, serde_json::to_string(&snapshot)) {
-            let _ = redis.put(&snapshot_key(id), &value, Duration::from_nanos(KEEP_FOR)).await;
+            match redis.put_record(&snapshot_key(id), &value, snapshot.version, keep()).await {
+                Ok(true) => {}
+                // The owner published it final meanwhile: that stands, and is the answer.
+                Ok(false) => {
+                    if let Some(there) = self.published(owner, id).await {
+                        return Ok(Some(Self::view_of_snapshot(there)));
+                    }
+                }
+                // The owner sees the cancel at its next poll of the upstream, and publishes it.
+                Err(error) => tracing::debug!(%error, "could not publish a cancel to the shared store"),
+            }
         }
         Ok(Some(Self::view_of_snapshot(snapshot)))
     }
@@ -849,13 +1011,16 @@ impl Jobs {
             let snapshots = futures::future::join_all(reads).await;
             let mut gone = Vec::new();
             for (id, read) in elsewhere.into_iter().zip(snapshots) {
-                match read.ok().flatten().and_then(|raw| serde_json::from_str::<Snapshot>(&raw).ok()) {
+                // A read that failed says nothing: the member stays for the next listing.
+                let Ok(raw) = read else { continue };
+                match raw.and_then(|raw| serde_json::from_str::<Snapshot>(&raw).ok()) {
                     Some(s) if !s.prediction.status.is_terminal() => {
                         if wanted(&s.owner, s.tenant.as_deref()) {
                             let (owner, tenant) = (s.owner.clone(), s.tenant.clone());
                             listed.push(JobListing::of(Self::view_of_snapshot(s), owner, tenant, false));
                         }
                     }
+                    // Final, expired or unreadable: no longer in flight anywhere.
                     Some(_) | None => gone.push(id),
                 }
             }
