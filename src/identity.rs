@@ -208,7 +208,7 @@ impl Identifier {
         }
         let ip = match id.strip_prefix("ip:") {
             Some("unknown") => None,
-            Some(ip) => Some(ip.parse::<IpAddr>().map_err(|_| UnknownCaller::Malformed(id.to_owned()))?),
+            Some(ip) => Some(ip.parse::<IpAddr>().map_err(|_| UnknownCaller::Malformed(id.to_owned()))?.to_canonical()),
             None => return Err(UnknownCaller::Malformed(id.to_owned())),
         };
         let id = ip.map_or_else(|| "ip:unknown".to_owned(), |ip| format!("ip:{ip}"));
@@ -248,14 +248,22 @@ impl Identifier {
         }
     }
 
+    /// Whether `ip` (canonical: an IPv4-mapped IPv6 address is its IPv4 one) is a trusted proxy,
+    /// whether the proxy is written as IPv4 (`127.0.0.1/8`) or IPv4-mapped (`::ffff:10.0.0.0/104`).
     fn trusted(&self, ip: IpAddr) -> bool {
-        self.trusted_proxies.iter().any(|net| net.contains(&ip))
+        let mapped = match ip {
+            IpAddr::V4(v4) => Some(IpAddr::V6(v4.to_ipv6_mapped())),
+            IpAddr::V6(_) => None,
+        };
+        self.trusted_proxies.iter().any(|net| net.contains(&ip) || mapped.is_some_and(|m| net.contains(&m)))
     }
 
     /// The peer, or with `trust_proxy` and a trusted peer, the right-most untrusted
-    /// `X-Forwarded-For` hop.
+    /// `X-Forwarded-For` hop. Addresses are canonical: on a dual-stack listener an IPv4 client
+    /// arrives as `::ffff:a.b.c.d`, and it is `a.b.c.d` both to `server.trusted_proxies` and in
+    /// the caller's `ip:` id.
     fn client_ip(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> Option<IpAddr> {
-        let peer = peer?;
+        let peer = peer?.to_canonical();
         if !self.trust_proxy || !self.trusted(peer) {
             return Some(peer);
         }
@@ -268,7 +276,7 @@ impl Identifier {
             .collect::<Vec<_>>();
         let mut client = peer;
         for hop in hops.iter().rev() {
-            let Some(ip) = parse_hop(hop) else { break };
+            let Some(ip) = parse_hop(hop).map(|ip| ip.to_canonical()) else { break };
             client = ip;
             if !self.trusted(ip) {
                 break;
@@ -419,5 +427,34 @@ mod tests {
         assert_eq!(on.identify(&chain, ip("127.0.0.1")).expect("caller").id(), "ip:203.0.113.7");
         let garbage = headers(&[("x-forwarded-for", "not-an-ip, 10.1.2.3")]);
         assert_eq!(on.identify(&garbage, ip("127.0.0.1")).expect("caller").id(), "ip:10.1.2.3");
+    }
+
+    #[test]
+    fn an_ipv4_mapped_peer_is_its_ipv4_address() {
+        // A dual-stack listener sees IPv4 clients as ::ffff:a.b.c.d.
+        let off = identifier("");
+        let caller = off.identify(&headers(&[]), ip("::ffff:1.2.3.4")).expect("caller");
+        assert_eq!((caller.id(), caller.unverified_from()), ("ip:1.2.3.4", Some("ip:1.2.3.4")));
+        assert_eq!(off.identify(&headers(&[]), ip("1.2.3.4")), Ok(caller.clone()), "one caller either way");
+        assert_eq!(off.by_id("ip:::ffff:1.2.3.4", None), Ok(caller), "an operator's mapped form names it too");
+        // A plain IPv6 peer is left as it is.
+        assert_eq!(off.identify(&headers(&[]), ip("2001:db8::7")).expect("caller").id(), "ip:2001:db8::7");
+    }
+
+    #[test]
+    fn an_ipv4_mapped_proxy_is_the_trusted_ipv4_proxy() {
+        let on = identifier("[server]\ntrust_proxy = true\ntrusted_proxies = [\"127.0.0.1/8\", \"10.0.0.0/8\"]\n");
+        let forwarded = headers(&[("x-forwarded-for", "203.0.113.7")]);
+        assert_eq!(on.identify(&forwarded, ip("::ffff:127.0.0.1")).expect("caller").id(), "ip:203.0.113.7");
+        // A mapped hop is trusted like its IPv4 address, and a mapped client is named unmapped.
+        let chain = headers(&[("x-forwarded-for", "::ffff:198.51.100.9, ::ffff:10.1.2.3")]);
+        assert_eq!(on.identify(&chain, ip("::ffff:127.0.0.1")).expect("caller").id(), "ip:198.51.100.9");
+        // An untrusted mapped peer is still not a proxy.
+        assert_eq!(on.identify(&forwarded, ip("::ffff:8.8.8.8")).expect("caller").id(), "ip:8.8.8.8");
+        // A proxy written in mapped form trusts the same peers.
+        let mapped = identifier("[server]\ntrust_proxy = true\ntrusted_proxies = [\"::ffff:10.0.0.0/104\"]\n");
+        for peer in ["10.1.2.3", "::ffff:10.1.2.3"] {
+            assert_eq!(mapped.identify(&forwarded, ip(peer)).expect("caller").id(), "ip:203.0.113.7", "{peer}");
+        }
     }
 }
