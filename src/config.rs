@@ -14,6 +14,7 @@ use ipnet::IpNet;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
+use crate::identity::CallerIds;
 use crate::limit::{
     ALGORITHMS, Concurrency, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingLog, SlidingWindow, TokenBucket,
 };
@@ -151,6 +152,9 @@ impl std::fmt::Debug for AdminConfig {
 /// The shortest admin key accepted: it guards every budget of every caller.
 const MIN_ADMIN_KEY_CHARS: usize = 16;
 
+/// The shortest `auth.id_secret` accepted: a short one could itself be found by trying.
+const MIN_ID_SECRET_CHARS: usize = 16;
+
 /// `[server]`.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -185,6 +189,9 @@ pub struct AuthConfig {
     pub anonymous_tier: String,
     /// The configured keys.
     pub keys: Vec<ApiKey>,
+    /// How caller ids are derived from keys: keyed with `auth.id_secret`, or unkeyed without one.
+    /// The secret itself is not kept, and never shown.
+    pub caller_ids: CallerIds,
 }
 
 /// A configured API key: its SHA-256, and the tenant and tier it belongs to.
@@ -492,6 +499,7 @@ struct RawServer {
 struct RawAuth {
     required: bool,
     anonymous_tier: String,
+    id_secret: String,
     #[serde(default)]
     keys: Vec<RawKey>,
 }
@@ -709,10 +717,11 @@ impl Config {
         let _ = writeln!(out, "tiers (scale per-caller scopes): {}", tiers.join(", "));
         let _ = writeln!(
             out,
-            "auth: {} configured key(s), key required: {}, anonymous tier: {}",
+            "auth: {} configured key(s), key required: {}, anonymous tier: {}, caller ids: {}",
             self.auth.keys.len(),
             self.auth.required,
-            self.auth.anonymous_tier
+            self.auth.anonymous_tier,
+            if self.auth.caller_ids.is_keyed() { "keyed (auth.id_secret)" } else { "unkeyed SHA-256" }
         );
         let _ = writeln!(out);
         let _ = writeln!(out, "{:<34} {:<6} own budget (per tenant, in calls)", "tool", "cost");
@@ -872,6 +881,7 @@ impl RawConfig {
         if self.auth.required && keys.is_empty() {
             return Err(invalid("auth.required", "is true but no `[[auth.keys]]` are configured: nobody could call"));
         }
+        let caller_ids = caller_ids(&self.auth.id_secret)?;
 
         let caps = self.spend_caps;
         if !(caps.price_per_unit.is_finite() && caps.price_per_unit >= 0.0) {
@@ -1069,7 +1079,12 @@ impl RawConfig {
                 header_read_timeout: Duration::from_millis(server.header_read_timeout_ms),
                 body_read_timeout: Duration::from_millis(server.body_read_timeout_ms),
             },
-            auth: AuthConfig { required: self.auth.required, anonymous_tier: self.auth.anonymous_tier, keys },
+            auth: AuthConfig {
+                required: self.auth.required,
+                anonymous_tier: self.auth.anonymous_tier,
+                keys,
+                caller_ids,
+            },
             tiers,
             limits,
             spend_caps,
@@ -1099,6 +1114,26 @@ impl RawAdmin {
         let key_sha256 = (!key.is_empty()).then(|| Sha256::digest(key.as_bytes()).into());
         Ok(AdminConfig { listen: self.listen, key_sha256 })
     }
+}
+
+/// The caller ids `auth.id_secret` asks for: unkeyed when it is empty, else keyed with it (the
+/// message of a refused secret never shows it).
+fn caller_ids(secret: &str) -> Result<CallerIds, ConfigError> {
+    let secret = secret.trim();
+    if secret.is_empty() {
+        return Ok(CallerIds::unkeyed());
+    }
+    let chars = secret.chars().count();
+    if chars < MIN_ID_SECRET_CHARS {
+        return Err(invalid(
+            "auth.id_secret",
+            format!(
+                "is {chars} characters; an id secret needs at least {MIN_ID_SECRET_CHARS} (e.g. `openssl rand -hex 32`), \
+                 or leave it empty for unkeyed caller ids"
+            ),
+        ));
+    }
+    CallerIds::keyed(secret).map_err(|e| invalid("auth.id_secret", e.to_string()))
 }
 
 /// Largest count a limit may have (window counters are kept in 32 bits).
@@ -1330,6 +1365,17 @@ mod tests {
         let on = Config::from_toml_test("[admin]\nkey = \"0123456789abcdef\"\n").expect("16 characters");
         assert!(on.admin.key_sha256.is_some());
         assert!(!format!("{on:?}").contains("0123456789abcdef"), "the key never shows in a Debug print");
+    }
+
+    #[test]
+    fn a_short_id_secret_is_refused_without_showing_it() {
+        let e = err("[auth]\nid_secret = \"too-short\"\n");
+        assert!(e.contains("auth.id_secret") && e.contains("16") && !e.contains("too-short"), "{e}");
+        assert!(!Config::from_toml_test("").expect("defaults").auth.caller_ids.is_keyed());
+        let on = Config::from_toml_test("[auth]\nid_secret = \"0123456789abcdef\"\n").expect("16 characters");
+        assert!(on.auth.caller_ids.is_keyed());
+        assert!(on.limits_table().contains("caller ids: keyed (auth.id_secret)"), "{}", on.limits_table());
+        assert!(!format!("{on:?}{on:#?}").contains("0123456789abcdef"), "the secret never shows in a Debug print");
     }
 
     #[test]

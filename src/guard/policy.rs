@@ -136,7 +136,7 @@ impl Policy {
                 .auth
                 .keys
                 .iter()
-                .filter_map(|k| Some((Caller::id_of_digest(&k.sha256), k.caller.clone()?)))
+                .filter_map(|k| Some((config.auth.caller_ids.id_of_digest(&k.sha256), k.caller.clone()?)))
                 .collect(),
             tenant_budgets: config.tenants.iter().filter_map(|(t, o)| Some((t.clone(), o.budget.clone()?))).collect(),
             spend_cap: caps.daily_units.map(cap),
