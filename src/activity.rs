@@ -209,13 +209,22 @@ impl Recent {
 }
 
 /// What the limits did lately: fed by the guard and the tool door, read by the dashboard.
-#[derive(Debug)]
 pub struct Activity {
     /// Keys the hash callers and addresses are shown by.
     key: u64,
     admitted: AtomicU64,
     refused: AtomicU64,
     recent: Mutex<Recent>,
+}
+
+impl std::fmt::Debug for Activity {
+    /// The counts, never the hash key (with it, a hashed caller could be tested against guesses).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Activity")
+            .field("admitted", &self.admitted.load(Ordering::Relaxed))
+            .field("refused", &self.refused.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for Activity {
@@ -566,6 +575,14 @@ pub struct ScopeLevel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_debug_print_never_shows_the_hash_key() {
+        let activity = Activity::new();
+        let printed = format!("{activity:?}{activity:#?}");
+        assert!(!printed.contains(&activity.key.to_string()), "{printed}");
+        assert!(printed.contains("admitted"), "{printed}");
+    }
 
     fn refused<'a>(tool: &'a str, scope: &'a str, message: &'a str) -> Refused<'a> {
         Refused {

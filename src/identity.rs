@@ -52,21 +52,29 @@ pub struct CallerIds {
     mac: Option<Hmac<Sha256>>,
 }
 
-/// Why a secret cannot key caller ids.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the secret cannot key an HMAC")]
-pub struct BadIdSecret;
-
 impl CallerIds {
+    /// The ids `config` asks for: keyed with its `auth.id_secret`, or unkeyed without one.
+    pub fn of(config: &Config) -> Self {
+        config.auth.id_secret.as_ref().map_or_else(Self::unkeyed, |secret| Self::keyed(secret.expose()))
+    }
+
     /// Ids as the first 64 bits of the credential's SHA-256 (no `auth.id_secret`).
     pub fn unkeyed() -> Self {
         Self { mac: None }
     }
 
     /// Ids keyed with `secret` (its bytes are the HMAC key).
-    pub fn keyed(secret: &str) -> Result<Self, BadIdSecret> {
-        let mac = <Hmac<Sha256> as Mac>::new_from_slice(secret.as_bytes()).map_err(|_| BadIdSecret)?;
-        Ok(Self { mac: Some(mac) })
+    pub fn keyed(secret: &str) -> Self {
+        // RFC 2104: a key longer than SHA-256's 64-byte block is hashed first, and the key is then
+        // zero-padded to the block. Doing that here gives the same MAC through the infallible
+        // fixed-size constructor.
+        let mut block = [0u8; 64];
+        if secret.len() > block.len() {
+            block[..32].copy_from_slice(&Sha256::digest(secret.as_bytes()));
+        } else {
+            block[..secret.len()].copy_from_slice(secret.as_bytes());
+        }
+        Self { mac: Some(<Hmac<Sha256> as hmac::digest::KeyInit>::new(&block.into())) }
     }
 
     /// Whether ids are keyed with a secret.
@@ -228,7 +236,6 @@ pub enum UnknownCaller {
 }
 
 /// Turns requests into callers, per the `[auth]` and `[server]` config.
-#[derive(Debug)]
 pub struct Identifier {
     keys: HashMap<[u8; 32], KeyInfo>,
     ids: CallerIds,
@@ -236,6 +243,20 @@ pub struct Identifier {
     anonymous_tier: Arc<str>,
     trust_proxy: bool,
     trusted_proxies: Vec<IpNet>,
+}
+
+impl fmt::Debug for Identifier {
+    /// How many keys, never their digests (of a short plaintext key, a digest gives it away).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Identifier")
+            .field("keys", &self.keys.len())
+            .field("ids", &self.ids)
+            .field("required", &self.required)
+            .field("anonymous_tier", &self.anonymous_tier)
+            .field("trust_proxy", &self.trust_proxy)
+            .field("trusted_proxies", &self.trusted_proxies)
+            .finish()
+    }
 }
 
 impl Identifier {
@@ -251,7 +272,7 @@ impl Identifier {
             .collect();
         Self {
             keys,
-            ids: config.auth.caller_ids.clone(),
+            ids: CallerIds::of(config),
             required: config.auth.required,
             anonymous_tier: Arc::from(config.auth.anonymous_tier.as_str()),
             trust_proxy: config.server.trust_proxy,
@@ -481,7 +502,7 @@ mod tests {
             &crate::config::Catalogue::new(),
         )
         .expect("config");
-        assert_eq!(Caller::of_key(&config.auth.keys[0], &config.auth.caller_ids), c, "the key's caller without the key");
+        assert_eq!(Caller::of_key(&config.auth.keys[0], &CallerIds::of(&config)), c, "the key's caller without the key");
         let other = id.identify(&headers(&[("x-api-key", "k2")]), None).expect("anonymous");
         assert_eq!((other.tenant(), other.tier()), (None, "default"));
     }
@@ -555,6 +576,14 @@ mod tests {
         assert_ne!(c.id(), Caller::from_token("sk-live-secret").id(), "not the unkeyed SHA-256 prefix");
         let again = identifier(&format!("[auth]\nid_secret = \"{SECRET}\"\n"));
         assert_eq!(again.identify(&headers(&[("x-api-key", "sk-live-secret")]), ip("10.0.0.1")), Ok(c.clone()));
+        // A secret longer than SHA-256's block is hashed first, as HMAC says.
+        let long = "a-long-secret-".repeat(8);
+        let long_id = identifier(&format!("[auth]\nid_secret = \"{long}\"\n"))
+            .identify(&headers(&[("x-api-key", "sk-live-secret")]), None)
+            .expect("caller");
+        let mac = reference_hmac(long.as_bytes(), &digest);
+        let expected: String = mac[..8].iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(long_id.id(), format!("tok:{expected}"));
         let other = identifier("[auth]\nid_secret = \"another-secret-of-enough-length\"\n");
         let other = other.identify(&headers(&[("x-api-key", "sk-live-secret")]), None).expect("caller");
         assert_ne!(other.id(), c.id(), "another secret, another id");
@@ -576,14 +605,14 @@ mod tests {
         let config = Config::from_toml(&toml, &crate::config::Catalogue::new()).expect("config");
         let id = Identifier::new(&config);
         let k1 = id.identify(&headers(&[("x-api-key", "k1")]), None).expect("caller");
-        assert_eq!(k1.id(), config.auth.caller_ids.id_of_token("k1"));
-        assert_eq!(Caller::of_key(&config.auth.keys[0], &config.auth.caller_ids), k1);
+        assert_eq!(k1.id(), CallerIds::of(&config).id_of_token("k1"));
+        assert_eq!(Caller::of_key(&config.auth.keys[0], &CallerIds::of(&config)), k1);
         assert_eq!(id.configured(&config.auth.keys[0].sha256), Some(k1.clone()));
         assert_eq!(id.by_id(k1.id(), None), Ok(k1.clone()), "an operator finds it by the id the server shows");
         assert_eq!(id.member_of("acme"), Some(k1));
         // A key given only by its SHA-256 has its keyed id too.
         let k2 = id.identify(&headers(&[("x-api-key", "k2")]), None).expect("caller");
-        assert_eq!((k2.id(), k2.unverified_from()), (config.auth.caller_ids.id_of_token("k2").as_str(), None));
+        assert_eq!((k2.id(), k2.unverified_from()), (CallerIds::of(&config).id_of_token("k2").as_str(), None));
         assert_eq!(id.by_id(k2.id(), None), Ok(k2));
         // An unkeyed id of a configured key names nobody configured.
         let unkeyed = Caller::from_token("k1");
