@@ -173,6 +173,11 @@ impl Caller {
         self.tenant.as_deref()
     }
 
+    /// [`Caller::tenant`], shared (for records that keep it).
+    pub(crate) fn tenant_shared(&self) -> Option<&Arc<str>> {
+        self.tenant.as_ref()
+    }
+
     /// The tier scaling this caller's own budgets.
     pub fn tier(&self) -> &str {
         &self.tier
