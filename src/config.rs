@@ -446,15 +446,8 @@ pub struct StoreConfig {
 impl std::fmt::Debug for StoreConfig {
     /// The Redis URL without its password.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let Self {
-            backend,
-            redis_url,
-            redis_ca_file,
-            timeout_ms,
-            lease_ms,
-            sweep_interval_ms,
-            expected_instances,
-        } = self;
+        let Self { backend, redis_url, redis_ca_file, timeout_ms, lease_ms, sweep_interval_ms, expected_instances } =
+            self;
         f.debug_struct("StoreConfig")
             .field("backend", backend)
             .field("redis_url", &crate::redact::url(redis_url))

@@ -147,13 +147,7 @@ impl Caller {
     /// A caller known by a credential (tier `default`, no tenant, not tied to an address), named
     /// as a server without `auth.id_secret` names it.
     pub fn from_token(token: &str) -> Self {
-        Self::from_digest(
-            &CallerIds::unkeyed(),
-            &Sha256::digest(token.as_bytes()).into(),
-            None,
-            "default".into(),
-            None,
-        )
+        Self::from_digest(&CallerIds::unkeyed(), &Sha256::digest(token.as_bytes()).into(), None, "default".into(), None)
     }
 
     /// The caller a configured key names, with its tenant and tier, its id derived by `ids` (the
@@ -507,7 +501,11 @@ mod tests {
             &crate::config::Catalogue::new(),
         )
         .expect("config");
-        assert_eq!(Caller::of_key(&config.auth.keys[0], &CallerIds::of(&config)), c, "the key's caller without the key");
+        assert_eq!(
+            Caller::of_key(&config.auth.keys[0], &CallerIds::of(&config)),
+            c,
+            "the key's caller without the key"
+        );
         let other = id.identify(&headers(&[("x-api-key", "k2")]), None).expect("anonymous");
         assert_eq!((other.tenant(), other.tier()), (None, "default"));
     }
@@ -573,7 +571,8 @@ mod tests {
     #[test]
     fn an_id_secret_keys_caller_ids_with_hmac_of_the_keys_sha256() {
         let keyed = identifier(&format!("[auth]\nid_secret = \"{SECRET}\"\n"));
-        let c = keyed.identify(&headers(&[("authorization", "Bearer sk-live-secret")]), ip("10.0.0.1")).expect("caller");
+        let c =
+            keyed.identify(&headers(&[("authorization", "Bearer sk-live-secret")]), ip("10.0.0.1")).expect("caller");
         let digest: [u8; 32] = Sha256::digest(b"sk-live-secret").into();
         let mac = reference_hmac(SECRET.as_bytes(), &digest);
         let expected: String = mac[..8].iter().map(|b| format!("{b:02x}")).collect();
@@ -594,7 +593,8 @@ mod tests {
         assert_ne!(other.id(), c.id(), "another secret, another id");
         // No secret (or only blanks): today's unkeyed ids.
         for plain in ["", "[auth]\nid_secret = \"   \"\n"] {
-            let unkeyed = identifier(plain).identify(&headers(&[("x-api-key", "sk-live-secret")]), None).expect("caller");
+            let unkeyed =
+                identifier(plain).identify(&headers(&[("x-api-key", "sk-live-secret")]), None).expect("caller");
             assert_eq!(unkeyed.id(), Caller::from_token("sk-live-secret").id());
         }
         assert!(!format!("{keyed:?}").contains(SECRET), "the secret never shows in a Debug print");

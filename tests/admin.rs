@@ -356,7 +356,8 @@ async fn with_an_id_secret_the_admin_api_finds_callers_by_the_ids_the_server_sho
     assert!(!is_error(&call(&stranger, "list_articles", json!({})).await));
     let status = call(&stranger, "rate_limit_status", json!({})).await;
     let scope = budget(&status, "caller:")["scope"].as_str().expect("scope").to_owned();
-    let (status, answer) = admin.call("get", &format!("/admin/{}?from=ip:127.0.0.1", scope.replace("caller:", "callers/")), None).await;
+    let (status, answer) =
+        admin.call("get", &format!("/admin/{}?from=ip:127.0.0.1", scope.replace("caller:", "callers/")), None).await;
     assert_eq!(status, 200, "{answer}");
     let seen = answer["budgets"].as_array().and_then(|b| b.iter().find(|b| b["scope"] == scope)).cloned();
     assert_eq!(seen.map(|b| b["remaining"].clone()), Some(json!(19)), "the stranger's own budget: {answer}");

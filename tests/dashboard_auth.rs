@@ -30,7 +30,11 @@ fn required() -> String {
 }
 
 /// `GET path` with `authorization` (a whole header value) if given: status, headers, body.
-async fn get(server: &TestServer, path: &str, authorization: Option<&str>) -> (u16, reqwest::header::HeaderMap, String) {
+async fn get(
+    server: &TestServer,
+    path: &str,
+    authorization: Option<&str>,
+) -> (u16, reqwest::header::HeaderMap, String) {
     let mut request = reqwest::Client::new().get(format!("http://{}{path}", server.addr));
     if let Some(value) = authorization {
         request = request.header("authorization", value);
@@ -94,7 +98,8 @@ async fn a_configured_key_sees_its_tenants_rows_and_the_admin_key_everyones() {
     let own = data_as(&server, ACME_KEY).await;
     let rows = tenants(&own);
     assert!(!rows.is_empty() && rows.iter().all(|t| t == "acme"), "only acme's refusals: {own}");
-    let scopes: Vec<&str> = own["scopes"].as_array().expect("scopes").iter().filter_map(|s| s["scope"].as_str()).collect();
+    let scopes: Vec<&str> =
+        own["scopes"].as_array().expect("scopes").iter().filter_map(|s| s["scope"].as_str()).collect();
     assert!(scopes.contains(&"tenant:acme"), "its tenant's budget: {scopes:?}");
     assert!(own.to_string().matches("globex").count() == 0, "nothing of another tenant: {own}");
     // The counts per tool and the totals name nobody, and are everyone's.

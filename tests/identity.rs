@@ -102,8 +102,8 @@ async fn raw_caller_scope(session: &RawSession) -> String {
 
 #[tokio::test]
 async fn an_ipv4_client_of_a_dual_stack_listener_is_named_and_trusted_by_its_ipv4_address() {
-    let config = Config::from_toml("[server]\ntrust_proxy = true\n", &mcp_ratelimit::mcp::tools::catalogue())
-        .expect("config");
+    let config =
+        Config::from_toml("[server]\ntrust_proxy = true\n", &mcp_ratelimit::mcp::tools::catalogue()).expect("config");
     let app = Arc::new(App::start(config, ManualClock::new()).await.expect("server starts"));
     // Every address, IPv4 too (as ::ffff:a.b.c.d), on one IPv6 socket.
     let listener = tokio::net::TcpListener::bind("[::]:0").await.expect("bind [::]");

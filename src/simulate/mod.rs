@@ -404,7 +404,10 @@ fn pick_tool<'c>(config: &'c Config, asked: Option<&str>) -> Result<&'c str, Sim
 fn simulated_caller(config: &Config) -> Result<(Caller, String), SimulateError> {
     if let Some(key) = config.auth.keys.first() {
         let tenant = key.tenant.as_deref().map_or_else(|| "no tenant".to_owned(), |t| format!("tenant {t}"));
-        return Ok((Caller::of_key(key, &CallerIds::of(config)), format!("the first configured key ({tenant}, tier {})", key.tier)));
+        return Ok((
+            Caller::of_key(key, &CallerIds::of(config)),
+            format!("the first configured key ({tenant}, tier {})", key.tier),
+        ));
     }
     let mut headers = http::HeaderMap::new();
     headers.insert(http::header::AUTHORIZATION, http::HeaderValue::from_static("Bearer simulated-agent"));
