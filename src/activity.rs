@@ -169,9 +169,10 @@ struct Level {
 }
 
 impl Level {
-    /// Notes that `caller` (hashed as `hash`) was just seen on this scope.
-    fn seen(&mut self, caller: &Caller, hash: u32) {
-        self.bucket = caller.bucket();
+    /// Notes that `caller` (hashed as `hash`, in metrics bucket `bucket`) was just seen on this
+    /// scope.
+    fn seen(&mut self, caller: &Caller, hash: u32, bucket: u8) {
+        self.bucket = bucket;
         self.caller = hash;
         if self.tenant.as_deref() != caller.tenant() {
             self.tenant = caller.tenant_shared().cloned();
@@ -346,14 +347,14 @@ impl Activity {
         if !low && !n.is_multiple_of(SAMPLE_EVERY) {
             return;
         }
-        let hash = self.hash(caller.id());
+        let (hash, bucket) = (self.hash(caller.id()), caller.bucket());
         let mut name = String::with_capacity(64);
         let mut recent = self.recent();
         for (scope, d) in levels {
             self.redact_into(scope, caller, &mut name);
             recent.touch(&name, now, |level| {
                 (level.limit, level.remaining) = (d.limit, d.remaining);
-                level.seen(caller, hash);
+                level.seen(caller, hash, bucket);
                 level.samples += 1;
             });
         }
@@ -374,7 +375,7 @@ impl Activity {
         let scope: Option<Arc<str>> = match refused.scope {
             None => None,
             Some(_) if is_budget(&scope) => Some(recent.touch(&scope, now, |level| {
-                level.seen(caller, hash);
+                level.seen(caller, hash, bucket);
                 level.refused += 1;
                 if let (Some(limit), Some(remaining)) = (refused.limit, refused.remaining) {
                     (level.limit, level.remaining) = (limit, remaining);
