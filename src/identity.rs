@@ -101,12 +101,6 @@ impl CallerIds {
     }
 }
 
-impl Default for CallerIds {
-    fn default() -> Self {
-        Self::unkeyed()
-    }
-}
-
 impl PartialEq for CallerIds {
     /// Whether both give every credential the same id: both unkeyed, or keyed alike (told apart
     /// by the id each gives one fixed digest).
