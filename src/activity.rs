@@ -161,8 +161,58 @@ struct Level {
     limit: u64,
     remaining: u64,
     bucket: u8,
+    /// The tenant, and the hashed caller, last seen on it: whose budget it is.
+    tenant: Option<Arc<str>>,
+    caller: u32,
     refused: u64,
     samples: u64,
+}
+
+impl Level {
+    /// Notes that `caller` (hashed as `hash`, in metrics bucket `bucket`) was just seen on this
+    /// scope.
+    fn seen(&mut self, caller: &Caller, hash: u32, bucket: u8) {
+        self.bucket = bucket;
+        self.caller = hash;
+        if self.tenant.as_deref() != caller.tenant() {
+            self.tenant = caller.tenant_shared().cloned();
+        }
+    }
+}
+
+/// Whose refusals, budgets and jobs a dashboard shows. The counts per tool and the totals name
+/// nobody and are everyone's whoever looks.
+#[derive(Debug, Clone, Copy)]
+pub enum Audience<'a> {
+    /// Everything (no key required, or the admin key).
+    Everyone,
+    /// What a configured key's caller may see: its tenant's rows, or, for a key without a
+    /// tenant, its own.
+    Of(&'a Caller),
+}
+
+impl Audience<'_> {
+    /// Whether a row of `tenant`'s, by the caller whose id is `caller` (hashed by `hash`), is shown.
+    fn sees(&self, tenant: Option<&str>, caller: u32, hash: impl Fn(&str) -> u32) -> bool {
+        match self {
+            Audience::Everyone => true,
+            Audience::Of(viewer) => match viewer.tenant() {
+                Some(own) => tenant == Some(own),
+                None => tenant.is_none() && caller == hash(viewer.id()),
+            },
+        }
+    }
+
+    /// Whether a job of `owner` (a caller id) and `tenant` is shown.
+    pub fn sees_job(&self, owner: &str, tenant: Option<&str>) -> bool {
+        match self {
+            Audience::Everyone => true,
+            Audience::Of(viewer) => match viewer.tenant() {
+                Some(own) => tenant == Some(own),
+                None => tenant.is_none() && owner == viewer.id(),
+            },
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -188,7 +238,17 @@ impl Recent {
             self.scopes.remove(&oldest);
         }
         let name: Arc<str> = Arc::from(scope);
-        let mut level = Level { name: name.clone(), at, limit: 0, remaining: 0, bucket: 0, refused: 0, samples: 0 };
+        let mut level = Level {
+            name: name.clone(),
+            at,
+            limit: 0,
+            remaining: 0,
+            bucket: 0,
+            tenant: None,
+            caller: 0,
+            refused: 0,
+            samples: 0,
+        };
         update(&mut level);
         self.scopes.insert(name.clone(), level);
         name
@@ -209,13 +269,22 @@ impl Recent {
 }
 
 /// What the limits did lately: fed by the guard and the tool door, read by the dashboard.
-#[derive(Debug)]
 pub struct Activity {
     /// Keys the hash callers and addresses are shown by.
     key: u64,
     admitted: AtomicU64,
     refused: AtomicU64,
     recent: Mutex<Recent>,
+}
+
+impl std::fmt::Debug for Activity {
+    /// The counts, never the hash key (with it, a hashed caller could be tested against guesses).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Activity")
+            .field("admitted", &self.admitted.load(Ordering::Relaxed))
+            .field("refused", &self.refused.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for Activity {
@@ -278,13 +347,14 @@ impl Activity {
         if !low && !n.is_multiple_of(SAMPLE_EVERY) {
             return;
         }
-        let bucket = caller.bucket();
+        let (hash, bucket) = (self.hash(caller.id()), caller.bucket());
         let mut name = String::with_capacity(64);
         let mut recent = self.recent();
         for (scope, d) in levels {
             self.redact_into(scope, caller, &mut name);
             recent.touch(&name, now, |level| {
-                (level.limit, level.remaining, level.bucket) = (d.limit, d.remaining, bucket);
+                (level.limit, level.remaining) = (d.limit, d.remaining);
+                level.seen(caller, hash, bucket);
                 level.samples += 1;
             });
         }
@@ -300,11 +370,12 @@ impl Activity {
         if let Some(name) = refused.scope {
             self.redact_into(name, caller, &mut scope);
         }
+        let hash = self.hash(caller.id());
         let mut recent = self.recent();
         let scope: Option<Arc<str>> = match refused.scope {
             None => None,
             Some(_) if is_budget(&scope) => Some(recent.touch(&scope, now, |level| {
-                level.bucket = bucket;
+                level.seen(caller, hash, bucket);
                 level.refused += 1;
                 if let (Some(limit), Some(remaining)) = (refused.limit, refused.remaining) {
                     (level.limit, level.remaining) = (limit, remaining);
@@ -321,7 +392,7 @@ impl Activity {
             layer: refused.layer,
             tool,
             code: refused.code,
-            caller: self.hash(caller.id()),
+            caller: hash,
             bucket,
             tenant,
             scope,
@@ -334,6 +405,13 @@ impl Activity {
 
     /// What the dashboard shows at `now`: the last ten minutes.
     pub fn snapshot(&self, now: Nanos) -> Snapshot {
+        self.snapshot_for(now, Audience::Everyone)
+    }
+
+    /// What the dashboard shows `audience` at `now`: the counts per tool and the totals, and of
+    /// the latest refusals and the busiest budgets those `audience` may see.
+    pub fn snapshot_for(&self, now: Nanos, audience: Audience<'_>) -> Snapshot {
+        let hash = |id: &str| self.hash(id);
         let bucket = now / BUCKET;
         let window = BUCKET * BUCKETS as u64;
         let recent_enough = |at: Nanos| now.saturating_sub(at) < window;
@@ -371,7 +449,7 @@ impl Activity {
         let latest = recent
             .latest
             .iter()
-            .filter(|e| recent_enough(e.at))
+            .filter(|e| recent_enough(e.at) && audience.sees(e.tenant.as_deref(), e.caller, hash))
             .map(|e| LatestRefusal {
                 ago_ms: ago_ms(e.at),
                 layer: e.layer.as_str(),
@@ -388,7 +466,8 @@ impl Activity {
             })
             .collect();
         recent.scopes.retain(|_, level| recent_enough(level.at));
-        let mut scopes: Vec<(&Arc<str>, &Level)> = recent.scopes.iter().collect();
+        let mut scopes: Vec<(&Arc<str>, &Level)> =
+            recent.scopes.iter().filter(|(_, l)| audience.sees(l.tenant.as_deref(), l.caller, hash)).collect();
         // Busiest: most refused, then fullest (least left of its limit), then most seen.
         let used = |l: &Level| if l.limit == 0 { 0.0 } else { 1.0 - l.remaining as f64 / l.limit as f64 };
         scopes.sort_by(|(an, a), (bn, b)| {
@@ -567,6 +646,14 @@ pub struct ScopeLevel {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_debug_print_never_shows_the_hash_key() {
+        let activity = Activity::new();
+        let printed = format!("{activity:?}{activity:#?}");
+        assert!(!printed.contains(&activity.key.to_string()), "{printed}");
+        assert!(printed.contains("admitted"), "{printed}");
+    }
+
     fn refused<'a>(tool: &'a str, scope: &'a str, message: &'a str) -> Refused<'a> {
         Refused {
             layer: Layer::Tool,
@@ -602,6 +689,47 @@ mod tests {
         // A lap later the ring's slots are reused from zero.
         activity.refused(&caller, refused("list_articles", "caller:x", "wait"), 20 * 60 * NANOS_PER_SEC);
         assert_eq!(activity.snapshot(20 * 60 * NANOS_PER_SEC).tools[0].per_bucket.iter().sum::<u32>(), 1);
+    }
+
+    #[test]
+    fn an_audience_of_one_key_sees_its_tenants_rows_or_its_own() {
+        use sha2::Digest as _;
+        let key = |name: &str, tenant: Option<&str>| {
+            let key = crate::config::ApiKey {
+                sha256: sha2::Sha256::digest(name.as_bytes()).into(),
+                tenant: tenant.map(str::to_owned),
+                tier: "default".to_owned(),
+                caller: None,
+            };
+            Caller::of_key(&key, &crate::identity::CallerIds::unkeyed())
+        };
+        let (acme, acme_too, globex) = (key("a", Some("acme")), key("b", Some("acme")), key("g", Some("globex")));
+        let (carol, dave) = (key("c", None), key("d", None));
+        let activity = Activity::new();
+        let d = Decision { allowed: true, limit: 60, remaining: 1, retry_after: 0, reset_after: 0 };
+        for caller in [&acme, &acme_too, &globex, &carol, &dave] {
+            let own = format!("caller:{}", caller.id());
+            activity.refused(caller, refused("list_articles", &own, "wait"), 0);
+            let shared = format!("tenant:{}", caller.tenant().unwrap_or("-"));
+            activity.admitted(caller, [(shared.as_str(), &d)].into_iter(), 0);
+        }
+        let everyone = activity.snapshot(0);
+        assert_eq!((everyone.latest.len(), everyone.scopes.len()), (5, 8));
+        let seen = |viewer: &Caller| activity.snapshot_for(0, Audience::Of(viewer));
+        let of_acme = seen(&acme_too);
+        assert_eq!(of_acme.latest.len(), 2, "both acme callers' refusals");
+        assert!(of_acme.latest.iter().all(|r| r.tenant.as_deref() == Some("acme")));
+        assert_eq!(of_acme.scopes.iter().filter(|s| s.scope == "tenant:acme").count(), 1);
+        assert_eq!(of_acme.scopes.len(), 3, "acme's budget and both its callers'");
+        let of_carol = seen(&carol);
+        assert_eq!(of_carol.latest.len(), 1, "only carol's own: {of_carol:?}");
+        assert_eq!(of_carol.latest[0].caller, activity.hashed(carol.id()));
+        let scopes: Vec<&str> = of_carol.scopes.iter().map(|s| s.scope.as_str()).collect();
+        assert_eq!(scopes, [format!("caller:{}", activity.hashed(carol.id()))], "not dave's, tenant-less too");
+        assert_eq!((of_carol.refused_total, of_carol.tools.len()), (5, 1), "the counts are everyone's");
+        assert!(Audience::Of(&carol).sees_job(carol.id(), None) && !Audience::Of(&carol).sees_job(dave.id(), None));
+        assert!(Audience::Of(&acme).sees_job(acme_too.id(), Some("acme")));
+        assert!(!Audience::Of(&acme).sees_job(globex.id(), Some("globex")));
     }
 
     #[test]

@@ -51,12 +51,22 @@ pub enum AppError {
 }
 
 /// A started server: state, the embedded mock upstream if any, and the housekeeping task.
-#[derive(Debug)]
 pub struct App {
     state: Arc<AppState>,
     upstream_url: String,
     stop: CancellationToken,
     _mock: Option<MockUpstream>,
+}
+
+impl std::fmt::Debug for App {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("App")
+            .field("state", &self.state)
+            .field("upstream_url", &crate::redact::url(&self.upstream_url))
+            .field("stop", &self.stop)
+            .field("mock", &self._mock)
+            .finish()
+    }
 }
 
 impl App {

@@ -17,6 +17,7 @@ use sha2::{Digest, Sha256};
 use crate::limit::{
     ALGORITHMS, Concurrency, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingLog, SlidingWindow, TokenBucket,
 };
+use crate::redact::Secret;
 
 /// The documented defaults, the base layer under every config.
 pub const DEFAULT_TOML: &str = include_str!("../config.toml");
@@ -151,6 +152,9 @@ impl std::fmt::Debug for AdminConfig {
 /// The shortest admin key accepted: it guards every budget of every caller.
 const MIN_ADMIN_KEY_CHARS: usize = 16;
 
+/// The shortest `auth.id_secret` accepted: a short one could itself be found by trying.
+const MIN_ID_SECRET_CHARS: usize = 16;
+
 /// `[server]`.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -188,10 +192,13 @@ pub struct AuthConfig {
     pub anonymous_tier: String,
     /// The configured keys.
     pub keys: Vec<ApiKey>,
+    /// `auth.id_secret`, which keys caller ids (see [`CallerIds`](crate::identity::CallerIds));
+    /// `None`: unkeyed ids.
+    pub id_secret: Option<Secret>,
 }
 
 /// A configured API key: its SHA-256, and the tenant and tier it belongs to.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ApiKey {
     /// SHA-256 of the key; the key itself is not kept.
     pub sha256: [u8; 32],
@@ -201,6 +208,14 @@ pub struct ApiKey {
     pub tier: String,
     /// The key's own caller budget, instead of its tier's (not scaled by the tier).
     pub caller: Option<Vec<Limit>>,
+}
+
+impl std::fmt::Debug for ApiKey {
+    /// Everything but the digest: of a short plaintext key, it would give the key away.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self { sha256: _, tenant, tier, caller } = self;
+        f.debug_struct("ApiKey").field("tenant", tenant).field("tier", tier).field("caller", caller).finish()
+    }
 }
 
 /// Whether a limit refuses, or only counts the calls it would have refused.
@@ -339,7 +354,7 @@ pub enum Fail {
 }
 
 /// `[upstream]`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct UpstreamConfig {
     /// Base URL; empty means "start the embedded mock".
@@ -399,6 +414,31 @@ fn share_of(whole: usize, share: f64) -> usize {
     if share >= 1.0 { whole } else { (whole as f64 * share.max(0.0)).floor() as usize }
 }
 
+impl std::fmt::Debug for UpstreamConfig {
+    /// The URL without its password (`https://user:token@…` is how some APIs take a key); a new
+    /// field shows once it is listed here.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamConfig")
+            .field("url", &crate::redact::url(&self.url))
+            .field("timeout_ms", &self.timeout_ms)
+            .field("image_poll_seconds", &self.image_poll_seconds)
+            .field("video_poll_seconds", &self.video_poll_seconds)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("queue_max", &self.queue_max)
+            .field("video_min_gap_ms", &self.video_min_gap_ms)
+            .field("video_queue_max", &self.video_queue_max)
+            .field("max_attempts", &self.max_attempts)
+            .field("max_retry_after_ms", &self.max_retry_after_ms)
+            .field("job_expiry_seconds", &self.job_expiry_seconds)
+            .field("breaker_failures", &self.breaker_failures)
+            .field("breaker_cooldown_ms", &self.breaker_cooldown_ms)
+            .field("retry_budget_ratio", &self.retry_budget_ratio)
+            .field("retry_budget_min_retries", &self.retry_budget_min_retries)
+            .field("retry_budget_window_ms", &self.retry_budget_window_ms)
+            .finish()
+    }
+}
+
 /// `[loop_detection]`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -412,7 +452,7 @@ pub struct LoopDetectionConfig {
 }
 
 /// `[store]`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreConfig {
     /// Where limiter state lives.
@@ -432,6 +472,23 @@ pub struct StoreConfig {
     /// Server instances expected to share the store: the insurance limiter gives each
     /// 1/`expected_instances` of every limit while the store cannot decide.
     pub expected_instances: u32,
+}
+
+impl std::fmt::Debug for StoreConfig {
+    /// The Redis URL without its password.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self { backend, redis_url, redis_ca_file, timeout_ms, lease_ms, sweep_interval_ms, expected_instances } =
+            self;
+        f.debug_struct("StoreConfig")
+            .field("backend", backend)
+            .field("redis_url", &crate::redact::url(redis_url))
+            .field("redis_ca_file", redis_ca_file)
+            .field("timeout_ms", timeout_ms)
+            .field("lease_ms", lease_ms)
+            .field("sweep_interval_ms", sweep_interval_ms)
+            .field("expected_instances", expected_instances)
+            .finish()
+    }
 }
 
 impl StoreConfig {
@@ -519,16 +576,17 @@ struct RawServer {
     body_read_timeout_ms: u64,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawAuth {
     required: bool,
     anonymous_tier: String,
+    id_secret: String,
     #[serde(default)]
     keys: Vec<RawKey>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawKey {
     key: Option<String>,
@@ -536,6 +594,32 @@ struct RawKey {
     tenant: Option<String>,
     tier: Option<String>,
     caller: Option<RawScope>,
+}
+
+impl std::fmt::Debug for RawAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self { required, anonymous_tier, id_secret, keys } = self;
+        f.debug_struct("RawAuth")
+            .field("required", required)
+            .field("anonymous_tier", anonymous_tier)
+            .field("id_secret", &if id_secret.trim().is_empty() { "" } else { "<redacted>" })
+            .field("keys", keys)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for RawKey {
+    /// Whether the key is given as plaintext or as a digest, never either.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self { key, sha256, tenant, tier, caller } = self;
+        f.debug_struct("RawKey")
+            .field("key", &key.as_ref().map(|_| "<redacted>"))
+            .field("sha256", &sha256.as_ref().map(|_| "<redacted>"))
+            .field("tenant", tenant)
+            .field("tier", tier)
+            .field("caller", caller)
+            .finish()
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -748,10 +832,11 @@ impl Config {
         let _ = writeln!(out, "tiers (scale per-caller scopes): {}", tiers.join(", "));
         let _ = writeln!(
             out,
-            "auth: {} configured key(s), key required: {}, anonymous tier: {}",
+            "auth: {} configured key(s), key required: {}, anonymous tier: {}, caller ids: {}",
             self.auth.keys.len(),
             self.auth.required,
-            self.auth.anonymous_tier
+            self.auth.anonymous_tier,
+            if self.auth.id_secret.is_some() { "keyed (auth.id_secret)" } else { "unkeyed SHA-256" }
         );
         let up = &self.upstream;
         let _ = writeln!(
@@ -925,6 +1010,7 @@ impl RawConfig {
         if self.auth.required && keys.is_empty() {
             return Err(invalid("auth.required", "is true but no `[[auth.keys]]` are configured: nobody could call"));
         }
+        let id_secret = id_secret(&self.auth.id_secret)?;
 
         let caps = self.spend_caps;
         if !(caps.price_per_unit.is_finite() && caps.price_per_unit >= 0.0) {
@@ -1133,7 +1219,12 @@ impl RawConfig {
                 header_read_timeout: Duration::from_millis(server.header_read_timeout_ms),
                 body_read_timeout: Duration::from_millis(server.body_read_timeout_ms),
             },
-            auth: AuthConfig { required: self.auth.required, anonymous_tier: self.auth.anonymous_tier, keys },
+            auth: AuthConfig {
+                required: self.auth.required,
+                anonymous_tier: self.auth.anonymous_tier,
+                keys,
+                id_secret,
+            },
             tiers,
             limits,
             spend_caps,
@@ -1163,6 +1254,26 @@ impl RawAdmin {
         let key_sha256 = (!key.is_empty()).then(|| Sha256::digest(key.as_bytes()).into());
         Ok(AdminConfig { listen: self.listen, key_sha256 })
     }
+}
+
+/// `auth.id_secret`: `None` when it is empty, else the secret, at least [`MIN_ID_SECRET_CHARS`]
+/// long (the message of a refused secret never shows it).
+fn id_secret(secret: &str) -> Result<Option<Secret>, ConfigError> {
+    let secret = secret.trim();
+    if secret.is_empty() {
+        return Ok(None);
+    }
+    let chars = secret.chars().count();
+    if chars < MIN_ID_SECRET_CHARS {
+        return Err(invalid(
+            "auth.id_secret",
+            format!(
+                "is {chars} characters; an id secret needs at least {MIN_ID_SECRET_CHARS} (e.g. `openssl rand -hex 32`), \
+                 or leave it empty for unkeyed caller ids"
+            ),
+        ));
+    }
+    Ok(Some(Secret::new(secret)))
 }
 
 /// Largest count a limit may have (window counters are kept in 32 bits).
@@ -1394,6 +1505,36 @@ mod tests {
         let on = Config::from_toml_test("[admin]\nkey = \"0123456789abcdef\"\n").expect("16 characters");
         assert!(on.admin.key_sha256.is_some());
         assert!(!format!("{on:?}").contains("0123456789abcdef"), "the key never shows in a Debug print");
+    }
+
+    #[test]
+    fn the_raw_config_prints_no_secret_either() {
+        let toml = "[store]\nredis_url = \"redis://:redis-pw-hush@h:1,redis://:other-pw-hush@g:2\"\n\
+                    [upstream]\nurl = \"https://u:upstream-pw-hush@api.example.com/\"\n\
+                    [admin]\nkey = \"admin-key-hush-01234\"\n[auth]\nid_secret = \"id-secret-hush-01234\"\n\
+                    [[auth.keys]]\nkey = \"plain-key-hush\"\n[[auth.keys]]\nsha256 = \"ab12cd34\"\n";
+        let raw = Config::defaults_for(&reference())
+            .expect("defaults")
+            .add_source(config::File::from_str(toml, config::FileFormat::Toml))
+            .build()
+            .expect("builds")
+            .try_deserialize::<RawConfig>()
+            .expect("a raw config");
+        for printed in [format!("{raw:?}"), format!("{raw:#?}")] {
+            assert!(!printed.contains("hush") && !printed.contains("ab12cd34"), "{printed}");
+            assert!(printed.contains("redis://***@h:1,redis://***@g:2") && printed.contains("RawKey"), "{printed}");
+        }
+    }
+
+    #[test]
+    fn a_short_id_secret_is_refused_without_showing_it() {
+        let e = err("[auth]\nid_secret = \"too-short\"\n");
+        assert!(e.contains("auth.id_secret") && e.contains("16") && !e.contains("too-short"), "{e}");
+        assert!(Config::from_toml_test("[auth]\nid_secret = \"  \"\n").expect("blank").auth.id_secret.is_none());
+        let on = Config::from_toml_test("[auth]\nid_secret = \" 0123456789abcdef \"\n").expect("16 characters");
+        assert_eq!(on.auth.id_secret.as_ref().map(Secret::expose), Some("0123456789abcdef"), "trimmed");
+        assert!(on.limits_table().contains("caller ids: keyed (auth.id_secret)"), "{}", on.limits_table());
+        assert!(!format!("{on:?}{on:#?}").contains("0123456789abcdef"), "the secret never shows in a Debug print");
     }
 
     #[test]

@@ -6,6 +6,11 @@
 //! a metric label. A configured key also names the caller's tenant (whose budget it shares)
 //! and tier (which scales its own budgets).
 //!
+//! Caller ids are shown (refusal scopes, `rate_limit_status`, logs), and an unkeyed hash of a
+//! short key can be reversed by trying keys. With `auth.id_secret` the id is keyed instead:
+//! `tok:` + 16 hex digits of HMAC-SHA256(id_secret, SHA-256(key)) ([`CallerIds`]). It is
+//! computed from the key's SHA-256, so keys configured only by their digest get one too.
+//!
 //! A credential that is not a configured key proves nothing: anyone can make one up. Such a
 //! caller (and one with no credential) is *unverified*, and also carries the address it came
 //! from (IPv6 by its /64, which one host can hold whole), so the guard can charge every
@@ -21,6 +26,7 @@ use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
 
+use hmac::{Hmac, Mac};
 use http::HeaderMap;
 use ipnet::IpNet;
 use sha2::{Digest, Sha256};
@@ -36,38 +42,113 @@ pub struct Caller {
     unverified_from: Option<Arc<str>>,
 }
 
+/// How a credential's caller id is derived from its SHA-256: unkeyed (the first 64 bits of the
+/// digest), or keyed with `auth.id_secret` (the first 64 bits of HMAC-SHA256(id_secret, digest)),
+/// so that an id, which is shown, says nothing about the key without the secret. Every instance
+/// sharing budgets must derive ids alike: the id is every budget's key.
+#[derive(Clone)]
+pub struct CallerIds {
+    /// HMAC-SHA256 keyed with the secret, ready to be cloned per id; `None`: unkeyed.
+    mac: Option<Hmac<Sha256>>,
+}
+
+impl CallerIds {
+    /// The ids `config` asks for: keyed with its `auth.id_secret`, or unkeyed without one.
+    pub fn of(config: &Config) -> Self {
+        config.auth.id_secret.as_ref().map_or_else(Self::unkeyed, |secret| Self::keyed(secret.expose()))
+    }
+
+    /// Ids as the first 64 bits of the credential's SHA-256 (no `auth.id_secret`).
+    pub fn unkeyed() -> Self {
+        Self { mac: None }
+    }
+
+    /// Ids keyed with `secret` (its bytes are the HMAC key).
+    pub fn keyed(secret: &str) -> Self {
+        // RFC 2104: a key longer than SHA-256's 64-byte block is hashed first, and the key is then
+        // zero-padded to the block. Doing that here gives the same MAC through the infallible
+        // fixed-size constructor.
+        let mut block = [0u8; 64];
+        if secret.len() > block.len() {
+            block[..32].copy_from_slice(&Sha256::digest(secret.as_bytes()));
+        } else {
+            block[..secret.len()].copy_from_slice(secret.as_bytes());
+        }
+        Self { mac: Some(<Hmac<Sha256> as hmac::digest::KeyInit>::new(&block.into())) }
+    }
+
+    /// Whether ids are keyed with a secret.
+    pub fn is_keyed(&self) -> bool {
+        self.mac.is_some()
+    }
+
+    /// The id of the caller whose credential has SHA-256 `digest`: `tok:` and 64 bits of the
+    /// digest, or of its HMAC, so the credential itself cannot be read back.
+    pub fn id_of_digest(&self, digest: &[u8; 32]) -> String {
+        match &self.mac {
+            None => tok_id(&digest[..8]),
+            Some(mac) => {
+                let mut mac = mac.clone();
+                mac.update(digest);
+                tok_id(&mac.finalize().into_bytes()[..8])
+            }
+        }
+    }
+
+    /// The id of the caller presenting `token`.
+    pub fn id_of_token(&self, token: &str) -> String {
+        self.id_of_digest(&Sha256::digest(token.as_bytes()).into())
+    }
+}
+
+impl PartialEq for CallerIds {
+    /// Whether both give every credential the same id: both unkeyed, or keyed alike (told apart
+    /// by the id each gives one fixed digest).
+    fn eq(&self, other: &Self) -> bool {
+        self.is_keyed() == other.is_keyed() && self.id_of_digest(&[0; 32]) == other.id_of_digest(&[0; 32])
+    }
+}
+
+impl fmt::Debug for CallerIds {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CallerIds").field("keyed", &self.is_keyed()).finish()
+    }
+}
+
+/// `tok:` and the hex digits of `bytes`.
+fn tok_id(bytes: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut id = String::with_capacity(4 + 2 * bytes.len());
+    id.push_str("tok:");
+    for byte in bytes {
+        id.push(char::from(HEX[usize::from(byte >> 4)]));
+        id.push(char::from(HEX[usize::from(byte & 0x0f)]));
+    }
+    id
+}
+
 impl Caller {
     fn from_digest(
+        ids: &CallerIds,
         digest: &[u8; 32],
         tenant: Option<Arc<str>>,
         tier: Arc<str>,
         unverified_from: Option<Arc<str>>,
     ) -> Self {
-        Self { id: Self::id_of_digest(digest), tenant, tier, unverified_from }
+        Self { id: ids.id_of_digest(digest), tenant, tier, unverified_from }
     }
 
-    /// The id of the caller whose credential has SHA-256 `digest`: `tok:` and 64 bits of it, so
-    /// the credential itself cannot be read back.
-    pub fn id_of_digest(digest: &[u8; 32]) -> String {
-        const HEX: &[u8; 16] = b"0123456789abcdef";
-        let mut id = String::with_capacity(20);
-        id.push_str("tok:");
-        for byte in &digest[..8] {
-            id.push(char::from(HEX[usize::from(byte >> 4)]));
-            id.push(char::from(HEX[usize::from(byte & 0x0f)]));
-        }
-        id
-    }
-
-    /// A caller known by a credential (tier `default`, no tenant, not tied to an address).
+    /// A caller known by a credential (tier `default`, no tenant, not tied to an address), named
+    /// as a server without `auth.id_secret` names it.
     pub fn from_token(token: &str) -> Self {
-        Self::from_digest(&Sha256::digest(token.as_bytes()).into(), None, "default".into(), None)
+        Self::from_digest(&CallerIds::unkeyed(), &Sha256::digest(token.as_bytes()).into(), None, "default".into(), None)
     }
 
-    /// The caller a configured key names, with its tenant and tier: what [`Identifier::identify`]
-    /// returns for that key, for callers that act as a key without holding it (the simulator).
-    pub fn of_key(key: &ApiKey) -> Self {
-        Self::from_digest(&key.sha256, key.tenant.as_deref().map(Arc::from), Arc::from(key.tier.as_str()), None)
+    /// The caller a configured key names, with its tenant and tier, its id derived by `ids` (the
+    /// config's `auth.id_secret`): what [`Identifier::identify`] returns for that key, for callers
+    /// that act as a key without holding it (the simulator).
+    pub fn of_key(key: &ApiKey, ids: &CallerIds) -> Self {
+        Self::from_digest(ids, &key.sha256, key.tenant.as_deref().map(Arc::from), Arc::from(key.tier.as_str()), None)
     }
 
     /// The stable, non-secret identifier (`tok:…`, `ip:…` or `local`).
@@ -78,6 +159,11 @@ impl Caller {
     /// The tenant whose shared budget this caller draws on, if its key has one.
     pub fn tenant(&self) -> Option<&str> {
         self.tenant.as_deref()
+    }
+
+    /// [`Caller::tenant`], shared (for records that keep it).
+    pub(crate) fn tenant_shared(&self) -> Option<&Arc<str>> {
+        self.tenant.as_ref()
     }
 
     /// The tier scaling this caller's own budgets.
@@ -143,13 +229,27 @@ pub enum UnknownCaller {
 }
 
 /// Turns requests into callers, per the `[auth]` and `[server]` config.
-#[derive(Debug)]
 pub struct Identifier {
     keys: HashMap<[u8; 32], KeyInfo>,
+    ids: CallerIds,
     required: bool,
     anonymous_tier: Arc<str>,
     trust_proxy: bool,
     trusted_proxies: Vec<IpNet>,
+}
+
+impl fmt::Debug for Identifier {
+    /// How many keys, never their digests (of a short plaintext key, a digest gives it away).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Identifier")
+            .field("keys", &self.keys.len())
+            .field("ids", &self.ids)
+            .field("required", &self.required)
+            .field("anonymous_tier", &self.anonymous_tier)
+            .field("trust_proxy", &self.trust_proxy)
+            .field("trusted_proxies", &self.trusted_proxies)
+            .finish()
+    }
 }
 
 impl Identifier {
@@ -165,6 +265,7 @@ impl Identifier {
             .collect();
         Self {
             keys,
+            ids: CallerIds::of(config),
             required: config.auth.required,
             anonymous_tier: Arc::from(config.auth.anonymous_tier.as_str()),
             trust_proxy: config.server.trust_proxy,
@@ -175,7 +276,7 @@ impl Identifier {
     /// The caller a configured key's SHA-256 names, as requests presenting that key are named.
     pub fn configured(&self, sha256: &[u8; 32]) -> Option<Caller> {
         let info = self.keys.get(sha256)?;
-        Some(Caller::from_digest(sha256, info.tenant.clone(), info.tier.clone(), None))
+        Some(Caller::from_digest(&self.ids, sha256, info.tenant.clone(), info.tier.clone(), None))
     }
 
     /// A caller of `tenant`, through which an operator reaches the tenant's budgets; `None` when
@@ -208,12 +309,22 @@ impl Identifier {
         }
         let ip = match id.strip_prefix("ip:") {
             Some("unknown") => None,
-            Some(ip) => Some(ip.parse::<IpAddr>().map_err(|_| UnknownCaller::Malformed(id.to_owned()))?),
+            Some(ip) => Some(ip.parse::<IpAddr>().map_err(|_| UnknownCaller::Malformed(id.to_owned()))?.to_canonical()),
             None => return Err(UnknownCaller::Malformed(id.to_owned())),
         };
         let id = ip.map_or_else(|| "ip:unknown".to_owned(), |ip| format!("ip:{ip}"));
         let from = Some(Arc::from(address_of(ip)));
         Ok(Caller { id, tenant: None, tier: self.anonymous_tier.clone(), unverified_from: from })
+    }
+
+    /// How this identifier derives caller ids from credentials.
+    pub fn ids(&self) -> &CallerIds {
+        &self.ids
+    }
+
+    /// Whether requests without a configured key are refused (`auth.required`).
+    pub fn required(&self) -> bool {
+        self.required
     }
 
     /// The single caller behind a stdio transport: the local user, trusted like a default key.
@@ -227,11 +338,14 @@ impl Identifier {
             Some(token) => {
                 let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
                 match self.keys.get(&digest) {
-                    Some(info) => Ok(Caller::from_digest(&digest, info.tenant.clone(), info.tier.clone(), None)),
+                    Some(info) => {
+                        Ok(Caller::from_digest(&self.ids, &digest, info.tenant.clone(), info.tier.clone(), None))
+                    }
                     None if self.required => Err(Unauthorized::Unknown),
                     None => {
                         let from = address_of(self.client_ip(headers, peer));
-                        Ok(Caller::from_digest(&digest, None, self.anonymous_tier.clone(), Some(from.into())))
+                        let tier = self.anonymous_tier.clone();
+                        Ok(Caller::from_digest(&self.ids, &digest, None, tier, Some(from.into())))
                     }
                 }
             }
@@ -248,14 +362,22 @@ impl Identifier {
         }
     }
 
+    /// Whether `ip` (canonical: an IPv4-mapped IPv6 address is its IPv4 one) is a trusted proxy,
+    /// whether the proxy is written as IPv4 (`127.0.0.1/8`) or IPv4-mapped (`::ffff:10.0.0.0/104`).
     fn trusted(&self, ip: IpAddr) -> bool {
-        self.trusted_proxies.iter().any(|net| net.contains(&ip))
+        let mapped = match ip {
+            IpAddr::V4(v4) => Some(IpAddr::V6(v4.to_ipv6_mapped())),
+            IpAddr::V6(_) => None,
+        };
+        self.trusted_proxies.iter().any(|net| net.contains(&ip) || mapped.is_some_and(|m| net.contains(&m)))
     }
 
     /// The peer, or with `trust_proxy` and a trusted peer, the right-most untrusted
-    /// `X-Forwarded-For` hop.
+    /// `X-Forwarded-For` hop. Addresses are canonical: on a dual-stack listener an IPv4 client
+    /// arrives as `::ffff:a.b.c.d`, and it is `a.b.c.d` both to `server.trusted_proxies` and in
+    /// the caller's `ip:` id.
     fn client_ip(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> Option<IpAddr> {
-        let peer = peer?;
+        let peer = peer?.to_canonical();
         if !self.trust_proxy || !self.trusted(peer) {
             return Some(peer);
         }
@@ -268,7 +390,7 @@ impl Identifier {
             .collect::<Vec<_>>();
         let mut client = peer;
         for hop in hops.iter().rev() {
-            let Some(ip) = parse_hop(hop) else { break };
+            let Some(ip) = parse_hop(hop).map(|ip| ip.to_canonical()) else { break };
             client = ip;
             if !self.trusted(ip) {
                 break;
@@ -373,7 +495,11 @@ mod tests {
             &crate::config::Catalogue::new(),
         )
         .expect("config");
-        assert_eq!(Caller::of_key(&config.auth.keys[0]), c, "the key's caller without the key");
+        assert_eq!(
+            Caller::of_key(&config.auth.keys[0], &CallerIds::of(&config)),
+            c,
+            "the key's caller without the key"
+        );
         let other = id.identify(&headers(&[("x-api-key", "k2")]), None).expect("anonymous");
         assert_eq!((other.tenant(), other.tier()), (None, "default"));
     }
@@ -419,5 +545,105 @@ mod tests {
         assert_eq!(on.identify(&chain, ip("127.0.0.1")).expect("caller").id(), "ip:203.0.113.7");
         let garbage = headers(&[("x-forwarded-for", "not-an-ip, 10.1.2.3")]);
         assert_eq!(on.identify(&garbage, ip("127.0.0.1")).expect("caller").id(), "ip:10.1.2.3");
+    }
+
+    /// HMAC-SHA256 written out from RFC 2104 (a reference that shares no code with `hmac`).
+    fn reference_hmac(key: &[u8], message: &[u8]) -> [u8; 32] {
+        let mut block = [0u8; 64];
+        if key.len() > 64 {
+            block[..32].copy_from_slice(&Sha256::digest(key));
+        } else {
+            block[..key.len()].copy_from_slice(key);
+        }
+        let pad = |byte: u8| block.iter().map(|b| b ^ byte).collect::<Vec<u8>>();
+        let inner = Sha256::new().chain_update(pad(0x36)).chain_update(message).finalize();
+        Sha256::new().chain_update(pad(0x5c)).chain_update(inner).finalize().into()
+    }
+
+    const SECRET: &str = "id-secret-for-tests-0123456789";
+
+    #[test]
+    fn an_id_secret_keys_caller_ids_with_hmac_of_the_keys_sha256() {
+        let keyed = identifier(&format!("[auth]\nid_secret = \"{SECRET}\"\n"));
+        let c =
+            keyed.identify(&headers(&[("authorization", "Bearer sk-live-secret")]), ip("10.0.0.1")).expect("caller");
+        let digest: [u8; 32] = Sha256::digest(b"sk-live-secret").into();
+        let mac = reference_hmac(SECRET.as_bytes(), &digest);
+        let expected: String = mac[..8].iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(c.id(), format!("tok:{expected}"), "tok: + 16 hex of HMAC-SHA256(id_secret, SHA-256(key))");
+        assert_ne!(c.id(), Caller::from_token("sk-live-secret").id(), "not the unkeyed SHA-256 prefix");
+        let again = identifier(&format!("[auth]\nid_secret = \"{SECRET}\"\n"));
+        assert_eq!(again.identify(&headers(&[("x-api-key", "sk-live-secret")]), ip("10.0.0.1")), Ok(c.clone()));
+        // A secret longer than SHA-256's block is hashed first, as HMAC says.
+        let long = "a-long-secret-".repeat(8);
+        let long_id = identifier(&format!("[auth]\nid_secret = \"{long}\"\n"))
+            .identify(&headers(&[("x-api-key", "sk-live-secret")]), None)
+            .expect("caller");
+        let mac = reference_hmac(long.as_bytes(), &digest);
+        let expected: String = mac[..8].iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(long_id.id(), format!("tok:{expected}"));
+        let other = identifier("[auth]\nid_secret = \"another-secret-of-enough-length\"\n");
+        let other = other.identify(&headers(&[("x-api-key", "sk-live-secret")]), None).expect("caller");
+        assert_ne!(other.id(), c.id(), "another secret, another id");
+        // No secret (or only blanks): today's unkeyed ids.
+        for plain in ["", "[auth]\nid_secret = \"   \"\n"] {
+            let unkeyed =
+                identifier(plain).identify(&headers(&[("x-api-key", "sk-live-secret")]), None).expect("caller");
+            assert_eq!(unkeyed.id(), Caller::from_token("sk-live-secret").id());
+        }
+        assert!(!format!("{keyed:?}").contains(SECRET), "the secret never shows in a Debug print");
+    }
+
+    #[test]
+    fn configured_keys_and_operators_use_the_keyed_ids() {
+        let toml = format!(
+            "[auth]\nid_secret = \"{SECRET}\"\n[[auth.keys]]\nkey = \"k1\"\ntenant = \"acme\"\n\
+             [[auth.keys]]\nsha256 = \"{}\"\n",
+            Sha256::digest(b"k2").iter().map(|b| format!("{b:02x}")).collect::<String>()
+        );
+        let config = Config::from_toml(&toml, &crate::config::Catalogue::new()).expect("config");
+        let id = Identifier::new(&config);
+        let k1 = id.identify(&headers(&[("x-api-key", "k1")]), None).expect("caller");
+        assert_eq!(k1.id(), CallerIds::of(&config).id_of_token("k1"));
+        assert_eq!(Caller::of_key(&config.auth.keys[0], &CallerIds::of(&config)), k1);
+        assert_eq!(id.configured(&config.auth.keys[0].sha256), Some(k1.clone()));
+        assert_eq!(id.by_id(k1.id(), None), Ok(k1.clone()), "an operator finds it by the id the server shows");
+        assert_eq!(id.member_of("acme"), Some(k1));
+        // A key given only by its SHA-256 has its keyed id too.
+        let k2 = id.identify(&headers(&[("x-api-key", "k2")]), None).expect("caller");
+        assert_eq!((k2.id(), k2.unverified_from()), (CallerIds::of(&config).id_of_token("k2").as_str(), None));
+        assert_eq!(id.by_id(k2.id(), None), Ok(k2));
+        // An unkeyed id of a configured key names nobody configured.
+        let unkeyed = Caller::from_token("k1");
+        assert_eq!(id.by_id(unkeyed.id(), None), Err(UnknownCaller::NeedsAddress(unkeyed.id().to_owned())));
+    }
+
+    #[test]
+    fn an_ipv4_mapped_peer_is_its_ipv4_address() {
+        // A dual-stack listener sees IPv4 clients as ::ffff:a.b.c.d.
+        let off = identifier("");
+        let caller = off.identify(&headers(&[]), ip("::ffff:1.2.3.4")).expect("caller");
+        assert_eq!((caller.id(), caller.unverified_from()), ("ip:1.2.3.4", Some("ip:1.2.3.4")));
+        assert_eq!(off.identify(&headers(&[]), ip("1.2.3.4")), Ok(caller.clone()), "one caller either way");
+        assert_eq!(off.by_id("ip:::ffff:1.2.3.4", None), Ok(caller), "an operator's mapped form names it too");
+        // A plain IPv6 peer is left as it is.
+        assert_eq!(off.identify(&headers(&[]), ip("2001:db8::7")).expect("caller").id(), "ip:2001:db8::7");
+    }
+
+    #[test]
+    fn an_ipv4_mapped_proxy_is_the_trusted_ipv4_proxy() {
+        let on = identifier("[server]\ntrust_proxy = true\ntrusted_proxies = [\"127.0.0.1/8\", \"10.0.0.0/8\"]\n");
+        let forwarded = headers(&[("x-forwarded-for", "203.0.113.7")]);
+        assert_eq!(on.identify(&forwarded, ip("::ffff:127.0.0.1")).expect("caller").id(), "ip:203.0.113.7");
+        // A mapped hop is trusted like its IPv4 address, and a mapped client is named unmapped.
+        let chain = headers(&[("x-forwarded-for", "::ffff:198.51.100.9, ::ffff:10.1.2.3")]);
+        assert_eq!(on.identify(&chain, ip("::ffff:127.0.0.1")).expect("caller").id(), "ip:198.51.100.9");
+        // An untrusted mapped peer is still not a proxy.
+        assert_eq!(on.identify(&forwarded, ip("::ffff:8.8.8.8")).expect("caller").id(), "ip:8.8.8.8");
+        // A proxy written in mapped form trusts the same peers.
+        let mapped = identifier("[server]\ntrust_proxy = true\ntrusted_proxies = [\"::ffff:10.0.0.0/104\"]\n");
+        for peer in ["10.1.2.3", "::ffff:10.1.2.3"] {
+            assert_eq!(mapped.identify(&forwarded, ip(peer)).expect("caller").id(), "ip:203.0.113.7", "{peer}");
+        }
     }
 }

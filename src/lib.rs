@@ -11,7 +11,7 @@
 //!   [`limit`] (the algorithms), [`store`] (their state: memory or Redis), [`guard`] (every scope
 //!   of a call decided at once, refusals), [`identity`] (who calls), [`config`] (typed and
 //!   validated, checked against the catalogue passed down), [`metrics`], [`activity`] (the last
-//!   ten minutes, for the dashboard) and [`breaker`];
+//!   ten minutes, for the dashboard), [`breaker`] and [`redact`] (what is never printed);
 //! - the library around it: [`rate_limits`] (the handle), [`http`] (tower layers) and the rmcp
 //!   glue in [`mcp::limited`] and [`mcp::refusal`];
 //! - this server: [`mcp::server`] and [`mcp::tools`] (seven tools over a paid API), [`upstream`]
@@ -36,6 +36,7 @@ pub mod mcp;
 pub mod metrics;
 pub mod mock_upstream;
 pub mod rate_limits;
+pub mod redact;
 pub mod reload;
 pub mod simulate;
 pub mod state;

@@ -144,7 +144,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let app = App::start(config, SystemClock::shared()).await?;
             app.reload_on_change(config_file(file));
             let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-            tracing::info!(mcp = %format!("http://{addr}/mcp"), upstream = app.upstream_url(), "serving");
+            tracing::info!(mcp = %format!("http://{addr}/mcp"), upstream = %mcp_ratelimit::redact::url(app.upstream_url()), "serving");
             if admin.key_sha256.is_some() {
                 let at = admin.listen;
                 let listener =
@@ -168,7 +168,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let config = Config::load(file.as_deref(), &catalogue())?;
             let app = App::start(config, SystemClock::shared()).await?;
             app.reload_on_change(config_file(file));
-            tracing::info!(upstream = app.upstream_url(), "serving MCP on stdio");
+            tracing::info!(upstream = %mcp_ratelimit::redact::url(app.upstream_url()), "serving MCP on stdio");
             app.serve_stdio().await?;
         }
         Command::MockUpstream { config, listen } => {

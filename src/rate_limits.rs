@@ -191,6 +191,10 @@ impl RateLimits {
     /// Puts the limits, keys and tenants of `config` in force from the next decision on; usage
     /// carries over (see [`Guard::reload`]).
     pub fn reload(&self, config: &Config) {
+        if self.inner.identifier.load().ids() != &crate::identity::CallerIds::of(config) {
+            // Every budget hangs on a caller id: new ids are new, full budgets.
+            tracing::warn!("auth.id_secret changed: every key's caller id is new, so its budgets start afresh");
+        }
         self.inner.guard.reload(config);
         self.inner.identifier.store(Arc::new(Identifier::new(config)));
     }

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use common::*;
 use mcp_ratelimit::admin::ROUTES;
+use mcp_ratelimit::identity::Caller;
 use serde_json::{Value, json};
 use test_redis::TestRedis;
 
@@ -331,6 +332,35 @@ async fn bad_input_is_a_400_naming_the_field_and_unknown_targets_are_404() {
     let (status, answer) = admin.call("get", "/admin/callers/tok:0123456789abcdef?from=ip:127.0.0.1", None).await;
     assert_eq!(status, 200, "{answer}");
     assert!(answer["budgets"].as_array().is_some_and(|b| b.iter().any(|b| b["scope"] == "address:ip:127.0.0.1")));
+}
+
+#[tokio::test]
+async fn with_an_id_secret_the_admin_api_finds_callers_by_the_ids_the_server_shows() {
+    let admin = Admin::start("[auth]\nid_secret = \"id-secret-for-admin-tests-0123\"\n").await;
+    let agent = admin.server.client(Some(CAROL)).await;
+    let (passed, refusal) = spend_until_refused(&agent, "list_articles", json!({}), 100).await;
+    assert_eq!(passed, 20);
+    let scope = structured(&refusal)["error"]["scope"].as_str().expect("the refusal names its scope").to_owned();
+    let carol = scope.strip_prefix("caller:").expect("the caller budget refused").to_owned();
+    assert_ne!(carol, Caller::from_token(CAROL).id(), "the id is keyed");
+    assert_eq!(admin.caller_id(2).await, carol, "GET /admin/keys lists the id refusals show");
+    let (status, answer) = admin.call("get", &format!("/admin/callers/{carol}"), None).await;
+    assert_eq!(status, 200, "{answer}");
+    let (status, answer) = admin.call("post", &format!("/admin/callers/{carol}/reset"), None).await;
+    assert_eq!(status, 200, "{answer}");
+    let (passed, _) = spend_until_refused(&agent, "list_articles", json!({}), 100).await;
+    assert_eq!(passed, 20, "the reset reached the budget the agent spends");
+
+    // A made-up key's caller: its keyed id as rate_limit_status shows it, and its address.
+    let stranger = admin.server.client(Some("made-up-key-0004")).await;
+    assert!(!is_error(&call(&stranger, "list_articles", json!({})).await));
+    let status = call(&stranger, "rate_limit_status", json!({})).await;
+    let scope = budget(&status, "caller:")["scope"].as_str().expect("scope").to_owned();
+    let (status, answer) =
+        admin.call("get", &format!("/admin/{}?from=ip:127.0.0.1", scope.replace("caller:", "callers/")), None).await;
+    assert_eq!(status, 200, "{answer}");
+    let seen = answer["budgets"].as_array().and_then(|b| b.iter().find(|b| b["scope"] == scope)).cloned();
+    assert_eq!(seen.map(|b| b["remaining"].clone()), Some(json!(19)), "the stranger's own budget: {answer}");
 }
 
 #[tokio::test]

@@ -1,5 +1,8 @@
-//! A raw credential never reaches a log line or a metric label, even with every log level on.
-//! (The only test in this binary: it installs a process-wide log capture.)
+//! A raw credential never reaches a log line or a metric label, even with every log level on;
+//! no secret of the config (a Redis password, a plaintext key, the admin key, `auth.id_secret`, an
+//! upstream's password) reaches a Debug print of the config or the running server, nor
+//! `check-config`'s output. (The log capture is process-wide: only the first test installs it,
+//! and the others use none of its token.)
 
 mod common;
 
@@ -7,7 +10,10 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use common::*;
+use mcp_ratelimit::clock::ManualClock;
+use mcp_ratelimit::{App, Config};
 use serde_json::json;
+use sha2::{Digest, Sha256};
 
 #[derive(Clone, Default)]
 struct Capture(Arc<Mutex<Vec<u8>>>);
@@ -57,4 +63,103 @@ async fn the_raw_token_never_appears_in_logs_or_metrics() {
         assert!(!haystack.contains("DO-NOT-LOG"), "part of the raw token leaked");
     }
     assert!(!metrics.contains("tok:"), "no caller id in metric labels");
+}
+
+const REDIS_PASSWORD: &str = "redis-pw-NEVER-PRINTED-93af";
+const PLAIN_KEY: &str = "sk-plain-NEVER-PRINTED-41c7";
+const HASHED_KEY: &str = "sk-hashed-NEVER-PRINTED-0b3e";
+const ADMIN_KEY: &str = "admin-NEVER-PRINTED-5e2b90d1";
+const ID_SECRET: &str = "idsecret-NEVER-PRINTED-77d0";
+const UPSTREAM_PASSWORD: &str = "upstream-pw-NEVER-PRINTED-c4";
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A config holding one of every secret, on the given store backend.
+fn secret_config(backend: &str, upstream: &str) -> String {
+    format!(
+        "[store]\nbackend = \"{backend}\"\nredis_url = \"redis://:{REDIS_PASSWORD}@127.0.0.1:6399/0\"\n\
+         [upstream]\nurl = \"{upstream}\"\n\
+         [admin]\nkey = \"{ADMIN_KEY}\"\n\
+         [auth]\nid_secret = \"{ID_SECRET}\"\n\
+         [[auth.keys]]\nkey = \"{PLAIN_KEY}\"\ntenant = \"acme\"\n\
+         [[auth.keys]]\nsha256 = \"{}\"\n",
+        hex(&Sha256::digest(HASHED_KEY))
+    )
+}
+
+/// Every secret of [`secret_config`], and the forms that would give one away: the keys' and the
+/// admin key's SHA-256, in hex and as Debug prints a byte array.
+fn secrets() -> Vec<String> {
+    let mut all: Vec<String> =
+        [REDIS_PASSWORD, PLAIN_KEY, HASHED_KEY, ADMIN_KEY, ID_SECRET, UPSTREAM_PASSWORD, "NEVER-PRINTED"]
+            .map(str::to_owned)
+            .into();
+    for key in [PLAIN_KEY, HASHED_KEY, ADMIN_KEY] {
+        let digest: [u8; 32] = Sha256::digest(key).into();
+        all.push(hex(&digest));
+        all.push(format!("{digest:?}"));
+        all.push(format!("{:?}", &digest[..8]));
+    }
+    all
+}
+
+fn assert_no_secret(what: &str, printed: &str) {
+    for secret in secrets() {
+        assert!(!printed.contains(&secret), "{what} shows `{secret}`:\n{printed}");
+    }
+}
+
+#[tokio::test]
+async fn no_debug_print_of_the_config_or_the_server_shows_a_secret() {
+    let upstream = format!("http://agent:{UPSTREAM_PASSWORD}@127.0.0.1:9/");
+    let catalogue = mcp_ratelimit::mcp::tools::catalogue();
+    let config = Config::from_toml(&secret_config("memory", &upstream), &catalogue).expect("config");
+    for printed in [format!("{config:?}"), format!("{config:#?}")] {
+        assert_no_secret("the config", &printed);
+        assert!(printed.contains("redis://***@127.0.0.1:6399/0"), "the URL shows, without its password: {printed}");
+        assert!(printed.contains("http://***@127.0.0.1:9/"), "{printed}");
+        assert!(printed.contains("acme"), "the rest of the config shows: {printed}");
+    }
+    let app = App::start(config, ManualClock::new()).await.expect("server starts");
+    for printed in [format!("{app:?}"), format!("{app:#?}"), format!("{:#?}", app.state())] {
+        assert_no_secret("the server", &printed);
+        assert!(printed.contains("Identifier") && printed.contains("Upstream"), "{printed}");
+    }
+    app.stop();
+}
+
+#[test]
+fn check_config_prints_no_secret() {
+    let check = |toml: &str| {
+        let mut file = tempfile::NamedTempFile::new().expect("temp file");
+        file.write_all(toml.as_bytes()).expect("write config");
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
+            .arg("check-config")
+            .arg(file.path())
+            .output()
+            .expect("binary runs");
+        let printed = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out.status.success(), printed)
+    };
+    let upstream = format!("https://agent:{UPSTREAM_PASSWORD}@api.example.com/v1/");
+    let (ok, printed) = check(&secret_config("redis", &upstream));
+    assert!(ok && printed.contains("config OK") && printed.contains("2 configured key(s)"), "{printed}");
+    assert_no_secret("check-config", &printed);
+    // Refused URLs are named without their passwords.
+    let bad_redis = secret_config("redis", "").replace("6399/0", "not-a-port/0");
+    let (ok, printed) = check(&bad_redis);
+    assert!(!ok && printed.contains("store.redis_url"), "{printed}");
+    assert_no_secret("check-config refusing the Redis URL", &printed);
+    let bad_cluster = secret_config("redis", "")
+        .replace("redis://:", "redis+cluster://:")
+        .replace("@127.0.0.1:6399/0", "@127.0.0.1:6399,127.0.0.1:x/0");
+    let (ok, printed) = check(&bad_cluster);
+    assert!(!ok && printed.contains("store.redis_url"), "{printed}");
+    assert_no_secret("check-config refusing a cluster URL", &printed);
+    let short = secret_config("memory", "").replace(ID_SECRET, "NEVER-PRINTED");
+    let (ok, printed) = check(&short);
+    assert!(!ok && printed.contains("auth.id_secret"), "{printed}");
+    assert_no_secret("check-config refusing a short id secret", &printed);
 }

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use sha2::{Digest, Sha256};
@@ -15,11 +15,8 @@ use sha2::{Digest, Sha256};
 /// Lets a request through only with `Authorization: Bearer <admin key>`; otherwise 401 with
 /// `WWW-Authenticate: Bearer`.
 pub async fn require_key(State(key): State<Arc<[u8; 32]>>, request: Request, next: Next) -> Response {
-    let presented = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| {
-        let (scheme, token) = v.trim().split_once(' ')?;
-        scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-    });
-    if presented.is_some_and(|token| same_digest(&Sha256::digest(token.as_bytes()).into(), &key)) {
+    let presented = bearer(request.headers());
+    if presents_key(request.headers(), &key) {
         return next.run(request).await;
     }
     tracing::warn!(
@@ -33,6 +30,20 @@ pub async fn require_key(State(key): State<Arc<[u8; 32]>>, request: Request, nex
     let mut response = (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response();
     response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     response
+}
+
+/// The token of an `Authorization: Bearer <token>` header, if any.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| {
+        let (scheme, token) = v.trim().split_once(' ')?;
+        scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+    })
+}
+
+/// Whether `headers` carry `Authorization: Bearer <the key whose SHA-256 is key_sha256>`,
+/// compared over all 32 bytes of the digests.
+pub fn presents_key(headers: &HeaderMap, key_sha256: &[u8; 32]) -> bool {
+    bearer(headers).is_some_and(|token| same_digest(&Sha256::digest(token.as_bytes()).into(), key_sha256))
 }
 
 /// Whether two digests are equal, looking at every byte whatever the differences.

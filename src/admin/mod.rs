@@ -26,6 +26,8 @@ use axum::routing::{MethodRouter, delete, get, post, put};
 use crate::http::serve::{BodyDeadline, read_body_by_deadline};
 use crate::state::AppState;
 
+pub use auth::presents_key;
+
 /// The OpenAPI 3.1 document describing every route.
 pub const OPENAPI: &str = include_str!("openapi.json");
 

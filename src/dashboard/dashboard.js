@@ -1,10 +1,16 @@
 // The dashboard's behaviour: poll /dashboard/data once a second and redraw.
 // Every value goes into the page as text (textContent, SVG attributes), never as markup: tool
 // names, scopes and messages are data, whatever they contain.
+// With auth.required the data needs a key: the page asks for one, keeps it in this tab's
+// sessionStorage and sends it as a Bearer header; a refused key is forgotten and asked again.
 "use strict";
 
 const SVG = "http://www.w3.org/2000/svg";
 const POLL_MS = 1000;
+const KEY_ITEM = "mcp-ratelimit-dashboard-key";
+let timer = null;
+// The key, for browsers without sessionStorage (then it lasts as long as the page).
+let heldKey = null;
 
 function $(id) {
   return document.getElementById(id);
@@ -217,17 +223,78 @@ function status(text, tone) {
   node.className = "status " + tone;
 }
 
-async function poll() {
+// The key this tab was given, if any.
+function storedKey() {
   try {
-    const response = await fetch("/dashboard/data", { cache: "no-store", credentials: "omit" });
-    if (!response.ok) throw new Error("HTTP " + response.status);
-    render(await response.json());
-    status("live · updated " + new Date().toLocaleTimeString(), "live");
-  } catch (error) {
-    status("cannot reach the server (" + error.message + "); retrying", "down");
-  } finally {
-    setTimeout(poll, POLL_MS);
+    return window.sessionStorage.getItem(KEY_ITEM);
+  } catch (_) {
+    return heldKey;
   }
 }
 
-document.addEventListener("DOMContentLoaded", poll);
+function storeKey(key) {
+  heldKey = key;
+  try {
+    if (key) window.sessionStorage.setItem(KEY_ITEM, key);
+    else window.sessionStorage.removeItem(KEY_ITEM);
+  } catch (_) {
+    // No storage: heldKey serves.
+  }
+}
+
+function askForKey(message) {
+  $("key-message").textContent = message;
+  $("key-panel").hidden = false;
+  $("key-input").focus();
+}
+
+function schedule() {
+  clearTimeout(timer);
+  timer = setTimeout(poll, POLL_MS);
+}
+
+async function poll() {
+  const key = storedKey();
+  const headers = key ? { Authorization: "Bearer " + key } : {};
+  try {
+    const response = await fetch("/dashboard/data", { cache: "no-store", credentials: "omit", headers });
+    if (response.status === 401) {
+      storeKey(null);
+      askForKey(
+        key
+          ? "That key is not accepted here (401): give one of the server's configured API keys, or the admin key."
+          : "auth.required is on, so the dashboard's data needs a key: one of the server's configured API keys, or the admin key.",
+      );
+      status(key ? "key refused" : "waiting for a key", "down");
+      return; // until a key is given
+    }
+    if (!response.ok) throw new Error("HTTP " + response.status);
+    const data = await response.json();
+    $("key-panel").hidden = true;
+    render(data);
+    const showing = data.showing && data.showing !== "everyone" ? " · showing " + data.showing : "";
+    status("live" + showing + " · updated " + new Date().toLocaleTimeString(), "live");
+  } catch (error) {
+    status("cannot reach the server (" + error.message + "); retrying", "down");
+  }
+  schedule();
+}
+
+function submitKey(event) {
+  event.preventDefault();
+  const key = $("key-input").value.trim();
+  if (!/^[\x21-\x7e]+$/.test(key)) {
+    askForKey("A key is printable ASCII without spaces.");
+    return;
+  }
+  storeKey(key);
+  $("key-input").value = "";
+  $("key-message").textContent = "";
+  clearTimeout(timer);
+  poll();
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("key-form").addEventListener("submit", submitKey);
+  poll();
+});

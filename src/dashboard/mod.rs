@@ -14,6 +14,14 @@
 //! user's browser. It is read-only and names nobody: callers and addresses only hashed. The page
 //! runs under a Content-Security-Policy that allows nothing but this server's own script, style
 //! and data, and it writes every value into the DOM as text.
+//!
+//! Tenants are named, and refusal messages say what each tenant does. So with `auth.required`
+//! the data is no longer public: `/dashboard/data` needs a key, like `/mcp` (401 with
+//! `WWW-Authenticate: Bearer` otherwise), and shows a configured key the rows of its own tenant
+//! (a key without a tenant: its own), the admin key everything ([`Audience`]). The counts per
+//! tool, the totals and the account's queue name nobody and are shown to both. The page itself
+//! stays public: it asks for the key, keeps it in the tab's `sessionStorage` and sends it as a
+//! Bearer header.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -22,13 +30,14 @@ use axum::Router;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use http::{HeaderValue, header};
+use http::{HeaderMap, HeaderValue, StatusCode, header};
 use serde::Serialize;
 
-use crate::activity::Snapshot;
+use crate::activity::{Audience, Snapshot};
 use crate::breaker::BreakerState;
 use crate::clock::NANOS_PER_MS;
 use crate::config::Backend;
+use crate::identity::{Caller, Unauthorized};
 use crate::state::AppState;
 
 const PAGE: &str = include_str!("dashboard.html");
@@ -66,8 +75,63 @@ fn guarded(content_type: &'static str, body: impl IntoResponse) -> Response {
     response
 }
 
-async fn data(State(app): State<Arc<AppState>>) -> Response {
-    match serde_json::to_string(&Board::read(&app)) {
+/// Who asks for the data: anyone (no key required), the operator (the admin key), or a
+/// configured key's caller.
+enum Viewer {
+    Anyone,
+    Operator,
+    Key(Caller),
+}
+
+impl Viewer {
+    /// The viewer `headers` prove, or why they prove none while `auth.required` is on (read from
+    /// the live identifier, so a reload that turns it on closes the data at once).
+    fn of(app: &AppState, headers: &HeaderMap) -> Result<Self, Unauthorized> {
+        let identifier = app.limits.identifier().load();
+        if !identifier.required() {
+            return Ok(Viewer::Anyone);
+        }
+        if app.config.admin.key_sha256.is_some_and(|key| crate::admin::presents_key(headers, &key)) {
+            return Ok(Viewer::Operator);
+        }
+        // With keys required, only a configured key names a caller.
+        identifier.identify(headers, None).map(Viewer::Key)
+    }
+
+    fn audience(&self) -> Audience<'_> {
+        match self {
+            Viewer::Anyone | Viewer::Operator => Audience::Everyone,
+            Viewer::Key(caller) => Audience::Of(caller),
+        }
+    }
+
+    /// Whose rows the data holds, for the page to say.
+    fn describe(&self, app: &AppState) -> String {
+        match self {
+            Viewer::Anyone => "everyone".to_owned(),
+            Viewer::Operator => "everyone (admin key)".to_owned(),
+            Viewer::Key(caller) => match caller.tenant() {
+                Some(tenant) => format!("tenant {tenant}"),
+                None => format!("caller {}", app.limits.guard().activity().hashed(caller.id())),
+            },
+        }
+    }
+}
+
+async fn data(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    let viewer = match Viewer::of(&app, &headers) {
+        Ok(viewer) => viewer,
+        Err(unauthorized) => {
+            tracing::debug!(%unauthorized, "dashboard data refused");
+            let body = serde_json::json!({"error": {"code": "unauthorized",
+                "message": format!("{unauthorized}: auth.required is on, so the dashboard's data needs \
+                                    `Authorization: Bearer <a configured key or the admin key>`")}});
+            let mut response = guarded("application/json", (StatusCode::UNAUTHORIZED, body.to_string()));
+            response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            return response;
+        }
+    };
+    match serde_json::to_string(&Board::read(&app, &viewer)) {
         Ok(json) => guarded("application/json", json),
         Err(error) => {
             tracing::warn!(%error, "cannot encode the dashboard's data");
@@ -83,6 +147,8 @@ struct Board {
     now_ms: u64,
     /// Whether limits are enforced at all (`limits.enabled`).
     limits_enabled: bool,
+    /// Whose refusals, budgets and jobs are listed: `everyone`, `tenant acme`, `caller #3fa2c1`.
+    showing: String,
     #[serde(flatten)]
     activity: Snapshot,
     jobs: JobsNow,
@@ -93,9 +159,10 @@ struct Board {
 /// Jobs in flight and the upstream account's queue.
 #[derive(Debug, Serialize)]
 struct JobsNow {
-    /// Jobs not final yet.
+    /// Jobs not final yet, everyone's.
     in_flight: usize,
-    /// Per tenant (or hashed caller without one): running and waiting jobs, most first.
+    /// Per tenant (or hashed caller without one) the viewer may see: running and waiting jobs,
+    /// most first.
     per_owner: Vec<OwnerJobs>,
     /// The upstream account's slots in use, and how many it has.
     account_in_use: usize,
@@ -135,11 +202,17 @@ struct StoreNow {
 }
 
 impl Board {
-    fn read(app: &AppState) -> Self {
+    fn read(app: &AppState, viewer: &Viewer) -> Self {
         let now = app.clock.now();
         let activity = app.limits.guard().activity();
+        let audience = viewer.audience();
         let mut per_owner: BTreeMap<String, (usize, usize)> = BTreeMap::new();
-        for (owner, started) in app.jobs.pending_owners() {
+        let pending = app.jobs.pending_owners();
+        let in_flight = pending.len();
+        for (owner, started) in pending {
+            if !audience.sees_job(&owner.caller, owner.tenant.as_deref()) {
+                continue;
+            }
             let name = match &owner.tenant {
                 Some(tenant) => format!("tenant {tenant}"),
                 None => format!("caller {}", activity.hashed(&owner.caller)),
@@ -164,9 +237,10 @@ impl Board {
         Self {
             now_ms: now / NANOS_PER_MS,
             limits_enabled: app.limits.guard().enabled(),
-            activity: activity.snapshot(now),
+            showing: viewer.describe(app),
+            activity: activity.snapshot_for(now, audience),
             jobs: JobsNow {
-                in_flight: per_owner.iter().map(|o| o.running + o.waiting).sum(),
+                in_flight,
                 per_owner,
                 account_in_use: occupancy.in_flight,
                 account_max: upstream.max_in_flight,

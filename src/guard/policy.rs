@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::config::{Config, Limit, ToolPolicy};
-use crate::identity::Caller;
+use crate::identity::{Caller, CallerIds};
 use crate::limit::{FixedWindow, Limiter};
 
 /// A JSON-RPC method group with its own per-caller limit.
@@ -119,6 +119,8 @@ impl Policy {
             caller: l.caller.clone(),
         };
         let tiers = config.tiers.iter().map(|(name, factor)| (name.clone(), base.scaled(*factor))).collect();
+        // Keyed by caller id, as the identifier names the key's callers.
+        let ids = CallerIds::of(config);
         let caps = &config.spend_caps;
         let cap = |units: u64| Limit {
             limiter: Limiter::FixedWindow(FixedWindow::new(units, DAY)),
@@ -142,7 +144,7 @@ impl Policy {
                 .auth
                 .keys
                 .iter()
-                .filter_map(|k| Some((Caller::id_of_digest(&k.sha256), k.caller.clone()?)))
+                .filter_map(|k| Some((ids.id_of_digest(&k.sha256), k.caller.clone()?)))
                 .collect(),
             tenant_budgets: config.tenants.iter().filter_map(|(t, o)| Some((t.clone(), o.budget.clone()?))).collect(),
             spend_cap: caps.daily_units.map(cap),

@@ -34,7 +34,7 @@ use serde::Serialize;
 use crate::clock::{Clock, ManualClock, NANOS_PER_MS, NANOS_PER_SEC, Nanos, SharedClock};
 use crate::config::Config;
 use crate::guard::{Guard, ToolCall};
-use crate::identity::{Caller, Identifier};
+use crate::identity::{Caller, CallerIds, Identifier};
 use crate::limit::{ALGORITHMS, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingLog, SlidingWindow, TokenBucket};
 use crate::mcp::tools::starts_job;
 use crate::metrics::Metrics;
@@ -404,7 +404,10 @@ fn pick_tool<'c>(config: &'c Config, asked: Option<&str>) -> Result<&'c str, Sim
 fn simulated_caller(config: &Config) -> Result<(Caller, String), SimulateError> {
     if let Some(key) = config.auth.keys.first() {
         let tenant = key.tenant.as_deref().map_or_else(|| "no tenant".to_owned(), |t| format!("tenant {t}"));
-        return Ok((Caller::of_key(key), format!("the first configured key ({tenant}, tier {})", key.tier)));
+        return Ok((
+            Caller::of_key(key, &CallerIds::of(config)),
+            format!("the first configured key ({tenant}, tier {})", key.tier),
+        ));
     }
     let mut headers = http::HeaderMap::new();
     headers.insert(http::header::AUTHORIZATION, http::HeaderValue::from_static("Bearer simulated-agent"));

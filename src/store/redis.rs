@@ -342,7 +342,7 @@ const SCHEMES: &[&str] = &["redis", "rediss"];
 /// The `host:port` of one node's URL, once its scheme is one of `schemes`, it names a host and
 /// its port is a real one.
 fn node_address(url: &str, schemes: &[&str]) -> Result<String, StoreError> {
-    let invalid = |why: String| StoreError::InvalidUrl(format!("`{}`: {why}", without_password(url)));
+    let invalid = |why: String| StoreError::InvalidUrl(format!("`{}`: {why}", crate::redact::url(url)));
     let parsed = reqwest::Url::parse(url).map_err(|e| invalid(e.to_string()))?;
     if !schemes.contains(&parsed.scheme()) {
         let expected = schemes.iter().map(|s| format!("{s}://")).collect::<Vec<_>>().join(" or ");
@@ -352,16 +352,6 @@ fn node_address(url: &str, schemes: &[&str]) -> Result<String, StoreError> {
     match parsed.port().unwrap_or(6379) {
         0 => Err(invalid("port 0".into())),
         port => Ok(format!("{host}:{port}")),
-    }
-}
-
-/// `url` with its user information (any password) replaced by `***`.
-fn without_password(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
-    let authority = &rest[..rest.find('/').unwrap_or(rest.len())];
-    match authority.rfind('@') {
-        Some(at) => format!("{scheme}://***{}", &rest[at..]),
-        None => url.to_owned(),
     }
 }
 
@@ -878,8 +868,8 @@ mod tests {
         };
         assert_eq!(nodes, ["redis://:pw@a:7000/0", "redis://:pw@b/0"]);
         assert_eq!(address, "a:7000, b:6379 (cluster)");
-        assert_eq!(without_password("redis://user:pw@a:7000/0"), "redis://***@a:7000/0");
-        assert_eq!(without_password("redis://a:7000/x@y"), "redis://a:7000/x@y");
+        assert_eq!(crate::redact::url("redis://user:pw@a:7000/0"), "redis://***@a:7000/0");
+        assert_eq!(crate::redact::url("redis://a:7000/x@y"), "redis://a:7000/x@y");
         let e = RedisStore::check_url("redis+cluster://:pw@a:7000,b:x").expect_err("bad port").to_string();
         assert!(e.contains("`redis://***@b:x/`: invalid port number") && !e.contains("pw"), "{e}");
     }

@@ -87,12 +87,21 @@ pub enum ClientError {
 }
 
 /// A client for the paid API, with its circuit breaker.
-#[derive(Debug)]
 pub struct Upstream {
     http: reqwest::Client,
     base: Url,
     breaker: Breaker,
     clock: SharedClock,
+}
+
+impl std::fmt::Debug for Upstream {
+    /// The base URL without its password.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upstream")
+            .field("base", &crate::redact::url(self.base.as_str()))
+            .field("breaker", &self.breaker)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Upstream {
