@@ -695,7 +695,8 @@ async fn many_rapid_changes_reach_redis_in_order_across_an_outage_and_the_in_fli
     let redis = TestRedis::private();
     let link = Link::to(&redis).await;
     let config = format!(
-        "{}{ROOMY_IN_FLIGHT}[upstream]\nmax_in_flight = 30\n[mock_upstream]\nmax_concurrent_predictions = 30\n\
+        "{}{ROOMY_IN_FLIGHT}[upstream]\nmax_in_flight = 30\nunverified_share = 1.0\n\
+         [mock_upstream]\nmax_concurrent_predictions = 30\n\
          [limits.caller]\nburst = 1000\n",
         redis_store(&link.url)
     );
