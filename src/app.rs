@@ -92,7 +92,7 @@ impl App {
             video_hint: up.video_poll_seconds.saturating_mul(NANOS_PER_SEC),
             expiry: up.job_expiry_seconds.saturating_mul(NANOS_PER_SEC),
             backoff: Backoff::new(up.max_attempts, Duration::from_millis(up.max_retry_after_ms)),
-            refresh_wait: timeout + Duration::from_secs(1),
+            refresh_wait: timeout.saturating_add(Duration::from_secs(1)),
         };
         let limits = RateLimits::start(&config, catalogue, clock.clone()).await?;
         let store = limits.guard().store().clone();
@@ -238,7 +238,8 @@ async fn answer_cancel_requests_forever(state: Arc<AppState>, stop: Cancellation
 }
 
 async fn sweep_forever(state: Arc<AppState>, stop: CancellationToken) {
-    let mut every = tokio::time::interval(Duration::from_millis(state.config.store.sweep_interval_ms));
+    let every = Duration::from_millis(state.config.store.sweep_interval_ms);
+    let mut every = tokio::time::interval(every.clamp(Duration::from_millis(1), crate::clock::LONGEST_WAIT));
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {

@@ -24,6 +24,12 @@ pub const NANOS_PER_MS: u64 = 1_000_000;
 /// Nanoseconds in one second.
 pub const NANOS_PER_SEC: u64 = 1_000_000_000;
 
+/// The longest wait the server hands to a timer or adds to an `Instant`: about 30 years, tokio's
+/// own "far future". Config validation keeps every duration within a day (a week for a job's
+/// expiry); this bound is for a `Config` built by hand, whose absurd durations would otherwise
+/// overflow `Instant + d` where the OS clock counts in 64-bit nanoseconds.
+pub const LONGEST_WAIT: Duration = Duration::from_secs(30 * 365 * 86_400);
+
 /// A future that resolves at an instant of a [`Clock`].
 pub type Sleep = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
 

@@ -744,6 +744,7 @@ impl Config {
     /// # Ok::<(), mcp_ratelimit::config::ConfigError>(())
     /// ```
     pub fn from_toml(toml: &str, tools: &Catalogue) -> Result<Self, ConfigError> {
+        integer_too_large(toml)?;
         Self::defaults_for(tools)?
             .add_source(config::File::from_str(toml, config::FileFormat::Toml))
             .build()?
@@ -780,6 +781,10 @@ impl Config {
         env: Option<config::Environment>,
         tools: &Catalogue,
     ) -> Result<Self, ConfigError> {
+        let path = file.unwrap_or(Path::new("config.toml"));
+        if let Ok(text) = std::fs::read_to_string(path) {
+            integer_too_large(&text)?;
+        }
         let mut builder = Self::defaults_for(tools)?;
         builder = match file {
             Some(path) => builder.add_source(config::File::from(path).format(config::FileFormat::Toml).required(true)),
@@ -1067,6 +1072,8 @@ impl RawConfig {
                 return Err(invalid(key, format!("a cap of {cap} is below the dearest tool's cost {max_cost}")));
             }
         }
+        let shared = (self.store.backend == Backend::Redis).then_some(self.store.expected_instances);
+        costs_fit(&tools, &tiers, &limits, &tenants, &keys, &spend_caps, shared)?;
 
         let server = self.server;
         if server.max_body_bytes == 0 {
@@ -1142,6 +1149,32 @@ impl RawConfig {
                 return Err(invalid(key, "must be greater than zero"));
             }
         }
+        // Durations the server adds to the current instant (timers, deadlines, leases, hints): a
+        // day at most (a week for a job's expiry), so no sum can leave the clock's range; longer
+        // would be a typo. config.toml names each bound.
+        let mock = &self.mock_upstream;
+        for (key, value, most, what) in [
+            ("upstream.timeout_ms", up.timeout_ms, DAY_MS, "a day"),
+            ("upstream.image_poll_seconds", up.image_poll_seconds, DAY_SECONDS, "a day"),
+            ("upstream.video_poll_seconds", up.video_poll_seconds, DAY_SECONDS, "a day"),
+            ("upstream.video_min_gap_ms", up.video_min_gap_ms, DAY_MS, "a day"),
+            ("upstream.max_retry_after_ms", up.max_retry_after_ms, DAY_MS, "a day"),
+            ("upstream.job_expiry_seconds", up.job_expiry_seconds, 7 * DAY_SECONDS, "a week"),
+            ("upstream.breaker_cooldown_ms", up.breaker_cooldown_ms, DAY_MS, "a day"),
+            ("upstream.retry_budget_window_ms", up.retry_budget_window_ms, DAY_MS, "a day"),
+            ("store.timeout_ms", self.store.timeout_ms, DAY_MS, "a day"),
+            ("store.lease_ms", self.store.lease_ms, DAY_MS, "a day"),
+            ("store.sweep_interval_ms", self.store.sweep_interval_ms, DAY_MS, "a day"),
+            ("loop_detection.window_ms", loops.window_ms, DAY_MS, "a day"),
+            ("mock_upstream.latency_ms", mock.latency_ms, DAY_MS, "a day"),
+            ("mock_upstream.retry_after_seconds", mock.retry_after_seconds, DAY_SECONDS, "a day"),
+            ("mock_upstream.image_job_ms", mock.image_job_ms, DAY_MS, "a day"),
+            ("mock_upstream.video_job_ms", mock.video_job_ms, DAY_MS, "a day"),
+        ] {
+            if value > most {
+                return Err(invalid(key, format!("{value} is more than {what} ({most})")));
+            }
+        }
         if self.store.backend == Backend::Redis {
             // The store's own reading of the URL: one server, or a cluster's seed nodes.
             if let Err(e) = crate::store::RedisStore::check_url(&self.store.redis_url) {
@@ -1176,6 +1209,22 @@ impl RawConfig {
                     "with store.backend = \"redis\" a window, or a bucket's burst × refill time, may span at most \
                      52 days",
                 ));
+            }
+            // A tier scales a bucket's burst (rounded, never below one) and its rate, so its span
+            // can grow: a burst of 1 at half the rate spans twice as long.
+            let own = ["http", "method.tools_list", "method.tools_call", "method.other", "caller"]
+                .map(|s| format!("limits.{s}"));
+            let tiered = spans.iter().filter(|(key, _)| own.contains(key));
+            for ((key, limits), (tier, factor)) in tiered.flat_map(|s| tiers.iter().map(move |t| (s, t))) {
+                if limits.iter().any(|l| l.limiter.scaled(*factor).span() > 1 << 52) {
+                    return Err(invalid(
+                        key.as_str(),
+                        format!(
+                            "× `tiers.{tier}` ({factor}) it spans more than 52 days, the most a window, or a \
+                             bucket's burst × refill time, may span with store.backend = \"redis\""
+                        ),
+                    ));
+                }
             }
         }
         if loops.repeats < 2 {
@@ -1274,6 +1323,121 @@ fn id_secret(secret: &str) -> Result<Option<Secret>, ConfigError> {
         ));
     }
     Ok(Some(Secret::new(secret)))
+}
+
+/// A day, the longest most durations may be (see the bounds in [`RawConfig::validate`]).
+const DAY_MS: u64 = 86_400_000;
+/// The same in seconds.
+const DAY_SECONDS: u64 = 86_400;
+
+/// Refuses a config in which a paid tool's cost is larger than an enforced limit of a scope it
+/// draws on, as the guard scales them (`Policy::new`, `Policy::scaled`: capacities rounded,
+/// never below one): the tenants' and keys' own budgets as written, and over a shared store
+/// (`shared`: its expected instances), for a tool that fails open, the insurance limiter's share
+/// of 1/`store.expected_instances` of every one of them (`limits.caller` after each tier), and
+/// of the spend caps. Such a tool could never be called by that tenant or key, or on any
+/// instance while the store cannot decide. (The unscaled `limits.*`, their tiers and the caps
+/// are checked where they are read.)
+fn costs_fit(
+    tools: &BTreeMap<String, ToolPolicy>,
+    tiers: &BTreeMap<String, f64>,
+    limits: &Limits,
+    tenants: &BTreeMap<String, TenantOverride>,
+    keys: &[ApiKey],
+    spend_caps: &SpendCaps,
+    shared: Option<u32>,
+) -> Result<(), ConfigError> {
+    // Every limit a cost is drawn from: the key of its capacity, the limiter, whether tiers scale it.
+    let mut drawn: Vec<(String, Limiter, bool)> = Vec::new();
+    let mut scope = |key: &str, list: &[Limit], tiered: bool| {
+        for (i, limit) in list.iter().enumerate().filter(|(_, l)| l.enforced_mode()) {
+            let at = if list.len() > 1 { format!("{key}[{i}]") } else { key.to_owned() };
+            drawn.push((format!("{at}.{}", limit.limiter.capacity_key()), limit.limiter.clone(), tiered));
+        }
+    };
+    scope("limits.caller", &limits.caller, true);
+    scope("limits.tenant", &limits.tenant, false);
+    scope("limits.address", &limits.address, false);
+    for (tenant, own) in tenants {
+        scope(&format!("tenants.{tenant}.budget"), own.budget.as_deref().unwrap_or_default(), false);
+    }
+    for (i, key) in keys.iter().enumerate() {
+        scope(&format!("auth.keys[{i}].caller"), key.caller.as_deref().unwrap_or_default(), false);
+    }
+    let cap = |units: u64| Limiter::FixedWindow(FixedWindow::new(units, DAY_MS * 1_000_000));
+    drawn.extend(spend_caps.daily_units.map(|units| ("spend_caps.daily_units".to_owned(), cap(units), false)));
+    for (tenant, own) in tenants {
+        if let Some(units) = own.daily_spend_units {
+            drawn.push((format!("tenants.{tenant}.daily_spend_units"), cap(units), false));
+        }
+    }
+
+    let untiered = [(None, 1.0)];
+    for (tool, policy) in tools.iter().filter(|(_, p)| p.cost > 0) {
+        let cost = policy.cost;
+        for (at, limiter, tiered) in &drawn {
+            let factors: Vec<(Option<&str>, f64)> =
+                if *tiered { tiers.iter().map(|(t, f)| (Some(t.as_str()), *f)).collect() } else { untiered.to_vec() };
+            for (tier, factor) in factors {
+                let scaled = limiter.scaled(factor);
+                let of = tier.map_or_else(|| format!("`{at}`"), |t| format!("`{at}` × `tiers.{t}`"));
+                if cost > scaled.capacity() {
+                    return Err(invalid(
+                        format!("tools.{tool}.cost"),
+                        format!(
+                            "cost {cost} is larger than {of} = {}, so `{tool}` could never be called there; lower \
+                             the cost or raise `{at}`",
+                            scaled.capacity()
+                        ),
+                    ));
+                }
+                let Some(instances) = shared.filter(|n| *n > 1 && policy.fail == Fail::Open) else { continue };
+                let share = scaled.scaled(1.0 / f64::from(instances)).capacity();
+                if cost > share {
+                    return Err(invalid(
+                        "store.expected_instances",
+                        format!(
+                            "with {instances} instances sharing the store, the insurance limiter gives each 1/{instances} \
+                             of {of} ({} → {share}), less than the cost {cost} of `{tool}`, which fails open: while \
+                             the store cannot decide, no instance could admit it. Lower `store.expected_instances` \
+                             or `tools.{tool}.cost`, raise `{at}`, or set `tools.{tool}.fail = \"closed\"`",
+                            scaled.capacity()
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// TOML integers are 64-bit signed, and the TOML reader stops at a larger one (a `u64` maximum,
+/// say) without naming its key: this finds it first and names it. Anything else unreadable is
+/// left to the reader's own message.
+fn integer_too_large(toml: &str) -> Result<(), ConfigError> {
+    fn walk(path: &str, value: &toml::de::DeValue<'_>) -> Option<(String, String)> {
+        match value {
+            toml::de::DeValue::Integer(n) if i64::from_str_radix(n.as_str(), n.radix()).is_err() => {
+                Some((path.to_owned(), n.as_str().to_owned()))
+            }
+            toml::de::DeValue::Table(table) => table.iter().find_map(|(key, value)| {
+                let key = key.get_ref();
+                walk(&if path.is_empty() { key.to_string() } else { format!("{path}.{key}") }, value.get_ref())
+            }),
+            toml::de::DeValue::Array(items) => {
+                items.iter().enumerate().find_map(|(i, item)| walk(&format!("{path}[{i}]"), item.get_ref()))
+            }
+            _ => None,
+        }
+    }
+    let Ok(document) = toml::de::DeTable::parse(toml) else { return Ok(()) };
+    match walk("", &toml::de::DeValue::Table(document.into_inner())) {
+        Some((key, number)) => Err(invalid(
+            key,
+            format!("{number} is larger than any number a config takes (TOML integers stop at {})", i64::MAX),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Largest count a limit may have (window counters are kept in 32 bits).
@@ -1535,6 +1699,73 @@ mod tests {
         assert_eq!(on.auth.id_secret.as_ref().map(Secret::expose), Some("0123456789abcdef"), "trimmed");
         assert!(on.limits_table().contains("caller ids: keyed (auth.id_secret)"), "{}", on.limits_table());
         assert!(!format!("{on:?}{on:#?}").contains("0123456789abcdef"), "the secret never shows in a Debug print");
+    }
+
+    #[test]
+    fn an_insurance_share_below_a_cost_names_the_instances_the_limit_and_the_tool() {
+        let redis = "[store]\nbackend = \"redis\"\nexpected_instances = 3\n";
+        // 60 × guest 0.5 = 30, a third of which (10) is below a video's 20, for a tool that fails open.
+        let open = "[tools.generate_image_to_video]\nfail = \"open\"\n";
+        let e = err(&format!("{redis}{open}"));
+        assert!(e.contains("`store.expected_instances`"), "{e}");
+        for part in ["1/3", "`limits.caller.burst` × `tiers.guest`", "30 → 10", "cost 20", "generate_image_to_video"]
+        {
+            assert!(e.contains(part), "{part}: {e}");
+        }
+        assert!(e.contains("fail = \"closed\""), "says what to change: {e}");
+        // The same share for a tool that fails closed never decides it: accepted.
+        assert!(Config::from_toml_test(redis).is_ok());
+        // In memory there is no insurance limiter; with one instance its share is the whole.
+        assert!(Config::from_toml_test(open).is_ok());
+        assert!(Config::from_toml_test(&format!("{}{open}", redis.replace("= 3", "= 1"))).is_ok());
+        // Tenants' and keys' own budgets are shared out too, and checked as written.
+        let tenant = "[tenants.acme.budget]\nalgorithm = \"sliding_window\"\nlimit = 50\nwindow_ms = 60000\n";
+        let e = err(&format!("{redis}{open}{tenant}[limits.caller]\nburst = 600\n"));
+        assert!(e.contains("`tenants.acme.budget.limit` (50 → 17)"), "{e}");
+        let key =
+            "[[auth.keys]]\nkey = \"k\"\n[auth.keys.caller]\nalgorithm = \"gcra\"\nburst = 10\nrefill_per_sec = 1.0\n";
+        let e = err(key);
+        assert!(
+            e.contains("`tools.generate_image_to_video.cost`") && e.contains("`auth.keys[0].caller.burst` = 10"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn durations_past_a_day_are_refused_naming_the_key() {
+        for (toml, key) in [
+            ("[upstream]\ntimeout_ms = 86400001\n", "upstream.timeout_ms"),
+            ("[upstream]\ntimeout_ms = 9223372036854775807\n", "upstream.timeout_ms"),
+            ("[upstream]\nbreaker_cooldown_ms = 100000000\n", "upstream.breaker_cooldown_ms"),
+            ("[upstream]\njob_expiry_seconds = 604801\n", "upstream.job_expiry_seconds"),
+            ("[upstream]\nvideo_poll_seconds = 86401\n", "upstream.video_poll_seconds"),
+            ("[store]\nlease_ms = 86400001\n", "store.lease_ms"),
+            ("[store]\nsweep_interval_ms = 86400001\n", "store.sweep_interval_ms"),
+            ("[loop_detection]\nwindow_ms = 86400001\n", "loop_detection.window_ms"),
+            ("[mock_upstream]\nvideo_job_ms = 86400001\n", "mock_upstream.video_job_ms"),
+        ] {
+            let e = err(toml);
+            assert!(e.contains(&format!("`{key}`")), "{toml}: {e}");
+        }
+        let week = Config::from_toml_test("[upstream]\njob_expiry_seconds = 604800\ntimeout_ms = 86400000\n");
+        assert!(week.is_ok(), "a week's expiry and a day's timeout are the bounds themselves");
+    }
+
+    #[test]
+    fn an_integer_too_large_for_toml_is_refused_naming_its_key() {
+        let e = err("[upstream]\ntimeout_ms = 18446744073709551615\n");
+        assert!(e.contains("`upstream.timeout_ms`") && e.contains("18446744073709551615"), "{e}");
+        let e = err("[[limits.caller]]\nalgorithm = \"token_bucket\"\nburst = 99999999999999999999\n");
+        assert!(e.contains("`limits.caller[0].burst`"), "{e}");
+    }
+
+    #[test]
+    fn a_tier_that_stretches_a_bucket_past_what_redis_decides_exactly_is_named() {
+        // A burst of 1 stays 1 for guests (× 0.5, rounded, never below one) while its rate halves.
+        let e = err("[store]\nbackend = \"redis\"\n[limits.caller]\nburst = 1\nrefill_per_sec = 0.0000003\n\
+                     [tools.list_articles]\ncost = 1\n[tools.save_article]\ncost = 1\n[tools.generate_image]\ncost = 1\n\
+                     [tools.generate_image_to_video]\ncost = 1\n");
+        assert!(e.contains("`limits.caller`") && e.contains("tiers.guest"), "{e}");
     }
 
     #[test]

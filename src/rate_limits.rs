@@ -241,7 +241,7 @@ impl<S> tower::Layer<S> for HttpLayer {
 
 /// Forgets idle limiter state on a schedule, so memory stays bounded however many callers come.
 async fn sweep_forever(guard: Arc<Guard>, every: Duration, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(every.max(Duration::from_millis(1)));
+    let mut tick = tokio::time::interval(every.clamp(Duration::from_millis(1), crate::clock::LONGEST_WAIT));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
@@ -259,7 +259,7 @@ async fn sweep_forever(guard: Arc<Guard>, every: Duration, stop: CancellationTok
 /// Renews the in-flight leases this instance holds in a shared store. On the wall clock: the
 /// leases run out on Redis's clock, whatever the server's clock says.
 async fn renew_forever(guard: Arc<Guard>, every: Duration, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
+    let mut tick = tokio::time::interval(every.clamp(Duration::from_millis(10), crate::clock::LONGEST_WAIT));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {

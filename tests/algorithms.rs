@@ -47,6 +47,10 @@ impl Key for MemoryKey {
         self.limiter.release(&mut self.state, cost);
     }
 
+    fn relimit(&mut self, limiter: &Limiter) {
+        self.limiter = limiter.clone();
+    }
+
     fn state(&self) -> LimiterState {
         self.state.clone()
     }
@@ -110,4 +114,9 @@ fn sliding_window_stays_within_its_documented_error_at_an_edge() {
 #[test]
 fn sliding_window_never_exceeds_twice_the_limit_in_any_window() {
     algorithm_suite::sliding_window_never_exceeds_twice_the_limit_in_any_window(&Memory, 200);
+}
+
+#[test]
+fn changed_limits_keep_every_number_believable() {
+    algorithm_suite::changed_limits_keep_every_number_believable(&Memory, 1_000);
 }

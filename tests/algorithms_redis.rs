@@ -27,6 +27,9 @@ use test_redis::TestRedis;
 const TIMEOUT: Duration = Duration::from_secs(5);
 /// Cases per property (the memory suite runs 300).
 const CASES: u32 = 20;
+/// Cases of the changed-limits property: its steps are cheap (about 3 s for 100), and seven
+/// algorithms share them.
+const LIFE_CASES: u32 = 100;
 
 /// A Redis store, and a connection of the test's own to copy, read and pin its keys.
 struct Redis(Rc<Connected>);
@@ -170,6 +173,11 @@ impl Key for RedisKey {
         self.value = redis.query(redis::cmd("GET").arg(&self.key));
     }
 
+    /// The key's value stays as it is: the scripts read it under whatever limiter a check names.
+    fn relimit(&mut self, limiter: &Limiter) {
+        self.limiter = limiter.clone();
+    }
+
     fn state(&self) -> Option<String> {
         self.redis.query(redis::cmd("GET").arg(&self.key))
     }
@@ -233,4 +241,9 @@ fn sliding_window_stays_within_its_documented_error_at_an_edge() {
 #[test]
 fn sliding_window_never_exceeds_twice_the_limit_in_any_window() {
     algorithm_suite::sliding_window_never_exceeds_twice_the_limit_in_any_window(&Redis::start(), CASES);
+}
+
+#[test]
+fn changed_limits_keep_every_number_believable() {
+    algorithm_suite::changed_limits_keep_every_number_believable(&Redis::start(), LIFE_CASES);
 }

@@ -63,6 +63,34 @@ fn environment_overrides_the_file_and_is_validated_too() {
 }
 
 #[test]
+fn a_timeout_beyond_any_clock_is_refused_naming_its_key_from_a_file_or_the_environment() {
+    let huge = "18446744073709551615";
+    for (toml, env) in [
+        (format!("[upstream]\ntimeout_ms = {huge}\n"), vec![]),
+        (String::new(), vec![("MCP_RL__UPSTREAM__TIMEOUT_MS", huge)]),
+    ] {
+        let (ok, _, stderr) = check_config(&toml, &env);
+        assert!(!ok, "{toml}{env:?}");
+        assert!(stderr.contains("upstream.timeout_ms"), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    let (ok, _, stderr) = check_config("[upstream]\njob_expiry_seconds = 604801\n", &[]);
+    assert!(!ok && stderr.contains("upstream.job_expiry_seconds") && stderr.contains("a week"), "{stderr}");
+}
+
+#[test]
+fn an_insurance_share_too_small_for_a_tool_fails_naming_the_instances_and_the_limit() {
+    let toml = "[store]\nbackend = \"redis\"\nexpected_instances = 5\n[tools.generate_image]\nfail = \"open\"\n\
+                [limits.caller]\nburst = 40\n";
+    let (ok, _, stderr) = check_config(toml, &[]);
+    assert!(!ok);
+    assert!(stderr.contains("store.expected_instances"), "{stderr}");
+    // 40 × guest 0.5 = 20, a fifth of which is 4, below the image's 5.
+    assert!(stderr.contains("`limits.caller.burst` × `tiers.guest` (20 → 4)") && stderr.contains("cost 5"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
 fn a_missing_config_file_is_an_error_not_a_default() {
     let out = Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
         .args(["check-config", "/nonexistent/mcp-ratelimit.toml"])

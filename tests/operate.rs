@@ -226,6 +226,15 @@ tenant = "tiny"
 algorithm = "token_bucket"
 burst = 4
 refill_per_sec = 0.001
+
+# Every paid tool priced within those budgets: a cost one of them could never pay is refused at
+# start-up.
+[tools.save_article]
+cost = 1
+[tools.generate_image]
+cost = 1
+[tools.generate_image_to_video]
+cost = 1
 "#
     );
     let server = TestServer::start(&config).await;

@@ -56,16 +56,23 @@ fn span_of(limiter: &Limiter) -> Nanos {
     }
 }
 
-/// One call of a parity run: the time since the previous call (whole µs) and its cost.
+/// One step of a parity run: a call, or a change of the limit under the key.
 #[derive(Debug, Clone)]
-struct Step {
-    gap_us: u64,
-    cost: u64,
+enum Step {
+    /// A call: the time since the previous call (whole µs) and its cost (at most the capacity of
+    /// the limit in force).
+    Call { gap_us: u64, cost: u64 },
+    /// The key is decided from now on by another limiter of the run's list (same algorithm,
+    /// other numbers: a reload), or
+    Relimit(usize),
+    /// by the current one multiplied by a factor (a tier, or an insurance share of 1/N).
+    Scale(f64),
 }
 
 /// Calls for a limiter: mostly bursts at one instant, often exactly one or a few periods or
 /// windows apart, sometimes a long pause (up to 200 days, past any exact-integer shortcut);
-/// costs from 0 to the capacity, so often above what remains.
+/// costs from 0 to the capacity, so often above what remains; and now and then the limit
+/// changes under the key.
 fn steps(span: Nanos, capacity: u64) -> impl Strategy<Value = Vec<Step>> {
     let span_us = span / 1_000;
     let gap = prop_oneof![
@@ -77,11 +84,17 @@ fn steps(span: Nanos, capacity: u64) -> impl Strategy<Value = Vec<Step>> {
         1 => 0..span_us.saturating_mul(20).max(1),
         1 => Just(200 * DAY / 1_000),
     ];
-    prop::collection::vec((gap, 0..=capacity).prop_map(|(gap_us, cost)| Step { gap_us, cost }), 1..=30)
+    let step = prop_oneof![
+        12 => (gap, 0..=capacity).prop_map(|(gap_us, cost)| Step::Call { gap_us, cost }),
+        1 => (0..8usize).prop_map(Step::Relimit),
+        1 => prop::sample::select(vec![0.5, 4.0, 1.0 / 3.0]).prop_map(Step::Scale),
+    ];
+    prop::collection::vec(step, 1..=30)
 }
 
 /// Runs random calls through each limiter twice, in Rust on a local state and in Redis with
-/// `decide_at` at the same instants, and requires identical decisions.
+/// `decide_at` at the same instants, and requires identical decisions, also after the limit
+/// changed under a key that kept its state.
 fn decides_like_its_rust_twin(limiters: Vec<Limiter>) {
     let redis = TestRedis::start();
     let runtime = runtime();
@@ -97,17 +110,46 @@ fn decides_like_its_rust_twin(limiters: Vec<Limiter>) {
     });
     let case = std::cell::Cell::new(0);
     let outcome = runner().run(&strategy, |(i, phase_us, steps)| {
-        let limiter = &limiters[i];
+        let mut limiter = limiters[i].clone();
         case.set(case.get() + 1);
         let key = redis.key(&format!("{}:{}", limiter.algorithm(), case.get()));
-        let span = span_of(limiter);
+        let span = span_of(&limiter);
         let mut now = (EPOCH - EPOCH % span).div_ceil(1_000) * 1_000 + phase_us * 1_000;
-        let mut state = limiter.fresh(now);
-        let mut not_before = 0;
+        // None until a call charges it, as in Redis (and `MemoryStore`): a key never written is
+        // fresh under whichever limiter decides it first.
+        let mut state: Option<LimiterState> = None;
+        // When the key as last written is as good as fresh, if that is so soon that Redis may
+        // forget it in real time (see the module doc), and the limiter that wrote it.
+        let mut soon: Option<(Nanos, Limiter)> = None;
         for (n, step) in steps.iter().enumerate() {
-            now = (now + step.gap_us * 1_000).max(not_before);
-            let expected = limiter.acquire(&mut state, now, step.cost);
-            let check = Check { key: &key, limiter, cost: step.cost, shadow: false };
+            let (gap_us, cost) = match *step {
+                Step::Call { gap_us, cost } => (gap_us, cost.min(limiter.capacity())),
+                Step::Relimit(j) => {
+                    limiter = limiters[j % limiters.len()].clone();
+                    continue;
+                }
+                Step::Scale(factor) => {
+                    let scaled = limiter.scaled(factor);
+                    // Only limits the Redis store decides exactly (config validation's rule).
+                    if scaled.span() <= 1 << 52 {
+                        limiter = scaled;
+                    }
+                    continue;
+                }
+            };
+            now += gap_us * 1_000;
+            if let Some((forget_at, writer)) = soon.take() {
+                now = now.max(forget_at);
+                // As good as fresh under the limiter that wrote it, but not necessarily under
+                // another: both stores may forget it, so both do.
+                if writer != limiter {
+                    runtime.block_on(store.forget(&[key.as_str()])).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    state = None;
+                }
+            }
+            let mut next = state.clone().unwrap_or_else(|| limiter.fresh(now));
+            let expected = limiter.acquire(&mut next, now, cost);
+            let check = Check { key: &key, limiter: &limiter, cost, shadow: false };
             let got = runtime
                 .block_on(store.decide_at(&[check], now))
                 .map_err(|e| TestCaseError::fail(format!("call {n}: {e}")))?;
@@ -118,12 +160,15 @@ fn decides_like_its_rust_twin(limiters: Vec<Limiter>) {
                 n,
                 limiter.describe(),
                 now,
-                step.gap_us,
-                step.cost
+                gap_us,
+                cost
             );
-            let forget_at = limiter.forget_at(&mut state, now);
-            not_before =
-                if forget_at > now && forget_at - now < MARGIN { forget_at.div_ceil(1_000) * 1_000 } else { 0 };
+            if expected.allowed && cost > 0 {
+                let forget_at = limiter.forget_at(&mut next, now);
+                state = Some(next);
+                soon = (forget_at > now && forget_at - now < MARGIN)
+                    .then(|| (forget_at.div_ceil(1_000) * 1_000, limiter.clone()));
+            }
         }
         Ok(())
     });
@@ -194,41 +239,64 @@ fn sliding_window_script_decides_like_sliding_window_rs() {
     ]);
 }
 
+/// One step of the in-flight parity run.
+#[derive(Debug, Clone, Copy)]
+enum SlotStep {
+    /// Takes this many slots (at most the cap in force).
+    Acquire(u64),
+    /// Gives back the slots of the latest admission still held.
+    Release,
+    /// The cap changes under the held slots (a reload; lowered below them, or raised).
+    Cap(u64),
+}
+
 #[test]
 fn concurrency_script_counts_slots_like_concurrency_rs() {
     let redis = TestRedis::start();
     let runtime = runtime();
     let store = runtime.block_on(RedisStore::connect(&redis.url, TIMEOUT)).expect("connects to Redis");
-    let strategy = prop_oneof![Just(1u64), Just(3u64), Just(10u64)]
-        .prop_flat_map(|max| (Just(max), prop::collection::vec((any::<bool>(), 0..=max), 1..=30)));
+    let cap = prop_oneof![Just(1u64), Just(3u64), Just(10u64)];
+    let step = prop_oneof![
+        5 => (0..=10u64).prop_map(SlotStep::Acquire),
+        4 => Just(SlotStep::Release),
+        1 => cap.clone().prop_map(SlotStep::Cap),
+    ];
+    let strategy = (cap, prop::collection::vec(step, 1..=30));
     let case = std::cell::Cell::new(0);
-    let outcome = runner().run(&strategy, |(max, ops)| {
-        let limiter = Limiter::Concurrency(Concurrency::new(max));
+    let outcome = runner().run(&strategy, |(max, steps)| {
+        let mut limiter = Limiter::Concurrency(Concurrency::new(max));
         case.set(case.get() + 1);
         let key = redis.key(&format!("concurrency:{}", case.get()));
         let mut state = limiter.fresh(EPOCH);
         let mut held: Vec<(Lease, u64)> = vec![];
-        for (n, (acquire, cost)) in ops.into_iter().enumerate() {
-            if acquire || held.is_empty() {
-                let expected = limiter.acquire(&mut state, EPOCH, cost);
-                // Slots are leases on Redis's own clock (releases read it too); none runs out here.
-                let lease = new_lease();
-                let got = runtime
-                    .block_on(store.decide_leased(
-                        &[Check { key: &key, limiter: &limiter, cost, shadow: false }],
-                        lease,
-                        None,
-                    ))
-                    .map_err(|e| TestCaseError::fail(format!("call {n}: {e}")))?;
-                prop_assert_eq!(&got, &vec![expected], "call {} of {}, cost {}", n, limiter.describe(), cost);
-                if expected.allowed {
-                    held.push((lease, cost));
+        for (n, step) in steps.into_iter().enumerate() {
+            match step {
+                SlotStep::Cap(max) => limiter = Limiter::Concurrency(Concurrency::new(max)),
+                SlotStep::Acquire(cost) => {
+                    let cost = cost.min(limiter.capacity());
+                    let expected = limiter.acquire(&mut state, EPOCH, cost);
+                    // Slots are leases on Redis's own clock (releases read it too); none runs out here.
+                    let lease = new_lease();
+                    let got = runtime
+                        .block_on(store.decide_leased(
+                            &[Check { key: &key, limiter: &limiter, cost, shadow: false }],
+                            lease,
+                            None,
+                        ))
+                        .map_err(|e| TestCaseError::fail(format!("call {n}: {e}")))?;
+                    prop_assert_eq!(&got, &vec![expected], "call {} of {}, cost {}", n, limiter.describe(), cost);
+                    if expected.allowed {
+                        held.push((lease, cost));
+                    }
                 }
-            } else if let Some((lease, slots)) = held.pop() {
-                limiter.release(&mut state, slots);
-                runtime
-                    .block_on(store.release(&key, lease))
-                    .map_err(|e| TestCaseError::fail(format!("release {n}: {e}")))?;
+                SlotStep::Release => {
+                    if let Some((lease, slots)) = held.pop() {
+                        limiter.release(&mut state, slots);
+                        runtime
+                            .block_on(store.release(&key, lease))
+                            .map_err(|e| TestCaseError::fail(format!("release {n}: {e}")))?;
+                    }
+                }
             }
         }
         Ok(())

@@ -7,6 +7,10 @@
 //!
 //! There is no window and no clock: a refused call cannot be told when a slot will free up
 //! (`retry_after` is zero); the refusal says `busy` and suggests polling instead.
+//!
+//! **When its cap is lowered** below the slots already held, the held slots stay held (their
+//! work is running) and count against the new cap: `remaining` is 0, never negative, and every
+//! call is refused until enough of them are given back. A raised cap admits at once.
 
 use crate::clock::Nanos;
 use crate::limit::{Algorithm, Decision};
@@ -45,9 +49,11 @@ impl Algorithm for Concurrency {
     fn acquire(&self, state: &mut State, _now: Nanos, cost: u64) -> Decision {
         let allowed = state.in_flight.saturating_add(cost) <= self.max;
         if allowed {
-            state.in_flight += cost;
+            state.in_flight = state.in_flight.saturating_add(cost);
         }
-        Decision { allowed, limit: self.max, remaining: self.max - state.in_flight, retry_after: 0, reset_after: 0 }
+        // Saturating: slots taken under a larger cap may exceed this one.
+        let remaining = self.max.saturating_sub(state.in_flight);
+        Decision { allowed, limit: self.max, remaining, retry_after: 0, reset_after: 0 }
     }
 
     fn forget_at(&self, state: &State) -> Nanos {
@@ -61,5 +67,24 @@ impl Algorithm for Concurrency {
     /// Releases `units` slots, as the end of that much work would.
     fn refund(&self, state: &mut State, _now: Nanos, units: u64) {
         self.release(state, units);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cap_lowered_under_held_slots_leaves_none_until_they_are_given_back() {
+        let before = Concurrency::new(5);
+        let mut s = before.fresh(0);
+        assert!(before.acquire(&mut s, 0, 3).allowed);
+        let after = Concurrency::new(1);
+        let d = after.acquire(&mut s, 0, 1);
+        assert_eq!((d.allowed, d.limit, d.remaining), (false, 1, 0));
+        after.release(&mut s, 2);
+        assert_eq!(after.acquire(&mut s, 0, 0).remaining, 0, "one slot still held: the whole new cap");
+        after.release(&mut s, 1);
+        assert!(after.acquire(&mut s, 0, 1).allowed);
     }
 }

@@ -10,6 +10,12 @@
 //! or [`sliding_window`](super::sliding_window) when that matters.
 //!
 //! Windows are aligned to multiples of the window length on the store's clock.
+//!
+//! **When its limit is lowered** below what the current window has already counted, the count
+//! stays (those calls happened): `remaining` is 0, never negative, and a call is refused until
+//! the window ends, which `retry_after` names exactly; it and `reset_after` are never more than
+//! one window. A raised limit lets the caller continue from its count. A new window length keeps
+//! the count only while the key's window start is also a start of the new windows.
 
 use crate::clock::Nanos;
 use crate::limit::{Algorithm, Decision};
@@ -52,14 +58,15 @@ impl Algorithm for FixedWindow {
         let count = if state.start == start { state.count } else { 0 };
         let end = start.saturating_add(self.window);
         let allowed = count.saturating_add(cost) <= self.limit;
-        let count = if allowed { count + cost } else { count };
+        let count = if allowed { count.saturating_add(cost) } else { count };
         if allowed && cost > 0 {
             *state = State { start, count };
         }
         Decision {
             allowed,
             limit: self.limit,
-            remaining: self.limit - count,
+            // Saturating: a count taken under a larger limit may exceed this one.
+            remaining: self.limit.saturating_sub(count),
             retry_after: if allowed { 0 } else { end - now },
             reset_after: if count == 0 { 0 } else { end - now },
         }
@@ -97,5 +104,17 @@ mod tests {
         assert!(!d.allowed);
         assert_eq!(d.retry_after, 6 * SEC, "until the window ends at 10 s");
         assert!(w.acquire(&mut s, 10 * SEC, 1).allowed);
+    }
+
+    #[test]
+    fn a_limit_lowered_under_the_count_leaves_nothing_until_the_window_ends() {
+        let before = FixedWindow::new(100, 60 * SEC);
+        let mut s = before.fresh(0);
+        assert!(before.acquire(&mut s, SEC, 50).allowed);
+        let after = FixedWindow::new(40, 60 * SEC);
+        let d = after.acquire(&mut s, 2 * SEC, 1);
+        assert_eq!((d.allowed, d.limit, d.remaining), (false, 40, 0));
+        assert_eq!(d.retry_after, 58 * SEC, "exactly until the window ends");
+        assert!(after.acquire(&mut s, 60 * SEC, 40).allowed);
     }
 }

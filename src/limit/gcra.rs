@@ -10,6 +10,13 @@
 //!
 //! A call of cost `n` conforms when `max(TAT, now) + n·T − now ≤ burst·T`, where `T` is the
 //! emission interval (ns per unit); it then moves TAT forward by `n·T`.
+//!
+//! **When its limit is lowered** (a smaller burst, a slower rate) the key keeps its schedule:
+//! the TAT already booked is still owed, so while it is further ahead than the new `burst·T`
+//! `remaining` is 0 and `retry_after` is exactly `TAT + n·T − now − burst·T` for the new limit.
+//! An admitted call never books the TAT further ahead than the `burst·T` of the limit then in
+//! force, so `retry_after` and `reset_after` never exceed the largest `burst·T` (the span) of any
+//! limit the key has had. A raised limit lets the caller continue on its schedule.
 
 use crate::clock::Nanos;
 use crate::limit::{Algorithm, Decision, period_of};
@@ -121,5 +128,19 @@ mod tests {
         assert!(!d.allowed);
         assert_eq!(d.remaining, 2);
         assert_eq!(d.retry_after, 3 * SEC / 2);
+    }
+
+    #[test]
+    fn a_schedule_booked_under_a_larger_burst_is_still_owed_exactly() {
+        let before = Gcra::new(100, 1.0);
+        let mut s = before.fresh(0);
+        assert!(before.acquire(&mut s, 0, 50).allowed);
+        // TAT is 50 s ahead; the new burst tolerates 40 s.
+        let after = Gcra::new(40, 1.0);
+        let d = after.acquire(&mut s, 0, 1);
+        assert_eq!((d.allowed, d.limit, d.remaining), (false, 40, 0));
+        assert_eq!((d.retry_after, d.reset_after), (11 * SEC, 50 * SEC));
+        assert!(!after.acquire(&mut s, 11 * SEC - 1, 1).allowed);
+        assert!(after.acquire(&mut s, 11 * SEC, 1).allowed);
     }
 }

@@ -8,6 +8,13 @@
 //!
 //! **At a window edge** there is none: the bucket drains continuously, so at most
 //! `capacity + t × rate` units pass in any interval `t`.
+//!
+//! **When its limit is lowered** (a smaller capacity, a slower leak) the water already poured
+//! stays and drains at one nanosecond per nanosecond, whatever the period: above the new brim,
+//! `remaining` is 0, never negative, and `retry_after` is still exact for the new limit (when
+//! the water is down to the brim less this call's cost). Water never exceeds the largest brim
+//! (capacity × period) of any limit the key has had, so neither `retry_after` nor `reset_after`
+//! ever does. A raised limit lets the caller continue from its level.
 
 use crate::clock::Nanos;
 use crate::limit::{Algorithm, Decision, period_of};
@@ -57,7 +64,8 @@ impl Algorithm for LeakyBucket {
         Decision {
             allowed,
             limit: self.capacity,
-            remaining: (brim - water) / self.period,
+            // Saturating: water poured under a larger brim may stand above this one.
+            remaining: brim.saturating_sub(water) / self.period,
             retry_after: if allowed { 0 } else { poured - brim },
             reset_after: water,
         }
@@ -93,5 +101,20 @@ mod tests {
         assert!(!d.allowed);
         assert_eq!(d.retry_after, SEC / 2);
         assert!(b.acquire(&mut s, SEC / 2, 2).allowed);
+    }
+
+    #[test]
+    fn water_above_a_lowered_brim_drains_to_an_exact_wait() {
+        let before = LeakyBucket::new(10, 1.0);
+        let mut s = before.fresh(0);
+        assert!(before.acquire(&mut s, 0, 8).allowed);
+        // 8 s of water; the new brim holds 2 units of half a second: 1 s.
+        let after = LeakyBucket::new(2, 2.0);
+        let d = after.acquire(&mut s, 0, 1);
+        assert_eq!((d.allowed, d.limit, d.remaining), (false, 2, 0));
+        assert_eq!(d.retry_after, 15 * SEC / 2, "down to the brim less one unit: 8 s - 0.5 s");
+        assert_eq!(d.reset_after, 8 * SEC);
+        assert!(!after.acquire(&mut s, d.retry_after - 1, 1).allowed);
+        assert!(after.acquire(&mut s, d.retry_after, 1).allowed);
     }
 }

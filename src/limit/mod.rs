@@ -51,7 +51,11 @@ pub struct Decision {
 
 /// One algorithm: parameters plus the arithmetic on its per-key state.
 ///
-/// Precondition everywhere: `cost <= capacity()` (config validation rejects larger costs).
+/// Precondition everywhere: `cost <= capacity()` (config validation rejects larger costs, after
+/// tiers and insurance shares too). A state may have been left by the same algorithm with other
+/// parameters (a reload, a tier, an insurance share of 1/N): the answer is then still about the
+/// current limit — `limit` is its capacity, `remaining` at most that, a wait exact and bounded as
+/// each module doc says under "when its limit is lowered" — and no arithmetic wraps.
 pub trait Algorithm {
     /// What a key remembers between decisions.
     type State: Clone + std::fmt::Debug;

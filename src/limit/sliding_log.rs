@@ -8,6 +8,12 @@
 //! **At a window edge** nothing special happens: a call at `t` counts until `t + window`, so
 //! no span of length `window` ever holds more than `limit` units. A refusal's `retry_after` is
 //! exactly when enough old entries will have aged out for this call's cost.
+//!
+//! **When its limit is lowered** below what the log holds, the entries stay until they age out
+//! of the (current) window: `remaining` is 0, never negative, and `retry_after` is still exact for
+//! the new limit — when enough of the oldest entries have aged out that this call fits beside the
+//! rest — so it and `reset_after` are never more than one window. A raised limit lets the caller
+//! continue from the log; a shorter window drops the entries older than it at once.
 
 use std::collections::VecDeque;
 
@@ -46,7 +52,7 @@ impl SlidingLog {
                 break;
             }
             state.entries.pop_front();
-            state.total -= units;
+            state.total = state.total.saturating_sub(units);
         }
     }
 }
@@ -66,25 +72,28 @@ impl Algorithm for SlidingLog {
                 Some((at, units)) if *at >= now => *units += cost,
                 _ => state.entries.push_back((now, cost)),
             }
-            state.total += cost;
+            state.total = state.total.saturating_add(cost);
         }
         let retry_after = if allowed {
             0
         } else {
-            // Walk the oldest entries until enough units would have aged out.
-            let mut freed = 0;
+            // Walk the oldest entries until enough units would have aged out; the log may hold
+            // more than a lowered limit, so only what is left after them counts.
+            let mut freed: u64 = 0;
             let mut wait = self.window;
             for &(at, units) in &state.entries {
-                freed += units;
+                freed = freed.saturating_add(units);
                 wait = at.saturating_add(self.window).saturating_sub(now);
-                if state.total - freed + cost <= self.limit {
+                if state.total.saturating_sub(freed).saturating_add(cost) <= self.limit {
                     break;
                 }
             }
             wait
         };
         let reset_after = state.entries.back().map_or(0, |&(at, _)| at.saturating_add(self.window).saturating_sub(now));
-        Decision { allowed, limit: self.limit, remaining: self.limit - state.total, retry_after, reset_after }
+        // Saturating: a log kept under a larger limit may hold more than this one.
+        let remaining = self.limit.saturating_sub(state.total);
+        Decision { allowed, limit: self.limit, remaining, retry_after, reset_after }
     }
 
     fn forget_at(&self, state: &State) -> Nanos {
@@ -103,7 +112,7 @@ impl Algorithm for SlidingLog {
             let Some(newest) = state.entries.back_mut() else { break };
             let taken = newest.1.min(left);
             newest.1 -= taken;
-            state.total -= taken;
+            state.total = state.total.saturating_sub(taken);
             left -= taken;
             if newest.1 == 0 {
                 state.entries.pop_back();
@@ -129,5 +138,21 @@ mod tests {
         assert_eq!(d.retry_after, 7 * SEC, "two entries must go: the one at 2 s leaves at 12 s");
         assert!(!l.acquire(&mut s, 11 * SEC, 2).allowed);
         assert!(l.acquire(&mut s, 12 * SEC, 2).allowed);
+    }
+
+    #[test]
+    fn a_limit_lowered_under_the_log_waits_exactly_for_enough_entries_to_age_out() {
+        let before = SlidingLog::new(10, 10 * SEC);
+        let mut s = before.fresh(0);
+        for t in 0..4 {
+            assert!(before.acquire(&mut s, t * SEC, 2).allowed);
+        }
+        // 8 in the log, the limit now 3: 6 must age out before a call of 1 fits beside the rest.
+        let after = SlidingLog::new(3, 10 * SEC);
+        let d = after.acquire(&mut s, 5 * SEC, 1);
+        assert_eq!((d.allowed, d.remaining), (false, 0));
+        assert_eq!(d.retry_after, 7 * SEC, "the entry at 2 s leaves at 12 s");
+        assert!(!after.acquire(&mut s, 12 * SEC - 1, 1).allowed);
+        assert!(after.acquire(&mut s, 12 * SEC, 1).allowed);
     }
 }

@@ -10,6 +10,13 @@
 //! **Documented error:** the estimate is exact for evenly spread traffic; for adversarial
 //! traffic packed at the end of a window, any span of `window` holds at most `2 × limit`
 //! (never more than a fixed window), and any span of `window / 2` at most `1.5 × limit`.
+//!
+//! **When its limit is lowered** below the counts already kept, they stay and decay as always:
+//! `remaining` is 0, never negative, and `retry_after` is an instant at which the call fits
+//! beside the decaying counts under the new limit — in this window or, when this window's count
+//! alone leaves no room, in the next — so it and `reset_after` are never more than two windows.
+//! A raised limit lets the caller continue from its counts; a new window length keeps them only
+//! while the key's window start is also a start of the new windows.
 
 use crate::clock::Nanos;
 use crate::limit::{Algorithm, Decision};
@@ -64,7 +71,7 @@ impl SlidingWindow {
     fn wait(&self, s: &State, now: Nanos, cost: u64) -> Nanos {
         let window = u128::from(self.window);
         let limit = u128::from(self.limit);
-        let (prev, cur, start) = if u64::from(s.current) + cost <= self.limit {
+        let (prev, cur, start) = if u64::from(s.current).saturating_add(cost) <= self.limit {
             (u128::from(s.previous), u128::from(s.current), u128::from(s.start))
         } else {
             // Not in this window: in the next one, this window's count becomes "previous".
@@ -72,7 +79,9 @@ impl SlidingWindow {
         };
         // Need prev × (window − e) ≤ (limit − cur − cost) × window, i.e.
         // e ≥ window − ⌊(limit − cur − cost) × window / prev⌋.
-        let room = (limit - cur - u128::from(cost)) * window;
+        // Saturating: a cost above the limit (which validation refuses) never fits; waiting for
+        // the counts to be gone is then the most honest answer, and no arithmetic wraps.
+        let room = limit.saturating_sub(cur + u128::from(cost)) * window;
         let elapsed = room.checked_div(prev).map_or(0, |share| window.saturating_sub(share));
         let at = start + elapsed;
         u64::try_from(at.saturating_sub(u128::from(now))).unwrap_or(u64::MAX).max(1)
@@ -102,7 +111,7 @@ impl Algorithm for SlidingWindow {
         let used = self.scaled_load(&s, now, 0).div_ceil(window);
         let used = u64::try_from(used).unwrap_or(u64::MAX);
         let full_at = if s.current > 0 {
-            s.start.saturating_add(2 * self.window)
+            s.start.saturating_add(self.window.saturating_mul(2))
         } else if s.previous > 0 {
             s.start.saturating_add(self.window)
         } else {
@@ -119,7 +128,7 @@ impl Algorithm for SlidingWindow {
 
     fn forget_at(&self, state: &State) -> Nanos {
         if state.current > 0 {
-            state.start.saturating_add(2 * self.window)
+            state.start.saturating_add(self.window.saturating_mul(2))
         } else if state.previous > 0 {
             state.start.saturating_add(self.window)
         } else {
@@ -156,5 +165,29 @@ mod tests {
         assert!(!d.allowed);
         assert_eq!(d.retry_after, SEC, "at 12 s the previous window weighs 8, leaving room for 2");
         assert!(w.acquire(&mut s, 11 * SEC + d.retry_after, 2).allowed);
+    }
+
+    #[test]
+    fn counts_above_a_lowered_limit_leave_nothing_and_a_finite_wait() {
+        let before = SlidingWindow::new(100, 10 * SEC);
+        let mut s = before.fresh(0);
+        assert!(before.acquire(&mut s, SEC, 80).allowed);
+        let after = SlidingWindow::new(20, 10 * SEC);
+        let d = after.acquire(&mut s, 2 * SEC, 5);
+        assert_eq!((d.allowed, d.limit, d.remaining), (false, 20, 0));
+        // 80 weigh 80 × (1 − e/10 s) in the next window: at most 15 from e = 8.125 s on.
+        assert_eq!(d.retry_after, 8 * SEC + 8_125 * SEC / 1_000);
+        assert!(after.acquire(&mut s, 2 * SEC + d.retry_after, 5).allowed);
+    }
+
+    #[test]
+    fn a_cost_above_the_limit_is_refused_without_wrapping() {
+        // Config validation refuses such a cost; a limiter handed one anyway must not panic.
+        let w = SlidingWindow::new(3, 10 * SEC);
+        let mut s = w.fresh(0);
+        assert!(w.acquire(&mut s, 0, 2).allowed);
+        let d = w.acquire(&mut s, SEC, 5);
+        assert!(!d.allowed);
+        assert!(d.retry_after > 0 && d.retry_after <= 20 * SEC, "{d:?}");
     }
 }

@@ -11,6 +11,13 @@
 //!
 //! The level is kept in integer nanoseconds of refill ("one token = `period` ns"), so refill is
 //! just elapsed time and every wait comes out exact, with no floating-point drift.
+//!
+//! **When its limit is lowered** the level a key kept is capped at the new full bucket: the
+//! caller keeps what it had saved, never more than the new burst. Every number then depends on
+//! the current limit alone: `retry_after` is at most the call's cost in refill time and
+//! `reset_after` at most the refill time of a whole bucket (`burst × period`). A raised burst
+//! lets the caller continue from its level. (The level is refill time, so a new period reprices
+//! the tokens saved: a caller keeps the time it had saved.)
 
 use crate::clock::Nanos;
 use crate::limit::{Algorithm, Decision, period_of};
@@ -146,5 +153,15 @@ mod tests {
         let mut s = b.fresh(0);
         b.acquire(&mut s, 0, 5);
         assert_eq!(b.acquire(&mut s, 0, 1).retry_after, 2 * SEC);
+    }
+
+    #[test]
+    fn a_lowered_burst_caps_the_saved_level() {
+        let before = TokenBucket::new(100, 1.0);
+        let mut s = before.fresh(0);
+        assert!(before.acquire(&mut s, 0, 50).allowed);
+        let after = TokenBucket::new(40, 1.0);
+        let d = after.acquire(&mut s, 0, 0);
+        assert_eq!((d.limit, d.remaining, d.reset_after), (40, 40, 0), "50 saved, at most 40 kept");
     }
 }

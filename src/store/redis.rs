@@ -462,9 +462,11 @@ impl RedisStore {
         Target::parse(url).map(drop)
     }
 
-    /// This store with leases on in-flight slots lasting `lease` unless renewed.
+    /// This store with leases on in-flight slots lasting `lease` unless renewed (at least a
+    /// millisecond, and at most [`crate::clock::LONGEST_WAIT`], which the scripts still add to
+    /// their clock exactly).
     pub fn with_lease(mut self, lease: Duration) -> Self {
-        self.lease = lease.max(Duration::from_millis(1));
+        self.lease = lease.clamp(Duration::from_millis(1), crate::clock::LONGEST_WAIT);
         self
     }
 

@@ -915,7 +915,7 @@ impl Jobs {
     /// background poll the agent was told to wait for is due or in flight, waits (a bounded
     /// time) for its answer, so an obedient agent reads fresh state.
     pub async fn poll(&self, owner: &str, id: &str) -> Option<JobView> {
-        let give_up = tokio::time::Instant::now() + self.rules.refresh_wait;
+        let give_up = tokio::time::Instant::now() + self.rules.refresh_wait.min(crate::clock::LONGEST_WAIT);
         loop {
             let local = self.book().get(id).map(|j| j.owner.caller == owner);
             match local {

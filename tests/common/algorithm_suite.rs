@@ -51,6 +51,10 @@ pub trait Key: Sized {
     /// Gives back the in-flight slots of the latest admitted call still held, which took `cost`.
     fn release(&mut self, cost: u64);
 
+    /// From now on this key is decided by `limiter` (the same algorithm with other numbers), on
+    /// the state it holds: what a reload, a tier change or an insurance share does to a key.
+    fn relimit(&mut self, limiter: &Limiter);
+
     /// The state this key holds now.
     fn state(&self) -> Self::State;
 }
@@ -407,4 +411,133 @@ pub fn sliding_log_never_lets_more_than_the_limit_through_an_edge(backend: &impl
 pub fn sliding_window_stays_within_its_documented_error_at_an_edge(backend: &impl Backend) {
     let admitted = edge_burst(backend, &Limiter::SlidingWindow(SlidingWindow::new(100, MINUTE)), MINUTE);
     assert!(admitted <= 101, "the previous window still weighs fully at the edge: {admitted}");
+}
+
+/// One step in the life of a key whose limit changes under it.
+#[derive(Debug, Clone, Copy)]
+enum Life {
+    /// A call `gap` after the previous step; its cost is `cost` modulo the current capacity + 1,
+    /// so always within the limit in force (the [`mcp_ratelimit::limit::Algorithm`]
+    /// precondition, which config validation keeps for every scaled limit).
+    Call { gap: Nanos, cost: u64 },
+    /// The latest admitted call still holding in-flight slots ends (a no-op for rate algorithms).
+    Release,
+    /// The limit changes, the algorithm stays: new numbers (capacity lowered or raised, a new
+    /// period or window), as a reload sets them.
+    Renumber { capacity: u64, span_ms: u64 },
+    /// The limit is multiplied by a tier's factor, or divided by an instance count (the
+    /// insurance share): [`Limiter::scaled`], as the guard builds them.
+    Scale(f64),
+}
+
+fn lives(resolution: Nanos) -> impl Strategy<Value = Vec<Life>> {
+    let gap = prop_oneof![
+        4 => Just(0u64),
+        2 => 0..1_000 * MS,
+        1 => 0..20_000 * MS,
+        2 => (0..12u64).prop_map(|k| k * 250 * MS),
+    ]
+    .prop_map(move |gap| gap - gap % resolution);
+    let step = prop_oneof![
+        10 => (gap, any::<u64>()).prop_map(|(gap, cost)| Life::Call { gap, cost }),
+        2 => Just(Life::Release),
+        2 => (1u64..40, window_ms()).prop_map(|(capacity, span_ms)| Life::Renumber { capacity, span_ms }),
+        2 => prop::sample::select(vec![0.5, 4.0, 1.0 / 3.0, 0.25, 2.0]).prop_map(Life::Scale),
+    ];
+    prop::collection::vec(step, 1..80)
+}
+
+/// The most a wait (`retry_after`, `reset_after`) may be after the limit changed, as each
+/// algorithm's module doc states it: the current limit's span for the algorithms whose state
+/// saturates at the current limit, twice the window for the sliding window (the next window's
+/// end at most), and for the two that keep a debt (GCRA's schedule, the leaky bucket's water)
+/// the largest span (burst × period) of any limit the key has had, since a debt taken on under a
+/// larger limit is still owed.
+fn wait_bound(limiter: &Limiter, largest_span: Nanos) -> Nanos {
+    match limiter {
+        Limiter::Gcra(_) | Limiter::LeakyBucket(_) => largest_span.max(limiter.span()),
+        Limiter::SlidingWindow(a) => 2 * a.window(),
+        Limiter::TokenBucket(_) | Limiter::FixedWindow(_) | Limiter::SlidingLog(_) | Limiter::Concurrency(_) => {
+            limiter.span()
+        }
+    }
+}
+
+/// Limits lowered, raised, scaled by a tier or divided among instances under a live key, at
+/// random between random calls: every decision still speaks of the limit in force (`limit` is
+/// its capacity, `remaining` never above it and exactly what a call could take right now: a call
+/// of `remaining` passes, one unit more is refused), a refusal's wait is exact for the current
+/// limit (the same call passes at `retry_after` and not one clock step sooner; the sliding
+/// window's estimate only needs to be enough) and within the algorithm's documented bound, and
+/// held in-flight slots count against a lowered cap until they are given back.
+pub fn changed_limits_keep_every_number_believable(backend: &impl Backend, cases: u32) {
+    let resolution = backend.resolution();
+    let strategy = (0usize..7, 1u64..40, window_ms(), lives(resolution));
+    check(cases, strategy, |(algorithm, capacity, span_ms, steps)| {
+        let mut limiter = limiter(algorithm, capacity, span_ms);
+        let mut largest_span = limiter.span();
+        let mut key = backend.start(&limiter, START);
+        let mut now = START;
+        let mut held: Vec<u64> = vec![];
+        for (n, step) in steps.into_iter().enumerate() {
+            let cost = match step {
+                Life::Call { gap, cost } => {
+                    now += gap;
+                    cost % (limiter.capacity() + 1)
+                }
+                Life::Release => {
+                    if let Some(slots) = held.pop() {
+                        key.release(slots);
+                    }
+                    continue;
+                }
+                Life::Renumber { capacity, span_ms } => {
+                    limiter = self::limiter(algorithm, capacity, span_ms);
+                    largest_span = largest_span.max(limiter.span());
+                    key.relimit(&limiter);
+                    continue;
+                }
+                Life::Scale(factor) => {
+                    limiter = limiter.scaled(factor);
+                    largest_span = largest_span.max(limiter.span());
+                    key.relimit(&limiter);
+                    continue;
+                }
+            };
+            let d = key.acquire(now, cost);
+            let capacity = limiter.capacity();
+            let at = format!("step {n}, at {now} cost {cost} under {}: {d:?}", limiter.describe());
+            prop_assert_eq!(d.limit, capacity, "{}", at);
+            prop_assert!(d.remaining <= d.limit, "{}", at);
+            prop_assert!(!d.allowed || d.retry_after == 0, "{}", at);
+            let bound = wait_bound(&limiter, largest_span);
+            prop_assert!(d.retry_after <= bound && d.reset_after <= bound, "{} (bound {} ns)", at, bound);
+            if limiter.holds_slots() {
+                let in_flight: u64 = held.iter().sum();
+                prop_assert_eq!(d.allowed, in_flight + cost <= capacity, "{}", at);
+                if d.allowed {
+                    held.push(cost);
+                }
+                prop_assert_eq!(d.remaining, capacity.saturating_sub(held.iter().sum()), "{}", at);
+            }
+            if d.remaining > 0 {
+                prop_assert!(key.fork().acquire(now, d.remaining).allowed, "a call of `remaining` is refused: {}", at);
+            }
+            if d.remaining < capacity {
+                prop_assert!(!key.fork().acquire(now, d.remaining + 1).allowed, "one past `remaining` passes: {}", at);
+            }
+            if !d.allowed && !limiter.holds_slots() {
+                let then = (now + d.retry_after).div_ceil(resolution) * resolution;
+                prop_assert!(key.fork().acquire(then, cost).allowed, "not admitted at its retry_after: {}", at);
+                if !matches!(limiter, Limiter::SlidingWindow(_)) {
+                    prop_assert!(
+                        !key.fork().acquire(then - resolution, cost).allowed,
+                        "admitted before its retry_after: {}",
+                        at
+                    );
+                }
+            }
+        }
+        Ok(())
+    });
 }

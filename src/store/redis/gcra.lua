@@ -45,6 +45,7 @@ definitions.gcra = function()
       return {
         allowed = false,
         limit = limiter.capacity,
+        -- Saturating: a TAT booked under a larger burst may be further ahead than this one's.
         remaining = div(math.max(tolerance - held, 0), period),
         retry_after = debt - tolerance,
         reset_after = held,

@@ -37,6 +37,8 @@ definitions.leaky_bucket = function()
       return {
         allowed = allowed,
         limit = limiter.capacity,
+        -- Saturating: water poured under a larger brim may stand above this one (as in Rust,
+        -- the wait is then still exact: until the water is down to the brim less this cost).
         remaining = div(math.max(brim - water, 0), period),
         retry_after = allowed and 0 or poured - brim,
         reset_after = water,

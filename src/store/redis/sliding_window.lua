@@ -81,6 +81,7 @@ definitions.sliding_window = function()
       return {
         allowed = allowed,
         limit = limit,
+        -- Saturating: counts kept under a larger limit may exceed this one.
         remaining = math.max(limit - current - weight, 0),
         retry_after = retry_after,
         reset_after = reset_after,
