@@ -855,7 +855,7 @@ impl Config {
             self.server.max_sessions_per_address
         );
         let _ = writeln!(out);
-        let _ = writeln!(out, "{:<34} {:<6} own budget (per tenant, in calls)", "tool", "cost");
+        let _ = writeln!(out, "{:<34} {:<6} own budget (per tenant, address or caller; in calls)", "tool", "cost");
         for (tool, policy) in &self.tools {
             let budget: Vec<String> =
                 policy.budget.iter().map(|b| format!("{} {}", b.limiter.algorithm(), b.limiter.describe())).collect();

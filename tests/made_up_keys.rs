@@ -101,6 +101,11 @@ async fn unverified_callers_never_hold_more_than_their_share_of_the_account_or_i
     for scope in ["address_http:ip:127.0.0.1", "address:ip:127.0.0.1", "in_flight:address:ip:127.0.0.1"] {
         assert!(scopes.contains(&scope), "{scope} in {scopes:?}");
     }
+    // Refused before anything is charged: the address's budget is where it was.
+    let again = call(&agent, "generate_image", image("refused again")).await;
+    assert_eq!(structured(&again)["error"]["scope"], "queue:upstream:unverified");
+    let after = call(&agent, "rate_limit_status", json!({})).await;
+    assert_eq!(budget(&after, "address:ip:127.0.0.1"), budget(&status, "address:ip:127.0.0.1"), "nothing charged");
     // A configured tenant still has 5 slots, and the other 25 places, to itself.
     let customer = server.client(Some("acme-key")).await;
     for n in 0..5 {
