@@ -90,7 +90,15 @@ impl AppState {
             ("server.max_body_bytes", running.server.max_body_bytes != config.server.max_body_bytes),
             ("store.backend", running.store.backend != config.store.backend),
             ("store.redis_url", running.store.redis_url != config.store.redis_url),
+            ("server.max_sessions", running.server.max_sessions != config.server.max_sessions),
+            (
+                "server.max_sessions_per_address",
+                running.server.max_sessions_per_address != config.server.max_sessions_per_address,
+            ),
             ("upstream.url", running.upstream.url != config.upstream.url),
+            ("upstream.max_in_flight", running.upstream.max_in_flight != config.upstream.max_in_flight),
+            ("upstream.queue_max", running.upstream.queue_max != config.upstream.queue_max),
+            ("upstream.unverified_share", running.upstream.unverified_share != config.upstream.unverified_share),
             ("loop_detection", format!("{:?}", running.loop_detection) != format!("{:?}", config.loop_detection)),
         ] {
             if changed {
