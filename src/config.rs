@@ -14,9 +14,7 @@ use ipnet::IpNet;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::limit::{
-    ALGORITHMS, Concurrency, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingLog, SlidingWindow, TokenBucket,
-};
+use crate::limit::{ALGORITHMS, Concurrency, FixedWindow, Limiter, Params};
 use crate::redact::Secret;
 
 /// The documented defaults, the base layer under every config.
@@ -687,20 +685,17 @@ struct RawInFlight {
 }
 
 /// One scope's limiter as written in config: the algorithm and the union of all parameters.
-/// Parameters another algorithm would use are ignored (the defaults layer always has some).
+/// Parameters another algorithm would use are ignored (the defaults layer always has some); a
+/// parameter no algorithm takes is a typo, refused naming it. Each algorithm reads its own
+/// ([`Algorithm::from_params`](crate::limit::Algorithm::from_params)).
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct RawLimit {
     algorithm: String,
-    burst: Option<i64>,
-    refill_per_sec: Option<f64>,
-    leak_per_sec: Option<f64>,
-    limit: Option<i64>,
-    window_ms: Option<i64>,
-    max_in_flight: Option<i64>,
     mode: Option<Mode>,
     name: Option<String>,
     warn_at_percent: Option<i64>,
+    #[serde(flatten)]
+    params: BTreeMap<String, crate::limit::params::Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -1441,7 +1436,7 @@ fn integer_too_large(toml: &str) -> Result<(), ConfigError> {
 }
 
 /// Largest count a limit may have (window counters are kept in 32 bits).
-const MAX_UNITS: i64 = u32::MAX as i64;
+const MAX_UNITS: i64 = crate::limit::params::MAX_UNITS as i64;
 
 /// An in-flight cap: a `concurrency` limiter of `max` slots.
 fn slots(key: &str, max: i64) -> Result<Limiter, ConfigError> {
@@ -1500,77 +1495,26 @@ impl RawScope {
     }
 }
 
-/// Longest window: one year.
-const MAX_WINDOW_MS: i64 = 365 * 24 * 3_600_000;
-
 impl RawLimit {
-    fn units(&self, key: &str, name: &str, value: Option<i64>) -> Result<u64, ConfigError> {
-        let value =
-            value.ok_or_else(|| invalid(format!("{key}.{name}"), format!("{} needs `{name}`", self.algorithm)))?;
-        if value <= 0 || value > MAX_UNITS {
-            return Err(invalid(format!("{key}.{name}"), format!("must be between 1 and {MAX_UNITS} (got {value})")));
-        }
-        Ok(value as u64)
-    }
-
-    fn rate(&self, key: &str, name: &str, value: Option<f64>) -> Result<f64, ConfigError> {
-        let rate =
-            value.ok_or_else(|| invalid(format!("{key}.{name}"), format!("{} needs `{name}`", self.algorithm)))?;
-        if !rate.is_finite() || rate <= 0.0 {
-            return Err(invalid(format!("{key}.{name}"), format!("must be a positive rate (got {rate})")));
-        }
-        if rate > 1e9 {
-            return Err(invalid(format!("{key}.{name}"), "must be at most 1e9 per second"));
-        }
-        Ok(rate)
-    }
-
-    fn window(&self, key: &str) -> Result<u64, ConfigError> {
-        let ms = self
-            .window_ms
-            .ok_or_else(|| invalid(format!("{key}.window_ms"), format!("{} needs `window_ms`", self.algorithm)))?;
-        if ms <= 0 || ms > MAX_WINDOW_MS {
+    /// The limiter this table describes: its algorithm, reading the parameters it takes.
+    fn build(&self, key: &str) -> Result<Limiter, ConfigError> {
+        if let Some(unknown) = self.params.keys().find(|name| crate::limit::is_param(name).is_err()) {
+            let known = crate::limit::is_param(unknown).err().unwrap_or_default();
             return Err(invalid(
-                format!("{key}.window_ms"),
-                format!("must be between 1 and {MAX_WINDOW_MS} (got {ms})"),
+                format!("{key}.{unknown}"),
+                format!(
+                    "unknown parameter `{unknown}`; the parameters of a limit are algorithm, mode, name, warn_at_percent, {known}"
+                ),
             ));
         }
-        Ok(ms as u64 * 1_000_000)
-    }
-
-    fn build(&self, key: &str) -> Result<Limiter, ConfigError> {
-        Ok(match self.algorithm.as_str() {
-            "token_bucket" => Limiter::TokenBucket(TokenBucket::new(
-                self.units(key, "burst", self.burst)?,
-                self.rate(key, "refill_per_sec", self.refill_per_sec)?,
+        let params = Params::new(key, &self.algorithm, &self.params);
+        match Limiter::from_params(&self.algorithm, &params) {
+            Some(built) => built.map_err(|e| invalid(e.key, e.message)),
+            None => Err(invalid(
+                format!("{key}.algorithm"),
+                format!("unknown algorithm `{}`; expected one of {}", self.algorithm, ALGORITHMS.join(", ")),
             )),
-            "gcra" => Limiter::Gcra(Gcra::new(
-                self.units(key, "burst", self.burst)?,
-                self.rate(key, "refill_per_sec", self.refill_per_sec)?,
-            )),
-            "leaky_bucket" => Limiter::LeakyBucket(LeakyBucket::new(
-                self.units(key, "burst", self.burst)?,
-                self.rate(key, "leak_per_sec", self.leak_per_sec)?,
-            )),
-            "fixed_window" => {
-                Limiter::FixedWindow(FixedWindow::new(self.units(key, "limit", self.limit)?, self.window(key)?))
-            }
-            "sliding_log" => {
-                Limiter::SlidingLog(SlidingLog::new(self.units(key, "limit", self.limit)?, self.window(key)?))
-            }
-            "sliding_window" => {
-                Limiter::SlidingWindow(SlidingWindow::new(self.units(key, "limit", self.limit)?, self.window(key)?))
-            }
-            "concurrency" => {
-                Limiter::Concurrency(Concurrency::new(self.units(key, "max_in_flight", self.max_in_flight)?))
-            }
-            other => {
-                return Err(invalid(
-                    format!("{key}.algorithm"),
-                    format!("unknown algorithm `{other}`; expected one of {}", ALGORITHMS.join(", ")),
-                ));
-            }
-        })
+        }
     }
 }
 

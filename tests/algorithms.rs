@@ -120,3 +120,8 @@ fn sliding_window_never_exceeds_twice_the_limit_in_any_window() {
 fn changed_limits_keep_every_number_believable() {
     algorithm_suite::changed_limits_keep_every_number_believable(&Memory, 1_000);
 }
+
+#[test]
+fn every_registered_algorithm_has_a_reference_model() {
+    algorithm_suite::every_registered_algorithm_has_a_reference_model();
+}

@@ -28,8 +28,27 @@ use crate::state::AppState;
 
 pub use auth::presents_key;
 
-/// The OpenAPI 3.1 document describing every route.
+/// The OpenAPI 3.1 document describing every route, as written beside this file; served by
+/// [`openapi`] with what the registry knows filled in.
 pub const OPENAPI: &str = include_str!("openapi.json");
+
+/// The OpenAPI document as served: [`OPENAPI`] with the algorithms a budget may show taken from
+/// the algorithm registry ([`crate::limit::ALGORITHMS`]), so a new algorithm is described without
+/// editing the file.
+pub fn openapi() -> String {
+    static SERVED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SERVED
+        .get_or_init(|| {
+            let Ok(mut document) = serde_json::from_str::<serde_json::Value>(OPENAPI) else {
+                return OPENAPI.to_owned();
+            };
+            if let Some(algorithm) = document.pointer_mut("/components/schemas/Budget/properties/algorithm") {
+                algorithm["enum"] = serde_json::json!(crate::limit::ALGORITHMS);
+            }
+            document.to_string()
+        })
+        .clone()
+}
 
 /// Every route the admin API serves: method and path, as the OpenAPI document writes them.
 pub const ROUTES: &[(&str, &str)] = &[
@@ -85,6 +104,13 @@ pub fn router(app: Arc<AppState>, key_sha256: [u8; 32], body: BodyDeadline) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_served_document_lists_every_registered_algorithm() {
+        let served: serde_json::Value = serde_json::from_str(&openapi()).expect("JSON");
+        let listed = &served["components"]["schemas"]["Budget"]["properties"]["algorithm"]["enum"];
+        assert_eq!(listed, &serde_json::json!(crate::limit::ALGORITHMS));
+    }
 
     #[test]
     fn every_route_has_its_handler_and_its_place_in_the_openapi_document() {

@@ -125,7 +125,7 @@ fn tenant_target(app: &AppState, tenant: &str) -> Result<Target, Problem> {
 }
 
 pub async fn openapi() -> Response {
-    ([(header::CONTENT_TYPE, "application/json")], super::OPENAPI).into_response()
+    ([(header::CONTENT_TYPE, "application/json")], super::openapi()).into_response()
 }
 
 pub async fn no_such_route() -> Problem {

@@ -13,7 +13,7 @@
 //! call is refused until enough of them are given back. A raised cap admits at once.
 
 use crate::clock::Nanos;
-use crate::limit::{Algorithm, Decision};
+use crate::limit::{Algorithm, Decision, ParamError, Params, Shape};
 
 /// At most `max` units in flight at once.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,15 +32,37 @@ impl Concurrency {
     pub fn new(max: u64) -> Self {
         Self { max: max.max(1) }
     }
-
-    /// Gives back `cost` slots.
-    pub fn release(&self, state: &mut State, cost: u64) {
-        state.in_flight = state.in_flight.saturating_sub(cost);
-    }
 }
 
 impl Algorithm for Concurrency {
+    const NAME: &'static str = "concurrency";
+    const PARAMS: &'static [&'static str] = &["max_in_flight"];
+
     type State = State;
+
+    fn from_params(params: &Params<'_>) -> Result<Self, ParamError> {
+        Ok(Self::new(params.units("max_in_flight")?))
+    }
+
+    fn with_shape(capacity: u64, shape: Shape) -> Option<Self> {
+        match shape {
+            Shape::Slots => Some(Self::new(capacity)),
+            Shape::Rate { .. } | Shape::Window { .. } => None,
+        }
+    }
+
+    fn shape(&self) -> Shape {
+        Shape::Slots
+    }
+
+    fn describe(&self) -> String {
+        format!("{} in flight", self.max)
+    }
+
+    /// Gives back `cost` slots.
+    fn release(&self, state: &mut State, cost: u64) {
+        state.in_flight = state.in_flight.saturating_sub(cost);
+    }
 
     fn fresh(&self, _now: Nanos) -> State {
         State { in_flight: 0 }

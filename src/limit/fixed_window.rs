@@ -18,7 +18,7 @@
 //! the count only while the key's window start is also a start of the new windows.
 
 use crate::clock::Nanos;
-use crate::limit::{Algorithm, Decision};
+use crate::limit::{Algorithm, Decision, ParamError, Params, Shape};
 
 /// `limit` units per window of `window` nanoseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,7 +47,29 @@ impl FixedWindow {
 }
 
 impl Algorithm for FixedWindow {
+    const NAME: &'static str = "fixed_window";
+    const PARAMS: &'static [&'static str] = &["limit", "window_ms"];
+
     type State = State;
+
+    fn from_params(params: &Params<'_>) -> Result<Self, ParamError> {
+        Ok(Self::new(params.units("limit")?, params.window("window_ms")?))
+    }
+
+    fn with_shape(capacity: u64, shape: Shape) -> Option<Self> {
+        match shape {
+            Shape::Window { window } => Some(Self::new(capacity, window)),
+            Shape::Rate { .. } | Shape::Slots => None,
+        }
+    }
+
+    fn shape(&self) -> Shape {
+        Shape::Window { window: self.window }
+    }
+
+    fn describe(&self) -> String {
+        format!("{} per {} ms window", self.limit, self.window / 1_000_000)
+    }
 
     fn fresh(&self, now: Nanos) -> State {
         State { start: now - now % self.window, count: 0 }

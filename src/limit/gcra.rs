@@ -19,7 +19,7 @@
 //! limit the key has had. A raised limit lets the caller continue on its schedule.
 
 use crate::clock::Nanos;
-use crate::limit::{Algorithm, Decision, period_of};
+use crate::limit::{Algorithm, Decision, ParamError, Params, Shape, per_sec, period_of};
 
 /// `burst` units at once, one more every `period` nanoseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,7 +51,29 @@ impl Gcra {
 }
 
 impl Algorithm for Gcra {
+    const NAME: &'static str = "gcra";
+    const PARAMS: &'static [&'static str] = &["burst", "refill_per_sec"];
+
     type State = State;
+
+    fn from_params(params: &Params<'_>) -> Result<Self, ParamError> {
+        Ok(Self::new(params.units("burst")?, params.rate("refill_per_sec")?))
+    }
+
+    fn with_shape(capacity: u64, shape: Shape) -> Option<Self> {
+        match shape {
+            Shape::Rate { period } => Some(Self { burst: capacity.max(1), period: period.max(1) }),
+            Shape::Window { .. } | Shape::Slots => None,
+        }
+    }
+
+    fn shape(&self) -> Shape {
+        Shape::Rate { period: self.period }
+    }
+
+    fn describe(&self) -> String {
+        format!("burst {}, rate {}/s", self.burst, per_sec(self.period))
+    }
 
     fn fresh(&self, _now: Nanos) -> State {
         State { tat: 0 }

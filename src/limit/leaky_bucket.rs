@@ -17,7 +17,7 @@
 //! ever does. A raised limit lets the caller continue from its level.
 
 use crate::clock::Nanos;
-use crate::limit::{Algorithm, Decision, period_of};
+use crate::limit::{Algorithm, Decision, ParamError, Params, Shape, per_sec, period_of};
 
 /// A bucket holding `capacity` units that drains one unit every `period` nanoseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,7 +46,29 @@ impl LeakyBucket {
 }
 
 impl Algorithm for LeakyBucket {
+    const NAME: &'static str = "leaky_bucket";
+    const PARAMS: &'static [&'static str] = &["burst", "leak_per_sec"];
+
     type State = State;
+
+    fn from_params(params: &Params<'_>) -> Result<Self, ParamError> {
+        Ok(Self::new(params.units("burst")?, params.rate("leak_per_sec")?))
+    }
+
+    fn with_shape(capacity: u64, shape: Shape) -> Option<Self> {
+        match shape {
+            Shape::Rate { period } => Some(Self { capacity: capacity.max(1), period: period.max(1) }),
+            Shape::Window { .. } | Shape::Slots => None,
+        }
+    }
+
+    fn shape(&self) -> Shape {
+        Shape::Rate { period: self.period }
+    }
+
+    fn describe(&self) -> String {
+        format!("capacity {}, leak {}/s", self.capacity, per_sec(self.period))
+    }
 
     fn fresh(&self, now: Nanos) -> State {
         State { water: 0, updated_at: now }

@@ -15,22 +15,57 @@
 //! | [`leaky_bucket`] | you think in load that drains, not credit that refills | level + time |
 //! | [`concurrency`] | you cap work in flight, not work per time | a counter |
 
+//!
+//! **Adding an algorithm** takes three files: its own `src/limit/<name>.rs` (the arithmetic, an
+//! [`Algorithm`]), its Lua twin `src/store/redis/<name>.lua`, and one line in [`registry!`] below.
+//! Config parsing, `check-config`, the simulator, the admin API's schema and both stores read the
+//! registry; `tests/algorithms.rs` fails until the shared suite has a reference model for it.
+
 pub mod concurrency;
 pub mod fixed_window;
 pub mod gcra;
 pub mod leaky_bucket;
+pub mod params;
 pub mod sliding_log;
 pub mod sliding_window;
 pub mod token_bucket;
+
+use std::borrow::BorrowMut;
 
 use crate::clock::Nanos;
 pub use concurrency::Concurrency;
 pub use fixed_window::FixedWindow;
 pub use gcra::Gcra;
 pub use leaky_bucket::LeakyBucket;
+pub use params::{ParamError, Params};
 pub use sliding_log::SlidingLog;
 pub use sliding_window::SlidingWindow;
 pub use token_bucket::TokenBucket;
+
+/// Every algorithm, once: `module => Type`, with `boxed` for a state kept behind a pointer (so the
+/// others stay small in the memory store). The order is the order configs, tables and the
+/// simulator list them in. Calls `$callback! { (args…) module => Type …, }`.
+macro_rules! registry {
+    ($callback:ident $(, $arg:tt)*) => {
+        $callback! {
+            ($($arg)*)
+            token_bucket => TokenBucket,
+            gcra => Gcra,
+            fixed_window => FixedWindow,
+            sliding_log => SlidingLog boxed,
+            sliding_window => SlidingWindow,
+            leaky_bucket => LeakyBucket,
+            concurrency => Concurrency,
+        }
+    };
+}
+pub(crate) use registry;
+
+/// A registered algorithm's state as a [`LimiterState`] holds it: itself, or boxed.
+macro_rules! stored {
+    ($module:ident) => { $module::State };
+    ($module:ident boxed) => { Box<$module::State> };
+}
 
 /// The answer a limiter gives for one call against one scope.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +84,23 @@ pub struct Decision {
     pub reset_after: Nanos,
 }
 
+/// What an algorithm's budget is besides its capacity: a rate, a window, or slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// One unit comes back (refilled, or drained) every `period` nanoseconds: the buckets.
+    Rate {
+        /// Nanoseconds per unit.
+        period: Nanos,
+    },
+    /// At most the capacity per window of `window` nanoseconds.
+    Window {
+        /// The window's length.
+        window: Nanos,
+    },
+    /// Units in flight at once, no time at all.
+    Slots,
+}
+
 /// One algorithm: parameters plus the arithmetic on its per-key state.
 ///
 /// Precondition everywhere: `cost <= capacity()` (config validation rejects larger costs, after
@@ -56,9 +108,30 @@ pub struct Decision {
 /// parameters (a reload, a tier, an insurance share of 1/N): the answer is then still about the
 /// current limit — `limit` is its capacity, `remaining` at most that, a wait exact and bounded as
 /// each module doc says under "when its limit is lowered" — and no arithmetic wraps.
-pub trait Algorithm {
+pub trait Algorithm: Sized {
+    /// The name configs, refusals and `rate_limit_status` use; the Lua twin is `<NAME>.lua`.
+    const NAME: &'static str;
+
+    /// The parameters it reads from a config table (beside `algorithm`, `mode`, `name`,
+    /// `warn_at_percent`).
+    const PARAMS: &'static [&'static str];
+
     /// What a key remembers between decisions.
     type State: Clone + std::fmt::Debug;
+
+    /// Builds it from a config table's parameters, naming the key of any that is missing or out
+    /// of bounds.
+    fn from_params(params: &Params<'_>) -> Result<Self, ParamError>;
+
+    /// It with `capacity` and `shape` (of its own kind; `None` for another kind): what tiers,
+    /// insurance shares and the simulator make of a budget.
+    fn with_shape(capacity: u64, shape: Shape) -> Option<Self>;
+
+    /// Its budget besides the capacity.
+    fn shape(&self) -> Shape;
+
+    /// A one-line description of the parameters, for `check-config`.
+    fn describe(&self) -> String;
 
     /// The state of a key never seen before, at `now`.
     fn fresh(&self, now: Nanos) -> Self::State;
@@ -78,143 +151,164 @@ pub trait Algorithm {
     /// afterwards the key admits what it admitted before plus at most `units`. Units past the
     /// capacity are ignored, so a refund of any size means "fill it up".
     fn refund(&self, state: &mut Self::State, now: Nanos, units: u64);
+
+    /// Gives back `cost` units of work that ended (in-flight slots); nothing for a rate.
+    fn release(&self, _state: &mut Self::State, _cost: u64) {}
 }
 
-/// The state one key keeps, whichever algorithm owns it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LimiterState {
-    /// See [`token_bucket::State`].
-    TokenBucket(token_bucket::State),
-    /// See [`gcra::State`].
-    Gcra(gcra::State),
-    /// See [`fixed_window::State`].
-    FixedWindow(fixed_window::State),
-    /// See [`sliding_log::State`]; boxed so the other states stay small.
-    SlidingLog(Box<sliding_log::State>),
-    /// See [`sliding_window::State`].
-    SlidingWindow(sliding_window::State),
-    /// See [`leaky_bucket::State`].
-    LeakyBucket(leaky_bucket::State),
-    /// See [`concurrency::State`].
-    Concurrency(concurrency::State),
-}
+/// The limiter and state types of every registered algorithm, and what dispatches between them.
+macro_rules! limiters {
+    (() $($module:ident => $name:ident $($boxed:ident)?,)*) => {
+        /// The state one key keeps, whichever algorithm owns it.
+        #[derive(Debug, Clone, PartialEq, Eq)]
+        pub enum LimiterState {
+            $(
+                #[doc = concat!("See [`", stringify!($module), "::State`].")]
+                $name(stored!($module $($boxed)?)),
+            )*
+        }
 
-/// A configured limiter: one algorithm with its parameters.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Limiter {
-    /// Lazy-refill token bucket with costs.
-    TokenBucket(TokenBucket),
-    /// Generic cell rate algorithm (virtual scheduling).
-    Gcra(Gcra),
-    /// Counter per aligned window.
-    FixedWindow(FixedWindow),
-    /// Exact log of admitted calls over a sliding window.
-    SlidingLog(SlidingLog),
-    /// Weighted counter over the current and previous window.
-    SlidingWindow(SlidingWindow),
-    /// Leaky bucket as a meter.
-    LeakyBucket(LeakyBucket),
-    /// In-flight slots.
-    Concurrency(Concurrency),
-}
+        /// A configured limiter: one algorithm with its parameters.
+        #[derive(Debug, Clone, PartialEq)]
+        pub enum Limiter {
+            $(
+                #[doc = concat!("See [`", stringify!($module), "`].")]
+                $name($name),
+            )*
+        }
 
-/// Every algorithm name a config may use.
-pub const ALGORITHMS: &[&str] =
-    &["token_bucket", "gcra", "fixed_window", "sliding_log", "sliding_window", "leaky_bucket", "concurrency"];
+        /// Every algorithm name a config may use, in the registry's order.
+        pub const ALGORITHMS: &[&str] = &[$(<$name as Algorithm>::NAME),*];
 
-/// Runs `$body` with `$alg` bound to the algorithm and `$state` to its state, resetting a
-/// state that belongs to another algorithm (a config change under a shared store).
-macro_rules! with_state {
-    ($limiter:expr, $slot:expr, $now:expr, |$alg:ident, $state:ident| $body:expr) => {{
-        let slot: &mut LimiterState = $slot;
-        match $limiter {
-            Limiter::TokenBucket($alg) => {
-                if !matches!(slot, LimiterState::TokenBucket(_)) {
-                    *slot = LimiterState::TokenBucket($alg.fresh($now));
+        /// Every parameter some algorithm takes.
+        const EVERY_PARAM: &[&[&str]] = &[$(<$name as Algorithm>::PARAMS),*];
+
+        impl Limiter {
+            /// The name used in config and in `rate_limit_status`.
+            pub fn algorithm(&self) -> &'static str {
+                match self {
+                    $(Limiter::$name(_) => <$name as Algorithm>::NAME,)*
                 }
-                let LimiterState::TokenBucket($state) = slot else { unreachable!("state was just set") };
-                $body
             }
-            Limiter::Gcra($alg) => {
-                if !matches!(slot, LimiterState::Gcra(_)) {
-                    *slot = LimiterState::Gcra($alg.fresh($now));
-                }
-                let LimiterState::Gcra($state) = slot else { unreachable!("state was just set") };
-                $body
+
+            /// The limiter `algorithm` names, from its config table's parameters; `None` for a
+            /// name no algorithm has.
+            pub fn from_params(algorithm: &str, params: &Params<'_>) -> Option<Result<Limiter, ParamError>> {
+                $(
+                    if algorithm == <$name as Algorithm>::NAME {
+                        return Some($name::from_params(params).map(Limiter::$name));
+                    }
+                )*
+                None
             }
-            Limiter::FixedWindow($alg) => {
-                if !matches!(slot, LimiterState::FixedWindow(_)) {
-                    *slot = LimiterState::FixedWindow($alg.fresh($now));
-                }
-                let LimiterState::FixedWindow($state) = slot else { unreachable!("state was just set") };
-                $body
+
+            /// `algorithm` with `capacity` and `shape`: `None` for an unknown name, or a shape
+            /// of another kind (a window for a bucket, a rate for in-flight slots).
+            pub fn with_shape(algorithm: &str, capacity: u64, shape: Shape) -> Option<Limiter> {
+                $(
+                    if algorithm == <$name as Algorithm>::NAME {
+                        return $name::with_shape(capacity, shape).map(Limiter::$name);
+                    }
+                )*
+                None
             }
-            Limiter::SlidingLog($alg) => {
-                if !matches!(slot, LimiterState::SlidingLog(_)) {
-                    *slot = LimiterState::SlidingLog(Box::new($alg.fresh($now)));
+
+            /// The most this limiter can admit at once; a cost above it can never pass.
+            pub fn capacity(&self) -> u64 {
+                match self {
+                    $(Limiter::$name(a) => a.capacity(),)*
                 }
-                let LimiterState::SlidingLog(boxed) = slot else { unreachable!("state was just set") };
-                let $state = &mut **boxed;
-                $body
             }
-            Limiter::SlidingWindow($alg) => {
-                if !matches!(slot, LimiterState::SlidingWindow(_)) {
-                    *slot = LimiterState::SlidingWindow($alg.fresh($now));
+
+            /// Its budget besides the capacity.
+            pub fn shape(&self) -> Shape {
+                match self {
+                    $(Limiter::$name(a) => a.shape(),)*
                 }
-                let LimiterState::SlidingWindow($state) = slot else { unreachable!("state was just set") };
-                $body
             }
-            Limiter::LeakyBucket($alg) => {
-                if !matches!(slot, LimiterState::LeakyBucket(_)) {
-                    *slot = LimiterState::LeakyBucket($alg.fresh($now));
+
+            /// A one-line description of the parameters, for `check-config`.
+            pub fn describe(&self) -> String {
+                match self {
+                    $(Limiter::$name(a) => a.describe(),)*
                 }
-                let LimiterState::LeakyBucket($state) = slot else { unreachable!("state was just set") };
-                $body
             }
-            Limiter::Concurrency($alg) => {
-                if !matches!(slot, LimiterState::Concurrency(_)) {
-                    *slot = LimiterState::Concurrency($alg.fresh($now));
+
+            /// The state of a key never seen before.
+            pub fn fresh(&self, now: Nanos) -> LimiterState {
+                match self {
+                    $(Limiter::$name(a) => LimiterState::$name(a.fresh(now).into()),)*
                 }
-                let LimiterState::Concurrency($state) = slot else { unreachable!("state was just set") };
-                $body
+            }
+
+            /// Runs `f` on `state` as this limiter's own, first resetting a state another
+            /// algorithm left (a config change under a shared store).
+            fn with_state<R>(&self, state: &mut LimiterState, now: Nanos, f: impl Op<R>) -> R {
+                match self {
+                    $(
+                        Limiter::$name(a) => {
+                            if !matches!(state, LimiterState::$name(_)) {
+                                *state = LimiterState::$name(a.fresh(now).into());
+                            }
+                            match state {
+                                LimiterState::$name(s) => f.run(a, BorrowMut::<<$name as Algorithm>::State>::borrow_mut(s)),
+                                // Just set: the other arms cannot be reached.
+                                _ => f.run(a, &mut a.fresh(now)),
+                            }
+                        }
+                    )*
+                }
             }
         }
-    }};
+    };
+}
+
+registry!(limiters);
+
+/// One operation on an algorithm and its own state, whichever the algorithm.
+trait Op<R> {
+    fn run<A: Algorithm>(self, algorithm: &A, state: &mut A::State) -> R;
+}
+
+/// `acquire(now, cost)`.
+struct Acquire(Nanos, u64);
+impl Op<Decision> for Acquire {
+    fn run<A: Algorithm>(self, algorithm: &A, state: &mut A::State) -> Decision {
+        algorithm.acquire(state, self.0, self.1)
+    }
+}
+
+/// `forget_at`.
+struct ForgetAt;
+impl Op<Nanos> for ForgetAt {
+    fn run<A: Algorithm>(self, algorithm: &A, state: &mut A::State) -> Nanos {
+        algorithm.forget_at(state)
+    }
+}
+
+/// `refund(now, units)`.
+struct Refund(Nanos, u64);
+impl Op<()> for Refund {
+    fn run<A: Algorithm>(self, algorithm: &A, state: &mut A::State) {
+        algorithm.refund(state, self.0, self.1);
+    }
+}
+
+/// `release(cost)`.
+struct Release(u64);
+impl Op<()> for Release {
+    fn run<A: Algorithm>(self, algorithm: &A, state: &mut A::State) {
+        algorithm.release(state, self.0);
+    }
 }
 
 impl Limiter {
-    /// The name used in config and in `rate_limit_status`.
-    pub fn algorithm(&self) -> &'static str {
-        match self {
-            Limiter::TokenBucket(_) => "token_bucket",
-            Limiter::Gcra(_) => "gcra",
-            Limiter::FixedWindow(_) => "fixed_window",
-            Limiter::SlidingLog(_) => "sliding_log",
-            Limiter::SlidingWindow(_) => "sliding_window",
-            Limiter::LeakyBucket(_) => "leaky_bucket",
-            Limiter::Concurrency(_) => "concurrency",
-        }
-    }
-
-    /// The most this limiter can admit at once; a cost above it can never pass.
-    pub fn capacity(&self) -> u64 {
-        match self {
-            Limiter::TokenBucket(a) => a.capacity(),
-            Limiter::Gcra(a) => a.capacity(),
-            Limiter::FixedWindow(a) => a.capacity(),
-            Limiter::SlidingLog(a) => a.capacity(),
-            Limiter::SlidingWindow(a) => a.capacity(),
-            Limiter::LeakyBucket(a) => a.capacity(),
-            Limiter::Concurrency(a) => a.capacity(),
-        }
-    }
-
     /// The config parameter that sets [`Limiter::capacity`], for error messages.
     pub fn capacity_key(&self) -> &'static str {
-        match self {
-            Limiter::TokenBucket(_) | Limiter::Gcra(_) | Limiter::LeakyBucket(_) => "burst",
-            Limiter::FixedWindow(_) | Limiter::SlidingLog(_) | Limiter::SlidingWindow(_) => "limit",
-            Limiter::Concurrency(_) => "max_in_flight",
+        match self.shape() {
+            Shape::Rate { .. } => "burst",
+            Shape::Window { .. } => "limit",
+            Shape::Slots => "max_in_flight",
         }
     }
 
@@ -224,33 +318,21 @@ impl Limiter {
         if factor == 1.0 {
             return self.clone();
         }
-        let units = |n: u64| ((n as f64 * factor).round() as u64).max(1);
-        match self {
-            Limiter::TokenBucket(a) => {
-                Limiter::TokenBucket(TokenBucket::new(units(a.capacity()), per_sec(a.period()) * factor))
-            }
-            Limiter::Gcra(a) => Limiter::Gcra(Gcra::new(units(a.capacity()), per_sec(a.period()) * factor)),
-            Limiter::LeakyBucket(a) => {
-                Limiter::LeakyBucket(LeakyBucket::new(units(a.capacity()), per_sec(a.period()) * factor))
-            }
-            Limiter::FixedWindow(a) => Limiter::FixedWindow(FixedWindow::new(units(a.capacity()), a.window())),
-            Limiter::SlidingLog(a) => Limiter::SlidingLog(SlidingLog::new(units(a.capacity()), a.window())),
-            Limiter::SlidingWindow(a) => Limiter::SlidingWindow(SlidingWindow::new(units(a.capacity()), a.window())),
-            Limiter::Concurrency(a) => Limiter::Concurrency(Concurrency::new(units(a.capacity()))),
-        }
+        let capacity = ((self.capacity() as f64 * factor).round() as u64).max(1);
+        let shape = match self.shape() {
+            Shape::Rate { period } => Shape::Rate { period: period_of(per_sec(period) * factor) },
+            other => other,
+        };
+        Limiter::with_shape(self.algorithm(), capacity, shape).unwrap_or_else(|| self.clone())
     }
 
     /// The window a quota policy header should name: the window itself for window algorithms,
     /// the time to refill from empty for buckets, none for in-flight slots.
     pub fn policy_window(&self) -> Option<Nanos> {
-        match self {
-            Limiter::TokenBucket(a) => Some(a.capacity().saturating_mul(a.period())),
-            Limiter::Gcra(a) => Some(a.capacity().saturating_mul(a.period())),
-            Limiter::LeakyBucket(a) => Some(a.capacity().saturating_mul(a.period())),
-            Limiter::FixedWindow(a) => Some(a.window()),
-            Limiter::SlidingLog(a) => Some(a.window()),
-            Limiter::SlidingWindow(a) => Some(a.window()),
-            Limiter::Concurrency(_) => None,
+        match self.shape() {
+            Shape::Rate { period } => Some(self.capacity().saturating_mul(period)),
+            Shape::Window { window } => Some(window),
+            Shape::Slots => None,
         }
     }
 
@@ -262,30 +344,17 @@ impl Limiter {
 
     /// Whether admitted units must be given back with [`Limiter::release`] (in-flight slots).
     pub fn holds_slots(&self) -> bool {
-        matches!(self, Limiter::Concurrency(_))
-    }
-
-    /// The state of a key never seen before.
-    pub fn fresh(&self, now: Nanos) -> LimiterState {
-        match self {
-            Limiter::TokenBucket(a) => LimiterState::TokenBucket(a.fresh(now)),
-            Limiter::Gcra(a) => LimiterState::Gcra(a.fresh(now)),
-            Limiter::FixedWindow(a) => LimiterState::FixedWindow(a.fresh(now)),
-            Limiter::SlidingLog(a) => LimiterState::SlidingLog(Box::new(a.fresh(now))),
-            Limiter::SlidingWindow(a) => LimiterState::SlidingWindow(a.fresh(now)),
-            Limiter::LeakyBucket(a) => LimiterState::LeakyBucket(a.fresh(now)),
-            Limiter::Concurrency(a) => LimiterState::Concurrency(a.fresh(now)),
-        }
+        self.shape() == Shape::Slots
     }
 
     /// Decides a call of `cost` units at `now`, charging `state` only if it is allowed.
     pub fn acquire(&self, state: &mut LimiterState, now: Nanos, cost: u64) -> Decision {
-        with_state!(self, state, now, |alg, s| alg.acquire(s, now, cost))
+        self.with_state(state, now, Acquire(now, cost))
     }
 
     /// When `state` becomes indistinguishable from a fresh one.
     pub fn forget_at(&self, state: &mut LimiterState, now: Nanos) -> Nanos {
-        with_state!(self, state, now, |alg, s| alg.forget_at(s))
+        self.with_state(state, now, ForgetAt)
     }
 
     /// Gives `units` back to the budget in `state` at `now`, never beyond its capacity (see
@@ -293,58 +362,54 @@ impl Limiter {
     pub fn refund(&self, state: &mut LimiterState, now: Nanos, units: u64) {
         // Past the capacity a refund only fills up; clamped here so both stores see one number.
         let units = units.min(self.capacity());
-        with_state!(self, state, now, |alg, s| alg.refund(s, now, units))
+        self.with_state(state, now, Refund(now, units));
     }
 
-    /// Gives back `cost` in-flight slots; a no-op for rate algorithms.
+    /// Gives back `cost` in-flight slots; a no-op for rate algorithms (and for a state another
+    /// algorithm left).
     pub fn release(&self, state: &mut LimiterState, cost: u64) {
-        if let (Limiter::Concurrency(alg), LimiterState::Concurrency(s)) = (self, state) {
-            alg.release(s, cost);
-        }
-    }
-
-    /// A one-line description of the parameters, for `check-config`.
-    pub fn describe(&self) -> String {
-        match self {
-            Limiter::TokenBucket(a) => format!("burst {}, refill {}/s", a.capacity(), per_sec(a.period())),
-            Limiter::Gcra(a) => format!("burst {}, rate {}/s", a.capacity(), per_sec(a.period())),
-            Limiter::FixedWindow(a) => format!("{} per {} ms window", a.capacity(), a.window() / 1_000_000),
-            Limiter::SlidingLog(a) => format!("{} per sliding {} ms", a.capacity(), a.window() / 1_000_000),
-            Limiter::SlidingWindow(a) => format!("{} per ~sliding {} ms", a.capacity(), a.window() / 1_000_000),
-            Limiter::LeakyBucket(a) => format!("capacity {}, leak {}/s", a.capacity(), per_sec(a.period())),
-            Limiter::Concurrency(a) => format!("{} in flight", a.capacity()),
+        if self.holds_slots() {
+            self.with_state(state, 0, Release(cost));
         }
     }
 
     /// The limit as an agent reads it: `60 tokens, refilled at 1 per second`,
     /// `2000 tokens per 86400-second window`.
     pub fn in_words(&self) -> String {
-        match self {
-            Limiter::TokenBucket(_) | Limiter::Gcra(_) | Limiter::LeakyBucket(_) => {
+        match self.shape() {
+            Shape::Rate { .. } => {
                 format!("{} tokens, refilled at {} per second", self.capacity(), self.rate_per_sec())
             }
-            Limiter::FixedWindow(_) | Limiter::SlidingLog(_) | Limiter::SlidingWindow(_) => {
-                format!("{} tokens per {}-second window", self.capacity(), self.span() / 1_000_000_000)
+            Shape::Window { window } => {
+                format!("{} tokens per {}-second window", self.capacity(), window / 1_000_000_000)
             }
-            Limiter::Concurrency(_) => format!("{} at once", self.capacity()),
+            Shape::Slots => format!("{} at once", self.capacity()),
         }
     }
 
     /// Units returned per second on average (the sustained rate); zero for in-flight slots.
     pub fn rate_per_sec(&self) -> f64 {
-        match self {
-            Limiter::TokenBucket(a) => per_sec(a.period()),
-            Limiter::Gcra(a) => per_sec(a.period()),
-            Limiter::LeakyBucket(a) => per_sec(a.period()),
-            Limiter::FixedWindow(a) => a.capacity() as f64 / (a.window() as f64 / 1e9),
-            Limiter::SlidingLog(a) => a.capacity() as f64 / (a.window() as f64 / 1e9),
-            Limiter::SlidingWindow(a) => a.capacity() as f64 / (a.window() as f64 / 1e9),
-            Limiter::Concurrency(_) => 0.0,
+        match self.shape() {
+            Shape::Rate { period } => per_sec(period),
+            Shape::Window { window } => self.capacity() as f64 / (window as f64 / 1e9),
+            Shape::Slots => 0.0,
         }
     }
 }
 
-fn per_sec(period: Nanos) -> f64 {
+/// Whether some algorithm takes a parameter named `name`, and the names they take, for an error
+/// message about one that none does.
+pub fn is_param(name: &str) -> Result<(), String> {
+    if EVERY_PARAM.iter().any(|params| params.contains(&name)) {
+        return Ok(());
+    }
+    let mut every: Vec<&str> = EVERY_PARAM.iter().flat_map(|p| p.iter().copied()).collect();
+    every.sort_unstable();
+    every.dedup();
+    Err(every.join(", "))
+}
+
+pub(crate) fn per_sec(period: Nanos) -> f64 {
     crate::clock::NANOS_PER_SEC as f64 / period as f64
 }
 

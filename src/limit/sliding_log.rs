@@ -18,7 +18,7 @@
 use std::collections::VecDeque;
 
 use crate::clock::Nanos;
-use crate::limit::{Algorithm, Decision};
+use crate::limit::{Algorithm, Decision, ParamError, Params, Shape};
 
 /// At most `limit` units within any `window` nanoseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,7 +58,29 @@ impl SlidingLog {
 }
 
 impl Algorithm for SlidingLog {
+    const NAME: &'static str = "sliding_log";
+    const PARAMS: &'static [&'static str] = &["limit", "window_ms"];
+
     type State = State;
+
+    fn from_params(params: &Params<'_>) -> Result<Self, ParamError> {
+        Ok(Self::new(params.units("limit")?, params.window("window_ms")?))
+    }
+
+    fn with_shape(capacity: u64, shape: Shape) -> Option<Self> {
+        match shape {
+            Shape::Window { window } => Some(Self::new(capacity, window)),
+            Shape::Rate { .. } | Shape::Slots => None,
+        }
+    }
+
+    fn shape(&self) -> Shape {
+        Shape::Window { window: self.window }
+    }
+
+    fn describe(&self) -> String {
+        format!("{} per sliding {} ms", self.limit, self.window / 1_000_000)
+    }
 
     fn fresh(&self, _now: Nanos) -> State {
         State::default()

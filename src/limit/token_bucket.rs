@@ -20,7 +20,7 @@
 //! the tokens saved: a caller keeps the time it had saved.)
 
 use crate::clock::Nanos;
-use crate::limit::{Algorithm, Decision, period_of};
+use crate::limit::{Algorithm, Decision, ParamError, Params, Shape, per_sec, period_of};
 
 /// A bucket of `capacity` tokens that refills one token every `period` nanoseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,7 +53,29 @@ impl TokenBucket {
 }
 
 impl Algorithm for TokenBucket {
+    const NAME: &'static str = "token_bucket";
+    const PARAMS: &'static [&'static str] = &["burst", "refill_per_sec"];
+
     type State = State;
+
+    fn from_params(params: &Params<'_>) -> Result<Self, ParamError> {
+        Ok(Self::new(params.units("burst")?, params.rate("refill_per_sec")?))
+    }
+
+    fn with_shape(capacity: u64, shape: Shape) -> Option<Self> {
+        match shape {
+            Shape::Rate { period } => Some(Self { capacity: capacity.max(1), period: period.max(1) }),
+            Shape::Window { .. } | Shape::Slots => None,
+        }
+    }
+
+    fn shape(&self) -> Shape {
+        Shape::Rate { period: self.period }
+    }
+
+    fn describe(&self) -> String {
+        format!("burst {}, refill {}/s", self.capacity, per_sec(self.period))
+    }
 
     fn fresh(&self, now: Nanos) -> State {
         State { level: self.full(), updated_at: now }

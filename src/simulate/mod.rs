@@ -35,7 +35,7 @@ use crate::clock::{Clock, ManualClock, NANOS_PER_MS, NANOS_PER_SEC, Nanos, Share
 use crate::config::Config;
 use crate::guard::{Guard, ToolCall};
 use crate::identity::{Caller, CallerIds, Identifier};
-use crate::limit::{ALGORITHMS, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingLog, SlidingWindow, TokenBucket};
+use crate::limit::{self, ALGORITHMS, Limiter, period_of};
 use crate::mcp::tools::starts_job;
 use crate::metrics::Metrics;
 use crate::store::Store;
@@ -438,15 +438,11 @@ fn reshaped(limiter: &Limiter, algorithm: &str) -> Result<Limiter, &'static str>
     let Some(span) = limiter.policy_window() else { return Ok(limiter.clone()) };
     let capacity = limiter.capacity();
     let rate = capacity as f64 * NANOS_PER_SEC as f64 / span as f64;
-    Ok(match algorithm {
-        "token_bucket" => Limiter::TokenBucket(TokenBucket::new(capacity, rate)),
-        "gcra" => Limiter::Gcra(Gcra::new(capacity, rate)),
-        "leaky_bucket" => Limiter::LeakyBucket(LeakyBucket::new(capacity, rate)),
-        "fixed_window" => Limiter::FixedWindow(FixedWindow::new(capacity, span)),
-        "sliding_log" => Limiter::SlidingLog(SlidingLog::new(capacity, span)),
-        "sliding_window" => Limiter::SlidingWindow(SlidingWindow::new(capacity, span)),
-        _ => return Err(NOT_A_RATE),
-    })
+    // A bucket refills the whole capacity over the span; a window counts it per span.
+    [limit::Shape::Rate { period: period_of(rate) }, limit::Shape::Window { window: span }]
+        .into_iter()
+        .find_map(|shape| Limiter::with_shape(algorithm, capacity, shape))
+        .ok_or(NOT_A_RATE)
 }
 
 /// How long a job started by `tool` holds its in-flight slots: the mock upstream's job time.
@@ -694,6 +690,7 @@ fn span(ms: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limit::TokenBucket;
 
     #[test]
     fn peak_counts_the_fullest_span() {

@@ -75,28 +75,23 @@ use ::redis::{
 };
 
 use crate::clock::Nanos;
-use crate::limit::{Decision, Limiter};
+use crate::limit::{Decision, Limiter, Shape};
 use crate::store::{Check, Verdict};
 
-/// A script of the prelude, every algorithm, then the entry point `entry` (a file in `redis/`).
+/// A script of the prelude, every registered algorithm's Lua twin (`redis/<name>.lua`, read at
+/// compile time: an algorithm without its twin does not build), then the entry point `entry`.
 macro_rules! with_every_algorithm {
-    ($entry:literal) => {
+    (($entry:literal) $($module:ident => $name:ident $($boxed:ident)?,)*) => {
         concat!(
             include_str!("redis/prelude.lua"),
-            include_str!("redis/token_bucket.lua"),
-            include_str!("redis/gcra.lua"),
-            include_str!("redis/fixed_window.lua"),
-            include_str!("redis/sliding_log.lua"),
-            include_str!("redis/sliding_window.lua"),
-            include_str!("redis/leaky_bucket.lua"),
-            include_str!("redis/concurrency.lua"),
+            $(include_str!(concat!("redis/", stringify!($module), ".lua")),)*
             include_str!($entry),
         )
     };
 }
 
 /// The decide script: the prelude, every algorithm, then the entry point.
-const DECIDE_SCRIPT: &str = with_every_algorithm!("redis/decide.lua");
+const DECIDE_SCRIPT: &str = crate::limit::registry!(with_every_algorithm, "redis/decide.lua");
 
 /// The release script: the prelude, in-flight slots, then the entry point.
 const RELEASE_SCRIPT: &str = concat!(
@@ -110,7 +105,7 @@ const RENEW_SCRIPT: &str =
     concat!(include_str!("redis/prelude.lua"), include_str!("redis/concurrency.lua"), include_str!("redis/renew.lua"),);
 
 /// The refund script: the prelude, every algorithm, then the entry point.
-const REFUND_SCRIPT: &str = with_every_algorithm!("redis/refund.lua");
+const REFUND_SCRIPT: &str = crate::limit::registry!(with_every_algorithm, "redis/refund.lua");
 
 /// The loop script: the prelude, then the loop detector's twin.
 const LOOPS_SCRIPT: &str = concat!(include_str!("redis/prelude.lua"), include_str!("redis/loops.lua"));
@@ -802,14 +797,10 @@ fn script_span(check: &Check<'_>) -> Result<Nanos, StoreError> {
             MAX_SPAN / (86_400 * crate::clock::NANOS_PER_SEC)
         )));
     }
-    Ok(match limiter {
-        Limiter::TokenBucket(a) => a.period(),
-        Limiter::Gcra(a) => a.period(),
-        Limiter::LeakyBucket(a) => a.period(),
-        Limiter::FixedWindow(a) => a.window(),
-        Limiter::SlidingLog(a) => a.window(),
-        Limiter::SlidingWindow(a) => a.window(),
-        Limiter::Concurrency(_) => 0,
+    Ok(match limiter.shape() {
+        Shape::Rate { period } => period,
+        Shape::Window { window } => window,
+        Shape::Slots => 0,
     })
 }
 

@@ -14,7 +14,7 @@ use std::fmt::Debug;
 
 use mcp_ratelimit::clock::Nanos;
 use mcp_ratelimit::limit::{
-    Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingLog, SlidingWindow, TokenBucket,
+    ALGORITHMS, Concurrency, Decision, FixedWindow, Limiter, Shape, SlidingLog, SlidingWindow, TokenBucket,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
@@ -105,20 +105,44 @@ fn run(backend: &impl Backend, limiter: &Limiter, calls: &[Arrival]) -> Vec<(Nan
         .collect()
 }
 
-/// Algorithm number `algorithm` (0 to 5: the rate algorithms, 6: in-flight slots) with
-/// `capacity` units and `span_ms` as its refill period or window.
-fn limiter(algorithm: usize, capacity: u64, span_ms: u64) -> Limiter {
-    let rate = 1_000.0 / span_ms as f64;
-    let window = span_ms * MS;
-    match algorithm {
-        0 => Limiter::TokenBucket(TokenBucket::new(capacity, rate)),
-        1 => Limiter::Gcra(Gcra::new(capacity, rate)),
-        2 => Limiter::LeakyBucket(LeakyBucket::new(capacity, rate)),
-        3 => Limiter::FixedWindow(FixedWindow::new(capacity, window)),
-        4 => Limiter::SlidingLog(SlidingLog::new(capacity, window)),
-        5 => Limiter::SlidingWindow(SlidingWindow::new(capacity, window)),
-        _ => Limiter::Concurrency(Concurrency::new(capacity)),
+/// Each registered algorithm's reference model in this suite: the property that checks it
+/// against a model sharing no code with it. A newly registered algorithm fails
+/// [`every_registered_algorithm_has_a_reference_model`] until it has one here (and the exhaustive
+/// matches below, such as [`wait_bound`], until it has its place in them).
+pub const REFERENCE_MODELS: &[(&str, &str)] = &[
+    ("token_bucket", "token_bucket_matches_the_replay_model"),
+    ("gcra", "gcra_and_leaky_bucket_decide_exactly_like_the_token_bucket"),
+    ("fixed_window", "fixed_window_matches_a_count_per_window"),
+    ("sliding_log", "sliding_log_matches_the_full_history"),
+    ("sliding_window", "sliding_window_matches_the_weighted_estimate"),
+    ("leaky_bucket", "gcra_and_leaky_bucket_decide_exactly_like_the_token_bucket"),
+    ("concurrency", "concurrency_counts_slots_exactly"),
+];
+
+/// Every algorithm the registry lists is checked against a reference model here.
+pub fn every_registered_algorithm_has_a_reference_model() {
+    for algorithm in ALGORITHMS {
+        assert!(
+            REFERENCE_MODELS.iter().any(|(name, _)| name == algorithm),
+            "`{algorithm}` is registered but the algorithm suite has no reference model for it: add one to \
+             tests/common/algorithm_suite.rs and list it in REFERENCE_MODELS"
+        );
     }
+}
+
+/// The registered algorithms, or those that limit a rate (not in-flight slots).
+fn registered(rates_only: bool) -> Vec<&'static str> {
+    ALGORITHMS.iter().copied().filter(|name| !rates_only || !limiter(name, 1, 1).holds_slots()).collect()
+}
+
+/// The registered algorithm `name` with `capacity` units and `span_ms` as its refill period (a
+/// bucket refills one unit per `span_ms`) or its window.
+fn limiter(name: &str, capacity: u64, span_ms: u64) -> Limiter {
+    let shapes = [Shape::Rate { period: span_ms * MS }, Shape::Window { window: span_ms * MS }, Shape::Slots];
+    shapes
+        .into_iter()
+        .find_map(|shape| Limiter::with_shape(name, capacity, shape))
+        .unwrap_or_else(|| panic!("`{name}` takes none of the shapes"))
 }
 
 /// Runs `test` on `cases` random values of `strategy`, shrinking a failure to a small case.
@@ -185,8 +209,8 @@ pub fn gcra_and_leaky_bucket_decide_exactly_like_the_token_bucket(backend: &impl
     let strategy = (1u64..30, window_ms(), arrivals(3_000 * MS, 30, backend.resolution()));
     check(cases, strategy, |(capacity, period_ms, calls)| {
         let calls = capped(calls, capacity);
-        let [bucket, gcra, leaky] =
-            [0, 1, 2].map(|algorithm| run(backend, &limiter(algorithm, capacity, period_ms), &calls));
+        let [bucket, gcra, leaky] = ["token_bucket", "gcra", "leaky_bucket"]
+            .map(|name| run(backend, &limiter(name, capacity, period_ms), &calls));
         for ((b, g), l) in bucket.iter().zip(&gcra).zip(&leaky) {
             prop_assert_eq!((b.2.allowed, b.2.retry_after), (g.2.allowed, g.2.retry_after));
             prop_assert_eq!((b.2.allowed, b.2.retry_after), (l.2.allowed, l.2.retry_after));
@@ -276,7 +300,12 @@ pub fn sliding_window_matches_the_weighted_estimate(backend: &impl Backend, case
 /// at the same instant would, and dropping every refused call from the input changes no
 /// decision of the calls that were admitted, field for field.
 pub fn refusals_never_charge(backend: &impl Backend, cases: u32) {
-    let strategy = (0usize..7, 1u64..20, window_ms(), arrivals(3_000 * MS, 20, backend.resolution()));
+    let strategy = (
+        prop::sample::select(registered(false)),
+        1u64..20,
+        window_ms(),
+        arrivals(3_000 * MS, 20, backend.resolution()),
+    );
     check(cases, strategy, |(algorithm, capacity, span_ms, calls)| {
         let limiter = limiter(algorithm, capacity, span_ms);
         let mut key = backend.start(&limiter, START);
@@ -307,7 +336,8 @@ pub fn refusals_never_charge(backend: &impl Backend, cases: u32) {
 /// before (one nanosecond in memory, one microsecond on Redis) it is still refused.
 pub fn retry_after_is_exact(backend: &impl Backend, cases: u32) {
     let resolution = backend.resolution();
-    let strategy = (0usize..6, 1u64..20, window_ms(), arrivals(3_000 * MS, 20, resolution));
+    let strategy =
+        (prop::sample::select(registered(true)), 1u64..20, window_ms(), arrivals(3_000 * MS, 20, resolution));
     check(cases, strategy, |(algorithm, capacity, span_ms, calls)| {
         let limiter = limiter(algorithm, capacity, span_ms);
         // The sliding window (an estimate) is held only to a wait that is enough, as it always was.
@@ -472,7 +502,7 @@ fn wait_bound(limiter: &Limiter, largest_span: Nanos) -> Nanos {
 /// held in-flight slots count against a lowered cap until they are given back.
 pub fn changed_limits_keep_every_number_believable(backend: &impl Backend, cases: u32) {
     let resolution = backend.resolution();
-    let strategy = (0usize..7, 1u64..40, window_ms(), lives(resolution));
+    let strategy = (prop::sample::select(registered(false)), 1u64..40, window_ms(), lives(resolution));
     check(cases, strategy, |(algorithm, capacity, span_ms, steps)| {
         let mut limiter = limiter(algorithm, capacity, span_ms);
         let mut largest_span = limiter.span();
