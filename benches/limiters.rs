@@ -159,7 +159,7 @@ fn governor_fake<const STEP: u64>() -> GovernorFake<STEP> {
 fn ours_once(store: &MemoryStore, limiter: &Limiter, key: &str, now: u64) -> bool {
     let decision = store.decide_one(&Check { key: black_box(key), limiter, cost: 1, shadow: false }, now);
     if limiter.holds_slots() && decision.allowed {
-        store.release(key, limiter, 1, now);
+        store.release_at(key, limiter, 1, now);
     }
     decision.allowed
 }

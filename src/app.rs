@@ -115,7 +115,7 @@ impl App {
                 limits.metrics().clone(),
                 stop.child_token(),
             )
-            .published_in(store.redis_store().cloned()),
+            .published_in(store.clone().job_mirror()),
         );
         let state = Arc::new(AppState { limits, upstream, jobs, clock, config });
         tokio::spawn(sweep_forever(state.clone(), stop.clone()));

@@ -55,7 +55,7 @@ use crate::http::front_door::IdentifyLayer;
 use crate::http::limit::HttpLimitLayer;
 use crate::identity::Identifier;
 use crate::metrics::Metrics;
-use crate::store::{RedisStore, Store, StoreError};
+use crate::store::{MemoryStore, RedisStore, Store, StoreError};
 
 /// Why limits could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -139,8 +139,8 @@ impl RateLimits {
     /// # }).unwrap();
     /// ```
     pub async fn start(config: &Config, tools: Catalogue, clock: SharedClock) -> Result<Self, LimitsError> {
-        let store = match config.store.backend {
-            Backend::Memory => Store::memory(clock.clone()),
+        let store: Arc<dyn Store> = match config.store.backend {
+            Backend::Memory => Arc::new(MemoryStore::on(clock.clone())),
             Backend::Redis => {
                 let timeout = Duration::from_millis(config.store.timeout_ms);
                 let lease = Duration::from_millis(config.store.lease_ms);
@@ -148,11 +148,11 @@ impl RateLimits {
                 let redis = RedisStore::connect_trusting(&config.store.redis_url, timeout, ca)
                     .await
                     .map_err(StoreError::from)?;
-                Store::redis(redis.with_lease(lease))
+                Arc::new(redis.with_lease(lease))
             }
         };
         let metrics = Arc::new(Metrics::new(&tools));
-        let guard = Arc::new(Guard::new(Arc::new(store), clock.clone(), config, metrics.clone()));
+        let guard = Arc::new(Guard::new(store, clock.clone(), config, metrics.clone()));
         let stop = CancellationToken::new();
         tokio::spawn(sweep_forever(guard.clone(), Duration::from_millis(config.store.sweep_interval_ms), stop.clone()));
         if let Some(every) = guard.store().renew_every() {

@@ -86,6 +86,6 @@ fn concurrency_hands_out_exactly_its_slots_under_contention() {
     let store = MemoryStore::new();
     let limiter = Limiter::Concurrency(Concurrency::new(64));
     assert_eq!(hammer(&store, &limiter, 0, 1), 64);
-    store.release("caller:tok:hot", &limiter, 64, 0);
+    store.release_at("caller:tok:hot", &limiter, 64, 0);
     assert_eq!(hammer(&store, &limiter, 0, 2), 64, "released slots are all there again");
 }

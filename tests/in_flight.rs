@@ -12,7 +12,7 @@ use mcp_ratelimit::clock::ManualClock;
 use mcp_ratelimit::guard::{Guard, ToolCall};
 use mcp_ratelimit::identity::Caller;
 use mcp_ratelimit::metrics::Metrics;
-use mcp_ratelimit::store::Store;
+use mcp_ratelimit::store::MemoryStore;
 use rmcp::model::{CallToolRequestParams, ClientRequest, Request};
 use rmcp::service::PeerRequestOptions;
 use serde_json::json;
@@ -97,7 +97,7 @@ async fn a_dropped_admission_gives_its_slot_back_even_when_its_task_is_aborted()
     let config = Config::from_toml(&two_slots(""), &mcp_ratelimit::mcp::tools::catalogue()).expect("config");
     let metrics = Arc::new(Metrics::new(&mcp_ratelimit::mcp::tools::catalogue()));
     let clock = ManualClock::new();
-    let guard = Guard::new(Arc::new(Store::memory(clock.clone())), clock, &config, metrics.clone());
+    let guard = Guard::new(Arc::new(MemoryStore::on(clock.clone())), clock, &config, metrics.clone());
     let caller = Caller::from_token("holder");
     let args = json!({"title": "t", "body": "b"});
     let save = ToolCall { tool: "save_article", args: &args, starts_job: false, loop_exempt: true };

@@ -14,7 +14,7 @@ use mcp_ratelimit::http::front_door::{AllowedHosts, IdentifyLayer, rebinding_pro
 use mcp_ratelimit::http::limit::HttpLimitLayer;
 use mcp_ratelimit::identity::{Caller, Identifier};
 use mcp_ratelimit::metrics::Metrics;
-use mcp_ratelimit::store::Store;
+use mcp_ratelimit::store::MemoryStore;
 use tower::{Layer, ServiceExt, service_fn};
 
 /// The innermost service: 200, saying which caller it was handed (or none).
@@ -41,7 +41,7 @@ async fn the_http_limit_needs_only_a_guard() {
     let config = config("[limits.http]\nalgorithm = \"token_bucket\"\nburst = 2\nrefill_per_sec = 0.5\n");
     let clock = ManualClock::new();
     let guard =
-        Arc::new(Guard::new(Arc::new(Store::memory(clock.clone())), clock, &config, Arc::new(Metrics::default())));
+        Arc::new(Guard::new(Arc::new(MemoryStore::on(clock.clone())), clock, &config, Arc::new(Metrics::default())));
     let limited = HttpLimitLayer::new(guard).layer(service_fn(echo_caller));
     let with_caller = |mut request: Request<Body>| {
         request.extensions_mut().insert(Caller::from_token("alone"));

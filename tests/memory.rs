@@ -56,7 +56,7 @@ fn a_million_callers_fit_in_128_bytes_each_and_sweep_gives_it_back() {
         assert!(per_key <= 128.0, "{}: {per_key:.1} bytes per key", limiter.algorithm());
 
         // One token's refill later every bucket is full again: indistinguishable from new.
-        assert_eq!(store.sweep(SEC), CALLERS);
+        assert_eq!(store.sweep_at(SEC), CALLERS);
         assert!(store.is_empty());
         let left = live() - baseline;
         println!("{}: {left} bytes left after the sweep", limiter.algorithm());

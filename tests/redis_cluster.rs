@@ -63,7 +63,7 @@ impl Twins {
 
     async fn decide(&self, checks: &[Check<'_>], now: Nanos) -> Vec<Decision> {
         let decisions = self.redis.decide_at(checks, now).await.expect("the cluster decides");
-        assert_eq!(decisions, self.memory.decide(checks, now), "the cluster and memory disagree");
+        assert_eq!(decisions, self.memory.decide_at(checks, now), "the cluster and memory disagree");
         decisions
     }
 
@@ -137,7 +137,7 @@ fn token_bucket_and_sliding_log_decide_on_the_cluster_like_the_memory_store() {
                     Check { key: &keys[i], limiter, cost: call.costs[i].min(limiter.capacity()), shadow: false }
                 })
                 .collect();
-            let expected = memory.decide(&checks, now);
+            let expected = memory.decide_at(&checks, now);
             let got = runtime
                 .block_on(store.decide_at(&checks, now))
                 .map_err(|e| TestCaseError::fail(format!("call {n}: {e}")))?;
@@ -175,7 +175,7 @@ fn in_flight_slots_on_the_cluster_are_taken_and_given_back_like_the_memory_store
                 })
                 .collect();
             if take || held.is_empty() {
-                let expected = memory.decide(&checks, EPOCH);
+                let expected = memory.decide_at(&checks, EPOCH);
                 // Leases on Redis's own clock: none runs out within a case.
                 let lease = new_lease();
                 let got = runtime
@@ -187,7 +187,7 @@ fn in_flight_slots_on_the_cluster_are_taken_and_given_back_like_the_memory_store
                 }
             } else if let Some((lease, costs)) = held.pop() {
                 for i in 0..3 {
-                    memory.release(&keys[i], &limiters[i], costs[i], EPOCH);
+                    memory.release_at(&keys[i], &limiters[i], costs[i], EPOCH);
                     runtime
                         .block_on(store.release(&keys[i], lease))
                         .map_err(|e| TestCaseError::fail(format!("release {n}: {e}")))?;

@@ -322,7 +322,7 @@ impl Twins {
 
     async fn decide(&self, checks: &[Check<'_>], now: Nanos) -> Vec<Decision> {
         let decisions = self.redis.decide_at(checks, now).await.expect("Redis decides");
-        assert_eq!(decisions, self.memory.decide(checks, now), "Redis and memory disagree");
+        assert_eq!(decisions, self.memory.decide_at(checks, now), "Redis and memory disagree");
         decisions
     }
 

@@ -133,7 +133,7 @@ fn refund_lua_leaves_redis_as_the_rust_refund_leaves_memory() {
                     let got = runtime.block_on(store.refund(&key, limiter, units, Some(now)));
                     (
                         gap_us,
-                        Some(memory.refund(&key, limiter, units, now)),
+                        Some(memory.refund_at(&key, limiter, units, now)),
                         Some(got.map_err(|e| TestCaseError::fail(e.to_string()))?),
                     )
                 }
@@ -167,7 +167,7 @@ fn refund_lua_gives_in_flight_slots_back_like_a_release() {
     }
     for units in [3, 3] {
         let got = runtime.block_on(store.refund(&key, &slots, units, Some(now))).expect("refunds");
-        assert_eq!(got, memory.refund(&key, &slots, units, now), "after giving back {units}");
+        assert_eq!(got, memory.refund_at(&key, &slots, units, now), "after giving back {units}");
     }
     let read = runtime
         .block_on(store.decide_at(&[Check { key: &key, limiter: &slots, cost: 0, shadow: false }], now))

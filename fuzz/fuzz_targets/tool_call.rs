@@ -11,7 +11,7 @@ use mcp_ratelimit::guard::{Guard, ToolCall};
 use mcp_ratelimit::identity::Caller;
 use mcp_ratelimit::mcp::tools::{catalogue, validate_arguments};
 use mcp_ratelimit::metrics::Metrics;
-use mcp_ratelimit::store::Store;
+use mcp_ratelimit::store::MemoryStore;
 use mcp_ratelimit::Config;
 
 struct World {
@@ -24,7 +24,7 @@ static WORLD: LazyLock<World> = LazyLock::new(|| {
     let tools = catalogue();
     let config = Config::defaults(&tools).expect("defaults");
     let clock = ManualClock::new();
-    let guard = Guard::new(Arc::new(Store::memory(clock.clone())), clock, &config, Arc::new(Metrics::new(&tools)));
+    let guard = Guard::new(Arc::new(MemoryStore::on(clock.clone())), clock, &config, Arc::new(Metrics::new(&tools)));
     let runtime = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
     World { runtime, guard, tools: tools.names().map(str::to_owned).collect() }
 });

@@ -31,8 +31,9 @@ use crate::guard::refusals::RefusalMemory;
 use crate::identity::Caller;
 use crate::limit::{Decision, Limiter};
 use crate::metrics::{Layer, Metrics};
-use crate::store::redis::LoopAnswer;
-use crate::store::{Check, Lease, RedisStore, SlotGuard, Store, StoreError, Verdict, new_lease};
+use crate::store::{
+    Check, Lease, LoopAnswer, LoopHistory, MemoryStore, SlotGuard, Store, StoreError, Verdict, new_lease,
+};
 pub use policy::{MethodGroup, Policy, TierLimits};
 pub use refusal::{Refusal, RefusalCode};
 pub use scope::Scope;
@@ -130,7 +131,7 @@ const STORE_PROBE_EVERY: crate::clock::Nanos = crate::clock::NANOS_PER_SEC;
 /// about one budget between them instead of N.
 #[derive(Debug)]
 struct Insurance {
-    store: Arc<Store>,
+    store: Arc<dyn Store>,
     /// Open while the shared store is failing: decisions skip it (no timeout to wait out on
     /// every call) until one probe a second finds it back.
     shared_down: Breaker,
@@ -141,7 +142,7 @@ struct Insurance {
 /// Decides whether a caller may proceed, charges it, and explains refusals.
 #[derive(Debug)]
 pub struct Guard {
-    store: Arc<Store>,
+    store: Arc<dyn Store>,
     clock: SharedClock,
     /// The limits in force; a reload swaps them whole, and a decision keeps the ones it started
     /// with.
@@ -163,7 +164,7 @@ const SHARED_SIGNATURE_SEED: u64 = 0x6d63_702d_726c_6f6f;
 #[derive(Debug)]
 struct Loops {
     local: LoopDetector,
-    shared: Option<Arc<RedisStore>>,
+    shared: Option<Arc<dyn LoopHistory>>,
     repeats: u32,
     window: crate::clock::Nanos,
 }
@@ -180,7 +181,7 @@ impl Loops {
         if let Some(redis) = &self.shared {
             let signature = loops::signature(SHARED_SIGNATURE_SEED, call.tool, call.args);
             let key = Scope::loops(caller);
-            match redis.loop_check(key.key(), signature, self.window, self.repeats, None).await {
+            match redis.check(key.key(), signature, self.window, self.repeats).await {
                 Ok(LoopAnswer::Recorded(seq)) => return Ok(LoopMark::Shared(seq)),
                 Ok(LoopAnswer::Looping { retry_after, oscillating }) => {
                     return Err(Looping { retry_after, repeats: self.repeats, oscillating });
@@ -195,7 +196,7 @@ impl Loops {
         match (mark, &self.shared) {
             (LoopMark::Local(recorded), _) => self.local.forget(scope::loop_owner(caller), recorded),
             (LoopMark::Shared(seq), Some(redis)) => {
-                if let Err(error) = redis.loop_forget(Scope::loops(caller).key(), seq, self.window).await {
+                if let Err(error) = redis.forget(Scope::loops(caller).key(), seq, self.window).await {
                     tracing::warn!(%error, "could not take a call back from the shared loop history");
                 }
             }
@@ -292,7 +293,7 @@ fn status_scopes<'p>(policy: &'p Policy, caller: &Caller, over_http: bool) -> Ve
 
 /// What [`Guard::decide`] answers: the scopes with their decisions, the store holding any slots,
 /// and the operator block that stopped the call (which of those asked about, the time left).
-type Decided<'s> = (Vec<Planned<'s>>, Vec<Decision>, &'s Arc<Store>, Option<(usize, Nanos)>);
+type Decided<'s> = (Vec<Planned<'s>>, Vec<Decision>, &'s Arc<dyn Store>, Option<(usize, Nanos)>);
 
 fn checks_of<'a>(scopes: &'a [Planned<'a>]) -> Vec<Check<'a>> {
     scopes
@@ -450,17 +451,17 @@ impl Live {
 impl Guard {
     /// A guard over `store` with the limits of `config`; over a shared store, with an insurance
     /// limiter for when it cannot decide.
-    pub fn new(store: Arc<Store>, clock: SharedClock, config: &Config, metrics: Arc<Metrics>) -> Self {
+    pub fn new(store: Arc<dyn Store>, clock: SharedClock, config: &Config, metrics: Arc<Metrics>) -> Self {
         let detection = &config.loop_detection;
         let window = detection.window_ms.saturating_mul(crate::clock::NANOS_PER_MS);
         let loops = detection.enabled.then(|| Loops {
             local: LoopDetector::new(detection.repeats, window),
-            shared: store.redis_store().cloned(),
+            shared: store.clone().loop_history(),
             repeats: detection.repeats,
             window,
         });
         let insurance = store.is_shared().then(|| Insurance {
-            store: Arc::new(Store::memory(clock.clone())),
+            store: Arc::new(MemoryStore::on(clock.clone())),
             shared_down: Breaker::new(1, STORE_PROBE_EVERY),
             refused: RefusalMemory::default(),
         });
@@ -507,7 +508,7 @@ impl Guard {
     }
 
     /// Where limiter state lives.
-    pub fn store(&self) -> &Arc<Store> {
+    pub fn store(&self) -> &Arc<dyn Store> {
         &self.store
     }
 
@@ -541,7 +542,7 @@ impl Guard {
             Some(insurance) => Some(insurance.shared_down.permit(self.clock.now()).ok()?),
             None => None,
         };
-        let decided = self.store.decide_unless_blocked(checks, blocks, lease).await;
+        let decided = self.store.decide(checks, blocks, lease).await;
         if let (Some(insurance), Some(permit)) = (&self.insurance, permit) {
             insurance.shared_down.record(permit, decided.is_ok(), self.clock.now());
             self.store_up.store(decided.is_ok(), Ordering::Relaxed);
@@ -589,7 +590,7 @@ impl Guard {
         }
         let insurance = self.insurance.as_ref().filter(|_| fail == Fail::Open)?;
         let scopes = scopes_under(live.insurance.as_ref()?);
-        let decisions = insurance.store.decide(&checks_of(&scopes), lease).await.ok()?;
+        let decisions = insurance.store.decide_all(&checks_of(&scopes), lease).await.ok()?;
         Some((scopes, decisions, &insurance.store, None))
     }
 

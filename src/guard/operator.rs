@@ -202,7 +202,7 @@ impl Guard {
             .iter()
             .map(|(scope, limit)| Check { key: scope.key(), limiter: &limit.limiter, cost: 0, shadow: false })
             .collect();
-        let decisions = self.store.decide(&checks, new_lease()).await?;
+        let decisions = self.store.decide_all(&checks, new_lease()).await?;
         Ok(scopes.iter().zip(&decisions).map(|((scope, limit), d)| budget_status(&policy, scope, limit, d)).collect())
     }
 
@@ -279,8 +279,8 @@ impl Guard {
     async fn forgive(&self) {
         let Some(insurance) = &self.insurance else { return };
         insurance.refused.clear();
-        if let Some(redis) = self.store.redis_store()
-            && let Err(error) = redis.bump(FORGIVEN_KEY).await
+        if self.store.is_shared()
+            && let Err(error) = self.store.bump(FORGIVEN_KEY).await
         {
             tracing::warn!(%error, "could not tell the other instances about an operator's refund or reset");
         }
@@ -290,11 +290,11 @@ impl Guard {
     /// `Guard::forgive` bumps); returns the counter now. Asks the store only while refusals
     /// are remembered: otherwise there is nothing to forget.
     pub async fn hear_operators(&self, seen: u64) -> Result<u64, StoreError> {
-        let (Some(insurance), Some(redis)) = (&self.insurance, self.store.redis_store()) else { return Ok(seen) };
+        let Some(insurance) = self.insurance.as_ref().filter(|_| self.store.is_shared()) else { return Ok(seen) };
         if insurance.refused.is_empty() {
             return Ok(seen);
         }
-        let now = redis.counter(FORGIVEN_KEY).await?;
+        let now = self.store.counter(FORGIVEN_KEY).await?;
         if now != seen {
             insurance.refused.clear();
         }

@@ -17,7 +17,7 @@
 
 //!
 //! **Adding an algorithm** takes three files: its own `src/limit/<name>.rs` (the arithmetic, an
-//! [`Algorithm`]), its Lua twin `src/store/redis/<name>.lua`, and one line in [`registry!`] below.
+//! [`Algorithm`]), its Lua twin `src/store/redis/<name>.lua`, and one line in `registry!` below.
 //! Config parsing, `check-config`, the simulator, the admin API's schema and both stores read the
 //! registry; `tests/algorithms.rs` fails until the shared suite has a reference model for it.
 

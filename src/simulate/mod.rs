@@ -38,7 +38,7 @@ use crate::identity::{Caller, CallerIds, Identifier};
 use crate::limit::{self, ALGORITHMS, Limiter, period_of};
 use crate::mcp::tools::starts_job;
 use crate::metrics::Metrics;
-use crate::store::Store;
+use crate::store::MemoryStore;
 use shapes::Answer;
 pub use shapes::{SHAPES, Shape};
 
@@ -370,7 +370,7 @@ fn replay_all(replays: &[(Shape, &'static str, Replay<'_>)], budget: &Budget) ->
 /// A guard on its own memory store and `clock`: what the server builds, minus the transports.
 fn guard(config: &Config, clock: Arc<ManualClock>) -> Guard {
     let clock: SharedClock = clock;
-    Guard::new(Arc::new(Store::memory(clock.clone())), clock, config, Arc::new(Metrics::default()))
+    Guard::new(Arc::new(MemoryStore::on(clock.clone())), clock, config, Arc::new(Metrics::default()))
 }
 
 /// Each shape's draws depend on the seed and the shape alone, so every algorithm meets the same

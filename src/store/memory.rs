@@ -9,7 +9,7 @@
 //! A single-scope decision updates the entry in place. A multi-scope decision locks the shards
 //! it touches in index order (no deadlock), decides every scope on a copy, and writes back only
 //! if all admitted. Entries remember when they become indistinguishable from a fresh key;
-//! [`MemoryStore::sweep`] drops those and gives memory back, so memory is bounded by the
+//! [`MemoryStore::sweep_at`] drops those and gives memory back, so memory is bounded by the
 //! callers active within one refill time.
 
 use std::collections::HashMap;
@@ -19,9 +19,11 @@ use std::sync::{Mutex, MutexGuard};
 
 use xxhash_rust::xxh3::xxh3_128_with_seed;
 
-use crate::clock::Nanos;
+use std::time::Duration;
+
+use crate::clock::{Nanos, SharedClock, SystemClock};
 use crate::limit::{Decision, Limiter, LimiterState};
-use crate::store::Check;
+use crate::store::{Check, Lease, Store, StoreFuture, Verdict, ready};
 
 const SHARDS: usize = 64;
 
@@ -55,9 +57,10 @@ impl Hasher for FingerprintHasher {
 
 type Shard = HashMap<Fingerprint, Entry, BuildHasherDefault<FingerprintHasher>>;
 
-/// A sharded in-memory store.
-#[derive(Debug)]
+/// A sharded in-memory store, on the server's clock as a [`Store`]; its inherent methods take the
+/// instant explicitly (`decide_at`, `refund_at`…), for tests and benchmarks that walk time.
 pub struct MemoryStore {
+    clock: SharedClock,
     shards: Box<[Mutex<Shard>]>,
     seed: u64,
     /// Operator blocks: key → until when. Rare, so a plain map; `blocking` counts its entries so
@@ -72,6 +75,12 @@ impl Default for MemoryStore {
     }
 }
 
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore").field("keys", &self.len()).finish_non_exhaustive()
+    }
+}
+
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     // A panic while holding the lock cannot leave a half-written entry (entries are replaced
     // whole), so a poisoned shard is still consistent.
@@ -79,9 +88,15 @@ fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
 }
 
 impl MemoryStore {
-    /// An empty store.
+    /// An empty store on the system clock.
     pub fn new() -> Self {
+        Self::on(SystemClock::shared())
+    }
+
+    /// An empty store whose decisions as a [`Store`] take their time from `clock`.
+    pub fn on(clock: SharedClock) -> Self {
         Self {
+            clock,
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             seed: rand::random(),
             blocks: Mutex::new(HashMap::new()),
@@ -97,8 +112,8 @@ impl MemoryStore {
         ((fp >> 64) as usize) % SHARDS
     }
 
-    /// Decides all checks at once; see [`crate::store::Store::decide`].
-    pub fn decide(&self, checks: &[Check<'_>], now: Nanos) -> Vec<Decision> {
+    /// Decides all checks at once at `now`; see [`Store::decide`].
+    pub fn decide_at(&self, checks: &[Check<'_>], now: Nanos) -> Vec<Decision> {
         match checks {
             [check] => vec![self.decide_one(check, now)],
             _ => self.decide_many(checks, now),
@@ -162,8 +177,8 @@ impl MemoryStore {
         decisions
     }
 
-    /// Gives back in-flight slots; see [`crate::store::Store::release`].
-    pub fn release(&self, key: &str, limiter: &Limiter, cost: u64, now: Nanos) {
+    /// Gives back in-flight slots at `now`; see [`Store::release`].
+    pub fn release_at(&self, key: &str, limiter: &Limiter, cost: u64, now: Nanos) {
         let fp = self.fingerprint(key);
         let mut map = lock(&self.shards[Self::shard_of(fp)]);
         if let Some(entry) = map.get_mut(&fp) {
@@ -176,7 +191,7 @@ impl MemoryStore {
 
     /// Gives `units` back to the budget under `key` (an operator's refund), never beyond its
     /// capacity, and returns its level after it. A key never seen is full already.
-    pub fn refund(&self, key: &str, limiter: &Limiter, units: u64, now: Nanos) -> Decision {
+    pub fn refund_at(&self, key: &str, limiter: &Limiter, units: u64, now: Nanos) -> Decision {
         let fp = self.fingerprint(key);
         let mut map = lock(&self.shards[Self::shard_of(fp)]);
         let Some(entry) = map.get_mut(&fp) else { return limiter.acquire(&mut limiter.fresh(now), now, 0) };
@@ -187,7 +202,7 @@ impl MemoryStore {
 
     /// Forgets the state under each of `keys` (the next call finds a fresh budget); returns how
     /// many were there.
-    pub fn forget(&self, keys: &[&str]) -> u64 {
+    pub fn forget_keys(&self, keys: &[&str]) -> u64 {
         keys.iter()
             .filter(|key| {
                 let fp = self.fingerprint(key);
@@ -201,14 +216,14 @@ impl MemoryStore {
     }
 
     /// Sets the operator block `key` until `until`.
-    pub fn block(&self, key: &str, until: Nanos) {
+    pub fn block_until(&self, key: &str, until: Nanos) {
         let mut blocks = self.blocks();
         blocks.insert(key.to_owned(), until);
         self.blocking.store(blocks.len(), Ordering::Relaxed);
     }
 
     /// Lifts the block `key`; whether there was one in force at `now`.
-    pub fn unblock(&self, key: &str, now: Nanos) -> bool {
+    pub fn unblock_at(&self, key: &str, now: Nanos) -> bool {
         let mut blocks = self.blocks();
         let lifted = blocks.remove(key).is_some_and(|until| until > now);
         self.blocking.store(blocks.len(), Ordering::Relaxed);
@@ -229,7 +244,7 @@ impl MemoryStore {
 
     /// Drops every entry that has gone back to its fresh state by `now`, and returns the
     /// memory of shards that shrank a lot.
-    pub fn sweep(&self, now: Nanos) -> usize {
+    pub fn sweep_at(&self, now: Nanos) -> usize {
         let blocks = {
             let mut blocks = self.blocks();
             let before = blocks.len();
@@ -264,6 +279,50 @@ impl MemoryStore {
     }
 }
 
+impl Store for MemoryStore {
+    fn decide<'a>(&'a self, checks: &'a [Check<'a>], blocks: &'a [&'a str], _lease: Lease) -> StoreFuture<'a, Verdict> {
+        let now = self.clock.now();
+        ready(Ok(match self.blocked(blocks, now) {
+            Some((index, left)) => Verdict::Blocked { index, left },
+            None => Verdict::Decided(self.decide_at(checks, now)),
+        }))
+    }
+
+    fn refund<'a>(&'a self, key: &'a str, limiter: &'a Limiter, units: u64) -> StoreFuture<'a, Decision> {
+        ready(Ok(self.refund_at(key, limiter, units, self.clock.now())))
+    }
+
+    fn forget<'a>(&'a self, keys: &'a [&'a str]) -> StoreFuture<'a, u64> {
+        ready(Ok(self.forget_keys(keys)))
+    }
+
+    fn block<'a>(&'a self, key: &'a str, duration: Duration) -> StoreFuture<'a, ()> {
+        let nanos = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
+        self.block_until(key, self.clock.now().saturating_add(nanos));
+        ready(Ok(()))
+    }
+
+    fn unblock<'a>(&'a self, key: &'a str) -> StoreFuture<'a, bool> {
+        ready(Ok(self.unblock_at(key, self.clock.now())))
+    }
+
+    fn block_left<'a>(&'a self, key: &'a str) -> StoreFuture<'a, Option<Nanos>> {
+        ready(Ok(self.blocked(&[key], self.clock.now()).map(|(_, left)| left)))
+    }
+
+    fn release(self: std::sync::Arc<Self>, key: &str, limiter: &Limiter, cost: u64, _lease: Lease) {
+        self.release_at(key, limiter, cost, self.clock.now());
+    }
+
+    fn is_shared(&self) -> bool {
+        false
+    }
+
+    fn sweep(&self) -> usize {
+        self.sweep_at(self.clock.now())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -285,10 +344,10 @@ mod tests {
             Check { key: "caller:a", limiter: &roomy, cost: 5, shadow: false },
             Check { key: "tenant:t", limiter: &tight, cost: 5, shadow: false },
         ];
-        assert!(store.decide(&checks, 0).iter().all(|d| d.allowed));
-        let second = store.decide(&checks, 0);
+        assert!(store.decide_at(&checks, 0).iter().all(|d| d.allowed));
+        let second = store.decide_at(&checks, 0);
         assert!(second[0].allowed && !second[1].allowed);
-        let peek = store.decide(&[Check { key: "caller:a", limiter: &roomy, cost: 0, shadow: false }], 0);
+        let peek = store.decide_at(&[Check { key: "caller:a", limiter: &roomy, cost: 0, shadow: false }], 0);
         assert_eq!(peek[0].remaining, 95, "the refused call must not have charged the caller");
     }
 
@@ -300,20 +359,20 @@ mod tests {
             Check { key: "k", limiter: &l, cost: 6, shadow: false },
             Check { key: "k", limiter: &l, cost: 6, shadow: false },
         ];
-        let d = store.decide(&checks, 0);
+        let d = store.decide_at(&checks, 0);
         assert!(d[0].allowed && !d[1].allowed);
-        assert_eq!(store.decide(&[Check { key: "k", limiter: &l, cost: 0, shadow: false }], 0)[0].remaining, 10);
+        assert_eq!(store.decide_at(&[Check { key: "k", limiter: &l, cost: 0, shadow: false }], 0)[0].remaining, 10);
     }
 
     #[test]
     fn sweep_forgets_only_full_buckets() {
         let store = MemoryStore::new();
         let l = Limiter::TokenBucket(TokenBucket::new(10, 1.0));
-        store.decide(&[Check { key: "a", limiter: &l, cost: 1, shadow: false }], 0);
-        store.decide(&[Check { key: "b", limiter: &l, cost: 10, shadow: false }], 0);
-        assert_eq!(store.sweep(SEC), 1);
+        store.decide_at(&[Check { key: "a", limiter: &l, cost: 1, shadow: false }], 0);
+        store.decide_at(&[Check { key: "b", limiter: &l, cost: 10, shadow: false }], 0);
+        assert_eq!(store.sweep_at(SEC), 1);
         assert_eq!(store.len(), 1);
-        assert_eq!(store.sweep(10 * SEC), 1);
+        assert_eq!(store.sweep_at(10 * SEC), 1);
         assert!(store.is_empty());
     }
 
@@ -321,11 +380,11 @@ mod tests {
     fn released_slots_are_swept_once_idle() {
         let store = MemoryStore::new();
         let l = Limiter::Concurrency(Concurrency::new(2));
-        assert!(store.decide(&[Check { key: "c", limiter: &l, cost: 2, shadow: false }], 0)[0].allowed);
-        assert!(!store.decide(&[Check { key: "c", limiter: &l, cost: 1, shadow: false }], 0)[0].allowed);
-        assert_eq!(store.sweep(u64::MAX - 1), 0, "held slots are never swept");
-        store.release("c", &l, 2, 0);
-        assert_eq!(store.sweep(0), 1, "an idle slot entry is swept");
+        assert!(store.decide_at(&[Check { key: "c", limiter: &l, cost: 2, shadow: false }], 0)[0].allowed);
+        assert!(!store.decide_at(&[Check { key: "c", limiter: &l, cost: 1, shadow: false }], 0)[0].allowed);
+        assert_eq!(store.sweep_at(u64::MAX - 1), 0, "held slots are never swept");
+        store.release_at("c", &l, 2, 0);
+        assert_eq!(store.sweep_at(0), 1, "an idle slot entry is swept");
         assert!(store.is_empty());
     }
 }

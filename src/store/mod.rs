@@ -1,21 +1,28 @@
 //! Where limiter state lives.
 //!
-//! A store takes the [`Check`]s of one call — one per scope it must pass — and decides them
+//! A [`Store`] takes the [`Check`]s of one call — one per scope it must pass — and decides them
 //! **atomically**: either every scope admits the call and all are charged, or none is. The
 //! algorithms live in [`crate::limit`]; a store only keeps their state, keyed by scope: in this
-//! process's memory ([`memory`]), or in Redis, shared by every instance ([`redis`]), where each
-//! algorithm has a Lua twin and one call is one script.
+//! process's memory ([`MemoryStore`]), or in Redis, shared by every instance ([`RedisStore`]),
+//! where each algorithm has a Lua twin and one call is one script.
+//!
+//! A store shared by several instances also keeps what they must agree on beside the budgets,
+//! each behind a trait of its own, so the guard and the upstream name no concrete store: a
+//! caller's recent calls ([`LoopHistory`], for loop detection) and the published job book
+//! ([`JobMirror`]). A third backend implements these traits and nothing above changes.
 
 pub mod memory;
 pub mod redis;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
 
-use crate::clock::SharedClock;
+use crate::clock::Nanos;
 use crate::limit::{Decision, Limiter};
 pub use memory::MemoryStore;
-pub use redis::{HeldLease, Lease, RedisStore, Renewed, new_lease};
+pub use redis::{HeldLease, Lease, LoopAnswer, RedisStore, Renewed, new_lease};
 
 /// One scope a call must pass: the key its state is kept under, its limiter and the cost.
 #[derive(Debug, Clone, Copy)]
@@ -35,7 +42,8 @@ pub struct Check<'a> {
 /// before anything was decided or charged.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
-    /// Decided as [`Store::decide`] decides.
+    /// Decided: one decision per check, in order. Charges happened only if every enforced one
+    /// is `allowed`.
     Decided(Vec<Decision>),
     /// The block at `index` among those asked about holds for `left` more.
     Blocked {
@@ -46,7 +54,7 @@ pub enum Verdict {
     },
 }
 
-/// The shared store could not decide: unreachable, timed out, or it answered nonsense. The
+/// A shared store could not decide: unreachable, timed out, or it answered nonsense. The
 /// guard decides what that means for the call (fail open to the insurance limiter, or closed).
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -55,225 +63,135 @@ pub enum StoreError {
     Redis(#[from] redis::StoreError),
 }
 
+/// What a store's asynchronous operations return.
+pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+
+/// An answer already known, as a [`StoreFuture`].
+pub(crate) fn ready<'a, T: Send + 'a>(answer: Result<T, StoreError>) -> StoreFuture<'a, T> {
+    Box::pin(std::future::ready(answer))
+}
+
 /// The state store behind every budget.
 ///
 /// It owns time: a decision takes no `now` from its caller, because on a shared store only the
 /// store's clock means the same thing to every instance.
-#[derive(Debug)]
-pub enum Store {
-    /// Per-process state in a sharded map, swept when idle, on the server's clock.
-    Memory {
-        /// The map.
-        map: MemoryStore,
-        /// Its time.
-        clock: SharedClock,
-    },
-    /// State in Redis, shared by every instance, on Redis's clock.
-    Redis {
-        /// The connection and scripts.
-        redis: Arc<RedisStore>,
-        /// The in-flight leases this instance holds (key, lease) → (units, the key's cap),
-        /// renewed on a schedule by [`Store::renew_leases`] until given back.
-        held: Mutex<Held>,
-    },
-}
-
-impl Store {
-    /// An in-memory store on `clock`.
-    pub fn memory(clock: SharedClock) -> Self {
-        Store::Memory { map: MemoryStore::new(), clock }
-    }
-
-    /// A store in `redis`, shared by every instance connected to it.
-    pub fn redis(redis: RedisStore) -> Self {
-        Store::Redis { redis: Arc::new(redis), held: Mutex::new(HashMap::new()) }
-    }
-
-    fn held(held: &Mutex<Held>) -> std::sync::MutexGuard<'_, Held> {
-        held.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Decides `checks` atomically: one decision per check, in order. Charges happen only when
-    /// every decision is `allowed`; any in-flight slots are taken under `lease`, the id a
-    /// [`SlotGuard`] gives them back (and, on Redis, renews them) by.
-    pub async fn decide(&self, checks: &[Check<'_>], lease: Lease) -> Result<Vec<Decision>, StoreError> {
-        match self {
-            Store::Memory { map, clock } => Ok(map.decide(checks, clock.now())),
-            Store::Redis { redis, .. } => Ok(redis.decide_leased(checks, lease, None).await?),
-        }
-    }
-
-    /// [`Store::decide`], unless one of `blocks` (keys set by [`Store::block`]) holds: read in the
-    /// same step, so a block costs a shared store no extra round trip.
-    pub async fn decide_unless_blocked(
-        &self,
-        checks: &[Check<'_>],
-        blocks: &[&str],
-        lease: Lease,
-    ) -> Result<Verdict, StoreError> {
-        match self {
-            Store::Memory { map, clock } => {
-                let now = clock.now();
-                Ok(match map.blocked(blocks, now) {
-                    Some((index, left)) => Verdict::Blocked { index, left },
-                    None => Verdict::Decided(map.decide(checks, now)),
-                })
-            }
-            Store::Redis { redis, .. } => Ok(redis.decide_unless_blocked(checks, blocks, lease).await?),
-        }
-    }
+pub trait Store: Send + Sync + std::fmt::Debug {
+    /// Decides `checks` atomically, unless one of `blocks` (keys set by [`Store::block`]) holds —
+    /// read in the same step, so a block costs a shared store no extra round trip. Any
+    /// in-flight slots are taken under `lease`, the id a [`SlotGuard`] gives them back (and, on
+    /// a shared store, renews them) by.
+    fn decide<'a>(&'a self, checks: &'a [Check<'a>], blocks: &'a [&'a str], lease: Lease) -> StoreFuture<'a, Verdict>;
 
     /// Gives `units` back to the budget `limiter` keeps under `key`, never beyond its capacity;
     /// returns its level after it.
-    pub async fn refund(&self, key: &str, limiter: &Limiter, units: u64) -> Result<Decision, StoreError> {
-        match self {
-            Store::Memory { map, clock } => Ok(map.refund(key, limiter, units, clock.now())),
-            Store::Redis { redis, .. } => Ok(redis.refund(key, limiter, units, None).await?),
-        }
-    }
+    fn refund<'a>(&'a self, key: &'a str, limiter: &'a Limiter, units: u64) -> StoreFuture<'a, Decision>;
 
     /// Forgets the budgets under `keys` (on Redis they must share a hash tag): the next call
     /// finds them full. Returns how many had state.
-    pub async fn forget(&self, keys: &[&str]) -> Result<u64, StoreError> {
-        match self {
-            Store::Memory { map, .. } => Ok(map.forget(keys)),
-            Store::Redis { redis, .. } => Ok(redis.forget(keys).await?),
-        }
-    }
+    fn forget<'a>(&'a self, keys: &'a [&'a str]) -> StoreFuture<'a, u64>;
 
-    /// Sets the block `key` for `duration` (on Redis, for every instance).
-    pub async fn block(&self, key: &str, duration: std::time::Duration) -> Result<(), StoreError> {
-        match self {
-            Store::Memory { map, clock } => {
-                let nanos = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
-                map.block(key, clock.now().saturating_add(nanos));
-                Ok(())
-            }
-            Store::Redis { redis, .. } => Ok(redis.block(key, duration).await?),
-        }
-    }
+    /// Sets the block `key` for `duration` (on a shared store, for every instance).
+    fn block<'a>(&'a self, key: &'a str, duration: Duration) -> StoreFuture<'a, ()>;
 
     /// Lifts the block `key`; whether one was in force.
-    pub async fn unblock(&self, key: &str) -> Result<bool, StoreError> {
-        match self {
-            Store::Memory { map, clock } => Ok(map.unblock(key, clock.now())),
-            Store::Redis { redis, .. } => Ok(redis.forget(&[key]).await? > 0),
-        }
-    }
+    fn unblock<'a>(&'a self, key: &'a str) -> StoreFuture<'a, bool>;
 
     /// How long the block `key` still holds, if it does.
-    pub async fn block_left(&self, key: &str) -> Result<Option<crate::clock::Nanos>, StoreError> {
-        match self {
-            Store::Memory { map, clock } => Ok(map.blocked(&[key], clock.now()).map(|(_, left)| left)),
-            Store::Redis { redis, .. } => Ok(redis.block_left(key).await?),
-        }
-    }
-
-    /// Notes that this instance holds `units` slots on `key` (capped at `capacity`) under
-    /// `lease`, to renew them until they are given back (Redis only: memory slots cannot
-    /// outlive their process).
-    fn hold(&self, key: &str, lease: Lease, units: u64, capacity: u64) {
-        if let Store::Redis { held, .. } = self {
-            Self::held(held).insert((key.to_owned(), lease), (units, capacity));
-        }
-    }
+    fn block_left<'a>(&'a self, key: &'a str) -> StoreFuture<'a, Option<Nanos>>;
 
     /// Gives back in-flight slots taken by an admitted [`Check`] on a concurrency limiter. Called
-    /// from `Drop`, so it never waits: the memory store releases in place, Redis in a task of its
-    /// own (a release that cannot reach Redis is logged; the lease then runs out by itself).
-    pub fn release(&self, key: &str, limiter: &Limiter, cost: u64, lease: Lease) {
-        match self {
-            Store::Memory { map, clock } => map.release(key, limiter, cost, clock.now()),
-            Store::Redis { redis, held } => {
-                Self::held(held).remove(&(key.to_owned(), lease));
-                let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-                    tracing::warn!("in-flight slots were released outside the runtime: their lease will run out");
-                    return;
-                };
-                let (redis, key) = (redis.clone(), key.to_owned());
-                runtime.spawn(async move {
-                    if let Err(error) = redis.release(&key, lease).await {
-                        tracing::warn!(%error, "could not give in-flight slots back to Redis: their lease will run out");
-                    }
-                });
-            }
-        }
+    /// from `Drop`, so it never waits (a shared store gives them back in a task of its own; a
+    /// release that cannot reach it is logged, and the lease then runs out by itself).
+    fn release(self: Arc<Self>, key: &str, limiter: &Limiter, cost: u64, lease: Lease);
+
+    /// Notes that this instance holds `units` slots on `key` (capped at `capacity`) under
+    /// `lease`, to renew them until they are given back; nothing to do where slots cannot
+    /// outlive their process.
+    fn hold(&self, _key: &str, _lease: Lease, _units: u64, _capacity: u64) {}
+
+    /// Renews every lease this instance still holds; how often: [`Store::renew_every`].
+    fn renew_leases(&self) -> StoreFuture<'_, ()> {
+        ready(Ok(()))
     }
 
-    /// Renews every lease this instance still holds (Redis), in one round trip; how often to
-    /// call it: [`Store::renew_every`]. A lease that expired and no longer fits under its cap
-    /// (others took the slots while this instance could not reach Redis) is lost: it is no
-    /// longer renewed, and the work holding it runs uncounted until it ends.
-    pub async fn renew_leases(&self) -> Result<(), StoreError> {
-        let Store::Redis { redis, held } = self else { return Ok(()) };
-        let leases: Vec<(String, Lease, u64, u64)> =
-            Self::held(held).iter().map(|((key, lease), (units, cap))| (key.clone(), *lease, *units, *cap)).collect();
-        let borrowed: Vec<HeldLease<'_>> = leases
-            .iter()
-            .map(|(key, lease, units, capacity)| HeldLease { key, lease: *lease, units: *units, capacity: *capacity })
-            .collect();
-        let answers = redis.renew(&borrowed).await?;
-        let count = |what: Renewed| answers.iter().filter(|a| **a == what).count();
-        let (retaken, lost) = (count(Renewed::Retaken), count(Renewed::Lost));
-        if retaken > 0 {
-            tracing::warn!(
-                retaken,
-                "in-flight leases had expired (Redis unreachable for a whole lease) and were taken again"
-            );
-        }
-        if lost > 0 {
-            tracing::warn!(
-                lost,
-                "in-flight leases had expired and their caps are full (others took the slots meanwhile): no \
-                 longer counted, their jobs run on uncounted until they end"
-            );
-        }
-        let mut held = Self::held(held);
-        for (lease, answer) in borrowed.iter().zip(&answers) {
-            if matches!(answer, Renewed::Lost | Renewed::GivenBack) {
-                held.remove(&(lease.key.to_owned(), lease.lease));
-            }
-        }
-        Ok(())
+    /// How often leases must be renewed, or `None` for a store without leases.
+    fn renew_every(&self) -> Option<Duration> {
+        None
     }
 
-    /// How often leases must be renewed (a third of their duration), or `None` for a store
-    /// without leases.
-    pub fn renew_every(&self) -> Option<std::time::Duration> {
-        match self {
-            Store::Memory { .. } => None,
-            Store::Redis { redis, .. } => Some(redis.lease() / 3),
-        }
+    /// Adds one to the counter `key` every instance can read (an operator's news); the count
+    /// after it. A store no other instance shares has nobody to tell: 0.
+    fn bump<'a>(&'a self, _key: &'a str) -> StoreFuture<'a, u64> {
+        ready(Ok(0))
     }
 
-    /// The Redis behind a shared store.
-    pub fn redis_store(&self) -> Option<&Arc<RedisStore>> {
-        match self {
-            Store::Memory { .. } => None,
-            Store::Redis { redis, .. } => Some(redis),
-        }
+    /// The counter `key` as [`Store::bump`] left it.
+    fn counter<'a>(&'a self, _key: &'a str) -> StoreFuture<'a, u64> {
+        ready(Ok(0))
     }
 
     /// Whether other instances share this store's state (and it can therefore fail).
-    pub fn is_shared(&self) -> bool {
-        match self {
-            Store::Memory { .. } => false,
-            Store::Redis { .. } => true,
-        }
+    fn is_shared(&self) -> bool;
+
+    /// Forgets every key whose state is back to "as if never seen"; returns how many went (a
+    /// store whose keys expire by themselves has nothing to sweep).
+    fn sweep(&self) -> usize {
+        0
     }
 
-    /// Forgets every key whose state is back to "as if never seen"; returns how many went.
-    pub fn sweep(&self) -> usize {
-        match self {
-            Store::Memory { map, clock } => map.sweep(clock.now()),
-            // Every Redis key carries a TTL from its `forget_at`: Redis forgets by itself.
-            Store::Redis { .. } => 0,
+    /// Where every instance keeps each caller's recent calls, if this store is shared.
+    fn loop_history(self: Arc<Self>) -> Option<Arc<dyn LoopHistory>> {
+        None
+    }
+
+    /// Where the job book is published for every instance, if this store is shared.
+    fn job_mirror(self: Arc<Self>) -> Option<Arc<dyn JobMirror>> {
+        None
+    }
+}
+
+impl dyn Store {
+    /// [`Store::decide`] without blocks: the decisions, one per check.
+    pub async fn decide_all(&self, checks: &[Check<'_>], lease: Lease) -> Result<Vec<Decision>, StoreError> {
+        match self.decide(checks, &[], lease).await? {
+            Verdict::Decided(decisions) => Ok(decisions),
+            // Nothing was asked about: no block can hold.
+            Verdict::Blocked { .. } => Ok(Vec::new()),
         }
     }
 }
 
-/// The leases an instance holds: (key, lease) → (units, the key's cap).
-type Held = HashMap<(String, Lease), (u64, u64)>;
+/// Each caller's recent calls, kept where every instance sees them (the twin of
+/// [`crate::guard::loops::LoopDetector`]), so a stuck agent round-robined over instances is
+/// stopped on its `repeats`th identical call.
+pub trait LoopHistory: Send + Sync + std::fmt::Debug {
+    /// Checks a call (its `signature`) against the history under `key` and records it if it is
+    /// not a loop.
+    fn check<'a>(&'a self, key: &'a str, signature: u128, window: Nanos, repeats: u32) -> StoreFuture<'a, LoopAnswer>;
+
+    /// Takes back the call recorded as `seq` (a later step refused it).
+    fn forget<'a>(&'a self, key: &'a str, seq: u64, window: Nanos) -> StoreFuture<'a, ()>;
+}
+
+/// The job book as every instance sees it: a versioned record per job and a few shared sets
+/// (the jobs in flight, the cancel requests).
+pub trait JobMirror: Send + Sync + std::fmt::Debug {
+    /// Writes `value` as the record under `key` at `version`, kept `ttl`, unless the record there
+    /// is final or newer; whether it was written.
+    fn put_record<'a>(&'a self, key: &'a str, value: &'a str, version: u64, ttl: Duration) -> StoreFuture<'a, bool>;
+
+    /// The record under `key`, if it is still there.
+    fn get<'a>(&'a self, key: &'a str) -> StoreFuture<'a, Option<String>>;
+
+    /// Adds `member` to the set at `key`, kept `ttl` past its latest addition.
+    fn set_add<'a>(&'a self, key: &'a str, member: &'a str, ttl: Duration) -> StoreFuture<'a, ()>;
+
+    /// The members of the set at `key` (none when it is gone).
+    fn set_members<'a>(&'a self, key: &'a str) -> StoreFuture<'a, Vec<String>>;
+
+    /// Removes `members` from the set at `key`.
+    fn set_remove<'a>(&'a self, key: &'a str, members: &'a [String]) -> StoreFuture<'a, ()>;
+}
 
 /// In-flight slots held by an admitted call; dropping it gives them back.
 ///
@@ -282,7 +200,7 @@ type Held = HashMap<(String, Lease), (u64, u64)>;
 /// holding it is dropped).
 #[derive(Debug)]
 pub struct SlotGuard {
-    store: Arc<Store>,
+    store: Arc<dyn Store>,
     key: String,
     limiter: Limiter,
     cost: u64,
@@ -292,7 +210,7 @@ pub struct SlotGuard {
 impl SlotGuard {
     /// Takes ownership of slots already charged by [`Store::decide`] under `lease`; on a
     /// shared store they are renewed until this guard is dropped.
-    pub fn new(store: Arc<Store>, key: String, limiter: Limiter, cost: u64, lease: Lease) -> Self {
+    pub fn new(store: Arc<dyn Store>, key: String, limiter: Limiter, cost: u64, lease: Lease) -> Self {
         store.hold(&key, lease, cost, limiter.capacity());
         Self { store, key, limiter, cost, lease }
     }
@@ -300,6 +218,6 @@ impl SlotGuard {
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        self.store.release(&self.key, &self.limiter, self.cost, self.lease);
+        self.store.clone().release(&self.key, &self.limiter, self.cost, self.lease);
     }
 }

@@ -42,8 +42,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
 use crate::metrics::Metrics;
-use crate::store::RedisStore;
-use crate::store::redis::StoreError;
+use crate::store::JobMirror;
+use crate::store::StoreError;
 use crate::upstream::api::{NewPrediction, Prediction, PredictionKind, PredictionStatus};
 use crate::upstream::backoff::{Backoff, Retry, RetryBudget};
 use crate::upstream::queue::{AccountSlot, FairQueue, Flowing, Position, QueueFull, Reservation, Turn};
@@ -168,7 +168,7 @@ pub struct Jobs {
     book: Arc<Mutex<Book>>,
     stop: CancellationToken,
     /// Where snapshots of the book are published for the other instances.
-    shared: Option<Arc<RedisStore>>,
+    shared: Option<Arc<dyn JobMirror>>,
     /// The jobs whose snapshot Redis does not have yet.
     outbox: Arc<Outbox>,
 }
@@ -248,7 +248,7 @@ impl Outbox {
 
 /// The one writer of an instance's snapshots (see [`Jobs::published_in`]).
 struct Publisher {
-    redis: Arc<RedisStore>,
+    mirror: Arc<dyn JobMirror>,
     book: Arc<Mutex<Book>>,
     outbox: Arc<Outbox>,
     clock: SharedClock,
@@ -317,15 +317,15 @@ impl Publisher {
         match serde_json::to_string(&snapshot) {
             // Written, or Redis kept the one there (final, or newer): either way Redis has it right.
             Ok(value) => {
-                self.redis.put_record(&snapshot_key(id), &value, snapshot.version, keep()).await?;
+                self.mirror.put_record(&snapshot_key(id), &value, snapshot.version, keep()).await?;
             }
             Err(error) => tracing::warn!(%error, predict_id = id, "a job's snapshot cannot be written as JSON"),
         }
         if let Some(in_flight) = index {
             if in_flight {
-                self.redis.set_add(IN_FLIGHT_KEY, id, keep()).await?;
+                self.mirror.set_add(IN_FLIGHT_KEY, id, keep()).await?;
             } else {
-                self.redis.set_remove(IN_FLIGHT_KEY, &[id.to_owned()]).await?;
+                self.mirror.set_remove(IN_FLIGHT_KEY, &[id.to_owned()]).await?;
             }
             if let Some(job) = lock_book(&self.book).get_mut(id) {
                 job.indexed = in_flight;
@@ -384,14 +384,14 @@ impl Jobs {
     /// This book, published in `redis` for the other instances: starts its publisher, which
     /// runs until the book's stop token is cancelled. Call it once, inside a Tokio runtime
     /// (outside one the book stays this instance's own, and says so).
-    pub fn published_in(mut self, redis: Option<Arc<RedisStore>>) -> Self {
+    pub fn published_in(mut self, redis: Option<Arc<dyn JobMirror>>) -> Self {
         let Some(redis) = redis else { return self };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             tracing::warn!("no async runtime to publish jobs from: other instances will not see this one's jobs");
             return self;
         };
         let publisher = Publisher {
-            redis: redis.clone(),
+            mirror: redis.clone(),
             book: self.book.clone(),
             outbox: self.outbox.clone(),
             clock: self.clock.clone(),
@@ -795,7 +795,7 @@ impl Jobs {
     /// [`CANCEL_CONFIRM`]) for it to publish the job final.
     async fn ask_owner_to_cancel(&self, owner: &str, id: &str) -> Result<Option<JobView>, UpstreamError> {
         let unreachable =
-            |e: crate::store::redis::StoreError| UpstreamError::Unavailable(format!("cannot ask for the cancel: {e}"));
+            |e: crate::store::StoreError| UpstreamError::Unavailable(format!("cannot ask for the cancel: {e}"));
         let Some(redis) = &self.shared else { return Ok(None) };
         redis.set_add(CANCEL_REQUESTS_KEY, id, Duration::from_nanos(KEEP_FOR)).await.map_err(unreachable)?;
         let asked = std::time::Instant::now();
@@ -822,7 +822,7 @@ impl Jobs {
     /// Cancels the jobs of this instance that another instance was asked to cancel (see
     /// `Jobs::cancel_elsewhere`): one read of the requests while this instance has jobs not yet
     /// final; the requests it answered are removed, the others left for their instances.
-    pub async fn answer_cancel_requests(&self) -> Result<usize, crate::store::redis::StoreError> {
+    pub async fn answer_cancel_requests(&self) -> Result<usize, crate::store::StoreError> {
         let Some(redis) = &self.shared else { return Ok(0) };
         if self.in_flight() == 0 {
             return Ok(0);

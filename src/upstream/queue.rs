@@ -59,7 +59,7 @@ const ACCOUNT_RETRY: Nanos = NANOS_PER_SEC;
 
 /// The account, its unverified share and the video gap in a shared store.
 struct Shared {
-    store: Arc<Store>,
+    store: Arc<dyn Store>,
     account: Limiter,
     unverified: Limiter,
     gap: Option<Limiter>,
@@ -430,7 +430,7 @@ impl FairQueue {
 
     /// This queue with the account's cap and the video spacing claimed in `store` when it is
     /// shared by several instances.
-    pub fn shared_in(mut self, store: Arc<Store>) -> Self {
+    pub fn shared_in(mut self, store: Arc<dyn Store>) -> Self {
         if store.is_shared() {
             let account = Limiter::Concurrency(Concurrency::new(self.rules.max_in_flight as u64));
             let unverified = Limiter::Concurrency(Concurrency::new(self.rules.unverified_slots.max(1) as u64));
@@ -457,7 +457,7 @@ impl FairQueue {
             blockers.push(Blocker::Gap);
         }
         let lease = new_lease();
-        match shared.store.decide(&checks, lease).await {
+        match shared.store.decide_all(&checks, lease).await {
             Ok(decisions) if decisions.iter().all(|d| d.allowed) => {
                 let lease_of = |key: &str, limiter: &Limiter| {
                     SlotGuard::new(shared.store.clone(), key.to_owned(), limiter.clone(), 1, lease)

@@ -1,5 +1,5 @@
 -- decide.lua: the entry point that decides every check of one call atomically, as
--- MemoryStore::decide does: each check is decided on the state read (or staged by an earlier
+-- MemoryStore::decide_at does: each check is decided on the state read (or staged by an earlier
 -- check on the same key), and only if ALL are allowed is every charged state written back,
 -- with a TTL at the moment it is as good as fresh. Otherwise nothing is written.
 --
