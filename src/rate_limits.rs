@@ -152,7 +152,12 @@ impl RateLimits {
             }
         };
         let metrics = Arc::new(Metrics::new(&tools));
-        let guard = Arc::new(Guard::new(store, clock.clone(), config, metrics.clone()));
+        let shared = store.is_shared();
+        let mut guard = Guard::new(store, clock.clone(), config, metrics.clone());
+        if shared {
+            guard = guard.insured_by(Arc::new(MemoryStore::on(clock.clone())), config);
+        }
+        let guard = Arc::new(guard);
         let stop = CancellationToken::new();
         tokio::spawn(sweep_forever(guard.clone(), Duration::from_millis(config.store.sweep_interval_ms), stop.clone()));
         if let Some(every) = guard.store().renew_every() {

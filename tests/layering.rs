@@ -148,3 +148,31 @@ fn the_checks_see_an_upward_import_and_a_cycle() {
     edges.insert("state".to_owned(), BTreeSet::new());
     assert_eq!(find_cycle(&edges), None);
 }
+
+/// The layers above the stores talk to the `Store`, `LoopHistory` and `JobMirror` traits, never to
+/// a backend: a third backend implements the traits and nothing above changes. (The composition
+/// roots that pick a backend, `rate_limits` and `app`, are the exceptions.)
+#[test]
+fn the_guard_and_the_upstream_name_no_concrete_store() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    for layer in ["guard", "upstream", "mcp", "http", "admin", "dashboard"] {
+        rust_files(&src.join(layer), &mut files);
+    }
+    let mut found = Vec::new();
+    for file in &files {
+        let text = std::fs::read_to_string(file).expect("readable");
+        for (number, line) in text.lines().enumerate() {
+            let code = line.trim_start();
+            if code.starts_with("//") {
+                continue;
+            }
+            for backend in ["MemoryStore", "RedisStore"] {
+                if code.contains(backend) {
+                    found.push(format!("{}:{}: {}", file.display(), number + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(found.is_empty(), "a layer above the stores names a backend:\n{}", found.join("\n"));
+}

@@ -31,9 +31,7 @@ use crate::guard::refusals::RefusalMemory;
 use crate::identity::Caller;
 use crate::limit::{Decision, Limiter};
 use crate::metrics::{Layer, Metrics};
-use crate::store::{
-    Check, Lease, LoopAnswer, LoopHistory, MemoryStore, SlotGuard, Store, StoreError, Verdict, new_lease,
-};
+use crate::store::{Check, Lease, LoopAnswer, LoopHistory, SlotGuard, Store, StoreError, Verdict, new_lease};
 pub use policy::{MethodGroup, Policy, TierLimits};
 pub use refusal::{Refusal, RefusalCode};
 pub use scope::Scope;
@@ -441,16 +439,16 @@ struct Live {
 }
 
 impl Live {
-    fn new(config: &Config, shared: bool) -> Self {
+    fn new(config: &Config, insured: bool) -> Self {
         let policy = Policy::new(config);
-        let insurance = shared.then(|| policy.scaled(1.0 / config.store.expected_instances as f64));
+        let insurance = insured.then(|| policy.scaled(1.0 / config.store.expected_instances as f64));
         Self { enabled: config.limits.enabled, policy: Arc::new(policy), insurance }
     }
 }
 
 impl Guard {
-    /// A guard over `store` with the limits of `config`; over a shared store, with an insurance
-    /// limiter for when it cannot decide.
+    /// A guard over `store` with the limits of `config` (over a shared store, add the insurance
+    /// limiter for when it cannot decide with [`Guard::insured_by`]).
     pub fn new(store: Arc<dyn Store>, clock: SharedClock, config: &Config, metrics: Arc<Metrics>) -> Self {
         let detection = &config.loop_detection;
         let window = detection.window_ms.saturating_mul(crate::clock::NANOS_PER_MS);
@@ -460,21 +458,29 @@ impl Guard {
             repeats: detection.repeats,
             window,
         });
-        let insurance = store.is_shared().then(|| Insurance {
-            store: Arc::new(MemoryStore::on(clock.clone())),
-            shared_down: Breaker::new(1, STORE_PROBE_EVERY),
-            refused: RefusalMemory::default(),
-        });
         Self {
-            live: ArcSwap::from_pointee(Live::new(config, store.is_shared())),
+            live: ArcSwap::from_pointee(Live::new(config, false)),
             store,
             clock,
-            insurance,
+            insurance: None,
             store_up: AtomicBool::new(true),
             loops,
             metrics,
             activity: Activity::new(),
         }
+    }
+
+    /// This guard with an insurance limiter in `local` (a store of this process alone): while the
+    /// shared store cannot decide, it decides the tools that fail open, with every limit divided
+    /// by `store.expected_instances` of `config`.
+    pub fn insured_by(mut self, local: Arc<dyn Store>, config: &Config) -> Self {
+        self.insurance = Some(Insurance {
+            store: local,
+            shared_down: Breaker::new(1, STORE_PROBE_EVERY),
+            refused: RefusalMemory::default(),
+        });
+        self.live.store(Arc::new(Live::new(config, true)));
+        self
     }
 
     /// Whether limits are enforced at all (`limits.enabled`).
@@ -491,7 +497,7 @@ impl Guard {
     /// the state lives under scope keys that do not depend on the limits' numbers. Refusals the
     /// shared store made under the old limits are forgotten, so a looser limit applies at once.
     pub fn reload(&self, config: &Config) {
-        self.live.store(Arc::new(Live::new(config, self.store.is_shared())));
+        self.live.store(Arc::new(Live::new(config, self.insurance.is_some())));
         if let Some(insurance) = &self.insurance {
             insurance.refused.clear();
         }
