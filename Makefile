@@ -1,7 +1,7 @@
 # The two commands a new user needs: `make run` and `make test`.
 CARGO ?= cargo
 
-.PHONY: run test docs fuzz check fmt inspector build bench bench-redis load conformance burst cluster soak idle-abuse simulate chromium dashboard-screenshot
+.PHONY: run test docs fuzz check fmt inspector build bench bench-redis bench-compare load conformance burst cluster soak idle-abuse simulate chromium dashboard-screenshot
 
 ## Serve MCP on http://127.0.0.1:3000/mcp with the defaults (in-memory limits, embedded mock upstream).
 run:
@@ -55,6 +55,12 @@ bench-redis:
 ## wrk load test: limits off vs on, and the cost of a 429.
 load:
 	scripts/load.sh
+
+## This build against an older one through the same wrk load, back to back: limits off, generous,
+## tight and Redis, HEAD/BASE per scenario. BASE=<rev> [HEAD=<rev>, or . for the working tree].
+bench-compare:
+	@test -n "$(BASE)" || { echo "usage: make bench-compare BASE=<rev> [HEAD=<rev>, or . for the working tree]"; exit 2; }
+	scripts/bench-compare.sh $(BASE) $(HEAD)
 
 ## The official MCP conformance suite against a fresh server.
 conformance:

@@ -1,9 +1,13 @@
+# shellcheck shell=bash
 # Shared by the scripts in this folder: source it, don't run it.
 #   free_port                     a free loopback TCP port
 #   start_server LOG [CMD...] -- [ARGS...]
 #                                 builds nothing; starts "$BIN serve --listen 127.0.0.1:$PORT ARGS"
 #                                 (through CMD, e.g. `env K=V taskset -c 0`), waits for /health,
 #                                 sets SERVER_PID, and stops it on exit
+#   open_session URL TOKEN        an MCP session on URL (initialize, then notifications/initialized)
+#                                 as `Bearer TOKEN`; prints its Mcp-Session-Id
+#   cpu_ticks PID                 user + system CPU time PID has used, in CLK_TCK ticks (/proc)
 #   ensure_npm_tool PKG@VERSION BIN
 #                                 installs Node >= 22 (if needed) and PKG into .tools/node, once,
 #                                 and puts .tools/node/node_modules/.bin first on PATH
@@ -56,6 +60,20 @@ start_server() {
   cat "$log" >&2
   return 1
 }
+
+open_session() {
+  local headers sid
+  headers=$(curl -sS -D - -o /dev/null "$1" -H 'Content-Type: application/json' \
+    -H 'Accept: application/json, text/event-stream' -H "Authorization: Bearer $2" \
+    -d '{"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"load","version":"1"}}}')
+  sid=$(grep -i '^mcp-session-id:' <<<"$headers" | awk '{print $2}' | tr -d '\r')
+  curl -sS -o /dev/null "$1" -H 'Content-Type: application/json' -H 'Accept: application/json, text/event-stream' \
+    -H "Authorization: Bearer $2" -H "Mcp-Session-Id: $sid" -H 'MCP-Protocol-Version: 2025-11-25' \
+    -d '{"jsonrpc":"2.0","method":"notifications/initialized"}'
+  echo "$sid"
+}
+
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
 node_major() { node --version 2>/dev/null | sed -E 's/^v([0-9]+).*/\1/' || echo 0; }
 

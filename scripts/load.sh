@@ -29,22 +29,6 @@ SERVER_CPU=0
 WRK_CPU=$(( CORES > 1 ? 1 : 0 ))
 TICKS=$(getconf CLK_TCK)
 
-. scripts/lib.sh
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-
-open_session() { # url -> session id
-  local headers
-  headers=$(curl -sS -D - -o /dev/null "$1" -H 'Content-Type: application/json' \
-    -H 'Accept: application/json, text/event-stream' -H "Authorization: Bearer $TOKEN" \
-    -d '{"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"load","version":"1"}}}')
-  local sid
-  sid=$(grep -i '^mcp-session-id:' <<<"$headers" | awk '{print $2}' | tr -d '\r')
-  curl -sS -o /dev/null "$1" -H 'Content-Type: application/json' -H 'Accept: application/json, text/event-stream' \
-    -H "Authorization: Bearer $TOKEN" -H "Mcp-Session-Id: $sid" -H 'MCP-Protocol-Version: 2025-11-25' \
-    -d '{"jsonrpc":"2.0","method":"notifications/initialized"}'
-  echo "$sid"
-}
-
 # run NAME SCRIPT [KEY=VALUE env overrides for the server...]
 run() {
   local name=$1 script=$2; shift 2
@@ -57,7 +41,7 @@ run() {
   TOKEN=load-test
   for _ in $(seq 1 "$SESSIONS_PER_RUN"); do
     local sid
-    sid=$(open_session "$url")
+    sid=$(open_session "$url" "$TOKEN")
     [ -n "$sid" ] && sids="$sids${sids:+,}$sid"
   done
   # A short warm-up, then the measured run.
