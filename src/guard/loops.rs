@@ -21,12 +21,16 @@
 //! budget never counts as a repetition.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_128_with_seed;
 
 use crate::clock::Nanos;
+use crate::guard::ToolCall;
+use crate::guard::scope::{Scope, loop_owner};
+use crate::identity::Caller;
+use crate::store::{LoopAnswer, LoopHistory};
 
 /// The most signatures one caller can have stopped at once. Reaching it drops the stop that
 /// ends soonest: an agent looping on that many different calls inside one window is stopped
@@ -262,6 +266,72 @@ fn push_json_string(out: &mut String, s: &str) {
         }
     }
     out.push('"');
+}
+
+/// The seed of call signatures kept in a shared store: every instance must compute the same
+/// signature for the same call. (A known seed lets a caller craft two calls that collide; that
+/// only ever stops its own calls, since histories are per caller.)
+const SHARED_SIGNATURE_SEED: u64 = 0x6d63_702d_726c_6f6f;
+
+/// The loop stage of the guard: in this instance's memory, and over a shared store in its
+/// [`LoopHistory`], so that every instance sees one history per caller (the local detector
+/// decides while the shared one cannot).
+#[derive(Debug)]
+pub struct Loops {
+    local: LoopDetector,
+    shared: Option<Arc<dyn LoopHistory>>,
+    repeats: u32,
+    window: Nanos,
+}
+
+/// A recorded call, to take back if a later step refuses it.
+#[derive(Debug, Clone, Copy)]
+pub enum LoopMark {
+    /// In this instance's detector.
+    Local(Recorded),
+    /// In the shared history, as this sequence number.
+    Shared(u64),
+}
+
+impl Loops {
+    /// Loop detection with `repeats` identical calls in `window`, in `shared` too when given.
+    pub fn new(repeats: u32, window: Nanos, shared: Option<Arc<dyn LoopHistory>>) -> Self {
+        Self { local: LoopDetector::new(repeats, window), shared, repeats, window }
+    }
+
+    /// Records `call` by `caller` at `now`, or says it repeats a loop.
+    pub async fn check(&self, caller: &Caller, call: &ToolCall<'_>, now: Nanos) -> Result<LoopMark, Looping> {
+        if let Some(shared) = &self.shared {
+            let signature = signature(SHARED_SIGNATURE_SEED, call.tool, call.args);
+            let key = Scope::loops(caller);
+            match shared.check(key.key(), signature, self.window, self.repeats).await {
+                Ok(LoopAnswer::Recorded(seq)) => return Ok(LoopMark::Shared(seq)),
+                Ok(LoopAnswer::Looping { retry_after, oscillating }) => {
+                    return Err(Looping { retry_after, repeats: self.repeats, oscillating });
+                }
+                Err(error) => tracing::warn!(%error, "loop history unavailable in the shared store; checking locally"),
+            }
+        }
+        self.local.check(loop_owner(caller), call.tool, call.args, now).map(LoopMark::Local)
+    }
+
+    /// Takes back the call `mark` recorded (a later stage refused it: it does not count).
+    pub async fn forget(&self, caller: &Caller, mark: LoopMark) {
+        match (mark, &self.shared) {
+            (LoopMark::Local(recorded), _) => self.local.forget(loop_owner(caller), recorded),
+            (LoopMark::Shared(seq), Some(shared)) => {
+                if let Err(error) = shared.forget(Scope::loops(caller).key(), seq, self.window).await {
+                    tracing::warn!(%error, "could not take a call back from the shared loop history");
+                }
+            }
+            (LoopMark::Shared(_), None) => {}
+        }
+    }
+
+    /// Forgets idle histories of this instance; how many went.
+    pub fn sweep(&self, now: Nanos) -> usize {
+        self.local.sweep(now)
+    }
 }
 
 #[cfg(test)]

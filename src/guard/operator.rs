@@ -18,8 +18,10 @@
 
 use crate::clock::{Nanos, ceil_ms};
 use crate::config::Limit;
+use crate::guard::plan::{Planned, plan, status_scopes};
 use crate::guard::policy::MethodGroup;
-use crate::guard::{BudgetStatus, Guard, Planned, Refusal, Scope, budget_status, plan, status_scopes};
+use crate::guard::report::budget_status;
+use crate::guard::{BudgetStatus, Guard, Refusal, Scope};
 use crate::identity::Caller;
 use crate::metrics::Layer;
 use crate::store::{Check, StoreError, new_lease};
@@ -93,10 +95,14 @@ impl Target {
                 if caller.tenant().is_none() && caller.unverified_from().is_none() {
                     tool_budgets(policy, caller, &mut scopes);
                     if let Some(cap) = policy.spend_cap(None) {
-                        scopes.push((Scope::spend(caller), cap, 0));
+                        scopes.push(Planned { scope: Scope::spend(caller), limit: cap, cost: 0 });
                     }
                 }
-                scopes.push((Scope::in_flight_caller(caller), &policy.in_flight_caller, 0));
+                scopes.push(Planned {
+                    scope: Scope::in_flight_caller(caller),
+                    limit: &policy.in_flight_caller,
+                    cost: 0,
+                });
             }
             Target::Tenant(member) => {
                 if let (Some(scope), Some(tenant)) = (Scope::tenant(member), member.tenant()) {
@@ -104,12 +110,13 @@ impl Target {
                 }
                 tool_budgets(policy, member, &mut scopes);
                 if let Some(cap) = policy.spend_cap(member.tenant()) {
-                    scopes.push((Scope::spend(member), cap, 0));
+                    scopes.push(Planned { scope: Scope::spend(member), limit: cap, cost: 0 });
                 }
-                scopes.extend(Scope::in_flight_tenant(member).map(|scope| (scope, &policy.in_flight_tenant, 0)));
+                let in_flight = Scope::in_flight_tenant(member);
+                scopes.extend(in_flight.map(|scope| Planned { scope, limit: &policy.in_flight_tenant, cost: 0 }));
             }
         }
-        scopes.into_iter().map(|(scope, limit, _)| (scope, limit)).collect()
+        scopes.into_iter().map(|p| (p.scope, p.limit)).collect()
     }
 
     /// The block on this target.
@@ -173,16 +180,7 @@ impl Guard {
     pub(super) fn refuse_blocked(&self, caller: &Caller, tool: &str, scope: &str, left: Nanos) -> Refusal {
         let refusal = Refusal::blocked(tool, scope.to_owned(), left);
         self.metrics.decision(Layer::Tool, tool, false);
-        self.metrics.rejection(Layer::Tool, tool, refusal.code.as_str(), caller);
-        tracing::info!(
-            layer = "tool",
-            tool,
-            scope,
-            caller_bucket = caller.bucket(),
-            code = refusal.code.as_str(),
-            retry_after_ms = ceil_ms(left),
-            "refused: blocked by an operator"
-        );
+        self.report_refusal(caller, (Layer::Tool, tool), refusal.code.as_str(), (scope, left));
         refusal
     }
 
@@ -192,10 +190,9 @@ impl Guard {
     pub async fn budgets(&self, target: &Target) -> Result<Vec<BudgetStatus>, OperatorError> {
         let policy = self.policy();
         let scopes: Vec<(Scope, &Limit)> = match target {
-            Target::Caller(caller) => status_scopes(&policy, caller, caller.id() != "local")
-                .into_iter()
-                .map(|(scope, limit, _)| (scope, limit))
-                .collect(),
+            Target::Caller(caller) => {
+                status_scopes(&policy, caller, caller.id() != "local").into_iter().map(|p| (p.scope, p.limit)).collect()
+            }
             Target::Tenant(_) => target.own_scopes(&policy),
         };
         let checks: Vec<Check<'_>> = scopes

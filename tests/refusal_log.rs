@@ -1,0 +1,74 @@
+//! A refusal storm cannot cost the server its log: each caller bucket writes a burst of refusal
+//! lines, then about one a second, each saying how many it stands for (`left_out`), while
+//! `/metrics` counts every refusal exactly. Through an MCP client, on a manual clock.
+
+mod common;
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use common::*;
+use serde_json::json;
+
+#[derive(Clone, Default)]
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Capture {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Capture {
+    fn refused_lines(&self) -> Vec<String> {
+        let bytes = self.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        String::from_utf8_lossy(&bytes)
+            .lines()
+            .filter(|l| l.contains("mcp_ratelimit::guard: refused "))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+#[tokio::test]
+async fn a_refusal_storm_writes_a_few_lines_that_count_the_rest_and_the_metrics_count_every_one() {
+    let capture = Capture::default();
+    let writer = capture.clone();
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .init();
+    // The caller's budget: 40 tokens (the least every tool's cost and tier allow), no refill to
+    // speak of while the clock stands still.
+    let config = format!(
+        "[limits.caller]\nburst = 40\nrefill_per_sec = 1.0\n[limits.http]\nburst = 10000\n\
+         [limits.address_http]\nburst = 10000\n[limits.method.tools_call]\nburst = 10000\n{NO_LOOP_DETECTION}"
+    );
+    let server = TestServer::start(&config).await;
+    let client = server.client(Some("storm")).await;
+    let mut refused = 0;
+    for n in 0..240 {
+        if is_error(&call(&client, "list_articles", json!({ "query": format!("q{n}") })).await) {
+            refused += 1;
+        }
+    }
+    assert_eq!(refused, 200, "40 admitted, then every call refused (the clock stands still)");
+    let metrics = server.metrics().await;
+    assert_eq!(metric_sum(&metrics, "mcp_ratelimit_rejections_total"), 200.0, "the metrics count every one");
+    let lines = capture.refused_lines();
+    assert_eq!(lines.len(), 10, "a burst of ten lines for the caller's bucket:\n{}", lines.join("\n"));
+    // A second later one more line, standing for the 190 left out meanwhile.
+    server.advance_secs(1.0);
+    // The refill gave back one token: spend it, then be refused once more.
+    for n in 0..2 {
+        call(&client, "list_articles", json!({ "query": format!("again {n}") })).await;
+    }
+    let lines = capture.refused_lines();
+    assert_eq!(lines.len(), 11, "{}", lines.join("\n"));
+    assert!(lines[10].contains("left_out=190"), "{}", lines[10]);
+}
