@@ -169,7 +169,7 @@ const LOG_BURST: u64 = 10;
 const LOG_EVERY: Nanos = NANOS_PER_SEC;
 
 /// How many refusal log lines each of the 16 caller buckets may write: a burst of
-/// [`LOG_BURST`], then one a second (a GCRA per bucket, on the guard's clock, lock-free). What it
+/// ten, then one a second (a GCRA per bucket, on the guard's clock, lock-free). What it
 /// holds back is counted, and the next line says how many it stands for (`left_out`).
 #[derive(Debug, Default)]
 pub struct RefusalLog {
