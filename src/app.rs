@@ -220,38 +220,27 @@ impl Drop for App {
     }
 }
 
-/// Cancels this instance's jobs that an agent asked another instance to cancel. On the wall
-/// clock, like the leases: the request comes from another process.
+/// Cancels this instance's jobs that an agent asked another instance to cancel.
 async fn answer_cancel_requests_forever(state: Arc<AppState>, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(crate::upstream::jobs::CANCEL_REQUESTS_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tick.tick() => {
-                if let Err(error) = state.jobs.answer_cancel_requests().await {
-                    tracing::debug!(%error, "could not read the cancel requests");
-                }
-            }
+    crate::clock::every(crate::upstream::jobs::CANCEL_REQUESTS_EVERY, stop, || async {
+        if let Err(error) = state.jobs.answer_cancel_requests().await {
+            tracing::debug!(%error, "could not read the cancel requests");
         }
-    }
+    })
+    .await;
 }
 
+/// Forgets final jobs nobody asked about for long.
 async fn sweep_forever(state: Arc<AppState>, stop: CancellationToken) {
     let every = Duration::from_millis(state.config.store.sweep_interval_ms);
-    let mut every = tokio::time::interval(every.clamp(Duration::from_millis(1), crate::clock::LONGEST_WAIT));
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = every.tick() => {
-                let jobs = state.jobs.sweep();
-                if jobs > 0 {
-                    tracing::debug!(jobs, "swept forgotten jobs");
-                }
-            }
+    crate::clock::every(every, stop, || {
+        let jobs = state.jobs.sweep();
+        if jobs > 0 {
+            tracing::debug!(jobs, "swept forgotten jobs");
         }
-    }
+        std::future::ready(())
+    })
+    .await;
 }
 
 async fn metrics(State(app): State<Arc<AppState>>) -> impl axum::response::IntoResponse {

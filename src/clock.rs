@@ -149,6 +149,28 @@ pub fn ceil_secs(nanos: Nanos) -> u64 {
     nanos.div_ceil(NANOS_PER_SEC)
 }
 
+/// Runs `work` every `period` of wall-clock time (at most [`LONGEST_WAIT`], at least a
+/// millisecond), the first time at once, until `stop` is cancelled: the one loop behind every
+/// background chore (sweeps, lease renewals, reading other instances' news). A tick that comes
+/// while `work` still runs waits for it (ticks are delayed, never bunched).
+///
+/// On the wall clock, not a [`Clock`]: these chores keep pace with other processes (Redis's
+/// leases, other instances), which a test's manual clock does not move.
+pub async fn every<F, Fut>(period: Duration, stop: tokio_util::sync::CancellationToken, mut work: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let mut tick = tokio::time::interval(period.clamp(Duration::from_millis(1), LONGEST_WAIT));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => work().await,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -246,52 +246,35 @@ impl<S> tower::Layer<S> for HttpLayer {
 
 /// Forgets idle limiter state on a schedule, so memory stays bounded however many callers come.
 async fn sweep_forever(guard: Arc<Guard>, every: Duration, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(every.clamp(Duration::from_millis(1), crate::clock::LONGEST_WAIT));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            () = stop.cancelled() => return,
-            _ = tick.tick() => {
-                let keys = guard.sweep();
-                if keys > 0 {
-                    tracing::debug!(keys, "swept idle limiter state");
-                }
-            }
+    crate::clock::every(every, stop, || {
+        let keys = guard.sweep();
+        if keys > 0 {
+            tracing::debug!(keys, "swept idle limiter state");
         }
-    }
+        std::future::ready(())
+    })
+    .await;
 }
 
-/// Renews the in-flight leases this instance holds in a shared store. On the wall clock: the
-/// leases run out on Redis's clock, whatever the server's clock says.
+/// Renews the in-flight leases this instance holds in a shared store (at least every 10 ms).
 async fn renew_forever(guard: Arc<Guard>, every: Duration, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(every.clamp(Duration::from_millis(10), crate::clock::LONGEST_WAIT));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            () = stop.cancelled() => return,
-            _ = tick.tick() => {
-                if let Err(error) = guard.store().renew_leases().await {
-                    tracing::warn!(%error, "could not renew in-flight leases");
-                }
-            }
+    crate::clock::every(every.max(Duration::from_millis(10)), stop, || async {
+        if let Err(error) = guard.store().renew_leases().await {
+            tracing::warn!(%error, "could not renew in-flight leases");
         }
-    }
+    })
+    .await;
 }
 
 /// Forgets this instance's remembered refusals when an operator gave budget back through any
-/// instance's admin API (see `guard::operator`). On the wall clock: the news comes from another
-/// process.
+/// instance's admin API (see `guard::operator`).
 async fn hear_operators_forever(guard: Arc<Guard>, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(crate::guard::operator::HEAR_OPERATORS_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut seen = 0;
-    loop {
-        tokio::select! {
-            () = stop.cancelled() => return,
-            _ = tick.tick() => match guard.hear_operators(seen).await {
-                Ok(now) => seen = now,
-                Err(error) => tracing::debug!(%error, "could not read the operators' refunds and resets"),
-            },
+    let seen = std::sync::atomic::AtomicU64::new(0);
+    crate::clock::every(crate::guard::operator::HEAR_OPERATORS_EVERY, stop, || async {
+        match guard.hear_operators(seen.load(std::sync::atomic::Ordering::Relaxed)).await {
+            Ok(now) => seen.store(now, std::sync::atomic::Ordering::Relaxed),
+            Err(error) => tracing::debug!(%error, "could not read the operators' refunds and resets"),
         }
-    }
+    })
+    .await;
 }
