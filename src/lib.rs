@@ -13,7 +13,7 @@
 //!   validated, checked against the catalogue passed down), [`metrics`], [`activity`] (the last
 //!   ten minutes, for the dashboard), [`breaker`] and [`redact`] (what is never printed);
 //! - the library around it: [`rate_limits`] (the handle), [`http`] (tower layers) and the rmcp
-//!   glue in [`mcp::limited`] and [`mcp::refusal`];
+//!   glue in [`mcp::limited`] and [`mcp::results`];
 //! - this server: [`mcp::server`] and [`mcp::tools`] (seven tools over a paid API), [`upstream`]
 //!   (jobs, the fair queue, backoff), [`state`] (what every session shares), [`dashboard`], [`admin`],
 //!   [`reload`], [`simulate`] and [`mock_upstream`];

@@ -131,7 +131,7 @@ async fn data(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response 
             return response;
         }
     };
-    match serde_json::to_string(&Board::read(&app, &viewer)) {
+    match serde_json::to_string(&DashboardData::read(&app, &viewer)) {
         Ok(json) => guarded("application/json", json),
         Err(error) => {
             tracing::warn!(%error, "cannot encode the dashboard's data");
@@ -142,7 +142,7 @@ async fn data(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response 
 
 /// Everything the page shows, read at one instant of the server's clock.
 #[derive(Debug, Serialize)]
-struct Board {
+struct DashboardData {
     /// The server's clock, in milliseconds since it started.
     now_ms: u64,
     /// Whether limits are enforced at all (`limits.enabled`).
@@ -201,7 +201,7 @@ struct StoreNow {
     up: bool,
 }
 
-impl Board {
+impl DashboardData {
     fn read(app: &AppState, viewer: &Viewer) -> Self {
         let now = app.clock.now();
         let activity = app.limits.guard().activity();

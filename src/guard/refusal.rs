@@ -3,7 +3,7 @@
 //! A refusal is a sentence for the model, saying in whole seconds how long to wait, and the same
 //! facts as a JSON object for programs ([`Refusal::to_json`]). How it travels is the transport's
 //! business: the MCP layer makes it a tool result with `isError: true` (never a JSON-RPC error,
-//! so the text lands in the model's context; see `mcp::refusal`).
+//! so the text lands in the model's context; see `mcp::results`).
 
 use serde_json::{Map, Value, json};
 

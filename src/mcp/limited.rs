@@ -27,7 +27,7 @@ use rmcp::{ErrorData, RoleServer};
 
 use crate::guard::{Admission, Policy, ToolCall};
 use crate::identity::Caller;
-use crate::mcp::refusal;
+use crate::mcp::results;
 use crate::metrics::Layer;
 use crate::rate_limits::RateLimits;
 
@@ -73,7 +73,7 @@ impl<S: Send + Sync + 'static> LimitedRouter<S> {
         drop(admission);
         match result {
             Ok(CallToolResponse::Complete(done)) if !warnings.is_empty() && done.is_error != Some(true) => {
-                Ok(CallToolResponse::Complete(refusal::with_warnings(done, &warnings)))
+                Ok(CallToolResponse::Complete(results::with_warnings(done, &warnings)))
             }
             other => other,
         }
@@ -137,7 +137,7 @@ pub async fn admit(
         Ok(admission) => Ok(admission),
         Err(refused) => {
             guard.activity().refused(&caller, refused.seen(Layer::Tool, tool), limits.clock().now());
-            Err(refusal::tool_result(&refused))
+            Err(results::tool_result(&refused))
         }
     })
 }

@@ -1,7 +1,7 @@
 //! The MCP face of the server: the rmcp handler every transport serves, and the tools.
 
 pub mod limited;
-pub mod refusal;
+pub mod results;
 pub mod server;
 pub mod tools;
 

@@ -26,8 +26,8 @@ use rmcp::{ErrorData, RoleServer, ServerHandler, tool_handler};
 use crate::clock::NANOS_PER_MS;
 use crate::guard::{MethodGroup, Refusal, RefusalCode, ToolCall};
 use crate::identity::Caller;
-use crate::mcp::tools::{self, Handoff};
-use crate::mcp::{limited, refusal};
+use crate::mcp::tools::{self, TakeOnce};
+use crate::mcp::{limited, results};
 use crate::metrics::Layer;
 use crate::state::AppState;
 use crate::upstream::jobs::JobView;
@@ -77,7 +77,7 @@ impl McpServer {
         method: &str,
     ) -> Result<(), ErrorData> {
         let caller = self.caller_of(context)?;
-        self.app.limits.guard().admit_method(&caller, group, method).await.map_err(|r| refusal::method_error(&r))
+        self.app.limits.guard().admit_method(&caller, group, method).await.map_err(|r| results::method_error(&r))
     }
 }
 
@@ -184,7 +184,7 @@ impl ServerHandler for McpServer {
         let (admission, warnings) = match self.app.limits.guard().admit(&caller, &call).await {
             Ok(admission) => {
                 let warnings = admission.warnings().to_vec();
-                (Handoff::new(admission), warnings)
+                (TakeOnce::new(admission), warnings)
             }
             Err(refusal) if starts_job && refusal.code == RefusalCode::Busy => {
                 return Ok(self.refuse(&caller, &tool, self.explain_busy(&tool, refusal, &caller)));
@@ -197,7 +197,7 @@ impl ServerHandler for McpServer {
         // until the job is final; any other tool leaves it here, to be dropped when it returns.
         context.extensions.insert(admission.clone());
         if let Some(place) = place {
-            context.extensions.insert(Handoff::new(place));
+            context.extensions.insert(TakeOnce::new(place));
         }
         // rmcp signals a client's cancellation (or the session closing) through this token but
         // keeps polling the handler; racing it drops the tool's future at once, and with it any
@@ -211,7 +211,7 @@ impl ServerHandler for McpServer {
         drop(admission.take());
         // A refusal from the tool itself (the upstream's 429 or failure) is seen like the others.
         if let Ok(CallToolResponse::Complete(done)) = &result
-            && let Some(refusal) = refusal::refusal_in(done)
+            && let Some(refusal) = results::refusal_in(done)
         {
             self.seen_refused(&caller, &tool, &refusal);
         }
@@ -220,7 +220,7 @@ impl ServerHandler for McpServer {
                 self.as_task(&caller, &done)
             }
             Ok(CallToolResponse::Complete(done)) if !warnings.is_empty() && done.is_error != Some(true) => {
-                Ok(CallToolResponse::Complete(refusal::with_warnings(done, &warnings)))
+                Ok(CallToolResponse::Complete(results::with_warnings(done, &warnings)))
             }
             other => other,
         }
@@ -266,7 +266,7 @@ impl McpServer {
     /// The tool result of a refused call, recorded for the dashboard on its way out.
     fn refuse(&self, caller: &Caller, tool: &str, refusal: Refusal) -> CallToolResponse {
         self.seen_refused(caller, tool, &refusal);
-        refusal::tool_result(&refusal).into()
+        results::tool_result(&refusal).into()
     }
 
     fn task_ttl_ms(&self) -> u64 {

@@ -22,7 +22,7 @@ use crate::config::Catalogue;
 use crate::guard::{Admission, BudgetStatus, Refusal};
 use crate::identity::Caller;
 use crate::mcp::McpServer;
-use crate::mcp::refusal;
+use crate::mcp::results;
 use crate::upstream::UpstreamError;
 use crate::upstream::api::{NewArticle, NewPrediction, PredictionKind, PredictionStatus};
 use crate::upstream::jobs::{JobView, Owner};
@@ -47,18 +47,18 @@ fn needs_upstream(tool: &str) -> bool {
     matches!(tool, "list_articles" | "save_article" | "generate_image" | "generate_image_to_video")
 }
 
-/// Hands a value from `call_tool` to the tool body through rmcp's request extensions, which
+/// A value handed from `call_tool` to the tool body through rmcp's request extensions, which
 /// carry only `Clone` values: whoever takes it first owns it.
 #[derive(Debug)]
-pub(crate) struct Handoff<T>(Arc<Mutex<Option<T>>>);
+pub(crate) struct TakeOnce<T>(Arc<Mutex<Option<T>>>);
 
-impl<T> Clone for Handoff<T> {
+impl<T> Clone for TakeOnce<T> {
     fn clone(&self) -> Self {
         Self(self.0.clone())
     }
 }
 
-impl<T> Handoff<T> {
+impl<T> TakeOnce<T> {
     pub(crate) fn new(value: T) -> Self {
         Self(Arc::new(Mutex::new(Some(value))))
     }
@@ -363,7 +363,7 @@ fn upstream_refusal(tool: &str, error: UpstreamError) -> CallToolResult {
         UpstreamError::CircuitOpen { retry_after } => breaker_open(tool, retry_after),
     };
     tracing::warn!(tool, code = refusal.code.as_str(), "upstream refusal");
-    refusal::tool_result(&refusal)
+    results::tool_result(&refusal)
 }
 
 fn breaker_open(tool: &str, retry_after: Nanos) -> Refusal {
@@ -372,7 +372,7 @@ fn breaker_open(tool: &str, retry_after: Nanos) -> Refusal {
 
 /// Someone else's job, or none at all: the same answer, so a `predict_id` never leaks.
 fn unknown_prediction(tool: &str) -> CallToolResult {
-    refusal::tool_result(&Refusal::invalid_arguments(tool, "no prediction with that predict_id"))
+    results::tool_result(&Refusal::invalid_arguments(tool, "no prediction with that predict_id"))
 }
 
 /// Whole seconds to tell an agent to wait, never zero while something is pending.
@@ -501,8 +501,8 @@ impl McpServer {
         tool: &str,
         caller: &Caller,
         job: NewPrediction,
-        admission: &Handoff<Admission>,
-        place: &Handoff<Reservation>,
+        admission: &TakeOnce<Admission>,
+        place: &TakeOnce<Reservation>,
     ) -> Result<CallToolResult, ErrorData> {
         let place = place.take().ok_or_else(|| ErrorData::internal_error("a job ran without its queue place", None))?;
         let slots = Box::new(held(admission)?);
@@ -533,7 +533,7 @@ impl McpServer {
 }
 
 /// The admission (in-flight slots) a job tool hands to its job.
-fn held(admission: &Handoff<Admission>) -> Result<Admission, ErrorData> {
+fn held(admission: &TakeOnce<Admission>) -> Result<Admission, ErrorData> {
     admission.take().ok_or_else(|| ErrorData::internal_error("a job tool ran without its admission", None))
 }
 
@@ -582,8 +582,8 @@ impl McpServer {
         &self,
         Parameters(args): Parameters<GenerateImageArgs>,
         Extension(caller): Extension<Caller>,
-        Extension(admission): Extension<Handoff<Admission>>,
-        Extension(place): Extension<Handoff<Reservation>>,
+        Extension(admission): Extension<TakeOnce<Admission>>,
+        Extension(place): Extension<TakeOnce<Reservation>>,
     ) -> Result<CallToolResult, ErrorData> {
         let job = NewPrediction { kind: PredictionKind::Image, prompt: args.prompt, image_url: None };
         self.start_job("generate_image", &caller, job, &admission, &place).await
@@ -601,8 +601,8 @@ impl McpServer {
         &self,
         Parameters(args): Parameters<GenerateVideoArgs>,
         Extension(caller): Extension<Caller>,
-        Extension(admission): Extension<Handoff<Admission>>,
-        Extension(place): Extension<Handoff<Reservation>>,
+        Extension(admission): Extension<TakeOnce<Admission>>,
+        Extension(place): Extension<TakeOnce<Reservation>>,
     ) -> Result<CallToolResult, ErrorData> {
         let job = NewPrediction { kind: PredictionKind::Video, prompt: args.prompt, image_url: Some(args.image_url) };
         self.start_job("generate_image_to_video", &caller, job, &admission, &place).await
@@ -659,7 +659,7 @@ impl McpServer {
         let Some(budgets) =
             self.app.limits.guard().status(&caller, self.transport == crate::mcp::Transport::Http).await
         else {
-            return Ok(refusal::tool_result(&Refusal::limiter_unavailable("rate_limit_status", 1_000)));
+            return Ok(results::tool_result(&Refusal::limiter_unavailable("rate_limit_status", 1_000)));
         };
         let mut lines: Vec<String> = budgets
             .iter()
