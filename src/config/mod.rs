@@ -1,0 +1,330 @@
+//! Typed configuration: defaults, layering and validation.
+//!
+//! Layers, last wins: the documented defaults (`config.toml` at the repository root, compiled
+//! in), then the user's file, then `MCP_RL__SECTION__KEY` environment variables. Whatever the
+//! layers say is validated before the server starts; every error names the key to fix.
+//!
+//! Each section's types and checks live in a file of their own, beside each other:
+//!
+//! | section | file |
+//! | --- | --- |
+//! | `[limits]` (every scope's limits, the in-flight caps) | [`limits`] |
+//! | `[tools.NAME]` (costs, own budgets, fail open or closed) and the checks that every cost fits | [`tools`] |
+//! | `[auth]`, `[tiers]` | [`auth`] |
+//! | `[spend_caps]`, `[tenants.NAME]` | [`spend`] |
+//! | `[store]`, `[loop_detection]` | [`store`] |
+//! | `[server]`, `[admin]` | [`server`] |
+//! | `[upstream]`, `[mock_upstream]` | [`upstream`] |
+//!
+//! This file loads the layers and calls each section's `validate` in turn; `table.rs` prints the
+//! effective limits for `check-config`.
+
+pub mod auth;
+pub mod limits;
+pub mod server;
+pub mod spend;
+pub mod store;
+mod table;
+pub mod tools;
+pub mod upstream;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::Deserialize;
+
+pub use auth::{ApiKey, AuthConfig};
+pub use limits::{Limit, Limits, METHOD_GROUPS, Mode};
+pub use server::{AdminConfig, ServerConfig};
+pub use spend::{SpendCaps, TenantOverride};
+pub use store::{Backend, LoopDetectionConfig, StoreConfig};
+pub use tools::{Fail, ToolPolicy};
+pub use upstream::{MockUpstreamConfig, UpstreamConfig};
+
+/// The documented defaults, the base layer under every config.
+pub const DEFAULT_TOML: &str = include_str!("../../config.toml");
+
+/// The tools a server offers, as its limits must know them: each tool's name, and whether a call
+/// of it holds in-flight slots for as long as its admission lives (a job, until it is final).
+///
+/// The limits know no tools of their own: a server builds its catalogue from its tool router at
+/// start-up and passes it down, and a config is checked against it (`[tools.NAME]` must name a
+/// tool, and every tool needs a cost).
+///
+/// ```
+/// use mcp_ratelimit::config::Catalogue;
+///
+/// let tools = Catalogue::new().tool("search").job("render_video");
+/// assert!(tools.contains("search") && !tools.holds_slots("search"));
+/// assert!(tools.holds_slots("render_video"));
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Catalogue {
+    /// Tool name → whether its calls hold in-flight slots.
+    tools: BTreeMap<String, bool>,
+}
+
+impl Catalogue {
+    /// An empty catalogue.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// With a tool that answers and is done: its admission is released when the call returns.
+    pub fn tool(mut self, name: impl Into<String>) -> Self {
+        self.tools.insert(name.into(), false);
+        self
+    }
+
+    /// With a tool whose calls hold one slot of the caller's and the tenant's in-flight caps
+    /// (`limits.in_flight`) for as long as their admission lives.
+    pub fn job(mut self, name: impl Into<String>) -> Self {
+        self.tools.insert(name.into(), true);
+        self
+    }
+
+    /// The tools' names, in order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tools.keys().map(String::as_str)
+    }
+
+    /// Whether `name` is one of the tools.
+    pub fn contains(&self, name: &str) -> bool {
+        self.tools.contains_key(name)
+    }
+
+    /// Whether calls of `name` hold in-flight slots.
+    pub fn holds_slots(&self, name: &str) -> bool {
+        self.tools.get(name).copied().unwrap_or(false)
+    }
+
+    fn listed(&self) -> String {
+        if self.tools.is_empty() {
+            return "none".to_owned();
+        }
+        self.names().collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// A config that cannot be used, with the key at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A file could not be read or a value has the wrong type (the message names the key).
+    #[error("cannot load config: {0}")]
+    Load(#[from] config::ConfigError),
+    /// A value is well-typed but not acceptable.
+    #[error("invalid config: `{key}`: {message}")]
+    Invalid {
+        /// The dotted key, e.g. `limits.caller.burst`.
+        key: String,
+        /// What is wrong and what would be right.
+        message: String,
+    },
+}
+
+fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key: key.into(), message: message.into() }
+}
+
+/// The validated configuration the server runs on.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The HTTP transport.
+    pub server: ServerConfig,
+    /// API keys, tenants and whether a key is required.
+    pub auth: AuthConfig,
+    /// Tier name → factor applied to the per-caller budgets (`http`, `method`, `caller`).
+    pub tiers: BTreeMap<String, f64>,
+    /// The budgets of every scope, unscaled.
+    pub limits: Limits,
+    /// Daily spend caps per tenant.
+    pub spend_caps: SpendCaps,
+    /// Per-tenant budgets and caps instead of the defaults.
+    pub tenants: BTreeMap<String, TenantOverride>,
+    /// Each tool's cost and optional own budget; every tool has an entry.
+    pub tools: BTreeMap<String, ToolPolicy>,
+    /// The paid API behind the tools.
+    pub upstream: UpstreamConfig,
+    /// State housekeeping.
+    pub store: StoreConfig,
+    /// Stuck agents repeating the same call.
+    pub loop_detection: LoopDetectionConfig,
+    /// The mock paid API's knobs.
+    pub mock_upstream: MockUpstreamConfig,
+    /// The admin API's listener and key.
+    pub admin: AdminConfig,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    server: server::RawServer,
+    auth: auth::RawAuth,
+    tiers: BTreeMap<String, f64>,
+    limits: limits::RawLimits,
+    spend_caps: spend::RawSpendCaps,
+    #[serde(default)]
+    tenants: BTreeMap<String, spend::RawTenant>,
+    #[serde(default)]
+    tools: BTreeMap<String, tools::RawTool>,
+    upstream: UpstreamConfig,
+    store: StoreConfig,
+    loop_detection: LoopDetectionConfig,
+    mock_upstream: MockUpstreamConfig,
+    admin: server::RawAdmin,
+}
+
+impl Config {
+    /// Loads defaults, then `file` (required when given, else `./config.toml` if present),
+    /// then the environment, and validates the result against the server's `tools`.
+    pub fn load(file: Option<&Path>, tools: &Catalogue) -> Result<Self, ConfigError> {
+        let env = config::Environment::with_prefix("MCP_RL")
+            .prefix_separator("__")
+            .separator("__")
+            .try_parsing(true)
+            .list_separator(",")
+            .with_list_parse_key("server.allowed_hosts")
+            .with_list_parse_key("server.allowed_origins")
+            .with_list_parse_key("server.trusted_proxies");
+        Self::load_layers(file, Some(env), tools)
+    }
+
+    /// The defaults plus `toml`, without the environment (for tests and embedding), checked
+    /// against the server's `tools`.
+    ///
+    /// ```
+    /// use mcp_ratelimit::config::{Catalogue, Config};
+    ///
+    /// let tools = Catalogue::new().tool("search");
+    /// let config = Config::from_toml("[tools.search]\ncost = 2\n", &tools)?;
+    /// assert_eq!(config.tools["search"].cost, 2);
+    /// // A tool the server does not have is a mistake, named with the key to fix.
+    /// let typo = Config::from_toml("[tools.serach]\ncost = 2\n", &tools).unwrap_err();
+    /// assert!(typo.to_string().contains("tools.serach"));
+    /// # Ok::<(), mcp_ratelimit::config::ConfigError>(())
+    /// ```
+    pub fn from_toml(toml: &str, tools: &Catalogue) -> Result<Self, ConfigError> {
+        integer_too_large(toml)?;
+        Self::defaults_for(tools)?
+            .add_source(config::File::from_str(toml, config::FileFormat::Toml))
+            .build()?
+            .try_deserialize::<RawConfig>()?
+            .validate(tools)
+    }
+
+    /// The documented defaults alone.
+    pub fn defaults(tools: &Catalogue) -> Result<Self, ConfigError> {
+        Self::from_toml("", tools)
+    }
+
+    /// The documented defaults as the base layer, keeping only the `[tools]` entries of `tools`:
+    /// the defaults price the reference server's tools, which another server does not have.
+    fn defaults_for(tools: &Catalogue) -> Result<config::ConfigBuilder<config::builder::DefaultState>, ConfigError> {
+        let defaults = config::Config::builder()
+            .add_source(config::File::from_str(DEFAULT_TOML, config::FileFormat::Toml))
+            .build()?
+            .try_deserialize::<config::Map<String, config::Value>>()?;
+        let mut builder = config::Config::builder();
+        for (section, mut value) in defaults {
+            if section == "tools" {
+                let mut priced = value.into_table()?;
+                priced.retain(|name, _| tools.contains(name));
+                value = config::Value::from(priced);
+            }
+            builder = builder.set_default(section, value)?;
+        }
+        Ok(builder)
+    }
+
+    fn load_layers(
+        file: Option<&Path>,
+        env: Option<config::Environment>,
+        tools: &Catalogue,
+    ) -> Result<Self, ConfigError> {
+        let path = file.unwrap_or(Path::new("config.toml"));
+        if let Ok(text) = std::fs::read_to_string(path) {
+            integer_too_large(&text)?;
+        }
+        let mut builder = Self::defaults_for(tools)?;
+        builder = match file {
+            Some(path) => builder.add_source(config::File::from(path).format(config::FileFormat::Toml).required(true)),
+            None => builder.add_source(
+                config::File::from(Path::new("config.toml")).format(config::FileFormat::Toml).required(false),
+            ),
+        };
+        if let Some(env) = env {
+            builder = builder.add_source(env);
+        }
+        builder.build()?.try_deserialize::<RawConfig>()?.validate(tools)
+    }
+}
+
+impl RawConfig {
+    /// Every section checked, in the order a reader meets them; the first error names its key.
+    fn validate(self, catalogue: &Catalogue) -> Result<Config, ConfigError> {
+        auth::validate_tiers(&self.tiers)?;
+        let limits = self.limits.validate()?;
+        let tools = tools::validate_tools(self.tools, catalogue, &limits, &self.tiers)?;
+        let auth = self.auth.validate(&self.tiers)?;
+        let spend_caps = self.spend_caps.validate()?;
+        let tenants = spend::validate_tenants(self.tenants)?;
+        spend::caps_cover_costs(&spend_caps, &tenants, &tools)?;
+        let shared = (self.store.backend == Backend::Redis).then_some(self.store.expected_instances);
+        tools::costs_fit(&tools, &self.tiers, &limits, &tenants, &auth.keys, &spend_caps, shared)?;
+        let server = self.server.validate()?;
+        self.upstream.validate()?;
+        self.store.validate()?;
+        if self.store.backend == Backend::Redis {
+            store::spans_fit_redis(&limits, &tools, &tenants, &auth.keys, &self.tiers)?;
+        }
+        self.loop_detection.validate()?;
+        self.mock_upstream.validate()?;
+        let admin = self.admin.validate()?;
+        Ok(Config {
+            admin,
+            server,
+            auth,
+            tiers: self.tiers,
+            limits,
+            spend_caps,
+            tenants,
+            tools,
+            upstream: self.upstream,
+            store: self.store,
+            loop_detection: self.loop_detection,
+            mock_upstream: self.mock_upstream,
+        })
+    }
+}
+
+/// TOML integers are 64-bit signed, and the TOML reader stops at a larger one (a `u64` maximum,
+/// say) without naming its key: this finds it first and names it. Anything else unreadable is
+/// left to the reader's own message.
+fn integer_too_large(toml: &str) -> Result<(), ConfigError> {
+    fn walk(path: &str, value: &toml::de::DeValue<'_>) -> Option<(String, String)> {
+        match value {
+            toml::de::DeValue::Integer(n) if i64::from_str_radix(n.as_str(), n.radix()).is_err() => {
+                Some((path.to_owned(), n.as_str().to_owned()))
+            }
+            toml::de::DeValue::Table(table) => table.iter().find_map(|(key, value)| {
+                let key = key.get_ref();
+                walk(&if path.is_empty() { key.to_string() } else { format!("{path}.{key}") }, value.get_ref())
+            }),
+            toml::de::DeValue::Array(items) => {
+                items.iter().enumerate().find_map(|(i, item)| walk(&format!("{path}[{i}]"), item.get_ref()))
+            }
+            _ => None,
+        }
+    }
+    let Ok(document) = toml::de::DeTable::parse(toml) else { return Ok(()) };
+    match walk("", &toml::de::DeValue::Table(document.into_inner())) {
+        Some((key, number)) => Err(invalid(
+            key,
+            format!("{number} is larger than any number a config takes (TOML integers stop at {})", i64::MAX),
+        )),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,75 @@
+//! `check-config`'s table of the effective limits.
+
+use std::fmt::Write as _;
+
+use super::Config;
+use super::limits::Limit;
+
+impl Config {
+    /// The effective limits as a table for `check-config`.
+    pub fn limits_table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "{:<34} {:<15} parameters", "scope", "algorithm");
+        let limits = &self.limits;
+        let in_flight = [
+            Limit::enforced(limits.in_flight_caller.clone()),
+            Limit::enforced(limits.in_flight_tenant.clone()),
+            Limit::enforced(limits.in_flight_address.clone()),
+        ];
+        for (scope, list) in [
+            ("http (per caller, POST /mcp)", limits.http.as_slice()),
+            ("address_http (unverified, POST)", &limits.address_http),
+            ("method tools/list (per caller)", &limits.tools_list),
+            ("method tools/call (per caller)", &limits.tools_call),
+            ("method other (per caller)", &limits.other_methods),
+            ("caller (tool budget)", &limits.caller),
+            ("tenant (shared tool budget)", &limits.tenant),
+            ("address (unverified callers)", &limits.address),
+            ("in flight (jobs per caller)", &in_flight[..1]),
+            ("in flight (jobs per tenant)", &in_flight[1..2]),
+            ("in flight (jobs per address)", &in_flight[2..]),
+        ] {
+            for limit in list {
+                let shadow = if limit.enforced_mode() { "" } else { " (shadow)" };
+                let scope = format!("{scope}{}", limit.suffix);
+                let _ =
+                    writeln!(out, "{scope:<34} {:<15} {}{shadow}", limit.limiter.algorithm(), limit.limiter.describe());
+            }
+        }
+        if let Some(cap) = self.spend_caps.daily_units {
+            let _ =
+                writeln!(out, "{:<34} {:<15} {cap} cost units per UTC day", "spend cap (per tenant)", "fixed_window");
+        }
+        let _ = writeln!(out);
+        let tiers: Vec<String> = self.tiers.iter().map(|(t, f)| format!("{t} ×{f}")).collect();
+        let _ = writeln!(out, "tiers (scale per-caller scopes): {}", tiers.join(", "));
+        let _ = writeln!(
+            out,
+            "auth: {} configured key(s), key required: {}, anonymous tier: {}, caller ids: {}",
+            self.auth.keys.len(),
+            self.auth.required,
+            self.auth.anonymous_tier,
+            if self.auth.id_secret.is_some() { "keyed (auth.id_secret)" } else { "unkeyed SHA-256" }
+        );
+        let up = &self.upstream;
+        let _ = writeln!(
+            out,
+            "unverified callers (no configured key), all addresses together: {} of the account's {} slots, {} of \
+             its {} queue places; {} sessions per address",
+            up.unverified_slots(),
+            up.max_in_flight,
+            up.unverified_places(),
+            up.queue_max,
+            self.server.max_sessions_per_address
+        );
+        let _ = writeln!(out);
+        let _ = writeln!(out, "{:<34} {:<6} own budget (per tenant, address or caller; in calls)", "tool", "cost");
+        for (tool, policy) in &self.tools {
+            let budget: Vec<String> =
+                policy.budget.iter().map(|b| format!("{} {}", b.limiter.algorithm(), b.limiter.describe())).collect();
+            let budget = if budget.is_empty() { "-".to_owned() } else { budget.join(" + ") };
+            let _ = writeln!(out, "{tool:<34} {:<6} {budget}", policy.cost);
+        }
+        out
+    }
+}

@@ -1,0 +1,196 @@
+//! The config's own tests: every error names its key.
+use super::*;
+use crate::redact::Secret;
+
+/// The tools the documented defaults price: the reference server's catalogue, read from
+/// `config.toml` rather than imported from the MCP layer.
+fn reference() -> Catalogue {
+    let defaults = config::Config::builder()
+        .add_source(config::File::from_str(DEFAULT_TOML, config::FileFormat::Toml))
+        .build()
+        .expect("the defaults parse");
+    let tools = defaults.get_table("tools").expect("the defaults price tools");
+    tools.into_keys().fold(Catalogue::new(), Catalogue::tool)
+}
+
+impl Config {
+    fn from_toml_test(toml: &str) -> Result<Self, ConfigError> {
+        Self::from_toml(toml, &reference())
+    }
+}
+
+fn err(toml: &str) -> String {
+    match Config::from_toml_test(toml) {
+        Ok(_) => panic!("config should have been rejected:\n{toml}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn documented_defaults_load() {
+    let c = Config::from_toml_test("").expect("defaults are valid");
+    assert_eq!(c.limits.caller[0].limiter.capacity(), 60);
+    assert_eq!(c.tools["generate_image_to_video"].cost, 20);
+    assert_eq!(c.tools.len(), reference().names().count());
+    // Without those tools in the catalogue, their default prices are not loaded.
+    assert!(Config::defaults(&Catalogue::new().tool("search")).is_err(), "search has no cost");
+    let other = Config::from_toml("[tools.search]\ncost = 3\n", &Catalogue::new().tool("search"))
+        .expect("another server's catalogue");
+    assert_eq!(other.tools.keys().collect::<Vec<_>>(), ["search"]);
+}
+
+#[test]
+fn cost_larger_than_bucket_names_both_keys() {
+    let e = err("[tools.generate_image_to_video]\ncost = 100\n");
+    assert!(e.contains("tools.generate_image_to_video.cost") && e.contains("limits.caller.burst"), "{e}");
+}
+
+#[test]
+fn unknown_tool_unknown_algorithm_and_bad_rates_are_named() {
+    assert!(err("[tools.make_coffee]\ncost = 1\n").contains("tools.make_coffee"));
+    assert!(err("[limits.caller]\nalgorithm = \"magic\"\n").contains("limits.caller.algorithm"));
+    assert!(err("[limits.caller]\nrefill_per_sec = 0\n").contains("limits.caller.refill_per_sec"));
+    assert!(err("[limits.caller]\nrefill_per_sec = -1.5\n").contains("limits.caller.refill_per_sec"));
+    assert!(err("[limits.caller]\nburst = 0\n").contains("limits.caller.burst"));
+    assert!(err("[tools.save_article]\ncost = -2\n").contains("tools.save_article.cost"));
+    assert!(err("[upstream]\nurl = \"ftp://x\"\n").contains("upstream.url"));
+    assert!(err("[limits.in_flight]\ncaller = 0\n").contains("limits.in_flight.caller"));
+    assert!(err("[loop_detection]\nrepeats = 1\n").contains("loop_detection.repeats"));
+    assert!(err("[upstream]\nmax_attempts = 0\n").contains("upstream.max_attempts"));
+    assert!(err("[upstream]\nretry_budget_ratio = 1.5\n").contains("upstream.retry_budget_ratio"));
+}
+
+#[test]
+fn every_algorithm_can_be_selected_with_its_own_parameters() {
+    for (toml, name) in [
+        ("algorithm = \"gcra\"", "gcra"),
+        ("algorithm = \"fixed_window\"\nlimit = 100\nwindow_ms = 60000", "fixed_window"),
+        ("algorithm = \"sliding_log\"\nlimit = 100\nwindow_ms = 60000", "sliding_log"),
+        ("algorithm = \"sliding_window\"\nlimit = 100\nwindow_ms = 60000", "sliding_window"),
+        ("algorithm = \"leaky_bucket\"\nleak_per_sec = 2.0", "leaky_bucket"),
+        ("algorithm = \"concurrency\"\nmax_in_flight = 100", "concurrency"),
+    ] {
+        let c = Config::from_toml_test(&format!("[limits.caller]\n{toml}\n")).expect(name);
+        assert_eq!(c.limits.caller[0].limiter.algorithm(), name);
+    }
+}
+
+#[test]
+fn an_algorithm_without_its_parameters_names_the_missing_key() {
+    assert!(err("[limits.caller]\nalgorithm = \"fixed_window\"\nlimit = 10\n").contains("limits.caller.window_ms"));
+    assert!(err("[limits.caller]\nalgorithm = \"sliding_log\"\nwindow_ms = 10\n").contains("limits.caller.limit"));
+    assert!(err("[limits.caller]\nalgorithm = \"concurrency\"\n").contains("limits.caller.max_in_flight"));
+    assert!(err("[limits.caller]\nalgorithm = \"fixed_window\"\nlimit = 10\nwindow_ms = 0\n").contains("window_ms"));
+}
+
+#[test]
+fn a_short_admin_key_is_refused_and_no_key_keeps_the_admin_api_off() {
+    let e = err("[admin]\nkey = \"short\"\n");
+    assert!(e.contains("admin.key") && !e.contains("short"), "{e}");
+    assert!(Config::from_toml_test("").expect("defaults").admin.key_sha256.is_none());
+    let on = Config::from_toml_test("[admin]\nkey = \"0123456789abcdef\"\n").expect("16 characters");
+    assert!(on.admin.key_sha256.is_some());
+    assert!(!format!("{on:?}").contains("0123456789abcdef"), "the key never shows in a Debug print");
+}
+
+#[test]
+fn the_raw_config_prints_no_secret_either() {
+    let toml = "[store]\nredis_url = \"redis://:redis-pw-hush@h:1,redis://:other-pw-hush@g:2\"\n\
+                [upstream]\nurl = \"https://u:upstream-pw-hush@api.example.com/\"\n\
+                [admin]\nkey = \"admin-key-hush-01234\"\n[auth]\nid_secret = \"id-secret-hush-01234\"\n\
+                [[auth.keys]]\nkey = \"plain-key-hush\"\n[[auth.keys]]\nsha256 = \"ab12cd34\"\n";
+    let raw = Config::defaults_for(&reference())
+        .expect("defaults")
+        .add_source(config::File::from_str(toml, config::FileFormat::Toml))
+        .build()
+        .expect("builds")
+        .try_deserialize::<RawConfig>()
+        .expect("a raw config");
+    for printed in [format!("{raw:?}"), format!("{raw:#?}")] {
+        assert!(!printed.contains("hush") && !printed.contains("ab12cd34"), "{printed}");
+        assert!(printed.contains("redis://***@h:1,redis://***@g:2") && printed.contains("RawKey"), "{printed}");
+    }
+}
+
+#[test]
+fn a_short_id_secret_is_refused_without_showing_it() {
+    let e = err("[auth]\nid_secret = \"too-short\"\n");
+    assert!(e.contains("auth.id_secret") && e.contains("16") && !e.contains("too-short"), "{e}");
+    assert!(Config::from_toml_test("[auth]\nid_secret = \"  \"\n").expect("blank").auth.id_secret.is_none());
+    let on = Config::from_toml_test("[auth]\nid_secret = \" 0123456789abcdef \"\n").expect("16 characters");
+    assert_eq!(on.auth.id_secret.as_ref().map(Secret::expose), Some("0123456789abcdef"), "trimmed");
+    assert!(on.limits_table().contains("caller ids: keyed (auth.id_secret)"), "{}", on.limits_table());
+    assert!(!format!("{on:?}{on:#?}").contains("0123456789abcdef"), "the secret never shows in a Debug print");
+}
+
+#[test]
+fn an_insurance_share_below_a_cost_names_the_instances_the_limit_and_the_tool() {
+    let redis = "[store]\nbackend = \"redis\"\nexpected_instances = 3\n";
+    // 60 × guest 0.5 = 30, a third of which (10) is below a video's 20, for a tool that fails open.
+    let open = "[tools.generate_image_to_video]\nfail = \"open\"\n";
+    let e = err(&format!("{redis}{open}"));
+    assert!(e.contains("`store.expected_instances`"), "{e}");
+    for part in ["1/3", "`limits.caller.burst` × `tiers.guest`", "30 → 10", "cost 20", "generate_image_to_video"] {
+        assert!(e.contains(part), "{part}: {e}");
+    }
+    assert!(e.contains("fail = \"closed\""), "says what to change: {e}");
+    // The same share for a tool that fails closed never decides it: accepted.
+    assert!(Config::from_toml_test(redis).is_ok());
+    // In memory there is no insurance limiter; with one instance its share is the whole.
+    assert!(Config::from_toml_test(open).is_ok());
+    assert!(Config::from_toml_test(&format!("{}{open}", redis.replace("= 3", "= 1"))).is_ok());
+    // Tenants' and keys' own budgets are shared out too, and checked as written.
+    let tenant = "[tenants.acme.budget]\nalgorithm = \"sliding_window\"\nlimit = 50\nwindow_ms = 60000\n";
+    let e = err(&format!("{redis}{open}{tenant}[limits.caller]\nburst = 600\n"));
+    assert!(e.contains("`tenants.acme.budget.limit` (50 → 17)"), "{e}");
+    let key =
+        "[[auth.keys]]\nkey = \"k\"\n[auth.keys.caller]\nalgorithm = \"gcra\"\nburst = 10\nrefill_per_sec = 1.0\n";
+    let e = err(key);
+    assert!(
+        e.contains("`tools.generate_image_to_video.cost`") && e.contains("`auth.keys[0].caller.burst` = 10"),
+        "{e}"
+    );
+}
+
+#[test]
+fn durations_past_a_day_are_refused_naming_the_key() {
+    for (toml, key) in [
+        ("[upstream]\ntimeout_ms = 86400001\n", "upstream.timeout_ms"),
+        ("[upstream]\ntimeout_ms = 9223372036854775807\n", "upstream.timeout_ms"),
+        ("[upstream]\nbreaker_cooldown_ms = 100000000\n", "upstream.breaker_cooldown_ms"),
+        ("[upstream]\njob_expiry_seconds = 604801\n", "upstream.job_expiry_seconds"),
+        ("[upstream]\nvideo_poll_seconds = 86401\n", "upstream.video_poll_seconds"),
+        ("[store]\nlease_ms = 86400001\n", "store.lease_ms"),
+        ("[store]\nsweep_interval_ms = 86400001\n", "store.sweep_interval_ms"),
+        ("[loop_detection]\nwindow_ms = 86400001\n", "loop_detection.window_ms"),
+        ("[mock_upstream]\nvideo_job_ms = 86400001\n", "mock_upstream.video_job_ms"),
+    ] {
+        let e = err(toml);
+        assert!(e.contains(&format!("`{key}`")), "{toml}: {e}");
+    }
+    let week = Config::from_toml_test("[upstream]\njob_expiry_seconds = 604800\ntimeout_ms = 86400000\n");
+    assert!(week.is_ok(), "a week's expiry and a day's timeout are the bounds themselves");
+}
+
+#[test]
+fn an_integer_too_large_for_toml_is_refused_naming_its_key() {
+    let e = err("[upstream]\ntimeout_ms = 18446744073709551615\n");
+    assert!(e.contains("`upstream.timeout_ms`") && e.contains("18446744073709551615"), "{e}");
+    let e = err("[[limits.caller]]\nalgorithm = \"token_bucket\"\nburst = 99999999999999999999\n");
+    assert!(e.contains("`limits.caller[0].burst`"), "{e}");
+}
+
+#[test]
+fn a_tier_that_stretches_a_bucket_past_what_redis_decides_exactly_is_named() {
+    // A burst of 1 stays 1 for guests (× 0.5, rounded, never below one) while its rate halves.
+    let e = err("[store]\nbackend = \"redis\"\n[limits.caller]\nburst = 1\nrefill_per_sec = 0.0000003\n\
+                 [tools.list_articles]\ncost = 1\n[tools.save_article]\ncost = 1\n[tools.generate_image]\ncost = 1\n\
+                 [tools.generate_image_to_video]\ncost = 1\n");
+    assert!(e.contains("`limits.caller`") && e.contains("tiers.guest"), "{e}");
+}
+
+#[test]
+fn typos_are_rejected_not_ignored() {
+    let e = err("[limits.caller]\nbrust = 10\n");
+    assert!(e.contains("brust"), "{e}");
+}

@@ -1,0 +1,208 @@
+//! `[tools.NAME]`: what each tool costs, its own budget, and whether it fails open or closed while
+//! a shared store cannot decide; and the checks that every cost can be paid from every budget it
+//! draws on, after tiers and insurance shares.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use super::auth::ApiKey;
+use super::limits::{DAY_MS, Limit, Limits, RawScope};
+use super::spend::{SpendCaps, TenantOverride};
+use super::{Catalogue, ConfigError, invalid};
+use crate::limit::{FixedWindow, Limiter};
+
+/// `[tools.NAME]`.
+#[derive(Debug, Clone)]
+pub struct ToolPolicy {
+    /// Units charged to the caller and tenant budgets per call.
+    pub cost: u64,
+    /// An own budget for this tool, per tenant (or per caller without one), counted in calls
+    /// (empty: none).
+    pub budget: Vec<Limit>,
+    /// What the tool does while the shared limiter store cannot decide.
+    pub fail: Fail,
+}
+
+/// What a tool does while the shared limiter store (Redis) cannot decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fail {
+    /// Decide with the in-memory insurance limiter (per-instance limits ÷ expected instances).
+    Open,
+    /// Refuse with `limiter_unavailable` and a wait.
+    Closed,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTool {
+    cost: i64,
+    budget: Option<RawScope>,
+    fail: Option<Fail>,
+}
+
+/// `[tools.*]`, checked against the server's `catalogue` (every tool there has a cost, and no
+/// other is priced) and against the budgets each cost is drawn from, under every tier.
+pub(super) fn validate_tools(
+    raw: BTreeMap<String, RawTool>,
+    catalogue: &Catalogue,
+    limits: &Limits,
+    tiers: &BTreeMap<String, f64>,
+) -> Result<BTreeMap<String, ToolPolicy>, ConfigError> {
+    let mut tools = BTreeMap::new();
+    for (tool, spec) in raw {
+        if !catalogue.contains(&tool) {
+            return Err(invalid(
+                format!("tools.{tool}"),
+                format!("unknown tool `{tool}`; the tools are {}", catalogue.listed()),
+            ));
+        }
+        let key = format!("tools.{tool}.cost");
+        let cost = u64::try_from(spec.cost)
+            .map_err(|_| invalid(&key, format!("a cost cannot be negative (got {})", spec.cost)))?;
+        cost_fits_the_scopes(&tool, cost, limits, tiers)?;
+        let budget = match spec.budget {
+            Some(budget) => budget.build(&format!("tools.{tool}.budget"))?,
+            None => Vec::new(),
+        };
+        // A tool that says nothing fails closed if it costs, open if it is free (config.toml
+        // says `open` for list_articles, a cheap read).
+        let fail = spec.fail.unwrap_or(if cost > 0 { Fail::Closed } else { Fail::Open });
+        tools.insert(tool, ToolPolicy { cost, budget, fail });
+    }
+    if let Some(missing) = catalogue.names().find(|t| !tools.contains_key(*t)) {
+        return Err(invalid(format!("tools.{missing}.cost"), "every tool needs a cost"));
+    }
+    Ok(tools)
+}
+
+/// `cost` of `tool` fits every enforced limit of the caller, tenant and address budgets, and of
+/// the caller's under each tier.
+fn cost_fits_the_scopes(
+    tool: &str,
+    cost: u64,
+    limits: &Limits,
+    tiers: &BTreeMap<String, f64>,
+) -> Result<(), ConfigError> {
+    let key = format!("tools.{tool}.cost");
+    let enforced = |limits: &[Limit]| -> Vec<Limiter> {
+        limits.iter().filter(|l| l.enforced_mode()).map(|l| l.limiter.clone()).collect()
+    };
+    let scopes = [
+        ("limits.caller", enforced(&limits.caller)),
+        ("limits.tenant", enforced(&limits.tenant)),
+        ("limits.address", enforced(&limits.address)),
+    ];
+    for (scope, limiter) in scopes.iter().flat_map(|(scope, limiters)| limiters.iter().map(move |l| (*scope, l))) {
+        if cost > limiter.capacity() {
+            return Err(invalid(
+                &key,
+                format!(
+                    "cost {cost} is larger than `{scope}.{}` = {}, so `{tool}` could never be called; lower the \
+                     cost or raise the {}",
+                    limiter.capacity_key(),
+                    limiter.capacity(),
+                    limiter.capacity_key()
+                ),
+            ));
+        }
+    }
+    for (tier, factor) in tiers {
+        for limiter in enforced(&limits.caller) {
+            let scaled = limiter.scaled(*factor).capacity();
+            if cost > scaled {
+                return Err(invalid(
+                    &key,
+                    format!(
+                        "cost {cost} is larger than `limits.caller.{}` × `tiers.{tier}` = {scaled}, so callers of \
+                         tier {tier} could never call `{tool}`",
+                        limiter.capacity_key()
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a config in which a paid tool's cost is larger than an enforced limit of a scope it
+/// draws on, as the guard scales them (`Policy::new`, `Policy::scaled`: capacities rounded,
+/// never below one): the tenants' and keys' own budgets as written, and over a shared store
+/// (`shared`: its expected instances), for a tool that fails open, the insurance limiter's share
+/// of 1/`store.expected_instances` of every one of them (`limits.caller` after each tier), and
+/// of the spend caps. Such a tool could never be called by that tenant or key, or on any
+/// instance while the store cannot decide. (The unscaled `limits.*`, their tiers and the caps
+/// are checked where they are read.)
+pub(super) fn costs_fit(
+    tools: &BTreeMap<String, ToolPolicy>,
+    tiers: &BTreeMap<String, f64>,
+    limits: &Limits,
+    tenants: &BTreeMap<String, TenantOverride>,
+    keys: &[ApiKey],
+    spend_caps: &SpendCaps,
+    shared: Option<u32>,
+) -> Result<(), ConfigError> {
+    // Every limit a cost is drawn from: the key of its capacity, the limiter, whether tiers scale it.
+    let mut drawn: Vec<(String, Limiter, bool)> = Vec::new();
+    let mut scope = |key: &str, list: &[Limit], tiered: bool| {
+        for (i, limit) in list.iter().enumerate().filter(|(_, l)| l.enforced_mode()) {
+            let at = if list.len() > 1 { format!("{key}[{i}]") } else { key.to_owned() };
+            drawn.push((format!("{at}.{}", limit.limiter.capacity_key()), limit.limiter.clone(), tiered));
+        }
+    };
+    scope("limits.caller", &limits.caller, true);
+    scope("limits.tenant", &limits.tenant, false);
+    scope("limits.address", &limits.address, false);
+    for (tenant, own) in tenants {
+        scope(&format!("tenants.{tenant}.budget"), own.budget.as_deref().unwrap_or_default(), false);
+    }
+    for (i, key) in keys.iter().enumerate() {
+        scope(&format!("auth.keys[{i}].caller"), key.caller.as_deref().unwrap_or_default(), false);
+    }
+    let cap = |units: u64| Limiter::FixedWindow(FixedWindow::new(units, DAY_MS * 1_000_000));
+    drawn.extend(spend_caps.daily_units.map(|units| ("spend_caps.daily_units".to_owned(), cap(units), false)));
+    for (tenant, own) in tenants {
+        if let Some(units) = own.daily_spend_units {
+            drawn.push((format!("tenants.{tenant}.daily_spend_units"), cap(units), false));
+        }
+    }
+
+    let untiered = [(None, 1.0)];
+    for (tool, policy) in tools.iter().filter(|(_, p)| p.cost > 0) {
+        let cost = policy.cost;
+        for (at, limiter, tiered) in &drawn {
+            let factors: Vec<(Option<&str>, f64)> =
+                if *tiered { tiers.iter().map(|(t, f)| (Some(t.as_str()), *f)).collect() } else { untiered.to_vec() };
+            for (tier, factor) in factors {
+                let scaled = limiter.scaled(factor);
+                let of = tier.map_or_else(|| format!("`{at}`"), |t| format!("`{at}` × `tiers.{t}`"));
+                if cost > scaled.capacity() {
+                    return Err(invalid(
+                        format!("tools.{tool}.cost"),
+                        format!(
+                            "cost {cost} is larger than {of} = {}, so `{tool}` could never be called there; lower \
+                             the cost or raise `{at}`",
+                            scaled.capacity()
+                        ),
+                    ));
+                }
+                let Some(instances) = shared.filter(|n| *n > 1 && policy.fail == Fail::Open) else { continue };
+                let share = scaled.scaled(1.0 / f64::from(instances)).capacity();
+                if cost > share {
+                    return Err(invalid(
+                        "store.expected_instances",
+                        format!(
+                            "with {instances} instances sharing the store, the insurance limiter gives each 1/{instances} \
+                             of {of} ({} → {share}), less than the cost {cost} of `{tool}`, which fails open: while \
+                             the store cannot decide, no instance could admit it. Lower `store.expected_instances` \
+                             or `tools.{tool}.cost`, raise `{at}`, or set `tools.{tool}.fail = \"closed\"`",
+                            scaled.capacity()
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,198 @@
+//! `[upstream]` and `[mock_upstream]`: the paid API behind the tools — its account's size and
+//! queue, the share unverified callers may hold, timeouts, retries and the breaker — and the
+//! mock that stands in for it.
+
+use std::net::SocketAddr;
+
+use serde::Deserialize;
+
+use super::limits::DAY_MS;
+use super::{ConfigError, invalid};
+
+/// The same in seconds.
+const DAY_SECONDS: u64 = 86_400;
+
+/// `[upstream]`.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    /// Base URL; empty means "start the embedded mock".
+    pub url: String,
+    /// Per-request timeout.
+    pub timeout_ms: u64,
+    /// Poll hint for image jobs.
+    pub image_poll_seconds: u64,
+    /// Poll hint for video jobs.
+    pub video_poll_seconds: u64,
+    /// Predictions the upstream account runs at once, for every caller together.
+    pub max_in_flight: usize,
+    /// Jobs that may wait for an account slot (or their video gap), all callers together.
+    pub queue_max: usize,
+    /// Least time between two video submissions to the upstream, across all callers.
+    pub video_min_gap_ms: u64,
+    /// Video jobs that may wait in the queue.
+    pub video_queue_max: usize,
+    /// Attempts of one server-owned upstream request (a queued submission, a background poll).
+    pub max_attempts: u32,
+    /// A Retry-After longer than this fails the job instead of parking it.
+    pub max_retry_after_ms: u64,
+    /// A job still pending this long after it was accepted is failed and its slot freed.
+    pub job_expiry_seconds: u64,
+    /// Consecutive upstream failures that open the circuit breaker.
+    pub breaker_failures: u32,
+    /// How long the breaker stays open before one probe may try.
+    pub breaker_cooldown_ms: u64,
+    /// Server-owned retries allowed, as a share of recent first attempts.
+    pub retry_budget_ratio: f64,
+    /// Retries allowed per window whatever the traffic, so a quiet server can still retry.
+    pub retry_budget_min_retries: u32,
+    /// The window the retry budget counts over.
+    pub retry_budget_window_ms: u64,
+    /// The share (0 to 1) of the account's slots (`max_in_flight`) and of the queue
+    /// (`queue_max`) that unverified callers of every address together may hold, so configured
+    /// tenants always find room.
+    pub unverified_share: f64,
+}
+
+impl UpstreamConfig {
+    /// The account's slots unverified callers may hold together: `max_in_flight` ×
+    /// `unverified_share`, rounded down.
+    pub fn unverified_slots(&self) -> usize {
+        share_of(self.max_in_flight, self.unverified_share)
+    }
+
+    /// The queue places unverified callers may hold together: `queue_max` × `unverified_share`,
+    /// rounded down.
+    pub fn unverified_places(&self) -> usize {
+        share_of(self.queue_max, self.unverified_share)
+    }
+}
+
+/// `share` (0 to 1) of `whole`, rounded down: a share never grants what it does not cover.
+fn share_of(whole: usize, share: f64) -> usize {
+    if share >= 1.0 { whole } else { (whole as f64 * share.max(0.0)).floor() as usize }
+}
+
+impl std::fmt::Debug for UpstreamConfig {
+    /// The URL without its password (`https://user:token@…` is how some APIs take a key); a new
+    /// field shows once it is listed here.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamConfig")
+            .field("url", &crate::redact::url(&self.url))
+            .field("timeout_ms", &self.timeout_ms)
+            .field("image_poll_seconds", &self.image_poll_seconds)
+            .field("video_poll_seconds", &self.video_poll_seconds)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("queue_max", &self.queue_max)
+            .field("video_min_gap_ms", &self.video_min_gap_ms)
+            .field("video_queue_max", &self.video_queue_max)
+            .field("max_attempts", &self.max_attempts)
+            .field("max_retry_after_ms", &self.max_retry_after_ms)
+            .field("job_expiry_seconds", &self.job_expiry_seconds)
+            .field("breaker_failures", &self.breaker_failures)
+            .field("breaker_cooldown_ms", &self.breaker_cooldown_ms)
+            .field("retry_budget_ratio", &self.retry_budget_ratio)
+            .field("retry_budget_min_retries", &self.retry_budget_min_retries)
+            .field("retry_budget_window_ms", &self.retry_budget_window_ms)
+            .finish()
+    }
+}
+
+/// `[mock_upstream]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MockUpstreamConfig {
+    /// Listen address of the `mock-upstream` command.
+    pub listen: SocketAddr,
+    /// Latency added to every response.
+    pub latency_ms: u64,
+    /// Fraction of requests answered 429.
+    pub rate_429: f64,
+    /// Retry-After of those 429s.
+    pub retry_after_seconds: u64,
+    /// Fraction of requests answered 503.
+    pub rate_5xx: f64,
+    /// Concurrent predictions before 429.
+    pub max_concurrent_predictions: usize,
+    /// Duration of an image job.
+    pub image_job_ms: u64,
+    /// Duration of a video job.
+    pub video_job_ms: u64,
+}
+
+/// A fraction from 0 to 1 at `key`.
+fn fraction(key: &str, value: f64) -> Result<(), ConfigError> {
+    if (0.0..=1.0).contains(&value) {
+        return Ok(());
+    }
+    Err(invalid(key, format!("must be a fraction between 0.0 and 1.0 (got {value})")))
+}
+
+impl UpstreamConfig {
+    /// The section, checked: a URL the client can call, every count and duration above zero,
+    /// every duration within a day (a week for a job's expiry), the shares fractions.
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if !self.url.is_empty() {
+            match reqwest::Url::parse(&self.url) {
+                Ok(u) if matches!(u.scheme(), "http" | "https") => {}
+                Ok(u) => return Err(invalid("upstream.url", format!("scheme `{}` is not http or https", u.scheme()))),
+                Err(e) => return Err(invalid("upstream.url", format!("not a URL: {e}"))),
+            }
+        }
+        for (key, value) in [
+            ("upstream.timeout_ms", self.timeout_ms),
+            ("upstream.image_poll_seconds", self.image_poll_seconds),
+            ("upstream.video_poll_seconds", self.video_poll_seconds),
+            ("upstream.max_in_flight", self.max_in_flight as u64),
+            ("upstream.queue_max", self.queue_max as u64),
+            ("upstream.video_queue_max", self.video_queue_max as u64),
+            ("upstream.max_attempts", u64::from(self.max_attempts)),
+            ("upstream.max_retry_after_ms", self.max_retry_after_ms),
+            ("upstream.job_expiry_seconds", self.job_expiry_seconds),
+            ("upstream.breaker_failures", u64::from(self.breaker_failures)),
+            ("upstream.breaker_cooldown_ms", self.breaker_cooldown_ms),
+            ("upstream.retry_budget_window_ms", self.retry_budget_window_ms),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be greater than zero"));
+            }
+        }
+        // Durations the server adds to the current instant (timers, deadlines, hints): a day at
+        // most (a week for a job's expiry), so no sum can leave the clock's range; longer would be
+        // a typo. config.toml names each bound.
+        for (key, value, most, what) in [
+            ("upstream.timeout_ms", self.timeout_ms, DAY_MS, "a day"),
+            ("upstream.image_poll_seconds", self.image_poll_seconds, DAY_SECONDS, "a day"),
+            ("upstream.video_poll_seconds", self.video_poll_seconds, DAY_SECONDS, "a day"),
+            ("upstream.video_min_gap_ms", self.video_min_gap_ms, DAY_MS, "a day"),
+            ("upstream.max_retry_after_ms", self.max_retry_after_ms, DAY_MS, "a day"),
+            ("upstream.job_expiry_seconds", self.job_expiry_seconds, 7 * DAY_SECONDS, "a week"),
+            ("upstream.breaker_cooldown_ms", self.breaker_cooldown_ms, DAY_MS, "a day"),
+            ("upstream.retry_budget_window_ms", self.retry_budget_window_ms, DAY_MS, "a day"),
+        ] {
+            if value > most {
+                return Err(invalid(key, format!("{value} is more than {what} ({most})")));
+            }
+        }
+        fraction("upstream.unverified_share", self.unverified_share)?;
+        fraction("upstream.retry_budget_ratio", self.retry_budget_ratio)
+    }
+}
+
+impl MockUpstreamConfig {
+    /// The section, checked: durations within a day, rates fractions.
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        for (key, value, most) in [
+            ("mock_upstream.latency_ms", self.latency_ms, DAY_MS),
+            ("mock_upstream.retry_after_seconds", self.retry_after_seconds, DAY_SECONDS),
+            ("mock_upstream.image_job_ms", self.image_job_ms, DAY_MS),
+            ("mock_upstream.video_job_ms", self.video_job_ms, DAY_MS),
+        ] {
+            if value > most {
+                return Err(invalid(key, format!("{value} is more than a day ({most})")));
+            }
+        }
+        fraction("mock_upstream.rate_429", self.rate_429)?;
+        fraction("mock_upstream.rate_5xx", self.rate_5xx)
+    }
+}
