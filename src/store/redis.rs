@@ -46,11 +46,11 @@
 //! by Redis and comes back as [`StoreError::CrossSlot`]. Renewing leases, the one call that
 //! gathers keys of many callers, is sent as one script per slot.
 //!
-//! **Connection.** To one Redis (`redis://`, or `rediss://` over TLS): one [`ConnectionManager`],
+//! **Connection.** To one Redis (`redis://`, or `rediss://` over TLS): one [`ConnectionManager`](::redis::aio::ConnectionManager),
 //! a single multiplexed, pipelined connection that every decision shares and that reconnects by
 //! itself. To a cluster (`redis+cluster://host1:port1,host2:port2` or `rediss+cluster://…`, or
 //! several `redis://`/`rediss://` URLs separated by commas, the seed nodes): one
-//! [`ClusterConnection`], which learns the slot map from the seeds, sends
+//! [`ClusterConnection`](::redis::cluster_async::ClusterConnection), which learns the slot map from the seeds, sends
 //! each script call to the primary holding its keys' slot and follows `MOVED` when slots move.
 //! The same [`Script`]s run on either; `SCRIPT LOAD` goes to every node, so a node that lost its
 //! script cache (restart, failover, `SCRIPT FLUSH`) gets it back on its next `NOSCRIPT`. Every
@@ -65,18 +65,12 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::time::Duration;
 
-use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use ::redis::cluster::ClusterClient;
-use ::redis::cluster_async::ClusterConnection;
 use ::redis::cluster_routing::Slot;
-use ::redis::{
-    Client, ErrorKind, FromRedisValue, RedisError, RedisResult, Script, ScriptInvocation, ServerErrorKind,
-    TlsCertificates,
-};
+use ::redis::{ErrorKind, RedisError, RedisResult, Script, ServerErrorKind, TlsCertificates};
 
 use crate::clock::Nanos;
 use crate::limit::{Decision, Limiter, Shape};
-use crate::store::{Check, JobMirror, LoopHistory, Store, StoreFuture, Verdict};
+use crate::store::{Check, Verdict};
 
 /// A script of the prelude, every registered algorithm's Lua twin (`redis/<name>.lua`, read at
 /// compile time: an algorithm without its twin does not build), then the entry point `entry`.
@@ -237,153 +231,10 @@ pub enum StoreError {
     OutOfRange(String),
 }
 
-/// Where the store's Redis is, as `store.redis_url` says.
-enum Target {
-    /// One server: its URL as given, its `host:port` for messages, and whether it is TLS.
-    Node { url: String, address: String, tls: bool },
-    /// A Redis Cluster: one `redis://` (or `rediss://`) URL per seed node, their `host:port`s
-    /// for messages, and whether they are TLS.
-    Cluster { nodes: Vec<String>, address: String, tls: bool },
-}
+mod connection;
+mod shared;
 
-impl Target {
-    /// Reads a URL of one of the forms [`StoreError::InvalidUrl`] lists; the error never shows a
-    /// password.
-    fn parse(url: &str) -> Result<Target, StoreError> {
-        let url = url.trim();
-        let cluster = [("redis+cluster://", "redis"), ("rediss+cluster://", "rediss")]
-            .into_iter()
-            .find_map(|(prefix, scheme)| url.strip_prefix(prefix).map(|rest| (rest, scheme)));
-        let nodes: Vec<String> = if let Some((rest, scheme)) = cluster {
-            // The password and the database apply to every node: `[user:pass@]h1:p1,h2:p2[/db]`.
-            let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-            let (userinfo, hosts) = authority.rsplit_once('@').map_or(("", authority), |(u, h)| (u, h));
-            let at = if userinfo.is_empty() { "" } else { "@" };
-            hosts.split(',').map(|host| format!("{scheme}://{userinfo}{at}{}/{path}", host.trim())).collect()
-        } else if url.contains(',') {
-            url.split(',').map(|node| node.trim().to_owned()).collect()
-        } else {
-            let address = node_address(url, SCHEMES)?;
-            return Ok(Target::Node { url: url.to_owned(), address, tls: url.starts_with("rediss://") });
-        };
-        let tls = nodes.first().is_some_and(|node| node.starts_with("rediss://"));
-        let mut addresses = Vec::with_capacity(nodes.len());
-        for node in &nodes {
-            addresses.push(node_address(node, SCHEMES)?);
-            if node.starts_with("rediss://") != tls {
-                return Err(StoreError::InvalidUrl(
-                    "some nodes are rediss:// and some redis://: a cluster's nodes are all TLS or none".into(),
-                ));
-            }
-            let db = reqwest::Url::parse(node).map(|u| u.path().trim_matches('/').to_owned()).unwrap_or_default();
-            if !(db.is_empty() || db == "0") {
-                return Err(StoreError::InvalidUrl(format!("database {db}: a Redis Cluster has only database 0")));
-            }
-        }
-        // What the cluster client itself checks: the nodes agree on password and protocol.
-        ClusterClient::new(nodes.clone()).map_err(|e| StoreError::InvalidUrl(e.to_string()))?;
-        Ok(Target::Cluster { nodes, address: format!("{} (cluster)", addresses.join(", ")), tls })
-    }
-
-    fn address(&self) -> &str {
-        match self {
-            Target::Node { address, .. } | Target::Cluster { address, .. } => address,
-        }
-    }
-
-    fn tls(&self) -> bool {
-        match self {
-            Target::Node { tls, .. } | Target::Cluster { tls, .. } => *tls,
-        }
-    }
-
-    /// Opens the connection, each attempt and each reply bounded by `timeout`; a TLS server is
-    /// verified against `certificates` (their root, or the system's trust store without one).
-    async fn connect(self, timeout: Duration, certificates: TlsCertificates) -> RedisResult<Connection> {
-        let custom_root = certificates.root_cert.is_some();
-        match self {
-            Target::Node { url, tls, .. } => {
-                // One retry: a request during an outage fails fast (the guard decides what a
-                // failed store means), and the next one starts a new reconnect.
-                // Reconnect attempts start at once (not after the default 100 ms), so a dead
-                // Redis is noticed, and a revived one found, within the store timeout.
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(timeout))
-                    .set_response_timeout(Some(timeout))
-                    .set_number_of_retries(1)
-                    .set_min_delay(Duration::from_millis(1))
-                    .set_max_delay(timeout);
-                let client =
-                    if tls && custom_root { Client::build_with_tls(url, certificates)? } else { Client::open(url)? };
-                Ok(Connection::Node(ConnectionManager::new_with_config(client, config).await?))
-            }
-            Target::Cluster { nodes, tls, .. } => {
-                // One retry is also what following a MOVED takes, after slots moved.
-                let mut builder =
-                    ClusterClient::builder(nodes).connection_timeout(timeout).response_timeout(timeout).retries(1);
-                if tls && custom_root {
-                    builder = builder.certs(certificates);
-                }
-                let client = builder.build()?;
-                Ok(Connection::Cluster(client.get_async_connection().await?))
-            }
-        }
-    }
-}
-
-/// The URL schemes of one node: plain, and TLS.
-const SCHEMES: &[&str] = &["redis", "rediss"];
-
-/// The `host:port` of one node's URL, once its scheme is one of `schemes`, it names a host and
-/// its port is a real one.
-fn node_address(url: &str, schemes: &[&str]) -> Result<String, StoreError> {
-    let invalid = |why: String| StoreError::InvalidUrl(format!("`{}`: {why}", crate::redact::url(url)));
-    let parsed = reqwest::Url::parse(url).map_err(|e| invalid(e.to_string()))?;
-    if !schemes.contains(&parsed.scheme()) {
-        let expected = schemes.iter().map(|s| format!("{s}://")).collect::<Vec<_>>().join(" or ");
-        return Err(invalid(format!("the scheme is {}://, not {expected}", parsed.scheme())));
-    }
-    let host = parsed.host_str().filter(|h| !h.is_empty()).ok_or_else(|| invalid("no host".into()))?;
-    match parsed.port().unwrap_or(6379) {
-        0 => Err(invalid("port 0".into())),
-        port => Ok(format!("{host}:{port}")),
-    }
-}
-
-/// The connection every call of a store shares.
-#[derive(Clone)]
-enum Connection {
-    /// One Redis, through one multiplexed connection that reconnects by itself.
-    Node(ConnectionManager),
-    /// A Redis Cluster: each call goes to the primary holding its keys' slot.
-    Cluster(ClusterConnection),
-}
-
-impl Connection {
-    /// Runs a script call (EVALSHA, loading the script where a node answers NOSCRIPT).
-    async fn invoke<T: FromRedisValue>(&self, invocation: &ScriptInvocation<'_>) -> RedisResult<T> {
-        match self.clone() {
-            Connection::Node(mut connection) => invocation.invoke_async(&mut connection).await,
-            Connection::Cluster(mut connection) => invocation.invoke_async(&mut connection).await,
-        }
-    }
-
-    /// Runs a plain command (routed by its key on a cluster).
-    async fn query<T: FromRedisValue>(&self, command: &::redis::Cmd) -> RedisResult<T> {
-        match self.clone() {
-            Connection::Node(mut connection) => command.query_async(&mut connection).await,
-            Connection::Cluster(mut connection) => command.query_async(&mut connection).await,
-        }
-    }
-
-    /// Loads a script (on every node of a cluster).
-    async fn load(&self, script: &Script) -> RedisResult<()> {
-        match self.clone() {
-            Connection::Node(mut connection) => script.load_async(&mut connection).await.map(drop),
-            Connection::Cluster(mut connection) => script.load_async(&mut connection).await.map(drop),
-        }
-    }
-}
+use connection::{Connection, Target};
 
 /// Limiter state shared by every server instance through one Redis or one Redis Cluster.
 pub struct RedisStore {
@@ -400,7 +251,7 @@ pub struct RedisStore {
     record: Script,
     lease: Duration,
     /// The in-flight leases this instance holds (key, lease) → (units, the key's cap), renewed on
-    /// a schedule ([`Store::renew_leases`]) until given back.
+    /// a schedule ([`Store::renew_leases`](crate::store::Store::renew_leases)) until given back.
     held: std::sync::Mutex<Held>,
 }
 
@@ -666,7 +517,7 @@ impl RedisStore {
 
     /// [`RedisStore::decide_leased`], unless one of `blocks` (keys an operator set with
     /// [`RedisStore::block`]) still exists: read in the same script, so a block costs no round
-    /// trip ([`Store::decide`]). The block keys must share the checks' hash tag.
+    /// trip ([`Store::decide`](crate::store::Store::decide)). The block keys must share the checks' hash tag.
     async fn run_unless_blocked(
         &self,
         checks: &[Check<'_>],
@@ -731,7 +582,7 @@ impl RedisStore {
         bounded(&self.address, self.timeout, self.connection.query(&command)).await
     }
 
-    /// Sets the operator block `key` for `duration`, which [`Store::decide`] honours on every
+    /// Sets the operator block `key` for `duration`, which [`Store::decide`](crate::store::Store::decide) honours on every
     /// instance.
     pub async fn block(&self, key: &str, duration: Duration) -> Result<(), StoreError> {
         self.put(key, "blocked", duration).await
@@ -828,154 +679,6 @@ fn classify(address: &str, timeout: Duration, e: RedisError) -> StoreError {
         StoreError::Unreachable { address, reason: e.to_string() }
     } else {
         StoreError::Script { address, reason: e.to_string() }
-    }
-}
-
-impl RedisStore {
-    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
-        // Entries are inserted and removed whole: a poisoned map is still consistent.
-        self.held.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Renews every lease this instance holds, in one round trip; see [`Store::renew_leases`].
-    async fn renew_held(&self) -> Result<(), StoreError> {
-        let leases: Vec<(String, Lease, u64, u64)> =
-            self.held().iter().map(|((key, lease), (units, cap))| (key.clone(), *lease, *units, *cap)).collect();
-        let borrowed: Vec<HeldLease<'_>> = leases
-            .iter()
-            .map(|(key, lease, units, capacity)| HeldLease { key, lease: *lease, units: *units, capacity: *capacity })
-            .collect();
-        let answers = self.renew(&borrowed).await?;
-        let count = |what: Renewed| answers.iter().filter(|a| **a == what).count();
-        let (retaken, lost) = (count(Renewed::Retaken), count(Renewed::Lost));
-        if retaken > 0 {
-            tracing::warn!(
-                retaken,
-                "in-flight leases had expired (Redis unreachable for a whole lease) and were taken again"
-            );
-        }
-        if lost > 0 {
-            tracing::warn!(
-                lost,
-                "in-flight leases had expired and their caps are full (others took the slots meanwhile): no \
-                 longer counted, their jobs run on uncounted until they end"
-            );
-        }
-        let mut held = self.held();
-        for (lease, answer) in borrowed.iter().zip(&answers) {
-            if matches!(answer, Renewed::Lost | Renewed::GivenBack) {
-                held.remove(&(lease.key.to_owned(), lease.lease));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// The shared store: every decision one script on Redis's clock, in-flight slots as leases this
-/// instance renews until it gives them back.
-impl Store for RedisStore {
-    fn decide<'a>(&'a self, checks: &'a [Check<'a>], blocks: &'a [&'a str], lease: Lease) -> StoreFuture<'a, Verdict> {
-        Box::pin(async move { Ok(self.run_unless_blocked(checks, blocks, None, lease).await?) })
-    }
-
-    fn refund<'a>(&'a self, key: &'a str, limiter: &'a Limiter, units: u64) -> StoreFuture<'a, Decision> {
-        Box::pin(async move { Ok(RedisStore::refund(self, key, limiter, units, None).await?) })
-    }
-
-    fn forget<'a>(&'a self, keys: &'a [&'a str]) -> StoreFuture<'a, u64> {
-        Box::pin(async move { Ok(RedisStore::forget(self, keys).await?) })
-    }
-
-    fn block<'a>(&'a self, key: &'a str, duration: Duration) -> StoreFuture<'a, ()> {
-        Box::pin(async move { Ok(RedisStore::block(self, key, duration).await?) })
-    }
-
-    fn unblock<'a>(&'a self, key: &'a str) -> StoreFuture<'a, bool> {
-        Box::pin(async move { Ok(RedisStore::forget(self, &[key]).await? > 0) })
-    }
-
-    fn block_left<'a>(&'a self, key: &'a str) -> StoreFuture<'a, Option<Nanos>> {
-        Box::pin(async move { Ok(RedisStore::block_left(self, key).await?) })
-    }
-
-    /// Gives the lease back in a task of its own (this is called from `Drop`); a release that
-    /// cannot reach Redis is logged, and the lease then runs out by itself.
-    fn release(self: std::sync::Arc<Self>, key: &str, _limiter: &Limiter, _cost: u64, lease: Lease) {
-        self.held().remove(&(key.to_owned(), lease));
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            tracing::warn!("in-flight slots were released outside the runtime: their lease will run out");
-            return;
-        };
-        let key = key.to_owned();
-        runtime.spawn(async move {
-            if let Err(error) = RedisStore::release(&self, &key, lease).await {
-                tracing::warn!(%error, "could not give in-flight slots back to Redis: their lease will run out");
-            }
-        });
-    }
-
-    fn hold(&self, key: &str, lease: Lease, units: u64, capacity: u64) {
-        self.held().insert((key.to_owned(), lease), (units, capacity));
-    }
-
-    fn renew_leases(&self) -> StoreFuture<'_, ()> {
-        Box::pin(async move { Ok(self.renew_held().await?) })
-    }
-
-    fn renew_every(&self) -> Option<Duration> {
-        Some(self.lease / 3)
-    }
-
-    fn bump<'a>(&'a self, key: &'a str) -> StoreFuture<'a, u64> {
-        Box::pin(async move { Ok(RedisStore::bump(self, key).await?) })
-    }
-
-    fn counter<'a>(&'a self, key: &'a str) -> StoreFuture<'a, u64> {
-        Box::pin(async move { Ok(RedisStore::counter(self, key).await?) })
-    }
-
-    fn is_shared(&self) -> bool {
-        true
-    }
-
-    fn loop_history(self: std::sync::Arc<Self>) -> Option<std::sync::Arc<dyn LoopHistory>> {
-        Some(self)
-    }
-
-    fn job_mirror(self: std::sync::Arc<Self>) -> Option<std::sync::Arc<dyn JobMirror>> {
-        Some(self)
-    }
-}
-
-impl LoopHistory for RedisStore {
-    fn check<'a>(&'a self, key: &'a str, signature: u128, window: Nanos, repeats: u32) -> StoreFuture<'a, LoopAnswer> {
-        Box::pin(async move { Ok(self.loop_check(key, signature, window, repeats, None).await?) })
-    }
-
-    fn forget<'a>(&'a self, key: &'a str, seq: u64, window: Nanos) -> StoreFuture<'a, ()> {
-        Box::pin(async move { Ok(self.loop_forget(key, seq, window).await?) })
-    }
-}
-
-impl JobMirror for RedisStore {
-    fn put_record<'a>(&'a self, key: &'a str, value: &'a str, version: u64, ttl: Duration) -> StoreFuture<'a, bool> {
-        Box::pin(async move { Ok(RedisStore::put_record(self, key, value, version, ttl).await?) })
-    }
-
-    fn get<'a>(&'a self, key: &'a str) -> StoreFuture<'a, Option<String>> {
-        Box::pin(async move { Ok(RedisStore::get(self, key).await?) })
-    }
-
-    fn set_add<'a>(&'a self, key: &'a str, member: &'a str, ttl: Duration) -> StoreFuture<'a, ()> {
-        Box::pin(async move { Ok(RedisStore::set_add(self, key, member, ttl).await?) })
-    }
-
-    fn set_members<'a>(&'a self, key: &'a str) -> StoreFuture<'a, Vec<String>> {
-        Box::pin(async move { Ok(RedisStore::set_members(self, key).await?) })
-    }
-
-    fn set_remove<'a>(&'a self, key: &'a str, members: &'a [String]) -> StoreFuture<'a, ()> {
-        Box::pin(async move { Ok(RedisStore::set_remove(self, key, members).await?) })
     }
 }
 

@@ -37,7 +37,6 @@
 //! a shared store the share is claimed in the same decision as the account slot, so it holds
 //! across instances too.
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::{Notify, oneshot};
@@ -47,6 +46,10 @@ use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
 use crate::limit::{Concurrency, Gcra, Limiter};
 use crate::store::{Check, SlotGuard, Store, new_lease};
 use crate::upstream::api::PredictionKind;
+
+mod round_robin;
+
+use round_robin::{State, Waiting};
 
 /// The keys the account's slots and the video gap are claimed under in a shared store (one
 /// hash tag: one slot, one decision).
@@ -121,204 +124,6 @@ impl QueueRules {
             unverified_slots: slots.min(self.max_in_flight),
             unverified_places: places.min(self.max_waiting),
             ..self
-        }
-    }
-}
-
-struct Waiting {
-    id: String,
-    kind: PredictionKind,
-    /// An unverified caller's job, held to the unverified share.
-    unverified: bool,
-    not_before: Nanos,
-    /// The flow it waits in, and that flow's quantum (set by `State::push`).
-    flow: String,
-    quantum: f64,
-    turn: oneshot::Sender<AccountSlot>,
-}
-
-#[derive(Default)]
-struct Flow {
-    quantum: f64,
-    deficit: f64,
-    jobs: VecDeque<Waiting>,
-}
-
-#[derive(Default)]
-struct State {
-    in_flight: usize,
-    /// Of `in_flight`, the slots unverified callers' jobs hold.
-    unverified_in_flight: usize,
-    next_video_at: Nanos,
-    /// Over a shared store: no job leaves before this (the account was full everywhere).
-    account_full_until: Nanos,
-    /// Over a shared store: no unverified job leaves before this (their share was taken).
-    unverified_full_until: Nanos,
-    flows: HashMap<String, Flow>,
-    /// Flows with waiting jobs, in round-robin order.
-    ring: VecDeque<String>,
-    reserved_images: usize,
-    reserved_videos: usize,
-    /// Of the reservations, those of unverified callers.
-    reserved_unverified: usize,
-}
-
-impl State {
-    fn waiting(&self, kind: Option<PredictionKind>) -> usize {
-        self.flows.values().flat_map(|f| &f.jobs).filter(|w| kind.is_none_or(|k| w.kind == k)).count()
-    }
-
-    /// Whether the unverified callers' share of the account is taken (here, or as the shared
-    /// store last said).
-    fn unverified_share_taken(&self, rules: &QueueRules, now: Nanos) -> bool {
-        self.unverified_in_flight >= rules.unverified_slots || now < self.unverified_full_until
-    }
-
-    fn eligible(&self, w: &Waiting, rules: &QueueRules, now: Nanos) -> bool {
-        now >= w.not_before
-            && (w.kind != PredictionKind::Video || now >= self.next_video_at)
-            && !(w.unverified && self.unverified_share_taken(rules, now))
-    }
-
-    /// The next job to serve by deficit round robin, taken out of its flow; `None` if no slot is
-    /// free or no waiting job may go yet.
-    fn pick(&mut self, rules: &QueueRules, now: Nanos) -> Option<Waiting> {
-        if self.in_flight >= rules.max_in_flight || now < self.account_full_until {
-            return None;
-        }
-        let eligible_head = |state: &State, key: &String| {
-            state.flows.get(key).and_then(|f| f.jobs.front()).is_some_and(|w| state.eligible(w, rules, now))
-        };
-        if !self.ring.iter().any(|key| eligible_head(self, key)) {
-            return None;
-        }
-        // Terminates: an eligible flow earns at least its quantum (≥ 0.01) every round.
-        loop {
-            let key = self.ring.front()?.clone();
-            let head_ok = eligible_head(self, &key);
-            let flow = self.flows.get_mut(&key)?;
-            if head_ok {
-                if flow.deficit < 1.0 {
-                    flow.deficit += flow.quantum;
-                }
-                if flow.deficit >= 1.0 {
-                    flow.deficit -= 1.0;
-                    let job = flow.jobs.pop_front();
-                    if flow.jobs.is_empty() {
-                        self.flows.remove(&key);
-                        self.ring.pop_front();
-                    } else if flow.deficit < 1.0 {
-                        self.ring.rotate_left(1);
-                    }
-                    return job;
-                }
-            }
-            self.ring.rotate_left(1);
-        }
-    }
-
-    /// When something may become eligible without any slot being freed.
-    fn next_wake(&self, rules: &QueueRules, now: Nanos) -> Option<Nanos> {
-        if self.in_flight >= rules.max_in_flight {
-            return None;
-        }
-        if now < self.account_full_until && !self.ring.is_empty() {
-            return Some(self.account_full_until);
-        }
-        self.flows
-            .values()
-            .filter_map(|f| f.jobs.front())
-            // An unverified job whose share is held here waits for a slot to come back (which
-            // wakes the dispatcher), not for a time.
-            .filter(|w| !(w.unverified && self.unverified_in_flight >= rules.unverified_slots))
-            .map(|w| {
-                let mut at = w.not_before;
-                if w.kind == PredictionKind::Video {
-                    at = at.max(self.next_video_at);
-                }
-                if w.unverified {
-                    at = at.max(self.unverified_full_until);
-                }
-                at
-            })
-            .filter(|&at| at > now)
-            .min()
-    }
-
-    /// Whether a job may take a free slot at the door without overtaking anyone: nobody waits,
-    /// or (for a configured caller's job) only unverified jobs whose share is taken, which
-    /// could not have the slot anyway.
-    fn door_open(&self, rules: &QueueRules, unverified: bool, now: Nanos) -> bool {
-        if self.in_flight >= rules.max_in_flight || now < self.account_full_until {
-            return false;
-        }
-        if self.ring.is_empty() {
-            return !unverified || !self.unverified_share_taken(rules, now);
-        }
-        !unverified
-            && self.unverified_share_taken(rules, now)
-            && self.flows.values().flat_map(|f| &f.jobs).all(|w| w.unverified)
-    }
-
-    fn unverified_waiting(&self) -> usize {
-        self.flows.values().flat_map(|f| &f.jobs).filter(|w| w.unverified).count()
-    }
-
-    /// Counts a slot taken by a job of this class.
-    fn take_slot(&mut self, unverified: bool) {
-        self.in_flight += 1;
-        if unverified {
-            self.unverified_in_flight += 1;
-        }
-    }
-
-    /// Gives back a slot taken by a job of this class.
-    fn give_slot(&mut self, unverified: bool) {
-        self.in_flight = self.in_flight.saturating_sub(1);
-        if unverified {
-            self.unverified_in_flight = self.unverified_in_flight.saturating_sub(1);
-        }
-    }
-
-    fn remove(&mut self, id: &str) -> bool {
-        let Some(key) = self.flows.iter().find(|(_, f)| f.jobs.iter().any(|w| w.id == id)).map(|(k, _)| k.clone())
-        else {
-            return false;
-        };
-        if let Some(flow) = self.flows.get_mut(&key) {
-            flow.jobs.retain(|w| w.id != id);
-            if flow.jobs.is_empty() {
-                self.flows.remove(&key);
-                self.ring.retain(|k| *k != key);
-            }
-        }
-        true
-    }
-
-    /// Puts a job [`State::pick`] took back at the front of its flow, with its unit of deficit,
-    /// as if it had not been picked.
-    fn unpick(&mut self, job: Waiting) {
-        let (flow, quantum) = (job.flow.clone(), job.quantum);
-        self.push(&flow, quantum, job, true);
-        if let Some(entry) = self.flows.get_mut(&flow) {
-            entry.deficit += 1.0;
-        }
-    }
-
-    fn push(&mut self, flow: &str, quantum: f64, mut job: Waiting, front: bool) {
-        job.flow = flow.to_owned();
-        job.quantum = quantum;
-        let entry = self.flows.entry(flow.to_owned()).or_insert_with(|| Flow { quantum, ..Flow::default() });
-        entry.quantum = quantum;
-        let was_idle = entry.jobs.is_empty();
-        if front {
-            entry.jobs.push_front(job);
-        } else {
-            entry.jobs.push_back(job);
-        }
-        if was_idle {
-            // A retry keeps its place: its flow goes back to the front of the round.
-            if front { self.ring.push_front(flow.to_owned()) } else { self.ring.push_back(flow.to_owned()) }
         }
     }
 }

@@ -1,0 +1,157 @@
+//! The Redis store as the [`Store`], [`LoopHistory`] and [`JobMirror`] the layers above use, and
+//! the leases this instance holds and renews.
+
+use std::time::Duration;
+
+use super::{Held, HeldLease, Lease, LoopAnswer, RedisStore, Renewed, StoreError};
+use crate::clock::Nanos;
+use crate::limit::{Decision, Limiter};
+use crate::store::{Check, JobMirror, LoopHistory, Store, StoreFuture, Verdict};
+
+impl RedisStore {
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        // Entries are inserted and removed whole: a poisoned map is still consistent.
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Renews every lease this instance holds, in one round trip; see [`Store::renew_leases`].
+    async fn renew_held(&self) -> Result<(), StoreError> {
+        let leases: Vec<(String, Lease, u64, u64)> =
+            self.held().iter().map(|((key, lease), (units, cap))| (key.clone(), *lease, *units, *cap)).collect();
+        let borrowed: Vec<HeldLease<'_>> = leases
+            .iter()
+            .map(|(key, lease, units, capacity)| HeldLease { key, lease: *lease, units: *units, capacity: *capacity })
+            .collect();
+        let answers = self.renew(&borrowed).await?;
+        let count = |what: Renewed| answers.iter().filter(|a| **a == what).count();
+        let (retaken, lost) = (count(Renewed::Retaken), count(Renewed::Lost));
+        if retaken > 0 {
+            tracing::warn!(
+                retaken,
+                "in-flight leases had expired (Redis unreachable for a whole lease) and were taken again"
+            );
+        }
+        if lost > 0 {
+            tracing::warn!(
+                lost,
+                "in-flight leases had expired and their caps are full (others took the slots meanwhile): no \
+                 longer counted, their jobs run on uncounted until they end"
+            );
+        }
+        let mut held = self.held();
+        for (lease, answer) in borrowed.iter().zip(&answers) {
+            if matches!(answer, Renewed::Lost | Renewed::GivenBack) {
+                held.remove(&(lease.key.to_owned(), lease.lease));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The shared store: every decision one script on Redis's clock, in-flight slots as leases this
+/// instance renews until it gives them back.
+impl Store for RedisStore {
+    fn decide<'a>(&'a self, checks: &'a [Check<'a>], blocks: &'a [&'a str], lease: Lease) -> StoreFuture<'a, Verdict> {
+        Box::pin(async move { Ok(self.run_unless_blocked(checks, blocks, None, lease).await?) })
+    }
+
+    fn refund<'a>(&'a self, key: &'a str, limiter: &'a Limiter, units: u64) -> StoreFuture<'a, Decision> {
+        Box::pin(async move { Ok(RedisStore::refund(self, key, limiter, units, None).await?) })
+    }
+
+    fn forget<'a>(&'a self, keys: &'a [&'a str]) -> StoreFuture<'a, u64> {
+        Box::pin(async move { Ok(RedisStore::forget(self, keys).await?) })
+    }
+
+    fn block<'a>(&'a self, key: &'a str, duration: Duration) -> StoreFuture<'a, ()> {
+        Box::pin(async move { Ok(RedisStore::block(self, key, duration).await?) })
+    }
+
+    fn unblock<'a>(&'a self, key: &'a str) -> StoreFuture<'a, bool> {
+        Box::pin(async move { Ok(RedisStore::forget(self, &[key]).await? > 0) })
+    }
+
+    fn block_left<'a>(&'a self, key: &'a str) -> StoreFuture<'a, Option<Nanos>> {
+        Box::pin(async move { Ok(RedisStore::block_left(self, key).await?) })
+    }
+
+    /// Gives the lease back in a task of its own (this is called from `Drop`); a release that
+    /// cannot reach Redis is logged, and the lease then runs out by itself.
+    fn release(self: std::sync::Arc<Self>, key: &str, _limiter: &Limiter, _cost: u64, lease: Lease) {
+        self.held().remove(&(key.to_owned(), lease));
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!("in-flight slots were released outside the runtime: their lease will run out");
+            return;
+        };
+        let key = key.to_owned();
+        runtime.spawn(async move {
+            if let Err(error) = RedisStore::release(&self, &key, lease).await {
+                tracing::warn!(%error, "could not give in-flight slots back to Redis: their lease will run out");
+            }
+        });
+    }
+
+    fn hold(&self, key: &str, lease: Lease, units: u64, capacity: u64) {
+        self.held().insert((key.to_owned(), lease), (units, capacity));
+    }
+
+    fn renew_leases(&self) -> StoreFuture<'_, ()> {
+        Box::pin(async move { Ok(self.renew_held().await?) })
+    }
+
+    fn renew_every(&self) -> Option<Duration> {
+        Some(self.lease / 3)
+    }
+
+    fn bump<'a>(&'a self, key: &'a str) -> StoreFuture<'a, u64> {
+        Box::pin(async move { Ok(RedisStore::bump(self, key).await?) })
+    }
+
+    fn counter<'a>(&'a self, key: &'a str) -> StoreFuture<'a, u64> {
+        Box::pin(async move { Ok(RedisStore::counter(self, key).await?) })
+    }
+
+    fn is_shared(&self) -> bool {
+        true
+    }
+
+    fn loop_history(self: std::sync::Arc<Self>) -> Option<std::sync::Arc<dyn LoopHistory>> {
+        Some(self)
+    }
+
+    fn job_mirror(self: std::sync::Arc<Self>) -> Option<std::sync::Arc<dyn JobMirror>> {
+        Some(self)
+    }
+}
+
+impl LoopHistory for RedisStore {
+    fn check<'a>(&'a self, key: &'a str, signature: u128, window: Nanos, repeats: u32) -> StoreFuture<'a, LoopAnswer> {
+        Box::pin(async move { Ok(self.loop_check(key, signature, window, repeats, None).await?) })
+    }
+
+    fn forget<'a>(&'a self, key: &'a str, seq: u64, window: Nanos) -> StoreFuture<'a, ()> {
+        Box::pin(async move { Ok(self.loop_forget(key, seq, window).await?) })
+    }
+}
+
+impl JobMirror for RedisStore {
+    fn put_record<'a>(&'a self, key: &'a str, value: &'a str, version: u64, ttl: Duration) -> StoreFuture<'a, bool> {
+        Box::pin(async move { Ok(RedisStore::put_record(self, key, value, version, ttl).await?) })
+    }
+
+    fn get<'a>(&'a self, key: &'a str) -> StoreFuture<'a, Option<String>> {
+        Box::pin(async move { Ok(RedisStore::get(self, key).await?) })
+    }
+
+    fn set_add<'a>(&'a self, key: &'a str, member: &'a str, ttl: Duration) -> StoreFuture<'a, ()> {
+        Box::pin(async move { Ok(RedisStore::set_add(self, key, member, ttl).await?) })
+    }
+
+    fn set_members<'a>(&'a self, key: &'a str) -> StoreFuture<'a, Vec<String>> {
+        Box::pin(async move { Ok(RedisStore::set_members(self, key).await?) })
+    }
+
+    fn set_remove<'a>(&'a self, key: &'a str, members: &'a [String]) -> StoreFuture<'a, ()> {
+        Box::pin(async move { Ok(RedisStore::set_remove(self, key, members).await?) })
+    }
+}

@@ -1,0 +1,208 @@
+//! Who goes next: deficit round robin across flows, FIFO within a flow, with the video gap and the
+//! unverified callers' share deciding which heads may go now (see [`super::FairQueue`]).
+
+use std::collections::{HashMap, VecDeque};
+
+use tokio::sync::oneshot;
+
+use super::{AccountSlot, QueueRules};
+use crate::clock::Nanos;
+use crate::upstream::api::PredictionKind;
+
+pub(super) struct Waiting {
+    pub(super) id: String,
+    pub(super) kind: PredictionKind,
+    /// An unverified caller's job, held to the unverified share.
+    pub(super) unverified: bool,
+    pub(super) not_before: Nanos,
+    /// The flow it waits in, and that flow's quantum (set by `State::push`).
+    pub(super) flow: String,
+    pub(super) quantum: f64,
+    pub(super) turn: oneshot::Sender<AccountSlot>,
+}
+
+#[derive(Default)]
+pub(super) struct Flow {
+    pub(super) quantum: f64,
+    pub(super) deficit: f64,
+    pub(super) jobs: VecDeque<Waiting>,
+}
+
+#[derive(Default)]
+pub(super) struct State {
+    pub(super) in_flight: usize,
+    /// Of `in_flight`, the slots unverified callers' jobs hold.
+    pub(super) unverified_in_flight: usize,
+    pub(super) next_video_at: Nanos,
+    /// Over a shared store: no job leaves before this (the account was full everywhere).
+    pub(super) account_full_until: Nanos,
+    /// Over a shared store: no unverified job leaves before this (their share was taken).
+    pub(super) unverified_full_until: Nanos,
+    pub(super) flows: HashMap<String, Flow>,
+    /// Flows with waiting jobs, in round-robin order.
+    pub(super) ring: VecDeque<String>,
+    pub(super) reserved_images: usize,
+    pub(super) reserved_videos: usize,
+    /// Of the reservations, those of unverified callers.
+    pub(super) reserved_unverified: usize,
+}
+
+impl State {
+    pub(super) fn waiting(&self, kind: Option<PredictionKind>) -> usize {
+        self.flows.values().flat_map(|f| &f.jobs).filter(|w| kind.is_none_or(|k| w.kind == k)).count()
+    }
+
+    /// Whether the unverified callers' share of the account is taken (here, or as the shared
+    /// store last said).
+    pub(super) fn unverified_share_taken(&self, rules: &QueueRules, now: Nanos) -> bool {
+        self.unverified_in_flight >= rules.unverified_slots || now < self.unverified_full_until
+    }
+
+    pub(super) fn eligible(&self, w: &Waiting, rules: &QueueRules, now: Nanos) -> bool {
+        now >= w.not_before
+            && (w.kind != PredictionKind::Video || now >= self.next_video_at)
+            && !(w.unverified && self.unverified_share_taken(rules, now))
+    }
+
+    /// The next job to serve by deficit round robin, taken out of its flow; `None` if no slot is
+    /// free or no waiting job may go yet.
+    pub(super) fn pick(&mut self, rules: &QueueRules, now: Nanos) -> Option<Waiting> {
+        if self.in_flight >= rules.max_in_flight || now < self.account_full_until {
+            return None;
+        }
+        let eligible_head = |state: &State, key: &String| {
+            state.flows.get(key).and_then(|f| f.jobs.front()).is_some_and(|w| state.eligible(w, rules, now))
+        };
+        if !self.ring.iter().any(|key| eligible_head(self, key)) {
+            return None;
+        }
+        // Terminates: an eligible flow earns at least its quantum (≥ 0.01) every round.
+        loop {
+            let key = self.ring.front()?.clone();
+            let head_ok = eligible_head(self, &key);
+            let flow = self.flows.get_mut(&key)?;
+            if head_ok {
+                if flow.deficit < 1.0 {
+                    flow.deficit += flow.quantum;
+                }
+                if flow.deficit >= 1.0 {
+                    flow.deficit -= 1.0;
+                    let job = flow.jobs.pop_front();
+                    if flow.jobs.is_empty() {
+                        self.flows.remove(&key);
+                        self.ring.pop_front();
+                    } else if flow.deficit < 1.0 {
+                        self.ring.rotate_left(1);
+                    }
+                    return job;
+                }
+            }
+            self.ring.rotate_left(1);
+        }
+    }
+
+    /// When something may become eligible without any slot being freed.
+    pub(super) fn next_wake(&self, rules: &QueueRules, now: Nanos) -> Option<Nanos> {
+        if self.in_flight >= rules.max_in_flight {
+            return None;
+        }
+        if now < self.account_full_until && !self.ring.is_empty() {
+            return Some(self.account_full_until);
+        }
+        self.flows
+            .values()
+            .filter_map(|f| f.jobs.front())
+            // An unverified job whose share is held here waits for a slot to come back (which
+            // wakes the dispatcher), not for a time.
+            .filter(|w| !(w.unverified && self.unverified_in_flight >= rules.unverified_slots))
+            .map(|w| {
+                let mut at = w.not_before;
+                if w.kind == PredictionKind::Video {
+                    at = at.max(self.next_video_at);
+                }
+                if w.unverified {
+                    at = at.max(self.unverified_full_until);
+                }
+                at
+            })
+            .filter(|&at| at > now)
+            .min()
+    }
+
+    /// Whether a job may take a free slot at the door without overtaking anyone: nobody waits,
+    /// or (for a configured caller's job) only unverified jobs whose share is taken, which
+    /// could not have the slot anyway.
+    pub(super) fn door_open(&self, rules: &QueueRules, unverified: bool, now: Nanos) -> bool {
+        if self.in_flight >= rules.max_in_flight || now < self.account_full_until {
+            return false;
+        }
+        if self.ring.is_empty() {
+            return !unverified || !self.unverified_share_taken(rules, now);
+        }
+        !unverified
+            && self.unverified_share_taken(rules, now)
+            && self.flows.values().flat_map(|f| &f.jobs).all(|w| w.unverified)
+    }
+
+    pub(super) fn unverified_waiting(&self) -> usize {
+        self.flows.values().flat_map(|f| &f.jobs).filter(|w| w.unverified).count()
+    }
+
+    /// Counts a slot taken by a job of this class.
+    pub(super) fn take_slot(&mut self, unverified: bool) {
+        self.in_flight += 1;
+        if unverified {
+            self.unverified_in_flight += 1;
+        }
+    }
+
+    /// Gives back a slot taken by a job of this class.
+    pub(super) fn give_slot(&mut self, unverified: bool) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        if unverified {
+            self.unverified_in_flight = self.unverified_in_flight.saturating_sub(1);
+        }
+    }
+
+    pub(super) fn remove(&mut self, id: &str) -> bool {
+        let Some(key) = self.flows.iter().find(|(_, f)| f.jobs.iter().any(|w| w.id == id)).map(|(k, _)| k.clone())
+        else {
+            return false;
+        };
+        if let Some(flow) = self.flows.get_mut(&key) {
+            flow.jobs.retain(|w| w.id != id);
+            if flow.jobs.is_empty() {
+                self.flows.remove(&key);
+                self.ring.retain(|k| *k != key);
+            }
+        }
+        true
+    }
+
+    /// Puts a job [`State::pick`] took back at the front of its flow, with its unit of deficit,
+    /// as if it had not been picked.
+    pub(super) fn unpick(&mut self, job: Waiting) {
+        let (flow, quantum) = (job.flow.clone(), job.quantum);
+        self.push(&flow, quantum, job, true);
+        if let Some(entry) = self.flows.get_mut(&flow) {
+            entry.deficit += 1.0;
+        }
+    }
+
+    pub(super) fn push(&mut self, flow: &str, quantum: f64, mut job: Waiting, front: bool) {
+        job.flow = flow.to_owned();
+        job.quantum = quantum;
+        let entry = self.flows.entry(flow.to_owned()).or_insert_with(|| Flow { quantum, ..Flow::default() });
+        entry.quantum = quantum;
+        let was_idle = entry.jobs.is_empty();
+        if front {
+            entry.jobs.push_front(job);
+        } else {
+            entry.jobs.push_back(job);
+        }
+        if was_idle {
+            // A retry keeps its place: its flow goes back to the front of the round.
+            if front { self.ring.push_front(flow.to_owned()) } else { self.ring.push_back(flow.to_owned()) }
+        }
+    }
+}
