@@ -26,106 +26,113 @@ pub struct Scope {
     name_at: usize,
 }
 
-/// The hash tag every scope of `caller` shares.
-fn tag_of(caller: &Caller) -> String {
+/// The hash tag every scope of `caller` shares: its kind and its value.
+fn tag_of(caller: &Caller) -> (&'static str, &str) {
     match (caller.tenant(), caller.unverified_from()) {
-        (Some(tenant), _) => format!("t:{tenant}"),
-        (None, Some(address)) => format!("a:{address}"),
-        (None, None) => format!("c:{}", caller.id()),
+        (Some(tenant), _) => ("t:", tenant),
+        (None, Some(address)) => ("a:", address),
+        (None, None) => ("c:", caller.id()),
     }
 }
 
 impl Scope {
-    fn new(caller: &Caller, name: String) -> Self {
-        let tag = tag_of(caller);
-        let key = format!("{{{tag}}}{name}");
-        Self { name_at: tag.len() + 2, key }
+    /// `{tag}name` in one allocation: scopes are made for every request.
+    fn new(caller: &Caller, name: std::fmt::Arguments<'_>) -> Self {
+        use std::fmt::Write as _;
+        let (kind, tag) = tag_of(caller);
+        let mut key = String::with_capacity(4 + kind.len() + tag.len() + 48);
+        key.push('{');
+        key.push_str(kind);
+        key.push_str(tag);
+        key.push('}');
+        let name_at = key.len();
+        // Writing to a String cannot fail.
+        let _ = key.write_fmt(name);
+        Self { key, name_at }
     }
 
     /// The coarse HTTP budget of `caller`.
     pub fn http(caller: &Caller) -> Self {
-        Self::new(caller, format!("http:{}", caller.id()))
+        Self::new(caller, format_args!("http:{}", caller.id()))
     }
 
     /// The per-method budget of `caller` for `group`.
     pub fn method(caller: &Caller, group: MethodGroup) -> Self {
-        Self::new(caller, format!("method:{}:{}", group.as_str(), caller.id()))
+        Self::new(caller, format_args!("method:{}:{}", group.as_str(), caller.id()))
     }
 
     /// The caller's own tool budget.
     pub fn caller(caller: &Caller) -> Self {
-        Self::new(caller, format!("caller:{}", caller.id()))
+        Self::new(caller, format_args!("caller:{}", caller.id()))
     }
 
     /// The budget the caller's tenant shares, if it has one.
     pub fn tenant(caller: &Caller) -> Option<Self> {
-        caller.tenant().map(|tenant| Self::new(caller, format!("tenant:{tenant}")))
+        caller.tenant().map(|tenant| Self::new(caller, format_args!("tenant:{tenant}")))
     }
 
     /// The budget the unverified callers of the caller's address share, if it is unverified.
     pub fn address(caller: &Caller) -> Option<Self> {
-        caller.unverified_from().map(|address| Self::new(caller, format!("address:{address}")))
+        caller.unverified_from().map(|address| Self::new(caller, format_args!("address:{address}")))
     }
 
     /// The coarse HTTP budget all unverified callers of the caller's address share, if it is
     /// unverified.
     pub fn address_http(caller: &Caller) -> Option<Self> {
-        caller.unverified_from().map(|address| Self::new(caller, format!("address_http:{address}")))
+        caller.unverified_from().map(|address| Self::new(caller, format_args!("address_http:{address}")))
     }
 
     /// A tool's own budget: the tenant's, the address's for an unverified caller, or the
     /// caller's.
     pub fn tool(caller: &Caller, tool: &str) -> Self {
-        let name = match (caller.tenant(), caller.unverified_from()) {
-            (Some(tenant), _) => format!("tenant:{tenant}:tool:{tool}"),
-            (None, Some(address)) => format!("address:{address}:tool:{tool}"),
-            (None, None) => format!("caller:{}:tool:{tool}", caller.id()),
-        };
-        Self::new(caller, name)
+        match (caller.tenant(), caller.unverified_from()) {
+            (Some(tenant), _) => Self::new(caller, format_args!("tenant:{tenant}:tool:{tool}")),
+            (None, Some(address)) => Self::new(caller, format_args!("address:{address}:tool:{tool}")),
+            (None, None) => Self::new(caller, format_args!("caller:{}:tool:{tool}", caller.id())),
+        }
     }
 
     /// The caller's jobs in flight.
     pub fn in_flight_caller(caller: &Caller) -> Self {
-        Self::new(caller, format!("in_flight:caller:{}", caller.id()))
+        Self::new(caller, format_args!("in_flight:caller:{}", caller.id()))
     }
 
     /// The tenant's jobs in flight, if the caller has a tenant (without one, the caller is its
     /// own tenant and [`Scope::in_flight_caller`] is the only cap).
     pub fn in_flight_tenant(caller: &Caller) -> Option<Self> {
-        caller.tenant().map(|tenant| Self::new(caller, format!("in_flight:tenant:{tenant}")))
+        caller.tenant().map(|tenant| Self::new(caller, format_args!("in_flight:tenant:{tenant}")))
     }
 
     /// The jobs in flight of every unverified caller of the caller's address, if it is
     /// unverified.
     pub fn in_flight_address(caller: &Caller) -> Option<Self> {
-        caller.unverified_from().map(|address| Self::new(caller, format!("in_flight:address:{address}")))
+        caller.unverified_from().map(|address| Self::new(caller, format_args!("in_flight:address:{address}")))
     }
 
     /// An operator's block on the caller (set through the admin API).
     pub fn block_caller(caller: &Caller) -> Self {
-        Self::new(caller, format!("block:caller:{}", caller.id()))
+        Self::new(caller, format_args!("block:caller:{}", caller.id()))
     }
 
     /// An operator's block on the caller's tenant, if it has one: every caller of the tenant
     /// reads the same key (their tag is the tenant).
     pub fn block_tenant(caller: &Caller) -> Option<Self> {
-        caller.tenant().map(|tenant| Self::new(caller, format!("block:tenant:{tenant}")))
+        caller.tenant().map(|tenant| Self::new(caller, format_args!("block:tenant:{tenant}")))
     }
 
     /// The caller's recent calls, for loop detection: its address's for an unverified caller.
     pub fn loops(caller: &Caller) -> Self {
-        Self::new(caller, format!("loops:{}", loop_owner(caller)))
+        Self::new(caller, format_args!("loops:{}", loop_owner(caller)))
     }
 
     /// The daily spend cap of the caller's tenant, of its address for an unverified caller, or
     /// of the caller.
     pub fn spend(caller: &Caller) -> Self {
-        let name = match (caller.tenant(), caller.unverified_from()) {
-            (Some(tenant), _) => format!("spend:tenant:{tenant}"),
-            (None, Some(address)) => format!("spend:address:{address}"),
-            (None, None) => format!("spend:caller:{}", caller.id()),
-        };
-        Self::new(caller, name)
+        match (caller.tenant(), caller.unverified_from()) {
+            (Some(tenant), _) => Self::new(caller, format_args!("spend:tenant:{tenant}")),
+            (None, Some(address)) => Self::new(caller, format_args!("spend:address:{address}")),
+            (None, None) => Self::new(caller, format_args!("spend:caller:{}", caller.id())),
+        }
     }
 
     /// This scope for another of its limits: `suffix` (`#day`) appended to its key and name, so
