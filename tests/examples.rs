@@ -341,8 +341,8 @@ async fn paid_api_example_passes_on_the_apis_429_with_its_retry_after_and_never_
     // An account allowed 2 translations a minute.
     let example = PaidApiExample::start(&[("PAID_API_QUOTA", "2")]).await;
     let client = example.client("agent").await;
-    for text_ in ["one", "two"] {
-        let r = call(&client, "translate", json!({ "text": text_, "to": "it" })).await;
+    for word in ["one", "two"] {
+        let r = call(&client, "translate", json!({ "text": word, "to": "it" })).await;
         assert!(!is_error(&r), "{}", text(&r));
     }
     let limited = call(&client, "translate", json!({ "text": "three", "to": "it" })).await;
