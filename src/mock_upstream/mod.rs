@@ -93,7 +93,7 @@ struct MockState {
     /// `true` while requests are held at the gate (`hold`).
     gate: tokio::sync::watch::Sender<bool>,
     clock: SharedClock,
-    articles: Mutex<VecDeque<Article>>,
+    articles: Mutex<VecDeque<Stored>>,
     jobs: Mutex<HashMap<String, Job>>,
     idempotency: Mutex<HashMap<String, String>>,
     submissions: Mutex<Vec<Submission>>,
@@ -150,6 +150,19 @@ impl MockState {
     }
 }
 
+/// An article as the mock keeps it: with its title lowercased once, for the searches.
+#[derive(Debug)]
+struct Stored {
+    article: Article,
+    folded_title: String,
+}
+
+impl From<Article> for Stored {
+    fn from(article: Article) -> Self {
+        Self { folded_title: article.title.to_lowercase(), article }
+    }
+}
+
 /// The mock API's routes, ready to serve.
 pub fn router(config: MockUpstreamConfig, clock: SharedClock) -> Router {
     let articles = (0..SEEDED_ARTICLES)
@@ -158,6 +171,7 @@ pub fn router(config: MockUpstreamConfig, clock: SharedClock) -> Router {
             title: format!("{} #{i}", TOPICS[i % TOPICS.len()]),
             summary: format!("Article {i} about {}.", TOPICS[i % TOPICS.len()].to_lowercase()),
         })
+        .map(Stored::from)
         .collect();
     let knobs = Chaos {
         latency_ms: config.latency_ms,
@@ -315,10 +329,9 @@ async fn list_articles(State(state): State<Arc<MockState>>, Query(q): Query<List
     };
     let needle = q.query.unwrap_or_default().to_lowercase();
     let articles = state.articles.lock().unwrap_or_else(|p| p.into_inner());
-    let matching: Vec<&Article> = articles.iter().filter(|a| a.title.to_lowercase().contains(&needle)).collect();
-    let page: Vec<Article> = matching.iter().skip(offset).take(limit).map(|a| (*a).clone()).collect();
-    let next = offset + page.len();
-    let next_cursor = (next < matching.len()).then(|| next.to_string());
+    let mut matching = articles.iter().filter(|a| a.folded_title.contains(&needle)).skip(offset);
+    let page: Vec<Article> = matching.by_ref().take(limit).map(|a| a.article.clone()).collect();
+    let next_cursor = matching.next().is_some().then(|| (offset + page.len()).to_string());
     Json(ArticlePage { articles: page, next_cursor }).into_response()
 }
 
@@ -331,7 +344,7 @@ async fn save_article(State(state): State<Arc<MockState>>, Json(new): Json<NewAr
     if articles.len() >= MAX_ARTICLES {
         articles.pop_front();
     }
-    articles.push_back(article.clone());
+    articles.push_back(Stored::from(article.clone()));
     (StatusCode::CREATED, Json(SavedArticle { id: article.id, title: article.title })).into_response()
 }
 

@@ -86,10 +86,22 @@ pub enum ClientError {
     Client(#[from] reqwest::Error),
 }
 
+/// How long the client keeps an idle connection to the upstream. A server closes a connection
+/// it has left idle for its own time (ours, and the mock's, after `server.header_read_timeout_ms`;
+/// Node's after 5 s), and a request sent on it at that very moment is reset, which would read as
+/// an upstream failure (and count against the breaker). Letting connections go before common
+/// servers do keeps that race away, at the price of a new connection after 4 s of quiet.
+const POOL_IDLE: Duration = Duration::from_secs(4);
+
 /// A client for the paid API, with its circuit breaker.
 pub struct Upstream {
     http: reqwest::Client,
     base: Url,
+    /// `v1/articles`, `v1/predictions` and `v1/predictions/`, joined to the base once: a
+    /// request clones its URL rather than parsing one.
+    articles: Url,
+    submissions: Url,
+    predictions: Url,
     breaker: Breaker,
     clock: SharedClock,
 }
@@ -112,8 +124,13 @@ impl Upstream {
         if !base.path().ends_with('/') {
             base.set_path(&format!("{}/", base.path()));
         }
-        let http = reqwest::Client::builder().timeout(timeout).build()?;
-        Ok(Self { http, base, breaker, clock })
+        let join = |path: &str| {
+            base.join(path).map_err(|e| ClientError::BadUrl { url: crate::redact::url(base.as_str()), reason: e.to_string() })
+        };
+        let (articles, submissions, predictions) =
+            (join("v1/articles")?, join("v1/predictions")?, join("v1/predictions/")?);
+        let http = reqwest::Client::builder().timeout(timeout).pool_idle_timeout(POOL_IDLE).build()?;
+        Ok(Self { http, base, articles, submissions, predictions, breaker, clock })
     }
 
     /// The breaker, for gauges and for refusing before anything is charged.
@@ -139,10 +156,6 @@ impl Upstream {
         answer
     }
 
-    fn url(&self, path: &str) -> Result<Url, UpstreamError> {
-        self.base.join(path).map_err(|e| UpstreamError::Unavailable(format!("bad upstream URL: {e}")))
-    }
-
     /// Lists articles matching `query`.
     pub async fn list_articles(
         &self,
@@ -150,7 +163,7 @@ impl Upstream {
         limit: u32,
         cursor: Option<&str>,
     ) -> Result<ArticlePage, UpstreamError> {
-        let mut url = self.url("v1/articles")?;
+        let mut url = self.articles.clone();
         {
             let mut q = url.query_pairs_mut();
             q.append_pair("limit", &limit.to_string());
@@ -166,7 +179,7 @@ impl Upstream {
 
     /// Saves an article.
     pub async fn save_article(&self, article: &NewArticle) -> Result<SavedArticle, UpstreamError> {
-        self.send(self.http.post(self.url("v1/articles")?).json(article)).await
+        self.send(self.http.post(self.articles.clone()).json(article)).await
     }
 
     /// Submits a prediction job. `idempotency_key` makes a retry after a lost answer return the
@@ -176,7 +189,7 @@ impl Upstream {
         job: &NewPrediction,
         idempotency_key: &str,
     ) -> Result<Prediction, UpstreamError> {
-        let request = self.http.post(self.url("v1/predictions")?).header("idempotency-key", idempotency_key).json(job);
+        let request = self.http.post(self.submissions.clone()).header("idempotency-key", idempotency_key).json(job);
         self.send(request).await
     }
 
@@ -192,7 +205,7 @@ impl Upstream {
 
     /// `v1/predictions/{id}[/{action}]`, with `id` as one escaped path segment.
     fn prediction_url(&self, id: &str, action: Option<&str>) -> Result<Url, UpstreamError> {
-        let mut url = self.url("v1/predictions/")?;
+        let mut url = self.predictions.clone();
         {
             let mut path =
                 url.path_segments_mut().map_err(|_| UpstreamError::Unavailable("bad upstream URL".into()))?;

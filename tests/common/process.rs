@@ -186,6 +186,8 @@ pub struct Answer {
     pub session_id: Option<String>,
     /// The JSON-RPC message (from SSE `data:` or a JSON body); `Null` if none.
     pub message: Value,
+    /// `Retry-After` in seconds, on a refusal that carried one (`429`, `503`).
+    pub retry_after: Option<u64>,
 }
 
 impl Answer {
@@ -232,10 +234,11 @@ impl Session {
         let response = request.send().await?;
         let status = response.status().as_u16();
         let session_id = response.headers().get("mcp-session-id").and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let retry_after = response.headers().get("retry-after").and_then(|v| v.to_str().ok()?.parse().ok());
         let text = response.text().await?;
         let data = text.lines().filter_map(|l| l.strip_prefix("data:")).map(str::trim).find(|d| d.starts_with('{'));
         let message = serde_json::from_str(data.unwrap_or(&text)).unwrap_or(Value::Null);
-        Ok(Answer { status, session_id, message })
+        Ok(Answer { status, session_id, message, retry_after })
     }
 
     /// `initialize` then `notifications/initialized`; returns the initialize's status (200 when
