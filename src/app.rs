@@ -21,7 +21,7 @@ use crate::breaker::Breaker;
 use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC, SharedClock};
 use crate::config::Config;
 use crate::dashboard;
-use crate::http::front_door::{self, AllowedHosts, IdentifyLayer};
+use crate::http::front_door::{self, AllowedHosts, FrontDoorLog, IdentifyLayer};
 use crate::http::limit::HttpLimitLayer;
 use crate::http::{Shared, serve, sessions};
 use crate::mcp::{McpServer, Transport};
@@ -146,14 +146,15 @@ impl App {
             .with_cancellation_token(self.stop.child_token());
         let shared = app.clone();
         let session_manager = sessions::manager(server);
-        let cap =
-            sessions::SessionCap::new(session_manager.clone(), server.max_sessions, server.max_sessions_per_address);
+        let log = Arc::new(FrontDoorLog::new(app.clock.clone()));
+        let (max, per_address) = (server.max_sessions, server.max_sessions_per_address);
+        let cap = sessions::SessionCap::new(session_manager.clone(), max, per_address, log.clone());
         let mcp = StreamableHttpService::new(
             move || Ok(McpServer::new(shared.clone(), Transport::Http)),
             session_manager,
             config,
         );
-        let allowed = Arc::new(AllowedHosts::of(server));
+        let allowed = Arc::new(AllowedHosts::of(server, log));
         let dashboard = dashboard::routes()
             .layer(middleware::from_fn_with_state(allowed.clone(), front_door::rebinding_protection));
         Router::new()

@@ -525,6 +525,15 @@ async fn on_redis_what_one_instances_admin_api_does_holds_on_every_instance() {
         !is_error(&call(&painter, "generate_image", json!({"prompt": "second"})).await)
     })
     .await;
+    // B publishes its jobs' snapshots as they change, in a task of its own: A lists the new
+    // job once B's publisher has written it, and never the cancelled one.
+    eventually("A lists B's new job", || async {
+        let listed = a.call("get", "/admin/jobs?tenant=acme", None).await.1;
+        listed["jobs"].as_array().is_some_and(|j| !j.is_empty())
+    })
+    .await;
     let (_, listed) = a.call("get", "/admin/jobs?tenant=acme", None).await;
-    assert_eq!(listed["jobs"].as_array().map(Vec::len), Some(1), "the new job, not the cancelled one: {listed}");
+    let jobs = listed["jobs"].as_array().cloned().unwrap_or_default();
+    assert_eq!(jobs.len(), 1, "the new job, not the cancelled one: {listed}");
+    assert_ne!(jobs[0]["predict_id"].as_str(), Some(job.as_str()), "the new job, not the cancelled one: {listed}");
 }

@@ -10,7 +10,7 @@ use http::{Request, StatusCode};
 use mcp_ratelimit::clock::ManualClock;
 use mcp_ratelimit::config::{Catalogue, Config};
 use mcp_ratelimit::guard::Guard;
-use mcp_ratelimit::http::front_door::{AllowedHosts, IdentifyLayer, rebinding_protection};
+use mcp_ratelimit::http::front_door::{AllowedHosts, FrontDoorLog, IdentifyLayer, rebinding_protection};
 use mcp_ratelimit::http::limit::HttpLimitLayer;
 use mcp_ratelimit::identity::{Caller, Identifier};
 use mcp_ratelimit::metrics::Metrics;
@@ -82,7 +82,8 @@ async fn identify_needs_only_an_identifier() {
 
 #[tokio::test]
 async fn rebinding_protection_needs_only_the_allowed_hosts() {
-    let allowed = Arc::new(AllowedHosts { hosts: vec!["localhost".into()], origins: Vec::new() });
+    let log = Arc::new(FrontDoorLog::new(ManualClock::new()));
+    let allowed = Arc::new(AllowedHosts::new(vec!["localhost".into()], Vec::new(), log));
     let app = axum::Router::new()
         .route("/", axum::routing::post(|| async { "in" }))
         .layer(axum::middleware::from_fn_with_state(allowed, rebinding_protection));

@@ -786,6 +786,42 @@ async fn a_renewal_that_reaches_redis_after_the_release_does_not_bring_the_slot_
 /// How long leases last in the lease test.
 const LEASE: Duration = Duration::from_secs(10);
 
+/// The loop check inside a decision's script: a loop is refused before anything is charged,
+/// and a call a check refuses is taken back out of the history, so it never counts towards a
+/// loop (the guard's order: check the loop, decide, forget a refused call; in one step).
+#[test]
+fn a_loop_checked_in_the_decision_charges_nothing_and_a_call_refused_for_budget_is_never_recorded() {
+    use mcp_ratelimit::guard::loops::signature;
+    use mcp_ratelimit::store::{LoopCall, Verdict};
+    let redis = TestRedis::start();
+    let runtime = runtime();
+    let store = runtime.block_on(RedisStore::connect(&redis.url, TIMEOUT)).expect("connects to Redis");
+    let (budget, history) = (redis.key("fold:budget"), redis.key("fold:loops"));
+    let bucket = Limiter::TokenBucket(TokenBucket::new(3, 1.0));
+    let check = [Check { key: &budget, limiter: &bucket, cost: 1, shadow: false }];
+    let same = signature(7, "list_articles", &serde_json::json!({}));
+    let call = LoopCall { key: &history, signature: same, window: 60 * SEC, repeats: 5 };
+    let decide = |call, now| runtime.block_on(store.decide_after_loop_check_at(call, &check, now)).expect("decides");
+    let allowed = |verdict: &Verdict| match verdict {
+        Verdict::Decided(d) => Some((d[0].allowed, d[0].remaining)),
+        _ => None,
+    };
+    for n in 0..3 {
+        assert_eq!(allowed(&decide(call, EPOCH)).map(|a| a.0), Some(true), "call {n} spends a token");
+    }
+    // The fourth, refused for budget ten times: had any been kept, the fifth would be a loop.
+    for n in 0..10 {
+        assert_eq!(allowed(&decide(call, EPOCH)).map(|a| a.0), Some(false), "refused for budget {n}, not a loop");
+    }
+    // A token is back a second later: the fourth passes; the fifth, a second after, is the loop.
+    assert_eq!(allowed(&decide(call, EPOCH + SEC)), Some((true, 0)));
+    let at = EPOCH + 2 * SEC;
+    assert_eq!(decide(call, at), Verdict::Looping { retry_after: 60 * SEC, oscillating: false });
+    // It charged nothing: another call finds the token that second brought.
+    let other = LoopCall { signature: signature(7, "list_articles", &serde_json::json!({"page": 2})), ..call };
+    assert_eq!(allowed(&decide(other, at)), Some((true, 0)));
+}
+
 #[test]
 fn the_loop_script_decides_like_the_loop_detector() {
     use mcp_ratelimit::guard::loops::{LoopDetector, signature};
@@ -812,7 +848,7 @@ fn the_loop_script_decides_like_the_loop_detector() {
                 .block_on(store.loop_check(&key, signature(7, "list_articles", &args), WINDOW, 5, Some(now)))
                 .map_err(|e| TestCaseError::fail(format!("call {n}: {e}")))?;
             match (expected, answer) {
-                (Ok(_), LoopAnswer::Recorded(_)) => {}
+                (Ok(_), LoopAnswer::Recorded) => {}
                 (Err(looping), LoopAnswer::Looping { retry_after, oscillating }) => {
                     prop_assert_eq!(
                         (looping.retry_after, looping.oscillating),
@@ -836,12 +872,12 @@ fn the_loop_script_decides_like_the_loop_detector() {
         .iter()
         .map(|&l| runtime.block_on(store.loop_check(&key, sig(l), WINDOW, 5, Some(EPOCH))).expect("answers"))
         .collect();
-    assert!(answers[..4].iter().all(|a| matches!(a, LoopAnswer::Recorded(_))));
+    assert!(answers[..4].iter().all(|a| matches!(a, LoopAnswer::Recorded)));
     assert_eq!(answers[4], LoopAnswer::Looping { retry_after: WINDOW, oscillating: false });
     let key = redis.key("loops:alternating");
     let answers: Vec<LoopAnswer> = (0..9u8)
         .map(|i| runtime.block_on(store.loop_check(&key, sig(i % 2), WINDOW, 5, Some(EPOCH))).expect("answers"))
         .collect();
-    assert!(answers[..8].iter().all(|a| matches!(a, LoopAnswer::Recorded(_))));
+    assert!(answers[..8].iter().all(|a| matches!(a, LoopAnswer::Recorded)));
     assert_eq!(answers[8], LoopAnswer::Looping { retry_after: WINDOW, oscillating: true });
 }

@@ -1,6 +1,7 @@
 //! A refusal storm cannot cost the server its log: each caller bucket writes a burst of refusal
 //! lines, then about one a second, each saying how many it stands for (`left_out`), while
-//! `/metrics` counts every refusal exactly. Through an MCP client, on a manual clock.
+//! `/metrics` counts every refusal exactly; the front door's refusals (a foreign Host, every
+//! session taken) likewise per kind. Through an MCP client and raw HTTP, on a manual clock.
 
 mod common;
 
@@ -25,12 +26,12 @@ impl Write for Capture {
 
 impl Capture {
     fn refused_lines(&self) -> Vec<String> {
+        self.lines_with("mcp_ratelimit::guard: refused ")
+    }
+
+    fn lines_with(&self, text: &str) -> Vec<String> {
         let bytes = self.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        String::from_utf8_lossy(&bytes)
-            .lines()
-            .filter(|l| l.contains("mcp_ratelimit::guard: refused "))
-            .map(str::to_owned)
-            .collect()
+        String::from_utf8_lossy(&bytes).lines().filter(|l| l.contains(text)).map(str::to_owned).collect()
     }
 }
 
@@ -47,7 +48,8 @@ async fn a_refusal_storm_writes_a_few_lines_that_count_the_rest_and_the_metrics_
     // speak of while the clock stands still.
     let config = format!(
         "[limits.caller]\nburst = 40\nrefill_per_sec = 1.0\n[limits.http]\nburst = 10000\n\
-         [limits.address_http]\nburst = 10000\n[limits.method.tools_call]\nburst = 10000\n{NO_LOOP_DETECTION}"
+         [limits.address_http]\nburst = 10000\n[limits.method.tools_call]\nburst = 10000\n{NO_LOOP_DETECTION}\n\
+         [server]\nmax_sessions = 1\n"
     );
     let server = TestServer::start(&config).await;
     let client = server.client(Some("storm")).await;
@@ -71,4 +73,36 @@ async fn a_refusal_storm_writes_a_few_lines_that_count_the_rest_and_the_metrics_
     let lines = capture.refused_lines();
     assert_eq!(lines.len(), 11, "{}", lines.join("\n"));
     assert!(lines[10].contains("left_out=190"), "{}", lines[10]);
+
+    // The front door's refusals come before any caller is known, as fast as a client can send
+    // requests: a foreign Host, an initialize while the one session (the client's) is open.
+    // Each kind writes its own burst of ten lines, then one a second.
+    let http = reqwest::Client::new();
+    let initialize = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "storm", "version": "1"}}});
+    let send = |foreign_host: bool| {
+        let mut request = http
+            .post(&server.url)
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .body(initialize.to_string());
+        if foreign_host {
+            request = request.header("host", "rebound.example");
+        }
+        async move { request.send().await.expect("an answer").status().as_u16() }
+    };
+    for _ in 0..50 {
+        assert_eq!(send(true).await, 403);
+        assert_eq!(send(false).await, 503);
+    }
+    let rebinding = capture.lines_with("refused: DNS-rebinding protection");
+    let sessions = capture.lines_with("refused: every MCP session is taken");
+    assert_eq!(rebinding.len(), 10, "{}", rebinding.join("\n"));
+    assert_eq!(sessions.len(), 10, "{}", sessions.join("\n"));
+    server.advance_secs(1.0);
+    assert_eq!((send(true).await, send(false).await), (403, 503));
+    let rebinding = capture.lines_with("refused: DNS-rebinding protection");
+    let sessions = capture.lines_with("refused: every MCP session is taken");
+    assert!(rebinding.len() == 11 && rebinding[10].contains("left_out=40"), "{}", rebinding.join("\n"));
+    assert!(sessions.len() == 11 && sessions[10].contains("left_out=40"), "{}", sessions.join("\n"));
 }

@@ -430,6 +430,34 @@ async fn a_loop_round_robin_over_two_instances_is_stopped_on_its_fifth_call_not_
     assert_eq!(error_code(&r), Some("loop_detected"), "one history across the instances: {}", text(&r));
 }
 
+/// A `tools/call` costs two round trips to Redis: the request's HTTP limits in one script, then
+/// in another the call's budgets, the operator blocks and its loop check (a loop is refused, and
+/// a call refused for budget not recorded, inside that script). Every round trip the guard
+/// makes is a script (`EVALSHA`), so they are what is counted. Before the loop check joined
+/// the decision it was three.
+#[tokio::test]
+async fn a_tool_call_costs_two_round_trips_to_redis_its_loop_check_included() {
+    let redis = TestRedis::private();
+    let server = TestServer::start(&shared(&redis, "", "")).await;
+    let client = server.client(Some(&token("counted"))).await;
+    let mut per_call = Vec::new();
+    for n in 0..10 {
+        let before = redis.evalsha_calls();
+        let r = call(&client, "list_articles", json!({"query": format!("query {n}")})).await;
+        assert!(!is_error(&r), "call {n}: {}", text(&r));
+        per_call.push(redis.evalsha_calls() - before);
+    }
+    assert_eq!(per_call, [2; 10], "round trips per call");
+    // And the loop is still seen: four more of one call pass, the fifth is refused.
+    let same = json!({"query": "the same thing again"});
+    for i in 0..4 {
+        assert!(!is_error(&call(&client, "list_articles", same.clone()).await), "call {i}");
+    }
+    let before = redis.evalsha_calls();
+    assert_eq!(error_code(&call(&client, "list_articles", same).await), Some("loop_detected"));
+    assert_eq!(redis.evalsha_calls() - before, 2, "a loop is refused in the decision's own round trip");
+}
+
 #[tokio::test]
 async fn a_job_accepted_by_one_instance_can_be_polled_and_cancelled_on_another() {
     let redis = TestRedis::private();

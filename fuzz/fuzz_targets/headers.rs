@@ -10,7 +10,8 @@ use std::time::{Duration, SystemTime};
 use axum::body::Body;
 use http::{HeaderMap, HeaderValue, Request};
 use libfuzzer_sys::fuzz_target;
-use mcp_ratelimit::http::front_door::{AllowedHosts, rebinding_protection};
+use mcp_ratelimit::clock::SystemClock;
+use mcp_ratelimit::http::front_door::{AllowedHosts, FrontDoorLog, rebinding_protection};
 use mcp_ratelimit::identity::Identifier;
 use mcp_ratelimit::mcp::tools::catalogue;
 use mcp_ratelimit::upstream::backoff::parse_retry_after;
@@ -27,7 +28,8 @@ static WORLD: LazyLock<World> = LazyLock::new(|| {
     let toml = "[server]\ntrust_proxy = true\ntrusted_proxies = [\"10.0.0.0/8\", \"::1\"]\n\
                 [[auth.keys]]\nkey = \"known\"\ntenant = \"t\"\n";
     let config = Config::from_toml(toml, &catalogue()).expect("config");
-    let allowed = Arc::new(AllowedHosts::of(&config.server));
+    let log = Arc::new(FrontDoorLog::new(SystemClock::shared()));
+    let allowed = Arc::new(AllowedHosts::of(&config.server, log));
     let hosts = axum::Router::new()
         .route("/", axum::routing::post(|| async { "in" }))
         .layer(axum::middleware::from_fn_with_state(allowed, rebinding_protection));

@@ -30,7 +30,7 @@ use crate::clock::Nanos;
 use crate::guard::ToolCall;
 use crate::guard::scope::{Scope, loop_owner};
 use crate::identity::Caller;
-use crate::store::{LoopAnswer, LoopHistory};
+use crate::store::{LoopCall, LoopHistory};
 
 /// The most signatures one caller can have stopped at once. Reaching it drops the stop that
 /// ends soonest: an agent looping on that many different calls inside one window is stopped
@@ -274,8 +274,9 @@ fn push_json_string(out: &mut String, s: &str) {
 const SHARED_SIGNATURE_SEED: u64 = 0x6d63_702d_726c_6f6f;
 
 /// The loop stage of the guard: in this instance's memory, and over a shared store in its
-/// [`LoopHistory`], so that every instance sees one history per caller (the local detector
-/// decides while the shared one cannot).
+/// [`LoopHistory`], so that every instance sees one history per caller. The shared history
+/// checks a call in the same step as its budgets ([`Loops::shared_call`]); this instance's
+/// detector checks calls when there is no shared history, or while it cannot decide.
 #[derive(Debug)]
 pub struct Loops {
     local: LoopDetector,
@@ -284,13 +285,23 @@ pub struct Loops {
     window: Nanos,
 }
 
-/// A recorded call, to take back if a later step refuses it.
-#[derive(Debug, Clone, Copy)]
-pub enum LoopMark {
-    /// In this instance's detector.
-    Local(Recorded),
-    /// In the shared history, as this sequence number.
-    Shared(u64),
+/// A call as the shared loop history checks it: in the caller's history, by its signature.
+#[derive(Debug)]
+pub struct SharedLoopCall {
+    history: Arc<dyn LoopHistory>,
+    key: Scope,
+    signature: u128,
+    window: Nanos,
+    repeats: u32,
+}
+
+impl SharedLoopCall {
+    /// The history to check the call in, and the call as it is checked.
+    pub fn parts(&self) -> (&dyn LoopHistory, LoopCall<'_>) {
+        let call =
+            LoopCall { key: self.key.key(), signature: self.signature, window: self.window, repeats: self.repeats };
+        (&*self.history, call)
+    }
 }
 
 impl Loops {
@@ -299,33 +310,30 @@ impl Loops {
         Self { local: LoopDetector::new(repeats, window), shared, repeats, window }
     }
 
-    /// Records `call` by `caller` at `now`, or says it repeats a loop.
-    pub async fn check(&self, caller: &Caller, call: &ToolCall<'_>, now: Nanos) -> Result<LoopMark, Looping> {
-        if let Some(shared) = &self.shared {
-            let signature = signature(SHARED_SIGNATURE_SEED, call.tool, call.args);
-            let key = Scope::loops(caller);
-            match shared.check(key.key(), signature, self.window, self.repeats).await {
-                Ok(LoopAnswer::Recorded(seq)) => return Ok(LoopMark::Shared(seq)),
-                Ok(LoopAnswer::Looping { retry_after, oscillating }) => {
-                    return Err(Looping { retry_after, repeats: self.repeats, oscillating });
-                }
-                Err(error) => tracing::warn!(%error, "loop history unavailable in the shared store; checking locally"),
-            }
-        }
-        self.local.check(loop_owner(caller), call.tool, call.args, now).map(LoopMark::Local)
+    /// How many identical calls in a row make a loop.
+    pub fn repeats(&self) -> u32 {
+        self.repeats
     }
 
-    /// Takes back the call `mark` recorded (a later stage refused it: it does not count).
-    pub async fn forget(&self, caller: &Caller, mark: LoopMark) {
-        match (mark, &self.shared) {
-            (LoopMark::Local(recorded), _) => self.local.forget(loop_owner(caller), recorded),
-            (LoopMark::Shared(seq), Some(shared)) => {
-                if let Err(error) = shared.forget(Scope::loops(caller).key(), seq, self.window).await {
-                    tracing::warn!(%error, "could not take a call back from the shared loop history");
-                }
-            }
-            (LoopMark::Shared(_), None) => {}
-        }
+    /// `call` by `caller` as the shared history checks it, when there is one.
+    pub fn shared_call(&self, caller: &Caller, call: &ToolCall<'_>) -> Option<SharedLoopCall> {
+        Some(SharedLoopCall {
+            history: self.shared.clone()?,
+            key: Scope::loops(caller),
+            signature: signature(SHARED_SIGNATURE_SEED, call.tool, call.args),
+            window: self.window,
+            repeats: self.repeats,
+        })
+    }
+
+    /// Records `call` by `caller` at `now` in this instance's detector, or says it repeats a loop.
+    pub fn check_locally(&self, caller: &Caller, call: &ToolCall<'_>, now: Nanos) -> Result<Recorded, Looping> {
+        self.local.check(loop_owner(caller), call.tool, call.args, now)
+    }
+
+    /// Takes back a call this instance's detector recorded (a later step refused it).
+    pub fn forget(&self, caller: &Caller, recorded: Recorded) {
+        self.local.forget(loop_owner(caller), recorded);
     }
 
     /// Forgets idle histories of this instance; how many went.

@@ -35,7 +35,7 @@ use crate::activity::{Activity, Refused};
 use crate::clock::{Nanos, SharedClock, ceil_ms};
 use crate::config::{Config, Fail, Limit};
 use crate::guard::decide::Insurance;
-use crate::guard::loops::{LoopMark, Loops};
+use crate::guard::loops::{Looping, Loops, Recorded, SharedLoopCall};
 use crate::guard::plan::{Planned, http_scopes, method_scopes, status_scopes, tool_scopes};
 use crate::guard::refusal_memory::RefusalMemory;
 use crate::guard::report::{RefusalLog, budget_status, refused_by, warnings_of};
@@ -313,49 +313,57 @@ impl Guard {
         Err(refusal)
     }
 
-    /// Refuses a call that repeats the caller's recent calls in a loop; otherwise records it.
-    async fn check_loop(&self, caller: &Caller, call: &ToolCall<'_>) -> Result<Option<LoopMark>, Refusal> {
-        let Some(loops) = self.loops.as_ref().filter(|_| !call.loop_exempt) else { return Ok(None) };
-        match loops.check(caller, call, self.clock.now()).await {
-            Ok(recorded) => Ok(Some(recorded)),
-            Err(looping) => {
-                let refusal = Refusal::loop_detected(call.tool, &looping);
-                self.metrics.decision(Layer::Tool, call.tool, false);
-                self.metrics.loop_detected(call.tool);
-                self.report_refusal(
-                    caller,
-                    (Layer::Tool, call.tool),
-                    refusal.code.as_str(),
-                    ("loop", looping.retry_after),
-                );
-                Err(refusal)
-            }
-        }
+    /// Refuses a call that repeats the caller's recent calls in a loop, by this instance's
+    /// detector; otherwise records it there.
+    fn check_loop_locally(&self, loops: &Loops, caller: &Caller, call: &ToolCall<'_>) -> Result<Recorded, Refusal> {
+        loops
+            .check_locally(caller, call, self.clock.now())
+            .map_err(|looping| self.refuse_loop(caller, call.tool, &looping))
+    }
+
+    /// The refusal of a call found in a loop, counted and reported.
+    fn refuse_loop(&self, caller: &Caller, tool: &str, looping: &Looping) -> Refusal {
+        let refusal = Refusal::loop_detected(tool, looping);
+        self.metrics.decision(Layer::Tool, tool, false);
+        self.metrics.loop_detected(tool);
+        self.report_refusal(caller, (Layer::Tool, tool), refusal.code.as_str(), ("loop", looping.retry_after));
+        refusal
     }
 
     /// Charges `caller` for `call` in every scope at once, or explains exactly how long to wait
     /// for the scope that refused. A loop is refused before anything is charged, and a call
-    /// refused for budget does not count towards a loop.
+    /// refused for budget does not count towards a loop. Over a shared store the loop is
+    /// checked in the same step as the budgets (one round trip for both); this instance's
+    /// detector checks it otherwise, and while the shared store cannot decide.
     pub async fn admit(&self, caller: &Caller, call: &ToolCall<'_>) -> Result<Admission, Refusal> {
         let live = self.live.load_full();
         if !live.enabled {
             return Ok(Admission::new(Vec::new(), self.metrics.clone()));
         }
-        let recorded = self.check_loop(caller, call).await?;
-        let admitted = self.charge(&live, caller, call.tool, call.starts_job).await;
-        if let (Err(_), Some(recorded), Some(loops)) = (&admitted, recorded, &self.loops) {
-            loops.forget(caller, recorded).await;
+        let loops = self.loops.as_ref().filter(|_| !call.loop_exempt);
+        let shared = loops.and_then(|loops| loops.shared_call(caller, call));
+        let mut recorded = None;
+        if let (Some(loops), None) = (loops, &shared) {
+            recorded = Some(self.check_loop_locally(loops, caller, call)?);
+        }
+        let admitted = self.charge(&live, caller, call, shared.as_ref(), &mut recorded).await;
+        if let (Err(_), Some(recorded), Some(loops)) = (&admitted, recorded, loops) {
+            loops.forget(caller, recorded);
         }
         admitted
     }
 
+    /// [`Guard::admit`]'s decision: `shared` is the call as the shared loop history checks it,
+    /// if it does; a call this instance's detector records instead goes to `recorded`.
     async fn charge(
         &self,
         live: &LimitsInForce,
         caller: &Caller,
-        tool: &str,
-        starts_job: bool,
+        call: &ToolCall<'_>,
+        shared: Option<&SharedLoopCall>,
+        recorded: &mut Option<Recorded>,
     ) -> Result<Admission, Refusal> {
+        let (tool, starts_job) = (call.tool, call.starts_job);
         let fail = live.policy.tools.get(tool).map_or(Fail::Closed, |t| t.fail);
         let under = |p| tool_scopes(p, caller, tool, starts_job);
         let lease = new_lease();
@@ -363,9 +371,26 @@ impl Guard {
             std::iter::once(Scope::block_caller(caller)).chain(Scope::block_tenant(caller)).collect();
         let block_keys: Vec<&str> = blocks.iter().map(Scope::key).collect();
         let layer = (Layer::Tool, tool);
-        let Some(decided) = self.decide(live, under, &block_keys, lease, fail, layer).await else {
-            return Err(Refusal::limiter_unavailable(tool, STORE_RETRY_MS));
+        let looped = shared.map(SharedLoopCall::parts);
+        let decided = match self.decide_on_store(live, &under, &block_keys, lease, looped, layer).await {
+            Some(decided) => decided,
+            None => {
+                // The shared store could not decide, nor check the loop: this instance's
+                // detector does, before the insurance limiter charges anything.
+                if let (Some(_), Some(loops)) = (shared, &self.loops) {
+                    *recorded = Some(self.check_loop_locally(loops, caller, call)?);
+                }
+                let insured = self.decide_insured(live, &under, lease, fail).await;
+                insured.ok_or_else(|| Refusal::limiter_unavailable(tool, STORE_RETRY_MS))?
+            }
         };
+        if let (Some((retry_after, oscillating)), Some(loops)) = (decided.looping, &self.loops) {
+            return Err(self.refuse_loop(
+                caller,
+                tool,
+                &Looping { retry_after, repeats: loops.repeats(), oscillating },
+            ));
+        }
         if let Some((index, left)) = decided.blocked {
             return Err(self.refuse_blocked(caller, tool, blocks.get(index).map_or("block", Scope::name), left));
         }

@@ -18,23 +18,66 @@ use http::{HeaderMap, Method, StatusCode, header};
 use serde_json::json;
 use tower::{Layer, Service};
 
+use crate::clock::SharedClock;
 use crate::config::ServerConfig;
+use crate::guard::report::RefusalLog;
 use crate::identity::Identifier;
 
 /// The `Host` and `Origin` values a server answers to (`server.allowed_hosts`,
-/// `server.allowed_origins`): the state of [`rebinding_protection`].
+/// `server.allowed_origins`): the state of [`rebinding_protection`], with the log its refusals
+/// are written to.
 #[derive(Debug, Clone)]
 pub struct AllowedHosts {
     /// Accepted `Host` values (an entry without a port matches any port).
     pub hosts: Vec<String>,
     /// Further accepted `Origin` values, exactly as browsers send them.
     pub origins: Vec<String>,
+    log: Arc<FrontDoorLog>,
 }
 
 impl AllowedHosts {
-    /// The hosts and origins `server` allows.
-    pub fn of(server: &ServerConfig) -> Self {
-        Self { hosts: server.allowed_hosts.clone(), origins: server.allowed_origins.clone() }
+    /// These `hosts` and `origins`; refusals go to `log`.
+    pub fn new(hosts: Vec<String>, origins: Vec<String>, log: Arc<FrontDoorLog>) -> Self {
+        Self { hosts, origins, log }
+    }
+
+    /// The hosts and origins `server` allows; refusals go to `log`.
+    pub fn of(server: &ServerConfig, log: Arc<FrontDoorLog>) -> Self {
+        Self::new(server.allowed_hosts.clone(), server.allowed_origins.clone(), log)
+    }
+}
+
+/// What the front door refuses before any caller is known or any limit is charged, as its log
+/// counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrontDoorRefusal {
+    /// A foreign `Host` or `Origin` (403).
+    Rebinding = 0,
+    /// An `initialize` while every session of the server is taken (503).
+    SessionsTaken = 1,
+    /// An `initialize` while the unverified callers of its address hold every session they may (429).
+    AddressSessionsTaken = 2,
+}
+
+/// The front door's refusal lines. A client can send these refusals as fast as it can send
+/// requests, so, like the guard's (see [`RefusalLog`]), each kind writes a burst of ten lines,
+/// then one a second, each saying how many it stands for (`left_out`), on the app's clock.
+#[derive(Debug)]
+pub struct FrontDoorLog {
+    lines: RefusalLog,
+    clock: SharedClock,
+}
+
+impl FrontDoorLog {
+    /// A log on `clock`.
+    pub fn new(clock: SharedClock) -> Self {
+        Self { lines: RefusalLog::default(), clock }
+    }
+
+    /// Whether a refusal of `kind` may be logged now; if so, how many were left out since its
+    /// last line.
+    pub fn admit(&self, kind: FrontDoorRefusal) -> Option<u64> {
+        self.lines.admit(kind as u8, self.clock.now())
     }
 }
 
@@ -100,7 +143,9 @@ fn rebinding_problem(headers: &HeaderMap, allowed: &AllowedHosts) -> Option<&'st
 /// 403 for a foreign `Host` or `Origin`, before anything else.
 pub async fn rebinding_protection(State(allowed): State<Arc<AllowedHosts>>, request: Request, next: Next) -> Response {
     if let Some(problem) = rebinding_problem(request.headers(), &allowed) {
-        tracing::info!(problem, "refused: DNS-rebinding protection");
+        if let Some(left_out) = allowed.log.admit(FrontDoorRefusal::Rebinding) {
+            tracing::info!(problem, left_out, "refused: DNS-rebinding protection");
+        }
         return jsonrpc_error(StatusCode::FORBIDDEN, -32000, problem, None);
     }
     next.run(request).await

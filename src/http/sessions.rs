@@ -30,7 +30,7 @@ use rmcp::transport::streamable_http_server::session::local::LocalSessionManager
 use tokio::sync::Mutex;
 
 use crate::config::ServerConfig;
-use crate::http::front_door::jsonrpc_error;
+use crate::http::front_door::{FrontDoorLog, FrontDoorRefusal, jsonrpc_error};
 use crate::identity::Caller;
 
 /// Seconds a client is told to wait when every session is taken.
@@ -86,13 +86,14 @@ pub struct SessionCap {
     max: usize,
     max_per_address: usize,
     book: Arc<Mutex<Book>>,
+    log: Arc<FrontDoorLog>,
 }
 
 impl SessionCap {
     /// At most `max` sessions in `sessions`, and `max_per_address` for the unverified callers of
-    /// one address.
-    pub fn new(sessions: Arc<LocalSessionManager>, max: usize, max_per_address: usize) -> Self {
-        Self { sessions, max, max_per_address, book: Arc::default() }
+    /// one address; refusals go to `log`.
+    pub fn new(sessions: Arc<LocalSessionManager>, max: usize, max_per_address: usize, log: Arc<FrontDoorLog>) -> Self {
+        Self { sessions, max, max_per_address, book: Arc::default(), log }
     }
 }
 
@@ -210,18 +211,23 @@ pub async fn cap(State(cap): State<SessionCap>, request: Request, next: Next) ->
     }
     let (status, message) = match full {
         Full::Server => {
-            tracing::warn!(max = cap.max, "refused: every MCP session is taken (server.max_sessions)");
+            if let Some(left_out) = cap.log.admit(FrontDoorRefusal::SessionsTaken) {
+                tracing::warn!(max = cap.max, left_out, "refused: every MCP session is taken (server.max_sessions)");
+            }
             (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "Too many open sessions on this server. Retry after the delay in Retry-After.",
             )
         }
         Full::Address => {
-            tracing::info!(
-                max = cap.max_per_address,
-                "refused: the unverified callers of one address hold every session they may \
-                 (server.max_sessions_per_address)"
-            );
+            if let Some(left_out) = cap.log.admit(FrontDoorRefusal::AddressSessionsTaken) {
+                tracing::info!(
+                    max = cap.max_per_address,
+                    left_out,
+                    "refused: the unverified callers of one address hold every session they may \
+                     (server.max_sessions_per_address)"
+                );
+            }
             (
                 StatusCode::TOO_MANY_REQUESTS,
                 "Too many open sessions from this address for callers without a configured API key. Close one \

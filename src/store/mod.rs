@@ -52,6 +52,14 @@ pub enum Verdict {
         /// How long it still holds.
         left: crate::clock::Nanos,
     },
+    /// The call repeats the caller's recent calls in a loop ([`LoopHistory`]): refused for
+    /// `retry_after` before anything was decided or charged.
+    Looping {
+        /// How long until the call may be made again.
+        retry_after: crate::clock::Nanos,
+        /// Whether it was an A/B alternation rather than one call repeated.
+        oscillating: bool,
+    },
 }
 
 /// A shared store could not decide: unreachable, timed out, or it answered nonsense. The
@@ -155,22 +163,42 @@ impl dyn Store {
     pub async fn decide_all(&self, checks: &[Check<'_>], lease: Lease) -> Result<Vec<Decision>, StoreError> {
         match self.decide(checks, &[], lease).await? {
             Verdict::Decided(decisions) => Ok(decisions),
-            // Nothing was asked about: no block can hold.
-            Verdict::Blocked { .. } => Ok(Vec::new()),
+            // Nothing was asked about: no block can hold, no loop was checked.
+            Verdict::Blocked { .. } | Verdict::Looping { .. } => Ok(Vec::new()),
         }
     }
 }
 
+/// A call to check against its caller's recent calls ([`LoopHistory`]).
+#[derive(Debug, Clone, Copy)]
+pub struct LoopCall<'a> {
+    /// The caller's history (on Redis, with the hash tag of the call's other keys).
+    pub key: &'a str,
+    /// The call: its tool and canonical arguments, hashed alike on every instance.
+    pub signature: u128,
+    /// How long a call stays in the history, and a loop stays refused.
+    pub window: Nanos,
+    /// Identical calls in a row (or turns of an A/B alternation) that make a loop.
+    pub repeats: u32,
+}
+
 /// Each caller's recent calls, kept where every instance sees them (the twin of
 /// [`crate::guard::loops::LoopDetector`]), so a stuck agent round-robined over instances is
-/// stopped on its `repeats`th identical call.
+/// stopped on its `repeats`th identical call. It is a store's own ([`Store::loop_history`]),
+/// because a call is checked in the same step as its decision: loop detection costs no round
+/// trip of its own.
 pub trait LoopHistory: Send + Sync + std::fmt::Debug {
-    /// Checks a call (its `signature`) against the history under `key` and records it if it is
-    /// not a loop.
-    fn check<'a>(&'a self, key: &'a str, signature: u128, window: Nanos, repeats: u32) -> StoreFuture<'a, LoopAnswer>;
-
-    /// Takes back the call recorded as `seq` (a later step refused it).
-    fn forget<'a>(&'a self, key: &'a str, seq: u64, window: Nanos) -> StoreFuture<'a, ()>;
+    /// Checks `call` against the history under `call.key` and, unless it is a loop, decides
+    /// `checks` as [`Store::decide`] does, unless one of `blocks` holds: in one step. A loop is
+    /// refused before anything is decided or charged ([`Verdict::Looping`]); a call that a block
+    /// stops or a check refuses is not recorded (it does not count towards a loop).
+    fn decide_after_loop_check<'a>(
+        &'a self,
+        call: LoopCall<'a>,
+        checks: &'a [Check<'a>],
+        blocks: &'a [&'a str],
+        lease: Lease,
+    ) -> StoreFuture<'a, Verdict>;
 }
 
 /// The job book as every instance sees it: a versioned record per job and a few shared sets

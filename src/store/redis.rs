@@ -9,9 +9,11 @@
 //!
 //! **The scripts** live in `src/store/redis/`, one file per algorithm named after its Rust twin
 //! in [`crate::limit`] (`token_bucket.lua` beside `token_bucket.rs`), plus `prelude.lua` (exact
-//! arithmetic, time, state encoding) and the entry points (`decide.lua`, `release.lua`,
-//! `renew.lua`, `refund.lua`, `loops.lua`); `record.lua` stands alone: the write of a shared
-//! record (a job's snapshot) that never replaces a final or newer one. They are assembled into one script each with `include_str!`, loaded once with `SCRIPT LOAD`
+//! arithmetic, time, state encoding) and the entry points (`decide.lua`, which checks a call
+//! for a loop with `loop_history.lua` first, `release.lua`, `renew.lua`, `refund.lua`);
+//! `record.lua` stands alone: the write of a shared record (a job's snapshot) that never
+//! replaces a final or newer one. They are assembled into one script each with `include_str!`,
+//! loaded once with `SCRIPT LOAD`
 //! and run with `EVALSHA`; after a `SCRIPT FLUSH` or a failover, [`Script`] sees `NOSCRIPT` and
 //! loads them again.
 //!
@@ -70,22 +72,23 @@ use ::redis::{ErrorKind, RedisError, RedisResult, Script, ServerErrorKind, TlsCe
 
 use crate::clock::Nanos;
 use crate::limit::{Decision, Limiter, Shape};
-use crate::store::{Check, Verdict};
+use crate::store::{Check, LoopCall, Verdict};
 
 /// A script of the prelude, every registered algorithm's Lua twin (`redis/<name>.lua`, read at
-/// compile time: an algorithm without its twin does not build), then the entry point `entry`.
+/// compile time: an algorithm without its twin does not build), then the files `entry` names
+/// (what the entry point uses, then the entry point).
 macro_rules! with_every_algorithm {
-    (($entry:literal) $($module:ident => $name:ident $($boxed:ident)?,)*) => {
+    (($($entry:literal)+) $($module:ident => $name:ident $($boxed:ident)?,)*) => {
         concat!(
             include_str!("redis/prelude.lua"),
             $(include_str!(concat!("redis/", stringify!($module), ".lua")),)*
-            include_str!($entry),
+            $(include_str!($entry),)+
         )
     };
 }
 
-/// The decide script: the prelude, every algorithm, then the entry point.
-const DECIDE_SCRIPT: &str = crate::limit::registry!(with_every_algorithm, "redis/decide.lua");
+/// The decide script: the prelude, every algorithm, the loop history, then the entry point.
+const DECIDE_SCRIPT: &str = crate::limit::registry!(with_every_algorithm, "redis/loop_history.lua", "redis/decide.lua");
 
 /// The release script: the prelude, in-flight slots, then the entry point.
 const RELEASE_SCRIPT: &str = concat!(
@@ -101,17 +104,14 @@ const RENEW_SCRIPT: &str =
 /// The refund script: the prelude, every algorithm, then the entry point.
 const REFUND_SCRIPT: &str = crate::limit::registry!(with_every_algorithm, "redis/refund.lua");
 
-/// The loop script: the prelude, then the loop detector's twin.
-const LOOPS_SCRIPT: &str = concat!(include_str!("redis/prelude.lua"), include_str!("redis/loops.lua"));
-
 /// The record script: a shared record that a final or newer one is never replaced by.
 const RECORD_SCRIPT: &str = include_str!("redis/record.lua");
 
-/// What the loop detector's script answered to a call.
+/// What the loop history answered to a call checked alone ([`RedisStore::loop_check`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LoopAnswer {
-    /// Not a loop; recorded as this sequence number (to take it back by).
-    Recorded(u64),
+    /// Not a loop; recorded.
+    Recorded,
     /// A loop: refused for this long.
     Looping {
         /// Nanoseconds until the call may be made again.
@@ -165,6 +165,17 @@ const MAX_SPAN: Nanos = 1 << 52;
 
 /// Integers the scripts hold exactly (a clock reading in microseconds must stay below).
 const MAX_EXACT: u64 = 1 << 53;
+
+/// `signature` as 32 lowercase hex digits, without an allocation (a call's loop signature, as
+/// the loop history keeps it).
+fn hex(signature: u128) -> [u8; 32] {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = [0u8; 32];
+    for (i, digit) in out.iter_mut().enumerate() {
+        *digit = DIGITS[((signature >> (4 * (31 - i))) & 0xf) as usize];
+    }
+    out
+}
 
 /// A clock reading in whole epoch microseconds below 2^53, as the scripts read time.
 fn micros(now: Nanos) -> Result<u64, StoreError> {
@@ -246,7 +257,6 @@ pub struct RedisStore {
     decide: Script,
     release: Script,
     renew: Script,
-    loops: Script,
     refund: Script,
     record: Script,
     lease: Duration,
@@ -288,17 +298,16 @@ impl RedisStore {
         }
         let certificates = TlsCertificates { client_tls: None, root_cert: ca_pem };
         let address = target.address().to_owned();
-        let (decide, release, renew, loops, refund, record) = (
+        let (decide, release, renew, refund, record) = (
             Script::new(DECIDE_SCRIPT),
             Script::new(RELEASE_SCRIPT),
             Script::new(RENEW_SCRIPT),
-            Script::new(LOOPS_SCRIPT),
             Script::new(REFUND_SCRIPT),
             Script::new(RECORD_SCRIPT),
         );
         let connecting = async {
             let connection = target.connect(timeout, certificates).await?;
-            for script in [&decide, &release, &renew, &loops, &refund, &record] {
+            for script in [&decide, &release, &renew, &refund, &record] {
                 connection.load(script).await?;
             }
             Ok(connection)
@@ -306,7 +315,7 @@ impl RedisStore {
         let connection = bounded(&address, timeout, connecting).await?;
         let lease = DEFAULT_LEASE;
         let held = std::sync::Mutex::default();
-        Ok(RedisStore { connection, timeout, address, decide, release, renew, loops, refund, record, lease, held })
+        Ok(RedisStore { connection, timeout, address, decide, release, renew, refund, record, lease, held })
     }
 
     /// Checks that `url` has one of the forms [`RedisStore::connect`] takes, without connecting:
@@ -355,6 +364,17 @@ impl RedisStore {
     /// still expires one TTL after the write.
     pub async fn decide_at(&self, checks: &[Check<'_>], now: Nanos) -> Result<Vec<Decision>, StoreError> {
         self.run(checks, Some(micros(now)?), new_lease()).await
+    }
+
+    /// [`LoopHistory::decide_after_loop_check`](crate::store::LoopHistory::decide_after_loop_check)
+    /// without blocks, at an explicit clock reading (see [`RedisStore::decide_at`]).
+    pub async fn decide_after_loop_check_at(
+        &self,
+        call: LoopCall<'_>,
+        checks: &[Check<'_>],
+        now: Nanos,
+    ) -> Result<Verdict, StoreError> {
+        self.run_unless_blocked(checks, &[], Some(call), Some(micros(now)?), new_lease()).await
     }
 
     /// Gives back the in-flight slots `lease` holds on `key`, when the work ends. A lease that is
@@ -421,7 +441,9 @@ impl RedisStore {
 
     /// Checks a caller's call (its `signature`) against the history under `key`, as
     /// [`crate::guard::loops::LoopDetector::check`] does, and records it if it is not a loop;
-    /// at an explicit clock reading when `now` is given.
+    /// at an explicit clock reading when `now` is given. The very script a call's decision runs
+    /// ([`LoopHistory::decide_after_loop_check`](crate::store::LoopHistory::decide_after_loop_check)),
+    /// with nothing else to decide.
     pub async fn loop_check(
         &self,
         key: &str,
@@ -430,17 +452,12 @@ impl RedisStore {
         repeats: u32,
         now: Option<Nanos>,
     ) -> Result<LoopAnswer, StoreError> {
-        let mut invocation = self.loops.key(key);
-        invocation.arg(now.map(micros).transpose()?.map_or_else(String::new, |us| us.to_string()));
-        invocation.arg("check").arg(window.div_ceil(1_000)).arg(repeats).arg(format!("{signature:032x}"));
-        let reply: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
-        let value = |i: usize| reply.get(i).copied().and_then(|v| u64::try_from(v).ok());
-        match (value(0), value(1)) {
-            (Some(1), Some(seq)) => Ok(LoopAnswer::Recorded(seq)),
-            (Some(0), Some(us)) => {
-                Ok(LoopAnswer::Looping { retry_after: us.saturating_mul(1_000), oscillating: value(2) == Some(1) })
-            }
-            _ => Err(StoreError::Script { address: self.address.clone(), reason: format!("loop reply {reply:?}") }),
+        let call = LoopCall { key, signature, window, repeats };
+        let now_us = now.map(micros).transpose()?;
+        match self.run_unless_blocked(&[], &[], Some(call), now_us, new_lease()).await? {
+            Verdict::Looping { retry_after, oscillating } => Ok(LoopAnswer::Looping { retry_after, oscillating }),
+            Verdict::Decided(_) => Ok(LoopAnswer::Recorded),
+            Verdict::Blocked { .. } => Err(self.malformed("a block answered a loop check that named none".into())),
         }
     }
 
@@ -500,37 +517,38 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Takes back a call [`RedisStore::loop_check`] recorded as `seq`.
-    pub async fn loop_forget(&self, key: &str, seq: u64, window: Nanos) -> Result<(), StoreError> {
-        let mut invocation = self.loops.key(key);
-        invocation.arg("").arg("forget").arg(window.div_ceil(1_000)).arg(0).arg(seq);
-        let _: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
-        Ok(())
-    }
-
     async fn run(&self, checks: &[Check<'_>], now_us: Option<u64>, lease: Lease) -> Result<Vec<Decision>, StoreError> {
-        match self.run_unless_blocked(checks, &[], now_us, lease).await? {
+        match self.run_unless_blocked(checks, &[], None, now_us, lease).await? {
             Verdict::Decided(decisions) => Ok(decisions),
             Verdict::Blocked { .. } => Err(self.malformed("a block answered a decision that named none".into())),
+            Verdict::Looping { .. } => Err(self.malformed("a loop answered a decision that checked none".into())),
         }
     }
 
     /// [`RedisStore::decide_leased`], unless one of `blocks` (keys an operator set with
-    /// [`RedisStore::block`]) still exists: read in the same script, so a block costs no round
-    /// trip ([`Store::decide`](crate::store::Store::decide)). The block keys must share the checks' hash tag.
+    /// [`RedisStore::block`]) still exists, after checking `looped` against its loop history:
+    /// all read in the same script, so neither a block nor a loop check costs a round trip
+    /// ([`Store::decide`](crate::store::Store::decide),
+    /// [`LoopHistory`](crate::store::LoopHistory)). The block keys and the history must share
+    /// the checks' hash tag.
     async fn run_unless_blocked(
         &self,
         checks: &[Check<'_>],
         blocks: &[&str],
+        looped: Option<LoopCall<'_>>,
         now_us: Option<u64>,
         lease: Lease,
     ) -> Result<Verdict, StoreError> {
-        if checks.is_empty() {
+        if checks.is_empty() && looped.is_none() {
             return Ok(Verdict::Decided(Vec::new()));
         }
         let mut invocation = self.decide.prepare_invoke();
         invocation.arg(now_us.map_or_else(String::new, |us| us.to_string()));
         invocation.arg(lease).arg(u64::try_from(self.lease.as_micros()).unwrap_or(u64::MAX));
+        match &looped {
+            Some(call) => invocation.arg(call.window.div_ceil(1_000)).arg(call.repeats).arg(&hex(call.signature)[..]),
+            None => invocation.arg("").arg("").arg(""),
+        };
         for check in checks {
             invocation.key(check.key).arg(check.limiter.algorithm()).arg(check.limiter.capacity());
             invocation.arg(script_span(check)?).arg(check.cost).arg(u8::from(check.shadow));
@@ -538,7 +556,14 @@ impl RedisStore {
         for block in blocks {
             invocation.key(*block);
         }
+        if let Some(call) = &looped {
+            invocation.key(call.key);
+        }
         let reply: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
+        if let [-2, retry_after_us, oscillating] = reply[..] {
+            let retry_after = u64::try_from(retry_after_us).unwrap_or(0).saturating_mul(1_000);
+            return Ok(Verdict::Looping { retry_after, oscillating: oscillating == 1 });
+        }
         if let [-1, place, left_ms] = reply[..] {
             let index = usize::try_from(place - 1).ok().filter(|i| *i < blocks.len());
             let index = index.ok_or_else(|| self.malformed(format!("block reply {reply:?}")))?;

@@ -125,7 +125,8 @@ impl Upstream {
             base.set_path(&format!("{}/", base.path()));
         }
         let join = |path: &str| {
-            base.join(path).map_err(|e| ClientError::BadUrl { url: crate::redact::url(base.as_str()), reason: e.to_string() })
+            base.join(path)
+                .map_err(|e| ClientError::BadUrl { url: crate::redact::url(base.as_str()), reason: e.to_string() })
         };
         let (articles, submissions, predictions) =
             (join("v1/articles")?, join("v1/predictions")?, join("v1/predictions/")?);

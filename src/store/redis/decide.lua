@@ -3,13 +3,22 @@
 -- check on the same key), and only if ALL are allowed is every charged state written back,
 -- with a TTL at the moment it is as good as fresh. Otherwise nothing is written.
 --
+-- First, when the call has a loop check, it is checked against the caller's recent calls
+-- (loop_history.lua) in the same script, so loop detection costs no round trip of its own: a
+-- loop is refused before anything is decided or charged, with the reply {-2, retry_after (us),
+-- 1 if it was an A/B oscillation}; a call recorded there and then stopped by a block or refused
+-- by a check is taken back out (a refused call does not count towards a loop).
+--
 -- KEYS: one per check, as given; then any operator blocks (block keys with a TTL, set through
 -- the admin API): while one exists nothing is decided or charged, and the reply is
--- {-1, the block's place among them (1-based), its milliseconds left}.
+-- {-1, the block's place among them (1-based), its milliseconds left}; then, last, the caller's
+-- loop history when the call has a loop check.
 -- ARGV[1]: now in epoch microseconds, or "" to use Redis's TIME.
 -- ARGV[2], ARGV[3]: the lease in-flight slots are taken under, and its duration in us
 -- (see concurrency.lua).
--- ARGV[4..]: five per check: algorithm name, capacity, span (ns; see the prelude), cost, and
+-- ARGV[4], ARGV[5], ARGV[6]: the loop check's window (us), repeats and the call's signature,
+-- or three "" for a call without one.
+-- ARGV[7..]: five per check: algorithm name, capacity, span (ns; see the prelude), cost, and
 -- 1 for a shadow limit (its refusal does not stop the call; being refused, it charges nothing).
 -- Returns five integers per check: allowed (1 or 0), limit, remaining, retry_after (ns),
 -- reset_after (ns).
@@ -38,10 +47,38 @@ local function read_state(key)
   return { name = name, state = state }
 end
 
-local checks = (#ARGV - 3) / 5
-for b = checks + 1, #KEYS do
+local FIRST_CHECK = 7
+local checks = (#ARGV - FIRST_CHECK + 1) / 5
+-- Every algorithm named is known before anything is written (an error reply keeps writes).
+for i = 1, checks do
+  local name = ARGV[FIRST_CHECK + (i - 1) * 5]
+  if not algorithms[name] then
+    return redis.error_reply('unknown limiter algorithm "' .. tostring(name) .. '"')
+  end
+end
+
+local loop_window, loop_repeats = tonumber(ARGV[4]), tonumber(ARGV[5])
+local history = loop_window and KEYS[#KEYS]
+local recorded = nil
+if history then
+  local answer = loop_history(history, now_us, 'check', loop_window, loop_repeats, ARGV[6])
+  if answer[1] == 0 then
+    return { -2, answer[2], answer[3] }
+  end
+  recorded = answer[2]
+end
+-- The call is refused after all: it does not count towards a loop.
+local function take_back()
+  if recorded then
+    loop_history(history, now_us, 'forget', loop_window, loop_repeats, recorded)
+  end
+end
+
+local last_block = history and #KEYS - 1 or #KEYS
+for b = checks + 1, last_block do
   local left = redis.call('PTTL', KEYS[b])
   if left > 0 then
+    take_back()
     return { -1, b - checks, left }
   end
 end
@@ -52,12 +89,9 @@ local reply = {}
 local all_allowed = true
 for i = 1, checks do
   local key = KEYS[i]
-  local at = 4 + (i - 1) * 5
+  local at = FIRST_CHECK + (i - 1) * 5
   local name = ARGV[at]
   local algorithm = algorithms[name]
-  if not algorithm then
-    return redis.error_reply('unknown limiter algorithm "' .. tostring(name) .. '"')
-  end
   local limiter = {
     capacity = tonumber(ARGV[at + 1]),
     span = tonumber(ARGV[at + 2]),
@@ -99,6 +133,8 @@ if all_allowed then
       write_state(key, entry.name, entry.limiter, entry.state, now_us)
     end
   end
+else
+  take_back()
 end
 
 return reply

@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
-use super::{Held, HeldLease, Lease, LoopAnswer, RedisStore, Renewed, StoreError};
+use super::{Held, HeldLease, Lease, RedisStore, Renewed, StoreError};
 use crate::clock::Nanos;
 use crate::limit::{Decision, Limiter};
-use crate::store::{Check, JobMirror, LoopHistory, Store, StoreFuture, Verdict};
+use crate::store::{Check, JobMirror, LoopCall, LoopHistory, Store, StoreFuture, Verdict};
 
 impl RedisStore {
     fn held(&self) -> std::sync::MutexGuard<'_, Held> {
@@ -52,7 +52,7 @@ impl RedisStore {
 /// instance renews until it gives them back.
 impl Store for RedisStore {
     fn decide<'a>(&'a self, checks: &'a [Check<'a>], blocks: &'a [&'a str], lease: Lease) -> StoreFuture<'a, Verdict> {
-        Box::pin(async move { Ok(self.run_unless_blocked(checks, blocks, None, lease).await?) })
+        Box::pin(async move { Ok(self.run_unless_blocked(checks, blocks, None, None, lease).await?) })
     }
 
     fn refund<'a>(&'a self, key: &'a str, limiter: &'a Limiter, units: u64) -> StoreFuture<'a, Decision> {
@@ -124,13 +124,17 @@ impl Store for RedisStore {
     }
 }
 
+/// The loop history beside the budgets: a call's loop check is one more part of its decision's
+/// script (`loop_history.lua`, run by `decide.lua`).
 impl LoopHistory for RedisStore {
-    fn check<'a>(&'a self, key: &'a str, signature: u128, window: Nanos, repeats: u32) -> StoreFuture<'a, LoopAnswer> {
-        Box::pin(async move { Ok(self.loop_check(key, signature, window, repeats, None).await?) })
-    }
-
-    fn forget<'a>(&'a self, key: &'a str, seq: u64, window: Nanos) -> StoreFuture<'a, ()> {
-        Box::pin(async move { Ok(self.loop_forget(key, seq, window).await?) })
+    fn decide_after_loop_check<'a>(
+        &'a self,
+        call: LoopCall<'a>,
+        checks: &'a [Check<'a>],
+        blocks: &'a [&'a str],
+        lease: Lease,
+    ) -> StoreFuture<'a, Verdict> {
+        Box::pin(async move { Ok(self.run_unless_blocked(checks, blocks, Some(call), None, lease).await?) })
     }
 }
 
