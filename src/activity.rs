@@ -224,6 +224,41 @@ struct Recent {
 }
 
 impl Recent {
+    /// Each tool's refusals in the window that ends with `bucket`, by code and per bucket, the
+    /// most refused first; tools without any are left out.
+    fn tools_refused(&self, bucket: u64) -> Vec<ToolRefusals> {
+        let mut tools: Vec<ToolRefusals> = self
+            .per_tool
+            .iter()
+            .map(|(tool, series)| {
+                let mut per_bucket = [0u32; BUCKETS];
+                let mut codes: Vec<CodeCount> = series
+                    .codes
+                    .iter()
+                    .map(|(code, counts)| {
+                        let counts = counts.window(bucket);
+                        for (sum, n) in per_bucket.iter_mut().zip(counts) {
+                            *sum = sum.saturating_add(n);
+                        }
+                        CodeCount { code, refused: counts.iter().map(|&n| u64::from(n)).sum() }
+                    })
+                    .filter(|c| c.refused > 0)
+                    .collect();
+                codes.sort_by(|a, b| b.refused.cmp(&a.refused).then(a.code.cmp(b.code)));
+                ToolRefusals {
+                    tool: tool.to_string(),
+                    layer: series.layer.as_str(),
+                    refused: codes.iter().map(|c| c.refused).sum(),
+                    codes,
+                    per_bucket: per_bucket.to_vec(),
+                }
+            })
+            .filter(|t| t.refused > 0)
+            .collect();
+        tools.sort_by(|a, b| b.refused.cmp(&a.refused).then_with(|| a.tool.cmp(&b.tool)));
+        tools
+    }
+
     /// Updates the level of the (redacted) `scope` seen at `at`, making room for it if it is new;
     /// returns its shared name. (One hash lookup when it is known: this runs for every refusal.)
     fn touch(&mut self, scope: &str, at: Nanos, update: impl FnOnce(&mut Level)) -> Arc<str> {
@@ -417,35 +452,7 @@ impl Activity {
         let recent_enough = |at: Nanos| now.saturating_sub(at) < window;
         let ago_ms = |at: Nanos| now.saturating_sub(at) / NANOS_PER_MS;
         let mut recent = self.recent();
-        let mut tools: Vec<ToolRefusals> = recent
-            .per_tool
-            .iter()
-            .map(|(tool, series)| {
-                let mut per_bucket = [0u32; BUCKETS];
-                let mut codes: Vec<CodeCount> = series
-                    .codes
-                    .iter()
-                    .map(|(code, counts)| {
-                        let counts = counts.window(bucket);
-                        for (sum, n) in per_bucket.iter_mut().zip(counts) {
-                            *sum = sum.saturating_add(n);
-                        }
-                        CodeCount { code, refused: counts.iter().map(|&n| u64::from(n)).sum() }
-                    })
-                    .filter(|c| c.refused > 0)
-                    .collect();
-                codes.sort_by(|a, b| b.refused.cmp(&a.refused).then(a.code.cmp(b.code)));
-                ToolRefusals {
-                    tool: tool.to_string(),
-                    layer: series.layer.as_str(),
-                    refused: codes.iter().map(|c| c.refused).sum(),
-                    codes,
-                    per_bucket: per_bucket.to_vec(),
-                }
-            })
-            .filter(|t| t.refused > 0)
-            .collect();
-        tools.sort_by(|a, b| b.refused.cmp(&a.refused).then_with(|| a.tool.cmp(&b.tool)));
+        let tools = recent.tools_refused(bucket);
         let latest = recent
             .latest
             .iter()
