@@ -157,14 +157,19 @@ impl App {
         let allowed = Arc::new(AllowedHosts::of(server, log));
         let dashboard = dashboard::routes()
             .layer(middleware::from_fn_with_state(allowed.clone(), front_door::rebinding_protection));
+        // Outside in, as one layer (a router boxes each of its layers again for every request):
+        // DNS-rebinding protection, identity, the header checks, the coarse HTTP limit, the body
+        // deadline, the session caps; then rmcp.
+        let front_door = tower::ServiceBuilder::new()
+            .layer(middleware::from_fn_with_state(allowed, front_door::rebinding_protection))
+            .layer(IdentifyLayer::new(app.limits.identifier().clone()))
+            .layer(middleware::from_fn_with_state(server.max_body_bytes, front_door::mcp_post_checks))
+            .layer(HttpLimitLayer::new(app.limits.guard().clone()))
+            .layer(middleware::from_fn_with_state(serve::BodyDeadline::of(server), serve::read_body_by_deadline))
+            .layer(middleware::from_fn_with_state(cap, sessions::cap));
         Router::new()
             .nest_service("/mcp", Shared::new(mcp))
-            .layer(middleware::from_fn_with_state(cap, sessions::cap))
-            .layer(middleware::from_fn_with_state(serve::BodyDeadline::of(server), serve::read_body_by_deadline))
-            .layer(HttpLimitLayer::new(app.limits.guard().clone()))
-            .layer(middleware::from_fn_with_state(server.max_body_bytes, front_door::mcp_post_checks))
-            .layer(IdentifyLayer::new(app.limits.identifier().clone()))
-            .layer(middleware::from_fn_with_state(allowed, front_door::rebinding_protection))
+            .layer(front_door)
             .merge(dashboard)
             .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
             .route("/metrics", get(metrics))

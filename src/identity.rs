@@ -40,6 +40,8 @@ pub struct Caller {
     tenant: Option<Arc<str>>,
     tier: Arc<str>,
     unverified_from: Option<Arc<str>>,
+    /// [`bucket_of`] the id, computed once: every refusal reports it, some several times.
+    bucket: u8,
 }
 
 /// How a credential's caller id is derived from its SHA-256: unkeyed (the first 64 bits of the
@@ -128,6 +130,11 @@ fn tok_id(bytes: &[u8]) -> String {
 }
 
 impl Caller {
+    fn new(id: String, tenant: Option<Arc<str>>, tier: Arc<str>, unverified_from: Option<Arc<str>>) -> Self {
+        let bucket = bucket_of(&id);
+        Self { id, tenant, tier, unverified_from, bucket }
+    }
+
     fn from_digest(
         ids: &CallerIds,
         digest: &[u8; 32],
@@ -135,7 +142,7 @@ impl Caller {
         tier: Arc<str>,
         unverified_from: Option<Arc<str>>,
     ) -> Self {
-        Self { id: ids.id_of_digest(digest), tenant, tier, unverified_from }
+        Self::new(ids.id_of_digest(digest), tenant, tier, unverified_from)
     }
 
     /// A caller known by a credential (tier `default`, no tenant, not tied to an address), named
@@ -180,7 +187,7 @@ impl Caller {
     /// A small, stable bucket (0-15) for metric labels: enough to see whether rejections come
     /// from a few callers or many, never enough to name one.
     pub fn bucket(&self) -> u8 {
-        bucket_of(&self.id)
+        self.bucket
     }
 }
 
@@ -305,7 +312,7 @@ impl Identifier {
             let from = from.ok_or_else(|| UnknownCaller::NeedsAddress(id.to_owned()))?;
             let from = canonical_address(from).ok_or_else(|| UnknownCaller::BadAddress(from.to_owned()))?;
             let tier = self.anonymous_tier.clone();
-            return Ok(Caller { id: id.to_owned(), tenant: None, tier, unverified_from: Some(from.into()) });
+            return Ok(Caller::new(id.to_owned(), None, tier, Some(from.into())));
         }
         let ip = match id.strip_prefix("ip:") {
             Some("unknown") => None,
@@ -314,7 +321,7 @@ impl Identifier {
         };
         let id = ip.map_or_else(|| "ip:unknown".to_owned(), |ip| format!("ip:{ip}"));
         let from = Some(Arc::from(address_of(ip)));
-        Ok(Caller { id, tenant: None, tier: self.anonymous_tier.clone(), unverified_from: from })
+        Ok(Caller::new(id, None, self.anonymous_tier.clone(), from))
     }
 
     /// How this identifier derives caller ids from credentials.
@@ -329,7 +336,7 @@ impl Identifier {
 
     /// The single caller behind a stdio transport: the local user, trusted like a default key.
     pub fn local(&self) -> Caller {
-        Caller { id: "local".to_owned(), tenant: None, tier: Arc::from("default"), unverified_from: None }
+        Caller::new("local".to_owned(), None, Arc::from("default"), None)
     }
 
     /// Identifies the caller of an HTTP request from its credential, else its address.
@@ -357,7 +364,7 @@ impl Identifier {
                     None => "ip:unknown".to_owned(),
                 };
                 let from = Some(Arc::from(address_of(ip)));
-                Ok(Caller { id, tenant: None, tier: self.anonymous_tier.clone(), unverified_from: from })
+                Ok(Caller::new(id, None, self.anonymous_tier.clone(), from))
             }
         }
     }
