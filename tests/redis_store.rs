@@ -790,7 +790,7 @@ const LEASE: Duration = Duration::from_secs(10);
 /// and a call a check refuses is taken back out of the history, so it never counts towards a
 /// loop (the guard's order: check the loop, decide, forget a refused call; in one step).
 #[test]
-fn a_loop_checked_in_the_decision_charges_nothing_and_a_call_refused_for_budget_is_never_recorded() {
+fn a_loop_checked_in_the_decision_charges_nothing_and_a_refused_or_blocked_call_is_never_recorded() {
     use mcp_ratelimit::guard::loops::signature;
     use mcp_ratelimit::store::{LoopCall, Verdict};
     let redis = TestRedis::start();
@@ -801,7 +801,8 @@ fn a_loop_checked_in_the_decision_charges_nothing_and_a_call_refused_for_budget_
     let check = [Check { key: &budget, limiter: &bucket, cost: 1, shadow: false }];
     let same = signature(7, "list_articles", &serde_json::json!({}));
     let call = LoopCall { key: &history, signature: same, window: 60 * SEC, repeats: 5 };
-    let decide = |call, now| runtime.block_on(store.decide_after_loop_check_at(call, &check, now)).expect("decides");
+    let decide =
+        |call, now| runtime.block_on(store.decide_after_loop_check_at(call, &check, &[], now)).expect("decides");
     let allowed = |verdict: &Verdict| match verdict {
         Verdict::Decided(d) => Some((d[0].allowed, d[0].remaining)),
         _ => None,
@@ -820,6 +821,25 @@ fn a_loop_checked_in_the_decision_charges_nothing_and_a_call_refused_for_budget_
     // It charged nothing: another call finds the token that second brought.
     let other = LoopCall { signature: signature(7, "list_articles", &serde_json::json!({"page": 2})), ..call };
     assert_eq!(allowed(&decide(other, at)), Some((true, 0)));
+
+    // A call an operator's block stops is not recorded either: ten blocked, then four pass and
+    // the fifth is the loop.
+    let (history, block) = (redis.key("fold:blocked:loops"), redis.key("fold:blocked:block"));
+    let call = LoopCall { key: &history, ..call };
+    let roomy = Limiter::TokenBucket(TokenBucket::new(100, 1.0));
+    let budget = redis.key("fold:blocked:budget");
+    let check = [Check { key: &budget, limiter: &roomy, cost: 1, shadow: false }];
+    let decide = |blocks: &[&str]| {
+        runtime.block_on(store.decide_after_loop_check_at(call, &check, blocks, EPOCH)).expect("decides")
+    };
+    runtime.block_on(store.block(&block, Duration::from_secs(600))).expect("blocks");
+    for n in 0..10 {
+        assert!(matches!(decide(&[block.as_str()]), Verdict::Blocked { index: 0, .. }), "blocked {n}");
+    }
+    for n in 0..4 {
+        assert!(matches!(decide(&[]), Verdict::Decided(d) if d[0].allowed), "call {n} after the block");
+    }
+    assert!(matches!(decide(&[]), Verdict::Looping { .. }), "the fifth recorded call");
 }
 
 #[test]

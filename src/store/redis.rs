@@ -367,14 +367,15 @@ impl RedisStore {
     }
 
     /// [`LoopHistory::decide_after_loop_check`](crate::store::LoopHistory::decide_after_loop_check)
-    /// without blocks, at an explicit clock reading (see [`RedisStore::decide_at`]).
+    /// at an explicit clock reading (see [`RedisStore::decide_at`]).
     pub async fn decide_after_loop_check_at(
         &self,
         call: LoopCall<'_>,
         checks: &[Check<'_>],
+        blocks: &[&str],
         now: Nanos,
     ) -> Result<Verdict, StoreError> {
-        self.run_unless_blocked(checks, &[], Some(call), Some(micros(now)?), new_lease()).await
+        self.run_unless_blocked(checks, blocks, Some(call), Some(micros(now)?), new_lease()).await
     }
 
     /// Gives back the in-flight slots `lease` holds on `key`, when the work ends. A lease that is
