@@ -5,39 +5,16 @@
 
 mod common;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
-
 use common::*;
 use serde_json::json;
 
-#[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Capture {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Capture {
-    fn refused_lines(&self) -> Vec<String> {
-        self.lines_with("mcp_ratelimit::guard: refused ")
-    }
-
-    fn lines_with(&self, text: &str) -> Vec<String> {
-        let bytes = self.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        String::from_utf8_lossy(&bytes).lines().filter(|l| l.contains(text)).map(str::to_owned).collect()
-    }
+fn refused_lines(capture: &LogCapture) -> Vec<String> {
+    capture.lines_with("mcp_ratelimit::guard: refused ")
 }
 
 #[tokio::test]
 async fn a_refusal_storm_writes_a_few_lines_that_count_the_rest_and_the_metrics_count_every_one() {
-    let capture = Capture::default();
+    let capture = LogCapture::default();
     let writer = capture.clone();
     tracing_subscriber::fmt()
         .with_max_level(tracing::Level::INFO)
@@ -62,7 +39,7 @@ async fn a_refusal_storm_writes_a_few_lines_that_count_the_rest_and_the_metrics_
     assert_eq!(refused, 200, "40 admitted, then every call refused (the clock stands still)");
     let metrics = server.metrics().await;
     assert_eq!(metric_sum(&metrics, "mcp_ratelimit_rejections_total"), 200.0, "the metrics count every one");
-    let lines = capture.refused_lines();
+    let lines = refused_lines(&capture);
     assert_eq!(lines.len(), 10, "a burst of ten lines for the caller's bucket:\n{}", lines.join("\n"));
     // A second later one more line, standing for the 190 left out meanwhile.
     server.advance_secs(1.0);
@@ -70,7 +47,7 @@ async fn a_refusal_storm_writes_a_few_lines_that_count_the_rest_and_the_metrics_
     for n in 0..2 {
         call(&client, "list_articles", json!({ "query": format!("again {n}") })).await;
     }
-    let lines = capture.refused_lines();
+    let lines = refused_lines(&capture);
     assert_eq!(lines.len(), 11, "{}", lines.join("\n"));
     assert!(lines[10].contains("left_out=190"), "{}", lines[10]);
 

@@ -7,7 +7,6 @@
 mod common;
 
 use std::io::Write;
-use std::sync::{Arc, Mutex};
 
 use common::*;
 use mcp_ratelimit::clock::ManualClock;
@@ -15,24 +14,11 @@ use mcp_ratelimit::{App, Config};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-#[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Capture {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 const TOKEN: &str = "sk-live-DO-NOT-LOG-7f3a91c2";
 
 #[tokio::test]
 async fn the_raw_token_never_appears_in_logs_or_metrics() {
-    let capture = Capture::default();
+    let capture = LogCapture::default();
     let writer = capture.clone();
     tracing_subscriber::fmt()
         .with_max_level(tracing::Level::TRACE)
@@ -53,7 +39,7 @@ async fn the_raw_token_never_appears_in_logs_or_metrics() {
     let metrics =
         reqwest::get(format!("http://{}/metrics", server.addr)).await.expect("metrics").text().await.expect("text");
 
-    let logs = String::from_utf8_lossy(&capture.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
+    let logs = capture.text();
     assert!(logs.contains("refused"), "the capture saw the rejections:\n{logs}");
     assert!(logs.contains("rmcp::"), "the capture includes the MCP library's own trace logs");
     assert!(metrics.contains("mcp_ratelimit_rejections_total"), "{metrics}");

@@ -239,3 +239,30 @@ pub fn jsonrpc_of(body: &str) -> Value {
     let data = body.lines().filter_map(|l| l.strip_prefix("data:")).map(str::trim).find(|d| d.starts_with('{'));
     serde_json::from_str(data.unwrap_or(body)).unwrap_or(Value::Null)
 }
+
+/// Everything a `tracing` subscriber writes, kept for a test to read (install it with
+/// `with_writer(move || capture.clone())`; the subscriber is process-wide).
+#[derive(Clone, Default)]
+pub struct LogCapture(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogCapture {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl LogCapture {
+    /// All that was written so far.
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned()
+    }
+
+    /// The lines written so far that contain `text`.
+    pub fn lines_with(&self, text: &str) -> Vec<String> {
+        self.text().lines().filter(|l| l.contains(text)).map(str::to_owned).collect()
+    }
+}
