@@ -761,7 +761,7 @@ mod tests {
     fn an_unverified_callers_id_and_address_are_both_hashed_wherever_they_appear() {
         let activity = Activity::new();
         let identifier = crate::identity::Identifier::new(
-            &crate::config::Config::defaults(&crate::config::Catalogue::new()).expect("defaults"),
+            &crate::config::LimitsConfig::from_toml("", &crate::config::Catalogue::new()).expect("defaults"),
         );
         let mut headers = http::HeaderMap::new();
         headers.insert("x-api-key", http::HeaderValue::from_static("made-up"));

@@ -94,7 +94,7 @@ impl App {
             backoff: Backoff::new(up.max_attempts, Duration::from_millis(up.max_retry_after_ms)),
             refresh_wait: timeout.saturating_add(Duration::from_secs(1)),
         };
-        let limits = RateLimits::start(&config, catalogue, clock.clone()).await?;
+        let limits = RateLimits::start(&config.limiting, catalogue, clock.clone()).await?;
         let store = limits.guard().store().clone();
         let queue = Arc::new(
             FairQueue::new(
@@ -238,7 +238,7 @@ async fn answer_cancel_requests_forever(state: Arc<AppState>, stop: Cancellation
 
 /// Forgets final jobs nobody asked about for long.
 async fn sweep_forever(state: Arc<AppState>, stop: CancellationToken) {
-    let every = Duration::from_millis(state.config.store.sweep_interval_ms);
+    let every = Duration::from_millis(state.config.limiting.store.sweep_interval_ms);
     crate::clock::every(every, stop, || {
         let jobs = state.jobs.sweep();
         if jobs > 0 {

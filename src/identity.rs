@@ -31,7 +31,7 @@ use http::HeaderMap;
 use ipnet::IpNet;
 use sha2::{Digest, Sha256};
 
-use crate::config::{ApiKey, Config};
+use crate::config::{ApiKey, LimitsConfig};
 
 /// The identity a request is charged to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -56,7 +56,7 @@ pub struct CallerIds {
 
 impl CallerIds {
     /// The ids `config` asks for: keyed with its `auth.id_secret`, or unkeyed without one.
-    pub fn of(config: &Config) -> Self {
+    pub fn of(config: &LimitsConfig) -> Self {
         config.auth.id_secret.as_ref().map_or_else(Self::unkeyed, |secret| Self::keyed(secret.expose()))
     }
 
@@ -261,7 +261,7 @@ impl fmt::Debug for Identifier {
 
 impl Identifier {
     /// An identifier for `config`.
-    pub fn new(config: &Config) -> Self {
+    pub fn new(config: &LimitsConfig) -> Self {
         let keys = config
             .auth
             .keys
@@ -275,8 +275,8 @@ impl Identifier {
             ids: CallerIds::of(config),
             required: config.auth.required,
             anonymous_tier: Arc::from(config.auth.anonymous_tier.as_str()),
-            trust_proxy: config.server.trust_proxy,
-            trusted_proxies: config.server.trusted_proxies.clone(),
+            trust_proxy: config.proxies.trust_proxy,
+            trusted_proxies: config.proxies.trusted_proxies.clone(),
         }
     }
 
@@ -467,7 +467,7 @@ mod tests {
     }
 
     fn identifier(toml: &str) -> Identifier {
-        Identifier::new(&Config::from_toml(toml, &crate::config::Catalogue::new()).expect("config"))
+        Identifier::new(&LimitsConfig::from_toml(toml, &crate::config::Catalogue::new()).expect("config"))
     }
 
     fn ip(s: &str) -> Option<IpAddr> {
@@ -497,7 +497,7 @@ mod tests {
         let id = identifier("[[auth.keys]]\nkey = \"k1\"\ntenant = \"acme\"\ntier = \"admin\"\n");
         let c = id.identify(&headers(&[("x-api-key", "k1")]), None).expect("caller");
         assert_eq!((c.tenant(), c.tier()), (Some("acme"), "admin"));
-        let config = Config::from_toml(
+        let config = LimitsConfig::from_toml(
             "[[auth.keys]]\nkey = \"k1\"\ntenant = \"acme\"\ntier = \"admin\"\n",
             &crate::config::Catalogue::new(),
         )
@@ -608,7 +608,7 @@ mod tests {
              [[auth.keys]]\nsha256 = \"{}\"\n",
             Sha256::digest(b"k2").iter().map(|b| format!("{b:02x}")).collect::<String>()
         );
-        let config = Config::from_toml(&toml, &crate::config::Catalogue::new()).expect("config");
+        let config = LimitsConfig::from_toml(&toml, &crate::config::Catalogue::new()).expect("config");
         let id = Identifier::new(&config);
         let k1 = id.identify(&headers(&[("x-api-key", "k1")]), None).expect("caller");
         assert_eq!(k1.id(), CallerIds::of(&config).id_of_token("k1"));

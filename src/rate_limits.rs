@@ -2,7 +2,7 @@
 //! axum app) a budget, charges each tool its cost, caps calls in flight, and explains every
 //! refusal in words an agent can act on.
 //!
-//! Build a [`RateLimits`] from a config ([`RateLimits::from_toml`], or a [`Config`] you load or
+//! Build a [`RateLimits`] from a config ([`RateLimits::from_toml`], or a [`LimitsConfig`] you load or
 //! change in code) and the [`Catalogue`] of your tools, then use it in one or both places:
 //! - around your tools: [`LimitedRouter`](crate::mcp::limited::LimitedRouter) wraps an rmcp
 //!   `ToolRouter`, so `#[tool_handler(router = self.tools)]` guards every call;
@@ -49,7 +49,7 @@ use arc_swap::ArcSwap;
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::{SharedClock, SystemClock};
-use crate::config::{Backend, Catalogue, Config, ConfigError};
+use crate::config::{Backend, Catalogue, ConfigError, LimitsConfig};
 use crate::guard::Guard;
 use crate::http::front_door::IdentifyLayer;
 use crate::http::limit::HttpLimitLayer;
@@ -97,11 +97,11 @@ impl Drop for Inner {
 impl RateLimits {
     /// The documented defaults plus `toml`, for the tools of `tools`, on the system clock.
     pub async fn from_toml(toml: &str, tools: Catalogue) -> Result<Self, LimitsError> {
-        let config = Config::from_toml(toml, &tools)?;
+        let config = LimitsConfig::from_toml(toml, &tools)?;
         Self::start(&config, tools, SystemClock::shared()).await
     }
 
-    /// The limits of `config` (checked against `tools`, as [`Config::load`] did), with their
+    /// The limits of `config` (checked against `tools`, as [`LimitsConfig::load`] did), with their
     /// state where `store.backend` says (connecting to Redis when it says so), on `clock`.
     ///
     /// A config can be changed in code before it is used, and the guard asked directly (here on a
@@ -109,14 +109,14 @@ impl RateLimits {
     ///
     /// ```
     /// use mcp_ratelimit::clock::ManualClock;
-    /// use mcp_ratelimit::config::{Catalogue, Config, Limit};
+    /// use mcp_ratelimit::config::{Catalogue, Limit, LimitsConfig};
     /// use mcp_ratelimit::guard::ToolCall;
     /// use mcp_ratelimit::limit::{Limiter, TokenBucket};
     /// use mcp_ratelimit::RateLimits;
     ///
     /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
     /// let tools = Catalogue::new().tool("search");
-    /// let mut config = Config::from_toml("[tools.search]\ncost = 1\n", &tools)?;
+    /// let mut config = LimitsConfig::from_toml("[tools.search]\ncost = 1\n", &tools)?;
     /// // Three calls at once, then one every two seconds.
     /// config.limits.caller = vec![Limit::enforced(Limiter::TokenBucket(TokenBucket::new(3, 0.5)))];
     /// let clock = ManualClock::new();
@@ -138,7 +138,7 @@ impl RateLimits {
     /// # Ok::<(), mcp_ratelimit::rate_limits::LimitsError>(())
     /// # }).unwrap();
     /// ```
-    pub async fn start(config: &Config, tools: Catalogue, clock: SharedClock) -> Result<Self, LimitsError> {
+    pub async fn start(config: &LimitsConfig, tools: Catalogue, clock: SharedClock) -> Result<Self, LimitsError> {
         let store: Arc<dyn Store> = match config.store.backend {
             Backend::Memory => Arc::new(MemoryStore::on(clock.clone())),
             Backend::Redis => {
@@ -195,7 +195,7 @@ impl RateLimits {
 
     /// Puts the limits, keys and tenants of `config` in force from the next decision on; usage
     /// carries over (see [`Guard::reload`]).
-    pub fn reload(&self, config: &Config) {
+    pub fn reload(&self, config: &LimitsConfig) {
         if self.inner.identifier.load().ids() != &crate::identity::CallerIds::of(config) {
             // Every budget hangs on a caller id: new ids are new, full budgets.
             tracing::warn!("auth.id_secret changed: every key's caller id is new, so its budgets start afresh");

@@ -81,15 +81,15 @@ impl AppState {
 
     /// Makes the limits of `config` live (see the module doc for what a reload changes).
     pub fn reload(&self, config: &Config) -> Reloaded {
-        self.limits.reload(config);
+        self.limits.reload(&config.limiting);
         let running = &self.config;
         let mut need_restart = Vec::new();
         for (key, changed) in [
             ("server.listen", running.server.listen != config.server.listen),
             ("server.allowed_hosts", running.server.allowed_hosts != config.server.allowed_hosts),
             ("server.max_body_bytes", running.server.max_body_bytes != config.server.max_body_bytes),
-            ("store.backend", running.store.backend != config.store.backend),
-            ("store.redis_url", running.store.redis_url != config.store.redis_url),
+            ("store.backend", running.limiting.store.backend != config.limiting.store.backend),
+            ("store.redis_url", running.limiting.store.redis_url != config.limiting.store.redis_url),
             ("server.max_sessions", running.server.max_sessions != config.server.max_sessions),
             (
                 "server.max_sessions_per_address",
@@ -99,7 +99,10 @@ impl AppState {
             ("upstream.max_in_flight", running.upstream.max_in_flight != config.upstream.max_in_flight),
             ("upstream.queue_max", running.upstream.queue_max != config.upstream.queue_max),
             ("upstream.unverified_share", running.upstream.unverified_share != config.upstream.unverified_share),
-            ("loop_detection", format!("{:?}", running.loop_detection) != format!("{:?}", config.loop_detection)),
+            (
+                "loop_detection",
+                format!("{:?}", running.limiting.loop_detection) != format!("{:?}", config.limiting.loop_detection),
+            ),
         ] {
             if changed {
                 need_restart.push(key);

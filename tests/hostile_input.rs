@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use mcp_ratelimit::Config;
+use mcp_ratelimit::config::LimitsConfig;
 use mcp_ratelimit::identity::Identifier;
 use proptest::prelude::*;
 use serde_json::json;
@@ -22,7 +22,7 @@ proptest! {
         auth in header_bytes(), key in header_bytes(), forwarded in header_bytes(), trust in any::<bool>(),
     ) {
         let toml = format!("[server]\ntrust_proxy = {trust}\n[[auth.keys]]\nkey = \"known\"\ntenant = \"t\"\n");
-        let identifier = Identifier::new(&Config::from_toml(&toml, &mcp_ratelimit::mcp::tools::catalogue()).expect("config"));
+        let identifier = Identifier::new(&LimitsConfig::from_toml(&toml, &mcp_ratelimit::mcp::tools::catalogue()).expect("config"));
         let mut headers = http::HeaderMap::new();
         for (name, bytes) in [("authorization", &auth), ("x-api-key", &key), ("x-forwarded-for", &forwarded)] {
             // Every generated value is one HTTP lets through, so every case tests what it says.

@@ -7,8 +7,8 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use mcp_ratelimit::Config;
 use mcp_ratelimit::clock::ManualClock;
+use mcp_ratelimit::config::LimitsConfig;
 use mcp_ratelimit::guard::{Guard, ToolCall};
 use mcp_ratelimit::identity::Caller;
 use mcp_ratelimit::metrics::Metrics;
@@ -94,7 +94,7 @@ async fn a_cancelled_call_gives_its_slot_back() {
 
 #[tokio::test]
 async fn a_dropped_admission_gives_its_slot_back_even_when_its_task_is_aborted() {
-    let config = Config::from_toml(&two_slots(""), &mcp_ratelimit::mcp::tools::catalogue()).expect("config");
+    let config = LimitsConfig::from_toml(&two_slots(""), &mcp_ratelimit::mcp::tools::catalogue()).expect("config");
     let metrics = Arc::new(Metrics::new(&mcp_ratelimit::mcp::tools::catalogue()));
     let clock = ManualClock::new();
     let guard = Guard::new(Arc::new(MemoryStore::on(clock.clone())), clock, &config, metrics.clone());

@@ -8,7 +8,7 @@ use axum::body::Body;
 use axum::response::Response;
 use http::{Request, StatusCode};
 use mcp_ratelimit::clock::ManualClock;
-use mcp_ratelimit::config::{Catalogue, Config};
+use mcp_ratelimit::config::{Catalogue, LimitsConfig};
 use mcp_ratelimit::guard::Guard;
 use mcp_ratelimit::http::front_door::{AllowedHosts, FrontDoorLog, IdentifyLayer, rebinding_protection};
 use mcp_ratelimit::http::limit::HttpLimitLayer;
@@ -23,8 +23,8 @@ async fn echo_caller(request: Request<Body>) -> Result<Response, std::convert::I
     Ok(Response::new(Body::from(who)))
 }
 
-fn config(toml: &str) -> Config {
-    Config::from_toml(toml, &Catalogue::new()).expect("config")
+fn config(toml: &str) -> LimitsConfig {
+    LimitsConfig::from_toml(toml, &Catalogue::new()).expect("config")
 }
 
 fn post() -> Request<Body> {

@@ -137,6 +137,7 @@ pub async fn keys(State(app): State<Arc<AppState>>) -> Answer {
     tracing::info!(action = "list_keys", "admin action");
     let keys: Vec<Value> = app
         .config
+        .limiting
         .auth
         .keys
         .iter()
@@ -165,6 +166,7 @@ async fn inspect(app: &AppState, target: Target) -> Answer {
             let tenant = member.tenant().unwrap_or_default();
             let callers: Vec<String> = app
                 .config
+                .limiting
                 .auth
                 .keys
                 .iter()

@@ -17,7 +17,8 @@
 //! | `[upstream]`, `[mock_upstream]` | [`upstream`] |
 //!
 //! This file loads the layers and calls each section's `validate` in turn; `table.rs` prints the
-//! effective limits for `check-config`.
+//! effective limits for `check-config`. The result is the limits' part ([`LimitsConfig`], all the
+//! library reads) and the server's part around it ([`Config`]).
 
 pub mod auth;
 pub mod limits;
@@ -35,7 +36,7 @@ use serde::Deserialize;
 
 pub use auth::{ApiKey, AuthConfig};
 pub use limits::{Limit, Limits, METHOD_GROUPS, Mode};
-pub use server::{AdminConfig, ServerConfig};
+pub use server::{AdminConfig, ProxyTrust, ServerConfig};
 pub use spend::{SpendCaps, TenantOverride};
 pub use store::{Backend, LoopDetectionConfig, StoreConfig};
 pub use tools::{Fail, ToolPolicy};
@@ -126,11 +127,38 @@ fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { key: key.into(), message: message.into() }
 }
 
-/// The validated configuration the server runs on.
+/// The validated configuration the server runs on: the limits' own ([`LimitsConfig`], all a
+/// library user needs), and the server's listeners, paid API and mock around them.
 #[derive(Debug, Clone)]
 pub struct Config {
+    /// Every budget, cost and cap, who callers are, and where the state lives.
+    pub limiting: LimitsConfig,
     /// The HTTP transport.
     pub server: ServerConfig,
+    /// The paid API behind the tools.
+    pub upstream: UpstreamConfig,
+    /// The mock paid API's knobs.
+    pub mock_upstream: MockUpstreamConfig,
+    /// The admin API's listener and key.
+    pub admin: AdminConfig,
+}
+
+/// The limits' configuration, which is all [`RateLimits`](crate::RateLimits) and the
+/// [`Guard`](crate::guard::Guard) read: `[limits]`, `[tools.NAME]`, `[auth]`, `[tiers]`,
+/// `[spend_caps]`, `[tenants.NAME]`, `[store]`, `[loop_detection]`, and the two `[server]` keys
+/// that name callers behind a proxy. It is read from the same file as the server's, under the
+/// same keys.
+///
+/// ```
+/// use mcp_ratelimit::config::{Catalogue, LimitsConfig};
+///
+/// let tools = Catalogue::new().tool("search");
+/// let limits = LimitsConfig::from_toml("[tools.search]\ncost = 2\n", &tools)?;
+/// assert_eq!(limits.tools["search"].cost, 2);
+/// # Ok::<(), mcp_ratelimit::config::ConfigError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct LimitsConfig {
     /// API keys, tenants and whether a key is required.
     pub auth: AuthConfig,
     /// Tier name → factor applied to the per-caller budgets (`http`, `method`, `caller`).
@@ -143,16 +171,26 @@ pub struct Config {
     pub tenants: BTreeMap<String, TenantOverride>,
     /// Each tool's cost and optional own budget; every tool has an entry.
     pub tools: BTreeMap<String, ToolPolicy>,
-    /// The paid API behind the tools.
-    pub upstream: UpstreamConfig,
-    /// State housekeeping.
+    /// Where the state lives, and its housekeeping.
     pub store: StoreConfig,
     /// Stuck agents repeating the same call.
     pub loop_detection: LoopDetectionConfig,
-    /// The mock paid API's knobs.
-    pub mock_upstream: MockUpstreamConfig,
-    /// The admin API's listener and key.
-    pub admin: AdminConfig,
+    /// Whose `X-Forwarded-For` names the caller.
+    pub proxies: ProxyTrust,
+}
+
+impl LimitsConfig {
+    /// The documented defaults plus `toml`, checked against `tools`, as [`Config::from_toml`]
+    /// checks them; the server's sections, when `toml` has them, are checked and left out.
+    pub fn from_toml(toml: &str, tools: &Catalogue) -> Result<Self, ConfigError> {
+        Config::from_toml(toml, tools).map(|config| config.limiting)
+    }
+
+    /// The layers [`Config::load`] reads (the defaults, `file` or `./config.toml`, then
+    /// `MCP_RL__SECTION__KEY` variables), checked against `tools`, keeping the limits' part.
+    pub fn load(file: Option<&Path>, tools: &Catalogue) -> Result<Self, ConfigError> {
+        Config::load(file, tools).map(|config| config.limiting)
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -197,7 +235,7 @@ impl Config {
     ///
     /// let tools = Catalogue::new().tool("search");
     /// let config = Config::from_toml("[tools.search]\ncost = 2\n", &tools)?;
-    /// assert_eq!(config.tools["search"].cost, 2);
+    /// assert_eq!(config.limiting.tools["search"].cost, 2);
     /// // A tool the server does not have is a mistake, named with the key to fix.
     /// let typo = Config::from_toml("[tools.serach]\ncost = 2\n", &tools).unwrap_err();
     /// assert!(typo.to_string().contains("tools.serach"));
@@ -271,7 +309,7 @@ impl RawConfig {
         spend::caps_cover_costs(&spend_caps, &tenants, &tools)?;
         let shared = (self.store.backend == Backend::Redis).then_some(self.store.expected_instances);
         tools::costs_fit(&tools, &self.tiers, &limits, &tenants, &auth.keys, &spend_caps, shared)?;
-        let server = self.server.validate()?;
+        let (server, proxies) = self.server.validate()?;
         self.upstream.validate()?;
         self.store.validate()?;
         if self.store.backend == Backend::Redis {
@@ -280,20 +318,18 @@ impl RawConfig {
         self.loop_detection.validate()?;
         self.mock_upstream.validate()?;
         let admin = self.admin.validate()?;
-        Ok(Config {
-            admin,
-            server,
+        let limiting = LimitsConfig {
             auth,
             tiers: self.tiers,
             limits,
             spend_caps,
             tenants,
             tools,
-            upstream: self.upstream,
             store: self.store,
             loop_detection: self.loop_detection,
-            mock_upstream: self.mock_upstream,
-        })
+            proxies,
+        };
+        Ok(Config { limiting, server, upstream: self.upstream, mock_upstream: self.mock_upstream, admin })
     }
 }
 

@@ -20,10 +20,6 @@ pub struct ServerConfig {
     pub allowed_origins: Vec<String>,
     /// Largest accepted body on `/mcp`.
     pub max_body_bytes: usize,
-    /// Whether `X-Forwarded-For` from a trusted proxy names the caller.
-    pub trust_proxy: bool,
-    /// Proxies whose `X-Forwarded-For` is believed.
-    pub trusted_proxies: Vec<IpNet>,
     /// An MCP session with no message for this long is closed and forgotten.
     pub session_idle_timeout: Duration,
     /// MCP sessions open at once; an `initialize` beyond them gets 503.
@@ -35,6 +31,17 @@ pub struct ServerConfig {
     pub header_read_timeout: Duration,
     /// The longest a client may take to send a request's body, from its headers on.
     pub body_read_timeout: Duration,
+}
+
+/// The part of `[server]` that names callers (`trust_proxy`, `trusted_proxies`): the limits read
+/// it to tell one unverified caller from another, so it belongs to their configuration
+/// ([`LimitsConfig`](super::LimitsConfig)), not to the listener's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProxyTrust {
+    /// Whether `X-Forwarded-For` from a trusted proxy names the caller.
+    pub trust_proxy: bool,
+    /// Proxies whose `X-Forwarded-For` is believed.
+    pub trusted_proxies: Vec<IpNet>,
 }
 
 /// `[admin]`: the operator's API, on a listener of its own.
@@ -73,8 +80,9 @@ pub(super) struct RawServer {
 }
 
 impl RawServer {
-    /// The section, checked: every key named in its error.
-    pub(super) fn validate(self) -> Result<ServerConfig, ConfigError> {
+    /// The section, checked: every key named in its error. The listener's part, and the part that
+    /// names callers.
+    pub(super) fn validate(self) -> Result<(ServerConfig, ProxyTrust), ConfigError> {
         if self.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be at least 1"));
         }
@@ -115,19 +123,18 @@ impl RawServer {
             })?;
             trusted_proxies.push(net);
         }
-        Ok(ServerConfig {
+        let server = ServerConfig {
             listen: self.listen,
             allowed_hosts: self.allowed_hosts,
             allowed_origins: self.allowed_origins,
             max_body_bytes: self.max_body_bytes,
-            trust_proxy: self.trust_proxy,
-            trusted_proxies,
             session_idle_timeout: Duration::from_secs(self.session_idle_timeout_seconds),
             max_sessions: self.max_sessions,
             max_sessions_per_address: self.max_sessions_per_address,
             header_read_timeout: Duration::from_millis(self.header_read_timeout_ms),
             body_read_timeout: Duration::from_millis(self.body_read_timeout_ms),
-        })
+        };
+        Ok((server, ProxyTrust { trust_proxy: self.trust_proxy, trusted_proxies }))
     }
 }
 

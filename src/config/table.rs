@@ -10,7 +10,7 @@ impl Config {
     pub fn limits_table(&self) -> String {
         let mut out = String::new();
         let _ = writeln!(out, "{:<34} {:<15} parameters", "scope", "algorithm");
-        let limits = &self.limits;
+        let limits = &self.limiting.limits;
         let in_flight = [
             Limit::enforced(limits.in_flight_caller.clone()),
             Limit::enforced(limits.in_flight_tenant.clone()),
@@ -36,20 +36,20 @@ impl Config {
                     writeln!(out, "{scope:<34} {:<15} {}{shadow}", limit.limiter.algorithm(), limit.limiter.describe());
             }
         }
-        if let Some(cap) = self.spend_caps.daily_units {
+        if let Some(cap) = self.limiting.spend_caps.daily_units {
             let _ =
                 writeln!(out, "{:<34} {:<15} {cap} cost units per UTC day", "spend cap (per tenant)", "fixed_window");
         }
         let _ = writeln!(out);
-        let tiers: Vec<String> = self.tiers.iter().map(|(t, f)| format!("{t} ×{f}")).collect();
+        let tiers: Vec<String> = self.limiting.tiers.iter().map(|(t, f)| format!("{t} ×{f}")).collect();
         let _ = writeln!(out, "tiers (scale per-caller scopes): {}", tiers.join(", "));
         let _ = writeln!(
             out,
             "auth: {} configured key(s), key required: {}, anonymous tier: {}, caller ids: {}",
-            self.auth.keys.len(),
-            self.auth.required,
-            self.auth.anonymous_tier,
-            if self.auth.id_secret.is_some() { "keyed (auth.id_secret)" } else { "unkeyed SHA-256" }
+            self.limiting.auth.keys.len(),
+            self.limiting.auth.required,
+            self.limiting.auth.anonymous_tier,
+            if self.limiting.auth.id_secret.is_some() { "keyed (auth.id_secret)" } else { "unkeyed SHA-256" }
         );
         let up = &self.upstream;
         let _ = writeln!(
@@ -64,7 +64,7 @@ impl Config {
         );
         let _ = writeln!(out);
         let _ = writeln!(out, "{:<34} {:<6} own budget (per tenant, address or caller; in calls)", "tool", "cost");
-        for (tool, policy) in &self.tools {
+        for (tool, policy) in &self.limiting.tools {
             let budget: Vec<String> =
                 policy.budget.iter().map(|b| format!("{} {}", b.limiter.algorithm(), b.limiter.describe())).collect();
             let budget = if budget.is_empty() { "-".to_owned() } else { budget.join(" + ") };

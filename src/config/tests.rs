@@ -29,14 +29,14 @@ fn err(toml: &str) -> String {
 #[test]
 fn documented_defaults_load() {
     let c = Config::from_toml_test("").expect("defaults are valid");
-    assert_eq!(c.limits.caller[0].limiter.capacity(), 60);
-    assert_eq!(c.tools["generate_image_to_video"].cost, 20);
-    assert_eq!(c.tools.len(), reference().names().count());
+    assert_eq!(c.limiting.limits.caller[0].limiter.capacity(), 60);
+    assert_eq!(c.limiting.tools["generate_image_to_video"].cost, 20);
+    assert_eq!(c.limiting.tools.len(), reference().names().count());
     // Without those tools in the catalogue, their default prices are not loaded.
     assert!(Config::defaults(&Catalogue::new().tool("search")).is_err(), "search has no cost");
     let other = Config::from_toml("[tools.search]\ncost = 3\n", &Catalogue::new().tool("search"))
         .expect("another server's catalogue");
-    assert_eq!(other.tools.keys().collect::<Vec<_>>(), ["search"]);
+    assert_eq!(other.limiting.tools.keys().collect::<Vec<_>>(), ["search"]);
 }
 
 #[test]
@@ -71,7 +71,7 @@ fn every_algorithm_can_be_selected_with_its_own_parameters() {
         ("algorithm = \"concurrency\"\nmax_in_flight = 100", "concurrency"),
     ] {
         let c = Config::from_toml_test(&format!("[limits.caller]\n{toml}\n")).expect(name);
-        assert_eq!(c.limits.caller[0].limiter.algorithm(), name);
+        assert_eq!(c.limiting.limits.caller[0].limiter.algorithm(), name);
     }
 }
 
@@ -116,9 +116,9 @@ fn the_raw_config_prints_no_secret_either() {
 fn a_short_id_secret_is_refused_without_showing_it() {
     let e = err("[auth]\nid_secret = \"too-short\"\n");
     assert!(e.contains("auth.id_secret") && e.contains("16") && !e.contains("too-short"), "{e}");
-    assert!(Config::from_toml_test("[auth]\nid_secret = \"  \"\n").expect("blank").auth.id_secret.is_none());
+    assert!(Config::from_toml_test("[auth]\nid_secret = \"  \"\n").expect("blank").limiting.auth.id_secret.is_none());
     let on = Config::from_toml_test("[auth]\nid_secret = \" 0123456789abcdef \"\n").expect("16 characters");
-    assert_eq!(on.auth.id_secret.as_ref().map(Secret::expose), Some("0123456789abcdef"), "trimmed");
+    assert_eq!(on.limiting.auth.id_secret.as_ref().map(Secret::expose), Some("0123456789abcdef"), "trimmed");
     assert!(on.limits_table().contains("caller ids: keyed (auth.id_secret)"), "{}", on.limits_table());
     assert!(!format!("{on:?}{on:#?}").contains("0123456789abcdef"), "the secret never shows in a Debug print");
 }

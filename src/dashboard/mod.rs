@@ -255,7 +255,7 @@ impl DashboardData {
                 failures_to_open: upstream.breaker_failures,
             },
             store: StoreNow {
-                backend: match app.config.store.backend {
+                backend: match app.config.limiting.store.backend {
                     Backend::Memory => "memory",
                     Backend::Redis => "redis",
                 },

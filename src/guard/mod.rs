@@ -33,7 +33,7 @@ use arc_swap::ArcSwap;
 
 use crate::activity::{Activity, Refused};
 use crate::clock::{Nanos, SharedClock, ceil_ms};
-use crate::config::{Config, Fail, Limit};
+use crate::config::{Fail, Limit, LimitsConfig};
 use crate::guard::decide::Insurance;
 use crate::guard::loops::{Looping, Loops, Recorded, SharedLoopCall};
 use crate::guard::plan::{Planned, http_scopes, method_scopes, status_scopes, tool_scopes};
@@ -139,7 +139,7 @@ struct LimitsInForce {
 }
 
 impl LimitsInForce {
-    fn new(config: &Config, insured: bool) -> Self {
+    fn new(config: &LimitsConfig, insured: bool) -> Self {
         let policy = Policy::new(config);
         let insurance = insured.then(|| policy.scaled(1.0 / config.store.expected_instances as f64));
         Self { enabled: config.limits.enabled, policy: Arc::new(policy), insurance }
@@ -149,7 +149,7 @@ impl LimitsInForce {
 impl Guard {
     /// A guard over `store` with the limits of `config` (over a shared store, add the insurance
     /// limiter for when it cannot decide with [`Guard::insured_by`]).
-    pub fn new(store: Arc<dyn Store>, clock: SharedClock, config: &Config, metrics: Arc<Metrics>) -> Self {
+    pub fn new(store: Arc<dyn Store>, clock: SharedClock, config: &LimitsConfig, metrics: Arc<Metrics>) -> Self {
         let detection = &config.loop_detection;
         let window = detection.window_ms.saturating_mul(crate::clock::NANOS_PER_MS);
         let loops = detection.enabled.then(|| Loops::new(detection.repeats, window, store.clone().loop_history()));
@@ -169,7 +169,7 @@ impl Guard {
     /// This guard with an insurance limiter in `local` (a store of this process alone): while the
     /// shared store cannot decide, it decides the tools that fail open, with every limit divided
     /// by `store.expected_instances` of `config`.
-    pub fn insured_by(mut self, local: Arc<dyn Store>, config: &Config) -> Self {
+    pub fn insured_by(mut self, local: Arc<dyn Store>, config: &LimitsConfig) -> Self {
         self.insurance = Some(Insurance {
             store: local,
             shared_down: crate::breaker::Breaker::new(1, decide::STORE_PROBE_EVERY),
@@ -192,7 +192,7 @@ impl Guard {
     /// Puts the limits of `config` in force for every decision from now on. Usage carries over:
     /// the state lives under scope keys that do not depend on the limits' numbers. Refusals the
     /// shared store made under the old limits are forgotten, so a looser limit applies at once.
-    pub fn reload(&self, config: &Config) {
+    pub fn reload(&self, config: &LimitsConfig) {
         self.live.store(Arc::new(LimitsInForce::new(config, self.insurance.is_some())));
         if let Some(insurance) = &self.insurance {
             insurance.refused.clear();

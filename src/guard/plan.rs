@@ -129,7 +129,7 @@ pub fn checks_of<'a>(scopes: &'a [Planned<'a>]) -> Vec<Check<'a>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Catalogue, Config};
+    use crate::config::{Catalogue, LimitsConfig};
     use crate::identity::Identifier;
 
     fn names(scopes: &[Planned<'_>]) -> Vec<String> {
@@ -139,7 +139,7 @@ mod tests {
     fn policy(search_cost: u64, toml: &str) -> (Policy, Identifier) {
         let tools = Catalogue::new().tool("search").job("render");
         let toml = format!("[tools.search]\ncost = {search_cost}\n[tools.render]\ncost = 5\n{toml}");
-        let config = Config::from_toml(&toml, &tools).expect("config");
+        let config = LimitsConfig::from_toml(&toml, &tools).expect("config");
         (Policy::new(&config), Identifier::new(&config))
     }
 

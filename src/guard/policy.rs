@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::config::{Config, Limit, ToolPolicy};
+use crate::config::{Limit, LimitsConfig, ToolPolicy};
 use crate::identity::{Caller, CallerIds};
 use crate::limit::{FixedWindow, Limiter};
 
@@ -109,7 +109,7 @@ pub struct Policy {
 
 impl Policy {
     /// Resolves `config` into per-tier limits.
-    pub fn new(config: &Config) -> Self {
+    pub fn new(config: &LimitsConfig) -> Self {
         let l = &config.limits;
         let base = TierLimits {
             http: l.http.clone(),

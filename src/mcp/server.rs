@@ -131,9 +131,10 @@ impl ServerHandler for McpServer {
                  sooner than next_poll_in_seconds; each job holds one of your {} in-flight slots until it is \
                  final (cancel_prediction frees it). Repeating the exact same call is refused as a loop. Your \
                  budget: {}.",
-                self.app.config.limits.in_flight_caller.capacity(),
+                self.app.config.limiting.limits.in_flight_caller.capacity(),
                 self.app
                     .config
+                    .limiting
                     .limits
                     .caller
                     .iter()

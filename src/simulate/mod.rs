@@ -277,7 +277,7 @@ pub fn run(config: &Config, plan: &Plan) -> Result<Report, SimulateError> {
         })
         .collect::<Result<Vec<&'static str>, _>>()?;
     let tool = pick_tool(config, plan.tool.as_deref())?;
-    let cost = config.tools.get(tool).map_or(0, |t| t.cost);
+    let cost = config.limiting.tools.get(tool).map_or(0, |t| t.cost);
     let (caller, who) = simulated_caller(config)?;
     let starts_job = starts_job(tool);
 
@@ -337,8 +337,8 @@ pub fn run(config: &Config, plan: &Plan) -> Result<Report, SimulateError> {
         caller: who,
         scopes,
         binding,
-        loop_detection: config.loop_detection.enabled,
-        limits_enabled: config.limits.enabled,
+        loop_detection: config.limiting.loop_detection.enabled,
+        limits_enabled: config.limiting.limits.enabled,
         shapes,
     })
 }
@@ -370,7 +370,7 @@ fn replay_all(replays: &[(Shape, &'static str, Replay<'_>)], budget: &Budget) ->
 /// A guard on its own memory store and `clock`: what the server builds, minus the transports.
 fn guard(config: &Config, clock: Arc<ManualClock>) -> Guard {
     let clock: SharedClock = clock;
-    Guard::new(Arc::new(MemoryStore::on(clock.clone())), clock, config, Arc::new(Metrics::default()))
+    Guard::new(Arc::new(MemoryStore::on(clock.clone())), clock, &config.limiting, Arc::new(Metrics::default()))
 }
 
 /// Each shape's draws depend on the seed and the shape alone, so every algorithm meets the same
@@ -384,13 +384,13 @@ fn seed_of(seed: u64, shape: Shape) -> u64 {
 /// slots, which would mix a slot cap into a comparison of rates).
 fn pick_tool<'c>(config: &'c Config, asked: Option<&str>) -> Result<&'c str, SimulateError> {
     if let Some(asked) = asked {
-        let Some((name, policy)) = config.tools.get_key_value(asked) else {
-            let known = config.tools.keys().cloned().collect();
+        let Some((name, policy)) = config.limiting.tools.get_key_value(asked) else {
+            let known = config.limiting.tools.keys().cloned().collect();
             return Err(SimulateError::UnknownTool { tool: asked.to_owned(), known });
         };
         return if policy.cost == 0 { Err(SimulateError::FreeTool(name.clone())) } else { Ok(name) };
     }
-    let paid = || config.tools.iter().filter(|(_, policy)| policy.cost > 0);
+    let paid = || config.limiting.tools.iter().filter(|(_, policy)| policy.cost > 0);
     let costliest = |tools: Vec<(&'c String, u64)>| tools.into_iter().max_by_key(|(_, cost)| *cost).map(|(t, _)| t);
     costliest(paid().filter(|(tool, _)| !starts_job(tool)).map(|(t, p)| (t, p.cost)).collect())
         .or_else(|| costliest(paid().map(|(t, p)| (t, p.cost)).collect()))
@@ -402,16 +402,16 @@ fn pick_tool<'c>(config: &'c Config, asked: Option<&str>) -> Result<&'c str, Sim
 /// is not configured, named by the server's own [`Identifier`] as it would be over HTTP from
 /// loopback (the anonymous tier, and its address's budget too).
 fn simulated_caller(config: &Config) -> Result<(Caller, String), SimulateError> {
-    if let Some(key) = config.auth.keys.first() {
+    if let Some(key) = config.limiting.auth.keys.first() {
         let tenant = key.tenant.as_deref().map_or_else(|| "no tenant".to_owned(), |t| format!("tenant {t}"));
         return Ok((
-            Caller::of_key(key, &CallerIds::of(config)),
+            Caller::of_key(key, &CallerIds::of(&config.limiting)),
             format!("the first configured key ({tenant}, tier {})", key.tier),
         ));
     }
     let mut headers = http::HeaderMap::new();
     headers.insert(http::header::AUTHORIZATION, http::HeaderValue::from_static("Bearer simulated-agent"));
-    let caller = Identifier::new(config).identify(&headers, Some(IpAddr::V4(Ipv4Addr::LOCALHOST)))?;
+    let caller = Identifier::new(&config.limiting).identify(&headers, Some(IpAddr::V4(Ipv4Addr::LOCALHOST)))?;
     let who = format!("an agent with a key that is not configured, from 127.0.0.1 (tier {})", caller.tier());
     Ok((caller, who))
 }
@@ -420,8 +420,8 @@ fn simulated_caller(config: &Config) -> Result<(Caller, String), SimulateError> 
 /// keeping its capacity and rate; `Err` with the reason when the algorithm cannot hold a rate.
 fn with_algorithm(config: &Config, tool: &str, algorithm: &str) -> Result<Config, &'static str> {
     let mut config = config.clone();
-    let limits = &mut config.limits;
-    let own = config.tools.get_mut(tool).map(|t| &mut t.budget);
+    let limits = &mut config.limiting.limits;
+    let own = config.limiting.tools.get_mut(tool).map(|t| &mut t.budget);
     for limits in
         [&mut limits.tools_call, &mut limits.caller, &mut limits.tenant, &mut limits.address].into_iter().chain(own)
     {
