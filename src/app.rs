@@ -148,22 +148,21 @@ impl App {
         let session_manager = sessions::manager(server);
         let log = Arc::new(FrontDoorLog::new(app.clock.clone()));
         let (max, per_address) = (server.max_sessions, server.max_sessions_per_address);
-        let cap = sessions::SessionCap::new(session_manager.clone(), max, per_address, log.clone());
+        let cap = Arc::new(sessions::SessionCap::new(session_manager.clone(), max, per_address, log.clone()));
         let mcp = StreamableHttpService::new(
             move || Ok(McpServer::new(shared.clone(), Transport::Http)),
             session_manager,
             config,
         );
         let allowed = Arc::new(AllowedHosts::of(server, log));
-        let dashboard = dashboard::routes()
-            .layer(middleware::from_fn_with_state(allowed.clone(), front_door::rebinding_protection));
+        let dashboard = dashboard::routes().layer(front_door::rebinding_protection(allowed.clone()));
         // Outside in, as one layer (a router boxes each of its layers again for every request):
         // DNS-rebinding protection, identity, the header checks, the coarse HTTP limit, the body
         // deadline, the session caps; then rmcp.
         let front_door = tower::ServiceBuilder::new()
-            .layer(middleware::from_fn_with_state(allowed, front_door::rebinding_protection))
+            .layer(front_door::rebinding_protection(allowed))
             .layer(IdentifyLayer::new(app.limits.identifier().clone()))
-            .layer(middleware::from_fn_with_state(server.max_body_bytes, front_door::mcp_post_checks))
+            .layer(front_door::mcp_post_checks(server.max_body_bytes))
             .layer(HttpLimitLayer::new(app.limits.guard().clone()))
             .layer(middleware::from_fn_with_state(serve::BodyDeadline::of(server), serve::read_body_by_deadline))
             .layer(middleware::from_fn_with_state(cap, sessions::cap));

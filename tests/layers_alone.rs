@@ -84,9 +84,8 @@ async fn identify_needs_only_an_identifier() {
 async fn rebinding_protection_needs_only_the_allowed_hosts() {
     let log = Arc::new(FrontDoorLog::new(ManualClock::new()));
     let allowed = Arc::new(AllowedHosts::new(vec!["localhost".into()], Vec::new(), log));
-    let app = axum::Router::new()
-        .route("/", axum::routing::post(|| async { "in" }))
-        .layer(axum::middleware::from_fn_with_state(allowed, rebinding_protection));
+    let app =
+        axum::Router::new().route("/", axum::routing::post(|| async { "in" })).layer(rebinding_protection(allowed));
     let ours = Request::post("/").header("host", "localhost:3000").body(Body::empty()).expect("request");
     assert_eq!(app.clone().oneshot(ours).await.expect("infallible").status(), StatusCode::OK);
     let foreign = Request::post("/").header("host", "evil.example").body(Body::empty()).expect("request");

@@ -11,11 +11,10 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use arc_swap::ArcSwap;
-use axum::extract::{ConnectInfo, Request, State};
-use axum::middleware::Next;
+use axum::extract::{ConnectInfo, Request};
 use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, Method, StatusCode, header};
-use serde_json::json;
+use serde::Serialize;
 use tower::{Layer, Service};
 
 use crate::clock::SharedClock;
@@ -83,16 +82,32 @@ impl FrontDoorLog {
 
 /// A JSON-RPC error body with `id: null`, as MCP clients expect on transport-level refusals.
 pub fn jsonrpc_error(status: StatusCode, code: i64, message: &str, data: Option<serde_json::Value>) -> Response {
-    let mut error = json!({"code": code, "message": message});
-    if let Some(data) = data {
-        error["data"] = data;
+    jsonrpc_error_with(status, code, message, data.as_ref())
+}
+
+/// [`jsonrpc_error`] with any serializable `data`: serialized straight into the body, without
+/// building a JSON value first (what a 429 does, at the rate a client can send requests).
+pub fn jsonrpc_error_with<D: Serialize>(status: StatusCode, code: i64, message: &str, data: Option<&D>) -> Response {
+    // The members in the order a `json!` object prints them (sorted), so the body is the same.
+    #[derive(Serialize)]
+    struct Body<'a, D> {
+        error: Error<'a, D>,
+        id: (),
+        jsonrpc: &'static str,
     }
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/json")],
-        json!({"jsonrpc": "2.0", "error": error, "id": null}).to_string(),
-    )
-        .into_response()
+    #[derive(Serialize)]
+    struct Error<'a, D> {
+        code: i64,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        data: Option<&'a D>,
+        message: &'a str,
+    }
+    let body = Body { error: Error { code, data, message }, id: (), jsonrpc: "2.0" };
+    // Serializing these fields cannot fail (string keys, no maps); a `D` that fails says so.
+    let body = serde_json::to_string(&body).unwrap_or_else(|e| {
+        format!(r#"{{"error":{{"code":-32603,"message":"cannot write the error: {e}"}},"id":null,"jsonrpc":"2.0"}}"#)
+    });
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
 /// Splits an authority (`host`, `host:port`, `[v6]:port`, bare `v6`) into host and port.
@@ -140,15 +155,69 @@ fn rebinding_problem(headers: &HeaderMap, allowed: &AllowedHosts) -> Option<&'st
     None
 }
 
+/// A check that answers a request from its head alone, or lets it through. As a tower layer
+/// ([`CheckLayer`]) it costs neither a boxed future nor a clone of the services behind it per
+/// request, as `axum::middleware::from_fn` would.
+pub trait HeaderCheck: Clone + Send + Sync + 'static {
+    /// The answer to `request`, or `None` to pass it on.
+    fn refuse(&self, request: &Request) -> Option<Response>;
+}
+
+/// The layer of a [`HeaderCheck`].
+#[derive(Debug, Clone)]
+pub struct CheckLayer<C> {
+    check: C,
+}
+
+impl<S, C: Clone> Layer<S> for CheckLayer<C> {
+    type Service = Checked<S, C>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Checked { inner, check: self.check.clone() }
+    }
+}
+
+/// The service [`CheckLayer`] produces.
+#[derive(Debug, Clone)]
+pub struct Checked<S, C> {
+    inner: S,
+    check: C,
+}
+
+impl<S, C> Service<Request> for Checked<S, C>
+where
+    S: Service<Request, Response = Response>,
+    C: HeaderCheck,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = futures::future::Either<S::Future, std::future::Ready<Result<Response, S::Error>>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        match self.check.refuse(&request) {
+            Some(response) => futures::future::Either::Right(std::future::ready(Ok(response))),
+            None => futures::future::Either::Left(self.inner.call(request)),
+        }
+    }
+}
+
 /// 403 for a foreign `Host` or `Origin`, before anything else.
-pub async fn rebinding_protection(State(allowed): State<Arc<AllowedHosts>>, request: Request, next: Next) -> Response {
-    if let Some(problem) = rebinding_problem(request.headers(), &allowed) {
-        if let Some(left_out) = allowed.log.admit(FrontDoorRefusal::Rebinding) {
+pub fn rebinding_protection(allowed: Arc<AllowedHosts>) -> CheckLayer<Arc<AllowedHosts>> {
+    CheckLayer { check: allowed }
+}
+
+impl HeaderCheck for Arc<AllowedHosts> {
+    fn refuse(&self, request: &Request) -> Option<Response> {
+        let problem = rebinding_problem(request.headers(), self)?;
+        if let Some(left_out) = self.log.admit(FrontDoorRefusal::Rebinding) {
             tracing::info!(problem, left_out, "refused: DNS-rebinding protection");
         }
-        return jsonrpc_error(StatusCode::FORBIDDEN, -32000, problem, None);
+        Some(jsonrpc_error(StatusCode::FORBIDDEN, -32000, problem, None))
     }
-    next.run(request).await
 }
 
 /// Names the caller of every request (a one-way hash of its key, else its address) and puts the
@@ -214,40 +283,84 @@ where
 
 /// Refuses an MCP `POST` that can be refused from its headers alone, before it is charged or
 /// read: 413 when it declares a body over `max_body_bytes`, 415 when it is not JSON.
-pub async fn mcp_post_checks(State(max_body_bytes): State<usize>, request: Request, next: Next) -> Response {
-    if request.method() == Method::POST {
+pub fn mcp_post_checks(max_body_bytes: usize) -> CheckLayer<PostChecks> {
+    CheckLayer { check: PostChecks { max_body_bytes } }
+}
+
+/// The check of [`mcp_post_checks`].
+#[derive(Debug, Clone, Copy)]
+pub struct PostChecks {
+    max_body_bytes: usize,
+}
+
+impl HeaderCheck for PostChecks {
+    fn refuse(&self, request: &Request) -> Option<Response> {
+        if request.method() != Method::POST {
+            return None;
+        }
+        let max_body_bytes = self.max_body_bytes;
         let declared = request
             .headers()
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
         if declared.is_some_and(|n| n > max_body_bytes as u64) {
-            return jsonrpc_error(
+            return Some(jsonrpc_error(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 -32600,
                 &format!("Request body too large: the limit is {max_body_bytes} bytes."),
                 None,
-            );
+            ));
         }
         let json =
             request.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| {
                 v.split(';').next().is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
             });
-        if !json {
-            return jsonrpc_error(
+        (!json).then(|| {
+            jsonrpc_error(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 -32600,
                 "Unsupported Media Type: POST /mcp takes Content-Type: application/json.",
                 None,
-            );
-        }
+            )
+        })
     }
-    next.run(request).await
 }
 
 #[cfg(test)]
 mod tests {
-    use super::host_allowed;
+    use super::{host_allowed, jsonrpc_error, jsonrpc_error_with};
+    use http::StatusCode;
+    use serde_json::json;
+
+    async fn body(response: axum::response::Response) -> String {
+        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.expect("a body");
+        String::from_utf8(bytes.to_vec()).expect("UTF-8")
+    }
+
+    #[tokio::test]
+    async fn an_error_body_is_the_json_object_it_always_was_byte_for_byte() {
+        let data = json!({"retry_after_ms": 1500, "why": "a \"quoted\" word"});
+        let expected = |data: Option<serde_json::Value>| {
+            let mut error = json!({"code": -32000, "message": "Too \"many\"\nrequests"});
+            if let Some(data) = data {
+                error["data"] = data;
+            }
+            json!({"jsonrpc": "2.0", "error": error, "id": null}).to_string()
+        };
+        let with = jsonrpc_error(StatusCode::TOO_MANY_REQUESTS, -32000, "Too \"many\"\nrequests", Some(data.clone()));
+        assert_eq!(body(with).await, expected(Some(data.clone())));
+        let without = jsonrpc_error(StatusCode::TOO_MANY_REQUESTS, -32000, "Too \"many\"\nrequests", None);
+        assert_eq!(body(without).await, expected(None));
+        #[derive(serde::Serialize)]
+        struct Data {
+            retry_after_ms: u64,
+            why: &'static str,
+        }
+        let typed = Data { retry_after_ms: 1500, why: "a \"quoted\" word" };
+        let typed = jsonrpc_error_with(StatusCode::TOO_MANY_REQUESTS, -32000, "Too \"many\"\nrequests", Some(&typed));
+        assert_eq!(body(typed).await, expected(Some(data)));
+    }
 
     #[test]
     fn entries_without_a_port_match_any_port() {

@@ -20,12 +20,11 @@ use std::task::{Context, Poll};
 use axum::body::Body;
 use axum::response::Response;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, header};
-use serde_json::json;
 use tower::{Layer, Service};
 
 use crate::clock::{ceil_ms, ceil_secs};
 use crate::guard::{Guard, HttpDecision};
-use crate::http::front_door::jsonrpc_error;
+use crate::http::front_door::{jsonrpc_error, jsonrpc_error_with};
 use crate::identity::Caller;
 
 /// Wraps a service with the coarse HTTP limit (`limits.http`) of each caller, and of its address
@@ -71,7 +70,7 @@ pub struct HttpLimit<S> {
 
 /// The RateLimit header fields for one decision.
 pub fn rate_limit_headers(d: &HttpDecision) -> HeaderMap {
-    let mut headers = HeaderMap::new();
+    let mut headers = HeaderMap::with_capacity(3);
     let mut set = |name: &'static str, value: String| {
         if let Ok(value) = HeaderValue::from_str(&value) {
             headers.insert(HeaderName::from_static(name), value);
@@ -87,11 +86,15 @@ pub fn rate_limit_headers(d: &HttpDecision) -> HeaderMap {
 
 fn too_many_requests(d: &HttpDecision) -> Response {
     let retry_after_ms = ceil_ms(d.decision.retry_after).max(1);
-    let mut response = jsonrpc_error(
+    #[derive(serde::Serialize)]
+    struct Data {
+        retry_after_ms: u64,
+    }
+    let mut response = jsonrpc_error_with(
         StatusCode::TOO_MANY_REQUESTS,
         -32000,
         "Too many requests. Retry after the delay in Retry-After.",
-        Some(json!({ "retry_after_ms": retry_after_ms })),
+        Some(&Data { retry_after_ms }),
     );
     let headers = response.headers_mut();
     headers.extend(rate_limit_headers(d));

@@ -186,7 +186,7 @@ impl SessionCap {
 /// callers of its address hold `max_per_address` (`429`). Only a POST without a session id can
 /// open one; its body is looked at only when a cap is full (a request that is not an
 /// `initialize` then passes, holding no place).
-pub async fn cap(State(cap): State<SessionCap>, request: Request, next: Next) -> Response {
+pub async fn cap(State(cap): State<Arc<SessionCap>>, request: Request, next: Next) -> Response {
     if request.method() != Method::POST || request.headers().contains_key("mcp-session-id") {
         return next.run(request).await;
     }
