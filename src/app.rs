@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use axum::extract::State;
 use axum::routing::get;
-use axum::{Json, Router, middleware};
+use axum::{Json, Router};
 use http::header;
 use rmcp::ServiceExt;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
@@ -164,8 +164,8 @@ impl App {
             .layer(IdentifyLayer::new(app.limits.identifier().clone()))
             .layer(front_door::mcp_post_checks(server.max_body_bytes))
             .layer(HttpLimitLayer::new(app.limits.guard().clone()))
-            .layer(middleware::from_fn_with_state(serve::BodyDeadline::of(server), serve::read_body_by_deadline))
-            .layer(middleware::from_fn_with_state(cap, sessions::cap));
+            .layer(serve::read_body_by_deadline(serve::BodyDeadline::of(server)))
+            .layer(sessions::cap(cap));
         Router::new()
             .nest_service("/mcp", Shared::new(mcp))
             .layer(front_door)

@@ -96,7 +96,7 @@ pub fn router(app: Arc<AppState>, key_sha256: [u8; 32], body: BodyDeadline) -> R
     let router = routes.fold(Router::new(), |router, (path, handler)| router.route(path, handler));
     router
         .fallback(routes::no_such_route)
-        .layer(axum::middleware::from_fn_with_state(body, read_body_by_deadline))
+        .layer(read_body_by_deadline(body))
         .layer(axum::middleware::from_fn_with_state(Arc::new(key_sha256), auth::require_key))
         .with_state(app)
 }

@@ -5,6 +5,9 @@
 //! limit ([`limit::HttpLimitLayer`]), then the body deadline ([`serve::read_body_by_deadline`]),
 //! then the session cap ([`sessions`]), then rmcp. Each layer takes only what it needs (the
 //! allowed hosts, the identifier, the guard, the deadlines), so it can be used, and tested, alone.
+//! Each is a tower layer of its own, not `axum::middleware::from_fn`, which boxes the stack
+//! behind it and its future for every request; a request a layer does not touch (a GET, a call
+//! in an open session at the session cap) passes without an allocation.
 //! [`crate::app`] puts them together with rmcp's service, `/health` and `/metrics` (never limited)
 //! and the dashboard (behind the DNS-rebinding protection only).
 
@@ -15,8 +18,9 @@ pub mod sessions;
 
 use std::sync::Arc;
 
-/// A service behind an `Arc`. axum and its `from_fn` layers clone the inner stack on every
-/// request; rmcp's service carries its config (host lists and more), so cloning it per layer
+/// A service behind an `Arc`. axum's router and the layers that await before calling on (the
+/// HTTP limit, the body deadline, the session cap) clone the inner stack on every request;
+/// rmcp's service carries its config (host lists and more), so cloning it per layer
 /// per request shows in a profile. Behind an `Arc` those clones are a reference count, and the
 /// service itself is cloned once, only for a request that actually reaches it.
 #[derive(Debug)]

@@ -27,8 +27,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{ConnectInfo, Request, State};
-use axum::middleware::Next;
+use axum::extract::{ConnectInfo, Request};
 use axum::response::{IntoResponse, Response};
 use axum::serve::{Listener, ListenerExt};
 use http::{HeaderValue, StatusCode, header};
@@ -147,38 +146,95 @@ pub async fn serve(listener: TcpListener, app: Router, header_read_timeout: Dura
 
 /// Reads the body within its deadline, then passes the request on with the body in memory.
 /// A body declared larger than the limit is refused unread (on `/mcp` the front door answers
-/// 413 before this layer).
-pub async fn read_body_by_deadline(State(limits): State<BodyDeadline>, request: Request, next: Next) -> Response {
-    let too_large = || {
-        let message = format!("Request body too large: the limit is {} bytes.", limits.max_bytes);
-        limits.refuse(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", &message)
-    };
-    let hint = request.body().size_hint();
-    if hint.exact() == Some(0) {
-        return next.run(request).await;
+/// 413 before this layer). A request without a body passes straight through.
+pub fn read_body_by_deadline(limits: BodyDeadline) -> ReadBodyLayer {
+    ReadBodyLayer { limits }
+}
+
+/// The layer of [`read_body_by_deadline`].
+#[derive(Debug, Clone, Copy)]
+pub struct ReadBodyLayer {
+    limits: BodyDeadline,
+}
+
+impl<S> tower::Layer<S> for ReadBodyLayer {
+    type Service = ReadBody<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ReadBody { inner, limits: self.limits }
     }
-    if hint.lower() > limits.max_bytes as u64 {
-        return too_large();
+}
+
+/// The service [`ReadBodyLayer`] produces.
+#[derive(Debug, Clone)]
+pub struct ReadBody<S> {
+    inner: S,
+    limits: BodyDeadline,
+}
+
+impl<S> tower::Service<Request> for ReadBody<S>
+where
+    S: tower::Service<Request, Response = Response> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = futures::future::Either<S::Future, futures::future::BoxFuture<'static, Result<Response, S::Error>>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
     }
-    let (parts, body) = request.into_parts();
-    let read = tokio::time::timeout(limits.timeout, axum::body::to_bytes(body, limits.max_bytes));
-    match read.await {
-        Ok(Ok(bytes)) => next.run(Request::from_parts(parts, Body::from(bytes))).await,
-        Ok(Err(error)) => {
-            if std::error::Error::source(&error).is_some_and(|e| e.is::<http_body_util::LengthLimitError>()) {
-                too_large()
-            } else {
-                // The client broke off mid-body; nobody is left to read an answer.
-                limits.refuse(StatusCode::BAD_REQUEST, "body_cut_off", "The request body was cut off.")
-            }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        use futures::future::Either;
+        if request.body().size_hint().exact() == Some(0) {
+            return Either::Left(self.inner.call(request));
         }
-        Err(_) => {
-            tracing::info!(timeout = ?limits.timeout, "refused: request body too slow");
-            let message = format!(
-                "Request Timeout: the body did not arrive within {} ms of the headers.",
-                limits.timeout.as_millis()
-            );
-            limits.refuse(StatusCode::REQUEST_TIMEOUT, "request_timeout", &message)
+        // The inner service is ready (`poll_ready` said so); take it, leaving a clone, so the
+        // future may call it once the body is in (tower's usual clone-and-swap).
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let limits = self.limits;
+        Either::Right(Box::pin(async move {
+            match limits.read(request).await {
+                Ok(request) => inner.call(request).await,
+                Err(refused) => Ok(refused),
+            }
+        }))
+    }
+}
+
+impl BodyDeadline {
+    /// `request` with its body read into memory, or the answer when the body is too large, cut
+    /// off or too slow.
+    async fn read(self, request: Request) -> Result<Request, Response> {
+        let too_large = || {
+            let message = format!("Request body too large: the limit is {} bytes.", self.max_bytes);
+            self.refuse(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", &message)
+        };
+        if request.body().size_hint().lower() > self.max_bytes as u64 {
+            return Err(too_large());
+        }
+        let (parts, body) = request.into_parts();
+        let read = tokio::time::timeout(self.timeout, axum::body::to_bytes(body, self.max_bytes));
+        match read.await {
+            Ok(Ok(bytes)) => Ok(Request::from_parts(parts, Body::from(bytes))),
+            Ok(Err(error)) => {
+                if std::error::Error::source(&error).is_some_and(|e| e.is::<http_body_util::LengthLimitError>()) {
+                    Err(too_large())
+                } else {
+                    // The client broke off mid-body; nobody is left to read an answer.
+                    Err(self.refuse(StatusCode::BAD_REQUEST, "body_cut_off", "The request body was cut off."))
+                }
+            }
+            Err(_) => {
+                tracing::info!(timeout = ?self.timeout, "refused: request body too slow");
+                let message = format!(
+                    "Request Timeout: the body did not arrive within {} ms of the headers.",
+                    self.timeout.as_millis()
+                );
+                Err(self.refuse(StatusCode::REQUEST_TIMEOUT, "request_timeout", &message))
+            }
         }
     }
 }

@@ -22,8 +22,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::{Request, State};
-use axum::middleware::Next;
+use axum::extract::Request;
 use axum::response::Response;
 use http::{HeaderValue, Method, StatusCode, header};
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
@@ -184,19 +183,74 @@ impl SessionCap {
 
 /// Refuses an `initialize` while `max` sessions are open (`503`), or while the unverified
 /// callers of its address hold `max_per_address` (`429`). Only a POST without a session id can
-/// open one; its body is looked at only when a cap is full (a request that is not an
-/// `initialize` then passes, holding no place).
-pub async fn cap(State(cap): State<Arc<SessionCap>>, request: Request, next: Next) -> Response {
-    if request.method() != Method::POST || request.headers().contains_key("mcp-session-id") {
-        return next.run(request).await;
+/// open one, so every other request passes straight through; an opening POST's body is looked at
+/// only when a cap is full (a request that is not an `initialize` then passes, holding no place).
+pub fn cap(cap: Arc<SessionCap>) -> SessionCapLayer {
+    SessionCapLayer { cap }
+}
+
+/// The layer of [`cap`].
+#[derive(Debug, Clone)]
+pub struct SessionCapLayer {
+    cap: Arc<SessionCap>,
+}
+
+impl<S> tower::Layer<S> for SessionCapLayer {
+    type Service = Capped<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Capped { inner, cap: self.cap.clone() }
     }
+}
+
+/// The service [`SessionCapLayer`] produces.
+#[derive(Debug, Clone)]
+pub struct Capped<S> {
+    inner: S,
+    cap: Arc<SessionCap>,
+}
+
+impl<S> tower::Service<Request> for Capped<S>
+where
+    S: tower::Service<Request, Response = Response> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = futures::future::Either<S::Future, futures::future::BoxFuture<'static, Result<Response, S::Error>>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        use futures::future::Either;
+        if request.method() != Method::POST || request.headers().contains_key("mcp-session-id") {
+            return Either::Left(self.inner.call(request));
+        }
+        // The inner service is ready (`poll_ready` said so); take it, leaving a clone, so the
+        // future may call it once a place is taken (tower's usual clone-and-swap).
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        Either::Right(Box::pin(open_within_caps(self.cap.clone(), request, inner)))
+    }
+}
+
+/// A POST that may open a session: passed on holding a place, or, when a cap is full and it is
+/// an `initialize`, refused.
+async fn open_within_caps<S>(cap: Arc<SessionCap>, request: Request, mut inner: S) -> Result<Response, S::Error>
+where
+    S: tower::Service<Request, Response = Response>,
+{
     let address = request.extensions().get::<Caller>().and_then(Caller::unverified_from).map(str::to_owned);
     let full = match cap.open(address.as_deref()).await {
         Ok(opening) => {
-            let response = next.run(request).await;
+            // An error drops `opening`, which gives its place back.
+            let response = inner.call(request).await?;
             let session_id = response.headers().get("mcp-session-id").and_then(|v| v.to_str().ok());
             opening.opened(session_id.filter(|_| response.status().is_success())).await;
-            return response;
+            return Ok(response);
         }
         Err(full) => full,
     };
@@ -207,8 +261,13 @@ pub async fn cap(State(cap): State<Arc<SessionCap>>, request: Request, next: Nex
         .ok()
         .and_then(|message| message.get("method").and_then(|m| m.as_str()).map(str::to_owned));
     if method.as_deref() != Some("initialize") {
-        return next.run(Request::from_parts(parts, Body::from(bytes))).await;
+        return inner.call(Request::from_parts(parts, Body::from(bytes))).await;
     }
+    Ok(refuse(&cap, full))
+}
+
+/// The answer to an `initialize` past the `full` cap, logged as its kind allows.
+fn refuse(cap: &SessionCap, full: Full) -> Response {
     let (status, message) = match full {
         Full::Server => {
             if let Some(left_out) = cap.log.admit(FrontDoorRefusal::SessionsTaken) {

@@ -227,7 +227,7 @@ impl MockUpstream {
         let url = format!("http://{}", listener.local_addr()?);
         let stop = CancellationToken::new();
         let body = deadlines.body.answered_plainly();
-        let app = router(config, clock).layer(middleware::from_fn_with_state(body, read_body_by_deadline));
+        let app = router(config, clock).layer(read_body_by_deadline(body));
         tokio::spawn(serve(listener, app, deadlines.headers, stop.clone()));
         Ok(Self { url, stop })
     }
