@@ -35,7 +35,11 @@ for target in "${TARGETS[@]}"; do
       "fuzz/corpus-work/$target" "fuzz/corpus/$target" -- \
       -max_total_time="$SECONDS_PER" -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 >"$log" 2>&1; then
     tail -n 60 "$log" >&2
-    echo "FAIL: fuzz target $target crashed or hung; the input is in fuzz/artifacts/$target/" >&2
+    if grep -q "failed to build fuzz script" "$log"; then
+      echo "FAIL: fuzz target $target does not build (the compiler's message is above)" >&2
+    else
+      echo "FAIL: fuzz target $target crashed or hung; the input is in fuzz/artifacts/$target/" >&2
+    fi
     exit 1
   fi
   execs=$(grep -Eo 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -Eo '[0-9]+$' || echo 0)

@@ -11,7 +11,7 @@ fuzz_target!(|data: &[u8]| {
         // A valid config can be shown and used to build the limits' policy.
         Ok(config) => {
             let _ = config.limits_table();
-            let _ = mcp_ratelimit::guard::Policy::new(&config);
+            let _ = mcp_ratelimit::guard::Policy::new(&config.limiting);
         }
         Err(error) => assert!(!error.to_string().is_empty()),
     }

@@ -32,9 +32,9 @@ static WORLD: LazyLock<World> = LazyLock::new(|| {
     let allowed = Arc::new(AllowedHosts::of(&config.server, log));
     let hosts = axum::Router::new()
         .route("/", axum::routing::post(|| async { "in" }))
-        .layer(axum::middleware::from_fn_with_state(allowed, rebinding_protection));
+        .layer(rebinding_protection(allowed));
     let runtime = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
-    World { runtime, identifier: Identifier::new(&config), hosts }
+    World { runtime, identifier: Identifier::new(&config.limiting), hosts }
 });
 
 fuzz_target!(|data: &[u8]| {

@@ -24,7 +24,7 @@ static WORLD: LazyLock<World> = LazyLock::new(|| {
     let tools = catalogue();
     let config = Config::defaults(&tools).expect("defaults");
     let clock = ManualClock::new();
-    let guard = Guard::new(Arc::new(MemoryStore::on(clock.clone())), clock, &config, Arc::new(Metrics::new(&tools)));
+    let guard = Guard::new(Arc::new(MemoryStore::on(clock.clone())), clock, &config.limiting, Arc::new(Metrics::new(&tools)));
     let runtime = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
     World { runtime, guard, tools: tools.names().map(str::to_owned).collect() }
 });
