@@ -1,0 +1,87 @@
+//! What the limiter costs one served `tools/call`, without the HTTP server, rmcp or the tool
+//! around it: the number the whole-server runs (`scripts/bench-compare.sh`) can only estimate as
+//! the difference of two noisy throughputs.
+//!
+//! Run with `cargo bench --bench guard`. Under `cargo test` each benchmark runs once.
+//!
+//! Every benchmark names a caller with a made-up bearer token from 127.0.0.1, as the `generous`
+//! whole-server scenario does (so its address's scopes are charged too), on the memory store and
+//! the system clock, and walks `list_articles` through eleven pages so loop detection does its work
+//! and never fires:
+//!
+//! * `served_call/limited`: the HTTP layer's decision (`http` and `address_http`) with its three
+//!   RateLimit headers, then the tool guard's (method, caller, address, the tool's address budget,
+//!   the operator's blocks, the loop check), the admission dropped as a finished call drops it;
+//! * `served_call/off`: the same with `limits.enabled = false`: naming the caller, and the two
+//!   early returns;
+//! * `served_call/limited_minus_off` is not a benchmark: subtract the two medians.
+
+use std::hint::black_box;
+use std::net::{IpAddr, Ipv4Addr};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use mcp_ratelimit::RateLimits;
+use mcp_ratelimit::clock::SystemClock;
+use mcp_ratelimit::config::LimitsConfig;
+use mcp_ratelimit::guard::ToolCall;
+use mcp_ratelimit::http::limit::rate_limit_headers;
+
+/// Every limit the caller draws on, never refusing (as `scripts/bench-compare.sh`'s `generous`).
+const GENEROUS: &str = r#"
+[limits.http]
+burst = 1000000000
+refill_per_sec = 1000000000.0
+[limits.method.tools_call]
+burst = 1000000000
+refill_per_sec = 1000000000.0
+[limits.caller]
+burst = 1000000000
+refill_per_sec = 1000000000.0
+[limits.address]
+burst = 1000000000
+refill_per_sec = 1000000000.0
+[limits.address_http]
+burst = 1000000000
+refill_per_sec = 1000000000.0
+"#;
+
+fn limits(toml: &str, runtime: &tokio::runtime::Runtime) -> RateLimits {
+    let tools = mcp_ratelimit::mcp::tools::catalogue();
+    let config = LimitsConfig::from_toml(toml, &tools).expect("the bench's config is valid");
+    runtime.block_on(RateLimits::start(&config, tools, SystemClock::shared())).expect("memory limits start")
+}
+
+fn served_call(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+    let pages: Vec<serde_json::Value> =
+        (0..=100).step_by(10).map(|cursor| serde_json::json!({ "cursor": cursor.to_string() })).collect();
+    let mut headers = http::HeaderMap::new();
+    headers.insert(http::header::AUTHORIZATION, http::HeaderValue::from_static("Bearer bench-made-up-key"));
+    let peer = Some(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    let mut group = c.benchmark_group("served_call");
+    for (name, toml) in [("limited", GENEROUS.to_owned()), ("off", format!("{GENEROUS}\n[limits]\nenabled = false\n"))]
+    {
+        let limits = limits(&toml, &runtime);
+        let mut n = 0usize;
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                n = n.wrapping_add(1);
+                let args = &pages[n % pages.len()];
+                runtime.block_on(async {
+                    let caller = limits.identifier().load().identify(&headers, peer).expect("a caller");
+                    if let Some(decision) = limits.guard().admit_http(&caller).await {
+                        assert!(decision.decision.allowed, "the generous HTTP limit refused");
+                        black_box(rate_limit_headers(&decision));
+                    }
+                    let call = ToolCall { tool: "list_articles", args, starts_job: false, loop_exempt: false };
+                    let admission = limits.guard().admit(&caller, &call).await;
+                    black_box(admission.expect("the generous guard refused"));
+                });
+            });
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, served_call);
+criterion_main!(benches);
