@@ -274,8 +274,27 @@ async fn leases_of_callers_on_different_nodes_are_renewed_together() {
     ];
     // Renewed in time: nothing had expired, on either node.
     assert_eq!(store.renew(&held).await.expect("renews across slots"), [Renewed::Renewed; 2]);
-    // Left to run out, then renewed: both are taken again.
-    tokio::time::sleep(Duration::from_millis(450)).await;
+    // Leases that ran out, without waiting for them to: given back, then taken again at a clock
+    // reading a second ago (the nodes read this host's clock), so by Redis's clock they expired
+    // 700 ms ago. Renewed, both are taken again.
+    for (key, lease) in [(&ka, la), (&kb, lb)] {
+        store.release(key, lease).await.expect("gives the lease back");
+    }
+    let second_ago = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .saturating_sub(Duration::from_secs(1));
+    let second_ago: Nanos = u64::try_from(second_ago.as_micros()).expect("fits") * 1_000;
+    let (la, lb) = (new_lease(), new_lease());
+    for (key, lease) in [(&ka, la), (&kb, lb)] {
+        let check = [Check { key, limiter: &slots, cost: 2, shadow: false }];
+        let taken = store.decide_leased(&check, lease, Some(second_ago)).await;
+        assert!(taken.expect("decides")[0].allowed);
+    }
+    let held = [
+        HeldLease { key: &ka, lease: la, units: 2, capacity: 2 },
+        HeldLease { key: &kb, lease: lb, units: 2, capacity: 2 },
+    ];
     assert_eq!(store.renew(&held).await.expect("renews across slots"), [Renewed::Retaken; 2]);
     for key in [&ka, &kb] {
         let more = store.decide(&[Check { key, limiter: &slots, cost: 1, shadow: false }]).await.expect("decides");
