@@ -42,6 +42,7 @@ use tower::ServiceExt as _;
 
 use crate::config::ServerConfig;
 use crate::http::front_door::jsonrpc_error;
+use crate::http::{Step, StepLayer};
 
 /// How long a stop waits for open connections (SSE streams end with the stop token).
 const DRAIN: Duration = Duration::from_secs(5);
@@ -147,60 +148,25 @@ pub async fn serve(listener: TcpListener, app: Router, header_read_timeout: Dura
 /// Reads the body within its deadline, then passes the request on with the body in memory.
 /// A body declared larger than the limit is refused unread (on `/mcp` the front door answers
 /// 413 before this layer). A request without a body passes straight through.
-pub fn read_body_by_deadline(limits: BodyDeadline) -> ReadBodyLayer {
-    ReadBodyLayer { limits }
+pub fn read_body_by_deadline(limits: BodyDeadline) -> StepLayer<BodyDeadline> {
+    StepLayer::new(limits)
 }
 
-/// The layer of [`read_body_by_deadline`].
-#[derive(Debug, Clone, Copy)]
-pub struct ReadBodyLayer {
-    limits: BodyDeadline,
-}
-
-impl<S> tower::Layer<S> for ReadBodyLayer {
-    type Service = ReadBody<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        ReadBody { inner, limits: self.limits }
-    }
-}
-
-/// The service [`ReadBodyLayer`] produces.
-#[derive(Debug, Clone)]
-pub struct ReadBody<S> {
-    inner: S,
-    limits: BodyDeadline,
-}
-
-impl<S> tower::Service<Request> for ReadBody<S>
-where
-    S: tower::Service<Request, Response = Response> + Clone + Send + 'static,
-    S::Future: Send + 'static,
-{
-    type Response = Response;
-    type Error = S::Error;
-    type Future = futures::future::Either<S::Future, futures::future::BoxFuture<'static, Result<Response, S::Error>>>;
-
-    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+impl Step for BodyDeadline {
+    fn takes(&self, request: &Request) -> bool {
+        request.body().size_hint().exact() != Some(0)
     }
 
-    fn call(&mut self, request: Request) -> Self::Future {
-        use futures::future::Either;
-        if request.body().size_hint().exact() == Some(0) {
-            return Either::Left(self.inner.call(request));
+    async fn run<S>(self, request: Request, mut inner: S) -> Result<Response, S::Error>
+    where
+        S: tower::Service<Request, Response = Response> + Send + 'static,
+        S::Future: Send,
+        S::Error: Send,
+    {
+        match self.read(request).await {
+            Ok(request) => inner.call(request).await,
+            Err(refused) => Ok(refused),
         }
-        // The inner service is ready (`poll_ready` said so); take it, leaving a clone, so the
-        // future may call it once the body is in (tower's usual clone-and-swap).
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
-        let limits = self.limits;
-        Either::Right(Box::pin(async move {
-            match limits.read(request).await {
-                Ok(request) => inner.call(request).await,
-                Err(refused) => Ok(refused),
-            }
-        }))
     }
 }
 

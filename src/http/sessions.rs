@@ -19,6 +19,7 @@
 //! Budgets are not per session, so closing one takes nothing from its caller.
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -30,6 +31,7 @@ use tokio::sync::Mutex;
 
 use crate::config::ServerConfig;
 use crate::http::front_door::{FrontDoorLog, FrontDoorRefusal, jsonrpc_error};
+use crate::http::{Step, StepLayer};
 use crate::identity::Caller;
 
 /// Seconds a client is told to wait when every session is taken.
@@ -185,55 +187,22 @@ impl SessionCap {
 /// callers of its address hold `max_per_address` (`429`). Only a POST without a session id can
 /// open one, so every other request passes straight through; an opening POST's body is looked at
 /// only when a cap is full (a request that is not an `initialize` then passes, holding no place).
-pub fn cap(cap: Arc<SessionCap>) -> SessionCapLayer {
-    SessionCapLayer { cap }
+pub fn cap(cap: Arc<SessionCap>) -> StepLayer<Arc<SessionCap>> {
+    StepLayer::new(cap)
 }
 
-/// The layer of [`cap`].
-#[derive(Debug, Clone)]
-pub struct SessionCapLayer {
-    cap: Arc<SessionCap>,
-}
-
-impl<S> tower::Layer<S> for SessionCapLayer {
-    type Service = Capped<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        Capped { inner, cap: self.cap.clone() }
-    }
-}
-
-/// The service [`SessionCapLayer`] produces.
-#[derive(Debug, Clone)]
-pub struct Capped<S> {
-    inner: S,
-    cap: Arc<SessionCap>,
-}
-
-impl<S> tower::Service<Request> for Capped<S>
-where
-    S: tower::Service<Request, Response = Response> + Clone + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-{
-    type Response = Response;
-    type Error = S::Error;
-    type Future = futures::future::Either<S::Future, futures::future::BoxFuture<'static, Result<Response, S::Error>>>;
-
-    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+impl Step for Arc<SessionCap> {
+    fn takes(&self, request: &Request) -> bool {
+        request.method() == Method::POST && !request.headers().contains_key("mcp-session-id")
     }
 
-    fn call(&mut self, request: Request) -> Self::Future {
-        use futures::future::Either;
-        if request.method() != Method::POST || request.headers().contains_key("mcp-session-id") {
-            return Either::Left(self.inner.call(request));
-        }
-        // The inner service is ready (`poll_ready` said so); take it, leaving a clone, so the
-        // future may call it once a place is taken (tower's usual clone-and-swap).
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        Either::Right(Box::pin(open_within_caps(self.cap.clone(), request, inner)))
+    fn run<S>(self, request: Request, inner: S) -> impl Future<Output = Result<Response, S::Error>> + Send
+    where
+        S: tower::Service<Request, Response = Response> + Send + 'static,
+        S::Future: Send,
+        S::Error: Send,
+    {
+        open_within_caps(self, request, inner)
     }
 }
 
