@@ -1,7 +1,7 @@
 # The two commands a new user needs: `make run` and `make test`.
 CARGO ?= cargo
 
-.PHONY: run test docs fuzz check fmt inspector build bench bench-redis bench-compare load conformance burst cluster soak idle-abuse simulate chromium dashboard-screenshot
+.PHONY: run test proxy-fixtures docs fuzz check fmt inspector build bench bench-redis bench-compare load conformance burst cluster soak idle-abuse simulate chromium dashboard-screenshot
 
 ## Serve MCP on http://127.0.0.1:3000/mcp with the defaults (in-memory limits, embedded mock upstream).
 run:
@@ -9,7 +9,7 @@ run:
 
 ## Every test: unit, property, integration (HTTP and stdio), CLI, the examples, the dashboard in
 ## headless Chromium, then the doc examples (which --all-targets leaves out).
-test: chromium
+test: chromium proxy-fixtures
 	$(CARGO) test --all-targets --no-fail-fast
 	$(CARGO) test --doc
 
@@ -17,6 +17,10 @@ test: chromium
 docs:
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps
 	$(CARGO) package --list --allow-dirty >/dev/null
+
+## The MCP servers tests/proxy.rs proxies (server-everything from npm, FastMCP from PyPI), installed once into .tools/.
+proxy-fixtures:
+	scripts/proxy-fixtures.sh
 
 ## Debian's chromium for tests/dashboard.rs, installed when missing (as root with apt-get; else the test says how).
 chromium:

@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::breaker::Breaker;
 use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC, SharedClock};
+use crate::config::Catalogue;
 use crate::config::Config;
 use crate::dashboard;
 use crate::http::front_door::{self, AllowedHosts, FrontDoorLog, IdentifyLayer};
@@ -26,8 +27,9 @@ use crate::http::limit::HttpLimitLayer;
 use crate::http::{Shared, serve, sessions};
 use crate::mcp::{McpServer, Transport};
 use crate::mock_upstream::MockUpstream;
+use crate::proxy::{LinkError, Proxied, ProxyServer, Target};
 use crate::rate_limits::{LimitsError, RateLimits};
-use crate::state::AppState;
+use crate::state::{AppState, Behind, OwnTools};
 use crate::upstream::backoff::{Backoff, RetryBudget};
 use crate::upstream::jobs::{JobRules, Jobs};
 use crate::upstream::queue::{FairQueue, QueueRules};
@@ -45,6 +47,9 @@ pub enum AppError {
     /// The limits could not be built (their store did not answer, or the CA file is bad).
     #[error(transparent)]
     Limits(#[from] LimitsError),
+    /// The proxied MCP server could not be reached.
+    #[error(transparent)]
+    Proxy(#[from] LinkError),
     /// The MCP session over stdio could not start or ended in error.
     #[error("MCP over stdio: {0}")]
     Stdio(String),
@@ -117,12 +122,25 @@ impl App {
             )
             .published_in(store.clone().job_mirror()),
         );
-        let state = Arc::new(AppState { limits, upstream, jobs, clock, config });
-        tokio::spawn(sweep_forever(state.clone(), stop.clone()));
+        let own = Arc::new(OwnTools { upstream, jobs });
+        let state = Arc::new(AppState { limits, behind: Behind::Tools(own.clone()), clock, config });
+        tokio::spawn(sweep_forever(own.clone(), state.config.limiting.store.sweep_interval_ms, stop.clone()));
         if state.limits.guard().store().is_shared() {
-            tokio::spawn(answer_cancel_requests_forever(state.clone(), stop.clone()));
+            tokio::spawn(answer_cancel_requests_forever(own, stop.clone()));
         }
         Ok(Self { state, upstream_url, stop, _mock: mock })
+    }
+
+    /// Builds the state of a proxy in front of the MCP server at `target` (its tools learnt at
+    /// run time: `config` was loaded against [`Catalogue::learned`](crate::config::Catalogue::learned)),
+    /// connecting to it now.
+    pub async fn start_proxy(config: Config, target: Target, clock: SharedClock) -> Result<Self, AppError> {
+        let stop = CancellationToken::new();
+        let limits = RateLimits::start(&config.limiting, Catalogue::learned(), clock.clone()).await?;
+        let upstream_url = target.to_string();
+        let proxied = Proxied::start(target, &config, limits.clone(), clock.clone(), stop.child_token()).await?;
+        let state = Arc::new(AppState { limits, behind: Behind::Proxy(proxied), clock, config });
+        Ok(Self { state, upstream_url, stop, _mock: None })
     }
 
     /// The shared state (for tests and embedding).
@@ -144,16 +162,24 @@ impl App {
             .with_allowed_hosts(server.allowed_hosts.clone())
             .with_max_request_body_bytes(server.max_body_bytes)
             .with_cancellation_token(self.stop.child_token());
-        let shared = app.clone();
         let session_manager = sessions::manager(server);
         let log = Arc::new(FrontDoorLog::new(app.clock.clone()));
         let (max, per_address) = (server.max_sessions, server.max_sessions_per_address);
         let cap = Arc::new(sessions::SessionCap::new(session_manager.clone(), max, per_address, log.clone()));
-        let mcp = StreamableHttpService::new(
-            move || Ok(McpServer::new(shared.clone(), Transport::Http)),
-            session_manager,
-            config,
-        );
+        let mcp = match &app.behind {
+            Behind::Tools(own) => {
+                let (app, own) = (app.clone(), own.clone());
+                let handler = move || Ok(McpServer::new(app.clone(), own.clone(), Transport::Http));
+                Router::new()
+                    .nest_service("/mcp", Shared::new(StreamableHttpService::new(handler, session_manager, config)))
+            }
+            Behind::Proxy(proxied) => {
+                let (proxied, limits) = (proxied.clone(), app.limits.clone());
+                let handler = move || Ok(ProxyServer::new(proxied.clone(), limits.clone(), Transport::Http));
+                Router::new()
+                    .nest_service("/mcp", Shared::new(StreamableHttpService::new(handler, session_manager, config)))
+            }
+        };
         let allowed = Arc::new(AllowedHosts::of(server, log));
         let dashboard = dashboard::routes().layer(front_door::rebinding_protection(allowed.clone()));
         // Outside in, as one layer (a router boxes each of its layers again for every request):
@@ -166,9 +192,7 @@ impl App {
             .layer(HttpLimitLayer::new(app.limits.guard().clone()))
             .layer(serve::read_body_by_deadline(serve::BodyDeadline::of(server)))
             .layer(sessions::cap(cap));
-        Router::new()
-            .nest_service("/mcp", Shared::new(mcp))
-            .layer(front_door)
+        mcp.layer(front_door)
             .merge(dashboard)
             .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
             .route("/metrics", get(metrics))
@@ -195,11 +219,19 @@ impl App {
 
     /// Serves MCP over stdin/stdout until the client closes it.
     pub async fn serve_stdio(&self) -> Result<(), AppError> {
-        let running = McpServer::new(self.state.clone(), Transport::Stdio)
-            .serve(rmcp::transport::stdio())
-            .await
-            .map_err(|e| AppError::Stdio(e.to_string()))?;
-        running.waiting().await.map_err(|e| AppError::Stdio(e.to_string()))?;
+        let failed = |e: &dyn std::fmt::Display| AppError::Stdio(e.to_string());
+        let app = &self.state;
+        let ended = match &app.behind {
+            Behind::Tools(own) => {
+                let handler = McpServer::new(app.clone(), own.clone(), Transport::Stdio);
+                handler.serve(rmcp::transport::stdio()).await.map_err(|e| failed(&e))?.waiting().await
+            }
+            Behind::Proxy(proxied) => {
+                let handler = ProxyServer::new(proxied.clone(), app.limits.clone(), Transport::Stdio);
+                handler.serve(rmcp::transport::stdio()).await.map_err(|e| failed(&e))?.waiting().await
+            }
+        };
+        ended.map_err(|e| failed(&e))?;
         Ok(())
     }
 
@@ -226,9 +258,9 @@ impl Drop for App {
 }
 
 /// Cancels this instance's jobs that an agent asked another instance to cancel.
-async fn answer_cancel_requests_forever(state: Arc<AppState>, stop: CancellationToken) {
+async fn answer_cancel_requests_forever(own: Arc<OwnTools>, stop: CancellationToken) {
     crate::clock::every(crate::upstream::jobs::CANCEL_REQUESTS_EVERY, stop, || async {
-        if let Err(error) = state.jobs.answer_cancel_requests().await {
+        if let Err(error) = own.jobs.answer_cancel_requests().await {
             tracing::debug!(%error, "could not read the cancel requests");
         }
     })
@@ -236,10 +268,9 @@ async fn answer_cancel_requests_forever(state: Arc<AppState>, stop: Cancellation
 }
 
 /// Forgets final jobs nobody asked about for long.
-async fn sweep_forever(state: Arc<AppState>, stop: CancellationToken) {
-    let every = Duration::from_millis(state.config.limiting.store.sweep_interval_ms);
-    crate::clock::every(every, stop, || {
-        let jobs = state.jobs.sweep();
+async fn sweep_forever(own: Arc<OwnTools>, every_ms: u64, stop: CancellationToken) {
+    crate::clock::every(Duration::from_millis(every_ms), stop, || {
+        let jobs = own.jobs.sweep();
         if jobs > 0 {
             tracing::debug!(jobs, "swept forgotten jobs");
         }

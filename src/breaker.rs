@@ -114,6 +114,17 @@ impl Breaker {
         };
     }
 
+    /// Opens the breaker at `now` for a whole cool-down, whatever it counted: the upstream is
+    /// known to be down (a proxied server's process died).
+    pub fn trip(&self, now: Nanos) {
+        *self.phase.lock().unwrap_or_else(|p| p.into_inner()) = self.open(now);
+    }
+
+    /// Closes the breaker: the upstream is known to be back (a proxied server restarted).
+    pub fn close(&self) {
+        *self.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Closed { failures: 0 };
+    }
+
     /// How long every call will still be refused, if the breaker is open at `now`. Unlike
     /// [`Breaker::permit`] it never takes the probe: a tool asks it before charging a call that
     /// could not reach the upstream anyway.

@@ -35,6 +35,7 @@ pub mod limit;
 pub mod mcp;
 pub mod metrics;
 pub mod mock_upstream;
+pub mod proxy;
 pub mod rate_limits;
 pub mod redact;
 pub mod reload;

@@ -8,9 +8,11 @@ use anyhow::Context;
 use clap::builder::PossibleValuesParser;
 use clap::{Parser, Subcommand, ValueEnum};
 use mcp_ratelimit::clock::SystemClock;
+use mcp_ratelimit::config::Catalogue;
 use mcp_ratelimit::limit::ALGORITHMS;
 use mcp_ratelimit::mcp::tools::catalogue;
 use mcp_ratelimit::mock_upstream::MockUpstream;
+use mcp_ratelimit::proxy::Target;
 use mcp_ratelimit::simulate::{self, Plan, Shape};
 use mcp_ratelimit::{App, Config};
 use tokio::net::TcpListener;
@@ -44,6 +46,26 @@ enum Command {
         /// Config file.
         #[arg(long)]
         config: Option<PathBuf>,
+    },
+    /// Every limit in front of another MCP server (any language): reached over streamable HTTP
+    /// (--upstream URL) or started as a supervised stdio child (-- COMMAND ARGS…), served over
+    /// streamable HTTP at /mcp (or stdio with --stdio).
+    Proxy {
+        /// Config file (default: ./config.toml if present, else the built-in defaults).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Listen address, overriding server.listen.
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+        /// Serve MCP over stdin/stdout instead (Claude Desktop in front of a local server).
+        #[arg(long, conflicts_with = "listen")]
+        stdio: bool,
+        /// The proxied server's streamable HTTP endpoint, overriding proxy.upstream_url.
+        #[arg(long, conflicts_with = "command")]
+        upstream: Option<String>,
+        /// The proxied server as a command and its arguments, after `--`, overriding proxy.command.
+        #[arg(last = true, value_name = "COMMAND")]
+        command: Vec<String>,
     },
     /// Run the mock paid API on its own, so several servers can share it.
     MockUpstream {
@@ -140,28 +162,21 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Serve { config: file, listen } => {
             let config = Config::load(file.as_deref(), &catalogue())?;
             let addr = listen.unwrap_or(config.server.listen);
-            let admin = config.admin.clone();
             let app = App::start(config, SystemClock::shared()).await?;
             app.reload_on_change(config_file(file));
-            let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-            tracing::info!(mcp = %format!("http://{addr}/mcp"), upstream = %mcp_ratelimit::redact::url(app.upstream_url()), "serving");
-            if admin.key_sha256.is_some() {
-                let at = admin.listen;
-                let listener =
-                    TcpListener::bind(at).await.with_context(|| format!("cannot listen on {at} (admin.listen)"))?;
-                if let Some(serving) = app.serve_admin(listener) {
-                    tracing::info!(admin = %format!("http://{at}/admin/openapi.json"), "admin API on");
-                    tokio::spawn(serving);
-                }
+            serve_http(&app, addr).await?;
+        }
+        Command::Proxy { config: file, listen, stdio, upstream, command } => {
+            let config = Config::load(file.as_deref(), &Catalogue::learned())?;
+            let target = Target::of(&config.proxy, upstream, command).map_err(anyhow::Error::msg)?;
+            let addr = listen.unwrap_or(config.server.listen);
+            let app = App::start_proxy(config, target, SystemClock::shared()).await?;
+            app.reload_on_change(config_file(file));
+            if stdio {
+                tracing::info!(upstream = %app.upstream_url(), "proxying MCP on stdio");
+                app.serve_stdio().await?;
             } else {
-                tracing::info!("admin API off: no admin.key configured");
-            }
-            tokio::select! {
-                served = app.serve_http(listener) => served?,
-                () = shutdown_signal() => {
-                    tracing::info!("shutting down");
-                    app.stop();
-                }
+                serve_http(&app, addr).await?;
             }
         }
         Command::Stdio { config: file } => {
@@ -181,6 +196,31 @@ async fn run(command: Command) -> anyhow::Result<()> {
             shutdown_signal().await;
         }
         Command::CheckConfig { .. } | Command::Simulate { .. } => unreachable!("handled before the runtime starts"),
+    }
+    Ok(())
+}
+
+/// Serves `/mcp` on `addr`, and the admin API when a key is configured, until a shutdown signal.
+async fn serve_http(app: &App, addr: SocketAddr) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+    tracing::info!(mcp = %format!("http://{addr}/mcp"), upstream = %mcp_ratelimit::redact::url(app.upstream_url()), "serving");
+    let admin = &app.state().config.admin;
+    if admin.key_sha256.is_some() {
+        let at = admin.listen;
+        let listener = TcpListener::bind(at).await.with_context(|| format!("cannot listen on {at} (admin.listen)"))?;
+        if let Some(serving) = app.serve_admin(listener) {
+            tracing::info!(admin = %format!("http://{at}/admin/openapi.json"), "admin API on");
+            tokio::spawn(serving);
+        }
+    } else {
+        tracing::info!("admin API off: no admin.key configured");
+    }
+    tokio::select! {
+        served = app.serve_http(listener) => served?,
+        () = shutdown_signal() => {
+            tracing::info!("shutting down");
+            app.stop();
+        }
     }
     Ok(())
 }

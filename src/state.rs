@@ -7,11 +7,14 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::breaker::Breaker;
 use crate::clock::SharedClock;
 use crate::config::Config;
+use crate::proxy::Proxied;
 use crate::rate_limits::RateLimits;
 use crate::upstream::Upstream;
 use crate::upstream::jobs::Jobs;
+use crate::upstream::queue::Occupancy;
 
 /// State shared by every session.
 #[derive(Debug)]
@@ -23,6 +26,23 @@ pub struct AppState {
     /// The limits, as any rmcp server uses them: the guard (budgets and refusals), who callers
     /// are, the metrics, and the catalogue of our tools (a reloaded config is checked against it).
     pub limits: RateLimits,
+    /// What the guard stands in front of.
+    pub behind: Behind,
+}
+
+/// What the guard stands in front of: our own tools and the paid API behind them (`serve`,
+/// `stdio`), or another MCP server (`proxy`).
+#[derive(Debug)]
+pub enum Behind {
+    /// Our tools.
+    Tools(Arc<OwnTools>),
+    /// A proxied MCP server.
+    Proxy(Arc<Proxied>),
+}
+
+/// Our tools' upstream: the paid API and the jobs running on it.
+#[derive(Debug)]
+pub struct OwnTools {
     /// The paid API, behind its circuit breaker.
     pub upstream: Arc<Upstream>,
     /// Jobs accepted and not yet forgotten: their slots, the account's fair queue, background polls.
@@ -30,11 +50,37 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// The upstream's breaker: the paid API's, or the proxied server's.
+    pub fn breaker(&self) -> &Breaker {
+        match &self.behind {
+            Behind::Tools(own) => own.upstream.breaker(),
+            Behind::Proxy(proxied) => proxied.breaker(),
+        }
+    }
+
+    /// Our own tools' upstream, unless this is a proxy.
+    pub fn own_tools(&self) -> Option<&Arc<OwnTools>> {
+        match &self.behind {
+            Behind::Tools(own) => Some(own),
+            Behind::Proxy(_) => None,
+        }
+    }
+
+    /// The upstream's slots in use and its queue: the account's, or the proxied server's.
+    pub fn occupancy(&self) -> Occupancy {
+        match &self.behind {
+            Behind::Tools(own) => own.jobs.occupancy(),
+            Behind::Proxy(proxied) => proxied.occupancy(),
+        }
+    }
+}
+
+impl AppState {
     /// Sets the gauges that are read from live state when `/metrics` is scraped.
     pub fn sample_gauges(&self) {
         use crate::breaker::BreakerState;
         use crate::metrics::{ACCOUNT_SLOTS_IN_USE, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH, STORE_UP};
-        let occupancy = self.jobs.occupancy();
+        let occupancy = self.occupancy();
         // Per flow bucket (a 16-way hash of the tenant or caller, never its name); every bucket
         // is set, so an emptied one reads 0 instead of its last value.
         let mut buckets = [0usize; 16];
@@ -46,8 +92,9 @@ impl AppState {
             self.limits.metrics().sample(QUEUE_DEPTH, vec![label], *waiting as f64);
         }
         self.limits.metrics().sample(ACCOUNT_SLOTS_IN_USE, Vec::new(), occupancy.in_flight as f64);
-        self.limits.metrics().sample(JOBS_IN_FLIGHT, Vec::new(), self.jobs.in_flight() as f64);
-        let breaker = match self.upstream.breaker().state(self.clock.now()) {
+        let jobs = self.own_tools().map_or(0, |own| own.jobs.in_flight());
+        self.limits.metrics().sample(JOBS_IN_FLIGHT, Vec::new(), jobs as f64);
+        let breaker = match self.breaker().state(self.clock.now()) {
             BreakerState::Closed => 0.0,
             BreakerState::HalfOpen => 1.0,
             BreakerState::Open => 2.0,

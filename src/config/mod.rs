@@ -22,6 +22,7 @@
 
 pub mod auth;
 pub mod limits;
+pub mod proxy;
 pub mod server;
 pub mod spend;
 pub mod store;
@@ -36,6 +37,7 @@ use serde::Deserialize;
 
 pub use auth::{ApiKey, AuthConfig};
 pub use limits::{Limit, Limits, METHOD_GROUPS, Mode};
+pub use proxy::ProxyConfig;
 pub use server::{AdminConfig, ProxyTrust, ServerConfig};
 pub use spend::{SpendCaps, TenantOverride};
 pub use store::{Backend, LoopDetectionConfig, StoreConfig};
@@ -63,12 +65,36 @@ pub const DEFAULT_TOML: &str = include_str!("../../config.toml");
 pub struct Catalogue {
     /// Tool name → whether its calls hold in-flight slots.
     tools: BTreeMap<String, bool>,
+    /// The tools are learnt at run time (see [`Catalogue::learned`]).
+    learned: bool,
 }
 
 impl Catalogue {
     /// An empty catalogue.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A catalogue whose tools are learnt at run time, as a proxy learns them from the `tools/list`
+    /// of the server behind it: `[tools.NAME]` may name a tool not listed yet (the list changes),
+    /// and a tool it does not price costs `proxy.default_cost`
+    /// ([`LimitsConfig::unlisted_tools`]).
+    ///
+    /// ```
+    /// use mcp_ratelimit::config::{Catalogue, LimitsConfig};
+    ///
+    /// let limits = LimitsConfig::from_toml("[proxy]\ndefault_cost = 3\n[tools.render]\ncost = 9\n", &Catalogue::learned())?;
+    /// assert_eq!(limits.tools["render"].cost, 9);
+    /// assert_eq!(limits.unlisted_tools.map(|t| t.cost), Some(3));
+    /// # Ok::<(), mcp_ratelimit::config::ConfigError>(())
+    /// ```
+    pub fn learned() -> Self {
+        Self { tools: BTreeMap::new(), learned: true }
+    }
+
+    /// Whether the tools are learnt at run time.
+    pub fn is_learned(&self) -> bool {
+        self.learned
     }
 
     /// With a tool that answers and is done: its admission is released when the call returns.
@@ -123,6 +149,16 @@ pub enum ConfigError {
     },
 }
 
+impl ConfigError {
+    /// The same fault, named at `key` (a check shared by two keys reports the one the user wrote).
+    fn at(self, key: &str) -> Self {
+        match self {
+            ConfigError::Invalid { message, .. } => ConfigError::Invalid { key: key.to_owned(), message },
+            load => load,
+        }
+    }
+}
+
 fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { key: key.into(), message: message.into() }
 }
@@ -141,6 +177,8 @@ pub struct Config {
     pub mock_upstream: MockUpstreamConfig,
     /// The admin API's listener and key.
     pub admin: AdminConfig,
+    /// The server `mcp-ratelimit proxy` stands in front of.
+    pub proxy: ProxyConfig,
 }
 
 /// The limits' configuration, which is all [`RateLimits`](crate::RateLimits) and the
@@ -169,8 +207,11 @@ pub struct LimitsConfig {
     pub spend_caps: SpendCaps,
     /// Per-tenant budgets and caps instead of the defaults.
     pub tenants: BTreeMap<String, TenantOverride>,
-    /// Each tool's cost and optional own budget; every tool has an entry.
+    /// Each tool's cost and optional own budget; every tool of the catalogue has an entry.
     pub tools: BTreeMap<String, ToolPolicy>,
+    /// The policy of a tool `tools` does not name, when the catalogue is learnt at run time
+    /// ([`Catalogue::learned`]: it costs `proxy.default_cost`); `None` for a fixed catalogue.
+    pub unlisted_tools: Option<ToolPolicy>,
     /// Where the state lives, and its housekeeping.
     pub store: StoreConfig,
     /// Stuck agents repeating the same call.
@@ -210,6 +251,7 @@ struct RawConfig {
     loop_detection: LoopDetectionConfig,
     mock_upstream: MockUpstreamConfig,
     admin: server::RawAdmin,
+    proxy: ProxyConfig,
 }
 
 impl Config {
@@ -309,6 +351,17 @@ impl RawConfig {
         spend::caps_cover_costs(&spend_caps, &tenants, &tools)?;
         let shared = (self.store.backend == Backend::Redis).then_some(self.store.expected_instances);
         tools::costs_fit(&tools, &self.tiers, &limits, &tenants, &auth.keys, &spend_caps, shared)?;
+        self.proxy.validate()?;
+        let unlisted_tools = catalogue.is_learned().then(|| ToolPolicy::unlisted(self.proxy.default_cost));
+        if let Some(unlisted) = &unlisted_tools {
+            // The default price is checked as a tool of its own, and a fault named at its key.
+            let priced = BTreeMap::from([(tools::UNPRICED.to_owned(), unlisted.clone())]);
+            spend::caps_cover_costs(&spend_caps, &tenants, &priced)
+                .and_then(|()| {
+                    tools::costs_fit(&priced, &self.tiers, &limits, &tenants, &auth.keys, &spend_caps, shared)
+                })
+                .map_err(|e| e.at("proxy.default_cost"))?;
+        }
         let (server, proxies) = self.server.validate()?;
         self.upstream.validate()?;
         self.store.validate()?;
@@ -325,11 +378,19 @@ impl RawConfig {
             spend_caps,
             tenants,
             tools,
+            unlisted_tools,
             store: self.store,
             loop_detection: self.loop_detection,
             proxies,
         };
-        Ok(Config { limiting, server, upstream: self.upstream, mock_upstream: self.mock_upstream, admin })
+        Ok(Config {
+            limiting,
+            server,
+            upstream: self.upstream,
+            mock_upstream: self.mock_upstream,
+            admin,
+            proxy: self.proxy,
+        })
     }
 }
 

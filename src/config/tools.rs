@@ -12,6 +12,9 @@ use super::spend::{SpendCaps, TenantOverride};
 use super::{Catalogue, ConfigError, invalid};
 use crate::limit::{FixedWindow, Limiter};
 
+/// What a refusal of `proxy.default_cost` calls the tools it prices.
+pub(super) const UNPRICED: &str = "an unpriced tool";
+
 /// `[tools.NAME]`.
 #[derive(Debug, Clone)]
 pub struct ToolPolicy {
@@ -22,6 +25,17 @@ pub struct ToolPolicy {
     pub budget: Vec<Limit>,
     /// What the tool does while the shared limiter store cannot decide.
     pub fail: Fail,
+    /// Whether a call holds one slot of the caller's, tenant's and address's in-flight caps
+    /// (`limits.in_flight`) until it returns — or, for a job, until the job is final.
+    pub holds_slot: bool,
+}
+
+impl ToolPolicy {
+    /// The policy of a tool `[tools]` does not name, in a catalogue learnt at run time: it costs
+    /// `cost`, has no budget of its own, fails closed if it costs, and holds no slot.
+    pub fn unlisted(cost: u64) -> Self {
+        Self { cost, budget: Vec::new(), fail: if cost > 0 { Fail::Closed } else { Fail::Open }, holds_slot: false }
+    }
 }
 
 /// What a tool does while the shared limiter store (Redis) cannot decide.
@@ -40,10 +54,12 @@ pub(super) struct RawTool {
     cost: i64,
     budget: Option<RawScope>,
     fail: Option<Fail>,
+    holds_slot: Option<bool>,
 }
 
 /// `[tools.*]`, checked against the server's `catalogue` (every tool there has a cost, and no
-/// other is priced) and against the budgets each cost is drawn from, under every tier.
+/// other is priced — unless the catalogue is learnt at run time, whose tools come and go) and
+/// against the budgets each cost is drawn from, under every tier.
 pub(super) fn validate_tools(
     raw: BTreeMap<String, RawTool>,
     catalogue: &Catalogue,
@@ -52,7 +68,7 @@ pub(super) fn validate_tools(
 ) -> Result<BTreeMap<String, ToolPolicy>, ConfigError> {
     let mut tools = BTreeMap::new();
     for (tool, spec) in raw {
-        if !catalogue.contains(&tool) {
+        if !catalogue.contains(&tool) && !catalogue.is_learned() {
             return Err(invalid(
                 format!("tools.{tool}"),
                 format!("unknown tool `{tool}`; the tools are {}", catalogue.listed()),
@@ -69,7 +85,17 @@ pub(super) fn validate_tools(
         // A tool that says nothing fails closed if it costs, open if it is free (config.toml
         // says `open` for list_articles, a cheap read).
         let fail = spec.fail.unwrap_or(if cost > 0 { Fail::Closed } else { Fail::Open });
-        tools.insert(tool, ToolPolicy { cost, budget, fail });
+        let holds_slot = match spec.holds_slot {
+            Some(false) if catalogue.holds_slots(&tool) => {
+                return Err(invalid(
+                    format!("tools.{tool}.holds_slot"),
+                    format!("`{tool}` starts a job, which holds its slot until it is final; leave it out or set true"),
+                ));
+            }
+            Some(holds) => holds,
+            None => catalogue.holds_slots(&tool),
+        };
+        tools.insert(tool, ToolPolicy { cost, budget, fail, holds_slot });
     }
     if let Some(missing) = catalogue.names().find(|t| !tools.contains_key(*t)) {
         return Err(invalid(format!("tools.{missing}.cost"), "every tool needs a cost"));

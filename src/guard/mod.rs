@@ -364,7 +364,7 @@ impl Guard {
         recorded: &mut Option<Recorded>,
     ) -> Result<Admission, Refusal> {
         let (tool, starts_job) = (call.tool, call.starts_job);
-        let fail = live.policy.tools.get(tool).map_or(Fail::Closed, |t| t.fail);
+        let fail = live.policy.tool(tool).map_or(Fail::Closed, |t| t.fail);
         let under = |p| tool_scopes(p, caller, tool, starts_job);
         let lease = new_lease();
         let blocks: Vec<Scope> =

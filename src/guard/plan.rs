@@ -78,7 +78,7 @@ pub fn tool_scopes<'p>(policy: &'p Policy, caller: &Caller, tool: &str, starts_j
             scopes.push(Planned { scope: Scope::spend(caller), limit: cap, cost });
         }
     }
-    if let Some(tool_policy) = policy.tools.get(tool) {
+    if let Some(tool_policy) = policy.tool(tool) {
         plan(&mut scopes, Scope::tool(caller, tool), &tool_policy.budget, 1);
     }
     if starts_job {

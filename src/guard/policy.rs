@@ -97,6 +97,8 @@ pub struct Policy {
     pub price: Option<(f64, String)>,
     /// Cost and own budget of each tool.
     pub tools: BTreeMap<String, ToolPolicy>,
+    /// The policy of a tool `tools` does not name, for tools learnt at run time.
+    unlisted_tools: Option<ToolPolicy>,
     /// Keys with a caller budget of their own, by caller id.
     key_budgets: HashMap<String, Vec<Limit>>,
     /// Tenants with a shared budget of their own.
@@ -140,6 +142,7 @@ impl Policy {
             in_flight_address: Limit::enforced(l.in_flight_address.clone()),
             price: (caps.price_per_unit > 0.0).then(|| (caps.price_per_unit, caps.currency.clone())),
             tools: config.tools.clone(),
+            unlisted_tools: config.unlisted_tools.clone(),
             key_budgets: config
                 .auth
                 .keys
@@ -178,6 +181,7 @@ impl Policy {
             in_flight_address: self.in_flight_address.scaled(factor),
             price: self.price.clone(),
             tools,
+            unlisted_tools: self.unlisted_tools.clone(),
             key_budgets: each(&self.key_budgets),
             tenant_budgets: each(&self.tenant_budgets),
             spend_cap: self.spend_cap.as_ref().map(|c| c.scaled(factor)),
@@ -222,8 +226,19 @@ impl Policy {
         }
     }
 
+    /// The policy of `tool`: its `[tools.NAME]`, else — for tools learnt at run time — the
+    /// default (`proxy.default_cost`).
+    pub fn tool(&self, tool: &str) -> Option<&ToolPolicy> {
+        self.tools.get(tool).or(self.unlisted_tools.as_ref())
+    }
+
     /// What `tool` costs.
     pub fn cost_of(&self, tool: &str) -> u64 {
-        self.tools.get(tool).map_or(0, |t| t.cost)
+        self.tool(tool).map_or(0, |t| t.cost)
+    }
+
+    /// Whether a call of `tool` holds an in-flight slot until it returns (or its job is final).
+    pub fn holds_slot(&self, tool: &str) -> bool {
+        self.tool(tool).is_some_and(|t| t.holds_slot)
     }
 }

@@ -140,8 +140,8 @@ impl Refusal {
         Self {
             code: RefusalCode::Busy,
             message: format!(
-                "Too much in flight for {tool}: {limit} at once is the limit. Wait for running jobs to finish \
-                 (poll get_prediction for them) before calling it again."
+                "Too much in flight for {tool}: {limit} at once is the limit. Wait for the calls in flight to \
+                 return before calling it again."
             ),
             retry_after_ms: None,
             scope: Some(scope.into()),

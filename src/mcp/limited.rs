@@ -101,7 +101,10 @@ pub fn priced(tools: Vec<Tool>, policy: &Policy) -> Vec<Tool> {
                 1 => " Costs 1 token.".to_owned(),
                 n => format!(" Costs {n} tokens."),
             };
-            let description = format!("{}{price}", tool.description.as_deref().unwrap_or_default());
+            let said = tool.description.as_deref().unwrap_or_default().trim_end();
+            // A description that ends mid-sentence (another server's) gets its full stop first.
+            let stop = if said.is_empty() || said.ends_with(['.', '!', '?']) { "" } else { "." };
+            let description = format!("{said}{stop}{price}");
             tool.description = Some(Cow::Owned(description));
             tool
         })
@@ -131,8 +134,8 @@ pub async fn admit(
 ) -> Result<Result<Admission, CallToolResult>, ErrorData> {
     let caller = caller_of(limits, context)?;
     let args = serde_json::Value::Object(arguments.cloned().unwrap_or_default());
-    let call = ToolCall { tool, args: &args, starts_job: limits.catalogue().holds_slots(tool), loop_exempt: false };
     let guard = limits.guard();
+    let call = ToolCall { tool, args: &args, starts_job: guard.policy().holds_slot(tool), loop_exempt: false };
     Ok(match guard.admit(&caller, &call).await {
         Ok(admission) => Ok(admission),
         Err(refused) => {

@@ -29,7 +29,7 @@ use crate::identity::Caller;
 use crate::mcp::tools::{self, TakeOnce};
 use crate::mcp::{limited, results};
 use crate::metrics::Layer;
-use crate::state::AppState;
+use crate::state::{AppState, OwnTools};
 use crate::upstream::jobs::JobView;
 
 /// Which transport a handler serves; decides where the caller comes from.
@@ -45,14 +45,16 @@ pub enum Transport {
 #[derive(Clone)]
 pub struct McpServer {
     pub(crate) app: Arc<AppState>,
+    /// The paid API and its jobs.
+    pub(crate) own: Arc<OwnTools>,
     pub(crate) transport: Transport,
     tool_router: ToolRouter<Self>,
 }
 
 impl McpServer {
-    /// A handler over the shared state.
-    pub fn new(app: Arc<AppState>, transport: Transport) -> Self {
-        Self { app, transport, tool_router: Self::tool_router() }
+    /// A handler over the shared state and our tools' upstream.
+    pub fn new(app: Arc<AppState>, own: Arc<OwnTools>, transport: Transport) -> Self {
+        Self { app, own, transport, tool_router: Self::tool_router() }
     }
 
     fn caller_of(&self, context: &RequestContext<RoleServer>) -> Result<Caller, ErrorData> {
@@ -235,7 +237,7 @@ impl ServerHandler for McpServer {
         let caller = self.caller_of(&context)?;
         self.admit_method(&context, MethodGroup::Other, "tasks/get").await?;
         let view =
-            self.app.jobs.poll(caller.id(), &request.task_id).await.ok_or_else(|| unknown_task(&request.task_id))?;
+            self.own.jobs.poll(caller.id(), &request.task_id).await.ok_or_else(|| unknown_task(&request.task_id))?;
         Ok(GetTaskResult::new(task_of(view, self.task_ttl_ms())?))
     }
 
@@ -246,7 +248,7 @@ impl ServerHandler for McpServer {
     ) -> Result<(), ErrorData> {
         let caller = self.caller_of(&context)?;
         self.admit_method(&context, MethodGroup::Other, "tasks/cancel").await?;
-        match self.app.jobs.cancel(caller.id(), &request.task_id).await {
+        match self.own.jobs.cancel(caller.id(), &request.task_id).await {
             Ok(Some(_)) => Ok(()),
             Ok(None) => Err(unknown_task(&request.task_id)),
             Err(error) => Err(ErrorData::new(
@@ -281,7 +283,7 @@ impl McpServer {
             .as_ref()
             .and_then(|s| s["predict_id"].as_str())
             .ok_or_else(|| ErrorData::internal_error("an accepted job has no predict_id", None))?;
-        let view = self.app.jobs.view(caller.id(), id).ok_or_else(|| unknown_task(id))?;
+        let view = self.own.jobs.view(caller.id(), id).ok_or_else(|| unknown_task(id))?;
         Ok(CallToolResponse::Task(CreateTaskResult::new(task_of(view, self.task_ttl_ms())?.task)))
     }
 }

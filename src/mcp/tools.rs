@@ -462,7 +462,7 @@ impl McpServer {
     /// queue for the upstream account, in case it has to wait for a slot.
     pub(crate) fn before_charging(&self, tool: &str, caller: &Caller) -> Result<Option<Reservation>, Refusal> {
         if needs_upstream(tool)
-            && let Some(open_for) = self.app.upstream.open_for()
+            && let Some(open_for) = self.own.upstream.open_for()
         {
             return Err(breaker_open(tool, open_for));
         }
@@ -471,28 +471,15 @@ impl McpServer {
             "generate_image_to_video" => PredictionKind::Video,
             _ => return Ok(None),
         };
-        self.app.jobs.reserve(kind, caller.unverified_from().is_some()).map(Some).map_err(|(full, wait)| match full {
+        self.own.jobs.reserve(kind, caller.unverified_from().is_some()).map(Some).map_err(|(full, wait)| match full {
             QueueFull::Full => Refusal::queue_full(tool, wait),
             QueueFull::UnverifiedShare { slots, places } => Refusal::unverified_share_full(tool, wait, slots, places),
         })
     }
 
-    /// Who a job belongs to, and the flow it waits in: its tenant, its address for an unverified
-    /// caller (all of whose unverified callers are one flow), or the caller, weighted by the
-    /// caller's tier.
+    /// Who a job belongs to, and the flow it waits in ([`Owner::of`]).
     fn owner_of(&self, caller: &Caller) -> Owner {
-        let flow = match (caller.tenant(), caller.unverified_from()) {
-            (Some(tenant), _) => format!("tenant:{tenant}"),
-            (None, Some(address)) => format!("address:{address}"),
-            (None, None) => format!("caller:{}", caller.id()),
-        };
-        Owner {
-            caller: caller.id().to_owned(),
-            tenant: caller.tenant().map(str::to_owned),
-            flow,
-            weight: self.app.limits.guard().policy().factor_of(caller),
-            unverified: caller.unverified_from().is_some(),
-        }
+        Owner::of(caller, &self.app.limits.guard().policy())
     }
 
     /// Starts a job with what `call_tool` handed over: the admission and the queue place.
@@ -506,7 +493,7 @@ impl McpServer {
     ) -> Result<CallToolResult, ErrorData> {
         let place = place.take().ok_or_else(|| ErrorData::internal_error("a job ran without its queue place", None))?;
         let slots = Box::new(held(admission)?);
-        match self.app.jobs.start(&self.owner_of(caller), job, place, slots).await {
+        match self.own.jobs.start(&self.owner_of(caller), job, place, slots).await {
             Ok(view) => submitted(view),
             Err(e) => Ok(upstream_refusal(tool, e)),
         }
@@ -519,14 +506,14 @@ impl McpServer {
     pub(crate) fn loop_exempt(&self, tool: &str, args: &serde_json::Value, caller: &Caller) -> bool {
         match tool {
             "rate_limit_status" => true,
-            "get_prediction" => args["predict_id"].as_str().is_some_and(|id| self.app.jobs.is_pending(caller.id(), id)),
+            "get_prediction" => args["predict_id"].as_str().is_some_and(|id| self.own.jobs.is_pending(caller.id(), id)),
             _ => false,
         }
     }
 
     /// A busy refusal for a job tool, made specific: the caller's jobs and when to look again.
     pub(crate) fn explain_busy(&self, tool: &str, refusal: Refusal, caller: &Caller) -> Refusal {
-        let jobs = &self.app.jobs;
+        let jobs = &self.own.jobs;
         let mine = jobs.pending_of(caller.id()).into_iter().map(|v| v.prediction.id).collect();
         refusal.with_jobs_in_flight(tool, mine, jobs.soonest_news(caller.id(), caller.tenant()))
     }
@@ -547,7 +534,7 @@ impl McpServer {
     async fn list_articles(&self, Parameters(args): Parameters<ListArticlesArgs>) -> Result<CallToolResult, ErrorData> {
         let query = Some(args.query.as_str()).filter(|q| !q.is_empty());
         let cursor = Some(args.cursor.as_str()).filter(|c| !c.is_empty());
-        match self.observe("list_articles", self.app.upstream.list_articles(query, args.limit, cursor).await) {
+        match self.observe("list_articles", self.own.upstream.list_articles(query, args.limit, cursor).await) {
             Ok(page) => {
                 let more =
                     page.next_cursor.as_deref().map(|c| format!(" More with cursor \"{c}\".")).unwrap_or_default();
@@ -565,7 +552,7 @@ impl McpServer {
     )]
     async fn save_article(&self, Parameters(args): Parameters<SaveArticleArgs>) -> Result<CallToolResult, ErrorData> {
         let article = NewArticle { title: args.title, body: args.body };
-        match self.observe("save_article", self.app.upstream.save_article(&article).await) {
+        match self.observe("save_article", self.own.upstream.save_article(&article).await) {
             Ok(saved) => success(format!("Saved article {} \"{}\".", saved.id, saved.title), saved),
             Err(e) => Ok(upstream_refusal("save_article", e)),
         }
@@ -620,7 +607,7 @@ impl McpServer {
         Parameters(args): Parameters<PredictionArgs>,
         Extension(caller): Extension<Caller>,
     ) -> Result<CallToolResult, ErrorData> {
-        match self.app.jobs.poll(caller.id(), &args.predict_id).await {
+        match self.own.jobs.poll(caller.id(), &args.predict_id).await {
             Some(view) => report(view),
             None => Ok(unknown_prediction("get_prediction")),
         }
@@ -637,7 +624,7 @@ impl McpServer {
         Parameters(args): Parameters<PredictionArgs>,
         Extension(caller): Extension<Caller>,
     ) -> Result<CallToolResult, ErrorData> {
-        match self.app.jobs.cancel(caller.id(), &args.predict_id).await {
+        match self.own.jobs.cancel(caller.id(), &args.predict_id).await {
             Ok(Some(view)) => report(view),
             Ok(None) => Ok(unknown_prediction("cancel_prediction")),
             Err(e) => Ok(upstream_refusal("cancel_prediction", e)),
@@ -674,7 +661,7 @@ impl McpServer {
             })
             .collect();
         let jobs_in_flight: Vec<JobInFlight> = self
-            .app
+            .own
             .jobs
             .pending_of(caller.id())
             .into_iter()
@@ -690,8 +677,8 @@ impl McpServer {
             let ids: Vec<&str> = jobs_in_flight.iter().map(|j| j.predict_id.as_str()).collect();
             lines.push(format!("jobs in flight: {}", ids.join(", ")));
         }
-        let rules = self.app.jobs.queue().rules();
-        let occupancy = self.app.jobs.occupancy();
+        let rules = self.own.jobs.queue().rules();
+        let occupancy = self.own.jobs.occupancy();
         let upstream_queue = QueueStatus {
             account_in_flight: occupancy.in_flight,
             account_max_in_flight: rules.max_in_flight,

@@ -93,6 +93,24 @@ pub struct Owner {
 }
 
 impl Owner {
+    /// `caller` as an owner: its flow is its tenant, its address for an unverified caller (all
+    /// of whose unverified callers are one flow), or the caller, weighted by its tier's factor in
+    /// `policy`.
+    pub fn of(caller: &crate::identity::Caller, policy: &crate::guard::Policy) -> Self {
+        let flow = match (caller.tenant(), caller.unverified_from()) {
+            (Some(tenant), _) => format!("tenant:{tenant}"),
+            (None, Some(address)) => format!("address:{address}"),
+            (None, None) => format!("caller:{}", caller.id()),
+        };
+        Owner {
+            caller: caller.id().to_owned(),
+            tenant: caller.tenant().map(str::to_owned),
+            flow,
+            weight: policy.factor_of(caller),
+            unverified: caller.unverified_from().is_some(),
+        }
+    }
+
     /// The flow its jobs wait in.
     pub fn flowing(&self) -> Flowing<'_> {
         Flowing { name: &self.flow, quantum: self.weight, unverified: self.unverified }

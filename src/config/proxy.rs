@@ -1,0 +1,79 @@
+//! `[proxy]`: the MCP server `mcp-ratelimit proxy` stands in front of — where it is (a URL, or a
+//! command to start as a stdio child), the headers to send it, what its tools cost when
+//! `[tools.NAME]` does not say, and how hard it may be called.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use super::{ConfigError, invalid};
+
+/// `[proxy]`.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProxyConfig {
+    /// The proxied server's streamable HTTP endpoint (empty: `command` instead).
+    pub upstream_url: String,
+    /// The proxied server as a command and its arguments, started as a stdio child (empty:
+    /// `upstream_url` instead).
+    pub command: Vec<String>,
+    /// Headers sent with every request to `upstream_url` (its own API key, say). Their values
+    /// never reach a log line or a `Debug` string.
+    pub headers: BTreeMap<String, String>,
+    /// The cost of a tool that `[tools.NAME]` does not price.
+    pub default_cost: u64,
+    /// Calls in flight to the proxied server at once, for every caller together; more wait in
+    /// the fair queue (`upstream.queue_max` places).
+    pub max_in_flight: usize,
+    /// How long one call may take, waiting in the queue included, before it is answered
+    /// `upstream_unavailable`.
+    pub timeout_ms: u64,
+}
+
+impl std::fmt::Debug for ProxyConfig {
+    /// The headers by name only (their values are credentials), the URL without its password.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyConfig")
+            .field("upstream_url", &crate::redact::url(&self.upstream_url))
+            .field("command", &self.command.first())
+            .field("headers", &self.headers.keys().collect::<Vec<_>>())
+            .field("default_cost", &self.default_cost)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("timeout_ms", &self.timeout_ms)
+            .finish()
+    }
+}
+
+impl ProxyConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if !self.upstream_url.is_empty() {
+            let url = reqwest::Url::parse(&self.upstream_url)
+                .map_err(|e| invalid("proxy.upstream_url", format!("not a URL: {e}")))?;
+            if !matches!(url.scheme(), "http" | "https") {
+                return Err(invalid("proxy.upstream_url", "the proxied server is reached over http or https"));
+            }
+        }
+        if !self.upstream_url.is_empty() && !self.command.is_empty() {
+            return Err(invalid("proxy.command", "give `proxy.upstream_url` or `proxy.command`, not both"));
+        }
+        if self.command.first().is_some_and(|program| program.trim().is_empty()) {
+            return Err(invalid("proxy.command", "the first element is the program to start; it is empty"));
+        }
+        for (name, value) in &self.headers {
+            let key = format!("proxy.headers.{name}");
+            http::HeaderName::try_from(name.as_str()).map_err(|_| invalid(&key, "not a valid header name"))?;
+            http::HeaderValue::try_from(value.as_str())
+                .map_err(|_| invalid(&key, "not a valid header value (no line breaks or control characters)"))?;
+            if matches!(name.to_ascii_lowercase().as_str(), "accept" | "mcp-session-id" | "last-event-id" | "host") {
+                return Err(invalid(&key, "this header belongs to the MCP transport and cannot be set"));
+            }
+        }
+        if self.max_in_flight == 0 {
+            return Err(invalid("proxy.max_in_flight", "at least one call must be able to reach the proxied server"));
+        }
+        if self.timeout_ms == 0 {
+            return Err(invalid("proxy.timeout_ms", "a call needs some time to be answered (at least 1)"));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,265 @@
+//! The one MCP session to the proxied server, kept up: connected at start-up (a server that
+//! cannot be reached then is a start-up error, said plainly), and reconnected — a stdio child
+//! restarted — with backoff whenever it ends, the breaker open meanwhile so callers are told at
+//! once how long to wait instead of waiting on a dead server.
+//!
+//! Every downstream session shares this one upstream session (see [`super`] for why).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwapOption;
+use rmcp::model::ServerPeerInfo;
+use rmcp::service::{Peer, RunningService};
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
+use rmcp::{RoleClient, ServiceExt};
+use tokio_util::sync::CancellationToken;
+
+use super::relay::Relay;
+use crate::breaker::Breaker;
+use crate::clock::SharedClock;
+use crate::config::ProxyConfig;
+
+/// Where the proxied server is.
+#[derive(Clone)]
+pub enum Target {
+    /// A streamable HTTP endpoint, and the headers to send it.
+    Http {
+        /// The endpoint, e.g. `http://127.0.0.1:3001/mcp`.
+        url: String,
+        /// Sent with every request (credentials, perhaps: never logged).
+        headers: Vec<(http::HeaderName, http::HeaderValue)>,
+    },
+    /// A command started as a stdio child, restarted if it dies.
+    Command {
+        /// The program.
+        program: String,
+        /// Its arguments.
+        args: Vec<String>,
+    },
+}
+
+impl Target {
+    /// The proxied server the command line names (`--upstream URL`, or `-- COMMAND ARGS…`), else
+    /// the one `[proxy]` names; with `[proxy] headers` for a URL. Exactly one must be named.
+    pub fn of(config: &ProxyConfig, url: Option<String>, command: Vec<String>) -> Result<Self, String> {
+        let url = url.or_else(|| Some(config.upstream_url.clone()).filter(|u| !u.is_empty()));
+        let command = if command.is_empty() { config.command.clone() } else { command };
+        let headers = || -> Result<Vec<_>, String> {
+            config
+                .headers
+                .iter()
+                .map(|(name, value)| {
+                    let bad = || format!("`proxy.headers.{name}` is not a valid header");
+                    Ok((http::HeaderName::try_from(name.as_str()).map_err(|_| bad())?, {
+                        let mut value = http::HeaderValue::try_from(value.as_str()).map_err(|_| bad())?;
+                        value.set_sensitive(true);
+                        value
+                    }))
+                })
+                .collect()
+        };
+        match (url, command.split_first()) {
+            (Some(_), Some(_)) => Err("name one proxied server: --upstream URL or -- COMMAND, not both".to_owned()),
+            (Some(url), None) => {
+                let parsed = reqwest::Url::parse(&url).map_err(|e| format!("--upstream {url:?}: not a URL: {e}"))?;
+                if !matches!(parsed.scheme(), "http" | "https") {
+                    return Err(format!("--upstream {url:?}: the proxied server is reached over http or https"));
+                }
+                Ok(Target::Http { url, headers: headers()? })
+            }
+            (None, Some((program, args))) if !program.trim().is_empty() => {
+                Ok(Target::Command { program: program.clone(), args: args.to_vec() })
+            }
+            _ => Err("name the proxied server: --upstream URL, or -- COMMAND ARGS… (or `proxy.upstream_url`, \
+                      `proxy.command` in the config)"
+                .to_owned()),
+        }
+    }
+}
+
+impl std::fmt::Debug for Target {
+    /// The URL without its password, header names without values.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Http { url, headers } => f
+                .debug_struct("Http")
+                .field("url", &crate::redact::url(url))
+                .field("headers", &headers.iter().map(|(name, _)| name.as_str()).collect::<Vec<_>>())
+                .finish(),
+            Target::Command { program, args } => {
+                f.debug_struct("Command").field("program", program).field("args", &args.len()).finish()
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Http { url, .. } => write!(f, "{}", crate::redact::url(url)),
+            Target::Command { program, .. } => write!(f, "`{program}` (stdio)"),
+        }
+    }
+}
+
+/// Why the proxied server could not be reached.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    /// The child could not be started.
+    #[error("cannot start {target}: {source}")]
+    Spawn {
+        /// What was started.
+        target: String,
+        /// Why not.
+        source: std::io::Error,
+    },
+    /// The MCP handshake failed.
+    #[error("{target} did not complete the MCP handshake: {reason}")]
+    Handshake {
+        /// Whom we asked.
+        target: String,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// The session to the proxied server, while it is up.
+pub struct Link {
+    target: Target,
+    peer: ArcSwapOption<Peer<RoleClient>>,
+    /// What the proxied server said of itself at its last handshake.
+    info: ArcSwapOption<ServerPeerInfo>,
+    /// The child's process id, while one runs (for logs, and tests that kill it).
+    child: std::sync::Mutex<Option<u32>>,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link").field("target", &self.target).field("up", &self.peer.load().is_some()).finish()
+    }
+}
+
+/// First wait before reconnecting, doubled after each failed attempt up to [`RESTART_AT_MOST`].
+const RESTART_FIRST: Duration = Duration::from_millis(200);
+const RESTART_AT_MOST: Duration = Duration::from_secs(30);
+/// A handshake that takes longer than this has failed.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+type Session = RunningService<RoleClient, Relay>;
+
+impl Link {
+    /// Connects to `target` once (its error is the start-up error) and keeps the session up
+    /// until `stop`, reconnecting with backoff; `breaker` is opened while it is down and closed
+    /// when it is back. `on_up` runs after every handshake (the tools are listed again).
+    pub async fn start(
+        target: Target,
+        relay: Relay,
+        breaker: Arc<Breaker>,
+        clock: SharedClock,
+        stop: CancellationToken,
+        on_up: impl Fn() + Send + Sync + 'static,
+    ) -> Result<Arc<Self>, LinkError> {
+        let link = Arc::new(Self {
+            target,
+            peer: ArcSwapOption::empty(),
+            info: ArcSwapOption::empty(),
+            child: std::sync::Mutex::new(None),
+        });
+        let session = link.connect(relay.clone()).await?;
+        link.up(&session);
+        on_up();
+        let kept = link.clone();
+        tokio::spawn(async move { kept.keep_up(session, relay, breaker, clock, stop, on_up).await });
+        Ok(link)
+    }
+
+    /// The session, while it is up.
+    pub fn peer(&self) -> Option<Arc<Peer<RoleClient>>> {
+        self.peer.load_full()
+    }
+
+    /// What the proxied server said of itself at its last handshake.
+    pub fn info(&self) -> Option<Arc<ServerPeerInfo>> {
+        self.info.load_full()
+    }
+
+    /// The stdio child's process id, while one runs.
+    pub fn child_pid(&self) -> Option<u32> {
+        *self.child.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn up(&self, session: &Session) {
+        self.info.store(session.peer_info());
+        self.peer.store(Some(Arc::new(session.peer().clone())));
+    }
+
+    async fn keep_up(
+        self: Arc<Self>,
+        mut session: Session,
+        relay: Relay,
+        breaker: Arc<Breaker>,
+        clock: SharedClock,
+        stop: CancellationToken,
+        on_up: impl Fn() + Send + Sync + 'static,
+    ) {
+        loop {
+            let ended = tokio::select! {
+                ended = session.waiting() => ended,
+                () = stop.cancelled() => return,
+            };
+            self.peer.store(None);
+            *self.child.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            breaker.trip(clock.now());
+            tracing::warn!(upstream = %self.target, reason = ?ended.ok(), "the proxied server went away; reconnecting");
+            let mut wait = RESTART_FIRST;
+            session = loop {
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    () = stop.cancelled() => return,
+                }
+                match self.connect(relay.clone()).await {
+                    Ok(session) => break session,
+                    Err(error) => {
+                        breaker.trip(clock.now());
+                        tracing::warn!(%error, retry_in = ?wait.saturating_mul(2).min(RESTART_AT_MOST), "reconnecting failed");
+                        wait = wait.saturating_mul(2).min(RESTART_AT_MOST);
+                    }
+                }
+            };
+            self.up(&session);
+            breaker.close();
+            on_up();
+            tracing::info!(upstream = %self.target, "the proxied server is back");
+        }
+    }
+
+    async fn connect(&self, relay: Relay) -> Result<Session, LinkError> {
+        let target = self.target.to_string();
+        let handshake = |reason: String| LinkError::Handshake { target: target.clone(), reason };
+        let connecting = async {
+            match &self.target {
+                Target::Http { url, headers } => {
+                    let headers: HashMap<_, _> = headers.iter().cloned().collect();
+                    let config = StreamableHttpClientTransportConfig::with_uri(url.as_str()).custom_headers(headers);
+                    // A pooled client: the default one opens a connection per request.
+                    let transport = StreamableHttpClientTransport::with_client(reqwest::Client::new(), config);
+                    relay.serve(transport).await.map_err(|e| handshake(e.to_string()))
+                }
+                Target::Command { program, args } => {
+                    let mut command = tokio::process::Command::new(program);
+                    command.args(args);
+                    let child = TokioChildProcess::new(command)
+                        .map_err(|source| LinkError::Spawn { target: target.clone(), source })?;
+                    *self.child.lock().unwrap_or_else(|p| p.into_inner()) = child.id();
+                    relay.serve(child).await.map_err(|e| handshake(e.to_string()))
+                }
+            }
+        };
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, connecting)
+            .await
+            .map_err(|_| handshake(format!("no answer within {HANDSHAKE_TIMEOUT:?}")))?
+    }
+}

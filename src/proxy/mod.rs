@@ -1,0 +1,352 @@
+//! `mcp-ratelimit proxy`: every limit of the guard in front of an MCP server written in any
+//! language, reached over streamable HTTP or started as a stdio child.
+//!
+//! The proxied server's tools are learnt from its `tools/list` (again on its
+//! `notifications/tools/list_changed`, and whenever it comes back) and listed downstream with
+//! their prices. A call passes, in order:
+//!
+//! 1. the breaker ([`Breaker`]): while the proxied server is failing or its child is down, the call
+//!    is refused `upstream_unavailable` with the time left, before anything is charged;
+//! 2. a place in the fair queue ([`FairQueue`], `upstream.queue_max` places): a full queue is
+//!    `busy` with a wait, before anything is charged;
+//! 3. the guard ([`Guard::admit`](crate::guard::Guard::admit)): loops, budgets, tenants, spend
+//!    caps, in-flight slots for a `holds_slot` tool — exactly as for our own tools;
+//! 4. its turn for one of `proxy.max_in_flight` slots to the proxied server (tenants take turns);
+//! 5. the call itself, within `proxy.timeout_ms` (the queue wait included), never retried: its
+//!    result, `isError` or not, and its JSON-RPC errors pass through unchanged.
+//!
+//! **Sessions.** All downstream sessions share one MCP session to the proxied server (one child
+//! process for a command). A caller opening many sessions therefore opens nothing upstream, and the
+//! proxied server sees one client: the proxy. Notifications are routed back ([`relay`]): progress
+//! to the session that made the call, resource updates to the sessions that subscribed, log
+//! messages and list changes to all. `logging/setLevel` sets the shared session's level.
+//!
+//! **Identity.** The caller's key never leaves the proxy: the proxied server gets only
+//! `proxy.headers` (over HTTP) and the caller's own `_meta` (minus its progress token, which is
+//! the proxy's own upstream). It cannot tell callers apart; the proxy does that.
+
+pub mod link;
+pub mod relay;
+mod server;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use rmcp::ErrorData;
+use rmcp::model::{
+    CallToolRequest, CallToolRequestParams, CallToolResponse, ClientRequest, ProgressToken, RequestMetaObject,
+    ServerResult, Tool,
+};
+use rmcp::service::{PeerRequestOptions, ServiceError};
+use tokio_util::sync::CancellationToken;
+
+pub use link::{Link, LinkError, Target};
+pub use relay::{Downstream, Relay};
+pub use server::ProxyServer;
+
+use crate::breaker::Breaker;
+use crate::clock::{NANOS_PER_MS, Nanos, SharedClock};
+use crate::config::Config;
+use crate::guard::{Admission, Refusal};
+use crate::identity::Caller;
+use crate::rate_limits::RateLimits;
+use crate::upstream::api::PredictionKind;
+use crate::upstream::jobs::Owner;
+use crate::upstream::queue::{FairQueue, Occupancy, QueueFull, QueueRules, Reservation};
+
+/// The proxied server and what protects it, shared by every downstream session.
+pub struct Proxied {
+    link: Arc<Link>,
+    downstream: Arc<Downstream>,
+    /// Its tools as it last listed them (unpriced).
+    tools: ArcSwap<Vec<Tool>>,
+    breaker: Arc<Breaker>,
+    queue: Arc<FairQueue>,
+    timeout: Duration,
+    clock: SharedClock,
+    limits: RateLimits,
+    /// Calls so far, to name each one's place in the queue.
+    calls: AtomicU64,
+    /// A running mean of how long a call takes (ns): how soon a queue place frees up.
+    mean_call: AtomicU64,
+    /// Admissions of `holds_slot` tools that answered a task, held until the task is final.
+    held_tasks: Mutex<HashMap<String, (Admission, Nanos)>>,
+}
+
+impl std::fmt::Debug for Proxied {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Proxied").field("link", &self.link).field("tools", &self.tools.load().len()).finish()
+    }
+}
+
+/// Why a call did not get an answer from the proxied server.
+enum Unanswered {
+    /// The proxied server's own JSON-RPC error: passed through unchanged.
+    Error(ErrorData),
+    /// It could not be reached, or did not answer in time.
+    Unavailable(Refusal),
+}
+
+impl Proxied {
+    /// Connects to `target` (an error if it cannot be reached now), learns its tools, and keeps
+    /// both up until `stop`.
+    pub async fn start(
+        target: Target,
+        config: &Config,
+        limits: RateLimits,
+        clock: SharedClock,
+        stop: CancellationToken,
+    ) -> Result<Arc<Self>, LinkError> {
+        let up = &config.upstream;
+        let ms = |n: u64| n.saturating_mul(NANOS_PER_MS);
+        let breaker = Arc::new(Breaker::new(up.breaker_failures, ms(up.breaker_cooldown_ms)));
+        let downstream = Arc::new(Downstream::default());
+        let relay = Relay::new(downstream.clone());
+        let changed = downstream.clone();
+        let link = Link::start(target, relay, breaker.clone(), clock.clone(), stop.child_token(), move || {
+            changed.tools_changed.notify_one();
+        })
+        .await?;
+        let max_in_flight = config.proxy.max_in_flight;
+        let rules = QueueRules::new(max_in_flight, 0, up.queue_max, 0)
+            .unverified_share(share_of(max_in_flight, up.unverified_share), up.unverified_places());
+        let queue = Arc::new(FairQueue::new(rules, clock.clone()).shared_in(limits.guard().store().clone()));
+        tokio::spawn(queue.clone().dispatch(stop.child_token()));
+        let proxied = Arc::new(Self {
+            link,
+            downstream,
+            tools: ArcSwap::from_pointee(Vec::new()),
+            breaker,
+            queue,
+            timeout: Duration::from_millis(config.proxy.timeout_ms),
+            clock,
+            limits,
+            calls: AtomicU64::new(0),
+            mean_call: AtomicU64::new(0),
+            held_tasks: Mutex::new(HashMap::new()),
+        });
+        proxied.learn_tools().await;
+        tokio::spawn(proxied.clone().learn_tools_when_changed(stop));
+        Ok(proxied)
+    }
+
+    /// The session to the proxied server.
+    pub fn link(&self) -> &Link {
+        &self.link
+    }
+
+    /// Its breaker.
+    pub fn breaker(&self) -> &Breaker {
+        &self.breaker
+    }
+
+    /// Calls in flight to it and waiting for a turn.
+    pub fn occupancy(&self) -> Occupancy {
+        self.queue.occupancy()
+    }
+
+    /// Its tools as it last listed them, without prices.
+    pub fn tools(&self) -> Arc<Vec<Tool>> {
+        self.tools.load_full()
+    }
+
+    /// Whether it lists `name`.
+    fn lists(&self, name: &str) -> bool {
+        self.tools.load().iter().any(|t| t.name == name)
+    }
+
+    async fn learn_tools_when_changed(self: Arc<Self>, stop: CancellationToken) {
+        loop {
+            tokio::select! {
+                () = self.downstream.tools_changed.notified() => {}
+                () = stop.cancelled() => return,
+            }
+            self.learn_tools().await;
+            self.downstream.tools_list_changed().await;
+        }
+    }
+
+    /// Lists the proxied server's tools again, and warns of each `[tools.NAME]` it does not list.
+    async fn learn_tools(&self) {
+        let Some(peer) = self.link.peer() else { return };
+        let tools = match peer.list_all_tools().await {
+            Ok(tools) => tools,
+            Err(error) => {
+                tracing::warn!(%error, "the proxied server did not list its tools; keeping the last list");
+                return;
+            }
+        };
+        for name in self.limits.guard().policy().tools.keys() {
+            if !tools.iter().any(|t| t.name == name.as_str()) {
+                tracing::warn!(tool = %name, "`[tools.{name}]` names no tool of the proxied server (it may list it later)");
+            }
+        }
+        tracing::info!(tools = tools.len(), "learnt the proxied server's tools");
+        self.tools.store(Arc::new(tools));
+    }
+
+    /// Refuses a call the proxied server could not take now, before it is charged: the breaker
+    /// is open, or the queue has no place.
+    fn before_charging(&self, tool: &str, caller: &Caller) -> Result<Reservation, Refusal> {
+        if let Some(open_for) = self.breaker.open_for(self.clock.now()) {
+            return Err(unavailable(tool, "it failed or is restarting, and the circuit breaker is open", open_for));
+        }
+        self.queue.reserve(PredictionKind::Image, caller.unverified_from().is_some()).map_err(|full| {
+            let wait = self.mean_call.load(Ordering::Relaxed).max(NANOS_PER_MS);
+            match full {
+                QueueFull::Full => Refusal::queue_full(tool, wait),
+                QueueFull::UnverifiedShare { slots, places } => {
+                    Refusal::unverified_share_full(tool, wait, slots, places)
+                }
+            }
+        })
+    }
+
+    /// Waits for the call's turn, sends it, and waits for the answer, all within the timeout;
+    /// `progress` is where the call's progress goes (a downstream session and its token).
+    async fn forward(
+        &self,
+        caller: &Caller,
+        place: Reservation,
+        request: CallToolRequestParams,
+        meta: RequestMetaObject,
+        progress: Option<(u64, ProgressToken)>,
+    ) -> Result<CallToolResponse, Unanswered> {
+        let tool = request.name.to_string();
+        let started = self.clock.now();
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let timed_out = || {
+            unavailable(
+                &tool,
+                &format!("it did not answer within {} ms", self.timeout.as_millis()),
+                NANOS_PER_MS * 1000,
+            )
+        };
+        let _slot = match place.start_now().await {
+            Ok(slot) => slot,
+            Err(place) => {
+                let id = format!("call-{}", self.calls.fetch_add(1, Ordering::Relaxed));
+                let owner = Owner::of(caller, &self.limits.guard().policy());
+                let turn = place.enqueue(&owner.flowing(), &id);
+                match tokio::time::timeout_at(deadline, turn).await {
+                    Ok(Ok(slot)) => slot,
+                    Ok(Err(_)) => return Err(Unanswered::Unavailable(timed_out())),
+                    Err(_) => {
+                        self.queue.remove(&id);
+                        return Err(Unanswered::Unavailable(timed_out()));
+                    }
+                }
+            }
+        };
+        let now = self.clock.now();
+        let permit = self.breaker.permit(now).map_err(|open| {
+            Unanswered::Unavailable(unavailable(&tool, "the circuit breaker is open", open.retry_after))
+        })?;
+        let Some(peer) = self.link.peer() else {
+            self.breaker.record(permit, false, now);
+            let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
+            return Err(Unanswered::Unavailable(unavailable(&tool, "it is restarting", wait)));
+        };
+        let request = ClientRequest::CallToolRequest(CallToolRequest::new(request));
+        let mut options = PeerRequestOptions::no_options();
+        options.meta = Some(meta);
+        let answer = async {
+            let handle = peer.send_cancellable_request(request, options).await?;
+            let _route = progress
+                .map(|(session, token)| self.downstream.route_progress(handle.progress_token.clone(), session, token));
+            let id = handle.id.clone();
+            // Dropped before the answer (the caller cancelled, or the timeout): the proxied
+            // server is told to stop.
+            let cancel = CancelOnDrop { peer: Some((*peer).clone()), id };
+            let answer = handle.await_response().await;
+            cancel.disarm();
+            answer
+        };
+        let answer = tokio::time::timeout_at(deadline, answer).await;
+        let now = self.clock.now();
+        let took = now.saturating_sub(started);
+        let mean = self.mean_call.load(Ordering::Relaxed);
+        self.mean_call.store(if mean == 0 { took } else { mean - mean / 8 + took / 8 }, Ordering::Relaxed);
+        match answer {
+            Err(_) => {
+                self.breaker.record(permit, false, now);
+                Err(Unanswered::Unavailable(timed_out()))
+            }
+            Ok(Ok(result)) => {
+                self.breaker.record(permit, true, now);
+                match result {
+                    ServerResult::CallToolResult(done) => Ok(CallToolResponse::Complete(done)),
+                    ServerResult::CreateTaskResult(task) => Ok(CallToolResponse::Task(task)),
+                    ServerResult::InputRequiredResult(input) => Ok(CallToolResponse::InputRequired(input)),
+                    _ => Err(Unanswered::Error(ErrorData::internal_error(
+                        "the proxied server answered tools/call with another kind of result",
+                        None,
+                    ))),
+                }
+            }
+            Ok(Err(ServiceError::McpError(error))) => {
+                // It answered: it is up, and its error is the caller's to read.
+                self.breaker.record(permit, true, now);
+                Err(Unanswered::Error(error))
+            }
+            Ok(Err(error)) => {
+                self.breaker.record(permit, false, now);
+                let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
+                Err(Unanswered::Unavailable(unavailable(&tool, &format!("{error}"), wait)))
+            }
+        }
+    }
+
+    /// Keeps `admission` until task `id` is final (or `ttl_ms` has passed).
+    fn hold_for_task(&self, id: &str, admission: Admission, ttl_ms: Option<u64>) {
+        let now = self.clock.now();
+        let ttl = ttl_ms.unwrap_or(3_600_000).min(86_400_000).saturating_mul(NANOS_PER_MS);
+        let mut held = self.held_tasks.lock().unwrap_or_else(|p| p.into_inner());
+        held.retain(|_, (_, until)| *until > now);
+        held.insert(id.to_owned(), (admission, now.saturating_add(ttl)));
+    }
+
+    /// Gives back the slot task `id` held, if it held one.
+    fn release_task(&self, id: &str) {
+        self.held_tasks.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
+    }
+}
+
+/// Tells the proxied server to stop a call whose answer nobody waits for any more.
+struct CancelOnDrop {
+    peer: Option<rmcp::service::Peer<rmcp::RoleClient>>,
+    id: rmcp::model::RequestId,
+}
+
+impl CancelOnDrop {
+    fn disarm(mut self) {
+        self.peer = None;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        let Some(peer) = self.peer.take() else { return };
+        let params = rmcp::model::CancelledNotificationParam::new(
+            Some(self.id.clone()),
+            Some("the caller stopped waiting".to_owned()),
+        );
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = peer.notify_cancelled(params).await;
+            });
+        }
+    }
+}
+
+fn unavailable(tool: &str, detail: &str, wait: Nanos) -> Refusal {
+    Refusal::upstream_unavailable(tool, detail, wait.div_ceil(NANOS_PER_MS).max(1))
+}
+
+/// `share` (0 to 1) of `whole`, rounded down.
+fn share_of(whole: usize, share: f64) -> usize {
+    if share >= 1.0 { whole } else { (whole as f64 * share.max(0.0)).floor() as usize }
+}

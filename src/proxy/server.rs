@@ -1,0 +1,293 @@
+//! The MCP server each downstream session gets: the proxied server's tools, priced and guarded,
+//! and its resources, prompts, completions, logging and tasks passed through under the
+//! per-method limits.
+
+use std::sync::{Arc, OnceLock};
+
+#[allow(deprecated)] // Logging and resource subscriptions are legacy in 2026-07-28, and still in use.
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CancelTaskParams, CompleteRequestParams, CompleteResult,
+    GetPromptRequestParams, GetPromptResponse, GetTaskParams, GetTaskResult, Implementation, ListPromptsResult,
+    ListResourceTemplatesResult, ListResourcesResult, ListToolsResult, PaginatedRequestParams,
+    ReadResourceRequestParams, ReadResourceResponse, ServerConfig, SetLevelRequestParams, SubscribeRequestParams,
+    UnsubscribeRequestParams,
+};
+use rmcp::service::{NotificationContext, Peer, RequestContext, ServiceError};
+use rmcp::{ErrorData, RoleClient, RoleServer, ServerHandler};
+
+use super::relay::Membership;
+use super::{Proxied, Unanswered};
+use crate::guard::{MethodGroup, Refusal, ToolCall};
+use crate::identity::Caller;
+use crate::mcp::{Transport, limited, results};
+use crate::metrics::Layer;
+use crate::rate_limits::RateLimits;
+
+/// One downstream session's handler.
+pub struct ProxyServer {
+    proxied: Arc<Proxied>,
+    limits: RateLimits,
+    transport: Transport,
+    /// The session's place among those the proxied server's notifications go to.
+    membership: OnceLock<Membership>,
+}
+
+impl std::fmt::Debug for ProxyServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyServer").field("transport", &self.transport).finish_non_exhaustive()
+    }
+}
+
+impl ProxyServer {
+    /// A handler for one session over `transport`.
+    pub fn new(proxied: Arc<Proxied>, limits: RateLimits, transport: Transport) -> Self {
+        Self { proxied, limits, transport, membership: OnceLock::new() }
+    }
+
+    fn caller_of(&self, context: &RequestContext<RoleServer>) -> Result<Caller, ErrorData> {
+        match self.transport {
+            Transport::Stdio => Ok(self.limits.identifier().load().local()),
+            Transport::Http => limited::caller_of(&self.limits, context),
+        }
+    }
+
+    /// Charges a method other than a tool call to its per-caller limit.
+    async fn admit_method(&self, context: &RequestContext<RoleServer>, method: &str) -> Result<(), ErrorData> {
+        let caller = self.caller_of(context)?;
+        let group = if method == "tools/list" { MethodGroup::ToolsList } else { MethodGroup::Other };
+        self.limits.guard().admit_method(&caller, group, method).await.map_err(|r| results::method_error(&r))
+    }
+
+    /// The session to the proxied server, or the error a caller gets while it is down.
+    fn upstream(&self) -> Result<Arc<Peer<RoleClient>>, ErrorData> {
+        self.proxied.link.peer().ok_or_else(|| {
+            let wait = self.proxied.breaker.open_for(self.proxied.clock.now()).unwrap_or(crate::clock::NANOS_PER_SEC);
+            let ms = wait.div_ceil(crate::clock::NANOS_PER_MS).max(1);
+            ErrorData::new(
+                rmcp::model::ErrorCode(-32000),
+                format!("the proxied server is restarting; try again in {} s", ms.div_ceil(1000)),
+                Some(serde_json::json!({"code": "upstream_unavailable", "retry_after_ms": ms})),
+            )
+        })
+    }
+
+    fn refuse(&self, caller: &Caller, tool: &str, refusal: Refusal) -> CallToolResponse {
+        let guard = self.limits.guard();
+        guard.activity().refused(caller, refusal.seen(Layer::Tool, tool), self.limits.clock().now());
+        results::tool_result(&refusal).into()
+    }
+}
+
+/// A passed-through request's error: the proxied server's own, unchanged; or why it could not
+/// be asked.
+fn passed(error: ServiceError) -> ErrorData {
+    match error {
+        ServiceError::McpError(error) => error,
+        other => ErrorData::new(
+            rmcp::model::ErrorCode(-32000),
+            format!("the proxied server could not be asked: {other}"),
+            Some(serde_json::json!({"code": "upstream_unavailable", "retry_after_ms": 1000})),
+        ),
+    }
+}
+
+#[allow(deprecated)] // Logging and resource subscriptions are legacy in 2026-07-28, and still in use.
+impl ServerHandler for ProxyServer {
+    fn get_info(&self) -> ServerConfig {
+        let theirs = self.proxied.link.info();
+        let mut capabilities = theirs.as_ref().map(|i| i.capabilities.clone()).unwrap_or_default();
+        // The proxy always lists tools, and says when they change.
+        let mut tools = capabilities.tools.clone().unwrap_or_default();
+        tools.list_changed = Some(true);
+        capabilities.tools = Some(tools);
+        let ours = "Tools draw on a budget of tokens; each tool's description says what it costs. A refused call \
+                    says how many seconds to wait: wait that long instead of retrying. Repeating the exact same call \
+                    is refused as a loop.";
+        let instructions = match theirs.as_ref().and_then(|i| i.instructions.as_deref()) {
+            Some(theirs) => format!("{theirs}\n\n{ours}"),
+            None => ours.to_owned(),
+        };
+        let server_info = theirs
+            .as_ref()
+            .and_then(|i| i.server_info.clone())
+            .unwrap_or_else(|| Implementation::new("mcp-ratelimit-proxy", env!("CARGO_PKG_VERSION")));
+        ServerConfig::new(capabilities).with_server_info(server_info).with_instructions(instructions)
+    }
+
+    async fn on_initialized(&self, context: NotificationContext<RoleServer>) {
+        let _ = self.membership.set(self.proxied.downstream.join(context.peer));
+    }
+
+    async fn ping(&self, context: RequestContext<RoleServer>) -> Result<(), ErrorData> {
+        self.admit_method(&context, "ping").await
+    }
+
+    /// The proxied server's tools, each with its price appended.
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        self.admit_method(&context, "tools/list").await?;
+        let tools = limited::priced(self.proxied.tools().to_vec(), &self.limits.guard().policy());
+        Ok(ListToolsResult::with_all_items(tools))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        // A name it does not list is not the proxied server's to hear, nor a budget to open.
+        if !self.proxied.lists(&request.name) {
+            return Err(ErrorData::invalid_params(format!("unknown tool `{}`", request.name), None));
+        }
+        let caller = self.caller_of(&context)?;
+        let tool = request.name.to_string();
+        let place = match self.proxied.before_charging(&tool, &caller) {
+            Ok(place) => place,
+            Err(refusal) => return Ok(self.refuse(&caller, &tool, refusal)),
+        };
+        let policy = self.limits.guard().policy();
+        let holds_slot = policy.holds_slot(&tool);
+        let args = serde_json::Value::Object(request.arguments.clone().unwrap_or_default());
+        let call = ToolCall { tool: &tool, args: &args, starts_job: holds_slot, loop_exempt: false };
+        let admission = match self.limits.guard().admit(&caller, &call).await {
+            Ok(admission) => admission,
+            Err(refusal) => return Ok(self.refuse(&caller, &tool, refusal)),
+        };
+        let session = self.membership.get().map(Membership::id);
+        let progress = session.zip(context.meta.get_progress_token());
+        let forwarded = self.proxied.forward(&caller, place, request, context.meta.clone(), progress);
+        let answer = tokio::select! {
+            answer = forwarded => answer,
+            () = context.ct.cancelled() => return Err(ErrorData::internal_error("the request was cancelled", None)),
+        };
+        match answer {
+            Ok(CallToolResponse::Task(task)) if holds_slot => {
+                self.proxied.hold_for_task(&task.task.task_id, admission, task.task.ttl_ms);
+                Ok(CallToolResponse::Task(task))
+            }
+            Ok(CallToolResponse::Complete(done)) if !admission.warnings().is_empty() && done.is_error != Some(true) => {
+                Ok(CallToolResponse::Complete(results::with_warnings(done, admission.warnings())))
+            }
+            Ok(other) => Ok(other),
+            Err(Unanswered::Error(error)) => Err(error),
+            Err(Unanswered::Unavailable(refusal)) => Ok(self.refuse(&caller, &tool, refusal)),
+        }
+    }
+
+    async fn list_resources(
+        &self,
+        request: Option<PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ListResourcesResult, ErrorData> {
+        self.admit_method(&context, "resources/list").await?;
+        self.upstream()?.list_resources(request).await.map_err(passed)
+    }
+
+    async fn list_resource_templates(
+        &self,
+        request: Option<PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ListResourceTemplatesResult, ErrorData> {
+        self.admit_method(&context, "resources/templates/list").await?;
+        self.upstream()?.list_resource_templates(request).await.map_err(passed)
+    }
+
+    async fn read_resource(
+        &self,
+        request: ReadResourceRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResponse, ErrorData> {
+        self.admit_method(&context, "resources/read").await?;
+        self.upstream()?.read_resource_once(request).await.map_err(passed)
+    }
+
+    async fn subscribe(
+        &self,
+        request: SubscribeRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<(), ErrorData> {
+        self.admit_method(&context, "resources/subscribe").await?;
+        let upstream = self.upstream()?;
+        let session = self.membership.get().map(Membership::id);
+        // The one upstream session subscribes once, for every downstream session that asked.
+        let first = session.is_none_or(|s| self.proxied.downstream.subscribe(s, &request.uri));
+        if first { upstream.subscribe(request).await.map_err(passed) } else { Ok(()) }
+    }
+
+    async fn unsubscribe(
+        &self,
+        request: UnsubscribeRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<(), ErrorData> {
+        self.admit_method(&context, "resources/unsubscribe").await?;
+        let upstream = self.upstream()?;
+        let session = self.membership.get().map(Membership::id);
+        let last = session.is_none_or(|s| self.proxied.downstream.unsubscribe(s, &request.uri));
+        if last { upstream.unsubscribe(request).await.map_err(passed) } else { Ok(()) }
+    }
+
+    async fn list_prompts(
+        &self,
+        request: Option<PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ListPromptsResult, ErrorData> {
+        self.admit_method(&context, "prompts/list").await?;
+        self.upstream()?.list_prompts(request).await.map_err(passed)
+    }
+
+    async fn get_prompt(
+        &self,
+        request: GetPromptRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<GetPromptResponse, ErrorData> {
+        self.admit_method(&context, "prompts/get").await?;
+        self.upstream()?.get_prompt_once(request).await.map_err(passed)
+    }
+
+    async fn complete(
+        &self,
+        request: CompleteRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CompleteResult, ErrorData> {
+        self.admit_method(&context, "completion/complete").await?;
+        self.upstream()?.complete(request).await.map_err(passed)
+    }
+
+    async fn set_level(
+        &self,
+        request: SetLevelRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<(), ErrorData> {
+        self.admit_method(&context, "logging/setLevel").await?;
+        self.upstream()?.set_level(request).await.map_err(passed)
+    }
+
+    async fn get_task(
+        &self,
+        request: GetTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<GetTaskResult, ErrorData> {
+        self.admit_method(&context, "tasks/get").await?;
+        let id = request.task_id.clone();
+        let answer = self.upstream()?.get_task(request).await.map_err(passed)?;
+        if answer.task.status().is_terminal() {
+            self.proxied.release_task(&id);
+        }
+        Ok(answer)
+    }
+
+    async fn cancel_task(
+        &self,
+        request: CancelTaskParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<(), ErrorData> {
+        self.admit_method(&context, "tasks/cancel").await?;
+        let id = request.task_id.clone();
+        self.upstream()?.cancel_task(request).await.map_err(passed)?;
+        self.proxied.release_task(&id);
+        Ok(())
+    }
+}

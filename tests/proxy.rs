@@ -1,0 +1,342 @@
+//! `mcp-ratelimit proxy` in front of MCP servers nobody here wrote: the official
+//! `@modelcontextprotocol/server-everything` (TypeScript) over stdio and streamable HTTP, and a
+//! small FastMCP (Python) server of our own (`tests/fixtures/fastmcp_server.py`), both installed
+//! from the package registries by `scripts/proxy-fixtures.sh` (which `make test` runs).
+//!
+//! The proxy runs in-process on a manual clock, so every wait it tells is exact; the proxied
+//! servers run for real. Waiting for a killed child to be restarted is waiting for a process, not
+//! for a window: those loops are bounded and poll.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use mcp_ratelimit::App;
+use mcp_ratelimit::clock::ManualClock;
+use mcp_ratelimit::config::{Catalogue, Config};
+use mcp_ratelimit::proxy::Target;
+use rmcp::ServiceExt;
+use rmcp::model::{CallToolRequestParams, CallToolResult, GetPromptRequestParams, ReadResourceRequestParams};
+use rmcp::service::ServiceError;
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::{ConfigureCommandExt, StreamableHttpClientTransport, TokioChildProcess};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+
+use common::Client;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn installed(path: PathBuf) -> String {
+    assert!(path.exists(), "{} is missing: run scripts/proxy-fixtures.sh (make test does)", path.display());
+    path.to_string_lossy().into_owned()
+}
+
+/// Node 22 and the `everything` server's entry point, as `scripts/proxy-fixtures.sh` installed them.
+fn everything(transport: &str) -> (String, Vec<String>) {
+    let node = installed(root().join(".tools/node/node_modules/.bin/node"));
+    let main = installed(root().join(".tools/node/node_modules/@modelcontextprotocol/server-everything/dist/index.js"));
+    (node, vec![main, transport.to_owned()])
+}
+
+/// The virtualenv's Python (with FastMCP) and our FastMCP server.
+fn fastmcp(args: &[&str]) -> (String, Vec<String>) {
+    let python = installed(root().join(".tools/python/bin/python"));
+    let server = installed(root().join("tests/fixtures/fastmcp_server.py"));
+    (python, std::iter::once(server).chain(args.iter().map(|a| (*a).to_owned())).collect())
+}
+
+fn command((program, args): (String, Vec<String>)) -> Target {
+    Target::Command { program, args }
+}
+
+/// A proxy serving HTTP in-process on a free port, on a manual clock.
+struct Proxy {
+    app: Arc<App>,
+    clock: Arc<ManualClock>,
+    url: String,
+}
+
+impl Proxy {
+    async fn start(toml: &str, target: Target) -> Self {
+        let config = Config::from_toml(toml, &Catalogue::learned()).expect("test config is valid");
+        let clock = ManualClock::new();
+        let app = Arc::new(App::start_proxy(config, target, clock.clone()).await.expect("the proxy starts"));
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}/mcp", listener.local_addr().expect("addr"));
+        let serving = app.clone();
+        tokio::spawn(async move { serving.serve_http(listener).await });
+        Self { app, clock, url }
+    }
+
+    async fn client(&self, key: Option<&str>) -> Client {
+        let mut config = StreamableHttpClientTransportConfig::with_uri(self.url.clone());
+        if let Some(key) = key {
+            config = config.auth_header(key);
+        }
+        ().serve(StreamableHttpClientTransport::from_config(config)).await.expect("client connects")
+    }
+}
+
+/// A client straight to the proxied server, to compare with what the proxy answers.
+async fn direct((program, args): (String, Vec<String>)) -> Client {
+    let child = TokioChildProcess::new(tokio::process::Command::new(program).configure(|c| {
+        c.args(&args);
+    }))
+    .expect("the server starts");
+    ().serve(child).await.expect("handshake")
+}
+
+async fn call(client: &Client, tool: &str, args: Value) -> CallToolResult {
+    let Value::Object(args) = args else { panic!("arguments are an object") };
+    client.call_tool(CallToolRequestParams::new(tool.to_owned()).with_arguments(args)).await.expect("an answer")
+}
+
+fn code_of(result: &CallToolResult) -> Option<&str> {
+    result.structured_content.as_ref().and_then(|s| s["error"]["code"].as_str())
+}
+
+fn text_of(result: &CallToolResult) -> String {
+    result.content.iter().filter_map(|c| c.as_text()).map(|t| t.text.clone()).collect::<Vec<_>>().join("")
+}
+
+/// A free loopback port for a server the test starts.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// Starts a server that listens on `port`, and waits (bounded) until it accepts connections.
+async fn serve_http(program: &str, args: &[String], port: u16) -> tokio::process::Child {
+    let child = tokio::process::Command::new(program)
+        .args(args)
+        .env("PORT", port.to_string())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the server starts");
+    for _ in 0..600 {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+            return child;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{program} did not listen on {port} within 30 s");
+}
+
+#[tokio::test]
+async fn everything_over_stdio_lists_its_tools_with_their_prices() {
+    let proxy = Proxy::start("[tools.echo]\ncost = 2\n", command(everything("stdio"))).await;
+    let client = proxy.client(None).await;
+    let through: Vec<_> = client.list_all_tools().await.expect("tools");
+    let upstream = direct(everything("stdio")).await.list_all_tools().await.expect("its tools");
+    let names = |tools: &[rmcp::model::Tool]| tools.iter().map(|t| t.name.to_string()).collect::<Vec<_>>();
+    assert_eq!(names(&through), names(&upstream), "every tool of the proxied server, and no other");
+    assert!(through.len() > 5, "{:?}", names(&through));
+    for tool in &through {
+        let description = tool.description.as_deref().unwrap_or_default();
+        let price = if tool.name == "echo" { "Costs 2 tokens." } else { "Costs 1 token." };
+        assert!(description.ends_with(price), "{}: {description}", tool.name);
+    }
+    let echo = call(&client, "echo", json!({"message": "hi"})).await;
+    assert_eq!(text_of(&echo), "Echo: hi");
+}
+
+#[tokio::test]
+async fn everything_over_streamable_http_is_proxied_too() {
+    let port = free_port();
+    let (node, args) = everything("streamableHttp");
+    let _server = serve_http(&node, &args, port).await;
+    let target = Target::Http { url: format!("http://127.0.0.1:{port}/mcp"), headers: Vec::new() };
+    let proxy = Proxy::start("", target).await;
+    let client = proxy.client(None).await;
+    let tools = client.list_all_tools().await.expect("tools");
+    assert!(tools.iter().any(|t| t.name == "echo"), "{tools:?}");
+    let echo = call(&client, "echo", json!({"message": "over http"})).await;
+    assert_eq!(text_of(&echo), "Echo: over http");
+}
+
+#[tokio::test]
+async fn a_burst_is_refused_at_exactly_the_budget_with_the_wait() {
+    let toml = "[limits.caller]\nalgorithm = \"token_bucket\"\nburst = 3\nrefill_per_sec = 0.5\n";
+    let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
+    let client = proxy.client(None).await;
+    for b in 1..=3 {
+        let sum = call(&client, "add", json!({"a": 1, "b": b})).await;
+        assert_eq!(text_of(&sum), (1 + b).to_string(), "call {b} is within the budget");
+    }
+    let refused = call(&client, "add", json!({"a": 1, "b": 4})).await;
+    assert_eq!(refused.is_error, Some(true));
+    assert_eq!(code_of(&refused), Some("rate_limited"), "{refused:?}");
+    let error = &refused.structured_content.as_ref().expect("structured")["error"];
+    assert_eq!(error["retry_after_ms"], 2_000, "one token comes back in exactly 2 s: {error}");
+    proxy.clock.advance(Duration::from_secs(2));
+    let later = call(&client, "add", json!({"a": 1, "b": 4})).await;
+    assert_eq!(text_of(&later), "5", "served once the wait is over");
+}
+
+#[tokio::test]
+async fn a_long_tool_holds_its_slot_until_it_returns() {
+    let toml = "[tools.wait_for]\nholds_slot = true\ncost = 1\n[limits.in_flight]\ncaller = 1\n";
+    let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
+    let client = Arc::new(proxy.client(None).await);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let release = dir.path().join("release");
+    let long = {
+        let (client, path) = (client.clone(), release.to_string_lossy().into_owned());
+        tokio::spawn(async move { call(&client, "wait_for", json!({"path": path})).await })
+    };
+    wait_until_exists(&dir.path().join("release.started")).await;
+    let second = call(&client, "wait_for", json!({"path": "/nonexistent/other"})).await;
+    assert_eq!(code_of(&second), Some("busy"), "the first call holds the one slot: {second:?}");
+    std::fs::write(&release, "go").expect("release");
+    let first = long.await.expect("the long call");
+    assert_eq!(text_of(&first), "released");
+    let sum = call(&client, "add", json!({"a": 2, "b": 3})).await;
+    assert_eq!(text_of(&sum), "5", "a tool that holds no slot is never busy");
+    let dir2 = dir.path().join("again");
+    std::fs::write(&dir2, "go").expect("pre-released");
+    let third = call(&client, "wait_for", json!({"path": dir2.to_string_lossy()})).await;
+    assert_eq!(text_of(&third), "released", "the slot came back when the long call returned");
+}
+
+async fn wait_until_exists(path: &Path) {
+    for _ in 0..600 {
+        if path.exists() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{} never appeared", path.display());
+}
+
+#[tokio::test]
+async fn five_identical_calls_are_a_loop() {
+    let proxy = Proxy::start("", command(fastmcp(&[]))).await;
+    let client = proxy.client(None).await;
+    for n in 1..=4 {
+        assert_eq!(text_of(&call(&client, "add", json!({"a": 2, "b": 2})).await), "4", "call {n}");
+    }
+    let fifth = call(&client, "add", json!({"a": 2, "b": 2})).await;
+    assert_eq!(code_of(&fifth), Some("loop_detected"), "{fifth:?}");
+}
+
+#[tokio::test]
+async fn the_proxied_servers_errors_pass_through_unchanged() {
+    let proxy = Proxy::start("", command(fastmcp(&[]))).await;
+    let client = proxy.client(None).await;
+    let upstream = direct(fastmcp(&[])).await;
+
+    let through = call(&client, "fail", json!({"reason": "testing"})).await;
+    let straight = call(&upstream, "fail", json!({"reason": "testing"})).await;
+    assert_eq!(through.is_error, Some(true));
+    assert_eq!(serde_json::to_value(&through).unwrap(), serde_json::to_value(&straight).unwrap());
+
+    let missing = || ReadResourceRequestParams::new("fixture://nope");
+    let through = client.read_resource(missing()).await.expect_err("no such resource");
+    let straight = upstream.read_resource(missing()).await.expect_err("no such resource");
+    match (through, straight) {
+        (ServiceError::McpError(through), ServiceError::McpError(straight)) => {
+            assert_eq!((through.code, through.message), (straight.code, straight.message));
+        }
+        other => panic!("both are the server's JSON-RPC error: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn an_unknown_tool_is_an_error_and_charges_nothing() {
+    let toml = "[limits.caller]\nalgorithm = \"token_bucket\"\nburst = 1\nrefill_per_sec = 0.01\n";
+    let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
+    let client = proxy.client(None).await;
+    for _ in 0..3 {
+        let unknown = client.call_tool(CallToolRequestParams::new("no_such_tool")).await;
+        assert!(matches!(unknown, Err(ServiceError::McpError(_))), "{unknown:?}");
+    }
+    let sum = call(&client, "add", json!({"a": 1, "b": 1})).await;
+    assert_eq!(text_of(&sum), "2", "the budget of 1 is still whole");
+}
+
+#[tokio::test]
+async fn resources_and_prompts_pass_through() {
+    let proxy = Proxy::start("", command(fastmcp(&[]))).await;
+    let client = proxy.client(None).await;
+    let resources = client.list_all_resources().await.expect("resources");
+    assert!(resources.iter().any(|r| r.uri == "fixture://greeting"), "{resources:?}");
+    let read = client.read_resource(ReadResourceRequestParams::new("fixture://greeting")).await.expect("read");
+    assert!(format!("{:?}", read.contents).contains("hello from python"), "{read:?}");
+    let mut args = serde_json::Map::new();
+    args.insert("code".to_owned(), json!("x = 1"));
+    let prompt = client.get_prompt(GetPromptRequestParams::new("review").with_arguments(args)).await.expect("prompt");
+    assert!(format!("{:?}", prompt.messages).contains("Please review: x = 1"), "{prompt:?}");
+}
+
+#[tokio::test]
+async fn a_killed_child_is_unavailable_with_a_wait_then_served_after_its_restart() {
+    let toml = "[upstream]\nbreaker_cooldown_ms = 5000\n[loop_detection]\nenabled = false\n";
+    let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
+    let client = proxy.client(None).await;
+    let pid: i32 = text_of(&call(&client, "pid", json!({})).await).parse().expect("a pid");
+    let proxied = match &proxy.app.state().behind {
+        mcp_ratelimit::state::Behind::Proxy(proxied) => proxied.clone(),
+        mcp_ratelimit::state::Behind::Tools(_) => unreachable!("a proxy"),
+    };
+    assert_eq!(proxied.link().child_pid(), Some(pid as u32));
+    let killed = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status().expect("kill");
+    assert!(killed.success());
+
+    // Until the proxy notices, a call may meet the dead pipe; then the breaker answers at once.
+    let mut refusal = None;
+    for _ in 0..200 {
+        let answer = call(&client, "add", json!({"a": 1, "b": 1})).await;
+        if code_of(&answer) == Some("upstream_unavailable") {
+            refusal = Some(answer);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let refusal = refusal.expect("the dead child is upstream_unavailable");
+    let wait = refusal.structured_content.as_ref().expect("structured")["error"]["retry_after_ms"].as_u64();
+    assert!(wait.is_some_and(|ms| ms > 0 && ms <= 5_000), "a wait of at most the cool-down: {refusal:?}");
+
+    // Restarted with backoff (its first try after 200 ms), the breaker closed: served again.
+    let mut served = None;
+    for _ in 0..300 {
+        let answer = call(&client, "pid", json!({})).await;
+        if answer.is_error != Some(true) {
+            served = Some(answer);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let new_pid: i32 = text_of(&served.expect("served after the restart")).parse().expect("a pid");
+    assert_ne!(new_pid, pid, "a new child");
+}
+
+#[tokio::test]
+async fn headers_from_config_reach_an_http_upstream_and_the_callers_key_never_does() {
+    let port = free_port();
+    let (python, args) = fastmcp(&["http", &port.to_string()]);
+    let _server = serve_http(&python, &args, port).await;
+    let secret = "upstream-secret-123";
+    let headers =
+        vec![(http::HeaderName::from_static("x-upstream-key"), http::HeaderValue::from_str(secret).expect("header"))];
+    let target = Target::Http { url: format!("http://127.0.0.1:{port}/mcp"), headers };
+    let key = "caller-key-0123456789abcdef";
+    let toml = format!("[auth]\nkeys = [{{ sha256 = \"{}\", tenant = \"acme\" }}]\n", sha256_hex(key));
+    let proxy = Proxy::start(&toml, target).await;
+    let client = proxy.client(Some(key)).await;
+    let seen = call(&client, "header", json!({"name": "x-upstream-key"})).await;
+    assert_eq!(text_of(&seen), secret);
+    let seen = call(&client, "header", json!({"name": "authorization"})).await;
+    assert_eq!(text_of(&seen), "", "the caller's key stays at the proxy");
+    assert!(!format!("{:?}", proxy.app).contains(secret), "the header's value is in no Debug string");
+}
+
+fn sha256_hex(key: &str) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(key.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
