@@ -29,7 +29,7 @@ use crate::mcp::{McpServer, Transport};
 use crate::mock_upstream::MockUpstream;
 use crate::proxy::{LinkError, Proxied, ProxyServer, Target};
 use crate::rate_limits::{LimitsError, RateLimits};
-use crate::state::{AppState, Behind, OwnTools};
+use crate::state::{AppState, OwnTools};
 use crate::upstream::backoff::{Backoff, RetryBudget};
 use crate::upstream::jobs::{JobRules, Jobs};
 use crate::upstream::queue::{FairQueue, QueueRules};
@@ -58,15 +58,26 @@ pub enum AppError {
 /// A started server: state, the embedded mock upstream if any, and the housekeeping task.
 pub struct App {
     state: Arc<AppState>,
+    serving: Serving,
     upstream_url: String,
     stop: CancellationToken,
     _mock: Option<MockUpstream>,
+}
+
+/// What the MCP handler of each session serves.
+#[derive(Debug)]
+enum Serving {
+    /// Our tools.
+    Tools(Arc<OwnTools>),
+    /// A proxied MCP server's.
+    Proxy(Arc<Proxied>),
 }
 
 impl std::fmt::Debug for App {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("App")
             .field("state", &self.state)
+            .field("serving", &self.serving)
             .field("upstream_url", &crate::redact::url(&self.upstream_url))
             .field("stop", &self.stop)
             .field("mock", &self._mock)
@@ -123,12 +134,12 @@ impl App {
             .published_in(store.clone().job_mirror()),
         );
         let own = Arc::new(OwnTools { upstream, jobs });
-        let state = Arc::new(AppState { limits, behind: Behind::Tools(own.clone()), clock, config });
+        let state = Arc::new(AppState { limits, behind: own.clone(), clock, config });
         tokio::spawn(sweep_forever(own.clone(), state.config.limiting.store.sweep_interval_ms, stop.clone()));
         if state.limits.guard().store().is_shared() {
-            tokio::spawn(answer_cancel_requests_forever(own, stop.clone()));
+            tokio::spawn(answer_cancel_requests_forever(own.clone(), stop.clone()));
         }
-        Ok(Self { state, upstream_url, stop, _mock: mock })
+        Ok(Self { state, serving: Serving::Tools(own), upstream_url, stop, _mock: mock })
     }
 
     /// Builds the state of a proxy in front of the MCP server at `target` (its tools learnt at
@@ -139,13 +150,21 @@ impl App {
         let limits = RateLimits::start(&config.limiting, Catalogue::learned(), clock.clone()).await?;
         let upstream_url = target.to_string();
         let proxied = Proxied::start(target, &config, limits.clone(), clock.clone(), stop.child_token()).await?;
-        let state = Arc::new(AppState { limits, behind: Behind::Proxy(proxied), clock, config });
-        Ok(Self { state, upstream_url, stop, _mock: None })
+        let state = Arc::new(AppState { limits, behind: proxied.clone(), clock, config });
+        Ok(Self { state, serving: Serving::Proxy(proxied), upstream_url, stop, _mock: None })
     }
 
     /// The shared state (for tests and embedding).
     pub fn state(&self) -> &Arc<AppState> {
         &self.state
+    }
+
+    /// The proxied MCP server, when this is a proxy.
+    pub fn proxied(&self) -> Option<&Arc<Proxied>> {
+        match &self.serving {
+            Serving::Proxy(proxied) => Some(proxied),
+            Serving::Tools(_) => None,
+        }
     }
 
     /// Where the tools send their upstream calls.
@@ -166,14 +185,14 @@ impl App {
         let log = Arc::new(FrontDoorLog::new(app.clock.clone()));
         let (max, per_address) = (server.max_sessions, server.max_sessions_per_address);
         let cap = Arc::new(sessions::SessionCap::new(session_manager.clone(), max, per_address, log.clone()));
-        let mcp = match &app.behind {
-            Behind::Tools(own) => {
+        let mcp = match &self.serving {
+            Serving::Tools(own) => {
                 let (app, own) = (app.clone(), own.clone());
                 let handler = move || Ok(McpServer::new(app.clone(), own.clone(), Transport::Http));
                 Router::new()
                     .nest_service("/mcp", Shared::new(StreamableHttpService::new(handler, session_manager, config)))
             }
-            Behind::Proxy(proxied) => {
+            Serving::Proxy(proxied) => {
                 let (proxied, limits) = (proxied.clone(), app.limits.clone());
                 let handler = move || Ok(ProxyServer::new(proxied.clone(), limits.clone(), Transport::Http));
                 Router::new()
@@ -221,12 +240,12 @@ impl App {
     pub async fn serve_stdio(&self) -> Result<(), AppError> {
         let failed = |e: &dyn std::fmt::Display| AppError::Stdio(e.to_string());
         let app = &self.state;
-        let ended = match &app.behind {
-            Behind::Tools(own) => {
+        let ended = match &self.serving {
+            Serving::Tools(own) => {
                 let handler = McpServer::new(app.clone(), own.clone(), Transport::Stdio);
                 handler.serve(rmcp::transport::stdio()).await.map_err(|e| failed(&e))?.waiting().await
             }
-            Behind::Proxy(proxied) => {
+            Serving::Proxy(proxied) => {
                 let handler = ProxyServer::new(proxied.clone(), app.limits.clone(), Transport::Stdio);
                 handler.serve(rmcp::transport::stdio()).await.map_err(|e| failed(&e))?.waiting().await
             }

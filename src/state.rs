@@ -10,7 +10,6 @@ use std::sync::Arc;
 use crate::breaker::Breaker;
 use crate::clock::SharedClock;
 use crate::config::Config;
-use crate::proxy::Proxied;
 use crate::rate_limits::RateLimits;
 use crate::upstream::Upstream;
 use crate::upstream::jobs::Jobs;
@@ -26,18 +25,24 @@ pub struct AppState {
     /// The limits, as any rmcp server uses them: the guard (budgets and refusals), who callers
     /// are, the metrics, and the catalogue of our tools (a reloaded config is checked against it).
     pub limits: RateLimits,
-    /// What the guard stands in front of.
-    pub behind: Behind,
+    /// What the guard stands in front of, as the dashboard, the admin API and `/metrics` see it.
+    pub behind: Arc<dyn Behind>,
 }
 
-/// What the guard stands in front of: our own tools and the paid API behind them (`serve`,
-/// `stdio`), or another MCP server (`proxy`).
-#[derive(Debug)]
-pub enum Behind {
-    /// Our tools.
-    Tools(Arc<OwnTools>),
-    /// A proxied MCP server.
-    Proxy(Arc<Proxied>),
+/// What the guard stands in front of: our own tools and the paid API behind them ([`OwnTools`],
+/// for `serve` and `stdio`), or another MCP server ([`Proxied`](crate::proxy::Proxied), for
+/// `proxy`); what the dashboard, the admin API and `/metrics` read of it.
+pub trait Behind: std::fmt::Debug + Send + Sync {
+    /// Its circuit breaker.
+    fn breaker(&self) -> &Breaker;
+    /// Its slots in use and its queue.
+    fn occupancy(&self) -> Occupancy;
+    /// Calls (or jobs) it may run at once, all callers together.
+    fn slots(&self) -> usize;
+    /// The jobs running on it, if it runs jobs.
+    fn jobs(&self) -> Option<&Arc<Jobs>> {
+        None
+    }
 }
 
 /// Our tools' upstream: the paid API and the jobs running on it.
@@ -49,29 +54,21 @@ pub struct OwnTools {
     pub jobs: Arc<Jobs>,
 }
 
-impl AppState {
-    /// The upstream's breaker: the paid API's, or the proxied server's.
-    pub fn breaker(&self) -> &Breaker {
-        match &self.behind {
-            Behind::Tools(own) => own.upstream.breaker(),
-            Behind::Proxy(proxied) => proxied.breaker(),
-        }
+impl Behind for OwnTools {
+    fn breaker(&self) -> &Breaker {
+        self.upstream.breaker()
     }
 
-    /// Our own tools' upstream, unless this is a proxy.
-    pub fn own_tools(&self) -> Option<&Arc<OwnTools>> {
-        match &self.behind {
-            Behind::Tools(own) => Some(own),
-            Behind::Proxy(_) => None,
-        }
+    fn occupancy(&self) -> Occupancy {
+        self.jobs.occupancy()
     }
 
-    /// The upstream's slots in use and its queue: the account's, or the proxied server's.
-    pub fn occupancy(&self) -> Occupancy {
-        match &self.behind {
-            Behind::Tools(own) => own.jobs.occupancy(),
-            Behind::Proxy(proxied) => proxied.occupancy(),
-        }
+    fn slots(&self) -> usize {
+        self.jobs.slots()
+    }
+
+    fn jobs(&self) -> Option<&Arc<Jobs>> {
+        Some(&self.jobs)
     }
 }
 
@@ -80,7 +77,7 @@ impl AppState {
     pub fn sample_gauges(&self) {
         use crate::breaker::BreakerState;
         use crate::metrics::{ACCOUNT_SLOTS_IN_USE, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH, STORE_UP};
-        let occupancy = self.occupancy();
+        let occupancy = self.behind.occupancy();
         // Per flow bucket (a 16-way hash of the tenant or caller, never its name); every bucket
         // is set, so an emptied one reads 0 instead of its last value.
         let mut buckets = [0usize; 16];
@@ -92,9 +89,9 @@ impl AppState {
             self.limits.metrics().sample(QUEUE_DEPTH, vec![label], *waiting as f64);
         }
         self.limits.metrics().sample(ACCOUNT_SLOTS_IN_USE, Vec::new(), occupancy.in_flight as f64);
-        let jobs = self.own_tools().map_or(0, |own| own.jobs.in_flight());
+        let jobs = self.behind.jobs().map_or(0, |jobs| jobs.in_flight());
         self.limits.metrics().sample(JOBS_IN_FLIGHT, Vec::new(), jobs as f64);
-        let breaker = match self.breaker().state(self.clock.now()) {
+        let breaker = match self.behind.breaker().state(self.clock.now()) {
             BreakerState::Closed => 0.0,
             BreakerState::HalfOpen => 1.0,
             BreakerState::Open => 2.0,

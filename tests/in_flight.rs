@@ -56,7 +56,7 @@ async fn fan_out_beyond_the_cap_is_busy_and_finished_calls_give_slots_back() {
     }
     let error = &structured(&busy[0])["error"];
     assert_eq!(error["limit"], 2);
-    assert!(text(&busy[0]).contains("get_prediction"), "busy suggests polling: {}", text(&busy[0]));
+    assert!(text(&busy[0]).contains("calls in flight to return"), "busy says what frees a slot: {}", text(&busy[0]));
 
     server.chaos(json!({"hold": false})).await;
     let served: Vec<_> = calls.collect().await;

@@ -46,7 +46,7 @@ async fn twenty_made_up_keys_asking_for_a_hundred_images_leave_a_configured_tena
     assert_eq!(structured(&busy)["error"]["limit"], 10);
     // Of those, the unverified share of the account runs; the rest wait in the address's flow.
     assert_eq!(server.upstream_usage().await["predictions_created"], 5);
-    let occupancy = server.app.state().occupancy();
+    let occupancy = server.app.state().behind.occupancy();
     assert_eq!((occupancy.in_flight, occupancy.unverified_in_flight), (5, 5));
     assert_eq!(occupancy.per_flow, vec![("address:ip:127.0.0.1".to_owned(), 5)], "one flow for the address");
 

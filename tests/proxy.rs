@@ -280,10 +280,7 @@ async fn a_killed_child_is_unavailable_with_a_wait_then_served_after_its_restart
     let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
     let client = proxy.client(None).await;
     let pid: i32 = text_of(&call(&client, "pid", json!({})).await).parse().expect("a pid");
-    let proxied = match &proxy.app.state().behind {
-        mcp_ratelimit::state::Behind::Proxy(proxied) => proxied.clone(),
-        mcp_ratelimit::state::Behind::Tools(_) => unreachable!("a proxy"),
-    };
+    let proxied = proxy.app.proxied().expect("a proxy").clone();
     assert_eq!(proxied.link().child_pid(), Some(pid as u32));
     let killed = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status().expect("kill");
     assert!(killed.success());
@@ -339,4 +336,185 @@ async fn headers_from_config_reach_an_http_upstream_and_the_callers_key_never_do
 fn sha256_hex(key: &str) -> String {
     use sha2::Digest;
     sha2::Sha256::digest(key.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[tokio::test]
+async fn proxy_over_stdio_fronts_a_local_server_as_claude_desktop_runs_it() {
+    let mut file = tempfile::NamedTempFile::new().expect("config");
+    std::io::Write::write_all(&mut file, b"[tools.add]\ncost = 3\n").expect("write");
+    let (python, args) = fastmcp(&[]);
+    let proxy = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit")).configure(|c| {
+        c.arg("proxy").arg("--stdio").arg("--config").arg(file.path()).arg("--").arg(&python).args(&args);
+    });
+    let client = ().serve(TokioChildProcess::new(proxy).expect("the proxy starts")).await.expect("handshake");
+    let tools = client.list_all_tools().await.expect("tools");
+    let add = tools.iter().find(|t| t.name == "add").expect("the proxied server's add");
+    assert!(add.description.as_deref().is_some_and(|d| d.ends_with("Costs 3 tokens.")), "{add:?}");
+    assert_eq!(text_of(&call(&client, "add", json!({"a": 20, "b": 22})).await), "42");
+}
+
+#[test]
+fn the_command_line_wants_exactly_one_proxied_server() {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
+            .arg("proxy")
+            .args(args)
+            .current_dir(std::env::temp_dir())
+            .output()
+            .expect("binary runs");
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (ok, stderr) = run(&[]);
+    assert!(!ok && stderr.contains("--upstream URL") && stderr.contains("-- COMMAND"), "{stderr}");
+    let (ok, stderr) = run(&["--upstream", "http://127.0.0.1:9/mcp", "--", "some-server"]);
+    assert!(!ok && stderr.contains("cannot be used with"), "{stderr}");
+    let (ok, stderr) = run(&["--upstream", "ftp://example.invalid/mcp"]);
+    assert!(!ok && stderr.contains("http or https"), "{stderr}");
+    let (ok, stderr) = run(&["--", "/nonexistent/mcp-server"]);
+    assert!(!ok && stderr.contains("cannot start"), "a command that cannot start is a start-up error: {stderr}");
+}
+
+#[test]
+fn a_proxys_config_prices_tools_it_has_not_seen_and_checks_the_default_price() {
+    let learned = Catalogue::learned();
+    let config = Config::from_toml("[tools.render]\ncost = 4\nholds_slot = true\n", &learned).expect("valid");
+    assert_eq!(config.limiting.tools["render"].cost, 4, "a tool the server may list later");
+    assert!(config.limiting.tools["render"].holds_slot);
+    assert_eq!(config.limiting.unlisted_tools.as_ref().map(|t| t.cost), Some(1), "proxy.default_cost's default");
+
+    let dear = Config::from_toml("[proxy]\ndefault_cost = 1000\n", &learned).expect_err("no budget can pay it");
+    assert!(dear.to_string().contains("`proxy.default_cost`"), "{dear}");
+    assert!(dear.to_string().contains("limits.caller.burst"), "{dear}");
+
+    for (toml, key) in [
+        ("[proxy]\nmax_in_flight = 0\n", "proxy.max_in_flight"),
+        ("[proxy]\ntimeout_ms = 0\n", "proxy.timeout_ms"),
+        ("[proxy]\nupstream_url = \"nope\"\n", "proxy.upstream_url"),
+        ("[proxy.headers]\n\"bad header\" = \"x\"\n", "proxy.headers.bad header"),
+        ("[proxy.headers]\nmcp-session-id = \"x\"\n", "proxy.headers.mcp-session-id"),
+    ] {
+        let error = Config::from_toml(toml, &learned).expect_err(toml);
+        assert!(error.to_string().contains(key), "{toml}: {error}");
+    }
+    // Our own server's catalogue is fixed: there, a tool it does not have is a typo.
+    let fixed = Config::from_toml("[tools.render]\ncost = 4\n", &mcp_ratelimit::mcp::tools::catalogue());
+    assert!(fixed.is_err());
+    let job = "[tools.generate_image]\ncost = 5\nholds_slot = false\n";
+    let error = Config::from_toml(job, &mcp_ratelimit::mcp::tools::catalogue()).expect_err("a job holds its slot");
+    assert!(error.to_string().contains("tools.generate_image.holds_slot"), "{error}");
+}
+
+#[tokio::test]
+async fn a_tool_the_server_adds_is_learnt_priced_and_callable() {
+    let proxy = Proxy::start("[tools.plus_one]\ncost = 3\n", command(fastmcp(&[]))).await;
+    let client = proxy.client(None).await;
+    let unknown = client.call_tool(CallToolRequestParams::new("plus_one")).await;
+    assert!(matches!(unknown, Err(ServiceError::McpError(_))), "not listed yet: {unknown:?}");
+    assert_eq!(text_of(&call(&client, "grow", json!({"name": "plus_one"})).await), "added plus_one");
+    // The proxy re-lists on the server's list_changed, in the background: a bounded poll.
+    let mut listed = None;
+    for _ in 0..200 {
+        let tools = client.list_all_tools().await.expect("tools");
+        if let Some(tool) = tools.into_iter().find(|t| t.name == "plus_one") {
+            listed = Some(tool);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let tool = listed.expect("the new tool is listed");
+    assert_eq!(tool.description.as_deref(), Some("Adds one. Costs 3 tokens."), "priced by [tools.plus_one]");
+    assert_eq!(text_of(&call(&client, "plus_one", json!({"x": 41})).await), "42");
+}
+
+/// A client that keeps the progress notifications it hears.
+#[derive(Clone, Default)]
+struct Progress(Arc<std::sync::Mutex<Vec<rmcp::model::ProgressNotificationParam>>>);
+
+impl rmcp::ClientHandler for Progress {
+    async fn on_progress(
+        &self,
+        params: rmcp::model::ProgressNotificationParam,
+        _context: rmcp::service::NotificationContext<rmcp::RoleClient>,
+    ) {
+        self.0.lock().unwrap().push(params);
+    }
+}
+
+#[tokio::test]
+async fn a_calls_progress_reaches_the_session_that_made_it_and_no_other() {
+    let proxy = Proxy::start("", command(fastmcp(&[]))).await;
+    let heard = Progress::default();
+    let transport =
+        StreamableHttpClientTransport::from_config(StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()));
+    let caller = heard.clone().serve(transport).await.expect("client");
+    let bystander = Progress::default();
+    let transport =
+        StreamableHttpClientTransport::from_config(StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()));
+    let _other = bystander.clone().serve(transport).await.expect("client");
+    let mut args = serde_json::Map::new();
+    args.insert("n".to_owned(), json!(3));
+    let done = caller.call_tool(CallToolRequestParams::new("count").with_arguments(args)).await.expect("answer");
+    assert_eq!(text_of(&done), "counted 3");
+    let heard = heard.0.lock().unwrap().clone();
+    assert_eq!(heard.iter().map(|p| p.progress).collect::<Vec<_>>(), vec![1.0, 2.0, 3.0], "{heard:?}");
+    assert!(bystander.0.lock().unwrap().is_empty(), "another session hears none of it");
+}
+
+#[tokio::test]
+async fn calls_beyond_max_in_flight_wait_their_turn_and_a_full_queue_is_busy() {
+    // A configured key: unverified callers would hold only `upstream.unverified_share` (half, rounded
+    // down: none) of one slot and one place.
+    let key = "queue-key-0123456789abcdef";
+    let toml = format!(
+        "[proxy]\nmax_in_flight = 1\n[upstream]\nqueue_max = 1\n[loop_detection]\nenabled = false\n\
+         [auth]\nkeys = [{{ sha256 = \"{}\" }}]\n",
+        sha256_hex(key)
+    );
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let client = Arc::new(proxy.client(Some(key)).await);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let release = dir.path().join("release");
+    let path = release.to_string_lossy().into_owned();
+    let first = {
+        let (client, path) = (client.clone(), path.clone());
+        tokio::spawn(async move { call(&client, "wait_for", json!({"path": path})).await })
+    };
+    wait_until_exists(&dir.path().join("release.started")).await;
+    // The one slot is taken: the next call waits in the queue's one place...
+    let second = {
+        let client = client.clone();
+        tokio::spawn(async move { call(&client, "add", json!({"a": 1, "b": 1})).await })
+    };
+    let occupancy = || proxy.app.state().behind.occupancy();
+    for _ in 0..500 {
+        if occupancy().waiting == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!((occupancy().in_flight, occupancy().waiting), (1, 1), "one call in flight, one waiting");
+    // ...and with it waiting there, a third finds the queue full: busy, with a wait.
+    let refused = call(&client, "add", json!({"a": 2, "b": 2})).await;
+    assert_eq!(code_of(&refused), Some("busy"), "{refused:?}");
+    let error = &refused.structured_content.as_ref().expect("structured")["error"];
+    assert!(error["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0), "{error}");
+    assert!(!second.is_finished(), "the second call still waits its turn");
+    std::fs::write(&release, "go").expect("release");
+    assert_eq!(text_of(&first.await.expect("first")), "released");
+    assert_eq!(text_of(&second.await.expect("second")), "2", "served when the slot came back");
+}
+
+#[tokio::test]
+async fn a_call_slower_than_the_timeout_is_unavailable_and_never_retried() {
+    let toml = "[proxy]\ntimeout_ms = 200\n";
+    let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
+    let client = proxy.client(None).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("never");
+    let slow = call(&client, "wait_for", json!({"path": path.to_string_lossy()})).await;
+    assert_eq!(code_of(&slow), Some("upstream_unavailable"), "{slow:?}");
+    assert!(text_of(&slow).contains("did not answer within 200 ms"), "{slow:?}");
+    std::fs::remove_file(dir.path().join("never.started")).expect("it ran once");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!dir.path().join("never.started").exists(), "and was not sent again");
 }

@@ -297,8 +297,8 @@ pub async fn jobs(State(app): State<Arc<AppState>>, Query(query): Query<HashMap<
         Some(tenant) => Some(tenant_target(&app, tenant).map(|_| tenant.clone())?),
         None => None,
     };
-    let jobs = match app.own_tools() {
-        Some(own) => own.jobs.in_flight_of(caller.as_deref(), tenant.as_deref()).await,
+    let jobs = match app.behind.jobs() {
+        Some(jobs) => jobs.in_flight_of(caller.as_deref(), tenant.as_deref()).await,
         // A proxy runs no jobs of its own.
         None => Vec::new(),
     };
@@ -315,9 +315,9 @@ pub async fn jobs(State(app): State<Arc<AppState>>, Query(query): Query<HashMap<
 /// Cancels a job, whoever's it is, on whichever instance holds it.
 pub async fn cancel_job(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> Answer {
     let unknown = || Problem::not_found("unknown_job", format!("no job `{id}` is known"));
-    let own = app.own_tools().ok_or_else(unknown)?;
-    let owner = own.jobs.owner_of(&id).await.ok_or_else(unknown)?;
-    match own.jobs.cancel(&owner, &id).await {
+    let jobs = app.behind.jobs().ok_or_else(unknown)?;
+    let owner = jobs.owner_of(&id).await.ok_or_else(unknown)?;
+    match jobs.cancel(&owner, &id).await {
         Ok(Some(view)) => {
             tracing::info!(action = "cancel_job", predict_id = %id, caller = %owner, "admin action");
             Ok(Json(json!({"predict_id": id, "caller": owner, "status": view.prediction.status})))

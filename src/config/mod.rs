@@ -15,6 +15,7 @@
 //! | `[store]`, `[loop_detection]` | [`store`] |
 //! | `[server]`, `[admin]` | [`server`] |
 //! | `[upstream]`, `[mock_upstream]` | [`upstream`] |
+//! | `[proxy]` (the server `mcp-ratelimit proxy` stands in front of) | [`proxy`] |
 //!
 //! This file loads the layers and calls each section's `validate` in turn; `table.rs` prints the
 //! effective limits for `check-config`. The result is the limits' part ([`LimitsConfig`], all the

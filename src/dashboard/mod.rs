@@ -207,7 +207,7 @@ impl DashboardData {
         let activity = app.limits.guard().activity();
         let audience = viewer.audience();
         let mut per_owner: BTreeMap<String, (usize, usize)> = BTreeMap::new();
-        let pending = app.own_tools().map(|own| own.jobs.pending_owners()).unwrap_or_default();
+        let pending = app.behind.jobs().map(|jobs| jobs.pending_owners()).unwrap_or_default();
         let in_flight = pending.len();
         for (owner, started) in pending {
             if !audience.sees_job(&owner.caller, owner.tenant.as_deref()) {
@@ -227,11 +227,9 @@ impl DashboardData {
         let mut per_owner: Vec<OwnerJobs> =
             per_owner.into_iter().map(|(owner, (running, waiting))| OwnerJobs { owner, running, waiting }).collect();
         per_owner.sort_by_key(|o| std::cmp::Reverse(o.running + o.waiting));
-        let occupancy = app.occupancy();
+        let occupancy = app.behind.occupancy();
         let upstream = &app.config.upstream;
-        let account_max =
-            if app.own_tools().is_some() { upstream.max_in_flight } else { app.config.proxy.max_in_flight };
-        let breaker = match app.breaker().state(now) {
+        let breaker = match app.behind.breaker().state(now) {
             BreakerState::Closed => "closed",
             BreakerState::HalfOpen => "half_open",
             BreakerState::Open => "open",
@@ -245,7 +243,7 @@ impl DashboardData {
                 in_flight,
                 per_owner,
                 account_in_use: occupancy.in_flight,
-                account_max,
+                account_max: app.behind.slots(),
                 queue_waiting: occupancy.waiting,
                 queue_max: upstream.queue_max,
                 videos_waiting: occupancy.videos_waiting,
@@ -253,7 +251,7 @@ impl DashboardData {
             },
             breaker: BreakerNow {
                 state: breaker,
-                open_for_ms: app.breaker().open_for(now).map(|n| n.div_ceil(NANOS_PER_MS)),
+                open_for_ms: app.behind.breaker().open_for(now).map(|n| n.div_ceil(NANOS_PER_MS)),
                 failures_to_open: upstream.breaker_failures,
             },
             store: StoreNow {

@@ -53,6 +53,7 @@ use crate::config::Config;
 use crate::guard::{Admission, Refusal};
 use crate::identity::Caller;
 use crate::rate_limits::RateLimits;
+use crate::state::Behind;
 use crate::upstream::api::PredictionKind;
 use crate::upstream::jobs::Owner;
 use crate::upstream::queue::{FairQueue, Occupancy, QueueFull, QueueRules, Reservation};
@@ -79,6 +80,21 @@ pub struct Proxied {
 impl std::fmt::Debug for Proxied {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Proxied").field("link", &self.link).field("tools", &self.tools.load().len()).finish()
+    }
+}
+
+impl Behind for Proxied {
+    fn breaker(&self) -> &Breaker {
+        &self.breaker
+    }
+
+    /// Calls in flight to it, and waiting for their turn.
+    fn occupancy(&self) -> Occupancy {
+        self.queue.occupancy()
+    }
+
+    fn slots(&self) -> usize {
+        self.queue.rules().max_in_flight
     }
 }
 
@@ -129,23 +145,18 @@ impl Proxied {
             held_tasks: Mutex::new(HashMap::new()),
         });
         proxied.learn_tools().await;
-        tokio::spawn(proxied.clone().learn_tools_when_changed(stop));
+        tokio::spawn(proxied.clone().learn_tools_when_changed(stop.clone()));
+        let sweeping = proxied.clone();
+        tokio::spawn(crate::clock::every(TASK_SWEEP_EVERY, stop, move || {
+            sweeping.forget_expired_tasks();
+            std::future::ready(())
+        }));
         Ok(proxied)
     }
 
     /// The session to the proxied server.
     pub fn link(&self) -> &Link {
         &self.link
-    }
-
-    /// Its breaker.
-    pub fn breaker(&self) -> &Breaker {
-        &self.breaker
-    }
-
-    /// Calls in flight to it and waiting for a turn.
-    pub fn occupancy(&self) -> Occupancy {
-        self.queue.occupancy()
     }
 
     /// Its tools as it last listed them, without prices.
@@ -300,13 +311,19 @@ impl Proxied {
         }
     }
 
-    /// Keeps `admission` until task `id` is final (or `ttl_ms` has passed).
+    /// Keeps `admission` until task `id` is final, cancelled, unknown to the proxied server, or
+    /// its TTL (`ttl_ms`, an hour when it gives none, a day at most) has passed.
     fn hold_for_task(&self, id: &str, admission: Admission, ttl_ms: Option<u64>) {
         let now = self.clock.now();
         let ttl = ttl_ms.unwrap_or(3_600_000).min(86_400_000).saturating_mul(NANOS_PER_MS);
         let mut held = self.held_tasks.lock().unwrap_or_else(|p| p.into_inner());
-        held.retain(|_, (_, until)| *until > now);
         held.insert(id.to_owned(), (admission, now.saturating_add(ttl)));
+    }
+
+    /// Gives back the slots of tasks whose TTL has passed (nobody asked how they ended).
+    fn forget_expired_tasks(&self) {
+        let now = self.clock.now();
+        self.held_tasks.lock().unwrap_or_else(|p| p.into_inner()).retain(|_, (_, until)| *until > now);
     }
 
     /// Gives back the slot task `id` held, if it held one.
@@ -314,6 +331,9 @@ impl Proxied {
         self.held_tasks.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
     }
 }
+
+/// How often the slots of tasks past their TTL are given back.
+const TASK_SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// Tells the proxied server to stop a call whose answer nobody waits for any more.
 struct CancelOnDrop {

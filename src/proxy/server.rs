@@ -272,11 +272,20 @@ impl ServerHandler for ProxyServer {
     ) -> Result<GetTaskResult, ErrorData> {
         self.admit_method(&context, "tasks/get").await?;
         let id = request.task_id.clone();
-        let answer = self.upstream()?.get_task(request).await.map_err(passed)?;
-        if answer.task.status().is_terminal() {
-            self.proxied.release_task(&id);
+        match self.upstream()?.get_task(request).await {
+            Ok(answer) => {
+                if answer.task.status().is_terminal() {
+                    self.proxied.release_task(&id);
+                }
+                Ok(answer)
+            }
+            Err(ServiceError::McpError(unknown)) => {
+                // A task the proxied server no longer knows (it restarted, or forgot it) holds nothing.
+                self.proxied.release_task(&id);
+                Err(unknown)
+            }
+            Err(other) => Err(passed(other)),
         }
-        Ok(answer)
     }
 
     async fn cancel_task(

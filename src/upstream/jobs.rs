@@ -687,6 +687,11 @@ impl Jobs {
         self.queue.occupancy()
     }
 
+    /// The account's slots: jobs the upstream runs at once.
+    pub fn slots(&self) -> usize {
+        self.queue.rules().max_in_flight
+    }
+
     /// Who owns each job not final yet, and whether it has reached the upstream (else it waits
     /// in the queue): one entry per job, for the dashboard's jobs per tenant.
     pub fn pending_owners(&self) -> Vec<(Owner, bool)> {
