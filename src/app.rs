@@ -118,7 +118,7 @@ impl App {
                     .unverified_share(up.unverified_slots(), up.unverified_places()),
                 clock.clone(),
             )
-            .shared_in(store.clone()),
+            .shared_in(store.clone(), "upstream"),
         );
         tokio::spawn(queue.clone().dispatch(stop.child_token()));
         let jobs = Arc::new(

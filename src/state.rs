@@ -143,6 +143,11 @@ impl AppState {
             ("upstream.max_in_flight", running.upstream.max_in_flight != config.upstream.max_in_flight),
             ("upstream.queue_max", running.upstream.queue_max != config.upstream.queue_max),
             ("upstream.unverified_share", running.upstream.unverified_share != config.upstream.unverified_share),
+            ("proxy.upstream_url", running.proxy.upstream_url != config.proxy.upstream_url),
+            ("proxy.command", running.proxy.command != config.proxy.command),
+            ("proxy.headers", running.proxy.headers != config.proxy.headers),
+            ("proxy.max_in_flight", running.proxy.max_in_flight != config.proxy.max_in_flight),
+            ("proxy.timeout_ms", running.proxy.timeout_ms != config.proxy.timeout_ms),
             (
                 "loop_detection",
                 format!("{:?}", running.limiting.loop_detection) != format!("{:?}", config.limiting.loop_detection),

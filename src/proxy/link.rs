@@ -129,6 +129,8 @@ pub enum LinkError {
 /// The session to the proxied server, while it is up.
 pub struct Link {
     target: Target,
+    /// Requests the session may have in flight at once (`proxy.max_in_flight`).
+    concurrency: usize,
     peer: ArcSwapOption<Peer<RoleClient>>,
     /// What the proxied server said of itself at its last handshake.
     info: ArcSwapOption<ServerPeerInfo>,
@@ -151,11 +153,12 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 type Session = RunningService<RoleClient, Relay>;
 
 impl Link {
-    /// Connects to `target` once (its error is the start-up error) and keeps the session up
-    /// until `stop`, reconnecting with backoff; `breaker` is opened while it is down and closed
+    /// Connects to `target` once (its error is the start-up error), with up to `concurrency`
+    /// requests in flight on the session, and keeps it up until `stop`, reconnecting with backoff; `breaker` is opened while it is down and closed
     /// when it is back. `on_up` runs after every handshake (the tools are listed again).
     pub async fn start(
         target: Target,
+        concurrency: usize,
         relay: Relay,
         breaker: Arc<Breaker>,
         clock: SharedClock,
@@ -164,6 +167,7 @@ impl Link {
     ) -> Result<Arc<Self>, LinkError> {
         let link = Arc::new(Self {
             target,
+            concurrency,
             peer: ArcSwapOption::empty(),
             info: ArcSwapOption::empty(),
             child: std::sync::Mutex::new(None),
@@ -243,7 +247,11 @@ impl Link {
             match &self.target {
                 Target::Http { url, headers } => {
                     let headers: HashMap<_, _> = headers.iter().cloned().collect();
-                    let config = StreamableHttpClientTransportConfig::with_uri(url.as_str()).custom_headers(headers);
+                    // As many requests at once as the proxy lets through: the transport's own
+                    // limit (16) would be a second, hidden cap.
+                    let config = StreamableHttpClientTransportConfig::with_uri(url.as_str())
+                        .custom_headers(headers)
+                        .max_concurrent_requests(self.concurrency);
                     // A pooled client: the default one opens a connection per request.
                     let transport = StreamableHttpClientTransport::with_client(reqwest::Client::new(), config);
                     relay.serve(transport).await.map_err(|e| handshake(e.to_string()))

@@ -122,14 +122,15 @@ impl Proxied {
         let downstream = Arc::new(Downstream::default());
         let relay = Relay::new(downstream.clone());
         let changed = downstream.clone();
-        let link = Link::start(target, relay, breaker.clone(), clock.clone(), stop.child_token(), move || {
-            changed.tools_changed.notify_one();
-        })
-        .await?;
         let max_in_flight = config.proxy.max_in_flight;
+        let link =
+            Link::start(target, max_in_flight, relay, breaker.clone(), clock.clone(), stop.child_token(), move || {
+                changed.tools_changed.notify_one();
+            })
+            .await?;
         let rules = QueueRules::new(max_in_flight, 0, up.queue_max, 0)
             .unverified_share(share_of(max_in_flight, up.unverified_share), up.unverified_places());
-        let queue = Arc::new(FairQueue::new(rules, clock.clone()).shared_in(limits.guard().store().clone()));
+        let queue = Arc::new(FairQueue::new(rules, clock.clone()).shared_in(limits.guard().store().clone(), "proxied"));
         tokio::spawn(queue.clone().dispatch(stop.child_token()));
         let proxied = Arc::new(Self {
             link,

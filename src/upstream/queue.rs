@@ -51,11 +51,6 @@ mod round_robin;
 
 use round_robin::{State, Waiting};
 
-/// The keys the account's slots and the video gap are claimed under in a shared store (one
-/// hash tag: one slot, one decision).
-const ACCOUNT_KEY: &str = "{upstream}account:in_flight";
-const UNVERIFIED_KEY: &str = "{upstream}account:unverified";
-const VIDEO_GAP_KEY: &str = "{upstream}video_gap";
 /// How long an instance waits before asking again for an account slot another instance holds
 /// (it cannot be told when one frees).
 const ACCOUNT_RETRY: Nanos = NANOS_PER_SEC;
@@ -63,6 +58,11 @@ const ACCOUNT_RETRY: Nanos = NANOS_PER_SEC;
 /// The account, its unverified share and the video gap in a shared store.
 struct Shared {
     store: Arc<dyn Store>,
+    /// The keys the account's slots, the unverified share and the video gap are claimed under
+    /// (one hash tag, the queue's name: one slot, one decision).
+    account_key: String,
+    unverified_key: String,
+    gap_key: String,
     account: Limiter,
     unverified: Limiter,
     gap: Option<Limiter>,
@@ -234,14 +234,23 @@ impl FairQueue {
     }
 
     /// This queue with the account's cap and the video spacing claimed in `store` when it is
-    /// shared by several instances.
-    pub fn shared_in(mut self, store: Arc<dyn Store>) -> Self {
+    /// shared by several instances, under keys tagged `{name}` (`upstream` for the paid API's
+    /// account, `proxied` for a proxied server): instances with the same name share one cap.
+    pub fn shared_in(mut self, store: Arc<dyn Store>, name: &str) -> Self {
         if store.is_shared() {
             let account = Limiter::Concurrency(Concurrency::new(self.rules.max_in_flight as u64));
             let unverified = Limiter::Concurrency(Concurrency::new(self.rules.unverified_slots.max(1) as u64));
             let gap = (self.rules.video_gap > 0)
                 .then(|| Limiter::Gcra(Gcra::new(1, NANOS_PER_SEC as f64 / self.rules.video_gap as f64)));
-            self.shared = Some(Shared { store, account, unverified, gap });
+            self.shared = Some(Shared {
+                store,
+                account_key: format!("{{{name}}}account:in_flight"),
+                unverified_key: format!("{{{name}}}account:unverified"),
+                gap_key: format!("{{{name}}}video_gap"),
+                account,
+                unverified,
+                gap,
+            });
         }
         self
     }
@@ -251,14 +260,14 @@ impl FairQueue {
     /// local cap, share and spacing in charge.
     async fn claim(&self, kind: PredictionKind, unverified: bool) -> Claim {
         let Some(shared) = &self.shared else { return Claim::Go(Vec::new()) };
-        let mut checks = vec![Check { key: ACCOUNT_KEY, limiter: &shared.account, cost: 1, shadow: false }];
+        let mut checks = vec![Check { key: &shared.account_key, limiter: &shared.account, cost: 1, shadow: false }];
         let mut blockers = vec![Blocker::Account];
         if unverified {
-            checks.push(Check { key: UNVERIFIED_KEY, limiter: &shared.unverified, cost: 1, shadow: false });
+            checks.push(Check { key: &shared.unverified_key, limiter: &shared.unverified, cost: 1, shadow: false });
             blockers.push(Blocker::UnverifiedShare);
         }
         if let (PredictionKind::Video, Some(gap)) = (kind, &shared.gap) {
-            checks.push(Check { key: VIDEO_GAP_KEY, limiter: gap, cost: 1, shadow: false });
+            checks.push(Check { key: &shared.gap_key, limiter: gap, cost: 1, shadow: false });
             blockers.push(Blocker::Gap);
         }
         let lease = new_lease();
@@ -267,9 +276,9 @@ impl FairQueue {
                 let lease_of = |key: &str, limiter: &Limiter| {
                     SlotGuard::new(shared.store.clone(), key.to_owned(), limiter.clone(), 1, lease)
                 };
-                let mut leases = vec![lease_of(ACCOUNT_KEY, &shared.account)];
+                let mut leases = vec![lease_of(&shared.account_key, &shared.account)];
                 if unverified {
-                    leases.push(lease_of(UNVERIFIED_KEY, &shared.unverified));
+                    leases.push(lease_of(&shared.unverified_key, &shared.unverified));
                 }
                 Claim::Go(leases)
             }
