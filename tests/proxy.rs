@@ -518,3 +518,57 @@ async fn a_call_slower_than_the_timeout_is_unavailable_and_never_retried() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(!dir.path().join("never.started").exists(), "and was not sent again");
 }
+
+#[tokio::test]
+async fn many_downstream_sessions_share_one_upstream_session_and_child() {
+    let proxy = Proxy::start("[loop_detection]\nenabled = false\n", command(fastmcp(&[]))).await;
+    let child = proxy.app.proxied().expect("a proxy").link().child_pid().expect("a child");
+    let mut sessions = Vec::new();
+    for _ in 0..10 {
+        sessions.push(proxy.client(None).await);
+    }
+    for session in &sessions {
+        let pid = text_of(&call(session, "pid", json!({})).await);
+        assert_eq!(pid, child.to_string(), "every session reaches the one child");
+    }
+    assert_eq!(proxy.app.proxied().expect("a proxy").link().child_pid(), Some(child), "and no other was started");
+}
+
+#[tokio::test]
+async fn an_http_upstream_that_goes_down_is_unavailable_then_served_again_when_it_is_back() {
+    let port = free_port();
+    let (python, args) = fastmcp(&["http", &port.to_string()]);
+    let server = serve_http(&python, &args, port).await;
+    let target = Target::Http { url: format!("http://127.0.0.1:{port}/mcp"), headers: Vec::new() };
+    let proxy = Proxy::start("[loop_detection]\nenabled = false\n[upstream]\nbreaker_failures = 1\n", target).await;
+    let client = proxy.client(None).await;
+    assert_eq!(text_of(&call(&client, "add", json!({"a": 1, "b": 1})).await), "2");
+
+    drop(server); // killed (kill_on_drop), its port closed
+    let mut refused = None;
+    for _ in 0..200 {
+        let answer = call(&client, "add", json!({"a": 1, "b": 2})).await;
+        if code_of(&answer) == Some("upstream_unavailable") {
+            refused = Some(answer);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let refused = refused.expect("a dead upstream is upstream_unavailable");
+    assert!(refused.structured_content.as_ref().expect("structured")["error"]["retry_after_ms"].as_u64() > Some(0));
+
+    // Back on the same port, a new process with no memory of the proxy's session: once the
+    // cool-down has passed (on the proxy's clock), a probe goes through and calls are served.
+    let _back = serve_http(&python, &args, port).await;
+    let mut served = None;
+    for _ in 0..300 {
+        proxy.clock.advance(Duration::from_secs(60));
+        let answer = call(&client, "add", json!({"a": 2, "b": 2})).await;
+        if answer.is_error != Some(true) {
+            served = Some(answer);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(text_of(&served.expect("served again")), "4");
+}

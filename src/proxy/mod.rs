@@ -184,10 +184,14 @@ impl Proxied {
     /// Lists the proxied server's tools again, and warns of each `[tools.NAME]` it does not list.
     async fn learn_tools(&self) {
         let Some(peer) = self.link.peer() else { return };
-        let tools = match peer.list_all_tools().await {
-            Ok(tools) => tools,
-            Err(error) => {
+        let tools = match tokio::time::timeout(self.timeout, peer.list_all_tools()).await {
+            Ok(Ok(tools)) => tools,
+            Ok(Err(error)) => {
                 tracing::warn!(%error, "the proxied server did not list its tools; keeping the last list");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!(within = ?self.timeout, "the proxied server did not list its tools in time; keeping the last list");
                 return;
             }
         };
