@@ -150,3 +150,26 @@ async fn a_shadow_slot_cap_that_would_refuse_takes_no_slot_and_gives_none_back()
     assert!(!is_error(&third), "{}", text(&third));
     assert_eq!(shadow_refused(&server.metrics().await), 2.0, "the third would have been refused too");
 }
+
+#[tokio::test]
+async fn a_tool_configured_to_hold_a_slot_holds_one_until_it_returns() {
+    use futures::StreamExt;
+    // list_articles is no job; `holds_slot` makes each call take one of the caller's slots.
+    let config = format!(
+        "[tools.list_articles]\ncost = 1\nholds_slot = true\n[limits.in_flight]\ncaller = 1\n{NO_LOOP_DETECTION}"
+    );
+    let server = TestServer::start(&config).await;
+    let client = server.client(Some("holder")).await;
+    // The mock holds every request at its gate: the admitted call stays in flight.
+    server.chaos(json!({"hold": true})).await;
+    let mut calls: futures::stream::FuturesUnordered<_> =
+        ["a", "b"].into_iter().map(|q| call(&client, "list_articles", json!({"query": q}))).collect();
+    let refused = calls.next().await.expect("an answer");
+    assert_eq!(error_code(&refused), Some("busy"), "the other call holds the one slot: {}", text(&refused));
+    assert!(structured(&refused)["error"]["scope"].as_str().is_some_and(|s| s.starts_with("in_flight:caller")));
+    server.chaos(json!({"hold": false})).await;
+    let held = calls.next().await.expect("the held call");
+    assert!(!is_error(&held), "the held call finishes once the gate opens: {}", text(&held));
+    drop(calls);
+    assert!(!is_error(&call(&client, "list_articles", json!({"query": "c"})).await), "its slot came back");
+}

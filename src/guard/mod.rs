@@ -102,7 +102,8 @@ pub struct ToolCall<'a> {
     pub tool: &'a str,
     /// Its arguments, canonical (defaults filled in), for loop detection.
     pub args: &'a serde_json::Value,
-    /// Whether the call starts a job that holds in-flight slots until it is final.
+    /// Whether the call holds in-flight slots for as long as its admission lives (a job, until it
+    /// is final; a `holds_slot` tool, until it returns).
     pub starts_job: bool,
     /// Whether the call can never be a loop (a poll of a pending job, which the job book
     /// answers with its wait).

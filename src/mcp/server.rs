@@ -182,8 +182,11 @@ impl ServerHandler for McpServer {
             Ok(place) => place,
             Err(refusal) => return Ok(self.refuse(&caller, &tool, refusal)),
         };
-        let call =
-            ToolCall { tool: &tool, args: &args, starts_job, loop_exempt: self.loop_exempt(&tool, &args, &caller) };
+        // A job holds its slots until it is final; `[tools.NAME] holds_slot` makes any tool hold one
+        // until it returns.
+        let holds_slot = self.app.limits.guard().policy().holds_slot(&tool);
+        let loop_exempt = self.loop_exempt(&tool, &args, &caller);
+        let call = ToolCall { tool: &tool, args: &args, starts_job: holds_slot, loop_exempt };
         let (admission, warnings) = match self.app.limits.guard().admit(&caller, &call).await {
             Ok(admission) => {
                 let warnings = admission.warnings().to_vec();

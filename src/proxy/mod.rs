@@ -29,9 +29,8 @@ pub mod link;
 pub mod relay;
 mod server;
 
-use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -50,7 +49,7 @@ pub use server::ProxyServer;
 use crate::breaker::Breaker;
 use crate::clock::{NANOS_PER_MS, Nanos, SharedClock};
 use crate::config::Config;
-use crate::guard::{Admission, Refusal};
+use crate::guard::Refusal;
 use crate::identity::Caller;
 use crate::rate_limits::RateLimits;
 use crate::state::Behind;
@@ -73,8 +72,6 @@ pub struct Proxied {
     calls: AtomicU64,
     /// A running mean of how long a call takes (ns): how soon a queue place frees up.
     mean_call: AtomicU64,
-    /// Admissions of `holds_slot` tools that answered a task, held until the task is final.
-    held_tasks: Mutex<HashMap<String, (Admission, Nanos)>>,
 }
 
 impl std::fmt::Debug for Proxied {
@@ -143,15 +140,9 @@ impl Proxied {
             limits,
             calls: AtomicU64::new(0),
             mean_call: AtomicU64::new(0),
-            held_tasks: Mutex::new(HashMap::new()),
         });
         proxied.learn_tools().await;
-        tokio::spawn(proxied.clone().learn_tools_when_changed(stop.clone()));
-        let sweeping = proxied.clone();
-        tokio::spawn(crate::clock::every(TASK_SWEEP_EVERY, stop, move || {
-            sweeping.forget_expired_tasks();
-            std::future::ready(())
-        }));
+        tokio::spawn(proxied.clone().learn_tools_when_changed(stop));
         Ok(proxied)
     }
 
@@ -315,30 +306,7 @@ impl Proxied {
             }
         }
     }
-
-    /// Keeps `admission` until task `id` is final, cancelled, unknown to the proxied server, or
-    /// its TTL (`ttl_ms`, an hour when it gives none, a day at most) has passed.
-    fn hold_for_task(&self, id: &str, admission: Admission, ttl_ms: Option<u64>) {
-        let now = self.clock.now();
-        let ttl = ttl_ms.unwrap_or(3_600_000).min(86_400_000).saturating_mul(NANOS_PER_MS);
-        let mut held = self.held_tasks.lock().unwrap_or_else(|p| p.into_inner());
-        held.insert(id.to_owned(), (admission, now.saturating_add(ttl)));
-    }
-
-    /// Gives back the slots of tasks whose TTL has passed (nobody asked how they ended).
-    fn forget_expired_tasks(&self) {
-        let now = self.clock.now();
-        self.held_tasks.lock().unwrap_or_else(|p| p.into_inner()).retain(|_, (_, until)| *until > now);
-    }
-
-    /// Gives back the slot task `id` held, if it held one.
-    fn release_task(&self, id: &str) {
-        self.held_tasks.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
-    }
 }
-
-/// How often the slots of tasks past their TTL are given back.
-const TASK_SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// Tells the proxied server to stop a call whose answer nobody waits for any more.
 struct CancelOnDrop {

@@ -164,10 +164,6 @@ impl ServerHandler for ProxyServer {
             () = context.ct.cancelled() => return Err(ErrorData::internal_error("the request was cancelled", None)),
         };
         match answer {
-            Ok(CallToolResponse::Task(task)) if holds_slot => {
-                self.proxied.hold_for_task(&task.task.task_id, admission, task.task.ttl_ms);
-                Ok(CallToolResponse::Task(task))
-            }
             Ok(CallToolResponse::Complete(done)) if !admission.warnings().is_empty() && done.is_error != Some(true) => {
                 Ok(CallToolResponse::Complete(results::with_warnings(done, admission.warnings())))
             }
@@ -271,21 +267,7 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<GetTaskResult, ErrorData> {
         self.admit_method(&context, "tasks/get").await?;
-        let id = request.task_id.clone();
-        match self.upstream()?.get_task(request).await {
-            Ok(answer) => {
-                if answer.task.status().is_terminal() {
-                    self.proxied.release_task(&id);
-                }
-                Ok(answer)
-            }
-            Err(ServiceError::McpError(unknown)) => {
-                // A task the proxied server no longer knows (it restarted, or forgot it) holds nothing.
-                self.proxied.release_task(&id);
-                Err(unknown)
-            }
-            Err(other) => Err(passed(other)),
-        }
+        self.upstream()?.get_task(request).await.map_err(passed)
     }
 
     async fn cancel_task(
@@ -294,9 +276,6 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
         self.admit_method(&context, "tasks/cancel").await?;
-        let id = request.task_id.clone();
-        self.upstream()?.cancel_task(request).await.map_err(passed)?;
-        self.proxied.release_task(&id);
-        Ok(())
+        self.upstream()?.cancel_task(request).await.map_err(passed)
     }
 }
