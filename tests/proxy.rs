@@ -372,6 +372,10 @@ fn the_command_line_wants_exactly_one_proxied_server() {
     assert!(!ok && stderr.contains("http or https"), "{stderr}");
     let (ok, stderr) = run(&["--", "/nonexistent/mcp-server"]);
     assert!(!ok && stderr.contains("cannot start"), "a command that cannot start is a start-up error: {stderr}");
+    let closed = free_port();
+    let (ok, stderr) = run(&["--upstream", &format!("http://user:s3cret-pw@127.0.0.1:{closed}/mcp")]);
+    assert!(!ok && stderr.contains("did not complete the MCP handshake"), "{stderr}");
+    assert!(!stderr.contains("s3cret-pw"), "a password in the URL is never printed: {stderr}");
 }
 
 #[test]

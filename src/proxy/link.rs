@@ -242,7 +242,9 @@ impl Link {
 
     async fn connect(&self, relay: Relay) -> Result<Session, LinkError> {
         let target = self.target.to_string();
-        let handshake = |reason: String| LinkError::Handshake { target: target.clone(), reason };
+        // The transport's errors quote the URL, with any password in it.
+        let handshake =
+            |reason: String| LinkError::Handshake { target: target.clone(), reason: crate::redact::url(&reason) };
         let connecting = async {
             match &self.target {
                 Target::Http { url, headers } => {

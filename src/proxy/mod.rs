@@ -225,12 +225,10 @@ impl Proxied {
         let tool = request.name.to_string();
         let started = self.clock.now();
         let deadline = tokio::time::Instant::now() + self.timeout;
+        // Still waiting for a turn when the time is up: a place frees in about a call's time.
         let timed_out = || {
-            unavailable(
-                &tool,
-                &format!("it did not answer within {} ms", self.timeout.as_millis()),
-                NANOS_PER_MS * 1000,
-            )
+            let wait = self.mean_call.load(Ordering::Relaxed).max(NANOS_PER_MS);
+            unavailable(&tool, &format!("it did not answer within {} ms", self.timeout.as_millis()), wait)
         };
         let _slot = match place.start_now().await {
             Ok(slot) => slot,
@@ -280,7 +278,9 @@ impl Proxied {
         match answer {
             Err(_) => {
                 self.breaker.record(permit, false, now);
-                Err(Unanswered::Unavailable(timed_out()))
+                let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
+                let detail = format!("it did not answer within {} ms", self.timeout.as_millis());
+                Err(Unanswered::Unavailable(unavailable(&tool, &detail, wait)))
             }
             Ok(Ok(result)) => {
                 self.breaker.record(permit, true, now);
@@ -302,7 +302,9 @@ impl Proxied {
             Ok(Err(error)) => {
                 self.breaker.record(permit, false, now);
                 let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
-                Err(Unanswered::Unavailable(unavailable(&tool, &format!("{error}"), wait)))
+                // The transport's errors quote the URL, with any password in it.
+                let detail = crate::redact::url(&error.to_string());
+                Err(Unanswered::Unavailable(unavailable(&tool, &detail, wait)))
             }
         }
     }

@@ -85,7 +85,7 @@ fn passed(error: ServiceError) -> ErrorData {
         ServiceError::McpError(error) => error,
         other => ErrorData::new(
             rmcp::model::ErrorCode(-32000),
-            format!("the proxied server could not be asked: {other}"),
+            format!("the proxied server could not be asked: {}", crate::redact::url(&other.to_string())),
             Some(serde_json::json!({"code": "upstream_unavailable", "retry_after_ms": 1000})),
         ),
     }
