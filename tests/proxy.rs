@@ -576,3 +576,36 @@ async fn an_http_upstream_that_goes_down_is_unavailable_then_served_again_when_i
     }
     assert_eq!(text_of(&served.expect("served again")), "4");
 }
+
+#[tokio::test]
+async fn a_tenants_spend_cap_warns_then_refuses_a_proxied_tool_and_a_reload_reprices_it() {
+    let (a, b) = ("tenant-key-a-0123456789abcdef", "tenant-key-b-0123456789abcdef");
+    let toml = |cost: u64| {
+        format!(
+            "[spend_caps]\ndaily_units = 10\nwarn_at_percent = 80\n[tools.add]\ncost = {cost}\n\
+             [loop_detection]\nenabled = false\n\
+             [auth]\nkeys = [{{ sha256 = \"{}\", tenant = \"acme\" }}, {{ sha256 = \"{}\", tenant = \"acme\" }}]\n",
+            sha256_hex(a),
+            sha256_hex(b)
+        )
+    };
+    let proxy = Proxy::start(&toml(4), command(fastmcp(&[]))).await;
+    let (first, second) = (proxy.client(Some(a)).await, proxy.client(Some(b)).await);
+    assert_eq!(text_of(&call(&first, "add", json!({"a": 1, "b": 1})).await), "2", "4 of the tenant's 10");
+    let warned = call(&second, "add", json!({"a": 1, "b": 2})).await;
+    assert!(text_of(&warned).starts_with('3'), "{warned:?}");
+    assert!(text_of(&warned).contains("80% of the limit spend:tenant:acme"), "8 of 10 used: warned: {warned:?}");
+    let refused = call(&first, "add", json!({"a": 1, "b": 3})).await;
+    assert_eq!(code_of(&refused), Some("rate_limited"), "{refused:?}");
+    let error = &refused.structured_content.as_ref().expect("structured")["error"];
+    assert_eq!(error["scope"], "spend:tenant:acme", "the tenant's two keys share one cap: {error}");
+    assert_eq!(error["remaining"], 2, "8 of 10 spent, and a call costs 4: {error}");
+
+    // A reload reprices the proxied tool for the next tools/list and the next call.
+    let cheaper = Config::from_toml(&toml(1), &Catalogue::learned()).expect("valid");
+    proxy.app.state().reload(&cheaper);
+    let tools = first.list_all_tools().await.expect("tools");
+    let add = tools.iter().find(|t| t.name == "add").expect("add");
+    assert!(add.description.as_deref().is_some_and(|d| d.ends_with("Costs 1 token.")), "{add:?}");
+    assert!(text_of(&call(&first, "add", json!({"a": 1, "b": 4})).await).starts_with('5'), "9 of 10 at cost 1");
+}
