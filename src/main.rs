@@ -80,6 +80,9 @@ enum Command {
     CheckConfig {
         /// The file to check (default: ./config.toml if present).
         file: Option<PathBuf>,
+        /// Check it as `proxy` reads it: its tools are the proxied server's, learnt at run time.
+        #[arg(long)]
+        proxy: bool,
     },
     /// Replay agent traffic shapes against the configured budgets on a virtual clock, one run per
     /// algorithm: a table per shape, and an SVG chart per shape.
@@ -125,8 +128,9 @@ fn init_logging() {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Command::CheckConfig { file } = &cli.command {
-        return match Config::load(file.as_deref(), &catalogue()) {
+    if let Command::CheckConfig { file, proxy } = &cli.command {
+        let tools = if *proxy { Catalogue::learned() } else { catalogue() };
+        return match Config::load(file.as_deref(), &tools) {
             Ok(config) => {
                 println!("config OK\n\n{}", config.limits_table());
                 ExitCode::SUCCESS

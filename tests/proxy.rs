@@ -400,6 +400,19 @@ fn a_proxys_config_prices_tools_it_has_not_seen_and_checks_the_default_price() {
         let error = Config::from_toml(toml, &learned).expect_err(toml);
         assert!(error.to_string().contains(key), "{toml}: {error}");
     }
+    // `check-config --proxy` reads a file as `proxy` does.
+    let mut file = tempfile::NamedTempFile::new().expect("config");
+    std::io::Write::write_all(&mut file, b"[tools.render]\ncost = 4\n").expect("write");
+    let check = |proxy: bool| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"));
+        command.arg("check-config").arg(file.path());
+        if proxy {
+            command.arg("--proxy");
+        }
+        command.output().expect("binary runs").status.success()
+    };
+    assert!(check(true), "a proxy's tool it has not seen yet");
+    assert!(!check(false), "our own server has no tool `render`");
     // Our own server's catalogue is fixed: there, a tool it does not have is a typo.
     let fixed = Config::from_toml("[tools.render]\ncost = 4\n", &mcp_ratelimit::mcp::tools::catalogue());
     assert!(fixed.is_err());
