@@ -287,7 +287,7 @@ async fn a_killed_child_is_unavailable_with_a_wait_then_served_after_its_restart
 
     // Until the proxy notices, a call may meet the dead pipe; then the breaker answers at once.
     let mut refusal = None;
-    for _ in 0..200 {
+    for _ in 0..1000 {
         let answer = call(&client, "add", json!({"a": 1, "b": 1})).await;
         if code_of(&answer) == Some("upstream_unavailable") {
             refusal = Some(answer);
@@ -301,7 +301,7 @@ async fn a_killed_child_is_unavailable_with_a_wait_then_served_after_its_restart
 
     // Restarted with backoff (its first try after 200 ms), the breaker closed: served again.
     let mut served = None;
-    for _ in 0..300 {
+    for _ in 0..1500 {
         let answer = call(&client, "pid", json!({})).await;
         if answer.is_error != Some(true) {
             served = Some(answer);
@@ -430,7 +430,7 @@ async fn a_tool_the_server_adds_is_learnt_priced_and_callable() {
     assert_eq!(text_of(&call(&client, "grow", json!({"name": "plus_one"})).await), "added plus_one");
     // The proxy re-lists on the server's list_changed, in the background: a bounded poll.
     let mut listed = None;
-    for _ in 0..200 {
+    for _ in 0..1000 {
         let tools = client.list_all_tools().await.expect("tools");
         if let Some(tool) = tools.into_iter().find(|t| t.name == "plus_one") {
             listed = Some(tool);
@@ -503,7 +503,7 @@ async fn calls_beyond_max_in_flight_wait_their_turn_and_a_full_queue_is_busy() {
         tokio::spawn(async move { call(&client, "add", json!({"a": 1, "b": 1})).await })
     };
     let occupancy = || proxy.app.state().behind.occupancy();
-    for _ in 0..500 {
+    for _ in 0..1000 {
         if occupancy().waiting == 1 {
             break;
         }
@@ -523,17 +523,20 @@ async fn calls_beyond_max_in_flight_wait_their_turn_and_a_full_queue_is_busy() {
 
 #[tokio::test]
 async fn a_call_slower_than_the_timeout_is_unavailable_and_never_retried() {
-    let toml = "[proxy]\ntimeout_ms = 200\n";
+    let toml = "[proxy]\ntimeout_ms = 1000\n";
     let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
     let client = proxy.client(None).await;
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("never");
     let slow = call(&client, "wait_for", json!({"path": path.to_string_lossy()})).await;
     assert_eq!(code_of(&slow), Some("upstream_unavailable"), "{slow:?}");
-    assert!(text_of(&slow).contains("did not answer within 200 ms"), "{slow:?}");
-    std::fs::remove_file(dir.path().join("never.started")).expect("it ran once");
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(!dir.path().join("never.started").exists(), "and was not sent again");
+    assert!(text_of(&slow).contains("did not answer within 1000 ms"), "{slow:?}");
+    // The tool appends a line each time it starts: once, and not again after the refusal.
+    let started = dir.path().join("never.started");
+    wait_until_exists(&started).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let starts = std::fs::read_to_string(&started).expect("marker").lines().count();
+    assert_eq!(starts, 1, "sent once, never retried");
 }
 
 #[tokio::test]
@@ -563,7 +566,7 @@ async fn an_http_upstream_that_goes_down_is_unavailable_then_served_again_when_i
 
     drop(server); // killed (kill_on_drop), its port closed
     let mut refused = None;
-    for _ in 0..200 {
+    for _ in 0..1000 {
         let answer = call(&client, "add", json!({"a": 1, "b": 2})).await;
         if code_of(&answer) == Some("upstream_unavailable") {
             refused = Some(answer);
@@ -578,7 +581,7 @@ async fn an_http_upstream_that_goes_down_is_unavailable_then_served_again_when_i
     // cool-down has passed (on the proxy's clock), a probe goes through and calls are served.
     let _back = serve_http(&python, &args, port).await;
     let mut served = None;
-    for _ in 0..300 {
+    for _ in 0..1500 {
         proxy.clock.advance(Duration::from_secs(60));
         let answer = call(&client, "add", json!({"a": 2, "b": 2})).await;
         if answer.is_error != Some(true) {

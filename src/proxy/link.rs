@@ -147,8 +147,8 @@ impl std::fmt::Debug for Link {
 /// First wait before reconnecting, doubled after each failed attempt up to [`RESTART_AT_MOST`].
 const RESTART_FIRST: Duration = Duration::from_millis(200);
 const RESTART_AT_MOST: Duration = Duration::from_secs(30);
-/// A handshake that takes longer than this has failed.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// A handshake, or a listing of the tools, that takes longer than this has failed.
+pub(super) const ANSWER_WITHIN: Duration = Duration::from_secs(30);
 
 type Session = RunningService<RoleClient, Relay>;
 
@@ -178,6 +178,11 @@ impl Link {
         let kept = link.clone();
         tokio::spawn(async move { kept.keep_up(session, relay, breaker, clock, stop, on_up).await });
         Ok(link)
+    }
+
+    /// Where the proxied server is.
+    pub fn target(&self) -> &Target {
+        &self.target
     }
 
     /// The session, while it is up.
@@ -268,8 +273,8 @@ impl Link {
                 }
             }
         };
-        tokio::time::timeout(HANDSHAKE_TIMEOUT, connecting)
+        tokio::time::timeout(ANSWER_WITHIN, connecting)
             .await
-            .map_err(|_| handshake(format!("no answer within {HANDSHAKE_TIMEOUT:?}")))?
+            .map_err(|_| handshake(format!("no answer within {ANSWER_WITHIN:?}")))?
     }
 }

@@ -141,7 +141,12 @@ impl Proxied {
             calls: AtomicU64::new(0),
             mean_call: AtomicU64::new(0),
         });
-        proxied.learn_tools().await;
+        // Without its tools there is nothing to serve: a server that cannot list them is a
+        // start-up error, as one that cannot be reached is.
+        proxied.learn_tools().await.map_err(|reason| LinkError::Handshake {
+            target: proxied.link.target().to_string(),
+            reason: format!("it did not list its tools: {reason}"),
+        })?;
         tokio::spawn(proxied.clone().learn_tools_when_changed(stop));
         Ok(proxied)
     }
@@ -167,24 +172,22 @@ impl Proxied {
                 () = self.downstream.tools_changed.notified() => {}
                 () = stop.cancelled() => return,
             }
-            self.learn_tools().await;
+            if let Err(reason) = self.learn_tools().await {
+                tracing::warn!(%reason, "the proxied server did not list its tools; keeping the last list");
+            }
             self.downstream.tools_list_changed().await;
         }
     }
 
-    /// Lists the proxied server's tools again, and warns of each `[tools.NAME]` it does not list.
-    async fn learn_tools(&self) {
-        let Some(peer) = self.link.peer() else { return };
-        let tools = match tokio::time::timeout(self.timeout, peer.list_all_tools()).await {
+    /// Lists the proxied server's tools again (within [`link::ANSWER_WITHIN`], whatever
+    /// `proxy.timeout_ms` says of calls), and warns of each `[tools.NAME]` it does not list; on an
+    /// error the last list stays.
+    async fn learn_tools(&self) -> Result<(), String> {
+        let peer = self.link.peer().ok_or("it is not connected")?;
+        let tools = match tokio::time::timeout(link::ANSWER_WITHIN, peer.list_all_tools()).await {
             Ok(Ok(tools)) => tools,
-            Ok(Err(error)) => {
-                tracing::warn!(%error, "the proxied server did not list its tools; keeping the last list");
-                return;
-            }
-            Err(_) => {
-                tracing::warn!(within = ?self.timeout, "the proxied server did not list its tools in time; keeping the last list");
-                return;
-            }
+            Ok(Err(error)) => return Err(crate::redact::url(&error.to_string())),
+            Err(_) => return Err(format!("no answer within {:?}", link::ANSWER_WITHIN)),
         };
         for name in self.limits.guard().policy().tools.keys() {
             if !tools.iter().any(|t| t.name == name.as_str()) {
@@ -193,6 +196,7 @@ impl Proxied {
         }
         tracing::info!(tools = tools.len(), "learnt the proxied server's tools");
         self.tools.store(Arc::new(tools));
+        Ok(())
     }
 
     /// Refuses a call the proxied server could not take now, before it is charged: the breaker
