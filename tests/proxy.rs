@@ -625,3 +625,20 @@ async fn a_tenants_spend_cap_warns_then_refuses_a_proxied_tool_and_a_reload_repr
     assert!(add.description.as_deref().is_some_and(|d| d.ends_with("Costs 1 token.")), "{add:?}");
     assert!(text_of(&call(&first, "add", json!({"a": 1, "b": 4})).await).starts_with('5'), "9 of 10 at cost 1");
 }
+
+#[tokio::test]
+async fn the_dashboard_and_metrics_show_the_proxied_server_and_its_refusals() {
+    let toml = "[proxy]\nmax_in_flight = 7\n";
+    let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
+    let client = proxy.client(None).await;
+    for _ in 0..5 {
+        call(&client, "add", json!({"a": 3, "b": 3})).await;
+    }
+    let base = proxy.url.trim_end_matches("/mcp").to_owned();
+    let data: Value = reqwest::get(format!("{base}/dashboard/data")).await.expect("data").json().await.expect("json");
+    assert_eq!(data["jobs"]["account_max"], 7, "the proxied server's slots: {data}");
+    assert_eq!(data["breaker"]["state"], "closed", "{data}");
+    assert!(data.to_string().contains("loop_detected"), "the fifth call's refusal is on the dashboard: {data}");
+    let metrics = reqwest::get(format!("{base}/metrics")).await.expect("metrics").text().await.expect("text");
+    assert!(metrics.contains(r#"tool="add""#) && metrics.contains("loop_detected"), "{metrics}");
+}
