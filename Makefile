@@ -1,7 +1,7 @@
 # The two commands a new user needs: `make run` and `make test`.
 CARGO ?= cargo
 
-.PHONY: run test proxy-fixtures docs fuzz check fmt inspector build bench bench-redis bench-compare load conformance burst cluster soak idle-abuse simulate chromium dashboard-screenshot
+.PHONY: run test proxy-fixtures docs fuzz check fmt inspector build install bench bench-redis bench-compare load conformance burst cluster soak idle-abuse simulate chromium dashboard-screenshot
 
 ## Serve MCP on http://127.0.0.1:3000/mcp with the defaults (in-memory limits, embedded mock upstream).
 run:
@@ -35,6 +35,10 @@ chromium:
 
 build:
 	$(CARGO) build
+
+## Put `mcp-ratelimit` on PATH (~/.cargo/bin), so the README's `mcp-ratelimit …` commands work as written.
+install:
+	$(CARGO) install --locked --path .
 
 ## Formatting and lints.
 check:

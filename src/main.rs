@@ -120,10 +120,18 @@ enum Format {
     Json,
 }
 
-fn init_logging() {
+/// Logs go to stderr: `RUST_LOG` if set, else `info` (`warn` when MCP itself is on stdio, so a
+/// client that shows the server's stderr shows only what matters); colours only on a terminal.
+fn init_logging(quiet: bool) {
+    use std::io::IsTerminal;
+    let default = if quiet { "warn" } else { "info,rmcp=warn" };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rmcp=warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .init();
 }
 
 fn main() -> ExitCode {
@@ -144,7 +152,7 @@ fn main() -> ExitCode {
     if let Command::Simulate { config, shapes, algorithms, tool, seed, out, format } = cli.command {
         return run_simulation(config.as_deref(), shapes, algorithms, tool, seed, &out, format);
     }
-    init_logging();
+    init_logging(matches!(cli.command, Command::Stdio { .. } | Command::Proxy { stdio: true, .. }));
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {
@@ -207,7 +215,13 @@ async fn run(command: Command) -> anyhow::Result<()> {
 /// Serves `/mcp` on `addr`, and the admin API when a key is configured, until a shutdown signal.
 async fn serve_http(app: &App, addr: SocketAddr) -> anyhow::Result<()> {
     let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-    tracing::info!(mcp = %format!("http://{addr}/mcp"), upstream = %mcp_ratelimit::redact::url(app.upstream_url()), "serving");
+    tracing::info!(
+        mcp = %format!("http://{addr}/mcp"),
+        dashboard = %format!("http://{addr}/dashboard"),
+        metrics = %format!("http://{addr}/metrics"),
+        upstream = %mcp_ratelimit::redact::url(app.upstream_url()),
+        "serving"
+    );
     let admin = &app.state().config.admin;
     if admin.key_sha256.is_some() {
         let at = admin.listen;

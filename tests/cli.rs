@@ -126,3 +126,27 @@ fn serve_stops_cleanly_on_sigterm() {
     });
     assert!(status.success(), "graceful exit, got {status}");
 }
+
+#[test]
+fn serve_logs_where_to_look_without_colour_codes_when_not_on_a_terminal() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .env_remove("RUST_LOG")
+        .current_dir(std::env::temp_dir())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("server starts");
+    let up = (0..200).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(25)); // polling the child process, bounded
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    assert!(up, "server never listened");
+    Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill runs");
+    let out = child.wait_with_output().expect("exits");
+    let log = String::from_utf8_lossy(&out.stderr);
+    for url in ["mcp", "dashboard", "metrics"] {
+        assert!(log.contains(&format!("http://127.0.0.1:{port}/{url}")), "{url} in: {log}");
+    }
+    assert!(!log.contains('\u{1b}'), "no ANSI escapes in a piped log: {log:?}");
+}

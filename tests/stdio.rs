@@ -40,3 +40,22 @@ async fn stdio_burst_then_refusal_through_the_binary() {
     assert!((940_000..=1_000_000).contains(&wait), "{error}");
     client.cancel().await.ok();
 }
+
+#[tokio::test]
+async fn stdio_keeps_stderr_quiet_by_default() {
+    let command = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit")).configure(|c| {
+        c.arg("stdio").env_remove("RUST_LOG").current_dir(std::env::temp_dir());
+    });
+    let (transport, stderr) =
+        TokioChildProcess::builder(command).stderr(std::process::Stdio::piped()).spawn().expect("binary starts");
+    let client = ().serve(transport).await.expect("stdio handshake");
+    assert!(!is_error(&call(&client, "list_articles", json!({"limit": 2})).await));
+    client.cancel().await.ok();
+    let mut log = String::new();
+    if let Some(mut stderr) = stderr {
+        use tokio::io::AsyncReadExt;
+        let read = tokio::time::timeout(std::time::Duration::from_secs(10), stderr.read_to_string(&mut log));
+        read.await.expect("stderr ends with the process").expect("stderr");
+    }
+    assert!(log.trim().is_empty(), "nothing on stderr for a normal session: {log}");
+}
