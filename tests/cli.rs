@@ -130,7 +130,7 @@ fn serve_stops_cleanly_on_sigterm() {
 #[test]
 fn serve_logs_where_to_look_without_colour_codes_when_not_on_a_terminal() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
+    let child = Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
         .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
         .env_remove("RUST_LOG")
         .current_dir(std::env::temp_dir())
