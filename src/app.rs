@@ -100,7 +100,7 @@ impl App {
         let ms = |n: u64| n.saturating_mul(NANOS_PER_MS);
         let timeout = Duration::from_millis(up.timeout_ms);
         let breaker = Breaker::new(up.breaker_failures, ms(up.breaker_cooldown_ms));
-        let upstream = Arc::new(Upstream::new(&upstream_url, timeout, breaker, clock.clone())?);
+        let upstream = Arc::new(Upstream::new(&upstream_url, up.credential(), timeout, breaker, clock.clone())?);
         let catalogue = crate::mcp::tools::catalogue();
         let stop = CancellationToken::new();
         let rules = JobRules {

@@ -140,6 +140,8 @@ impl AppState {
                 running.server.max_sessions_per_address != config.server.max_sessions_per_address,
             ),
             ("upstream.url", running.upstream.url != config.upstream.url),
+            ("upstream.api_key", running.upstream.api_key != config.upstream.api_key),
+            ("upstream.api_key_header", running.upstream.api_key_header != config.upstream.api_key_header),
             ("upstream.max_in_flight", running.upstream.max_in_flight != config.upstream.max_in_flight),
             ("upstream.queue_max", running.upstream.queue_max != config.upstream.queue_max),
             ("upstream.unverified_share", running.upstream.unverified_share != config.upstream.unverified_share),

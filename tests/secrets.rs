@@ -26,8 +26,12 @@ async fn the_raw_token_never_appears_in_logs_or_metrics() {
         .with_ansi(false)
         .init();
 
-    let server =
-        TestServer::start("[limits.http]\nburst = 40\n[mock_upstream]\nmax_concurrent_predictions = 1000\n").await;
+    // The paid API's key goes out with every upstream request, at TRACE too, and is logged nowhere.
+    let server = TestServer::start(&format!(
+        "[limits.http]\nburst = 40\n[mock_upstream]\nmax_concurrent_predictions = 1000\napi_key = \"{API_KEY}\"\n\
+         [upstream]\napi_key = \"{API_KEY}\"\n"
+    ))
+    .await;
     let client = server.client(Some(TOKEN)).await;
     client.list_all_tools().await.expect("tools/list");
     spend_until_refused(&client, "generate_image", json!({"prompt": "p"}), 20).await;
@@ -44,7 +48,9 @@ async fn the_raw_token_never_appears_in_logs_or_metrics() {
     assert!(logs.contains("rmcp::"), "the capture includes the MCP library's own trace logs");
     assert!(metrics.contains("mcp_ratelimit_rejections_total"), "{metrics}");
     assert!(metrics.contains("client_bucket=\"b"), "{metrics}");
+    assert_eq!(server.upstream_usage().await["refused_401"], 0, "the key was sent");
     for haystack in [&logs, &metrics] {
+        assert!(!haystack.contains(API_KEY), "the paid API's key leaked");
         assert!(!haystack.contains(TOKEN), "raw token leaked");
         assert!(!haystack.contains("DO-NOT-LOG"), "part of the raw token leaked");
     }
@@ -56,6 +62,7 @@ const PLAIN_KEY: &str = "sk-plain-NEVER-PRINTED-41c7";
 const HASHED_KEY: &str = "sk-hashed-NEVER-PRINTED-0b3e";
 const ADMIN_KEY: &str = "admin-NEVER-PRINTED-5e2b90d1";
 const ID_SECRET: &str = "idsecret-NEVER-PRINTED-77d0";
+const API_KEY: &str = "apikey-NEVER-PRINTED-c4d2";
 const UPSTREAM_PASSWORD: &str = "upstream-pw-NEVER-PRINTED-c4";
 
 fn hex(bytes: &[u8]) -> String {
@@ -66,7 +73,8 @@ fn hex(bytes: &[u8]) -> String {
 fn secret_config(backend: &str, upstream: &str) -> String {
     format!(
         "[store]\nbackend = \"{backend}\"\nredis_url = \"redis://:{REDIS_PASSWORD}@127.0.0.1:6399/0\"\n\
-         [upstream]\nurl = \"{upstream}\"\n\
+         [upstream]\nurl = \"{upstream}\"\napi_key = \"{API_KEY}\"\n\
+         [mock_upstream]\napi_key = \"{API_KEY}\"\n\
          [admin]\nkey = \"{ADMIN_KEY}\"\n\
          [auth]\nid_secret = \"{ID_SECRET}\"\n\
          [[auth.keys]]\nkey = \"{PLAIN_KEY}\"\ntenant = \"acme\"\n\
@@ -79,7 +87,7 @@ fn secret_config(backend: &str, upstream: &str) -> String {
 /// admin key's SHA-256, in hex and as Debug prints a byte array.
 fn secrets() -> Vec<String> {
     let mut all: Vec<String> =
-        [REDIS_PASSWORD, PLAIN_KEY, HASHED_KEY, ADMIN_KEY, ID_SECRET, UPSTREAM_PASSWORD, "NEVER-PRINTED"]
+        [REDIS_PASSWORD, PLAIN_KEY, HASHED_KEY, ADMIN_KEY, ID_SECRET, UPSTREAM_PASSWORD, API_KEY, "NEVER-PRINTED"]
             .map(str::to_owned)
             .into();
     for key in [PLAIN_KEY, HASHED_KEY, ADMIN_KEY] {

@@ -210,3 +210,28 @@ async fn the_breaker_opens_refuses_without_upstream_traffic_and_closes_after_a_g
     assert!(!is_error(&call(&client, "list_articles", json!({"cursor": "6"})).await), "closed again");
     assert!(server.metrics().await.contains("mcp_ratelimit_breaker_state 0"));
 }
+
+#[tokio::test]
+async fn the_api_key_is_sent_and_a_wrong_one_is_unavailable_saying_so_never_retried() {
+    let mock = "[mock_upstream]\napi_key = \"paid-api-key-1\"\n";
+    for (upstream, header) in [("paid-api-key-1", "authorization"), ("paid-api-key-1", "x-api-key")] {
+        let config = format!("{mock}[upstream]\napi_key = \"{upstream}\"\napi_key_header = \"{header}\"\n");
+        let server = TestServer::start(&config).await;
+        let client = server.client(Some("caller")).await;
+        let listed = call(&client, "list_articles", json!({})).await;
+        assert!(!is_error(&listed), "the key in `{header}` is accepted: {}", text(&listed));
+        assert_eq!(server.upstream_usage().await["refused_401"], 0);
+    }
+
+    let server = TestServer::start(&format!("{mock}[upstream]\napi_key = \"wrong\"\n")).await;
+    let client = server.client(Some("caller")).await;
+    let refused = call(&client, "list_articles", json!({})).await;
+    assert_eq!(error_code(&refused), Some("upstream_unavailable"), "{}", text(&refused));
+    assert!(text(&refused).contains("refused this server's credential (HTTP 401)"), "{}", text(&refused));
+    assert!(text(&refused).contains("upstream.api_key"), "says what to fix: {}", text(&refused));
+    let image = call(&client, "generate_image", json!({"prompt": "a cat"})).await;
+    assert_eq!(error_code(&image), Some("upstream_unavailable"), "{}", text(&image));
+    let usage = server.upstream_usage().await;
+    assert_eq!(usage["refused_401"], 2, "one request each, never retried: {usage}");
+    assert_eq!(usage["requests"], 2, "{usage}");
+}

@@ -8,6 +8,7 @@ use serde::Deserialize;
 
 use super::limits::DAY_MS;
 use super::{ConfigError, invalid};
+use crate::redact::Secret;
 
 /// The same in seconds.
 const DAY_SECONDS: u64 = 86_400;
@@ -18,6 +19,11 @@ const DAY_SECONDS: u64 = 86_400;
 pub struct UpstreamConfig {
     /// Base URL; empty means "start the embedded mock".
     pub url: String,
+    /// The credential sent with every request (empty: none). Never printed.
+    pub api_key: Secret,
+    /// The header it goes in: `authorization` sends `Bearer <api_key>`, any other header the key
+    /// itself.
+    pub api_key_header: String,
     /// Per-request timeout.
     pub timeout_ms: u64,
     /// Poll hint for image jobs.
@@ -79,6 +85,8 @@ impl std::fmt::Debug for UpstreamConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UpstreamConfig")
             .field("url", &crate::redact::url(&self.url))
+            .field("api_key", &self.api_key)
+            .field("api_key_header", &self.api_key_header)
             .field("timeout_ms", &self.timeout_ms)
             .field("image_poll_seconds", &self.image_poll_seconds)
             .field("video_poll_seconds", &self.video_poll_seconds)
@@ -118,6 +126,9 @@ pub struct MockUpstreamConfig {
     pub image_job_ms: u64,
     /// Duration of a video job.
     pub video_job_ms: u64,
+    /// A key every `/v1` request must carry, as `Authorization: Bearer <key>` or `X-Api-Key: <key>`
+    /// (empty: none asked); anything else is answered 401. Never printed.
+    pub api_key: Secret,
 }
 
 /// A fraction from 0 to 1 at `key`.
@@ -129,9 +140,32 @@ fn fraction(key: &str, value: f64) -> Result<(), ConfigError> {
 }
 
 impl UpstreamConfig {
+    /// The header and value `api_key` is sent as, if one is set: the value marked sensitive, so
+    /// the HTTP stack never prints it.
+    pub fn credential(&self) -> Option<(http::HeaderName, http::HeaderValue)> {
+        if self.api_key.is_empty() {
+            return None;
+        }
+        let name = http::HeaderName::try_from(self.api_key_header.as_str()).ok()?;
+        let value = if name == http::header::AUTHORIZATION {
+            format!("Bearer {}", self.api_key.expose())
+        } else {
+            self.api_key.expose().to_owned()
+        };
+        let mut value = http::HeaderValue::try_from(value).ok()?;
+        value.set_sensitive(true);
+        Some((name, value))
+    }
+
     /// The section, checked: a URL the client can call, every count and duration above zero,
     /// every duration within a day (a week for a job's expiry), the shares fractions.
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if http::HeaderName::try_from(self.api_key_header.as_str()).is_err() {
+            return Err(invalid("upstream.api_key_header", "not a valid header name"));
+        }
+        if !self.api_key.is_empty() && self.credential().is_none() {
+            return Err(invalid("upstream.api_key", "not a valid header value (no line breaks or control characters)"));
+        }
         if !self.url.is_empty() {
             match reqwest::Url::parse(&self.url) {
                 Ok(u) if matches!(u.scheme(), "http" | "https") => {}

@@ -359,6 +359,10 @@ fn upstream_refusal(tool: &str, error: UpstreamError) -> CallToolResult {
         }
         UpstreamError::NotFound => Refusal::invalid_arguments(tool, "the upstream does not know that id"),
         UpstreamError::Rejected(detail) => Refusal::invalid_arguments(tool, &detail),
+        // Not the agent's doing, and no retry fixes it: the operator's credential is wrong.
+        error @ UpstreamError::Unauthorized(_) => {
+            Refusal::upstream_unavailable(tool, &error.to_string(), UPSTREAM_FAILURE_WAIT_MS)
+        }
         UpstreamError::Unavailable(detail) => Refusal::upstream_unavailable(tool, &detail, UPSTREAM_FAILURE_WAIT_MS),
         UpstreamError::CircuitOpen { retry_after } => breaker_open(tool, retry_after),
     };

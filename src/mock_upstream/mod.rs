@@ -112,6 +112,7 @@ struct Usage {
     cancels: AtomicU64,
     refused_429: AtomicU64,
     refused_5xx: AtomicU64,
+    refused_401: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -243,8 +244,22 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Whether `request` carries the key `mock_upstream.api_key` asks for (any request, when none is).
+fn has_key(state: &MockState, request: &Request) -> bool {
+    let key = state.config.api_key.expose();
+    if key.is_empty() {
+        return true;
+    }
+    let header = |name| request.headers().get(name).and_then(|v| v.to_str().ok());
+    header("authorization").and_then(|v| v.strip_prefix("Bearer ")) == Some(key) || header("x-api-key") == Some(key)
+}
+
 async fn chaos(State(state): State<Arc<MockState>>, request: Request, next: Next) -> Response {
     bump(&state.usage.requests);
+    if !has_key(&state, &request) {
+        bump(&state.usage.refused_401);
+        return (StatusCode::UNAUTHORIZED, Json(json!({"error": "missing or wrong API key"}))).into_response();
+    }
     // Held: wait until the gate opens (a closed channel cannot happen: the state owns the sender).
     let _ = state.gate.subscribe().wait_for(|held| !held).await;
     let chaos = *lock(&state.chaos);
@@ -422,5 +437,6 @@ async fn usage(State(state): State<Arc<MockState>>) -> Json<serde_json::Value> {
         "cancels": read(&u.cancels),
         "refused_429": read(&u.refused_429),
         "refused_5xx": read(&u.refused_5xx),
+        "refused_401": read(&u.refused_401),
     }))
 }

@@ -36,6 +36,9 @@ pub enum UpstreamError {
     /// The thing asked for does not exist upstream.
     #[error("not found")]
     NotFound,
+    /// 401 or 403: the upstream refused this server's credential (`upstream.api_key`).
+    #[error("the upstream refused this server's credential (HTTP {0}): check upstream.api_key")]
+    Unauthorized(u16),
     /// Another 4xx: our request was refused.
     #[error("upstream refused the request: {0}")]
     Rejected(String),
@@ -54,6 +57,7 @@ impl UpstreamError {
             UpstreamError::RateLimited { .. } => "rate_limited",
             UpstreamError::Unavailable(_) => "unavailable",
             UpstreamError::NotFound => "not_found",
+            UpstreamError::Unauthorized(_) => "unauthorized",
             UpstreamError::Rejected(_) => "rejected",
             UpstreamError::CircuitOpen { .. } => "circuit_open",
         }
@@ -117,8 +121,15 @@ impl std::fmt::Debug for Upstream {
 }
 
 impl Upstream {
-    /// A client for the API at `base` with a per-request `timeout`, guarded by `breaker`.
-    pub fn new(base: &str, timeout: Duration, breaker: Breaker, clock: SharedClock) -> Result<Self, ClientError> {
+    /// A client for the API at `base` with a per-request `timeout`, guarded by `breaker`, sending
+    /// `credential` (a header, its value marked sensitive) with every request.
+    pub fn new(
+        base: &str,
+        credential: Option<(http::HeaderName, http::HeaderValue)>,
+        timeout: Duration,
+        breaker: Breaker,
+        clock: SharedClock,
+    ) -> Result<Self, ClientError> {
         let mut base =
             Url::parse(base).map_err(|e| ClientError::BadUrl { url: base.to_owned(), reason: e.to_string() })?;
         if !base.path().ends_with('/') {
@@ -130,7 +141,12 @@ impl Upstream {
         };
         let (articles, submissions, predictions) =
             (join("v1/articles")?, join("v1/predictions")?, join("v1/predictions/")?);
-        let http = reqwest::Client::builder().timeout(timeout).pool_idle_timeout(POOL_IDLE).build()?;
+        let headers: reqwest::header::HeaderMap = credential.into_iter().collect();
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .pool_idle_timeout(POOL_IDLE)
+            .default_headers(headers)
+            .build()?;
         Ok(Self { http, base, articles, submissions, predictions, breaker, clock })
     }
 
@@ -236,6 +252,9 @@ async fn read_json<T: serde::de::DeserializeOwned>(
     }
     if status == StatusCode::NOT_FOUND {
         return Err(UpstreamError::NotFound);
+    }
+    if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
+        return Err(UpstreamError::Unauthorized(status.as_u16()));
     }
     if status.is_server_error() {
         return Err(UpstreamError::Unavailable(format!("HTTP {}", status.as_u16())));
