@@ -152,6 +152,15 @@ struct Entry {
     message: String,
 }
 
+impl Entry {
+    /// Whether `other` is the same refusal again: the same caller, refused at the same layer,
+    /// for the same tool, code and scope (its message may differ only in the wait).
+    fn same_refusal_as(&self, other: &Entry) -> bool {
+        (self.caller, self.layer, &self.tool, self.code, &self.scope)
+            == (other.caller, other.layer, &other.tool, other.code, &other.scope)
+    }
+}
+
 /// A scope's last known level.
 #[derive(Debug)]
 struct Level {
@@ -453,12 +462,23 @@ impl Activity {
         let ago_ms = |at: Nanos| now.saturating_sub(at) / NANOS_PER_MS;
         let mut recent = self.recent();
         let tools = recent.tools_refused(bucket);
-        let latest = recent
-            .latest
-            .iter()
-            .filter(|e| recent_enough(e.at) && audience.sees(e.tenant.as_deref(), e.caller, hash))
-            .map(|e| LatestRefusal {
+        // Consecutive refusals of the same caller by the same scope for the same reason are one
+        // row with a count (twelve identical 429s fill no screen); the row shows the newest.
+        let mut latest: Vec<LatestRefusal> = Vec::new();
+        let mut previous: Option<&Entry> = None;
+        for e in
+            recent.latest.iter().filter(|e| recent_enough(e.at) && audience.sees(e.tenant.as_deref(), e.caller, hash))
+        {
+            if let (Some(p), Some(row)) = (previous, latest.last_mut())
+                && p.same_refusal_as(e)
+            {
+                row.count = row.count.saturating_add(1);
+                continue;
+            }
+            previous = Some(e);
+            latest.push(LatestRefusal {
                 ago_ms: ago_ms(e.at),
+                count: 1,
                 layer: e.layer.as_str(),
                 tool: e.tool.to_string(),
                 code: e.code,
@@ -470,8 +490,8 @@ impl Activity {
                 remaining: e.remaining,
                 retry_after_ms: e.retry_after_ms,
                 message: e.message.clone(),
-            })
-            .collect();
+            });
+        }
         recent.scopes.retain(|_, level| recent_enough(level.at));
         let mut scopes: Vec<(&Arc<str>, &Level)> =
             recent.scopes.iter().filter(|(_, l)| audience.sees(l.tenant.as_deref(), l.caller, hash)).collect();
@@ -600,11 +620,14 @@ pub struct CodeCount {
     pub refused: u64,
 }
 
-/// One recent refusal, redacted.
+/// One recent refusal, redacted, or a run of identical ones.
 #[derive(Debug, Clone, Serialize)]
 pub struct LatestRefusal {
-    /// How long ago, on the server's clock.
+    /// How long ago, on the server's clock (the newest of a run).
     pub ago_ms: u64,
+    /// How many identical refusals in a row this row stands for: same caller, layer, tool, code
+    /// and scope.
+    pub count: u32,
     /// `http`, `method` or `tool`.
     pub layer: &'static str,
     /// The tool, method or `POST /mcp`.
@@ -672,6 +695,25 @@ mod tests {
             retry_after_ms: Some(1000),
             message,
         }
+    }
+
+    #[test]
+    fn identical_refusals_in_a_row_are_one_row_with_their_count() {
+        let activity = Activity::new();
+        let (one, other) = (Caller::from_token("one"), Caller::from_token("other"));
+        for at in 0..12 {
+            activity.refused(&one, refused("POST /mcp", "http:x", "wait"), at * NANOS_PER_SEC);
+        }
+        activity.refused(&other, refused("POST /mcp", "http:y", "wait"), 12 * NANOS_PER_SEC);
+        activity.refused(&one, refused("POST /mcp", "http:x", "wait 2"), 13 * NANOS_PER_SEC);
+        activity.refused(&one, refused("list_articles", "caller:x", "wait"), 14 * NANOS_PER_SEC);
+        let latest = activity.snapshot(14 * NANOS_PER_SEC).latest;
+        let rows: Vec<(&str, u32, u64)> = latest.iter().map(|r| (r.tool.as_str(), r.count, r.ago_ms)).collect();
+        // Newest first; another caller between two runs keeps them apart; a changed wait does not.
+        assert_eq!(
+            rows,
+            vec![("list_articles", 1, 0), ("POST /mcp", 1, 1000), ("POST /mcp", 1, 2000), ("POST /mcp", 12, 3000)]
+        );
     }
 
     #[test]

@@ -273,6 +273,21 @@ async fn the_dashboard_is_never_rate_limited() {
 }
 
 #[tokio::test]
+async fn twelve_identical_refusals_are_one_row_with_their_count() {
+    let server = TestServer::start("[limits.http]\nburst = 3\nrefill_per_sec = 0.001\n").await;
+    let mut session = RawSession::new(&server.url, &[]);
+    session.open().await;
+    session.ping(0).await;
+    for id in 1..=12 {
+        assert_eq!(session.ping(id).await.0, 429);
+    }
+    let board = data(&server).await;
+    let latest = board["latest"].as_array().expect("latest");
+    assert_eq!(latest.len(), 1, "one row for the run: {board}");
+    assert_eq!((latest[0]["count"].as_u64(), latest[0]["code"].as_str()), (Some(12), Some("rate_limited")), "{board}");
+}
+
+#[tokio::test]
 async fn refusals_show_per_tool_code_and_level_for_ten_minutes() {
     let server = TestServer::start(&format!("{}{}", keys(), NO_LOOP_DETECTION)).await;
     let acme = server.client(Some(ACME_KEY)).await;

@@ -130,6 +130,7 @@ function renderRefusals(latest) {
     tr.append(tool);
     const code = el("td");
     code.appendChild(codeChip(r.code));
+    if (r.count > 1) code.appendChild(el("span", "count", "×" + number(r.count)));
     tr.append(code);
     const who = el("td", "who");
     if (r.tenant) who.appendChild(el("div", "tenant", "tenant " + r.tenant));
