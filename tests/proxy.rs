@@ -525,18 +525,23 @@ async fn calls_beyond_max_in_flight_wait_their_turn_and_a_full_queue_is_busy() {
 async fn a_call_slower_than_the_timeout_is_unavailable_and_never_retried() {
     let toml = "[proxy]\ntimeout_ms = 1000\n";
     let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
-    let client = proxy.client(None).await;
+    let client = Arc::new(proxy.client(None).await);
     let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("never");
-    let slow = call(&client, "wait_for", json!({"path": path.to_string_lossy()})).await;
-    assert_eq!(code_of(&slow), Some("upstream_unavailable"), "{slow:?}");
-    assert!(text_of(&slow).contains("did not answer within 1000 ms"), "{slow:?}");
-    // The tool appends a line each time it starts: once, and not again after the refusal.
+    let path = dir.path().join("never").to_string_lossy().into_owned();
+    let slow = {
+        let client = client.clone();
+        tokio::spawn(async move { call(&client, "wait_for", json!({"path": path})).await })
+    };
+    // The tool appends a line each time it starts. Once it runs, the proxy's clock walks past the
+    // timeout: the answer is the refusal, on no real-time deadline.
     let started = dir.path().join("never.started");
     wait_until_exists(&started).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.clock.advance(Duration::from_millis(1000));
+    let slow = slow.await.expect("the call");
+    assert_eq!(code_of(&slow), Some("upstream_unavailable"), "{slow:?}");
+    assert!(text_of(&slow).contains("did not answer within 1000 ms"), "{slow:?}");
     let starts = std::fs::read_to_string(&started).expect("marker").lines().count();
-    assert_eq!(starts, 1, "sent once, never retried");
+    assert_eq!(starts, 1, "sent once, and not again before the refusal");
 }
 
 #[tokio::test]

@@ -155,7 +155,8 @@ type Session = RunningService<RoleClient, Relay>;
 impl Link {
     /// Connects to `target` once (its error is the start-up error), with up to `concurrency`
     /// requests in flight on the session, and keeps it up until `stop`, reconnecting with backoff; `breaker` is opened while it is down and closed
-    /// when it is back. `on_up` runs after every handshake (the tools are listed again).
+    /// when it is back. `on_up` runs after every reconnection (the tools are listed again; the caller
+    /// lists them after this first one).
     pub async fn start(
         target: Target,
         concurrency: usize,
@@ -174,7 +175,6 @@ impl Link {
         });
         let session = link.connect(relay.clone()).await?;
         link.up(&session);
-        on_up();
         let kept = link.clone();
         tokio::spawn(async move { kept.keep_up(session, relay, breaker, clock, stop, on_up).await });
         Ok(link)

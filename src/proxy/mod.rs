@@ -216,6 +216,15 @@ impl Proxied {
         })
     }
 
+    /// `work`'s output if it is done before the clock reads `deadline`; `None` (and `work`
+    /// dropped) if not.
+    async fn by<T>(&self, deadline: Nanos, work: impl Future<Output = T>) -> Option<T> {
+        tokio::select! {
+            done = work => Some(done),
+            () = self.clock.sleep_until(deadline) => None,
+        }
+    }
+
     /// Waits for the call's turn, sends it, and waits for the answer, all within the timeout;
     /// `progress` is where the call's progress goes (a downstream session and its token).
     async fn forward(
@@ -228,7 +237,9 @@ impl Proxied {
     ) -> Result<CallToolResponse, Unanswered> {
         let tool = request.name.to_string();
         let started = self.clock.now();
-        let deadline = tokio::time::Instant::now() + self.timeout;
+        // On the server's one clock, like every other wait: a test walks past it.
+        let timeout = u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX);
+        let deadline = started.saturating_add(timeout);
         // Still waiting for a turn when the time is up: a place frees in about a call's time.
         let timed_out = || {
             let wait = self.mean_call.load(Ordering::Relaxed).max(NANOS_PER_MS);
@@ -240,10 +251,10 @@ impl Proxied {
                 let id = format!("call-{}", self.calls.fetch_add(1, Ordering::Relaxed));
                 let owner = Owner::of(caller, &self.limits.guard().policy());
                 let turn = place.enqueue(&owner.flowing(), &id);
-                match tokio::time::timeout_at(deadline, turn).await {
-                    Ok(Ok(slot)) => slot,
-                    Ok(Err(_)) => return Err(Unanswered::Unavailable(timed_out())),
-                    Err(_) => {
+                match self.by(deadline, turn).await {
+                    Some(Ok(slot)) => slot,
+                    Some(Err(_)) => return Err(Unanswered::Unavailable(timed_out())),
+                    None => {
                         self.queue.remove(&id);
                         return Err(Unanswered::Unavailable(timed_out()));
                     }
@@ -274,19 +285,19 @@ impl Proxied {
             cancel.disarm();
             answer
         };
-        let answer = tokio::time::timeout_at(deadline, answer).await;
+        let answer = self.by(deadline, answer).await;
         let now = self.clock.now();
         let took = now.saturating_sub(started);
         let mean = self.mean_call.load(Ordering::Relaxed);
         self.mean_call.store(if mean == 0 { took } else { mean - mean / 8 + took / 8 }, Ordering::Relaxed);
         match answer {
-            Err(_) => {
+            None => {
                 self.breaker.record(permit, false, now);
                 let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
                 let detail = format!("it did not answer within {} ms", self.timeout.as_millis());
                 Err(Unanswered::Unavailable(unavailable(&tool, &detail, wait)))
             }
-            Ok(Ok(result)) => {
+            Some(Ok(result)) => {
                 self.breaker.record(permit, true, now);
                 match result {
                     ServerResult::CallToolResult(done) => Ok(CallToolResponse::Complete(done)),
@@ -298,12 +309,12 @@ impl Proxied {
                     ))),
                 }
             }
-            Ok(Err(ServiceError::McpError(error))) => {
+            Some(Err(ServiceError::McpError(error))) => {
                 // It answered: it is up, and its error is the caller's to read.
                 self.breaker.record(permit, true, now);
                 Err(Unanswered::Error(error))
             }
-            Ok(Err(error)) => {
+            Some(Err(error)) => {
                 self.breaker.record(permit, false, now);
                 let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
                 // The transport's errors quote the URL, with any password in it.
