@@ -194,7 +194,7 @@ impl App {
             }
             Serving::Proxy(proxied) => {
                 let (proxied, limits) = (proxied.clone(), app.limits.clone());
-                let handler = move || Ok(ProxyServer::new(proxied.clone(), limits.clone(), Transport::Http));
+                let handler = move || Ok(ProxyServer::new(proxied.clone(), limits.clone()));
                 Router::new()
                     .nest_service("/mcp", Shared::new(StreamableHttpService::new(handler, session_manager, config)))
             }
@@ -246,7 +246,7 @@ impl App {
                 handler.serve(rmcp::transport::stdio()).await.map_err(|e| failed(&e))?.waiting().await
             }
             Serving::Proxy(proxied) => {
-                let handler = ProxyServer::new(proxied.clone(), app.limits.clone(), Transport::Stdio);
+                let handler = ProxyServer::new(proxied.clone(), app.limits.clone());
                 handler.serve(rmcp::transport::stdio()).await.map_err(|e| failed(&e))?.waiting().await
             }
         };

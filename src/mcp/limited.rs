@@ -25,7 +25,7 @@ use rmcp::model::{CallToolResponse, CallToolResult, JsonObject, Tool};
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer};
 
-use crate::guard::{Admission, Policy, ToolCall};
+use crate::guard::{Admission, Policy, Refusal, ToolCall};
 use crate::identity::Caller;
 use crate::mcp::results;
 use crate::metrics::Layer;
@@ -136,13 +136,18 @@ pub async fn admit(
     let args = serde_json::Value::Object(arguments.cloned().unwrap_or_default());
     let guard = limits.guard();
     let call = ToolCall { tool, args: &args, starts_job: guard.policy().holds_slot(tool), loop_exempt: false };
-    Ok(match guard.admit(&caller, &call).await {
-        Ok(admission) => Ok(admission),
-        Err(refused) => {
-            guard.activity().refused(&caller, refused.seen(Layer::Tool, tool), limits.clock().now());
-            Err(results::tool_result(&refused))
-        }
-    })
+    Ok(guard.admit(&caller, &call).await.map_err(|refusal| refused(limits, &caller, tool, &refusal)))
+}
+
+/// Records a refused call of `tool` for the dashboard, whatever refused it.
+pub fn seen_refused(limits: &RateLimits, caller: &Caller, tool: &str, refusal: &Refusal) {
+    limits.guard().activity().refused(caller, refusal.seen(Layer::Tool, tool), limits.clock().now());
+}
+
+/// The tool result of a refused call of `tool`, recorded for the dashboard on its way out.
+pub fn refused(limits: &RateLimits, caller: &Caller, tool: &str, refusal: &Refusal) -> CallToolResult {
+    seen_refused(limits, caller, tool, refusal);
+    results::tool_result(refusal)
 }
 
 /// The caller of an MCP request: the one the HTTP layer named, else one named here from the

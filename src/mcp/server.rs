@@ -28,7 +28,6 @@ use crate::guard::{MethodGroup, Refusal, RefusalCode, ToolCall};
 use crate::identity::Caller;
 use crate::mcp::tools::{self, TakeOnce};
 use crate::mcp::{limited, results};
-use crate::metrics::Layer;
 use crate::state::{AppState, OwnTools};
 use crate::upstream::jobs::JobView;
 
@@ -266,13 +265,12 @@ impl ServerHandler for McpServer {
 impl McpServer {
     /// Records a refused tool call for the dashboard.
     fn seen_refused(&self, caller: &Caller, tool: &str, refusal: &Refusal) {
-        self.app.limits.guard().activity().refused(caller, refusal.seen(Layer::Tool, tool), self.app.clock.now());
+        limited::seen_refused(&self.app.limits, caller, tool, refusal);
     }
 
     /// The tool result of a refused call, recorded for the dashboard on its way out.
     fn refuse(&self, caller: &Caller, tool: &str, refusal: Refusal) -> CallToolResponse {
-        self.seen_refused(caller, tool, &refusal);
-        results::tool_result(&refusal).into()
+        limited::refused(&self.app.limits, caller, tool, &refusal).into()
     }
 
     fn task_ttl_ms(&self) -> u64 {

@@ -19,75 +19,67 @@ use super::relay::Membership;
 use super::{Proxied, Unanswered};
 use crate::guard::{MethodGroup, Refusal, ToolCall};
 use crate::identity::Caller;
-use crate::mcp::{Transport, limited, results};
-use crate::metrics::Layer;
+use crate::mcp::{limited, results};
 use crate::rate_limits::RateLimits;
 
 /// One downstream session's handler.
 pub struct ProxyServer {
     proxied: Arc<Proxied>,
     limits: RateLimits,
-    transport: Transport,
     /// The session's place among those the proxied server's notifications go to.
     membership: OnceLock<Membership>,
 }
 
 impl std::fmt::Debug for ProxyServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ProxyServer").field("transport", &self.transport).finish_non_exhaustive()
+        f.debug_struct("ProxyServer").field("membership", &self.membership).finish_non_exhaustive()
     }
 }
 
 impl ProxyServer {
-    /// A handler for one session over `transport`.
-    pub fn new(proxied: Arc<Proxied>, limits: RateLimits, transport: Transport) -> Self {
-        Self { proxied, limits, transport, membership: OnceLock::new() }
-    }
-
-    fn caller_of(&self, context: &RequestContext<RoleServer>) -> Result<Caller, ErrorData> {
-        match self.transport {
-            Transport::Stdio => Ok(self.limits.identifier().load().local()),
-            Transport::Http => limited::caller_of(&self.limits, context),
-        }
+    /// A handler for one session, over HTTP or stdio: the caller is the one the HTTP layer named,
+    /// and over stdio the local one ([`limited::caller_of`]).
+    pub fn new(proxied: Arc<Proxied>, limits: RateLimits) -> Self {
+        Self { proxied, limits, membership: OnceLock::new() }
     }
 
     /// Charges a method other than a tool call to its per-caller limit.
     async fn admit_method(&self, context: &RequestContext<RoleServer>, method: &str) -> Result<(), ErrorData> {
-        let caller = self.caller_of(context)?;
+        let caller = limited::caller_of(&self.limits, context)?;
         let group = if method == "tools/list" { MethodGroup::ToolsList } else { MethodGroup::Other };
         self.limits.guard().admit_method(&caller, group, method).await.map_err(|r| results::method_error(&r))
     }
 
-    /// The session to the proxied server, or the error a caller gets while it is down.
-    fn upstream(&self) -> Result<Arc<Peer<RoleClient>>, ErrorData> {
-        self.proxied.link.peer().ok_or_else(|| {
-            let wait = self.proxied.breaker.open_for(self.proxied.clock.now()).unwrap_or(crate::clock::NANOS_PER_SEC);
-            let ms = wait.div_ceil(crate::clock::NANOS_PER_MS).max(1);
-            ErrorData::new(
-                rmcp::model::ErrorCode(-32000),
-                format!("the proxied server is restarting; try again in {} s", ms.div_ceil(1000)),
-                Some(serde_json::json!({"code": "upstream_unavailable", "retry_after_ms": ms})),
-            )
-        })
+    /// Admits `method` under its per-method limit, then gives the session to the proxied server,
+    /// or the refusal a caller gets while it is down.
+    async fn ask(
+        &self,
+        context: &RequestContext<RoleServer>,
+        method: &str,
+    ) -> Result<Arc<Peer<RoleClient>>, ErrorData> {
+        self.admit_method(context, method).await?;
+        self.proxied.link.peer().ok_or_else(|| self.unavailable(method, "it is restarting"))
+    }
+
+    /// A passed-through request's error: the proxied server's own, unchanged; or why it could not
+    /// be asked (the transport's words, which quote the URL, redacted).
+    fn passed(&self, method: &str, error: ServiceError) -> ErrorData {
+        match error {
+            ServiceError::McpError(error) => error,
+            other => self.unavailable(method, &crate::redact::url(&other.to_string())),
+        }
+    }
+
+    /// `upstream_unavailable` as a JSON-RPC error, with the refusal's data, and the breaker's
+    /// time left as the wait (a second when it is closed).
+    fn unavailable(&self, method: &str, detail: &str) -> ErrorData {
+        let wait = self.proxied.breaker.open_for(self.proxied.clock.now()).unwrap_or(crate::clock::NANOS_PER_SEC);
+        let ms = wait.div_ceil(crate::clock::NANOS_PER_MS).max(1);
+        results::method_error(&Refusal::upstream_unavailable(method, detail, ms))
     }
 
     fn refuse(&self, caller: &Caller, tool: &str, refusal: Refusal) -> CallToolResponse {
-        let guard = self.limits.guard();
-        guard.activity().refused(caller, refusal.seen(Layer::Tool, tool), self.limits.clock().now());
-        results::tool_result(&refusal).into()
-    }
-}
-
-/// A passed-through request's error: the proxied server's own, unchanged; or why it could not
-/// be asked.
-fn passed(error: ServiceError) -> ErrorData {
-    match error {
-        ServiceError::McpError(error) => error,
-        other => ErrorData::new(
-            rmcp::model::ErrorCode(-32000),
-            format!("the proxied server could not be asked: {}", crate::redact::url(&other.to_string())),
-            Some(serde_json::json!({"code": "upstream_unavailable", "retry_after_ms": 1000})),
-        ),
+        limited::refused(&self.limits, caller, tool, &refusal).into()
     }
 }
 
@@ -142,7 +134,7 @@ impl ServerHandler for ProxyServer {
         if !self.proxied.lists(&request.name) {
             return Err(ErrorData::invalid_params(format!("unknown tool `{}`", request.name), None));
         }
-        let caller = self.caller_of(&context)?;
+        let caller = limited::caller_of(&self.limits, &context)?;
         let tool = request.name.to_string();
         let place = match self.proxied.before_charging(&tool, &caller) {
             Ok(place) => place,
@@ -178,8 +170,8 @@ impl ServerHandler for ProxyServer {
         request: Option<PaginatedRequestParams>,
         context: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, ErrorData> {
-        self.admit_method(&context, "resources/list").await?;
-        self.upstream()?.list_resources(request).await.map_err(passed)
+        let method = "resources/list";
+        self.ask(&context, method).await?.list_resources(request).await.map_err(|e| self.passed(method, e))
     }
 
     async fn list_resource_templates(
@@ -187,8 +179,8 @@ impl ServerHandler for ProxyServer {
         request: Option<PaginatedRequestParams>,
         context: RequestContext<RoleServer>,
     ) -> Result<ListResourceTemplatesResult, ErrorData> {
-        self.admit_method(&context, "resources/templates/list").await?;
-        self.upstream()?.list_resource_templates(request).await.map_err(passed)
+        let method = "resources/templates/list";
+        self.ask(&context, method).await?.list_resource_templates(request).await.map_err(|e| self.passed(method, e))
     }
 
     async fn read_resource(
@@ -196,8 +188,8 @@ impl ServerHandler for ProxyServer {
         request: ReadResourceRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, ErrorData> {
-        self.admit_method(&context, "resources/read").await?;
-        self.upstream()?.read_resource_once(request).await.map_err(passed)
+        let method = "resources/read";
+        self.ask(&context, method).await?.read_resource_once(request).await.map_err(|e| self.passed(method, e))
     }
 
     async fn subscribe(
@@ -205,12 +197,12 @@ impl ServerHandler for ProxyServer {
         request: SubscribeRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        self.admit_method(&context, "resources/subscribe").await?;
-        let upstream = self.upstream()?;
+        let method = "resources/subscribe";
+        let upstream = self.ask(&context, method).await?;
         let session = self.membership.get().map(Membership::id);
         // The one upstream session subscribes once, for every downstream session that asked.
         let first = session.is_none_or(|s| self.proxied.downstream.subscribe(s, &request.uri));
-        if first { upstream.subscribe(request).await.map_err(passed) } else { Ok(()) }
+        if first { upstream.subscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
     }
 
     async fn unsubscribe(
@@ -218,11 +210,11 @@ impl ServerHandler for ProxyServer {
         request: UnsubscribeRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        self.admit_method(&context, "resources/unsubscribe").await?;
-        let upstream = self.upstream()?;
+        let method = "resources/unsubscribe";
+        let upstream = self.ask(&context, method).await?;
         let session = self.membership.get().map(Membership::id);
         let last = session.is_none_or(|s| self.proxied.downstream.unsubscribe(s, &request.uri));
-        if last { upstream.unsubscribe(request).await.map_err(passed) } else { Ok(()) }
+        if last { upstream.unsubscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
     }
 
     async fn list_prompts(
@@ -230,8 +222,8 @@ impl ServerHandler for ProxyServer {
         request: Option<PaginatedRequestParams>,
         context: RequestContext<RoleServer>,
     ) -> Result<ListPromptsResult, ErrorData> {
-        self.admit_method(&context, "prompts/list").await?;
-        self.upstream()?.list_prompts(request).await.map_err(passed)
+        let method = "prompts/list";
+        self.ask(&context, method).await?.list_prompts(request).await.map_err(|e| self.passed(method, e))
     }
 
     async fn get_prompt(
@@ -239,8 +231,8 @@ impl ServerHandler for ProxyServer {
         request: GetPromptRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<GetPromptResponse, ErrorData> {
-        self.admit_method(&context, "prompts/get").await?;
-        self.upstream()?.get_prompt_once(request).await.map_err(passed)
+        let method = "prompts/get";
+        self.ask(&context, method).await?.get_prompt_once(request).await.map_err(|e| self.passed(method, e))
     }
 
     async fn complete(
@@ -248,8 +240,8 @@ impl ServerHandler for ProxyServer {
         request: CompleteRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CompleteResult, ErrorData> {
-        self.admit_method(&context, "completion/complete").await?;
-        self.upstream()?.complete(request).await.map_err(passed)
+        let method = "completion/complete";
+        self.ask(&context, method).await?.complete(request).await.map_err(|e| self.passed(method, e))
     }
 
     async fn set_level(
@@ -257,8 +249,8 @@ impl ServerHandler for ProxyServer {
         request: SetLevelRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        self.admit_method(&context, "logging/setLevel").await?;
-        self.upstream()?.set_level(request).await.map_err(passed)
+        let method = "logging/setLevel";
+        self.ask(&context, method).await?.set_level(request).await.map_err(|e| self.passed(method, e))
     }
 
     async fn get_task(
@@ -266,8 +258,8 @@ impl ServerHandler for ProxyServer {
         request: GetTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<GetTaskResult, ErrorData> {
-        self.admit_method(&context, "tasks/get").await?;
-        self.upstream()?.get_task(request).await.map_err(passed)
+        let method = "tasks/get";
+        self.ask(&context, method).await?.get_task(request).await.map_err(|e| self.passed(method, e))
     }
 
     async fn cancel_task(
@@ -275,7 +267,7 @@ impl ServerHandler for ProxyServer {
         request: CancelTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        self.admit_method(&context, "tasks/cancel").await?;
-        self.upstream()?.cancel_task(request).await.map_err(passed)
+        let method = "tasks/cancel";
+        self.ask(&context, method).await?.cancel_task(request).await.map_err(|e| self.passed(method, e))
     }
 }
