@@ -188,15 +188,11 @@ impl App {
         let mcp = match &self.serving {
             Serving::Tools(own) => {
                 let (app, own) = (app.clone(), own.clone());
-                let handler = move || Ok(McpServer::new(app.clone(), own.clone(), Transport::Http));
-                Router::new()
-                    .nest_service("/mcp", Shared::new(StreamableHttpService::new(handler, session_manager, config)))
+                mcp_at(move || McpServer::new(app.clone(), own.clone(), Transport::Http), session_manager, config)
             }
             Serving::Proxy(proxied) => {
                 let (proxied, limits) = (proxied.clone(), app.limits.clone());
-                let handler = move || Ok(ProxyServer::new(proxied.clone(), limits.clone()));
-                Router::new()
-                    .nest_service("/mcp", Shared::new(StreamableHttpService::new(handler, session_manager, config)))
+                mcp_at(move || ProxyServer::new(proxied.clone(), limits.clone()), session_manager, config)
             }
         };
         let allowed = Arc::new(AllowedHosts::of(server, log));
@@ -238,20 +234,10 @@ impl App {
 
     /// Serves MCP over stdin/stdout until the client closes it.
     pub async fn serve_stdio(&self) -> Result<(), AppError> {
-        let failed = |e: &dyn std::fmt::Display| AppError::Stdio(e.to_string());
-        let app = &self.state;
-        let ended = match &self.serving {
-            Serving::Tools(own) => {
-                let handler = McpServer::new(app.clone(), own.clone(), Transport::Stdio);
-                handler.serve(rmcp::transport::stdio()).await.map_err(|e| failed(&e))?.waiting().await
-            }
-            Serving::Proxy(proxied) => {
-                let handler = ProxyServer::new(proxied.clone(), app.limits.clone());
-                handler.serve(rmcp::transport::stdio()).await.map_err(|e| failed(&e))?.waiting().await
-            }
-        };
-        ended.map_err(|e| failed(&e))?;
-        Ok(())
+        match &self.serving {
+            Serving::Tools(own) => over_stdio(McpServer::new(self.state.clone(), own.clone(), Transport::Stdio)).await,
+            Serving::Proxy(proxied) => over_stdio(ProxyServer::new(proxied.clone(), self.state.limits.clone())).await,
+        }
     }
 
     /// Reloads the config from `file` on `SIGHUP` and whenever the file changes, until stopped
@@ -274,6 +260,24 @@ impl Drop for App {
     fn drop(&mut self) {
         self.stop.cancel();
     }
+}
+
+/// `/mcp`: rmcp's streamable HTTP service, a `handler` per session.
+fn mcp_at<S: rmcp::ServerHandler>(
+    handler: impl Fn() -> S + Send + Sync + 'static,
+    sessions: Arc<rmcp::transport::streamable_http_server::session::local::LocalSessionManager>,
+    config: StreamableHttpServerConfig,
+) -> Router<Arc<AppState>> {
+    let service = StreamableHttpService::new(move || Ok(handler()), sessions, config);
+    Router::new().nest_service("/mcp", Shared::new(service))
+}
+
+/// One MCP session over stdin/stdout with `handler`, until the client closes it.
+async fn over_stdio<S: rmcp::ServerHandler>(handler: S) -> Result<(), AppError> {
+    let failed = |e: &dyn std::fmt::Display| AppError::Stdio(e.to_string());
+    let running = handler.serve(rmcp::transport::stdio()).await.map_err(|e| failed(&e))?;
+    running.waiting().await.map_err(|e| failed(&e))?;
+    Ok(())
 }
 
 /// Cancels this instance's jobs that an agent asked another instance to cancel.

@@ -44,14 +44,20 @@ impl std::fmt::Debug for ProxyConfig {
     }
 }
 
+/// Why `url` cannot name a proxied server (it is reached over streamable HTTP), if it cannot:
+/// for `proxy.upstream_url` and `--upstream` alike.
+pub fn check_upstream_url(url: &str) -> Result<(), String> {
+    let parsed = reqwest::Url::parse(url).map_err(|e| format!("not a URL: {e}"))?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return Err("the proxied server is reached over http or https".to_owned());
+    }
+    Ok(())
+}
+
 impl ProxyConfig {
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
         if !self.upstream_url.is_empty() {
-            let url = reqwest::Url::parse(&self.upstream_url)
-                .map_err(|e| invalid("proxy.upstream_url", format!("not a URL: {e}")))?;
-            if !matches!(url.scheme(), "http" | "https") {
-                return Err(invalid("proxy.upstream_url", "the proxied server is reached over http or https"));
-            }
+            check_upstream_url(&self.upstream_url).map_err(|why| invalid("proxy.upstream_url", why))?;
         }
         if !self.upstream_url.is_empty() && !self.command.is_empty() {
             return Err(invalid("proxy.command", "give `proxy.upstream_url` or `proxy.command`, not both"));

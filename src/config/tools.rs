@@ -34,7 +34,7 @@ impl ToolPolicy {
     /// The policy of a tool `[tools]` does not name, in a catalogue learnt at run time: it costs
     /// `cost`, has no budget of its own, fails closed if it costs, and holds no slot.
     pub fn unlisted(cost: u64) -> Self {
-        Self { cost, budget: Vec::new(), fail: if cost > 0 { Fail::Closed } else { Fail::Open }, holds_slot: false }
+        Self { cost, budget: Vec::new(), fail: Fail::default_for(cost), holds_slot: false }
     }
 }
 
@@ -46,6 +46,13 @@ pub enum Fail {
     Open,
     /// Refuse with `limiter_unavailable` and a wait.
     Closed,
+}
+
+impl Fail {
+    /// What a tool that says nothing does: fail closed if it costs, open if it is free.
+    pub fn default_for(cost: u64) -> Self {
+        if cost > 0 { Fail::Closed } else { Fail::Open }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -82,9 +89,8 @@ pub(super) fn validate_tools(
             Some(budget) => budget.build(&format!("tools.{tool}.budget"))?,
             None => Vec::new(),
         };
-        // A tool that says nothing fails closed if it costs, open if it is free (config.toml
-        // says `open` for list_articles, a cheap read).
-        let fail = spec.fail.unwrap_or(if cost > 0 { Fail::Closed } else { Fail::Open });
+        // config.toml says `open` for list_articles, a cheap read.
+        let fail = spec.fail.unwrap_or(Fail::default_for(cost));
         let holds_slot = match spec.holds_slot {
             Some(false) if catalogue.holds_slots(&tool) => {
                 return Err(invalid(

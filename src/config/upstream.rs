@@ -64,19 +64,21 @@ impl UpstreamConfig {
     /// The account's slots unverified callers may hold together: `max_in_flight` ×
     /// `unverified_share`, rounded down.
     pub fn unverified_slots(&self) -> usize {
-        share_of(self.max_in_flight, self.unverified_share)
+        self.unverified_share_of(self.max_in_flight)
     }
 
     /// The queue places unverified callers may hold together: `queue_max` × `unverified_share`,
     /// rounded down.
     pub fn unverified_places(&self) -> usize {
-        share_of(self.queue_max, self.unverified_share)
+        self.unverified_share_of(self.queue_max)
     }
-}
 
-/// `share` (0 to 1) of `whole`, rounded down: a share never grants what it does not cover.
-fn share_of(whole: usize, share: f64) -> usize {
-    if share >= 1.0 { whole } else { (whole as f64 * share.max(0.0)).floor() as usize }
+    /// `unverified_share` of `whole` (a proxied server's slots, say), rounded down: a share never
+    /// grants what it does not cover.
+    pub fn unverified_share_of(&self, whole: usize) -> usize {
+        let share = self.unverified_share;
+        if share >= 1.0 { whole } else { (whole as f64 * share.max(0.0)).floor() as usize }
+    }
 }
 
 impl std::fmt::Debug for UpstreamConfig {

@@ -64,10 +64,7 @@ impl Target {
         match (url, command.split_first()) {
             (Some(_), Some(_)) => Err("name one proxied server: --upstream URL or -- COMMAND, not both".to_owned()),
             (Some(url), None) => {
-                let parsed = reqwest::Url::parse(&url).map_err(|e| format!("--upstream {url:?}: not a URL: {e}"))?;
-                if !matches!(parsed.scheme(), "http" | "https") {
-                    return Err(format!("--upstream {url:?}: the proxied server is reached over http or https"));
-                }
+                crate::config::proxy::check_upstream_url(&url).map_err(|why| format!("--upstream {url:?}: {why}"))?;
                 Ok(Target::Http { url, headers: headers()? })
             }
             (None, Some((program, args))) if !program.trim().is_empty() => {

@@ -126,7 +126,7 @@ impl Proxied {
             })
             .await?;
         let rules = QueueRules::new(max_in_flight, 0, up.queue_max, 0)
-            .unverified_share(share_of(max_in_flight, up.unverified_share), up.unverified_places());
+            .unverified_share(up.unverified_share_of(max_in_flight), up.unverified_places());
         let queue = Arc::new(FairQueue::new(rules, clock.clone()).shared_in(limits.guard().store().clone(), "proxied"));
         tokio::spawn(queue.clone().dispatch(stop.child_token()));
         let proxied = Arc::new(Self {
@@ -354,9 +354,4 @@ impl Drop for CancelOnDrop {
 
 fn unavailable(tool: &str, detail: &str, wait: Nanos) -> Refusal {
     Refusal::upstream_unavailable(tool, detail, wait.div_ceil(NANOS_PER_MS).max(1))
-}
-
-/// `share` (0 to 1) of `whole`, rounded down.
-fn share_of(whole: usize, share: f64) -> usize {
-    if share >= 1.0 { whole } else { (whole as f64 * share.max(0.0)).floor() as usize }
 }
