@@ -67,7 +67,6 @@ for scenario in $SCENARIOS; do
   case $scenario in off | generous | tight | refused | redis) ;; *) echo "unknown scenario '$scenario' (off generous tight refused redis)" >&2; exit 2 ;; esac
 done
 
-command -v wrk >/dev/null || { echo "installing wrk (Debian package)"; apt-get install -y -qq wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }; }
 if [[ " $SCENARIOS " == *" redis "* ]] && ! command -v redis-server >/dev/null; then
   echo "installing redis-server and redis-tools (Debian packages)"
   apt-get install -y -qq redis-server redis-tools >/dev/null ||
@@ -76,6 +75,7 @@ fi
 
 # shellcheck source=scripts/lib.sh disable=SC1091 # followed under shellcheck -x
 . scripts/lib.sh
+ensure_wrk
 CORES=$(nproc)
 SERVER_CPU=0
 WRK_CPU=$(( CORES > 1 ? 1 : 0 ))
@@ -153,12 +153,7 @@ fi
 
 # What each scenario sets. Every limit the caller draws on, never refusing: its own (HTTP, method,
 # tool budget) and its address's, which a made-up key is charged to where the build has them.
-BIG=1000000000
-GENEROUS=("MCP_RL__LIMITS__HTTP__BURST=$BIG" "MCP_RL__LIMITS__HTTP__REFILL_PER_SEC=$BIG"
-  "MCP_RL__LIMITS__METHOD__TOOLS_CALL__BURST=$BIG" "MCP_RL__LIMITS__METHOD__TOOLS_CALL__REFILL_PER_SEC=$BIG"
-  "MCP_RL__LIMITS__CALLER__BURST=$BIG" "MCP_RL__LIMITS__CALLER__REFILL_PER_SEC=$BIG"
-  "MCP_RL__LIMITS__ADDRESS__BURST=$BIG" "MCP_RL__LIMITS__ADDRESS__REFILL_PER_SEC=$BIG"
-  "MCP_RL__LIMITS__ADDRESS_HTTP__BURST=$BIG" "MCP_RL__LIMITS__ADDRESS_HTTP__REFILL_PER_SEC=$BIG")
+GENEROUS=("${GENEROUS_LIMITS[@]}")
 # `refused` is `generous` with the caller's own budget cut to 40 tokens, refilled once in 1000 s
 # (the later values win), which the warm-up spends: 40 is the least a build allows while a tool
 # costs 20 (generate_image_to_video) and the guest tier halves budgets.

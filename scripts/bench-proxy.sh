@@ -23,9 +23,9 @@ DURATION=${DURATION:-10}
 CONNECTIONS=${CONNECTIONS:-16}
 SESSIONS_PER_RUN=${SESSIONS_PER_RUN:-16}
 
-command -v wrk >/dev/null || { echo "installing wrk (Debian package)"; apt-get install -y -qq wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }; }
 cargo build --release --quiet
 . scripts/lib.sh
+ensure_wrk
 BIN="$(target_dir)/release/mcp-ratelimit"
 CORES=$(nproc)
 WRK_CPU=$(( CORES > 1 ? 1 : 0 ))
@@ -38,12 +38,7 @@ stop_all() {
 }
 trap 'stop_all; rm -rf "$work"' EXIT
 
-GENEROUS=(MCP_RL__LIMITS__HTTP__BURST=1000000000 MCP_RL__LIMITS__HTTP__REFILL_PER_SEC=1000000000
-  MCP_RL__LIMITS__METHOD__TOOLS_CALL__BURST=1000000000 MCP_RL__LIMITS__METHOD__TOOLS_CALL__REFILL_PER_SEC=1000000000
-  MCP_RL__LIMITS__CALLER__BURST=1000000000 MCP_RL__LIMITS__CALLER__REFILL_PER_SEC=1000000000
-  MCP_RL__LIMITS__ADDRESS__BURST=1000000000 MCP_RL__LIMITS__ADDRESS__REFILL_PER_SEC=1000000000
-  MCP_RL__LIMITS__ADDRESS_HTTP__BURST=1000000000 MCP_RL__LIMITS__ADDRESS_HTTP__REFILL_PER_SEC=1000000000
-  MCP_RL__LOOP_DETECTION__ENABLED=false MCP_RL__PROXY__MAX_IN_FLIGHT=1024)
+GENEROUS=("${GENEROUS_LIMITS[@]}" MCP_RL__LOOP_DETECTION__ENABLED=false MCP_RL__PROXY__MAX_IN_FLIGHT=1024)
 
 up() {
   for _ in $(seq 1 600); do

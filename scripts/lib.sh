@@ -8,6 +8,10 @@
 #   open_session URL TOKEN        an MCP session on URL (initialize, then notifications/initialized)
 #                                 as `Bearer TOKEN`; prints its Mcp-Session-Id
 #   cpu_ticks PID                 user + system CPU time PID has used, in CLK_TCK ticks (/proc)
+#   ensure_wrk                    installs wrk (Debian's package) when it is missing
+#   GENEROUS_LIMITS               MCP_RL__ overrides for every limit a load's caller draws on (its
+#                                 own and, a made-up key being unverified, its address's), none
+#                                 of which then refuses
 #   ensure_npm_tool PKG@VERSION BIN
 #                                 installs Node >= 22 (if needed) and PKG into .tools/node, once,
 #                                 and puts .tools/node/node_modules/.bin first on PATH
@@ -74,6 +78,16 @@ open_session() {
 }
 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
+ensure_wrk() {
+  command -v wrk >/dev/null || { echo "installing wrk (Debian package)"; apt-get install -y -qq wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }; }
+}
+
+GENEROUS_LIMITS=(MCP_RL__LIMITS__HTTP__BURST=1000000000 MCP_RL__LIMITS__HTTP__REFILL_PER_SEC=1000000000
+  MCP_RL__LIMITS__METHOD__TOOLS_CALL__BURST=1000000000 MCP_RL__LIMITS__METHOD__TOOLS_CALL__REFILL_PER_SEC=1000000000
+  MCP_RL__LIMITS__CALLER__BURST=1000000000 MCP_RL__LIMITS__CALLER__REFILL_PER_SEC=1000000000
+  MCP_RL__LIMITS__ADDRESS__BURST=1000000000 MCP_RL__LIMITS__ADDRESS__REFILL_PER_SEC=1000000000
+  MCP_RL__LIMITS__ADDRESS_HTTP__BURST=1000000000 MCP_RL__LIMITS__ADDRESS_HTTP__REFILL_PER_SEC=1000000000)
 
 node_major() { node --version 2>/dev/null | sed -E 's/^v([0-9]+).*/\1/' || echo 0; }
 

@@ -20,9 +20,9 @@ DURATION=${DURATION:-10}
 CONNECTIONS=${CONNECTIONS:-16}
 SESSIONS_PER_RUN=${SESSIONS_PER_RUN:-16}
 
-command -v wrk >/dev/null || { echo "installing wrk (Debian package)"; apt-get install -y -qq wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }; }
 cargo build --release --quiet
 . scripts/lib.sh
+ensure_wrk
 BIN="$(target_dir)/release/mcp-ratelimit"
 CORES=$(nproc)
 SERVER_CPU=0
@@ -59,12 +59,7 @@ run() {
 
 # Every limit the load's caller draws on, never refusing: its key is not configured, so its
 # address's limits (limits.address, limits.address_http) apply to it too.
-GENEROUS=(MCP_RL__LIMITS__HTTP__BURST=1000000000 MCP_RL__LIMITS__HTTP__REFILL_PER_SEC=1000000000
-  MCP_RL__LIMITS__METHOD__TOOLS_CALL__BURST=1000000000 MCP_RL__LIMITS__METHOD__TOOLS_CALL__REFILL_PER_SEC=1000000000
-  MCP_RL__LIMITS__CALLER__BURST=1000000000 MCP_RL__LIMITS__CALLER__REFILL_PER_SEC=1000000000
-  MCP_RL__LIMITS__ADDRESS__BURST=1000000000 MCP_RL__LIMITS__ADDRESS__REFILL_PER_SEC=1000000000
-  MCP_RL__LIMITS__ADDRESS_HTTP__BURST=1000000000 MCP_RL__LIMITS__ADDRESS_HTTP__REFILL_PER_SEC=1000000000
-  MCP_RL__TOOLS__RATE_LIMIT_STATUS__COST=1)
+GENEROUS=("${GENEROUS_LIMITS[@]}" MCP_RL__TOOLS__RATE_LIMIT_STATUS__COST=1)
 
 echo "mcp-ratelimit load test: $(nproc) cores, server on CPU $SERVER_CPU, wrk on CPU $WRK_CPU, ${CONNECTIONS} connections, ${DURATION}s per run"
 echo "tool: rate_limit_status (no upstream call), charged 1 token in the 'on' runs"

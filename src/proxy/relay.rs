@@ -53,11 +53,6 @@ impl Downstream {
         Membership { id, downstream: self.clone() }
     }
 
-    /// Sessions joined and not yet gone.
-    pub fn sessions(&self) -> usize {
-        self.state().sessions.len()
-    }
-
     /// The progress of the upstream call with token `upstream` goes to `session` as `token`,
     /// until the returned route is dropped.
     pub fn route_progress(self: &Arc<Self>, upstream: ProgressToken, session: u64, token: ProgressToken) -> Route {
