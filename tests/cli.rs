@@ -102,18 +102,9 @@ fn a_missing_config_file_is_an_error_not_a_default() {
 
 #[test]
 fn serve_stops_cleanly_on_sigterm() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-        .env("RUST_LOG", "warn")
-        .spawn()
-        .expect("server starts");
-    // Wait (bounded) until it accepts connections.
-    let up = (0..200).any(|_| {
-        std::thread::sleep(std::time::Duration::from_millis(25)); // polling the child process, bounded
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    let (mut child, _) = serve_on_a_free_port(|c| {
+        c.env("RUST_LOG", "warn");
     });
-    assert!(up, "server never listened");
     let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill runs");
     assert!(killed.success());
     let exited = (0..200).find_map(|_| {
@@ -129,19 +120,9 @@ fn serve_stops_cleanly_on_sigterm() {
 
 #[test]
 fn serve_logs_where_to_look_without_colour_codes_when_not_on_a_terminal() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
-    let child = Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-        .env_remove("RUST_LOG")
-        .current_dir(std::env::temp_dir())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("server starts");
-    let up = (0..200).any(|_| {
-        std::thread::sleep(std::time::Duration::from_millis(25)); // polling the child process, bounded
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    let (child, port) = serve_on_a_free_port(|c| {
+        c.env_remove("RUST_LOG").current_dir(std::env::temp_dir()).stderr(std::process::Stdio::piped());
     });
-    assert!(up, "server never listened");
     Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill runs");
     let out = child.wait_with_output().expect("exits");
     let log = String::from_utf8_lossy(&out.stderr);
@@ -149,4 +130,20 @@ fn serve_logs_where_to_look_without_colour_codes_when_not_on_a_terminal() {
         assert!(log.contains(&format!("http://127.0.0.1:{port}/{url}")), "{url} in: {log}");
     }
     assert!(!log.contains('\u{1b}'), "no ANSI escapes in a piped log: {log:?}");
+}
+
+/// `serve` on a free loopback port, set up by `configure`, once it accepts connections (a bounded
+/// poll of the child process).
+fn serve_on_a_free_port(configure: impl FnOnce(&mut Command)) -> (std::process::Child, u16) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"));
+    command.args(["serve", "--listen", &format!("127.0.0.1:{port}")]);
+    configure(&mut command);
+    let child = command.spawn().expect("server starts");
+    let up = (0..200).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(25)); // polling the child process, bounded
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    assert!(up, "server never listened");
+    (child, port)
 }

@@ -25,7 +25,7 @@ use rmcp::transport::{ConfigureCommandExt, StreamableHttpClientTransport, TokioC
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
-use common::Client;
+use common::{Client, eventually, eventually_some};
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -119,13 +119,9 @@ async fn serve_http(program: &str, args: &[String], port: u16) -> tokio::process
         .kill_on_drop(true)
         .spawn()
         .expect("the server starts");
-    for _ in 0..600 {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
-            return child;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{program} did not listen on {port} within 30 s");
+    let listening = || async { tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok().map(drop) };
+    eventually_some(&format!("{program} listens on {port}"), Duration::from_secs(30), listening).await;
+    child
 }
 
 #[tokio::test]
@@ -205,13 +201,22 @@ async fn a_long_tool_holds_its_slot_until_it_returns() {
 }
 
 async fn wait_until_exists(path: &Path) {
-    for _ in 0..600 {
-        if path.exists() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("{} never appeared", path.display());
+    let what = format!("{} appears", path.display());
+    eventually_some(&what, Duration::from_secs(12), || async { path.exists().then_some(()) }).await;
+}
+
+/// The first answer to `tool` that `wanted` accepts, asked again (bounded real time) until one is.
+async fn answer_when(
+    client: &Client,
+    tool: &str,
+    args: Value,
+    within: Duration,
+    wanted: impl Fn(&CallToolResult) -> bool,
+) -> CallToolResult {
+    eventually_some(&format!("an answer to {tool} as wanted"), within, || async {
+        Some(call(client, tool, args.clone()).await).filter(|answer| wanted(answer))
+    })
+    .await
 }
 
 #[tokio::test]
@@ -286,30 +291,14 @@ async fn a_killed_child_is_unavailable_with_a_wait_then_served_after_its_restart
     assert!(killed.success());
 
     // Until the proxy notices, a call may meet the dead pipe; then the breaker answers at once.
-    let mut refusal = None;
-    for _ in 0..1000 {
-        let answer = call(&client, "add", json!({"a": 1, "b": 1})).await;
-        if code_of(&answer) == Some("upstream_unavailable") {
-            refusal = Some(answer);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let refusal = refusal.expect("the dead child is upstream_unavailable");
+    let unavailable = |a: &CallToolResult| code_of(a) == Some("upstream_unavailable");
+    let refusal = answer_when(&client, "add", json!({"a": 1, "b": 1}), Duration::from_secs(10), unavailable).await;
     let wait = refusal.structured_content.as_ref().expect("structured")["error"]["retry_after_ms"].as_u64();
     assert!(wait.is_some_and(|ms| ms > 0 && ms <= 5_000), "a wait of at most the cool-down: {refusal:?}");
 
     // Restarted with backoff (its first try after 200 ms), the breaker closed: served again.
-    let mut served = None;
-    for _ in 0..1500 {
-        let answer = call(&client, "pid", json!({})).await;
-        if answer.is_error != Some(true) {
-            served = Some(answer);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let new_pid: i32 = text_of(&served.expect("served after the restart")).parse().expect("a pid");
+    let served = answer_when(&client, "pid", json!({}), Duration::from_secs(30), |a| a.is_error != Some(true)).await;
+    let new_pid: i32 = text_of(&served).parse().expect("a pid");
     assert_ne!(new_pid, pid, "a new child");
 }
 
@@ -429,16 +418,10 @@ async fn a_tool_the_server_adds_is_learnt_priced_and_callable() {
     assert!(matches!(unknown, Err(ServiceError::McpError(_))), "not listed yet: {unknown:?}");
     assert_eq!(text_of(&call(&client, "grow", json!({"name": "plus_one"})).await), "added plus_one");
     // The proxy re-lists on the server's list_changed, in the background: a bounded poll.
-    let mut listed = None;
-    for _ in 0..1000 {
-        let tools = client.list_all_tools().await.expect("tools");
-        if let Some(tool) = tools.into_iter().find(|t| t.name == "plus_one") {
-            listed = Some(tool);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let tool = listed.expect("the new tool is listed");
+    let tool = eventually_some("the new tool is listed", Duration::from_secs(10), || async {
+        client.list_all_tools().await.expect("tools").into_iter().find(|t| t.name == "plus_one")
+    })
+    .await;
     assert_eq!(tool.description.as_deref(), Some("Adds one. Costs 3 tokens."), "priced by [tools.plus_one]");
     assert_eq!(text_of(&call(&client, "plus_one", json!({"x": 41})).await), "42");
 }
@@ -503,12 +486,7 @@ async fn calls_beyond_max_in_flight_wait_their_turn_and_a_full_queue_is_busy() {
         tokio::spawn(async move { call(&client, "add", json!({"a": 1, "b": 1})).await })
     };
     let occupancy = || proxy.app.state().behind.occupancy();
-    for _ in 0..1000 {
-        if occupancy().waiting == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("the second call waits in the queue", || async { occupancy().waiting == 1 }).await;
     assert_eq!((occupancy().in_flight, occupancy().waiting), (1, 1), "one call in flight, one waiting");
     // ...and with it waiting there, a third finds the queue full: busy, with a wait.
     let refused = call(&client, "add", json!({"a": 2, "b": 2})).await;
@@ -570,32 +548,19 @@ async fn an_http_upstream_that_goes_down_is_unavailable_then_served_again_when_i
     assert_eq!(text_of(&call(&client, "add", json!({"a": 1, "b": 1})).await), "2");
 
     drop(server); // killed (kill_on_drop), its port closed
-    let mut refused = None;
-    for _ in 0..1000 {
-        let answer = call(&client, "add", json!({"a": 1, "b": 2})).await;
-        if code_of(&answer) == Some("upstream_unavailable") {
-            refused = Some(answer);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let refused = refused.expect("a dead upstream is upstream_unavailable");
+    let unavailable = |a: &CallToolResult| code_of(a) == Some("upstream_unavailable");
+    let refused = answer_when(&client, "add", json!({"a": 1, "b": 2}), Duration::from_secs(20), unavailable).await;
     assert!(refused.structured_content.as_ref().expect("structured")["error"]["retry_after_ms"].as_u64() > Some(0));
 
     // Back on the same port, a new process with no memory of the proxy's session: once the
     // cool-down has passed (on the proxy's clock), a probe goes through and calls are served.
     let _back = serve_http(&python, &args, port).await;
-    let mut served = None;
-    for _ in 0..1500 {
+    let served = eventually_some("served again", Duration::from_secs(30), || async {
         proxy.clock.advance(Duration::from_secs(60));
-        let answer = call(&client, "add", json!({"a": 2, "b": 2})).await;
-        if answer.is_error != Some(true) {
-            served = Some(answer);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(text_of(&served.expect("served again")), "4");
+        Some(call(&client, "add", json!({"a": 2, "b": 2})).await).filter(|a| a.is_error != Some(true))
+    })
+    .await;
+    assert_eq!(text_of(&served), "4");
 }
 
 #[tokio::test]

@@ -142,13 +142,28 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    for _ in 0..500 {
-        if check().await {
-            return;
+    eventually_some(what, std::time::Duration::from_secs(5), || {
+        let checked = check();
+        async move { checked.await.then_some(()) }
+    })
+    .await
+}
+
+/// Asks `attempt` every 10 ms until it gives a value, for at most `within` of real time (a
+/// process starting, restarting or answering; never a window of the server's clock).
+pub async fn eventually_some<T, F, Fut>(what: &str, within: std::time::Duration, mut attempt: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let pause = std::time::Duration::from_millis(10);
+    for _ in 0..(within.as_millis() / pause.as_millis()).max(1) {
+        if let Some(value) = attempt().await {
+            return value;
         }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        tokio::time::sleep(pause).await;
     }
-    panic!("never happened: {what}");
+    panic!("never happened within {within:?}: {what}");
 }
 
 /// Lets background tasks that were woken run to their next wait, before asserting that
