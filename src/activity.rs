@@ -30,7 +30,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC, Nanos};
 use crate::identity::Caller;
-use crate::limit::Decision;
+use crate::limit::{Decision, Limiter};
 use crate::metrics::Layer;
 
 /// The width of one bucket of the refusal counts.
@@ -45,6 +45,28 @@ pub const MAX_SCOPES: usize = 256;
 pub const SAMPLE_EVERY: u64 = 16;
 /// Busiest scopes a snapshot lists.
 const TOP_SCOPES: usize = 12;
+
+/// The level one admitted call left a scope at.
+#[derive(Debug, Clone, Copy)]
+pub struct Sample<'a> {
+    /// The scope's name (`caller:tok:…`): redacted before it is stored.
+    pub name: &'a str,
+    /// What the call's decision left.
+    pub decision: &'a Decision,
+    /// Where the scope's current level can be read again: its store key and limiter, when the
+    /// guard's own store decided (not the insurance limiter, whose limits are a share).
+    pub source: Option<(&'a str, &'a Limiter)>,
+}
+
+/// Where a shown budget's current level is read: its state key in the guard's store (never a
+/// raw credential) and its limiter, as the last sampled call found them.
+#[derive(Debug, Clone)]
+pub struct Source {
+    /// The state key.
+    pub key: Arc<str>,
+    /// The algorithm and parameters.
+    pub limiter: Limiter,
+}
 
 /// A refusal as the dashboard records it. Strings may hold a caller's id: they are redacted
 /// before anything is stored.
@@ -175,6 +197,9 @@ struct Level {
     caller: u32,
     refused: u64,
     samples: u64,
+    /// Where its current level can be read, if an admitted call named it since the limits were
+    /// last put in force.
+    source: Option<Source>,
 }
 
 impl Level {
@@ -292,6 +317,7 @@ impl Recent {
             caller: 0,
             refused: 0,
             samples: 0,
+            source: None,
         };
         update(&mut level);
         self.scopes.insert(name.clone(), level);
@@ -381,26 +407,38 @@ impl Activity {
     }
 
     /// Counts one admitted call and, for one in [`SAMPLE_EVERY`] or when a scope is down to a
-    /// quarter, records the levels its scopes were left at (`levels`: scope name and decision).
+    /// quarter, records the levels its scopes were left at.
     pub fn admitted<'a, I>(&self, caller: &Caller, levels: I, now: Nanos)
     where
-        I: Iterator<Item = (&'a str, &'a Decision)> + Clone,
+        I: Iterator<Item = Sample<'a>> + Clone,
     {
         let n = self.admitted.fetch_add(1, Ordering::Relaxed);
-        let low = levels.clone().any(|(_, d)| d.remaining.saturating_mul(4) <= d.limit);
+        let low = levels.clone().any(|s| s.decision.remaining.saturating_mul(4) <= s.decision.limit);
         if !low && !n.is_multiple_of(SAMPLE_EVERY) {
             return;
         }
         let (hash, bucket) = (self.hash(caller.id()), caller.bucket());
         let mut name = String::with_capacity(64);
         let mut recent = self.recent();
-        for (scope, d) in levels {
-            self.redact_into(scope, caller, &mut name);
+        for sample in levels {
+            self.redact_into(sample.name, caller, &mut name);
             recent.touch(&name, now, |level| {
-                (level.limit, level.remaining) = (d.limit, d.remaining);
+                (level.limit, level.remaining) = (sample.decision.limit, sample.decision.remaining);
                 level.seen(caller, hash, bucket);
                 level.samples += 1;
+                level.source = sample.source.map(|(key, limiter)| match level.source.take() {
+                    Some(known) if *known.key == *key => Source { key: known.key, limiter: limiter.clone() },
+                    _ => Source { key: Arc::from(key), limiter: limiter.clone() },
+                });
             });
+        }
+    }
+
+    /// Forgets where levels are read: the limits were put in force anew, and a level read with
+    /// the old limiter would show the old limit. The next admitted call of each scope says anew.
+    pub fn limits_changed(&self) {
+        for level in self.recent().scopes.values_mut() {
+            level.source = None;
         }
     }
 
@@ -511,6 +549,8 @@ impl Activity {
                 remaining: l.remaining,
                 refused: l.refused,
                 ago_ms: ago_ms(l.at),
+                current: false,
+                source: l.source.clone(),
             })
             .collect();
         Snapshot {
@@ -663,18 +703,30 @@ pub struct ScopeLevel {
     pub bucket: String,
     /// Its limit.
     pub limit: u64,
-    /// Units left when last seen.
+    /// Units left: now when `current`, else when last seen.
     pub remaining: u64,
     /// Refusals it gave since it was first seen (a budget unseen for a whole window is
     /// forgotten).
     pub refused: u64,
     /// How long ago it was last seen.
     pub ago_ms: u64,
+    /// Whether `limit` and `remaining` were read from the store just now ([`crate::guard::Guard::current_levels`]):
+    /// a slot given back or a budget refilled since the last call shows. Otherwise they are what
+    /// the last sampled call left (the store could not be read, or no call named the scope since
+    /// the limits were last put in force).
+    pub current: bool,
+    /// Where to read them now.
+    #[serde(skip)]
+    pub source: Option<Source>,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn sample<'a>(name: &'a str, decision: &'a Decision) -> Sample<'a> {
+        Sample { name, decision, source: None }
+    }
 
     #[test]
     fn a_debug_print_never_shows_the_hash_key() {
@@ -760,7 +812,7 @@ mod tests {
             let own = format!("caller:{}", caller.id());
             activity.refused(caller, refused("list_articles", &own, "wait"), 0);
             let shared = format!("tenant:{}", caller.tenant().unwrap_or("-"));
-            activity.admitted(caller, [(shared.as_str(), &d)].into_iter(), 0);
+            activity.admitted(caller, [sample(shared.as_str(), &d)].into_iter(), 0);
         }
         let everyone = activity.snapshot(0);
         assert_eq!((everyone.latest.len(), everyone.scopes.len()), (5, 8));
@@ -790,7 +842,7 @@ mod tests {
         activity.refused(&caller, refused("generate_image", &scope, &message), 0);
         let d = Decision { allowed: true, limit: 60, remaining: 1, retry_after: 0, reset_after: 0 };
         let method = format!("method:tools/call:{}", caller.id());
-        activity.admitted(&caller, [(method.as_str(), &d)].into_iter(), 0);
+        activity.admitted(&caller, [sample(method.as_str(), &d)].into_iter(), 0);
         let json = serde_json::to_string(&activity.snapshot(0)).expect("json");
         assert!(!json.contains(caller.id()) && !json.contains(&caller.id()[4..]), "{json}");
         let hashed = activity.hashed(caller.id());
@@ -821,10 +873,10 @@ mod tests {
         let caller = Caller::from_token("agent");
         let roomy = Decision { allowed: true, limit: 100, remaining: 90, retry_after: 0, reset_after: 0 };
         for _ in 1..SAMPLE_EVERY * 2 {
-            activity.admitted(&caller, [("tenant:roomy", &roomy)].into_iter(), 0);
+            activity.admitted(&caller, [sample("tenant:roomy", &roomy)].into_iter(), 0);
         }
         let low = Decision { remaining: 20, ..roomy };
-        activity.admitted(&caller, [("tenant:low", &low)].into_iter(), 0);
+        activity.admitted(&caller, [sample("tenant:low", &low)].into_iter(), 0);
         // A loop stop is a refusal, not a budget with a level.
         activity.refused(&caller, refused("list_articles", "loop:list_articles", "loop"), 0);
         let snap = activity.snapshot(0);
@@ -835,6 +887,23 @@ mod tests {
         assert_eq!(level("tenant:low"), Some(20), "the 32nd call was not due a sample, but it ran low");
         assert_eq!(snap.scopes.len(), 2, "{:?}", snap.scopes);
         assert_eq!(snap.scopes[0].scope, "tenant:low", "the fuller scope ranks first");
+    }
+
+    #[test]
+    fn a_level_is_read_again_from_where_its_last_call_found_it_until_the_limits_change() {
+        use crate::limit::{Concurrency, Limiter};
+        let activity = Activity::new();
+        let caller = Caller::from_token("agent");
+        let slots = Limiter::Concurrency(Concurrency::new(5));
+        let key = format!("in_flight:caller:{}", caller.id());
+        let held = Decision { allowed: true, limit: 5, remaining: 4, retry_after: 0, reset_after: 0 };
+        let sample = Sample { name: &key, decision: &held, source: Some((&key, &slots)) };
+        activity.admitted(&caller, [sample].into_iter(), 0);
+        let source = |snap: Snapshot| snap.scopes[0].source.clone().map(|s| (s.key.to_string(), s.limiter));
+        assert_eq!(source(activity.snapshot(0)), Some((key.clone(), slots.clone())), "the raw key, never shown");
+        assert!(!serde_json::to_string(&activity.snapshot(0)).expect("JSON").contains(caller.id()));
+        activity.limits_changed();
+        assert_eq!(source(activity.snapshot(0)), None, "the old limiter would read the old limit");
     }
 
     #[test]

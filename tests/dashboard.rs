@@ -359,3 +359,36 @@ async fn an_open_breaker_and_the_upstream_refusals_show() {
     );
     assert_eq!(board["latest"][0]["scope"], "upstream:save_article");
 }
+
+#[tokio::test]
+async fn busiest_budgets_show_current_levels_not_the_last_calls() {
+    let server = TestServer::start(&format!("{}{}", keys(), NO_LOOP_DETECTION)).await;
+    let acme = server.client(Some(ACME_KEY)).await;
+    let started = call(&acme, "generate_image", json!({"prompt": "one job"})).await;
+    assert!(!is_error(&started), "{}", text(&started));
+    let id = structured(&started)["predict_id"].as_str().expect("predict_id").to_owned();
+    let level = |board: &Value, scope: &str| {
+        let row = board["scopes"].as_array()?.iter().find(|s| s["scope"] == scope)?.clone();
+        Some((row["remaining"].as_u64()?, row["limit"].as_u64()?, row["current"].as_bool()?))
+    };
+    let board = data(&server).await;
+    assert_eq!(level(&board, "in_flight:tenant:acme"), Some((4, 5, true)), "one slot of the tenant's held: {board}");
+
+    // The job ends; its slot is back, though no call has named the budget since.
+    server.advance_secs(6.0);
+    eventually("the image succeeded", || async {
+        structured(&call(&acme, "get_prediction", json!({ "predict_id": id })).await)["status"] == "succeeded"
+    })
+    .await;
+    let board = data(&server).await;
+    assert_eq!(level(&board, "in_flight:tenant:acme"), Some((5, 5, true)), "{board}");
+
+    // A budget spent and then refilled reads as it is now, too.
+    let (passed, _) = spend_until_refused(&acme, "list_articles", json!({}), 100).await;
+    assert!(passed > 0);
+    let tenant_calls = |board: &Value| level(board, "tenant:acme").map(|(left, _, _)| left);
+    let spent = tenant_calls(&data(&server).await).expect("the tenant's budget is shown");
+    server.advance_secs(60.0);
+    let refilled = tenant_calls(&data(&server).await).expect("still shown");
+    assert!(refilled > spent, "refilled from {spent} to {refilled}");
+}

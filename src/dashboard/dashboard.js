@@ -158,7 +158,10 @@ function renderScopes(scopes) {
     const bar = svgEl("svg", { class: "meter", viewBox: "0 0 200 12", preserveAspectRatio: "none" });
     const tone = s.remaining === 0 ? "bad" : s.remaining * 4 <= s.limit ? "warn" : "";
     meter(bar, s.remaining, s.limit, tone);
-    box.append(bar, el("span", tone, `${number(s.remaining)} of ${number(s.limit)} left`));
+    // A level read from the store just now says so; one the store could not read is as the last
+    // sampled call left it.
+    const when = s.current ? "now" : "when last seen";
+    box.append(bar, el("span", tone, `${number(s.remaining)} of ${number(s.limit)} left ${when}`));
     level.appendChild(box);
     tr.append(scope, el("td", "", s.kind), level, el("td", "num", number(s.refused)), el("td", "seen", ago(s.ago_ms)));
     return tr;

@@ -131,7 +131,7 @@ async fn data(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response 
             return response;
         }
     };
-    match serde_json::to_string(&DashboardData::read(&app, &viewer)) {
+    match serde_json::to_string(&DashboardData::read(&app, &viewer).await) {
         Ok(json) => guarded("application/json", json),
         Err(error) => {
             tracing::warn!(%error, "cannot encode the dashboard's data");
@@ -202,10 +202,13 @@ struct StoreNow {
 }
 
 impl DashboardData {
-    fn read(app: &AppState, viewer: &Viewer) -> Self {
+    async fn read(app: &AppState, viewer: &Viewer) -> Self {
         let now = app.clock.now();
-        let activity = app.limits.guard().activity();
+        let guard = app.limits.guard();
+        let activity = guard.activity();
         let audience = viewer.audience();
+        let mut recent = activity.snapshot_for(now, audience);
+        guard.current_levels(&mut recent.scopes).await;
         let mut per_owner: BTreeMap<String, (usize, usize)> = BTreeMap::new();
         let pending = app.behind.jobs().map(|jobs| jobs.pending_owners()).unwrap_or_default();
         let in_flight = pending.len();
@@ -238,7 +241,7 @@ impl DashboardData {
             now_ms: now / NANOS_PER_MS,
             limits_enabled: app.limits.guard().enabled(),
             showing: viewer.describe(app),
-            activity: activity.snapshot_for(now, audience),
+            activity: recent,
             jobs: JobsNow {
                 in_flight,
                 per_owner,

@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use arc_swap::ArcSwap;
 
-use crate::activity::{Activity, Refused};
+use crate::activity::{Activity, Refused, Sample, ScopeLevel};
 use crate::clock::{Nanos, SharedClock, ceil_ms};
 use crate::config::{Fail, Limit, LimitsConfig};
 use crate::guard::decide::Insurance;
@@ -42,7 +42,7 @@ use crate::guard::report::{RefusalLog, budget_status, refused_by, warnings_of};
 use crate::identity::Caller;
 use crate::limit::{Decision, Limiter};
 use crate::metrics::{Layer, Metrics};
-use crate::store::{SlotGuard, Store, new_lease};
+use crate::store::{Check, SlotGuard, Store, new_lease};
 pub use policy::{MethodGroup, Policy, TierLimits};
 pub use refusal::{Refusal, RefusalCode};
 pub use report::{BudgetStatus, Money, Warning};
@@ -198,6 +198,7 @@ impl Guard {
         if let Some(insurance) = &self.insurance {
             insurance.refused.clear();
         }
+        self.activity.limits_changed();
     }
 
     /// The budgets a call of `tool` by `caller` draws on, with the units it costs in each (a job's
@@ -404,7 +405,13 @@ impl Guard {
             self.report_refusal(caller, layer, refusal.code.as_str(), (planned.scope.name(), d.retry_after));
             return Err(refusal);
         }
-        let levels = scopes.iter().zip(decisions).map(|(p, d)| (p.scope.name(), d));
+        // Levels the shared store holds can be read again later; the insurance limiter's are a share.
+        let readable = Arc::ptr_eq(decided.store, &self.store);
+        let levels = scopes.iter().zip(decisions).map(|(p, d)| Sample {
+            name: p.scope.name(),
+            decision: d,
+            source: readable.then(|| (p.scope.key(), &p.limit.limiter)),
+        });
         self.activity.admitted(caller, levels, self.clock.now());
         // Only the slots the decision took: a shadow cap that would have refused took none, and
         // a guard for it would give back someone else's slot (or renew a lease above the cap).
@@ -442,6 +449,24 @@ impl Guard {
                 .map(|(p, d)| budget_status(&live.policy, &p.scope, p.limit, d))
                 .collect(),
         )
+    }
+
+    /// Reads the shown budgets' levels as they are now, without spending anything: a slot a
+    /// finished job gave back, or a budget refilled since its last call, shows at once. One
+    /// read per scope (each may live on its own Redis Cluster node), all at once; a scope the
+    /// store cannot read now keeps the level its last sampled call left, marked not current.
+    pub async fn current_levels(&self, scopes: &mut [ScopeLevel]) {
+        let reads = scopes.iter().map(|shown| async move {
+            let source = shown.source.as_ref()?;
+            let check = Check { key: &source.key, limiter: &source.limiter, cost: 0, shadow: false };
+            self.store.decide_all(&[check], new_lease()).await.ok()?.pop()
+        });
+        let read = futures::future::join_all(reads).await;
+        for (shown, now) in scopes.iter_mut().zip(read) {
+            if let Some(d) = now {
+                (shown.limit, shown.remaining, shown.current) = (d.limit, d.remaining, true);
+            }
+        }
     }
 
     /// Forgets idle limiter state and loop histories; called on a schedule.
