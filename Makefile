@@ -52,7 +52,7 @@ fmt:
 inspector:
 	scripts/inspector.sh
 
-## Criterion benchmarks of every algorithm against governor (results in the README).
+## Criterion benchmarks of every algorithm against governor (results in docs/performance.md and BENCHMARKS.md).
 bench:
 	scripts/bench.sh
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's picture of the live dashboard, docs/dashboard.png: runs the browser test
+# The picture of the live dashboard in docs/observability.md, docs/dashboard.png: runs the browser test
 # (tests/dashboard.rs), which opens /dashboard in headless Chromium, has agents refused over MCP
 # (a loop, an empty budget, a busy image) on the server's manual clock, and screenshots the page
 # once it shows them; this copies that screenshot into docs/.

@@ -3,7 +3,7 @@
 # an upstream controls: a tool call's arguments through validation and the guard, any TOML as a
 # config, the header parsers, and any body POSTed to /mcp through the whole router.
 #
-#   scripts/fuzz.sh                       # 300 s per target: the figures in the README
+#   scripts/fuzz.sh                       # 300 s per target: the figures in docs/resilience.md
 #   scripts/fuzz.sh --seconds 10          # CI
 #   scripts/fuzz.sh --seconds 60 config   # one target
 #

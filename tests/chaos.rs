@@ -1,6 +1,6 @@
 //! A burst of agents against a flaky upstream (30 % of requests answered 429), on the manual
 //! clock: what the upstream received against the jobs accepted, the spacing it saw, and that no
-//! in-flight slot leaked. Run with `--nocapture` to see the figures quoted in the README.
+//! in-flight slot leaked. Run with `--nocapture` to see the figures quoted in docs/upstream.md.
 
 mod common;
 

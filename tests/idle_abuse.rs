@@ -6,7 +6,7 @@
 //! listener and `mock-upstream` cut slow clients off by the same deadlines.
 //!
 //! `make test` runs it with 1,000 sessions; `scripts/idle-abuse.sh` with 10,000
-//! (`IDLE_ABUSE_SESSIONS`), printing the figures the README quotes.
+//! (`IDLE_ABUSE_SESSIONS`), printing the figures docs/resilience.md quotes.
 
 #[path = "common/process.rs"]
 mod process;

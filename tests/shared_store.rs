@@ -93,7 +93,7 @@ async fn while_redis_is_down_paid_tools_fail_closed_open_ones_use_the_insurance_
 
     redis.kill();
     // Time from Redis dying to the first insurance-limited answer, a whole MCP call included
-    // (README: "Redis store"; printed with --nocapture).
+    // (printed with --nocapture).
     let started = Instant::now();
     let first = call(&client, "list_articles", json!({"query": "the first after the crash"})).await;
     eprintln!("first insurance-limited answer {:?} after Redis died", started.elapsed());

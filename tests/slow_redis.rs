@@ -3,7 +3,7 @@
 //! stall). No request waits longer than `store.timeout_ms` plus a small margin; the fail-closed
 //! tool (`save_article`) refuses `limiter_unavailable` and the fail-open one (`list_articles`)
 //! is served by the insurance limiter; when the latency goes away, shared limits resume by
-//! themselves. Prints the figures the README quotes (`--nocapture`).
+//! themselves. Prints the figures docs/resilience.md quotes (`--nocapture`).
 
 mod common;
 #[path = "common/process.rs"]
