@@ -14,10 +14,10 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use mcp_ratelimit::activity::{Activity, Refused};
+use mcp_ratelimit::activity::{Activity, Refused, Sample};
 use mcp_ratelimit::clock::NANOS_PER_SEC;
 use mcp_ratelimit::identity::Caller;
-use mcp_ratelimit::limit::Decision;
+use mcp_ratelimit::limit::{Decision, Limiter, TokenBucket};
 use mcp_ratelimit::metrics::Layer;
 
 fn decision(remaining: u64, limit: u64) -> Decision {
@@ -34,20 +34,34 @@ fn admitted(c: &mut Criterion) {
     ];
     let roomy = [decision(110, 120), decision(50, 60), decision(290, 300), decision(25, 30)];
     let low = [decision(110, 120), decision(10, 60), decision(290, 300), decision(25, 30)];
+    // As the guard passes them: each scope's name, and its key and limiter to read it again.
+    let limiter = Limiter::TokenBucket(TokenBucket::new(60, 1.0));
+    let samples = |decisions: &'static [Decision; 4]| {
+        let (names, limiter) = (&names, &limiter);
+        move || {
+            names.iter().zip(decisions.iter()).map(move |(name, decision)| Sample {
+                name,
+                decision,
+                source: Some((name.as_str(), limiter)),
+            })
+        }
+    };
+    let (roomy, low): (&'static [Decision; 4], &'static [Decision; 4]) =
+        (Box::leak(Box::new(roomy)), Box::leak(Box::new(low)));
     let activity = Activity::new();
     let mut now = 0;
+    let roomy_levels = samples(roomy);
     c.bench_function("admitted_roomy", |b| {
         b.iter(|| {
             now += 1_000;
-            let levels = names.iter().map(String::as_str).zip(roomy.iter());
-            activity.admitted(black_box(&caller), levels, now);
+            activity.admitted(black_box(&caller), roomy_levels(), now);
         })
     });
+    let low_levels = samples(low);
     c.bench_function("admitted_low", |b| {
         b.iter(|| {
             now += 1_000;
-            let levels = names.iter().map(String::as_str).zip(low.iter());
-            activity.admitted(black_box(&caller), levels, now);
+            activity.admitted(black_box(&caller), low_levels(), now);
         })
     });
 }

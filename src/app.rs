@@ -29,6 +29,7 @@ use crate::mcp::{McpServer, Transport};
 use crate::mock_upstream::MockUpstream;
 use crate::proxy::{LinkError, Proxied, ProxyServer, Target};
 use crate::rate_limits::{LimitsError, RateLimits};
+use crate::reuse::Reuse;
 use crate::state::{AppState, OwnTools};
 use crate::upstream::backoff::{Backoff, RetryBudget};
 use crate::upstream::jobs::{JobRules, Jobs};
@@ -133,7 +134,8 @@ impl App {
             )
             .published_in(store.clone().job_mirror()),
         );
-        let own = Arc::new(OwnTools { upstream, jobs });
+        let reuse = Reuse::new(clock.clone(), limits.metrics().clone(), up.cache_max_entries, up.cache_max_bytes);
+        let own = Arc::new(OwnTools { upstream, jobs, reuse });
         let state = Arc::new(AppState { limits, behind: own.clone(), clock, config });
         tokio::spawn(sweep_forever(own.clone(), state.config.limiting.store.sweep_interval_ms, stop.clone()));
         if state.limits.guard().store().is_shared() {
@@ -294,8 +296,9 @@ async fn answer_cancel_requests_forever(own: Arc<OwnTools>, stop: CancellationTo
 async fn sweep_forever(own: Arc<OwnTools>, every_ms: u64, stop: CancellationToken) {
     crate::clock::every(Duration::from_millis(every_ms), stop, || {
         let jobs = own.jobs.sweep();
-        if jobs > 0 {
-            tracing::debug!(jobs, "swept forgotten jobs");
+        let answers = own.reuse.sweep();
+        if jobs + answers > 0 {
+            tracing::debug!(jobs, answers, "swept forgotten jobs and answers past their time");
         }
         std::future::ready(())
     })

@@ -39,6 +39,7 @@ pub mod proxy;
 pub mod rate_limits;
 pub mod redact;
 pub mod reload;
+pub mod reuse;
 pub mod simulate;
 pub mod state;
 pub mod store;

@@ -121,10 +121,13 @@ enum Format {
 }
 
 /// Logs go to stderr: `RUST_LOG` if set, else `info` (`warn` when MCP itself is on stdio, so a
-/// client that shows the server's stderr shows only what matters); colours only on a terminal.
+/// client that shows the server's stderr shows only what matters), rmcp's own at `warn` and its
+/// per-response errors not at all; colours only on a terminal.
 fn init_logging(quiet: bool) {
     use std::io::IsTerminal;
-    let default = if quiet { "warn" } else { "info,rmcp=warn" };
+    // rmcp logs every JSON-RPC error it answers (a refused ping, say) as a WARN; the guard's own
+    // rate-limited line already says what was refused, and why.
+    let default = if quiet { "warn,rmcp::service=error" } else { "info,rmcp=warn,rmcp::service=error" };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     tracing_subscriber::fmt()

@@ -43,6 +43,10 @@ pub const STORE_UP: &str = "mcp_ratelimit_store_up";
 /// `mcp_ratelimit_breaker_state`: the upstream circuit breaker (0 closed, 1 half-open, 2 open).
 pub const BREAKER_STATE: &str = "mcp_ratelimit_breaker_state";
 
+/// `mcp_ratelimit_upstream_requests_saved_total{tool, how}`: tool calls answered without an
+/// upstream request of their own: `coalesced` (an identical call's, in flight) or `cached`.
+pub const UPSTREAM_SAVED: &str = "mcp_ratelimit_upstream_requests_saved_total";
+
 /// `mcp_ratelimit_config_reloads_total{outcome}`: config reloads applied or refused.
 pub const CONFIG_RELOADS: &str = "mcp_ratelimit_config_reloads_total";
 
@@ -138,6 +142,11 @@ impl Metrics {
         describe(REJECTIONS, Unit::Count, "Refusals by layer, tool, code and client bucket (a 16-way hash).");
         describe(UPSTREAM, Unit::Count, "Requests to the paid API by tool and outcome.");
         describe(UPSTREAM_RETRIES, Unit::Count, "Retries of server-owned upstream work by kind and reason.");
+        describe(
+            UPSTREAM_SAVED,
+            Unit::Count,
+            "Tool calls answered without an upstream request of their own, by tool and how.",
+        );
         describe(LOOP_DETECTIONS, Unit::Count, "Tool calls refused because the caller repeated them in a loop.");
         describe(STORE_ERRORS, Unit::Count, "Decisions the limiter store could not make, by layer.");
         let gauge = |name: &'static str, help: &'static str| {
@@ -206,6 +215,12 @@ impl Metrics {
     /// Records one upstream request's outcome (`ok`, `rate_limited`, `unavailable`, …).
     pub fn upstream(&self, tool: &str, outcome: &'static str) {
         self.count(UPSTREAM, vec![Label::new("tool", tool.to_owned()), Label::new("outcome", outcome)]);
+    }
+
+    /// Records one tool call answered without an upstream request of its own (`coalesced`,
+    /// `cached`).
+    pub fn upstream_saved(&self, tool: &str, how: &'static str) {
+        self.count(UPSTREAM_SAVED, vec![Label::new("tool", tool.to_owned()), Label::new("how", how)]);
     }
 
     /// Records one retry of server-owned upstream work (`submission` or `poll`).

@@ -11,6 +11,7 @@ use crate::breaker::Breaker;
 use crate::clock::SharedClock;
 use crate::config::Config;
 use crate::rate_limits::RateLimits;
+use crate::reuse::{Reuse, Saved};
 use crate::upstream::Upstream;
 use crate::upstream::jobs::Jobs;
 use crate::upstream::queue::Occupancy;
@@ -43,6 +44,8 @@ pub trait Behind: std::fmt::Debug + Send + Sync {
     fn jobs(&self) -> Option<&Arc<Jobs>> {
         None
     }
+    /// Tool calls answered without an upstream request of their own.
+    fn saved(&self) -> Saved;
 }
 
 /// Our tools' upstream: the paid API and the jobs running on it.
@@ -52,7 +55,13 @@ pub struct OwnTools {
     pub upstream: Arc<Upstream>,
     /// Jobs accepted and not yet forgotten: their slots, the account's fair queue, background polls.
     pub jobs: Arc<Jobs>,
+    /// Identical calls in flight sharing one request, and answers kept (`[tools.NAME] coalesce`,
+    /// `cache_ttl_ms`).
+    pub reuse: Arc<Reuse<ToolAnswer>>,
 }
+
+/// What a tool of ours answers, as the tool router gives it.
+pub type ToolAnswer = Result<rmcp::model::CallToolResponse, rmcp::ErrorData>;
 
 impl Behind for OwnTools {
     fn breaker(&self) -> &Breaker {
@@ -69,6 +78,10 @@ impl Behind for OwnTools {
 
     fn jobs(&self) -> Option<&Arc<Jobs>> {
         Some(&self.jobs)
+    }
+
+    fn saved(&self) -> Saved {
+        self.reuse.saved()
     }
 }
 

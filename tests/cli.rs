@@ -1,5 +1,7 @@
 //! The command line: `check-config` accepts the defaults and names the key of every mistake.
 
+mod common;
+
 use std::io::Write;
 use std::process::Command;
 
@@ -118,11 +120,21 @@ fn serve_stops_cleanly_on_sigterm() {
     assert!(status.success(), "graceful exit, got {status}");
 }
 
-#[test]
-fn serve_logs_where_to_look_without_colour_codes_when_not_on_a_terminal() {
+#[tokio::test]
+async fn serve_logs_where_to_look_without_colour_codes_when_not_on_a_terminal() {
     let (child, port) = serve_on_a_free_port(|c| {
-        c.env_remove("RUST_LOG").current_dir(std::env::temp_dir()).stderr(std::process::Stdio::piped());
+        c.env_remove("RUST_LOG")
+            .env("MCP_RL__LIMITS__METHOD__OTHER__BURST", "1")
+            .current_dir(std::env::temp_dir())
+            .stderr(std::process::Stdio::piped());
     });
+    // A refused ping is logged once, by the server's own rate-limited refusal log, not again by
+    // rmcp as a WARN with the whole error (make burst would fill the terminal with those).
+    let mut session = common::RawSession::new(&format!("http://127.0.0.1:{port}/mcp"), &[]);
+    session.open().await;
+    session.ping(1).await;
+    let (_, _, refused) = session.ping(2).await;
+    assert!(refused.contains("rate_limited"), "{refused}");
     Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill runs");
     let out = child.wait_with_output().expect("exits");
     let log = String::from_utf8_lossy(&out.stderr);
@@ -130,6 +142,7 @@ fn serve_logs_where_to_look_without_colour_codes_when_not_on_a_terminal() {
         assert!(log.contains(&format!("http://127.0.0.1:{port}/{url}")), "{url} in: {log}");
     }
     assert!(!log.contains('\u{1b}'), "no ANSI escapes in a piped log: {log:?}");
+    assert!(log.contains("refused") && !log.contains("WARN"), "one INFO line for the refusal, no WARN: {log}");
 }
 
 /// `serve` on a free loopback port, set up by `configure`, once it accepts connections (a bounded

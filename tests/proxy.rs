@@ -612,3 +612,45 @@ async fn the_dashboard_and_metrics_show_the_proxied_server_and_its_refusals() {
     let metrics = reqwest::get(format!("{base}/metrics")).await.expect("metrics").text().await.expect("text");
     assert!(metrics.contains(r#"tool="add""#) && metrics.contains("loop_detected"), "{metrics}");
 }
+
+/// How another call's request answered `result` (`coalesced`, `cached`), in its structured
+/// content or, for a result without, its `_meta`.
+fn reused(result: &CallToolResult) -> Option<&'static str> {
+    let said = |how: &str| {
+        result.structured_content.as_ref().is_some_and(|s| s[how] == true)
+            || result.meta.as_ref().is_some_and(|m| m.0.get(how) == Some(&json!(true)))
+    };
+    ["coalesced", "cached"].into_iter().find(|how| said(how))
+}
+
+#[tokio::test]
+async fn identical_calls_of_one_tenant_share_one_request_to_the_proxied_server_never_another_tenants() {
+    let acme: Vec<String> = (0..10).map(|i| format!("acme-coalesce-{i:02}-0123456789")).collect();
+    let globex = "globex-coalesce-0123456789abc";
+    let mut toml = "[tools.wait_for]\ncost = 1\ncoalesce = \"tenant\"\n".to_owned();
+    for key in &acme {
+        toml += &format!("[[auth.keys]]\nsha256 = \"{}\"\ntenant = \"acme\"\n", sha256_hex(key));
+    }
+    toml += &format!("[[auth.keys]]\nsha256 = \"{}\"\ntenant = \"globex\"\n", sha256_hex(globex));
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let release = dir.path().join("release");
+    let path = release.to_string_lossy().into_owned();
+    let mut calls = Vec::new();
+    for key in acme.iter().map(String::as_str).chain([globex]) {
+        let (client, path) = (proxy.client(Some(key)).await, path.clone());
+        calls.push(tokio::spawn(async move { call(&client, "wait_for", json!({"path": path})).await }));
+    }
+    let saved = || proxy.app.state().behind.saved().coalesced;
+    eventually("nine of acme's calls wait for the first one's request", || async { saved() == 9 }).await;
+    std::fs::write(&release, "go").expect("release");
+    let mut answers = Vec::new();
+    for call in calls {
+        answers.push(call.await.expect("the call"));
+    }
+    assert!(answers.iter().all(|a| text_of(a) == "released"), "eleven answers: {answers:?}");
+    let started = std::fs::read_to_string(dir.path().join("release.started")).expect("started");
+    assert_eq!(started.lines().count(), 2, "one request for acme's ten, one for globex's");
+    assert_eq!(answers.iter().filter(|a| reused(a) == Some("coalesced")).count(), 9);
+    assert_eq!(reused(&answers[10]), None, "globex's call was its own");
+}

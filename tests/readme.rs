@@ -139,7 +139,8 @@ fn the_readme_puts_a_newcomers_path_first_and_links_every_page() {
         let at = readme.find(what).unwrap_or_else(|| panic!("the README says {what}"));
         assert!(readme[..at].lines().count() < 120, "{what} is within a newcomer's first screens");
     }
-    let linked: BTreeSet<String> = links(&readme).into_iter().map(|l| l.split('#').next().unwrap_or("").to_owned()).collect();
+    let linked: BTreeSet<String> =
+        links(&readme).into_iter().map(|l| l.split('#').next().unwrap_or("").to_owned()).collect();
     for page in pages().into_iter().filter(|p| p.starts_with("docs")) {
         let page = page.to_string_lossy().into_owned();
         assert!(linked.contains(&page), "the README links {page}");
@@ -174,14 +175,17 @@ fn names(pattern: &str, key: &str) -> bool {
 #[test]
 fn the_readmes_config_table_names_every_key_of_the_default_config() {
     let readme = read(&root().join("README.md"));
-    // A row's first cell names one key or several: `tiers.admin` / `.default` / `.guest`.
+    // A row's first cell names one key or several: `tiers.admin` / `.default` / `.guest`, or
+    // `upstream.cache_max_entries` / `upstream.cache_max_bytes`.
     let mut documented: Vec<String> = Vec::new();
-    for cell in readme.lines().filter_map(|line| line.strip_prefix("| `")).map(|rest| rest.split(" |").next().unwrap_or("")) {
+    for cell in
+        readme.lines().filter_map(|line| line.strip_prefix("| `")).map(|rest| rest.split(" |").next().unwrap_or(""))
+    {
         let mut parts = cell.split('`').step_by(2).map(str::trim).filter(|p| !p.is_empty() && !p.contains(' '));
         let Some(first) = parts.next() else { continue };
         let section = first.rsplit_once('.').map_or("", |(section, _)| section);
         documented.push(first.to_owned());
-        documented.extend(parts.filter_map(|p| p.strip_prefix('.')).map(|last| format!("{section}.{last}")));
+        documented.extend(parts.map(|p| p.strip_prefix('.').map_or(p.to_owned(), |last| format!("{section}.{last}"))));
     }
     let text = read(&root().join("config.toml"));
     let defaults: serde_json::Value = config::Config::builder()

@@ -42,7 +42,7 @@ pub use proxy::ProxyConfig;
 pub use server::{AdminConfig, ProxyTrust, ServerConfig};
 pub use spend::{SpendCaps, TenantOverride};
 pub use store::{Backend, LoopDetectionConfig, StoreConfig};
-pub use tools::{Fail, ToolPolicy};
+pub use tools::{Coalesce, Fail, ToolPolicy};
 pub use upstream::{MockUpstreamConfig, UpstreamConfig};
 
 /// The documented defaults, the base layer under every config.
@@ -64,8 +64,8 @@ pub const DEFAULT_TOML: &str = include_str!("../../config.toml");
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Catalogue {
-    /// Tool name → whether its calls hold in-flight slots.
-    tools: BTreeMap<String, bool>,
+    /// Tool name → what kind of tool it is.
+    tools: BTreeMap<String, ToolKind>,
     /// The tools are learnt at run time (see [`Catalogue::learned`]).
     learned: bool,
 }
@@ -100,14 +100,22 @@ impl Catalogue {
 
     /// With a tool that answers and is done: its admission is released when the call returns.
     pub fn tool(mut self, name: impl Into<String>) -> Self {
-        self.tools.insert(name.into(), false);
+        self.tools.insert(name.into(), ToolKind::Answers);
         self
     }
 
     /// With a tool whose calls hold one slot of the caller's and the tenant's in-flight caps
     /// (`limits.in_flight`) for as long as their admission lives.
     pub fn job(mut self, name: impl Into<String>) -> Self {
-        self.tools.insert(name.into(), true);
+        self.tools.insert(name.into(), ToolKind::Job);
+        self
+    }
+
+    /// With a tool whose answer is the caller's own (its jobs, its budgets): two callers asking
+    /// the same get different answers, so `[tools.NAME] coalesce` and `cache_ttl_ms` are refused
+    /// for it.
+    pub fn own_answer(mut self, name: impl Into<String>) -> Self {
+        self.tools.insert(name.into(), ToolKind::OwnAnswer);
         self
     }
 
@@ -123,7 +131,12 @@ impl Catalogue {
 
     /// Whether calls of `name` hold in-flight slots.
     pub fn holds_slots(&self, name: &str) -> bool {
-        self.tools.get(name).copied().unwrap_or(false)
+        self.tools.get(name) == Some(&ToolKind::Job)
+    }
+
+    /// Whether `name` answers with the caller's own state ([`Catalogue::own_answer`]).
+    pub fn answers_for_the_caller(&self, name: &str) -> bool {
+        self.tools.get(name) == Some(&ToolKind::OwnAnswer)
     }
 
     fn listed(&self) -> String {
@@ -132,6 +145,17 @@ impl Catalogue {
         }
         self.names().collect::<Vec<_>>().join(", ")
     }
+}
+
+/// What a tool of a [`Catalogue`] is, as the limits must know it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ToolKind {
+    /// Answers and is done.
+    Answers,
+    /// Holds in-flight slots for as long as its admission lives.
+    Job,
+    /// Answers with the caller's own state.
+    OwnAnswer,
 }
 
 /// A config that cannot be used, with the key at fault.

@@ -28,13 +28,40 @@ pub struct ToolPolicy {
     /// Whether a call holds one slot of the caller's, tenant's and address's in-flight caps
     /// (`limits.in_flight`) until it returns — or, for a job, until the job is final.
     pub holds_slot: bool,
+    /// Within which scope identical calls in flight share one upstream request (`coalesce`).
+    pub coalesce: Coalesce,
+    /// How long a successful answer is reused for identical calls in the same scope
+    /// (`cache_ttl_ms`; 0: never).
+    pub cache_ttl_ms: u64,
+}
+
+/// `[tools.NAME] coalesce`: whose identical calls may share one upstream request (and, with
+/// `cache_ttl_ms`, one cached answer). Never wider than the scope named: one tenant's answer
+/// never reaches another tenant, nor (with `caller`) another caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Coalesce {
+    /// Every call is its own request; a cache, if any, is per caller.
+    #[default]
+    Off,
+    /// The identical calls of one caller.
+    Caller,
+    /// The identical calls of one tenant's callers (a caller without a tenant is its own).
+    Tenant,
 }
 
 impl ToolPolicy {
     /// The policy of a tool `[tools]` does not name, in a catalogue learnt at run time: it costs
     /// `cost`, has no budget of its own, fails closed if it costs, and holds no slot.
     pub fn unlisted(cost: u64) -> Self {
-        Self { cost, budget: Vec::new(), fail: Fail::default_for(cost), holds_slot: false }
+        Self {
+            cost,
+            budget: Vec::new(),
+            fail: Fail::default_for(cost),
+            holds_slot: false,
+            coalesce: Coalesce::Off,
+            cache_ttl_ms: 0,
+        }
     }
 }
 
@@ -62,6 +89,8 @@ pub(super) struct RawTool {
     budget: Option<RawScope>,
     fail: Option<Fail>,
     holds_slot: Option<bool>,
+    coalesce: Option<Coalesce>,
+    cache_ttl_ms: Option<i64>,
 }
 
 /// `[tools.*]`, checked against the server's `catalogue` (every tool there has a cost, and no
@@ -101,7 +130,28 @@ pub(super) fn validate_tools(
             Some(holds) => holds,
             None => catalogue.holds_slots(&tool),
         };
-        tools.insert(tool, ToolPolicy { cost, budget, fail, holds_slot });
+        let coalesce = spec.coalesce.unwrap_or_default();
+        let cache_key = format!("tools.{tool}.cache_ttl_ms");
+        let cache_ttl_ms = match spec.cache_ttl_ms.map(u64::try_from) {
+            None => 0,
+            Some(Ok(ms)) if ms <= DAY_MS => ms,
+            Some(_) => return Err(invalid(cache_key, format!("0 (no cache) to {DAY_MS} (a day) milliseconds"))),
+        };
+        // An answer may be shared only when it is the same for everyone who asks the same.
+        let shared = if coalesce != Coalesce::Off { Some(format!("tools.{tool}.coalesce")) } else { None };
+        if let Some(key) = shared.or((cache_ttl_ms > 0).then_some(cache_key)) {
+            let why = if holds_slot {
+                Some("holds an in-flight slot: each call is its own (a job has its own id)")
+            } else if catalogue.answers_for_the_caller(&tool) {
+                Some("answers with the caller's own state (its jobs, its budgets), which no other caller may see")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(invalid(key, format!("`{tool}` {why}; leave it out")));
+            }
+        }
+        tools.insert(tool, ToolPolicy { cost, budget, fail, holds_slot, coalesce, cache_ttl_ms });
     }
     if let Some(missing) = catalogue.names().find(|t| !tools.contains_key(*t)) {
         return Err(invalid(format!("tools.{missing}.cost"), "every tool needs a cost"));

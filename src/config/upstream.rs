@@ -58,6 +58,11 @@ pub struct UpstreamConfig {
     /// (`queue_max`) that unverified callers of every address together may hold, so configured
     /// tenants always find room.
     pub unverified_share: f64,
+    /// Answers kept for `[tools.NAME] cache_ttl_ms`, all tools and scopes together; past it the
+    /// oldest makes room.
+    pub cache_max_entries: usize,
+    /// The same bound in bytes of the answers' JSON.
+    pub cache_max_bytes: u64,
 }
 
 impl UpstreamConfig {
@@ -104,6 +109,9 @@ impl std::fmt::Debug for UpstreamConfig {
             .field("retry_budget_ratio", &self.retry_budget_ratio)
             .field("retry_budget_min_retries", &self.retry_budget_min_retries)
             .field("retry_budget_window_ms", &self.retry_budget_window_ms)
+            .field("unverified_share", &self.unverified_share)
+            .field("cache_max_entries", &self.cache_max_entries)
+            .field("cache_max_bytes", &self.cache_max_bytes)
             .finish()
     }
 }
@@ -188,6 +196,8 @@ impl UpstreamConfig {
             ("upstream.breaker_failures", u64::from(self.breaker_failures)),
             ("upstream.breaker_cooldown_ms", self.breaker_cooldown_ms),
             ("upstream.retry_budget_window_ms", self.retry_budget_window_ms),
+            ("upstream.cache_max_entries", self.cache_max_entries as u64),
+            ("upstream.cache_max_bytes", self.cache_max_bytes),
         ] {
             if value == 0 {
                 return Err(invalid(key, "must be greater than zero"));

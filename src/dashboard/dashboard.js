@@ -186,6 +186,11 @@ function renderJobs(jobs) {
   fillTable("owners", "owners-empty", rows);
 }
 
+function renderSaved(saved) {
+  $("saved-total").textContent = number(saved.coalesced + saved.cached);
+  $("saved-note").textContent = `${number(saved.coalesced)} coalesced, ${number(saved.cached)} cached, since start`;
+}
+
 function setCard(id, tone) {
   $(id).classList.remove("ok", "warn", "bad");
   if (tone) $(id).classList.add(tone);
@@ -219,6 +224,7 @@ function render(data) {
   renderScopes(data.scopes);
   renderJobs(data.jobs);
   renderHealth(data.breaker, data.store);
+  renderSaved(data.saved);
 }
 
 function status(text, tone) {

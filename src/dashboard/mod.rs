@@ -38,6 +38,7 @@ use crate::breaker::BreakerState;
 use crate::clock::NANOS_PER_MS;
 use crate::config::Backend;
 use crate::identity::{Caller, Unauthorized};
+use crate::reuse::Saved;
 use crate::state::AppState;
 
 const PAGE: &str = include_str!("dashboard.html");
@@ -152,6 +153,8 @@ struct DashboardData {
     #[serde(flatten)]
     activity: Snapshot,
     jobs: JobsNow,
+    /// Tool calls answered without an upstream request of their own, since start, everyone's.
+    saved: Saved,
     breaker: BreakerNow,
     store: StoreNow,
 }
@@ -252,6 +255,7 @@ impl DashboardData {
                 videos_waiting: occupancy.videos_waiting,
                 videos_max: upstream.video_queue_max,
             },
+            saved: app.behind.saved(),
             breaker: BreakerNow {
                 state: breaker,
                 open_for_ms: app.behind.breaker().open_for(now).map(|n| n.div_ceil(NANOS_PER_MS)),

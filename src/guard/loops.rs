@@ -197,11 +197,17 @@ impl LoopDetector {
 /// The xxh3-128, keyed by `seed`, of the tool name and the canonical arguments: what makes two
 /// calls "the same call".
 pub fn signature(seed: u64, tool: &str, args: &Value) -> u128 {
+    xxh3_128_with_seed(canonical_call(tool, args).as_bytes(), seed)
+}
+
+/// The tool name, quoted, and the arguments as canonical JSON (keys sorted at every depth, no
+/// whitespace): equal for two calls exactly when they are the same call. A quoted name ends
+/// unambiguously, so no tool/arguments split can collide with another.
+pub fn canonical_call(tool: &str, args: &Value) -> String {
     let mut text = String::new();
-    // A quoted name ends unambiguously, so no tool/arguments split can collide with another.
     push_json_string(&mut text, tool);
     push_canonical(&mut text, args);
-    xxh3_128_with_seed(text.as_bytes(), seed)
+    text
 }
 
 /// What is left to write while canonicalising.

@@ -10,6 +10,7 @@ use rmcp::ErrorData;
 use rmcp::model::{CallToolResult, ContentBlock, ErrorCode};
 
 use crate::guard::{Refusal, Warning};
+use crate::reuse::Served;
 
 /// The `isError: true` tool result carrying the refusal's message and its structured error.
 pub fn tool_result(refusal: &Refusal) -> CallToolResult {
@@ -41,6 +42,33 @@ pub fn with_warnings(mut done: CallToolResult, warnings: &[Warning]) -> CallTool
     }
     if let Some(serde_json::Value::Object(structured)) = &mut done.structured_content {
         structured.insert("warnings".into(), serde_json::json!(warnings));
+    }
+    done
+}
+
+/// The size of `done`'s JSON when it may be kept for identical calls (`cache_ttl_ms`): a
+/// successful result only, never an `isError` one (a refusal or the upstream's failure).
+pub fn keepable(done: &CallToolResult) -> Option<u64> {
+    if done.is_error == Some(true) {
+        return None;
+    }
+    serde_json::to_vec(done).ok().map(|json| json.len() as u64)
+}
+
+/// A result another call's request answered says so: `cached: true` (a kept answer) or
+/// `coalesced: true` (an identical call's, in flight) in `structuredContent` when it is an object,
+/// else in `_meta`.
+pub fn reused(mut done: CallToolResult, served: Served) -> CallToolResult {
+    let Some(how) = served.saved() else { return done };
+    match &mut done.structured_content {
+        Some(serde_json::Value::Object(structured)) => {
+            structured.insert(how.into(), serde_json::Value::Bool(true));
+        }
+        _ => {
+            let mut meta = done.meta.take().unwrap_or_default();
+            meta.0.insert(how.into(), serde_json::Value::Bool(true));
+            done.meta = Some(meta);
+        }
     }
     done
 }

@@ -28,7 +28,8 @@ use crate::guard::{MethodGroup, Refusal, RefusalCode, ToolCall};
 use crate::identity::Caller;
 use crate::mcp::tools::{self, TakeOnce};
 use crate::mcp::{limited, results};
-use crate::state::{AppState, OwnTools};
+use crate::reuse::{Served, Sharing};
+use crate::state::{AppState, OwnTools, ToolAnswer};
 use crate::upstream::jobs::JobView;
 
 /// Which transport a handler serves; decides where the caller comes from.
@@ -208,12 +209,30 @@ impl ServerHandler for McpServer {
         // keeps polling the handler; racing it drops the tool's future at once, and with it any
         // in-flight slot the admission holds, instead of when the upstream finally answers.
         let cancelled = context.ct.clone();
-        let call = self.tool_router.call(ToolCallContext::new(self, request, context));
-        let result = tokio::select! {
-            result = call => result,
-            () = cancelled.cancelled() => Err(ErrorData::internal_error("the request was cancelled", None)),
+        let policy = self.app.limits.guard().policy();
+        let sharing = policy.tool(&tool).and_then(|p| Sharing::of(p, &caller, &tool, &args));
+        let call = async {
+            let Some(sharing) = sharing else {
+                return (self.tool_router.call(ToolCallContext::new(self, request, context)).await, Served::Asked);
+            };
+            // Asked by a task of its own, which a cancelled waiter leaves running for the others.
+            let server = self.clone();
+            let ask = async move { server.tool_router.call(ToolCallContext::new(&server, request, context)).await };
+            self.own
+                .reuse
+                .answer(&tool, sharing, keepable, ask)
+                .await
+                .unwrap_or_else(|lost| (Err(ErrorData::internal_error(lost.to_string(), None)), Served::Asked))
+        };
+        let (result, served) = tokio::select! {
+            answered = call => answered,
+            () = cancelled.cancelled() => (Err(ErrorData::internal_error("the request was cancelled", None)), Served::Asked),
         };
         drop(admission.take());
+        let result = match result {
+            Ok(CallToolResponse::Complete(done)) => Ok(CallToolResponse::Complete(results::reused(done, served))),
+            other => other,
+        };
         // A refusal from the tool itself (the upstream's 429 or failure) is seen like the others.
         if let Ok(CallToolResponse::Complete(done)) = &result
             && let Some(refusal) = results::refusal_in(done)
@@ -259,6 +278,14 @@ impl ServerHandler for McpServer {
                 None,
             )),
         }
+    }
+}
+
+/// The size of an answer of ours that may be kept (`cache_ttl_ms`): a successful result.
+fn keepable(answer: &ToolAnswer) -> Option<u64> {
+    match answer {
+        Ok(CallToolResponse::Complete(done)) => results::keepable(done),
+        _ => None,
     }
 }
 

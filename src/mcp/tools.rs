@@ -32,7 +32,14 @@ use crate::upstream::queue::{QueueFull, Reservation};
 /// tool added below is in the catalogue (and needs a cost in the config) without another list.
 pub fn catalogue() -> Catalogue {
     McpServer::tool_router().list_all().into_iter().fold(Catalogue::new(), |catalogue, tool| {
-        if starts_job(&tool.name) { catalogue.job(tool.name) } else { catalogue.tool(tool.name) }
+        if starts_job(&tool.name) {
+            catalogue.job(tool.name)
+        } else if needs_upstream(&tool.name) {
+            catalogue.tool(tool.name)
+        } else {
+            // get_prediction, cancel_prediction, rate_limit_status: the caller's jobs and budgets.
+            catalogue.own_answer(tool.name)
+        }
     })
 }
 

@@ -52,6 +52,7 @@ use crate::config::Config;
 use crate::guard::Refusal;
 use crate::identity::Caller;
 use crate::rate_limits::RateLimits;
+use crate::reuse::{Reuse, Saved, Served, Sharing};
 use crate::state::Behind;
 use crate::upstream::api::PredictionKind;
 use crate::upstream::jobs::Owner;
@@ -72,7 +73,13 @@ pub struct Proxied {
     calls: AtomicU64,
     /// A running mean of how long a call takes (ns): how soon a queue place frees up.
     mean_call: AtomicU64,
+    /// Identical calls in flight sharing one request, and answers kept (`[tools.NAME] coalesce`,
+    /// `cache_ttl_ms`).
+    reuse: Arc<Reuse<Forwarded>>,
 }
+
+/// What a forwarded call came back with.
+type Forwarded = Result<CallToolResponse, Unanswered>;
 
 impl std::fmt::Debug for Proxied {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -93,9 +100,14 @@ impl Behind for Proxied {
     fn slots(&self) -> usize {
         self.queue.rules().max_in_flight
     }
+
+    fn saved(&self) -> Saved {
+        self.reuse.saved()
+    }
 }
 
 /// Why a call did not get an answer from the proxied server.
+#[derive(Debug, Clone)]
 enum Unanswered {
     /// The proxied server's own JSON-RPC error: passed through unchanged.
     Error(ErrorData),
@@ -136,10 +148,11 @@ impl Proxied {
             breaker,
             queue,
             timeout: Duration::from_millis(config.proxy.timeout_ms),
-            clock,
-            limits,
+            clock: clock.clone(),
+            limits: limits.clone(),
             calls: AtomicU64::new(0),
             mean_call: AtomicU64::new(0),
+            reuse: Reuse::new(clock.clone(), limits.metrics().clone(), up.cache_max_entries, up.cache_max_bytes),
         });
         // Without its tools there is nothing to serve: a server that cannot list them is a
         // start-up error, as one that cannot be reached is.
@@ -223,6 +236,33 @@ impl Proxied {
             done = work => Some(done),
             () = self.clock.sleep_until(deadline) => None,
         }
+    }
+
+    /// The answer to `caller`'s call: [`Proxied::forward`]'s, or, as `sharing` allows, an identical
+    /// call's in flight or kept ([`Reuse`]). A call answered so gives its queue `place` back
+    /// unused, and its progress goes nowhere (the request is another call's).
+    async fn answer(
+        self: &Arc<Self>,
+        caller: &Caller,
+        place: Reservation,
+        request: CallToolRequestParams,
+        meta: RequestMetaObject,
+        progress: Option<(u64, ProgressToken)>,
+        sharing: Option<Sharing>,
+    ) -> (Forwarded, Served) {
+        let Some(sharing) = sharing else {
+            return (self.forward(caller, place, request, meta, progress).await, Served::Asked);
+        };
+        let tool = request.name.to_string();
+        let (proxied, asker) = (self.clone(), caller.clone());
+        let ask = async move { proxied.forward(&asker, place, request, meta, progress).await };
+        let keepable = |answer: &Forwarded| match answer {
+            Ok(CallToolResponse::Complete(done)) => crate::mcp::results::keepable(done),
+            _ => None,
+        };
+        self.reuse.answer(&tool, sharing, keepable, ask).await.unwrap_or_else(|lost| {
+            (Err(Unanswered::Error(ErrorData::internal_error(lost.to_string(), None))), Served::Asked)
+        })
     }
 
     /// Waits for the call's turn, sends it, and waits for the answer, all within the timeout;

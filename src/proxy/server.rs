@@ -21,6 +21,7 @@ use crate::guard::{MethodGroup, Refusal, ToolCall};
 use crate::identity::Caller;
 use crate::mcp::{limited, results};
 use crate::rate_limits::RateLimits;
+use crate::reuse::Sharing;
 
 /// One downstream session's handler.
 pub struct ProxyServer {
@@ -150,14 +151,20 @@ impl ServerHandler for ProxyServer {
         };
         let session = self.membership.get().map(Membership::id);
         let progress = session.zip(context.meta.get_progress_token());
-        let forwarded = self.proxied.forward(&caller, place, request, context.meta.clone(), progress);
-        let answer = tokio::select! {
-            answer = forwarded => answer,
+        let sharing = policy.tool(&tool).and_then(|p| Sharing::of(p, &caller, &tool, &args));
+        let forwarded = self.proxied.answer(&caller, place, request, context.meta.clone(), progress, sharing);
+        let (answer, served) = tokio::select! {
+            answered = forwarded => answered,
             () = context.ct.cancelled() => return Err(ErrorData::internal_error("the request was cancelled", None)),
         };
         match answer {
-            Ok(CallToolResponse::Complete(done)) if !admission.warnings().is_empty() && done.is_error != Some(true) => {
-                Ok(CallToolResponse::Complete(results::with_warnings(done, admission.warnings())))
+            Ok(CallToolResponse::Complete(done)) => {
+                let done = results::reused(done, served);
+                if admission.warnings().is_empty() || done.is_error == Some(true) {
+                    Ok(CallToolResponse::Complete(done))
+                } else {
+                    Ok(CallToolResponse::Complete(results::with_warnings(done, admission.warnings())))
+                }
             }
             Ok(other) => Ok(other),
             Err(Unanswered::Error(error)) => Err(error),
