@@ -140,8 +140,9 @@ pub(super) fn validate_tools(
         // An answer may be shared only when it is the same for everyone who asks the same.
         let shared = if coalesce != Coalesce::Off { Some(format!("tools.{tool}.coalesce")) } else { None };
         if let Some(key) = shared.or((cache_ttl_ms > 0).then_some(cache_key)) {
-            let why = if holds_slot {
-                Some("holds an in-flight slot: each call is its own (a job has its own id)")
+            // A `holds_slot` tool may share: each waiting call holds its own slot until the answer.
+            let why = if catalogue.holds_slots(&tool) {
+                Some("starts a job: each call is its own (a job has its own id)")
             } else if catalogue.answers_for_the_caller(&tool) {
                 Some("answers with the caller's own state (its jobs, its budgets), which no other caller may see")
             } else {
