@@ -119,6 +119,7 @@ impl App {
                     .unverified_share(up.unverified_slots(), up.unverified_places()),
                 clock.clone(),
             )
+            .adaptive(up.adaptive.limit(up.max_in_flight))
             .shared_in(store.clone(), "upstream"),
         );
         tokio::spawn(queue.clone().dispatch(stop.child_token()));

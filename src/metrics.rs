@@ -34,6 +34,9 @@ pub const LOOP_DETECTIONS: &str = "mcp_ratelimit_loop_detections_total";
 pub const QUEUE_DEPTH: &str = "mcp_ratelimit_queue_depth";
 /// `mcp_ratelimit_account_slots_in_use`: the upstream account's slots held by running jobs.
 pub const ACCOUNT_SLOTS_IN_USE: &str = "mcp_ratelimit_account_slots_in_use";
+/// `mcp_ratelimit_upstream_concurrency_limit`: the slots toward the upstream handed out now —
+/// the static cap, or the limit `[upstream.adaptive]` (`[proxy.adaptive]`) has learnt.
+pub const UPSTREAM_CONCURRENCY_LIMIT: &str = "mcp_ratelimit_upstream_concurrency_limit";
 /// `mcp_ratelimit_jobs_in_flight`: accepted jobs not yet final.
 pub const JOBS_IN_FLIGHT: &str = "mcp_ratelimit_jobs_in_flight";
 /// `mcp_ratelimit_store_errors_total{layer}`: decisions the limiter store could not make.
@@ -154,6 +157,10 @@ impl Metrics {
         };
         gauge(QUEUE_DEPTH, "Jobs waiting for the upstream account, by flow bucket (a 16-way hash of the tenant).");
         gauge(ACCOUNT_SLOTS_IN_USE, "The upstream account's slots held by running jobs.");
+        gauge(
+            UPSTREAM_CONCURRENCY_LIMIT,
+            "Slots toward the upstream handed out now: the static cap, or the adaptive limit learnt.",
+        );
         gauge(JOBS_IN_FLIGHT, "Accepted jobs (image and video predictions) not yet final.");
         gauge(STORE_UP, "1 while the limiter store answers, 0 while it fails.");
         gauge(BREAKER_STATE, "The upstream circuit breaker: 0 closed, 1 half-open, 2 open.");

@@ -38,8 +38,11 @@ pub trait Behind: std::fmt::Debug + Send + Sync {
     fn breaker(&self) -> &Breaker;
     /// Its slots in use and its queue.
     fn occupancy(&self) -> Occupancy;
-    /// Calls (or jobs) it may run at once, all callers together.
+    /// Calls (or jobs) it may run at once, all callers together: learnt, with `adaptive`.
     fn slots(&self) -> usize;
+    /// The static cap on them (`upstream.max_in_flight`, `proxy.max_in_flight`), which a learnt
+    /// limit never exceeds.
+    fn ceiling(&self) -> usize;
     /// The jobs running on it, if it runs jobs.
     fn jobs(&self) -> Option<&Arc<Jobs>> {
         None
@@ -76,6 +79,10 @@ impl Behind for OwnTools {
         self.jobs.slots()
     }
 
+    fn ceiling(&self) -> usize {
+        self.jobs.queue().rules().max_in_flight
+    }
+
     fn jobs(&self) -> Option<&Arc<Jobs>> {
         Some(&self.jobs)
     }
@@ -89,7 +96,9 @@ impl AppState {
     /// Sets the gauges that are read from live state when `/metrics` is scraped.
     pub fn sample_gauges(&self) {
         use crate::breaker::BreakerState;
-        use crate::metrics::{ACCOUNT_SLOTS_IN_USE, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH, STORE_UP};
+        use crate::metrics::{
+            ACCOUNT_SLOTS_IN_USE, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH, STORE_UP, UPSTREAM_CONCURRENCY_LIMIT,
+        };
         let occupancy = self.behind.occupancy();
         // Per flow bucket (a 16-way hash of the tenant or caller, never its name); every bucket
         // is set, so an emptied one reads 0 instead of its last value.
@@ -102,6 +111,7 @@ impl AppState {
             self.limits.metrics().sample(QUEUE_DEPTH, vec![label], *waiting as f64);
         }
         self.limits.metrics().sample(ACCOUNT_SLOTS_IN_USE, Vec::new(), occupancy.in_flight as f64);
+        self.limits.metrics().sample(UPSTREAM_CONCURRENCY_LIMIT, Vec::new(), self.behind.slots() as f64);
         let jobs = self.behind.jobs().map_or(0, |jobs| jobs.in_flight());
         self.limits.metrics().sample(JOBS_IN_FLIGHT, Vec::new(), jobs as f64);
         let breaker = match self.behind.breaker().state(self.clock.now()) {

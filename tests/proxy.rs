@@ -654,3 +654,44 @@ async fn identical_calls_of_one_tenant_share_one_request_to_the_proxied_server_n
     assert_eq!(answers.iter().filter(|a| reused(a) == Some("coalesced")).count(), 9);
     assert_eq!(reused(&answers[10]), None, "globex's call was its own");
 }
+
+#[tokio::test]
+async fn with_proxy_adaptive_a_call_not_answered_in_time_cuts_the_calls_in_flight_and_answers_grow_them_back() {
+    // A configured key: unverified callers hold a share of the learnt limit, rounded down, as of
+    // the static cap (none of one slot).
+    let key = "adaptive-key-0123456789abcdef";
+    let toml = format!(
+        "[proxy]\nmax_in_flight = 4\ntimeout_ms = 1000\n[proxy.adaptive]\nenabled = true\n\
+         [loop_detection]\nenabled = false\n[auth]\nkeys = [{{ sha256 = \"{}\" }}]\n",
+        sha256_hex(key)
+    );
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let client = Arc::new(proxy.client(Some(key)).await);
+    let slots = || proxy.app.state().behind.slots();
+    assert_eq!(slots(), 4, "it starts at the ceiling, proxy.max_in_flight");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("never").to_string_lossy().into_owned();
+    let slow = {
+        let client = client.clone();
+        tokio::spawn(async move { call(&client, "wait_for", json!({"path": path})).await })
+    };
+    wait_until_exists(&dir.path().join("never.started")).await;
+    proxy.clock.advance(Duration::from_millis(1000));
+    assert_eq!(code_of(&slow.await.expect("the call")), Some("upstream_unavailable"));
+    // Nothing else was in flight when it timed out: the limit falls to min.
+    assert_eq!(slots(), 1, "cut when the proxied server did not answer in time");
+    let gauge = common::metric_sum(&proxy_metrics(&proxy).await, "mcp_ratelimit_upstream_concurrency_limit");
+    assert_eq!(gauge, 1.0, "the learnt limit is a gauge");
+    // Each answer grows it by 1/limit while at least half of it is in use: one call at a time
+    // grows it to 2 (2.5, whole slots shown), and no further: an agent that never runs two calls
+    // at once does not teach it three.
+    for i in 0..12 {
+        assert_eq!(text_of(&call(&client, "add", json!({"a": i, "b": 1})).await), (i + 1).to_string());
+    }
+    assert_eq!(slots(), 2, "grown back by the answers as far as they used it");
+}
+
+async fn proxy_metrics(proxy: &Proxy) -> String {
+    let url = proxy.url.replace("/mcp", "/metrics");
+    reqwest::get(url).await.expect("metrics").text().await.expect("text")
+}

@@ -43,7 +43,7 @@ pub use server::{AdminConfig, ProxyTrust, ServerConfig};
 pub use spend::{SpendCaps, TenantOverride};
 pub use store::{Backend, LoopDetectionConfig, StoreConfig};
 pub use tools::{Coalesce, Fail, ToolPolicy};
-pub use upstream::{MockUpstreamConfig, UpstreamConfig};
+pub use upstream::{AdaptiveConfig, MockUpstreamConfig, UpstreamConfig};
 
 /// The documented defaults, the base layer under every config.
 pub const DEFAULT_TOML: &str = include_str!("../../config.toml");

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
+use super::upstream::AdaptiveConfig;
 use super::{ConfigError, invalid};
 
 /// `[proxy]`.
@@ -28,6 +29,8 @@ pub struct ProxyConfig {
     /// How long one call may take, waiting in the queue included, before it is answered
     /// `upstream_unavailable`.
     pub timeout_ms: u64,
+    /// The calls in flight learnt from its answers (`[proxy.adaptive]`), under `max_in_flight`.
+    pub adaptive: AdaptiveConfig,
 }
 
 impl std::fmt::Debug for ProxyConfig {
@@ -40,6 +43,7 @@ impl std::fmt::Debug for ProxyConfig {
             .field("default_cost", &self.default_cost)
             .field("max_in_flight", &self.max_in_flight)
             .field("timeout_ms", &self.timeout_ms)
+            .field("adaptive", &self.adaptive)
             .finish()
     }
 }
@@ -77,6 +81,7 @@ impl ProxyConfig {
         if self.max_in_flight == 0 {
             return Err(invalid("proxy.max_in_flight", "at least one call must be able to reach the proxied server"));
         }
+        self.adaptive.validate("proxy.adaptive", self.max_in_flight)?;
         if self.timeout_ms == 0 {
             return Err(invalid("proxy.timeout_ms", "a call needs some time to be answered (at least 1)"));
         }

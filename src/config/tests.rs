@@ -194,3 +194,23 @@ fn typos_are_rejected_not_ignored() {
     let e = err("[limits.caller]\nbrust = 10\n");
     assert!(e.contains("brust"), "{e}");
 }
+
+#[test]
+fn adaptive_concurrency_is_checked_naming_its_key() {
+    let tools = reference();
+    for (toml, key) in [
+        ("[upstream.adaptive]\nalgorithm = \"gradient2\"\n", "upstream.adaptive.algorithm"),
+        ("[upstream.adaptive]\nmin = 0\n", "upstream.adaptive.min"),
+        ("[upstream.adaptive]\nmax = 11\n", "upstream.adaptive.max"),
+        ("[upstream.adaptive]\nmin = 6\nmax = 5\n", "upstream.adaptive.min"),
+        ("[upstream.adaptive]\nbackoff_ratio = 1.0\n", "upstream.adaptive.backoff_ratio"),
+        ("[proxy.adaptive]\nmax = 17\n", "proxy.adaptive.max"),
+    ] {
+        let error = Config::from_toml(toml, &tools).expect_err(toml).to_string();
+        assert!(error.contains(&format!("`{key}`")), "{toml}: {error}");
+    }
+    let config = Config::from_toml("[upstream.adaptive]\nenabled = true\nmin = 2\n", &tools).expect("valid");
+    let limit = config.upstream.adaptive.limit(config.upstream.max_in_flight).expect("enabled");
+    assert_eq!((limit.current(), limit.max()), (10, 10), "starts at the ceiling, max_in_flight");
+    assert!(Config::defaults(&tools).expect("defaults").upstream.adaptive.limit(10).is_none(), "off by default");
+}

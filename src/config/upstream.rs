@@ -63,6 +63,64 @@ pub struct UpstreamConfig {
     pub cache_max_entries: usize,
     /// The same bound in bytes of the answers' JSON.
     pub cache_max_bytes: u64,
+    /// The account's slots learnt from its answers (`[upstream.adaptive]`).
+    pub adaptive: AdaptiveConfig,
+}
+
+/// `[upstream.adaptive]`, `[proxy.adaptive]`: the slots toward the upstream learnt from its
+/// answers instead of fixed ([`crate::upstream::adaptive`]).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptiveConfig {
+    /// Learn the limit (else the static cap holds).
+    pub enabled: bool,
+    /// How: `aimd`.
+    pub algorithm: String,
+    /// Fewest slots it learns down to.
+    pub min: usize,
+    /// Most slots it learns up to; 0: the static cap (`max_in_flight`), which it never exceeds.
+    pub max: usize,
+    /// What an overload cuts the limit to, as a share of itself (0 to 1, exclusive).
+    pub backoff_ratio: f64,
+}
+
+impl AdaptiveConfig {
+    /// The learner for an upstream of `ceiling` slots (the static cap), when enabled.
+    pub fn limit(&self, ceiling: usize) -> Option<crate::upstream::adaptive::AdaptiveLimit> {
+        let max = if self.max == 0 { ceiling } else { self.max.min(ceiling) };
+        self.enabled.then(|| crate::upstream::adaptive::AdaptiveLimit::aimd(self.min, max, self.backoff_ratio))
+    }
+
+    /// The section at `section` (`upstream.adaptive`), checked against the static cap `ceiling`.
+    pub(super) fn validate(&self, section: &str, ceiling: usize) -> Result<(), ConfigError> {
+        if self.algorithm != "aimd" {
+            let also = if self.algorithm == "gradient2" { " (gradient2 is not built yet)" } else { "" };
+            return Err(invalid(
+                format!("{section}.algorithm"),
+                format!("`{}` is not one: aimd{also}", self.algorithm),
+            ));
+        }
+        if self.min == 0 {
+            return Err(invalid(format!("{section}.min"), "at least one slot"));
+        }
+        let max = if self.max == 0 { ceiling } else { self.max };
+        if self.max > ceiling {
+            return Err(invalid(
+                format!("{section}.max"),
+                format!("{} is above the static cap {ceiling}, its ceiling", self.max),
+            ));
+        }
+        if self.min > max {
+            return Err(invalid(format!("{section}.min"), format!("{} is above max {max}", self.min)));
+        }
+        if !(self.backoff_ratio > 0.0 && self.backoff_ratio < 1.0) {
+            return Err(invalid(
+                format!("{section}.backoff_ratio"),
+                format!("must be between 0 and 1, exclusive (got {})", self.backoff_ratio),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl UpstreamConfig {
@@ -112,6 +170,7 @@ impl std::fmt::Debug for UpstreamConfig {
             .field("unverified_share", &self.unverified_share)
             .field("cache_max_entries", &self.cache_max_entries)
             .field("cache_max_bytes", &self.cache_max_bytes)
+            .field("adaptive", &self.adaptive)
             .finish()
     }
 }
@@ -220,6 +279,7 @@ impl UpstreamConfig {
                 return Err(invalid(key, format!("{value} is more than {what} ({most})")));
             }
         }
+        self.adaptive.validate("upstream.adaptive", self.max_in_flight)?;
         fraction("upstream.unverified_share", self.unverified_share)?;
         fraction("upstream.retry_budget_ratio", self.retry_budget_ratio)
     }

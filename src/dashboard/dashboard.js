@@ -173,7 +173,8 @@ function renderJobs(jobs) {
   $("jobs-in-flight").textContent = number(jobs.in_flight);
   $("account-note").textContent = `${jobs.account_in_use} of ${jobs.account_max} account slots in use`;
   meter($("account-meter"), jobs.account_in_use, jobs.account_max, fullness(jobs.account_in_use, jobs.account_max));
-  $("account-text").textContent = `${jobs.account_in_use} of ${jobs.account_max} in use`;
+  const learnt = jobs.account_max !== jobs.account_ceiling ? ` (learnt; ceiling ${jobs.account_ceiling})` : "";
+  $("account-text").textContent = `${jobs.account_in_use} of ${jobs.account_max} in use${learnt}`;
   meter($("queue-meter"), jobs.queue_waiting, jobs.queue_max, fullness(jobs.queue_waiting, jobs.queue_max));
   $("queue-text").textContent = `${jobs.queue_waiting} of ${jobs.queue_max} waiting`;
   meter($("video-meter"), jobs.videos_waiting, jobs.videos_max, fullness(jobs.videos_waiting, jobs.videos_max));

@@ -170,6 +170,8 @@ struct JobsNow {
     /// The upstream account's slots in use, and how many it has.
     account_in_use: usize,
     account_max: usize,
+    /// The static cap: `account_max` is learnt when it differs (`[upstream.adaptive]`).
+    account_ceiling: usize,
     /// Jobs waiting for an account slot, and the most that may.
     queue_waiting: usize,
     queue_max: usize,
@@ -250,6 +252,7 @@ impl DashboardData {
                 per_owner,
                 account_in_use: occupancy.in_flight,
                 account_max: app.behind.slots(),
+                account_ceiling: app.behind.ceiling(),
                 queue_waiting: occupancy.waiting,
                 queue_max: upstream.queue_max,
                 videos_waiting: occupancy.videos_waiting,

@@ -301,8 +301,13 @@ pub struct JobInFlight {
 pub struct QueueStatus {
     /// Predictions the account runs now, everyone's.
     pub account_in_flight: usize,
-    /// Predictions the account runs at once.
+    /// Predictions the account runs at once: learnt from its answers when `account_adaptive`.
     pub account_max_in_flight: usize,
+    /// Whether `account_max_in_flight` is learnt (`[upstream.adaptive]`), under the static cap
+    /// `account_ceiling`.
+    pub account_adaptive: bool,
+    /// The static cap, `upstream.max_in_flight`.
+    pub account_ceiling: usize,
     /// Jobs waiting for the account now, everyone's.
     pub waiting: usize,
     /// The most jobs that may wait.
@@ -688,11 +693,14 @@ impl McpServer {
             let ids: Vec<&str> = jobs_in_flight.iter().map(|j| j.predict_id.as_str()).collect();
             lines.push(format!("jobs in flight: {}", ids.join(", ")));
         }
-        let rules = self.own.jobs.queue().rules();
+        let queue = self.own.jobs.queue();
+        let rules = queue.rules_now();
         let occupancy = self.own.jobs.occupancy();
         let upstream_queue = QueueStatus {
             account_in_flight: occupancy.in_flight,
             account_max_in_flight: rules.max_in_flight,
+            account_adaptive: queue.is_adaptive(),
+            account_ceiling: queue.rules().max_in_flight,
             waiting: occupancy.waiting,
             max_waiting: rules.max_waiting,
             videos_waiting: occupancy.videos_waiting,

@@ -12,7 +12,8 @@
 //! - `GET /v1/submissions`: every `POST /v1/predictions` it received, with the clock reading
 //!   and the status it answered (to prove spacing and backoff);
 //! - `PUT /v1/chaos`: change the chaos knobs while running (`rate_429`, `rate_5xx`,
-//!   `retry_after_seconds`, `latency_ms`), e.g. to take the API down and bring it back; and
+//!   `retry_after_seconds`, `latency_ms`, `max_concurrent_predictions`), e.g. to take the API down
+//!   and bring it back, or to change the account's capacity under a running server; and
 //!   `hold`: while `true`, every request waits at a gate until it is `false` again, so a test can
 //!   keep calls in flight for as long as it needs without waiting on the wall clock.
 
@@ -59,6 +60,9 @@ struct Chaos {
     rate_429: f64,
     retry_after_seconds: u64,
     rate_5xx: f64,
+    /// Predictions it runs at once before it answers 429: the account's capacity, which a
+    /// provider may change under a running server.
+    max_concurrent_predictions: usize,
 }
 
 /// Body of `PUT /v1/chaos`: the knobs to change; absent ones stay.
@@ -70,6 +74,7 @@ struct ChaosChange {
     rate_429: Option<f64>,
     retry_after_seconds: Option<u64>,
     rate_5xx: Option<f64>,
+    max_concurrent_predictions: Option<usize>,
 }
 
 /// One `POST /v1/predictions` as received.
@@ -179,6 +184,7 @@ pub fn router(config: MockUpstreamConfig, clock: SharedClock) -> Router {
         rate_429: config.rate_429,
         retry_after_seconds: config.retry_after_seconds,
         rate_5xx: config.rate_5xx,
+        max_concurrent_predictions: config.max_concurrent_predictions,
     };
     let state = Arc::new(MockState {
         config,
@@ -315,6 +321,7 @@ async fn change_chaos(State(state): State<Arc<MockState>>, Json(change): Json<Ch
     chaos.rate_429 = change.rate_429.unwrap_or(chaos.rate_429);
     chaos.retry_after_seconds = change.retry_after_seconds.unwrap_or(chaos.retry_after_seconds);
     chaos.rate_5xx = change.rate_5xx.unwrap_or(chaos.rate_5xx);
+    chaos.max_concurrent_predictions = change.max_concurrent_predictions.unwrap_or(chaos.max_concurrent_predictions);
     let mut answer = json!(*chaos);
     answer["hold"] = json!(*state.gate.borrow());
     Json(answer).into_response()
@@ -379,7 +386,8 @@ async fn create_prediction(
         return Json(state.view(id, job, now)).into_response();
     }
     let running = jobs.values().filter(|j| state.running(j, now)).count();
-    if running >= state.config.max_concurrent_predictions {
+    let capacity = lock(&state.chaos).max_concurrent_predictions;
+    if running >= capacity {
         bump(&state.usage.refused_429);
         return too_many(state.config.retry_after_seconds, "too many predictions running at once");
     }

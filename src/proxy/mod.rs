@@ -98,6 +98,10 @@ impl Behind for Proxied {
     }
 
     fn slots(&self) -> usize {
+        self.queue.slots()
+    }
+
+    fn ceiling(&self) -> usize {
         self.queue.rules().max_in_flight
     }
 
@@ -139,7 +143,11 @@ impl Proxied {
             .await?;
         let rules = QueueRules::new(max_in_flight, 0, up.queue_max, 0)
             .unverified_share(up.unverified_share_of(max_in_flight), up.unverified_places());
-        let queue = Arc::new(FairQueue::new(rules, clock.clone()).shared_in(limits.guard().store().clone(), "proxied"));
+        let queue = Arc::new(
+            FairQueue::new(rules, clock.clone())
+                .adaptive(config.proxy.adaptive.limit(max_in_flight))
+                .shared_in(limits.guard().store().clone(), "proxied"),
+        );
         tokio::spawn(queue.clone().dispatch(stop.child_token()));
         let proxied = Arc::new(Self {
             link,
@@ -285,7 +293,7 @@ impl Proxied {
             let wait = self.mean_call.load(Ordering::Relaxed).max(NANOS_PER_MS);
             unavailable(&tool, &format!("it did not answer within {} ms", self.timeout.as_millis()), wait)
         };
-        let _slot = match place.start_now().await {
+        let slot = match place.start_now().await {
             Ok(slot) => slot,
             Err(place) => {
                 let id = format!("call-{}", self.calls.fetch_add(1, Ordering::Relaxed));
@@ -330,6 +338,11 @@ impl Proxied {
         let took = now.saturating_sub(started);
         let mean = self.mean_call.load(Ordering::Relaxed);
         self.mean_call.store(if mean == 0 { took } else { mean - mean / 8 + took / 8 }, Ordering::Relaxed);
+        match &answer {
+            None => slot.overloaded(),
+            Some(Ok(_)) => slot.accepted(),
+            Some(Err(_)) => {}
+        }
         match answer {
             None => {
                 self.breaker.record(permit, false, now);

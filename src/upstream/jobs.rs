@@ -270,7 +270,7 @@ impl Jobs {
     ) -> Result<JobView, UpstreamError> {
         let kind = job.kind;
         let place = match place.start_now().await {
-            Ok(account) => return self.submit_now(owner, job, vec![slots, Box::new(account)]).await,
+            Ok(account) => return self.submit_now(owner, job, slots, account).await,
             Err(place) => place,
         };
         let id = new_id(if kind == PredictionKind::Video { "v" } else { "i" });
@@ -286,13 +286,19 @@ impl Jobs {
         self: &Arc<Self>,
         owner: &Owner,
         job: NewPrediction,
-        slots: Vec<Slots>,
+        slots: Slots,
+        account: AccountSlot,
     ) -> Result<JobView, UpstreamError> {
         let answer = self.upstream.create_prediction(&job, &new_id("k")).await;
         self.metrics.upstream(tool_of(job.kind), UpstreamError::outcome_of(&answer));
+        match &answer {
+            Ok(_) => account.accepted(),
+            Err(UpstreamError::RateLimited { .. }) => account.overloaded(),
+            Err(_) => {}
+        }
         let prediction = answer?;
         let id = prediction.id.clone();
-        self.insert(owner, Some(id.clone()), prediction, slots);
+        self.insert(owner, Some(id.clone()), prediction, vec![slots, Box::new(account)]);
         self.spawn(id.clone(), None);
         Ok(self.view_of(&id).unwrap_or_else(|| unreachable_view(&id)))
     }
@@ -362,6 +368,7 @@ impl Jobs {
             }
             match answer {
                 Ok(prediction) => {
+                    account.accepted();
                     self.started(id, prediction, account);
                     return true;
                 }
@@ -372,6 +379,9 @@ impl Jobs {
                 }
                 Err(error) if error.is_transient() => {
                     // Nothing runs upstream while we back off: the slot goes to the next job.
+                    if matches!(error, UpstreamError::RateLimited { .. }) {
+                        account.overloaded();
+                    }
                     drop(account);
                     failed += 1;
                     let next = self.backoff_after(failed, &error);
@@ -615,7 +625,7 @@ impl Jobs {
     fn place_frees_in(&self) -> Nanos {
         let now = self.clock.now();
         let occupancy = self.queue.occupancy();
-        let account_full = occupancy.in_flight >= self.queue.rules().max_in_flight;
+        let account_full = occupancy.in_flight >= self.queue.slots();
         let turnover =
             if account_full { Self::turnover(&self.book(), now).unwrap_or(self.rules.image_hint) } else { 0 };
         let gap_left = if occupancy.videos_waiting > 0 { self.queue.next_video_at().saturating_sub(now) } else { 0 };
@@ -687,9 +697,9 @@ impl Jobs {
         self.queue.occupancy()
     }
 
-    /// The account's slots: jobs the upstream runs at once.
+    /// The account's slots: jobs the upstream runs at once (as learnt, with `[upstream.adaptive]`).
     pub fn slots(&self) -> usize {
-        self.queue.rules().max_in_flight
+        self.queue.slots()
     }
 
     /// Who owns each job not final yet, and whether it has reached the upstream (else it waits

@@ -8,6 +8,7 @@
 //! owns — queued submissions, background polls — is retried in [`jobs`] with [`backoff`], under a
 //! [`backoff::RetryBudget`], and spaced by the [`queue`].
 
+pub mod adaptive;
 pub mod api;
 pub mod backoff;
 pub mod jobs;

@@ -45,6 +45,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
 use crate::limit::{Concurrency, Gcra, Limiter};
 use crate::store::{Check, SlotGuard, Store, new_lease};
+use crate::upstream::adaptive::{AdaptiveLimit, Signal};
 use crate::upstream::api::PredictionKind;
 
 mod round_robin;
@@ -131,6 +132,8 @@ impl QueueRules {
 /// The queue in front of the upstream account.
 pub struct FairQueue {
     rules: QueueRules,
+    /// The account's slots learnt from the upstream's answers, under `rules.max_in_flight`.
+    adaptive: Option<AdaptiveLimit>,
     clock: SharedClock,
     state: Mutex<State>,
     changed: Notify,
@@ -151,6 +154,8 @@ pub struct AccountSlot {
     queue: Arc<FairQueue>,
     /// Held by an unverified caller's job: also one of their share.
     unverified: bool,
+    /// When it was handed out, on the queue's clock.
+    taken_at: Nanos,
     /// Its leases in a shared store (the account's, and the share's), given back with it.
     _leases: Vec<SlotGuard>,
 }
@@ -158,6 +163,19 @@ pub struct AccountSlot {
 impl std::fmt::Debug for AccountSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("AccountSlot")
+    }
+}
+
+impl AccountSlot {
+    /// The upstream took the work this slot was for: an adaptive limit may grow.
+    pub fn accepted(&self) {
+        self.queue.learn(self, Signal::Accepted);
+    }
+
+    /// The upstream said it had too much (a 429, a call not answered in time): an adaptive
+    /// limit shrinks.
+    pub fn overloaded(&self) {
+        self.queue.learn(self, Signal::Overloaded);
     }
 }
 
@@ -230,7 +248,44 @@ pub struct Occupancy {
 impl FairQueue {
     /// A queue with `rules`, its waits on `clock`.
     pub fn new(rules: QueueRules, clock: SharedClock) -> Self {
-        Self { rules, clock, state: Mutex::new(State::default()), changed: Notify::new(), shared: None }
+        Self { rules, clock, state: Mutex::new(State::default()), changed: Notify::new(), shared: None, adaptive: None }
+    }
+
+    /// This queue handing out as many slots as `limit` has learnt the account takes, never
+    /// more than `rules.max_in_flight`.
+    pub fn adaptive(mut self, limit: Option<AdaptiveLimit>) -> Self {
+        self.adaptive = limit;
+        self
+    }
+
+    /// Whether its slots are learnt ([`FairQueue::adaptive`]).
+    pub fn is_adaptive(&self) -> bool {
+        self.adaptive.is_some()
+    }
+
+    /// The slots it hands out now: the learnt limit, or the static cap.
+    pub fn slots(&self) -> usize {
+        self.adaptive.as_ref().map_or(self.rules.max_in_flight, |a| a.current().min(self.rules.max_in_flight))
+    }
+
+    /// The rules as they stand now: the account's slots as learnt, and the unverified callers'
+    /// share of them scaled alike (rounded down).
+    pub fn rules_now(&self) -> QueueRules {
+        let slots = self.slots();
+        if slots == self.rules.max_in_flight {
+            return self.rules.clone();
+        }
+        let share = self.rules.unverified_slots.saturating_mul(slots) / self.rules.max_in_flight.max(1);
+        QueueRules { max_in_flight: slots, unverified_slots: share, ..self.rules.clone() }
+    }
+
+    /// Learns from `slot`'s use, if the limit is adaptive, and lets a job waiting for a slot the
+    /// new limit frees go.
+    fn learn(&self, slot: &AccountSlot, signal: Signal) {
+        let Some(adaptive) = &self.adaptive else { return };
+        let others = self.state().in_flight.saturating_sub(1);
+        adaptive.learn(signal, slot.taken_at, others, self.clock.now());
+        self.changed.notify_waiters();
     }
 
     /// This queue with the account's cap and the video spacing claimed in `store` when it is
@@ -317,7 +372,8 @@ impl FairQueue {
             let now = self.clock.now();
             let (picked, wake_at) = {
                 let mut state = self.state();
-                match state.pick(&self.rules, now) {
+                let rules = self.rules_now();
+                match state.pick(&rules, now) {
                     Some(job) => {
                         state.take_slot(job.unverified);
                         if job.kind == PredictionKind::Video {
@@ -325,7 +381,7 @@ impl FairQueue {
                         }
                         (Some(job), None)
                     }
-                    None => (None, state.next_wake(&self.rules, now)),
+                    None => (None, state.next_wake(&rules, now)),
                 }
             };
             if let Some(job) = picked {
@@ -347,7 +403,8 @@ impl FairQueue {
                     }
                 };
                 // A job that left meanwhile drops its receiver: the slot comes straight back.
-                let slot = AccountSlot { queue: self.clone(), unverified: job.unverified, _leases: leases };
+                let taken_at = self.clock.now();
+                let slot = AccountSlot { queue: self.clone(), unverified: job.unverified, taken_at, _leases: leases };
                 let _ = job.turn.send(slot);
                 continue;
             }
@@ -465,7 +522,7 @@ impl Reservation {
         let queue = self.queue.clone();
         {
             let mut state = queue.state();
-            let free = state.door_open(&queue.rules, self.unverified, queue.clock.now());
+            let free = state.door_open(&queue.rules_now(), self.unverified, queue.clock.now());
             if self.kind != PredictionKind::Image || !free {
                 return Err(self);
             }
@@ -476,7 +533,8 @@ impl Reservation {
             Claim::Go(leases) => {
                 self.release_place(&mut queue.state());
                 self.used = true;
-                Ok(AccountSlot { queue: queue.clone(), unverified: self.unverified, _leases: leases })
+                let taken_at = queue.clock.now();
+                Ok(AccountSlot { queue: queue.clone(), unverified: self.unverified, taken_at, _leases: leases })
             }
             Claim::Wait(wait, blocker) => {
                 let mut state = queue.state();
