@@ -31,6 +31,7 @@ use crate::proxy::{LinkError, Proxied, ProxyServer, Target};
 use crate::rate_limits::{LimitsError, RateLimits};
 use crate::reuse::Reuse;
 use crate::state::{AppState, OwnTools};
+use crate::upstream::adaptive::AdaptiveLimit;
 use crate::upstream::backoff::{Backoff, RetryBudget};
 use crate::upstream::jobs::{JobRules, Jobs};
 use crate::upstream::queue::{FairQueue, QueueRules};
@@ -119,7 +120,7 @@ impl App {
                     .unverified_share(up.unverified_slots(), up.unverified_places()),
                 clock.clone(),
             )
-            .adaptive(up.adaptive.limit(up.max_in_flight))
+            .adaptive(AdaptiveLimit::configured(&up.adaptive, up.max_in_flight))
             .shared_in(store.clone(), "upstream"),
         );
         tokio::spawn(queue.clone().dispatch(stop.child_token()));

@@ -109,6 +109,8 @@ type InFlight<T> = Shared<BoxFuture<'static, Option<T>>>;
 /// A kept answer.
 struct Kept<T> {
     answer: T,
+    /// When it was kept, and until when its TTL then ran.
+    at: Nanos,
     until: Nanos,
     bytes: u64,
     /// Its place in [`State::order`].
@@ -215,8 +217,9 @@ impl<T: Clone + Send + Sync + 'static> Reuse<T> {
             let mut state = self.lock();
             if sharing.ttl > 0 {
                 let now = self.clock.now();
+                // The TTL in force now, too: a reload that shortens it applies to what is kept.
                 match state.kept.get(&sharing.key) {
-                    Some(kept) if kept.until > now => {
+                    Some(kept) if kept.until.min(kept.at.saturating_add(sharing.ttl)) > now => {
                         let answer = kept.answer.clone();
                         drop(state);
                         self.count(tool, Served::Cached);
@@ -270,12 +273,13 @@ impl<T: Clone + Send + Sync + 'static> Reuse<T> {
         if bytes > self.max_bytes || self.max_entries == 0 {
             return;
         }
-        let until = self.clock.now().saturating_add(sharing.ttl);
+        let at = self.clock.now();
+        let until = at.saturating_add(sharing.ttl);
         let mut state = self.lock();
         state.forget(&sharing.key);
         state.seq = state.seq.wrapping_add(1);
         let seq = state.seq;
-        state.kept.insert(sharing.key, Kept { answer: answer.clone(), until, bytes, seq });
+        state.kept.insert(sharing.key, Kept { answer: answer.clone(), at, until, bytes, seq });
         state.order.push_back((sharing.key, seq));
         state.bytes = state.bytes.saturating_add(bytes);
         while state.kept.len() > self.max_entries || state.bytes > self.max_bytes {
@@ -415,9 +419,16 @@ mod tests {
         clock.advance(std::time::Duration::from_secs(5));
         assert_eq!(reuse.sweep(), 2);
         assert_eq!(reuse.kept(), (0, 0));
+        // A shorter TTL in force (a reload) applies to an answer kept under a longer one.
+        call(&a1, "z", 8).await;
+        clock.advance(std::time::Duration::from_secs(2));
+        let shorter =
+            Sharing::of(&policy(Coalesce::Tenant, 1_000), &a1, "t", &serde_json::json!({ "q": "z" })).expect("shared");
+        assert_eq!(reuse.answer("t", shorter, ALWAYS, async { 9 }).await.expect("answered"), (9, Served::Asked));
         let refused: fn(&u64) -> Option<u64> = |_| None;
         let sharing = Sharing::of(&cached, &a1, "t", &serde_json::json!({})).expect("shared");
+        let before = reuse.kept();
         reuse.answer("t", sharing, refused, async { 7 }).await.expect("answered");
-        assert_eq!(reuse.kept(), (0, 0), "what the door says not to keep is not kept");
+        assert_eq!(reuse.kept(), before, "what the door says not to keep is not kept");
     }
 }

@@ -210,7 +210,7 @@ fn adaptive_concurrency_is_checked_naming_its_key() {
         assert!(error.contains(&format!("`{key}`")), "{toml}: {error}");
     }
     let config = Config::from_toml("[upstream.adaptive]\nenabled = true\nmin = 2\n", &tools).expect("valid");
-    let limit = config.upstream.adaptive.limit(config.upstream.max_in_flight).expect("enabled");
-    assert_eq!((limit.current(), limit.max()), (10, 10), "starts at the ceiling, max_in_flight");
-    assert!(Config::defaults(&tools).expect("defaults").upstream.adaptive.limit(10).is_none(), "off by default");
+    let adaptive = &config.upstream.adaptive;
+    assert_eq!((adaptive.enabled, adaptive.min, adaptive.max_under(10)), (true, 2, 10), "max 0: the static cap");
+    assert!(!Config::defaults(&tools).expect("defaults").upstream.adaptive.enabled, "off by default");
 }

@@ -85,10 +85,9 @@ pub struct AdaptiveConfig {
 }
 
 impl AdaptiveConfig {
-    /// The learner for an upstream of `ceiling` slots (the static cap), when enabled.
-    pub fn limit(&self, ceiling: usize) -> Option<crate::upstream::adaptive::AdaptiveLimit> {
-        let max = if self.max == 0 { ceiling } else { self.max.min(ceiling) };
-        self.enabled.then(|| crate::upstream::adaptive::AdaptiveLimit::aimd(self.min, max, self.backoff_ratio))
+    /// The most slots it learns up to under a static cap of `ceiling`.
+    pub fn max_under(&self, ceiling: usize) -> usize {
+        if self.max == 0 { ceiling } else { self.max.min(ceiling) }
     }
 
     /// The section at `section` (`upstream.adaptive`), checked against the static cap `ceiling`.

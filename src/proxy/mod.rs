@@ -54,6 +54,7 @@ use crate::identity::Caller;
 use crate::rate_limits::RateLimits;
 use crate::reuse::{Reuse, Saved, Served, Sharing};
 use crate::state::Behind;
+use crate::upstream::adaptive::AdaptiveLimit;
 use crate::upstream::api::PredictionKind;
 use crate::upstream::jobs::Owner;
 use crate::upstream::queue::{FairQueue, Occupancy, QueueFull, QueueRules, Reservation};
@@ -145,7 +146,7 @@ impl Proxied {
             .unverified_share(up.unverified_share_of(max_in_flight), up.unverified_places());
         let queue = Arc::new(
             FairQueue::new(rules, clock.clone())
-                .adaptive(config.proxy.adaptive.limit(max_in_flight))
+                .adaptive(AdaptiveLimit::configured(&config.proxy.adaptive, max_in_flight))
                 .shared_in(limits.guard().store().clone(), "proxied"),
         );
         tokio::spawn(queue.clone().dispatch(stop.child_token()));

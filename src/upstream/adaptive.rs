@@ -24,6 +24,7 @@
 use std::sync::Mutex;
 
 use crate::clock::Nanos;
+use crate::config::AdaptiveConfig;
 
 /// What one use of a slot said about the upstream's capacity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,6 +52,11 @@ pub struct AdaptiveLimit {
 }
 
 impl AdaptiveLimit {
+    /// The learner `config` asks for under a static cap of `ceiling` slots, if it is enabled.
+    pub fn configured(config: &AdaptiveConfig, ceiling: usize) -> Option<Self> {
+        config.enabled.then(|| Self::aimd(config.min, config.max_under(ceiling), config.backoff_ratio))
+    }
+
     /// AIMD between `min` and `max` slots (at least one each, `min` ≤ `max`), cutting to
     /// `backoff_ratio` (0 to 1) on overload; it starts at `max`, where a static cap would be.
     pub fn aimd(min: usize, max: usize, backoff_ratio: f64) -> Self {
@@ -102,6 +108,15 @@ impl AdaptiveLimit {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_configured_limit_starts_at_the_ceiling_and_none_when_off() {
+        let config = crate::config::Config::defaults(&crate::config::Catalogue::learned()).expect("defaults");
+        assert!(AdaptiveLimit::configured(&config.upstream.adaptive, 10).is_none(), "off by default");
+        let on = AdaptiveConfig { enabled: true, max: 6, ..config.upstream.adaptive.clone() };
+        let limit = AdaptiveLimit::configured(&on, 10).expect("on");
+        assert_eq!((limit.current(), limit.max()), (6, 6), "max under the static cap");
+    }
 
     #[test]
     fn overload_cuts_once_per_round_to_at_most_what_else_was_running_and_success_grows_it_back() {
