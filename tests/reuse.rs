@@ -27,9 +27,15 @@ fn reused(result: &CallToolResult) -> Option<&'static str> {
     ["coalesced", "cached"].into_iter().find(|how| structured(result)[*how] == true)
 }
 
-/// Calls `list_articles` with one query from each of `clients` at once, while the mock holds every
-/// request at its gate, and releases the gate once `joined` calls wait for another's request.
-async fn at_once(server: &TestServer, clients: Vec<Client>, joined: u64) -> Vec<CallToolResult> {
+/// Calls `list_articles` with one query from a client of each of `keys` at once, while the mock
+/// holds every request at its gate, and releases the gate once `joined` calls wait for another's
+/// request; the upstream requests that made, and the answers.
+async fn at_once(server: &TestServer, keys: &[String], joined: u64) -> (u64, Vec<CallToolResult>) {
+    let mut clients = Vec::new();
+    for key in keys {
+        clients.push(server.client(Some(key)).await);
+    }
+    let before = articles_listed(server).await;
     server.chaos(json!({"hold": true})).await;
     let calls: Vec<_> = clients
         .into_iter()
@@ -44,20 +50,15 @@ async fn at_once(server: &TestServer, clients: Vec<Client>, joined: u64) -> Vec<
     for call in calls {
         answers.push(call.await.expect("the call"));
     }
-    answers
+    (articles_listed(server).await - before, answers)
 }
 
 #[tokio::test]
 async fn ten_identical_calls_of_one_tenant_cost_one_upstream_request_and_each_is_charged() {
     let (toml, keys) = keys("acme", 10);
     let server = TestServer::start(&toml).await;
-    let mut clients = Vec::new();
-    for key in &keys {
-        clients.push(server.client(Some(key)).await);
-    }
-    let before = articles_listed(&server).await;
-    let answers = at_once(&server, clients, 9).await;
-    assert_eq!(articles_listed(&server).await - before, 1, "one upstream request for the ten");
+    let (requests, answers) = at_once(&server, &keys, 9).await;
+    assert_eq!(requests, 1, "one upstream request for the ten");
     assert!(answers.iter().all(|a| !is_error(a)), "ten answers: {answers:?}");
     let first = &structured(&answers[0])["articles"];
     assert!(answers.iter().all(|a| &structured(a)["articles"] == first), "the same answer for each");
@@ -78,26 +79,16 @@ async fn never_across_tenants_and_never_with_coalesce_off() {
     let (acme, acme_keys) = keys("acme", 5);
     let (globex, globex_keys) = keys("globex", 5);
     let server = TestServer::start(&format!("{acme}{globex}")).await;
-    let mut clients = Vec::new();
-    for key in acme_keys.iter().chain(&globex_keys) {
-        clients.push(server.client(Some(key)).await);
-    }
-    let before = articles_listed(&server).await;
-    let answers = at_once(&server, clients, 8).await;
-    assert_eq!(articles_listed(&server).await - before, 2, "one request per tenant");
+    let (requests, answers) = at_once(&server, &[acme_keys, globex_keys].concat(), 8).await;
+    assert_eq!(requests, 2, "one request per tenant");
     assert_eq!(answers.iter().filter(|a| reused(a).is_none()).count(), 2);
 
     let (toml, keys) = keys("acme", 10);
     let off =
         TestServer::start(&format!("{toml}[tools.list_articles]\ncost = 1\nfail = \"open\"\ncoalesce = \"off\"\n"))
             .await;
-    let mut clients = Vec::new();
-    for key in &keys {
-        clients.push(off.client(Some(key)).await);
-    }
-    let before = articles_listed(&off).await;
-    let answers = at_once(&off, clients, 0).await;
-    assert_eq!(articles_listed(&off).await - before, 10, "coalesce = \"off\": each call its own request");
+    let (requests, answers) = at_once(&off, &keys, 0).await;
+    assert_eq!(requests, 10, "coalesce = \"off\": each call its own request");
     assert!(answers.iter().all(|a| !is_error(a) && reused(a).is_none()));
 }
 
