@@ -10,7 +10,7 @@
 #
 #   scripts/walk-readme.sh            # needs port 3000 free (make run's), git, curl, python3
 #
-# Takes about six minutes on 2 cores (the release and debug builds are most of it). make test is
+# Takes about seven minutes on 2 cores (the release and debug builds are most of it). make test is
 # not walked here: .ci/run is that walk.
 set -uo pipefail
 cd "$(dirname "$0")/.."
