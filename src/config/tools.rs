@@ -131,15 +131,23 @@ pub(super) fn validate_tools(
             None => catalogue.holds_slots(&tool),
         };
         let coalesce = spec.coalesce.unwrap_or_default();
-        let cache_key = format!("tools.{tool}.cache_ttl_ms");
         let cache_ttl_ms = match spec.cache_ttl_ms.map(u64::try_from) {
             None => 0,
             Some(Ok(ms)) if ms <= DAY_MS => ms,
-            Some(_) => return Err(invalid(cache_key, format!("0 (no cache) to {DAY_MS} (a day) milliseconds"))),
+            Some(_) => {
+                let key = format!("tools.{tool}.cache_ttl_ms");
+                return Err(invalid(key, format!("0 (no cache) to {DAY_MS} (a day) milliseconds")));
+            }
         };
         // An answer may be shared only when it is the same for everyone who asks the same.
-        let shared = if coalesce != Coalesce::Off { Some(format!("tools.{tool}.coalesce")) } else { None };
-        if let Some(key) = shared.or((cache_ttl_ms > 0).then_some(cache_key)) {
+        let shares = if coalesce != Coalesce::Off {
+            Some("coalesce")
+        } else if cache_ttl_ms > 0 {
+            Some("cache_ttl_ms")
+        } else {
+            None
+        };
+        if let Some(name) = shares {
             // A `holds_slot` tool may share: each waiting call holds its own slot until the answer.
             let why = if catalogue.holds_slots(&tool) {
                 Some("starts a job: each call is its own (a job has its own id)")
@@ -149,7 +157,7 @@ pub(super) fn validate_tools(
                 None
             };
             if let Some(why) = why {
-                return Err(invalid(key, format!("`{tool}` {why}; leave it out")));
+                return Err(invalid(format!("tools.{tool}.{name}"), format!("`{tool}` {why}; leave it out")));
             }
         }
         tools.insert(tool, ToolPolicy { cost, budget, fail, holds_slot, coalesce, cache_ttl_ms });

@@ -202,6 +202,16 @@ fn lock_book(book: &Mutex<Book>) -> MutexGuard<'_, Book> {
     book.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// What a submission's answer teaches the account's adaptive limit through the slot it used: the
+/// upstream took the job, or said 429 (anything else says nothing of its capacity).
+fn learn_from(account: &AccountSlot, answer: &Result<Prediction, UpstreamError>) {
+    match answer {
+        Ok(_) => account.accepted(),
+        Err(UpstreamError::RateLimited { .. }) => account.overloaded(),
+        Err(_) => {}
+    }
+}
+
 fn tool_of(kind: PredictionKind) -> &'static str {
     match kind {
         PredictionKind::Image => "generate_image",
@@ -291,11 +301,7 @@ impl Jobs {
     ) -> Result<JobView, UpstreamError> {
         let answer = self.upstream.create_prediction(&job, &new_id("k")).await;
         self.metrics.upstream(tool_of(job.kind), UpstreamError::outcome_of(&answer));
-        match &answer {
-            Ok(_) => account.accepted(),
-            Err(UpstreamError::RateLimited { .. }) => account.overloaded(),
-            Err(_) => {}
-        }
+        learn_from(&account, &answer);
         let prediction = answer?;
         let id = prediction.id.clone();
         self.insert(owner, Some(id.clone()), prediction, vec![slots, Box::new(account)]);
@@ -360,6 +366,7 @@ impl Jobs {
             let Ok(account) = turn.await else { return false };
             let answer = self.upstream.create_prediction(job, id).await;
             self.metrics.upstream(tool, UpstreamError::outcome_of(&answer));
+            learn_from(&account, &answer);
             let now = self.clock.now();
             // The budget is a share of the submissions the upstream actually received lately,
             // counted when the first one goes out, so a long queue does not bank retries.
@@ -368,7 +375,6 @@ impl Jobs {
             }
             match answer {
                 Ok(prediction) => {
-                    account.accepted();
                     self.started(id, prediction, account);
                     return true;
                 }
@@ -379,9 +385,6 @@ impl Jobs {
                 }
                 Err(error) if error.is_transient() => {
                     // Nothing runs upstream while we back off: the slot goes to the next job.
-                    if matches!(error, UpstreamError::RateLimited { .. }) {
-                        account.overloaded();
-                    }
                     drop(account);
                     failed += 1;
                     let next = self.backoff_after(failed, &error);
