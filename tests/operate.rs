@@ -365,3 +365,16 @@ async fn the_binary_reloads_on_sighup_and_on_a_changed_file_and_keeps_its_limits
     let metrics = reqwest::get(&metrics_url).await.expect("metrics").text().await.expect("text");
     assert!(metrics.contains("mcp_ratelimit_config_reloads_total{outcome=\"refused\"} 1\n"), "{metrics}");
 }
+
+#[tokio::test]
+async fn a_reload_names_the_settings_the_queue_and_the_answer_cache_were_built_with() {
+    let server = TestServer::start(ROOMY).await;
+    let built = mcp_ratelimit::Config::from_toml(
+        &format!("{ROOMY}[upstream]\ncache_max_entries = 5\n[upstream.adaptive]\nenabled = true\n"),
+        &mcp_ratelimit::mcp::tools::catalogue(),
+    )
+    .expect("valid");
+    let reloaded = server.app.state().reload(&built);
+    let mcp_ratelimit::state::Reloaded::Applied { need_restart } = reloaded else { panic!("applied: {reloaded:?}") };
+    assert_eq!(need_restart, ["upstream.cache_max_entries", "upstream.adaptive"], "named, not silently kept");
+}

@@ -69,7 +69,7 @@ pub struct UpstreamConfig {
 
 /// `[upstream.adaptive]`, `[proxy.adaptive]`: the slots toward the upstream learnt from its
 /// answers instead of fixed ([`crate::upstream::adaptive`]).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AdaptiveConfig {
     /// Learn the limit (else the static cap holds).
