@@ -71,12 +71,16 @@ async fn run(adaptive: bool) -> Vec<Phase> {
             // Lets the woken jobs, polls and the dispatcher run before the next step.
             tokio::time::sleep(std::time::Duration::from_millis(4)).await;
         }
-        // The agent sees the learnt limit too.
+        // The agent sees the learnt limit too: the one in force when it asked (the jobs still in
+        // flight may move it by a probe while the answer travels, so it is read on both sides).
+        let before = server.app.state().behind.slots() as u64;
         let status = structured(&call(&agent, "rate_limit_status", json!({})).await)["upstream_queue"].clone();
+        let after = server.app.state().behind.slots() as u64;
         assert_eq!(status["account_adaptive"], adaptive, "{status}");
         assert_eq!(status["account_ceiling"], 10, "{status}");
         if adaptive {
-            assert_eq!(status["account_max_in_flight"].as_u64(), Some(server.app.state().behind.slots() as u64));
+            let shown = status["account_max_in_flight"].as_u64().expect("a count");
+            assert!(shown == before || shown == after, "{shown} is the limit before ({before}) or after ({after})");
         }
         let ns = |ms: u64| ms * 1_000_000;
         let submissions = server.submissions().await;
