@@ -50,6 +50,14 @@ pub const BREAKER_STATE: &str = "mcp_ratelimit_breaker_state";
 /// upstream request of their own: `coalesced` (an identical call's, in flight) or `cached`.
 pub const UPSTREAM_SAVED: &str = "mcp_ratelimit_upstream_requests_saved_total";
 
+/// `mcp_ratelimit_settled_units_total{tool, how}`: cost units moved when calls' prices were
+/// settled from the usage the upstream reported: `refunded` (used less than reserved) or
+/// `charged` (more).
+pub const SETTLED_UNITS: &str = "mcp_ratelimit_settled_units_total";
+/// `mcp_ratelimit_settlement_errors_total{tool}`: settlements the limiter store could not make
+/// (the reservation then stands).
+pub const SETTLEMENT_ERRORS: &str = "mcp_ratelimit_settlement_errors_total";
+
 /// `mcp_ratelimit_config_reloads_total{outcome}`: config reloads applied or refused.
 pub const CONFIG_RELOADS: &str = "mcp_ratelimit_config_reloads_total";
 
@@ -150,6 +158,12 @@ impl Metrics {
             Unit::Count,
             "Tool calls answered without an upstream request of their own, by tool and how.",
         );
+        describe(
+            SETTLED_UNITS,
+            Unit::Count,
+            "Cost units refunded or charged when prices were settled from the usage the upstream reported.",
+        );
+        describe(SETTLEMENT_ERRORS, Unit::Count, "Settlements the limiter store could not make (reservation kept).");
         describe(LOOP_DETECTIONS, Unit::Count, "Tool calls refused because the caller repeated them in a loop.");
         describe(STORE_ERRORS, Unit::Count, "Decisions the limiter store could not make, by layer.");
         let gauge = |name: &'static str, help: &'static str| {
@@ -228,6 +242,17 @@ impl Metrics {
     /// `cached`).
     pub fn upstream_saved(&self, tool: &str, how: &'static str) {
         self.count(UPSTREAM_SAVED, vec![Label::new("tool", tool.to_owned()), Label::new("how", how)]);
+    }
+
+    /// Records `units` cost units `refunded` or `charged` by settling a call of `tool`.
+    pub fn settled(&self, tool: &str, how: &'static str, units: u64) {
+        let labels = vec![Label::new("tool", tool.to_owned()), Label::new("how", how)];
+        self.recorder.register_counter(&Key::from_parts(SETTLED_UNITS, labels), &META).increment(units);
+    }
+
+    /// Records one settlement the store could not make.
+    pub fn settlement_error(&self, tool: &str) {
+        self.count(SETTLEMENT_ERRORS, vec![Label::new("tool", tool.to_owned())]);
     }
 
     /// Records one retry of server-owned upstream work (`submission` or `poll`).

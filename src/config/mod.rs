@@ -10,6 +10,7 @@
 //! | --- | --- |
 //! | `[limits]` (every scope's limits, the in-flight caps) | [`limits`] |
 //! | `[tools.NAME]` (costs, own budgets, fail open or closed) and the checks that every cost fits | [`tools`] |
+//! | `[tools.NAME] cost` as a formula over the arguments, and `settle` | [`price`] |
 //! | `[auth]`, `[tiers]` | [`auth`] |
 //! | `[spend_caps]`, `[tenants.NAME]` | [`spend`] |
 //! | `[store]`, `[loop_detection]` | [`store`] |
@@ -23,6 +24,7 @@
 
 pub mod auth;
 pub mod limits;
+pub mod price;
 pub mod proxy;
 pub mod server;
 pub mod spend;
@@ -38,6 +40,7 @@ use serde::Deserialize;
 
 pub use auth::{ApiKey, AuthConfig};
 pub use limits::{Limit, Limits, METHOD_GROUPS, Mode};
+pub use price::{Formula, Settle};
 pub use proxy::ProxyConfig;
 pub use server::{AdminConfig, ProxyTrust, ServerConfig};
 pub use spend::{SpendCaps, TenantOverride};
@@ -66,6 +69,8 @@ pub const DEFAULT_TOML: &str = include_str!("../../config.toml");
 pub struct Catalogue {
     /// Tool name → what kind of tool it is.
     tools: BTreeMap<String, ToolKind>,
+    /// Tool name → the arguments it takes, where known (a price formula may read only those).
+    arguments: BTreeMap<String, Vec<String>>,
     /// The tools are learnt at run time (see [`Catalogue::learned`]).
     learned: bool,
 }
@@ -90,7 +95,7 @@ impl Catalogue {
     /// # Ok::<(), mcp_ratelimit::config::ConfigError>(())
     /// ```
     pub fn learned() -> Self {
-        Self { tools: BTreeMap::new(), learned: true }
+        Self { tools: BTreeMap::new(), arguments: BTreeMap::new(), learned: true }
     }
 
     /// Whether the tools are learnt at run time.
@@ -117,6 +122,17 @@ impl Catalogue {
     pub fn own_answer(mut self, name: impl Into<String>) -> Self {
         self.tools.insert(name.into(), ToolKind::OwnAnswer);
         self
+    }
+
+    /// With the arguments `name` takes: a `[tools.NAME] cost` formula reading another is refused.
+    pub fn arguments(mut self, name: impl Into<String>, arguments: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        self.arguments.insert(name.into(), arguments.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// The arguments `name` takes, if the catalogue knows them.
+    pub fn arguments_of(&self, name: &str) -> Option<&[String]> {
+        self.arguments.get(name).map(Vec::as_slice)
     }
 
     /// The tools' names, in order.

@@ -69,7 +69,20 @@ impl Config {
                 policy.budget.iter().map(|b| format!("{} {}", b.limiter.algorithm(), b.limiter.describe())).collect();
             let budget = if budget.is_empty() { "-".to_owned() } else { budget.join(" + ") };
             let _ = writeln!(out, "{tool:<34} {:<6} {budget}", policy.cost);
+            if let Some(formula) = &policy.formula {
+                let _ = writeln!(out, "{:<34} (priced {formula}, at most {})", "", policy.cost);
+            }
         }
+        let reserved: Vec<&str> = (self.limiting.tools.iter())
+            .filter(|(_, p)| p.settle == super::Settle::Reserved && p.cost > 0)
+            .map(|(t, _)| t.as_str())
+            .collect();
+        let settles = if reserved.is_empty() {
+            "every price is settled from the usage the upstream reports".to_owned()
+        } else {
+            format!("prices are settled from the usage the upstream reports, except {}", reserved.join(", "))
+        };
+        let _ = writeln!(out, "{settles}; a call is first charged the cost above (reserved).");
         out
     }
 }

@@ -10,7 +10,9 @@ fn reference() -> Catalogue {
         .build()
         .expect("the defaults parse");
     let tools = defaults.get_table("tools").expect("the defaults price tools");
-    tools.into_keys().fold(Catalogue::new(), Catalogue::tool)
+    let catalogue = tools.into_keys().fold(Catalogue::new(), Catalogue::tool);
+    // As the server's own catalogue knows it (from the tool's schema): what a price may read.
+    catalogue.arguments("generate_image_to_video", ["image_url", "prompt", "seconds"])
 }
 
 impl Config {
@@ -30,7 +32,11 @@ fn err(toml: &str) -> String {
 fn documented_defaults_load() {
     let c = Config::from_toml_test("").expect("defaults are valid");
     assert_eq!(c.limiting.limits.caller[0].limiter.capacity(), 60);
-    assert_eq!(c.limiting.tools["generate_image_to_video"].cost, 20);
+    let video = &c.limiting.tools["generate_image_to_video"];
+    assert_eq!(video.cost, 30, "a formula's cost is its most");
+    let policy = crate::guard::Policy::new(&c.limiting);
+    let price = |seconds: u32| policy.price_of("generate_image_to_video", &serde_json::json!({ "seconds": seconds }));
+    assert_eq!((price(5), price(8), price(30)), (20, 26, 30), "20 as SPEC says, for a 5-second video");
     assert_eq!(c.limiting.tools.len(), reference().names().count());
     // Without those tools in the catalogue, their default prices are not loaded.
     assert!(Config::defaults(&Catalogue::new().tool("search")).is_err(), "search has no cost");
@@ -127,7 +133,7 @@ fn a_short_id_secret_is_refused_without_showing_it() {
 fn an_insurance_share_below_a_cost_names_the_instances_the_limit_and_the_tool() {
     let redis = "[store]\nbackend = \"redis\"\nexpected_instances = 3\n";
     // 60 × guest 0.5 = 30, a third of which (10) is below a video's 20, for a tool that fails open.
-    let open = "[tools.generate_image_to_video]\nfail = \"open\"\n";
+    let open = "[tools.generate_image_to_video]\ncost = 20\nfail = \"open\"\n";
     let e = err(&format!("{redis}{open}"));
     assert!(e.contains("`store.expected_instances`"), "{e}");
     for part in ["1/3", "`limits.caller.burst` × `tiers.guest`", "30 → 10", "cost 20", "generate_image_to_video"] {
@@ -213,4 +219,34 @@ fn adaptive_concurrency_is_checked_naming_its_key() {
     let adaptive = &config.upstream.adaptive;
     assert_eq!((adaptive.enabled, adaptive.min, adaptive.max_under(10)), (true, 2, 10), "max 0: the static cap");
     assert!(!Config::defaults(&tools).expect("defaults").upstream.adaptive.enabled, "off by default");
+}
+
+#[test]
+fn a_cost_formula_is_checked_naming_its_key() {
+    let video = "[tools.generate_image_to_video]\n";
+    for (toml, key, said) in [
+        ("cost = \"20 + 2 * secs\"\ncost_max = 30\n", "tools.generate_image_to_video.cost", "reads `secs`"),
+        ("cost = \"20 + 2 * seconds\"\ncost_max = 0\n", "tools.generate_image_to_video.cost_max", "1 or more"),
+        ("cost = \"random()\"\ncost_max = 30\n", "tools.generate_image_to_video.cost", "calls `random`"),
+        ("cost = \"(20\"\ncost_max = 30\n", "tools.generate_image_to_video.cost", "not a formula"),
+        ("cost = \"seconds = 9\"\ncost_max = 30\n", "tools.generate_image_to_video.cost", "assigns"),
+        ("cost = \"2 * seconds\"\ncost_max = 31\n", "tools.generate_image_to_video.cost", "tiers.guest"),
+        ("settle = \"sometimes\"\n", "settle", "sometimes"),
+    ] {
+        let e = err(&format!("{video}{toml}"));
+        assert!(e.contains(key) && e.contains(said), "{toml}: {e}");
+    }
+    // A formula's arguments are checked where the catalogue knows them (a proxy learns its
+    // tools later).
+    let formula = "[tools.save_article]\ncost = \"1 + len(body) / 1000\"\ncost_max = 5\n";
+    let tools = Catalogue::new().tool("save_article").arguments("save_article", ["title", "body"]);
+    let config = Config::from_toml(formula, &tools).expect("reads only `body`");
+    assert_eq!(config.limiting.tools["save_article"].cost, 5);
+    assert!(Config::from_toml(formula, &Catalogue::learned()).is_ok(), "a proxy's tools come later");
+    // cost_max is read only with a formula: a fixed cost written over config.toml's formula is fine.
+    let fixed = Config::from_toml_test("[tools.generate_image_to_video]\ncost = 20\n").expect("fixed");
+    assert!(fixed.limiting.tools["generate_image_to_video"].formula.is_none());
+    assert_eq!(fixed.limiting.tools["generate_image_to_video"].cost, 20);
+    let e = err("[tools.save_article]\ncost = \"2 + len(body)\"\n");
+    assert!(e.contains("tools.save_article.cost_max") && e.contains("the most one call may reserve"), "{e}");
 }

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 
 use super::auth::ApiKey;
+use super::price::{Formula, Settle};
 use super::limits::{DAY_MS, Limit, Limits, RawScope};
 use super::spend::{SpendCaps, TenantOverride};
 use super::{Catalogue, ConfigError, invalid};
@@ -18,8 +19,14 @@ pub(super) const UNPRICED: &str = "an unpriced tool";
 /// `[tools.NAME]`.
 #[derive(Debug, Clone)]
 pub struct ToolPolicy {
-    /// Units charged to the caller and tenant budgets per call.
+    /// Units a call reserves in the caller's, tenant's and address's budgets and the spend cap:
+    /// the fixed cost, or the most its [`ToolPolicy::formula`] may ask (`cost_max`). Every check
+    /// that a cost fits a budget reads this.
     pub cost: u64,
+    /// The price over the call's arguments (`cost = "…"`), held to `cost`; `None`: `cost` itself.
+    pub formula: Option<Formula>,
+    /// What a call is charged in the end: what the upstream reports it used, or the reservation.
+    pub settle: Settle,
     /// An own budget for this tool, per tenant (or per caller without one), counted in calls
     /// (empty: none).
     pub budget: Vec<Limit>,
@@ -56,6 +63,8 @@ impl ToolPolicy {
     pub fn unlisted(cost: u64) -> Self {
         Self {
             cost,
+            formula: None,
+            settle: Settle::default(),
             budget: Vec::new(),
             fail: Fail::default_for(cost),
             holds_slot: false,
@@ -76,16 +85,26 @@ pub enum Fail {
 }
 
 impl Fail {
-    /// What a tool that says nothing does: fail closed if it costs, open if it is free.
+    /// What a tool that says nothing does: fail closed if it may cost, open if it is free.
     pub fn default_for(cost: u64) -> Self {
         if cost > 0 { Fail::Closed } else { Fail::Open }
     }
 }
 
+/// `cost` as written: units, or a formula over the arguments.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawCost {
+    Units(i64),
+    Formula(String),
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawTool {
-    cost: i64,
+    cost: RawCost,
+    cost_max: Option<i64>,
+    settle: Option<Settle>,
     budget: Option<RawScope>,
     fail: Option<Fail>,
     holds_slot: Option<bool>,
@@ -110,9 +129,7 @@ pub(super) fn validate_tools(
                 format!("unknown tool `{tool}`; the tools are {}", catalogue.listed()),
             ));
         }
-        let key = format!("tools.{tool}.cost");
-        let cost = u64::try_from(spec.cost)
-            .map_err(|_| invalid(&key, format!("a cost cannot be negative (got {})", spec.cost)))?;
+        let (cost, formula) = price_of(&tool, &spec.cost, spec.cost_max, catalogue)?;
         cost_fits_the_scopes(&tool, cost, limits, tiers)?;
         let budget = match spec.budget {
             Some(budget) => budget.build(&format!("tools.{tool}.budget"))?,
@@ -160,12 +177,59 @@ pub(super) fn validate_tools(
                 return Err(invalid(format!("tools.{tool}.{name}"), format!("`{tool}` {why}; leave it out")));
             }
         }
-        tools.insert(tool, ToolPolicy { cost, budget, fail, holds_slot, coalesce, cache_ttl_ms });
+        let settle = spec.settle.unwrap_or_default();
+        tools.insert(tool, ToolPolicy { cost, formula, settle, budget, fail, holds_slot, coalesce, cache_ttl_ms });
     }
     if let Some(missing) = catalogue.names().find(|t| !tools.contains_key(*t)) {
         return Err(invalid(format!("tools.{missing}.cost"), "every tool needs a cost"));
     }
     Ok(tools)
+}
+
+/// `[tools.NAME] cost` (and `cost_max`) as written: the most a call reserves, and its formula if
+/// it has one, checked to read only arguments the tool takes when the catalogue knows them.
+fn price_of(
+    tool: &str,
+    cost: &RawCost,
+    cost_max: Option<i64>,
+    catalogue: &Catalogue,
+) -> Result<(u64, Option<Formula>), ConfigError> {
+    let key = format!("tools.{tool}.cost");
+    let max_key = format!("tools.{tool}.cost_max");
+    match cost {
+        RawCost::Units(units) => {
+            let units =
+                u64::try_from(*units).map_err(|_| invalid(&key, format!("a cost cannot be negative (got {units})")))?;
+            // Read only for a formula: a fixed cost written over config.toml's formula leaves its
+            // cap behind, and that must not be an error.
+            if cost_max.is_some_and(|most| most < 1) {
+                return Err(invalid(max_key, "the most a call may reserve: a whole number of units, 1 or more"));
+            }
+            Ok((units, None))
+        }
+        RawCost::Formula(text) => {
+            let formula = Formula::parse(text).map_err(|problem| invalid(&key, problem))?;
+            if let Some(arguments) = catalogue.arguments_of(tool)
+                && let Some(unknown) = formula.reads().iter().find(|name| !arguments.contains(name))
+            {
+                return Err(invalid(
+                    &key,
+                    format!("`{text}` reads `{unknown}`, which `{tool}` does not take; it takes {}", arguments.join(", ")),
+                ));
+            }
+            let most = match cost_max.map(u64::try_from) {
+                Some(Ok(most)) if most > 0 => most,
+                Some(_) => return Err(invalid(max_key, "the most a call may reserve: a whole number of units, 1 or more")),
+                None => {
+                    return Err(invalid(
+                        max_key,
+                        format!("`{key}` is a formula: say the most one call may reserve (its price is held to it)"),
+                    ));
+                }
+            };
+            Ok((most, Some(formula)))
+        }
+    }
 }
 
 /// `cost` of `tool` fits every enforced limit of the caller, tenant and address budgets, and of

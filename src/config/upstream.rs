@@ -194,6 +194,8 @@ pub struct MockUpstreamConfig {
     pub image_job_ms: u64,
     /// Duration of a video job.
     pub video_job_ms: u64,
+    /// The longest clip it renders; a longer ask is cut to it and billed for what was rendered.
+    pub max_video_seconds: u64,
     /// A key every `/v1` request must carry, as `Authorization: Bearer <key>` or `X-Api-Key: <key>`
     /// (empty: none asked); anything else is answered 401. Never printed.
     pub api_key: Secret,
@@ -285,7 +287,7 @@ impl UpstreamConfig {
 }
 
 impl MockUpstreamConfig {
-    /// The section, checked: durations within a day, rates fractions.
+    /// The section, checked: durations within a day, rates fractions, clips an hour at most.
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
         for (key, value, most) in [
             ("mock_upstream.latency_ms", self.latency_ms, DAY_MS),
@@ -296,6 +298,10 @@ impl MockUpstreamConfig {
             if value > most {
                 return Err(invalid(key, format!("{value} is more than a day ({most})")));
             }
+        }
+        if !(1..=3600).contains(&self.max_video_seconds) {
+            let got = self.max_video_seconds;
+            return Err(invalid("mock_upstream.max_video_seconds", format!("1 to 3600 seconds (got {got})")));
         }
         fraction("mock_upstream.rate_429", self.rate_429)?;
         fraction("mock_upstream.rate_5xx", self.rate_5xx)

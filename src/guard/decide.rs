@@ -30,7 +30,7 @@ pub(super) struct Insurance {
     /// every call) until one probe a second finds it back.
     pub(super) shared_down: Breaker,
     /// The shared store's refusals still in force, answered here without a round trip.
-    pub(super) refused: RefusalMemory,
+    pub(super) refused: Arc<RefusalMemory>,
 }
 
 /// What a plan came to.

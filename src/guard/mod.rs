@@ -11,7 +11,9 @@
 //! 3. **decide** (`decide.rs`): every planned limit **atomically** — all pass and are charged, or
 //!    none is — on the store, or on the insurance limiter while a shared store cannot decide;
 //! 4. **report** ([`report`]): which limit refused and how long to wait, the warnings an
-//!    admitted call carries, metrics, the dashboard's activity and the (rate-limited) log.
+//!    admitted call carries, metrics, the dashboard's activity and the (rate-limited) log;
+//! 5. **settle** ([`settle`], after the call): the price the call reserved made what the upstream
+//!    says it used, by the door that has the answer ([`Admission::reserved`]).
 //!
 //! A forker who wants no loop detection removes stage 2 (the `loops` field and its two calls in
 //! [`Guard::admit`]); one who wants another store hands [`Guard::new`] another [`Store`].
@@ -25,6 +27,7 @@ pub mod refusal;
 pub mod refusal_memory;
 pub mod report;
 pub mod scope;
+pub mod settle;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,11 +36,10 @@ use arc_swap::ArcSwap;
 
 use crate::activity::{Activity, Refused, Sample, ScopeLevel};
 use crate::clock::{Nanos, SharedClock, ceil_ms};
-use crate::config::{Fail, Limit, LimitsConfig};
+use crate::config::{Fail, Limit, LimitsConfig, Settle};
 use crate::guard::decide::Insurance;
 use crate::guard::loops::{Looping, Loops, Recorded, SharedLoopCall};
 use crate::guard::plan::{Planned, http_scopes, method_scopes, status_scopes, tool_scopes};
-use crate::guard::refusal_memory::RefusalMemory;
 use crate::guard::report::{RefusalLog, budget_status, refused_by, warnings_of};
 use crate::identity::Caller;
 use crate::limit::{Decision, Limiter};
@@ -47,6 +49,7 @@ pub use policy::{MethodGroup, Policy, TierLimits};
 pub use refusal::{Refusal, RefusalCode};
 pub use report::{BudgetStatus, Money, Warning};
 pub use scope::Scope;
+pub use settle::{Reserved, Settled, Used};
 
 /// What an admitted tool call holds while it runs: its in-flight slots (given back when it is
 /// dropped) and its place in the in-flight gauge.
@@ -55,6 +58,7 @@ pub use scope::Scope;
 pub struct Admission {
     _slots: Vec<SlotGuard>,
     warnings: Vec<Warning>,
+    reserved: Option<Reserved>,
     metrics: Arc<Metrics>,
 }
 
@@ -62,12 +66,24 @@ impl Admission {
     /// The only way to make one: the in-flight gauge goes up here and down in `Drop`.
     fn new(slots: Vec<SlotGuard>, metrics: Arc<Metrics>) -> Self {
         metrics.in_flight(1.0);
-        Self { _slots: slots, warnings: Vec::new(), metrics }
+        Self { _slots: slots, warnings: Vec::new(), reserved: None, metrics }
     }
 
     fn warning(mut self, warnings: Vec<Warning>) -> Self {
         self.warnings = warnings;
         self
+    }
+
+    fn reserving(mut self, reserved: Option<Reserved>) -> Self {
+        self.reserved = reserved;
+        self
+    }
+
+    /// The price this call reserved, for the door that gets its answer to settle
+    /// ([`Reserved::settle`]); `None` for a call that costs nothing, or once taken. Left here
+    /// unsettled, the reservation stands.
+    pub fn reserved(&mut self) -> Option<Reserved> {
+        self.reserved.take()
     }
 
     /// Limits this call took past their warning level (spend caps at 80 %, daily windows…).
@@ -174,7 +190,7 @@ impl Guard {
         self.insurance = Some(Insurance {
             store: local,
             shared_down: crate::breaker::Breaker::new(1, decide::STORE_PROBE_EVERY),
-            refused: RefusalMemory::default(),
+            refused: Arc::default(),
         });
         self.live.store(Arc::new(LimitsInForce::new(config, true)));
         self
@@ -203,9 +219,12 @@ impl Guard {
 
     /// The budgets a call of `tool` by `caller` draws on, with the units it costs in each (a job's
     /// in-flight caps among them): what [`Guard::admit`] charges, for tools that reason about it.
+    /// (A tool priced by a formula is shown at its most, `cost_max`.)
     pub fn scopes_of(&self, caller: &Caller, tool: &str, starts_job: bool) -> Vec<(Scope, Limit, u64)> {
         let policy = self.policy();
-        tool_scopes(&policy, caller, tool, starts_job).into_iter().map(|p| (p.scope, p.limit.clone(), p.cost)).collect()
+        let cost = policy.cost_of(tool);
+        let scopes = tool_scopes(&policy, caller, tool, cost, starts_job);
+        scopes.into_iter().map(|p| (p.scope, p.limit.clone(), p.cost)).collect()
     }
 
     /// Where limiter state lives.
@@ -367,7 +386,7 @@ impl Guard {
     ) -> Result<Admission, Refusal> {
         let (tool, starts_job) = (call.tool, call.starts_job);
         let fail = live.policy.tool(tool).map_or(Fail::Closed, |t| t.fail);
-        let under = |p| tool_scopes(p, caller, tool, starts_job);
+        let under = |p| tool_scopes(p, caller, tool, Policy::price_of(p, tool, call.args), starts_job);
         let lease = new_lease();
         let blocks: Vec<Scope> =
             std::iter::once(Scope::block_caller(caller)).chain(Scope::block_tenant(caller)).collect();
@@ -424,7 +443,29 @@ impl Guard {
             })
             .collect();
         let warnings = warnings_of(&live.policy, scopes, decisions);
-        Ok(Admission::new(slots, self.metrics.clone()).warning(warnings))
+        let reserved = self.reserved(&live.policy, tool, &decided);
+        Ok(Admission::new(slots, self.metrics.clone()).warning(warnings).reserving(reserved))
+    }
+
+    /// What an admitted call reserved in the budgets that took its price, to settle later; `None`
+    /// for a call that costs nothing.
+    fn reserved(&self, policy: &Policy, tool: &str, decided: &decide::Decided<'_>) -> Option<Reserved> {
+        let budgets: Vec<(String, Limiter)> = decided
+            .scopes
+            .iter()
+            .zip(&decided.decisions)
+            .filter(|(p, d)| p.priced && p.cost > 0 && d.allowed && !p.limit.limiter.holds_slots())
+            .map(|(p, _)| (p.scope.key().to_owned(), p.limit.limiter.clone()))
+            .collect();
+        let units = decided.scopes.iter().find(|p| p.priced).map_or(0, |p| p.cost);
+        if units == 0 {
+            return None;
+        }
+        let settle = policy.tool(tool).map_or(Settle::default(), |t| t.settle);
+        // The memory of the shared store's refusals goes stale where a refund lands there.
+        let shared = Arc::ptr_eq(decided.store, &self.store);
+        let refusals = self.insurance.as_ref().filter(|_| shared).map(|i| i.refused.clone());
+        Some(Reserved::new((tool, units, settle), decided.store.clone(), budgets, self.metrics.clone(), refusals))
     }
 
     /// The caller's bucket and the time, for the report stage.

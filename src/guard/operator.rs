@@ -5,7 +5,7 @@
 //! tools' own budgets when it has no tenant) or one tenant's (the shared budget and the tools'
 //! own budgets). Every operation acts on the guard's store, so on Redis it acts for every
 //! instance at once: a reset deletes the keys, a refund runs the algorithm's `refund` twin
-//! (`refund.lua`), a block is a key with a TTL that the decision script reads with the budgets.
+//! (`adjust.lua`), a block is a key with a TTL that the decision script reads with the budgets.
 //!
 //! One thing is local to each instance: the memory of the shared store's refusals
 //! (`refusals.rs`), which refuses a caller until the time Redis named, without asking, on the
@@ -23,6 +23,7 @@ use crate::guard::policy::MethodGroup;
 use crate::guard::report::budget_status;
 use crate::guard::{BudgetStatus, Guard, Refusal, Scope};
 use crate::identity::Caller;
+use crate::limit::Adjustment;
 use crate::metrics::Layer;
 use crate::store::{Check, StoreError, new_lease};
 
@@ -95,13 +96,14 @@ impl Target {
                 if caller.tenant().is_none() && caller.unverified_from().is_none() {
                     tool_budgets(policy, caller, &mut scopes);
                     if let Some(cap) = policy.spend_cap(None) {
-                        scopes.push(Planned { scope: Scope::spend(caller), limit: cap, cost: 0 });
+                        scopes.push(Planned { scope: Scope::spend(caller), limit: cap, cost: 0, priced: true });
                     }
                 }
                 scopes.push(Planned {
                     scope: Scope::in_flight_caller(caller),
                     limit: &policy.in_flight_caller,
                     cost: 0,
+                    priced: false,
                 });
             }
             Target::Tenant(member) => {
@@ -110,10 +112,10 @@ impl Target {
                 }
                 tool_budgets(policy, member, &mut scopes);
                 if let Some(cap) = policy.spend_cap(member.tenant()) {
-                    scopes.push(Planned { scope: Scope::spend(member), limit: cap, cost: 0 });
+                    scopes.push(Planned { scope: Scope::spend(member), limit: cap, cost: 0, priced: true });
                 }
                 let in_flight = Scope::in_flight_tenant(member);
-                scopes.extend(in_flight.map(|scope| Planned { scope, limit: &policy.in_flight_tenant, cost: 0 }));
+                scopes.extend(in_flight.map(|scope| Planned { scope, limit: &policy.in_flight_tenant, cost: 0, priced: false }));
             }
         }
         scopes.into_iter().map(|p| (p.scope, p.limit)).collect()
@@ -244,7 +246,11 @@ impl Guard {
         let Some((scope, limit)) = scopes.first() else {
             return Err(OperatorError::Invalid { field: "scope", message: "no such budget".into() });
         };
-        let decision = self.store.refund(scope.key(), &limit.limiter, units).await?;
+        let adjusted = self.store.adjust(&[(scope.key(), &limit.limiter)], Adjustment::Refund(units)).await?;
+        let decision = adjusted.first().copied().ok_or_else(|| OperatorError::Invalid {
+            field: "units",
+            message: "the limiter store answered without the budget's level; try again".into(),
+        })?;
         self.forgive().await;
         tracing::info!(action = "refund", target = %target.label(), scope = scope.name(), units, "admin action");
         Ok(budget_status(&policy, scope, limit, &decision))

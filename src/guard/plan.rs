@@ -21,6 +21,9 @@ pub struct Planned<'p> {
     pub limit: &'p Limit,
     /// Units this request costs in it (0: only read its level).
     pub cost: u64,
+    /// Whether it is charged the call's price (a budget in cost units, settled once the upstream
+    /// says what the call used), rather than one per call or a slot.
+    pub priced: bool,
 }
 
 /// Adds `scope`'s `limits` at `cost`: the first under the scope itself, each other one under the
@@ -28,19 +31,19 @@ pub struct Planned<'p> {
 pub fn plan<'p>(out: &mut Vec<Planned<'p>>, scope: Scope, limits: &'p [Limit], cost: u64) {
     for limit in limits {
         let scope = if limit.suffix.is_empty() { scope.clone() } else { scope.for_limit(&limit.suffix) };
-        out.push(Planned { scope, limit, cost });
+        out.push(Planned { scope, limit, cost, priced: false });
     }
 }
 
 /// The in-flight caps a job holds: the caller's, its tenant's, and for an unverified caller its
 /// address's.
 pub fn in_flight_scopes<'p>(policy: &'p Policy, caller: &Caller, cost: u64, out: &mut Vec<Planned<'p>>) {
-    out.push(Planned { scope: Scope::in_flight_caller(caller), limit: &policy.in_flight_caller, cost });
+    out.push(Planned { scope: Scope::in_flight_caller(caller), limit: &policy.in_flight_caller, cost, priced: false });
     if let Some(scope) = Scope::in_flight_tenant(caller) {
-        out.push(Planned { scope, limit: &policy.in_flight_tenant, cost });
+        out.push(Planned { scope, limit: &policy.in_flight_tenant, cost, priced: false });
     }
     if let Some(scope) = Scope::in_flight_address(caller) {
-        out.push(Planned { scope, limit: &policy.in_flight_address, cost });
+        out.push(Planned { scope, limit: &policy.in_flight_address, cost, priced: false });
     }
 }
 
@@ -60,13 +63,20 @@ pub fn method_scopes<'p>(policy: &'p Policy, caller: &Caller, group: MethodGroup
     scopes
 }
 
-/// The scopes a call of `tool` by `caller` draws on under `policy`, with their limits and costs.
-pub fn tool_scopes<'p>(policy: &'p Policy, caller: &Caller, tool: &str, starts_job: bool) -> Vec<Planned<'p>> {
+/// The scopes a call of `tool` by `caller` that costs `cost` (its price: [`Policy::price_of`])
+/// draws on under `policy`, with their limits and costs.
+pub fn tool_scopes<'p>(
+    policy: &'p Policy,
+    caller: &Caller,
+    tool: &str,
+    cost: u64,
+    starts_job: bool,
+) -> Vec<Planned<'p>> {
     let tier = policy.for_caller(caller);
-    let cost = policy.cost_of(tool);
     let mut scopes = Vec::with_capacity(8);
     plan(&mut scopes, Scope::method(caller, MethodGroup::ToolsCall), &tier.tools_call, 1);
     if cost > 0 {
+        let first = scopes.len();
         plan(&mut scopes, Scope::caller(caller), policy.caller_budget(caller), cost);
         if let (Some(scope), Some(tenant)) = (Scope::tenant(caller), caller.tenant()) {
             plan(&mut scopes, scope, policy.tenant_budget(tenant), cost);
@@ -75,7 +85,10 @@ pub fn tool_scopes<'p>(policy: &'p Policy, caller: &Caller, tool: &str, starts_j
             plan(&mut scopes, address, &policy.address, cost);
         }
         if let Some(cap) = policy.spend_cap(caller.tenant()) {
-            scopes.push(Planned { scope: Scope::spend(caller), limit: cap, cost });
+            scopes.push(Planned { scope: Scope::spend(caller), limit: cap, cost, priced: false });
+        }
+        for priced in &mut scopes[first..] {
+            priced.priced = true;
         }
     }
     if let Some(tool_policy) = policy.tool(tool) {
@@ -104,7 +117,7 @@ pub fn status_scopes<'p>(policy: &'p Policy, caller: &Caller, over_http: bool) -
         plan(&mut peek, address, &policy.address, 0);
     }
     if let Some(cap) = policy.spend_cap(caller.tenant()) {
-        peek.push(Planned { scope: Scope::spend(caller), limit: cap, cost: 0 });
+        peek.push(Planned { scope: Scope::spend(caller), limit: cap, cost: 0, priced: true });
     }
     for (tool, tool_policy) in &policy.tools {
         plan(&mut peek, Scope::tool(caller, tool), &tool_policy.budget, 0);
@@ -149,13 +162,13 @@ mod tests {
         let mut headers = http::HeaderMap::new();
         headers.insert("x-api-key", "made-up".parse().expect("header"));
         let made_up = identifier.identify(&headers, Some("203.0.113.7".parse().expect("ip"))).expect("caller");
-        let scopes = names(&tool_scopes(&policy, &made_up, "render", true));
+        let scopes = names(&tool_scopes(&policy, &made_up, "render", 5, true));
         for expected in ["address:ip:203.0.113.7", "in_flight:address:ip:203.0.113.7"] {
             assert!(scopes.iter().any(|s| s == expected), "{expected} in {scopes:?}");
         }
         headers.insert("x-api-key", "k".parse().expect("header"));
         let keyed = identifier.identify(&headers, Some("203.0.113.7".parse().expect("ip"))).expect("caller");
-        let scopes = names(&tool_scopes(&policy, &keyed, "render", true));
+        let scopes = names(&tool_scopes(&policy, &keyed, "render", 5, true));
         assert!(scopes.iter().all(|s| !s.contains("address")), "{scopes:?}");
         assert!(scopes.iter().any(|s| s == "tenant:acme") && scopes.iter().any(|s| s == "in_flight:tenant:acme"));
     }
@@ -164,9 +177,9 @@ mod tests {
     fn a_free_call_draws_only_on_its_method_and_a_job_takes_its_slots_at_one_each() {
         let (policy, identifier) = policy(0, "");
         let caller = identifier.local();
-        let free = tool_scopes(&policy, &caller, "search", false);
+        let free = tool_scopes(&policy, &caller, "search", 0, false);
         assert_eq!(names(&free), vec!["method:tools/call:local"]);
-        let job = tool_scopes(&policy, &caller, "render", true);
+        let job = tool_scopes(&policy, &caller, "render", 5, true);
         let slots: Vec<u64> = job.iter().filter(|p| p.limit.limiter.holds_slots()).map(|p| p.cost).collect();
         assert_eq!(slots, vec![1], "one slot of the caller's cap; stdio has no tenant and no address");
         let budget = job.iter().find(|p| p.scope.name() == "caller:local").expect("the caller's budget");

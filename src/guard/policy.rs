@@ -232,9 +232,19 @@ impl Policy {
         self.tools.get(tool).or(self.unlisted_tools.as_ref())
     }
 
-    /// What `tool` costs.
+    /// The most a call of `tool` costs: its fixed cost, or its formula's `cost_max`.
     pub fn cost_of(&self, tool: &str) -> u64 {
         self.tool(tool).map_or(0, |t| t.cost)
+    }
+
+    /// What a call of `tool` with `args` reserves: its formula's price for them (held to
+    /// `cost_max`), else its fixed cost.
+    pub fn price_of(&self, tool: &str, args: &serde_json::Value) -> u64 {
+        match self.tool(tool) {
+            Some(ToolPolicy { formula: Some(formula), cost, .. }) => formula.units(args, *cost),
+            Some(policy) => policy.cost,
+            None => 0,
+        }
     }
 
     /// Whether a call of `tool` holds an in-flight slot until it returns (or its job is final).

@@ -99,6 +99,18 @@ impl RefusalMemory {
         self.entries().clear();
     }
 
+    /// Forgets the refusals of `keys`: budget came back to them other than by time (a call's price
+    /// settled below what it reserved).
+    pub fn forget<'k>(&self, keys: impl IntoIterator<Item = &'k str>) {
+        let mut entries = self.entries();
+        if entries.is_empty() {
+            return;
+        }
+        for key in keys {
+            entries.remove(key);
+        }
+    }
+
     /// Whether any refusal is remembered.
     pub fn is_empty(&self) -> bool {
         self.entries().is_empty()

@@ -84,6 +84,18 @@ pub struct Decision {
     pub reset_after: Nanos,
 }
 
+/// A change to a budget after the fact, beside the decisions that charge it: units given back (an
+/// operator's refund; a settled price below what the call reserved) or taken on top (a settled
+/// price above it). Neither ever takes a budget beyond its capacity or below empty.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Adjustment {
+    /// Give `units` back, never beyond the capacity ([`Algorithm::refund`]).
+    Refund(u64),
+    /// Take `units` more whether or not they are left: what is left is taken and the rest is
+    /// forgiven, so the budget stands at empty, never below (a settlement saturates).
+    Charge(u64),
+}
+
 /// What an algorithm's budget is besides its capacity: a rate, a window, or slots.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shape {
@@ -363,6 +375,24 @@ impl Limiter {
         // Past the capacity a refund only fills up; clamped here so both stores see one number.
         let units = units.min(self.capacity());
         self.with_state(state, now, Refund(now, units));
+    }
+
+    /// Adjusts the budget in `state` at `now` ([`Adjustment`]). A charge takes what the key can
+    /// still admit, capped at `units`: by the meaning of [`Decision::remaining`] every algorithm
+    /// admits that much at once, so one rule serves all of them (and their Lua twins). In-flight
+    /// slots are work, not a price: a charge leaves them alone, a refund gives slots back.
+    pub fn adjust(&self, state: &mut LimiterState, now: Nanos, by: Adjustment) {
+        match by {
+            Adjustment::Refund(units) => self.refund(state, now, units),
+            Adjustment::Charge(_) if self.holds_slots() => {}
+            Adjustment::Charge(units) => {
+                let take = units.min(self.acquire(state, now, 0).remaining);
+                if take > 0 {
+                    let taken = self.acquire(state, now, take);
+                    debug_assert!(taken.allowed, "{}: {take} of what was left refused", self.describe());
+                }
+            }
+        }
     }
 
     /// Gives back `cost` in-flight slots; a no-op for rate algorithms (and for a state another

@@ -10,7 +10,8 @@
 //! Every call then passes [`Guard::admit`](crate::guard::Guard::admit) before the tool runs:
 //! loops are refused, the tool's cost is charged to the caller's, tenant's and tool's budgets at
 //! once (all or none), and a tool the [`Catalogue`](crate::config::Catalogue) marks as a job takes
-//! an in-flight slot for as long as it runs. A refusal is the tool result an agent can act on
+//! an in-flight slot for as long as it runs. The cost is a reservation: once the tool answers, it
+//! is settled to the `usage.units` the answer reports ([`settled`]). A refusal is the tool result an agent can act on
 //! (`isError`, the wait in whole seconds, `structuredContent.error`); limits close to their end
 //! add warnings to the result. `tools/list` shows each tool's cost in its description.
 //!
@@ -25,7 +26,8 @@ use rmcp::model::{CallToolResponse, CallToolResult, JsonObject, Tool};
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer};
 
-use crate::guard::{Admission, Policy, Refusal, ToolCall};
+use crate::guard::{Admission, Policy, Refusal, RefusalCode, Reserved, ToolCall, Used};
+use crate::config::ToolPolicy;
 use crate::identity::Caller;
 use crate::mcp::results;
 use crate::metrics::Layer;
@@ -57,11 +59,12 @@ impl<S: Send + Sync + 'static> LimitedRouter<S> {
         if self.router.get(context.name()).is_none() {
             return Err(ErrorData::invalid_params("tool not found", None));
         }
-        let admission =
+        let mut admission =
             match admit(&self.limits, &context.request_context, context.name(), context.arguments.as_ref()).await? {
                 Ok(admission) => admission,
                 Err(refused) => return Ok(refused.into()),
             };
+        let reservation = admission.reserved();
         // A client's cancellation (or the session closing) drops the tool, and with it the
         // admission's in-flight slots, at once instead of when the tool would have returned.
         let cancelled = context.request_context.ct.clone();
@@ -71,6 +74,12 @@ impl<S: Send + Sync + 'static> LimitedRouter<S> {
         };
         let warnings = admission.warnings().to_vec();
         drop(admission);
+        let result = match (result, reservation) {
+            (Ok(CallToolResponse::Complete(done)), Some(reservation)) => {
+                Ok(CallToolResponse::Complete(settled(done, reservation).await))
+            }
+            (other, _) => other,
+        };
         match result {
             Ok(CallToolResponse::Complete(done)) if !warnings.is_empty() && done.is_error != Some(true) => {
                 Ok(CallToolResponse::Complete(results::with_warnings(done, &warnings)))
@@ -90,16 +99,19 @@ impl<S: Send + Sync + 'static> LimitedRouter<S> {
     }
 }
 
-/// `tools` with each one's cost under `policy` appended to its description ("Costs 5 tokens."),
-/// as `tools/list` shows them.
+/// `tools` with each one's cost under `policy` appended to its description ("Costs 5 tokens.",
+/// or a formula and its most), as `tools/list` shows them.
 pub fn priced(tools: Vec<Tool>, policy: &Policy) -> Vec<Tool> {
     tools
         .into_iter()
         .map(|mut tool| {
-            let price = match policy.cost_of(&tool.name) {
-                0 => " Free: costs no budget.".to_owned(),
-                1 => " Costs 1 token.".to_owned(),
-                n => format!(" Costs {n} tokens."),
+            let price = match (policy.tool(&tool.name), policy.cost_of(&tool.name)) {
+                (Some(ToolPolicy { formula: Some(formula), .. }), most) => {
+                    format!(" Costs {formula} tokens, at most {most}: reserved when called, settled to what it used.")
+                }
+                (_, 0) => " Free: costs no budget.".to_owned(),
+                (_, 1) => " Costs 1 token.".to_owned(),
+                (_, n) => format!(" Costs {n} tokens."),
             };
             let said = tool.description.as_deref().unwrap_or_default().trim_end();
             // A description that ends mid-sentence (another server's) gets its full stop first.
@@ -137,6 +149,32 @@ pub async fn admit(
     let guard = limits.guard();
     let call = ToolCall { tool, args: &args, starts_job: guard.policy().holds_slot(tool), loop_exempt: false };
     Ok(guard.admit(&caller, &call).await.map_err(|refusal| refused(limits, &caller, tool, &refusal)))
+}
+
+/// What the work behind `done` came to, as far as its price goes: the units it reports, nothing
+/// for the upstream's 429 (it took no work), else unreported (see [`crate::guard::settle`]).
+pub fn used_in(done: &CallToolResult) -> Used {
+    if let Some(units) = results::usage_in(done) {
+        return Used::Reported(units);
+    }
+    match results::refusal_in(done) {
+        Some(refusal) if refusal.code == RefusalCode::UpstreamRateLimited => Used::Nothing,
+        _ => Used::Unreported,
+    }
+}
+
+/// `done`, the answer to a call that reserved `reservation`, with the price settled from what it
+/// says was used ([`used_in`]) and `reserved` and `charged` said in it.
+pub async fn settled(done: CallToolResult, reservation: Reserved) -> CallToolResult {
+    let used = used_in(&done);
+    settled_as(done, reservation, used).await
+}
+
+/// `done` with the price `reservation` holds settled for work that came to `used` (what the door
+/// knows better than the answer: a call never sent did nothing), and said in it.
+pub async fn settled_as(done: CallToolResult, reservation: Reserved, used: Used) -> CallToolResult {
+    let settled = reservation.settle(used).await;
+    results::priced(done, settled)
 }
 
 /// Records a refused call of `tool` for the dashboard, whatever refused it.

@@ -9,7 +9,7 @@
 use rmcp::ErrorData;
 use rmcp::model::{CallToolResult, ContentBlock, ErrorCode};
 
-use crate::guard::{Refusal, Warning};
+use crate::guard::{Refusal, Settled, Warning};
 use crate::reuse::Served;
 
 /// The `isError: true` tool result carrying the refusal's message and its structured error.
@@ -58,19 +58,43 @@ pub fn keepable(done: &CallToolResult) -> Option<u64> {
 /// A result another call's request answered says so: `cached: true` (a kept answer) or
 /// `coalesced: true` (an identical call's, in flight) in `structuredContent` when it is an object,
 /// else in `_meta`.
-pub fn reused(mut done: CallToolResult, served: Served) -> CallToolResult {
+pub fn reused(done: CallToolResult, served: Served) -> CallToolResult {
     let Some(how) = served.saved() else { return done };
+    said(done, &[(how, serde_json::Value::Bool(true))])
+}
+
+/// A result that says what its call reserved and was charged: `reserved` and `charged` in
+/// `structuredContent` when it is an object, else in `_meta`.
+pub fn priced(done: CallToolResult, settled: Settled) -> CallToolResult {
+    said(done, &[("reserved", settled.reserved.into()), ("charged", settled.charged.into())])
+}
+
+/// `done` with `facts` added where a client reads them: `structuredContent` when it is an
+/// object (ours always is), else `_meta` (another server's result, left as it was).
+fn said(mut done: CallToolResult, facts: &[(&str, serde_json::Value)]) -> CallToolResult {
     match &mut done.structured_content {
         Some(serde_json::Value::Object(structured)) => {
-            structured.insert(how.into(), serde_json::Value::Bool(true));
+            for (key, value) in facts {
+                structured.insert((*key).into(), value.clone());
+            }
         }
         _ => {
             let mut meta = done.meta.take().unwrap_or_default();
-            meta.0.insert(how.into(), serde_json::Value::Bool(true));
+            for (key, value) in facts {
+                meta.0.insert((*key).into(), value.clone());
+            }
             done.meta = Some(meta);
         }
     }
     done
+}
+
+/// The units the upstream reports a result used: `structuredContent.usage.units`, else
+/// `_meta.usage.units` (where a server that has no structured output can say it).
+pub fn usage_in(done: &CallToolResult) -> Option<u64> {
+    let structured = done.structured_content.as_ref().and_then(|s| s.get("usage"));
+    let meta = done.meta.as_ref().and_then(|m| m.0.get("usage"));
+    structured.or(meta)?.get("units")?.as_u64()
 }
 
 #[cfg(test)]
@@ -88,5 +112,25 @@ mod tests {
         }
         let ok = CallToolResult::success(vec![ContentBlock::text("fine")]);
         assert_eq!(refusal_in(&ok), None);
+    }
+
+    #[test]
+    fn usage_is_read_from_structured_content_or_meta_and_the_price_is_said_beside_it() {
+        let mut structured = CallToolResult::structured(serde_json::json!({"usage": {"units": 7}}));
+        assert_eq!(usage_in(&structured), Some(7));
+        structured = priced(structured, Settled { reserved: 9, charged: 7 });
+        let said = structured.structured_content.as_ref().expect("structured");
+        assert_eq!((said["reserved"].clone(), said["charged"].clone()), (9.into(), 7.into()));
+        let mut text = CallToolResult::success(vec![ContentBlock::text("fine")]);
+        assert_eq!(usage_in(&text), None, "nothing reported");
+        let mut meta = rmcp::model::MetaObject::default();
+        meta.0.insert("usage".into(), serde_json::json!({"units": 3}));
+        text.meta = Some(meta);
+        assert_eq!(usage_in(&text), Some(3));
+        let text = priced(text, Settled { reserved: 5, charged: 3 });
+        assert_eq!(text.structured_content, None, "another server's result keeps its shape");
+        assert_eq!(text.meta.as_ref().map(|m| m.0["charged"].clone()), Some(3.into()));
+        let negative = CallToolResult::structured(serde_json::json!({"usage": {"units": -2}}));
+        assert_eq!(usage_in(&negative), None, "not a count of units");
     }
 }

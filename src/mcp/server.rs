@@ -228,9 +228,18 @@ impl ServerHandler for McpServer {
             answered = call => answered,
             () = cancelled.cancelled() => (Err(ErrorData::internal_error("the request was cancelled", None)), Served::Asked),
         };
-        drop(admission.take());
+        // A job tool took the admission, and its job settles the price when it is final; any
+        // other call's price is settled here, from the answer, as its slots go back.
+        let reservation = admission.take().and_then(|mut admission| admission.reserved());
         let result = match result {
-            Ok(CallToolResponse::Complete(done)) => Ok(CallToolResponse::Complete(results::reused(done, served))),
+            Ok(CallToolResponse::Complete(done)) => {
+                let done = results::reused(done, served);
+                let done = match reservation {
+                    Some(reservation) => limited::settled(done, reservation).await,
+                    None => done,
+                };
+                Ok(CallToolResponse::Complete(done))
+            }
             other => other,
         };
         // A refusal from the tool itself (the upstream's 429 or failure) is seen like the others.

@@ -22,7 +22,7 @@ use crate::config::Catalogue;
 use crate::guard::{Admission, BudgetStatus, Refusal};
 use crate::identity::Caller;
 use crate::mcp::McpServer;
-use crate::mcp::results;
+use crate::mcp::{limited, results};
 use crate::upstream::UpstreamError;
 use crate::upstream::api::{NewArticle, NewPrediction, PredictionKind, PredictionStatus};
 use crate::upstream::jobs::{JobView, Owner};
@@ -32,6 +32,14 @@ use crate::upstream::queue::{QueueFull, Reservation};
 /// tool added below is in the catalogue (and needs a cost in the config) without another list.
 pub fn catalogue() -> Catalogue {
     McpServer::tool_router().list_all().into_iter().fold(Catalogue::new(), |catalogue, tool| {
+        // A price formula may read only the arguments a tool takes.
+        let arguments: Vec<String> = tool
+            .input_schema
+            .get("properties")
+            .and_then(|p| p.as_object())
+            .map(|p| p.keys().cloned().collect())
+            .unwrap_or_default();
+        let catalogue = catalogue.arguments(tool.name.to_string(), arguments);
         if starts_job(&tool.name) {
             catalogue.job(tool.name)
         } else if needs_upstream(&tool.name) {
@@ -200,10 +208,24 @@ pub struct GenerateVideoArgs {
     /// How the scene should move (at most 4000 characters).
     #[schemars(length(min = 1, max = 4000))]
     pub prompt: String,
+    /// The clip's length in seconds (1-30; the price follows it).
+    #[serde(default = "default_video_seconds")]
+    #[schemars(range(min = 1, max = 30))]
+    pub seconds: u32,
 }
+
+fn default_video_seconds() -> u32 {
+    crate::mock_upstream::DEFAULT_VIDEO_SECONDS
+}
+
+/// The longest clip a video job may ask for.
+const MAX_VIDEO_SECONDS: u32 = 30;
 
 impl Validate for GenerateVideoArgs {
     fn validate(&self) -> Result<(), String> {
+        if !(1..=MAX_VIDEO_SECONDS).contains(&self.seconds) {
+            return Err(format!("`seconds` must be between 1 and {MAX_VIDEO_SECONDS} (got {})", self.seconds));
+        }
         not_blank("prompt", &self.prompt)?;
         at_most("prompt", &self.prompt, MAX_PROMPT_CHARS)?;
         at_most("image_url", &self.image_url, MAX_URL_CHARS)?;
@@ -255,6 +277,10 @@ pub struct Submitted {
     /// While waiting to be submitted: the place in the queue (1 is next).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub queue_position: Option<usize>,
+    /// Units this job's price reserved in your budgets; get_prediction says what it was charged
+    /// once it is final.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reserved: Option<u64>,
 }
 
 /// What get_prediction and cancel_prediction answer.
@@ -278,6 +304,16 @@ pub struct PredictionReport {
     /// While waiting to be submitted: the place in the queue (1 is next).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub queue_position: Option<usize>,
+    /// Units the job's price reserved in your budgets.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reserved: Option<u64>,
+    /// Once final: units it was charged, settled from what the upstream billed (the rest of the
+    /// reservation given back, or more taken).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub charged: Option<u64>,
+    /// What the upstream billed for it, once final.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<crate::upstream::api::Usage>,
 }
 
 /// One of the caller's jobs in flight, in rate_limit_status.
@@ -348,8 +384,11 @@ pub struct StatusReport {
     pub jobs_in_flight: Vec<JobInFlight>,
     /// The upstream account and the queue jobs wait in for it.
     pub upstream_queue: QueueStatus,
-    /// What each tool costs.
+    /// What each tool costs (at most, for a tool priced by its arguments).
     pub costs: BTreeMap<String, u64>,
+    /// The tools priced by their arguments, and the formula (held to `costs`).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub cost_formulas: BTreeMap<String, String>,
 }
 
 fn success(summary: String, structured: impl Serialize) -> Result<CallToolResult, ErrorData> {
@@ -418,15 +457,16 @@ fn status_word(status: PredictionStatus) -> &'static str {
 
 /// The text and structured report of a job, as get_prediction and cancel_prediction answer.
 pub(crate) fn report(view: JobView) -> Result<CallToolResult, ErrorData> {
-    let JobView { prediction, wait, queue_ahead, .. } = view;
+    let JobView { prediction, wait, queue_ahead, reserved, charged, .. } = view;
     let id = &prediction.id;
     let queue_position = queue_ahead.map(|ahead| ahead + 1);
     let summary = match (prediction.status, &prediction.output, &prediction.error) {
-        (PredictionStatus::Succeeded, Some(url), _) => format!("Prediction {id} succeeded: {url}"),
+        (PredictionStatus::Succeeded, Some(url), _) => format!("Prediction {id} succeeded: {url}{}", charged_words(reserved, charged)),
         (PredictionStatus::Failed, _, reason) => {
-            format!("Prediction {id} failed: {}", reason.as_deref().unwrap_or("no reason given"))
+            let reason = reason.as_deref().unwrap_or("no reason given");
+            format!("Prediction {id} failed: {reason}{}", charged_words(reserved, charged))
         }
-        (PredictionStatus::Canceled, _, _) => format!("Prediction {id} was canceled."),
+        (PredictionStatus::Canceled, _, _) => format!("Prediction {id} was canceled{}", charged_words(reserved, charged)),
         (status, _, _) => {
             let place =
                 queue_position.map(|p| format!(", {} in the queue for submission", ordinal(p))).unwrap_or_default();
@@ -448,11 +488,22 @@ pub(crate) fn report(view: JobView) -> Result<CallToolResult, ErrorData> {
             error: prediction.error,
             next_poll_in_seconds: pending.then(|| wait_secs(wait.unwrap_or(0))),
             queue_position,
+            reserved,
+            charged,
+            usage: prediction.usage,
         },
     )
 }
 
-fn submitted(view: JobView) -> Result<CallToolResult, ErrorData> {
+/// The end of a final job's sentence: what it was charged of what it reserved.
+fn charged_words(reserved: Option<u64>, charged: Option<u64>) -> String {
+    match (reserved, charged) {
+        (Some(reserved), Some(charged)) => format!(" (charged {charged} of the {reserved} units reserved)."),
+        _ => ".".to_owned(),
+    }
+}
+
+fn submitted(view: JobView, reserved: Option<u64>) -> Result<CallToolResult, ErrorData> {
     let id = view.prediction.id.clone();
     let what = if view.prediction.kind == PredictionKind::Image { "Image" } else { "Video" };
     let hint = wait_secs(view.wait.unwrap_or(0));
@@ -462,7 +513,7 @@ fn submitted(view: JobView) -> Result<CallToolResult, ErrorData> {
         .unwrap_or_default();
     success(
         format!("{what} job {id} accepted.{place} Call get_prediction with this predict_id in {hint} seconds."),
-        Submitted { predict_id: id, status: view.prediction.status, next_poll_in_seconds: hint, queue_position },
+        Submitted { predict_id: id, status: view.prediction.status, next_poll_in_seconds: hint, queue_position, reserved },
     )
 }
 
@@ -508,10 +559,23 @@ impl McpServer {
         place: &TakeOnce<Reservation>,
     ) -> Result<CallToolResult, ErrorData> {
         let place = place.take().ok_or_else(|| ErrorData::internal_error("a job ran without its queue place", None))?;
-        let slots = Box::new(held(admission)?);
+        let mut admission = held(admission)?;
+        let reservation = admission.reserved();
+        let slots = Box::new(admission);
         match self.own.jobs.start(&self.owner_of(caller), job, place, slots).await {
-            Ok(view) => submitted(view),
-            Err(e) => Ok(upstream_refusal(tool, e)),
+            // The job settles its price when it is final.
+            Ok(view) => {
+                let reserved = reservation.map(|r| self.own.jobs.bill(&view.prediction.id, r));
+                submitted(view, reserved)
+            }
+            // The upstream took no work: nothing is charged.
+            Err(e) => {
+                let refusal = upstream_refusal(tool, e);
+                match reservation {
+                    Some(reservation) => Ok(limited::settled(refusal, reservation).await),
+                    None => Ok(refusal),
+                }
+            }
         }
     }
 
@@ -588,16 +652,17 @@ impl McpServer {
         Extension(admission): Extension<TakeOnce<Admission>>,
         Extension(place): Extension<TakeOnce<Reservation>>,
     ) -> Result<CallToolResult, ErrorData> {
-        let job = NewPrediction { kind: PredictionKind::Image, prompt: args.prompt, image_url: None };
+        let job = NewPrediction { kind: PredictionKind::Image, prompt: args.prompt, image_url: None, seconds: None };
         self.start_job("generate_image", &caller, job, &admission, &place).await
     }
 
     /// Accepts a video job into the fair queue, where videos are spaced.
     #[tool(
-        description = "Generate a video from an image URL and a prompt. Returns at once with a \
-                       predict_id: the job waits its turn in a queue that spaces submissions to the \
-                       upstream, and next_poll_in_seconds covers that wait. Each job holds one of your \
-                       in-flight slots until it is final.",
+        description = "Generate a video of `seconds` (1-30, default 5) from an image URL and a prompt. \
+                       Returns at once with a predict_id: the job waits its turn in a queue that spaces \
+                       submissions to the upstream, and next_poll_in_seconds covers that wait. Each job \
+                       holds one of your in-flight slots until it is final. Its price follows its length: \
+                       reserved when accepted, settled to what the upstream billed once final.",
         annotations(read_only_hint = false, destructive_hint = false, open_world_hint = true)
     )]
     async fn generate_image_to_video(
@@ -607,7 +672,12 @@ impl McpServer {
         Extension(admission): Extension<TakeOnce<Admission>>,
         Extension(place): Extension<TakeOnce<Reservation>>,
     ) -> Result<CallToolResult, ErrorData> {
-        let job = NewPrediction { kind: PredictionKind::Video, prompt: args.prompt, image_url: Some(args.image_url) };
+        let job = NewPrediction {
+            kind: PredictionKind::Video,
+            prompt: args.prompt,
+            image_url: Some(args.image_url),
+            seconds: Some(args.seconds),
+        };
         self.start_job("generate_image_to_video", &caller, job, &admission, &place).await
     }
 
@@ -717,12 +787,23 @@ impl McpServer {
             "upstream account: {} of {} running, {} waiting",
             upstream_queue.account_in_flight, upstream_queue.account_max_in_flight, upstream_queue.waiting
         ));
-        let costs: BTreeMap<String, u64> =
-            self.app.limits.guard().policy().tools.iter().map(|(tool, policy)| (tool.clone(), policy.cost)).collect();
-        let price: Vec<String> = costs.iter().map(|(t, c)| format!("{t} {c}")).collect();
+        let policy = self.app.limits.guard().policy();
+        let costs: BTreeMap<String, u64> = policy.tools.iter().map(|(tool, p)| (tool.clone(), p.cost)).collect();
+        let cost_formulas: BTreeMap<String, String> = policy
+            .tools
+            .iter()
+            .filter_map(|(tool, p)| Some((tool.clone(), p.formula.as_ref()?.to_string())))
+            .collect();
+        let price: Vec<String> = costs
+            .iter()
+            .map(|(t, c)| match cost_formulas.get(t) {
+                Some(formula) => format!("{t} {formula} (at most {c})"),
+                None => format!("{t} {c}"),
+            })
+            .collect();
         success(
             format!("{}. Costs: {}.", lines.join("; "), price.join(", ")),
-            StatusReport { caller: caller.id().to_owned(), budgets, jobs_in_flight, upstream_queue, costs },
+            StatusReport { caller: caller.id().to_owned(), budgets, jobs_in_flight, upstream_queue, costs, cost_formulas },
         )
     }
 }

@@ -5,6 +5,12 @@
 //! Retry-After, a share of 503s, a cap on predictions running at once, and job durations.
 //! Job progress reads the shared [`Clock`](crate::clock::Clock), so tests finish a 30-second
 //! video job by advancing a manual clock. A prompt containing `[fail]` makes a job fail.
+//!
+//! It bills like a real paid API and says so on every answer (`usage.units`, a prediction's once
+//! it is final), in the units our `[tools.*] cost` counts: [`LIST_PRICE`], [`SAVE_PRICE`],
+//! [`IMAGE_PRICE`], and a video by its length ([`video_price`]); a failed or canceled job is
+//! billed nothing. A video longer than `max_video_seconds` is cut to it, and billed for what was
+//! rendered: a call priced by what it asked for then settles to less.
 //! A submission carrying an `Idempotency-Key` it has seen returns the job it already made.
 //!
 //! For tests and experiments (never limited, never subject to chaos):
@@ -38,8 +44,22 @@ use crate::clock::{NANOS_PER_MS, Nanos, SharedClock};
 use crate::config::MockUpstreamConfig;
 use crate::http::serve::{Deadlines, read_body_by_deadline, serve};
 use crate::upstream::api::{
-    Article, ArticlePage, NewArticle, NewPrediction, Prediction, PredictionKind, PredictionStatus, SavedArticle,
+    Article, ArticlePage, NewArticle, NewPrediction, Prediction, PredictionKind, PredictionStatus, SavedArticle, Usage,
 };
+
+/// Units billed for a page of articles.
+pub const LIST_PRICE: u64 = 1;
+/// Units billed for saving an article.
+pub const SAVE_PRICE: u64 = 2;
+/// Units billed for an image.
+pub const IMAGE_PRICE: u64 = 5;
+/// How long a video is when the submission does not say.
+pub const DEFAULT_VIDEO_SECONDS: u32 = 5;
+
+/// Units billed for a video of `seconds`: 20 with five seconds included, 2 per second beyond.
+pub fn video_price(seconds: u32) -> u64 {
+    20 + 2 * u64::from(seconds.saturating_sub(5))
+}
 
 const SEEDED_ARTICLES: usize = 120;
 const MAX_ARTICLES: usize = 10_000;
@@ -49,6 +69,8 @@ const MAX_JOBS: usize = 100_000;
 struct Job {
     kind: PredictionKind,
     prompt: String,
+    /// For a video: the seconds it renders (what was asked, cut to `max_video_seconds`).
+    seconds: u32,
     created_at: Nanos,
     canceled_at: Option<Nanos>,
 }
@@ -103,12 +125,12 @@ struct MockState {
     idempotency: Mutex<HashMap<String, String>>,
     submissions: Mutex<Vec<Submission>>,
     next_article: std::sync::atomic::AtomicU64,
-    usage: Usage,
+    usage: Counters,
 }
 
 /// What the mock has been asked to do: the bill an agent ran up, and how hard it was hit.
 #[derive(Debug, Default)]
-struct Usage {
+struct Counters {
     requests: AtomicU64,
     articles_listed: AtomicU64,
     articles_saved: AtomicU64,
@@ -148,7 +170,17 @@ impl MockState {
             let ext = if job.kind == PredictionKind::Image { "png" } else { "mp4" };
             (PredictionStatus::Succeeded, Some(format!("https://files.mock-upstream.invalid/{id}.{ext}")), None)
         };
-        Prediction { id: id.to_owned(), kind: job.kind, status, output, error }
+        let usage = status.is_terminal().then(|| Usage { units: Self::bill(job, status) });
+        Prediction { id: id.to_owned(), kind: job.kind, status, output, error, usage }
+    }
+
+    /// What `job` is billed once it ends `status`: only a delivered result costs.
+    fn bill(job: &Job, status: PredictionStatus) -> u64 {
+        match (status, job.kind) {
+            (PredictionStatus::Succeeded, PredictionKind::Image) => IMAGE_PRICE,
+            (PredictionStatus::Succeeded, PredictionKind::Video) => video_price(job.seconds),
+            _ => 0,
+        }
     }
 
     fn running(&self, job: &Job, now: Nanos) -> bool {
@@ -196,7 +228,7 @@ pub fn router(config: MockUpstreamConfig, clock: SharedClock) -> Router {
         idempotency: Mutex::new(HashMap::new()),
         submissions: Mutex::new(Vec::new()),
         next_article: AtomicU64::new(SEEDED_ARTICLES as u64),
-        usage: Usage::default(),
+        usage: Counters::default(),
     });
     Router::new()
         .route("/v1/articles", get(list_articles).post(save_article))
@@ -354,7 +386,7 @@ async fn list_articles(State(state): State<Arc<MockState>>, Query(q): Query<List
     let mut matching = articles.iter().filter(|a| a.folded_title.contains(&needle)).skip(offset);
     let page: Vec<Article> = matching.by_ref().take(limit).map(|a| a.article.clone()).collect();
     let next_cursor = matching.next().is_some().then(|| (offset + page.len()).to_string());
-    Json(ArticlePage { articles: page, next_cursor }).into_response()
+    Json(ArticlePage { articles: page, next_cursor, usage: Some(Usage { units: LIST_PRICE }) }).into_response()
 }
 
 async fn save_article(State(state): State<Arc<MockState>>, Json(new): Json<NewArticle>) -> Response {
@@ -367,7 +399,8 @@ async fn save_article(State(state): State<Arc<MockState>>, Json(new): Json<NewAr
         articles.pop_front();
     }
     articles.push_back(Stored::from(article.clone()));
-    (StatusCode::CREATED, Json(SavedArticle { id: article.id, title: article.title })).into_response()
+    let usage = Some(Usage { units: SAVE_PRICE });
+    (StatusCode::CREATED, Json(SavedArticle { id: article.id, title: article.title, usage })).into_response()
 }
 
 async fn create_prediction(
@@ -398,7 +431,9 @@ async fn create_prediction(
     }
     bump(&state.usage.predictions_created);
     let id = format!("p_{:016x}{:04x}", rand::rng().random::<u64>(), rand::rng().random::<u16>());
-    let job = Job { kind: new.kind, prompt: new.prompt, created_at: now, canceled_at: None };
+    let asked = new.seconds.unwrap_or(DEFAULT_VIDEO_SECONDS);
+    let seconds = asked.min(u32::try_from(state.config.max_video_seconds).unwrap_or(u32::MAX));
+    let job = Job { kind: new.kind, prompt: new.prompt, seconds, created_at: now, canceled_at: None };
     let view = state.view(&id, &job, now);
     if let Some(key) = key {
         seen.insert(key, id.clone());
@@ -436,7 +471,11 @@ async fn cancel_prediction(State(state): State<Arc<MockState>>, Path(id): Path<S
 async fn usage(State(state): State<Arc<MockState>>) -> Json<serde_json::Value> {
     let u = &state.usage;
     let read = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    let now = state.clock.now();
+    let jobs: u64 = lock(&state.jobs).iter().filter_map(|(id, job)| state.view(id, job, now).usage).map(|u| u.units).sum();
+    let units_billed = read(&u.articles_listed) * LIST_PRICE + read(&u.articles_saved) * SAVE_PRICE + jobs;
     Json(json!({
+        "units_billed": units_billed,
         "requests": read(&u.requests),
         "articles_listed": read(&u.articles_listed),
         "articles_saved": read(&u.articles_saved),

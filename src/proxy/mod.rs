@@ -116,8 +116,11 @@ impl Behind for Proxied {
 enum Unanswered {
     /// The proxied server's own JSON-RPC error: passed through unchanged.
     Error(ErrorData),
-    /// It could not be reached, or did not answer in time.
+    /// It could not be reached, or did not answer in time, after the call was sent.
     Unavailable(Refusal),
+    /// The call was never sent (no turn in time, the breaker open, the server restarting): it
+    /// did no work, and its price is given back.
+    NotSent(Refusal),
 }
 
 impl Proxied {
@@ -302,22 +305,22 @@ impl Proxied {
                 let turn = place.enqueue(&owner.flowing(), &id);
                 match self.by(deadline, turn).await {
                     Some(Ok(slot)) => slot,
-                    Some(Err(_)) => return Err(Unanswered::Unavailable(timed_out())),
+                    Some(Err(_)) => return Err(Unanswered::NotSent(timed_out())),
                     None => {
                         self.queue.remove(&id);
-                        return Err(Unanswered::Unavailable(timed_out()));
+                        return Err(Unanswered::NotSent(timed_out()));
                     }
                 }
             }
         };
         let now = self.clock.now();
         let permit = self.breaker.permit(now).map_err(|open| {
-            Unanswered::Unavailable(unavailable(&tool, "the circuit breaker is open", open.retry_after))
+            Unanswered::NotSent(unavailable(&tool, "the circuit breaker is open", open.retry_after))
         })?;
         let Some(peer) = self.link.peer() else {
             self.breaker.record(permit, false, now);
             let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
-            return Err(Unanswered::Unavailable(unavailable(&tool, "it is restarting", wait)));
+            return Err(Unanswered::NotSent(unavailable(&tool, "it is restarting", wait)));
         };
         let request = ClientRequest::CallToolRequest(CallToolRequest::new(request));
         let mut options = PeerRequestOptions::no_options();

@@ -17,7 +17,7 @@ use rmcp::{ErrorData, RoleClient, RoleServer, ServerHandler};
 
 use super::relay::Membership;
 use super::{Proxied, Unanswered};
-use crate::guard::{MethodGroup, Refusal, ToolCall};
+use crate::guard::{MethodGroup, Refusal, Reserved, ToolCall, Used};
 use crate::identity::Caller;
 use crate::mcp::{limited, results};
 use crate::rate_limits::RateLimits;
@@ -82,6 +82,25 @@ impl ProxyServer {
     fn refuse(&self, caller: &Caller, tool: &str, refusal: Refusal) -> CallToolResponse {
         limited::refused(&self.limits, caller, tool, &refusal).into()
     }
+
+    /// [`ProxyServer::refuse`] for a call that reserved a price: settled for work that came to
+    /// `used` (`None`: as the refusal says), and said in the refusal.
+    async fn refuse_settled(
+        &self,
+        caller: &Caller,
+        tool: &str,
+        refusal: Refusal,
+        reservation: Option<Reserved>,
+        used: Option<Used>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let done = limited::refused(&self.limits, caller, tool, &refusal);
+        let done = match (reservation, used) {
+            (Some(reservation), Some(used)) => limited::settled_as(done, reservation, used).await,
+            (Some(reservation), None) => limited::settled(done, reservation).await,
+            (None, _) => done,
+        };
+        Ok(done.into())
+    }
 }
 
 #[allow(deprecated)] // Logging and resource subscriptions are legacy in 2026-07-28, and still in use.
@@ -145,10 +164,11 @@ impl ServerHandler for ProxyServer {
         let holds_slot = policy.holds_slot(&tool);
         let args = serde_json::Value::Object(request.arguments.clone().unwrap_or_default());
         let call = ToolCall { tool: &tool, args: &args, starts_job: holds_slot, loop_exempt: false };
-        let admission = match self.limits.guard().admit(&caller, &call).await {
+        let mut admission = match self.limits.guard().admit(&caller, &call).await {
             Ok(admission) => admission,
             Err(refusal) => return Ok(self.refuse(&caller, &tool, refusal)),
         };
+        let reservation = admission.reserved();
         let session = self.membership.get().map(Membership::id);
         let progress = session.zip(context.meta.get_progress_token());
         let sharing = policy.tool(&tool).and_then(|p| Sharing::of(p, &caller, &tool, &args));
@@ -160,6 +180,11 @@ impl ServerHandler for ProxyServer {
         match answer {
             Ok(CallToolResponse::Complete(done)) => {
                 let done = results::reused(done, served);
+                // Settled from the `usage.units` the proxied server reports, if it does.
+                let done = match reservation {
+                    Some(reservation) => limited::settled(done, reservation).await,
+                    None => done,
+                };
                 if admission.warnings().is_empty() || done.is_error == Some(true) {
                     Ok(CallToolResponse::Complete(done))
                 } else {
@@ -168,7 +193,11 @@ impl ServerHandler for ProxyServer {
             }
             Ok(other) => Ok(other),
             Err(Unanswered::Error(error)) => Err(error),
-            Err(Unanswered::Unavailable(refusal)) => Ok(self.refuse(&caller, &tool, refusal)),
+            // Sent, and no answer: work may have been done, and the reservation stands.
+            Err(Unanswered::Unavailable(refusal)) => self.refuse_settled(&caller, &tool, refusal, reservation, None).await,
+            Err(Unanswered::NotSent(refusal)) => {
+                self.refuse_settled(&caller, &tool, refusal, reservation, Some(Used::Nothing)).await
+            }
         }
     }
 

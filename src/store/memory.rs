@@ -22,7 +22,7 @@ use xxhash_rust::xxh3::xxh3_128_with_seed;
 use std::time::Duration;
 
 use crate::clock::{Nanos, SharedClock, SystemClock};
-use crate::limit::{Decision, Limiter, LimiterState};
+use crate::limit::{Adjustment, Decision, Limiter, LimiterState};
 use crate::store::{Check, Lease, Store, StoreFuture, Verdict, ready};
 
 const SHARDS: usize = 64;
@@ -58,7 +58,7 @@ impl Hasher for FingerprintHasher {
 type Shard = HashMap<Fingerprint, Entry, BuildHasherDefault<FingerprintHasher>>;
 
 /// A sharded in-memory store, on the server's clock as a [`Store`]; its inherent methods take the
-/// instant explicitly (`decide_at`, `refund_at`…), for tests and benchmarks that walk time.
+/// instant explicitly (`decide_at`, `adjust_at`…), for tests and benchmarks that walk time.
 pub struct MemoryStore {
     clock: SharedClock,
     shards: Box<[Mutex<Shard>]>,
@@ -189,15 +189,24 @@ impl MemoryStore {
         }
     }
 
-    /// Gives `units` back to the budget under `key` (an operator's refund), never beyond its
-    /// capacity, and returns its level after it. A key never seen is full already.
-    pub fn refund_at(&self, key: &str, limiter: &Limiter, units: u64, now: Nanos) -> Decision {
-        let fp = self.fingerprint(key);
-        let mut map = lock(&self.shards[Self::shard_of(fp)]);
-        let Some(entry) = map.get_mut(&fp) else { return limiter.acquire(&mut limiter.fresh(now), now, 0) };
-        limiter.refund(&mut entry.state, now, units);
-        entry.forget_at = limiter.forget_at(&mut entry.state, now);
-        limiter.acquire(&mut entry.state.clone(), now, 0)
+    /// Adjusts each budget under its key at `now` (see [`Store::adjust`]) and returns its level
+    /// after it. A key never seen is full: a refund leaves it so, a charge starts from there.
+    pub fn adjust_at(&self, budgets: &[(&str, &Limiter)], by: Adjustment, now: Nanos) -> Vec<Decision> {
+        budgets
+            .iter()
+            .map(|(key, limiter)| {
+                let fp = self.fingerprint(key);
+                let mut map = lock(&self.shards[Self::shard_of(fp)]);
+                let entry = match (map.get_mut(&fp), by) {
+                    (Some(entry), _) => entry,
+                    (None, Adjustment::Refund(_)) => return limiter.acquire(&mut limiter.fresh(now), now, 0),
+                    (None, Adjustment::Charge(_)) => map.entry(fp).or_insert(Entry { state: limiter.fresh(now), forget_at: now }),
+                };
+                limiter.adjust(&mut entry.state, now, by);
+                entry.forget_at = limiter.forget_at(&mut entry.state, now);
+                limiter.acquire(&mut entry.state.clone(), now, 0)
+            })
+            .collect()
     }
 
     /// Forgets the state under each of `keys` (the next call finds a fresh budget); returns how
@@ -288,8 +297,8 @@ impl Store for MemoryStore {
         }))
     }
 
-    fn refund<'a>(&'a self, key: &'a str, limiter: &'a Limiter, units: u64) -> StoreFuture<'a, Decision> {
-        ready(Ok(self.refund_at(key, limiter, units, self.clock.now())))
+    fn adjust<'a>(&'a self, budgets: &'a [(&'a str, &'a Limiter)], by: Adjustment) -> StoreFuture<'a, Vec<Decision>> {
+        ready(Ok(self.adjust_at(budgets, by, self.clock.now())))
     }
 
     fn forget<'a>(&'a self, keys: &'a [&'a str]) -> StoreFuture<'a, u64> {

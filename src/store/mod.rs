@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::Nanos;
-use crate::limit::{Decision, Limiter};
+use crate::limit::{Adjustment, Decision, Limiter};
 pub use memory::MemoryStore;
 pub use redis::{HeldLease, Lease, LoopAnswer, RedisStore, Renewed, new_lease};
 
@@ -90,9 +90,11 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     /// a shared store, renews them) by.
     fn decide<'a>(&'a self, checks: &'a [Check<'a>], blocks: &'a [&'a str], lease: Lease) -> StoreFuture<'a, Verdict>;
 
-    /// Gives `units` back to the budget `limiter` keeps under `key`, never beyond its capacity;
-    /// returns its level after it.
-    fn refund<'a>(&'a self, key: &'a str, limiter: &'a Limiter, units: u64) -> StoreFuture<'a, Decision>;
+    /// Adjusts each budget a limiter keeps under its key after the fact, never beyond its capacity
+    /// nor below empty (see [`Adjustment`]): an operator's refund, or a call's price settled
+    /// from what it used. Returns each budget's level after it. On Redis it is one script, so
+    /// the keys must share a hash tag, as one call's keys do.
+    fn adjust<'a>(&'a self, budgets: &'a [(&'a str, &'a Limiter)], by: Adjustment) -> StoreFuture<'a, Vec<Decision>>;
 
     /// Forgets the budgets under `keys` (on Redis they must share a hash tag): the next call
     /// finds them full. Returns how many had state.

@@ -10,7 +10,7 @@
 //! **The scripts** live in `src/store/redis/`, one file per algorithm named after its Rust twin
 //! in [`crate::limit`] (`token_bucket.lua` beside `token_bucket.rs`), plus `prelude.lua` (exact
 //! arithmetic, time, state encoding) and the entry points (`decide.lua`, which checks a call
-//! for a loop with `loop_history.lua` first, `release.lua`, `renew.lua`, `refund.lua`);
+//! for a loop with `loop_history.lua` first, `release.lua`, `renew.lua`, `adjust.lua`);
 //! `record.lua` stands alone: the write of a shared record (a job's snapshot) that never
 //! replaces a final or newer one. They are assembled into one script each with `include_str!`,
 //! loaded once with `SCRIPT LOAD`
@@ -71,7 +71,7 @@ use ::redis::cluster_routing::Slot;
 use ::redis::{ErrorKind, RedisError, RedisResult, Script, ServerErrorKind, TlsCertificates};
 
 use crate::clock::Nanos;
-use crate::limit::{Decision, Limiter, Shape};
+use crate::limit::{Adjustment, Decision, Limiter, Shape};
 use crate::store::{Check, LoopCall, Verdict};
 
 /// A script of the prelude, every registered algorithm's Lua twin (`redis/<name>.lua`, read at
@@ -101,8 +101,8 @@ const RELEASE_SCRIPT: &str = concat!(
 const RENEW_SCRIPT: &str =
     concat!(include_str!("redis/prelude.lua"), include_str!("redis/concurrency.lua"), include_str!("redis/renew.lua"),);
 
-/// The refund script: the prelude, every algorithm, then the entry point.
-const REFUND_SCRIPT: &str = crate::limit::registry!(with_every_algorithm, "redis/refund.lua");
+/// The adjust script (refunds and settlements): the prelude, every algorithm, then the entry point.
+const ADJUST_SCRIPT: &str = crate::limit::registry!(with_every_algorithm, "redis/adjust.lua");
 
 /// The record script: a shared record that a final or newer one is never replaced by.
 const RECORD_SCRIPT: &str = include_str!("redis/record.lua");
@@ -257,7 +257,7 @@ pub struct RedisStore {
     decide: Script,
     release: Script,
     renew: Script,
-    refund: Script,
+    adjust: Script,
     record: Script,
     lease: Duration,
     /// The in-flight leases this instance holds (key, lease) → (units, the key's cap), renewed on
@@ -298,16 +298,16 @@ impl RedisStore {
         }
         let certificates = TlsCertificates { client_tls: None, root_cert: ca_pem };
         let address = target.address().to_owned();
-        let (decide, release, renew, refund, record) = (
+        let (decide, release, renew, adjust, record) = (
             Script::new(DECIDE_SCRIPT),
             Script::new(RELEASE_SCRIPT),
             Script::new(RENEW_SCRIPT),
-            Script::new(REFUND_SCRIPT),
+            Script::new(ADJUST_SCRIPT),
             Script::new(RECORD_SCRIPT),
         );
         let connecting = async {
             let connection = target.connect(timeout, certificates).await?;
-            for script in [&decide, &release, &renew, &refund, &record] {
+            for script in [&decide, &release, &renew, &adjust, &record] {
                 connection.load(script).await?;
             }
             Ok(connection)
@@ -315,7 +315,7 @@ impl RedisStore {
         let connection = bounded(&address, timeout, connecting).await?;
         let lease = DEFAULT_LEASE;
         let held = std::sync::Mutex::default();
-        Ok(RedisStore { connection, timeout, address, decide, release, renew, refund, record, lease, held })
+        Ok(RedisStore { connection, timeout, address, decide, release, renew, adjust, record, lease, held })
     }
 
     /// Checks that `url` has one of the forms [`RedisStore::connect`] takes, without connecting:
@@ -578,23 +578,31 @@ impl RedisStore {
         StoreError::Script { address: self.address.clone(), reason }
     }
 
-    /// Gives `units` back to the budget `limiter` keeps under `key`, never beyond its capacity
-    /// (an operator's refund; `refund.lua`), at an explicit clock reading when `now` is given.
-    /// Returns the budget's level after it, as a cost-0 decision.
-    pub async fn refund(
+    /// Adjusts each budget under its key ([`crate::store::Store::adjust`]; `adjust.lua`) at an
+    /// explicit clock reading when `now` is given. Returns each budget's level after it, as a
+    /// cost-0 decision. The keys must share a hash tag on a cluster (one script).
+    pub async fn adjust(
         &self,
-        key: &str,
-        limiter: &Limiter,
-        units: u64,
+        budgets: &[(&str, &Limiter)],
+        by: Adjustment,
         now: Option<Nanos>,
-    ) -> Result<Decision, StoreError> {
-        let units = units.min(limiter.capacity());
-        let span = script_span(&Check { key, limiter, cost: 0, shadow: false })?;
-        let mut invocation = self.refund.key(key);
+    ) -> Result<Vec<Decision>, StoreError> {
+        if budgets.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (how, units) = match by {
+            Adjustment::Refund(units) => ("refund", units),
+            Adjustment::Charge(units) => ("charge", units),
+        };
+        let mut invocation = self.adjust.prepare_invoke();
         invocation.arg(now.map(micros).transpose()?.map_or_else(String::new, |us| us.to_string()));
-        invocation.arg(limiter.algorithm()).arg(limiter.capacity()).arg(span).arg(units);
+        invocation.arg(how).arg(units);
+        for (key, limiter) in budgets {
+            let span = script_span(&Check { key, limiter, cost: 0, shadow: false })?;
+            invocation.key(*key).arg(limiter.algorithm()).arg(limiter.capacity()).arg(span);
+        }
         let reply: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
-        self.decisions(&reply, 1)?.pop().ok_or_else(|| self.malformed(format!("refund reply {reply:?}")))
+        self.decisions(&reply, budgets.len())
     }
 
     /// Deletes `keys` (one `DEL`: on a cluster they must share a hash tag); returns how many were

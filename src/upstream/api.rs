@@ -16,6 +16,14 @@ pub struct Article {
     pub summary: String,
 }
 
+/// What the paid API billed for a request, as it reports it on its answer (a prediction's once
+/// it is final): the price a call is settled to ([`crate::guard::Reserved::settle`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct Usage {
+    /// Units billed, in the units `[tools.*] cost` counts.
+    pub units: u64,
+}
+
 /// A page of articles.
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct ArticlePage {
@@ -24,6 +32,9 @@ pub struct ArticlePage {
     /// Pass as `cursor` to get the next page; absent on the last page.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub next_cursor: Option<String>,
+    /// What the upstream billed for this page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
 }
 
 /// Body of `POST /v1/articles`.
@@ -42,6 +53,9 @@ pub struct SavedArticle {
     pub id: String,
     /// Headline as stored.
     pub title: String,
+    /// What the upstream billed for saving it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
 }
 
 /// What kind of job a prediction is.
@@ -64,6 +78,9 @@ pub struct NewPrediction {
     /// Source image, for video jobs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_url: Option<String>,
+    /// The clip's length asked for, for video jobs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seconds: Option<u32>,
 }
 
 /// Where a prediction is in its life.
@@ -104,4 +121,7 @@ pub struct Prediction {
     /// Failure reason once failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// What the upstream billed for it, once final.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
 }

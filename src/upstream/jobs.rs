@@ -41,6 +41,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
+use crate::guard::{Reserved, Used};
 use crate::metrics::Metrics;
 use crate::store::JobMirror;
 use crate::store::StoreError;
@@ -144,6 +145,11 @@ struct Job {
     created: SystemTime,
     /// The admission's slots and, once submitted, the account slot.
     slots: Vec<Slots>,
+    /// The price the call that started it reserved, settled when the job is final.
+    reservation: Option<Reserved>,
+    /// Units reserved, and charged once settled, as the agent is shown them.
+    reserved: Option<u64>,
+    charged: Option<u64>,
     cancel: CancellationToken,
     changed: watch::Sender<u64>,
     /// Snapshots of it the publisher has made: the version of the latest.
@@ -169,6 +175,10 @@ pub struct JobView {
     pub queue_ahead: Option<usize>,
     /// When the job was accepted (wall clock, for MCP Tasks' `createdAt`).
     pub created: SystemTime,
+    /// Units its call reserved, if it had a price.
+    pub reserved: Option<u64>,
+    /// Units it was charged, once final and settled (see [`crate::guard::settle`]).
+    pub charged: Option<u64>,
 }
 
 impl JobView {
@@ -284,8 +294,14 @@ impl Jobs {
             Err(place) => place,
         };
         let id = new_id(if kind == PredictionKind::Video { "v" } else { "i" });
-        let waiting =
-            Prediction { id: id.clone(), kind, status: PredictionStatus::Starting, output: None, error: None };
+        let waiting = Prediction {
+            id: id.clone(),
+            kind,
+            status: PredictionStatus::Starting,
+            output: None,
+            error: None,
+            usage: None,
+        };
         self.insert(owner, None, waiting, vec![slots]);
         let turn = place.enqueue(&owner.flowing(), &id);
         self.spawn(id.clone(), Some((job, turn)));
@@ -319,6 +335,9 @@ impl Jobs {
             expires_at: now.saturating_add(self.rules.expiry),
             created: SystemTime::now(),
             slots,
+            reservation: None,
+            reserved: None,
+            charged: None,
             cancel: CancellationToken::new(),
             changed: watch::Sender::new(0),
             published: 0,
@@ -478,6 +497,7 @@ impl Jobs {
         let now = self.clock.now();
         let released;
         let is_final;
+        let mut to_settle = None;
         {
             let mut book = self.book();
             let Some(job) = book.get_mut(id) else { return true };
@@ -490,12 +510,63 @@ impl Jobs {
             is_final = prediction.status.is_terminal();
             job.last = prediction;
             released = if is_final { std::mem::take(&mut job.slots) } else { Vec::new() };
+            if is_final && let Some(reservation) = job.reservation.take() {
+                let used = used_by(job);
+                job.charged = Some(reservation.charge_for(used));
+                to_settle = Some((reservation, used));
+            }
             job.changed.send_modify(|v| *v += 1);
         }
         // Slots go back outside the book's lock: releasing takes the store's locks.
         drop(released);
+        if let Some((reservation, used)) = to_settle {
+            self.settle_price(id, reservation, used);
+        }
         self.publish(id);
         is_final
+    }
+
+    /// Hands job `id` the price its call reserved, to settle when it is final (at once if it
+    /// already is); the units reserved, as the agent is shown them.
+    pub fn bill(&self, id: &str, reservation: Reserved) -> u64 {
+        let units = reservation.units();
+        let mut book = self.book();
+        let Some(job) = book.get_mut(id) else {
+            // Gone already (swept, or never kept): nobody says what it used.
+            drop(book);
+            self.settle_price(id, reservation, Used::Unreported);
+            return units;
+        };
+        job.reserved = Some(units);
+        if !job.last.status.is_terminal() {
+            job.reservation = Some(reservation);
+            return units;
+        }
+        let used = used_by(job);
+        job.charged = Some(reservation.charge_for(used));
+        drop(book);
+        self.settle_price(id, reservation, used);
+        self.publish(id);
+        units
+    }
+
+    /// Settles a final job's price in a task of its own (it awaits the store); a settlement the
+    /// store cannot make leaves the reservation charged, and the job says so.
+    fn settle_price(&self, id: &str, reservation: Reserved, used: Used) {
+        let (book, id) = (self.book.clone(), id.to_owned());
+        let outbox = self.outbox.clone();
+        let publish = self.shared.is_some();
+        tokio::spawn(async move {
+            let settled = reservation.settle(used).await;
+            if let Some(job) = lock_book(&book).get_mut(&id)
+                && job.charged != Some(settled.charged)
+            {
+                job.charged = Some(settled.charged);
+                if publish {
+                    outbox.mark(&id);
+                }
+            }
+        });
     }
 
     fn poll_again_in(&self, id: &str, delay: Nanos) {
@@ -506,14 +577,16 @@ impl Jobs {
         self.publish(id);
     }
 
-    fn settle(&self, id: &str, status: PredictionStatus, error: Option<String>) {
+    /// Ends `id` with `status` on our own word (the upstream said nothing of it: canceled in
+    /// the queue, given up, expired).
+    fn end(&self, id: &str, status: PredictionStatus, error: Option<String>) {
         let Some(kind) = self.book().get(id).map(|j| j.last.kind) else { return };
-        self.update(id, Prediction { id: id.to_owned(), kind, status, output: None, error });
+        self.update(id, Prediction { id: id.to_owned(), kind, status, output: None, error, usage: None });
     }
 
     fn fail(&self, id: &str, reason: String) {
         tracing::warn!(predict_id = id, reason, "job failed");
-        self.settle(id, PredictionStatus::Failed, Some(reason));
+        self.end(id, PredictionStatus::Failed, Some(reason));
     }
 
     /// A job pending past its expiry: failed, its slots freed, and cancelled upstream so it
@@ -548,7 +621,7 @@ impl Jobs {
             // Still queued (or being submitted): leaving the line is enough.
             Some(None) => {
                 self.queue.remove(id);
-                self.settle(id, PredictionStatus::Canceled, None);
+                self.end(id, PredictionStatus::Canceled, None);
             }
             Some(Some(upstream_id)) => {
                 let answer = self.upstream.cancel_prediction(&upstream_id).await;
@@ -558,7 +631,7 @@ impl Jobs {
                     Ok(prediction) if prediction.status.is_terminal() => {
                         self.update(id, prediction);
                     }
-                    Ok(_) | Err(UpstreamError::NotFound) => self.settle(id, PredictionStatus::Canceled, None),
+                    Ok(_) | Err(UpstreamError::NotFound) => self.end(id, PredictionStatus::Canceled, None),
                     Err(error) => return Err(error),
                 }
             }
@@ -588,7 +661,14 @@ impl Jobs {
             (None, None) => self.hint(kind),
             (Some(_), _) => job.next_poll_at.saturating_sub(now),
         });
-        Some(JobView { prediction: job.last.clone(), wait, queue_ahead: queued.map(|p| p.ahead), created: job.created })
+        Some(JobView {
+            prediction: job.last.clone(),
+            wait,
+            queue_ahead: queued.map(|p| p.ahead),
+            created: job.created,
+            reserved: job.reserved,
+            charged: job.charged,
+        })
     }
 
     /// When the server will next hear from the upstream about a running job: how soon an
@@ -775,9 +855,22 @@ fn unreachable_view(id: &str) -> JobView {
             status: PredictionStatus::Failed,
             output: None,
             error: Some("the job was lost".to_owned()),
+            usage: None,
         },
         wait: None,
         queue_ahead: None,
         created: SystemTime::now(),
+        reserved: None,
+        charged: None,
+    }
+}
+
+/// What a final job's work came to, as far as its price goes: nothing if the upstream never
+/// took it (it never left our queue), else what the upstream reports, if it does.
+fn used_by(job: &Job) -> Used {
+    match (&job.upstream_id, job.last.usage) {
+        (None, _) => Used::Nothing,
+        (Some(_), Some(usage)) => Used::Reported(usage.units),
+        (Some(_), None) => Used::Unreported,
     }
 }

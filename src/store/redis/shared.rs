@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::{Held, HeldLease, Lease, RedisStore, Renewed, StoreError};
 use crate::clock::Nanos;
-use crate::limit::{Decision, Limiter};
+use crate::limit::{Adjustment, Decision, Limiter};
 use crate::store::{Check, JobMirror, LoopCall, LoopHistory, Store, StoreFuture, Verdict};
 
 impl RedisStore {
@@ -55,8 +55,8 @@ impl Store for RedisStore {
         Box::pin(async move { Ok(self.run_unless_blocked(checks, blocks, None, None, lease).await?) })
     }
 
-    fn refund<'a>(&'a self, key: &'a str, limiter: &'a Limiter, units: u64) -> StoreFuture<'a, Decision> {
-        Box::pin(async move { Ok(RedisStore::refund(self, key, limiter, units, None).await?) })
+    fn adjust<'a>(&'a self, budgets: &'a [(&'a str, &'a Limiter)], by: Adjustment) -> StoreFuture<'a, Vec<Decision>> {
+        Box::pin(async move { Ok(RedisStore::adjust(self, budgets, by, None).await?) })
     }
 
     fn forget<'a>(&'a self, keys: &'a [&'a str]) -> StoreFuture<'a, u64> {

@@ -32,6 +32,11 @@ pub(super) struct Snapshot {
     /// instance's cancel is not undone by the owner's next write (absent in older snapshots).
     #[serde(default, rename = "final")]
     is_final: bool,
+    /// Units its call reserved, and charged once settled (absent in older snapshots).
+    #[serde(default)]
+    reserved: Option<u64>,
+    #[serde(default)]
+    charged: Option<u64>,
 }
 
 impl Snapshot {
@@ -47,6 +52,8 @@ impl Snapshot {
             created_unix_ms: unix_ms(job.created),
             version: job.published,
             is_final: job.last.status.is_terminal(),
+            reserved: job.reserved,
+            charged: job.charged,
         }
     }
 }
@@ -64,7 +71,7 @@ impl Outbox {
     }
 
     /// Marks `id` for the publisher (a job marked twice is written once, as it then stands).
-    fn mark(&self, id: &str) {
+    pub(super) fn mark(&self, id: &str) {
         self.changed().insert(id.to_owned());
         self.wake.notify_one();
     }
@@ -224,6 +231,8 @@ impl Jobs {
             wait: pending.then_some(wait),
             queue_ahead: None,
             created: SystemTime::UNIX_EPOCH + Duration::from_millis(snapshot.created_unix_ms),
+            reserved: snapshot.reserved,
+            charged: snapshot.charged,
         }
     }
 

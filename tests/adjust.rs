@@ -1,7 +1,9 @@
-//! An operator's refund, on every algorithm: it never gives a budget more than its capacity,
-//! gives exactly the units asked where the algorithm counts units one by one, and the Lua twin
-//! (`refund.lua` and each algorithm's `refund`) leaves Redis in the very state the Rust
-//! algorithm leaves memory in — the decisions after it agree field by field.
+//! Budgets adjusted after the fact, on every algorithm: an operator's refund (or a settled price
+//! below its reservation) never gives a budget more than its capacity and gives exactly the
+//! units asked where the algorithm counts units one by one; a settled price above its
+//! reservation takes what is left and never more (a budget never goes below empty). The Lua twin
+//! (`adjust.lua` with each algorithm's `acquire` and `refund`) leaves Redis in the very state the
+//! Rust algorithm leaves memory in — the decisions after it agree field by field.
 
 #[path = "common/redis.rs"]
 mod test_redis;
@@ -10,7 +12,7 @@ use std::time::Duration;
 
 use mcp_ratelimit::clock::Nanos;
 use mcp_ratelimit::limit::{
-    Concurrency, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingLog, SlidingWindow, TokenBucket,
+    Adjustment, Concurrency, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingLog, SlidingWindow, TokenBucket,
 };
 use mcp_ratelimit::store::redis::RedisStore;
 use mcp_ratelimit::store::{Check, MemoryStore};
@@ -38,18 +40,19 @@ fn limiters() -> Vec<Limiter> {
     ]
 }
 
-/// One step: after `gap_us`, spend `cost` or give back `units`.
+/// One step: after `gap_us`, spend `cost`, or adjust the budget after the fact.
 #[derive(Debug, Clone)]
 enum Step {
     Spend { gap_us: u64, cost: u64 },
-    Refund { gap_us: u64, units: u64 },
+    Adjust { gap_us: u64, by: Adjustment },
 }
 
 fn steps(capacity: u64) -> impl Strategy<Value = Vec<Step>> {
     let gap = prop_oneof![4 => Just(0u64), 3 => 1..3_000_000u64, 1 => 3_000_000..30_000_000u64];
     let step = prop_oneof![
         3 => (gap.clone(), 0..=capacity).prop_map(|(gap_us, cost)| Step::Spend { gap_us, cost }),
-        2 => (gap, 1..=capacity * 3).prop_map(|(gap_us, units)| Step::Refund { gap_us, units }),
+        2 => (gap.clone(), 1..=capacity * 3).prop_map(|(gap_us, units)| Step::Adjust { gap_us, by: Adjustment::Refund(units) }),
+        2 => (gap, 1..=capacity * 3).prop_map(|(gap_us, units)| Step::Adjust { gap_us, by: Adjustment::Charge(units) }),
     ];
     prop::collection::vec(step, 1..=25)
 }
@@ -64,7 +67,7 @@ fn remaining(limiter: &Limiter, state: &mut mcp_ratelimit::limit::LimiterState, 
 }
 
 #[test]
-fn a_refund_never_lifts_a_budget_past_its_capacity_and_gives_what_it_says() {
+fn an_adjustment_never_lifts_a_budget_past_its_capacity_nor_below_empty_and_moves_it_by_what_it_says() {
     let mut all = limiters();
     all.push(Limiter::Concurrency(Concurrency::new(7)));
     let strategy = (0..all.len()).prop_flat_map(|i| (Just(i), steps(7)));
@@ -78,19 +81,29 @@ fn a_refund_never_lifts_a_budget_past_its_capacity_and_gives_what_it_says() {
                     now += gap_us * 1_000;
                     limiter.acquire(&mut state, now, cost);
                 }
-                Step::Refund { gap_us, units } => {
+                Step::Adjust { gap_us, by } => {
                     now += gap_us * 1_000;
                     let before = remaining(limiter, &mut state, now);
-                    limiter.refund(&mut state, now, units);
+                    limiter.adjust(&mut state, now, by);
                     let after = remaining(limiter, &mut state, now);
-                    prop_assert!(after <= limiter.capacity(), "{}: {after} left after a refund", limiter.describe());
-                    prop_assert!(after >= before, "{}: a refund took budget away", limiter.describe());
-                    // The sliding window's previous count weighs in fractions; every other
-                    // algorithm counts units one by one and gives back exactly what was asked.
-                    if !matches!(limiter, Limiter::SlidingWindow(_)) {
-                        prop_assert_eq!(after, (before + units).min(limiter.capacity()), "{}", limiter.describe());
+                    prop_assert!(after <= limiter.capacity(), "{}: {after} left after {by:?}", limiter.describe());
+                    match by {
+                        Adjustment::Refund(units) => {
+                            prop_assert!(after >= before, "{}: a refund took budget away", limiter.describe());
+                            // The sliding window's previous count weighs in fractions; every other
+                            // algorithm counts units one by one and gives back exactly what was asked.
+                            if !matches!(limiter, Limiter::SlidingWindow(_)) {
+                                prop_assert_eq!(after, (before + units).min(limiter.capacity()), "{}", limiter.describe());
+                            }
+                        }
+                        // Slots are work, not a price: a charge leaves them as they were.
+                        Adjustment::Charge(_) if limiter.holds_slots() => prop_assert_eq!(after, before),
+                        // What was left, less the units, and never below empty.
+                        Adjustment::Charge(units) => {
+                            prop_assert_eq!(after, before.saturating_sub(units), "{}", limiter.describe());
+                        }
                     }
-                    // However it was refunded, one instant admits no more than the capacity.
+                    // However it was adjusted, one instant admits no more than it says is left.
                     let mut burst = state.clone();
                     let admitted =
                         (0..=limiter.capacity()).take_while(|_| limiter.acquire(&mut burst, now, 1).allowed).count();
@@ -106,7 +119,7 @@ fn a_refund_never_lifts_a_budget_past_its_capacity_and_gives_what_it_says() {
 }
 
 #[test]
-fn refund_lua_leaves_redis_as_the_rust_refund_leaves_memory() {
+fn adjust_lua_leaves_redis_as_the_rust_adjustment_leaves_memory() {
     let redis = TestRedis::start();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let store = runtime.block_on(RedisStore::connect(&redis.url, TIMEOUT)).expect("connects to Redis");
@@ -116,7 +129,7 @@ fn refund_lua_leaves_redis_as_the_rust_refund_leaves_memory() {
     let outcome = runner().run(&strategy, |(i, steps)| {
         let limiter = &all[i];
         case.set(case.get() + 1);
-        let key = redis.key(&format!("refund:{}:{}", limiter.algorithm(), case.get()));
+        let key = redis.key(&format!("adjust:{}:{}", limiter.algorithm(), case.get()));
         let memory = MemoryStore::new();
         let mut now = EPOCH;
         let mut not_before = 0;
@@ -128,14 +141,11 @@ fn refund_lua_leaves_redis_as_the_rust_refund_leaves_memory() {
                     let got = runtime.block_on(store.decide_at(&[check], now)).map(|mut d| d.pop());
                     (gap_us, Some(memory.decide_one(&check, now)), got.map_err(|e| TestCaseError::fail(e.to_string()))?)
                 }
-                Step::Refund { gap_us, units } => {
+                Step::Adjust { gap_us, by } => {
                     now = (now + gap_us * 1_000).max(not_before);
-                    let got = runtime.block_on(store.refund(&key, limiter, units, Some(now)));
-                    (
-                        gap_us,
-                        Some(memory.refund_at(&key, limiter, units, now)),
-                        Some(got.map_err(|e| TestCaseError::fail(e.to_string()))?),
-                    )
+                    let got = runtime.block_on(store.adjust(&[(&key, limiter)], by, Some(now)));
+                    let got = got.map_err(|e| TestCaseError::fail(e.to_string()))?.pop();
+                    (gap_us, memory.adjust_at(&[(&key, limiter)], by, now).pop(), got)
                 }
             };
             prop_assert_eq!(got, expected, "step {} ({:?}, +{} µs) of {}", n, step, gap_us, limiter.describe());
@@ -152,7 +162,7 @@ fn refund_lua_leaves_redis_as_the_rust_refund_leaves_memory() {
 }
 
 #[test]
-fn refund_lua_gives_in_flight_slots_back_like_a_release() {
+fn adjust_lua_gives_in_flight_slots_back_like_a_release_and_charges_none() {
     let redis = TestRedis::start();
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let store = runtime.block_on(RedisStore::connect(&redis.url, TIMEOUT)).expect("connects to Redis");
@@ -165,9 +175,9 @@ fn refund_lua_gives_in_flight_slots_back_like_a_release() {
         let got = runtime.block_on(store.decide_at(&[check], now)).expect("decides");
         assert_eq!(got, vec![memory.decide_one(&check, now)]);
     }
-    for units in [3, 3] {
-        let got = runtime.block_on(store.refund(&key, &slots, units, Some(now))).expect("refunds");
-        assert_eq!(got, memory.refund_at(&key, &slots, units, now), "after giving back {units}");
+    for by in [Adjustment::Charge(2), Adjustment::Refund(3), Adjustment::Charge(9), Adjustment::Refund(3)] {
+        let got = runtime.block_on(store.adjust(&[(&key, &slots)], by, Some(now))).expect("adjusts");
+        assert_eq!(got, memory.adjust_at(&[(&key, &slots)], by, now), "after {by:?}");
     }
     let read = runtime
         .block_on(store.decide_at(&[Check { key: &key, limiter: &slots, cost: 0, shadow: false }], now))
