@@ -93,7 +93,12 @@ fn an_adjustment_never_lifts_a_budget_past_its_capacity_nor_below_empty_and_move
                             // The sliding window's previous count weighs in fractions; every other
                             // algorithm counts units one by one and gives back exactly what was asked.
                             if !matches!(limiter, Limiter::SlidingWindow(_)) {
-                                prop_assert_eq!(after, (before + units).min(limiter.capacity()), "{}", limiter.describe());
+                                prop_assert_eq!(
+                                    after,
+                                    (before + units).min(limiter.capacity()),
+                                    "{}",
+                                    limiter.describe()
+                                );
                             }
                         }
                         // Slots are work, not a price: a charge leaves them as they were.

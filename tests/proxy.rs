@@ -597,6 +597,41 @@ async fn a_tenants_spend_cap_warns_then_refuses_a_proxied_tool_and_a_reload_repr
 }
 
 #[tokio::test]
+async fn a_proxied_tool_priced_by_its_arguments_is_settled_to_the_usage_it_reports() {
+    let key = "pricing-key-0123456789abcdef";
+    let toml = format!(
+        "[tools.transcribe]\ncost = \"seconds / 5\"\ncost_max = 20\n[tools.add]\ncost = 3\n\
+         [limits.caller]\nburst = 50\nrefill_per_sec = 0.001\n\
+         [auth]\nkeys = [{{ sha256 = \"{}\", tenant = \"acme\" }}]\n",
+        sha256_hex(key)
+    );
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let client = proxy.client(Some(key)).await;
+    // 60 seconds: 12 reserved; the server bills 6, and says so: 6 come back.
+    let done = call(&client, "transcribe", json!({"seconds": 60})).await;
+    let structured = done.structured_content.as_ref().expect("its own structured content");
+    assert_eq!(structured["text"], "60 seconds transcribed", "{done:?}");
+    assert_eq!(structured.get("reserved"), None, "the proxied server's structured content is left as it was");
+    let meta = done.meta.as_ref().expect("the price moved: _meta says so");
+    assert_eq!((meta.0["reserved"].clone(), meta.0["charged"].clone()), (json!(12), json!(6)), "{meta:?}");
+    // A tool that reports nothing keeps its fixed price, and its answer is passed through unchanged.
+    let added = call(&client, "add", json!({"a": 1, "b": 2})).await;
+    let straight = call(&direct(fastmcp(&[])).await, "add", json!({"a": 1, "b": 2})).await;
+    assert_eq!(serde_json::to_value(&added).expect("json"), serde_json::to_value(&straight).expect("json"));
+    // 50 - 6 - 3 = 41 left: 13 more calls at 3, then 2 left.
+    let mut passed = 0;
+    let refused = loop {
+        let r = call(&client, "add", json!({"a": passed, "b": 100})).await;
+        if r.is_error == Some(true) {
+            break r;
+        }
+        passed += 1;
+    };
+    assert_eq!(passed, 13, "{refused:?}");
+    assert_eq!(refused.structured_content.as_ref().expect("structured")["error"]["remaining"], 2, "{refused:?}");
+}
+
+#[tokio::test]
 async fn the_dashboard_and_metrics_show_the_proxied_server_and_its_refusals() {
     let toml = "[proxy]\nmax_in_flight = 7\n";
     let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;

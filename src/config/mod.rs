@@ -125,7 +125,11 @@ impl Catalogue {
     }
 
     /// With the arguments `name` takes: a `[tools.NAME] cost` formula reading another is refused.
-    pub fn arguments(mut self, name: impl Into<String>, arguments: impl IntoIterator<Item = impl Into<String>>) -> Self {
+    pub fn arguments(
+        mut self,
+        name: impl Into<String>,
+        arguments: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
         self.arguments.insert(name.into(), arguments.into_iter().map(Into::into).collect());
         self
     }

@@ -18,8 +18,20 @@ use evalexpr::{ContextWithMutableVariables, DefaultNumericTypes, HashMapContext,
 use serde::Deserialize;
 
 /// The functions a price may call: pure arithmetic, nothing random, nothing that reads the world.
-const FUNCTIONS: &[&str] =
-    &["if", "min", "max", "floor", "ceil", "round", "len", "math::abs", "math::sqrt", "math::pow", "math::ln", "math::log"];
+const FUNCTIONS: &[&str] = &[
+    "if",
+    "min",
+    "max",
+    "floor",
+    "ceil",
+    "round",
+    "len",
+    "math::abs",
+    "math::sqrt",
+    "math::pow",
+    "math::ln",
+    "math::log",
+];
 
 /// A price over a call's arguments, checked when the config is read.
 #[derive(Clone)]

@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 
 use super::auth::ApiKey;
-use super::price::{Formula, Settle};
 use super::limits::{DAY_MS, Limit, Limits, RawScope};
+use super::price::{Formula, Settle};
 use super::spend::{SpendCaps, TenantOverride};
 use super::{Catalogue, ConfigError, invalid};
 use crate::limit::{FixedWindow, Limiter};
@@ -214,12 +214,17 @@ fn price_of(
             {
                 return Err(invalid(
                     &key,
-                    format!("`{text}` reads `{unknown}`, which `{tool}` does not take; it takes {}", arguments.join(", ")),
+                    format!(
+                        "`{text}` reads `{unknown}`, which `{tool}` does not take; it takes {}",
+                        arguments.join(", ")
+                    ),
                 ));
             }
             let most = match cost_max.map(u64::try_from) {
                 Some(Ok(most)) if most > 0 => most,
-                Some(_) => return Err(invalid(max_key, "the most a call may reserve: a whole number of units, 1 or more")),
+                Some(_) => {
+                    return Err(invalid(max_key, "the most a call may reserve: a whole number of units, 1 or more"));
+                }
                 None => {
                     return Err(invalid(
                         max_key,

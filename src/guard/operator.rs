@@ -115,7 +115,12 @@ impl Target {
                     scopes.push(Planned { scope: Scope::spend(member), limit: cap, cost: 0, priced: true });
                 }
                 let in_flight = Scope::in_flight_tenant(member);
-                scopes.extend(in_flight.map(|scope| Planned { scope, limit: &policy.in_flight_tenant, cost: 0, priced: false }));
+                scopes.extend(in_flight.map(|scope| Planned {
+                    scope,
+                    limit: &policy.in_flight_tenant,
+                    cost: 0,
+                    priced: false,
+                }));
             }
         }
         scopes.into_iter().map(|p| (p.scope, p.limit)).collect()

@@ -112,7 +112,8 @@ impl Reserved {
         if self.budgets.is_empty() {
             return settled;
         }
-        let budgets: Vec<(&str, &Limiter)> = self.budgets.iter().map(|(key, limiter)| (key.as_str(), limiter)).collect();
+        let budgets: Vec<(&str, &Limiter)> =
+            self.budgets.iter().map(|(key, limiter)| (key.as_str(), limiter)).collect();
         match self.store.adjust(&budgets, by).await {
             Ok(_) => {
                 let units = self.units.abs_diff(charged);

@@ -26,8 +26,8 @@ use rmcp::model::{CallToolResponse, CallToolResult, JsonObject, Tool};
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer};
 
-use crate::guard::{Admission, Policy, Refusal, RefusalCode, Reserved, ToolCall, Used};
 use crate::config::ToolPolicy;
+use crate::guard::{Admission, Policy, Refusal, RefusalCode, Reserved, ToolCall, Used};
 use crate::identity::Caller;
 use crate::mcp::results;
 use crate::metrics::Layer;
@@ -76,7 +76,7 @@ impl<S: Send + Sync + 'static> LimitedRouter<S> {
         drop(admission);
         let result = match (result, reservation) {
             (Ok(CallToolResponse::Complete(done)), Some(reservation)) => {
-                Ok(CallToolResponse::Complete(settled(done, reservation).await))
+                Ok(CallToolResponse::Complete(settled(done, reservation, Answer::Theirs).await))
             }
             (other, _) => other,
         };
@@ -163,18 +163,32 @@ pub fn used_in(done: &CallToolResult) -> Used {
     }
 }
 
+/// Whose answer a door settles, which decides where it says the price.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    /// Our own tools' result: `reserved` and `charged` always in `structuredContent`.
+    Ours,
+    /// Another server's (behind the proxy) or a forker's tools' result: left exactly as it was,
+    /// unless its own usage report moved the price, which `_meta` then says.
+    Theirs,
+}
+
 /// `done`, the answer to a call that reserved `reservation`, with the price settled from what it
-/// says was used ([`used_in`]) and `reserved` and `charged` said in it.
-pub async fn settled(done: CallToolResult, reservation: Reserved) -> CallToolResult {
+/// says was used ([`used_in`]) and said in it as `whose` answer it is allows.
+pub async fn settled(done: CallToolResult, reservation: Reserved, whose: Answer) -> CallToolResult {
     let used = used_in(&done);
-    settled_as(done, reservation, used).await
+    settled_as(done, reservation, used, whose).await
 }
 
 /// `done` with the price `reservation` holds settled for work that came to `used` (what the door
-/// knows better than the answer: a call never sent did nothing), and said in it.
-pub async fn settled_as(done: CallToolResult, reservation: Reserved, used: Used) -> CallToolResult {
+/// knows better than the answer: a call never sent did nothing), said as [`settled`] says it.
+pub async fn settled_as(done: CallToolResult, reservation: Reserved, used: Used, whose: Answer) -> CallToolResult {
     let settled = reservation.settle(used).await;
-    results::priced(done, settled)
+    match whose {
+        Answer::Ours => results::priced(done, settled),
+        Answer::Theirs if settled.charged != settled.reserved => results::priced_in_meta(done, settled),
+        Answer::Theirs => done,
+    }
 }
 
 /// Records a refused call of `tool` for the dashboard, whatever refused it.

@@ -69,6 +69,16 @@ pub fn priced(done: CallToolResult, settled: Settled) -> CallToolResult {
     said(done, &[("reserved", settled.reserved.into()), ("charged", settled.charged.into())])
 }
 
+/// A result of another server's whose price moved from its reservation: `reserved` and
+/// `charged` in `_meta`, its content and `structuredContent` left as they were.
+pub fn priced_in_meta(mut done: CallToolResult, settled: Settled) -> CallToolResult {
+    let mut meta = done.meta.take().unwrap_or_default();
+    meta.0.insert("reserved".into(), settled.reserved.into());
+    meta.0.insert("charged".into(), settled.charged.into());
+    done.meta = Some(meta);
+    done
+}
+
 /// `done` with `facts` added where a client reads them: `structuredContent` when it is an
 /// object (ours always is), else `_meta` (another server's result, left as it was).
 fn said(mut done: CallToolResult, facts: &[(&str, serde_json::Value)]) -> CallToolResult {

@@ -235,7 +235,7 @@ impl ServerHandler for McpServer {
             Ok(CallToolResponse::Complete(done)) => {
                 let done = results::reused(done, served);
                 let done = match reservation {
-                    Some(reservation) => limited::settled(done, reservation).await,
+                    Some(reservation) => limited::settled(done, reservation, limited::Answer::Ours).await,
                     None => done,
                 };
                 Ok(CallToolResponse::Complete(done))

@@ -461,12 +461,16 @@ pub(crate) fn report(view: JobView) -> Result<CallToolResult, ErrorData> {
     let id = &prediction.id;
     let queue_position = queue_ahead.map(|ahead| ahead + 1);
     let summary = match (prediction.status, &prediction.output, &prediction.error) {
-        (PredictionStatus::Succeeded, Some(url), _) => format!("Prediction {id} succeeded: {url}{}", charged_words(reserved, charged)),
+        (PredictionStatus::Succeeded, Some(url), _) => {
+            format!("Prediction {id} succeeded: {url}{}", charged_words(reserved, charged))
+        }
         (PredictionStatus::Failed, _, reason) => {
             let reason = reason.as_deref().unwrap_or("no reason given");
             format!("Prediction {id} failed: {reason}{}", charged_words(reserved, charged))
         }
-        (PredictionStatus::Canceled, _, _) => format!("Prediction {id} was canceled{}", charged_words(reserved, charged)),
+        (PredictionStatus::Canceled, _, _) => {
+            format!("Prediction {id} was canceled{}", charged_words(reserved, charged))
+        }
         (status, _, _) => {
             let place =
                 queue_position.map(|p| format!(", {} in the queue for submission", ordinal(p))).unwrap_or_default();
@@ -513,7 +517,13 @@ fn submitted(view: JobView, reserved: Option<u64>) -> Result<CallToolResult, Err
         .unwrap_or_default();
     success(
         format!("{what} job {id} accepted.{place} Call get_prediction with this predict_id in {hint} seconds."),
-        Submitted { predict_id: id, status: view.prediction.status, next_poll_in_seconds: hint, queue_position, reserved },
+        Submitted {
+            predict_id: id,
+            status: view.prediction.status,
+            next_poll_in_seconds: hint,
+            queue_position,
+            reserved,
+        },
     )
 }
 
@@ -572,7 +582,7 @@ impl McpServer {
             Err(e) => {
                 let refusal = upstream_refusal(tool, e);
                 match reservation {
-                    Some(reservation) => Ok(limited::settled(refusal, reservation).await),
+                    Some(reservation) => Ok(limited::settled(refusal, reservation, limited::Answer::Ours).await),
                     None => Ok(refusal),
                 }
             }
@@ -789,11 +799,8 @@ impl McpServer {
         ));
         let policy = self.app.limits.guard().policy();
         let costs: BTreeMap<String, u64> = policy.tools.iter().map(|(tool, p)| (tool.clone(), p.cost)).collect();
-        let cost_formulas: BTreeMap<String, String> = policy
-            .tools
-            .iter()
-            .filter_map(|(tool, p)| Some((tool.clone(), p.formula.as_ref()?.to_string())))
-            .collect();
+        let cost_formulas: BTreeMap<String, String> =
+            policy.tools.iter().filter_map(|(tool, p)| Some((tool.clone(), p.formula.as_ref()?.to_string()))).collect();
         let price: Vec<String> = costs
             .iter()
             .map(|(t, c)| match cost_formulas.get(t) {
@@ -803,7 +810,14 @@ impl McpServer {
             .collect();
         success(
             format!("{}. Costs: {}.", lines.join("; "), price.join(", ")),
-            StatusReport { caller: caller.id().to_owned(), budgets, jobs_in_flight, upstream_queue, costs, cost_formulas },
+            StatusReport {
+                caller: caller.id().to_owned(),
+                budgets,
+                jobs_in_flight,
+                upstream_queue,
+                costs,
+                cost_formulas,
+            },
         )
     }
 }

@@ -472,7 +472,8 @@ async fn usage(State(state): State<Arc<MockState>>) -> Json<serde_json::Value> {
     let u = &state.usage;
     let read = |c: &AtomicU64| c.load(Ordering::Relaxed);
     let now = state.clock.now();
-    let jobs: u64 = lock(&state.jobs).iter().filter_map(|(id, job)| state.view(id, job, now).usage).map(|u| u.units).sum();
+    let jobs: u64 =
+        lock(&state.jobs).iter().filter_map(|(id, job)| state.view(id, job, now).usage).map(|u| u.units).sum();
     let units_billed = read(&u.articles_listed) * LIST_PRICE + read(&u.articles_saved) * SAVE_PRICE + jobs;
     Json(json!({
         "units_billed": units_billed,

@@ -314,9 +314,10 @@ impl Proxied {
             }
         };
         let now = self.clock.now();
-        let permit = self.breaker.permit(now).map_err(|open| {
-            Unanswered::NotSent(unavailable(&tool, "the circuit breaker is open", open.retry_after))
-        })?;
+        let permit = self
+            .breaker
+            .permit(now)
+            .map_err(|open| Unanswered::NotSent(unavailable(&tool, "the circuit breaker is open", open.retry_after)))?;
         let Some(peer) = self.link.peer() else {
             self.breaker.record(permit, false, now);
             let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);

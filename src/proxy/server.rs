@@ -19,7 +19,8 @@ use super::relay::Membership;
 use super::{Proxied, Unanswered};
 use crate::guard::{MethodGroup, Refusal, Reserved, ToolCall, Used};
 use crate::identity::Caller;
-use crate::mcp::{limited, results};
+use crate::mcp::limited::{self, Answer};
+use crate::mcp::results;
 use crate::rate_limits::RateLimits;
 use crate::reuse::Sharing;
 
@@ -95,8 +96,8 @@ impl ProxyServer {
     ) -> Result<CallToolResponse, ErrorData> {
         let done = limited::refused(&self.limits, caller, tool, &refusal);
         let done = match (reservation, used) {
-            (Some(reservation), Some(used)) => limited::settled_as(done, reservation, used).await,
-            (Some(reservation), None) => limited::settled(done, reservation).await,
+            (Some(reservation), Some(used)) => limited::settled_as(done, reservation, used, Answer::Ours).await,
+            (Some(reservation), None) => limited::settled(done, reservation, Answer::Ours).await,
             (None, _) => done,
         };
         Ok(done.into())
@@ -182,7 +183,7 @@ impl ServerHandler for ProxyServer {
                 let done = results::reused(done, served);
                 // Settled from the `usage.units` the proxied server reports, if it does.
                 let done = match reservation {
-                    Some(reservation) => limited::settled(done, reservation).await,
+                    Some(reservation) => limited::settled(done, reservation, Answer::Theirs).await,
                     None => done,
                 };
                 if admission.warnings().is_empty() || done.is_error == Some(true) {
@@ -194,7 +195,9 @@ impl ServerHandler for ProxyServer {
             Ok(other) => Ok(other),
             Err(Unanswered::Error(error)) => Err(error),
             // Sent, and no answer: work may have been done, and the reservation stands.
-            Err(Unanswered::Unavailable(refusal)) => self.refuse_settled(&caller, &tool, refusal, reservation, None).await,
+            Err(Unanswered::Unavailable(refusal)) => {
+                self.refuse_settled(&caller, &tool, refusal, reservation, None).await
+            }
             Err(Unanswered::NotSent(refusal)) => {
                 self.refuse_settled(&caller, &tool, refusal, reservation, Some(Used::Nothing)).await
             }

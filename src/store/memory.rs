@@ -200,7 +200,9 @@ impl MemoryStore {
                 let entry = match (map.get_mut(&fp), by) {
                     (Some(entry), _) => entry,
                     (None, Adjustment::Refund(_)) => return limiter.acquire(&mut limiter.fresh(now), now, 0),
-                    (None, Adjustment::Charge(_)) => map.entry(fp).or_insert(Entry { state: limiter.fresh(now), forget_at: now }),
+                    (None, Adjustment::Charge(_)) => {
+                        map.entry(fp).or_insert(Entry { state: limiter.fresh(now), forget_at: now })
+                    }
                 };
                 limiter.adjust(&mut entry.state, now, by);
                 entry.forget_at = limiter.forget_at(&mut entry.state, now);

@@ -1,0 +1,206 @@
+//! Prices that follow the arguments and are settled from the usage the upstream reports, through
+//! an MCP client on the manual clock, on the memory store and on Redis: a video priced by its
+//! length is reserved when accepted and, once final, charged what the mock billed, the
+//! difference given back to every budget that took it, exactly; a price above its reservation is
+//! charged on top and a budget stands at empty, never below; work the upstream never took (its
+//! 429, a failed job it did not bill, a job canceled in the queue) costs nothing; `settle =
+//! "reserved"` keeps the reservation.
+
+mod common;
+
+#[path = "common/redis.rs"]
+mod test_redis;
+
+use common::*;
+use serde_json::{Value, json};
+use test_redis::TestRedis;
+
+const KEY: &str = "sk-pricing-agent-1";
+
+/// One key of tenant acme; budgets that do not refill while a test runs (a unit per 1000 s, on
+/// the manual clock and on Redis's real one alike), a spend cap, short jobs polled each second.
+fn config(extra: &str) -> String {
+    format!(
+        "[[auth.keys]]\nkey = \"{KEY}\"\ntenant = \"acme\"\n\
+         [limits.caller]\nburst = 100\nrefill_per_sec = 0.001\n\
+         [limits.tenant]\nburst = 1000\nrefill_per_sec = 0.001\n\
+         [spend_caps]\ndaily_units = 500\n\
+         [upstream]\nimage_poll_seconds = 1\nvideo_poll_seconds = 1\nvideo_min_gap_ms = 1000\n\
+         [mock_upstream]\nimage_job_ms = 1000\nvideo_job_ms = 2000\nmax_video_seconds = 8\n\
+         [tools.generate_image_to_video.budget]\nalgorithm = \"sliding_log\"\nlimit = 100\nwindow_ms = 3600000\n\
+         {NO_LOOP_DETECTION}{extra}"
+    )
+}
+
+fn video(seconds: u32) -> Value {
+    json!({ "image_url": "https://example.com/frame.png", "prompt": "waves", "seconds": seconds })
+}
+
+/// What is left in the caller's, the tenant's and the spend cap's budgets.
+async fn left(client: &Client) -> (u64, u64, u64) {
+    let status = call(client, "rate_limit_status", json!({})).await;
+    let remaining = |prefix| budget(&status, prefix)["remaining"].as_u64().expect("remaining");
+    (remaining("caller:"), remaining("tenant:"), remaining("spend:"))
+}
+
+/// Walks the clock until job `id` is final and its price settled; its report.
+async fn settled(server: &TestServer, client: &Client, id: &str) -> Value {
+    for _ in 0..10 {
+        server.advance_ms(1_000);
+        settle().await;
+    }
+    eventually_some("the job is final and its price settled", std::time::Duration::from_secs(5), || async {
+        let report = structured(&call(client, "get_prediction", json!({ "predict_id": id })).await).clone();
+        report.get("charged").is_some().then_some(report)
+    })
+    .await
+}
+
+async fn a_video_priced_by_its_length_is_refunded_what_it_did_not_use(server: &TestServer) {
+    let agent = server.client(Some(KEY)).await;
+    let accepted = call(&agent, "generate_image_to_video", video(10)).await;
+    assert!(!is_error(&accepted), "{}", text(&accepted));
+    // 20 with five seconds included, 2 per second beyond: 30 reserved in every budget.
+    assert_eq!(structured(&accepted)["reserved"], 30, "{}", structured(&accepted));
+    assert_eq!(left(&agent).await, (70, 970, 470));
+
+    let id = structured(&accepted)["predict_id"].as_str().expect("predict_id").to_owned();
+    let report = settled(server, &agent, &id).await;
+    // The mock renders 8 of the 10 seconds asked and bills 26: 4 come back, exactly.
+    assert_eq!(report["status"], "succeeded", "{report}");
+    assert_eq!((report["reserved"].clone(), report["charged"].clone()), (json!(30), json!(26)), "{report}");
+    assert_eq!(report["usage"]["units"], 26, "{report}");
+    assert_eq!(left(&agent).await, (74, 974, 474), "each budget charged 26 in the end, not 30");
+    assert_eq!(server.upstream_usage().await["units_billed"], 26, "what the upstream billed");
+    let metrics = server.metrics().await;
+    assert!(
+        metrics.lines().any(|l| l.starts_with("mcp_ratelimit_settled_units_total{")
+            && l.contains("how=\"refunded\"")
+            && l.ends_with(" 4")),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn a_video_priced_by_its_length_is_refunded_what_it_did_not_use_in_memory() {
+    let server = TestServer::start(&config("")).await;
+    a_video_priced_by_its_length_is_refunded_what_it_did_not_use(&server).await;
+}
+
+#[tokio::test]
+async fn a_video_priced_by_its_length_is_refunded_what_it_did_not_use_on_redis() {
+    let redis = TestRedis::start();
+    let store = format!("[store]\nbackend = \"redis\"\nredis_url = \"{}\"\n", redis.url);
+    // A key of this run's own: the Redis may be shared (REDIS_URL).
+    let key = format!("sk-pricing-{:016x}", rand::random::<u64>());
+    let server = TestServer::start(&config(&store).replace(KEY, &key)).await;
+    let agent = server.client(Some(&key)).await;
+    let accepted = call(&agent, "generate_image_to_video", video(10)).await;
+    assert_eq!(structured(&accepted)["reserved"], 30, "{}", text(&accepted));
+    let (caller, tenant, spend) = left(&agent).await;
+    assert_eq!(caller, 70);
+    let id = structured(&accepted)["predict_id"].as_str().expect("predict_id").to_owned();
+    let report = settled(&server, &agent, &id).await;
+    assert_eq!((report["reserved"].clone(), report["charged"].clone()), (json!(30), json!(26)), "{report}");
+    assert_eq!(left(&agent).await, (caller + 4, tenant + 4, spend + 4), "4 back in Redis, in every budget");
+}
+
+#[tokio::test]
+async fn a_price_above_its_reservation_is_charged_on_top_and_a_budget_never_goes_below_empty() {
+    // A fixed price of 20 while the upstream bills a 30-second video 70; the caller has 50.
+    let config = config("[tools.generate_image_to_video]\ncost = 20\n")
+        .replace("burst = 100\n", "burst = 50\n")
+        .replace("max_video_seconds = 8", "max_video_seconds = 30");
+    let server = TestServer::start(&config).await;
+    let agent = server.client(Some(KEY)).await;
+    let accepted = call(&agent, "generate_image_to_video", video(30)).await;
+    assert_eq!(structured(&accepted)["reserved"], 20, "{}", text(&accepted));
+    assert_eq!(left(&agent).await, (30, 980, 480));
+    let id = structured(&accepted)["predict_id"].as_str().expect("predict_id").to_owned();
+    let report = settled(&server, &agent, &id).await;
+    assert_eq!((report["reserved"].clone(), report["charged"].clone()), (json!(20), json!(70)), "{report}");
+    // 50 more: the tenant and the spend cap had them; the caller had 30, and stands at 0.
+    assert_eq!(left(&agent).await, (0, 930, 430));
+    let refused = call(&agent, "list_articles", json!({})).await;
+    assert_eq!(error_code(&refused), Some("rate_limited"), "{}", text(&refused));
+    assert_eq!(structured(&refused)["error"]["remaining"], 0, "empty, not below");
+    // It refills from empty like any budget: one unit in 1000 s.
+    server.advance_ms(1_000_000);
+    assert!(!is_error(&call(&agent, "list_articles", json!({})).await), "served once a unit is back");
+}
+
+#[tokio::test]
+async fn work_the_upstream_never_took_or_did_not_bill_costs_nothing() {
+    let server = TestServer::start(&config("")).await;
+    let agent = server.client(Some(KEY)).await;
+
+    // A job the model fails: the mock bills nothing, and all 20 come back.
+    let failing =
+        call(&agent, "generate_image_to_video", json!({"image_url": "https://e.com/a.png", "prompt": "[fail]"}));
+    let failing = failing.await;
+    assert_eq!(structured(&failing)["reserved"], 20);
+    let id = structured(&failing)["predict_id"].as_str().expect("predict_id").to_owned();
+    let report = settled(&server, &agent, &id).await;
+    assert_eq!((report["status"].clone(), report["charged"].clone()), (json!("failed"), json!(0)), "{report}");
+    assert!(text(&call(&agent, "get_prediction", json!({ "predict_id": id })).await).contains("charged 0 of the 20"));
+    assert_eq!(left(&agent).await, (100, 1000, 500));
+
+    // A video still waiting in the queue (behind another, a gap apart) canceled: never sent.
+    let first = call(&agent, "generate_image_to_video", video(5)).await;
+    let second = call(&agent, "generate_image_to_video", video(6)).await;
+    assert_eq!(structured(&second)["queue_position"], 1, "{}", structured(&second));
+    let queued = structured(&second)["predict_id"].as_str().expect("predict_id").to_owned();
+    assert_eq!(left(&agent).await, (58, 958, 458), "20 + 22 reserved");
+    let canceled = call(&agent, "cancel_prediction", json!({ "predict_id": queued })).await;
+    assert_eq!(structured(&canceled)["status"], "canceled", "{}", structured(&canceled));
+    eventually("the canceled job's 22 are back", || async { left(&agent).await == (80, 980, 480) }).await;
+    let first = structured(&first)["predict_id"].as_str().expect("predict_id").to_owned();
+    assert_eq!(settled(&server, &agent, &first).await["charged"], 20, "the first, 5 seconds, as reserved");
+
+    // The upstream's 429 on a call answered at once: it took no work.
+    server.chaos(json!({ "rate_429": 1.0 })).await;
+    let before = left(&agent).await;
+    let refused = call(&agent, "list_articles", json!({ "query": "budgets" })).await;
+    assert_eq!(error_code(&refused), Some("upstream_rate_limited"), "{}", text(&refused));
+    assert_eq!(
+        (structured(&refused)["reserved"].clone(), structured(&refused)["charged"].clone()),
+        (json!(1), json!(0))
+    );
+    assert_eq!(left(&agent).await, before, "nothing charged");
+    server.chaos(json!({ "rate_429": 0.0 })).await;
+    let served = call(&agent, "list_articles", json!({ "query": "budgets" })).await;
+    assert_eq!((structured(&served)["reserved"].clone(), structured(&served)["charged"].clone()), (json!(1), json!(1)));
+    assert_eq!(left(&agent).await.0, before.0 - 1);
+}
+
+#[tokio::test]
+async fn settle_reserved_keeps_the_reservation_whatever_the_upstream_bills() {
+    let server = TestServer::start(&config("[tools.generate_image_to_video]\nsettle = \"reserved\"\n")).await;
+    let agent = server.client(Some(KEY)).await;
+    let accepted = call(&agent, "generate_image_to_video", video(10)).await;
+    let id = structured(&accepted)["predict_id"].as_str().expect("predict_id").to_owned();
+    let report = settled(&server, &agent, &id).await;
+    assert_eq!((report["reserved"].clone(), report["charged"].clone()), (json!(30), json!(30)), "{report}");
+    assert_eq!(report["usage"]["units"], 26, "billed 26, charged as reserved");
+    assert_eq!(left(&agent).await, (70, 970, 470));
+}
+
+#[tokio::test]
+async fn the_price_is_listed_with_its_formula_and_a_call_it_cannot_price_reserves_the_most() {
+    let server = TestServer::start(&config("")).await;
+    let agent = server.client(Some(KEY)).await;
+    let tools = agent.list_all_tools().await.expect("tools/list");
+    let listed = tools.iter().find(|t| t.name == "generate_image_to_video").expect("listed");
+    let description = listed.description.as_deref().unwrap_or_default();
+    assert!(description.contains("Costs 20 + 2 * max(0, seconds - 5) tokens, at most 30"), "{description}");
+    let status = call(&agent, "rate_limit_status", json!({})).await;
+    assert_eq!(structured(&status)["costs"]["generate_image_to_video"], 30);
+    assert_eq!(structured(&status)["cost_formulas"]["generate_image_to_video"], "20 + 2 * max(0, seconds - 5)");
+    // Held to cost_max: a 30-second video reserves 30, not 70.
+    let long = call(&agent, "generate_image_to_video", video(30)).await;
+    assert_eq!(structured(&long)["reserved"], 30);
+    // The schema refuses what the formula could not price, before anything is charged.
+    let bad = call(&agent, "generate_image_to_video", video(31)).await;
+    assert_eq!(error_code(&bad), Some("invalid_arguments"), "{}", text(&bad));
+    assert_eq!(left(&agent).await, (70, 970, 470));
+}
