@@ -181,7 +181,9 @@ async fn rate_limit_status_reports_the_budget_and_costs_nothing() {
         .expect("the video tool's own budget");
     assert_eq!(per_tool["algorithm"], "sliding_log");
     assert_eq!(per_tool["remaining"], 29, "one video of 30 per rolling hour");
-    assert_eq!(s["costs"]["generate_image_to_video"], 20);
+    // Priced by its length: 20 for the default 5 seconds (charged above), at most 30.
+    assert_eq!(s["costs"]["generate_image_to_video"], 30);
+    assert_eq!(s["cost_formulas"]["generate_image_to_video"], "20 + 2 * max(0, seconds - 5)");
     assert!(s["caller"].as_str().is_some_and(|c| c.starts_with("tok:") && !c.contains("planner")));
 }
 

@@ -83,7 +83,7 @@ fn a_timeout_beyond_any_clock_is_refused_naming_its_key_from_a_file_or_the_envir
 #[test]
 fn an_insurance_share_too_small_for_a_tool_fails_naming_the_instances_and_the_limit() {
     let toml = "[store]\nbackend = \"redis\"\nexpected_instances = 5\n[tools.generate_image]\nfail = \"open\"\n\
-                [limits.caller]\nburst = 40\n";
+                [tools.generate_image_to_video]\ncost = 20\n[limits.caller]\nburst = 40\n";
     let (ok, _, stderr) = check_config(toml, &[]);
     assert!(!ok);
     assert!(stderr.contains("store.expected_instances"), "{stderr}");

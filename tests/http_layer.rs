@@ -176,8 +176,11 @@ async fn health_and_metrics_are_never_limited() {
 
 #[tokio::test]
 async fn the_master_switch_turns_every_limit_off() {
-    let server =
-        TestServer::start("[limits]\nenabled = false\n[limits.http]\nburst = 1\n[limits.caller]\nburst = 40\n").await;
+    let server = TestServer::start(
+        "[limits]\nenabled = false\n[limits.http]\nburst = 1\n[limits.caller]\nburst = 40\n\
+                           [tools.generate_image_to_video]\ncost = 20\n",
+    )
+    .await;
     let mut s = RawSession::new(&server.url, &[]);
     assert_eq!(s.open().await, (200, 202));
     let (status, headers, _) = s.ping(1).await;

@@ -49,7 +49,8 @@ async fn one_key_is_one_caller_on_every_server_with_the_same_id_secret() {
 async fn a_keys_own_caller_budget_holds_with_an_id_secret() {
     let config = format!(
         "{}{NO_LOOP_DETECTION}[[auth.keys]]\nkey = \"{KEY}\"\n[auth.keys.caller]\nalgorithm = \"token_bucket\"\n\
-         burst = 20\nrefill_per_sec = 0.001\n[[auth.keys]]\nkey = \"plain-key\"\n",
+         burst = 20\nrefill_per_sec = 0.001\n[[auth.keys]]\nkey = \"plain-key\"\n\
+         [tools.generate_image_to_video]\ncost = 20\n",
         with_secret(SECRET)
     );
     let server = TestServer::start(&config).await;

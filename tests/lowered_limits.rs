@@ -26,6 +26,9 @@ refill_per_sec = 1000.0
 enabled = false
 [[auth.keys]]
 key = "lowered-agent"
+# A fixed video price, so a caller limit lowered to 40 (20 for a guest) still fits every cost.
+[tools.generate_image_to_video]
+cost = 20
 "#;
 
 const HOUR_MS: u64 = 3_600_000;

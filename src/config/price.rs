@@ -10,9 +10,11 @@
 //! `floor`, `ceil`, `round`, `len` and `math::abs`/`sqrt`/`pow`/`ln`/`log`. Nothing else: no
 //! assignment, no other function (`random` among them), so a price is a pure function of the
 //! call. It is checked when the config is read, and clamped when it is used: a result is rounded
-//! up to whole units and held to `[0, cost_max]`, and a call it cannot price (an argument it
-//! reads is missing or of another kind, a division by zero, an overflow) reserves `cost_max`,
-//! the most the config allows. The check that every cost fits every budget reads `cost_max`.
+//! up to whole units and held to `[cost_min, cost_max]` (`cost_min` is 1 unless set: arguments an
+//! agent chose, say a negative length a proxied server does not check, never price a paid call
+//! at nothing), and a call it cannot price (an argument it reads is missing or of another kind, a
+//! division by zero, an overflow) reserves `cost_max`, the most the config allows. The check that
+//! every cost fits every budget reads `cost_max`.
 
 use evalexpr::{ContextWithMutableVariables, DefaultNumericTypes, HashMapContext, Node, Operator, Value};
 use serde::Deserialize;
@@ -77,9 +79,9 @@ impl Formula {
     }
 
     /// The units a call with `args` reserves: the formula's value rounded up, held to
-    /// `[0, most]`; `most` when it cannot be priced (see the module doc).
-    pub fn units(&self, args: &serde_json::Value, most: u64) -> u64 {
-        self.value(args).map_or(most, |units| units.min(most))
+    /// `[least, most]`; `most` when it cannot be priced (see the module doc).
+    pub fn units(&self, args: &serde_json::Value, (least, most): (u64, u64)) -> u64 {
+        self.value(args).map_or(most, |units| units.clamp(least.min(most), most))
     }
 
     /// The formula's value for `args` in whole units (rounded up, at least 0), if it has one.
@@ -146,26 +148,29 @@ mod tests {
     fn a_formula_prices_by_the_arguments_rounded_up_and_held_to_its_most() {
         let video = Formula::parse("20 + 2 * max(0, seconds - 5)").expect("parses");
         assert_eq!(video.reads(), ["seconds"]);
-        assert_eq!(video.units(&json!({"seconds": 5}), 80), 20);
-        assert_eq!(video.units(&json!({"seconds": 10}), 80), 30);
-        assert_eq!(video.units(&json!({"seconds": 1000}), 80), 80, "held to cost_max");
+        assert_eq!(video.units(&json!({"seconds": 5}), (1, 80)), 20);
+        assert_eq!(video.units(&json!({"seconds": 10}), (1, 80)), 30);
+        assert_eq!(video.units(&json!({"seconds": 1000}), (1, 80)), 80, "held to cost_max");
         let prompt = Formula::parse("len(prompt) / 100.0").expect("parses");
-        assert_eq!(prompt.units(&json!({"prompt": "x".repeat(101)}), 50), 2, "1.01 rounds up");
+        assert_eq!(prompt.units(&json!({"prompt": "x".repeat(101)}), (1, 50)), 2, "1.01 rounds up");
         let below = Formula::parse("seconds - 10").expect("parses");
-        assert_eq!(below.units(&json!({"seconds": 3}), 80), 0, "never below zero");
+        assert_eq!(below.units(&json!({"seconds": 3}), (1, 80)), 1, "never below cost_min");
+        assert_eq!(below.units(&json!({"seconds": -1e9}), (1, 80)), 1, "whatever an agent sends");
+        assert_eq!(below.units(&json!({"seconds": 3}), (0, 80)), 0, "free only where cost_min says so");
     }
 
     #[test]
     fn a_call_it_cannot_price_reserves_the_most() {
         let video = Formula::parse("20 + 2 * seconds").expect("parses");
         for args in [json!({}), json!({"seconds": "ten"}), json!({"seconds": null}), json!({"seconds": [1]})] {
-            assert_eq!(video.units(&args, 80), 80, "{args}");
+            assert_eq!(video.units(&args, (1, 80)), 80, "{args}");
         }
         let huge = Formula::parse("seconds * 9223372036854775807").expect("parses");
-        assert_eq!(huge.units(&json!({"seconds": 2}), 80), 80, "an overflow");
-        assert_eq!(Formula::parse("1 / seconds").expect("parses").units(&json!({"seconds": 0}), 7), 7);
-        assert_eq!(Formula::parse("10 ^ 400").expect("parses").units(&json!({}), 9), 9, "infinite");
-        assert_eq!(Formula::parse("seconds > 3").expect("parses").units(&json!({"seconds": 4}), 9), 9, "a boolean");
+        assert_eq!(huge.units(&json!({"seconds": 2}), (1, 80)), 80, "an overflow");
+        assert_eq!(Formula::parse("1 / seconds").expect("parses").units(&json!({"seconds": 0}), (1, 7)), 7);
+        assert_eq!(Formula::parse("10 ^ 400").expect("parses").units(&json!({}), (1, 9)), 9, "infinite");
+        let boolean = Formula::parse("seconds > 3").expect("parses");
+        assert_eq!(boolean.units(&json!({"seconds": 4}), (1, 9)), 9, "a boolean");
     }
 
     #[test]

@@ -34,8 +34,8 @@ fn documented_defaults_load() {
     assert_eq!(c.limiting.limits.caller[0].limiter.capacity(), 60);
     let video = &c.limiting.tools["generate_image_to_video"];
     assert_eq!(video.cost, 30, "a formula's cost is its most");
-    let policy = crate::guard::Policy::new(&c.limiting);
-    let price = |seconds: u32| policy.price_of("generate_image_to_video", &serde_json::json!({ "seconds": seconds }));
+    let formula = video.formula.as_ref().expect("priced by a formula");
+    let price = |seconds: u32| formula.units(&serde_json::json!({ "seconds": seconds }), (video.cost_min, video.cost));
     assert_eq!((price(5), price(8), price(30)), (20, 26, 30), "20 as SPEC says, for a 5-second video");
     assert_eq!(c.limiting.tools.len(), reference().names().count());
     // Without those tools in the catalogue, their default prices are not loaded.
@@ -232,6 +232,16 @@ fn a_cost_formula_is_checked_naming_its_key() {
         ("cost = \"seconds = 9\"\ncost_max = 30\n", "tools.generate_image_to_video.cost", "assigns"),
         ("cost = \"2 * seconds\"\ncost_max = 31\n", "tools.generate_image_to_video.cost", "tiers.guest"),
         ("settle = \"sometimes\"\n", "settle", "sometimes"),
+        (
+            "cost = \"seconds\"\ncost_max = 30\ncost_min = 31\n",
+            "tools.generate_image_to_video.cost_min",
+            "0 to cost_max",
+        ),
+        (
+            "cost = \"seconds\"\ncost_max = 30\ncost_min = -1\n",
+            "tools.generate_image_to_video.cost_min",
+            "0 to cost_max",
+        ),
     ] {
         let e = err(&format!("{video}{toml}"));
         assert!(e.contains(key) && e.contains(said), "{toml}: {e}");

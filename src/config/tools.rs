@@ -23,8 +23,11 @@ pub struct ToolPolicy {
     /// the fixed cost, or the most its [`ToolPolicy::formula`] may ask (`cost_max`). Every check
     /// that a cost fits a budget reads this.
     pub cost: u64,
-    /// The price over the call's arguments (`cost = "…"`), held to `cost`; `None`: `cost` itself.
+    /// The price over the call's arguments (`cost = "…"`), held to `[cost_min, cost]`; `None`:
+    /// `cost` itself.
     pub formula: Option<Formula>,
+    /// The least a call priced by its formula reserves (`cost_min`, 1 unless set).
+    pub cost_min: u64,
     /// What a call is charged in the end: what the upstream reports it used, or the reservation.
     pub settle: Settle,
     /// An own budget for this tool, per tenant (or per caller without one), counted in calls
@@ -64,6 +67,7 @@ impl ToolPolicy {
         Self {
             cost,
             formula: None,
+            cost_min: 0,
             settle: Settle::default(),
             budget: Vec::new(),
             fail: Fail::default_for(cost),
@@ -104,6 +108,7 @@ enum RawCost {
 pub(super) struct RawTool {
     cost: RawCost,
     cost_max: Option<i64>,
+    cost_min: Option<i64>,
     settle: Option<Settle>,
     budget: Option<RawScope>,
     fail: Option<Fail>,
@@ -130,6 +135,14 @@ pub(super) fn validate_tools(
             ));
         }
         let (cost, formula) = price_of(&tool, &spec.cost, spec.cost_max, catalogue)?;
+        let cost_min = match spec.cost_min.map(u64::try_from) {
+            None => 1,
+            Some(Ok(least)) if formula.is_none() || least <= cost => least,
+            Some(_) => {
+                let key = format!("tools.{tool}.cost_min");
+                return Err(invalid(key, format!("the least a priced call reserves: 0 to cost_max ({cost})")));
+            }
+        };
         cost_fits_the_scopes(&tool, cost, limits, tiers)?;
         let budget = match spec.budget {
             Some(budget) => budget.build(&format!("tools.{tool}.budget"))?,
@@ -178,7 +191,8 @@ pub(super) fn validate_tools(
             }
         }
         let settle = spec.settle.unwrap_or_default();
-        tools.insert(tool, ToolPolicy { cost, formula, settle, budget, fail, holds_slot, coalesce, cache_ttl_ms });
+        let policy = ToolPolicy { cost, formula, cost_min, settle, budget, fail, holds_slot, coalesce, cache_ttl_ms };
+        tools.insert(tool, policy);
     }
     if let Some(missing) = catalogue.names().find(|t| !tools.contains_key(*t)) {
         return Err(invalid(format!("tools.{missing}.cost"), "every tool needs a cost"));

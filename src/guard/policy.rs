@@ -241,7 +241,7 @@ impl Policy {
     /// `cost_max`), else its fixed cost.
     pub fn price_of(&self, tool: &str, args: &serde_json::Value) -> u64 {
         match self.tool(tool) {
-            Some(ToolPolicy { formula: Some(formula), cost, .. }) => formula.units(args, *cost),
+            Some(ToolPolicy { formula: Some(formula), cost, cost_min, .. }) => formula.units(args, (*cost_min, *cost)),
             Some(policy) => policy.cost,
             None => 0,
         }

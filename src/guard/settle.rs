@@ -116,8 +116,9 @@ impl Reserved {
             self.budgets.iter().map(|(key, limiter)| (key.as_str(), limiter)).collect();
         match self.store.adjust(&budgets, by).await {
             Ok(_) => {
-                let units = self.units.abs_diff(charged);
-                self.metrics.settled(&self.tool, how, units);
+                // A charge takes at most what a budget holds, whatever a report claims.
+                let most = self.budgets.iter().map(|(_, limiter)| limiter.capacity()).max().unwrap_or(0);
+                self.metrics.settled(&self.tool, how, self.units.abs_diff(charged).min(most));
                 if let (Adjustment::Refund(_), Some(refusals)) = (by, &self.refusals) {
                     // Only time gave budget back until now: a refusal remembered for these keys
                     // may be too long. (Other instances keep theirs until it runs out: they can
@@ -132,53 +133,5 @@ impl Reserved {
                 Settled { reserved: self.units, charged: self.units }
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::limit::TokenBucket;
-    use crate::store::{Check, MemoryStore};
-
-    fn reserved(store: &Arc<MemoryStore>, units: u64, settle: Settle) -> (Reserved, Limiter) {
-        let limiter = Limiter::TokenBucket(TokenBucket::new(100, 0.001));
-        let check = Check { key: "caller:x", limiter: &limiter, cost: units, shadow: false };
-        assert!(store.decide_at(&[check], 0)[0].allowed);
-        let budgets = vec![("caller:x".to_owned(), limiter.clone())];
-        let shared: Arc<dyn Store> = store.clone();
-        (Reserved::new(("render", units, settle), shared, budgets, Arc::default(), None), limiter)
-    }
-
-    fn left(store: &MemoryStore, limiter: &Limiter) -> u64 {
-        store.decide_at(&[Check { key: "caller:x", limiter, cost: 0, shadow: false }], 0)[0].remaining
-    }
-
-    #[tokio::test]
-    async fn a_price_settles_to_the_usage_reported_both_ways_and_never_below_empty() {
-        let store = Arc::new(MemoryStore::on(crate::clock::ManualClock::new()));
-        let (video, limiter) = reserved(&store, 40, Settle::Usage);
-        assert_eq!(video.settle(Used::Reported(26)).await, Settled { reserved: 40, charged: 26 });
-        assert_eq!(left(&store, &limiter), 74, "14 of the 40 back");
-        let (more, _) = reserved(&store, 20, Settle::Usage);
-        assert_eq!(more.settle(Used::Reported(30)).await, Settled { reserved: 20, charged: 30 });
-        assert_eq!(left(&store, &limiter), 44, "10 more taken");
-        let (past, _) = reserved(&store, 40, Settle::Usage);
-        assert_eq!(past.settle(Used::Reported(100)).await.charged, 100);
-        assert_eq!(left(&store, &limiter), 0, "4 were left: taken, and no further");
-    }
-
-    #[tokio::test]
-    async fn the_rule_without_a_report_and_with_settle_reserved() {
-        let store = Arc::new(MemoryStore::on(crate::clock::ManualClock::new()));
-        let (refused, limiter) = reserved(&store, 30, Settle::Usage);
-        assert_eq!(refused.settle(Used::Nothing).await.charged, 0);
-        assert_eq!(left(&store, &limiter), 100, "work the upstream never took costs nothing");
-        let (silent, _) = reserved(&store, 30, Settle::Usage);
-        assert_eq!(silent.settle(Used::Unreported).await.charged, 30);
-        let (fixed, _) = reserved(&store, 30, Settle::Reserved);
-        assert_eq!(fixed.charge_for(Used::Reported(3)), 30);
-        assert_eq!(fixed.charge_for(Used::Nothing), 30);
-        assert_eq!(left(&store, &limiter), 40);
     }
 }
