@@ -549,15 +549,17 @@ impl CapacityDrop {
         );
         let _ = writeln!(
             out,
-            "  limits   the static cap (upstream.max_in_flight = {}), then each learner under it; the server's queue",
+            "  limits      the static cap (upstream.max_in_flight = {}), then each learner of [upstream.adaptive]",
             self.ceiling
         );
-        let _ = writeln!(out, "           and backoff; failed: jobs the server gave up on (attempts or retry budget)");
+        let _ = writeln!(out, "              under it, through the server's fair queue, backoff and retry budget");
+        let _ = writeln!(out, "  failed      jobs the server gave up on: out of attempts, or the retry budget spent");
+        let _ = writeln!(out, "  throughput  accepted jobs over what the capacity allowed (capacity x time / job)");
+        let _ = writeln!(out, "  followed    how long after the change the limit first stood at the capacity");
         let _ = writeln!(
             out,
-            "  followed how long after the change the limit first stood at the capacity; then: from that instant"
+            "  then        from that instant to the phase's end: the limit (lowest..highest), the throughput"
         );
-        let _ = writeln!(out, "           on, the limit (lowest..highest) and the throughput");
         let _ = writeln!(
             out,
             "  {:<8} {:<9} {:>8} {:>6} {:>8} {:>6} {:>10} {:>9} {:>6} {:>6}",

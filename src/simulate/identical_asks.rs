@@ -274,9 +274,11 @@ impl IdenticalAsks {
         let _ = writeln!(out, "identical_asks ({}): {}", span(last), self.description);
         let _ = writeln!(
             out,
-            "  every call passes the guard first (charged cost {}), then the server's coalescing and answer cache",
-            self.cost
+            "  calls     each passes the guard (which charges it), then the server's coalescing and cache"
         );
+        let _ =
+            writeln!(out, "  requests  what reached the upstream, in all and at each round; coalesced: answered by");
+        let _ = writeln!(out, "            another's request in flight; cached: by a kept answer; charged: cost units");
         let rounds: Vec<String> = self.rounds_ms.iter().map(|at| format!("at {}", span(*at))).collect();
         let _ = writeln!(
             out,
