@@ -53,6 +53,9 @@ const ANSWER: Nanos = 100 * NANOS_PER_MS;
 const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// Jobs the agent keeps pending, per slot of the ceiling: always more than the account runs.
 const PENDING_PER_SLOT: usize = 2;
+/// The agent's turn: after a round of calls it asks again no sooner (so an instant always ends,
+/// even with an upstream that answers in no time and a retry budget of none).
+const AGENT_TURN: Nanos = 100 * NANOS_PER_MS;
 /// The agent's flow in the fair queue (its tenant).
 const FLOW: Flowing<'static> = Flowing { name: "tenant:simulated", quantum: 1.0, unverified: false };
 
@@ -441,14 +444,17 @@ impl Replay<'_> {
         }
     }
 
-    /// The agent keeps its jobs pending: each call is submitted at once when a slot is free and
-    /// nobody waits, else it waits in the queue.
+    /// The agent keeps its jobs pending, a round of calls a turn at most: each call is submitted
+    /// at once when a slot is free and nobody waits, else it waits in the queue.
     async fn agent_asks(&mut self, now: Nanos) {
         if now < self.agent_ready_at {
             return;
         }
+        if self.pending() < self.pending_wanted {
+            self.agent_ready_at = now.saturating_add(AGENT_TURN);
+        }
         while self.pending() < self.pending_wanted {
-            // A full queue refuses the call (`busy`): the agent asks again at the next instant.
+            // A full queue refuses the call (`busy`): the agent asks again at its next turn.
             let Ok(place) = self.queue.reserve(PredictionKind::Image, false) else { return };
             self.record.calls = self.record.calls.saturating_add(1);
             let job = Job { number: self.record.calls, refused: 0, sent: false };
