@@ -90,7 +90,7 @@ soak:
 idle-abuse:
 	scripts/idle-abuse.sh
 
-## Agent traffic shapes against the configured budgets, every algorithm: tables, and charts in simulate-out/.
+## Agent traffic shapes against the configured budgets (every algorithm), a capacity drop and identical asks: tables, and charts in simulate-out/.
 simulate:
 	$(CARGO) run --release -- simulate
 

@@ -13,7 +13,7 @@ use mcp_ratelimit::limit::ALGORITHMS;
 use mcp_ratelimit::mcp::tools::catalogue;
 use mcp_ratelimit::mock_upstream::MockUpstream;
 use mcp_ratelimit::proxy::Target;
-use mcp_ratelimit::simulate::{self, Plan, Shape};
+use mcp_ratelimit::simulate::{self, Plan, Shape, UpstreamShape};
 use mcp_ratelimit::{App, Config};
 use tokio::net::TcpListener;
 
@@ -275,8 +275,9 @@ fn run_simulation(
     };
     let mut plan = Plan::everything(seed);
     if !shapes.is_empty() {
-        // Clap has checked every name against the shapes' own list.
+        // Clap has checked every name against the shapes' own lists.
         plan.shapes = shapes.iter().filter_map(|name| Shape::from_name(name)).collect();
+        plan.upstream = shapes.iter().filter_map(|name| UpstreamShape::from_name(name)).collect();
     }
     if !algorithms.is_empty() {
         plan.algorithms = algorithms;

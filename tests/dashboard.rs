@@ -1,7 +1,8 @@
 //! The live dashboard (`GET /dashboard`), as a person sees it in a real browser and as a program
-//! reads its data: refusals made over MCP show up on the page (which tool, why, for whom), the
-//! page and its data carry no credential, answer only to this server's own Host and Origin, and
-//! are never rate limited.
+//! reads its data: refusals made over MCP show up on the page (which tool, why, for whom), so do
+//! the account's learnt limit under its ceiling and the upstream requests saved, the page and its
+//! data carry no credential, answer only to this server's own Host and Origin, and are never rate
+//! limited.
 
 #[path = "common/browser.rs"]
 mod browser;
@@ -330,6 +331,50 @@ async fn refusals_show_per_tool_code_and_level_for_ten_minutes() {
     assert_eq!((board["refused_in_window"].as_u64(), board["refused_total"].as_u64()), (Some(0), Some(1)));
     assert_eq!(board["tools"], json!([]));
     assert_eq!(board["latest"], json!([]));
+}
+
+#[tokio::test]
+async fn a_browser_sees_the_learnt_account_limit_under_its_ceiling_and_the_upstream_requests_saved() {
+    let adaptive = "[upstream.adaptive]\nenabled = true\n[tools.list_articles]\ncost = 1\ncache_ttl_ms = 60000\n";
+    let server = TestServer::start(&format!("{}{adaptive}", keys())).await;
+    let mut browser = Browser::launch().await;
+    browser.open(&dashboard_url(&server, "/dashboard")).await;
+    let account = "document.getElementById('account-text').textContent";
+    let saved = "document.getElementById('saved-total').textContent";
+    let saved_note = "document.getElementById('saved-note').textContent";
+    browser
+        .wait_for(
+            "nothing saved yet, and the limit at its ceiling says nothing of learning",
+            &format!("{saved} === '0' && {account} === '0 of 10 in use'"),
+        )
+        .await;
+
+    // The same read twice from one tenant: the second is the first's kept answer.
+    let acme = server.client(Some(ACME_KEY)).await;
+    for _ in 0..2 {
+        assert!(!is_error(&call(&acme, "list_articles", json!({"query": "lighthouses"})).await));
+    }
+    browser
+        .wait_for(
+            "one upstream request saved",
+            &format!("{saved} === '1' && {saved_note} === '0 coalesced, 1 cached, since start'"),
+        )
+        .await;
+
+    // The account now runs two jobs at once: the third image meets its 429, which cuts the learnt
+    // limit to the two that were running.
+    server.chaos(json!({"max_concurrent_predictions": 2})).await;
+    let globex = server.client(Some(GLOBEX_KEY)).await;
+    for i in 0..3 {
+        let image = call(&globex, "generate_image", json!({"prompt": format!("a lighthouse, take {i}")})).await;
+        let expected = if i < 2 { None } else { Some("upstream_rate_limited") };
+        assert_eq!(error_code(&image), expected, "{}", text(&image));
+    }
+    let jobs = &data(&server).await["jobs"];
+    assert_eq!((jobs["account_max"].as_u64(), jobs["account_ceiling"].as_u64()), (Some(2), Some(10)), "{jobs}");
+    browser
+        .wait_for("the learnt limit and its ceiling", &format!("{account} === '2 of 2 in use (learnt; ceiling 10)'"))
+        .await;
 }
 
 #[tokio::test]

@@ -2,7 +2,9 @@
 //! caller's bucket of 60 refilling 1 a second: 30 calls at once, then one every 2 s): the runaway
 //! loop held to that rate for 8 hours by every algorithm, 2× through a fixed window at its edge
 //! and through no other, the obedient agent wasting nothing, one seed printing one output, charts
-//! that parse, and bad input refused with exit code 2.
+//! that parse, and bad input refused with exit code 2. And the upstream shapes: a learnt account
+//! limit following the account's capacity down and up with a fraction of the static cap's 429s,
+//! and identical asks costing exactly the upstream requests their coalescing and cache allow.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -42,6 +44,12 @@ fn report(args: &[&str]) -> Value {
     assert!(output.status.success(), "simulate failed: {}", String::from_utf8_lossy(&output.stderr));
     serde_json::from_slice(&output.stdout).expect("the report is JSON")
 }
+
+/// The account's slots in the documented defaults (`upstream.max_in_flight`).
+const CEILING: u64 = 10;
+/// Agents in `identical_asks`, and the calls each makes: twice at once, at 2 s, at 8 s.
+const AGENTS: u64 = 10;
+const CALLS_EACH: u64 = 4;
 
 /// The runs of `shape`, by algorithm.
 fn runs<'r>(report: &'r Value, shape: &str) -> Vec<(&'r str, &'r Value)> {
@@ -116,7 +124,8 @@ fn the_obedient_agent_wastes_no_call_and_gets_as_much_done_as_a_retry_storm() {
 fn the_same_seed_prints_the_same_bytes_and_another_seed_other_numbers() {
     let out = tempfile::tempdir().expect("temp dir");
     let run = |seed: &str| {
-        let output = simulate(out.path(), &["--seed", seed, "--shape", "fan_out,retry_storm,reconnect_to_reset"]);
+        let shapes = "fan_out,retry_storm,reconnect_to_reset,capacity_drop,identical_asks";
+        let output = simulate(out.path(), &["--seed", seed, "--shape", shapes]);
         assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
         output.stdout
     };
@@ -156,6 +165,132 @@ fn every_shape_gets_a_well_formed_svg_chart_naming_each_algorithm() {
     }
     // Said, not silently skipped.
     assert!(stdout.contains("concurrency      not simulated: a slot cap"), "{stdout}");
+    // The capacity drop's chart: the capacity, the static cap and each learner, over time.
+    let path = out.path().join("capacity_drop.svg");
+    assert!(stdout.contains(&path.display().to_string()), "the output names {}", path.display());
+    let svg = std::fs::read_to_string(&path).expect("chart written");
+    let document = roxmltree::Document::parse(&svg).expect("capacity_drop.svg is XML");
+    let text: String = document.descendants().filter_map(|n| n.text()).collect();
+    for named in ["the account's capacity", "static", "aimd", "upstream 429s per second"] {
+        assert!(text.contains(named), "capacity_drop.svg names {named}");
+    }
+}
+
+#[test]
+fn the_learnt_limit_follows_the_capacity_down_and_up_with_a_fraction_of_the_static_caps_429s() {
+    let report = report(&["--shape", "capacity_drop"]);
+    let drop = &report["capacity_drop"];
+    assert!(report.get("shapes").is_none(), "only the shape asked for ran: {report}");
+    assert_eq!(drop["ceiling"], CEILING);
+    let runs = drop["runs"].as_array().expect("runs");
+    let (fixed, learners) = runs.split_first().expect("the static cap first");
+    assert_eq!(fixed["limit"], "static");
+    assert!(learners.iter().any(|l| l["limit"] == "aimd"), "every learner runs: {learners:?}");
+    let phases = |run: &Value| run["phases"].as_array().expect("phases").clone();
+    let capacities: Vec<u64> = phases(fixed).iter().map(|p| number(p, "capacity")).collect();
+    assert_eq!(capacities, [10, 4, 8], "10, 4 and 8 tenths of the ceiling");
+    for run in runs {
+        let name = &run["limit"];
+        let first = &phases(run)[0];
+        // At the ceiling every limit keeps the account full and meets no 429: 10 one-second jobs a
+        // second for 15 seconds.
+        assert_eq!(
+            (number(first, "accepted"), number(first, "upstream_429s"), number(first, "failed")),
+            (150, 0, 0),
+            "{name}: {first}"
+        );
+        assert_eq!(first["followed_after_ms"], 0, "{name}");
+        let sum = |field: &str| phases(run).iter().map(|p| number(p, field)).sum::<u64>();
+        for field in ["accepted", "upstream_429s", "failed"] {
+            assert_eq!(number(run, field), sum(field), "{name}: the phases add up to the run's {field}");
+        }
+    }
+    for (phase, fixed) in phases(fixed).iter().enumerate().skip(1) {
+        // The static cap never learns: it keeps asking for 10 and meets the upstream's 429s.
+        assert_eq!(fixed["followed_after_ms"], Value::Null, "phase {phase}: {fixed}");
+        assert!(number(fixed, "upstream_429s") >= 50, "phase {phase}: {fixed}");
+        for learner in learners {
+            let name = &learner["limit"];
+            let learnt = &phases(learner)[phase];
+            let capacity = number(learnt, "capacity");
+            // Far fewer 429s: measured 8× and 6× fewer for aimd.
+            assert!(
+                number(learnt, "upstream_429s") * 4 <= number(fixed, "upstream_429s"),
+                "{name}, phase {phase}: {learnt} against the static cap's {fixed}"
+            );
+            let followed = learnt["followed_after_ms"].as_u64().unwrap_or_else(|| panic!("{name} never followed"));
+            assert!(followed <= 6_000, "{name}, phase {phase}: at the capacity within 6 s: {learnt}");
+            let then = learnt["throughput_once_followed"].as_f64().expect("a share");
+            assert!(then >= 0.85, "{name}, phase {phase}: ≥ 85 % of what the capacity allows once followed: {learnt}");
+            let (low, high) = (&learnt["limit_once_followed"][0], &learnt["limit_once_followed"][1]);
+            let (low, high) = (low.as_u64().expect("lowest"), high.as_u64().expect("highest"));
+            assert!(low + 1 >= capacity && high <= capacity + 1, "{name}, phase {phase}: within a slot: {learnt}");
+        }
+    }
+}
+
+#[test]
+fn identical_asks_cost_exactly_the_requests_coalescing_and_the_cache_leave_and_everyone_pays() {
+    let report = report(&["--shape", "identical_asks"]);
+    let asks = &report["identical_asks"];
+    assert_eq!((asks["tool"].as_str(), asks["cost"].as_u64()), (Some("list_articles"), Some(1)));
+    assert_eq!(asks["rounds_ms"], serde_json::json!([0, 2000, 8000]));
+    let runs = asks["runs"].as_array().expect("runs");
+    let requests = |coalesce: &str, ttl: u64, tenants: u64| {
+        let run = runs
+            .iter()
+            .find(|r| r["coalesce"] == coalesce && r["cache_ttl_ms"] == ttl && r["tenants"] == tenants)
+            .unwrap_or_else(|| panic!("{coalesce}, {ttl} ms, {tenants} tenants ran"));
+        // Every call is charged its cost, whoever asked upstream, and is answered by exactly one of
+        // a request of its own, another's request in flight, or a kept answer.
+        assert_eq!(number(run, "calls"), AGENTS * CALLS_EACH, "{run}");
+        assert_eq!(number(run, "refused"), 0, "{run}");
+        assert_eq!(run["charged_per_caller"], serde_json::json!(vec![CALLS_EACH; AGENTS as usize]), "{run}");
+        let answered = number(run, "upstream_requests") + number(run, "coalesced") + number(run, "cached");
+        assert_eq!(answered, AGENTS * CALLS_EACH, "{run}");
+        let per_round: Vec<u64> = run["requests_per_round"]
+            .as_array()
+            .expect("rounds")
+            .iter()
+            .map(|n| n.as_u64().expect("a count"))
+            .collect();
+        assert_eq!(per_round.iter().sum::<u64>(), number(run, "upstream_requests"), "{run}");
+        per_round
+    };
+    for tenants in [1, 2] {
+        // Off: every call its own request; the twenty at once make twenty.
+        assert_eq!(requests("off", 0, tenants), [20, 10, 10], "off, {tenants} tenants");
+        // A caller's two identical calls at once share one request; callers never share.
+        assert_eq!(requests("caller", 0, tenants), [10, 10, 10], "caller, {tenants} tenants");
+        // A tenant's identical calls in flight share one request: one per tenant and round.
+        assert_eq!(requests("tenant", 0, tenants), [tenants; 3], "tenant, {tenants} tenants");
+        // An answer kept 5 s serves the calls 2 s later, and not those 8 s later (it was kept at
+        // 0.5 s): per caller without coalescing, per tenant with it.
+        assert_eq!(requests("off", 5000, tenants), [20, 0, 10], "off and a cache, {tenants} tenants");
+        assert_eq!(requests("tenant", 5000, tenants), [tenants, 0, tenants], "tenant and a cache, {tenants} tenants");
+    }
+}
+
+#[test]
+fn the_upstream_shapes_print_their_tables_alone_when_asked_for() {
+    let out = tempfile::tempdir().expect("temp dir");
+    let output = simulate(out.path(), &["--shape", "capacity_drop"]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("capacity_drop (75 s): the account runs 10 jobs at once for 15 s, then 4"), "{stdout}");
+    for row in ["  static   15-45 s          4", "  aimd     45-75 s          8", "  aimd     all"] {
+        assert!(stdout.contains(row), "{row:?} in {stdout}");
+    }
+    assert!(!stdout.contains("identical_asks") && !stdout.contains("tool     save_article"), "{stdout}");
+    let output = simulate(out.path(), &["--shape", "identical_asks"]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("identical_asks (8.5 s): 10 agents call list_articles (cost 1)"), "{stdout}");
+    let tenant_row = stdout.lines().find(|l| l.starts_with("  coalesce = \"tenant\"  ")).expect("the tenant row");
+    let cells: Vec<&str> = tenant_row.split_whitespace().skip(3).collect();
+    // tenants, calls, requests, then per round: 1, 40, 3, 1 1 1.
+    assert_eq!(cells[..6], ["1", "40", "3", "1", "1", "1"], "{tenant_row}");
+    assert!(!stdout.contains("capacity_drop"), "{stdout}");
 }
 
 #[test]

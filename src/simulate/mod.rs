@@ -17,12 +17,22 @@
 //! Every simulated call has arguments of its own, so loop detection (which would stop a loop of
 //! identical calls long before any budget) stays on and never fires: the simulator is about the
 //! budgets. The coarse HTTP limit in front of `/mcp` is a different layer and is not replayed.
+//!
+//! Two [`UpstreamShape`]s replay the other side, each with its own model and table: the account's
+//! capacity dropping under a busy agent, the static cap against each adaptive learner
+//! ([`capacity_drop`]), and many agents asking the same paid read, with and without coalescing and
+//! a cache ([`identical_asks`]). They run the server's own queue, learner and answer sharing on a
+//! current-thread runtime over a [`ManualClock`], so they too take milliseconds and print the same
+//! numbers for a seed.
 
+pub mod capacity_drop;
 pub mod chart;
+pub mod identical_asks;
 pub mod shapes;
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
+use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -39,17 +49,51 @@ use crate::limit::{self, ALGORITHMS, Limiter, period_of};
 use crate::mcp::tools::starts_job;
 use crate::metrics::Metrics;
 use crate::store::MemoryStore;
+use capacity_drop::CapacityDrop;
+use identical_asks::IdenticalAsks;
 use shapes::Answer;
 pub use shapes::{SHAPES, Shape};
 
 /// Why `concurrency` is not run: it cannot hold a budget per time.
 const NOT_A_RATE: &str = "a slot cap (work in flight), not a rate";
 
+/// A shape that replays the upstream's side rather than one agent against the budgets: each has
+/// its own model and table, and runs once (not once per algorithm).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamShape {
+    /// The account's capacity drops mid-run, then partly returns: the static cap against each
+    /// adaptive learner ([`capacity_drop`]).
+    CapacityDrop,
+    /// Many agents ask the same paid read at once and again: coalescing and reuse against neither
+    /// ([`identical_asks`]).
+    IdenticalAsks,
+}
+
+/// Every upstream shape, in the order they are run and printed (after the budget shapes).
+pub const UPSTREAM_SHAPES: [UpstreamShape; 2] = [UpstreamShape::CapacityDrop, UpstreamShape::IdenticalAsks];
+
+impl UpstreamShape {
+    /// The name used on the command line, in the tables and as a chart's file name.
+    pub fn name(self) -> &'static str {
+        match self {
+            UpstreamShape::CapacityDrop => "capacity_drop",
+            UpstreamShape::IdenticalAsks => "identical_asks",
+        }
+    }
+
+    /// The upstream shape called `name`, if there is one.
+    pub fn from_name(name: &str) -> Option<UpstreamShape> {
+        UPSTREAM_SHAPES.into_iter().find(|shape| shape.name() == name)
+    }
+}
+
 /// What to simulate.
 #[derive(Debug, Clone)]
 pub struct Plan {
-    /// The shapes to replay, in order.
+    /// The budget shapes to replay, in order.
     pub shapes: Vec<Shape>,
+    /// The upstream shapes to replay, in order, after them.
+    pub upstream: Vec<UpstreamShape>,
     /// The algorithms to compare (names from [`ALGORITHMS`]), in order.
     pub algorithms: Vec<String>,
     /// The tool the agent calls; `None`: the costliest tool that answers at once.
@@ -59,10 +103,12 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Every shape against every algorithm, with the default tool.
+    /// Every budget shape against every algorithm, with the default tool, and every upstream
+    /// shape.
     pub fn everything(seed: u64) -> Self {
         Self {
             shapes: SHAPES.to_vec(),
+            upstream: UPSTREAM_SHAPES.to_vec(),
             algorithms: ALGORITHMS.iter().map(|a| (*a).to_owned()).collect(),
             tool: None,
             seed,
@@ -104,19 +150,22 @@ pub enum SimulateError {
         /// What went wrong.
         message: String,
     },
+    /// The runtime an upstream shape's tasks run on could not be started.
+    #[error("cannot start the runtime the upstream shapes run on: {0}")]
+    Runtime(String),
 }
 
 impl SimulateError {
     /// Whether the command line asked for something that cannot be (exit code 2), rather than
-    /// the simulation failing to write its output.
+    /// the simulation failing to run or to write its output.
     pub fn is_usage(&self) -> bool {
-        !matches!(self, SimulateError::Chart { .. })
+        !matches!(self, SimulateError::Chart { .. } | SimulateError::Runtime(_))
     }
 }
 
-/// The names of every shape, for the command line.
+/// The names of every shape, budget and upstream ones, for the command line.
 pub fn shape_names() -> Vec<&'static str> {
-    SHAPES.iter().map(|s| s.name()).collect()
+    SHAPES.iter().map(|s| s.name()).chain(UPSTREAM_SHAPES.iter().map(|s| s.name())).collect()
 }
 
 /// The budget that binds the simulated call: of the scopes it draws on, the one that sustains
@@ -249,6 +298,20 @@ pub struct ShapeReport {
 pub struct Report {
     /// The seed of every random draw.
     pub seed: u64,
+    /// The budget shapes, if any ran.
+    #[serde(flatten)]
+    pub budgets: Option<Budgets>,
+    /// `capacity_drop`, if it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capacity_drop: Option<CapacityDrop>,
+    /// `identical_asks`, if it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub identical_asks: Option<IdenticalAsks>,
+}
+
+/// The budget shapes: who calls what, the budgets each call draws on, and one table per shape.
+#[derive(Debug, Clone, Serialize)]
+pub struct Budgets {
     /// The tool the agent calls.
     pub tool: String,
     /// Its cost.
@@ -267,7 +330,8 @@ pub struct Report {
     pub shapes: Vec<ShapeReport>,
 }
 
-/// Replays every shape of `plan` against every algorithm of it, under `config`'s budgets.
+/// Replays every budget shape of `plan` against every algorithm of it, under `config`'s budgets,
+/// then its upstream shapes, under `config`'s upstream settings.
 pub fn run(config: &Config, plan: &Plan) -> Result<Report, SimulateError> {
     let algorithms = plan
         .algorithms
@@ -276,6 +340,16 @@ pub fn run(config: &Config, plan: &Plan) -> Result<Report, SimulateError> {
             ALGORITHMS.iter().copied().find(|a| a == name).ok_or_else(|| SimulateError::UnknownAlgorithm(name.clone()))
         })
         .collect::<Result<Vec<&'static str>, _>>()?;
+    let budgets = if plan.shapes.is_empty() { None } else { Some(budget_shapes(config, plan, &algorithms)?) };
+    let wants = |shape: UpstreamShape| plan.upstream.contains(&shape);
+    let capacity_drop =
+        wants(UpstreamShape::CapacityDrop).then(|| capacity_drop::run(config, plan.seed)).transpose()?;
+    let identical_asks = wants(UpstreamShape::IdenticalAsks).then(|| identical_asks::run(config)).transpose()?;
+    Ok(Report { seed: plan.seed, budgets, capacity_drop, identical_asks })
+}
+
+/// Replays every budget shape of `plan` against each of `algorithms`.
+fn budget_shapes(config: &Config, plan: &Plan, algorithms: &[&'static str]) -> Result<Budgets, SimulateError> {
     let tool = pick_tool(config, plan.tool.as_deref())?;
     let cost = config.limiting.tools.get(tool).map_or(0, |t| t.cost);
     let (caller, who) = simulated_caller(config)?;
@@ -330,8 +404,7 @@ pub fn run(config: &Config, plan: &Plan) -> Result<Report, SimulateError> {
         }
         shapes.push(report);
     }
-    Ok(Report {
-        seed: plan.seed,
+    Ok(Budgets {
         tool: tool.to_owned(),
         cost,
         caller: who,
@@ -591,8 +664,62 @@ impl Report {
     /// The report as fixed-width tables, one per shape.
     pub fn to_text(&self) -> String {
         let mut out = String::new();
-        let b = &self.binding;
         let _ = writeln!(out, "mcp-ratelimit simulate (seed {})", self.seed);
+        if let Some(budgets) = &self.budgets {
+            budgets.write_text(&mut out);
+        }
+        if let Some(drop) = &self.capacity_drop {
+            drop.write_text(&mut out);
+        }
+        if let Some(asks) = &self.identical_asks {
+            asks.write_text(&mut out);
+        }
+        let budget_charts = self.budgets.iter().flat_map(|b| &b.shapes).filter_map(|s| s.chart.as_ref());
+        let charts: Vec<String> = budget_charts
+            .chain(self.capacity_drop.iter().filter_map(|d| d.chart.as_ref()))
+            .map(|p| p.display().to_string())
+            .collect();
+        if !charts.is_empty() {
+            let _ = writeln!(out);
+            let _ = writeln!(out, "charts   {}", charts.join(" "));
+        }
+        out
+    }
+
+    /// Tool calls replayed in all, for the timing line.
+    pub fn calls(&self) -> u64 {
+        let budgets = self.budgets.iter().flat_map(|b| &b.shapes).flat_map(|s| &s.runs).map(|r| r.calls).sum::<u64>();
+        let drop = self.capacity_drop.iter().flat_map(|d| &d.runs).map(|r| r.calls).sum::<u64>();
+        budgets + drop + self.identical_asks.as_ref().map_or(0, IdenticalAsks::calls)
+    }
+
+    /// Draws one chart per budget shape, and one for `capacity_drop`, into `dir` (created if
+    /// needed) as `<shape>.svg`.
+    pub fn write_charts(&mut self, dir: &Path) -> Result<(), SimulateError> {
+        let failed = |path: &Path, message: String| SimulateError::Chart { path: path.to_owned(), message };
+        std::fs::create_dir_all(dir).map_err(|e| failed(dir, e.to_string()))?;
+        let write = |name: &str, svg: Result<String, String>| -> Result<PathBuf, SimulateError> {
+            let path = dir.join(format!("{name}.svg"));
+            let svg = svg.map_err(|message| failed(&path, message))?;
+            std::fs::write(&path, svg).map_err(|e| failed(&path, e.to_string()))?;
+            Ok(path)
+        };
+        if let Some(budgets) = &mut self.budgets {
+            for shape in &mut budgets.shapes {
+                shape.chart = Some(write(shape.shape, chart::svg(shape, &budgets.tool, budgets.cost))?);
+            }
+        }
+        if let Some(drop) = &mut self.capacity_drop {
+            drop.chart = Some(write(UpstreamShape::CapacityDrop.name(), chart::capacity_svg(drop))?);
+        }
+        Ok(())
+    }
+}
+
+impl Budgets {
+    /// Who calls what and the budgets it draws on, then one table per shape.
+    fn write_text(&self, out: &mut String) {
+        let b = &self.binding;
         let _ = writeln!(out);
         let _ = writeln!(out, "tool     {} (cost {})", self.tool, self.cost);
         let _ = writeln!(out, "caller   {}", self.caller);
@@ -644,31 +771,35 @@ impl Report {
                 let _ = writeln!(out, "  {:<16} not simulated: {}", s.algorithm, s.reason);
             }
         }
-        let charts: Vec<String> =
-            self.shapes.iter().filter_map(|s| s.chart.as_ref()).map(|p| p.display().to_string()).collect();
-        if !charts.is_empty() {
-            let _ = writeln!(out);
-            let _ = writeln!(out, "charts   {}", charts.join(" "));
-        }
-        out
     }
+}
 
-    /// Calls replayed in all, for the timing line.
-    pub fn calls(&self) -> u64 {
-        self.shapes.iter().flat_map(|s| &s.runs).map(|r| r.calls).sum()
-    }
+/// Runs `work` on a current-thread runtime of its own, as the upstream shapes need (the server's
+/// queue and answer sharing spawn tasks); their time is a [`ManualClock`], so the runtime needs no
+/// timer.
+fn on_one_thread<F: Future>(work: F) -> Result<F::Output, SimulateError> {
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().build().map_err(|e| SimulateError::Runtime(e.to_string()))?;
+    Ok(runtime.block_on(work))
+}
 
-    /// Draws one chart per shape into `dir` (created if needed) as `<shape>.svg`.
-    pub fn write_charts(&mut self, dir: &Path) -> Result<(), SimulateError> {
-        let failed = |path: &Path, message: String| SimulateError::Chart { path: path.to_owned(), message };
-        std::fs::create_dir_all(dir).map_err(|e| failed(dir, e.to_string()))?;
-        for shape in &mut self.shapes {
-            let path = dir.join(format!("{}.svg", shape.shape));
-            let svg = chart::svg(shape, &self.tool, self.cost).map_err(|message| failed(&path, message))?;
-            std::fs::write(&path, svg).map_err(|e| failed(&path, e.to_string()))?;
-            shape.chart = Some(path);
+/// How many passes in a row must leave the progress unchanged before an instant counts as done.
+const SETTLED_AFTER: u32 = 3;
+
+/// Lets every task woken at the clock's instant run — and the tasks those wake — until `progress`
+/// has stood still for [`SETTLED_AFTER`] passes: what the server does at one instant is done
+/// before the clock moves on. Each yield lets every task that is ready run once.
+async fn settle<P: PartialEq>(mut progress: impl FnMut() -> P) {
+    let mut last = progress();
+    let mut still = 0;
+    while still < SETTLED_AFTER {
+        tokio::task::yield_now().await;
+        let now = progress();
+        if now == last {
+            still += 1;
+        } else {
+            (last, still) = (now, 0);
         }
-        Ok(())
     }
 }
 
@@ -678,9 +809,10 @@ fn trimmed(value: f64) -> String {
     text.trim_end_matches('0').trim_end_matches('.').to_owned()
 }
 
-/// `10 min`, `8 h`, `330 s`.
+/// `10 min`, `8 h`, `330 s`, `0 s`.
 fn span(ms: u64) -> String {
     match ms {
+        0 => "0 s".to_owned(),
         ms if ms.is_multiple_of(3_600_000) => format!("{} h", ms / 3_600_000),
         ms if ms.is_multiple_of(60_000) => format!("{} min", ms / 60_000),
         ms => format!("{} s", trimmed(ms as f64 / 1000.0)),
@@ -698,6 +830,19 @@ mod tests {
         assert_eq!(peak(&[], s), 0);
         assert_eq!(peak(&[0, s / 2, s - 1, s, 3 * s], s), 3, "[0, 1 s) holds three");
         assert_eq!(peak(&[5, 5, 5], s), 3);
+    }
+
+    #[test]
+    fn every_shape_name_is_one_shape_of_one_kind_and_everything_runs_them_all() {
+        for name in shape_names() {
+            let kinds =
+                usize::from(Shape::from_name(name).is_some()) + usize::from(UpstreamShape::from_name(name).is_some());
+            assert_eq!(kinds, 1, "{name}");
+        }
+        assert_eq!(shape_names().len(), SHAPES.len() + UPSTREAM_SHAPES.len());
+        let plan = Plan::everything(1);
+        assert_eq!((plan.shapes.len(), plan.upstream.len()), (SHAPES.len(), UPSTREAM_SHAPES.len()));
+        assert_eq!(span(0), "0 s");
     }
 
     #[test]

@@ -237,7 +237,7 @@ fn edge_lead(budget: &Budget) -> Nanos {
 }
 
 /// A duration as people say it: `2.5 s`, `20 s`, `100 ms`.
-fn secs(nanos: Nanos) -> String {
+pub(crate) fn secs(nanos: Nanos) -> String {
     if nanos < NANOS_PER_SEC {
         return format!("{} ms", nanos / NANOS_PER_MS);
     }
