@@ -1,8 +1,10 @@
 //! Adaptive concurrency toward the upstream (`[upstream.adaptive]`), through an MCP client on the
 //! manual clock: the mock account's capacity changes under a running server (10 → 4 → 8) while
-//! an agent keeps twenty images pending, and the limit the server learns follows it, with few
-//! 429s and the throughput the capacity allows; the static cap of 10, in the same run, meets
-//! several times the 429s.
+//! an agent keeps twenty images pending, and the limit the server learns — by AIMD, and by
+//! Gradient2 — follows it, with few 429s and the throughput the capacity allows; the static cap
+//! of 10, in the same run, meets several times the 429s. And when the upstream slows down without
+//! refusing anything, Gradient2 (which reads the round-trip time of each submission on the
+//! server's clock) lowers the limit where AIMD, which only hears 429s, keeps it.
 
 mod common;
 
@@ -25,6 +27,12 @@ const PHASES: [(usize, u64); 3] = [(10, 15), (4, 30), (8, 30)];
 const FOLLOWS_WITHIN: u64 = 6;
 /// The clock's step, in milliseconds.
 const STEP_MS: u64 = 100;
+/// The real time a step leaves the server to run what it woke.
+const STEP_PAUSE: std::time::Duration = std::time::Duration::from_millis(4);
+
+/// One of this file's tests at a time: a busy machine would slow the servers of both behind
+/// their clocks.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 #[derive(Debug, Default, Clone, Copy)]
 struct Phase {
@@ -39,13 +47,45 @@ struct Phase {
     followed_ms: Option<u64>,
 }
 
-/// Runs the phases against a server with `adaptive` on or off; what each phase saw.
-async fn run(adaptive: bool) -> Vec<Phase> {
-    let server = TestServer::start(&format!("{CONFIG}[upstream.adaptive]\nenabled = {adaptive}\n")).await;
+/// The agent asks for as many images as it lacks of twenty pending, `at_once` at a time at most
+/// (`asked` counts its calls, to vary the prompt). A call that finds a slot free waits for the
+/// upstream's answer, the others return at once with their place in the queue.
+async fn top_up_to_twenty(
+    agent: &Client,
+    jobs: &mcp_ratelimit::upstream::jobs::Jobs,
+    asked: &mut usize,
+    at_once: usize,
+) {
+    let missing = 20usize.saturating_sub(jobs.in_flight()).min(at_once);
+    let prompts: Vec<String> = (*asked..*asked + missing).map(|n| format!("image {n}")).collect();
+    *asked += missing;
+    let calls = prompts.iter().map(|prompt| call(agent, "generate_image", json!({ "prompt": prompt })));
+    for r in futures::future::join_all(calls).await {
+        assert!(!is_error(&r), "{}", text(&r));
+    }
+}
+
+/// The learners compared with the static cap, as `[upstream.adaptive]` configures them. Gradient2
+/// probes `queue_size` slots at a time (Netflix's 4 suits limits of tens); an account of 10
+/// wants 1, as `config.toml` says.
+const LEARNERS: [(&str, &str); 2] =
+    [("aimd", "algorithm = \"aimd\"\n"), ("gradient2", "algorithm = \"gradient2\"\nqueue_size = 1\n")];
+
+/// How many times a learner's 429s after a change the static cap meets at least, as a fraction.
+/// AIMD probes one slot above the capacity per limit's worth of answers; Gradient2, at steady
+/// latency, grows by smoothing × queue_size = 0.2 slot an answer, so it probes more often.
+const FEWER_429S: [(usize, usize); 2] = [(5, 2), (3, 2)];
+
+/// Runs the phases against a server learning as `learning` says (`None`: the static cap); what
+/// each phase saw.
+async fn run(learning: Option<&str>) -> Vec<Phase> {
+    let adaptive = learning.is_some();
+    let section = format!("[upstream.adaptive]\nenabled = {adaptive}\n{}", learning.unwrap_or_default());
+    let server = TestServer::start(&format!("{CONFIG}{section}")).await;
     let agent = server.client(Some("sk-adaptive-agent-7f3a91")).await;
     let jobs = server.app.state().behind.jobs().expect("our tools run jobs").clone();
     let mut phases = Vec::new();
-    let mut asked = 0u64;
+    let mut asked = 0;
     let mut now_ms = 0u64;
     for (capacity, seconds) in PHASES {
         server.chaos(json!({ "max_concurrent_predictions": capacity })).await;
@@ -53,11 +93,9 @@ async fn run(adaptive: bool) -> Vec<Phase> {
         let mut limit = (usize::MAX, 0);
         let mut followed_ms = None;
         while now_ms < start + seconds * 1000 {
-            // The agent keeps twenty images pending.
+            // The agent keeps twenty images pending, one call after another.
             while jobs.in_flight() < 20 {
-                asked += 1;
-                let r = call(&agent, "generate_image", json!({ "prompt": format!("image {asked}") })).await;
-                assert!(!is_error(&r), "{}", text(&r));
+                top_up_to_twenty(&agent, &jobs, &mut asked, 1).await;
             }
             let slots = server.app.state().behind.slots();
             if followed_ms.is_none() && slots == capacity {
@@ -69,10 +107,12 @@ async fn run(adaptive: bool) -> Vec<Phase> {
             server.advance_ms(STEP_MS);
             now_ms += STEP_MS;
             // Lets the woken jobs, polls and the dispatcher run before the next step.
-            tokio::time::sleep(std::time::Duration::from_millis(4)).await;
+            tokio::time::sleep(STEP_PAUSE).await;
         }
-        // The agent sees the learnt limit too: the one in force when it asked (the jobs still in
-        // flight may move it by a probe while the answer travels, so it is read on both sides).
+        // The agent sees the learnt limit too: the one in force when it asked. The clock stands
+        // still meanwhile, and what the last step woke has run (else a job still answering may
+        // move it by a probe while the answer travels, so it is also read on both sides).
+        settle().await;
         let before = server.app.state().behind.slots() as u64;
         let status = structured(&call(&agent, "rate_limit_status", json!({})).await)["upstream_queue"].clone();
         let after = server.app.state().behind.slots() as u64;
@@ -100,37 +140,104 @@ async fn run(adaptive: bool) -> Vec<Phase> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_learnt_limit_follows_the_accounts_capacity_with_few_429s_where_a_static_cap_meets_many() {
-    let learnt = run(true).await;
-    let fixed = run(false).await;
-    for (phase, (seconds, (l, f))) in PHASES.iter().map(|(_, s)| *s).zip(learnt.iter().zip(&fixed)).enumerate() {
-        println!(
-            "capacity {:>2}: adaptive limit at it after {:?} ms, {}..{} after {FOLLOWS_WITHIN} s, accepted {} ({:.0} % of \
-             what it allows), 429s {}; static cap 10: accepted {}, 429s {}",
-            l.capacity,
-            l.followed_ms,
-            l.limit.0,
-            l.limit.1,
-            l.accepted,
-            100.0 * l.accepted as f64 / (l.capacity as f64 * (seconds - FOLLOWS_WITHIN) as f64),
-            l.refused,
-            f.accepted,
-            f.refused,
-        );
-        let allowed = l.capacity as f64 * (seconds - FOLLOWS_WITHIN) as f64;
-        assert!(l.accepted as f64 >= 0.85 * allowed, "phase {phase}: {l:?}: throughput under 85 % of {allowed}");
-        assert!(
-            l.limit.0 + 1 >= l.capacity && l.limit.1 <= l.capacity + 1,
-            "phase {phase}: the limit follows the capacity within {FOLLOWS_WITHIN} s: {l:?}"
-        );
-        if l.capacity < 10 {
-            // The drain of the old limit's jobs, then one probe above the capacity per limit's worth
-            // of accepted jobs: measured 13 to 22 a phase.
-            assert!(l.refused <= 30, "phase {phase}: at most 30 429s a change: {l:?}");
-            // Measured 3.3× to 4.4×.
-            assert!(
-                f.refused >= l.refused * 5 / 2,
-                "phase {phase}: the static cap meets far more: {f:?} against {l:?}"
+    let _alone = ONE_AT_A_TIME.lock().await;
+    // One after another: side by side they would slow each other behind their clocks.
+    let fixed = run(None).await;
+    let mut learnt = Vec::new();
+    for (_, learning) in LEARNERS {
+        learnt.push(run(Some(learning)).await);
+    }
+    for (((name, _), learnt), (times, over)) in LEARNERS.iter().zip(learnt).zip(FEWER_429S) {
+        for (phase, (seconds, (l, f))) in PHASES.iter().map(|(_, s)| *s).zip(learnt.iter().zip(&fixed)).enumerate() {
+            println!(
+                "{name:>9}, capacity {:>2}: limit at it after {:?} ms, {}..{} after {FOLLOWS_WITHIN} s, accepted {} \
+                 ({:.0} % of what it allows), 429s {}; static cap 10: accepted {}, 429s {}",
+                l.capacity,
+                l.followed_ms,
+                l.limit.0,
+                l.limit.1,
+                l.accepted,
+                100.0 * l.accepted as f64 / (l.capacity as f64 * (seconds - FOLLOWS_WITHIN) as f64),
+                l.refused,
+                f.accepted,
+                f.refused,
             );
+            let allowed = l.capacity as f64 * (seconds - FOLLOWS_WITHIN) as f64;
+            assert!(
+                l.accepted as f64 >= 0.85 * allowed,
+                "{name} phase {phase}: {l:?}: throughput under 85 % of {allowed}"
+            );
+            assert!(
+                l.limit.0 + 1 >= l.capacity && l.limit.1 <= l.capacity + 1,
+                "{name} phase {phase}: the limit follows the capacity within {FOLLOWS_WITHIN} s: {l:?}"
+            );
+            if l.capacity < 10 {
+                // The drain of the old limit's jobs, then the probes above the capacity: measured
+                // 13 to 22 a phase for AIMD, 21 to 29 for Gradient2.
+                assert!(l.refused <= 35, "{name} phase {phase}: at most 35 429s a change: {l:?}");
+                // Measured 3.3× to 4.4× (AIMD), 1.7× to 4.1× (Gradient2).
+                assert!(
+                    f.refused * over >= l.refused * times,
+                    "{name} phase {phase}: the static cap meets {times}/{over} × as many: {f:?} against {l:?}"
+                );
+            }
         }
     }
+}
+
+/// The latency the mock adds to every answer, in ms, and for how long, in seconds: steady, then
+/// four times slower (an upstream whose requests queue), then back.
+const LATENCIES: [(u64, u64); 3] = [(100, 10), (400, 10), (100, 10)];
+
+/// The limit a server learning as `learning` says handed out in each phase of [`LATENCIES`]
+/// (lowest, highest), its capacity never reached, and the 429s it met.
+async fn slow_down(learning: &str) -> (Vec<(usize, usize)>, usize) {
+    let server = TestServer::start(&format!("{CONFIG}[upstream.adaptive]\nenabled = true\n{learning}")).await;
+    let agent = server.client(Some("sk-adaptive-agent-7f3a91")).await;
+    let jobs = server.app.state().behind.jobs().expect("our tools run jobs").clone();
+    // The clock walks by itself, 20 ms every 4 ms: a submission waits out its latency on it (and
+    // the server measures it there), while the agent keeps its jobs pending.
+    let clock = server.clock.clone();
+    let ticking = tokio::spawn(async move {
+        loop {
+            clock.advance(std::time::Duration::from_millis(20));
+            tokio::time::sleep(std::time::Duration::from_millis(4)).await;
+        }
+    });
+    let now_ms = || mcp_ratelimit::clock::Clock::now(&*server.clock) / 1_000_000;
+    let mut asked = 0;
+    let mut seen = Vec::new();
+    for (latency_ms, seconds) in LATENCIES {
+        server.chaos(json!({ "latency_ms": latency_ms })).await;
+        let until = now_ms() + seconds * 1000;
+        let mut limit = (usize::MAX, 0);
+        while now_ms() < until {
+            // All at once, then the limit is read: the clock does not wait for the agent.
+            top_up_to_twenty(&agent, &jobs, &mut asked, 20).await;
+            let slots = server.app.state().behind.slots();
+            limit = (limit.0.min(slots), limit.1.max(slots));
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        seen.push(limit);
+    }
+    ticking.abort();
+    let refused = server.submissions().await.iter().filter(|(_, status, _)| *status == 429).count();
+    (seen, refused)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gradient2_lowers_the_limit_when_the_upstream_slows_down_before_any_429_where_aimd_cannot() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let ((aimd, aimd_refused), (gradient2, gradient2_refused)) =
+        tokio::join!(slow_down(LEARNERS[0].1), slow_down(LEARNERS[1].1));
+    for ((latency_ms, _), (a, g)) in LATENCIES.iter().zip(aimd.iter().zip(&gradient2)) {
+        println!("latency {latency_ms:>3} ms: gradient2's limit {}..{}, aimd's {}..{}", g.0, g.1, a.0, a.1);
+    }
+    assert_eq!((aimd_refused, gradient2_refused), (0, 0), "the account of 10 is never full");
+    assert_eq!(aimd, vec![(10, 10); 3], "AIMD hears no 429: it keeps the ceiling");
+    assert_eq!(gradient2[0], (10, 10), "steady latency: the ceiling");
+    // Four times slower: the gradient is at its floor, 0.5, and the limit falls towards
+    // queue_size / (1 − 0.5) = 2 until the long-term RTT catches up.
+    assert!(gradient2[1].0 <= 5, "slower answers lower the limit: {gradient2:?}");
+    assert_eq!(gradient2[2].1, 10, "back to 100 ms: the limit grows back to the ceiling: {gradient2:?}");
 }
