@@ -47,7 +47,7 @@
 //! answer) and claims under: a decision under it (`decide.lua` with the learner named) reads it in
 //! the same script as the account's in-flight checks and scales their capacity to it. Its state
 //! is floating point, like its Rust twin's, written so it reads back to the same double
-//! (`adaptive.lua` says why that is exact); the key is kept [`learner`]'s TTL past its last use.
+//! (`adaptive.lua` says why that is exact); the key is kept an hour past its last use.
 //!
 //! **Keys** are used exactly as the checks name them. A Redis Cluster runs a script only on keys
 //! of one hash slot, so every key of one call must carry the same hash tag (`{t:acme}caller:x`,
