@@ -190,7 +190,7 @@ async fn the_learnt_limit_follows_the_accounts_capacity_with_few_429s_where_a_st
             );
             if l.capacity < 10 {
                 // The drain of the old limit's jobs, then the probes above the capacity: measured
-                // 14 to 22 a phase for AIMD, 21 to 30 for Gradient2.
+                // 14 to 23 a phase for AIMD, 21 to 30 for Gradient2.
                 assert!(l.refused <= 35, "{name} phase {phase}: at most 35 429s a change: {l:?}");
                 // Measured 3.2× to 4.3× (AIMD), 1.9× to 4.1× (Gradient2).
                 assert!(
