@@ -121,7 +121,7 @@ impl App {
                 clock.clone(),
             )
             .adaptive(AdaptiveLimit::configured(&up.adaptive, up.max_in_flight))
-            .shared_in(store.clone(), "upstream"),
+            .shared_in(store.clone(), "upstream", limits.metrics().clone()),
         );
         tokio::spawn(queue.clone().dispatch(stop.child_token()));
         let jobs = Arc::new(
@@ -308,6 +308,6 @@ async fn sweep_forever(own: Arc<OwnTools>, every_ms: u64, stop: CancellationToke
 }
 
 async fn metrics(State(app): State<Arc<AppState>>) -> impl axum::response::IntoResponse {
-    app.sample_gauges();
+    app.refresh_gauges().await;
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.limits.metrics().render())
 }

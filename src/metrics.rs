@@ -39,7 +39,9 @@ pub const ACCOUNT_SLOTS_IN_USE: &str = "mcp_ratelimit_account_slots_in_use";
 pub const UPSTREAM_CONCURRENCY_LIMIT: &str = "mcp_ratelimit_upstream_concurrency_limit";
 /// `mcp_ratelimit_jobs_in_flight`: accepted jobs not yet final.
 pub const JOBS_IN_FLIGHT: &str = "mcp_ratelimit_jobs_in_flight";
-/// `mcp_ratelimit_store_errors_total{layer}`: decisions the limiter store could not make.
+/// `mcp_ratelimit_store_errors_total{layer}`: decisions the limiter store could not make
+/// (`http`, `method`, `tool`, and `account` for the upstream account's shared slots and learnt
+/// limit).
 pub const STORE_ERRORS: &str = "mcp_ratelimit_store_errors_total";
 /// `mcp_ratelimit_store_up`: 1 while the limiter store answers, 0 while it fails.
 pub const STORE_UP: &str = "mcp_ratelimit_store_up";
@@ -263,6 +265,12 @@ impl Metrics {
     /// Records one decision the store could not make.
     pub fn store_error(&self, layer: Layer) {
         self.count(STORE_ERRORS, vec![Label::new("layer", layer.as_str())]);
+    }
+
+    /// Records one claim of the upstream account's slots, or one use of its shared learnt
+    /// limit, the store could not answer (`layer="account"`): the queue limited locally.
+    pub fn account_store_error(&self) {
+        self.count(STORE_ERRORS, vec![Label::new("layer", "account")]);
     }
 
     /// Records one config reload, `applied` or `refused`.

@@ -14,7 +14,7 @@ use crate::rate_limits::RateLimits;
 use crate::reuse::{Reuse, Saved};
 use crate::upstream::Upstream;
 use crate::upstream::jobs::Jobs;
-use crate::upstream::queue::Occupancy;
+use crate::upstream::queue::{FairQueue, Occupancy};
 
 /// State shared by every session.
 #[derive(Debug)]
@@ -43,6 +43,9 @@ pub trait Behind: std::fmt::Debug + Send + Sync {
     /// The static cap on them (`upstream.max_in_flight`, `proxy.max_in_flight`), which a learnt
     /// limit never exceeds.
     fn ceiling(&self) -> usize;
+    /// The queue its calls (or jobs) wait in for a slot, whose learnt limit
+    /// ([`FairQueue::refresh_learnt`]) is read again before it is shown.
+    fn queue(&self) -> &FairQueue;
     /// The jobs running on it, if it runs jobs.
     fn jobs(&self) -> Option<&Arc<Jobs>> {
         None
@@ -83,6 +86,10 @@ impl Behind for OwnTools {
         self.jobs.queue().rules().max_in_flight
     }
 
+    fn queue(&self) -> &FairQueue {
+        self.jobs.queue()
+    }
+
     fn jobs(&self) -> Option<&Arc<Jobs>> {
         Some(&self.jobs)
     }
@@ -93,7 +100,8 @@ impl Behind for OwnTools {
 }
 
 impl AppState {
-    /// Sets the gauges that are read from live state when `/metrics` is scraped.
+    /// Sets the gauges that are read from live state when `/metrics` is scraped (the learnt limit
+    /// as [`FairQueue::refresh_learnt`] last read it: see [`AppState::refresh_gauges`]).
     pub fn sample_gauges(&self) {
         use crate::breaker::BreakerState;
         use crate::metrics::{
@@ -121,6 +129,15 @@ impl AppState {
         };
         self.limits.metrics().sample(BREAKER_STATE, Vec::new(), breaker);
         self.limits.metrics().sample(STORE_UP, Vec::new(), if self.limits.guard().store_up() { 1.0 } else { 0.0 });
+    }
+}
+
+impl AppState {
+    /// Reads what other instances may have moved (the shared learnt limit), then
+    /// [`AppState::sample_gauges`].
+    pub async fn refresh_gauges(&self) {
+        self.behind.queue().refresh_learnt().await;
+        self.sample_gauges();
     }
 }
 

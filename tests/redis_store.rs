@@ -1,7 +1,9 @@
 //! The Redis store against a real Redis: every Lua script decides exactly like its Rust twin
 //! (property tests, field by field, to the nanosecond), a call's checks are all-or-nothing in
 //! one round trip, no call is admitted twice under contention, keys expire at `forget_at`, a
-//! flushed script cache heals itself, and a dead Redis costs a request at most the timeout.
+//! flushed script cache heals itself, and a dead Redis costs a request at most the timeout. A
+//! learnt concurrency limit learns in Lua exactly as its Rust twin does, to the last bit of its
+//! floating-point state, and the account's slots are claimed under it in the same script.
 //!
 //! Parity runs walk an explicit clock (`decide_at`) while Redis expires keys on its own clock.
 //! A key about to be forgotten (its `forget_at` less than [`MARGIN`] ahead) could expire in
@@ -15,12 +17,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mcp_ratelimit::clock::Nanos;
+use mcp_ratelimit::limit::adaptive::{Algorithm, Gradient2, Learner, Sample, Signal};
 use mcp_ratelimit::limit::{
     Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter, LimiterState, SlidingLog, SlidingWindow,
     TokenBucket,
 };
 use mcp_ratelimit::store::redis::{HeldLease, Lease, RedisStore, Renewed, StoreError, new_lease};
-use mcp_ratelimit::store::{Check, MemoryStore};
+use mcp_ratelimit::store::{Check, LearntAt, MemoryStore};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use test_redis::TestRedis;
@@ -900,4 +903,123 @@ fn the_loop_script_decides_like_the_loop_detector() {
         .collect();
     assert!(answers[..8].iter().all(|a| matches!(a, LoopAnswer::Recorded)));
     assert_eq!(answers[8], LoopAnswer::Looping { retry_after: WINDOW, oscillating: true });
+}
+
+/// A learner of either algorithm, with parameters anywhere config allows.
+fn learners() -> impl Strategy<Value = Learner> {
+    let gradient2 =
+        (1.0f64..3.0, 0.01f64..=1.0, 1u64..700, 1u64..6).prop_map(|(tolerance, smoothing, long_window, queue_size)| {
+            Algorithm::Gradient2(Gradient2 { tolerance, smoothing, long_window, queue_size })
+        });
+    let algorithm = prop_oneof![Just(Algorithm::Aimd), gradient2];
+    (1u64..4, 0u64..30, 0.05f64..0.99, algorithm)
+        .prop_map(|(min, span, backoff_ratio, algorithm)| Learner::new(min, min + span, backoff_ratio, algorithm))
+}
+
+/// Answers and overloads: round-trip times from nothing to seconds (any nanosecond), any number
+/// of others in use, steps of whole microseconds, and slots taken before the last cut.
+fn samples() -> impl Strategy<Value = Vec<(bool, Nanos, usize, u64, u64)>> {
+    let rtt = prop_oneof![1 => Just(0u64), 6 => 1..2 * SEC, 2 => Just(100 * MS), 1 => Just(300 * MS)];
+    let sample = (prop::bool::weighted(0.15), rtt, 0usize..40, 0u64..3_000_000, 0u64..5_000_000);
+    prop::collection::vec(sample, 1..=120)
+}
+
+#[test]
+fn learnt_limits_learn_exactly_like_their_rust_twins() {
+    let redis = TestRedis::start();
+    let runtime = runtime();
+    let store = runtime.block_on(RedisStore::connect(&redis.url, TIMEOUT)).expect("connects to Redis");
+    let case = std::cell::Cell::new(0);
+    let outcome = runner().run(&(learners(), samples()), |(learner, samples)| {
+        case.set(case.get() + 1);
+        let key = redis.key(&format!("learnt:{}", case.get()));
+        let in_flight = redis.key(&format!("learnt:{}:in_flight", case.get()));
+        let at = LearntAt { key: &key, in_flight_key: &in_flight, learner: &learner, ceiling: learner.max() };
+        let mut learnt = learner.fresh();
+        let mut now = EPOCH;
+        for (n, (overload, rtt, others, gap_us, back_us)) in samples.into_iter().enumerate() {
+            now += gap_us * 1_000;
+            let signal = if overload { Signal::Overloaded } else { Signal::Accepted };
+            // Now and then a slot taken before the last cut: its overload must change nothing.
+            let taken_at = now - back_us.min(now / 1_000 - EPOCH / 1_000) * 1_000;
+            let sample = Sample { signal, rtt, others, taken_at, now };
+            learner.learn(&mut learnt, &sample);
+            let (got, limit) = runtime
+                .block_on(store.learn_sample(at, &sample))
+                .map_err(|e| TestCaseError::fail(format!("{n}: {e}")))?;
+            prop_assert_eq!(
+                limit.to_bits(),
+                learnt.limit.to_bits(),
+                "sample {} {:?}: {} in Lua, {:?} in Rust",
+                n,
+                sample,
+                limit,
+                learnt
+            );
+            prop_assert_eq!(got.current, learner.current(&learnt), "sample {}", n);
+            prop_assert_eq!(got.at, now);
+        }
+        Ok(())
+    });
+    if let Err(e) = outcome {
+        panic!("{e}");
+    }
+}
+
+#[tokio::test]
+async fn slots_are_claimed_under_the_learnt_limit_in_the_same_script_and_its_key_expires_when_left_alone() {
+    let redis = TestRedis::start();
+    let store = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis");
+    let (key, account_key, share_key) =
+        (redis.key("{acct}learnt"), redis.key("{acct}in_flight"), redis.key("{acct}share"));
+    let learner = Learner::new(1, 10, 0.9, Algorithm::Aimd);
+    let at = LearntAt { key: &key, in_flight_key: &account_key, learner: &learner, ceiling: 10 };
+    let (account, share) = (Limiter::Concurrency(Concurrency::new(10)), Limiter::Concurrency(Concurrency::new(5)));
+    let claim = |with_share: bool| {
+        let (store, account, share, account_key, share_key) = (&store, &account, &share, &account_key, &share_key);
+        async move {
+            let mut checks = vec![Check { key: account_key, limiter: account, cost: 1, shadow: false }];
+            if with_share {
+                checks.push(Check { key: share_key, limiter: share, cost: 1, shadow: false });
+            }
+            let lease = new_lease();
+            let (decisions, limit) = store.decide_under(at, &checks, lease, None).await.expect("decides");
+            (decisions.iter().all(|d| d.allowed).then_some(lease), decisions, limit)
+        }
+    };
+    let mut held = Vec::new();
+    for _ in 0..6 {
+        let (lease, decisions, limit) = claim(false).await;
+        assert_eq!((decisions[0].limit, limit.current), (10, 10), "a fresh learner stands at its ceiling");
+        held.push(lease.expect("room under 10"));
+    }
+    // A 429 while the six others ran: the limit every claim is decided under is now 6.
+    let (seventh, _, limit) = claim(false).await;
+    assert!(seventh.is_some(), "seven of ten");
+    let taken_at = limit.at;
+    let learnt = store
+        .learn_sample(at, &Sample { signal: Signal::Overloaded, rtt: 0, others: 6, taken_at, now: taken_at })
+        .await
+        .expect("learns");
+    assert_eq!((learnt.0.current, learnt.1), (6, 6.0));
+    let (lease, decisions, limit) = claim(false).await;
+    assert_eq!((lease, decisions[0].limit, limit.current), (None, 6, 6), "seven held: none more under 6");
+    // An unverified caller's share of 5 shrinks alike: 5 × 6 / 10 = 3.
+    let (_, decisions, _) = claim(true).await;
+    assert_eq!((decisions[0].limit, decisions[1].limit), (6, 3));
+
+    // Every use keeps the key an hour more; a key another learner wrote is as good as fresh.
+    let mut admin =
+        redis::Client::open(redis.url.as_str()).expect("url").get_multiplexed_async_connection().await.expect("admin");
+    let ttl: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut admin).await.expect("PTTL");
+    assert!(ttl > 3_590_000 && ttl <= 3_600_000, "kept an hour past its last use: {ttl} ms");
+    let gradient2 = Learner::new(
+        1,
+        10,
+        0.9,
+        Algorithm::Gradient2(Gradient2 { tolerance: 1.5, smoothing: 0.2, long_window: 600, queue_size: 4 }),
+    );
+    let other = LearntAt { learner: &gradient2, ..at };
+    let (_, limit) = store.decide_under(other, &[], new_lease(), None).await.expect("reads");
+    assert_eq!(limit.current, 10, "aimd's state means nothing to gradient2");
 }

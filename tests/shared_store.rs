@@ -176,24 +176,6 @@ async fn a_refused_caller_is_refused_locally_until_its_wait_is_over_without_a_ro
     assert_eq!(error_code(&r), Some("rate_limited"), "nothing left at all");
 }
 
-/// One mock upstream for several instances, on a clock of the test's own.
-async fn shared_mock() -> (std::sync::Arc<mcp_ratelimit::clock::ManualClock>, mcp_ratelimit::mock_upstream::MockUpstream)
-{
-    let mock_clock = mcp_ratelimit::clock::ManualClock::new();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let defaults = mcp_ratelimit::Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults");
-    let deadlines = mcp_ratelimit::http::serve::Deadlines::of(&defaults.server);
-    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(
-        defaults.mock_upstream,
-        deadlines,
-        mock_clock.clone(),
-        listener,
-    )
-    .await
-    .expect("mock");
-    (mock_clock, mock)
-}
-
 /// A `serve` process of its own (so it can be killed outright) on the shared Redis.
 struct Instance {
     child: tokio::process::Child,

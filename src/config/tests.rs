@@ -205,12 +205,21 @@ fn typos_are_rejected_not_ignored() {
 fn adaptive_concurrency_is_checked_naming_its_key() {
     let tools = reference();
     for (toml, key) in [
-        ("[upstream.adaptive]\nalgorithm = \"gradient2\"\n", "upstream.adaptive.algorithm"),
+        ("[upstream.adaptive]\nalgorithm = \"vegas\"\n", "upstream.adaptive.algorithm"),
         ("[upstream.adaptive]\nmin = 0\n", "upstream.adaptive.min"),
         ("[upstream.adaptive]\nmax = 11\n", "upstream.adaptive.max"),
         ("[upstream.adaptive]\nmin = 6\nmax = 5\n", "upstream.adaptive.min"),
         ("[upstream.adaptive]\nbackoff_ratio = 1.0\n", "upstream.adaptive.backoff_ratio"),
         ("[proxy.adaptive]\nmax = 17\n", "proxy.adaptive.max"),
+        ("[upstream.adaptive]\ntolerance = 0.9\n", "upstream.adaptive.tolerance"),
+        ("[upstream.adaptive]\ntolerance = nan\n", "upstream.adaptive.tolerance"),
+        ("[upstream.adaptive]\nsmoothing = 0.0\n", "upstream.adaptive.smoothing"),
+        ("[upstream.adaptive]\nsmoothing = 1.5\n", "upstream.adaptive.smoothing"),
+        ("[upstream.adaptive]\nlong_window = 0\n", "upstream.adaptive.long_window"),
+        ("[upstream.adaptive]\nqueue_size = 0\n", "upstream.adaptive.queue_size"),
+        ("[proxy.adaptive]\nalgorithm = \"gradient\"\n", "proxy.adaptive.algorithm"),
+        ("[proxy.adaptive]\nsmoothing = -0.2\n", "proxy.adaptive.smoothing"),
+        ("[upstream.adaptive]\nlong_window = -1\n", "upstream.adaptive.long_window"),
     ] {
         let error = Config::from_toml(toml, &tools).expect_err(toml).to_string();
         assert!(error.contains(&format!("`{key}`")), "{toml}: {error}");
@@ -219,6 +228,20 @@ fn adaptive_concurrency_is_checked_naming_its_key() {
     let adaptive = &config.upstream.adaptive;
     assert_eq!((adaptive.enabled, adaptive.min, adaptive.max_under(10)), (true, 2, 10), "max 0: the static cap");
     assert!(!Config::defaults(&tools).expect("defaults").upstream.adaptive.enabled, "off by default");
+    let error =
+        Config::from_toml("[upstream.adaptive]\nalgorithm = \"vegas\"\n", &tools).expect_err("unknown").to_string();
+    assert!(error.contains("aimd, gradient2"), "names what it takes: {error}");
+    let config = Config::from_toml(
+        "[upstream.adaptive]\nenabled = true\nalgorithm = \"gradient2\"\ntolerance = 2.0\nqueue_size = 1\n",
+        &tools,
+    )
+    .expect("valid");
+    let adaptive = &config.upstream.adaptive;
+    assert_eq!(
+        (adaptive.tolerance, adaptive.smoothing, adaptive.long_window, adaptive.queue_size),
+        (2.0, 0.2, 600, 1),
+        "Netflix's defaults where not set"
+    );
 }
 
 #[test]

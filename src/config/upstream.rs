@@ -8,6 +8,7 @@ use serde::Deserialize;
 
 use super::limits::DAY_MS;
 use super::{ConfigError, invalid};
+use crate::limit::adaptive::ALGORITHMS;
 use crate::redact::Secret;
 
 /// The same in seconds.
@@ -68,20 +69,31 @@ pub struct UpstreamConfig {
 }
 
 /// `[upstream.adaptive]`, `[proxy.adaptive]`: the slots toward the upstream learnt from its
-/// answers instead of fixed ([`crate::upstream::adaptive`]).
+/// answers instead of fixed ([`crate::limit::adaptive`]).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AdaptiveConfig {
     /// Learn the limit (else the static cap holds).
     pub enabled: bool,
-    /// How: `aimd`.
+    /// How: one of [`ALGORITHMS`] (`aimd`, `gradient2`).
     pub algorithm: String,
     /// Fewest slots it learns down to.
     pub min: usize,
     /// Most slots it learns up to; 0: the static cap (`max_in_flight`), which it never exceeds.
     pub max: usize,
-    /// What an overload cuts the limit to, as a share of itself (0 to 1, exclusive).
+    /// What an overload cuts the limit to, as a share of itself (0 to 1, exclusive); for every
+    /// algorithm.
     pub backoff_ratio: f64,
+    /// gradient2: how much slower than the long-term round-trip time an answer may be before the
+    /// limit shrinks (at least 1).
+    pub tolerance: f64,
+    /// gradient2: how far one answer moves the limit towards its new estimate (above 0, at most 1).
+    pub smoothing: f64,
+    /// gradient2: the answers the long-term round-trip time averages over (at least 1).
+    pub long_window: usize,
+    /// gradient2: the slots it allows above what the latency gradient says, how far it probes
+    /// per answer (at least 1).
+    pub queue_size: usize,
 }
 
 impl AdaptiveConfig {
@@ -92,31 +104,47 @@ impl AdaptiveConfig {
 
     /// The section at `section` (`upstream.adaptive`), checked against the static cap `ceiling`.
     pub(super) fn validate(&self, section: &str, ceiling: usize) -> Result<(), ConfigError> {
-        if self.algorithm != "aimd" {
-            let also = if self.algorithm == "gradient2" { " (gradient2 is not built yet)" } else { "" };
+        let key = |name: &str| format!("{section}.{name}");
+        if !ALGORITHMS.contains(&self.algorithm.as_str()) {
             return Err(invalid(
-                format!("{section}.algorithm"),
-                format!("`{}` is not one: aimd{also}", self.algorithm),
+                key("algorithm"),
+                format!("`{}` is not one: {}", self.algorithm, ALGORITHMS.join(", ")),
             ));
         }
         if self.min == 0 {
-            return Err(invalid(format!("{section}.min"), "at least one slot"));
+            return Err(invalid(key("min"), "at least one slot"));
         }
         let max = if self.max == 0 { ceiling } else { self.max };
         if self.max > ceiling {
-            return Err(invalid(
-                format!("{section}.max"),
-                format!("{} is above the static cap {ceiling}, its ceiling", self.max),
-            ));
+            return Err(invalid(key("max"), format!("{} is above the static cap {ceiling}, its ceiling", self.max)));
         }
         if self.min > max {
-            return Err(invalid(format!("{section}.min"), format!("{} is above max {max}", self.min)));
+            return Err(invalid(key("min"), format!("{} is above max {max}", self.min)));
         }
         if !(self.backoff_ratio > 0.0 && self.backoff_ratio < 1.0) {
             return Err(invalid(
-                format!("{section}.backoff_ratio"),
+                key("backoff_ratio"),
                 format!("must be between 0 and 1, exclusive (got {})", self.backoff_ratio),
             ));
+        }
+        // The gradient2 keys are checked whatever the algorithm: a switch must not meet a bad one.
+        if !(self.tolerance >= 1.0 && self.tolerance.is_finite()) {
+            return Err(invalid(
+                key("tolerance"),
+                format!(
+                    "must be at least 1 (1.5: an answer 1.5× the long-term time is still fine; got {})",
+                    self.tolerance
+                ),
+            ));
+        }
+        if !(self.smoothing > 0.0 && self.smoothing <= 1.0) {
+            return Err(invalid(key("smoothing"), format!("must be above 0 and at most 1 (got {})", self.smoothing)));
+        }
+        if self.long_window == 0 {
+            return Err(invalid(key("long_window"), "at least one answer to average over"));
+        }
+        if self.queue_size == 0 {
+            return Err(invalid(key("queue_size"), "at least 1: with none the limit could never grow"));
         }
         Ok(())
     }

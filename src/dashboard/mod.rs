@@ -214,6 +214,8 @@ impl DashboardData {
         let audience = viewer.audience();
         let mut recent = activity.snapshot_for(now, audience);
         guard.current_levels(&mut recent.scopes).await;
+        // The account's learnt limit as every instance shares it, not as this one last heard.
+        app.behind.queue().refresh_learnt().await;
         let mut per_owner: BTreeMap<String, (usize, usize)> = BTreeMap::new();
         let pending = app.behind.jobs().map(|jobs| jobs.pending_owners()).unwrap_or_default();
         let in_flight = pending.len();

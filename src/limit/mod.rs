@@ -20,7 +20,12 @@
 //! [`Algorithm`]), its Lua twin `src/store/redis/<name>.lua`, and one line in `registry!` below.
 //! Config parsing, `check-config`, the simulator, the admin API's schema and both stores read the
 //! registry; `tests/algorithms.rs` fails until the shared suite has a reference model for it.
+//!
+//! Beside them, [`adaptive`]: not a limit on callers but the learners that find how many calls
+//! an upstream takes at once from its answers (AIMD, Gradient2), which the account's queue hands
+//! out slots by.
 
+pub mod adaptive;
 pub mod concurrency;
 pub mod fixed_window;
 pub mod gcra;

@@ -774,6 +774,8 @@ impl McpServer {
             lines.push(format!("jobs in flight: {}", ids.join(", ")));
         }
         let queue = self.own.jobs.queue();
+        // The learnt limit another instance may have moved since this one last heard.
+        queue.refresh_learnt().await;
         let rules = queue.rules_now();
         let occupancy = self.own.jobs.occupancy();
         let upstream_queue = QueueStatus {

@@ -3,8 +3,9 @@
 //! It behaves like the image APIs agents drive — submit a prediction, poll it by id — and has
 //! the knobs needed to show what limits are for: added latency, a share of 429s with
 //! Retry-After, a share of 503s, a cap on predictions running at once, and job durations.
-//! Job progress reads the shared [`Clock`](crate::clock::Clock), so tests finish a 30-second
-//! video job by advancing a manual clock. A prompt containing `[fail]` makes a job fail.
+//! Job progress and the added latency read the shared [`Clock`](crate::clock::Clock), so tests
+//! finish a 30-second video job, or wait out a latency, by advancing a manual clock. A prompt
+//! containing `[fail]` makes a job fail.
 //!
 //! It bills like a real paid API and says so on every answer (`usage.units`, a prediction's once
 //! it is final), in the units our `[tools.*] cost` counts: [`LIST_PRICE`], [`SAVE_PRICE`],
@@ -26,7 +27,6 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{StatusCode, header};
@@ -302,7 +302,9 @@ async fn chaos(State(state): State<Arc<MockState>>, request: Request, next: Next
     let _ = state.gate.subscribe().wait_for(|held| !held).await;
     let chaos = *lock(&state.chaos);
     if chaos.latency_ms > 0 {
-        tokio::time::sleep(Duration::from_millis(chaos.latency_ms)).await;
+        // On the shared clock, like job progress: a test walks a latency as it walks a job, and
+        // the server measures it as its round-trip time.
+        state.clock.sleep_until(state.clock.now().saturating_add(chaos.latency_ms.saturating_mul(NANOS_PER_MS))).await;
     }
     let roll: f64 = rand::rng().random();
     if roll < chaos.rate_429 {

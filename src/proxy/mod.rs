@@ -106,6 +106,10 @@ impl Behind for Proxied {
         self.queue.rules().max_in_flight
     }
 
+    fn queue(&self) -> &FairQueue {
+        &self.queue
+    }
+
     fn saved(&self) -> Saved {
         self.reuse.saved()
     }
@@ -150,7 +154,7 @@ impl Proxied {
         let queue = Arc::new(
             FairQueue::new(rules, clock.clone())
                 .adaptive(AdaptiveLimit::configured(&config.proxy.adaptive, max_in_flight))
-                .shared_in(limits.guard().store().clone(), "proxied"),
+                .shared_in(limits.guard().store().clone(), "proxied", limits.metrics().clone()),
         );
         tokio::spawn(queue.clone().dispatch(stop.child_token()));
         let proxied = Arc::new(Self {
@@ -344,8 +348,8 @@ impl Proxied {
         let mean = self.mean_call.load(Ordering::Relaxed);
         self.mean_call.store(if mean == 0 { took } else { mean - mean / 8 + took / 8 }, Ordering::Relaxed);
         match &answer {
-            None => slot.overloaded(),
-            Some(Ok(_)) => slot.accepted(),
+            None => slot.overloaded().await,
+            Some(Ok(_)) => slot.accepted().await,
             Some(Err(_)) => {}
         }
         match answer {

@@ -39,9 +39,8 @@ use crate::upstream::api::PredictionKind;
 use crate::upstream::backoff::{Backoff, Retry, RetryBudget};
 use crate::upstream::queue::{AccountSlot, FairQueue, Flowing, QueueRules, Turn};
 
-/// The learners compared with the static cap, in order: the one place to name them. Once
-/// `crate::upstream::adaptive::ALGORITHMS` exists (with gradient2), this is that list.
-const LEARNERS: &[&str] = &["aimd"];
+/// The learners compared with the static cap, in order: every one `[upstream.adaptive]` offers.
+const LEARNERS: &[&str] = crate::upstream::adaptive::ALGORITHMS;
 
 /// The account's capacity in each phase, in tenths of the ceiling, and how long it lasts in seconds.
 const PHASES: [(usize, u64); 3] = [(10, 15), (4, 30), (8, 30)];
@@ -358,7 +357,7 @@ impl Replay<'_> {
                 std::mem::take(&mut self.answering).into_iter().partition(|a| a.at <= now);
             self.answering = later;
             for answer in due {
-                self.answered(answer, now);
+                self.answered(answer, now).await;
             }
             self.grants(now).await;
             self.agent_asks(now).await;
@@ -416,18 +415,18 @@ impl Replay<'_> {
     /// The upstream's answer to a submission: it teaches the limit through the slot, as the job
     /// book does; a taken job holds its slot until it ends, a refused one gives it back and waits
     /// its backoff at the front of its flow (or fails), or goes back to the agent.
-    fn answered(&mut self, answer: Answering, now: Nanos) {
+    async fn answered(&mut self, answer: Answering, now: Nanos) {
         let Answering { runs_until, slot, mut job, queued, .. } = answer;
         // The retry budget is a share of the first attempts the upstream received.
         if queued && !std::mem::replace(&mut job.sent, true) {
             self.retry_budget.record_request(now);
         }
         if let Some(until) = runs_until {
-            slot.accepted();
+            slot.accepted().await;
             self.running.push((until, slot));
             return;
         }
-        slot.overloaded();
+        slot.overloaded().await;
         drop(slot);
         if !queued {
             self.agent_ready_at = self.agent_ready_at.max(now.saturating_add(nanos(RETRY_AFTER)));

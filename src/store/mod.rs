@@ -8,8 +8,9 @@
 //!
 //! A store shared by several instances also keeps what they must agree on beside the budgets,
 //! each behind a trait of its own, so the guard and the upstream name no concrete store: a
-//! caller's recent calls ([`LoopHistory`], for loop detection) and the published job book
-//! ([`JobMirror`]). A third backend implements these traits and nothing above changes.
+//! caller's recent calls ([`LoopHistory`], for loop detection), the published job book
+//! ([`JobMirror`]) and the upstream account's learnt concurrency limit ([`SharedLearner`]). A
+//! third backend implements these traits and nothing above changes.
 
 pub mod memory;
 pub mod redis;
@@ -20,6 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::Nanos;
+use crate::limit::adaptive::{Learner, Signal};
 use crate::limit::{Adjustment, Decision, Limiter};
 pub use memory::MemoryStore;
 pub use redis::{HeldLease, Lease, LoopAnswer, RedisStore, Renewed, new_lease};
@@ -158,6 +160,11 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     fn job_mirror(self: Arc<Self>) -> Option<Arc<dyn JobMirror>> {
         None
     }
+
+    /// Where a learnt concurrency limit is kept for every instance, if this store is shared.
+    fn shared_learner(self: Arc<Self>) -> Option<Arc<dyn SharedLearner>> {
+        None
+    }
 }
 
 impl dyn Store {
@@ -221,6 +228,62 @@ pub trait JobMirror: Send + Sync + std::fmt::Debug {
 
     /// Removes `members` from the set at `key`.
     fn set_remove<'a>(&'a self, key: &'a str, members: &'a [String]) -> StoreFuture<'a, ()>;
+}
+
+/// A learnt concurrency limit in a shared store: where its state is kept, the in-flight slots it
+/// limits, and how it learns.
+#[derive(Debug, Clone, Copy)]
+pub struct LearntAt<'a> {
+    /// The learner's state (on Redis, with the hash tag of `in_flight_key`).
+    pub key: &'a str,
+    /// The concurrency key the slots it limits are claimed on: what is in use when it learns.
+    pub in_flight_key: &'a str,
+    /// How it learns.
+    pub learner: &'a Learner,
+    /// The static cap the in-flight checks it decides are sized for: each one's capacity is
+    /// scaled by the learnt limit ÷ this (rounded down), so the account's cap becomes the learnt
+    /// limit and a share of it shrinks alike.
+    pub ceiling: u64,
+}
+
+/// What a shared learnt limit stands at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SharedLimit {
+    /// The whole slots it hands out.
+    pub current: u64,
+    /// The store's clock when it was read (a slot claimed then was taken at this instant).
+    pub at: Nanos,
+}
+
+/// The upstream account's learnt concurrency limit (the twin of
+/// [`crate::limit::adaptive::Learner`]), kept where every instance learns and uses it: one value,
+/// not one per instance. Every sample updates it atomically, and a slot is claimed against it in
+/// the same step as the account's other checks, so no instance takes a slot under a limit
+/// another has just cut.
+pub trait SharedLearner: Send + Sync + std::fmt::Debug {
+    /// Decides `checks` as [`Store::decide`] does (no blocks), with the capacity of each in-flight
+    /// check scaled to the limit `at` holds, read in the same step; and what that limit is, with
+    /// the store's clock (when the slots were taken).
+    fn decide_under<'a>(
+        &'a self,
+        at: LearntAt<'a>,
+        checks: &'a [Check<'a>],
+        lease: Lease,
+    ) -> StoreFuture<'a, (Vec<Decision>, SharedLimit)>;
+
+    /// Teaches the limit `at` what a slot taken at `taken_at` (the store's clock, as
+    /// [`SharedLearner::decide_under`] said) answered: `signal`, after `rtt` (the server's
+    /// clock); what is in use besides it is counted on `at.in_flight_key`. The limit after it.
+    fn learn<'a>(
+        &'a self,
+        at: LearntAt<'a>,
+        signal: Signal,
+        rtt: Nanos,
+        taken_at: Nanos,
+    ) -> StoreFuture<'a, SharedLimit>;
+
+    /// The limit `at` holds now.
+    fn learnt<'a>(&'a self, at: LearntAt<'a>) -> StoreFuture<'a, SharedLimit>;
 }
 
 /// In-flight slots held by an admitted call; dropping it gives them back.

@@ -42,6 +42,13 @@
 //! dies holding slots stops renewing, and its slots come back when the leases run out, instead of
 //! leaking for ever. Decisions are those of the Rust twin as long as no lease expires.
 //!
+//! **A learnt limit** (the upstream account's slots, learnt from its answers:
+//! [`crate::limit::adaptive`]) is one key every instance learns into (`learn.lua`, one script per
+//! answer) and claims under: a decision under it (`decide.lua` with the learner named) reads it in
+//! the same script as the account's in-flight checks and scales their capacity to it. Its state
+//! is floating point, like its Rust twin's, written so it reads back to the same double
+//! (`adaptive.lua` says why that is exact); the key is kept an hour past its last use.
+//!
 //! **Keys** are used exactly as the checks name them. A Redis Cluster runs a script only on keys
 //! of one hash slot, so every key of one call must carry the same hash tag (`{t:acme}caller:x`,
 //! `{t:acme}tenant:acme`), as [`crate::guard`]'s scopes do; a call that mixes slots is refused
@@ -72,7 +79,7 @@ use ::redis::{ErrorKind, RedisError, RedisResult, Script, ServerErrorKind, TlsCe
 
 use crate::clock::Nanos;
 use crate::limit::{Adjustment, Decision, Limiter, Shape};
-use crate::store::{Check, LoopCall, Verdict};
+use crate::store::{Check, LearntAt, LoopCall, SharedLimit, Verdict};
 
 /// A script of the prelude, every registered algorithm's Lua twin (`redis/<name>.lua`, read at
 /// compile time: an algorithm without its twin does not build), then the files `entry` names
@@ -87,8 +94,27 @@ macro_rules! with_every_algorithm {
     };
 }
 
-/// The decide script: the prelude, every algorithm, the loop history, then the entry point.
-const DECIDE_SCRIPT: &str = crate::limit::registry!(with_every_algorithm, "redis/loop_history.lua", "redis/decide.lua");
+/// The decide script: the prelude, every algorithm, the learnt limits, the loop history, then the
+/// entry point.
+const DECIDE_SCRIPT: &str = crate::limit::registry!(
+    with_every_algorithm,
+    "redis/adaptive.lua",
+    "redis/adaptive/aimd.lua",
+    "redis/adaptive/gradient2.lua",
+    "redis/loop_history.lua",
+    "redis/decide.lua"
+);
+
+/// The learn script: the prelude, in-flight slots (to count what is in use), the learnt limits
+/// (every learner's twin, as in [`DECIDE_SCRIPT`]), then the entry point.
+const LEARN_SCRIPT: &str = concat!(
+    include_str!("redis/prelude.lua"),
+    include_str!("redis/concurrency.lua"),
+    include_str!("redis/adaptive.lua"),
+    include_str!("redis/adaptive/aimd.lua"),
+    include_str!("redis/adaptive/gradient2.lua"),
+    include_str!("redis/learn.lua"),
+);
 
 /// The release script: the prelude, in-flight slots, then the entry point.
 const RELEASE_SCRIPT: &str = concat!(
@@ -243,7 +269,10 @@ pub enum StoreError {
 }
 
 mod connection;
+mod learner;
 mod shared;
+
+use learner::learnt_ttl_ms;
 
 use connection::{Connection, Target};
 
@@ -259,6 +288,7 @@ pub struct RedisStore {
     renew: Script,
     adjust: Script,
     record: Script,
+    learn: Script,
     lease: Duration,
     /// The in-flight leases this instance holds (key, lease) → (units, the key's cap), renewed on
     /// a schedule ([`Store::renew_leases`](crate::store::Store::renew_leases)) until given back.
@@ -298,16 +328,17 @@ impl RedisStore {
         }
         let certificates = TlsCertificates { client_tls: None, root_cert: ca_pem };
         let address = target.address().to_owned();
-        let (decide, release, renew, adjust, record) = (
+        let (decide, release, renew, adjust, record, learn) = (
             Script::new(DECIDE_SCRIPT),
             Script::new(RELEASE_SCRIPT),
             Script::new(RENEW_SCRIPT),
             Script::new(ADJUST_SCRIPT),
             Script::new(RECORD_SCRIPT),
+            Script::new(LEARN_SCRIPT),
         );
         let connecting = async {
             let connection = target.connect(timeout, certificates).await?;
-            for script in [&decide, &release, &renew, &adjust, &record] {
+            for script in [&decide, &release, &renew, &adjust, &record, &learn] {
                 connection.load(script).await?;
             }
             Ok(connection)
@@ -315,7 +346,7 @@ impl RedisStore {
         let connection = bounded(&address, timeout, connecting).await?;
         let lease = DEFAULT_LEASE;
         let held = std::sync::Mutex::default();
-        Ok(RedisStore { connection, timeout, address, decide, release, renew, adjust, record, lease, held })
+        Ok(RedisStore { connection, timeout, address, decide, release, renew, adjust, record, learn, lease, held })
     }
 
     /// Checks that `url` has one of the forms [`RedisStore::connect`] takes, without connecting:
@@ -540,8 +571,23 @@ impl RedisStore {
         now_us: Option<u64>,
         lease: Lease,
     ) -> Result<Verdict, StoreError> {
-        if checks.is_empty() && looped.is_none() {
-            return Ok(Verdict::Decided(Vec::new()));
+        Ok(self.run_script(checks, blocks, looped, None, now_us, lease).await?.0)
+    }
+
+    /// [`RedisStore::run_unless_blocked`], with the in-flight checks decided under the learnt
+    /// limit `under` names when there is one (read in the same script, its key last), and what
+    /// that limit stood at.
+    async fn run_script(
+        &self,
+        checks: &[Check<'_>],
+        blocks: &[&str],
+        looped: Option<LoopCall<'_>>,
+        under: Option<LearntAt<'_>>,
+        now_us: Option<u64>,
+        lease: Lease,
+    ) -> Result<(Verdict, Option<SharedLimit>), StoreError> {
+        if checks.is_empty() && looped.is_none() && under.is_none() {
+            return Ok((Verdict::Decided(Vec::new()), None));
         }
         let mut invocation = self.decide.prepare_invoke();
         invocation.arg(now_us.map_or_else(String::new, |us| us.to_string()));
@@ -549,6 +595,12 @@ impl RedisStore {
         match &looped {
             Some(call) => invocation.arg(call.window.div_ceil(1_000)).arg(call.repeats).arg(&hex(call.signature)[..]),
             None => invocation.arg("").arg("").arg(""),
+        };
+        match &under {
+            Some(at) => {
+                invocation.arg(format!("{} {} {}", at.ceiling.max(1), learnt_ttl_ms(), learner::spec(at.learner)))
+            }
+            None => invocation.arg(""),
         };
         for check in checks {
             invocation.key(check.key).arg(check.limiter.algorithm()).arg(check.limiter.capacity());
@@ -560,18 +612,31 @@ impl RedisStore {
         if let Some(call) = &looped {
             invocation.key(call.key);
         }
-        let reply: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
+        if let Some(at) = &under {
+            invocation.key(at.key);
+        }
+        let mut reply: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
         if let [-2, retry_after_us, oscillating] = reply[..] {
             let retry_after = u64::try_from(retry_after_us).unwrap_or(0).saturating_mul(1_000);
-            return Ok(Verdict::Looping { retry_after, oscillating: oscillating == 1 });
+            return Ok((Verdict::Looping { retry_after, oscillating: oscillating == 1 }, None));
         }
         if let [-1, place, left_ms] = reply[..] {
             let index = usize::try_from(place - 1).ok().filter(|i| *i < blocks.len());
             let index = index.ok_or_else(|| self.malformed(format!("block reply {reply:?}")))?;
             let left = u64::try_from(left_ms).unwrap_or(0).saturating_mul(crate::clock::NANOS_PER_MS);
-            return Ok(Verdict::Blocked { index, left });
+            return Ok((Verdict::Blocked { index, left }, None));
         }
-        self.decisions(&reply, checks.len()).map(Verdict::Decided)
+        let limit = match under {
+            Some(_) => {
+                let (Some(at_us), Some(current)) = (reply.pop(), reply.pop()) else {
+                    return Err(self.malformed("a decision under a learnt limit answered without it".into()));
+                };
+                let unsigned = |v: i64| u64::try_from(v).map_err(|_| self.malformed(format!("negative value {v}")));
+                Some(SharedLimit { current: unsigned(current)?, at: unsigned(at_us)?.saturating_mul(1_000) })
+            }
+            None => None,
+        };
+        Ok((Verdict::Decided(self.decisions(&reply, checks.len())?), limit))
     }
 
     fn malformed(&self, reason: String) -> StoreError {
@@ -768,6 +833,11 @@ mod tests {
     fn every_algorithm_has_its_script() {
         for name in crate::limit::ALGORITHMS {
             assert!(DECIDE_SCRIPT.contains(&format!("definitions.{name} = function()")), "no script for {name}");
+        }
+        for name in crate::limit::adaptive::ALGORITHMS {
+            for script in [DECIDE_SCRIPT, LEARN_SCRIPT] {
+                assert!(script.contains(&format!("learners.{name} = function(")), "no learner script for {name}");
+            }
         }
     }
 }

@@ -1,107 +1,83 @@
 //! Adaptive concurrency toward the upstream (`[upstream.adaptive]`, `[proxy.adaptive]`): the
 //! account's slots learnt instead of known.
 //!
-//! `upstream.max_in_flight` is a number someone must know, and real accounts change: a provider
-//! lowers a limit, a plan is upgraded, a shared key is used elsewhere. Then a static cap either
-//! wastes capacity or meets 429s. This learns the limit the way TCP and Netflix's
-//! `concurrency-limits` do, by **AIMD** (additive increase, multiplicative decrease), between
-//! `min` and the static cap (the ceiling):
+//! [`AdaptiveLimit`] is one learner ([`crate::limit::adaptive`]: AIMD or Gradient2, between
+//! `min` and the static cap) kept in this process: the queue ([`super::queue::FairQueue`]) hands
+//! out slots up to its current limit, and tells it what each slot's use said — the upstream took
+//! the work, or said it had too much — with the slot's round-trip time on the server's clock.
+//! Jobs that do not fit wait in the fair queue as they do under a static cap.
 //!
-//! - **Overload** (the upstream's 429 on a submission; for a proxied server, a call that did not
-//!   answer in time) cuts the limit to `backoff_ratio` of itself, and never above the slots our
-//!   other jobs were holding when it said so: it just told us that was already too many. Only
-//!   one cut per round: a slot taken before the last cut was decided under the old limit, and its
-//!   429 says nothing new (as TCP halves once per window, not once per lost packet).
-//! - **Success** (a submission accepted, a call answered) grows it by `1 / limit`, so by one slot
-//!   per limit's worth of successes, and only while the limit is what holds us back (at least
-//!   half of it in use, as Netflix's AIMD checks): an idle account does not learn a limit it never
-//!   tried.
-//!
-//! The queue ([`super::queue::FairQueue`]) hands out slots up to the current limit; jobs that do
-//! not fit wait in the fair queue as they do under a static cap. The limit is kept per instance
-//! (over Redis each instance learns its own, under the shared static cap).
+//! Over a shared store (Redis) the queue learns one limit for every instance instead, in the
+//! store (`FairQueue::shared_in`), and this one stays its fallback while the store cannot answer.
 
 use std::sync::Mutex;
 
 use crate::clock::Nanos;
 use crate::config::AdaptiveConfig;
+pub use crate::limit::adaptive::{ALGORITHMS, Signal};
+use crate::limit::adaptive::{Algorithm, Gradient2, Learner, Learnt, Sample, gradient2};
 
-/// What one use of a slot said about the upstream's capacity.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Signal {
-    /// It took the work (a submission accepted, a call answered).
-    Accepted,
-    /// It said it had too much (a 429; a proxied call that timed out).
-    Overloaded,
-}
-
-#[derive(Debug)]
-struct Learnt {
-    limit: f64,
-    /// When the limit was last cut: a slot taken before then cannot cut it again.
-    cut_at: Nanos,
-}
-
-/// An AIMD limit between `min` and `max`, starting at `max`.
+/// A learnt limit between `min` and `max` slots, starting at `max`.
 #[derive(Debug)]
 pub struct AdaptiveLimit {
-    min: f64,
-    max: f64,
-    backoff_ratio: f64,
+    learner: Learner,
     learnt: Mutex<Learnt>,
 }
 
 impl AdaptiveLimit {
     /// The learner `config` asks for under a static cap of `ceiling` slots, if it is enabled.
     pub fn configured(config: &AdaptiveConfig, ceiling: usize) -> Option<Self> {
-        config.enabled.then(|| Self::aimd(config.min, config.max_under(ceiling), config.backoff_ratio))
+        let algorithm = match config.algorithm.as_str() {
+            gradient2::NAME => Algorithm::Gradient2(Gradient2 {
+                tolerance: config.tolerance,
+                smoothing: config.smoothing,
+                long_window: config.long_window as u64,
+                queue_size: config.queue_size as u64,
+            }),
+            // Validated: the only other one.
+            _ => Algorithm::Aimd,
+        };
+        let max = config.max_under(ceiling) as u64;
+        config.enabled.then(|| Self::new(Learner::new(config.min as u64, max, config.backoff_ratio, algorithm)))
     }
 
     /// AIMD between `min` and `max` slots (at least one each, `min` ≤ `max`), cutting to
     /// `backoff_ratio` (0 to 1) on overload; it starts at `max`, where a static cap would be.
     pub fn aimd(min: usize, max: usize, backoff_ratio: f64) -> Self {
-        let max = max.max(1) as f64;
-        let min = (min.max(1) as f64).min(max);
-        Self {
-            min,
-            max,
-            backoff_ratio: backoff_ratio.clamp(0.0, 1.0),
-            learnt: Mutex::new(Learnt { limit: max, cut_at: 0 }),
-        }
+        Self::new(Learner::new(min as u64, max as u64, backoff_ratio, Algorithm::Aimd))
+    }
+
+    /// `learner`, starting at its `max`.
+    pub fn new(learner: Learner) -> Self {
+        let learnt = Mutex::new(learner.fresh());
+        Self { learner, learnt }
     }
 
     fn learnt(&self) -> std::sync::MutexGuard<'_, Learnt> {
+        // A learnt state is replaced whole: a poisoned one is still consistent.
         self.learnt.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How it learns.
+    pub fn learner(&self) -> &Learner {
+        &self.learner
     }
 
     /// The slots that may be in use now (whole slots, never below `min`).
     pub fn current(&self) -> usize {
-        self.learnt().limit.floor().clamp(self.min, self.max) as usize
+        usize::try_from(self.learner.current(&self.learnt())).unwrap_or(usize::MAX)
     }
 
     /// The ceiling (the static cap).
     pub fn max(&self) -> usize {
-        self.max as usize
+        usize::try_from(self.learner.max()).unwrap_or(usize::MAX)
     }
 
-    /// Learns from a slot taken at `taken_at` that said `signal` at `now`, while `others` more
-    /// slots were in use.
+    /// Learns from a slot taken at `taken_at` that said `signal` at `now` (its round-trip time is
+    /// the difference), while `others` more slots were in use.
     pub fn learn(&self, signal: Signal, taken_at: Nanos, others: usize, now: Nanos) {
-        let mut learnt = self.learnt();
-        match signal {
-            Signal::Accepted => {
-                // Only while the limit is what holds us back.
-                if (others.saturating_add(1) as f64) * 2.0 >= learnt.limit {
-                    learnt.limit = (learnt.limit + 1.0 / learnt.limit.max(1.0)).min(self.max);
-                }
-            }
-            Signal::Overloaded if taken_at >= learnt.cut_at => {
-                let cut = (learnt.limit * self.backoff_ratio).min(others as f64);
-                learnt.limit = cut.max(self.min);
-                learnt.cut_at = now;
-            }
-            Signal::Overloaded => {}
-        }
+        let sample = Sample { signal, rtt: now.saturating_sub(taken_at), others, taken_at, now };
+        self.learner.learn(&mut self.learnt(), &sample);
     }
 }
 
@@ -109,13 +85,35 @@ impl AdaptiveLimit {
 mod tests {
     use super::*;
 
+    fn defaults() -> AdaptiveConfig {
+        let config = crate::config::Config::defaults(&crate::config::Catalogue::learned()).expect("defaults");
+        config.upstream.adaptive
+    }
+
     #[test]
     fn a_configured_limit_starts_at_the_ceiling_and_none_when_off() {
-        let config = crate::config::Config::defaults(&crate::config::Catalogue::learned()).expect("defaults");
-        assert!(AdaptiveLimit::configured(&config.upstream.adaptive, 10).is_none(), "off by default");
-        let on = AdaptiveConfig { enabled: true, max: 6, ..config.upstream.adaptive.clone() };
+        assert!(AdaptiveLimit::configured(&defaults(), 10).is_none(), "off by default");
+        let on = AdaptiveConfig { enabled: true, max: 6, ..defaults() };
         let limit = AdaptiveLimit::configured(&on, 10).expect("on");
         assert_eq!((limit.current(), limit.max()), (6, 6), "max under the static cap");
+        assert_eq!(limit.learner().algorithm(), &Algorithm::Aimd);
+    }
+
+    #[test]
+    fn gradient2_is_configured_with_netflixs_parameters() {
+        let on = AdaptiveConfig { enabled: true, algorithm: "gradient2".into(), ..defaults() };
+        let limit = AdaptiveLimit::configured(&on, 10).expect("on");
+        let netflix = Gradient2 { tolerance: 1.5, smoothing: 0.2, long_window: 600, queue_size: 4 };
+        assert_eq!(limit.learner().algorithm(), &Algorithm::Gradient2(netflix));
+        // Answers 100 ms each while the limit is in use: steady latency, it stays at the ceiling.
+        for at in 0..50u64 {
+            limit.learn(Signal::Accepted, at * 1_000_000_000, 9, at * 1_000_000_000 + 100_000_000);
+        }
+        assert_eq!(limit.current(), 10);
+        // A 429 cuts it as AIMD's does; a slot taken before the cut cannot cut it again.
+        limit.learn(Signal::Overloaded, 60_000_000_000, 6, 60_100_000_000);
+        limit.learn(Signal::Overloaded, 59_000_000_000, 2, 60_200_000_000);
+        assert_eq!(limit.current(), 6);
     }
 
     #[test]

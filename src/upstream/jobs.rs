@@ -214,10 +214,10 @@ fn lock_book(book: &Mutex<Book>) -> MutexGuard<'_, Book> {
 
 /// What a submission's answer teaches the account's adaptive limit through the slot it used: the
 /// upstream took the job, or said 429 (anything else says nothing of its capacity).
-fn learn_from(account: &AccountSlot, answer: &Result<Prediction, UpstreamError>) {
+async fn learn_from(account: &AccountSlot, answer: &Result<Prediction, UpstreamError>) {
     match answer {
-        Ok(_) => account.accepted(),
-        Err(UpstreamError::RateLimited { .. }) => account.overloaded(),
+        Ok(_) => account.accepted().await,
+        Err(UpstreamError::RateLimited { .. }) => account.overloaded().await,
         Err(_) => {}
     }
 }
@@ -317,7 +317,7 @@ impl Jobs {
     ) -> Result<JobView, UpstreamError> {
         let answer = self.upstream.create_prediction(&job, &new_id("k")).await;
         self.metrics.upstream(tool_of(job.kind), UpstreamError::outcome_of(&answer));
-        learn_from(&account, &answer);
+        learn_from(&account, &answer).await;
         let prediction = answer?;
         let id = prediction.id.clone();
         self.insert(owner, Some(id.clone()), prediction, vec![slots, Box::new(account)]);
@@ -385,7 +385,7 @@ impl Jobs {
             let Ok(account) = turn.await else { return false };
             let answer = self.upstream.create_prediction(job, id).await;
             self.metrics.upstream(tool, UpstreamError::outcome_of(&answer));
-            learn_from(&account, &answer);
+            learn_from(&account, &answer).await;
             let now = self.clock.now();
             // The budget is a share of the submissions the upstream actually received lately,
             // counted when the first one goes out, so a long queue does not bank retries.

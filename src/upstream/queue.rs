@@ -28,6 +28,14 @@
 //! job back at the front of its flow and tries again when the store says (the gap) or after a
 //! second (a slot another instance holds). The round robin itself is per instance.
 //!
+//! With an adaptive limit ([`FairQueue::adaptive`]) over a shared store, the learnt limit is one
+//! value in the store too, beside the account's cap under the same hash tag: the claim is decided
+//! under it in the same step (the account's cap and the unverified share scaled to it), and every
+//! answer is learnt into it, so every instance hands out slots up to the one limit they all learn.
+//! While the store cannot answer, the queue limits locally, under its own learner, and asks the
+//! store again a second later; every failure is logged and counted
+//! (`mcp_ratelimit_store_errors_total{layer="account"}`).
+//!
 //! **Unverified callers** (no configured key, or a made-up one) prove nothing about who they
 //! are, so all of them together may hold only `upstream.unverified_share` of the account's slots
 //! and of the queue's places ([`QueueRules::unverified_slots`], [`QueueRules::unverified_places`]):
@@ -37,6 +45,7 @@
 //! a shared store the share is claimed in the same decision as the account slot, so it holds
 //! across instances too.
 
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::{Notify, oneshot};
@@ -44,7 +53,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
 use crate::limit::{Concurrency, Gcra, Limiter};
-use crate::store::{Check, SlotGuard, Store, new_lease};
+use crate::metrics::Metrics;
+use crate::store::{Check, LearntAt, SharedLearner, SharedLimit, SlotGuard, Store, StoreError, new_lease};
 use crate::upstream::adaptive::{AdaptiveLimit, Signal};
 use crate::upstream::api::PredictionKind;
 
@@ -53,7 +63,7 @@ mod round_robin;
 use round_robin::{State, Waiting};
 
 /// How long an instance waits before asking again for an account slot another instance holds
-/// (it cannot be told when one frees).
+/// (it cannot be told when one frees), and before asking a store that failed again.
 const ACCOUNT_RETRY: Nanos = NANOS_PER_SEC;
 
 /// The account, its unverified share and the video gap in a shared store.
@@ -67,6 +77,37 @@ struct Shared {
     account: Limiter,
     unverified: Limiter,
     gap: Option<Limiter>,
+    /// Where the learnt limit every instance uses is kept (with an adaptive limit), under
+    /// `learnt_key`.
+    learner: Option<Arc<dyn SharedLearner>>,
+    learnt_key: String,
+    /// The slots the shared learnt limit hands out, as the store last said; 0 while it has not
+    /// said or cannot (the local learner decides meanwhile).
+    learnt: AtomicUsize,
+    /// No call goes to the store before this (on the queue's clock) after one failed: the queue
+    /// limits locally meanwhile.
+    down_until: AtomicU64,
+    metrics: Arc<Metrics>,
+}
+
+impl Shared {
+    /// Whether the store failed less than [`ACCOUNT_RETRY`] ago.
+    fn down(&self, now: Nanos) -> bool {
+        now < self.down_until.load(Ordering::Relaxed)
+    }
+
+    /// The store could not answer `what`: logged, counted, and not asked again for a while.
+    fn failed(&self, error: &StoreError, what: &str, now: Nanos) {
+        tracing::warn!(%error, "cannot {what} in the shared store; limiting locally for a second");
+        self.metrics.account_store_error();
+        self.learnt.store(0, Ordering::Relaxed);
+        self.down_until.store(now.saturating_add(ACCOUNT_RETRY), Ordering::Relaxed);
+    }
+
+    /// The store's answer about the learnt limit: what every instance hands out now.
+    fn heard(&self, limit: SharedLimit) {
+        self.learnt.store(usize::try_from(limit.current).unwrap_or(usize::MAX), Ordering::Relaxed);
+    }
 }
 
 /// What a job about to leave waits for when the shared store says not yet.
@@ -82,8 +123,9 @@ enum Blocker {
 
 /// What the shared store said to a job about to leave.
 enum Claim {
-    /// Go, holding these leases (none without a shared store, or when it cannot answer).
-    Go(Vec<SlotGuard>),
+    /// Go, holding these leases (none without a shared store, or when it cannot answer), taken
+    /// at this reading of the store's clock when claimed under the shared learnt limit.
+    Go(Vec<SlotGuard>, Option<Nanos>),
     /// Not yet, for this long.
     Wait(Nanos, Blocker),
 }
@@ -156,6 +198,9 @@ pub struct AccountSlot {
     unverified: bool,
     /// When it was handed out, on the queue's clock.
     taken_at: Nanos,
+    /// When the shared store gave it, on the store's clock, if it was claimed under the shared
+    /// learnt limit (what it answers is then learnt there).
+    shared_at: Option<Nanos>,
     /// Its leases in a shared store (the account's, and the share's), given back with it.
     _leases: Vec<SlotGuard>,
 }
@@ -168,14 +213,14 @@ impl std::fmt::Debug for AccountSlot {
 
 impl AccountSlot {
     /// The upstream took the work this slot was for: an adaptive limit may grow.
-    pub fn accepted(&self) {
-        self.queue.learn(self, Signal::Accepted);
+    pub async fn accepted(&self) {
+        self.queue.learn(self, Signal::Accepted).await;
     }
 
     /// The upstream said it had too much (a 429, a call not answered in time): an adaptive
     /// limit shrinks.
-    pub fn overloaded(&self) {
-        self.queue.learn(self, Signal::Overloaded);
+    pub async fn overloaded(&self) {
+        self.queue.learn(self, Signal::Overloaded).await;
     }
 }
 
@@ -263,9 +308,13 @@ impl FairQueue {
         self.adaptive.is_some()
     }
 
-    /// The slots it hands out now: the learnt limit, or the static cap.
+    /// The slots it hands out now: the static cap, or the learnt limit — the one every instance
+    /// shares, as the store last said, or this instance's own while the store cannot say.
     pub fn slots(&self) -> usize {
-        self.adaptive.as_ref().map_or(self.rules.max_in_flight, |a| a.current().min(self.rules.max_in_flight))
+        let Some(adaptive) = &self.adaptive else { return self.rules.max_in_flight };
+        let shared = self.shared.as_ref().map_or(0, |s| s.learnt.load(Ordering::Relaxed));
+        let learnt = if shared > 0 { shared } else { adaptive.current() };
+        learnt.min(self.rules.max_in_flight)
     }
 
     /// The rules as they stand now: the account's slots as learnt, and the unverified callers'
@@ -279,25 +328,67 @@ impl FairQueue {
         QueueRules { max_in_flight: slots, unverified_slots: share, ..self.rules.clone() }
     }
 
-    /// Learns from `slot`'s use, if the limit is adaptive, and lets a job waiting for a slot the
-    /// new limit frees go.
-    fn learn(&self, slot: &AccountSlot, signal: Signal) {
+    /// Learns from `slot`'s use, if the limit is adaptive — here, and in the shared store when
+    /// the slot was claimed there — and lets a job waiting for a slot the new limit frees go.
+    async fn learn(&self, slot: &AccountSlot, signal: Signal) {
         let Some(adaptive) = &self.adaptive else { return };
+        let now = self.clock.now();
         let others = self.state().in_flight.saturating_sub(1);
-        adaptive.learn(signal, slot.taken_at, others, self.clock.now());
+        // Always learnt here too: it is what limits this instance while the store cannot.
+        adaptive.learn(signal, slot.taken_at, others, now);
+        if let (Some(shared), Some(taken_at)) = (&self.shared, slot.shared_at)
+            && let Some((learner, at)) = self.learnt_at(shared)
+            && !shared.down(now)
+        {
+            match learner.learn(at, signal, now.saturating_sub(slot.taken_at), taken_at).await {
+                Ok(limit) => shared.heard(limit),
+                Err(error) => shared.failed(&error, "learn the account's limit", self.clock.now()),
+            }
+        }
         self.changed.notify_waiters();
+    }
+
+    /// Where the learnt limit every instance shares is kept, when the limit is adaptive and
+    /// `shared`'s store keeps one.
+    fn learnt_at<'a>(&'a self, shared: &'a Shared) -> Option<(&'a Arc<dyn SharedLearner>, LearntAt<'a>)> {
+        let (adaptive, learner) = (self.adaptive.as_ref()?, shared.learner.as_ref()?);
+        let at = LearntAt {
+            key: &shared.learnt_key,
+            in_flight_key: &shared.account_key,
+            learner: adaptive.learner(),
+            ceiling: self.rules.max_in_flight as u64,
+        };
+        Some((learner, at))
+    }
+
+    /// Reads the learnt limit every instance shares again, when there is one (another instance
+    /// may have moved it), so what this one shows — `rate_limit_status`, `/metrics`, the
+    /// dashboard — is the shared value. A store that cannot answer leaves the local limit shown.
+    pub async fn refresh_learnt(&self) {
+        let Some(shared) = &self.shared else { return };
+        let now = self.clock.now();
+        if let Some((learner, at)) = self.learnt_at(shared)
+            && !shared.down(now)
+        {
+            match learner.learnt(at).await {
+                Ok(limit) => shared.heard(limit),
+                Err(error) => shared.failed(&error, "read the account's learnt limit", now),
+            }
+        }
     }
 
     /// This queue with the account's cap and the video spacing claimed in `store` when it is
     /// shared by several instances, under keys tagged `{name}` (`upstream` for the paid API's
-    /// account, `proxied` for a proxied server): instances with the same name share one cap.
-    pub fn shared_in(mut self, store: Arc<dyn Store>, name: &str) -> Self {
+    /// account, `proxied` for a proxied server): instances with the same name share one cap, and
+    /// with an adaptive limit one learnt limit. The store's failures are counted in `metrics`.
+    pub fn shared_in(mut self, store: Arc<dyn Store>, name: &str, metrics: Arc<Metrics>) -> Self {
         if store.is_shared() {
             let account = Limiter::Concurrency(Concurrency::new(self.rules.max_in_flight as u64));
             let unverified = Limiter::Concurrency(Concurrency::new(self.rules.unverified_slots.max(1) as u64));
             let gap = (self.rules.video_gap > 0)
                 .then(|| Limiter::Gcra(Gcra::new(1, NANOS_PER_SEC as f64 / self.rules.video_gap as f64)));
             self.shared = Some(Shared {
+                learner: store.clone().shared_learner(),
                 store,
                 account_key: format!("{{{name}}}account:in_flight"),
                 unverified_key: format!("{{{name}}}account:unverified"),
@@ -305,16 +396,25 @@ impl FairQueue {
                 account,
                 unverified,
                 gap,
+                learnt_key: format!("{{{name}}}account:learnt"),
+                learnt: AtomicUsize::new(0),
+                down_until: AtomicU64::new(0),
+                metrics,
             });
         }
         self
     }
 
     /// Claims, in the shared store, an account slot, for an unverified caller's job one of their
-    /// share, and for a video the gap, in one decision. A store that cannot answer leaves the
-    /// local cap, share and spacing in charge.
+    /// share, and for a video the gap, in one decision — under the shared learnt limit, with an
+    /// adaptive one. A store that cannot answer leaves the local cap (or learnt limit), share and
+    /// spacing in charge.
     async fn claim(&self, kind: PredictionKind, unverified: bool) -> Claim {
-        let Some(shared) = &self.shared else { return Claim::Go(Vec::new()) };
+        let Some(shared) = &self.shared else { return Claim::Go(Vec::new(), None) };
+        let now = self.clock.now();
+        if shared.down(now) {
+            return Claim::Go(Vec::new(), None);
+        }
         let mut checks = vec![Check { key: &shared.account_key, limiter: &shared.account, cost: 1, shadow: false }];
         let mut blockers = vec![Blocker::Account];
         if unverified {
@@ -326,8 +426,15 @@ impl FairQueue {
             blockers.push(Blocker::Gap);
         }
         let lease = new_lease();
-        match shared.store.decide_all(&checks, lease).await {
-            Ok(decisions) if decisions.iter().all(|d| d.allowed) => {
+        let answer = match self.learnt_at(shared) {
+            Some((learner, at)) => learner.decide_under(at, &checks, lease).await.map(|(decisions, limit)| {
+                shared.heard(limit);
+                (decisions, Some(limit.at))
+            }),
+            None => shared.store.decide_all(&checks, lease).await.map(|decisions| (decisions, None)),
+        };
+        match answer {
+            Ok((decisions, taken_at)) if decisions.iter().all(|d| d.allowed) => {
                 let lease_of = |key: &str, limiter: &Limiter| {
                     SlotGuard::new(shared.store.clone(), key.to_owned(), limiter.clone(), 1, lease)
                 };
@@ -335,9 +442,9 @@ impl FairQueue {
                 if unverified {
                     leases.push(lease_of(&shared.unverified_key, &shared.unverified));
                 }
-                Claim::Go(leases)
+                Claim::Go(leases, taken_at)
             }
-            Ok(decisions) => {
+            Ok((decisions, _)) => {
                 // The slots first: a gap passes by itself, a slot only when another job ends.
                 let refused = |b: Blocker| blockers.iter().zip(&decisions).find(|(x, d)| **x == b && !d.allowed);
                 let gap = refused(Blocker::Gap).map_or(0, |(_, d)| d.retry_after);
@@ -347,8 +454,8 @@ impl FairQueue {
                 }
             }
             Err(error) => {
-                tracing::warn!(%error, "cannot claim the upstream account in the shared store; limiting locally");
-                Claim::Go(Vec::new())
+                shared.failed(&error, "claim the upstream account", now);
+                Claim::Go(Vec::new(), None)
             }
         }
     }
@@ -385,8 +492,8 @@ impl FairQueue {
                 }
             };
             if let Some(job) = picked {
-                let leases = match self.claim(job.kind, job.unverified).await {
-                    Claim::Go(leases) => leases,
+                let (leases, shared_at) = match self.claim(job.kind, job.unverified).await {
+                    Claim::Go(leases, shared_at) => (leases, shared_at),
                     Claim::Wait(wait, blocker) => {
                         // Another instance holds the slots (or the share), or submitted a video
                         // within the gap: back to the front, until the store says.
@@ -404,7 +511,13 @@ impl FairQueue {
                 };
                 // A job that left meanwhile drops its receiver: the slot comes straight back.
                 let taken_at = self.clock.now();
-                let slot = AccountSlot { queue: self.clone(), unverified: job.unverified, taken_at, _leases: leases };
+                let slot = AccountSlot {
+                    queue: self.clone(),
+                    unverified: job.unverified,
+                    taken_at,
+                    shared_at,
+                    _leases: leases,
+                };
                 let _ = job.turn.send(slot);
                 continue;
             }
@@ -530,11 +643,17 @@ impl Reservation {
             state.take_slot(self.unverified);
         }
         match queue.claim(self.kind, self.unverified).await {
-            Claim::Go(leases) => {
+            Claim::Go(leases, shared_at) => {
                 self.release_place(&mut queue.state());
                 self.used = true;
                 let taken_at = queue.clock.now();
-                Ok(AccountSlot { queue: queue.clone(), unverified: self.unverified, taken_at, _leases: leases })
+                Ok(AccountSlot {
+                    queue: queue.clone(),
+                    unverified: self.unverified,
+                    taken_at,
+                    shared_at,
+                    _leases: leases,
+                })
             }
             Claim::Wait(wait, blocker) => {
                 let mut state = queue.state();

@@ -101,6 +101,25 @@ impl Drop for TestServer {
     }
 }
 
+/// One mock upstream for several instances (`upstream.url`), on a clock of the test's own.
+pub async fn shared_mock() -> (Arc<ManualClock>, mcp_ratelimit::mock_upstream::MockUpstream) {
+    let defaults = Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults");
+    shared_mock_running(defaults.mock_upstream.image_job_ms).await
+}
+
+/// [`shared_mock`], its image jobs running `image_job_ms` on its clock.
+pub async fn shared_mock_running(image_job_ms: u64) -> (Arc<ManualClock>, mcp_ratelimit::mock_upstream::MockUpstream) {
+    let mock_clock = ManualClock::new();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let defaults = Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults");
+    let deadlines = mcp_ratelimit::http::serve::Deadlines::of(&defaults.server);
+    let config = mcp_ratelimit::config::MockUpstreamConfig { image_job_ms, ..defaults.mock_upstream };
+    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(config, deadlines, mock_clock.clone(), listener)
+        .await
+        .expect("mock");
+    (mock_clock, mock)
+}
+
 /// Calls `tool` with `args`; panics on a protocol error (refusals are results, not errors).
 pub async fn call(client: &Client, tool: &str, args: Value) -> CallToolResult {
     let mut params = CallToolRequestParams::new(tool.to_owned());

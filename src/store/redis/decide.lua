@@ -9,16 +9,24 @@
 -- 1 if it was an A/B oscillation}; a call recorded there and then stopped by a block or refused
 -- by a check is taken back out (a refused call does not count towards a loop).
 --
+-- A call may also be decided under a learnt limit (adaptive.lua: the upstream account's slots,
+-- claimed under the limit every instance learns): the learnt limit is read in the same step, and
+-- every in-flight check's capacity is scaled to it (capacity x limit / ceiling, rounded down), so
+-- no instance takes a slot under a limit another has just cut. The reply then ends with two more
+-- integers: the whole slots the limit hands out, and now (us: when the slots were taken).
+--
 -- KEYS: one per check, as given; then any operator blocks (block keys with a TTL, set through
 -- the admin API): while one exists nothing is decided or charged, and the reply is
--- {-1, the block's place among them (1-based), its milliseconds left}; then, last, the caller's
--- loop history when the call has a loop check.
+-- {-1, the block's place among them (1-based), its milliseconds left}; then the caller's loop
+-- history when the call has a loop check; then, last, the learnt limit's state when it has one.
 -- ARGV[1]: now in epoch microseconds, or "" to use Redis's TIME.
 -- ARGV[2], ARGV[3]: the lease in-flight slots are taken under, and its duration in us
 -- (see concurrency.lua).
 -- ARGV[4], ARGV[5], ARGV[6]: the loop check's window (us), repeats and the call's signature,
 -- or three "" for a call without one.
--- ARGV[7..]: five per check: algorithm name, capacity, span (ns; see the prelude), cost, and
+-- ARGV[7]: "ceiling ttl_ms learner" (see adaptive.lua) for a call decided under a learnt limit,
+-- else "".
+-- ARGV[8..]: five per check: algorithm name, capacity, span (ns; see the prelude), cost, and
 -- 1 for a shadow limit (its refusal does not stop the call; being refused, it charges nothing).
 -- Returns five integers per check: allowed (1 or 0), limit, remaining, retry_after (ns),
 -- reset_after (ns).
@@ -47,7 +55,7 @@ local function read_state(key)
   return { name = name, state = state }
 end
 
-local FIRST_CHECK = 7
+local FIRST_CHECK = 8
 local checks = (#ARGV - FIRST_CHECK + 1) / 5
 -- Every algorithm named is known before anything is written (an error reply keeps writes).
 for i = 1, checks do
@@ -57,8 +65,21 @@ for i = 1, checks do
   end
 end
 
+-- The learnt limit the call is decided under, if any: its key, ceiling and current slots.
+local under = nil
+if ARGV[7] ~= '' then
+  local words = words_of(ARGV[7])
+  local learner = read_learner(words, 3)
+  if not learner then
+    return redis.error_reply('unknown learner "' .. ARGV[7] .. '"')
+  end
+  under = { key = KEYS[#KEYS], ceiling = tonumber(words[1]), ttl_ms = tonumber(words[2]) }
+  under.current = learnt_current(learner, load_learnt(under.key, learner))
+end
+local after_history = under and 1 or 0
+
 local loop_window, loop_repeats = tonumber(ARGV[4]), tonumber(ARGV[5])
-local history = loop_window and KEYS[#KEYS]
+local history = loop_window and KEYS[#KEYS - after_history]
 local recorded = nil
 if history then
   local answer = loop_history(history, now_us, 'check', loop_window, loop_repeats, ARGV[6])
@@ -74,7 +95,7 @@ local function take_back()
   end
 end
 
-local last_block = history and #KEYS - 1 or #KEYS
+local last_block = #KEYS - after_history - (history and 1 or 0)
 for b = checks + 1, last_block do
   local left = redis.call('PTTL', KEYS[b])
   if left > 0 then
@@ -100,6 +121,9 @@ for i = 1, checks do
   }
   local cost = tonumber(ARGV[at + 3])
   local shadow = ARGV[at + 4] == '1'
+  if under and name == 'concurrency' then
+    limiter.capacity = div(limiter.capacity * under.current, under.ceiling)
+  end
 
   local entry = staged[key]
   if not entry then
@@ -137,4 +161,9 @@ else
   take_back()
 end
 
+if under then
+  redis.call('PEXPIRE', under.key, under.ttl_ms)
+  reply[#reply + 1] = under.current
+  reply[#reply + 1] = now_us
+end
 return reply

@@ -1,4 +1,5 @@
-//! The Redis store as the [`Store`], [`LoopHistory`] and [`JobMirror`] the layers above use, and
+//! The Redis store as the [`Store`], [`LoopHistory`] and [`JobMirror`] the layers above use (and,
+//! in `learner.rs`, the shared learnt limit), and
 //! the leases this instance holds and renews.
 
 use std::time::Duration;
@@ -120,6 +121,10 @@ impl Store for RedisStore {
     }
 
     fn job_mirror(self: std::sync::Arc<Self>) -> Option<std::sync::Arc<dyn JobMirror>> {
+        Some(self)
+    }
+
+    fn shared_learner(self: std::sync::Arc<Self>) -> Option<std::sync::Arc<dyn crate::store::SharedLearner>> {
         Some(self)
     }
 }
