@@ -189,7 +189,7 @@ async fn spend_until_refused(client: &Client, tool: &str, at_most: usize) -> (us
 #[tokio::test]
 async fn an_addresss_tool_budgets_spend_cap_and_loop_history_are_shared_by_its_made_up_keys() {
     let config = "[tools.save_article.budget]\nalgorithm = \"fixed_window\"\nlimit = 3\nwindow_ms = 3600000\n\
-                  [spend_caps]\ndaily_units = 20\n";
+                  [spend_caps]\ndaily_units = 20\n[tools.generate_image_to_video]\ncost = 20\n";
     let server = TestServer::start(config).await;
     // The tool's own budget: 3 saves per address, whichever keys ask.
     for n in 0..3 {

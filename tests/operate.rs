@@ -273,10 +273,10 @@ async fn a_reload_mid_burst_carries_usage_over_and_a_broken_config_is_refused() 
     let status = call(&agent, "rate_limit_status", json!({})).await;
     assert_eq!((budget(&status, "caller:")["limit"].as_u64(), remaining(&status)), (Some(120), Some(50)));
 
-    // Tighter: a burst of 40 (the least a guest-tier caller can afford a video with) applies at
-    // once, below the 50 the caller had left.
+    // Tighter: a burst of 40 (the least a guest-tier caller can afford a video of a fixed 20
+    // with) applies at once, below the 50 the caller had left.
     let tighter = mcp_ratelimit::Config::from_toml(
-        &format!("{ROOMY}[limits.caller]\nburst = 40\n"),
+        &format!("{ROOMY}[limits.caller]\nburst = 40\n[tools.generate_image_to_video]\ncost = 20\n"),
         &mcp_ratelimit::mcp::tools::catalogue(),
     )
     .expect("valid");
@@ -305,7 +305,12 @@ async fn the_binary_reloads_on_sighup_and_on_a_changed_file_and_keeps_its_limits
     let dir = tempfile::tempdir().expect("dir");
     let file = dir.path().join("limits.toml");
     // No refill while the test runs (real time): levels move only by calls and reloads.
-    let limits = |burst: &str| format!("{ROOMY}[limits.caller]\nburst = {burst}\nrefill_per_sec = 0.0001\n");
+    // (A fixed video price, so a burst of 45, 22 for a guest, still fits every cost.)
+    let limits = |burst: &str| {
+        format!(
+            "{ROOMY}[limits.caller]\nburst = {burst}\nrefill_per_sec = 0.0001\n[tools.generate_image_to_video]\ncost = 20\n"
+        )
+    };
     std::fs::write(&file, limits("60")).expect("write");
     let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
     let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))

@@ -281,7 +281,11 @@ async fn resources_and_prompts_pass_through() {
 
 #[tokio::test]
 async fn a_killed_child_is_unavailable_with_a_wait_then_served_after_its_restart() {
-    let toml = "[upstream]\nbreaker_cooldown_ms = 5000\n[loop_detection]\nenabled = false\n";
+    // The test asks every 10 ms until the child is back (a process start: a second or more on a
+    // busy machine): the request limits stand aside, this is about the restart.
+    let toml = "[upstream]\nbreaker_cooldown_ms = 5000\n[loop_detection]\nenabled = false\n\
+                [limits.http]\nburst = 100000\n[limits.address_http]\nburst = 100000\n\
+                [limits.method.tools_call]\nburst = 100000\n";
     let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
     let client = proxy.client(None).await;
     let pid: i32 = text_of(&call(&client, "pid", json!({})).await).parse().expect("a pid");

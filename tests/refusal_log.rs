@@ -24,7 +24,8 @@ async fn a_refusal_storm_writes_a_few_lines_that_count_the_rest_and_the_metrics_
     // The caller's budget: 40 tokens (the least every tool's cost and tier allow), no refill to
     // speak of while the clock stands still.
     let config = format!(
-        "[limits.caller]\nburst = 40\nrefill_per_sec = 1.0\n[limits.http]\nburst = 10000\n\
+        "[limits.caller]\nburst = 40\nrefill_per_sec = 1.0\n[tools.generate_image_to_video]\ncost = 20\n\
+         [limits.http]\nburst = 10000\n\
          [limits.address_http]\nburst = 10000\n[limits.method.tools_call]\nburst = 10000\n{NO_LOOP_DETECTION}\n\
          [server]\nmax_sessions = 1\n"
     );

@@ -232,15 +232,15 @@ fn adaptive_concurrency_is_checked_naming_its_key() {
         Config::from_toml("[upstream.adaptive]\nalgorithm = \"vegas\"\n", &tools).expect_err("unknown").to_string();
     assert!(error.contains("aimd, gradient2"), "names what it takes: {error}");
     let config = Config::from_toml(
-        "[upstream.adaptive]\nenabled = true\nalgorithm = \"gradient2\"\ntolerance = 2.0\nqueue_size = 1\n",
+        "[upstream.adaptive]\nenabled = true\nalgorithm = \"gradient2\"\ntolerance = 2.0\nqueue_size = 4\n",
         &tools,
     )
     .expect("valid");
     let adaptive = &config.upstream.adaptive;
     assert_eq!(
         (adaptive.tolerance, adaptive.smoothing, adaptive.long_window, adaptive.queue_size),
-        (2.0, 0.2, 600, 1),
-        "Netflix's defaults where not set"
+        (2.0, 0.2, 600, 4),
+        "Netflix's defaults where not set (queue_size is 1 unless set: an account has few slots)"
     );
 }
 

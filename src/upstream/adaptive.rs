@@ -100,11 +100,12 @@ mod tests {
     }
 
     #[test]
-    fn gradient2_is_configured_with_netflixs_parameters() {
+    fn gradient2_is_configured_with_netflixs_parameters_and_a_probe_of_one_slot() {
         let on = AdaptiveConfig { enabled: true, algorithm: "gradient2".into(), ..defaults() };
         let limit = AdaptiveLimit::configured(&on, 10).expect("on");
-        let netflix = Gradient2 { tolerance: 1.5, smoothing: 0.2, long_window: 600, queue_size: 4 };
-        assert_eq!(limit.learner().algorithm(), &Algorithm::Gradient2(netflix));
+        // Netflix's but for queue_size (its 4 suits limits of tens; an account has a few slots).
+        let ours = Gradient2 { tolerance: 1.5, smoothing: 0.2, long_window: 600, queue_size: 1 };
+        assert_eq!(limit.learner().algorithm(), &Algorithm::Gradient2(ours));
         // Answers 100 ms each while the limit is in use: steady latency, it stays at the ceiling.
         for at in 0..50u64 {
             limit.learn(Signal::Accepted, at * 1_000_000_000, 9, at * 1_000_000_000 + 100_000_000);
