@@ -290,7 +290,7 @@ fn the_upstream_shapes_print_their_tables_alone_when_asked_for() {
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(stdout.contains("capacity_drop (75 s): the account runs 10 jobs at once for 15 s, then 4"), "{stdout}");
-    for row in ["  static   15-45 s          4", "  aimd     45-75 s          8", "  aimd     all"] {
+    for row in ["  static    15-45 s          4", "  aimd      45-75 s          8", "  gradient2 all"] {
         assert!(stdout.contains(row), "{row:?} in {stdout}");
     }
     assert!(!stdout.contains("identical_asks") && !stdout.contains("tool     save_article"), "{stdout}");

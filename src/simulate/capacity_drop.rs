@@ -567,7 +567,7 @@ impl CapacityDrop {
         );
         let _ = writeln!(
             out,
-            "  {:<8} {:<9} {:>8} {:>6} {:>8} {:>6} {:>10} {:>9} {:>6} {:>6}",
+            "  {:<9} {:<9} {:>8} {:>6} {:>8} {:>6} {:>10} {:>9} {:>6} {:>6}",
             "limit", "phase", "capacity", "429s", "accepted", "failed", "throughput", "followed", "then", "then %"
         );
         for run in &self.runs {
@@ -580,7 +580,7 @@ impl CapacityDrop {
                 let then = phase.limit_once_followed.map_or("-".to_owned(), |(low, high)| format!("{low}..{high}"));
                 let _ = writeln!(
                     out,
-                    "  {:<8} {:<9} {:>8} {:>6} {:>8} {:>6} {:>10} {:>9} {:>6} {:>6}",
+                    "  {:<9} {:<9} {:>8} {:>6} {:>8} {:>6} {:>10} {:>9} {:>6} {:>6}",
                     run.limit,
                     format!("{}-{}", trimmed(phase.from_ms as f64 / 1000.0), span(phase.to_ms)),
                     phase.capacity,
@@ -595,7 +595,7 @@ impl CapacityDrop {
             }
             let _ = writeln!(
                 out,
-                "  {:<8} {:<9} {:>8} {:>6} {:>8} {:>6} {:>10}",
+                "  {:<9} {:<9} {:>8} {:>6} {:>8} {:>6} {:>10}",
                 run.limit,
                 "all",
                 "",
