@@ -54,10 +54,6 @@ for i = 1, #KEYS do
   end
 
   local decision = algorithm.acquire(limiter, state or algorithm.fresh(limiter, now_us), now_us, 0)
-  reply[#reply + 1] = decision.allowed and 1 or 0
-  reply[#reply + 1] = decision.limit
-  reply[#reply + 1] = decision.remaining
-  reply[#reply + 1] = decision.retry_after
-  reply[#reply + 1] = decision.reset_after
+  append_decision(reply, decision)
 end
 return reply

@@ -143,11 +143,7 @@ for i = 1, checks do
     entry.charged = true
   end
   all_allowed = all_allowed and (decision.allowed or shadow)
-  reply[#reply + 1] = decision.allowed and 1 or 0
-  reply[#reply + 1] = decision.limit
-  reply[#reply + 1] = decision.remaining
-  reply[#reply + 1] = decision.retry_after
-  reply[#reply + 1] = decision.reset_after
+  append_decision(reply, decision)
 end
 
 if all_allowed then

@@ -200,3 +200,13 @@ local function write_state(key, name, limiter, state, now_us)
     redis.call('SET', key, value, 'PX', math.max(ceil_div(after, 1000000), 1))
   end
 end
+
+-- Appends `decision` to `reply` as the Rust side reads a decision: allowed (1 or 0), limit,
+-- remaining, retry_after (ns), reset_after (ns).
+local function append_decision(reply, decision)
+  reply[#reply + 1] = decision.allowed and 1 or 0
+  reply[#reply + 1] = decision.limit
+  reply[#reply + 1] = decision.remaining
+  reply[#reply + 1] = decision.retry_after
+  reply[#reply + 1] = decision.reset_after
+end
