@@ -204,3 +204,50 @@ async fn the_price_is_listed_with_its_formula_and_a_call_it_cannot_price_reserve
     assert_eq!(error_code(&bad), Some("invalid_arguments"), "{}", text(&bad));
     assert_eq!(left(&agent).await, (70, 970, 470));
 }
+
+#[tokio::test]
+async fn redis_killed_before_a_job_settles_leaves_the_reservation_standing_and_says_so() {
+    let mut redis = TestRedis::private();
+    let store = format!("[store]\nbackend = \"redis\"\nredis_url = \"{}\"\ntimeout_ms = 200\n", redis.url);
+    let server = TestServer::start(&config(&store)).await;
+    let agent = server.client(Some(KEY)).await;
+    let accepted = call(&agent, "generate_image_to_video", video(10)).await;
+    assert_eq!(structured(&accepted)["reserved"], 30, "{}", text(&accepted));
+    let id = structured(&accepted)["predict_id"].as_str().expect("predict_id").to_owned();
+    redis.kill();
+    // The job ends while Redis is away: the 4 cannot be given back, so the reservation stands,
+    // and the report says what was charged, not what was meant.
+    let report = settled(&server, &agent, &id).await;
+    assert_eq!(report["usage"]["units"], 26, "{report}");
+    assert_eq!((report["reserved"].clone(), report["charged"].clone()), (json!(30), json!(30)), "{report}");
+    let metrics = server.metrics().await;
+    assert_eq!(metric_sum(&metrics, "mcp_ratelimit_settlement_errors_total"), 1.0, "counted");
+    redis.restart();
+    // Redis back (empty: it keeps nothing on disk): the server decides there again.
+    eventually_some("served again once Redis is back", std::time::Duration::from_secs(10), || async {
+        let served = call(&agent, "list_articles", json!({ "query": "back" })).await;
+        (!is_error(&served)).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_limit_lowered_before_a_job_settles_shows_a_level_under_the_new_limit_never_a_wrapped_one() {
+    let server = TestServer::start(&config("")).await;
+    let agent = server.client(Some(KEY)).await;
+    let accepted = call(&agent, "generate_image_to_video", video(10)).await;
+    let id = structured(&accepted)["predict_id"].as_str().expect("predict_id").to_owned();
+    assert_eq!(left(&agent).await, (70, 970, 470));
+    // The caller's burst lowered to 40 while the job runs: 70 left is more than the new burst.
+    let lowered = config("").replace("burst = 100\n", "burst = 40\n") + "[tools.generate_image_to_video]\ncost = 20\n";
+    let lowered = mcp_ratelimit::Config::from_toml(&lowered, &mcp_ratelimit::mcp::tools::catalogue()).expect("valid");
+    server.app.state().reload(&lowered);
+    let report = settled(&server, &agent, &id).await;
+    assert_eq!((report["reserved"].clone(), report["charged"].clone()), (json!(30), json!(26)), "{report}");
+    // The refund lands under the limit the call was charged under; the level shown is the new
+    // limit's: full at 40, never above it, never a number wrapped round.
+    let status = call(&agent, "rate_limit_status", json!({})).await;
+    let caller = budget(&status, "caller:");
+    assert_eq!((caller["limit"].clone(), caller["remaining"].clone()), (json!(40), json!(40)), "{caller}");
+    assert_eq!(left(&agent).await.1, 974, "the tenant's 4 back");
+}

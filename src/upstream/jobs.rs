@@ -511,18 +511,17 @@ impl Jobs {
             job.last = prediction;
             released = if is_final { std::mem::take(&mut job.slots) } else { Vec::new() };
             if is_final && let Some(reservation) = job.reservation.take() {
-                let used = used_by(job);
-                job.charged = Some(reservation.charge_for(used));
-                to_settle = Some((reservation, used));
+                to_settle = Some((reservation, used_by(job)));
             }
             job.changed.send_modify(|v| *v += 1);
         }
         // Slots go back outside the book's lock: releasing takes the store's locks.
         drop(released);
-        if let Some((reservation, used)) = to_settle {
-            self.settle_price(id, reservation, used);
+        match to_settle {
+            // Published once settled: a final snapshot is never replaced, so it carries `charged`.
+            Some((reservation, used)) => self.settle_price(id, reservation, used),
+            None => self.publish(id),
         }
-        self.publish(id);
         is_final
     }
 
@@ -543,28 +542,26 @@ impl Jobs {
             return units;
         }
         let used = used_by(job);
-        job.charged = Some(reservation.charge_for(used));
         drop(book);
         self.settle_price(id, reservation, used);
-        self.publish(id);
         units
     }
 
-    /// Settles a final job's price in a task of its own (it awaits the store); a settlement the
-    /// store cannot make leaves the reservation charged, and the job says so.
+    /// Settles a final job's price in a task of its own (it awaits the store), and only then says
+    /// what it was charged: what the store settled, or, when it could not, the reservation that
+    /// stands.
     fn settle_price(&self, id: &str, reservation: Reserved, used: Used) {
         let (book, id) = (self.book.clone(), id.to_owned());
         let outbox = self.outbox.clone();
         let publish = self.shared.is_some();
         tokio::spawn(async move {
             let settled = reservation.settle(used).await;
-            if let Some(job) = lock_book(&book).get_mut(&id)
-                && job.charged != Some(settled.charged)
-            {
+            if let Some(job) = lock_book(&book).get_mut(&id) {
                 job.charged = Some(settled.charged);
-                if publish {
-                    outbox.mark(&id);
-                }
+                job.changed.send_modify(|v| *v += 1);
+            }
+            if publish {
+                outbox.mark(&id);
             }
         });
     }
