@@ -2,9 +2,11 @@
 //! an MCP client on the manual clock, on the memory store and on Redis: a video priced by its
 //! length is reserved when accepted and, once final, charged what the mock billed, the
 //! difference given back to every budget that took it, exactly; a price above its reservation is
-//! charged on top and a budget stands at empty, never below; work the upstream never took (its
-//! 429, a failed job it did not bill, a job canceled in the queue) costs nothing; `settle =
-//! "reserved"` keeps the reservation.
+//! charged on top and a budget stands at empty, never below; work the upstream never took or did
+//! not bill (a job canceled in the queue, a failed job it billed nothing) costs nothing, while an
+//! upstream 429 answered to the agent is still charged; `settle = "reserved"` keeps the
+//! reservation; Redis killed before a job settles leaves the reservation standing, and a limit
+//! lowered before it settles shows a level under the new limit.
 
 mod common;
 
@@ -130,7 +132,7 @@ async fn a_price_above_its_reservation_is_charged_on_top_and_a_budget_never_goes
 }
 
 #[tokio::test]
-async fn work_the_upstream_never_took_or_did_not_bill_costs_nothing() {
+async fn work_the_upstream_never_took_or_did_not_bill_costs_nothing_and_a_failed_call_is_still_charged() {
     let server = TestServer::start(&config("")).await;
     let agent = server.client(Some(KEY)).await;
 
@@ -157,20 +159,21 @@ async fn work_the_upstream_never_took_or_did_not_bill_costs_nothing() {
     let first = structured(&first)["predict_id"].as_str().expect("predict_id").to_owned();
     assert_eq!(settled(&server, &agent, &first).await["charged"], 20, "the first, 5 seconds, as reserved");
 
-    // The upstream's 429 on a call answered at once: it took no work.
+    // The upstream's 429 on a call answered at once reached it: a failed upstream call is still
+    // charged (docs/decisions.md), and says so.
     server.chaos(json!({ "rate_429": 1.0 })).await;
     let before = left(&agent).await;
     let refused = call(&agent, "list_articles", json!({ "query": "budgets" })).await;
     assert_eq!(error_code(&refused), Some("upstream_rate_limited"), "{}", text(&refused));
     assert_eq!(
         (structured(&refused)["reserved"].clone(), structured(&refused)["charged"].clone()),
-        (json!(1), json!(0))
+        (json!(1), json!(1))
     );
-    assert_eq!(left(&agent).await, before, "nothing charged");
+    assert_eq!(left(&agent).await, (before.0 - 1, before.1 - 1, before.2 - 1), "charged as reserved");
     server.chaos(json!({ "rate_429": 0.0 })).await;
     let served = call(&agent, "list_articles", json!({ "query": "budgets" })).await;
     assert_eq!((structured(&served)["reserved"].clone(), structured(&served)["charged"].clone()), (json!(1), json!(1)));
-    assert_eq!(left(&agent).await.0, before.0 - 1);
+    assert_eq!(left(&agent).await.0, before.0 - 2);
 }
 
 #[tokio::test]

@@ -131,8 +131,8 @@ fn first_write(node: &Node<DefaultNumericTypes>) -> Option<&'static str> {
 #[serde(rename_all = "snake_case")]
 pub enum Settle {
     /// What the upstream reports it used (`usage.units` in the answer), the difference refunded
-    /// or charged; the reservation when it reports nothing; nothing for work the upstream never
-    /// took (its 429, a job that never left the queue).
+    /// or charged; the reservation when it reports nothing (its refusal or failure included);
+    /// nothing when no request reached it (a job that never left the queue).
     #[default]
     Usage,
     /// Always what was reserved, whatever the upstream reports.

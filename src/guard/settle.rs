@@ -11,8 +11,13 @@
 //! | the answer | charged |
 //! | --- | --- |
 //! | reports `usage.units` (`settle = "usage"`, the default) | those units |
-//! | is the upstream's 429, or a job that never left our queue: the upstream took no work | 0 |
-//! | anything else: no report, an error, a timeout, a cancelled call (work may have been done) | the reservation |
+//! | no request of the call's ever reached the upstream: a job that never left our queue (canceled, expired, or given up by the server's own retries), a proxied call never sent | 0 |
+//! | anything else: no report, the upstream's refusal or error, a timeout, a cancelled call | the reservation |
+//!
+//! The last row keeps a decision made before prices were settled: a failed upstream call is still
+//! charged, because the budget protects the upstream from the agent, and an agent hammering a
+//! failing upstream must be slowed as much as one hammering a healthy one (and a timed-out or
+//! cancelled call may have been done, and billed).
 //!
 //! The difference goes back, or is taken on top, in each of those budgets through its
 //! algorithm's adjustment ([`Adjustment`]) on the store that decided the call (Redis, or this
@@ -36,7 +41,8 @@ use crate::store::Store;
 pub enum Used {
     /// The upstream reported using this many units.
     Reported(u64),
-    /// The upstream took no work: it refused it (429), or the job never left our queue.
+    /// No request of the call's reached the upstream: the job never left our queue, the proxied
+    /// call was never sent.
     Nothing,
     /// Nobody says: the reservation stands.
     Unreported,

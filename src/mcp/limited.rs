@@ -27,7 +27,7 @@ use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer};
 
 use crate::config::ToolPolicy;
-use crate::guard::{Admission, Policy, Refusal, RefusalCode, Reserved, ToolCall, Used};
+use crate::guard::{Admission, Policy, Refusal, Reserved, ToolCall, Used};
 use crate::identity::Caller;
 use crate::mcp::results;
 use crate::metrics::Layer;
@@ -151,16 +151,11 @@ pub async fn admit(
     Ok(guard.admit(&caller, &call).await.map_err(|refusal| refused(limits, &caller, tool, &refusal)))
 }
 
-/// What the work behind `done` came to, as far as its price goes: the units it reports, nothing
-/// for the upstream's 429 (it took no work), else unreported (see [`crate::guard::settle`]).
+/// What the work behind `done` came to, as far as its price goes: the units it reports, else
+/// unreported — an upstream's refusal or failure included: the call reached it, and a failed
+/// upstream call is still charged (see [`crate::guard::settle`]).
 pub fn used_in(done: &CallToolResult) -> Used {
-    if let Some(units) = results::usage_in(done) {
-        return Used::Reported(units);
-    }
-    match results::refusal_in(done) {
-        Some(refusal) if refusal.code == RefusalCode::UpstreamRateLimited => Used::Nothing,
-        _ => Used::Unreported,
-    }
+    results::usage_in(done).map_or(Used::Unreported, Used::Reported)
 }
 
 /// Whose answer a door settles, which decides where it says the price.
