@@ -11,7 +11,7 @@
 //! | the answer | charged |
 //! | --- | --- |
 //! | reports `usage.units` (`settle = "usage"`, the default) | those units |
-//! | no request of the call's ever reached the upstream: a job that never left our queue (canceled, expired, or given up by the server's own retries), a proxied call never sent | 0 |
+//! | the upstream never started the work: a job that never left our queue (canceled or expired there, or given up after the server's own submissions were refused: retries the server owns, not the agent's), a proxied call never sent | 0 |
 //! | anything else: no report, the upstream's refusal or error, a timeout, a cancelled call | the reservation |
 //!
 //! The last row keeps a decision made before prices were settled: a failed upstream call is still
@@ -41,8 +41,8 @@ use crate::store::Store;
 pub enum Used {
     /// The upstream reported using this many units.
     Reported(u64),
-    /// No request of the call's reached the upstream: the job never left our queue, the proxied
-    /// call was never sent.
+    /// The upstream never started the work: the job never left our queue (the server's own
+    /// refused submissions aside), the proxied call was never sent.
     Nothing,
     /// Nobody says: the reservation stands.
     Unreported,

@@ -152,8 +152,8 @@ pub async fn admit(
 }
 
 /// What the work behind `done` came to, as far as its price goes: the units it reports, else
-/// unreported — an upstream's refusal or failure included: the call reached it, and a failed
-/// upstream call is still charged (see [`crate::guard::settle`]).
+/// unreported — an upstream's refusal or failure included: a failed upstream call is still
+/// charged (see [`crate::guard::settle`]).
 pub fn used_in(done: &CallToolResult) -> Used {
     results::usage_in(done).map_or(Used::Unreported, Used::Reported)
 }
