@@ -2,8 +2,8 @@
 //! coalesced (or not) and answers kept (or not): the upstream requests each setting makes, the
 //! requests it saves, and what each caller is charged.
 //!
-//! Each call goes the way `McpServer::call_tool` sends it: through the server's own [`Guard`] first
-//! (which charges it the tool's cost, whoever asks upstream), then through a real [`Reuse`] with
+//! Each call goes the way `McpServer::call_tool` sends it: through the server's own
+//! [`Guard`](crate::guard::Guard) first (which charges it the tool's cost, whoever asks upstream), then through a real [`Reuse`] with
 //! the [`Sharing`] the tool's policy gives it — the first of identical calls in flight asks, the
 //! others wait for its answer, and a kept answer serves until its time is up. Every task runs on a
 //! current-thread runtime over a [`ManualClock`]; the upstream is a model that answers a read
