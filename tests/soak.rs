@@ -5,9 +5,11 @@
 //!
 //! - no panic in any process;
 //! - each instance's RSS at the end within 10 % of its RSS after the warm-up;
-//! - per caller, the cost admitted through Redis never above what its budget allows over the
-//!   run (burst + refill × duration); what the fail-open tool got from the insurance limiter
-//!   while Redis was down is reported separately;
+//! - per caller, the cost charged through Redis never above what its budget allows over the
+//!   run (burst + refill × duration): what each call's result says it was charged, a job's once
+//!   it is final (its price settled from the upstream's bill: a canceled or failed job is billed
+//!   nothing, and its reservation comes back); what the fail-open tool got from the insurance
+//!   limiter while Redis was down is reported separately;
 //! - every prediction reaches a final state, and no in-flight slot is still held at the end;
 //! - no stale view of a job on another instance than its owner (see [`stale_views`]), during the
 //!   traffic or after the drain;
@@ -150,6 +152,8 @@ struct Call {
     predict_id: Option<String>,
     /// The job's status it answered (`unknown` for "no prediction with that predict_id").
     status: Option<String>,
+    /// What its result says it was charged (for a job it started: what it reserved).
+    charged: Option<u64>,
 }
 
 impl Call {
@@ -235,6 +239,10 @@ async fn caller_loop(i: usize, sessions: Vec<Session>, until: Instant, record: A
             _ if outcome == "invalid_arguments" && polled.is_some() => Some("unknown".to_owned()),
             _ => None,
         };
+        let charged = answer.as_ref().ok().and_then(|a| {
+            let said = a.structured();
+            said["charged"].as_u64().or_else(|| said["reserved"].as_u64())
+        });
         let predict_id = accepted.or(polled);
         record.lock().expect("record").calls.push(Call {
             caller: i,
@@ -246,6 +254,7 @@ async fn caller_loop(i: usize, sessions: Vec<Session>, until: Instant, record: A
             job,
             predict_id,
             status,
+            charged,
         });
         // Paced by cost: the units asked for so far at OVERLOAD times the refill rate; free
         // calls in between, a tenth of a second apart.
@@ -380,7 +389,7 @@ async fn soak() {
             let answer = loop {
                 let answer = match session.call("get_prediction", json!({"predict_id": id.clone()})).await {
                     Ok(answer) => answer,
-                    Err(e) => return format!("no answer ({e})"),
+                    Err(e) => return (format!("no answer ({e})"), None),
                 };
                 match answer.retry_after.map(Duration::from_secs) {
                     Some(wait) if answer.status == 429 && waited < MAX_WAIT_TOLD => {
@@ -392,21 +401,25 @@ async fn soak() {
                 }
             };
             if answer.status != 200 {
-                return format!("HTTP {}", answer.status);
+                return (format!("HTTP {}", answer.status), None);
             }
             let status = answer.structured()["status"].as_str().or_else(|| answer.code());
-            status.map_or_else(|| answer.message.to_string(), str::to_owned)
+            (status.map_or_else(|| answer.message.to_string(), str::to_owned), answer.structured()["charged"].as_u64())
         }
     };
     let is_final = |status: &str| matches!(status, "succeeded" | "failed" | "canceled");
     let mut pending = record.predictions.clone();
     let drain_started = Instant::now();
     let mut finals: BTreeMap<String, usize> = BTreeMap::new();
+    // What each final job was charged, once its price was settled.
+    let mut settled: BTreeMap<String, u64> = BTreeMap::new();
     while !pending.is_empty() && drain_started.elapsed() < DRAIN {
         let mut still = Vec::new();
         for (owner, instance, id) in pending {
-            let status = status_of(owner, instance, id.clone()).await;
-            if is_final(&status) {
+            let (status, charged) = status_of(owner, instance, id.clone()).await;
+            // Final, with its settled price (it says `charged` once the settlement is in).
+            if is_final(&status) && charged.is_some() {
+                settled.extend(charged.map(|c| (id.clone(), c)));
                 *finals.entry(status).or_default() += 1;
             } else {
                 still.push((owner, instance, id));
@@ -424,7 +437,7 @@ async fn soak() {
     let mut elsewhere: BTreeMap<String, usize> = BTreeMap::new();
     for (owner, instance, id) in &record.predictions {
         for other in (0..INSTANCES).filter(|k| k != instance) {
-            let status = status_of(*owner, other, id.clone()).await;
+            let (status, _) = status_of(*owner, other, id.clone()).await;
             if !is_final(&status) {
                 *elsewhere.entry(status).or_default() += 1;
             }
@@ -475,13 +488,19 @@ async fn soak() {
         let entry = &mut per_caller[call.caller];
         entry.2 = Some(entry.2.map_or(call.started, |t: Instant| t.min(call.started)));
         entry.3 = Some(entry.3.map_or(call.ended, |t: Instant| t.max(call.ended)));
-        if !call.charged() {
+        // (A poll's result says what its job was charged: not the poll's price.)
+        if !call.charged() || cost_of(call.tool) == 0 {
             continue;
         }
+        // What it was charged in the end: a job's settled price, else what its result said.
+        let started_job = matches!(call.tool, "generate_image" | "generate_image_to_video");
+        let settled_price = call.predict_id.as_ref().filter(|_| started_job).and_then(|id| settled.get(id));
+        // A refusal made before the guard (the breaker open) says no price: nothing was charged.
+        let units = settled_price.copied().or(call.charged).unwrap_or(0);
         if call.tool == "list_articles" && in_window(call) {
-            entry.1 += cost_of(call.tool);
+            entry.1 += units;
         } else {
-            entry.0 += cost_of(call.tool);
+            entry.0 += units;
         }
     }
     let mut worst = (0.0f64, 0usize, 0u64, 0.0f64);
