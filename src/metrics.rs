@@ -56,9 +56,13 @@ pub const UPSTREAM_SAVED: &str = "mcp_ratelimit_upstream_requests_saved_total";
 /// settled from the usage the upstream reported: `refunded` (used less than reserved) or
 /// `charged` (more).
 pub const SETTLED_UNITS: &str = "mcp_ratelimit_settled_units_total";
-/// `mcp_ratelimit_settlement_errors_total{tool}`: settlements the limiter store could not make
-/// (the reservation then stands).
+/// `mcp_ratelimit_settlement_errors_total{tool}`: tries of a settlement the limiter store did
+/// not take (each is tried again, for up to a minute).
 pub const SETTLEMENT_ERRORS: &str = "mcp_ratelimit_settlement_errors_total";
+
+/// `mcp_ratelimit_settlements_given_up_total{tool}`: settlements the limiter store did not take
+/// for a minute of tries: the reservation stands.
+pub const SETTLEMENTS_GIVEN_UP: &str = "mcp_ratelimit_settlements_given_up_total";
 
 /// `mcp_ratelimit_config_reloads_total{outcome}`: config reloads applied or refused.
 pub const CONFIG_RELOADS: &str = "mcp_ratelimit_config_reloads_total";
@@ -165,7 +169,12 @@ impl Metrics {
             Unit::Count,
             "Cost units refunded or charged when prices were settled from the usage the upstream reported.",
         );
-        describe(SETTLEMENT_ERRORS, Unit::Count, "Settlements the limiter store could not make (reservation kept).");
+        describe(SETTLEMENT_ERRORS, Unit::Count, "Tries of a price settlement the limiter store did not take.");
+        describe(
+            SETTLEMENTS_GIVEN_UP,
+            Unit::Count,
+            "Price settlements the limiter store did not take for a minute of tries (reservation kept).",
+        );
         describe(LOOP_DETECTIONS, Unit::Count, "Tool calls refused because the caller repeated them in a loop.");
         describe(STORE_ERRORS, Unit::Count, "Decisions the limiter store could not make, by layer.");
         let gauge = |name: &'static str, help: &'static str| {
@@ -252,9 +261,14 @@ impl Metrics {
         self.recorder.register_counter(&Key::from_parts(SETTLED_UNITS, labels), &META).increment(units);
     }
 
-    /// Records one settlement the store could not make.
+    /// Records one try of a settlement the store did not take.
     pub fn settlement_error(&self, tool: &str) {
         self.count(SETTLEMENT_ERRORS, vec![Label::new("tool", tool.to_owned())]);
+    }
+
+    /// Records one settlement given up on: its reservation stands.
+    pub fn settlement_given_up(&self, tool: &str) {
+        self.count(SETTLEMENTS_GIVEN_UP, vec![Label::new("tool", tool.to_owned())]);
     }
 
     /// Records one retry of server-owned upstream work (`submission` or `poll`).

@@ -3,7 +3,8 @@
 //! units asked where the algorithm counts units one by one; a settled price above its
 //! reservation takes what is left and never more (a budget never goes below empty). The Lua twin
 //! (`adjust.lua` with each algorithm's `acquire` and `refund`) leaves Redis in the very state the
-//! Rust algorithm leaves memory in — the decisions after it agree field by field.
+//! Rust algorithm leaves memory in — the decisions after it agree field by field. An adjustment
+//! sent again under its mark (a settlement tried again after a lost answer) is applied once.
 
 #[path = "common/redis.rs"]
 mod test_redis;
@@ -148,7 +149,7 @@ fn adjust_lua_leaves_redis_as_the_rust_adjustment_leaves_memory() {
                 }
                 Step::Adjust { gap_us, by } => {
                     now = (now + gap_us * 1_000).max(not_before);
-                    let got = runtime.block_on(store.adjust(&[(&key, limiter)], by, Some(now)));
+                    let got = runtime.block_on(store.adjust(&[(&key, limiter)], by, None, Some(now)));
                     let got = got.map_err(|e| TestCaseError::fail(e.to_string()))?.pop();
                     (gap_us, memory.adjust_at(&[(&key, limiter)], by, now).pop(), got)
                 }
@@ -181,11 +182,43 @@ fn adjust_lua_gives_in_flight_slots_back_like_a_release_and_charges_none() {
         assert_eq!(got, vec![memory.decide_one(&check, now)]);
     }
     for by in [Adjustment::Charge(2), Adjustment::Refund(3), Adjustment::Charge(9), Adjustment::Refund(3)] {
-        let got = runtime.block_on(store.adjust(&[(&key, &slots)], by, Some(now))).expect("adjusts");
+        let got = runtime.block_on(store.adjust(&[(&key, &slots)], by, None, Some(now))).expect("adjusts");
         assert_eq!(got, memory.adjust_at(&[(&key, &slots)], by, now), "after {by:?}");
     }
     let read = runtime
         .block_on(store.decide_at(&[Check { key: &key, limiter: &slots, cost: 0, shadow: false }], now))
         .expect("reads");
     assert_eq!(read[0].remaining, 5, "every slot back, never more");
+}
+
+#[test]
+fn an_adjustment_sent_again_with_its_mark_is_applied_once_and_a_new_mark_applies_again() {
+    let redis = TestRedis::start();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let store = runtime.block_on(RedisStore::connect(&redis.url, TIMEOUT)).expect("connects to Redis");
+    let bucket = Limiter::TokenBucket(TokenBucket::new(100, 0.0001));
+    let (caller, tenant) = (redis.key("mark:caller"), redis.key("mark:tenant"));
+    let budgets = [(caller.as_str(), &bucket), (tenant.as_str(), &bucket)];
+    let now = EPOCH;
+    for key in [&caller, &tenant] {
+        let check = Check { key, limiter: &bucket, cost: 30, shadow: false };
+        runtime.block_on(store.decide_at(&[check], now)).expect("decides");
+    }
+    let (first, second) = (redis.key("mark:settlement-1"), redis.key("mark:settlement-2"));
+    let remaining = |got: Vec<mcp_ratelimit::limit::Decision>| got.iter().map(|d| d.remaining).collect::<Vec<_>>();
+    // A refund of 4, sent three times under one mark (its answers lost, say): 4 back, once.
+    for _ in 0..3 {
+        let got = runtime.block_on(store.adjust(&budgets, Adjustment::Refund(4), Some(&first), Some(now)));
+        assert_eq!(remaining(got.expect("adjusts")), vec![74, 74]);
+    }
+    // A charge under another mark is another adjustment; sent twice, it too lands once.
+    for _ in 0..2 {
+        let got = runtime.block_on(store.adjust(&budgets, Adjustment::Charge(10), Some(&second), Some(now)));
+        assert_eq!(remaining(got.expect("adjusts")), vec![64, 64]);
+    }
+    // Without a mark (an operator's refund), each one sent is applied.
+    for expected in [66, 68] {
+        let got = runtime.block_on(store.adjust(&budgets, Adjustment::Refund(2), None, Some(now)));
+        assert_eq!(remaining(got.expect("adjusts")), vec![expected, expected]);
+    }
 }

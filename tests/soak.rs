@@ -10,6 +10,7 @@
 //!   it is final (its price settled from the upstream's bill: a canceled or failed job is billed
 //!   nothing, and its reservation comes back); what the fail-open tool got from the insurance
 //!   limiter while Redis was down is reported separately;
+//! - no settlement of a price given up (Redis is never away for the minute it is tried);
 //! - every prediction reaches a final state, and no in-flight slot is still held at the end;
 //! - no stale view of a job on another instance than its owner (see [`stale_views`]), during the
 //!   traffic or after the drain;
@@ -55,6 +56,10 @@ const DRAIN: Duration = Duration::from_secs(180);
 /// How long a job's change may take to reach the other instances with Redis up: the owner's
 /// publisher writes at once, and after a failed write tries again within a second.
 const PROPAGATION: Duration = Duration::from_secs(2);
+/// Between two video submissions, all callers together. The default 2 s spaces 50 callers'
+/// videos (with the budgets that canceled and failed jobs give back) into a backlog that takes
+/// the drain minutes; spacing is not what the soak is about (`tests/upstream.rs` proves it).
+const VIDEO_GAP: Duration = Duration::from_millis(500);
 /// How long the drain's reader waits, in all, as a `429`'s `Retry-After` tells it to, per poll.
 const MAX_WAIT_TOLD: Duration = Duration::from_secs(30);
 
@@ -285,10 +290,11 @@ async fn soak() {
     let upstream = Upstream::start(chaos).await;
     let mut config = format!(
         "[store]\nbackend = \"redis\"\nredis_url = \"{}\"\nexpected_instances = {INSTANCES}\ntimeout_ms = {}\n\
-         [upstream]\nurl = \"{}\"\n[tools.list_articles]\nfail = \"open\"\n{chaos}",
+         [upstream]\nurl = \"{}\"\nvideo_min_gap_ms = {}\n[tools.list_articles]\nfail = \"open\"\n{chaos}",
         redis.url(),
         STORE_TIMEOUT.as_millis(),
-        upstream.url
+        upstream.url,
+        VIDEO_GAP.as_millis()
     );
     for i in 0..CALLERS {
         config.push_str(&format!("[[auth.keys]]\nkey = \"soak-caller-{i:02}\"\ntenant = \"soak-tenant-{i:02}\"\n"));
@@ -456,12 +462,16 @@ async fn soak() {
         }
     }
     let mut gauges = Vec::new();
+    // Settlements' tries Redis did not take (each tried again under its mark), and those given up.
+    let (mut settle_tries, mut settles_given_up) = (0.0, 0.0);
     for server in &servers {
         let metrics = server.metrics().await;
         gauges.push((
             metric_sum(&metrics, "mcp_ratelimit_jobs_in_flight"),
             metric_sum(&metrics, "mcp_ratelimit_account_slots_in_use"),
         ));
+        settle_tries += metric_sum(&metrics, "mcp_ratelimit_settlement_errors_total");
+        settles_given_up += metric_sum(&metrics, "mcp_ratelimit_settlements_given_up_total");
     }
     // What the instances warned about, by kind (digits and ids left out), most frequent first.
     let mut warnings: BTreeMap<String, usize> = BTreeMap::new();
@@ -517,6 +527,20 @@ async fn soak() {
         }
         if *units as f64 > allowed.floor() {
             over.push(format!("caller {i}: {units} units admitted, {allowed:.0} allowed"));
+            // What it was charged, call by call, for whoever reads a failure.
+            for call in record.calls.iter().filter(|c| c.caller == i && c.charged() && cost_of(c.tool) > 0) {
+                let settled_price = call.predict_id.as_ref().and_then(|id| settled.get(id));
+                println!(
+                    "    caller {i} at {:>7.3}s on {}: {} {} said {:?}, settled {:?}{}",
+                    call.started.saturating_duration_since(first.unwrap_or(call.started)).as_secs_f64(),
+                    call.instance,
+                    call.tool,
+                    call.outcome,
+                    call.charged,
+                    settled_price,
+                    if in_window(call) { " (store trouble)" } else { "" }
+                );
+            }
         }
     }
     let offered: u64 = record.calls.iter().map(|c| cost_of(c.tool)).sum();
@@ -562,6 +586,9 @@ async fn soak() {
         worst.3,
         worst.0 * 100.0,
         over.len()
+    );
+    println!(
+        "  settlements of prices: {settle_tries} tries Redis did not take, each tried again under its mark; given up: {settles_given_up}"
     );
     println!("  admitted by the insurance limiter while Redis was down (fail-open list_articles): {fail_open} units");
     println!(
@@ -636,6 +663,7 @@ async fn soak() {
     assert_eq!(panics.iter().sum::<usize>(), 0, "panics: {}", servers[0].process.log());
     assert_eq!(unanswered, 0, "calls without an answer");
     assert!(over.is_empty(), "admitted above the budget: {over:?}");
+    assert_eq!(settles_given_up, 0.0, "settlements given up: Redis is never away for a minute here");
     assert!(pending.is_empty(), "predictions never final: {pending:?}");
     assert!(elsewhere.is_empty(), "final jobs another instance still shows otherwise: {elsewhere:?}");
     assert!(stale.stale.is_empty(), "stale views during the traffic: {:?}", stale.stale);

@@ -23,18 +23,38 @@
 //! algorithm's adjustment ([`Adjustment`]) on the store that decided the call (Redis, or this
 //! instance's insurance limiter while Redis was down): a refund never lifts a budget past its
 //! capacity, and a charge past what is left takes what is left — a budget never goes below
-//! empty. On Redis it is one script for all of them. A settlement the store cannot make is
-//! logged and counted, and the reservation stands (a lost refund can only have charged more,
-//! never admitted more). A reservation dropped without being settled stands too: a door that
-//! does not settle charges what it reserved, as a fixed price always did.
+//! empty. On Redis it is one script for all of them.
+//!
+//! A settlement the store does not take (Redis away, or slower than `store.timeout_ms`) is tried
+//! again, with a growing pause, for up to [`TRIES_FOR`]. A try whose answer was lost may have
+//! been applied all the same — Redis ran the script, the answer came too late — so every try
+//! carries the settlement's mark, set in the same script, and a try that finds its mark set
+//! changes nothing: applied exactly once however often it is sent. A job waits for its
+//! settlement to land before it says what it was charged ([`Reserved::settle`]); a call answered
+//! at once says the settled price while the tries go on behind it ([`Reserved::settle_behind`]).
+//! A settlement given up on after a minute is logged and counted
+//! (`mcp_ratelimit_settlements_given_up_total`), and the reservation stands: the job says so;
+//! an answer already given said the settled price (after a lost answer nobody can know which
+//! stands, and a lost refund can only have charged more, never admitted more). A reservation
+//! dropped without being settled stands too: a door that does not settle charges what it
+//! reserved, as a fixed price always did.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::config::Settle;
 use crate::guard::refusal_memory::RefusalMemory;
 use crate::limit::{Adjustment, Limiter};
 use crate::metrics::Metrics;
 use crate::store::Store;
+
+/// How long a settlement the store does not take is tried again: past a Redis restart or a
+/// failover, and well within the life of its mark ([`crate::store::MARK_LIVES`]).
+pub const TRIES_FOR: Duration = Duration::from_secs(60);
+/// The pause before the first try again; it doubles up to [`LONGEST_PAUSE`].
+const FIRST_PAUSE: Duration = Duration::from_millis(250);
+/// The longest pause between two tries.
+const LONGEST_PAUSE: Duration = Duration::from_secs(5);
 
 /// What the work behind a call came to, as far as its price goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,39 +125,103 @@ impl Reserved {
     }
 
     /// Settles the reservation for work that came to `used`: the difference refunded, or
-    /// charged on top, in every budget that took it. Returns what was reserved and charged; when
-    /// the store cannot settle, the reservation stands and that is what it says.
+    /// charged on top, in every budget that took it, tried until the store takes it. Returns
+    /// what was reserved and charged: the settled price once the store took it; when it would
+    /// not take it for [`TRIES_FOR`], the reservation, which then stands.
     pub async fn settle(self, used: Used) -> Settled {
-        let charged = self.charge_for(used);
-        let settled = Settled { reserved: self.units, charged };
-        let (how, by) = match charged.cmp(&self.units) {
-            std::cmp::Ordering::Equal => return settled,
-            std::cmp::Ordering::Less => ("refunded", Adjustment::Refund(self.units - charged)),
-            std::cmp::Ordering::Greater => ("charged", Adjustment::Charge(charged - self.units)),
+        let Some((by, settled)) = self.adjustment(used) else {
+            return Settled { reserved: self.units, charged: self.charge_for(used) };
         };
-        if self.budgets.is_empty() {
-            return settled;
+        let mark = self.mark();
+        let first = self.try_once(by, &mark).await;
+        if first || self.keep_trying(by, &mark).await {
+            settled
+        } else {
+            Settled { reserved: self.units, charged: self.units }
         }
+    }
+
+    /// The same for an answer that cannot wait for a store that does not answer: one try, and
+    /// if the store does not take it, the same tries go on behind the answer, which says the
+    /// settled price they are making.
+    pub async fn settle_behind(self, used: Used) -> Settled {
+        let Some((by, settled)) = self.adjustment(used) else {
+            return Settled { reserved: self.units, charged: self.charge_for(used) };
+        };
+        let mark = self.mark();
+        if !self.try_once(by, &mark).await {
+            tokio::spawn(async move { self.keep_trying(by, &mark).await });
+        }
+        settled
+    }
+
+    /// The adjustment work that came to `used` needs, with what it settles to; `None` when it
+    /// needs none (the price is the reservation, or no budget took it).
+    fn adjustment(&self, used: Used) -> Option<(Adjustment, Settled)> {
+        let charged = self.charge_for(used);
+        let by = match charged.cmp(&self.units) {
+            std::cmp::Ordering::Equal => return None,
+            std::cmp::Ordering::Less => Adjustment::Refund(self.units - charged),
+            std::cmp::Ordering::Greater => Adjustment::Charge(charged - self.units),
+        };
+        (!self.budgets.is_empty()).then_some((by, Settled { reserved: self.units, charged }))
+    }
+
+    /// The key of this settlement's mark, under the budgets' hash tag (the first key's, which
+    /// every key of one call shares), so a try sent again after a lost answer lands once.
+    fn mark(&self) -> String {
+        let first = self.budgets.first().map_or("", |(key, _)| key.as_str());
+        format!("{first}:settled:{:016x}", rand::random::<u64>())
+    }
+
+    /// One try; whether the store took it.
+    async fn try_once(&self, by: Adjustment, mark: &str) -> bool {
         let budgets: Vec<(&str, &Limiter)> =
             self.budgets.iter().map(|(key, limiter)| (key.as_str(), limiter)).collect();
-        match self.store.adjust(&budgets, by).await {
+        match self.store.adjust(&budgets, by, Some(mark)).await {
             Ok(_) => {
+                let (how, units) = match by {
+                    Adjustment::Refund(units) => ("refunded", units),
+                    Adjustment::Charge(units) => ("charged", units),
+                };
                 // A charge takes at most what a budget holds, whatever a report claims.
                 let most = self.budgets.iter().map(|(_, limiter)| limiter.capacity()).max().unwrap_or(0);
-                self.metrics.settled(&self.tool, how, self.units.abs_diff(charged).min(most));
+                self.metrics.settled(&self.tool, how, units.min(most));
                 if let (Adjustment::Refund(_), Some(refusals)) = (by, &self.refusals) {
                     // Only time gave budget back until now: a refusal remembered for these keys
                     // may be too long. (Other instances keep theirs until it runs out: they can
                     // only refuse a little longer, never admit more.)
                     refusals.forget(budgets.iter().map(|(key, _)| *key));
                 }
-                settled
+                true
             }
             Err(error) => {
                 self.metrics.settlement_error(&self.tool);
-                tracing::warn!(tool = %self.tool, reserved = self.units, charged, %error, "could not settle a price: the reservation stands");
-                Settled { reserved: self.units, charged: self.units }
+                tracing::debug!(tool = %self.tool, reserved = self.units, %error, "could not settle a price yet: trying again");
+                false
             }
         }
+    }
+
+    /// Tries again, after a growing pause with jitter (a store back after an outage is not
+    /// met by every settlement at once), until the store takes it or [`TRIES_FOR`] has passed;
+    /// whether it landed.
+    async fn keep_trying(&self, by: Adjustment, mark: &str) -> bool {
+        let until = tokio::time::Instant::now() + TRIES_FOR;
+        let mut pause = FIRST_PAUSE;
+        loop {
+            let jittered = pause.mul_f64(rand::random_range(0.5..1.0));
+            if tokio::time::Instant::now() + jittered >= until {
+                break;
+            }
+            tokio::time::sleep(jittered).await;
+            if self.try_once(by, mark).await {
+                return true;
+            }
+            pause = (pause * 2).min(LONGEST_PAUSE);
+        }
+        self.metrics.settlement_given_up(&self.tool);
+        tracing::warn!(tool = %self.tool, reserved = self.units, "could not settle a price: the reservation stands");
+        false
     }
 }

@@ -178,7 +178,7 @@ pub async fn settled(done: CallToolResult, reservation: Reserved, whose: Answer)
 /// `done` with the price `reservation` holds settled for work that came to `used` (what the door
 /// knows better than the answer: a call never sent did nothing), said as [`settled`] says it.
 pub async fn settled_as(done: CallToolResult, reservation: Reserved, used: Used, whose: Answer) -> CallToolResult {
-    let settled = reservation.settle(used).await;
+    let settled = reservation.settle_behind(used).await;
     match whose {
         Answer::Ours => results::priced(done, settled),
         Answer::Theirs if settled.charged != settled.reserved => results::priced_in_meta(done, settled),

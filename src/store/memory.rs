@@ -299,7 +299,13 @@ impl Store for MemoryStore {
         }))
     }
 
-    fn adjust<'a>(&'a self, budgets: &'a [(&'a str, &'a Limiter)], by: Adjustment) -> StoreFuture<'a, Vec<Decision>> {
+    fn adjust<'a>(
+        &'a self,
+        budgets: &'a [(&'a str, &'a Limiter)],
+        by: Adjustment,
+        _once: Option<&'a str>,
+    ) -> StoreFuture<'a, Vec<Decision>> {
+        // Always applied and always answered: never sent twice, so no mark to keep.
         ready(Ok(self.adjust_at(budgets, by, self.clock.now())))
     }
 

@@ -26,6 +26,10 @@ use crate::limit::{Adjustment, Decision, Limiter};
 pub use memory::MemoryStore;
 pub use redis::{HeldLease, Lease, LoopAnswer, RedisStore, Renewed, new_lease};
 
+/// How long the mark of an adjustment sent with one ([`Store::adjust`]) lives: longer than the
+/// settlement that sent it keeps trying ([`crate::guard::settle`]), so no retry of it can land twice.
+pub const MARK_LIVES: Duration = Duration::from_secs(600);
+
 /// One scope a call must pass: the key its state is kept under, its limiter and the cost.
 #[derive(Debug, Clone, Copy)]
 pub struct Check<'a> {
@@ -96,7 +100,19 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     /// nor below empty (see [`Adjustment`]): an operator's refund, or a call's price settled
     /// from what it used. Returns each budget's level after it. On Redis it is one script, so
     /// the keys must share a hash tag, as one call's keys do.
-    fn adjust<'a>(&'a self, budgets: &'a [(&'a str, &'a Limiter)], by: Adjustment) -> StoreFuture<'a, Vec<Decision>>;
+    ///
+    /// `once` is the key of a mark that makes the adjustment happen at most once while the mark
+    /// lives ([`MARK_LIVES`]): sent again with the same mark — because the answer to the first
+    /// was lost, and the first may have been applied — it changes nothing and only answers the
+    /// levels. It must share the budgets' hash tag. A store that always answers whether it
+    /// applied an adjustment (the memory store: it cannot fail) is never sent one twice, and may
+    /// ignore it.
+    fn adjust<'a>(
+        &'a self,
+        budgets: &'a [(&'a str, &'a Limiter)],
+        by: Adjustment,
+        once: Option<&'a str>,
+    ) -> StoreFuture<'a, Vec<Decision>>;
 
     /// Forgets the budgets under `keys` (on Redis they must share a hash tag): the next call
     /// finds them full. Returns how many had state.

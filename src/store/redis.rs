@@ -643,13 +643,15 @@ impl RedisStore {
         StoreError::Script { address: self.address.clone(), reason }
     }
 
-    /// Adjusts each budget under its key ([`crate::store::Store::adjust`]; `adjust.lua`) at an
-    /// explicit clock reading when `now` is given. Returns each budget's level after it, as a
-    /// cost-0 decision. The keys must share a hash tag on a cluster (one script).
+    /// Adjusts each budget under its key ([`crate::store::Store::adjust`]; `adjust.lua`), at most
+    /// once while the mark under `once` lives ([`crate::store::MARK_LIVES`]), at an explicit clock
+    /// reading when `now` is given. Returns each budget's level after it, as a cost-0 decision.
+    /// The keys (and the mark's) must share a hash tag on a cluster (one script).
     pub async fn adjust(
         &self,
         budgets: &[(&str, &Limiter)],
         by: Adjustment,
+        once: Option<&str>,
         now: Option<Nanos>,
     ) -> Result<Vec<Decision>, StoreError> {
         if budgets.is_empty() {
@@ -661,10 +663,14 @@ impl RedisStore {
         };
         let mut invocation = self.adjust.prepare_invoke();
         invocation.arg(now.map(micros).transpose()?.map_or_else(String::new, |us| us.to_string()));
-        invocation.arg(how).arg(units);
+        let mark_ms = once.map_or(0, |_| crate::store::MARK_LIVES.as_millis());
+        invocation.arg(how).arg(units).arg(mark_ms.to_string());
         for (key, limiter) in budgets {
             let span = script_span(&Check { key, limiter, cost: 0, shadow: false })?;
             invocation.key(*key).arg(limiter.algorithm()).arg(limiter.capacity()).arg(span);
+        }
+        if let Some(mark) = once {
+            invocation.key(mark);
         }
         let reply: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
         self.decisions(&reply, budgets.len())

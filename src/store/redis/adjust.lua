@@ -5,11 +5,18 @@
 -- algorithm's, is as good as full: a refund leaves it alone, a charge starts from a fresh state.
 -- In-flight slots are work, not a price: a charge leaves them alone.
 --
--- KEYS: the budgets' keys (one call's keys share a hash tag).
+-- A settlement is sent again when its answer is lost (a timeout, a connection dropped), and the
+-- lost one may have been applied: so it carries a mark, set here with the adjustment in one
+-- step, and an adjustment whose mark is already set changes nothing. Applied exactly once,
+-- however often it is sent while the mark lives.
+--
+-- KEYS: the budgets' keys (one call's keys share a hash tag), then the mark's key when ARGV[4]
+-- is above 0 (under the same hash tag).
 -- ARGV[1]: now in epoch microseconds, or "" to use Redis's TIME. ARGV[2]: "refund" or "charge".
--- ARGV[3]: units. ARGV[4..]: three per key: algorithm name, capacity, span (ns; see the prelude).
+-- ARGV[3]: units. ARGV[4]: how long the mark lives, in ms (0: no mark). ARGV[5..]: three per
+-- budget: algorithm name, capacity, span (ns; see the prelude).
 -- Returns each budget's level after it as decide.lua answers a cost-0 check: five integers per
--- key, allowed (1), limit, remaining, retry_after (ns), reset_after (ns).
+-- budget, allowed (1), limit, remaining, retry_after (ns), reset_after (ns).
 
 if redis.replicate_commands then
   redis.replicate_commands()
@@ -17,17 +24,22 @@ end
 
 local now_us = read_now(ARGV[1])
 local charge = ARGV[2] == 'charge'
-local FIRST = 4
+local mark_ms = tonumber(ARGV[4]) or 0
+local budgets = mark_ms > 0 and #KEYS - 1 or #KEYS
+local FIRST = 5
 -- Every algorithm named is known before anything is written (an error reply keeps writes).
-for i = 1, #KEYS do
+for i = 1, budgets do
   local name = ARGV[FIRST + (i - 1) * 3]
   if not algorithms[name] then
     return redis.error_reply('unknown limiter algorithm "' .. tostring(name) .. '"')
   end
 end
 
+-- Sent before, and applied then: this time only the levels.
+local again = mark_ms > 0 and not redis.call('SET', KEYS[#KEYS], '1', 'NX', 'PX', mark_ms)
+
 local reply = {}
-for i = 1, #KEYS do
+for i = 1, budgets do
   local at = FIRST + (i - 1) * 3
   local name = ARGV[at]
   local algorithm = algorithms[name]
@@ -40,7 +52,9 @@ for i = 1, #KEYS do
     local stored, fields = decode(raw)
     state = stored == name and algorithm.load(fields) or nil
   end
-  if charge and limiter.span > 0 then
+  if again then
+    -- (the levels as they stand)
+  elseif charge and limiter.span > 0 then
     state = state or algorithm.fresh(limiter, now_us)
     local left = algorithm.acquire(limiter, state, now_us, 0).remaining
     local _, charged = algorithm.acquire(limiter, state, now_us, math.min(units, left))

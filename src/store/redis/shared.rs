@@ -56,8 +56,13 @@ impl Store for RedisStore {
         Box::pin(async move { Ok(self.run_unless_blocked(checks, blocks, None, None, lease).await?) })
     }
 
-    fn adjust<'a>(&'a self, budgets: &'a [(&'a str, &'a Limiter)], by: Adjustment) -> StoreFuture<'a, Vec<Decision>> {
-        Box::pin(async move { Ok(RedisStore::adjust(self, budgets, by, None).await?) })
+    fn adjust<'a>(
+        &'a self,
+        budgets: &'a [(&'a str, &'a Limiter)],
+        by: Adjustment,
+        once: Option<&'a str>,
+    ) -> StoreFuture<'a, Vec<Decision>> {
+        Box::pin(async move { Ok(RedisStore::adjust(self, budgets, by, once, None).await?) })
     }
 
     fn forget<'a>(&'a self, keys: &'a [&'a str]) -> StoreFuture<'a, u64> {
