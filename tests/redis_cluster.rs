@@ -1,8 +1,9 @@
 //! The Redis store on a Redis Cluster (three primaries): a decision over the keys of one hash
 //! tag is one atomic script on the node that holds the tag's slot, all-or-nothing and exact like
 //! the memory store; callers whose tags hash to different nodes each work there; instances
-//! sharing the cluster share one budget; every node reloads a flushed script cache; and keys
-//! that span slots, or a malformed cluster URL, are refused with an error that says so.
+//! sharing the cluster share one budget; a settlement sent again under its mark lands once;
+//! every node reloads a flushed script cache; and keys that span slots, or a malformed cluster
+//! URL, are refused with an error that says so.
 //!
 //! Parity runs walk an explicit clock while Redis expires keys on its own. Every gap and every
 //! span is a multiple of [`STEP`], so a key's `forget_at` is either passed or at least a step
@@ -19,7 +20,7 @@ use std::time::Duration;
 use common::*;
 use mcp_ratelimit::Config;
 use mcp_ratelimit::clock::Nanos;
-use mcp_ratelimit::limit::{Concurrency, Decision, Limiter, SlidingLog, TokenBucket};
+use mcp_ratelimit::limit::{Adjustment, Concurrency, Decision, Limiter, SlidingLog, TokenBucket};
 use mcp_ratelimit::store::redis::{HeldLease, RedisStore, Renewed, StoreError, new_lease};
 use mcp_ratelimit::store::{Check, MemoryStore};
 use proptest::prelude::*;
@@ -98,6 +99,27 @@ async fn a_tenants_three_scopes_are_charged_all_or_nothing_on_the_cluster() {
     assert_eq!(twins.remaining(&call(0), EPOCH).await, [96, 46, 1], "a refused call charged a scope");
     assert!(twins.decide(&call(1), EPOCH).await.iter().all(|d| d.allowed));
     assert_eq!(twins.remaining(&call(0), EPOCH).await, [95, 45, 0], "an admitted call charges every scope");
+}
+
+#[tokio::test]
+async fn a_settlement_sent_again_under_its_mark_lands_once_on_the_node_of_its_tag() {
+    let cluster = TestRedisCluster::start();
+    let twins = Twins::start(&cluster).await;
+    let [caller, tenant, tool] = tenant_keys(&cluster, "t:acme");
+    let bucket = Limiter::TokenBucket(TokenBucket::new(100, 0.0001));
+    let checks = [&caller, &tenant, &tool].map(|key| Check { key, limiter: &bucket, cost: 30, shadow: false });
+    assert!(twins.decide(&checks, EPOCH).await.iter().all(|d| d.allowed));
+    // The mark the guard gives a settlement: under the first budget's key, so its tag's slot.
+    let mark = format!("{caller}:settled:{:016x}", rand::random::<u64>());
+    let budgets = [(caller.as_str(), &bucket), (tenant.as_str(), &bucket), (tool.as_str(), &bucket)];
+    for _ in 0..3 {
+        let levels = twins
+            .redis
+            .adjust(&budgets, Adjustment::Refund(4), Some(&mark), Some(EPOCH))
+            .await
+            .expect("one script on the tag's node");
+        assert_eq!(levels.iter().map(|d| d.remaining).collect::<Vec<_>>(), [74, 74, 74], "4 back, once");
+    }
 }
 
 /// One call of a parity run: steps of [`STEP`] since the previous call, and each scope's cost.
