@@ -6,7 +6,9 @@
 //! not bill (a job canceled in the queue, a failed job it billed nothing) costs nothing, while an
 //! upstream 429 answered to the agent is still charged; `settle = "reserved"` keeps the
 //! reservation; a settlement frozen Redis answers too late is tried again and lands exactly once,
-//! and a limit lowered before it settles shows a level under the new limit.
+//! one Redis never takes is given up after a minute of the server's clock (the reservation
+//! stands, and the job says so), and a limit lowered before it settles shows a level under the
+//! new limit.
 
 mod common;
 
@@ -229,11 +231,13 @@ async fn a_settlement_redis_answers_too_late_is_tried_again_and_lands_exactly_on
         (metric_sum(&server.metrics().await, "mcp_ratelimit_settlement_errors_total") >= 1.0).then_some(())
     })
     .await;
-    // Thawed, Redis runs the try it was sent (4 back), and the next try finds its mark: the 4
-    // come back once, not twice, and the job says so once they have.
+    // Thawed, Redis runs the try it was sent (4 back), and the next try — when the server's
+    // clock says so — finds its mark: the 4 come back once, not twice, and the job says so once
+    // they have.
     redis.resume();
     let report =
         eventually_some("the job is final and its price settled", std::time::Duration::from_secs(20), || async {
+            server.advance_ms(500);
             let report = structured(&call(&agent, "get_prediction", json!({ "predict_id": id })).await).clone();
             report.get("charged").is_some().then_some(report)
         })
@@ -243,6 +247,45 @@ async fn a_settlement_redis_answers_too_late_is_tried_again_and_lands_exactly_on
     assert_eq!(left(&agent).await, (74, 974, 474), "4 back in every budget, exactly once");
     let metrics = server.metrics().await;
     assert_eq!(metric_sum(&metrics, "mcp_ratelimit_settlements_given_up_total"), 0.0, "{metrics}");
+}
+
+#[tokio::test]
+async fn a_settlement_redis_never_takes_is_given_up_after_a_minute_and_the_reservation_stands() {
+    let mut redis = TestRedis::private();
+    let store = format!("[store]\nbackend = \"redis\"\nredis_url = \"{}\"\ntimeout_ms = 200\n", redis.url);
+    let server = TestServer::start(&config(&store)).await;
+    let agent = server.client(Some(KEY)).await;
+    let accepted = call(&agent, "generate_image_to_video", video(10)).await;
+    assert_eq!(structured(&accepted)["reserved"], 30, "{}", text(&accepted));
+    let id = structured(&accepted)["predict_id"].as_str().expect("predict_id").to_owned();
+    redis.kill();
+    // The job ends while Redis is away, and stays away: the tries go on for a minute of the
+    // server's clock, and the job says nothing of its price until they end.
+    for _ in 0..10 {
+        server.advance_ms(1_000);
+        settle().await;
+    }
+    let report = structured(&call(&agent, "get_prediction", json!({ "predict_id": id })).await).clone();
+    assert_eq!(report["status"], "succeeded", "{report}");
+    assert!(report.get("charged").is_none(), "said before the settlement ended: {report}");
+    eventually_some("the settlement given up", std::time::Duration::from_secs(20), || async {
+        server.advance_ms(2_000);
+        (metric_sum(&server.metrics().await, "mcp_ratelimit_settlements_given_up_total") == 1.0).then_some(())
+    })
+    .await;
+    // Given up: the 4 were never given back, so the reservation stands, and the job says what
+    // was charged, not what was meant.
+    let report = structured(&call(&agent, "get_prediction", json!({ "predict_id": id })).await).clone();
+    assert_eq!(report["usage"]["units"], 26, "{report}");
+    assert_eq!((report["reserved"].clone(), report["charged"].clone()), (json!(30), json!(30)), "{report}");
+    assert!(metric_sum(&server.metrics().await, "mcp_ratelimit_settlement_errors_total") >= 2.0, "tried again");
+    redis.restart();
+    // Redis back (empty: it keeps nothing on disk): the server decides there again.
+    eventually_some("served again once Redis is back", std::time::Duration::from_secs(10), || async {
+        let served = call(&agent, "list_articles", json!({ "query": "back" })).await;
+        (!is_error(&served)).then_some(())
+    })
+    .await;
 }
 
 #[tokio::test]

@@ -493,20 +493,25 @@ async fn soak() {
     let in_window =
         |c: &Call| windows.iter().any(|(k, from, to)| *k == c.instance && c.started < *to && c.ended > *from);
     let stale = stale_views(&record, &windows);
+    // What a call was charged in the end, if it was charged: a job's settled price, else what
+    // its result said. (A poll's result says what its job was charged: not the poll's price.)
+    let charged_for = |call: &Call| -> Option<(u64, Option<u64>)> {
+        if !call.charged() || cost_of(call.tool) == 0 {
+            return None;
+        }
+        let started_job = matches!(call.tool, "generate_image" | "generate_image_to_video");
+        let settled_price = call.predict_id.as_ref().filter(|_| started_job).and_then(|id| settled.get(id)).copied();
+        // A refusal made before the guard (the breaker open) says no price: nothing was charged.
+        Some((settled_price.or(call.charged).unwrap_or(0), settled_price))
+    };
     let mut per_caller = vec![(0u64, 0u64, None::<Instant>, None::<Instant>); CALLERS];
     for call in &record.calls {
         let entry = &mut per_caller[call.caller];
         entry.2 = Some(entry.2.map_or(call.started, |t: Instant| t.min(call.started)));
         entry.3 = Some(entry.3.map_or(call.ended, |t: Instant| t.max(call.ended)));
-        // (A poll's result says what its job was charged: not the poll's price.)
-        if !call.charged() || cost_of(call.tool) == 0 {
+        let Some((units, _)) = charged_for(call) else {
             continue;
-        }
-        // What it was charged in the end: a job's settled price, else what its result said.
-        let started_job = matches!(call.tool, "generate_image" | "generate_image_to_video");
-        let settled_price = call.predict_id.as_ref().filter(|_| started_job).and_then(|id| settled.get(id));
-        // A refusal made before the guard (the breaker open) says no price: nothing was charged.
-        let units = settled_price.copied().or(call.charged).unwrap_or(0);
+        };
         if call.tool == "list_articles" && in_window(call) {
             entry.1 += units;
         } else {
@@ -528,8 +533,10 @@ async fn soak() {
         if *units as f64 > allowed.floor() {
             over.push(format!("caller {i}: {units} units admitted, {allowed:.0} allowed"));
             // What it was charged, call by call, for whoever reads a failure.
-            for call in record.calls.iter().filter(|c| c.caller == i && c.charged() && cost_of(c.tool) > 0) {
-                let settled_price = call.predict_id.as_ref().and_then(|id| settled.get(id));
+            for call in record.calls.iter().filter(|c| c.caller == i) {
+                let Some((_, settled_price)) = charged_for(call) else {
+                    continue;
+                };
                 println!(
                     "    caller {i} at {:>7.3}s on {}: {} {} said {:?}, settled {:?}{}",
                     call.started.saturating_duration_since(first.unwrap_or(call.started)).as_secs_f64(),

@@ -465,7 +465,13 @@ impl Guard {
         // The memory of the shared store's refusals goes stale where a refund lands there.
         let shared = Arc::ptr_eq(decided.store, &self.store);
         let refusals = self.insurance.as_ref().filter(|_| shared).map(|i| i.refused.clone());
-        Some(Reserved::new((tool, units, settle), decided.store.clone(), budgets, self.metrics.clone(), refusals))
+        Some(Reserved::new(
+            (tool, units, settle),
+            (decided.store.clone(), self.clock.clone()),
+            budgets,
+            self.metrics.clone(),
+            refusals,
+        ))
     }
 
     /// The caller's bucket and the time, for the report stage.

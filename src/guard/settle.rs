@@ -26,7 +26,7 @@
 //! empty. On Redis it is one script for all of them.
 //!
 //! A settlement the store does not take (Redis away, or slower than `store.timeout_ms`) is tried
-//! again, with a growing pause, for up to [`TRIES_FOR`]. A try whose answer was lost may have
+//! again, with a growing pause on the server's clock, for up to [`TRIES_FOR`]. A try whose answer was lost may have
 //! been applied all the same — Redis ran the script, the answer came too late — so every try
 //! carries the settlement's mark, set in the same script, and a try that finds its mark set
 //! changes nothing: applied exactly once however often it is sent. A job waits for its
@@ -42,6 +42,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::clock::{Nanos, SharedClock};
 use crate::config::Settle;
 use crate::guard::refusal_memory::RefusalMemory;
 use crate::limit::{Adjustment, Limiter};
@@ -85,6 +86,8 @@ pub struct Reserved {
     units: u64,
     settle: Settle,
     store: Arc<dyn Store>,
+    /// The server's clock, which paces the tries again.
+    clock: SharedClock,
     /// The budgets that took the reservation: each key and its limiter.
     budgets: Vec<(String, Limiter)>,
     metrics: Arc<Metrics>,
@@ -99,15 +102,16 @@ impl std::fmt::Debug for Reserved {
 }
 
 impl Reserved {
-    /// A reservation of `units` for a call of `tool`, taken in `budgets` on `store`.
+    /// A reservation of `units` for a call of `tool`, taken in `budgets` on `store`; tries
+    /// again are paced by `clock`.
     pub(super) fn new(
         (tool, units, settle): (&str, u64, Settle),
-        store: Arc<dyn Store>,
+        (store, clock): (Arc<dyn Store>, SharedClock),
         budgets: Vec<(String, Limiter)>,
         metrics: Arc<Metrics>,
         refusals: Option<Arc<RefusalMemory>>,
     ) -> Self {
-        Self { tool: tool.to_owned(), units, settle, store, budgets, metrics, refusals }
+        Self { tool: tool.to_owned(), units, settle, store, clock, budgets, metrics, refusals }
     }
 
     /// Units reserved.
@@ -129,15 +133,13 @@ impl Reserved {
     /// what was reserved and charged: the settled price once the store took it; when it would
     /// not take it for [`TRIES_FOR`], the reservation, which then stands.
     pub async fn settle(self, used: Used) -> Settled {
-        let Some((by, settled)) = self.adjustment(used) else {
-            return Settled { reserved: self.units, charged: self.charge_for(used) };
-        };
+        let (settled, by) = self.settling(used);
+        let Some(by) = by else { return settled };
         let mark = self.mark();
-        let first = self.try_once(by, &mark).await;
-        if first || self.keep_trying(by, &mark).await {
+        if self.try_once(by, &mark).await || self.keep_trying(by, &mark).await {
             settled
         } else {
-            Settled { reserved: self.units, charged: self.units }
+            Settled { charged: self.units, ..settled }
         }
     }
 
@@ -145,9 +147,8 @@ impl Reserved {
     /// if the store does not take it, the same tries go on behind the answer, which says the
     /// settled price they are making.
     pub async fn settle_behind(self, used: Used) -> Settled {
-        let Some((by, settled)) = self.adjustment(used) else {
-            return Settled { reserved: self.units, charged: self.charge_for(used) };
-        };
+        let (settled, by) = self.settling(used);
+        let Some(by) = by else { return settled };
         let mark = self.mark();
         if !self.try_once(by, &mark).await {
             tokio::spawn(async move { self.keep_trying(by, &mark).await });
@@ -155,16 +156,17 @@ impl Reserved {
         settled
     }
 
-    /// The adjustment work that came to `used` needs, with what it settles to; `None` when it
-    /// needs none (the price is the reservation, or no budget took it).
-    fn adjustment(&self, used: Used) -> Option<(Adjustment, Settled)> {
+    /// What work that came to `used` settles to, and the adjustment that takes the budgets
+    /// there; none when the price is the reservation, or no budget took it.
+    fn settling(&self, used: Used) -> (Settled, Option<Adjustment>) {
         let charged = self.charge_for(used);
         let by = match charged.cmp(&self.units) {
-            std::cmp::Ordering::Equal => return None,
-            std::cmp::Ordering::Less => Adjustment::Refund(self.units - charged),
-            std::cmp::Ordering::Greater => Adjustment::Charge(charged - self.units),
+            _ if self.budgets.is_empty() => None,
+            std::cmp::Ordering::Equal => None,
+            std::cmp::Ordering::Less => Some(Adjustment::Refund(self.units - charged)),
+            std::cmp::Ordering::Greater => Some(Adjustment::Charge(charged - self.units)),
         };
-        (!self.budgets.is_empty()).then_some((by, Settled { reserved: self.units, charged }))
+        (Settled { reserved: self.units, charged }, by)
     }
 
     /// The key of this settlement's mark, under the budgets' hash tag (the first key's, which
@@ -207,14 +209,15 @@ impl Reserved {
     /// met by every settlement at once), until the store takes it or [`TRIES_FOR`] has passed;
     /// whether it landed.
     async fn keep_trying(&self, by: Adjustment, mark: &str) -> bool {
-        let until = tokio::time::Instant::now() + TRIES_FOR;
+        let nanos = |d: Duration| Nanos::try_from(d.as_nanos()).unwrap_or(Nanos::MAX);
+        let until = self.clock.now().saturating_add(nanos(TRIES_FOR));
         let mut pause = FIRST_PAUSE;
         loop {
-            let jittered = pause.mul_f64(rand::random_range(0.5..1.0));
-            if tokio::time::Instant::now() + jittered >= until {
+            let next = self.clock.now().saturating_add(nanos(pause.mul_f64(rand::random_range(0.5..1.0))));
+            if next >= until {
                 break;
             }
-            tokio::time::sleep(jittered).await;
+            self.clock.sleep_until(next).await;
             if self.try_once(by, mark).await {
                 return true;
             }
