@@ -918,9 +918,10 @@ fn learners() -> impl Strategy<Value = Learner> {
 
 /// Answers and overloads: round-trip times from nothing to seconds (any nanosecond), any number
 /// of others in use, steps of whole microseconds, and slots taken before the last cut.
-fn samples() -> impl Strategy<Value = Vec<(bool, Nanos, usize, u64, u64)>> {
+fn samples() -> impl Strategy<Value = Vec<(Signal, Nanos, usize, u64, u64)>> {
     let rtt = prop_oneof![1 => Just(0u64), 6 => 1..2 * SEC, 2 => Just(100 * MS), 1 => Just(300 * MS)];
-    let sample = (prop::bool::weighted(0.15), rtt, 0usize..40, 0u64..3_000_000, 0u64..5_000_000);
+    let signal = prop_oneof![17 => Just(Signal::Accepted), 2 => Just(Signal::Overloaded), 1 => Just(Signal::TimedOut)];
+    let sample = (signal, rtt, prop_oneof![1 => Just(0usize), 4 => 0usize..40], 0u64..3_000_000, 0u64..5_000_000);
     prop::collection::vec(sample, 1..=120)
 }
 
@@ -937,9 +938,8 @@ fn learnt_limits_learn_exactly_like_their_rust_twins() {
         let at = LearntAt { key: &key, in_flight_key: &in_flight, learner: &learner, ceiling: learner.max() };
         let mut learnt = learner.fresh();
         let mut now = EPOCH;
-        for (n, (overload, rtt, others, gap_us, back_us)) in samples.into_iter().enumerate() {
+        for (n, (signal, rtt, others, gap_us, back_us)) in samples.into_iter().enumerate() {
             now += gap_us * 1_000;
-            let signal = if overload { Signal::Overloaded } else { Signal::Accepted };
             // Now and then a slot taken before the last cut: its overload must change nothing.
             let taken_at = now - back_us.min(now / 1_000 - EPOCH / 1_000) * 1_000;
             let sample = Sample { signal, rtt, others, taken_at, now };

@@ -190,6 +190,26 @@ impl Refusal {
         }
     }
 
+    /// A call that waited `waited` for one of the upstream's `slots` calls in flight to finish,
+    /// in vain, and was never sent: the upstream is busy, not down, and the call cost nothing.
+    pub fn never_sent(tool: &str, waited: Nanos, slots: usize, wait: Nanos) -> Self {
+        let calls = if slots == 1 { "its 1 call".to_owned() } else { format!("one of its {slots} calls") };
+        Self {
+            code: RefusalCode::Busy,
+            message: format!(
+                "The upstream behind {tool} was busy: the call waited {} for {calls} in flight to finish and was \
+                 never sent: its price was given back. Wait {} before calling it again.",
+                seconds(ceil_secs(waited)),
+                seconds(ceil_secs(wait))
+            ),
+            retry_after_ms: Some(ceil_ms(wait).max(1)),
+            scope: Some("queue:upstream".into()),
+            limit: Some(slots as u64),
+            remaining: Some(0),
+            details: None,
+        }
+    }
+
     /// The share of the upstream account that callers without a configured key may hold
     /// together (`slots` running, `places` waiting) is taken, or is none; `wait` is until a place
     /// may free up.

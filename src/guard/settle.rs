@@ -12,7 +12,7 @@
 //! | --- | --- |
 //! | reports `usage.units` (`settle = "usage"`, the default) | those units |
 //! | the upstream never started the work: a job that never left our queue (canceled or expired there, or given up after the server's own submissions were refused: retries the server owns, not the agent's), a proxied call never sent | 0 |
-//! | anything else: no report, the upstream's refusal or error, a timeout, a cancelled call | the reservation |
+//! | anything else: no report, the upstream's refusal or error, a timeout (a job's submission that went unanswered included: the upstream may have started it), a cancelled call | the reservation |
 //!
 //! The last row keeps a decision made before prices were settled: a failed upstream call is still
 //! charged, because the budget protects the upstream from the agent, and an agent hammering a

@@ -7,14 +7,21 @@
 //! (the static cap, its ceiling), starting at `max` where a static cap would be, and moves it
 //! with what each use of a slot said (a [`Sample`]):
 //!
-//! - **An overload is a loss, whatever the algorithm.** The upstream's 429 (for a proxied server,
-//!   a call not answered in time) cuts the limit to `backoff_ratio` of itself, and never above
-//!   the slots the others were holding when it said so: it just told us that was already too
-//!   many. Once per round: a slot taken before the last cut was handed out under the old limit,
-//!   and its 429 says nothing new (as TCP halves once per window, not once per lost packet).
-//!   Netflix's Gradient2 ignores drops and waits for latency to rise; a paid API that answers
-//!   429 at its cap without slowing down first would then be probed for ever, so here every
-//!   learner cuts on it.
+//! - **An overload is a loss, whatever the algorithm.** The upstream's 429 cuts the limit to
+//!   `backoff_ratio` of itself, and — when other slots were in use as it said so — never above
+//!   the slots those others held: it just told us that was already too many. A lone 429 (nothing
+//!   else of ours running) says the account is full elsewhere, not how many it takes: it cuts by
+//!   the ratio alone. Once per round: a slot taken before the last cut was handed out under the
+//!   old limit, and its 429 says nothing new (as TCP halves once per window, not once per lost
+//!   packet). Netflix's Gradient2 ignores drops and waits for latency to rise; a paid API that
+//!   answers 429 at its cap without slowing down first would then be probed for ever, so here
+//!   every learner cuts on it.
+//! - **A call not answered in time** ([`Signal::TimedOut`], a proxied server's only sign of
+//!   overload) is weaker evidence: one slow call may be slow for its own arguments. It cuts by
+//!   the ratio alone (never to what the others held), once per round, and only when other slots
+//!   were in use as it timed out: a lone slow call, with nothing else loading the upstream, says
+//!   nothing about how many calls it takes, and teaches nothing. (Which callers' time-outs may
+//!   teach at all is the door's call: the proxy lets no unverified caller's.)
 //! - **An answer** is learnt by the algorithm: [`aimd`] grows the limit by one slot per limit's
 //!   worth of answers; [`gradient2`] compares the answer's round-trip time with a long-term
 //!   average, shrinking when latency rises (a queue forming upstream) and growing while it is
@@ -45,8 +52,11 @@ pub const ALGORITHMS: &[&str] = &[aimd::NAME, gradient2::NAME];
 pub enum Signal {
     /// It took the work (a submission accepted, a call answered).
     Accepted,
-    /// It said it had too much (a 429; a proxied call that timed out).
+    /// It said it had too much (a 429).
     Overloaded,
+    /// It did not answer in time (a proxied call past `proxy.timeout_ms`, its own time: not the
+    /// wait for a slot).
+    TimedOut,
 }
 
 /// One use of a slot, as a learner learns from it.
@@ -146,20 +156,24 @@ impl Learner {
     /// Moves `learnt` by what `sample` said; the limit stays within `min` and `max`.
     pub fn learn(&self, learnt: &mut Learnt, sample: &Sample) {
         match (sample.signal, &self.algorithm) {
-            (Signal::Overloaded, _) => self.cut(learnt, sample),
+            (Signal::Overloaded | Signal::TimedOut, _) => self.cut(learnt, sample),
             (Signal::Accepted, Algorithm::Aimd) => aimd::answered(learnt, sample),
             (Signal::Accepted, Algorithm::Gradient2(gradient2)) => gradient2.answered(learnt, sample),
         }
         learnt.limit = learnt.limit.min(self.max as f64).max(self.min as f64);
     }
 
-    /// An overload: once per round, to `backoff_ratio` of the limit and no more than the others
-    /// held.
+    /// An overload: once per round, to `backoff_ratio` of the limit — and for a 429 while others
+    /// ran, no more than they held. A time-out with nothing else running teaches nothing.
     fn cut(&self, learnt: &mut Learnt, sample: &Sample) {
-        if sample.taken_at < learnt.cut_at {
+        if sample.taken_at < learnt.cut_at || (sample.signal == Signal::TimedOut && sample.others == 0) {
             return;
         }
-        learnt.limit = (learnt.limit * self.backoff_ratio).min(sample.others as f64);
+        let mut limit = learnt.limit * self.backoff_ratio;
+        if sample.signal == Signal::Overloaded && sample.others > 0 {
+            limit = limit.min(sample.others as f64);
+        }
+        learnt.limit = limit;
         learnt.cut_at = sample.now;
     }
 }
@@ -186,9 +200,23 @@ mod tests {
             assert_eq!(learner.current(&learnt), 6, "a slot taken before that cut says nothing new");
             learner.learn(&mut learnt, &sample(Signal::Overloaded, 12, 6, 13));
             assert_eq!(learner.current(&learnt), 5, "6 × 0.9 = 5.4");
-            learner.learn(&mut learnt, &sample(Signal::Overloaded, 14, 0, 15));
+            learner.learn(&mut learnt, &sample(Signal::Overloaded, 14, 1, 15));
             assert_eq!((learner.current(&learnt), learnt.limit), (2, 2.0), "never below min");
         }
+    }
+
+    #[test]
+    fn a_lone_overload_cuts_by_the_ratio_and_a_lone_time_out_teaches_nothing() {
+        let learner = Learner::new(1, 16, 0.9, Algorithm::Aimd);
+        let mut learnt = learner.fresh();
+        learner.learn(&mut learnt, &sample(Signal::TimedOut, 0, 0, 3));
+        assert_eq!((learner.current(&learnt), learnt.cut_at), (16, 0), "one slow call alone says nothing");
+        learner.learn(&mut learnt, &sample(Signal::Overloaded, 4, 0, 5));
+        assert_eq!(learner.current(&learnt), 14, "a lone 429: 16 × 0.9 = 14.4, not down to what else ran (0)");
+        learner.learn(&mut learnt, &sample(Signal::TimedOut, 6, 2, 9));
+        assert_eq!(learner.current(&learnt), 12, "a time-out while 2 others ran: 14.4 × 0.9, never to 2");
+        learner.learn(&mut learnt, &sample(Signal::TimedOut, 7, 5, 10));
+        assert_eq!(learner.current(&learnt), 12, "once per round: taken before the last cut");
     }
 
     #[test]

@@ -24,7 +24,7 @@ use crate::identity::Caller;
 use crate::mcp::McpServer;
 use crate::mcp::{limited, results};
 use crate::upstream::UpstreamError;
-use crate::upstream::api::{NewArticle, NewPrediction, PredictionKind, PredictionStatus};
+use crate::upstream::api::{ArticlePage, NewArticle, NewPrediction, PredictionKind, PredictionStatus};
 use crate::upstream::jobs::{JobView, Owner};
 use crate::upstream::queue::{QueueFull, Reservation};
 
@@ -391,6 +391,19 @@ pub struct StatusReport {
     pub cost_formulas: BTreeMap<String, String>,
 }
 
+/// What an agent reads of a page of articles: the titles, and how to get more — or, for an empty
+/// page, a sentence that says so and what to try instead.
+fn articles_found(query: Option<&str>, page: &ArticlePage) -> String {
+    let more = page.next_cursor.as_deref().map(|c| format!(" More with cursor \"{c}\".")).unwrap_or_default();
+    let titles: Vec<&str> = page.articles.iter().map(|a| a.title.as_str()).collect();
+    match (titles.as_slice(), query) {
+        ([], Some(query)) => format!("No articles match \"{query}\". Try fewer or other words, or no query to list them all."),
+        ([], None) => format!("There are no articles on this page.{more}"),
+        ([one], _) => format!("1 article: {one}.{more}"),
+        (titles, _) => format!("{} articles: {}.{more}", titles.len(), titles.join("; ")),
+    }
+}
+
 fn success(summary: String, structured: impl Serialize) -> Result<CallToolResult, ErrorData> {
     let value = serde_json::to_value(structured).map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
     let mut result = CallToolResult::success(vec![ContentBlock::text(summary)]);
@@ -414,7 +427,9 @@ fn upstream_refusal(tool: &str, error: UpstreamError) -> CallToolResult {
         error @ UpstreamError::Unauthorized(_) => {
             Refusal::upstream_unavailable(tool, &error.to_string(), UPSTREAM_FAILURE_WAIT_MS)
         }
-        UpstreamError::Unavailable(detail) => Refusal::upstream_unavailable(tool, &detail, UPSTREAM_FAILURE_WAIT_MS),
+        UpstreamError::Unavailable(detail) | UpstreamError::NoAnswer(detail) => {
+            Refusal::upstream_unavailable(tool, &detail, UPSTREAM_FAILURE_WAIT_MS)
+        }
         UpstreamError::CircuitOpen { retry_after } => breaker_open(tool, retry_after),
     };
     tracing::warn!(tool, code = refusal.code.as_str(), "upstream refusal");
@@ -578,7 +593,8 @@ impl McpServer {
                 let reserved = reservation.map(|r| self.own.jobs.bill(&view.prediction.id, r));
                 submitted(view, reserved)
             }
-            // The upstream took no work: nothing is charged.
+            // Its one attempt failed: charged as the settlement rule says (a failed upstream call
+            // is still charged; see `guard::settle`).
             Err(e) => {
                 let refusal = upstream_refusal(tool, e);
                 match reservation {
@@ -626,10 +642,8 @@ impl McpServer {
         let cursor = Some(args.cursor.as_str()).filter(|c| !c.is_empty());
         match self.observe("list_articles", self.own.upstream.list_articles(query, args.limit, cursor).await) {
             Ok(page) => {
-                let more =
-                    page.next_cursor.as_deref().map(|c| format!(" More with cursor \"{c}\".")).unwrap_or_default();
-                let titles: Vec<&str> = page.articles.iter().map(|a| a.title.as_str()).collect();
-                success(format!("{} articles: {}.{more}", titles.len(), titles.join("; ")), page)
+                let text = articles_found(query, &page);
+                success(text, page)
             }
             Err(e) => Ok(upstream_refusal("list_articles", e)),
         }

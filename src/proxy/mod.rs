@@ -281,8 +281,13 @@ impl Proxied {
         })
     }
 
-    /// Waits for the call's turn, sends it, and waits for the answer, all within the timeout;
-    /// `progress` is where the call's progress goes (a downstream session and its token).
+    /// Waits for the call's turn (at most `proxy.timeout_ms`), sends it, and waits for the answer
+    /// (at most `proxy.timeout_ms` of the proxied server's own time); `progress` is where the
+    /// call's progress goes (a downstream session and its token).
+    ///
+    /// Cancel-safe: dropped anywhere — its caller cancelled — the call leaves the line at once
+    /// ([`Turn`](crate::upstream::queue::Turn)), gives back any slot it held, and the proxied
+    /// server is told to stop a call already sent.
     async fn forward(
         &self,
         caller: &Caller,
@@ -292,14 +297,14 @@ impl Proxied {
         progress: Option<(u64, ProgressToken)>,
     ) -> Result<CallToolResponse, Unanswered> {
         let tool = request.name.to_string();
-        let started = self.clock.now();
         // On the server's one clock, like every other wait: a test walks past it.
         let timeout = u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX);
-        let deadline = started.saturating_add(timeout);
-        // Still waiting for a turn when the time is up: a place frees in about a call's time.
-        let timed_out = || {
+        let queued_at = self.clock.now();
+        // No turn in time: the call was never sent. A place frees in about a call's time.
+        let never_sent = || {
+            let waited = self.clock.now().saturating_sub(queued_at);
             let wait = self.mean_call.load(Ordering::Relaxed).max(NANOS_PER_MS);
-            unavailable(&tool, &format!("it did not answer within {} ms", self.timeout.as_millis()), wait)
+            Refusal::never_sent(&tool, waited, self.queue.slots(), wait)
         };
         let slot = match place.start_now().await {
             Ok(slot) => slot,
@@ -307,17 +312,17 @@ impl Proxied {
                 let id = format!("call-{}", self.calls.fetch_add(1, Ordering::Relaxed));
                 let owner = Owner::of(caller, &self.limits.guard().policy());
                 let turn = place.enqueue(&owner.flowing(), &id);
-                match self.by(deadline, turn).await {
+                // Dropped here when the time is up, the turn takes the call out of the line.
+                match self.by(queued_at.saturating_add(timeout), turn).await {
                     Some(Ok(slot)) => slot,
-                    Some(Err(_)) => return Err(Unanswered::NotSent(timed_out())),
-                    None => {
-                        self.queue.remove(&id);
-                        return Err(Unanswered::NotSent(timed_out()));
-                    }
+                    Some(Err(_)) | None => return Err(Unanswered::NotSent(never_sent())),
                 }
             }
         };
-        let now = self.clock.now();
+        let started = self.clock.now();
+        // The proxied server's own time: what it took teaches the limit, the queue's wait does not.
+        let deadline = started.saturating_add(timeout);
+        let now = started;
         let permit = self
             .breaker
             .permit(now)
@@ -348,7 +353,10 @@ impl Proxied {
         let mean = self.mean_call.load(Ordering::Relaxed);
         self.mean_call.store(if mean == 0 { took } else { mean - mean / 8 + took / 8 }, Ordering::Relaxed);
         match &answer {
-            None => slot.overloaded().await,
+            // A slow call may be slow for its own arguments: an unverified caller, who can send
+            // any, must not shrink the limit every caller shares (see `Signal::TimedOut`).
+            None if caller.unverified_from().is_none() => slot.timed_out().await,
+            None => {}
             Some(Ok(_)) => slot.accepted().await,
             Some(Err(_)) => {}
         }

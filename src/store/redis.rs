@@ -577,7 +577,33 @@ impl RedisStore {
     /// [`RedisStore::run_unless_blocked`], with the in-flight checks decided under the learnt
     /// limit `under` names when there is one (read in the same script, its key last), and what
     /// that limit stood at.
+    ///
+    /// Cancel-safe: the in-flight slots the script may take under `lease` are owned by a guard
+    /// from the moment it is sent ([`Unanswered`]). Dropped before its answer (its caller was
+    /// cancelled) or failed (timed out: Redis may run it all the same), the decision gives them
+    /// back; only an answer in hand hands them to the caller, who holds them by [`SlotGuard`]s
+    /// made in the same step.
+    ///
+    /// [`SlotGuard`]: crate::store::SlotGuard
     async fn run_script(
+        &self,
+        checks: &[Check<'_>],
+        blocks: &[&str],
+        looped: Option<LoopCall<'_>>,
+        under: Option<LearntAt<'_>>,
+        now_us: Option<u64>,
+        lease: Lease,
+    ) -> Result<(Verdict, Option<SharedLimit>), StoreError> {
+        let unanswered = Unanswered::of(self, checks, lease);
+        let answer = self.ask_script(checks, blocks, looped, under, now_us, lease).await;
+        if answer.is_ok() {
+            unanswered.answered();
+        }
+        answer
+    }
+
+    /// [`RedisStore::run_script`]'s round trip.
+    async fn ask_script(
         &self,
         checks: &[Check<'_>],
         blocks: &[&str],
@@ -760,6 +786,70 @@ fn script_span(check: &Check<'_>) -> Result<Nanos, StoreError> {
 
 /// Runs one Redis call under the store timeout, naming what went wrong in terms a user can act
 /// on.
+/// The in-flight slots a decision in flight may take under its lease, on the keys it names:
+/// given back if it is dropped before [`Unanswered::answered`] — the decision was cancelled, or
+/// failed without an answer that says what it took. Giving a lease back is safe whether or not
+/// the script ran: `release.lua` takes only that lease's units, and leaves a tombstone a late
+/// renewal cannot revive. (The release goes on the same connection after the decision, so Redis
+/// runs it after.)
+struct Unanswered {
+    /// What the release needs, while armed; `None` for a decision that can take no slot.
+    release: Option<Release>,
+    lease: Lease,
+}
+
+struct Release {
+    connection: Connection,
+    script: Script,
+    address: String,
+    timeout: Duration,
+    lease_us: u64,
+    keys: Vec<String>,
+}
+
+impl Unanswered {
+    fn of(store: &RedisStore, checks: &[Check<'_>], lease: Lease) -> Self {
+        let keys: Vec<String> =
+            checks.iter().filter(|c| c.cost > 0 && c.limiter.holds_slots()).map(|c| c.key.to_owned()).collect();
+        let release = (!keys.is_empty()).then(|| Release {
+            connection: store.connection.clone(),
+            script: store.release.clone(),
+            address: store.address.clone(),
+            timeout: store.timeout,
+            lease_us: u64::try_from(store.lease.as_micros()).unwrap_or(u64::MAX),
+            keys,
+        });
+        Self { release, lease }
+    }
+
+    /// The answer is in hand: what it took is the caller's to hold now.
+    fn answered(mut self) {
+        self.release = None;
+    }
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        let Some(release) = self.release.take() else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!("a decision was dropped outside the runtime: its lease will run out");
+            return;
+        };
+        let lease = self.lease;
+        runtime.spawn(async move {
+            for key in &release.keys {
+                let mut invocation = release.script.key(key);
+                invocation.arg(lease).arg(release.lease_us);
+                let given: Result<i64, _> =
+                    bounded(&release.address, release.timeout, release.connection.invoke(&invocation)).await;
+                if let Err(error) = given {
+                    tracing::warn!(%error, "could not give back the slots of an unanswered decision: their lease will run out");
+                }
+            }
+        });
+    }
+}
+
 async fn bounded<T>(
     address: &str,
     timeout: Duration,

@@ -147,6 +147,9 @@ struct Job {
     slots: Vec<Slots>,
     /// The price the call that started it reserved, settled when the job is final.
     reservation: Option<Reserved>,
+    /// A submission of it was sent and never answered (a timeout, a broken connection): the
+    /// upstream may have started it, though it never said so.
+    may_have_run: bool,
     /// Units reserved, and charged once settled, as the agent is shown them.
     reserved: Option<u64>,
     charged: Option<u64>,
@@ -336,6 +339,7 @@ impl Jobs {
             created: SystemTime::now(),
             slots,
             reservation: None,
+            may_have_run: false,
             reserved: None,
             charged: None,
             cancel: CancellationToken::new(),
@@ -405,6 +409,11 @@ impl Jobs {
                 Err(error) if error.is_transient() => {
                     // Nothing runs upstream while we back off: the slot goes to the next job.
                     drop(account);
+                    if error.may_have_run()
+                        && let Some(job) = self.book().get_mut(id)
+                    {
+                        job.may_have_run = true;
+                    }
                     failed += 1;
                     let next = self.backoff_after(failed, &error);
                     match next {
@@ -863,9 +872,12 @@ fn unreachable_view(id: &str) -> JobView {
 }
 
 /// What a final job's work came to, as far as its price goes: nothing if the upstream never
-/// took it (it never left our queue), else what the upstream reports, if it does.
+/// took it (it never left our queue, or every submission was refused), the reservation if a
+/// submission went unanswered (the upstream may have started it), else what the upstream
+/// reports, if it does.
 fn used_by(job: &Job) -> Used {
     match (&job.upstream_id, job.last.usage) {
+        (None, _) if job.may_have_run => Used::Unreported,
         (None, _) => Used::Nothing,
         (Some(_), Some(usage)) => Used::Reported(usage.units),
         (Some(_), None) => Used::Unreported,

@@ -31,9 +31,14 @@ pub enum UpstreamError {
         /// The upstream's Retry-After.
         retry_after: Option<Duration>,
     },
-    /// 5xx, timeout, connection failure or an unreadable answer.
+    /// The request did not reach the API's work: a connection that could not be made, or the
+    /// API's own failure (5xx).
     #[error("{0}")]
     Unavailable(String),
+    /// The request was sent and no usable answer came (a timeout, a connection broken before the
+    /// answer, an answer that cannot be read): the API may have done the work, and billed it.
+    #[error("{0}")]
+    NoAnswer(String),
     /// The thing asked for does not exist upstream.
     #[error("not found")]
     NotFound,
@@ -56,7 +61,7 @@ impl UpstreamError {
     pub fn outcome(&self) -> &'static str {
         match self {
             UpstreamError::RateLimited { .. } => "rate_limited",
-            UpstreamError::Unavailable(_) => "unavailable",
+            UpstreamError::Unavailable(_) | UpstreamError::NoAnswer(_) => "unavailable",
             UpstreamError::NotFound => "not_found",
             UpstreamError::Unauthorized(_) => "unauthorized",
             UpstreamError::Rejected(_) => "rejected",
@@ -71,7 +76,13 @@ impl UpstreamError {
 
     /// Whether the same request may succeed later (429, 5xx, timeouts); a 4xx will not.
     pub fn is_transient(&self) -> bool {
-        matches!(self, UpstreamError::RateLimited { .. } | UpstreamError::Unavailable(_))
+        matches!(self, UpstreamError::RateLimited { .. } | UpstreamError::Unavailable(_) | UpstreamError::NoAnswer(_))
+    }
+
+    /// Whether the upstream may have done the work the request asked for, though no answer
+    /// says so (see [`UpstreamError::NoAnswer`]).
+    pub fn may_have_run(&self) -> bool {
+        matches!(self, UpstreamError::NoAnswer(_))
     }
 }
 
@@ -170,7 +181,8 @@ impl Upstream {
             .permit(self.clock.now())
             .map_err(|open| UpstreamError::CircuitOpen { retry_after: open.retry_after })?;
         let answer = read_json(request.send().await).await;
-        self.breaker.record(permit, !matches!(answer, Err(UpstreamError::Unavailable(_))), self.clock.now());
+        let failed = matches!(answer, Err(UpstreamError::Unavailable(_) | UpstreamError::NoAnswer(_)));
+        self.breaker.record(permit, !failed, self.clock.now());
         answer
     }
 
@@ -240,7 +252,14 @@ async fn read_json<T: serde::de::DeserializeOwned>(
     sent: Result<reqwest::Response, reqwest::Error>,
 ) -> Result<T, UpstreamError> {
     let response = sent.map_err(|e| {
-        UpstreamError::Unavailable(if e.is_timeout() { "timed out".into() } else { "connection failed".into() })
+        if e.is_timeout() {
+            UpstreamError::NoAnswer("timed out".into())
+        } else if e.is_connect() || e.is_builder() {
+            UpstreamError::Unavailable("connection failed".into())
+        } else {
+            // Written, perhaps whole, before the connection broke.
+            UpstreamError::NoAnswer("the connection broke before the answer".into())
+        }
     })?;
     let status = response.status();
     if status == StatusCode::TOO_MANY_REQUESTS {
@@ -268,5 +287,5 @@ async fn read_json<T: serde::de::DeserializeOwned>(
             text.chars().take(200).collect::<String>()
         )));
     }
-    response.json::<T>().await.map_err(|e| UpstreamError::Unavailable(format!("unreadable answer: {e}")))
+    response.json::<T>().await.map_err(|e| UpstreamError::NoAnswer(format!("unreadable answer: {e}")))
 }

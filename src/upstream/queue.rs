@@ -190,12 +190,44 @@ impl std::fmt::Debug for FairQueue {
     }
 }
 
+/// A slot counted in the queue's state, owned from the instant it is counted: dropped — its
+/// holder cancelled, or it never became an [`AccountSlot`] — it is given back. Nothing awaits
+/// between counting a slot and making its guard, so no cancelled future can keep one.
+struct Counted {
+    queue: Arc<FairQueue>,
+    /// Counted for an unverified caller's job: also one of their share.
+    unverified: bool,
+    /// Still counted (not given back yet).
+    held: bool,
+}
+
+impl Counted {
+    /// Counts a slot for a job of this class in `state` (the queue's, locked).
+    fn take(queue: &Arc<FairQueue>, state: &mut State, unverified: bool) -> Self {
+        state.take_slot(unverified);
+        Self { queue: queue.clone(), unverified, held: true }
+    }
+
+    /// Gives the slot back under a lock already held, with whatever else that step decides.
+    fn give_back(mut self, state: &mut State) {
+        state.give_slot(self.unverified);
+        self.held = false;
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        if self.held {
+            self.queue.state().give_slot(self.unverified);
+            self.queue.changed.notify_waiters();
+        }
+    }
+}
+
 /// One of the account's slots, held by a job while the upstream runs it; given back on drop.
 #[must_use = "dropping an account slot gives it back at once"]
 pub struct AccountSlot {
-    queue: Arc<FairQueue>,
-    /// Held by an unverified caller's job: also one of their share.
-    unverified: bool,
+    counted: Counted,
     /// When it was handed out, on the queue's clock.
     taken_at: Nanos,
     /// When the shared store gave it, on the store's clock, if it was claimed under the shared
@@ -214,20 +246,18 @@ impl std::fmt::Debug for AccountSlot {
 impl AccountSlot {
     /// The upstream took the work this slot was for: an adaptive limit may grow.
     pub async fn accepted(&self) {
-        self.queue.learn(self, Signal::Accepted).await;
+        self.counted.queue.learn(self, Signal::Accepted).await;
     }
 
-    /// The upstream said it had too much (a 429, a call not answered in time): an adaptive
-    /// limit shrinks.
+    /// The upstream said it had too much (a 429): an adaptive limit shrinks.
     pub async fn overloaded(&self) {
-        self.queue.learn(self, Signal::Overloaded).await;
+        self.counted.queue.learn(self, Signal::Overloaded).await;
     }
-}
 
-impl Drop for AccountSlot {
-    fn drop(&mut self) {
-        self.queue.state().give_slot(self.unverified);
-        self.queue.changed.notify_waiters();
+    /// The upstream did not answer the work within its time (its own time, from this slot on):
+    /// an adaptive limit shrinks if other slots were in use too (see [`Signal::TimedOut`]).
+    pub async fn timed_out(&self) {
+        self.counted.queue.learn(self, Signal::TimedOut).await;
     }
 }
 
@@ -261,8 +291,55 @@ impl std::fmt::Debug for Reservation {
     }
 }
 
-/// A job waiting for its turn: resolves to its account slot, or to `None` if it left the line.
-pub type Turn = oneshot::Receiver<AccountSlot>;
+/// A job waiting for its turn: resolves to its account slot, or to an error if it left the line
+/// (cancelled, expired). Dropped before its turn came — its caller cancelled, or stopped
+/// waiting — the job leaves the line at once, and its place is free for another.
+#[must_use = "dropping a turn takes its job out of the line"]
+pub struct Turn {
+    slot: oneshot::Receiver<AccountSlot>,
+    queue: Arc<FairQueue>,
+    id: String,
+    /// Its slot (or the news that it left) has arrived.
+    done: bool,
+}
+
+impl std::fmt::Debug for Turn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Turn").field("id", &self.id).field("done", &self.done).finish()
+    }
+}
+
+impl Turn {
+    /// Its slot if it has come, without waiting ([`oneshot::Receiver::try_recv`]).
+    pub fn try_recv(&mut self) -> Result<AccountSlot, oneshot::error::TryRecvError> {
+        let answer = self.slot.try_recv();
+        if !matches!(answer, Err(oneshot::error::TryRecvError::Empty)) {
+            self.done = true;
+        }
+        answer
+    }
+}
+
+impl Future for Turn {
+    type Output = Result<AccountSlot, oneshot::error::RecvError>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let answer = std::task::ready!(std::pin::Pin::new(&mut self.slot).poll(cx));
+        self.done = true;
+        std::task::Poll::Ready(answer)
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        if !self.done {
+            // Closed first, so the entry this turn waited on reads as abandoned; a slot already
+            // sent into it goes back as the channel drops it.
+            self.slot.close();
+            self.queue.forget_abandoned(&self.id);
+        }
+    }
+}
 
 /// Where a waiting job stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -482,23 +559,23 @@ impl FairQueue {
                 let rules = self.rules_now();
                 match state.pick(&rules, now) {
                     Some(job) => {
-                        state.take_slot(job.unverified);
+                        let counted = Counted::take(&self, &mut state, job.unverified);
                         if job.kind == PredictionKind::Video {
                             state.next_video_at = now.saturating_add(self.rules.video_gap);
                         }
-                        (Some(job), None)
+                        (Some((job, counted)), None)
                     }
                     None => (None, state.next_wake(&rules, now)),
                 }
             };
-            if let Some(job) = picked {
+            if let Some((job, counted)) = picked {
                 let (leases, shared_at) = match self.claim(job.kind, job.unverified).await {
                     Claim::Go(leases, shared_at) => (leases, shared_at),
                     Claim::Wait(wait, blocker) => {
                         // Another instance holds the slots (or the share), or submitted a video
                         // within the gap: back to the front, until the store says.
                         let mut state = self.state();
-                        state.give_slot(job.unverified);
+                        counted.give_back(&mut state);
                         let until = self.clock.now().saturating_add(wait);
                         match blocker {
                             Blocker::Account => state.account_full_until = until,
@@ -511,13 +588,7 @@ impl FairQueue {
                 };
                 // A job that left meanwhile drops its receiver: the slot comes straight back.
                 let taken_at = self.clock.now();
-                let slot = AccountSlot {
-                    queue: self.clone(),
-                    unverified: job.unverified,
-                    taken_at,
-                    shared_at,
-                    _leases: leases,
-                };
+                let slot = AccountSlot { counted, taken_at, shared_at, _leases: leases };
                 let _ = job.turn.send(slot);
                 continue;
             }
@@ -593,14 +664,14 @@ impl FairQueue {
 
     /// Puts `id` back at the front of `flow` after a failed attempt (its slot already given
     /// back), not to leave before `not_before`.
-    pub fn requeue_front(&self, flow: &Flowing<'_>, id: &str, kind: PredictionKind, not_before: Nanos) -> Turn {
+    pub fn requeue_front(self: &Arc<Self>, flow: &Flowing<'_>, id: &str, kind: PredictionKind, not_before: Nanos) -> Turn {
         let (turn, waiting) = oneshot::channel();
         let (unverified, quantum) = (flow.unverified, flow.quantum);
         let job = Waiting { id: id.to_owned(), kind, unverified, not_before, flow: String::new(), quantum, turn };
         let flow = flow.name;
         self.state().push(flow, quantum, job, true);
         self.changed.notify_waiters();
-        waiting
+        Turn { slot: waiting, queue: self.clone(), id: id.to_owned(), done: false }
     }
 
     /// Takes `id` out of the line (a cancelled job); `true` if it was waiting.
@@ -610,6 +681,14 @@ impl FairQueue {
             self.changed.notify_waiters();
         }
         removed
+    }
+
+    /// Takes out of the line the entries for `id` whose [`Turn`] was dropped before it came.
+    fn forget_abandoned(&self, id: &str) {
+        let removed = self.state().remove_abandoned(id);
+        if removed {
+            self.changed.notify_waiters();
+        }
     }
 
     /// What the queue holds now.
@@ -631,33 +710,31 @@ impl FairQueue {
 impl Reservation {
     /// An account slot at once, if one is free and no job is waiting for one (nobody is
     /// overtaken). Videos always wait their turn: the gap applies to them.
+    ///
+    /// Cancel-safe: dropped while the shared store is asked, the slot counted here goes back (its
+    /// guard owns it from the instant it is counted), and so do the place and any lease the store
+    /// may have taken ([`Store::decide`]).
     pub async fn start_now(mut self) -> Result<AccountSlot, Self> {
         let queue = self.queue.clone();
-        {
+        let counted = {
             let mut state = queue.state();
             let free = state.door_open(&queue.rules_now(), self.unverified, queue.clock.now());
             if self.kind != PredictionKind::Image || !free {
                 return Err(self);
             }
             // Taken locally first, so two calls racing here cannot both pass the local cap.
-            state.take_slot(self.unverified);
-        }
+            Counted::take(&queue, &mut state, self.unverified)
+        };
         match queue.claim(self.kind, self.unverified).await {
             Claim::Go(leases, shared_at) => {
                 self.release_place(&mut queue.state());
                 self.used = true;
                 let taken_at = queue.clock.now();
-                Ok(AccountSlot {
-                    queue: queue.clone(),
-                    unverified: self.unverified,
-                    taken_at,
-                    shared_at,
-                    _leases: leases,
-                })
+                Ok(AccountSlot { counted, taken_at, shared_at, _leases: leases })
             }
             Claim::Wait(wait, blocker) => {
                 let mut state = queue.state();
-                state.give_slot(self.unverified);
+                counted.give_back(&mut state);
                 let until = queue.clock.now().saturating_add(wait);
                 match blocker {
                     Blocker::UnverifiedShare => state.unverified_full_until = until,
@@ -687,7 +764,7 @@ impl Reservation {
         state.push(flow.name, quantum, job, false);
         drop(state);
         self.queue.changed.notify_waiters();
-        waiting
+        Turn { slot: waiting, queue: self.queue.clone(), id: id.to_owned(), done: false }
     }
 
     /// Gives the promised place back to the count (it became a slot, a waiting job, or nothing).
@@ -729,6 +806,7 @@ mod tests {
 
     use super::*;
     use crate::clock::{ManualClock, NANOS_PER_SEC};
+    use crate::store::{Lease, StoreFuture, Verdict};
 
     const GAP: Nanos = 2 * NANOS_PER_SEC;
 
@@ -773,7 +851,7 @@ mod tests {
             }
             let (i, flow, slot) = next.expect("someone is served");
             order.push(flow);
-            turns.remove(i);
+            drop(turns.remove(i));
             drop(slot);
         }
         assert_eq!(order, vec!["a", "b", "a", "a"]);
@@ -808,6 +886,79 @@ mod tests {
         drop(a);
         let _c = granted(&mut waiting).await.expect("the freed slot goes to the waiting job");
         assert_eq!(q.occupancy().in_flight, 2);
+    }
+
+    /// A shared store that never answers a decision (Redis behind a dead link): what it was
+    /// asked to give back is recorded.
+    #[derive(Debug, Default)]
+    struct Stalled {
+        released: Mutex<Vec<String>>,
+    }
+
+    impl Store for Stalled {
+        fn decide<'a>(&'a self, _: &'a [Check<'a>], _: &'a [&'a str], _: Lease) -> StoreFuture<'a, Verdict> {
+            Box::pin(std::future::pending())
+        }
+        fn adjust<'a>(
+            &'a self,
+            _: &'a [(&'a str, &'a Limiter)],
+            _: crate::limit::Adjustment,
+            _: Option<&'a str>,
+        ) -> StoreFuture<'a, Vec<crate::limit::Decision>> {
+            Box::pin(std::future::pending())
+        }
+        fn forget<'a>(&'a self, _: &'a [&'a str]) -> StoreFuture<'a, u64> {
+            Box::pin(std::future::pending())
+        }
+        fn block<'a>(&'a self, _: &'a str, _: Duration) -> StoreFuture<'a, ()> {
+            Box::pin(std::future::pending())
+        }
+        fn unblock<'a>(&'a self, _: &'a str) -> StoreFuture<'a, bool> {
+            Box::pin(std::future::pending())
+        }
+        fn block_left<'a>(&'a self, _: &'a str) -> StoreFuture<'a, Option<Nanos>> {
+            Box::pin(std::future::pending())
+        }
+        fn release(self: Arc<Self>, key: &str, _: &Limiter, _: u64, _: Lease) {
+            self.released.lock().unwrap_or_else(|p| p.into_inner()).push(key.to_owned());
+        }
+        fn is_shared(&self) -> bool {
+            true
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_dropped_while_the_shared_store_decides_gives_its_slot_and_place_back() {
+        let clock = ManualClock::new();
+        let rules = QueueRules::new(1, GAP, 1, 1);
+        let metrics = Arc::new(Metrics::default());
+        let q = Arc::new(FairQueue::new(rules, clock.clone()).shared_in(Arc::new(Stalled::default()), "t", metrics));
+        let place = q.reserve(PredictionKind::Image, false).expect("room");
+        let starting = tokio::time::timeout(Duration::from_millis(20), place.start_now()).await;
+        assert!(starting.is_err(), "the store never answers: the caller gives up (a client's cancel)");
+        assert_eq!(q.occupancy().in_flight, 0, "the slot counted before the store was asked came back");
+        let again = q.reserve(PredictionKind::Image, false).expect("the place came back");
+        drop(again);
+    }
+
+    #[tokio::test]
+    async fn a_job_whose_turn_is_dropped_leaves_the_line_at_once_and_only_that_entry() {
+        let clock = ManualClock::new();
+        let q = queue(&clock, 1);
+        let held = q.reserve(PredictionKind::Image, false).expect("room").start_now().await.expect("a free slot");
+        let first = q.reserve(PredictionKind::Image, false).expect("room").enqueue(&flow("a"), "a0");
+        let mut second = q.reserve(PredictionKind::Image, false).expect("room").enqueue(&flow("b"), "b0");
+        assert_eq!(q.occupancy().waiting, 2);
+        drop(first);
+        assert_eq!(q.occupancy().waiting, 1, "the cancelled call is out of the line before any slot frees");
+        assert_eq!(q.position("b0").map(|p| p.ahead), Some(0), "nobody is ahead of b0 any more");
+        drop(held);
+        let slot = granted(&mut second).await.expect("the freed slot goes to the one still waiting");
+        drop(slot);
+        // A turn that got its slot has nothing to take out: the next job under that id stays.
+        let mut retried = q.requeue_front(&flow("b"), "b0", PredictionKind::Image, 0);
+        drop(second);
+        assert!(granted(&mut retried).await.is_some(), "a retry under the same id is not taken out");
     }
 
     #[tokio::test]

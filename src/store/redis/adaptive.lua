@@ -83,13 +83,18 @@ local function learnt_current(learner, learnt)
   return math.max(learner.min, math.min(learner.max, math.floor(learnt.limit)))
 end
 
--- An overload, whatever the learner: once per round, to backoff_ratio of the limit and no more
--- than the others held (Learner::cut).
-local function cut_learnt(learner, learnt, taken_at_us, others, now_us)
-  if taken_at_us < learnt.cut_at_us then
+-- An overload, whatever the learner (Learner::cut): once per round, to backoff_ratio of the
+-- limit, and for a 429 (`timed_out` false) while others ran no more than they held; a time-out
+-- with nothing else running teaches nothing.
+local function cut_learnt(learner, learnt, timed_out, taken_at_us, others, now_us)
+  if taken_at_us < learnt.cut_at_us or (timed_out and others == 0) then
     return
   end
-  learnt.limit = math.min(learnt.limit * learner.backoff_ratio, others)
+  local limit = learnt.limit * learner.backoff_ratio
+  if not timed_out and others > 0 then
+    limit = math.min(limit, others)
+  end
+  learnt.limit = limit
   learnt.cut_at_us = now_us
 end
 

@@ -6,7 +6,8 @@
 -- ARGV[1]: now in epoch microseconds, or "" to use Redis's TIME.
 -- ARGV[2]: how long the state is kept past this use (ms).
 -- ARGV[3]: the learner (see adaptive.lua).
--- ARGV[4]: "1" the upstream took the work, "0" it said it had too much, "" only read.
+-- ARGV[4]: "1" the upstream took the work, "0" it said it had too much (a 429), "2" it did not
+-- answer in time, "" only read.
 -- ARGV[5]: the slot's round-trip time (ns). ARGV[6]: when the slot was taken (us, this clock).
 -- ARGV[7]: the slots in use besides it, or "" to count the live leases on KEYS[2] but its own.
 -- Returns {the whole slots it hands out, the limit (17 significant digits), now (us)}.
@@ -30,8 +31,8 @@ else
   if not others then
     others = math.max(units_of(live_leases(load_leases(KEYS[2]), now_us)) - 1, 0)
   end
-  if ARGV[4] == '0' then
-    cut_learnt(learner, learnt, tonumber(ARGV[6]), others, now_us)
+  if ARGV[4] == '0' or ARGV[4] == '2' then
+    cut_learnt(learner, learnt, ARGV[4] == '2', tonumber(ARGV[6]), others, now_us)
   else
     learners[learner.name](learner, learnt, tonumber(ARGV[5]), others)
   end

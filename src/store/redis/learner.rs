@@ -87,6 +87,7 @@ impl RedisStore {
         invocation.arg(match signal {
             Some(Signal::Accepted) => "1",
             Some(Signal::Overloaded) => "0",
+            Some(Signal::TimedOut) => "2",
             None => "",
         });
         invocation.arg(rtt).arg(taken_us).arg(others.map_or_else(String::new, |n| n.to_string()));

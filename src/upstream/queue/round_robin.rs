@@ -164,6 +164,22 @@ impl State {
         }
     }
 
+    /// Takes out the entries for `id` whose turn nobody waits for any more.
+    pub(super) fn remove_abandoned(&mut self, id: &str) -> bool {
+        let mut removed = false;
+        self.flows.retain(|_, flow| {
+            let before = flow.jobs.len();
+            flow.jobs.retain(|w| !(w.id == id && w.turn.is_closed()));
+            removed |= flow.jobs.len() != before;
+            !flow.jobs.is_empty()
+        });
+        if removed {
+            let flows = &self.flows;
+            self.ring.retain(|key| flows.contains_key(key));
+        }
+        removed
+    }
+
     pub(super) fn remove(&mut self, id: &str) -> bool {
         let Some(key) = self.flows.iter().find(|(_, f)| f.jobs.iter().any(|w| w.id == id)).map(|(k, _)| k.clone())
         else {
