@@ -10,87 +10,24 @@ mod common;
 mod process;
 #[path = "common/redis.rs"]
 mod test_redis;
+#[path = "common/slow_link.rs"]
+mod slow_link;
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::metric_sum;
+use slow_link::Impairment;
 use process::{Server, Session, quantile};
 use serde_json::json;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
 
 /// `store.timeout_ms` in this test.
 const STORE_TIMEOUT: Duration = Duration::from_millis(200);
 /// What a request may take beyond it: the server's own work in a debug build on a loaded
 /// 2-core machine (a few ms when quiet).
 const MARGIN: Duration = Duration::from_millis(150);
-/// How long a lost segment is held: TCP's initial retransmission timeout (RFC 6298).
-const RETRANSMISSION: Duration = Duration::from_secs(1);
-
-/// What the proxy does to every chunk it forwards, changed while it runs.
-#[derive(Default)]
-struct Impairment {
-    latency_ms: AtomicU64,
-    /// Chunks lost, per thousand.
-    loss_per_mille: AtomicU64,
-}
-
-/// A TCP proxy in front of Redis that delays each chunk by the latency (in order, per
-/// direction) and holds a lost one for a retransmission timeout.
-async fn start_proxy(redis: SocketAddr, impairment: Arc<Impairment>) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
-    let addr = listener.local_addr().expect("proxy address");
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let impairment = impairment.clone();
-            tokio::spawn(async move {
-                let Ok(server) = TcpStream::connect(redis).await else { return };
-                let (client_read, client_write) = client.into_split();
-                let (server_read, server_write) = server.into_split();
-                // Either direction ending closes both: a broken connection, as the client sees it.
-                tokio::select! {
-                    () = impaired(client_read, server_write, impairment.clone()) => {}
-                    () = impaired(server_read, client_write, impairment) => {}
-                }
-            });
-        }
-    });
-    addr
-}
-
-async fn impaired<R, W>(mut from: R, mut to: W, impairment: Arc<Impairment>)
-where
-    R: AsyncReadExt + Unpin,
-    W: AsyncWriteExt + Unpin,
-{
-    let (chunks, mut arrived) = tokio::sync::mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
-    let read = async move {
-        let mut buffer = vec![0u8; 16 * 1024];
-        while let Ok(n @ 1..) = from.read(&mut buffer).await {
-            if chunks.send((Instant::now(), buffer[..n].to_vec())).is_err() {
-                return;
-            }
-        }
-    };
-    let write = async move {
-        while let Some((at, chunk)) = arrived.recv().await {
-            let mut due = at + Duration::from_millis(impairment.latency_ms.load(Ordering::Relaxed));
-            if rand::random_range(0..1000) < impairment.loss_per_mille.load(Ordering::Relaxed) {
-                due += RETRANSMISSION;
-            }
-            tokio::time::sleep_until(due.into()).await;
-            if to.write_all(&chunk).await.is_err() {
-                return;
-            }
-        }
-    };
-    tokio::join!(read, write);
-}
-
 /// One phase's calls: how long each took, and what each answered.
 #[derive(Default)]
 struct Phase {
@@ -146,9 +83,8 @@ async fn run_phase(caller: &Session, span: Duration, tag: &str) -> Phase {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_or_lossy_redis_costs_a_request_at_most_the_store_timeout_and_service_returns() {
     let redis = test_redis::TestRedis::private();
-    let redis_addr: SocketAddr = redis.url.trim_start_matches("redis://").trim_end_matches('/').parse().expect("addr");
     let impairment = Arc::new(Impairment::default());
-    let proxy = start_proxy(redis_addr, impairment.clone()).await;
+    let proxy = slow_link::start(slow_link::address_of(&redis.url), impairment.clone()).await;
     // Budgets roomy enough that only the store's health decides; list_articles fails open.
     let config = format!(
         "[store]\nbackend = \"redis\"\nredis_url = \"redis://{proxy}/\"\ntimeout_ms = {}\n\

@@ -422,6 +422,16 @@ impl Drop for CancelOnDrop {
     }
 }
 
+/// The caller's `_meta` as the proxied server may see it: without the protocol's own envelope
+/// (`io.modelcontextprotocol/…`: the protocol version and capabilities a 2026-07-28 caller sends
+/// with every request), which is between the caller and the proxy, and which a server of the
+/// handshake era refuses on its session.
+pub(crate) fn forwardable(meta: &RequestMetaObject) -> RequestMetaObject {
+    let mut forwarded = meta.clone();
+    forwarded.0.0.retain(|key, _| !key.starts_with("io.modelcontextprotocol/"));
+    forwarded
+}
+
 fn unavailable(tool: &str, detail: &str, wait: Nanos) -> Refusal {
     Refusal::upstream_unavailable(tool, detail, wait.div_ceil(NANOS_PER_MS).max(1))
 }

@@ -173,7 +173,8 @@ impl ServerHandler for ProxyServer {
         let session = self.membership.get().map(Membership::id);
         let progress = session.zip(context.meta.get_progress_token());
         let sharing = policy.tool(&tool).and_then(|p| Sharing::of(p, &caller, &tool, &args));
-        let forwarded = self.proxied.answer(&caller, place, request, context.meta.clone(), progress, sharing);
+        let meta = super::forwardable(&context.meta);
+        let forwarded = self.proxied.answer(&caller, place, request, meta, progress, sharing);
         let (answer, served) = tokio::select! {
             answered = forwarded => answered,
             () = context.ct.cancelled() => return Err(ErrorData::internal_error("the request was cancelled", None)),

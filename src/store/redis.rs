@@ -793,32 +793,16 @@ fn script_span(check: &Check<'_>) -> Result<Nanos, StoreError> {
 /// renewal cannot revive. (The release goes on the same connection after the decision, so Redis
 /// runs it after.)
 struct Unanswered {
-    /// What the release needs, while armed; `None` for a decision that can take no slot.
-    release: Option<Release>,
+    /// The keys to give back on, while armed; `None` for a decision that can take no slot.
+    release: Option<(GiveBack, Vec<String>)>,
     lease: Lease,
-}
-
-struct Release {
-    connection: Connection,
-    script: Script,
-    address: String,
-    timeout: Duration,
-    lease_us: u64,
-    keys: Vec<String>,
 }
 
 impl Unanswered {
     fn of(store: &RedisStore, checks: &[Check<'_>], lease: Lease) -> Self {
         let keys: Vec<String> =
             checks.iter().filter(|c| c.cost > 0 && c.limiter.holds_slots()).map(|c| c.key.to_owned()).collect();
-        let release = (!keys.is_empty()).then(|| Release {
-            connection: store.connection.clone(),
-            script: store.release.clone(),
-            address: store.address.clone(),
-            timeout: store.timeout,
-            lease_us: u64::try_from(store.lease.as_micros()).unwrap_or(u64::MAX),
-            keys,
-        });
+        let release = (!keys.is_empty()).then(|| (GiveBack::of(store), keys));
         Self { release, lease }
     }
 
@@ -830,20 +814,61 @@ impl Unanswered {
 
 impl Drop for Unanswered {
     fn drop(&mut self) {
-        let Some(release) = self.release.take() else { return };
+        if let Some((give_back, keys)) = self.release.take() {
+            give_back.spawn(keys, self.lease);
+        }
+    }
+}
+
+/// What giving a lease back takes, owned, so it can run in a task of its own (from `Drop`).
+struct GiveBack {
+    connection: Connection,
+    script: Script,
+    address: String,
+    timeout: Duration,
+    lease: Duration,
+}
+
+/// The first pause before a release Redis did not take is tried again; it doubles.
+const RELEASE_PAUSE: Duration = Duration::from_millis(100);
+
+impl GiveBack {
+    fn of(store: &RedisStore) -> Self {
+        Self {
+            connection: store.connection.clone(),
+            script: store.release.clone(),
+            address: store.address.clone(),
+            timeout: store.timeout,
+            lease: store.lease,
+        }
+    }
+
+    /// Gives back `lease`'s slots on every one of `keys` in a task of its own, trying each again
+    /// (a growing pause, up to a second) while Redis does not take it — a restart, a slow link
+    /// — for as long as the lease would hold them: after that it has run out by itself. Every
+    /// try is safe to repeat (`release.lua` takes that lease's units, once).
+    fn spawn(self, keys: Vec<String>, lease: Lease) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            tracing::warn!("a decision was dropped outside the runtime: its lease will run out");
+            tracing::warn!("in-flight slots were released outside the runtime: their lease will run out");
             return;
         };
-        let lease = self.lease;
         runtime.spawn(async move {
-            for key in &release.keys {
-                let mut invocation = release.script.key(key);
-                invocation.arg(lease).arg(release.lease_us);
-                let given: Result<i64, _> =
-                    bounded(&release.address, release.timeout, release.connection.invoke(&invocation)).await;
-                if let Err(error) = given {
-                    tracing::warn!(%error, "could not give back the slots of an unanswered decision: their lease will run out");
+            let lease_us = u64::try_from(self.lease.as_micros()).unwrap_or(u64::MAX);
+            let give_up_at = tokio::time::Instant::now() + self.lease;
+            for key in &keys {
+                let mut pause = RELEASE_PAUSE;
+                loop {
+                    let mut invocation = self.script.key(key);
+                    invocation.arg(lease).arg(lease_us);
+                    let given: Result<i64, StoreError> =
+                        bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await;
+                    let Err(error) = given else { break };
+                    if tokio::time::Instant::now() + pause >= give_up_at {
+                        tracing::warn!(%error, "could not give in-flight slots back to Redis: their lease will run out");
+                        break;
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = pause.saturating_mul(2).min(Duration::from_secs(1));
                 }
             }
         });

@@ -101,6 +101,12 @@ impl Drop for TestServer {
     }
 }
 
+/// A 2025-11-25 MCP client (the initialize handshake, a session) of the server at `url`.
+pub async fn client_of(url: &str) -> Client {
+    let transport = StreamableHttpClientTransport::from_config(StreamableHttpClientTransportConfig::with_uri(url));
+    ().serve(transport).await.expect("client connects")
+}
+
 /// One mock upstream for several instances (`upstream.url`), on a clock of the test's own.
 pub async fn shared_mock() -> (Arc<ManualClock>, mcp_ratelimit::mock_upstream::MockUpstream) {
     let defaults = Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults");

@@ -81,20 +81,12 @@ impl Store for RedisStore {
         Box::pin(async move { Ok(RedisStore::block_left(self, key).await?) })
     }
 
-    /// Gives the lease back in a task of its own (this is called from `Drop`); a release that
-    /// cannot reach Redis is logged, and the lease then runs out by itself.
+    /// Gives the lease back in a task of its own (this is called from `Drop`), tried again while
+    /// Redis does not take it; one that never lands is logged, and the lease then runs out by
+    /// itself.
     fn release(self: std::sync::Arc<Self>, key: &str, _limiter: &Limiter, _cost: u64, lease: Lease) {
         self.held().remove(&(key.to_owned(), lease));
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            tracing::warn!("in-flight slots were released outside the runtime: their lease will run out");
-            return;
-        };
-        let key = key.to_owned();
-        runtime.spawn(async move {
-            if let Err(error) = RedisStore::release(&self, &key, lease).await {
-                tracing::warn!(%error, "could not give in-flight slots back to Redis: their lease will run out");
-            }
-        });
+        super::GiveBack::of(&self).spawn(vec![key.to_owned()], lease);
     }
 
     fn hold(&self, key: &str, lease: Lease, units: u64, capacity: u64) {
