@@ -13,10 +13,10 @@
 //! bounded and poll. The servers' own clocks do not move but where a test says so.
 
 mod common;
-#[path = "common/redis.rs"]
-mod test_redis;
 #[path = "common/slow_link.rs"]
 mod slow_link;
+#[path = "common/redis.rs"]
+mod test_redis;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -25,10 +25,10 @@ use std::time::Duration;
 
 use common::{Client, TestServer, call, error_code, metric_sum, text};
 use mcp_ratelimit::clock::ManualClock;
-use mcp_ratelimit::limit::{Concurrency, Limiter};
-use mcp_ratelimit::store::{Check, RedisStore, new_lease};
 use mcp_ratelimit::config::{Catalogue, Config};
+use mcp_ratelimit::limit::{Concurrency, Limiter};
 use mcp_ratelimit::proxy::Target;
+use mcp_ratelimit::store::{Check, RedisStore, new_lease};
 use mcp_ratelimit::{App, LimitedRouter, RateLimits};
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{CallToolRequest, CallToolRequestParams, ClientRequest, ProtocolVersion};
@@ -48,6 +48,14 @@ const LINK: Duration = Duration::from_millis(100);
 /// How long every count has to come back to zero once the storm is over.
 const CLEANUP: Duration = Duration::from_secs(10);
 
+/// Budgets no storm comes near: what must come back is slots.
+const ROOMY: &str = "[limits.caller]\nalgorithm = \"token_bucket\"\nburst = 100000\nrefill_per_sec = 1000\n\
+                     [limits.address]\nalgorithm = \"token_bucket\"\nburst = 100000\nrefill_per_sec = 1000\n\
+                     [limits.http]\nburst = 100000\nrefill_per_sec = 1000\n\
+                     [limits.address_http]\nburst = 100000\nrefill_per_sec = 1000\n\
+                     [limits.method.tools_call]\nburst = 100000\nrefill_per_sec = 1000\n\
+                     [limits.method.other]\nburst = 100000\nrefill_per_sec = 1000\n";
+
 /// After how long each call of a storm is cancelled: at once, then every 35 ms to 0.8 s.
 fn cancel_points() -> impl Iterator<Item = Duration> {
     (0..24u64).map(|i| Duration::from_millis(i * 35))
@@ -57,7 +65,10 @@ fn cancel_points() -> impl Iterator<Item = Duration> {
 enum Backend {
     Memory,
     /// A Redis of the test's own, reached through a slow link.
-    SlowRedis { redis: TestRedis, link: SocketAddr },
+    SlowRedis {
+        redis: TestRedis,
+        link: SocketAddr,
+    },
 }
 
 impl Backend {
@@ -123,13 +134,39 @@ async fn cancelled_after(client: &Client, tool: &str, args: Value, after: Durati
     let _ = handle.cancel(Some("the test stops waiting".to_owned())).await;
 }
 
-/// One call of `tool` per cancel point, all at once, each cancelled at its point; the `i`th
+/// The two protocol eras a client may speak.
+#[derive(Debug, Clone, Copy)]
+enum Era {
+    /// 2025-11-25: the initialize handshake, a session.
+    Handshake,
+    /// 2026-07-28: no session, every request on its own.
+    Stateless,
+}
+
+const ERAS: [Era; 2] = [Era::Handshake, Era::Stateless];
+
+impl Era {
+    async fn client(self, url: &str) -> Client {
+        match self {
+            Era::Handshake => common::client_of(url).await,
+            Era::Stateless => modern_client(url).await,
+        }
+    }
+}
+
+/// One call of `tool` per cancel point, all at once, each from a client of its own (a session's
+/// requests would queue behind each other in the client) and cancelled at its point; the `i`th
 /// call's arguments are `args(i)`.
-async fn storm(client: &Arc<Client>, tool: &str, args: impl Fn(usize) -> Value) {
+async fn storm(url: &str, era: Era, tool: &str, args: impl Fn(usize) -> Value) {
+    let mut clients = Vec::new();
+    for _ in cancel_points() {
+        clients.push(Arc::new(era.client(url).await));
+    }
     let calls: Vec<_> = cancel_points()
+        .zip(clients)
         .enumerate()
-        .map(|(i, after)| {
-            let (client, tool, args) = (client.clone(), tool.to_owned(), args(i));
+        .map(|(i, (after, client))| {
+            let (tool, args) = (tool.to_owned(), args(i));
             tokio::spawn(async move { cancelled_after(&client, &tool, args, after).await })
         })
         .collect();
@@ -179,21 +216,16 @@ async fn modern_client(url: &str) -> Client {
 /// test moves the clock. Generous caps, so calls reach every point; a leak shows in the counts.
 fn serve_toml(backend: &Backend) -> String {
     format!(
-        "{}{}[limits.in_flight]\ncaller = 1000\ntenant = 1000\naddress = 1000\n\
-         [limits.caller]\nalgorithm = \"token_bucket\"\nburst = 100000\nrefill_per_sec = 1000\n\
-         [limits.address]\nalgorithm = \"token_bucket\"\nburst = 100000\nrefill_per_sec = 1000\n\
-         [limits.http]\nburst = 100000\nrefill_per_sec = 1000\n\
-         [limits.address_http]\nburst = 100000\nrefill_per_sec = 1000\n\
-         [upstream]\nmax_in_flight = 50\n[mock_upstream]\nlatency_ms = 1000\nmax_concurrent_predictions = 1000\n",
+        "{}{}{ROOMY}{}[upstream]\nmax_in_flight = 50\n[mock_upstream]\nlatency_ms = 1000\nmax_concurrent_predictions = 1000\n",
         backend.toml(),
         common::NO_LOOP_DETECTION,
+        common::ROOMY_IN_FLIGHT,
     )
 }
 
-async fn serve_storm(backend: Backend, client_of: impl AsyncFn(&TestServer) -> Client) {
+async fn serve_storm(backend: Backend, era: Era) {
     let server = TestServer::start(&serve_toml(&backend)).await;
-    let client = Arc::new(client_of(&server).await);
-    storm(&client, "generate_image", |i| json!({"prompt": format!("a lighthouse, take {i}")})).await;
+    storm(&server.url, era, "generate_image", |i| json!({"prompt": format!("a lighthouse, take {i}")})).await;
     // The submissions that reached the mock answer; the jobs they started run to their end.
     for _ in 0..40 {
         server.advance_ms(1_000);
@@ -207,23 +239,26 @@ async fn serve_storm(backend: Backend, client_of: impl AsyncFn(&TestServer) -> C
     .await;
     // Nothing leaked: a call goes straight through, to a job of its own.
     server.chaos(json!({"latency_ms": 0})).await;
+    let client = era.client(&server.url).await;
     let image = call(&client, "generate_image", json!({"prompt": "the last one"})).await;
     assert_eq!(error_code(&image), None, "{}", text(&image));
 }
 
 #[tokio::test]
 async fn serve_gives_back_every_slot_of_cancelled_calls_on_memory() {
-    serve_storm(Backend::Memory, async |server| server.client(None).await).await;
+    for era in ERAS {
+        serve_storm(Backend::Memory, era).await;
+    }
 }
 
 #[tokio::test]
 async fn serve_gives_back_every_slot_of_cancelled_calls_on_a_slow_redis() {
-    serve_storm(Backend::slow_redis().await, async |server| server.client(None).await).await;
+    serve_storm(Backend::slow_redis().await, Era::Handshake).await;
 }
 
 #[tokio::test]
-async fn serve_gives_back_every_slot_of_cancelled_calls_of_a_2026_07_28_client() {
-    serve_storm(Backend::slow_redis().await, async |server| modern_client(&server.url).await).await;
+async fn serve_gives_back_every_slot_of_cancelled_calls_of_a_2026_07_28_client_on_a_slow_redis() {
+    serve_storm(Backend::slow_redis().await, Era::Stateless).await;
 }
 
 /// The store itself, under every door: a decision Redis runs after its caller stopped waiting —
@@ -266,21 +301,22 @@ fn fixture_server() -> Target {
     Target::Command { program: python.to_string_lossy().into_owned(), args: vec![server] }
 }
 
-/// Two calls at a time to the proxied server, the rest waiting in the fair queue; each `nap`
-/// holds a caller's slot while it runs.
-fn proxy_toml(backend: &Backend) -> String {
+/// `slots` calls at a time to the proxied server (all of them for these unverified callers), the
+/// rest waiting in the fair queue; each `nap` holds a caller's slot while it runs.
+fn proxy_toml(backend: &Backend, slots: usize) -> String {
     format!(
-        "{}{}[proxy]\nmax_in_flight = 2\n[tools.nap]\ncost = 1\nholds_slot = true\n\
-         [limits.in_flight]\ncaller = 1000\ntenant = 1000\naddress = 1000\n\
-         [limits.caller]\nalgorithm = \"token_bucket\"\nburst = 100000\nrefill_per_sec = 1000\n\
-         [limits.address]\nalgorithm = \"token_bucket\"\nburst = 100000\nrefill_per_sec = 1000\n",
+        "{}{}{ROOMY}{}[proxy]\nmax_in_flight = {slots}\n[upstream]\nunverified_share = 1.0\n\
+         [tools.nap]\ncost = 1\nholds_slot = true\n",
         backend.toml(),
         common::NO_LOOP_DETECTION,
+        common::ROOMY_IN_FLIGHT,
     )
 }
 
-async fn proxy_storm(backend: Backend) {
-    let config = Config::from_toml(&proxy_toml(&backend), &Catalogue::learned()).expect("test config is valid");
+/// Storms of calls to the proxy, of each era: with as many slots as calls, every call claims one
+/// at the door (a cancel lands in the claim); with `slots` of them, most wait in the queue.
+async fn proxy_storm(backend: Backend, slots: usize) {
+    let config = Config::from_toml(&proxy_toml(&backend, slots), &Catalogue::learned()).expect("test config is valid");
     let clock = ManualClock::new();
     let app = Arc::new(App::start_proxy(config, fixture_server(), clock.clone()).await.expect("the proxy starts"));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -291,13 +327,10 @@ async fn proxy_storm(backend: Backend) {
     let metrics = || async move {
         reqwest::get(format!("http://{addr}/metrics")).await.expect("metrics").text().await.expect("text")
     };
-    for client in [Arc::new(common::client_of(&url).await), Arc::new(modern_client(&url).await)] {
-        tokio::time::timeout(CLEANUP, storm(&client, "nap", |_| json!({"ms": 300})))
-            .await
-            .expect("every call of the storm is sent and cancelled");
-        // Time passes from now on: a slot given back here is given back in Redis a round trip
-        // later, and a claim Redis refused in between is asked again a second later, on the
-        // proxy's clock; a call the cancel did not reach ends by the proxy's timeout.
+    for era in ERAS {
+        // Time passes: a slot given back here is given back in Redis a round trip later, and a
+        // claim Redis refused in between is asked again a second later, on the proxy's clock; a
+        // call the cancel did not reach ends by the proxy's timeout.
         let ticking = {
             let clock = clock.clone();
             tokio::spawn(async move {
@@ -307,6 +340,9 @@ async fn proxy_storm(backend: Backend) {
                 }
             })
         };
+        tokio::time::timeout(CLEANUP * 3, storm(&url, era, "nap", |_| json!({"ms": 300})))
+            .await
+            .expect("every call of the storm is sent and cancelled");
         all_back_to_zero("proxy", || async {
             let mut counts = held(&metrics().await);
             counts.push(("leased units in Redis", backend.leased_units().await as f64));
@@ -314,7 +350,9 @@ async fn proxy_storm(backend: Backend) {
         })
         .await;
         // The proxied server's slots are all free: calls go through.
-        let both = async { tokio::join!(call(&client, "nap", json!({"ms": 1})), call(&client, "nap", json!({"ms": 2}))) };
+        let client = era.client(&url).await;
+        let both =
+            async { tokio::join!(call(&client, "nap", json!({"ms": 1})), call(&client, "nap", json!({"ms": 2}))) };
         let answers = tokio::time::timeout(CLEANUP, both).await;
         ticking.abort();
         let (a, b) = answers.expect("the calls after the storm find free slots");
@@ -324,12 +362,17 @@ async fn proxy_storm(backend: Backend) {
 
 #[tokio::test]
 async fn the_proxy_gives_back_every_slot_and_place_of_cancelled_calls_on_memory() {
-    proxy_storm(Backend::Memory).await;
+    proxy_storm(Backend::Memory, 2).await;
 }
 
 #[tokio::test]
 async fn the_proxy_gives_back_every_slot_and_place_of_cancelled_calls_on_a_slow_redis() {
-    proxy_storm(Backend::slow_redis().await).await;
+    proxy_storm(Backend::slow_redis().await, 2).await;
+}
+
+#[tokio::test]
+async fn the_proxy_gives_back_every_slot_of_calls_cancelled_while_claiming_one_on_a_slow_redis() {
+    proxy_storm(Backend::slow_redis().await, cancel_points().count()).await;
 }
 
 // ---- the library ----------------------------------------------------------------------------
@@ -358,8 +401,11 @@ impl Sleeper {
 impl ServerHandler for Sleeper {}
 
 async fn library_storm(backend: Backend) {
-    let toml =
-        format!("{}{}[limits.in_flight]\ncaller = 2\n[tools.nap]\ncost = 1\n", backend.toml(), common::NO_LOOP_DETECTION);
+    let toml = format!(
+        "{}{}{ROOMY}[limits.in_flight]\ncaller = 2\n[tools.nap]\ncost = 1\n",
+        backend.toml(),
+        common::NO_LOOP_DETECTION
+    );
     let limits = RateLimits::from_toml(&toml, Catalogue::new().job("nap")).await.expect("limits");
     let server = Sleeper { tools: LimitedRouter::new(Sleeper::tool_router(), limits.clone()) };
     let mcp = StreamableHttpService::new(
@@ -371,22 +417,23 @@ async fn library_storm(backend: Backend) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}/mcp", listener.local_addr().expect("addr"));
     tokio::spawn(async move { axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await });
-    for client in [Arc::new(common::client_of(&url).await), Arc::new(modern_client(&url).await)] {
-        storm(&client, "nap", |_| json!({"ms": 300})).await;
+    for era in ERAS {
+        storm(&url, era, "nap", |_| json!({"ms": 300})).await;
         all_back_to_zero("the library", || async {
             let in_flight = metric_sum(&limits.metrics().render(), "mcp_ratelimit_in_flight_calls");
-            vec![("mcp_ratelimit_in_flight_calls", in_flight), ("leased units in Redis", backend.leased_units().await as f64)]
+            vec![
+                ("mcp_ratelimit_in_flight_calls", in_flight),
+                ("leased units in Redis", backend.leased_units().await as f64),
+            ]
         })
         .await;
         // Both of the caller's slots are free: two calls run at once, a third is busy.
-        let (a, b, c) = tokio::join!(
-            call(&client, "nap", json!({"ms": 400})),
-            call(&client, "nap", json!({"ms": 401})),
-            async {
+        let client = era.client(&url).await;
+        let (a, b, c) =
+            tokio::join!(call(&client, "nap", json!({"ms": 400})), call(&client, "nap", json!({"ms": 401})), async {
                 tokio::time::sleep(Duration::from_millis(150)).await;
                 call(&client, "nap", json!({"ms": 402})).await
-            }
-        );
+            });
         assert_eq!((text(&a), text(&b)), ("slept 400 ms".to_owned(), "slept 401 ms".to_owned()));
         assert_eq!(error_code(&c), Some("busy"), "{}", text(&c));
     }

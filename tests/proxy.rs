@@ -694,40 +694,147 @@ async fn identical_calls_of_one_tenant_share_one_request_to_the_proxied_server_n
     assert_eq!(reused(&answers[10]), None, "globex's call was its own");
 }
 
+/// Calls of `tool` with each of `args` at once from `client`; their answers, in order.
+fn at_once(client: &Arc<Client>, tool: &str, args: Vec<Value>) -> Vec<tokio::task::JoinHandle<CallToolResult>> {
+    args.into_iter()
+        .map(|args| {
+            let (client, tool) = (client.clone(), tool.to_owned());
+            tokio::spawn(async move { call(&client, &tool, args).await })
+        })
+        .collect()
+}
+
+/// Waits (bounded) until `wait_for` calls on `path` have started `n` times in all.
+async fn started(path: &Path, n: usize) {
+    let marker = PathBuf::from(format!("{}.started", path.display()));
+    let what = format!("{n} calls started on {}", path.display());
+    eventually_some(&what, Duration::from_secs(12), || async {
+        let lines = std::fs::read_to_string(&marker).map(|t| t.lines().count()).unwrap_or(0);
+        (lines >= n).then_some(())
+    })
+    .await;
+}
+
 #[tokio::test]
-async fn with_proxy_adaptive_a_call_not_answered_in_time_cuts_the_calls_in_flight_and_answers_grow_them_back() {
-    // A configured key: unverified callers hold a share of the learnt limit, rounded down, as of
-    // the static cap (none of one slot).
+async fn with_proxy_adaptive_one_slow_call_closes_the_door_on_nobody() {
+    // The attack as it was reproduced: a made-up key's one call slower than the timeout, then a
+    // configured tenant's four calls at once.
     let key = "adaptive-key-0123456789abcdef";
     let toml = format!(
-        "[proxy]\nmax_in_flight = 4\ntimeout_ms = 1000\n[proxy.adaptive]\nenabled = true\n\
+        "[proxy]\ntimeout_ms = 1500\n[proxy.adaptive]\nenabled = true\n[loop_detection]\nenabled = false\n\
+         [auth]\nkeys = [{{ sha256 = \"{}\", tenant = \"acme\" }}]\n",
+        sha256_hex(key)
+    );
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let slots = || proxy.app.state().behind.slots();
+    assert_eq!(slots(), 16, "it starts at the ceiling, proxy.max_in_flight");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let never = dir.path().join("never");
+    let made_up = Arc::new(proxy.client(Some("made-up-key-nobody-configured")).await);
+    let slow = at_once(&made_up, "wait_for", vec![json!({"path": never.to_string_lossy()})]);
+    started(&never, 1).await;
+    proxy.clock.advance(Duration::from_millis(1500));
+    for slow in slow {
+        let slow = slow.await.expect("the slow call");
+        assert_eq!(code_of(&slow), Some("upstream_unavailable"), "{slow:?}");
+        assert!(text_of(&slow).contains("did not answer within 1500 ms"), "{slow:?}");
+    }
+    assert_eq!(slots(), 16, "one slow call, with nothing else running, teaches nothing");
+
+    // A configured caller's own slow call, alone: nothing either.
+    let tenant = Arc::new(proxy.client(Some(key)).await);
+    let alone = dir.path().join("alone");
+    let slow = at_once(&tenant, "wait_for", vec![json!({"path": alone.to_string_lossy()})]);
+    started(&alone, 1).await;
+    proxy.clock.advance(Duration::from_millis(1500));
+    assert_eq!(code_of(&slow.into_iter().next().expect("one").await.expect("answered")), Some("upstream_unavailable"));
+    assert_eq!(slots(), 16, "a lone sample says nothing of how many calls it takes");
+
+    // The tenant's four calls run at once, and are all answered.
+    let release = dir.path().join("release");
+    let four = at_once(&tenant, "wait_for", vec![json!({"path": release.to_string_lossy()}); 4]);
+    started(&release, 4).await;
+    std::fs::write(&release, "go").expect("release");
+    for answer in four {
+        assert_eq!(text_of(&answer.await.expect("an answer")), "released");
+    }
+    assert_eq!(slots(), 16);
+}
+
+#[tokio::test]
+async fn with_proxy_adaptive_time_outs_while_others_run_cut_by_the_ratio_once_and_only_a_configured_callers() {
+    let key = "adaptive-key-0123456789abcdef";
+    let toml = format!(
+        "[proxy]\nmax_in_flight = 10\ntimeout_ms = 1000\n[proxy.adaptive]\nenabled = true\nbackoff_ratio = 0.5\n\
+         [loop_detection]\nenabled = false\n[auth]\nkeys = [{{ sha256 = \"{}\" }}]\n",
+        sha256_hex(key)
+    );
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let slots = || proxy.app.state().behind.slots();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (never, later) = (dir.path().join("never"), dir.path().join("later"));
+
+    // An unverified caller's calls time out while another runs: they may be slow on purpose.
+    let made_up = Arc::new(proxy.client(Some("made-up-key-nobody-configured")).await);
+    let slow = at_once(&made_up, "wait_for", vec![json!({"path": never.to_string_lossy()}); 2]);
+    started(&never, 2).await;
+    proxy.clock.advance(Duration::from_millis(1000));
+    for slow in slow {
+        assert_eq!(code_of(&slow.await.expect("answered")), Some("upstream_unavailable"));
+    }
+    assert_eq!(slots(), 10, "no unverified caller's time-out shrinks the limit every caller shares");
+
+    // A configured caller's three at once, all past the timeout: one cut (a round), by the ratio.
+    let client = Arc::new(proxy.client(Some(key)).await);
+    let slow = at_once(&client, "wait_for", vec![json!({"path": later.to_string_lossy()}); 3]);
+    started(&later, 3).await;
+    proxy.clock.advance(Duration::from_millis(1000));
+    for slow in slow {
+        assert_eq!(code_of(&slow.await.expect("answered")), Some("upstream_unavailable"));
+    }
+    assert_eq!(slots(), 5, "10 × 0.5, once: never down to the 2 others running, nor cut three times");
+    let gauge = common::metric_sum(&proxy_metrics(&proxy).await, "mcp_ratelimit_upstream_concurrency_limit");
+    assert_eq!(gauge, 5.0, "the learnt limit is a gauge");
+}
+
+/// Without a turn within the timeout, a call is never sent: it says so, and its price comes back.
+#[tokio::test]
+async fn a_call_that_waited_the_timeout_for_a_turn_says_it_was_never_sent_and_costs_nothing() {
+    // A configured caller (an unverified one has no share of a single slot), with a budget for
+    // two calls of 7, refilling nothing meanwhile.
+    let key = "queued-key-0123456789abcdef";
+    let toml = format!(
+        "[proxy]\nmax_in_flight = 1\ntimeout_ms = 1000\n[tools.wait_for]\ncost = 7\n[tools.add]\ncost = 7\n\
+         [limits.caller]\nalgorithm = \"token_bucket\"\nburst = 14\nrefill_per_sec = 0.0001\n\
          [loop_detection]\nenabled = false\n[auth]\nkeys = [{{ sha256 = \"{}\" }}]\n",
         sha256_hex(key)
     );
     let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
     let client = Arc::new(proxy.client(Some(key)).await);
-    let slots = || proxy.app.state().behind.slots();
-    assert_eq!(slots(), 4, "it starts at the ceiling, proxy.max_in_flight");
     let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("never").to_string_lossy().into_owned();
-    let slow = {
-        let client = client.clone();
-        tokio::spawn(async move { call(&client, "wait_for", json!({"path": path})).await })
-    };
-    wait_until_exists(&dir.path().join("never.started")).await;
+    let (first, second) = (dir.path().join("first"), dir.path().join("second"));
+    let running = at_once(&client, "wait_for", vec![json!({"path": first.to_string_lossy()})]);
+    started(&first, 1).await;
+    let waiting = at_once(&client, "wait_for", vec![json!({"path": second.to_string_lossy()})]);
+    eventually("the second call waits its turn", || async {
+        common::metric_sum(&proxy_metrics(&proxy).await, "mcp_ratelimit_queue_depth") == 1.0
+    })
+    .await;
     proxy.clock.advance(Duration::from_millis(1000));
-    assert_eq!(code_of(&slow.await.expect("the call")), Some("upstream_unavailable"));
-    // Nothing else was in flight when it timed out: the limit falls to min.
-    assert_eq!(slots(), 1, "cut when the proxied server did not answer in time");
-    let gauge = common::metric_sum(&proxy_metrics(&proxy).await, "mcp_ratelimit_upstream_concurrency_limit");
-    assert_eq!(gauge, 1.0, "the learnt limit is a gauge");
-    // Each answer grows it by 1/limit while at least half of it is in use: one call at a time
-    // grows it to 2 (2.5, whole slots shown), and no further: an agent that never runs two calls
-    // at once does not teach it three.
-    for i in 0..12 {
-        assert_eq!(text_of(&call(&client, "add", json!({"a": i, "b": 1})).await), (i + 1).to_string());
-    }
-    assert_eq!(slots(), 2, "grown back by the answers as far as they used it");
+    let never_sent = waiting.into_iter().next().expect("one").await.expect("answered");
+    assert_eq!(code_of(&never_sent), Some("busy"), "{never_sent:?}");
+    let said = text_of(&never_sent);
+    assert!(said.contains("waited 1 second for its 1 call in flight to finish and was never sent"), "{said}");
+    assert!(said.contains("its price was given back"), "{said}");
+    assert!(!PathBuf::from(format!("{}.started", second.display())).exists(), "the proxied server never heard of it");
+    // The first, sent, had the proxied server's own time, and timed out: it stays charged.
+    let first_answer = running.into_iter().next().expect("one").await.expect("answered");
+    assert!(text_of(&first_answer).contains("did not answer within 1000 ms"), "{first_answer:?}");
+    // 14 - 7 (sent, charged) - 7 (never sent, given back) + 7: one more call of 7 passes, and no other.
+    let sum = call(&client, "add", json!({"a": 1, "b": 2})).await;
+    assert_eq!(sum.content.first().and_then(|c| c.as_text()).map(|t| t.text.as_str()), Some("3"), "the 7 came back");
+    let refused = call(&client, "add", json!({"a": 2, "b": 2})).await;
+    assert_eq!(code_of(&refused), Some("rate_limited"), "{refused:?}");
 }
 
 async fn proxy_metrics(proxy: &Proxy) -> String {

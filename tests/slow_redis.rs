@@ -8,10 +8,10 @@
 mod common;
 #[path = "common/process.rs"]
 mod process;
-#[path = "common/redis.rs"]
-mod test_redis;
 #[path = "common/slow_link.rs"]
 mod slow_link;
+#[path = "common/redis.rs"]
+mod test_redis;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -19,9 +19,9 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::metric_sum;
-use slow_link::Impairment;
 use process::{Server, Session, quantile};
 use serde_json::json;
+use slow_link::Impairment;
 
 /// `store.timeout_ms` in this test.
 const STORE_TIMEOUT: Duration = Duration::from_millis(200);

@@ -26,8 +26,9 @@ pub struct ProxyConfig {
     /// Calls in flight to the proxied server at once, for every caller together; more wait in
     /// the fair queue (`upstream.queue_max` places).
     pub max_in_flight: usize,
-    /// How long one call may take, waiting in the queue included, before it is answered
-    /// `upstream_unavailable`.
+    /// How long the proxied server has to answer a call once it is sent, before the call is
+    /// answered `upstream_unavailable`; also the longest a call waits for its turn (then it is
+    /// refused `busy`, never sent).
     pub timeout_ms: u64,
     /// The calls in flight learnt from its answers (`[proxy.adaptive]`), under `max_in_flight`.
     pub adaptive: AdaptiveConfig,

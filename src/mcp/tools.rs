@@ -397,7 +397,9 @@ fn articles_found(query: Option<&str>, page: &ArticlePage) -> String {
     let more = page.next_cursor.as_deref().map(|c| format!(" More with cursor \"{c}\".")).unwrap_or_default();
     let titles: Vec<&str> = page.articles.iter().map(|a| a.title.as_str()).collect();
     match (titles.as_slice(), query) {
-        ([], Some(query)) => format!("No articles match \"{query}\". Try fewer or other words, or no query to list them all."),
+        ([], Some(query)) => {
+            format!("No articles match \"{query}\". Try fewer or other words, or no query to list them all.")
+        }
         ([], None) => format!("There are no articles on this page.{more}"),
         ([one], _) => format!("1 article: {one}.{more}"),
         (titles, _) => format!("{} articles: {}.{more}", titles.len(), titles.join("; ")),

@@ -12,8 +12,9 @@
 //! 3. the guard ([`Guard::admit`](crate::guard::Guard::admit)): loops, budgets, tenants, spend
 //!    caps, in-flight slots for a `holds_slot` tool — exactly as for our own tools;
 //! 4. its turn for one of `proxy.max_in_flight` slots to the proxied server (tenants take turns);
-//! 5. the call itself, within `proxy.timeout_ms` (the queue wait included), never retried: its
-//!    result, `isError` or not, and its JSON-RPC errors pass through unchanged.
+//! 5. the call itself, within `proxy.timeout_ms` of the proxied server's own time (the wait for
+//!    a turn is bounded by it too, separately), never retried: its result, `isError` or not, and
+//!    its JSON-RPC errors pass through unchanged.
 //!
 //! **Sessions.** All downstream sessions share one MCP session to the proxied server (one child
 //! process for a command). A caller opening many sessions therefore opens nothing upstream, and the

@@ -664,7 +664,13 @@ impl FairQueue {
 
     /// Puts `id` back at the front of `flow` after a failed attempt (its slot already given
     /// back), not to leave before `not_before`.
-    pub fn requeue_front(self: &Arc<Self>, flow: &Flowing<'_>, id: &str, kind: PredictionKind, not_before: Nanos) -> Turn {
+    pub fn requeue_front(
+        self: &Arc<Self>,
+        flow: &Flowing<'_>,
+        id: &str,
+        kind: PredictionKind,
+        not_before: Nanos,
+    ) -> Turn {
         let (turn, waiting) = oneshot::channel();
         let (unverified, quantum) = (flow.unverified, flow.quantum);
         let job = Waiting { id: id.to_owned(), kind, unverified, not_before, flow: String::new(), quantum, turn };
