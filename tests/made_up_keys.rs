@@ -335,10 +335,9 @@ async fn initialize_with(url: &str, headers: &[(&str, &str)]) -> (u16, String) {
 async fn unverified_callers_of_many_addresses_hold_their_share_and_a_configured_key_still_finds_a_session() {
     // A /56 is 256 /64s: each its own address by default, so the cap per address alone lets a host
     // holding one fill the server. The unverified share caps them all together.
-    let config = format!(
-        "{ACME}[server]\ntrust_proxy = true\nmax_sessions = 8\nunverified_session_share = 0.5\n\
-         max_sessions_per_address = 2\nkey_session_share = 0.5\ntenant_session_share = 0.5\n"
-    );
+    // The defaults: unverified_session_share 0.5; a key holds 0.1 of 8, so one each.
+    let keys: String = (0..4).map(|n| format!("[[auth.keys]]\nkey = \"key-{n}\"\n")).collect();
+    let config = format!("{keys}[server]\ntrust_proxy = true\nmax_sessions = 8\nmax_sessions_per_address = 2\n");
     let server = TestServer::start(&config).await;
     let mut statuses = Vec::new();
     for n in 0..8 {
@@ -350,10 +349,11 @@ async fn unverified_callers_of_many_addresses_hold_their_share_and_a_configured_
     assert_eq!(codes, [200, 200, 200, 200, 503, 503, 503, 503], "{statuses:?}");
     assert!(statuses[4].1.contains("without a configured API key"), "{}", statuses[4].1);
     for n in 0..4 {
-        let status = initialize_with(&server.url, &[("authorization", "Bearer acme-key")]).await.0;
-        assert_eq!(status, 200, "configured session {n}: the unverified callers left room");
+        let status = initialize_with(&server.url, &[("authorization", &format!("Bearer key-{n}"))]).await.0;
+        assert_eq!(status, 200, "configured key {n}: the unverified callers left room");
     }
-    assert_eq!(initialize_with(&server.url, &[("authorization", "Bearer acme-key")]).await.0, 503, "now every one");
+    let made_up = initialize_with(&server.url, &[("x-forwarded-for", "2001:db8:1::1")]).await.0;
+    assert_eq!(made_up, 503, "now every session is taken");
 
     // With the prefix at /56, that host is one address: its cap per address holds it.
     let server = TestServer::start(&format!("{config}ipv6_prefix = 56\n")).await;
@@ -366,29 +366,6 @@ async fn unverified_callers_of_many_addresses_hold_their_share_and_a_configured_
     assert_eq!(codes, [200, 200, 429, 429]);
     let next_56 = initialize_with(&server.url, &[("x-forwarded-for", "2001:db8:0:100::1")]).await.0;
     assert_eq!(next_56, 200, "the next /56 is another address");
-}
-
-#[tokio::test]
-async fn unverified_callers_over_ipv6_are_held_per_address() {
-    // A real IPv6 socket: the peer [::1] is one address, whatever key it invents.
-    let config = mcp_ratelimit::Config::from_toml(
-        "[server]\nmax_sessions_per_address = 2\n",
-        &mcp_ratelimit::mcp::tools::catalogue(),
-    )
-    .expect("config");
-    let app = std::sync::Arc::new(
-        mcp_ratelimit::App::start(config, mcp_ratelimit::clock::ManualClock::new()).await.expect("starts"),
-    );
-    let listener = tokio::net::TcpListener::bind("[::1]:0").await.expect("IPv6 loopback");
-    let url = format!("http://{}/mcp", listener.local_addr().expect("addr"));
-    let serving = app.clone();
-    tokio::spawn(async move { serving.serve_http(listener).await });
-    let mut codes = Vec::new();
-    for n in 0..3 {
-        codes.push(initialize_with(&url, &[("authorization", &format!("Bearer v6-made-up-{n}"))]).await.0);
-    }
-    assert_eq!(codes, [200, 200, 429]);
-    app.stop();
 }
 
 #[tokio::test]
@@ -430,23 +407,41 @@ async fn one_key_or_one_tenant_cannot_take_every_session() {
     assert_eq!(open("solo").await.0, 429, "a key without a tenant is held per key");
 }
 
-#[tokio::test]
-async fn a_2026_client_is_never_held_to_the_session_caps() {
+/// A 2026-07-28 MCP client (no session, `server/discover`) presenting `token`.
+async fn modern_client(url: &str, token: &str) -> Client {
     use rmcp::model::ProtocolVersion;
     use rmcp::transport::StreamableHttpClientTransport;
     use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
     use rmcp::{ClientLifecycleMode, ClientServiceExt};
-    let server = TestServer::start(&format!("{ACME}[server]\nmax_sessions = 1\nkey_session_share = 1.0\n")).await;
+    let config = StreamableHttpClientTransportConfig::with_uri(url.to_owned()).auth_header(token);
+    let lifecycle = ClientLifecycleMode::Discover { preferred_versions: vec![ProtocolVersion::V_2026_07_28] };
+    ().serve_with_lifecycle(StreamableHttpClientTransport::from_config(config), lifecycle)
+        .await
+        .expect("a 2026-07-28 client needs no session")
+}
+
+#[tokio::test]
+async fn a_2026_client_is_never_held_to_the_session_caps_nor_holds_a_place_in_them() {
+    let server = TestServer::start(&format!("{ACME}[server]\nmax_sessions = 1\n")).await;
+    // A stateless call under way (its upstream request held) is no session being opened: a
+    // legacy client still opens the only session.
+    let modern = modern_client(&server.url, "acme-key").await;
+    server.chaos(json!({"hold": true})).await;
+    let calling = tokio::spawn(async move {
+        let answer = call(&modern, "list_articles", json!({"limit": 1})).await;
+        (modern, answer)
+    });
+    settle().await;
     let legacy = server.client(Some("acme-key")).await;
+    server.chaos(json!({"hold": false})).await;
+    let (modern, answer) = calling.await.expect("the call");
+    assert!(!is_error(&answer), "{}", text(&answer));
+    // With every session taken, a 2026-07-28 client of the same key, or of none, still calls.
     assert_eq!(initialize_with(&server.url, &[("authorization", "Bearer acme-key")]).await.0, 503, "full");
-    for token in ["acme-key", "made-up"] {
-        let config = StreamableHttpClientTransportConfig::with_uri(server.url.clone()).auth_header(token);
-        let lifecycle = ClientLifecycleMode::Discover { preferred_versions: vec![ProtocolVersion::V_2026_07_28] };
-        let modern = ().serve_with_lifecycle(StreamableHttpClientTransport::from_config(config), lifecycle).await;
-        let modern = modern.expect("a 2026-07-28 client needs no session");
-        let status = call(&modern, "rate_limit_status", json!({})).await;
-        assert!(!is_error(&status), "{token}: {}", text(&status));
-        modern.cancel().await.ok();
+    for client in [modern, modern_client(&server.url, "made-up").await] {
+        let status = call(&client, "rate_limit_status", json!({})).await;
+        assert!(!is_error(&status), "{}", text(&status));
+        client.cancel().await.ok();
     }
     assert!(!is_error(&call(&legacy, "rate_limit_status", json!({})).await), "the legacy session still works");
 }
@@ -486,4 +481,19 @@ async fn only_messages_keep_a_session_open_not_its_get_stream() {
     assert_eq!(talking.ping(102).await.0, 200, "a moment before its idle time is up");
     server.advance_ms(idle * 1000);
     eventually("the talking session is closed once it is quiet", || async { talking.ping(103).await.0 == 404 }).await;
+
+    // A call under way is a message until it is answered: its session outlives the idle time.
+    let client = server.client(Some("a-long-call")).await;
+    server.chaos(json!({"hold": true})).await;
+    let calling = tokio::spawn(async move {
+        let answer = call(&client, "list_articles", json!({"limit": 1})).await;
+        (client, answer)
+    });
+    settle().await;
+    server.advance_ms(idle * 2000);
+    settle().await;
+    server.chaos(json!({"hold": false})).await;
+    let (client, answer) = calling.await.expect("the call");
+    assert!(!is_error(&answer), "answered in its session: {}", text(&answer));
+    assert!(!is_error(&call(&client, "rate_limit_status", json!({})).await), "and the session goes on");
 }
