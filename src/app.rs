@@ -92,7 +92,9 @@ impl App {
     pub async fn start(config: Config, clock: SharedClock) -> Result<Self, AppError> {
         let mock = if config.upstream.url.is_empty() {
             let listener = TcpListener::bind("127.0.0.1:0").await?;
-            let deadlines = serve::Deadlines::of(&config.server);
+            let mut deadlines = serve::Deadlines::of(&config.server);
+            // Its one client is this server, from loopback: held to the listener's cap only.
+            deadlines.connections.max_per_address = deadlines.connections.max;
             Some(MockUpstream::start(config.mock_upstream.clone(), deadlines, clock.clone(), listener).await?)
         } else {
             None

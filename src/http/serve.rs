@@ -7,7 +7,7 @@
 //!
 //! - **a whole request** (its headers, HTTP/1 or HTTP/2) must arrive within
 //!   `server.header_read_timeout_ms` of the connection opening, or of its last answer ending:
-//!   each connection is watched ([`Watch`]: requests under way, and since when it has had none),
+//!   each connection is watched (`Watch`: requests under way, and since when it has had none),
 //!   and one idle past the deadline is closed: at once if it never presented a request, else
 //!   shut down gracefully (a `GOAWAY` on HTTP/2) and dropped a second later. So a connection that sends nothing, half an HTTP/2 preface (hyper-util reads the
 //!   preface with no timer of its own), a preface and then nothing, or goes quiet between
