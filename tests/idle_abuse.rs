@@ -419,7 +419,7 @@ async fn connections_that_present_no_request_are_closed_within_the_deadline_on_e
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_idle_http2_connection_is_closed_and_a_streaming_one_is_not() {
+async fn an_idle_http2_connection_is_closed_and_streams_and_clients_of_both_eras_go_on() {
     let server =
         Server::start(&format!("[server]\nheader_read_timeout_ms = {}\n", FIRST_REQUEST.as_millis()), &[]).await;
     let addr = server.base.trim_start_matches("http://").to_owned();
@@ -464,6 +464,30 @@ async fn an_idle_http2_connection_is_closed_and_a_streaming_one_is_not() {
         tokio::time::timeout(FIRST_REQUEST * 4, async { while let Ok(Some(_)) = stream.chunk().await {} }).await;
     assert!(quiet.is_err(), "the stream ended within {:?}", FIRST_REQUEST * 4);
     assert_eq!(session.ping().await.expect("ping"), 200, "and the session still answers");
+
+    // MCP clients of both eras go on calling across idle spells longer than the deadline.
+    use rmcp::model::{CallToolRequestParams, ProtocolVersion};
+    use rmcp::transport::StreamableHttpClientTransport;
+    use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+    use rmcp::{ClientLifecycleMode, ClientServiceExt, ServiceExt};
+    let transport = || {
+        let config = StreamableHttpClientTransportConfig::with_uri(server.url.clone()).auth_header("both-eras");
+        StreamableHttpClientTransport::from_config(config)
+    };
+    let legacy = ().serve(transport()).await.expect("a 2025-11-25 session");
+    let modern = ().serve_with_lifecycle(
+        transport(),
+        ClientLifecycleMode::Discover { preferred_versions: vec![ProtocolVersion::V_2026_07_28] },
+    );
+    let modern = modern.await.expect("a 2026-07-28 client");
+    for round in 0..3 {
+        for client in [&legacy, &modern] {
+            let answer = client.call_tool(CallToolRequestParams::new("rate_limit_status")).await;
+            assert_eq!(answer.expect("answered").is_error, Some(false), "round {round}");
+        }
+        tokio::time::sleep(FIRST_REQUEST * 2).await;
+    }
+    assert_eq!(server.process.panics(), 0, "{}", server.process.log());
 }
 
 /// Connects to `addr` from `from` (a loopback address): the connection, and whether the server
