@@ -493,7 +493,9 @@ async fn only_messages_keep_a_session_open_not_its_get_stream() {
     server.advance_ms(idle * 2000);
     settle().await;
     server.chaos(json!({"hold": false})).await;
-    let (client, answer) = calling.await.expect("the call");
+    // Had its session been closed under it, the call would never be answered.
+    let answered = tokio::time::timeout(std::time::Duration::from_secs(10), calling).await;
+    let (client, answer) = answered.expect("the call is answered in its session").expect("the call");
     assert!(!is_error(&answer), "answered in its session: {}", text(&answer));
     assert!(!is_error(&call(&client, "rate_limit_status", json!({})).await), "and the session goes on");
 }
