@@ -92,7 +92,9 @@ impl App {
     pub async fn start(config: Config, clock: SharedClock) -> Result<Self, AppError> {
         let mock = if config.upstream.url.is_empty() {
             let listener = TcpListener::bind("127.0.0.1:0").await?;
-            let deadlines = serve::Deadlines::of(&config.server);
+            let mut deadlines = serve::Deadlines::of(&config.server);
+            // Its one client is this server, from loopback: held to the listener's cap only.
+            deadlines.connections.max_per_address = deadlines.connections.max;
             Some(MockUpstream::start(config.mock_upstream.clone(), deadlines, clock.clone(), listener).await?)
         } else {
             None
@@ -176,8 +178,9 @@ impl App {
         &self.upstream_url
     }
 
-    /// The axum app for the HTTP transport: `/mcp` behind the front door and the coarse limit,
-    /// the dashboard behind the DNS-rebinding protection, `/health` and `/metrics` open.
+    /// The axum app for the HTTP transport: `/mcp` behind the front door and the coarse limit;
+    /// the dashboard, `/health` and `/metrics` behind the DNS-rebinding protection only (and
+    /// `/metrics` behind `server.metrics_key`), never limited.
     pub fn router(&self) -> Router {
         let app = &self.state;
         let server = &app.config.server;
@@ -187,8 +190,9 @@ impl App {
             .with_cancellation_token(self.stop.child_token());
         let session_manager = sessions::manager(server);
         let log = Arc::new(FrontDoorLog::new(app.clock.clone()));
-        let (max, per_address) = (server.max_sessions, server.max_sessions_per_address);
-        let cap = Arc::new(sessions::SessionCap::new(session_manager.clone(), max, per_address, log.clone()));
+        let stop = self.stop.child_token();
+        let cap = sessions::SessionCap::new(session_manager.clone(), server, log.clone(), app.clock.clone(), stop);
+        let cap = Arc::new(cap);
         let mcp = match &self.serving {
             Serving::Tools(own) => {
                 let (app, own) = (app.clone(), own.clone());
@@ -199,8 +203,16 @@ impl App {
                 mcp_at(move || ProxyServer::new(proxied.clone(), limits.clone()), session_manager, config)
             }
         };
-        let allowed = Arc::new(AllowedHosts::of(server, log));
+        let allowed = Arc::new(AllowedHosts::of(server, log.clone()));
         let dashboard = dashboard::routes().layer(front_door::rebinding_protection(allowed.clone()));
+        // Never limited, but only for this server's own names (a foreign Host gets 403, as on
+        // /mcp and the dashboard), and /metrics for whoever holds server.metrics_key.
+        let metrics_key = server.metrics_key_sha256.map(|key| key.0);
+        let metrics_key = front_door::metrics_key(metrics_key, app.limits.identifier().clone(), log);
+        let open = Router::new()
+            .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+            .route("/metrics", get(metrics).layer(metrics_key))
+            .layer(front_door::rebinding_protection(allowed.clone()));
         // Outside in, as one layer (a router boxes each of its layers again for every request):
         // DNS-rebinding protection, identity, the header checks, the coarse HTTP limit, the body
         // deadline, the session caps; then rmcp.
@@ -211,29 +223,26 @@ impl App {
             .layer(HttpLimitLayer::new(app.limits.guard().clone()))
             .layer(serve::read_body_by_deadline(serve::BodyDeadline::of(server)))
             .layer(sessions::cap(cap));
-        mcp.layer(front_door)
-            .merge(dashboard)
-            .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
-            .route("/metrics", get(metrics))
-            .with_state(app.clone())
+        mcp.layer(front_door).merge(dashboard).merge(open).with_state(app.clone())
     }
 
-    /// Serves HTTP on `listener` until [`App::stop`] is called, with the header deadline of
-    /// `[server]` (see [`crate::http::serve`]).
+    /// Serves HTTP on `listener` until [`App::stop`] is called, holding connections to the
+    /// deadlines and caps of `[server]` (see [`crate::http::serve`]).
     pub async fn serve_http(&self, listener: TcpListener) -> std::io::Result<()> {
-        let headers_within = self.state.config.server.header_read_timeout;
-        crate::http::serve::serve(listener, self.router(), headers_within, self.stop.clone()).await;
+        let deadlines = serve::Deadlines::of(&self.state.config.server);
+        let counted = self.state.limits.metrics().connections("mcp");
+        serve::serve(listener, self.router(), deadlines, counted, self.stop.clone()).await;
         Ok(())
     }
 
-    /// Serves the admin API on `listener` until [`App::stop`] is called, with the header and body
-    /// deadlines of `[server]`; `None` when no `admin.key` is configured (the admin API is off).
+    /// Serves the admin API on `listener` until [`App::stop`] is called, with the deadlines and
+    /// connection caps of `[server]`; `None` when no `admin.key` is configured (the admin API is off).
     pub fn serve_admin(&self, listener: TcpListener) -> Option<impl Future<Output = ()> + use<>> {
         let key = self.state.config.admin.key_sha256?;
         let deadlines = serve::Deadlines::of(&self.state.config.server);
         let app = crate::admin::router(self.state.clone(), key, deadlines.body.answered_plainly());
-        let stop = self.stop.clone();
-        Some(serve::serve(listener, app, deadlines.headers, stop))
+        let counted = self.state.limits.metrics().connections("admin");
+        Some(serve::serve(listener, app, deadlines, counted, self.stop.clone()))
     }
 
     /// Serves MCP over stdin/stdout until the client closes it.
@@ -276,12 +285,18 @@ fn mcp_at<S: rmcp::ServerHandler>(
     Router::new().nest_service("/mcp", Shared::new(service))
 }
 
-/// One MCP session over stdin/stdout with `handler`, until the client closes it.
+/// One MCP session over stdin/stdout with `handler`, until the client closes it; every line
+/// the client sends is answered, a malformed or oversized one too ([`crate::mcp::stdio`]).
 async fn over_stdio<S: rmcp::ServerHandler>(handler: S) -> Result<(), AppError> {
     let failed = |e: &dyn std::fmt::Display| AppError::Stdio(e.to_string());
-    let running = handler.serve(rmcp::transport::stdio()).await.map_err(|e| failed(&e))?;
-    running.waiting().await.map_err(|e| failed(&e))?;
-    Ok(())
+    let (stdin, stdout) = rmcp::transport::stdio();
+    let (transport, framing) = crate::mcp::stdio::frame(stdin, stdout);
+    let served = match handler.serve(transport).await {
+        Ok(running) => running.waiting().await.map(drop).map_err(|e| failed(&e)),
+        Err(e) => Err(failed(&e)),
+    };
+    framing.finish().await;
+    served
 }
 
 /// Cancels this instance's jobs that an agent asked another instance to cancel.

@@ -13,8 +13,10 @@
 //!
 //! A credential that is not a configured key proves nothing: anyone can make one up. Such a
 //! caller (and one with no credential) is *unverified*, and also carries the address it came
-//! from (IPv6 by its /64, which one host can hold whole), so the guard can charge every
-//! unverified caller of one address to one shared budget: rotating made-up keys buys nothing.
+//! from (IPv6 by its network of `server.ipv6_prefix` bits, /64 unless set: one host can hold a
+//! /64 whole), so the guard can charge every unverified caller of one address to one shared
+//! budget: rotating made-up keys buys nothing. [`address_group`] is that grouping, for whatever
+//! else counts per address (sessions, connections).
 //!
 //! The MCP session id is deliberately *not* an identity: a new session must not buy a fresh
 //! budget. `X-Forwarded-For` is believed only from configured proxies, and then the caller is
@@ -178,8 +180,9 @@ impl Caller {
         &self.tier
     }
 
-    /// For a caller without a configured key, the address it came from (`ip:…`, or `ip6:…/64`),
-    /// whose budget all such callers share; `None` for configured keys and stdio.
+    /// For a caller without a configured key, the address it came from (`ip:…`, or `ip6:…/64`
+    /// with the configured prefix), whose budget all such callers share; `None` for configured
+    /// keys and stdio.
     pub fn unverified_from(&self) -> Option<&str> {
         self.unverified_from.as_deref()
     }
@@ -231,7 +234,10 @@ pub enum UnknownCaller {
     )]
     NeedsAddress(String),
     /// `from` is not an address as the server names them.
-    #[error("`{0}` is not an address: expected ip:<IPv4 address>, ip6:<IPv6 /64 network> or ip:unknown")]
+    #[error(
+        "`{0}` is not an address: expected ip:<IPv4 address>, ip6:<IPv6 network>/<server.ipv6_prefix> (e.g. \
+         ip6:2001:db8::/64) or ip:unknown"
+    )]
     BadAddress(String),
 }
 
@@ -243,6 +249,7 @@ pub struct Identifier {
     anonymous_tier: Arc<str>,
     trust_proxy: bool,
     trusted_proxies: Vec<IpNet>,
+    ipv6_prefix: u8,
 }
 
 impl fmt::Debug for Identifier {
@@ -255,6 +262,7 @@ impl fmt::Debug for Identifier {
             .field("anonymous_tier", &self.anonymous_tier)
             .field("trust_proxy", &self.trust_proxy)
             .field("trusted_proxies", &self.trusted_proxies)
+            .field("ipv6_prefix", &self.ipv6_prefix)
             .finish()
     }
 }
@@ -277,6 +285,7 @@ impl Identifier {
             anonymous_tier: Arc::from(config.auth.anonymous_tier.as_str()),
             trust_proxy: config.proxies.trust_proxy,
             trusted_proxies: config.proxies.trusted_proxies.clone(),
+            ipv6_prefix: config.proxies.ipv6_prefix,
         }
     }
 
@@ -310,7 +319,8 @@ impl Identifier {
                 return Ok(caller);
             }
             let from = from.ok_or_else(|| UnknownCaller::NeedsAddress(id.to_owned()))?;
-            let from = canonical_address(from).ok_or_else(|| UnknownCaller::BadAddress(from.to_owned()))?;
+            let from =
+                canonical_address(from, self.ipv6_prefix).ok_or_else(|| UnknownCaller::BadAddress(from.to_owned()))?;
             let tier = self.anonymous_tier.clone();
             return Ok(Caller::new(id.to_owned(), None, tier, Some(from.into())));
         }
@@ -320,7 +330,7 @@ impl Identifier {
             None => return Err(UnknownCaller::Malformed(id.to_owned())),
         };
         let id = ip.map_or_else(|| "ip:unknown".to_owned(), |ip| format!("ip:{ip}"));
-        let from = Some(Arc::from(address_of(ip)));
+        let from = Some(Arc::from(address_of(ip, self.ipv6_prefix)));
         Ok(Caller::new(id, None, self.anonymous_tier.clone(), from))
     }
 
@@ -350,7 +360,7 @@ impl Identifier {
                     }
                     None if self.required => Err(Unauthorized::Unknown),
                     None => {
-                        let from = address_of(self.client_ip(headers, peer));
+                        let from = address_of(self.client_ip(headers, peer), self.ipv6_prefix);
                         let tier = self.anonymous_tier.clone();
                         Ok(Caller::from_digest(&self.ids, &digest, None, tier, Some(from.into())))
                     }
@@ -363,7 +373,7 @@ impl Identifier {
                     Some(ip) => format!("ip:{ip}"),
                     None => "ip:unknown".to_owned(),
                 };
-                let from = Some(Arc::from(address_of(ip)));
+                let from = Some(Arc::from(address_of(ip, self.ipv6_prefix)));
                 Ok(Caller::new(id, None, self.anonymous_tier.clone(), from))
             }
         }
@@ -407,33 +417,46 @@ impl Identifier {
     }
 }
 
-/// The address an unverified caller is charged to: an IPv4 address, or an IPv6 /64 (a single
-/// host is routinely given a whole /64, so its addresses cost nothing to rotate).
-fn address_of(ip: Option<IpAddr>) -> String {
-    match ip {
+/// The address `ip` counts as wherever callers are counted per address: an IPv4 address as it
+/// is (an IPv4-mapped IPv6 one as its IPv4 address), an IPv6 address as its network of
+/// `ipv6_prefix` bits (host bits zero). A single host is routinely given a whole /64, so the
+/// addresses inside a prefix cost nothing to rotate.
+pub fn address_group(ip: IpAddr, ipv6_prefix: u8) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => {
+            let bits = u32::from(ipv6_prefix.min(128));
+            let mask = u128::MAX.checked_shl(128 - bits).unwrap_or(0);
+            IpAddr::V6(std::net::Ipv6Addr::from(u128::from(v6) & mask))
+        }
+    }
+}
+
+/// The address an unverified caller is charged to: an IPv4 address, or an IPv6 network of
+/// `ipv6_prefix` bits ([`address_group`]).
+fn address_of(ip: Option<IpAddr>, ipv6_prefix: u8) -> String {
+    match ip.map(|ip| address_group(ip, ipv6_prefix)) {
         Some(IpAddr::V4(v4)) => format!("ip:{v4}"),
-        Some(IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
-            Some(v4) => format!("ip:{v4}"),
-            None => {
-                let s = v6.segments();
-                let net = std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0);
-                format!("ip6:{net}/64")
-            }
-        },
+        Some(IpAddr::V6(net)) => format!("ip6:{net}/{ipv6_prefix}"),
         None => "ip:unknown".to_owned(),
     }
 }
 
-/// An address as [`address_of`] writes it (`ip:…`, `ip6:…/64`, `ip:unknown`), in that form.
-fn canonical_address(text: &str) -> Option<String> {
+/// An address as [`address_of`] writes it (`ip:…`, `ip6:…/<ipv6_prefix>`, `ip:unknown`), in that
+/// form; an `ip6:` network of another prefix length names no address this server counts.
+fn canonical_address(text: &str, ipv6_prefix: u8) -> Option<String> {
     if text == "ip:unknown" {
         return Some(text.to_owned());
     }
     if let Some(ip) = text.strip_prefix("ip:") {
-        return Some(address_of(Some(ip.parse().ok()?)));
+        return Some(address_of(Some(ip.parse().ok()?), ipv6_prefix));
     }
-    let net = text.strip_prefix("ip6:")?.strip_suffix("/64")?.parse::<std::net::Ipv6Addr>().ok()?;
-    Some(address_of(Some(IpAddr::V6(net))))
+    let (net, prefix) = text.strip_prefix("ip6:")?.rsplit_once('/')?;
+    if prefix.parse::<u8>().ok()? != ipv6_prefix {
+        return None;
+    }
+    let net = net.parse::<std::net::Ipv6Addr>().ok()?;
+    Some(address_of(Some(IpAddr::V6(net)), ipv6_prefix))
 }
 
 /// One `X-Forwarded-For` entry: an address, possibly with a port or IPv6 brackets.
@@ -635,6 +658,35 @@ mod tests {
         assert_eq!(off.by_id("ip:::ffff:1.2.3.4", None), Ok(caller), "an operator's mapped form names it too");
         // A plain IPv6 peer is left as it is.
         assert_eq!(off.identify(&headers(&[]), ip("2001:db8::7")).expect("caller").id(), "ip:2001:db8::7");
+    }
+
+    #[test]
+    fn ipv6_callers_are_grouped_by_the_configured_prefix() {
+        let addr = |s: &str| s.parse::<IpAddr>().expect("ip");
+        // The grouping itself: host bits zero, IPv4 (and IPv4-mapped) left whole.
+        assert_eq!(address_group(addr("2001:db8:1:2:3:4:5:6"), 64), addr("2001:db8:1:2::"));
+        assert_eq!(address_group(addr("2001:db8:1:2ff:3:4:5:6"), 56), addr("2001:db8:1:200::"));
+        assert_eq!(address_group(addr("2001:db8:1:2ff:3:4:5:6"), 48), addr("2001:db8:1::"));
+        assert_eq!(address_group(addr("2001:db8::7"), 128), addr("2001:db8::7"));
+        assert_eq!(address_group(addr("2001:db8::7"), 1), addr("::"));
+        assert_eq!(address_group(addr("::ffff:1.2.3.4"), 48), addr("1.2.3.4"));
+        assert_eq!(address_group(addr("1.2.3.4"), 48), addr("1.2.3.4"));
+        // A /56 (256 /64s) is 256 addresses by default, one with ipv6_prefix = 56.
+        let by = |toml: &str, peer: &str| {
+            let caller = identifier(toml).identify(&headers(&[("x-api-key", "made-up")]), ip(peer)).expect("caller");
+            caller.unverified_from().expect("unverified").to_owned()
+        };
+        assert_eq!(by("", "2001:db8:0:7::1"), "ip6:2001:db8:0:7::/64");
+        assert_ne!(by("", "2001:db8:0:1::1"), by("", "2001:db8:0:2::1"));
+        let wide = "[server]\nipv6_prefix = 56\n";
+        assert_eq!(by(wide, "2001:db8:0:1::1"), "ip6:2001:db8::/56");
+        assert_eq!(by(wide, "2001:db8:0:ff:ffff::1"), by(wide, "2001:db8:0:1::1"));
+        assert_ne!(by(wide, "2001:db8:0:100::1"), by(wide, "2001:db8:0:1::1"), "the next /56");
+        // An operator names such an address in the configured form only.
+        let id = identifier(wide);
+        let made_up = id.identify(&headers(&[("x-api-key", "made-up")]), ip("2001:db8:0:42::9")).expect("caller");
+        assert_eq!(id.by_id(made_up.id(), Some("ip6:2001:db8::/56")), Ok(made_up.clone()));
+        assert!(matches!(id.by_id(made_up.id(), Some("ip6:2001:db8::/64")), Err(UnknownCaller::BadAddress(_))));
     }
 
     #[test]

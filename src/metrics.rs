@@ -67,6 +67,49 @@ pub const SETTLEMENTS_GIVEN_UP: &str = "mcp_ratelimit_settlements_given_up_total
 /// `mcp_ratelimit_config_reloads_total{outcome}`: config reloads applied or refused.
 pub const CONFIG_RELOADS: &str = "mcp_ratelimit_config_reloads_total";
 
+/// `mcp_ratelimit_connections_open{listener}`: connections a listener (`mcp`, `admin`) holds.
+pub const CONNECTIONS_OPEN: &str = "mcp_ratelimit_connections_open";
+/// `mcp_ratelimit_connections_refused_total{listener, reason}`: connections refused as they were
+/// accepted: `max_connections` or `max_connections_per_address`.
+pub const CONNECTIONS_REFUSED: &str = "mcp_ratelimit_connections_refused_total";
+/// `mcp_ratelimit_connections_timed_out_total{listener}`: connections closed without ever
+/// presenting a whole request, `server.header_read_timeout_ms` after opening (silent, half a
+/// request, half an HTTP/2 preface). An idle kept-alive connection closed is not counted.
+pub const CONNECTIONS_TIMED_OUT: &str = "mcp_ratelimit_connections_timed_out_total";
+
+/// The connection counters of one listener, registered once, so accepting a connection only
+/// moves handles ([`Metrics::connections`]); [`ConnectionMetrics::none`] for a listener without
+/// `/metrics` (the mock upstream).
+#[derive(Clone)]
+pub struct ConnectionMetrics {
+    /// Connections open now.
+    pub open: Gauge,
+    /// Refused past `server.max_connections`.
+    pub refused_full: Counter,
+    /// Refused past `server.max_connections_per_address`.
+    pub refused_address: Counter,
+    /// Closed without ever presenting a request.
+    pub timed_out: Counter,
+}
+
+impl ConnectionMetrics {
+    /// Handles that count nothing.
+    pub fn none() -> Self {
+        Self {
+            open: Gauge::noop(),
+            refused_full: Counter::noop(),
+            refused_address: Counter::noop(),
+            timed_out: Counter::noop(),
+        }
+    }
+}
+
+impl std::fmt::Debug for ConnectionMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ConnectionMetrics")
+    }
+}
+
 /// Where a decision was taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layer {
@@ -177,6 +220,16 @@ impl Metrics {
         );
         describe(LOOP_DETECTIONS, Unit::Count, "Tool calls refused because the caller repeated them in a loop.");
         describe(STORE_ERRORS, Unit::Count, "Decisions the limiter store could not make, by layer.");
+        describe(
+            CONNECTIONS_REFUSED,
+            Unit::Count,
+            "Connections refused as they were accepted, by listener and the cap that was full.",
+        );
+        describe(
+            CONNECTIONS_TIMED_OUT,
+            Unit::Count,
+            "Connections closed without ever presenting a whole request within server.header_read_timeout_ms.",
+        );
         let gauge = |name: &'static str, help: &'static str| {
             recorder.describe_gauge(name.into(), Some(Unit::Count), SharedString::const_str(help));
         };
@@ -189,6 +242,7 @@ impl Metrics {
         gauge(JOBS_IN_FLIGHT, "Accepted jobs (image and video predictions) not yet final.");
         gauge(STORE_UP, "1 while the limiter store answers, 0 while it fails.");
         gauge(BREAKER_STATE, "The upstream circuit breaker: 0 closed, 1 half-open, 2 open.");
+        gauge(CONNECTIONS_OPEN, "Connections a listener holds open, by listener.");
         recorder.describe_gauge(
             IN_FLIGHT.into(),
             Some(Unit::Count),
@@ -285,6 +339,23 @@ impl Metrics {
     /// limit, the store could not answer (`layer="account"`): the queue limited locally.
     pub fn account_store_error(&self) {
         self.count(STORE_ERRORS, vec![Label::new("layer", "account")]);
+    }
+
+    /// The connection counters of `listener` (`mcp`, `admin`), registered now.
+    pub fn connections(&self, listener: &'static str) -> ConnectionMetrics {
+        let key = |name: &'static str, reason: Option<&'static str>| {
+            let mut labels = vec![Label::new("listener", listener)];
+            labels.extend(reason.map(|reason| Label::new("reason", reason)));
+            Key::from_parts(name, labels)
+        };
+        ConnectionMetrics {
+            open: self.recorder.register_gauge(&key(CONNECTIONS_OPEN, None), &META),
+            refused_full: self.recorder.register_counter(&key(CONNECTIONS_REFUSED, Some("max_connections")), &META),
+            refused_address: self
+                .recorder
+                .register_counter(&key(CONNECTIONS_REFUSED, Some("max_connections_per_address")), &META),
+            timed_out: self.recorder.register_counter(&key(CONNECTIONS_TIMED_OUT, None), &META),
+        }
     }
 
     /// Records one config reload, `applied` or `refused`.

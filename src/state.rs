@@ -179,6 +179,26 @@ impl AppState {
                 "server.max_sessions_per_address",
                 running.server.max_sessions_per_address != config.server.max_sessions_per_address,
             ),
+            (
+                "server.unverified_session_share",
+                running.server.unverified_session_share != config.server.unverified_session_share,
+            ),
+            ("server.key_session_share", running.server.key_session_share != config.server.key_session_share),
+            ("server.tenant_session_share", running.server.tenant_session_share != config.server.tenant_session_share),
+            (
+                "server.session_idle_timeout_seconds",
+                running.server.session_idle_timeout != config.server.session_idle_timeout,
+            ),
+            ("server.header_read_timeout_ms", running.server.header_read_timeout != config.server.header_read_timeout),
+            ("server.body_read_timeout_ms", running.server.body_read_timeout != config.server.body_read_timeout),
+            ("server.max_connections", running.server.connections.max != config.server.connections.max),
+            (
+                "server.max_connections_per_address",
+                running.server.connections.max_per_address != config.server.connections.max_per_address,
+            ),
+            // Connections are grouped when accepted; callers' addresses follow a reload at once.
+            ("server.ipv6_prefix", running.server.connections.ipv6_prefix != config.server.connections.ipv6_prefix),
+            ("server.metrics_key", running.server.metrics_key_sha256 != config.server.metrics_key_sha256),
             ("upstream.url", running.upstream.url != config.upstream.url),
             ("upstream.api_key", running.upstream.api_key != config.upstream.api_key),
             ("upstream.api_key_header", running.upstream.api_key_header != config.upstream.api_key_header),

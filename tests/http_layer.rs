@@ -194,3 +194,66 @@ async fn the_master_switch_turns_every_limit_off() {
         ));
     }
 }
+
+#[tokio::test]
+async fn health_and_metrics_answer_only_this_servers_names_and_metrics_takes_its_key() {
+    let http = reqwest::Client::new();
+    let get = |url: String, headers: Vec<(&'static str, String)>| {
+        let mut request = http.get(url);
+        for (name, value) in headers {
+            request = request.header(name, value);
+        }
+        async move {
+            let response = request.send().await.expect("answered");
+            let status = response.status().as_u16();
+            let challenge = response.headers().get("www-authenticate").map(|v| v.to_str().unwrap_or("").to_owned());
+            (status, challenge, response.text().await.unwrap_or_default())
+        }
+    };
+    // Open by default, but to this server's own names only: a foreign Host or Origin gets 403,
+    // as on /mcp and the dashboard, and not a line of the exposition.
+    let server = TestServer::start("").await;
+    for path in ["/health", "/metrics"] {
+        let url = format!("http://{}{path}", server.addr);
+        assert_eq!(get(url.clone(), vec![]).await.0, 200, "{path}");
+        for foreign in [("host", "evil.example.com".to_owned()), ("origin", "http://evil.example.com".to_owned())] {
+            let (status, _, body) = get(url.clone(), vec![foreign.clone()]).await;
+            assert_eq!(status, 403, "{path} {foreign:?}");
+            assert!(!body.contains("mcp_ratelimit_") && !body.contains("ok"), "{path}: {body}");
+        }
+    }
+
+    // With server.metrics_key, only that bearer key reads /metrics; /health stays open.
+    const KEY: &str = "a-metrics-key-0123456789";
+    let server = TestServer::start(&format!("[server]\nmetrics_key = \"{KEY}\"\n")).await;
+    let metrics = format!("http://{}/metrics", server.addr);
+    for presented in [None, Some("Bearer wrong-key-0123456789"), Some("Basic a-metrics-key-0123456789")] {
+        let headers = presented.map(|p| vec![("authorization", p.to_owned())]).unwrap_or_default();
+        let (status, challenge, body) = get(metrics.clone(), headers).await;
+        assert_eq!((status, challenge.as_deref()), (401, Some("Bearer")), "{presented:?}");
+        assert!(body.contains("server.metrics_key") && !body.contains(KEY), "{body}");
+    }
+    let (status, _, body) = get(metrics.clone(), vec![("authorization", format!("Bearer {KEY}"))]).await;
+    assert_eq!(status, 200);
+    assert!(body.contains("mcp_ratelimit_"), "{body}");
+    let (status, _, _) =
+        get(metrics, vec![("authorization", format!("Bearer {KEY}")), ("host", "evil.example.com".into())]).await;
+    assert_eq!(status, 403, "the key does not lift the Host check");
+    assert_eq!(get(format!("http://{}/health", server.addr), vec![]).await.0, 200);
+
+    // Under auth.required and no metrics key, /metrics is closed (a tenant's key is not the
+    // operator's), and says which key opens it.
+    let server = TestServer::start("[auth]\nrequired = true\n[[auth.keys]]\nkey = \"known\"\n").await;
+    let metrics = format!("http://{}/metrics", server.addr);
+    for headers in [vec![], vec![("authorization", "Bearer known".to_owned())]] {
+        let (status, _, body) = get(metrics.clone(), headers).await;
+        assert_eq!(status, 401);
+        assert!(body.contains("server.metrics_key") && !body.contains("mcp_ratelimit_"), "{body}");
+    }
+    assert_eq!(get(format!("http://{}/health", server.addr), vec![]).await.0, 200);
+    let both = format!("[auth]\nrequired = true\n[[auth.keys]]\nkey = \"known\"\n[server]\nmetrics_key = \"{KEY}\"\n");
+    let server = TestServer::start(&both).await;
+    let (status, _, _) =
+        get(format!("http://{}/metrics", server.addr), vec![("authorization", format!("Bearer {KEY}"))]).await;
+    assert_eq!(status, 200);
+}

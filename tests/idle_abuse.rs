@@ -129,11 +129,12 @@ async fn idle_sessions_and_slow_clients_stay_bounded_and_a_caller_keeps_its_late
     let n = sessions();
     // Long enough to open every session and measure before the first is reaped.
     let idle = Duration::from_secs(10 + n as u64 / 250);
-    // The server-wide cap is what this test is about: the cap per address (every session here
-    // comes from loopback, each with a made-up key) and the address's request limit are raised
-    // out of its way (tests/made_up_keys.rs holds those).
+    // The server-wide cap is what this test is about: the caps on unverified callers (every
+    // session here comes from loopback, each with a made-up key) and the address's request limit
+    // are raised out of its way (tests/made_up_keys.rs holds those).
     let config = format!(
-        "[server]\nmax_sessions = {n}\nmax_sessions_per_address = {n}\nsession_idle_timeout_seconds = {}\n\
+        "[server]\nmax_sessions = {n}\nmax_sessions_per_address = {n}\nunverified_session_share = 1.0\n\
+         session_idle_timeout_seconds = {}\n\
          header_read_timeout_ms = {}\nbody_read_timeout_ms = {}\n[limits.http]\nburst = 1000000\n\
          [limits.address_http]\nburst = 1000000\n[limits.method.tools_call]\nburst = 1000000\n",
         idle.as_secs(),
@@ -324,6 +325,307 @@ async fn slow_clients_are_cut_off_on_the_admin_listener_and_the_mock_upstream_to
         );
     }
     assert_eq!(server.process.panics() + mock.process.panics(), 0, "{}", server.process.log());
+}
+
+/// The first-request deadline of the connection tests: short, so they are.
+const FIRST_REQUEST: Duration = Duration::from_millis(600);
+
+/// Half an HTTP/2 connection preface (hyper-util's auto-detection waits for the rest).
+const HALF_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM";
+
+/// A whole HTTP/2 preface and an empty SETTINGS frame: an HTTP/2 connection, then nothing.
+const PREFACE_THEN_NOTHING: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+
+/// Connects to `addr`, sends `bytes` and then nothing; returns how long the server kept the
+/// connection open after that, reading (and dropping) whatever it sent.
+async fn kept_open(addr: &str, bytes: &[u8]) -> Duration {
+    let mut tcp = TcpStream::connect(addr).await.expect("connect");
+    tcp.write_all(bytes).await.expect("sent");
+    let started = Instant::now();
+    let mut buffer = [0u8; 1024];
+    loop {
+        match tokio::time::timeout(FIRST_REQUEST + LATE * 2, tcp.read(&mut buffer)).await {
+            Ok(Ok(0) | Err(_)) => return started.elapsed(),
+            Ok(Ok(_)) => continue,
+            Err(_) => panic!("{addr}: a connection that sent {bytes:?} was never closed"),
+        }
+    }
+}
+
+/// The value of the sample of `metric` whose labels contain every one of `labels`.
+fn sample(exposition: &str, metric: &str, labels: &[&str]) -> f64 {
+    exposition
+        .lines()
+        .filter(|l| l.strip_prefix(metric).is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' ')))
+        .filter(|l| labels.iter().all(|label| l.contains(label)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A `serve` process with `[server]` `server` and the admin API on; its admin address.
+async fn with_admin(server: &str) -> (Server, String) {
+    const KEY: &str = "an-admin-key-for-the-connection-tests";
+    let admin = format!("127.0.0.1:{}", process::free_port());
+    let started =
+        Server::start(&format!("[server]\n{server}[admin]\nlisten = \"{admin}\"\nkey = \"{KEY}\"\n"), &[]).await;
+    let openapi = format!("http://{admin}/admin/openapi.json");
+    process::wait_until("the admin API answers", Duration::from_secs(30), || async {
+        reqwest::Client::new().get(&openapi).bearer_auth(KEY).send().await.is_ok_and(|r| r.status().is_success())
+    })
+    .await;
+    (started, admin)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_that_present_no_request_are_closed_within_the_deadline_on_every_listener() {
+    let deadline = format!("header_read_timeout_ms = {}\n", FIRST_REQUEST.as_millis());
+    let (server, admin) = with_admin(&deadline).await;
+    let mock = process::Upstream::start(&format!("[server]\n{deadline}")).await;
+    let mcp = server.base.trim_start_matches("http://").to_owned();
+    let upstream = mock.url.trim_start_matches("http://").to_owned();
+    for (listener, addr) in [("mcp", &mcp), ("admin", &admin), ("mock upstream", &upstream)] {
+        // Nothing; half an HTTP/2 preface; a whole one and its SETTINGS, then nothing; half an
+        // HTTP/1 request (hyper's own timer holds that one too).
+        let (nothing, half_preface, preface, half_request) = tokio::join!(
+            kept_open(addr, b""),
+            kept_open(addr, HALF_PREFACE),
+            kept_open(addr, PREFACE_THEN_NOTHING),
+            kept_open(addr, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"),
+        );
+        println!(
+            "{listener}: closed after {nothing:.2?} (nothing), {half_preface:.2?} (half a preface), {preface:.2?} \
+             (an HTTP/2 preface), {half_request:.2?} (half a request); deadline {FIRST_REQUEST:?}"
+        );
+        for (what, took) in [
+            ("nothing", nothing),
+            ("half a preface", half_preface),
+            ("a preface", preface),
+            ("half a request", half_request),
+        ] {
+            assert!(
+                took + Duration::from_millis(50) >= FIRST_REQUEST && took <= FIRST_REQUEST + LATE,
+                "{listener}, {what}: closed after {took:?}, the deadline is {FIRST_REQUEST:?}"
+            );
+        }
+    }
+    // Counted where /metrics is: the four that never presented a whole request, on each listener.
+    let metrics = server.metrics().await;
+    for listener in ["mcp", "admin"] {
+        let timed_out =
+            sample(&metrics, "mcp_ratelimit_connections_timed_out_total", &[&format!("listener=\"{listener}\"")]);
+        assert_eq!(timed_out, 4.0, "{listener}\n{metrics}");
+    }
+    assert_eq!(server.process.panics() + mock.process.panics(), 0, "{}", server.process.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_http2_connection_is_closed_and_streams_and_clients_of_both_eras_go_on() {
+    let server =
+        Server::start(&format!("[server]\nheader_read_timeout_ms = {}\n", FIRST_REQUEST.as_millis()), &[]).await;
+    let addr = server.base.trim_start_matches("http://").to_owned();
+    let tcp = TcpStream::connect(&addr).await.expect("connect");
+    let (mut sender, connection) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .expect("an HTTP/2 connection");
+    let (ended_tx, ended) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let _ = connection.await;
+        let _ = ended_tx.send(Instant::now());
+    });
+    for _ in 0..2 {
+        let request = http::Request::get(format!("http://{addr}/health"))
+            .body(http_body_util::Empty::<hyper::body::Bytes>::new());
+        let answer = sender.send_request(request.expect("a request")).await.expect("answered over HTTP/2");
+        assert_eq!(answer.status(), 200);
+        let _ = http_body_util::BodyExt::collect(answer.into_body()).await.expect("the body");
+    }
+    let answered = Instant::now();
+    let ended = tokio::time::timeout(FIRST_REQUEST + LATE * 2, ended).await.expect("the idle connection ended");
+    let idle = ended.expect("ended") - answered;
+    println!("an idle HTTP/2 connection ended {idle:.2?} after its last answer (deadline {FIRST_REQUEST:?})");
+    assert!(idle + Duration::from_millis(50) >= FIRST_REQUEST && idle <= FIRST_REQUEST + LATE, "{idle:?}");
+
+    // An SSE stream is a request under way: its connection outlives the deadline many times.
+    let http = reqwest::Client::new();
+    let mut session = Session::new(&http, &server.url, "streaming");
+    assert_eq!(session.open().await.expect("open"), 200);
+    let mut stream = http
+        .get(&server.url)
+        .header("accept", "text/event-stream")
+        .header("mcp-session-id", session.id.as_deref().expect("a session"))
+        .header("mcp-protocol-version", "2025-11-25")
+        .bearer_auth("streaming")
+        .send()
+        .await
+        .expect("the GET stream");
+    assert_eq!(stream.status(), 200);
+    let quiet =
+        tokio::time::timeout(FIRST_REQUEST * 4, async { while let Ok(Some(_)) = stream.chunk().await {} }).await;
+    assert!(quiet.is_err(), "the stream ended within {:?}", FIRST_REQUEST * 4);
+    assert_eq!(session.ping().await.expect("ping"), 200, "and the session still answers");
+
+    // MCP clients of both eras go on calling across idle spells longer than the deadline.
+    use rmcp::model::{CallToolRequestParams, ProtocolVersion};
+    use rmcp::transport::StreamableHttpClientTransport;
+    use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+    use rmcp::{ClientLifecycleMode, ClientServiceExt, ServiceExt};
+    let transport = || {
+        let config = StreamableHttpClientTransportConfig::with_uri(server.url.clone()).auth_header("both-eras");
+        StreamableHttpClientTransport::from_config(config)
+    };
+    let legacy = ().serve(transport()).await.expect("a 2025-11-25 session");
+    let modern = ().serve_with_lifecycle(
+        transport(),
+        ClientLifecycleMode::Discover { preferred_versions: vec![ProtocolVersion::V_2026_07_28] },
+    );
+    let modern = modern.await.expect("a 2026-07-28 client");
+    for round in 0..3 {
+        for client in [&legacy, &modern] {
+            let answer = client.call_tool(CallToolRequestParams::new("rate_limit_status")).await;
+            assert_eq!(answer.expect("answered").is_error, Some(false), "round {round}");
+        }
+        tokio::time::sleep(FIRST_REQUEST * 2).await;
+    }
+    assert_eq!(server.process.panics(), 0, "{}", server.process.log());
+}
+
+/// Connects to `addr` from `from` (a loopback address): the connection, and whether the server
+/// refused it at once (the status line it was answered with) or holds it (`None`).
+async fn connect_from(from: &str, addr: &str) -> (TcpStream, Option<String>) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+    socket.bind(format!("{from}:0").parse().expect("an address")).expect("bound to a loopback address");
+    let mut tcp = socket.connect(addr.parse().expect("an address")).await.expect("connect");
+    let mut answer = Vec::new();
+    let mut buffer = [0u8; 1024];
+    // A refusal comes at once; a held connection says nothing (its deadline is far off).
+    while let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(300), tcp.read(&mut buffer)).await {
+        if n == 0 {
+            break;
+        }
+        answer.extend_from_slice(&buffer[..n]);
+    }
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    (tcp, (!answer.is_empty()).then_some(text))
+}
+
+/// Whether `tcp`, held open and silent, is served a request now.
+async fn served(mut tcp: TcpStream) -> bool {
+    let request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+    if tcp.write_all(request).await.is_err() {
+        return false;
+    }
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(LATE, tcp.read_to_end(&mut answer)).await;
+    // Any answer but a refusal (the admin API wants its key, the mock has no /health).
+    let answer = String::from_utf8_lossy(&answer);
+    answer.starts_with("HTTP/1.1 ") && !answer.starts_with("HTTP/1.1 429") && !answer.starts_with("HTTP/1.1 503")
+}
+
+/// Waits until `server` holds no connection but the scrape asking (and the admin listener none),
+/// and that scrape's own connection has gone too.
+async fn settled(server: &Server) {
+    let open = |metrics: &str, listener: &str| {
+        sample(metrics, "mcp_ratelimit_connections_open", &[&format!("listener=\"{listener}\"")])
+    };
+    process::wait_until("the connections before are gone", Duration::from_secs(30), || async {
+        let metrics = server.metrics().await;
+        open(&metrics, "mcp") == 1.0 && open(&metrics, "admin") == 0.0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_past_a_cap_is_refused_at_once_and_counted_on_every_listener() {
+    let caps = "max_connections = 5\nmax_connections_per_address = 3\n";
+    let (server, admin) = with_admin(caps).await;
+    let mock = process::Upstream::start(&format!("[server]\n{caps}")).await;
+    let mcp = server.base.trim_start_matches("http://").to_owned();
+    let upstream = mock.url.trim_start_matches("http://").to_owned();
+    // Only the scrape itself is open (the clients that waited for the server have gone).
+    settled(&server).await;
+    for (listener, addr) in [("mcp", &mcp), ("admin", &admin), ("mock upstream", &upstream)] {
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            let (tcp, refused) = connect_from("127.0.0.1", addr).await;
+            assert_eq!(refused, None, "{listener}: within the cap per address");
+            held.push(tcp);
+        }
+        let (_, refused) = connect_from("127.0.0.1", addr).await;
+        let refused = refused.expect("the fourth from one address is answered at once");
+        assert!(refused.starts_with("HTTP/1.1 429") && refused.contains("Retry-After: 1"), "{listener}: {refused}");
+        assert!(refused.contains("max_connections_per_address"), "{refused}");
+        for from in ["127.0.0.2", "127.0.0.3"] {
+            let (tcp, refused) = connect_from(from, addr).await;
+            assert_eq!(refused, None, "{listener}: another address has room until the listener is full");
+            held.push(tcp);
+        }
+        let (_, refused) = connect_from("127.0.0.4", addr).await;
+        let refused = refused.expect("the sixth is answered at once");
+        assert!(refused.starts_with("HTTP/1.1 503") && refused.contains("Retry-After: 1"), "{listener}: {refused}");
+        // Those held are served whenever they speak; once they are gone there is room again.
+        for tcp in held {
+            assert!(served(tcp).await, "{listener}: a held connection is served");
+        }
+        settled(&server).await;
+    }
+    let metrics = server.metrics().await;
+    for listener in ["mcp", "admin"] {
+        let label = format!("listener=\"{listener}\"");
+        let per_address =
+            sample(&metrics, "mcp_ratelimit_connections_refused_total", &[&label, "max_connections_per_address"]);
+        let full = sample(&metrics, "mcp_ratelimit_connections_refused_total", &[&label, "reason=\"max_connections\""]);
+        assert_eq!((per_address, full), (1.0, 1.0), "{listener}\n{metrics}");
+    }
+    assert_eq!(server.process.panics() + mock.process.panics(), 0, "{}", server.process.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trusted_proxies_are_not_held_to_the_cap_per_address_and_ipv6_peers_are() {
+    // Behind a trusted proxy every client arrives from its address: it is held to the listener's
+    // cap only.
+    let toml = "[server]\nmax_connections_per_address = 2\ntrust_proxy = true\ntrusted_proxies = [\"127.0.0.1/32\"]\n";
+    let server = Server::start(toml, &[]).await;
+    let addr = server.base.trim_start_matches("http://").to_owned();
+    let mut held = Vec::new();
+    for n in 0..4 {
+        let (tcp, refused) = connect_from("127.0.0.1", &addr).await;
+        assert_eq!(refused, None, "connection {n} from the trusted proxy");
+        held.push(tcp);
+    }
+    for n in 0..2 {
+        let (tcp, refused) = connect_from("127.0.0.2", &addr).await;
+        assert_eq!(refused, None, "connection {n} from another address");
+        held.push(tcp);
+    }
+    assert!(connect_from("127.0.0.2", &addr).await.1.is_some_and(|r| r.starts_with("HTTP/1.1 429")), "another address");
+    drop(held);
+
+    // An IPv6 peer (the loopback [::1]) is counted as its address too.
+    let port = process::free_port();
+    let listen = format!("[::1]:{port}");
+    let mut process =
+        process::Process::spawn(&["serve", "--listen", &listen], "[server]\nmax_connections_per_address = 2\n", &[]);
+    process::wait_until("serve on [::1] answers", Duration::from_secs(30), || async {
+        reqwest::get(format!("http://{listen}/health")).await.is_ok_and(|r| r.status().is_success())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await; // the client that asked has gone
+    let mut v6 = Vec::new();
+    let refused = loop {
+        let mut tcp = TcpStream::connect(&listen).await.expect("connect over IPv6");
+        let mut buffer = [0u8; 256];
+        match tokio::time::timeout(Duration::from_millis(300), tcp.read(&mut buffer)).await {
+            Ok(Ok(n)) if n > 0 => break String::from_utf8_lossy(&buffer[..n]).into_owned(),
+            _ => v6.push(tcp),
+        }
+        assert!(v6.len() <= 2, "more than the cap held from [::1]");
+    };
+    assert_eq!(v6.len(), 2);
+    assert!(refused.starts_with("HTTP/1.1 429"), "{refused}");
+    assert_eq!(process.panics(), 0, "{}", process.log());
+    process.kill().await;
 }
 
 #[test]

@@ -319,3 +319,183 @@ async fn ipv6_callers_rotating_addresses_within_one_64_are_one_address() {
     let elsewhere = post("k11".into(), "2001:db8:0:8::1".into()).await.expect("answered");
     assert_ne!(elsewhere.status(), 429, "another /64 is another address");
 }
+
+/// An `initialize` over raw HTTP with `headers`: its status, and the error message of a refusal.
+async fn initialize_with(url: &str, headers: &[(&str, &str)]) -> (u16, String) {
+    let mut session = RawSession::new(url, headers);
+    let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}});
+    let (status, response_headers, body) = session.post(init).await;
+    session.session_id = response_headers.get("mcp-session-id").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let message = jsonrpc_of(&body)["error"]["message"].as_str().unwrap_or_default().to_owned();
+    (status, message)
+}
+
+#[tokio::test]
+async fn unverified_callers_of_many_addresses_hold_their_share_and_a_configured_key_still_finds_a_session() {
+    // A /56 is 256 /64s: each its own address by default, so the cap per address alone lets a host
+    // holding one fill the server. The unverified share caps them all together.
+    // The defaults: unverified_session_share 0.5; a key holds 0.1 of 8, so one each.
+    let keys: String = (0..4).map(|n| format!("[[auth.keys]]\nkey = \"key-{n}\"\n")).collect();
+    let config = format!("{keys}[server]\ntrust_proxy = true\nmax_sessions = 8\nmax_sessions_per_address = 2\n");
+    let server = TestServer::start(&config).await;
+    let mut statuses = Vec::new();
+    for n in 0..8 {
+        let from = format!("2001:db8:0:{n:x}::1");
+        let token = format!("Bearer made-up-{n}");
+        statuses.push(initialize_with(&server.url, &[("x-forwarded-for", &from), ("authorization", &token)]).await);
+    }
+    let codes: Vec<u16> = statuses.iter().map(|(status, _)| *status).collect();
+    assert_eq!(codes, [200, 200, 200, 200, 503, 503, 503, 503], "{statuses:?}");
+    assert!(statuses[4].1.contains("without a configured API key"), "{}", statuses[4].1);
+    for n in 0..4 {
+        let status = initialize_with(&server.url, &[("authorization", &format!("Bearer key-{n}"))]).await.0;
+        assert_eq!(status, 200, "configured key {n}: the unverified callers left room");
+    }
+    let made_up = initialize_with(&server.url, &[("x-forwarded-for", "2001:db8:1::1")]).await.0;
+    assert_eq!(made_up, 503, "now every session is taken");
+
+    // With the prefix at /56, that host is one address: its cap per address holds it.
+    let server = TestServer::start(&format!("{config}ipv6_prefix = 56\n")).await;
+    let mut codes = Vec::new();
+    for n in 0..4 {
+        let from = format!("2001:db8:0:{n:x}::1");
+        let token = format!("Bearer made-up-{n}");
+        codes.push(initialize_with(&server.url, &[("x-forwarded-for", &from), ("authorization", &token)]).await.0);
+    }
+    assert_eq!(codes, [200, 200, 429, 429]);
+    let next_56 = initialize_with(&server.url, &[("x-forwarded-for", "2001:db8:0:100::1")]).await.0;
+    assert_eq!(next_56, 200, "the next /56 is another address");
+}
+
+#[tokio::test]
+async fn one_key_or_one_tenant_cannot_take_every_session() {
+    // The issue's repro with the defaults: one key opening session after session of 30.
+    let server = TestServer::start(&format!("{ACME}{GLOBEX}[server]\nmax_sessions = 30\n")).await;
+    let mut opened = 0;
+    let refused = loop {
+        let (status, message) = initialize_with(&server.url, &[("authorization", "Bearer acme-key")]).await;
+        if status != 200 {
+            break (status, message);
+        }
+        opened += 1;
+        assert!(opened <= 30, "one key took every session");
+    };
+    assert_eq!((opened, refused.0), (3, 429), "key_session_share 0.1 of 30: {refused:?}");
+    assert!(refused.1.contains("this API key"), "{}", refused.1);
+    assert_eq!(initialize_with(&server.url, &[("authorization", "Bearer globex-key")]).await.0, 200, "the next tenant");
+
+    // A tenant's keys together hold at most its share; another tenant's keys are not counted.
+    let keys = "[[auth.keys]]\nkey = \"a1\"\ntenant = \"acme\"\n[[auth.keys]]\nkey = \"a2\"\ntenant = \"acme\"\n\
+                [[auth.keys]]\nkey = \"a3\"\ntenant = \"acme\"\n[[auth.keys]]\nkey = \"b1\"\ntenant = \"beta\"\n\
+                [[auth.keys]]\nkey = \"solo\"\n";
+    let server = TestServer::start(&format!(
+        "{keys}[server]\nmax_sessions = 10\nkey_session_share = 0.2\ntenant_session_share = 0.3\n"
+    ))
+    .await;
+    let open = |key: &'static str| {
+        let url = server.url.clone();
+        async move { initialize_with(&url, &[("authorization", &format!("Bearer {key}"))]).await }
+    };
+    assert_eq!((open("a1").await.0, open("a1").await.0), (200, 200));
+    assert_eq!(open("a1").await.0, 429, "a key holds 2 of 10");
+    assert_eq!(open("a2").await.0, 200);
+    let tenant_full = open("a3").await;
+    assert_eq!(tenant_full.0, 429, "the tenant holds 3 of 10");
+    assert!(tenant_full.1.contains("tenant"), "{}", tenant_full.1);
+    assert_eq!((open("b1").await.0, open("solo").await.0, open("solo").await.0), (200, 200, 200));
+    assert_eq!(open("solo").await.0, 429, "a key without a tenant is held per key");
+}
+
+/// A 2026-07-28 MCP client (no session, `server/discover`) presenting `token`.
+async fn modern_client(url: &str, token: &str) -> Client {
+    use rmcp::model::ProtocolVersion;
+    use rmcp::transport::StreamableHttpClientTransport;
+    use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+    use rmcp::{ClientLifecycleMode, ClientServiceExt};
+    let config = StreamableHttpClientTransportConfig::with_uri(url.to_owned()).auth_header(token);
+    let lifecycle = ClientLifecycleMode::Discover { preferred_versions: vec![ProtocolVersion::V_2026_07_28] };
+    ().serve_with_lifecycle(StreamableHttpClientTransport::from_config(config), lifecycle)
+        .await
+        .expect("a 2026-07-28 client needs no session")
+}
+
+#[tokio::test]
+async fn a_2026_client_is_never_held_to_the_session_caps_nor_holds_a_place_in_them() {
+    let server = TestServer::start(&format!("{ACME}[server]\nmax_sessions = 1\n")).await;
+    // A stateless call under way (its upstream request held) is no session being opened: a
+    // legacy client still opens the only session.
+    let modern = modern_client(&server.url, "acme-key").await;
+    server.chaos(json!({"hold": true})).await;
+    let calling = tokio::spawn(async move {
+        let answer = call(&modern, "list_articles", json!({"limit": 1})).await;
+        (modern, answer)
+    });
+    settle().await;
+    let legacy = server.client(Some("acme-key")).await;
+    server.chaos(json!({"hold": false})).await;
+    let (modern, answer) = calling.await.expect("the call");
+    assert!(!is_error(&answer), "{}", text(&answer));
+    // With every session taken, a 2026-07-28 client of the same key, or of none, still calls.
+    assert_eq!(initialize_with(&server.url, &[("authorization", "Bearer acme-key")]).await.0, 503, "full");
+    for client in [modern, modern_client(&server.url, "made-up").await] {
+        let status = call(&client, "rate_limit_status", json!({})).await;
+        assert!(!is_error(&status), "{}", text(&status));
+        client.cancel().await.ok();
+    }
+    assert!(!is_error(&call(&legacy, "rate_limit_status", json!({})).await), "the legacy session still works");
+}
+
+#[tokio::test]
+async fn only_messages_keep_a_session_open_not_its_get_stream() {
+    let idle: u64 = 60;
+    let server = TestServer::start(&format!("[server]\nsession_idle_timeout_seconds = {idle}\n")).await;
+    let mut streaming = RawSession::new(&server.url, &[("authorization", "Bearer streams-only")]);
+    let mut talking = RawSession::new(&server.url, &[("authorization", "Bearer talks")]);
+    assert_eq!((streaming.open().await, talking.open().await), ((200, 202), (200, 202)));
+    let stream = |session: &RawSession| {
+        let id = session.session_id.clone().expect("a session");
+        session
+            .http
+            .get(&session.url)
+            .header("accept", "text/event-stream")
+            .header("mcp-session-id", id)
+            .header("mcp-protocol-version", "2025-11-25")
+            .header("authorization", "Bearer streams-only")
+            .send()
+    };
+    // Every 10 s of the server's clock: a GET stream opened (and dropped) in one session, a ping
+    // in the other.
+    for step in 1..=5 {
+        server.advance_ms(10_000);
+        let get = stream(&streaming).await.expect("GET answered");
+        assert_eq!(get.status(), 200, "step {step}");
+        drop(get);
+        assert_eq!(talking.ping(step).await.0, 200, "step {step}");
+    }
+    // 60 s after its last message, the streaming session is closed; the talking one lives on.
+    server.advance_ms(10_000);
+    eventually("the session with only GETs is closed", || async { streaming.ping(100).await.0 == 404 }).await;
+    assert_eq!(talking.ping(101).await.0, 200, "10 s since its last ping");
+    server.advance_ms(idle * 1000 - 1);
+    assert_eq!(talking.ping(102).await.0, 200, "a moment before its idle time is up");
+    server.advance_ms(idle * 1000);
+    eventually("the talking session is closed once it is quiet", || async { talking.ping(103).await.0 == 404 }).await;
+
+    // A call under way is a message until it is answered: its session outlives the idle time.
+    let client = server.client(Some("a-long-call")).await;
+    server.chaos(json!({"hold": true})).await;
+    let calling = tokio::spawn(async move {
+        let answer = call(&client, "list_articles", json!({"limit": 1})).await;
+        (client, answer)
+    });
+    settle().await;
+    server.advance_ms(idle * 2000);
+    settle().await;
+    server.chaos(json!({"hold": false})).await;
+    // Had its session been closed under it, the call would never be answered.
+    let answered = tokio::time::timeout(std::time::Duration::from_secs(10), calling).await;
+    let (client, answer) = answered.expect("the call is answered in its session").expect("the call");
+    assert!(!is_error(&answer), "answered in its session: {}", text(&answer));
+    assert!(!is_error(&call(&client, "rate_limit_status", json!({})).await), "and the session goes on");
+}

@@ -27,7 +27,7 @@ async fn a_refusal_storm_writes_a_few_lines_that_count_the_rest_and_the_metrics_
         "[limits.caller]\nburst = 40\nrefill_per_sec = 1.0\n[tools.generate_image_to_video]\ncost = 20\n\
          [limits.http]\nburst = 10000\n\
          [limits.address_http]\nburst = 10000\n[limits.method.tools_call]\nburst = 10000\n{NO_LOOP_DETECTION}\n\
-         [server]\nmax_sessions = 1\n"
+         [server]\nmax_sessions = 1\nunverified_session_share = 1.0\n"
     );
     let server = TestServer::start(&config).await;
     let client = server.client(Some("storm")).await;

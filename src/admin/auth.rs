@@ -1,8 +1,9 @@
 //! The admin key check, as a middleware in front of every admin route (an unknown one too).
 //!
 //! The presented token is hashed, and its SHA-256 compared with the configured key's over all
-//! 32 bytes whatever they hold: the time taken depends on neither the key nor the token's
-//! length, and even a leak would only be about the digest of the attacker's own guess.
+//! 32 bytes whatever they hold ([`presents_key`], shared with `server.metrics_key`): the time
+//! taken depends on neither the key nor the token's length, and even a leak would only be about
+//! the digest of the attacker's own guess.
 
 use std::sync::Arc;
 
@@ -10,7 +11,8 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use sha2::{Digest, Sha256};
+
+use crate::http::front_door::presents_key;
 
 /// Lets a request through only with `Authorization: Bearer <admin key>`; otherwise 401 with
 /// `WWW-Authenticate: Bearer`.
@@ -38,30 +40,4 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
         let (scheme, token) = v.trim().split_once(' ')?;
         scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
     })
-}
-
-/// Whether `headers` carry `Authorization: Bearer <the key whose SHA-256 is key_sha256>`,
-/// compared over all 32 bytes of the digests.
-pub fn presents_key(headers: &HeaderMap, key_sha256: &[u8; 32]) -> bool {
-    bearer(headers).is_some_and(|token| same_digest(&Sha256::digest(token.as_bytes()).into(), key_sha256))
-}
-
-/// Whether two digests are equal, looking at every byte whatever the differences.
-fn same_digest(a: &[u8; 32], b: &[u8; 32]) -> bool {
-    let difference = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
-    std::hint::black_box(difference) == 0
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn digests_are_equal_only_when_every_byte_is() {
-        let a = [7u8; 32];
-        let mut b = a;
-        assert!(same_digest(&a, &b));
-        b[31] ^= 1;
-        assert!(!same_digest(&a, &b));
-    }
 }

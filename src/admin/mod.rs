@@ -26,7 +26,7 @@ use axum::routing::{MethodRouter, delete, get, post, put};
 use crate::http::serve::{BodyDeadline, read_body_by_deadline};
 use crate::state::AppState;
 
-pub use auth::presents_key;
+pub use crate::http::front_door::presents_key;
 
 /// The OpenAPI 3.1 document describing every route, as written beside this file; served by
 /// [`openapi`] with what the registry knows filled in.

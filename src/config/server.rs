@@ -8,6 +8,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use super::{ConfigError, invalid};
+use crate::redact::Secret;
 
 /// `[server]`.
 #[derive(Debug, Clone)]
@@ -27,22 +28,97 @@ pub struct ServerConfig {
     /// MCP sessions the unverified callers of one address may hold together; an `initialize`
     /// beyond them gets 429.
     pub max_sessions_per_address: usize,
-    /// The longest a client may take to send a request's headers.
+    /// The share (0 to 1) of `max_sessions` unverified callers of every address together may
+    /// hold, so configured keys always find a session.
+    pub unverified_session_share: f64,
+    /// The share (above 0, at most 1) of `max_sessions` one configured key may hold.
+    pub key_session_share: f64,
+    /// The share (above 0, at most 1) of `max_sessions` the keys of one tenant may hold together.
+    pub tenant_session_share: f64,
+    /// The longest a client may take to send a request's headers; every connection must present
+    /// a whole request within it of opening (or of its last answer).
     pub header_read_timeout: Duration,
     /// The longest a client may take to send a request's body, from its headers on.
     pub body_read_timeout: Duration,
+    /// How many connections a listener holds, all together and per address.
+    pub connections: ConnectionCaps,
+    /// SHA-256 of the bearer key `GET /metrics` requires; `None`: no key (open, unless
+    /// `auth.required`). The key itself is not kept.
+    pub metrics_key_sha256: Option<KeyDigest>,
+}
+
+impl ServerConfig {
+    /// The sessions unverified callers of every address may hold together: `max_sessions` ×
+    /// `unverified_session_share`, rounded down (a share never grants what it does not cover).
+    pub fn unverified_sessions(&self) -> usize {
+        share_of(self.max_sessions, self.unverified_session_share)
+    }
+
+    /// The sessions one configured key may hold: `max_sessions` × `key_session_share`, rounded
+    /// down, at least one.
+    pub fn sessions_per_key(&self) -> usize {
+        share_of(self.max_sessions, self.key_session_share).max(1)
+    }
+
+    /// The sessions one tenant's keys may hold together: `max_sessions` × `tenant_session_share`,
+    /// rounded down, at least one.
+    pub fn sessions_per_tenant(&self) -> usize {
+        share_of(self.max_sessions, self.tenant_session_share).max(1)
+    }
+}
+
+/// `share` (0 to 1) of `whole`, rounded down.
+fn share_of(whole: usize, share: f64) -> usize {
+    if share >= 1.0 { whole } else { (whole as f64 * share.max(0.0)).floor() as usize }
+}
+
+/// How many connections a listener holds open (`server.max_connections`,
+/// `server.max_connections_per_address`); a connection beyond either is refused as it is accepted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnectionCaps {
+    /// Connections open at once, all peers together.
+    pub max: usize,
+    /// Connections open at once from one address (IPv6 grouped by `ipv6_prefix`).
+    pub max_per_address: usize,
+    /// The prefix length that groups IPv6 peers into one address.
+    pub ipv6_prefix: u8,
+    /// Peers never held to `max_per_address`: the trusted proxies when `server.trust_proxy` is
+    /// on (every client behind one arrives from its address).
+    pub exempt: Vec<IpNet>,
+}
+
+/// The SHA-256 of a key a listener requires: compared, never printed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct KeyDigest(pub [u8; 32]);
+
+impl std::fmt::Debug for KeyDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<set>")
+    }
 }
 
 /// The part of `[server]` that names callers (`trust_proxy`, `trusted_proxies`): the limits read
 /// it to tell one unverified caller from another, so it belongs to their configuration
 /// ([`LimitsConfig`](super::LimitsConfig)), not to the listener's.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProxyTrust {
     /// Whether `X-Forwarded-For` from a trusted proxy names the caller.
     pub trust_proxy: bool,
     /// Proxies whose `X-Forwarded-For` is believed.
     pub trusted_proxies: Vec<IpNet>,
+    /// The prefix length that groups IPv6 addresses into one address (`server.ipv6_prefix`): one
+    /// host is routinely given a whole /64, so its addresses cost nothing to rotate.
+    pub ipv6_prefix: u8,
 }
+
+impl Default for ProxyTrust {
+    fn default() -> Self {
+        Self { trust_proxy: false, trusted_proxies: Vec::new(), ipv6_prefix: DEFAULT_IPV6_PREFIX }
+    }
+}
+
+/// `server.ipv6_prefix` unless set: the /64 an ISP or a cloud gives one host.
+pub const DEFAULT_IPV6_PREFIX: u8 = 64;
 
 /// `[admin]`: the operator's API, on a listener of its own.
 #[derive(Clone)]
@@ -63,6 +139,9 @@ impl std::fmt::Debug for AdminConfig {
 /// The shortest admin key accepted: it guards every budget of every caller.
 const MIN_ADMIN_KEY_CHARS: usize = 16;
 
+/// The shortest `server.metrics_key` accepted, as for the admin key.
+const MIN_METRICS_KEY_CHARS: usize = 16;
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawServer {
@@ -75,8 +154,15 @@ pub(super) struct RawServer {
     session_idle_timeout_seconds: u64,
     max_sessions: usize,
     max_sessions_per_address: usize,
+    unverified_session_share: f64,
+    key_session_share: f64,
+    tenant_session_share: f64,
     header_read_timeout_ms: u64,
     body_read_timeout_ms: u64,
+    max_connections: usize,
+    max_connections_per_address: usize,
+    ipv6_prefix: i64,
+    metrics_key: Secret,
 }
 
 impl RawServer {
@@ -92,6 +178,47 @@ impl RawServer {
         if self.max_sessions_per_address == 0 {
             return Err(invalid("server.max_sessions_per_address", "must be greater than zero"));
         }
+        for (key, value) in [
+            ("server.max_connections", self.max_connections),
+            ("server.max_connections_per_address", self.max_connections_per_address),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be greater than zero"));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.unverified_session_share) {
+            return Err(invalid(
+                "server.unverified_session_share",
+                format!("must be a fraction between 0.0 and 1.0 (got {})", self.unverified_session_share),
+            ));
+        }
+        for (key, share) in [
+            ("server.key_session_share", self.key_session_share),
+            ("server.tenant_session_share", self.tenant_session_share),
+        ] {
+            if !(share > 0.0 && share <= 1.0) {
+                return Err(invalid(key, format!("must be a fraction above 0.0, at most 1.0 (got {share})")));
+            }
+        }
+        let ipv6_prefix = u8::try_from(self.ipv6_prefix).ok().filter(|p| (1..=128).contains(p)).ok_or_else(|| {
+            invalid(
+                "server.ipv6_prefix",
+                format!("must be a prefix length from 1 to 128 (64 groups a host's /64; got {})", self.ipv6_prefix),
+            )
+        })?;
+        let metrics_key = self.metrics_key.expose().trim();
+        if !metrics_key.is_empty() && metrics_key.chars().count() < MIN_METRICS_KEY_CHARS {
+            return Err(invalid(
+                "server.metrics_key",
+                format!(
+                    "is {} characters; a metrics key needs at least {MIN_METRICS_KEY_CHARS} (e.g. `openssl rand -hex \
+                     32`), or leave it empty for no key",
+                    metrics_key.chars().count()
+                ),
+            ));
+        }
+        let metrics_key_sha256 =
+            (!metrics_key.is_empty()).then(|| KeyDigest(Sha256::digest(metrics_key.as_bytes()).into()));
         // A day at most: longer would be a typo, and timers add these to the current instant.
         for (key, value, day) in [
             ("server.session_idle_timeout_seconds", self.session_idle_timeout_seconds, 86_400),
@@ -123,6 +250,12 @@ impl RawServer {
             })?;
             trusted_proxies.push(net);
         }
+        let connections = ConnectionCaps {
+            max: self.max_connections,
+            max_per_address: self.max_connections_per_address,
+            ipv6_prefix,
+            exempt: if self.trust_proxy { trusted_proxies.clone() } else { Vec::new() },
+        };
         let server = ServerConfig {
             listen: self.listen,
             allowed_hosts: self.allowed_hosts,
@@ -131,10 +264,15 @@ impl RawServer {
             session_idle_timeout: Duration::from_secs(self.session_idle_timeout_seconds),
             max_sessions: self.max_sessions,
             max_sessions_per_address: self.max_sessions_per_address,
+            unverified_session_share: self.unverified_session_share,
+            key_session_share: self.key_session_share,
+            tenant_session_share: self.tenant_session_share,
             header_read_timeout: Duration::from_millis(self.header_read_timeout_ms),
             body_read_timeout: Duration::from_millis(self.body_read_timeout_ms),
+            connections,
+            metrics_key_sha256,
         };
-        Ok((server, ProxyTrust { trust_proxy: self.trust_proxy, trusted_proxies }))
+        Ok((server, ProxyTrust { trust_proxy: self.trust_proxy, trusted_proxies, ipv6_prefix }))
     }
 }
 

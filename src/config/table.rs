@@ -55,12 +55,29 @@ impl Config {
         let _ = writeln!(
             out,
             "unverified callers (no configured key), all addresses together: {} of the account's {} slots, {} of \
-             its {} queue places; {} sessions per address",
+             its {} queue places; {} sessions per address, {} of {} all together",
             up.unverified_slots(),
             up.max_in_flight,
             up.unverified_places(),
             up.queue_max,
-            self.server.max_sessions_per_address
+            self.server.max_sessions_per_address,
+            self.server.unverified_sessions(),
+            self.server.max_sessions
+        );
+        let _ = writeln!(
+            out,
+            "sessions: {} per configured key, {} per tenant; connections: {} per listener, {} per address (IPv6 by \
+             /{}); /metrics: {}",
+            self.server.sessions_per_key(),
+            self.server.sessions_per_tenant(),
+            self.server.connections.max,
+            self.server.connections.max_per_address,
+            self.server.connections.ipv6_prefix,
+            match (self.server.metrics_key_sha256.is_some(), self.limiting.auth.required) {
+                (true, _) => "server.metrics_key required",
+                (false, true) => "closed (auth.required, no server.metrics_key)",
+                (false, false) => "open",
+            }
         );
         let _ = writeln!(out);
         let _ = writeln!(out, "{:<34} {:<6} own budget (per tenant, address or caller; in calls)", "tool", "cost");

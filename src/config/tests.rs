@@ -283,3 +283,53 @@ fn a_cost_formula_is_checked_naming_its_key() {
     let e = err("[tools.save_article]\ncost = \"2 + len(body)\"\n");
     assert!(e.contains("tools.save_article.cost_max") && e.contains("the most one call may reserve"), "{e}");
 }
+
+#[test]
+fn the_listeners_caps_are_checked_naming_their_keys_and_the_metrics_key_never_shows() {
+    for (toml, key) in [
+        ("[server]\nipv6_prefix = 0\n", "server.ipv6_prefix"),
+        ("[server]\nipv6_prefix = 129\n", "server.ipv6_prefix"),
+        ("[server]\nipv6_prefix = -64\n", "server.ipv6_prefix"),
+        ("[server]\nmax_connections = 0\n", "server.max_connections"),
+        ("[server]\nmax_connections_per_address = 0\n", "server.max_connections_per_address"),
+        ("[server]\nunverified_session_share = 1.5\n", "server.unverified_session_share"),
+        ("[server]\nunverified_session_share = -0.1\n", "server.unverified_session_share"),
+        ("[server]\nkey_session_share = 0.0\n", "server.key_session_share"),
+        ("[server]\ntenant_session_share = 2.0\n", "server.tenant_session_share"),
+        ("[server]\nmetrics_key = \"short-hush\"\n", "server.metrics_key"),
+    ] {
+        let e = err(toml);
+        assert!(e.contains(key) && !e.contains("hush"), "{toml}: {e}");
+    }
+    let defaults = Config::from_toml_test("").expect("defaults");
+    let server = &defaults.server;
+    assert_eq!(defaults.limiting.proxies.ipv6_prefix, 64);
+    assert_eq!(
+        (server.connections.max, server.connections.max_per_address, server.connections.ipv6_prefix),
+        (10000, 500, 64)
+    );
+    assert!(server.connections.exempt.is_empty() && server.metrics_key_sha256.is_none());
+    assert_eq!(
+        (server.unverified_sessions(), server.sessions_per_key(), server.sessions_per_tenant()),
+        (2500, 500, 1250)
+    );
+    let small = Config::from_toml_test("[server]\nmax_sessions = 5\nunverified_session_share = 0.5\n").expect("valid");
+    assert_eq!((small.server.unverified_sessions(), small.server.sessions_per_key()), (2, 1), "down, at least one");
+    let toml = "[server]\nipv6_prefix = 48\ntrust_proxy = true\nmetrics_key = \"metrics-key-hush-0123\"\n";
+    let on = Config::from_toml_test(toml).expect("valid");
+    assert_eq!((on.server.connections.ipv6_prefix, on.limiting.proxies.ipv6_prefix), (48, 48), "one key, both uses");
+    assert_eq!(on.server.connections.exempt, on.limiting.proxies.trusted_proxies, "trusted proxies are exempt");
+    assert_eq!(
+        on.server.metrics_key_sha256.map(|k| k.0),
+        Some(<sha2::Sha256 as sha2::Digest>::digest(b"metrics-key-hush-0123").into())
+    );
+    assert!(!format!("{on:?}{on:#?}").contains("hush"), "the metrics key never shows in a Debug print");
+    let raw = Config::defaults_for(&reference())
+        .expect("defaults")
+        .add_source(config::File::from_str(toml, config::FileFormat::Toml))
+        .build()
+        .expect("builds")
+        .try_deserialize::<RawConfig>()
+        .expect("a raw config");
+    assert!(!format!("{raw:?}").contains("hush"), "nor in the raw config's");
+}

@@ -15,6 +15,7 @@ use axum::extract::{ConnectInfo, Request};
 use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, Method, StatusCode, header};
 use serde::Serialize;
+use sha2::{Digest, Sha256};
 use tower::{Layer, Service};
 
 use crate::clock::SharedClock;
@@ -56,6 +57,14 @@ pub enum FrontDoorRefusal {
     SessionsTaken = 1,
     /// An `initialize` while the unverified callers of its address hold every session they may (429).
     AddressSessionsTaken = 2,
+    /// An `initialize` while unverified callers of every address hold their share of sessions (503).
+    UnverifiedSessionsTaken = 3,
+    /// An `initialize` while its key holds every session it may (429).
+    KeySessionsTaken = 4,
+    /// An `initialize` while its tenant's keys hold every session they may (429).
+    TenantSessionsTaken = 5,
+    /// A request to `/metrics` without the metrics key (401).
+    MetricsKey = 6,
 }
 
 /// The front door's refusal lines. A client can send these refusals as fast as it can send
@@ -131,9 +140,14 @@ fn host_allowed(allowed_hosts: &[String], authority: &str) -> bool {
     })
 }
 
-/// Whether `Host` and `Origin` are ones this server answers to.
-fn rebinding_problem(headers: &HeaderMap, allowed: &AllowedHosts) -> Option<&'static str> {
-    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
+/// Whether `Host` (HTTP/2's `:authority` when there is no `Host`, as rmcp reads it) and `Origin`
+/// are ones this server answers to.
+fn rebinding_problem(request: &Request, allowed: &AllowedHosts) -> Option<&'static str> {
+    let headers = request.headers();
+    let host = match headers.get(header::HOST) {
+        Some(host) => host.to_str().ok(),
+        None => request.uri().authority().map(http::uri::Authority::as_str),
+    };
     if !host.is_some_and(|h| host_allowed(&allowed.hosts, h)) {
         return Some("Host header is not allowed");
     }
@@ -212,11 +226,77 @@ pub fn rebinding_protection(allowed: Arc<AllowedHosts>) -> CheckLayer<Arc<Allowe
 
 impl HeaderCheck for Arc<AllowedHosts> {
     fn refuse(&self, request: &Request) -> Option<Response> {
-        let problem = rebinding_problem(request.headers(), self)?;
+        let problem = rebinding_problem(request, self)?;
         if let Some(left_out) = self.log.admit(FrontDoorRefusal::Rebinding) {
             tracing::info!(problem, left_out, "refused: DNS-rebinding protection");
         }
         Some(jsonrpc_error(StatusCode::FORBIDDEN, -32000, problem, None))
+    }
+}
+
+/// The token of an `Authorization: Bearer <token>` header, if any.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| {
+        let (scheme, token) = v.trim().split_once(' ')?;
+        scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+    })
+}
+
+/// Whether `headers` carry `Authorization: Bearer <the key whose SHA-256 is key_sha256>`,
+/// compared over all 32 bytes of the digests: the time taken depends on neither the key nor the
+/// token's length.
+pub fn presents_key(headers: &HeaderMap, key_sha256: &[u8; 32]) -> bool {
+    bearer(headers).is_some_and(|token| same_digest(&Sha256::digest(token.as_bytes()).into(), key_sha256))
+}
+
+/// Whether two digests are equal, looking at every byte whatever the differences.
+fn same_digest(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    let difference = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(difference) == 0
+}
+
+/// Who may read `GET /metrics`: with `server.metrics_key`, whoever presents it as a bearer key;
+/// without, anyone, unless `auth.required` is on (read live, so a reload that turns it on closes
+/// `/metrics` at once): then no one until the key is set. Every other answer is `401`.
+#[derive(Clone)]
+pub struct MetricsKey {
+    key_sha256: Option<[u8; 32]>,
+    identifier: Arc<ArcSwap<Identifier>>,
+    log: Arc<FrontDoorLog>,
+}
+
+impl std::fmt::Debug for MetricsKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetricsKey").field("set", &self.key_sha256.is_some()).finish_non_exhaustive()
+    }
+}
+
+/// `401` on `/metrics` for a request without the metrics key (see [`MetricsKey`]).
+pub fn metrics_key(
+    key_sha256: Option<[u8; 32]>,
+    identifier: Arc<ArcSwap<Identifier>>,
+    log: Arc<FrontDoorLog>,
+) -> CheckLayer<MetricsKey> {
+    CheckLayer { check: MetricsKey { key_sha256, identifier, log } }
+}
+
+impl HeaderCheck for MetricsKey {
+    fn refuse(&self, request: &Request) -> Option<Response> {
+        let message = match &self.key_sha256 {
+            Some(key) if presents_key(request.headers(), key) => return None,
+            Some(_) => "Unauthorized: /metrics needs `Authorization: Bearer <server.metrics_key>`.",
+            None if !self.identifier.load().required() => return None,
+            None => {
+                "Unauthorized: with auth.required, /metrics is closed until server.metrics_key is set; then send \
+                     `Authorization: Bearer <server.metrics_key>`."
+            }
+        };
+        if let Some(left_out) = self.log.admit(FrontDoorRefusal::MetricsKey) {
+            tracing::info!(left_out, "refused: /metrics without the metrics key");
+        }
+        let mut response = jsonrpc_error(StatusCode::UNAUTHORIZED, -32001, message, None);
+        response.headers_mut().insert(header::WWW_AUTHENTICATE, http::HeaderValue::from_static("Bearer"));
+        Some(response)
     }
 }
 
@@ -329,7 +409,16 @@ impl HeaderCheck for PostChecks {
 
 #[cfg(test)]
 mod tests {
-    use super::{host_allowed, jsonrpc_error, jsonrpc_error_with};
+    use super::{host_allowed, jsonrpc_error, jsonrpc_error_with, same_digest};
+
+    #[test]
+    fn digests_are_equal_only_when_every_byte_is() {
+        let a = [7u8; 32];
+        let mut b = a;
+        assert!(same_digest(&a, &b));
+        b[31] ^= 1;
+        assert!(!same_digest(&a, &b));
+    }
     use http::StatusCode;
     use serde_json::json;
 

@@ -1,15 +1,17 @@
 //! The HTTP pieces: tower layers any axum app can use.
 //!
-//! Every connection is served by [`serve`] (a header deadline). On `/mcp`, outside in:
-//! [`front_door`] (DNS-rebinding protection, identity and auth, header checks), then the coarse
-//! limit ([`limit::HttpLimitLayer`]), then the body deadline ([`serve::read_body_by_deadline`]),
-//! then the session cap ([`sessions`]), then rmcp. Each layer takes only what it needs (the
-//! allowed hosts, the identifier, the guard, the deadlines), so it can be used, and tested, alone.
+//! Every connection is served by [`serve`] (connection caps, a deadline for each request to
+//! arrive). On `/mcp`, outside in: [`front_door`] (DNS-rebinding protection, identity and auth,
+//! header checks), then the coarse limit ([`limit::HttpLimitLayer`]), then the body deadline
+//! ([`serve::read_body_by_deadline`]), then the session caps and idle time ([`sessions`]), then
+//! rmcp. Each layer takes only what it needs (the allowed hosts, the identifier, the guard, the
+//! deadlines), so it can be used, and tested, alone.
 //! Each is a tower layer of its own, not `axum::middleware::from_fn`, which boxes the stack
-//! behind it and its future for every request; a request a layer does not touch (a GET, a call
-//! in an open session at the session cap) passes without an allocation.
-//! [`crate::app`] puts them together with rmcp's service, `/health` and `/metrics` (never limited)
-//! and the dashboard (behind the DNS-rebinding protection only).
+//! behind it and its future for every request; a request a layer does not touch (a GET, a
+//! DELETE) passes without an allocation.
+//! [`crate::app`] puts them together with rmcp's service, and `/health`, `/metrics` (behind
+//! [`front_door::metrics_key`] too) and the dashboard, never limited, behind the DNS-rebinding
+//! protection only.
 
 pub mod front_door;
 pub mod limit;
@@ -62,7 +64,7 @@ where
 }
 
 /// A front-door layer that passes most requests straight on and takes the rest into an async
-/// step of its own: the body deadline ([`serve::read_body_by_deadline`]) and the session cap
+/// step of its own: the body deadline ([`serve::read_body_by_deadline`]) and the session caps
 /// ([`sessions::cap`]). [`StepLayer`] is the tower plumbing they share, so each is only its
 /// test and its step.
 pub trait Step: Clone + Send + Sync + 'static {

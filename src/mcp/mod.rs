@@ -3,6 +3,7 @@
 pub mod limited;
 pub mod results;
 pub mod server;
+pub mod stdio;
 pub mod tools;
 
 pub use limited::LimitedRouter;

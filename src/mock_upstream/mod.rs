@@ -43,6 +43,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::{NANOS_PER_MS, Nanos, SharedClock};
 use crate::config::MockUpstreamConfig;
 use crate::http::serve::{Deadlines, read_body_by_deadline, serve};
+use crate::metrics::ConnectionMetrics;
 use crate::upstream::api::{
     Article, ArticlePage, NewArticle, NewPrediction, Prediction, PredictionKind, PredictionStatus, SavedArticle, Usage,
 };
@@ -267,7 +268,7 @@ impl MockUpstream {
         let stop = CancellationToken::new();
         let body = deadlines.body.answered_plainly();
         let app = router(config, clock).layer(read_body_by_deadline(body));
-        tokio::spawn(serve(listener, app, deadlines.headers, stop.clone()));
+        tokio::spawn(serve(listener, app, deadlines, ConnectionMetrics::none(), stop.clone()));
         Ok(Self { url, stop })
     }
 }
