@@ -235,3 +235,43 @@ async fn the_api_key_is_sent_and_a_wrong_one_is_unavailable_saying_so_never_retr
     assert_eq!(usage["refused_401"], 2, "one request each, never retried: {usage}");
     assert_eq!(usage["requests"], 2, "{usage}");
 }
+
+#[tokio::test]
+async fn an_empty_search_says_so_in_a_sentence_the_agent_can_act_on() {
+    let server = TestServer::start("").await;
+    let client = server.client(None).await;
+    let found = call(&client, "list_articles", json!({"query": "no-such-subject-anywhere"})).await;
+    assert!(!is_error(&found), "{}", text(&found));
+    assert_eq!(structured(&found)["articles"], json!([]), "{}", structured(&found));
+    assert_eq!(
+        text(&found),
+        "No articles match \"no-such-subject-anywhere\". Try fewer or other words, or no query to list them all."
+    );
+}
+
+/// A submission the upstream never answered may have started the job (and been billed): a job
+/// given up after such tries keeps its reservation, as the settlement rule says. One whose
+/// submissions were all refused never ran, and costs nothing (`tests/pricing.rs`).
+#[tokio::test]
+async fn a_job_whose_submissions_went_unanswered_keeps_its_reservation_when_given_up() {
+    // The mock answers nothing for ten minutes of its clock; the server waits 300 ms (real) for
+    // each of its two tries.
+    let server = TestServer::start(
+        "[upstream]\ntimeout_ms = 300\nmax_attempts = 2\nvideo_min_gap_ms = 0\n[mock_upstream]\nlatency_ms = 600000\n",
+    )
+    .await;
+    let client = server.client(Some("ann")).await;
+    let accepted = call(&client, "generate_image_to_video", video("a lighthouse")).await;
+    assert!(!is_error(&accepted), "{}", text(&accepted));
+    let reserved = structured(&accepted)["reserved"].as_u64().expect("a price reserved");
+    let id = structured(&accepted)["predict_id"].as_str().expect("id").to_owned();
+    let report = eventually_some("the job is given up and settled", std::time::Duration::from_secs(10), || async {
+        // The backoff between the two tries is on the server's clock.
+        server.advance_ms(1_000);
+        let report = structured(&call(&client, "get_prediction", json!({"predict_id": id})).await).clone();
+        report.get("charged").is_some().then_some(report)
+    })
+    .await;
+    assert_eq!(report["status"], "failed", "{report}");
+    assert_eq!(report["charged"].as_u64(), Some(reserved), "the upstream may have started it: {report}");
+}

@@ -8,10 +8,8 @@
 //! with what each use of a slot said (a [`Sample`]):
 //!
 //! - **An overload is a loss, whatever the algorithm.** The upstream's 429 cuts the limit to
-//!   `backoff_ratio` of itself, and — when other slots were in use as it said so — never above
-//!   the slots those others held: it just told us that was already too many. A lone 429 (nothing
-//!   else of ours running) says the account is full elsewhere, not how many it takes: it cuts by
-//!   the ratio alone. Once per round: a slot taken before the last cut was handed out under the
+//!   `backoff_ratio` of itself, and never above the slots the others were holding when it said
+//!   so: it just told us that was already too many. Once per round: a slot taken before the last cut was handed out under the
 //!   old limit, and its 429 says nothing new (as TCP halves once per window, not once per lost
 //!   packet). Netflix's Gradient2 ignores drops and waits for latency to rise; a paid API that
 //!   answers 429 at its cap without slowing down first would then be probed for ever, so here
@@ -163,14 +161,14 @@ impl Learner {
         learnt.limit = learnt.limit.min(self.max as f64).max(self.min as f64);
     }
 
-    /// An overload: once per round, to `backoff_ratio` of the limit — and for a 429 while others
-    /// ran, no more than they held. A time-out with nothing else running teaches nothing.
+    /// An overload: once per round, to `backoff_ratio` of the limit — and for a 429 no more than
+    /// the others held. A time-out with nothing else running teaches nothing.
     fn cut(&self, learnt: &mut Learnt, sample: &Sample) {
         if sample.taken_at < learnt.cut_at || (sample.signal == Signal::TimedOut && sample.others == 0) {
             return;
         }
         let mut limit = learnt.limit * self.backoff_ratio;
-        if sample.signal == Signal::Overloaded && sample.others > 0 {
+        if sample.signal == Signal::Overloaded {
             limit = limit.min(sample.others as f64);
         }
         learnt.limit = limit;
@@ -200,23 +198,23 @@ mod tests {
             assert_eq!(learner.current(&learnt), 6, "a slot taken before that cut says nothing new");
             learner.learn(&mut learnt, &sample(Signal::Overloaded, 12, 6, 13));
             assert_eq!(learner.current(&learnt), 5, "6 × 0.9 = 5.4");
-            learner.learn(&mut learnt, &sample(Signal::Overloaded, 14, 1, 15));
+            learner.learn(&mut learnt, &sample(Signal::Overloaded, 14, 0, 15));
             assert_eq!((learner.current(&learnt), learnt.limit), (2, 2.0), "never below min");
         }
     }
 
     #[test]
-    fn a_lone_overload_cuts_by_the_ratio_and_a_lone_time_out_teaches_nothing() {
+    fn a_lone_time_out_teaches_nothing_and_one_among_others_cuts_by_the_ratio_alone() {
         let learner = Learner::new(1, 16, 0.9, Algorithm::Aimd);
         let mut learnt = learner.fresh();
         learner.learn(&mut learnt, &sample(Signal::TimedOut, 0, 0, 3));
         assert_eq!((learner.current(&learnt), learnt.cut_at), (16, 0), "one slow call alone says nothing");
-        learner.learn(&mut learnt, &sample(Signal::Overloaded, 4, 0, 5));
-        assert_eq!(learner.current(&learnt), 14, "a lone 429: 16 × 0.9 = 14.4, not down to what else ran (0)");
-        learner.learn(&mut learnt, &sample(Signal::TimedOut, 6, 2, 9));
-        assert_eq!(learner.current(&learnt), 12, "a time-out while 2 others ran: 14.4 × 0.9, never to 2");
+        learner.learn(&mut learnt, &sample(Signal::TimedOut, 4, 2, 9));
+        assert_eq!(learner.current(&learnt), 14, "a time-out while 2 others ran: 16 × 0.9, never down to 2");
         learner.learn(&mut learnt, &sample(Signal::TimedOut, 7, 5, 10));
-        assert_eq!(learner.current(&learnt), 12, "once per round: taken before the last cut");
+        assert_eq!(learner.current(&learnt), 14, "once per round: taken before the last cut");
+        learner.learn(&mut learnt, &sample(Signal::Overloaded, 11, 3, 12));
+        assert_eq!(learner.current(&learnt), 3, "a 429 while 3 others ran: 3 was already the most");
     }
 
     #[test]

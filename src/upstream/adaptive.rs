@@ -143,7 +143,7 @@ mod tests {
             limit.learn(Signal::Accepted, 16, 9, 17);
         }
         assert_eq!(limit.current(), 10, "never above the ceiling");
-        limit.learn(Signal::Overloaded, 20, 1, 21);
+        limit.learn(Signal::Overloaded, 20, 0, 21);
         assert_eq!(limit.current(), 1, "never below min");
     }
 }

@@ -84,14 +84,14 @@ local function learnt_current(learner, learnt)
 end
 
 -- An overload, whatever the learner (Learner::cut): once per round, to backoff_ratio of the
--- limit, and for a 429 (`timed_out` false) while others ran no more than they held; a time-out
--- with nothing else running teaches nothing.
+-- limit, and for a 429 (`timed_out` false) no more than the others held; a time-out with
+-- nothing else running teaches nothing.
 local function cut_learnt(learner, learnt, timed_out, taken_at_us, others, now_us)
   if taken_at_us < learnt.cut_at_us or (timed_out and others == 0) then
     return
   end
   local limit = learnt.limit * learner.backoff_ratio
-  if not timed_out and others > 0 then
+  if not timed_out then
     limit = math.min(limit, others)
   end
   learnt.limit = limit
