@@ -55,6 +55,32 @@ fn every_kind_of_mistake_names_its_key() {
 }
 
 #[test]
+fn a_cost_formula_too_deep_for_a_stack_is_refused_naming_its_key_not_a_crash() {
+    // 10,000 deep crashed `serve` on the first call, 200,000 deep `check-config` itself (exit 134).
+    for depth in [10_000, 200_000] {
+        let formula = format!("{}1{}", "(".repeat(depth), ")".repeat(depth));
+        let toml = format!("[tools.generate_image]\ncost = \"{formula}\"\ncost_max = 5\n");
+        let mut file = tempfile::NamedTempFile::new().expect("temp file");
+        file.write_all(toml.as_bytes()).expect("write config");
+        let out = Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
+            .arg("check-config")
+            .arg(file.path())
+            .output()
+            .expect("binary runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{depth} deep: refused as a config error: {stderr}");
+        assert!(stderr.contains("tools.generate_image.cost"), "{stderr}");
+        assert!(stderr.contains("at most 256 bytes"), "{stderr}");
+        assert!(stderr.len() < 1_000, "the formula is not printed back: {} bytes", stderr.len());
+    }
+    let (ok, _, stderr) = check_config(
+        &format!("[tools.generate_image]\ncost = \"{}1{}\"\ncost_max = 5\n", "(".repeat(33), ")".repeat(33)),
+        &[],
+    );
+    assert!(!ok && stderr.contains("tools.generate_image.cost") && stderr.contains("33 deep"), "{stderr}");
+}
+
+#[test]
 fn environment_overrides_the_file_and_is_validated_too() {
     let (ok, stdout, _) = check_config("", &[("MCP_RL__LIMITS__CALLER__BURST", "120")]);
     assert!(ok);

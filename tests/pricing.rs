@@ -308,3 +308,73 @@ async fn a_limit_lowered_before_a_job_settles_shows_a_level_under_the_new_limit_
     assert_eq!((caller["limit"].clone(), caller["remaining"].clone()), (json!(40), json!(40)), "{caller}");
     assert_eq!(left(&agent).await.1, 974, "the tenant's 4 back");
 }
+
+/// `cost` for `generate_image`, with room for it in every budget.
+fn image_priced(formula: &str) -> String {
+    format!("[tools.generate_image]\ncost = \"{formula}\"\ncost_max = 5\n{NO_LOOP_DETECTION}")
+}
+
+#[tokio::test]
+async fn a_reload_to_a_formula_too_deep_for_a_stack_is_refused_and_the_server_keeps_serving() {
+    let dir = tempfile::tempdir().expect("dir");
+    let file = dir.path().join("prices.toml");
+    std::fs::write(&file, image_priced("1 + 2")).expect("write");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--config"])
+        .arg(&file)
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the binary starts");
+    let health = format!("http://127.0.0.1:{port}/health");
+    eventually("the server answers /health", || async { reqwest::get(&health).await.is_ok() }).await;
+    let transport = rmcp::transport::StreamableHttpClientTransport::from_config(
+        rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(format!(
+            "http://127.0.0.1:{port}/mcp"
+        ))
+        .auth_header("deep-formula"),
+    );
+    let agent = rmcp::ServiceExt::serve((), transport).await.expect("client connects");
+    let image = |i: u32| json!({ "prompt": format!("a lighthouse, take {i}") });
+    assert_eq!(structured(&call(&agent, "generate_image", image(0)).await)["reserved"], 3);
+
+    // 10,000 brackets deep: the watcher sees the file, and SIGHUP asks again; both refuse it.
+    let depth = 10_000;
+    std::fs::write(&file, image_priced(&format!("{}1{}", "(".repeat(depth), ")".repeat(depth)))).expect("write");
+    let pid = child.id().expect("running").to_string();
+    let hup = std::process::Command::new("kill").args(["-HUP", &pid]).status().expect("kill runs");
+    assert!(hup.success());
+    let metrics_url = format!("http://127.0.0.1:{port}/metrics");
+    eventually("the deep formula was refused", || async {
+        let metrics = reqwest::get(&metrics_url).await.map(|r| r.text());
+        match metrics {
+            Ok(text) => text.await.is_ok_and(|t| t.contains("mcp_ratelimit_config_reloads_total{outcome=\"refused\"} 2\n")),
+            Err(_) => false,
+        }
+    })
+    .await;
+    assert!(child.try_wait().expect("status").is_none(), "the server is still running");
+    let served = call(&agent, "generate_image", image(1)).await;
+    assert!(!is_error(&served), "{}", text(&served));
+    assert_eq!(structured(&served)["reserved"], 3, "the old price keeps working");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deepest_formula_allowed_prices_a_call_on_a_tokio_worker() {
+    use mcp_ratelimit::config::price::{MAX_LEN, MAX_NESTING};
+    // As long as allowed: unary minus signs all the way (the deepest tree there is, one level a
+    // byte), and brackets nested the most allowed around the longest sum that still fits.
+    let unary = format!("{}1", "-".repeat(MAX_LEN - 1));
+    let sum = "+0".repeat((MAX_LEN - 2 * MAX_NESTING - 1) / 2);
+    let nested = format!("{}1{sum}{}", "(".repeat(MAX_NESTING), ")".repeat(MAX_NESTING));
+    let nested = format!("{nested:<MAX_LEN$}");
+    for formula in [unary, nested] {
+        assert_eq!(formula.len(), MAX_LEN);
+        let server = TestServer::start(&image_priced(&formula)).await;
+        let agent = server.client(Some(KEY)).await;
+        let priced = call(&agent, "generate_image", json!({ "prompt": "a lighthouse" })).await;
+        assert!(!is_error(&priced), "{}", text(&priced));
+        assert_eq!(structured(&priced)["reserved"], 1, "{formula}");
+    }
+}
