@@ -510,9 +510,7 @@ impl Activity {
         // row with a count (twelve identical 429s fill no screen); the row shows the newest.
         let mut latest: Vec<LatestRefusal> = Vec::new();
         let mut previous: Option<&Entry> = None;
-        for e in
-            recent.latest.iter().filter(|e| recent_enough(e.at) && audience.sees(e.tenant.as_deref(), &e.owner))
-        {
+        for e in recent.latest.iter().filter(|e| recent_enough(e.at) && audience.sees(e.tenant.as_deref(), &e.owner)) {
             if let (Some(p), Some(row)) = (previous, latest.last_mut())
                 && p.same_refusal_as(e)
             {

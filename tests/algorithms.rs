@@ -23,6 +23,10 @@ struct MemoryKey {
 impl Backend for Memory {
     type Key = MemoryKey;
 
+    fn longest_span(&self) -> Nanos {
+        mcp_ratelimit::limit::params::LONGEST_SPAN
+    }
+
     fn resolution(&self) -> Nanos {
         1
     }
@@ -119,6 +123,11 @@ fn sliding_window_never_exceeds_twice_the_limit_in_any_window() {
 #[test]
 fn changed_limits_keep_every_number_believable() {
     algorithm_suite::changed_limits_keep_every_number_believable(&Memory, 1_000);
+}
+
+#[test]
+fn every_rate_is_decided_exactly_or_refused_naming_its_key() {
+    algorithm_suite::every_rate_is_decided_exactly_or_refused_naming_its_key(&Memory, 300);
 }
 
 #[test]

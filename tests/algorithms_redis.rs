@@ -87,6 +87,10 @@ struct RedisKey {
 impl Backend for Redis {
     type Key = RedisKey;
 
+    fn longest_span(&self) -> Nanos {
+        1 << 52
+    }
+
     fn resolution(&self) -> Nanos {
         1_000
     }
@@ -246,6 +250,11 @@ fn sliding_window_never_exceeds_twice_the_limit_in_any_window() {
 #[test]
 fn changed_limits_keep_every_number_believable() {
     algorithm_suite::changed_limits_keep_every_number_believable(&Redis::start(), LIFE_CASES);
+}
+
+#[test]
+fn every_rate_is_decided_exactly_or_refused_naming_its_key() {
+    algorithm_suite::every_rate_is_decided_exactly_or_refused_naming_its_key(&Redis::start(), CASES * 10);
 }
 
 #[test]

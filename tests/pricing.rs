@@ -349,7 +349,9 @@ async fn a_reload_to_a_formula_too_deep_for_a_stack_is_refused_and_the_server_ke
     eventually("the deep formula was refused", || async {
         let metrics = reqwest::get(&metrics_url).await.map(|r| r.text());
         match metrics {
-            Ok(text) => text.await.is_ok_and(|t| t.contains("mcp_ratelimit_config_reloads_total{outcome=\"refused\"} 2\n")),
+            Ok(text) => {
+                text.await.is_ok_and(|t| t.contains("mcp_ratelimit_config_reloads_total{outcome=\"refused\"} 2\n"))
+            }
             Err(_) => false,
         }
     })

@@ -125,10 +125,7 @@ impl Formula {
 /// be given. Read byte by byte, without recursion, whatever its size.
 fn bounded(text: &str) -> Result<(), String> {
     if text.len() > MAX_LEN {
-        return Err(format!(
-            "a formula of {} bytes: a price formula may be at most {MAX_LEN} bytes long",
-            text.len()
-        ));
+        return Err(format!("a formula of {} bytes: a price formula may be at most {MAX_LEN} bytes long", text.len()));
     }
     let (mut depth, mut deepest) = (0usize, 0usize);
     for byte in text.bytes() {

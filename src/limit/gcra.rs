@@ -19,7 +19,7 @@
 //! limit the key has had. A raised limit lets the caller continue on its schedule.
 
 use crate::clock::Nanos;
-use crate::limit::{Algorithm, Decision, ParamError, Params, Shape, per_sec, period_of};
+use crate::limit::{Algorithm, Decision, ParamError, Params, Shape, bucket_period, per_sec, period_of};
 
 /// `burst` units at once, one more every `period` nanoseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,7 +37,7 @@ pub struct State {
 impl Gcra {
     /// A limiter admitting `burst` at once and `rate_per_sec` sustained.
     pub fn new(burst: u64, rate_per_sec: f64) -> Self {
-        Self { burst: burst.max(1), period: period_of(rate_per_sec) }
+        Self { burst: burst.max(1), period: bucket_period(burst, period_of(rate_per_sec)) }
     }
 
     /// The emission interval: ns per unit.
@@ -57,12 +57,13 @@ impl Algorithm for Gcra {
     type State = State;
 
     fn from_params(params: &Params<'_>) -> Result<Self, ParamError> {
-        Ok(Self::new(params.units("burst")?, params.rate("refill_per_sec")?))
+        let (burst, period) = params.bucket("burst", "refill_per_sec")?;
+        Ok(Self { burst, period })
     }
 
     fn with_shape(capacity: u64, shape: Shape) -> Option<Self> {
         match shape {
-            Shape::Rate { period } => Some(Self { burst: capacity.max(1), period: period.max(1) }),
+            Shape::Rate { period } => Some(Self { burst: capacity.max(1), period: bucket_period(capacity, period) }),
             Shape::Window { .. } | Shape::Slots => None,
         }
     }

@@ -17,7 +17,7 @@
 //! ever does. A raised limit lets the caller continue from its level.
 
 use crate::clock::Nanos;
-use crate::limit::{Algorithm, Decision, ParamError, Params, Shape, per_sec, period_of};
+use crate::limit::{Algorithm, Decision, ParamError, Params, Shape, bucket_period, per_sec, period_of};
 
 /// A bucket holding `capacity` units that drains one unit every `period` nanoseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,7 +36,7 @@ pub struct State {
 impl LeakyBucket {
     /// A bucket of `capacity` units draining at `leak_per_sec` units per second.
     pub fn new(capacity: u64, leak_per_sec: f64) -> Self {
-        Self { capacity: capacity.max(1), period: period_of(leak_per_sec) }
+        Self { capacity: capacity.max(1), period: bucket_period(capacity, period_of(leak_per_sec)) }
     }
 
     /// Nanoseconds to drain one unit.
@@ -52,12 +52,13 @@ impl Algorithm for LeakyBucket {
     type State = State;
 
     fn from_params(params: &Params<'_>) -> Result<Self, ParamError> {
-        Ok(Self::new(params.units("burst")?, params.rate("leak_per_sec")?))
+        let (capacity, period) = params.bucket("burst", "leak_per_sec")?;
+        Ok(Self { capacity, period })
     }
 
     fn with_shape(capacity: u64, shape: Shape) -> Option<Self> {
         match shape {
-            Shape::Rate { period } => Some(Self { capacity: capacity.max(1), period: period.max(1) }),
+            Shape::Rate { period } => Some(Self { capacity: capacity.max(1), period: bucket_period(capacity, period) }),
             Shape::Window { .. } | Shape::Slots => None,
         }
     }

@@ -330,14 +330,17 @@ impl Limiter {
     }
 
     /// This limiter with its capacity and its rate multiplied by `factor` (a tier); windows keep
-    /// their length. Capacities round to the nearest unit and never drop below one.
+    /// their length. Capacities round to the nearest unit and never drop below one; a period
+    /// rounds to the nearest nanosecond (see [`bucket_period`] for its bounds).
     pub fn scaled(&self, factor: f64) -> Limiter {
         if factor == 1.0 {
             return self.clone();
         }
         let capacity = ((self.capacity() as f64 * factor).round() as u64).max(1);
         let shape = match self.shape() {
-            Shape::Rate { period } => Shape::Rate { period: period_of(per_sec(period) * factor) },
+            // The period itself divided (a float cast saturates: a factor near zero is a period
+            // that never ends, not one of a nanosecond).
+            Shape::Rate { period } => Shape::Rate { period: (period as f64 / factor).round() as u64 },
             other => other,
         };
         Limiter::with_shape(self.algorithm(), capacity, shape).unwrap_or_else(|| self.clone())
@@ -448,9 +451,43 @@ pub(crate) fn per_sec(period: Nanos) -> f64 {
     crate::clock::NANOS_PER_SEC as f64 / period as f64
 }
 
-/// Nanoseconds per unit for a rate in units per second, rounded to the nearest nanosecond and
-/// never zero.
+/// Nanoseconds per unit for a rate in units per second, rounded to the nearest nanosecond: at
+/// least one, and for a rate too slow for 64 bits of nanoseconds (or none at all) the longest
+/// there is, never the shortest. Config reads rates with [`Params::bucket`], which refuses those.
 pub(crate) fn period_of(rate_per_sec: f64) -> Nanos {
-    let period = (crate::clock::NANOS_PER_SEC as f64 / rate_per_sec).round();
-    if period.is_finite() && period >= 1.0 { period as u64 } else { 1 }
+    if rate_per_sec.is_nan() || rate_per_sec <= 0.0 {
+        return Nanos::MAX;
+    }
+    // A float cast saturates: an infinite period is the longest.
+    ((crate::clock::NANOS_PER_SEC as f64 / rate_per_sec).round() as u64).max(1)
+}
+
+/// A bucket's period for `capacity` units: at least a nanosecond, and short enough that the whole
+/// bucket (`capacity × period`) is a number of nanoseconds 64 bits hold, so no level or wait of it
+/// ever saturates. Config keeps every bucket it reads far within ([`params::LONGEST_SPAN`]);
+/// only a share scaled down without limit (a tier, an insurance share) comes near this one.
+pub(crate) fn bucket_period(capacity: u64, period: Nanos) -> Nanos {
+    period.clamp(1, Nanos::MAX / capacity.max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rate_too_slow_for_64_bits_is_the_longest_period_never_the_shortest() {
+        assert_eq!(period_of(1e-300), Nanos::MAX);
+        assert_eq!((period_of(0.0), period_of(-1.0), period_of(f64::NAN)), (Nanos::MAX, Nanos::MAX, Nanos::MAX));
+        assert_eq!((period_of(1e12), period_of(1.0)), (1, 1_000_000_000));
+        // A whole bucket stays a number of nanoseconds: nothing saturates to a wrong level.
+        let bucket = TokenBucket::new(300, 1e-300);
+        assert_eq!(bucket.period(), Nanos::MAX / 300);
+        let limiter = Limiter::TokenBucket(bucket);
+        let mut state = limiter.fresh(0);
+        let d = limiter.acquire(&mut state, 0, 1);
+        assert_eq!((d.allowed, d.remaining, d.reset_after), (true, 299, Nanos::MAX / 300));
+        // A tier near zero stretches the period to the longest, not down to a nanosecond.
+        let scaled = Limiter::TokenBucket(TokenBucket::new(10, 1.0)).scaled(1e-300);
+        assert_eq!(scaled.shape(), Shape::Rate { period: Nanos::MAX });
+    }
 }

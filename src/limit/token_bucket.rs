@@ -20,7 +20,7 @@
 //! the tokens saved: a caller keeps the time it had saved.)
 
 use crate::clock::Nanos;
-use crate::limit::{Algorithm, Decision, ParamError, Params, Shape, per_sec, period_of};
+use crate::limit::{Algorithm, Decision, ParamError, Params, Shape, bucket_period, per_sec, period_of};
 
 /// A bucket of `capacity` tokens that refills one token every `period` nanoseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,7 +39,7 @@ pub struct State {
 impl TokenBucket {
     /// A bucket of `capacity` tokens refilled at `refill_per_sec` tokens per second.
     pub fn new(capacity: u64, refill_per_sec: f64) -> Self {
-        Self { capacity: capacity.max(1), period: period_of(refill_per_sec) }
+        Self { capacity: capacity.max(1), period: bucket_period(capacity, period_of(refill_per_sec)) }
     }
 
     /// Nanoseconds it takes to refill one token.
@@ -59,12 +59,13 @@ impl Algorithm for TokenBucket {
     type State = State;
 
     fn from_params(params: &Params<'_>) -> Result<Self, ParamError> {
-        Ok(Self::new(params.units("burst")?, params.rate("refill_per_sec")?))
+        let (capacity, period) = params.bucket("burst", "refill_per_sec")?;
+        Ok(Self { capacity, period })
     }
 
     fn with_shape(capacity: u64, shape: Shape) -> Option<Self> {
         match shape {
-            Shape::Rate { period } => Some(Self { capacity: capacity.max(1), period: period.max(1) }),
+            Shape::Rate { period } => Some(Self { capacity: capacity.max(1), period: bucket_period(capacity, period) }),
             Shape::Window { .. } | Shape::Slots => None,
         }
     }

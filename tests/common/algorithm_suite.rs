@@ -13,8 +13,9 @@ use std::collections::HashMap;
 use std::fmt::Debug;
 
 use mcp_ratelimit::clock::Nanos;
+use mcp_ratelimit::limit::params::{LONGEST_SPAN, MAX_UNITS, Value};
 use mcp_ratelimit::limit::{
-    ALGORITHMS, Concurrency, Decision, FixedWindow, Limiter, Shape, SlidingLog, SlidingWindow, TokenBucket,
+    ALGORITHMS, Concurrency, Decision, FixedWindow, Limiter, Params, Shape, SlidingLog, SlidingWindow, TokenBucket,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
@@ -35,6 +36,10 @@ pub trait Backend {
 
     /// A key never seen before, decided by `limiter`, first seen at `now`.
     fn start(&self, limiter: &Limiter, now: Nanos) -> Self::Key;
+
+    /// The longest bucket (burst × period) or window this backend decides (config refuses
+    /// longer ones for it).
+    fn longest_span(&self) -> Nanos;
 }
 
 /// One key under one limiter.
@@ -567,6 +572,111 @@ pub fn changed_limits_keep_every_number_believable(backend: &impl Backend, cases
                     );
                 }
             }
+        }
+        Ok(())
+    });
+}
+
+/// A rate as a config writes it: a number of units per second, or one within a hair of the
+/// slowest a burst may have (its bucket back whole in [`LONGEST_SPAN`]), as a factor of it.
+#[derive(Debug, Clone, Copy)]
+enum Rate {
+    PerSec(f64),
+    NearTheSlowest(f64),
+}
+
+/// Rates as a config writes them, from the tiniest a double holds to past a billion a second, for
+/// bursts from one unit to the most, on every bucket algorithm: a rate too fast, or too slow for
+/// its bucket to come back whole within [`LONGEST_SPAN`], is refused naming its key; every other
+/// one is kept as the period nearest to a second ÷ rate, and decided exactly: each call's
+/// `allowed`, `remaining`, `retry_after` and `reset_after` are what a model of the bucket's level
+/// in 128-bit nanoseconds says, with arrivals a fraction or a few periods apart (up to a year).
+pub fn every_rate_is_decided_exactly_or_refused_naming_its_key(backend: &impl Backend, cases: u32) {
+    let resolution = backend.resolution();
+    let burst = prop_oneof![1u64..=64, MAX_UNITS - 64..=MAX_UNITS, 1..=MAX_UNITS];
+    let rate = prop_oneof![
+        1 => (-324i32..=10, 1.0f64..10.0).prop_map(|(e, m)| Rate::PerSec(m * 10f64.powi(e))),
+        2 => (-8i32..=9, 1.0f64..10.0).prop_map(|(e, m)| Rate::PerSec(m * 10f64.powi(e))),
+        1 => (f64::MIN_POSITIVE..2e9).prop_map(Rate::PerSec),
+        2 => (0.999_999f64..1.000_001).prop_map(Rate::NearTheSlowest),
+    ];
+    // A gap of `quarters`/4 periods plus some nanoseconds; a cost of nothing, a little, or the
+    // burst, or anything up to it.
+    let calls = prop::collection::vec((0u64..12, 0u64..1_000_000, 0u64..4, any::<u64>()), 1..40);
+    let algorithm = prop::sample::select(vec![
+        ("token_bucket", "refill_per_sec"),
+        ("gcra", "refill_per_sec"),
+        ("leaky_bucket", "leak_per_sec"),
+    ]);
+    check(cases, (algorithm, burst, rate, calls), |((algorithm, param), burst, rate, calls)| {
+        let per_sec = match rate {
+            Rate::PerSec(r) => r,
+            Rate::NearTheSlowest(f) => burst as f64 * 1e9 / LONGEST_SPAN as f64 * f,
+        };
+        let values = std::collections::BTreeMap::from([
+            ("burst".to_owned(), Value::Int(burst as i64)),
+            (param.to_owned(), Value::Float(per_sec)),
+        ]);
+        let built = Limiter::from_params(algorithm, &Params::new("limits.caller", algorithm, &values));
+        let built = built.expect("a bucket algorithm");
+        // The model: the nearest nanosecond to a second ÷ rate, and the whole bucket in 128 bits.
+        let period = (1e9 / per_sec).round();
+        let span = (period <= u64::MAX as f64).then(|| u128::from(burst) * period as u128);
+        let keepable = per_sec <= 1e9 && span.is_some_and(|span| span <= u128::from(LONGEST_SPAN));
+        let limiter = match (keepable, built) {
+            (true, Ok(limiter)) => limiter,
+            (false, Err(e)) => {
+                prop_assert_eq!(e.key, format!("limits.caller.{param}"));
+                return Ok(());
+            }
+            (true, Err(e)) => return Err(TestCaseError::fail(format!("{per_sec}/s, burst {burst} refused: {e:?}"))),
+            (false, Ok(l)) => {
+                return Err(TestCaseError::fail(format!("{per_sec}/s, burst {burst} kept: {}", l.describe())));
+            }
+        };
+        let period = period as u64;
+        prop_assert_eq!(limiter.shape(), Shape::Rate { period });
+        prop_assert_eq!((limiter.capacity(), limiter.span()), (burst, burst * period));
+        if limiter.span() > backend.longest_span() {
+            return Ok(());
+        }
+        let full = u128::from(burst) * u128::from(period);
+        let (mut level, mut now) = (full, START);
+        let mut key = backend.start(&limiter, now);
+        for (n, (quarters, nanos, size, pick)) in calls.into_iter().enumerate() {
+            let gap = u64::try_from(u128::from(period) * u128::from(quarters) / 4).expect("within a year") + nanos;
+            now += gap - gap % resolution;
+            let cost = match size {
+                0 => 0,
+                1 => (pick % 4).min(burst),
+                2 => burst,
+                _ => pick % (burst + 1),
+            };
+            // Refill since the previous call, never past full; then the call, if it fits.
+            level = (level + u128::from(gap - gap % resolution)).min(full);
+            let need = u128::from(cost) * u128::from(period);
+            let allowed = need <= level;
+            if allowed {
+                level -= need;
+            }
+            let ns = |v: u128| u64::try_from(v).expect("below a year");
+            let expected = Decision {
+                allowed,
+                limit: burst,
+                remaining: ns(level / u128::from(period)),
+                retry_after: if allowed { 0 } else { ns(need - level) },
+                reset_after: ns(full - level),
+            };
+            let d = key.acquire(now, cost);
+            prop_assert_eq!(
+                d,
+                expected,
+                "call {} at +{} ns, cost {}, under {}",
+                n,
+                now - START,
+                cost,
+                limiter.describe()
+            );
         }
         Ok(())
     });
