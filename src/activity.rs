@@ -811,7 +811,7 @@ mod tests {
         let (acme, acme_too, globex) = (key("a", Some("acme")), key("b", Some("acme")), key("g", Some("globex")));
         let (carol, dave) = (key("c", None), key("d", None));
         let activity = Activity::new();
-        let d = Decision { allowed: true, limit: 60, remaining: 1, retry_after: 0, reset_after: 0 };
+        let d = Decision { allowed: true, limit: 60, remaining: 1, retry_after: 0, reset_after: 0, at: 0 };
         for caller in [&acme, &acme_too, &globex, &carol, &dave] {
             let own = format!("caller:{}", caller.id());
             activity.refused(caller, refused("list_articles", &own, "wait"), 0);
@@ -844,7 +844,7 @@ mod tests {
         let scope = format!("caller:{}", caller.id());
         let message = format!("refused for {}", caller.id());
         activity.refused(&caller, refused("generate_image", &scope, &message), 0);
-        let d = Decision { allowed: true, limit: 60, remaining: 1, retry_after: 0, reset_after: 0 };
+        let d = Decision { allowed: true, limit: 60, remaining: 1, retry_after: 0, reset_after: 0, at: 0 };
         let method = format!("method:tools/call:{}", caller.id());
         activity.admitted(&caller, [sample(method.as_str(), &d)].into_iter(), 0);
         let json = serde_json::to_string(&activity.snapshot(0)).expect("json");
@@ -875,7 +875,7 @@ mod tests {
     fn levels_are_sampled_now_and_then_and_whenever_a_scope_runs_low() {
         let activity = Activity::new();
         let caller = Caller::from_token("agent");
-        let roomy = Decision { allowed: true, limit: 100, remaining: 90, retry_after: 0, reset_after: 0 };
+        let roomy = Decision { allowed: true, limit: 100, remaining: 90, retry_after: 0, reset_after: 0, at: 0 };
         for _ in 1..SAMPLE_EVERY * 2 {
             activity.admitted(&caller, [sample("tenant:roomy", &roomy)].into_iter(), 0);
         }
@@ -900,7 +900,7 @@ mod tests {
         let caller = Caller::from_token("agent");
         let slots = Limiter::Concurrency(Concurrency::new(5));
         let key = format!("in_flight:caller:{}", caller.id());
-        let held = Decision { allowed: true, limit: 5, remaining: 4, retry_after: 0, reset_after: 0 };
+        let held = Decision { allowed: true, limit: 5, remaining: 4, retry_after: 0, reset_after: 0, at: 0 };
         let sample = Sample { name: &key, decision: &held, source: Some((&key, &slots)) };
         activity.admitted(&caller, [sample].into_iter(), 0);
         let source = |snap: Snapshot| snap.scopes[0].source.clone().map(|s| (s.key.to_string(), s.limiter));

@@ -380,3 +380,77 @@ async fn the_deepest_formula_allowed_prices_a_call_on_a_tokio_worker() {
         assert_eq!(structured(&priced)["reserved"], 1, "{formula}");
     }
 }
+
+#[tokio::test]
+async fn a_video_settled_in_the_next_window_gives_that_window_nothing() {
+    // The case: the caller's budget a fixed window of 60 units per 10 s; a video reserves
+    // 30 at 8.2 s into window A, and its bill of 26 settles in window B, which must still admit
+    // 60 and no more (it admitted 64: the 4 went back to B).
+    let windowed = "[limits.caller]\nalgorithm = \"fixed_window\"\nlimit = 60\nwindow_ms = 10000\n";
+    let server =
+        TestServer::start(&config("").replace("[limits.caller]\nburst = 100\nrefill_per_sec = 0.001\n", windowed))
+            .await;
+    let agent = server.client(Some(KEY)).await;
+    let now_ms = || mcp_ratelimit::clock::Clock::now(&*server.clock) / 1_000_000;
+    server.advance_ms(8_200);
+    let accepted = call(&agent, "generate_image_to_video", video(10)).await;
+    assert_eq!(structured(&accepted)["reserved"], 30, "{}", text(&accepted));
+    let id = structured(&accepted)["predict_id"].as_str().expect("predict_id").to_owned();
+
+    // Window B opens; the caller spends 10 there while the job still runs.
+    server.advance_ms(1_800);
+    let articles = |i: usize| json!({ "query": format!("window b, {i}") });
+    for i in 0..10 {
+        let served = call(&agent, "list_articles", articles(i)).await;
+        assert!(!is_error(&served), "{}", text(&served));
+    }
+    let report =
+        eventually_some("the job is final and its price settled", std::time::Duration::from_secs(10), || async {
+            server.advance_ms(250);
+            settle().await;
+            let report = structured(&call(&agent, "get_prediction", json!({ "predict_id": id })).await).clone();
+            report.get("charged").is_some().then_some(report)
+        })
+        .await;
+    assert_eq!((report["reserved"].clone(), report["charged"].clone()), (json!(30), json!(26)), "{report}");
+    assert!(now_ms() < 20_000, "settled in window B, at {} ms", now_ms());
+
+    let mut spent = 10;
+    for i in 10..100 {
+        let answer = call(&agent, "list_articles", articles(i)).await;
+        if is_error(&answer) {
+            assert_eq!(structured(&answer)["error"]["scope"].as_str().map(|s| s.starts_with("caller:")), Some(true));
+            break;
+        }
+        spent += 1;
+    }
+    assert!(now_ms() < 20_000, "still window B");
+    assert_eq!(spent, 60, "window B admits its 60, no more: the 4 went back to window A, long gone");
+    // The spend cap's day, where the 30 were counted, got its 4 back; the tenant's bucket, charged
+    // again since (the 10 calls), keeps them: where its units sit then, one level cannot tell.
+    let (_, tenant, spend) = left(&agent).await;
+    assert_eq!((tenant, spend), (1000 - 30 - 60, 500 - 26 - 60));
+}
+
+#[tokio::test]
+async fn a_burst_lowered_and_put_back_while_a_job_runs_gets_none_of_its_refund() {
+    let server = TestServer::start(&config("")).await;
+    let agent = server.client(Some(KEY)).await;
+    let accepted = call(&agent, "generate_image_to_video", video(10)).await;
+    let id = structured(&accepted)["predict_id"].as_str().expect("predict_id").to_owned();
+    assert_eq!(left(&agent).await.0, 70);
+    let reload = |toml: &str| {
+        let limits = mcp_ratelimit::Config::from_toml(toml, &mcp_ratelimit::mcp::tools::catalogue()).expect("valid");
+        server.app.state().reload(&limits);
+    };
+    // Lowered to 40 while the job runs: the next call finds 70 saved, keeps 40 and spends one.
+    reload(&(config("").replace("burst = 100\n", "burst = 40\n") + "[tools.generate_image_to_video]\ncost = 20\n"));
+    assert!(!is_error(&call(&agent, "list_articles", json!({ "query": "under 40" })).await));
+    assert_eq!(left(&agent).await.0, 39);
+    // Put back to 100 before the job settles at 26: had it cost 26 from the start, the caller
+    // would stand at 39 all the same (74 saved, 40 kept, one spent); the 4 are not given back.
+    reload(&config(""));
+    let report = settled(&server, &agent, &id).await;
+    assert_eq!((report["reserved"].clone(), report["charged"].clone()), (json!(30), json!(26)), "{report}");
+    assert_eq!(left(&agent).await, (39, 1000 - 26 - 1, 500 - 26 - 1), "the limits that never changed get the 4 back");
+}
