@@ -135,7 +135,7 @@ impl Algorithm for Gcra {
         move_back(state, now, units.min(self.burst).saturating_mul(self.period));
     }
 
-    /// Moves TAT back by what the last `units` of the charge still owe ([`owed`]), never before
+    /// Moves TAT back by what the last `units` of the charge still owe (`owed`), never before
     /// `now`; nothing when the key gave back since the charge (its schedule before the charge then
     /// moved, and the charge's units with it, by more than one timestamp can tell). Later charges
     /// do not matter: they only book after it.

@@ -116,7 +116,7 @@ impl Algorithm for LeakyBucket {
         take_out(state, now, units.min(self.capacity).saturating_mul(self.period));
     }
 
-    /// Takes out the water the last `units` of the charge have not drained yet ([`owed`]);
+    /// Takes out the water the last `units` of the charge have not drained yet (`owed`);
     /// nothing when the key was written since the charge (as the token bucket).
     fn give_back(&self, state: &mut State, now: Nanos, units: u64, taken: Taken) {
         let back = owed(units.min(self.capacity).saturating_mul(self.period), taken, now);

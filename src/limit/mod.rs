@@ -378,7 +378,7 @@ impl Limiter {
 
     /// This limiter with its capacity and its rate multiplied by `factor` (a tier); windows keep
     /// their length. Capacities round to the nearest unit and never drop below one; a period
-    /// rounds to the nearest nanosecond (see [`bucket_period`] for its bounds).
+    /// rounds to the nearest nanosecond (see `bucket_period` for its bounds).
     pub fn scaled(&self, factor: f64) -> Limiter {
         if factor == 1.0 {
             return self.clone();
@@ -518,7 +518,7 @@ pub(crate) fn owed(most: Nanos, taken: Taken, now: Nanos) -> Nanos {
 /// given more back than its own units still owe after the debt moved. (A token bucket and a
 /// leaky bucket stamp their `updated_at`, and refill or drain from there: a give-back costs them at
 /// most a microsecond of refill.)
-pub(crate) const GIVEN_BACK_AHEAD: Nanos = 1_000;
+pub const GIVEN_BACK_AHEAD: Nanos = 1_000;
 
 /// Nanoseconds per unit for a rate in units per second, rounded to the nearest nanosecond: at
 /// least one, and for a rate too slow for 64 bits of nanoseconds (or none at all) the longest

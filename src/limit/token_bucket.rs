@@ -45,7 +45,7 @@ pub struct TokenBucket {
 }
 
 /// What a key remembers: its level (in ns of refill) when last written, and when that was (for a
-/// give-back, [`GIVEN_BACK_AHEAD`] later: see [`owed`]).
+/// give-back, [`GIVEN_BACK_AHEAD`] later: see `owed`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct State {
     level: u64,
@@ -137,7 +137,7 @@ impl Algorithm for TokenBucket {
         self.put_back(state, now, units.min(self.capacity).saturating_mul(self.period));
     }
 
-    /// The refill the last `units` of the charge still owe ([`owed`]), back into the level,
+    /// The refill the last `units` of the charge still owe (`owed`), back into the level,
     /// never past full; nothing when the key was written since the charge (another call charged,
     /// or something given back: where its units sit then is more than one level can tell).
     fn give_back(&self, state: &mut State, now: Nanos, units: u64, taken: Taken) {

@@ -15,14 +15,13 @@ use std::fmt::Debug;
 use mcp_ratelimit::clock::Nanos;
 use mcp_ratelimit::limit::params::{LONGEST_SPAN, MAX_UNITS, Value};
 use mcp_ratelimit::limit::{
-    ALGORITHMS, Concurrency, Decision, FixedWindow, Limiter, Params, Shape, SlidingLog, SlidingWindow, Taken,
-    TokenBucket,
+    ALGORITHMS, Concurrency, Decision, FixedWindow, GIVEN_BACK_AHEAD, Limiter, Params, Shape, SlidingLog,
+    SlidingWindow, Taken, TokenBucket,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
 const MS: Nanos = 1_000_000;
-const MICROSECOND: Nanos = 1_000;
 
 /// Where every run starts: 2026-01-01T00:00:00Z in epoch nanoseconds, a clock reading Redis's
 /// scripts can take (they read epoch microseconds).
@@ -767,7 +766,7 @@ impl Charged {
 /// price settled so far would. And a refund given back before anything else happened to the key
 /// restores exactly: the key then decides as one whose call had cost the settled price from the
 /// start (for a bucket, unless something was given back in the microsecond before the charge,
-/// which it counts as after: its `GIVEN_BACK_AHEAD`).
+/// which it counts as after: [`GIVEN_BACK_AHEAD`]).
 pub fn late_refunds_go_back_only_where_they_were_taken<B: Backend>(backend: &B, cases: u32) {
     let resolution = backend.resolution();
     let strategy = (prop::sample::select(registered(true)), 1u64..20, window_ms(), late_lives(resolution));
@@ -878,7 +877,7 @@ pub fn late_refunds_go_back_only_where_they_were_taken<B: Backend>(backend: &B, 
                     }
                     if d.allowed && cost > 0 {
                         calls.push(Charged { at: now, cost, taken: d.taken(), settled: None });
-                        let stamped = bucket && given_back_at.is_some_and(|at| now < at + MICROSECOND);
+                        let stamped = bucket && given_back_at.is_some_and(|at| now < at + GIVEN_BACK_AHEAD);
                         quiet = (!stamped).then(|| (calls.len() - 1, before));
                     }
                 }
