@@ -205,14 +205,15 @@ impl Reserved {
             .budgets
             .iter()
             .filter_map(|(key, limiter, taken)| {
-                let since = since.as_ref()?;
                 if how == "charged" {
-                    // On top, now, by the limiter in force (if the call still draws on the budget).
-                    let current = since.last().map_or(Some(limiter.clone()), |plan| of(plan, key))?;
+                    // On top, now, by the limiter in force (if the call still draws on the budget;
+                    // by the one it was charged under when the reloads since are not all kept).
+                    let now = since.as_ref().and_then(|since| since.last());
+                    let current = now.map_or(Some(limiter.clone()), |plan| of(plan, key))?;
                     return Some((key.clone(), current, Adjustment::Charge(units)));
                 }
                 // Given back only where the limit stayed the one the call was charged under.
-                let kept = since.iter().all(|plan| of(plan, key).as_ref() == Some(limiter));
+                let kept = since.as_ref()?.iter().all(|plan| of(plan, key).as_ref() == Some(limiter));
                 kept.then(|| (key.clone(), limiter.clone(), Adjustment::Return { units, taken: *taken }))
             })
             .collect();
