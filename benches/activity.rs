@@ -21,7 +21,7 @@ use mcp_ratelimit::limit::{Decision, Limiter, TokenBucket};
 use mcp_ratelimit::metrics::Layer;
 
 fn decision(remaining: u64, limit: u64) -> Decision {
-    Decision { allowed: true, limit, remaining, retry_after: 0, reset_after: 0 }
+    Decision { allowed: true, limit, remaining, retry_after: 0, reset_after: 0, at: 0 }
 }
 
 fn admitted(c: &mut Criterion) {

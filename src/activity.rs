@@ -20,6 +20,10 @@
 //! same way. Scope names and messages are redacted like that *before* they are stored. Tenants
 //! are names from the config and appear as they are. Time is whatever the caller passes in:
 //! readings of the server's one clock.
+//!
+//! Whose a row is ([`Audience`]) is decided by the tenant and the caller id themselves, kept
+//! beside each row and never shown: the six hex digits a row shows are 24 bits, and among a few
+//! thousand callers two share them.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -164,6 +168,8 @@ struct Entry {
     layer: Layer,
     tool: Arc<str>,
     code: &'static str,
+    /// The caller's id (never shown: it decides whose the row is), and its hash (shown).
+    owner: Arc<str>,
     caller: u32,
     bucket: u8,
     tenant: Option<String>,
@@ -178,8 +184,8 @@ impl Entry {
     /// Whether `other` is the same refusal again: the same caller, refused at the same layer,
     /// for the same tool, code and scope (its message may differ only in the wait).
     fn same_refusal_as(&self, other: &Entry) -> bool {
-        (self.caller, self.layer, &self.tool, self.code, &self.scope)
-            == (other.caller, other.layer, &other.tool, other.code, &other.scope)
+        (&self.owner, self.layer, &self.tool, self.code, &self.scope)
+            == (&other.owner, other.layer, &other.tool, other.code, &other.scope)
     }
 }
 
@@ -192,8 +198,10 @@ struct Level {
     limit: u64,
     remaining: u64,
     bucket: u8,
-    /// The tenant, and the hashed caller, last seen on it: whose budget it is.
+    /// The tenant, and the caller (its id, and its hash as shown), last seen on it: whose budget
+    /// it is.
     tenant: Option<Arc<str>>,
+    owner: Arc<str>,
     caller: u32,
     refused: u64,
     samples: u64,
@@ -208,6 +216,9 @@ impl Level {
     fn seen(&mut self, caller: &Caller, hash: u32, bucket: u8) {
         self.bucket = bucket;
         self.caller = hash;
+        if *self.owner != *caller.id() {
+            self.owner = Arc::from(caller.id());
+        }
         if self.tenant.as_deref() != caller.tenant() {
             self.tenant = caller.tenant_shared().cloned();
         }
@@ -226,15 +237,9 @@ pub enum Audience<'a> {
 }
 
 impl Audience<'_> {
-    /// Whether a row of `tenant`'s, by the caller whose id is `caller` (hashed by `hash`), is shown.
-    fn sees(&self, tenant: Option<&str>, caller: u32, hash: impl Fn(&str) -> u32) -> bool {
-        match self {
-            Audience::Everyone => true,
-            Audience::Of(viewer) => match viewer.tenant() {
-                Some(own) => tenant == Some(own),
-                None => tenant.is_none() && caller == hash(viewer.id()),
-            },
-        }
+    /// Whether a row of `tenant`'s, by the caller whose id is `owner`, is shown.
+    fn sees(&self, tenant: Option<&str>, owner: &str) -> bool {
+        self.sees_job(owner, tenant)
     }
 
     /// Whether a job of `owner` (a caller id) and `tenant` is shown.
@@ -314,6 +319,7 @@ impl Recent {
             remaining: 0,
             bucket: 0,
             tenant: None,
+            owner: Arc::from(""),
             caller: 0,
             refused: 0,
             samples: 0,
@@ -474,6 +480,7 @@ impl Activity {
             layer: refused.layer,
             tool,
             code: refused.code,
+            owner: Arc::from(caller.id()),
             caller: hash,
             bucket,
             tenant,
@@ -493,7 +500,6 @@ impl Activity {
     /// What the dashboard shows `audience` at `now`: the counts per tool and the totals, and of
     /// the latest refusals and the busiest budgets those `audience` may see.
     pub fn snapshot_for(&self, now: Nanos, audience: Audience<'_>) -> Snapshot {
-        let hash = |id: &str| self.hash(id);
         let bucket = now / BUCKET;
         let window = BUCKET * BUCKETS as u64;
         let recent_enough = |at: Nanos| now.saturating_sub(at) < window;
@@ -504,9 +510,7 @@ impl Activity {
         // row with a count (twelve identical 429s fill no screen); the row shows the newest.
         let mut latest: Vec<LatestRefusal> = Vec::new();
         let mut previous: Option<&Entry> = None;
-        for e in
-            recent.latest.iter().filter(|e| recent_enough(e.at) && audience.sees(e.tenant.as_deref(), e.caller, hash))
-        {
+        for e in recent.latest.iter().filter(|e| recent_enough(e.at) && audience.sees(e.tenant.as_deref(), &e.owner)) {
             if let (Some(p), Some(row)) = (previous, latest.last_mut())
                 && p.same_refusal_as(e)
             {
@@ -532,7 +536,7 @@ impl Activity {
         }
         recent.scopes.retain(|_, level| recent_enough(level.at));
         let mut scopes: Vec<(&Arc<str>, &Level)> =
-            recent.scopes.iter().filter(|(_, l)| audience.sees(l.tenant.as_deref(), l.caller, hash)).collect();
+            recent.scopes.iter().filter(|(_, l)| audience.sees(l.tenant.as_deref(), &l.owner)).collect();
         // Busiest: most refused, then fullest (least left of its limit), then most seen.
         let used = |l: &Level| if l.limit == 0 { 0.0 } else { 1.0 - l.remaining as f64 / l.limit as f64 };
         scopes.sort_by(|(an, a), (bn, b)| {
@@ -807,7 +811,7 @@ mod tests {
         let (acme, acme_too, globex) = (key("a", Some("acme")), key("b", Some("acme")), key("g", Some("globex")));
         let (carol, dave) = (key("c", None), key("d", None));
         let activity = Activity::new();
-        let d = Decision { allowed: true, limit: 60, remaining: 1, retry_after: 0, reset_after: 0 };
+        let d = Decision { allowed: true, limit: 60, remaining: 1, retry_after: 0, reset_after: 0, at: 0 };
         for caller in [&acme, &acme_too, &globex, &carol, &dave] {
             let own = format!("caller:{}", caller.id());
             activity.refused(caller, refused("list_articles", &own, "wait"), 0);
@@ -840,7 +844,7 @@ mod tests {
         let scope = format!("caller:{}", caller.id());
         let message = format!("refused for {}", caller.id());
         activity.refused(&caller, refused("generate_image", &scope, &message), 0);
-        let d = Decision { allowed: true, limit: 60, remaining: 1, retry_after: 0, reset_after: 0 };
+        let d = Decision { allowed: true, limit: 60, remaining: 1, retry_after: 0, reset_after: 0, at: 0 };
         let method = format!("method:tools/call:{}", caller.id());
         activity.admitted(&caller, [sample(method.as_str(), &d)].into_iter(), 0);
         let json = serde_json::to_string(&activity.snapshot(0)).expect("json");
@@ -871,7 +875,7 @@ mod tests {
     fn levels_are_sampled_now_and_then_and_whenever_a_scope_runs_low() {
         let activity = Activity::new();
         let caller = Caller::from_token("agent");
-        let roomy = Decision { allowed: true, limit: 100, remaining: 90, retry_after: 0, reset_after: 0 };
+        let roomy = Decision { allowed: true, limit: 100, remaining: 90, retry_after: 0, reset_after: 0, at: 0 };
         for _ in 1..SAMPLE_EVERY * 2 {
             activity.admitted(&caller, [sample("tenant:roomy", &roomy)].into_iter(), 0);
         }
@@ -896,7 +900,7 @@ mod tests {
         let caller = Caller::from_token("agent");
         let slots = Limiter::Concurrency(Concurrency::new(5));
         let key = format!("in_flight:caller:{}", caller.id());
-        let held = Decision { allowed: true, limit: 5, remaining: 4, retry_after: 0, reset_after: 0 };
+        let held = Decision { allowed: true, limit: 5, remaining: 4, retry_after: 0, reset_after: 0, at: 0 };
         let sample = Sample { name: &key, decision: &held, source: Some((&key, &slots)) };
         activity.admitted(&caller, [sample].into_iter(), 0);
         let source = |snap: Snapshot| snap.scopes[0].source.clone().map(|s| (s.key.to_string(), s.limiter));

@@ -8,7 +8,7 @@ mod algorithm_suite;
 
 use algorithm_suite::{Backend, Key};
 use mcp_ratelimit::clock::Nanos;
-use mcp_ratelimit::limit::{Decision, Limiter, LimiterState};
+use mcp_ratelimit::limit::{Adjustment, Decision, Limiter, LimiterState, Taken};
 
 /// The state in this process: forking clones it.
 struct Memory;
@@ -22,6 +22,10 @@ struct MemoryKey {
 
 impl Backend for Memory {
     type Key = MemoryKey;
+
+    fn longest_span(&self) -> Nanos {
+        mcp_ratelimit::limit::params::LONGEST_SPAN
+    }
 
     fn resolution(&self) -> Nanos {
         1
@@ -45,6 +49,10 @@ impl Key for MemoryKey {
 
     fn release(&mut self, cost: u64) {
         self.limiter.release(&mut self.state, cost);
+    }
+
+    fn give_back(&mut self, now: Nanos, units: u64, taken: Taken) {
+        self.limiter.adjust(&mut self.state, now, Adjustment::Return { units, taken });
     }
 
     fn relimit(&mut self, limiter: &Limiter) {
@@ -119,6 +127,16 @@ fn sliding_window_never_exceeds_twice_the_limit_in_any_window() {
 #[test]
 fn changed_limits_keep_every_number_believable() {
     algorithm_suite::changed_limits_keep_every_number_believable(&Memory, 1_000);
+}
+
+#[test]
+fn every_rate_is_decided_exactly_or_refused_naming_its_key() {
+    algorithm_suite::every_rate_is_decided_exactly_or_refused_naming_its_key(&Memory, 300);
+}
+
+#[test]
+fn late_refunds_go_back_only_where_they_were_taken() {
+    algorithm_suite::late_refunds_go_back_only_where_they_were_taken(&Memory, 1_000);
 }
 
 #[test]

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use algorithm_suite::{Backend, Key};
 use mcp_ratelimit::clock::Nanos;
-use mcp_ratelimit::limit::{Decision, Limiter};
+use mcp_ratelimit::limit::{Adjustment, Decision, Limiter, Taken};
 use mcp_ratelimit::store::Check;
 use mcp_ratelimit::store::redis::{Lease, RedisStore, new_lease};
 use test_redis::TestRedis;
@@ -87,6 +87,10 @@ struct RedisKey {
 impl Backend for Redis {
     type Key = RedisKey;
 
+    fn longest_span(&self) -> Nanos {
+        1 << 52
+    }
+
     fn resolution(&self) -> Nanos {
         1_000
     }
@@ -124,10 +128,13 @@ impl Key for RedisKey {
         let mut first: Option<Decision> = None;
         for _ in 0..ATTEMPTS {
             let check = Check { key: &self.key, limiter: &self.limiter, cost, shadow: false };
-            let decision = match redis.runtime.block_on(redis.store.decide_leased(&[check], lease, at)).as_deref() {
+            let mut decision = match redis.runtime.block_on(redis.store.decide_leased(&[check], lease, at)).as_deref() {
                 Ok([decision]) => *decision,
                 other => panic!("{} at {now} ns, cost {cost}: {other:?}", self.limiter.describe()),
             };
+            // Slots were decided on Redis's own clock; the suite's is the one its properties
+            // speak of.
+            decision.at = now;
             assert_eq!(*first.get_or_insert(decision), decision, "{}: the same call decided twice", self.key);
             let mut pinned = redis::pipe();
             pinned.cmd("PERSIST").arg(&self.key).cmd("GET").arg(&self.key);
@@ -171,6 +178,37 @@ impl Key for RedisKey {
             panic!("release on {}: {e}", self.key);
         }
         self.value = redis.query(redis::cmd("GET").arg(&self.key));
+    }
+
+    /// As `acquire`: the key loses its TTL after the script, and a state that expired in real
+    /// time before that is put back and the settlement sent again.
+    fn give_back(&mut self, now: Nanos, units: u64, taken: Taken) {
+        let redis = &*self.redis;
+        let by = Adjustment::Return { units, taken };
+        for _ in 0..ATTEMPTS {
+            let level =
+                match redis.runtime.block_on(redis.store.adjust(&[(&self.key, &self.limiter, by)], None, Some(now))) {
+                    Ok(level) => level,
+                    Err(e) => panic!("give back on {}: {e}", self.key),
+                };
+            let mut pinned = redis::pipe();
+            pinned.cmd("PERSIST").arg(&self.key).cmd("GET").arg(&self.key);
+            let mut admin = redis.admin.clone();
+            let (persisted, value): (i64, Option<String>) =
+                redis.runtime.block_on(pinned.query_async(&mut admin)).expect("PERSIST and GET");
+            // A state still short of full is written with a TTL, which PERSIST finds unless it ran
+            // out (a full one is deleted: nothing to find).
+            let short_of_full = level.first().is_some_and(|d| d.reset_after > 0);
+            if short_of_full && persisted == 0 {
+                let mut restore = redis::cmd(if self.value.is_some() { "SET" } else { "DEL" });
+                restore.arg(&self.key).arg(&self.value);
+                let () = redis.query(&restore);
+                continue;
+            }
+            self.value = value;
+            return;
+        }
+        panic!("{}: no TTL for PERSIST to remove after a give-back, {ATTEMPTS} times", self.key);
     }
 
     /// The key's value stays as it is: the scripts read it under whatever limiter a check names.
@@ -246,6 +284,16 @@ fn sliding_window_never_exceeds_twice_the_limit_in_any_window() {
 #[test]
 fn changed_limits_keep_every_number_believable() {
     algorithm_suite::changed_limits_keep_every_number_believable(&Redis::start(), LIFE_CASES);
+}
+
+#[test]
+fn every_rate_is_decided_exactly_or_refused_naming_its_key() {
+    algorithm_suite::every_rate_is_decided_exactly_or_refused_naming_its_key(&Redis::start(), CASES * 10);
+}
+
+#[test]
+fn late_refunds_go_back_only_where_they_were_taken() {
+    algorithm_suite::late_refunds_go_back_only_where_they_were_taken(&Redis::start(), LIFE_CASES);
 }
 
 #[test]

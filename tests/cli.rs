@@ -55,6 +55,67 @@ fn every_kind_of_mistake_names_its_key() {
 }
 
 #[test]
+fn a_cost_formula_too_deep_for_a_stack_is_refused_naming_its_key_not_a_crash() {
+    // 10,000 deep crashed `serve` on the first call, 200,000 deep `check-config` itself (exit 134).
+    for depth in [10_000, 200_000] {
+        let formula = format!("{}1{}", "(".repeat(depth), ")".repeat(depth));
+        let toml = format!("[tools.generate_image]\ncost = \"{formula}\"\ncost_max = 5\n");
+        let mut file = tempfile::NamedTempFile::new().expect("temp file");
+        file.write_all(toml.as_bytes()).expect("write config");
+        let out = Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
+            .arg("check-config")
+            .arg(file.path())
+            .output()
+            .expect("binary runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{depth} deep: refused as a config error: {stderr}");
+        assert!(stderr.contains("tools.generate_image.cost"), "{stderr}");
+        assert!(stderr.contains("at most 256 bytes"), "{stderr}");
+        assert!(stderr.len() < 1_000, "the formula is not printed back: {} bytes", stderr.len());
+    }
+    let (ok, _, stderr) = check_config(
+        &format!("[tools.generate_image]\ncost = \"{}1{}\"\ncost_max = 5\n", "(".repeat(33), ")".repeat(33)),
+        &[],
+    );
+    assert!(!ok && stderr.contains("tools.generate_image.cost") && stderr.contains("33 deep"), "{stderr}");
+}
+
+#[test]
+fn a_rate_too_slow_to_keep_is_refused_naming_its_key_and_a_slow_one_is_printed_as_it_is() {
+    // Each passed before: as 10^9 per second (1e-300), 184466 of 1000000 after one call, and a
+    // wait of 18446744074 seconds.
+    for (toml, key) in [
+        ("[limits.caller]\nrefill_per_sec = 1e-300\n", "`limits.caller.refill_per_sec`"),
+        ("[limits.caller]\nburst = 1000000\nrefill_per_sec = 0.00001\n", "`limits.caller.refill_per_sec`"),
+        ("[limits.caller]\nburst = 300\nrefill_per_sec = 1e-12\n", "`limits.caller.refill_per_sec`"),
+        (
+            "[limits.tenant]\nalgorithm = \"leaky_bucket\"\nburst = 1000\nleak_per_sec = 0.00001\n",
+            "`limits.tenant.leak_per_sec`",
+        ),
+        (
+            "[limits.tenant]\nalgorithm = \"gcra\"\nburst = 1000\nrefill_per_sec = 1e-320\n",
+            "`limits.tenant.refill_per_sec`",
+        ),
+    ] {
+        let (ok, _, stderr) = check_config(toml, &[]);
+        assert!(!ok, "{toml} should fail");
+        assert!(stderr.contains(key) && stderr.contains("within a year (31536000 s)"), "{toml}: {stderr}");
+    }
+    let (ok, _, stderr) = check_config("[limits.caller]\nburst = 300\nrefill_per_sec = 1e-12\n", &[]);
+    assert!(!ok && stderr.contains("at least 300 / 31536000 = 9.513e-6 per second"), "{stderr}");
+    // A tier that rounds a burst up stretches its bucket past a year: named with the tier.
+    let tiered = "[limits.caller]\nburst = 60\nrefill_per_sec = 0.0000019218\n[tiers]\nthrifty = 0.4917\n";
+    let (ok, _, stderr) = check_config(tiered, &[]);
+    assert!(!ok, "{stderr}");
+    assert!(stderr.contains("`limits.caller`") && stderr.contains("`tiers.thrifty` (0.4917)"), "{stderr}");
+    assert!(stderr.contains("more than a year (31536000 s)"), "{stderr}");
+    // The slowest a burst of 60 may have (within a year), printed as the rate the limiter keeps.
+    let (ok, stdout, stderr) = check_config("[limits.caller]\nburst = 60\nrefill_per_sec = 0.000002\n", &[]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("burst 60, refill 0.000002/s"), "{stdout}");
+}
+
+#[test]
 fn environment_overrides_the_file_and_is_validated_too() {
     let (ok, stdout, _) = check_config("", &[("MCP_RL__LIMITS__CALLER__BURST", "120")]);
     assert!(ok);

@@ -176,3 +176,36 @@ async fn the_page_asks_for_a_key_and_shows_the_data_with_it() {
     let text = browser.eval("document.body.innerText").await;
     assert!(text.as_str().is_some_and(|t| t.contains("tenant acme") && !t.contains(ACME_KEY)), "{text}");
 }
+
+/// Two keys without a tenant whose ids the dashboard shows alike (`#` and 24 bits of a keyed
+/// hash), found by trying generated keys against this server's own hash.
+fn keys_shown_alike(server: &TestServer) -> (String, String) {
+    let activity = server.app.state().limits.guard().activity();
+    let mut shown: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    for i in 0..1_000_000u32 {
+        let key = format!("sk-shown-alike-{i:07}");
+        let hashed = activity.hashed(mcp_ratelimit::identity::Caller::from_token(&key).id());
+        if let Some(first) = shown.insert(hashed, key.clone()) {
+            return (first, key);
+        }
+    }
+    panic!("no two of a million ids share 24 bits");
+}
+
+#[tokio::test]
+async fn a_key_without_a_tenant_never_sees_the_rows_of_another_shown_by_the_same_hash() {
+    let server = TestServer::start(&required()).await;
+    let (first, second) = keys_shown_alike(&server);
+    let both = format!("{}[[auth.keys]]\nkey = \"{first}\"\n[[auth.keys]]\nkey = \"{second}\"\n", required());
+    let both = mcp_ratelimit::Config::from_toml(&both, &mcp_ratelimit::mcp::tools::catalogue()).expect("valid");
+    server.app.state().reload(&both);
+    let agent = server.client(Some(&first)).await;
+    spend_until_refused(&agent, "list_articles", json!({}), 20).await;
+
+    let own = data_as(&server, &first).await;
+    assert!(!own["latest"].as_array().expect("latest").is_empty(), "its own refusal: {own}");
+    let other = data_as(&server, &second).await;
+    assert_eq!(other["showing"], own["showing"], "both shown as one hash: {other}");
+    assert_eq!(other["latest"], json!([]), "nothing of the other caller's: {other}");
+    assert_eq!(other["scopes"], json!([]), "no budget of the other caller's: {other}");
+}

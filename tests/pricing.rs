@@ -308,3 +308,149 @@ async fn a_limit_lowered_before_a_job_settles_shows_a_level_under_the_new_limit_
     assert_eq!((caller["limit"].clone(), caller["remaining"].clone()), (json!(40), json!(40)), "{caller}");
     assert_eq!(left(&agent).await.1, 974, "the tenant's 4 back");
 }
+
+/// `cost` for `generate_image`, with room for it in every budget.
+fn image_priced(formula: &str) -> String {
+    format!("[tools.generate_image]\ncost = \"{formula}\"\ncost_max = 5\n{NO_LOOP_DETECTION}")
+}
+
+#[tokio::test]
+async fn a_reload_to_a_formula_too_deep_for_a_stack_is_refused_and_the_server_keeps_serving() {
+    let dir = tempfile::tempdir().expect("dir");
+    let file = dir.path().join("prices.toml");
+    std::fs::write(&file, image_priced("1 + 2")).expect("write");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--config"])
+        .arg(&file)
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the binary starts");
+    let health = format!("http://127.0.0.1:{port}/health");
+    eventually("the server answers /health", || async { reqwest::get(&health).await.is_ok() }).await;
+    let transport = rmcp::transport::StreamableHttpClientTransport::from_config(
+        rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(format!(
+            "http://127.0.0.1:{port}/mcp"
+        ))
+        .auth_header("deep-formula"),
+    );
+    let agent = rmcp::ServiceExt::serve((), transport).await.expect("client connects");
+    let image = |i: u32| json!({ "prompt": format!("a lighthouse, take {i}") });
+    assert_eq!(structured(&call(&agent, "generate_image", image(0)).await)["reserved"], 3);
+
+    // 10,000 brackets deep: the watcher sees the file, and SIGHUP asks again; both refuse it.
+    let depth = 10_000;
+    std::fs::write(&file, image_priced(&format!("{}1{}", "(".repeat(depth), ")".repeat(depth)))).expect("write");
+    let pid = child.id().expect("running").to_string();
+    let hup = std::process::Command::new("kill").args(["-HUP", &pid]).status().expect("kill runs");
+    assert!(hup.success());
+    let metrics_url = format!("http://127.0.0.1:{port}/metrics");
+    eventually("the deep formula was refused", || async {
+        let metrics = reqwest::get(&metrics_url).await.map(|r| r.text());
+        match metrics {
+            Ok(text) => {
+                text.await.is_ok_and(|t| t.contains("mcp_ratelimit_config_reloads_total{outcome=\"refused\"} 2\n"))
+            }
+            Err(_) => false,
+        }
+    })
+    .await;
+    assert!(child.try_wait().expect("status").is_none(), "the server is still running");
+    let served = call(&agent, "generate_image", image(1)).await;
+    assert!(!is_error(&served), "{}", text(&served));
+    assert_eq!(structured(&served)["reserved"], 3, "the old price keeps working");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deepest_formula_allowed_prices_a_call_on_a_tokio_worker() {
+    use mcp_ratelimit::config::price::{MAX_LEN, MAX_NESTING};
+    // As long as allowed: unary minus signs all the way (the deepest tree there is, one level a
+    // byte), and brackets nested the most allowed around the longest sum that still fits.
+    let unary = format!("{}1", "-".repeat(MAX_LEN - 1));
+    let sum = "+0".repeat((MAX_LEN - 2 * MAX_NESTING - 1) / 2);
+    let nested = format!("{}1{sum}{}", "(".repeat(MAX_NESTING), ")".repeat(MAX_NESTING));
+    let nested = format!("{nested:<MAX_LEN$}");
+    for formula in [unary, nested] {
+        assert_eq!(formula.len(), MAX_LEN);
+        let server = TestServer::start(&image_priced(&formula)).await;
+        let agent = server.client(Some(KEY)).await;
+        let priced = call(&agent, "generate_image", json!({ "prompt": "a lighthouse" })).await;
+        assert!(!is_error(&priced), "{}", text(&priced));
+        assert_eq!(structured(&priced)["reserved"], 1, "{formula}");
+    }
+}
+
+#[tokio::test]
+async fn a_video_settled_in_the_next_window_gives_that_window_nothing() {
+    // The case: the caller's budget a fixed window of 60 units per 10 s; a video reserves
+    // 30 at 8.2 s into window A, and its bill of 26 settles in window B, which must still admit
+    // 60 and no more (it admitted 64: the 4 went back to B).
+    let windowed = "[limits.caller]\nalgorithm = \"fixed_window\"\nlimit = 60\nwindow_ms = 10000\n";
+    let server =
+        TestServer::start(&config("").replace("[limits.caller]\nburst = 100\nrefill_per_sec = 0.001\n", windowed))
+            .await;
+    let agent = server.client(Some(KEY)).await;
+    let now_ms = || mcp_ratelimit::clock::Clock::now(&*server.clock) / 1_000_000;
+    server.advance_ms(8_200);
+    let accepted = call(&agent, "generate_image_to_video", video(10)).await;
+    assert_eq!(structured(&accepted)["reserved"], 30, "{}", text(&accepted));
+    let id = structured(&accepted)["predict_id"].as_str().expect("predict_id").to_owned();
+
+    // Window B opens; the caller spends 10 there while the job still runs.
+    server.advance_ms(1_800);
+    let articles = |i: usize| json!({ "query": format!("window b, {i}") });
+    for i in 0..10 {
+        let served = call(&agent, "list_articles", articles(i)).await;
+        assert!(!is_error(&served), "{}", text(&served));
+    }
+    let report =
+        eventually_some("the job is final and its price settled", std::time::Duration::from_secs(10), || async {
+            server.advance_ms(250);
+            settle().await;
+            let report = structured(&call(&agent, "get_prediction", json!({ "predict_id": id })).await).clone();
+            report.get("charged").is_some().then_some(report)
+        })
+        .await;
+    assert_eq!((report["reserved"].clone(), report["charged"].clone()), (json!(30), json!(26)), "{report}");
+    assert!(now_ms() < 20_000, "settled in window B, at {} ms", now_ms());
+
+    let mut spent = 10;
+    for i in 10..100 {
+        let answer = call(&agent, "list_articles", articles(i)).await;
+        if is_error(&answer) {
+            assert_eq!(structured(&answer)["error"]["scope"].as_str().map(|s| s.starts_with("caller:")), Some(true));
+            break;
+        }
+        spent += 1;
+    }
+    assert!(now_ms() < 20_000, "still window B");
+    assert_eq!(spent, 60, "window B admits its 60, no more: the 4 went back to window A, long gone");
+    // The spend cap's day, where the 30 were counted, got its 4 back; the tenant's bucket, charged
+    // again since (the 10 calls), keeps them: where its units sit then, one level cannot tell.
+    let (_, tenant, spend) = left(&agent).await;
+    assert_eq!((tenant, spend), (1000 - 30 - 60, 500 - 26 - 60));
+}
+
+#[tokio::test]
+async fn a_burst_lowered_and_put_back_while_a_job_runs_gets_none_of_its_refund() {
+    let server = TestServer::start(&config("")).await;
+    let agent = server.client(Some(KEY)).await;
+    let accepted = call(&agent, "generate_image_to_video", video(10)).await;
+    let id = structured(&accepted)["predict_id"].as_str().expect("predict_id").to_owned();
+    assert_eq!(left(&agent).await.0, 70);
+    let reload = |toml: &str| {
+        let limits = mcp_ratelimit::Config::from_toml(toml, &mcp_ratelimit::mcp::tools::catalogue()).expect("valid");
+        server.app.state().reload(&limits);
+    };
+    // Lowered to 40 while the job runs: the next call finds 70 saved, keeps 40 and spends one.
+    reload(&(config("").replace("burst = 100\n", "burst = 40\n") + "[tools.generate_image_to_video]\ncost = 20\n"));
+    assert!(!is_error(&call(&agent, "list_articles", json!({ "query": "under 40" })).await));
+    assert_eq!(left(&agent).await.0, 39);
+    // Put back to 100 before the job settles at 26: had it cost 26 from the start, the caller
+    // would stand at 39 all the same (74 saved, 40 kept, one spent); the 4 are not given back.
+    reload(&config(""));
+    let report = settled(&server, &agent, &id).await;
+    assert_eq!((report["reserved"].clone(), report["charged"].clone()), (json!(30), json!(26)), "{report}");
+    assert_eq!(left(&agent).await, (39, 1000 - 26 - 1, 500 - 26 - 1), "the limits that never changed get the 4 back");
+}

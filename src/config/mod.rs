@@ -410,6 +410,7 @@ impl RawConfig {
         let (server, proxies) = self.server.validate()?;
         self.upstream.validate()?;
         self.store.validate()?;
+        limits::spans_fit((&limits, &tools, &tenants, &auth.keys), &self.tiers, &limits::LONGEST)?;
         if self.store.backend == Backend::Redis {
             store::spans_fit_redis(&limits, &tools, &tenants, &auth.keys, &self.tiers)?;
         }

@@ -15,6 +15,13 @@
 //! at nothing), and a call it cannot price (an argument it reads is missing or of another kind, a
 //! division by zero, an overflow) reserves `cost_max`, the most the config allows. The check that
 //! every cost fits every budget reads `cost_max`.
+//!
+//! A formula is at most [`MAX_LEN`] bytes and nests brackets at most [`MAX_NESTING`] deep, checked
+//! before evalexpr reads it: evalexpr parses, evaluates and drops an expression recursively, one
+//! stack frame per level, so a formula 10,000 brackets deep overflowed a tokio worker's stack on
+//! its first call (and a reload to it aborted the server). Within these bounds the deepest
+//! expression there is (255 unary minus signs in a row) needs about 512 KiB of stack in a debug
+//! build, a quarter of a tokio worker's.
 
 use evalexpr::{ContextWithMutableVariables, DefaultNumericTypes, HashMapContext, Node, Operator, Value};
 use serde::Deserialize;
@@ -34,6 +41,12 @@ const FUNCTIONS: &[&str] = &[
     "math::ln",
     "math::log",
 ];
+
+/// The longest formula, in bytes.
+pub const MAX_LEN: usize = 256;
+
+/// The deepest brackets may nest in a formula (a function's brackets count).
+pub const MAX_NESTING: usize = 32;
 
 /// A price over a call's arguments, checked when the config is read.
 #[derive(Clone)]
@@ -59,6 +72,7 @@ impl std::fmt::Display for Formula {
 impl Formula {
     /// Reads `text`, or says what is wrong with it.
     pub fn parse(text: &str) -> Result<Self, String> {
+        bounded(text)?;
         let tree = evalexpr::build_operator_tree::<DefaultNumericTypes>(text)
             .map_err(|e| format!("`{text}` is not a formula: {e}"))?;
         if let Some(how) = first_write(&tree) {
@@ -105,6 +119,31 @@ impl Formula {
             _ => None,
         }
     }
+}
+
+/// Whether `text` is within [`MAX_LEN`] and [`MAX_NESTING`]: what evalexpr, which recurses, may
+/// be given. Read byte by byte, without recursion, whatever its size.
+fn bounded(text: &str) -> Result<(), String> {
+    if text.len() > MAX_LEN {
+        return Err(format!("a formula of {} bytes: a price formula may be at most {MAX_LEN} bytes long", text.len()));
+    }
+    let (mut depth, mut deepest) = (0usize, 0usize);
+    for byte in text.bytes() {
+        match byte {
+            b'(' => {
+                depth += 1;
+                deepest = deepest.max(depth);
+            }
+            b')' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    if deepest > MAX_NESTING {
+        return Err(format!(
+            "`{text}` nests brackets {deepest} deep: a price formula may nest them at most {MAX_NESTING} deep"
+        ));
+    }
+    Ok(())
 }
 
 /// The first assignment or chain in `node`, said in words.
@@ -171,6 +210,19 @@ mod tests {
         assert_eq!(Formula::parse("10 ^ 400").expect("parses").units(&json!({}), (1, 9)), 9, "infinite");
         let boolean = Formula::parse("seconds > 3").expect("parses");
         assert_eq!(boolean.units(&json!({"seconds": 4}), (1, 9)), 9, "a boolean");
+    }
+
+    #[test]
+    fn a_formula_too_long_or_too_deep_is_refused_before_it_is_parsed() {
+        let deep = |n: usize| format!("{}1{}", "(".repeat(n), ")".repeat(n));
+        let error = Formula::parse(&deep(200_000)).expect_err("200,000 deep");
+        assert!(error.contains("400001 bytes") && error.contains("at most 256 bytes"), "{error}");
+        assert!(error.len() < 200, "the formula is not repeated back: {error}");
+        let error = Formula::parse(&deep(MAX_NESTING + 1)).expect_err("one too deep");
+        assert!(error.contains("33 deep") && error.contains("at most 32 deep"), "{error}");
+        assert!(Formula::parse(&deep(MAX_NESTING)).is_ok());
+        assert!(Formula::parse(&format!("{}1", "-".repeat(MAX_LEN - 1))).is_ok(), "the longest");
+        assert!(Formula::parse(&format!("{}1", "-".repeat(MAX_LEN))).is_err(), "one byte too long");
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 
 use super::auth::ApiKey;
-use super::limits::{DAY_MS, Limit, Limits};
+use super::limits::{DAY_MS, Limits, Longest, spans_fit};
 use super::spend::TenantOverride;
 use super::tools::ToolPolicy;
 use super::{ConfigError, invalid};
@@ -125,8 +125,7 @@ impl StoreConfig {
 const REDIS_SPAN: u64 = 1 << 52;
 
 /// With Redis as the store, every limit spans at most [`REDIS_SPAN`], the caller's own under
-/// every tier too (a tier scales a bucket's burst, rounded and never below one, and its rate, so
-/// its span can grow: a burst of 1 at half the rate spans twice as long).
+/// every tier too (see [`super::limits::spans_fit`]).
 pub(super) fn spans_fit_redis(
     limits: &Limits,
     tools: &BTreeMap<String, ToolPolicy>,
@@ -134,42 +133,8 @@ pub(super) fn spans_fit_redis(
     keys: &[ApiKey],
     tiers: &BTreeMap<String, f64>,
 ) -> Result<(), ConfigError> {
-    let mut spans: Vec<(String, &[Limit])> = vec![
-        ("limits.http".into(), &limits.http),
-        ("limits.address_http".into(), &limits.address_http),
-        ("limits.method.tools_list".into(), &limits.tools_list),
-        ("limits.method.tools_call".into(), &limits.tools_call),
-        ("limits.method.other".into(), &limits.other_methods),
-        ("limits.caller".into(), &limits.caller),
-        ("limits.tenant".into(), &limits.tenant),
-        ("limits.address".into(), &limits.address),
-    ];
-    spans.extend(tools.iter().map(|(t, p)| (format!("tools.{t}.budget"), p.budget.as_slice())));
-    spans.extend(tenants.iter().filter_map(|(t, o)| o.budget.as_deref().map(|b| (format!("tenants.{t}.budget"), b))));
-    spans.extend(
-        keys.iter().enumerate().filter_map(|(i, k)| k.caller.as_deref().map(|c| (format!("auth.keys[{i}].caller"), c))),
-    );
-    if let Some((key, _)) = spans.iter().find(|(_, l)| l.iter().any(|l| l.limiter.span() > REDIS_SPAN)) {
-        return Err(invalid(
-            key.as_str(),
-            "with store.backend = \"redis\" a window, or a bucket's burst × refill time, may span at most 52 days",
-        ));
-    }
-    let own =
-        ["http", "method.tools_list", "method.tools_call", "method.other", "caller"].map(|s| format!("limits.{s}"));
-    let tiered = spans.iter().filter(|(key, _)| own.contains(key));
-    for ((key, limits), (tier, factor)) in tiered.flat_map(|s| tiers.iter().map(move |t| (s, t))) {
-        if limits.iter().any(|l| l.limiter.scaled(*factor).span() > REDIS_SPAN) {
-            return Err(invalid(
-                key.as_str(),
-                format!(
-                    "× `tiers.{tier}` ({factor}) it spans more than 52 days, the most a window, or a bucket's burst \
-                     × refill time, may span with store.backend = \"redis\""
-                ),
-            ));
-        }
-    }
-    Ok(())
+    let most = Longest { span: REDIS_SPAN, in_words: "52 days", because: " with store.backend = \"redis\"" };
+    spans_fit((limits, tools, tenants, keys), tiers, &most)
 }
 
 impl LoopDetectionConfig {

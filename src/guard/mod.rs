@@ -42,7 +42,7 @@ use crate::guard::loops::{Looping, Loops, Recorded, SharedLoopCall};
 use crate::guard::plan::{Planned, http_scopes, method_scopes, status_scopes, tool_scopes};
 use crate::guard::report::{RefusalLog, budget_status, refused_by, warnings_of};
 use crate::identity::Caller;
-use crate::limit::{Decision, Limiter};
+use crate::limit::{Decision, Limiter, Taken};
 use crate::metrics::{Layer, Metrics};
 use crate::store::{Check, SlotGuard, Store, new_lease};
 pub use policy::{MethodGroup, Policy, TierLimits};
@@ -137,6 +137,9 @@ pub struct Guard {
     /// The limits in force; a reload swaps them whole, and a decision keeps the ones it started
     /// with.
     live: ArcSwap<LimitsInForce>,
+    /// The limits put in force lately, numbered: what a settlement reads to tell whether the limit
+    /// of a budget it gives back to changed since its call was charged.
+    generations: Arc<Generations>,
     insurance: Option<Insurance>,
     store_up: AtomicBool,
     loops: Option<Loops>,
@@ -153,13 +156,53 @@ struct LimitsInForce {
     policy: Arc<Policy>,
     /// The insurance limiter's share of them, over a shared store.
     insurance: Option<Policy>,
+    /// Which limits put in force these are: one more at every reload.
+    generation: u64,
 }
 
 impl LimitsInForce {
-    fn new(config: &LimitsConfig, insured: bool) -> Self {
+    fn new(config: &LimitsConfig, insured: bool, generation: u64) -> Self {
         let policy = Policy::new(config);
         let insurance = insured.then(|| policy.scaled(1.0 / config.store.expected_instances as f64));
-        Self { enabled: config.limits.enabled, policy: Arc::new(policy), insurance }
+        Self { enabled: config.limits.enabled, policy: Arc::new(policy), insurance, generation }
+    }
+}
+
+/// How many of the latest limits put in force a settlement can look back through; one charged
+/// before more reloads than that gives nothing back.
+const GENERATIONS_KEPT: usize = 16;
+
+/// The limits put in force lately, oldest first.
+#[derive(Debug, Default)]
+struct Generations(std::sync::Mutex<std::collections::VecDeque<Arc<LimitsInForce>>>);
+
+impl Generations {
+    fn kept(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<Arc<LimitsInForce>>> {
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Puts the limits `make` builds (given their number) in force in `live`, the next after the
+    /// latest, and keeps them; all under one lock, so numbers follow the order they went live in.
+    fn put_in_force(&self, live: &ArcSwap<LimitsInForce>, make: impl FnOnce(u64) -> LimitsInForce) {
+        let mut kept = self.kept();
+        let next = Arc::new(make(kept.back().map_or(0, |latest| latest.generation + 1)));
+        kept.push_back(next.clone());
+        while kept.len() > GENERATIONS_KEPT {
+            kept.pop_front();
+        }
+        live.store(next);
+    }
+
+    /// Every limits put in force after `generation`, oldest first; `None` when some of them are
+    /// no longer kept.
+    fn since(&self, generation: u64) -> Option<Vec<Arc<LimitsInForce>>> {
+        let kept = self.kept();
+        let since: Vec<Arc<LimitsInForce>> = kept.iter().filter(|l| l.generation > generation).cloned().collect();
+        match since.first() {
+            Some(first) if first.generation != generation + 1 => None,
+            None if kept.front().is_none_or(|oldest| oldest.generation > generation) => None,
+            _ => Some(since),
+        }
     }
 }
 
@@ -170,8 +213,10 @@ impl Guard {
         let detection = &config.loop_detection;
         let window = detection.window_ms.saturating_mul(crate::clock::NANOS_PER_MS);
         let loops = detection.enabled.then(|| Loops::new(detection.repeats, window, store.clone().loop_history()));
+        let first = Arc::new(LimitsInForce::new(config, false, 0));
         Self {
-            live: ArcSwap::from_pointee(LimitsInForce::new(config, false)),
+            live: ArcSwap::from(first.clone()),
+            generations: Arc::new(Generations(std::sync::Mutex::new([first].into()))),
             store,
             clock,
             insurance: None,
@@ -192,7 +237,7 @@ impl Guard {
             shared_down: crate::breaker::Breaker::new(1, decide::STORE_PROBE_EVERY),
             refused: Arc::default(),
         });
-        self.live.store(Arc::new(LimitsInForce::new(config, true)));
+        self.generations.put_in_force(&self.live, |generation| LimitsInForce::new(config, true, generation));
         self
     }
 
@@ -210,7 +255,8 @@ impl Guard {
     /// the state lives under scope keys that do not depend on the limits' numbers. Refusals the
     /// shared store made under the old limits are forgotten, so a looser limit applies at once.
     pub fn reload(&self, config: &LimitsConfig) {
-        self.live.store(Arc::new(LimitsInForce::new(config, self.insurance.is_some())));
+        let insured = self.insurance.is_some();
+        self.generations.put_in_force(&self.live, |generation| LimitsInForce::new(config, insured, generation));
         if let Some(insurance) = &self.insurance {
             insurance.refused.clear();
         }
@@ -443,32 +489,52 @@ impl Guard {
             })
             .collect();
         let warnings = warnings_of(&live.policy, scopes, decisions);
-        let reserved = self.reserved(&live.policy, tool, &decided);
+        let reserved = self.reserved(live, caller, call, &decided);
         Ok(Admission::new(slots, self.metrics.clone()).warning(warnings).reserving(reserved))
     }
 
-    /// What an admitted call reserved in the budgets that took its price, to settle later; `None`
-    /// for a call that costs nothing.
-    fn reserved(&self, policy: &Policy, tool: &str, decided: &decide::Decided<'_>) -> Option<Reserved> {
-        let budgets: Vec<(String, Limiter)> = decided
+    /// What an admitted call reserved in the budgets that took its price, and where each charge
+    /// landed, to settle later; `None` for a call that costs nothing.
+    fn reserved(
+        &self,
+        live: &LimitsInForce,
+        caller: &Caller,
+        call: &ToolCall<'_>,
+        decided: &decide::Decided<'_>,
+    ) -> Option<Reserved> {
+        let budgets: Vec<(String, Limiter, Taken)> = decided
             .scopes
             .iter()
             .zip(&decided.decisions)
             .filter(|(p, d)| p.priced && p.cost > 0 && d.allowed && !p.limit.limiter.holds_slots())
-            .map(|(p, _)| (p.scope.key().to_owned(), p.limit.limiter.clone()))
+            .map(|(p, d)| (p.scope.key().to_owned(), p.limit.limiter.clone(), d.taken()))
             .collect();
         let units = decided.scopes.iter().find(|p| p.priced).map_or(0, |p| p.cost);
         if units == 0 {
             return None;
         }
-        let settle = policy.tool(tool).map_or(Settle::default(), |t| t.settle);
+        let (tool, starts_job) = (call.tool, call.starts_job);
+        let settle = live.policy.tool(tool).map_or(Settle::default(), |t| t.settle);
         // The memory of the shared store's refusals goes stale where a refund lands there.
         let shared = Arc::ptr_eq(decided.store, &self.store);
         let refusals = self.insurance.as_ref().filter(|_| shared).map(|i| i.refused.clone());
+        // The budgets' limiters as the same call would have been planned under every limits put in
+        // force since (a reload each).
+        let (generations, charged_under) = (self.generations.clone(), live.generation);
+        let (caller, tool_name) = (caller.clone(), tool.to_owned());
+        let in_force: settle::InForce = Box::new(move || {
+            let since = generations.since(charged_under)?;
+            let plan = |limits: &LimitsInForce| {
+                let policy = if shared { Some(&*limits.policy) } else { limits.insurance.as_ref() };
+                let scopes = policy.map(|p| tool_scopes(p, &caller, &tool_name, units, starts_job)).unwrap_or_default();
+                scopes.into_iter().map(|p| (p.scope.key().to_owned(), p.limit.limiter.clone())).collect()
+            };
+            Some(since.iter().map(|limits| plan(limits)).collect())
+        });
         Some(Reserved::new(
             (tool, units, settle),
             (decided.store.clone(), self.clock.clone()),
-            budgets,
+            (budgets, in_force),
             self.metrics.clone(),
             refusals,
         ))

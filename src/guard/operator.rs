@@ -251,7 +251,7 @@ impl Guard {
         let Some((scope, limit)) = scopes.first() else {
             return Err(OperatorError::Invalid { field: "scope", message: "no such budget".into() });
         };
-        let adjusted = self.store.adjust(&[(scope.key(), &limit.limiter)], Adjustment::Refund(units), None).await?;
+        let adjusted = self.store.adjust(&[(scope.key(), &limit.limiter, Adjustment::Refund(units))], None).await?;
         let decision = adjusted.first().copied().ok_or_else(|| OperatorError::Invalid {
             field: "units",
             message: "the limiter store answered without the budget's level; try again".into(),

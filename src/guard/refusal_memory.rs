@@ -61,10 +61,11 @@ impl RefusalMemory {
                             remaining: refused.remaining,
                             retry_after: refused.until - now,
                             reset_after: refused.full_at.saturating_sub(now),
+                            at: now,
                         }
                     } else {
                         let limit = c.limiter.capacity();
-                        Decision { allowed: true, limit, remaining: 0, retry_after: 0, reset_after: 0 }
+                        Decision { allowed: true, limit, remaining: 0, retry_after: 0, reset_after: 0, at: now }
                     }
                 })
                 .collect(),
@@ -135,7 +136,8 @@ mod tests {
         let memory = RefusalMemory::default();
         let bucket = Limiter::TokenBucket(TokenBucket::new(60, 1.0));
         let on = |key, limiter, cost| [Check { key, limiter, cost, shadow: false }];
-        let refused = Decision { allowed: false, limit: 60, remaining: 2, retry_after: 3_000, reset_after: 58_000 };
+        let refused =
+            Decision { allowed: false, limit: 60, remaining: 2, retry_after: 3_000, reset_after: 58_000, at: 0 };
         memory.remember(&on("k", &bucket, 5), &[refused], 1_000);
         assert!(memory.recall(&on("k", &bucket, 4), 1_000).is_none(), "a cheaper call may pass: ask the store");
         let again = memory.recall(&on("k", &bucket, 5), 2_000).expect("refused locally");

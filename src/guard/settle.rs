@@ -21,9 +21,26 @@
 //!
 //! The difference goes back, or is taken on top, in each of those budgets through its
 //! algorithm's adjustment ([`Adjustment`]) on the store that decided the call (Redis, or this
-//! instance's insurance limiter while Redis was down): a refund never lifts a budget past its
-//! capacity, and a charge past what is left takes what is left — a budget never goes below
-//! empty. On Redis it is one script for all of them.
+//! instance's insurance limiter while Redis was down), in one script on Redis:
+//!
+//! - **given back only where it was taken** ([`Adjustment::Return`]): each budget remembers when
+//!   the call's charge landed, on the store's clock (its decision's `at` and `reset_after`), and
+//!   gets the difference back in that window — a fixed window's, the day of a spend cap — or a
+//!   sliding window's count it was taken in (the previous one's, in the next window), or the
+//!   sliding log's entry at its instant, while it is still in the log; a bucket gets back what the
+//!   unused units still owe. A refund that comes after its window (or its debt) has passed gives
+//!   nothing back, never to a later window: the budget then stands as it would had the call
+//!   cost its settled price. Never past the capacity either.
+//! - **taken on top now** ([`Adjustment::Charge`]): usage above the reservation was not known
+//!   when the call was decided, so it is charged when it is, to the current window, like a new
+//!   call; past what is left it takes what is left — a budget never goes below empty.
+//! - **after a reload** the budgets are planned anew under every limits put in force since the
+//!   charge: a budget whose limit changed at any of them (a lowered burst, another window, even
+//!   one put back since) gets nothing back — its state was kept under another limit (a lowered
+//!   burst caps a token bucket's saved level), and a refund by the old one could give more than
+//!   the call took; so does every budget when more reloads came than are remembered (16). A
+//!   charge on top goes to the limiter in force. The job then says what the budgets stand at: its
+//!   reservation when no budget could take the difference.
 //!
 //! A settlement the store does not take (Redis away, or slower than `store.timeout_ms`) is tried
 //! again, with a growing pause on the server's clock, for up to [`TRIES_FOR`]. A try whose answer was lost may have
@@ -45,7 +62,7 @@ use std::time::Duration;
 use crate::clock::{Nanos, SharedClock};
 use crate::config::Settle;
 use crate::guard::refusal_memory::RefusalMemory;
-use crate::limit::{Adjustment, Limiter};
+use crate::limit::{Adjustment, Limiter, Taken};
 use crate::metrics::Metrics;
 use crate::store::Store;
 
@@ -79,6 +96,18 @@ pub struct Settled {
     pub charged: u64,
 }
 
+/// The limiter each of a call's budgets was decided by, by key, under every limits put in force
+/// since the call was charged (a reload each), oldest first: none when nothing was reloaded;
+/// `None` when more was reloaded than is remembered.
+pub type InForce = Box<dyn Fn() -> Option<Vec<Vec<(String, Limiter)>>> + Send + Sync>;
+
+/// A settlement's adjustment of each budget, as every try sends it, and what it says in the
+/// metrics: `refunded` or `charged`, and the units.
+struct Adjusting {
+    budgets: Vec<(String, Limiter, Adjustment)>,
+    how: (&'static str, u64),
+}
+
 /// The price an admitted call reserved, until it is settled.
 #[must_use = "a reservation dropped unsettled stands: the call is charged what it reserved"]
 pub struct Reserved {
@@ -88,8 +117,10 @@ pub struct Reserved {
     store: Arc<dyn Store>,
     /// The server's clock, which paces the tries again.
     clock: SharedClock,
-    /// The budgets that took the reservation: each key and its limiter.
-    budgets: Vec<(String, Limiter)>,
+    /// The budgets that took the reservation: each key, its limiter, and where the charge landed.
+    budgets: Vec<(String, Limiter, Taken)>,
+    /// The budgets' limiters now, if a reload changed them.
+    in_force: InForce,
     metrics: Arc<Metrics>,
     /// The memory of a shared store's refusals, which a refund makes stale for these keys.
     refusals: Option<Arc<RefusalMemory>>,
@@ -107,11 +138,11 @@ impl Reserved {
     pub(super) fn new(
         (tool, units, settle): (&str, u64, Settle),
         (store, clock): (Arc<dyn Store>, SharedClock),
-        budgets: Vec<(String, Limiter)>,
+        (budgets, in_force): (Vec<(String, Limiter, Taken)>, InForce),
         metrics: Arc<Metrics>,
         refusals: Option<Arc<RefusalMemory>>,
     ) -> Self {
-        Self { tool: tool.to_owned(), units, settle, store, clock, budgets, metrics, refusals }
+        Self { tool: tool.to_owned(), units, settle, store, clock, budgets, in_force, metrics, refusals }
     }
 
     /// Units reserved.
@@ -133,10 +164,10 @@ impl Reserved {
     /// what was reserved and charged: the settled price once the store took it; when it would
     /// not take it for [`TRIES_FOR`], the reservation, which then stands.
     pub async fn settle(self, used: Used) -> Settled {
-        let (settled, by) = self.settling(used);
-        let Some(by) = by else { return settled };
-        let mark = self.mark();
-        if self.try_once(by, &mark).await || self.keep_trying(by, &mark).await {
+        let (settled, adjusting) = self.settling(used);
+        let Some(adjusting) = adjusting else { return settled };
+        let mark = self.mark(&adjusting);
+        if self.try_once(&adjusting, &mark).await || self.keep_trying(&adjusting, &mark).await {
             settled
         } else {
             Settled { charged: self.units, ..settled }
@@ -147,53 +178,74 @@ impl Reserved {
     /// if the store does not take it, the same tries go on behind the answer, which says the
     /// settled price they are making.
     pub async fn settle_behind(self, used: Used) -> Settled {
-        let (settled, by) = self.settling(used);
-        let Some(by) = by else { return settled };
-        let mark = self.mark();
-        if !self.try_once(by, &mark).await {
-            tokio::spawn(async move { self.keep_trying(by, &mark).await });
+        let (settled, adjusting) = self.settling(used);
+        let Some(adjusting) = adjusting else { return settled };
+        let mark = self.mark(&adjusting);
+        if !self.try_once(&adjusting, &mark).await {
+            tokio::spawn(async move { self.keep_trying(&adjusting, &mark).await });
         }
         settled
     }
 
-    /// What work that came to `used` settles to, and the adjustment that takes the budgets
-    /// there; none when the price is the reservation, or no budget took it.
-    fn settling(&self, used: Used) -> (Settled, Option<Adjustment>) {
+    /// What work that came to `used` settles to, and the adjustment of each budget that takes
+    /// it there (the module doc's rules); none when the price is the reservation, or no budget
+    /// can take the difference (the reservation then stands, and is what was charged).
+    fn settling(&self, used: Used) -> (Settled, Option<Adjusting>) {
         let charged = self.charge_for(used);
-        let by = match charged.cmp(&self.units) {
-            _ if self.budgets.is_empty() => None,
-            std::cmp::Ordering::Equal => None,
-            std::cmp::Ordering::Less => Some(Adjustment::Refund(self.units - charged)),
-            std::cmp::Ordering::Greater => Some(Adjustment::Charge(charged - self.units)),
+        let settled = Settled { reserved: self.units, charged };
+        let (how, units) = match charged.cmp(&self.units) {
+            _ if self.budgets.is_empty() => return (settled, None),
+            std::cmp::Ordering::Equal => return (settled, None),
+            std::cmp::Ordering::Less => ("refunded", self.units - charged),
+            std::cmp::Ordering::Greater => ("charged", charged - self.units),
         };
-        (Settled { reserved: self.units, charged }, by)
+        let since = (self.in_force)();
+        let of = |plan: &[(String, Limiter)], key: &str| plan.iter().find(|(k, _)| k == key).map(|(_, l)| l.clone());
+        let budgets: Vec<(String, Limiter, Adjustment)> = self
+            .budgets
+            .iter()
+            .filter_map(|(key, limiter, taken)| {
+                if how == "charged" {
+                    // On top, now, by the limiter in force (if the call still draws on the budget;
+                    // by the one it was charged under when the reloads since are not all kept).
+                    let now = since.as_ref().and_then(|since| since.last());
+                    let current = now.map_or(Some(limiter.clone()), |plan| of(plan, key))?;
+                    return Some((key.clone(), current, Adjustment::Charge(units)));
+                }
+                // Given back only where the limit stayed the one the call was charged under.
+                let kept = since.as_ref()?.iter().all(|plan| of(plan, key).as_ref() == Some(limiter));
+                kept.then(|| (key.clone(), limiter.clone(), Adjustment::Return { units, taken: *taken }))
+            })
+            .collect();
+        if budgets.is_empty() {
+            // No budget can take the difference: the reservation stands, and is what was charged.
+            return (Settled { charged: self.units, ..settled }, None);
+        }
+        (settled, Some(Adjusting { budgets, how: (how, units) }))
     }
 
     /// The key of this settlement's mark, under the budgets' hash tag (the first key's, which
     /// every key of one call shares), so a try sent again after a lost answer lands once.
-    fn mark(&self) -> String {
-        let first = self.budgets.first().map_or("", |(key, _)| key.as_str());
+    fn mark(&self, adjusting: &Adjusting) -> String {
+        let first = adjusting.budgets.first().map_or("", |(key, _, _)| key.as_str());
         format!("{first}:settled:{:016x}", rand::random::<u64>())
     }
 
     /// One try; whether the store took it.
-    async fn try_once(&self, by: Adjustment, mark: &str) -> bool {
-        let budgets: Vec<(&str, &Limiter)> =
-            self.budgets.iter().map(|(key, limiter)| (key.as_str(), limiter)).collect();
-        match self.store.adjust(&budgets, by, Some(mark)).await {
+    async fn try_once(&self, adjusting: &Adjusting, mark: &str) -> bool {
+        let budgets: Vec<(&str, &Limiter, Adjustment)> =
+            adjusting.budgets.iter().map(|(key, limiter, by)| (key.as_str(), limiter, *by)).collect();
+        match self.store.adjust(&budgets, Some(mark)).await {
             Ok(_) => {
-                let (how, units) = match by {
-                    Adjustment::Refund(units) => ("refunded", units),
-                    Adjustment::Charge(units) => ("charged", units),
-                };
+                let (how, units) = adjusting.how;
                 // A charge takes at most what a budget holds, whatever a report claims.
-                let most = self.budgets.iter().map(|(_, limiter)| limiter.capacity()).max().unwrap_or(0);
+                let most = budgets.iter().map(|(_, limiter, _)| limiter.capacity()).max().unwrap_or(0);
                 self.metrics.settled(&self.tool, how, units.min(most));
-                if let (Adjustment::Refund(_), Some(refusals)) = (by, &self.refusals) {
+                if let (true, Some(refusals)) = (how == "refunded", &self.refusals) {
                     // Only time gave budget back until now: a refusal remembered for these keys
                     // may be too long. (Other instances keep theirs until it runs out: they can
                     // only refuse a little longer, never admit more.)
-                    refusals.forget(budgets.iter().map(|(key, _)| *key));
+                    refusals.forget(budgets.iter().map(|(key, _, _)| *key));
                 }
                 true
             }
@@ -208,7 +260,7 @@ impl Reserved {
     /// Tries again, after a growing pause with jitter (a store back after an outage is not
     /// met by every settlement at once), until the store takes it or [`TRIES_FOR`] has passed;
     /// whether it landed.
-    async fn keep_trying(&self, by: Adjustment, mark: &str) -> bool {
+    async fn keep_trying(&self, adjusting: &Adjusting, mark: &str) -> bool {
         let nanos = |d: Duration| Nanos::try_from(d.as_nanos()).unwrap_or(Nanos::MAX);
         let until = self.clock.now().saturating_add(nanos(TRIES_FOR));
         let mut pause = FIRST_PAUSE;
@@ -218,7 +270,7 @@ impl Reserved {
                 break;
             }
             self.clock.sleep_until(next).await;
-            if self.try_once(by, mark).await {
+            if self.try_once(adjusting, mark).await {
                 return true;
             }
             pause = (pause * 2).min(LONGEST_PAUSE);

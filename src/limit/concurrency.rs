@@ -13,7 +13,7 @@
 //! call is refused until enough of them are given back. A raised cap admits at once.
 
 use crate::clock::Nanos;
-use crate::limit::{Algorithm, Decision, ParamError, Params, Shape};
+use crate::limit::{Algorithm, Decision, ParamError, Params, Shape, Taken};
 
 /// At most `max` units in flight at once.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,14 +68,14 @@ impl Algorithm for Concurrency {
         State { in_flight: 0 }
     }
 
-    fn acquire(&self, state: &mut State, _now: Nanos, cost: u64) -> Decision {
+    fn acquire(&self, state: &mut State, now: Nanos, cost: u64) -> Decision {
         let allowed = state.in_flight.saturating_add(cost) <= self.max;
         if allowed {
             state.in_flight = state.in_flight.saturating_add(cost);
         }
         // Saturating: slots taken under a larger cap may exceed this one.
         let remaining = self.max.saturating_sub(state.in_flight);
-        Decision { allowed, limit: self.max, remaining, retry_after: 0, reset_after: 0 }
+        Decision { allowed, limit: self.max, remaining, retry_after: 0, reset_after: 0, at: now }
     }
 
     fn forget_at(&self, state: &State) -> Nanos {
@@ -88,6 +88,11 @@ impl Algorithm for Concurrency {
 
     /// Releases `units` slots, as the end of that much work would.
     fn refund(&self, state: &mut State, _now: Nanos, units: u64) {
+        self.release(state, units);
+    }
+
+    /// Slots have no time: the same as a refund.
+    fn give_back(&self, state: &mut State, _now: Nanos, units: u64, _taken: Taken) {
         self.release(state, units);
     }
 }

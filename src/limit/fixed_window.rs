@@ -16,9 +16,14 @@
 //! the window ends, which `retry_after` names exactly; it and `reset_after` are never more than
 //! one window. A raised limit lets the caller continue from its count. A new window length keeps
 //! the count only while the key's window start is also a start of the new windows.
+//!
+//! **A late refund** ([`Algorithm::give_back`]) goes back to the window its charge was counted in,
+//! while that window lasts, and is lost with it: a call reserved 30 of 60 at 8.2 s into a 10 s
+//! window and settled at 26 in the next gives that next window nothing (it never held the 30,
+//! and taking 4 from its count let it admit 64).
 
 use crate::clock::Nanos;
-use crate::limit::{Algorithm, Decision, ParamError, Params, Shape};
+use crate::limit::{Algorithm, Decision, ParamError, Params, Shape, Taken};
 
 /// `limit` units per window of `window` nanoseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,6 +96,7 @@ impl Algorithm for FixedWindow {
             remaining: self.limit.saturating_sub(count),
             retry_after: if allowed { 0 } else { end - now },
             reset_after: if count == 0 { 0 } else { end - now },
+            at: now,
         }
     }
 
@@ -106,6 +112,16 @@ impl Algorithm for FixedWindow {
     /// longer counts anyway.
     fn refund(&self, state: &mut State, now: Nanos, units: u64) {
         if state.start == now - now % self.window {
+            state.count = state.count.saturating_sub(units);
+        }
+    }
+
+    /// Takes `units` back from the count of the window the charge was taken in, while it is the
+    /// current one; after it ends, nothing (that window's count no longer counts, and the next
+    /// one never held the charge).
+    fn give_back(&self, state: &mut State, now: Nanos, units: u64, taken: Taken) {
+        let charged_in = taken.at - taken.at % self.window;
+        if state.start == charged_in && charged_in == now - now % self.window {
             state.count = state.count.saturating_sub(units);
         }
     }

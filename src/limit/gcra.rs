@@ -17,9 +17,19 @@
 //! An admitted call never books the TAT further ahead than the `burst·T` of the limit then in
 //! force, so `retry_after` and `reset_after` never exceed the largest `burst·T` (the span) of any
 //! limit the key has had. A raised limit lets the caller continue on its schedule.
+//!
+//! **A late refund** ([`Algorithm::give_back`]) moves TAT back by what the unused units still
+//! owe: a charge's last units are the last of the schedule booked up to it, due at the TAT its
+//! decision left; once that is past, nothing. Before anything else is charged that is exactly
+//! the schedule had the call cost less; after other charges, never less booked than that (the
+//! key may have been back to full meanwhile). A limit changed meanwhile does not matter: a
+//! schedule is never cut by one. A give-back moves the schedule booked before it, so the key
+//! remembers when it last gave back, and gives nothing to a charge older than that.
 
 use crate::clock::Nanos;
-use crate::limit::{Algorithm, Decision, ParamError, Params, Shape, per_sec, period_of};
+use crate::limit::{
+    Algorithm, Decision, GIVEN_BACK_AHEAD, ParamError, Params, Shape, Taken, bucket_period, owed, per_sec, period_of,
+};
 
 /// `burst` units at once, one more every `period` nanoseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,16 +38,18 @@ pub struct Gcra {
     period: Nanos,
 }
 
-/// The theoretical arrival time: when the key is back to a full burst.
+/// The theoretical arrival time: when the key is back to a full burst; and when it last gave
+/// back (stamped [`GIVEN_BACK_AHEAD`] later), or was first seen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct State {
     tat: Nanos,
+    given_back_at: Nanos,
 }
 
 impl Gcra {
     /// A limiter admitting `burst` at once and `rate_per_sec` sustained.
     pub fn new(burst: u64, rate_per_sec: f64) -> Self {
-        Self { burst: burst.max(1), period: period_of(rate_per_sec) }
+        Self { burst: burst.max(1), period: bucket_period(burst, period_of(rate_per_sec)) }
     }
 
     /// The emission interval: ns per unit.
@@ -57,12 +69,13 @@ impl Algorithm for Gcra {
     type State = State;
 
     fn from_params(params: &Params<'_>) -> Result<Self, ParamError> {
-        Ok(Self::new(params.units("burst")?, params.rate("refill_per_sec")?))
+        let (burst, period) = params.bucket("burst", "refill_per_sec")?;
+        Ok(Self { burst, period })
     }
 
     fn with_shape(capacity: u64, shape: Shape) -> Option<Self> {
         match shape {
-            Shape::Rate { period } => Some(Self { burst: capacity.max(1), period: period.max(1) }),
+            Shape::Rate { period } => Some(Self { burst: capacity.max(1), period: bucket_period(capacity, period) }),
             Shape::Window { .. } | Shape::Slots => None,
         }
     }
@@ -75,8 +88,8 @@ impl Algorithm for Gcra {
         format!("burst {}, rate {}/s", self.burst, per_sec(self.period))
     }
 
-    fn fresh(&self, _now: Nanos) -> State {
-        State { tat: 0 }
+    fn fresh(&self, now: Nanos) -> State {
+        State { tat: 0, given_back_at: now }
     }
 
     fn acquire(&self, state: &mut State, now: Nanos, cost: u64) -> Decision {
@@ -94,6 +107,7 @@ impl Algorithm for Gcra {
                 remaining: (tolerance - debt) / self.period,
                 retry_after: 0,
                 reset_after: debt,
+                at: now,
             }
         } else {
             let held = start - now;
@@ -103,6 +117,7 @@ impl Algorithm for Gcra {
                 remaining: tolerance.saturating_sub(held) / self.period,
                 retry_after: debt - tolerance,
                 reset_after: held,
+                at: now,
             }
         }
     }
@@ -117,9 +132,26 @@ impl Algorithm for Gcra {
 
     /// Moves TAT back by `units` periods, never before `now` (which already means full).
     fn refund(&self, state: &mut State, now: Nanos, units: u64) {
-        if state.tat > now {
-            state.tat = state.tat.saturating_sub(units.min(self.burst).saturating_mul(self.period)).max(now);
+        move_back(state, now, units.min(self.burst).saturating_mul(self.period));
+    }
+
+    /// Moves TAT back by what the last `units` of the charge still owe (`owed`), never before
+    /// `now`; nothing when the key gave back since the charge (its schedule before the charge then
+    /// moved, and the charge's units with it, by more than one timestamp can tell). Later charges
+    /// do not matter: they only book after it.
+    fn give_back(&self, state: &mut State, now: Nanos, units: u64, taken: Taken) {
+        let back = owed(units.min(self.burst).saturating_mul(self.period), taken, now);
+        if state.given_back_at <= taken.at && back > 0 {
+            move_back(state, now, back);
         }
+    }
+}
+
+/// TAT moved back by `back` at `now`, never before `now`, stamped as a give-back.
+fn move_back(state: &mut State, now: Nanos, back: Nanos) {
+    if state.tat > now {
+        state.tat = state.tat.saturating_sub(back).max(now);
+        state.given_back_at = now.saturating_add(GIVEN_BACK_AHEAD).max(state.given_back_at);
     }
 }
 

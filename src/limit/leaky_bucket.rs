@@ -15,9 +15,17 @@
 //! the water is down to the brim less this call's cost). Water never exceeds the largest brim
 //! (capacity × period) of any limit the key has had, so neither `retry_after` nor `reset_after`
 //! ever does. A raised limit lets the caller continue from its level.
+//!
+//! **A late refund** ([`Algorithm::give_back`]) takes out the water the unused units have not
+//! drained yet: a charge's last units drain last, gone by when its decision said the bucket would
+//! be empty; once that is past, nothing; nothing either when the key was written since the
+//! charge, as for the token bucket. Exact before anything else is poured, never more than the
+//! bucket would hold had the call cost less.
 
 use crate::clock::Nanos;
-use crate::limit::{Algorithm, Decision, ParamError, Params, Shape, per_sec, period_of};
+use crate::limit::{
+    Algorithm, Decision, GIVEN_BACK_AHEAD, ParamError, Params, Shape, Taken, bucket_period, owed, per_sec, period_of,
+};
 
 /// A bucket holding `capacity` units that drains one unit every `period` nanoseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,7 +44,7 @@ pub struct State {
 impl LeakyBucket {
     /// A bucket of `capacity` units draining at `leak_per_sec` units per second.
     pub fn new(capacity: u64, leak_per_sec: f64) -> Self {
-        Self { capacity: capacity.max(1), period: period_of(leak_per_sec) }
+        Self { capacity: capacity.max(1), period: bucket_period(capacity, period_of(leak_per_sec)) }
     }
 
     /// Nanoseconds to drain one unit.
@@ -52,12 +60,13 @@ impl Algorithm for LeakyBucket {
     type State = State;
 
     fn from_params(params: &Params<'_>) -> Result<Self, ParamError> {
-        Ok(Self::new(params.units("burst")?, params.rate("leak_per_sec")?))
+        let (capacity, period) = params.bucket("burst", "leak_per_sec")?;
+        Ok(Self { capacity, period })
     }
 
     fn with_shape(capacity: u64, shape: Shape) -> Option<Self> {
         match shape {
-            Shape::Rate { period } => Some(Self { capacity: capacity.max(1), period: period.max(1) }),
+            Shape::Rate { period } => Some(Self { capacity: capacity.max(1), period: bucket_period(capacity, period) }),
             Shape::Window { .. } | Shape::Slots => None,
         }
     }
@@ -90,6 +99,7 @@ impl Algorithm for LeakyBucket {
             remaining: brim.saturating_sub(water) / self.period,
             retry_after: if allowed { 0 } else { poured - brim },
             reset_after: water,
+            at: now,
         }
     }
 
@@ -103,10 +113,24 @@ impl Algorithm for LeakyBucket {
 
     /// Takes `units` of water out, never below empty.
     fn refund(&self, state: &mut State, now: Nanos, units: u64) {
-        let water = state.water.saturating_sub(now.saturating_sub(state.updated_at));
-        let back = units.min(self.capacity).saturating_mul(self.period);
-        *state = State { water: water.saturating_sub(back), updated_at: now.max(state.updated_at) };
+        take_out(state, now, units.min(self.capacity).saturating_mul(self.period));
     }
+
+    /// Takes out the water the last `units` of the charge have not drained yet (`owed`);
+    /// nothing when the key was written since the charge (as the token bucket).
+    fn give_back(&self, state: &mut State, now: Nanos, units: u64, taken: Taken) {
+        let back = owed(units.min(self.capacity).saturating_mul(self.period), taken, now);
+        if state.updated_at <= taken.at && back > 0 {
+            take_out(state, now, back);
+        }
+    }
+}
+
+/// `back` ns of water out at `now`, never below empty, stamped as a give-back.
+fn take_out(state: &mut State, now: Nanos, back: Nanos) {
+    let water = state.water.saturating_sub(now.saturating_sub(state.updated_at));
+    let stamp = now.saturating_add(GIVEN_BACK_AHEAD).max(state.updated_at);
+    *state = State { water: water.saturating_sub(back), updated_at: stamp };
 }
 
 #[cfg(test)]

@@ -87,17 +87,49 @@ pub struct Decision {
     pub retry_after: Nanos,
     /// How long until the scope is back to its full limit if nothing else is charged.
     pub reset_after: Nanos,
+    /// The store's clock when it was decided: where an admitted call's charge landed, which a
+    /// settlement later gives back to ([`Taken`]).
+    pub at: Nanos,
+}
+
+impl Decision {
+    /// Where this decision's charge landed, for a settlement to give back to.
+    pub fn taken(&self) -> Taken {
+        Taken { at: self.at, reset_after: self.reset_after }
+    }
+}
+
+/// Where and when a call's price was taken from one budget, as its admitting [`Decision`] said:
+/// what a settlement gives back to, so a refund lands in the window (or period) the charge did,
+/// never in a later one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Taken {
+    /// The store's clock when the call was charged.
+    pub at: Nanos,
+    /// How long after `at` the budget was to be full again, had nothing else been charged: for a
+    /// bucket, when this charge (and everything charged before it) would have come back by time
+    /// alone.
+    pub reset_after: Nanos,
 }
 
 /// A change to a budget after the fact, beside the decisions that charge it: units given back (an
 /// operator's refund; a settled price below what the call reserved) or taken on top (a settled
-/// price above it). Neither ever takes a budget beyond its capacity or below empty.
+/// price above it). None ever takes a budget beyond its capacity or below empty.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Adjustment {
-    /// Give `units` back, never beyond the capacity ([`Algorithm::refund`]).
+    /// Give `units` back now, never beyond the capacity ([`Algorithm::refund`]): an operator's
+    /// refund, tied to no call.
     Refund(u64),
-    /// Take `units` more whether or not they are left: what is left is taken and the rest is
-    /// forgiven, so the budget stands at empty, never below (a settlement saturates).
+    /// Give back `units` of the charge `taken`, only where it still counts
+    /// ([`Algorithm::give_back`]): a settled price below what the call reserved.
+    Return {
+        /// Units to give back.
+        units: u64,
+        /// Where the call's charge landed.
+        taken: Taken,
+    },
+    /// Take `units` more now whether or not they are left: what is left is taken and the rest
+    /// is forgiven, so the budget stands at empty, never below (a settlement saturates).
     Charge(u64),
 }
 
@@ -168,6 +200,13 @@ pub trait Algorithm: Sized {
     /// afterwards the key admits what it admitted before plus at most `units`. Units past the
     /// capacity are ignored, so a refund of any size means "fill it up".
     fn refund(&self, state: &mut Self::State, now: Nanos, units: u64);
+
+    /// Gives back, at `now`, `units` of a charge `taken` earlier (a settled price below what the
+    /// call reserved), only to where that charge still counts: the window or period it was taken
+    /// in, never a later one, and never beyond what the key would hold had the call cost `units`
+    /// less. Each module doc says what that is for its algorithm; a charge that no longer counts
+    /// gets nothing back.
+    fn give_back(&self, state: &mut Self::State, now: Nanos, units: u64, taken: Taken);
 
     /// Gives back `cost` units of work that ended (in-flight slots); nothing for a rate.
     fn release(&self, _state: &mut Self::State, _cost: u64) {}
@@ -311,6 +350,14 @@ impl Op<()> for Refund {
     }
 }
 
+/// `give_back(now, units, taken)`.
+struct GiveBack(Nanos, u64, Taken);
+impl Op<()> for GiveBack {
+    fn run<A: Algorithm>(self, algorithm: &A, state: &mut A::State) {
+        algorithm.give_back(state, self.0, self.1, self.2);
+    }
+}
+
 /// `release(cost)`.
 struct Release(u64);
 impl Op<()> for Release {
@@ -330,14 +377,17 @@ impl Limiter {
     }
 
     /// This limiter with its capacity and its rate multiplied by `factor` (a tier); windows keep
-    /// their length. Capacities round to the nearest unit and never drop below one.
+    /// their length. Capacities round to the nearest unit and never drop below one; a period
+    /// rounds to the nearest nanosecond (see `bucket_period` for its bounds).
     pub fn scaled(&self, factor: f64) -> Limiter {
         if factor == 1.0 {
             return self.clone();
         }
         let capacity = ((self.capacity() as f64 * factor).round() as u64).max(1);
         let shape = match self.shape() {
-            Shape::Rate { period } => Shape::Rate { period: period_of(per_sec(period) * factor) },
+            // The period itself divided (a float cast saturates: a factor near zero is a period
+            // that never ends, not one of a nanosecond).
+            Shape::Rate { period } => Shape::Rate { period: (period as f64 / factor).round() as u64 },
             other => other,
         };
         Limiter::with_shape(self.algorithm(), capacity, shape).unwrap_or_else(|| self.clone())
@@ -389,6 +439,7 @@ impl Limiter {
     pub fn adjust(&self, state: &mut LimiterState, now: Nanos, by: Adjustment) {
         match by {
             Adjustment::Refund(units) => self.refund(state, now, units),
+            Adjustment::Return { units, taken } => self.with_state(state, now, GiveBack(now, units, taken)),
             Adjustment::Charge(_) if self.holds_slots() => {}
             Adjustment::Charge(units) => {
                 let take = units.min(self.acquire(state, now, 0).remaining);
@@ -448,9 +499,64 @@ pub(crate) fn per_sec(period: Nanos) -> f64 {
     crate::clock::NANOS_PER_SEC as f64 / period as f64
 }
 
-/// Nanoseconds per unit for a rate in units per second, rounded to the nearest nanosecond and
-/// never zero.
+/// How much of `most` nanoseconds of a bucket's charge `taken` are still owed at `now`: a bucket
+/// repays what it was charged in the order it was charged, so the last of a charge comes back
+/// last, at `taken.at + taken.reset_after` (what the charge's own decision said), and a give-back
+/// of the last `units` of it ([`Algorithm::give_back`]) gives back at most what is left until
+/// then. Exactly what the key would hold had the call cost less, as long as nothing else was
+/// charged since; less (never more) when more was charged and the bucket came back part of the
+/// way meanwhile. Sound only while nothing has been given back to the key since the charge: a
+/// give-back moves the debt charged before it earlier, so a bucket remembers when it last gave
+/// back ([`GIVEN_BACK_AHEAD`]) and gives nothing to a charge older than that.
+pub(crate) fn owed(most: Nanos, taken: Taken, now: Nanos) -> Nanos {
+    most.min(taken.at.saturating_add(taken.reset_after).saturating_sub(now))
+}
+
+/// How far ahead of its instant a bucket stamps a give-back (or an operator's refund): one
+/// microsecond, the finest step both stores' clocks share, so a charge at the same instant (on
+/// Redis, in the same microsecond) counts as before it — whichever came first — and is never
+/// given more back than its own units still owe after the debt moved. (A token bucket and a
+/// leaky bucket stamp their `updated_at`, and refill or drain from there: a give-back costs them at
+/// most a microsecond of refill.)
+pub const GIVEN_BACK_AHEAD: Nanos = 1_000;
+
+/// Nanoseconds per unit for a rate in units per second, rounded to the nearest nanosecond: at
+/// least one, and for a rate too slow for 64 bits of nanoseconds (or none at all) the longest
+/// there is, never the shortest. Config reads rates with [`Params::bucket`], which refuses those.
 pub(crate) fn period_of(rate_per_sec: f64) -> Nanos {
-    let period = (crate::clock::NANOS_PER_SEC as f64 / rate_per_sec).round();
-    if period.is_finite() && period >= 1.0 { period as u64 } else { 1 }
+    if rate_per_sec.is_nan() || rate_per_sec <= 0.0 {
+        return Nanos::MAX;
+    }
+    // A float cast saturates: an infinite period is the longest.
+    ((crate::clock::NANOS_PER_SEC as f64 / rate_per_sec).round() as u64).max(1)
+}
+
+/// A bucket's period for `capacity` units: at least a nanosecond, and short enough that the whole
+/// bucket (`capacity × period`) is a number of nanoseconds 64 bits hold, so no level or wait of it
+/// ever saturates. Config keeps every bucket it reads far within ([`params::LONGEST_SPAN`]);
+/// only a share scaled down without limit (a tier, an insurance share) comes near this one.
+pub(crate) fn bucket_period(capacity: u64, period: Nanos) -> Nanos {
+    period.clamp(1, Nanos::MAX / capacity.max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rate_too_slow_for_64_bits_is_the_longest_period_never_the_shortest() {
+        assert_eq!(period_of(1e-300), Nanos::MAX);
+        assert_eq!((period_of(0.0), period_of(-1.0), period_of(f64::NAN)), (Nanos::MAX, Nanos::MAX, Nanos::MAX));
+        assert_eq!((period_of(1e12), period_of(1.0)), (1, 1_000_000_000));
+        // A whole bucket stays a number of nanoseconds: nothing saturates to a wrong level.
+        let bucket = TokenBucket::new(300, 1e-300);
+        assert_eq!(bucket.period(), Nanos::MAX / 300);
+        let limiter = Limiter::TokenBucket(bucket);
+        let mut state = limiter.fresh(0);
+        let d = limiter.acquire(&mut state, 0, 1);
+        assert_eq!((d.allowed, d.remaining, d.reset_after), (true, 299, Nanos::MAX / 300));
+        // A tier near zero stretches the period to the longest, not down to a nanosecond.
+        let scaled = Limiter::TokenBucket(TokenBucket::new(10, 1.0)).scaled(1e-300);
+        assert_eq!(scaled.shape(), Shape::Rate { period: Nanos::MAX });
+    }
 }

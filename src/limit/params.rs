@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::clock::Nanos;
+use crate::clock::{NANOS_PER_SEC, Nanos};
 
 /// The most units a count may be (window counters are kept in 32 bits).
 pub const MAX_UNITS: u64 = u32::MAX as u64;
@@ -15,6 +15,13 @@ pub const MAX_WINDOW_MS: u64 = 365 * 24 * 3_600_000;
 
 /// The fastest rate: a billion units a second (one a nanosecond).
 pub const MAX_RATE: f64 = 1e9;
+
+/// The longest stretch of time a limit may span: a window of one year, or a bucket that takes a
+/// year to refill (or drain) from empty. Every bucket's `burst × period` is then an exact number
+/// of nanoseconds with room to spare, so its levels and waits are exact; a rate too slow for it
+/// is refused, naming its key, rather than kept approximately (it would be a typo, or a budget
+/// that never comes back).
+pub const LONGEST_SPAN: Nanos = MAX_WINDOW_MS * 1_000_000;
 
 /// One parameter's value as written.
 #[derive(Debug, Clone, PartialEq, serde::Deserialize)]
@@ -86,6 +93,38 @@ impl<'a> Params<'a> {
             return Err(self.error(name, "must be at most 1e9 per second"));
         }
         Ok(rate)
+    }
+
+    /// A bucket: `burst` units (a count, as [`Params::units`] reads it) and the period in
+    /// nanoseconds in which one comes back (is refilled, or drains): `1e9 / rate`, rounded to the
+    /// nearest nanosecond, where `rate` is in units per second ([`Params::rate`]). The whole
+    /// bucket must come back within [`LONGEST_SPAN`]: a slower rate is refused naming `rate`.
+    pub fn bucket(&self, burst: &str, rate: &str) -> Result<(u64, Nanos), ParamError> {
+        let capacity = self.units(burst)?;
+        let per_sec = self.rate(rate)?;
+        let period = (NANOS_PER_SEC as f64 / per_sec).round();
+        // Both sides are whole numbers of nanoseconds: the period (an integral double, exact as an
+        // integer once it is below the bound) times the burst, without wrapping.
+        let span = (period <= LONGEST_SPAN as f64).then(|| capacity.checked_mul(period as u64)).flatten();
+        match span {
+            Some(span) if span <= LONGEST_SPAN => Ok((capacity, period as u64)),
+            _ => {
+                let year = LONGEST_SPAN / NANOS_PER_SEC;
+                // The slowest rate there is for this burst, rounded up to four digits.
+                let slowest = capacity as f64 / year as f64;
+                let unit = 10f64.powi(slowest.log10().floor() as i32 - 3);
+                Err(self.error(
+                    rate,
+                    format!(
+                        "{per_sec:e} per second takes {:.3e} s to bring back a burst of {capacity}; a bucket must \
+                         come back whole within a year ({year} s), the longest span a limit may have: give a \
+                         rate of at least {capacity} / {year} = {:.3e} per second, or a smaller `{burst}`",
+                        capacity as f64 / per_sec,
+                        (slowest / unit).ceil() * unit,
+                    ),
+                ))
+            }
+        }
     }
 
     /// A window in milliseconds (from 1 to [`MAX_WINDOW_MS`]), as nanoseconds.

@@ -14,11 +14,16 @@
 //! the new limit — when enough of the oldest entries have aged out that this call fits beside the
 //! rest — so it and `reset_after` are never more than one window. A raised limit lets the caller
 //! continue from the log; a shorter window drops the entries older than it at once.
+//!
+//! **A late refund** ([`Algorithm::give_back`]) comes off the entry its charge was logged as, at
+//! its own instant, while it is in the log: the log is then exactly what it would be had the call
+//! cost less. Off the newest entries instead, a refund for an old call would shorten the wait
+//! that a recent one still owes.
 
 use std::collections::VecDeque;
 
 use crate::clock::Nanos;
-use crate::limit::{Algorithm, Decision, ParamError, Params, Shape};
+use crate::limit::{Algorithm, Decision, ParamError, Params, Shape, Taken};
 
 /// At most `limit` units within any `window` nanoseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -115,7 +120,7 @@ impl Algorithm for SlidingLog {
         let reset_after = state.entries.back().map_or(0, |&(at, _)| at.saturating_add(self.window).saturating_sub(now));
         // Saturating: a log kept under a larger limit may hold more than this one.
         let remaining = self.limit.saturating_sub(state.total);
-        Decision { allowed, limit: self.limit, remaining, retry_after, reset_after }
+        Decision { allowed, limit: self.limit, remaining, retry_after, reset_after, at: now }
     }
 
     fn forget_at(&self, state: &State) -> Nanos {
@@ -139,6 +144,20 @@ impl Algorithm for SlidingLog {
             if newest.1 == 0 {
                 state.entries.pop_back();
             }
+        }
+    }
+
+    /// Takes `units` from the entry the charge was logged as (the one at its instant), while it
+    /// is still in the log; an entry aged out takes nothing back, nor does any other.
+    fn give_back(&self, state: &mut State, now: Nanos, units: u64, taken: Taken) {
+        self.expire(state, now);
+        let Ok(i) = state.entries.binary_search_by_key(&taken.at, |&(at, _)| at) else { return };
+        let entry = &mut state.entries[i];
+        let back = entry.1.min(units);
+        entry.1 -= back;
+        state.total = state.total.saturating_sub(back);
+        if entry.1 == 0 {
+            state.entries.remove(i);
         }
     }
 }

@@ -17,9 +17,14 @@
 //! alone leaves no room, in the next — so it and `reset_after` are never more than two windows.
 //! A raised limit lets the caller continue from its counts; a new window length keeps them only
 //! while the key's window start is also a start of the new windows.
+//!
+//! **A late refund** ([`Algorithm::give_back`]) goes back to the count its charge was taken in:
+//! the current window's while it lasts, the previous one's (where it still weighs) in the window
+//! after, nothing later. Never to the current count for a charge of the previous window: that
+//! would let the current window hold more than its limit.
 
 use crate::clock::Nanos;
-use crate::limit::{Algorithm, Decision, ParamError, Params, Shape};
+use crate::limit::{Algorithm, Decision, ParamError, Params, Shape, Taken};
 
 /// About `limit` units per sliding `window` nanoseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -145,6 +150,7 @@ impl Algorithm for SlidingWindow {
             remaining: self.limit.saturating_sub(used),
             retry_after: if allowed { 0 } else { self.wait(&s, now, cost) },
             reset_after: full_at.saturating_sub(now),
+            at: now,
         }
     }
 
@@ -169,6 +175,21 @@ impl Algorithm for SlidingWindow {
         let from_current = u32::try_from(units).unwrap_or(u32::MAX).min(s.current);
         let rest = u32::try_from(units - u64::from(from_current)).unwrap_or(u32::MAX);
         *state = State { current: s.current - from_current, previous: s.previous.saturating_sub(rest), ..s };
+    }
+
+    /// Takes `units` back from the count of the window the charge was taken in: the current
+    /// one's while it lasts, the previous one's in the window after it, nothing later.
+    fn give_back(&self, state: &mut State, now: Nanos, units: u64, taken: Taken) {
+        let s = self.roll(state, now);
+        let charged_in = taken.at - taken.at % self.window;
+        let units = u32::try_from(units).unwrap_or(u32::MAX);
+        *state = if charged_in == s.start {
+            State { current: s.current.saturating_sub(units), ..s }
+        } else if charged_in.saturating_add(self.window) == s.start {
+            State { previous: s.previous.saturating_sub(units), ..s }
+        } else {
+            s
+        };
     }
 }
 

@@ -18,9 +18,24 @@
 //! `reset_after` at most the refill time of a whole bucket (`burst × period`). A raised burst
 //! lets the caller continue from its level. (The level is refill time, so a new period reprices
 //! the tokens saved: a caller keeps the time it had saved.)
+//!
+//! **A late refund** (a price settled below its reservation, [`Algorithm::give_back`]) gives
+//! back the refill the unused units still owe: the bucket repays its charges in order, so the
+//! last units of a charge are the last to come back by time alone, and once the bucket would
+//! have been full again without them they are owed nothing. Given back before anything else is
+//! charged, the key holds exactly what it would had the call cost less; after other charges,
+//! never more (the bucket may have come back part of the way meanwhile, which one level cannot
+//! tell). A burst lowered under a saved level caps it, which forgets debt: the guard gives
+//! nothing back to a token bucket whose limits were reloaded since the charge. Nor does a bucket
+//! written since the charge (another call charged, or something given back) get anything: a
+//! give-back moves the debt before it, and where the call's units sit then one level cannot tell;
+//! so a give-back is stamped a microsecond ahead ([`GIVEN_BACK_AHEAD`]), and the common case —
+//! a job whose caller only polls until it is settled — is given back exactly.
 
 use crate::clock::Nanos;
-use crate::limit::{Algorithm, Decision, ParamError, Params, Shape, per_sec, period_of};
+use crate::limit::{
+    Algorithm, Decision, GIVEN_BACK_AHEAD, ParamError, Params, Shape, Taken, bucket_period, owed, per_sec, period_of,
+};
 
 /// A bucket of `capacity` tokens that refills one token every `period` nanoseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,7 +44,8 @@ pub struct TokenBucket {
     period: Nanos,
 }
 
-/// What a key remembers: its level (in ns of refill) when last seen, and when that was.
+/// What a key remembers: its level (in ns of refill) when last written, and when that was (for a
+/// give-back, [`GIVEN_BACK_AHEAD`] later: see `owed`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct State {
     level: u64,
@@ -39,7 +55,7 @@ pub struct State {
 impl TokenBucket {
     /// A bucket of `capacity` tokens refilled at `refill_per_sec` tokens per second.
     pub fn new(capacity: u64, refill_per_sec: f64) -> Self {
-        Self { capacity: capacity.max(1), period: period_of(refill_per_sec) }
+        Self { capacity: capacity.max(1), period: bucket_period(capacity, period_of(refill_per_sec)) }
     }
 
     /// Nanoseconds it takes to refill one token.
@@ -50,6 +66,14 @@ impl TokenBucket {
     fn full(&self) -> u64 {
         self.capacity.saturating_mul(self.period)
     }
+
+    /// `back` ns of refill into the level at `now`, never past full, stamped as a give-back.
+    fn put_back(&self, state: &mut State, now: Nanos, back: Nanos) {
+        let full = self.full();
+        let level = state.level.saturating_add(now.saturating_sub(state.updated_at)).min(full);
+        let stamp = now.saturating_add(GIVEN_BACK_AHEAD).max(state.updated_at);
+        *state = State { level: level.saturating_add(back).min(full), updated_at: stamp };
+    }
 }
 
 impl Algorithm for TokenBucket {
@@ -59,12 +83,13 @@ impl Algorithm for TokenBucket {
     type State = State;
 
     fn from_params(params: &Params<'_>) -> Result<Self, ParamError> {
-        Ok(Self::new(params.units("burst")?, params.rate("refill_per_sec")?))
+        let (capacity, period) = params.bucket("burst", "refill_per_sec")?;
+        Ok(Self { capacity, period })
     }
 
     fn with_shape(capacity: u64, shape: Shape) -> Option<Self> {
         match shape {
-            Shape::Rate { period } => Some(Self { capacity: capacity.max(1), period: period.max(1) }),
+            Shape::Rate { period } => Some(Self { capacity: capacity.max(1), period: bucket_period(capacity, period) }),
             Shape::Window { .. } | Shape::Slots => None,
         }
     }
@@ -96,6 +121,7 @@ impl Algorithm for TokenBucket {
             remaining: level / self.period,
             retry_after: if allowed { 0 } else { need - level },
             reset_after: full - level,
+            at: now,
         }
     }
 
@@ -108,10 +134,17 @@ impl Algorithm for TokenBucket {
     }
 
     fn refund(&self, state: &mut State, now: Nanos, units: u64) {
-        let full = self.full();
-        let level = state.level.saturating_add(now.saturating_sub(state.updated_at)).min(full);
-        let back = units.min(self.capacity).saturating_mul(self.period);
-        *state = State { level: level.saturating_add(back).min(full), updated_at: now.max(state.updated_at) };
+        self.put_back(state, now, units.min(self.capacity).saturating_mul(self.period));
+    }
+
+    /// The refill the last `units` of the charge still owe (`owed`), back into the level,
+    /// never past full; nothing when the key was written since the charge (another call charged,
+    /// or something given back: where its units sit then is more than one level can tell).
+    fn give_back(&self, state: &mut State, now: Nanos, units: u64, taken: Taken) {
+        let back = owed(units.min(self.capacity).saturating_mul(self.period), taken, now);
+        if state.updated_at <= taken.at && back > 0 {
+            self.put_back(state, now, back);
+        }
     }
 }
 
@@ -165,7 +198,7 @@ mod tests {
         assert_eq!(b.acquire(&mut s, 0, 0).remaining, 4);
         b.refund(&mut s, 0, 1_000);
         assert_eq!(b.acquire(&mut s, 0, 0).remaining, 10, "never beyond the burst");
-        assert_eq!(b.forget_at(&s), 0, "full again: as good as fresh");
+        assert_eq!(b.forget_at(&s), GIVEN_BACK_AHEAD, "full again: as good as fresh once its stamp is past");
     }
 
     #[test]

@@ -189,17 +189,20 @@ impl MemoryStore {
         }
     }
 
-    /// Adjusts each budget under its key at `now` (see [`Store::adjust`]) and returns its level
-    /// after it. A key never seen is full: a refund leaves it so, a charge starts from there.
-    pub fn adjust_at(&self, budgets: &[(&str, &Limiter)], by: Adjustment, now: Nanos) -> Vec<Decision> {
+    /// Adjusts each budget under its key at `now` as its [`Adjustment`] says (see
+    /// [`Store::adjust`]) and returns its level after it. A key never seen is full: a refund
+    /// leaves it so, a charge starts from there.
+    pub fn adjust_at(&self, budgets: &[(&str, &Limiter, Adjustment)], now: Nanos) -> Vec<Decision> {
         budgets
             .iter()
-            .map(|(key, limiter)| {
+            .map(|&(key, limiter, by)| {
                 let fp = self.fingerprint(key);
                 let mut map = lock(&self.shards[Self::shard_of(fp)]);
                 let entry = match (map.get_mut(&fp), by) {
                     (Some(entry), _) => entry,
-                    (None, Adjustment::Refund(_)) => return limiter.acquire(&mut limiter.fresh(now), now, 0),
+                    (None, Adjustment::Refund(_) | Adjustment::Return { .. }) => {
+                        return limiter.acquire(&mut limiter.fresh(now), now, 0);
+                    }
                     (None, Adjustment::Charge(_)) => {
                         map.entry(fp).or_insert(Entry { state: limiter.fresh(now), forget_at: now })
                     }
@@ -301,12 +304,11 @@ impl Store for MemoryStore {
 
     fn adjust<'a>(
         &'a self,
-        budgets: &'a [(&'a str, &'a Limiter)],
-        by: Adjustment,
+        budgets: &'a [(&'a str, &'a Limiter, Adjustment)],
         _once: Option<&'a str>,
     ) -> StoreFuture<'a, Vec<Decision>> {
         // Always applied and always answered: never sent twice, so no mark to keep.
-        ready(Ok(self.adjust_at(budgets, by, self.clock.now())))
+        ready(Ok(self.adjust_at(budgets, self.clock.now())))
     }
 
     fn forget<'a>(&'a self, keys: &'a [&'a str]) -> StoreFuture<'a, u64> {

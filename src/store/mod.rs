@@ -96,10 +96,11 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     /// a shared store, renews them) by.
     fn decide<'a>(&'a self, checks: &'a [Check<'a>], blocks: &'a [&'a str], lease: Lease) -> StoreFuture<'a, Verdict>;
 
-    /// Adjusts each budget a limiter keeps under its key after the fact, never beyond its capacity
-    /// nor below empty (see [`Adjustment`]): an operator's refund, or a call's price settled
-    /// from what it used. Returns each budget's level after it. On Redis it is one script, so
-    /// the keys must share a hash tag, as one call's keys do.
+    /// Adjusts each budget a limiter keeps under its key after the fact, each as its
+    /// [`Adjustment`] says, never beyond its capacity nor below empty: an operator's refund, or a
+    /// call's price settled from what it used (a refund then goes back only to where the call
+    /// was charged, [`Adjustment::Return`]). Returns each budget's level after it. On Redis it is
+    /// one script, so the keys must share a hash tag, as one call's keys do.
     ///
     /// `once` is the key of a mark that makes the adjustment happen at most once while the mark
     /// lives ([`MARK_LIVES`]): sent again with the same mark — because the answer to the first
@@ -109,8 +110,7 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     /// ignore it.
     fn adjust<'a>(
         &'a self,
-        budgets: &'a [(&'a str, &'a Limiter)],
-        by: Adjustment,
+        budgets: &'a [(&'a str, &'a Limiter, Adjustment)],
         once: Option<&'a str>,
     ) -> StoreFuture<'a, Vec<Decision>>;
 

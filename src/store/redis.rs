@@ -18,7 +18,7 @@
 //! loads them again.
 //!
 //! **State**: one string per key, the algorithm's name then integer fields, e.g.
-//! `gcra 1767225600333333 333` (each Lua file documents its own). Absolute instants are epoch
+//! `gcra 1767225600333333 333 1767225600000000` (each Lua file documents its own). Absolute instants are epoch
 //! microseconds, plus a nanosecond remainder where an algorithm needs one (GCRA's TAT, a window
 //! start that is not a whole microsecond). A key kept by another algorithm, or holding anything
 //! else, is treated as fresh, as `with_state!` does in Rust.
@@ -31,6 +31,10 @@
 //! a cost above a limiter's capacity (the [`crate::limit::Algorithm`] precondition), or a clock
 //! reading that is not a whole microsecond is refused with [`StoreError::OutOfRange`] rather
 //! than decided approximately.
+//!
+//! **Where a charge landed.** Every decision comes back with the script's clock
+//! ([`Decision::at`]), so a price settled later goes back only to where the call was charged
+//! (`adjust.lua` with each algorithm's `give_back`), on the clock it was charged by.
 //!
 //! **Forgetting.** Every written key gets a TTL at its state's `forget_at` (rounded up to the
 //! millisecond), so Redis drops idle callers by itself: there is no sweep.
@@ -652,54 +656,68 @@ impl RedisStore {
             let left = u64::try_from(left_ms).unwrap_or(0).saturating_mul(crate::clock::NANOS_PER_MS);
             return Ok((Verdict::Blocked { index, left }, None));
         }
+        // Last, the script's clock: when every charge of the call landed.
+        let at = self.clock_of(reply.pop())?;
         let limit = match under {
             Some(_) => {
-                let (Some(at_us), Some(current)) = (reply.pop(), reply.pop()) else {
+                let Some(current) = reply.pop() else {
                     return Err(self.malformed("a decision under a learnt limit answered without it".into()));
                 };
-                let unsigned = |v: i64| u64::try_from(v).map_err(|_| self.malformed(format!("negative value {v}")));
-                Some(SharedLimit { current: unsigned(current)?, at: unsigned(at_us)?.saturating_mul(1_000) })
+                let current =
+                    u64::try_from(current).map_err(|_| self.malformed(format!("negative value {current}")))?;
+                Some(SharedLimit { current, at })
             }
             None => None,
         };
-        Ok((Verdict::Decided(self.decisions(&reply, checks.len())?), limit))
+        Ok((Verdict::Decided(self.decisions(&reply, checks.len(), at)?), limit))
     }
 
     fn malformed(&self, reason: String) -> StoreError {
         StoreError::Script { address: self.address.clone(), reason }
     }
 
-    /// Adjusts each budget under its key ([`crate::store::Store::adjust`]; `adjust.lua`), at most
-    /// once while the mark under `once` lives ([`crate::store::MARK_LIVES`]), at an explicit clock
-    /// reading when `now` is given. Returns each budget's level after it, as a cost-0 decision.
-    /// The keys (and the mark's) must share a hash tag on a cluster (one script).
+    /// The clock reading a script ends its reply with (epoch microseconds), in nanoseconds.
+    fn clock_of(&self, now_us: Option<i64>) -> Result<Nanos, StoreError> {
+        let now_us = now_us.ok_or_else(|| self.malformed("a reply without the script's clock".into()))?;
+        let now_us = u64::try_from(now_us).map_err(|_| self.malformed(format!("clock reading {now_us}")))?;
+        Ok(now_us.saturating_mul(1_000))
+    }
+
+    /// Adjusts each budget under its key as its [`Adjustment`] says
+    /// ([`crate::store::Store::adjust`]; `adjust.lua`), at most once while the mark under `once`
+    /// lives ([`crate::store::MARK_LIVES`]), at an explicit clock reading when `now` is given.
+    /// Returns each budget's level after it, as a cost-0 decision. The keys (and the mark's) must
+    /// share a hash tag on a cluster (one script).
     pub async fn adjust(
         &self,
-        budgets: &[(&str, &Limiter)],
-        by: Adjustment,
+        budgets: &[(&str, &Limiter, Adjustment)],
         once: Option<&str>,
         now: Option<Nanos>,
     ) -> Result<Vec<Decision>, StoreError> {
         if budgets.is_empty() {
             return Ok(Vec::new());
         }
-        let (how, units) = match by {
-            Adjustment::Refund(units) => ("refund", units),
-            Adjustment::Charge(units) => ("charge", units),
-        };
         let mut invocation = self.adjust.prepare_invoke();
         invocation.arg(now.map(micros).transpose()?.map_or_else(String::new, |us| us.to_string()));
         let mark_ms = once.map_or(0, |_| crate::store::MARK_LIVES.as_millis());
-        invocation.arg(how).arg(units).arg(mark_ms.to_string());
-        for (key, limiter) in budgets {
+        invocation.arg(mark_ms.to_string());
+        for &(key, limiter, by) in budgets {
             let span = script_span(&Check { key, limiter, cost: 0, shadow: false })?;
-            invocation.key(*key).arg(limiter.algorithm()).arg(limiter.capacity()).arg(span);
+            invocation.key(key).arg(limiter.algorithm()).arg(limiter.capacity()).arg(span);
+            // A charge's instant was a reading of the script's clock: whole microseconds.
+            let (how, units, (taken_us, reset_after)) = match by {
+                Adjustment::Refund(units) => ("refund", units, (0, 0)),
+                Adjustment::Charge(units) => ("charge", units, (0, 0)),
+                Adjustment::Return { units, taken } => ("return", units, (micros(taken.at)?, taken.reset_after)),
+            };
+            invocation.arg(how).arg(units).arg(taken_us).arg(reset_after.min(MAX_SPAN));
         }
         if let Some(mark) = once {
             invocation.key(mark);
         }
-        let reply: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
-        self.decisions(&reply, budgets.len())
+        let mut reply: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
+        let at = self.clock_of(reply.pop())?;
+        self.decisions(&reply, budgets.len(), at)
     }
 
     /// Deletes `keys` (one `DEL`: on a cluster they must share a hash tag); returns how many were
@@ -739,8 +757,8 @@ impl RedisStore {
         Ok(self.get(key).await?.and_then(|v| v.parse().ok()).unwrap_or(0))
     }
 
-    /// Reads the script's reply: [`REPLY_FIELDS`] integers per check.
-    fn decisions(&self, reply: &[i64], checks: usize) -> Result<Vec<Decision>, StoreError> {
+    /// Reads the script's reply: [`REPLY_FIELDS`] integers per check, decided `at`.
+    fn decisions(&self, reply: &[i64], checks: usize, at: Nanos) -> Result<Vec<Decision>, StoreError> {
         let malformed = |what: String| StoreError::Script { address: self.address.clone(), reason: what };
         if reply.len() != checks * REPLY_FIELDS {
             return Err(malformed(format!("{} values in the reply for {checks} checks", reply.len())));
@@ -755,6 +773,7 @@ impl RedisStore {
                     remaining: unsigned(d[2])?,
                     retry_after: unsigned(d[3])?,
                     reset_after: unsigned(d[4])?,
+                    at,
                 })
             })
             .collect()

@@ -13,8 +13,10 @@ use std::collections::HashMap;
 use std::fmt::Debug;
 
 use mcp_ratelimit::clock::Nanos;
+use mcp_ratelimit::limit::params::{LONGEST_SPAN, MAX_UNITS, Value};
 use mcp_ratelimit::limit::{
-    ALGORITHMS, Concurrency, Decision, FixedWindow, Limiter, Shape, SlidingLog, SlidingWindow, TokenBucket,
+    ALGORITHMS, Concurrency, Decision, FixedWindow, GIVEN_BACK_AHEAD, Limiter, Params, Shape, SlidingLog,
+    SlidingWindow, Taken, TokenBucket,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
@@ -35,6 +37,10 @@ pub trait Backend {
 
     /// A key never seen before, decided by `limiter`, first seen at `now`.
     fn start(&self, limiter: &Limiter, now: Nanos) -> Self::Key;
+
+    /// The longest bucket (burst × period) or window this backend decides (config refuses
+    /// longer ones for it).
+    fn longest_span(&self) -> Nanos;
 }
 
 /// One key under one limiter.
@@ -50,6 +56,10 @@ pub trait Key: Sized {
 
     /// Gives back the in-flight slots of the latest admitted call still held, which took `cost`.
     fn release(&mut self, cost: u64);
+
+    /// Gives back, at `now`, `units` of the charge `taken` (a settled price below its
+    /// reservation: `Adjustment::Return`).
+    fn give_back(&mut self, now: Nanos, units: u64, taken: Taken);
 
     /// From now on this key is decided by `limiter` (the same algorithm with other numbers), on
     /// the state it holds: what a reload, a tier change or an insurance share does to a key.
@@ -118,6 +128,21 @@ pub const REFERENCE_MODELS: &[(&str, &str)] = &[
     ("leaky_bucket", "gcra_and_leaky_bucket_decide_exactly_like_the_token_bucket"),
     ("concurrency", "concurrency_counts_slots_exactly"),
 ];
+
+/// The reference models of late refunds: each rate algorithm's own promise, counting settled
+/// prices, in `late_refunds_go_back_only_where_they_were_taken` (listed for the same reason as
+/// [`REFERENCE_MODELS`]: a new algorithm fails until it has its place there).
+fn refund_promise(limiter: &Limiter) -> &'static str {
+    match limiter {
+        Limiter::FixedWindow(_) => "a count per window, less what was given back while it was current",
+        Limiter::SlidingWindow(_) => "the weighted counts, less what was given back while each still weighed",
+        Limiter::SlidingLog(_) => "the log, less what was given back while each entry was in it",
+        Limiter::TokenBucket(_) | Limiter::Gcra(_) | Limiter::LeakyBucket(_) => {
+            "never more than a replay of every call at its price settled so far"
+        }
+        Limiter::Concurrency(_) => "no time: not a price",
+    }
+}
 
 /// Every algorithm the registry lists is checked against a reference model here.
 pub fn every_registered_algorithm_has_a_reference_model() {
@@ -565,6 +590,296 @@ pub fn changed_limits_keep_every_number_believable(backend: &impl Backend, cases
                         "admitted before its retry_after: {}",
                         at
                     );
+                }
+            }
+        }
+        Ok(())
+    });
+}
+
+/// A rate as a config writes it: a number of units per second, or one within a hair of the
+/// slowest a burst may have (its bucket back whole in [`LONGEST_SPAN`]), as a factor of it.
+#[derive(Debug, Clone, Copy)]
+enum Rate {
+    PerSec(f64),
+    NearTheSlowest(f64),
+}
+
+/// Rates as a config writes them, from the tiniest a double holds to past a billion a second, for
+/// bursts from one unit to the most, on every bucket algorithm: a rate too fast, or too slow for
+/// its bucket to come back whole within [`LONGEST_SPAN`], is refused naming its key; every other
+/// one is kept as the period nearest to a second ÷ rate, and decided exactly: each call's
+/// `allowed`, `remaining`, `retry_after` and `reset_after` are what a model of the bucket's level
+/// in 128-bit nanoseconds says, with arrivals a fraction or a few periods apart (up to a year).
+pub fn every_rate_is_decided_exactly_or_refused_naming_its_key(backend: &impl Backend, cases: u32) {
+    let resolution = backend.resolution();
+    let burst = prop_oneof![1u64..=64, MAX_UNITS - 64..=MAX_UNITS, 1..=MAX_UNITS];
+    let rate = prop_oneof![
+        1 => (-324i32..=10, 1.0f64..10.0).prop_map(|(e, m)| Rate::PerSec(m * 10f64.powi(e))),
+        2 => (-8i32..=9, 1.0f64..10.0).prop_map(|(e, m)| Rate::PerSec(m * 10f64.powi(e))),
+        1 => (f64::MIN_POSITIVE..2e9).prop_map(Rate::PerSec),
+        2 => (0.999_999f64..1.000_001).prop_map(Rate::NearTheSlowest),
+    ];
+    // A gap of `quarters`/4 periods plus some nanoseconds; a cost of nothing, a little, or the
+    // burst, or anything up to it.
+    let calls = prop::collection::vec((0u64..12, 0u64..1_000_000, 0u64..4, any::<u64>()), 1..40);
+    let algorithm = prop::sample::select(vec![
+        ("token_bucket", "refill_per_sec"),
+        ("gcra", "refill_per_sec"),
+        ("leaky_bucket", "leak_per_sec"),
+    ]);
+    check(cases, (algorithm, burst, rate, calls), |((algorithm, param), burst, rate, calls)| {
+        let per_sec = match rate {
+            Rate::PerSec(r) => r,
+            Rate::NearTheSlowest(f) => burst as f64 * 1e9 / LONGEST_SPAN as f64 * f,
+        };
+        let values = std::collections::BTreeMap::from([
+            ("burst".to_owned(), Value::Int(burst as i64)),
+            (param.to_owned(), Value::Float(per_sec)),
+        ]);
+        let built = Limiter::from_params(algorithm, &Params::new("limits.caller", algorithm, &values));
+        let built = built.expect("a bucket algorithm");
+        // The model: the nearest nanosecond to a second ÷ rate, and the whole bucket in 128 bits.
+        let period = (1e9 / per_sec).round();
+        let span = (period <= u64::MAX as f64).then(|| u128::from(burst) * period as u128);
+        let keepable = per_sec <= 1e9 && span.is_some_and(|span| span <= u128::from(LONGEST_SPAN));
+        let limiter = match (keepable, built) {
+            (true, Ok(limiter)) => limiter,
+            (false, Err(e)) => {
+                prop_assert_eq!(e.key, format!("limits.caller.{param}"));
+                return Ok(());
+            }
+            (true, Err(e)) => return Err(TestCaseError::fail(format!("{per_sec}/s, burst {burst} refused: {e:?}"))),
+            (false, Ok(l)) => {
+                return Err(TestCaseError::fail(format!("{per_sec}/s, burst {burst} kept: {}", l.describe())));
+            }
+        };
+        let period = period as u64;
+        prop_assert_eq!(limiter.shape(), Shape::Rate { period });
+        prop_assert_eq!((limiter.capacity(), limiter.span()), (burst, burst * period));
+        if limiter.span() > backend.longest_span() {
+            return Ok(());
+        }
+        let full = u128::from(burst) * u128::from(period);
+        let (mut level, mut now) = (full, START);
+        let mut key = backend.start(&limiter, now);
+        for (n, (quarters, nanos, size, pick)) in calls.into_iter().enumerate() {
+            let gap = u64::try_from(u128::from(period) * u128::from(quarters) / 4).expect("within a year") + nanos;
+            now += gap - gap % resolution;
+            let cost = match size {
+                0 => 0,
+                1 => (pick % 4).min(burst),
+                2 => burst,
+                _ => pick % (burst + 1),
+            };
+            // Refill since the previous call, never past full; then the call, if it fits.
+            level = (level + u128::from(gap - gap % resolution)).min(full);
+            let need = u128::from(cost) * u128::from(period);
+            let allowed = need <= level;
+            if allowed {
+                level -= need;
+            }
+            let ns = |v: u128| u64::try_from(v).expect("below a year");
+            let expected = Decision {
+                allowed,
+                limit: burst,
+                remaining: ns(level / u128::from(period)),
+                retry_after: if allowed { 0 } else { ns(need - level) },
+                reset_after: ns(full - level),
+                at: now,
+            };
+            let d = key.acquire(now, cost);
+            prop_assert_eq!(
+                d,
+                expected,
+                "call {} at +{} ns, cost {}, under {}",
+                n,
+                now - START,
+                cost,
+                limiter.describe()
+            );
+        }
+        Ok(())
+    });
+}
+
+/// One step of a key whose calls are settled late.
+#[derive(Debug, Clone, Copy)]
+enum Late {
+    /// A call `gap` after the previous step, of `cost` (within the capacity).
+    Call { gap: Nanos, cost: u64 },
+    /// `gap` later, the `of`th admitted call not yet settled (modulo their number) is settled
+    /// `units` below its cost (at least one unit, at most its cost).
+    Settle { gap: Nanos, of: usize, units: u64 },
+}
+
+fn late_lives(resolution: Nanos) -> impl Strategy<Value = Vec<Late>> {
+    let gap = prop_oneof![
+        3 => Just(0u64),
+        2 => 0..1_000 * MS,
+        1 => 0..8_000 * MS,
+        3 => (0..12u64).prop_map(|k| k * 250 * MS),
+    ]
+    .prop_map(move |gap| gap - gap % resolution);
+    let step = prop_oneof![
+        3 => (gap.clone(), any::<u64>()).prop_map(|(gap, cost)| Late::Call { gap, cost }),
+        2 => (gap, any::<usize>(), any::<u64>()).prop_map(|(gap, of, units)| Late::Settle { gap, of, units }),
+    ];
+    prop::collection::vec(step, 1..60)
+}
+
+/// An admitted call, as the models see it.
+#[derive(Debug, Clone)]
+struct Charged {
+    at: Nanos,
+    cost: u64,
+    taken: Taken,
+    /// Settled: when, and how many units were given back.
+    settled: Option<(Nanos, u64)>,
+}
+
+impl Charged {
+    /// What the call costs as of `now`: its price once settled at or before `now`.
+    fn price_at(&self, now: Nanos) -> u64 {
+        match self.settled {
+            Some((when, units)) if when <= now => self.cost - units,
+            _ => self.cost,
+        }
+    }
+
+    /// Units given back at or before `now`, if they were given while `counts(when)` held.
+    fn back_if(&self, now: Nanos, counts: impl Fn(Nanos) -> bool) -> u64 {
+        match self.settled {
+            Some((when, units)) if when <= now && counts(when) => units,
+            _ => 0,
+        }
+    }
+}
+
+/// Calls settled late — a price settled below its reservation after other calls, a window
+/// boundary or a whole window later — on every rate algorithm: no call is admitted that the
+/// algorithm's own promise, counting every price at what it was settled to so far, would refuse
+/// ([`refund_promise`]): a fixed window's count is its calls less what was given back while it
+/// was the current window (never a later window's), a sliding window's counts likewise while each
+/// still weighed, the sliding log's entries while each was in the log — each decided exactly as
+/// that model says — and a bucket never holds more than a replay of every admitted call at its
+/// price settled so far would. And a refund given back before anything else happened to the key
+/// restores exactly: the key then decides as one whose call had cost the settled price from the
+/// start (for a bucket, unless something was given back in the microsecond before the charge,
+/// which it counts as after: [`GIVEN_BACK_AHEAD`]).
+pub fn late_refunds_go_back_only_where_they_were_taken<B: Backend>(backend: &B, cases: u32) {
+    let resolution = backend.resolution();
+    let strategy = (prop::sample::select(registered(true)), 1u64..20, window_ms(), late_lives(resolution));
+    check(cases, strategy, |(algorithm, capacity, span_ms, steps)| {
+        let limiter = limiter(algorithm, capacity, span_ms);
+        let promise = refund_promise(&limiter);
+        let mut key = backend.start(&limiter, START);
+        let mut now = START;
+        let mut calls: Vec<Charged> = vec![];
+        // The key just before the latest admitted charge, while nothing has happened since it.
+        let mut quiet: Option<(usize, B::Key)> = None;
+        let bucket = matches!(limiter.shape(), Shape::Rate { .. });
+        let mut given_back_at: Option<Nanos> = None;
+        for (n, step) in steps.into_iter().enumerate() {
+            match step {
+                Late::Settle { gap, of, units } => {
+                    now += gap;
+                    let open: Vec<usize> = (0..calls.len()).filter(|&i| calls[i].settled.is_none()).collect();
+                    let Some(&i) = open.get(of % open.len().max(1)) else { continue };
+                    let units = 1 + units % calls[i].cost;
+                    key.give_back(now, units, calls[i].taken);
+                    calls[i].settled = Some((now, units));
+                    given_back_at = Some(now);
+                    let at = format!(
+                        "step {n}: call {i} settled {units} below {} at +{} ns under {}",
+                        calls[i].cost,
+                        now - START,
+                        limiter.describe()
+                    );
+                    if let Some((last, mut before)) = quiet.take().filter(|(last, _)| *last == i) {
+                        let cheaper = before.acquire(calls[last].at, calls[last].cost - units);
+                        prop_assert!(cheaper.allowed, "{}", at);
+                        prop_assert_eq!(
+                            key.fork().acquire(now, 0),
+                            before.acquire(now, 0),
+                            "not restored exactly: {}",
+                            at
+                        );
+                    }
+                }
+                Late::Call { gap, cost } => {
+                    now += gap;
+                    let cost = cost % (capacity + 1);
+                    let before = key.fork();
+                    let d = key.acquire(now, cost);
+                    let at = format!(
+                        "step {n}: at +{} ns cost {cost} under {} ({promise}): {d:?}",
+                        now - START,
+                        limiter.describe()
+                    );
+                    let window = limiter.policy_window().unwrap_or(1);
+                    match &limiter {
+                        Limiter::FixedWindow(_) => {
+                            let k = now / window;
+                            let count: u64 = calls
+                                .iter()
+                                .filter(|c| c.at / window == k)
+                                .map(|c| c.cost - c.back_if(now, |when| when / window == k))
+                                .sum();
+                            prop_assert_eq!(d.allowed, count + cost <= capacity, "{}", at);
+                        }
+                        Limiter::SlidingWindow(_) => {
+                            let k = now / window;
+                            let count = |of: u64| -> u64 {
+                                calls
+                                    .iter()
+                                    .filter(|c| c.at / window == of)
+                                    .map(|c| c.cost - c.back_if(now, |when| when / window <= of + 1))
+                                    .sum()
+                            };
+                            let (previous, current) = (if k == 0 { 0 } else { count(k - 1) }, count(k));
+                            let elapsed = now - k * window;
+                            let load = u128::from(previous) * u128::from(window - elapsed)
+                                + u128::from(current + cost) * u128::from(window);
+                            prop_assert_eq!(d.allowed, load <= u128::from(capacity) * u128::from(window), "{}", at);
+                        }
+                        Limiter::SlidingLog(_) => {
+                            let logged: u64 = calls
+                                .iter()
+                                .filter(|c| c.at + window > now)
+                                .map(|c| c.cost - c.back_if(now, |when| c.at + window > when))
+                                .sum();
+                            prop_assert_eq!(d.allowed, logged + cost <= capacity, "{}", at);
+                        }
+                        Limiter::TokenBucket(_) | Limiter::Gcra(_) | Limiter::LeakyBucket(_) => {
+                            // A replay of every admitted call at its price settled so far.
+                            let Shape::Rate { period } = limiter.shape() else { unreachable!("a bucket") };
+                            let full = i128::from(capacity) * i128::from(period);
+                            let (mut level, mut last) = (full, START);
+                            for c in &calls {
+                                level = (level + i128::from(c.at - last)).min(full)
+                                    - i128::from(c.price_at(now)) * i128::from(period);
+                                last = c.at;
+                                prop_assert!(level >= 0, "the replay refuses a call the key admitted: {}", at);
+                            }
+                            let level = (level + i128::from(now - last)).min(full);
+                            if d.allowed {
+                                let after = level - i128::from(cost) * i128::from(period);
+                                prop_assert!(after >= 0, "admitted past the replay: {}", at);
+                                prop_assert!(
+                                    i128::from(d.remaining) <= after / i128::from(period),
+                                    "more left than the replay: {}",
+                                    at
+                                );
+                            }
+                        }
+                        Limiter::Concurrency(_) => unreachable!("rates only"),
+                    }
+                    if d.allowed && cost > 0 {
+                        calls.push(Charged { at: now, cost, taken: d.taken(), settled: None });
+                        let stamped = bucket && given_back_at.is_some_and(|at| now < at + GIVEN_BACK_AHEAD);
+                        quiet = (!stamped).then(|| (calls.len() - 1, before));
+                    }
                 }
             }
         }

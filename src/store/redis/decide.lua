@@ -12,8 +12,8 @@
 -- A call may also be decided under a learnt limit (adaptive.lua: the upstream account's slots,
 -- claimed under the limit every instance learns): the learnt limit is read in the same step, and
 -- every in-flight check's capacity is scaled to it (capacity x limit / ceiling, rounded down), so
--- no instance takes a slot under a limit another has just cut. The reply then ends with two more
--- integers: the whole slots the limit hands out, and now (us: when the slots were taken).
+-- no instance takes a slot under a limit another has just cut. The reply then carries one more
+-- integer before the clock (below): the whole slots the limit hands out.
 --
 -- KEYS: one per check, as given; then any operator blocks (block keys with a TTL, set through
 -- the admin API): while one exists nothing is decided or charged, and the reply is
@@ -29,7 +29,8 @@
 -- ARGV[8..]: five per check: algorithm name, capacity, span (ns; see the prelude), cost, and
 -- 1 for a shadow limit (its refusal does not stop the call; being refused, it charges nothing).
 -- Returns five integers per check: allowed (1 or 0), limit, remaining, retry_after (ns),
--- reset_after (ns).
+-- reset_after (ns); then, last, now (epoch us): when every charge of the call landed, which a
+-- settlement later gives back to (adjust.lua).
 
 -- Redis before 5 refuses writes after TIME unless effects are replicated; later ones always do.
 if redis.replicate_commands then
@@ -160,6 +161,6 @@ end
 if under then
   redis.call('PEXPIRE', under.key, under.ttl_ms)
   reply[#reply + 1] = under.current
-  reply[#reply + 1] = now_us
 end
+reply[#reply + 1] = now_us
 return reply

@@ -59,6 +59,19 @@ definitions.fixed_window = function()
       return state
     end,
 
+    -- A settled price's refund: the units taken back from the count of the window the charge was
+    -- taken in, while it is the current one; nothing once it has ended.
+    give_back = function(limiter, state, now_us, units, taken_us)
+      local window = limiter.span
+      local start_us, start_ns = instant(now_us, -window_offset(now_us, window))
+      local taken_start_us, taken_start_ns = instant(taken_us, -window_offset(taken_us, window))
+      local current = state.start_us == start_us and state.start_ns == start_ns
+      if current and taken_start_us == start_us and taken_start_ns == start_ns then
+        return { start_us = start_us, start_ns = start_ns, count = math.max(state.count - units, 0) }
+      end
+      return state
+    end,
+
     -- Forgotten when its window ends.
     forget_after = function(limiter, state, now_us)
       if state.count == 0 then

@@ -3,7 +3,14 @@
 -- overflow it is refused.
 --
 -- State: "leaky_bucket <water> <updated_us>": how full the bucket was (ns of draining) when
--- last charged, and when that was in epoch microseconds (always a whole microsecond).
+-- last written, and when that was in epoch microseconds (a `now`; for a give-back or a refund,
+-- the microsecond after it, as the token bucket).
+-- `back` ns of water out at now, never below empty, stamped as a give-back.
+local function leaky_bucket_take_out(state, now_us, back)
+  local water = math.max(state.water - elapsed_ns(now_us, state.updated_us, state.water), 0)
+  return { water = math.max(water - back, 0), updated_us = math.max(now_us + 1, state.updated_us) }
+end
+
 definitions.leaky_bucket = function()
   return {
     load = function(fields)
@@ -47,9 +54,17 @@ definitions.leaky_bucket = function()
 
     -- An operator's refund: the units' water taken out, never below empty.
     refund = function(limiter, state, now_us, units)
-      local water = math.max(state.water - elapsed_ns(now_us, state.updated_us, state.water), 0)
-      local back = math.min(units, limiter.capacity) * limiter.span
-      return { water = math.max(water - back, 0), updated_us = math.max(now_us, state.updated_us) }
+      return leaky_bucket_take_out(state, now_us, math.min(units, limiter.capacity) * limiter.span)
+    end,
+
+    -- A settled price's refund: the water the last `units` of the charge have not drained yet;
+    -- nothing when the key was written since the charge.
+    give_back = function(limiter, state, now_us, units, taken_us, reset_after)
+      local back = owed(math.min(units, limiter.capacity) * limiter.span, now_us, taken_us, reset_after)
+      if state.updated_us > taken_us or back <= 0 then
+        return state
+      end
+      return leaky_bucket_take_out(state, now_us, back)
     end,
 
     -- Forgotten once it has drained.

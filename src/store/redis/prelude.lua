@@ -26,7 +26,10 @@
 --   forget_after(limiter, state, now_us) -> ns from now until the state is as good as fresh
 --     (0 or less: already; nil: never)
 --   refund(limiter, state, now_us, units) -> the state with `units` given back, never beyond
---     the capacity (an operator's refund; refund.lua)
+--     the capacity (an operator's refund; adjust.lua)
+--   give_back(limiter, state, now_us, units, taken_us, reset_after) -> the state with `units` of
+--     a charge taken at the instant taken_us (whose decision said reset_after) given back, only
+--     where that charge still counts (a settled price; adjust.lua; Algorithm::give_back in Rust)
 -- `limiter` is { capacity = units, span = ns }: the span is a bucket's period (ns per unit) or
 -- a window's length (0 for in-flight slots).
 local algorithms = {}
@@ -135,6 +138,20 @@ local function since_ns(now_us, us, ns, cap)
     return nil
   end
   return since
+end
+
+-- How much of `most` ns of a bucket's charge, taken at the instant `taken_us` whose decision said
+-- the bucket would be full again `reset_after` ns later, is still owed now: taken + reset_after -
+-- now, within 0..most (`owed` in src/limit/mod.rs). Exact: no product leaves 2^53.
+local function owed(most, now_us, taken_us, reset_after)
+  local since = now_us - taken_us
+  if since > div(reset_after, 1000) + 1 then
+    return 0
+  end
+  if since < 0 and -since > div(most, 1000) + 1 then
+    return most
+  end
+  return math.max(math.min(most, reset_after - since * 1000), 0)
 end
 
 -- The instant `offset` ns from now (negative: in the past) as whole microseconds and a

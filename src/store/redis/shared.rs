@@ -58,11 +58,10 @@ impl Store for RedisStore {
 
     fn adjust<'a>(
         &'a self,
-        budgets: &'a [(&'a str, &'a Limiter)],
-        by: Adjustment,
+        budgets: &'a [(&'a str, &'a Limiter, Adjustment)],
         once: Option<&'a str>,
     ) -> StoreFuture<'a, Vec<Decision>> {
-        Box::pin(async move { Ok(RedisStore::adjust(self, budgets, by, once, None).await?) })
+        Box::pin(async move { Ok(RedisStore::adjust(self, budgets, once, None).await?) })
     }
 
     fn forget<'a>(&'a self, keys: &'a [&'a str]) -> StoreFuture<'a, u64> {

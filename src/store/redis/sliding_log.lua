@@ -102,6 +102,28 @@ definitions.sliding_log = function()
       return { entries = entries }
     end,
 
+    -- A settled price's refund: the units taken off the entry the charge was logged as (at its
+    -- own instant), while it is still in the log; nothing off any other.
+    give_back = function(limiter, state, now_us, units, taken_us)
+      local window = limiter.span
+      local entries = {}
+      for _, entry in ipairs(state.entries) do
+        if #entries > 0 or elapsed_ns(now_us, entry.at_us, window) < window then
+          entries[#entries + 1] = { at_us = entry.at_us, units = entry.units }
+        end
+      end
+      for i, entry in ipairs(entries) do
+        if entry.at_us == taken_us then
+          entry.units = entry.units - math.min(entry.units, units)
+          if entry.units == 0 then
+            table.remove(entries, i)
+          end
+          break
+        end
+      end
+      return { entries = entries }
+    end,
+
     -- Forgotten when its newest entry ages out.
     forget_after = function(limiter, state, now_us)
       local last = state.entries[#state.entries]

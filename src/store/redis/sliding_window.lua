@@ -110,6 +110,30 @@ definitions.sliding_window = function()
       }
     end,
 
+    -- A settled price's refund: rolled to now's window like acquire, then the units taken back
+    -- from the count of the window the charge was taken in: the current one, or the previous one
+    -- in the window after it; nothing later.
+    give_back = function(limiter, state, now_us, units, taken_us)
+      local window = limiter.span
+      local offset = window_offset(now_us, window)
+      local previous, current = 0, 0
+      local since = since_ns(now_us, state.start_us, state.start_ns, 2 * window)
+      if since == offset then
+        previous, current = state.previous, state.current
+      elseif since == offset + window then
+        previous = state.current
+      end
+      local taken_start_us, taken_start_ns = instant(taken_us, -window_offset(taken_us, window))
+      local charged = since_ns(now_us, taken_start_us, taken_start_ns, 2 * window)
+      if charged == offset then
+        current = math.max(current - units, 0)
+      elseif charged == offset + window then
+        previous = math.max(previous - units, 0)
+      end
+      local start_us, start_ns = instant(now_us, -offset)
+      return { start_us = start_us, start_ns = start_ns, previous = previous, current = current }
+    end,
+
     -- Forgotten once neither of its counts weighs any more.
     forget_after = function(limiter, state, now_us)
       local start = (state.start_us - now_us) * 1000 + state.start_ns
