@@ -907,8 +907,7 @@ mod tests {
         }
         fn adjust<'a>(
             &'a self,
-            _: &'a [(&'a str, &'a Limiter)],
-            _: crate::limit::Adjustment,
+            _: &'a [(&'a str, &'a Limiter, crate::limit::Adjustment)],
             _: Option<&'a str>,
         ) -> StoreFuture<'a, Vec<crate::limit::Decision>> {
             Box::pin(std::future::pending())
