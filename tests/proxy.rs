@@ -16,7 +16,7 @@ use std::time::Duration;
 use mcp_ratelimit::App;
 use mcp_ratelimit::clock::ManualClock;
 use mcp_ratelimit::config::{Catalogue, Config};
-use mcp_ratelimit::proxy::Target;
+use mcp_ratelimit::proxy::{ChildEnv, Target};
 use rmcp::ServiceExt;
 use rmcp::model::{CallToolRequestParams, CallToolResult, GetPromptRequestParams, ReadResourceRequestParams};
 use rmcp::service::ServiceError;
@@ -51,7 +51,7 @@ fn fastmcp(args: &[&str]) -> (String, Vec<String>) {
 }
 
 fn command((program, args): (String, Vec<String>)) -> Target {
-    Target::Command { program, args }
+    Target::Command { program, args, env: ChildEnv::default() }
 }
 
 /// A proxy serving HTTP in-process on a free port, on a manual clock.
@@ -733,4 +733,74 @@ async fn with_proxy_adaptive_a_call_not_answered_in_time_cuts_the_calls_in_fligh
 async fn proxy_metrics(proxy: &Proxy) -> String {
     let url = proxy.url.replace("/mcp", "/metrics");
     reqwest::get(url).await.expect("metrics").text().await.expect("text")
+}
+
+/// The proxy binary over stdio in front of `everything`, started with `env` added to (and
+/// `MCP_RL__…` of the test's own environment removed from) what the test runs with, and the
+/// config file `toml`.
+async fn proxy_binary_with_env(toml: &str, env: &[(&str, &str)]) -> (Client, tempfile::NamedTempFile) {
+    let mut file = tempfile::NamedTempFile::new().expect("config");
+    std::io::Write::write_all(&mut file, toml.as_bytes()).expect("write");
+    let (node, args) = everything("stdio");
+    let proxy = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit")).configure(|c| {
+        c.arg("proxy").arg("--stdio").arg("--config").arg(file.path()).arg("--").arg(&node).args(&args);
+        c.envs(env.iter().copied()).env("RUST_LOG", "warn");
+    });
+    let client = ().serve(TokioChildProcess::new(proxy).expect("the proxy starts")).await.expect("handshake");
+    (client, file)
+}
+
+#[tokio::test]
+async fn a_stdio_child_gets_none_of_the_proxys_secrets_only_what_the_operator_names() {
+    // Every secret the README says to set in the environment, and an ordinary one nobody named.
+    let secrets = [
+        ("MCP_RL__ADMIN__KEY", "admin-key-secret-0123456789"),
+        ("MCP_RL__AUTH__ID_SECRET", "id-secret-secret-0123456789"),
+        ("MCP_RL__UPSTREAM__API_KEY", "paid-api-key-secret-0123"),
+        ("MCP_RL__STORE__REDIS_URL", "redis://:redis-password-secret@127.0.0.1:6379"),
+        ("MCP_RL__PROXY__HEADERS__AUTHORIZATION", "Bearer header-secret-0123"),
+        ("AWS_SECRET_ACCESS_KEY", "aws-secret-not-named-0123"),
+    ];
+    let named = [("PASSED_THROUGH", "inherited-value-0123"), ("LC_TIME", "C")];
+    let toml = "[proxy]\ninherit_env = [\"PASSED_THROUGH\"]\n[proxy.env]\nSET_BY_OPERATOR = \"set-value-0123\"\n";
+    let env: Vec<(&str, &str)> = secrets.iter().chain(&named).copied().collect();
+    let (client, _file) = proxy_binary_with_env(toml, &env).await;
+    let seen = text_of(&call(&client, "get-env", json!({})).await);
+    let child: serde_json::Map<String, Value> = serde_json::from_str(&seen).expect("get-env answers the child's env");
+    for (name, value) in secrets {
+        assert!(!seen.contains(value), "{name}'s value reached the child: {seen}");
+    }
+    assert!(child.keys().all(|name| !name.to_ascii_uppercase().starts_with("MCP_RL__")), "{seen}");
+    assert_eq!(child.get("PASSED_THROUGH"), Some(&json!("inherited-value-0123")), "inherit_env: {seen}");
+    assert_eq!(child.get("SET_BY_OPERATOR"), Some(&json!("set-value-0123")), "[proxy.env]: {seen}");
+    assert_eq!(child.get("LC_TIME"), Some(&json!("C")), "the locale: {seen}");
+    assert_eq!(child.get("PATH").and_then(Value::as_str), std::env::var("PATH").ok().as_deref(), "{seen}");
+    let mut names: Vec<&str> = child.keys().map(String::as_str).collect();
+    names.retain(|n| {
+        !["PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "TMPDIR", "TZ", "LANG", "LANGUAGE"].contains(n)
+    });
+    names.retain(|n| !n.starts_with("LC_") && !["PASSED_THROUGH", "SET_BY_OPERATOR"].contains(n));
+    assert_eq!(names, Vec::<&str>::new(), "nothing else: {seen}");
+}
+
+#[test]
+fn the_childs_environment_is_checked_and_its_values_are_in_no_debug_string() {
+    let learned = Catalogue::learned();
+    for (toml, key) in [
+        ("[proxy]\ninherit_env = [\"PATH\", \"MCP_RL__ADMIN__KEY\"]\n", "proxy.inherit_env[1]"),
+        ("[proxy]\ninherit_env = [\"mcp_rl__store__redis_url\"]\n", "proxy.inherit_env[0]"),
+        ("[proxy.env]\nMCP_RL__UPSTREAM__API_KEY = \"x\"\n", "proxy.env.MCP_RL__UPSTREAM__API_KEY"),
+        ("[proxy.env]\n\"A=B\" = \"x\"\n", "proxy.env.A=B"),
+        ("[proxy]\ninherit_env = [\"\"]\n", "proxy.inherit_env[0]"),
+    ] {
+        let error = Config::from_toml(toml, &learned).expect_err(toml);
+        assert!(error.to_string().contains(key), "{toml}: {error}");
+    }
+    let toml = "[proxy]\ninherit_env = [\"GITHUB_TOKEN\"]\n[proxy.env]\nAPI_TOKEN = \"value-never-printed\"\n";
+    let config = Config::from_toml(toml, &learned).expect("valid");
+    let target = Target::of(&config.proxy, None, vec!["some-server".into()]).expect("a command");
+    for shown in [format!("{config:?}"), format!("{target:?}"), format!("{:?}", config.proxy)] {
+        assert!(!shown.contains("value-never-printed"), "{shown}");
+        assert!(shown.contains("API_TOKEN") && shown.contains("GITHUB_TOKEN"), "the names are shown: {shown}");
+    }
 }

@@ -23,7 +23,9 @@
 //!
 //! **Identity.** The caller's key never leaves the proxy: the proxied server gets only
 //! `proxy.headers` (over HTTP) and the caller's own `_meta` (minus its progress token, which is
-//! the proxy's own upstream). It cannot tell callers apart; the proxy does that.
+//! the proxy's own upstream). It cannot tell callers apart; the proxy does that. Nor does a stdio
+//! child get the proxy's secrets: it starts from an empty environment plus what [`ChildEnv`]
+//! allows, and never an `MCP_RL__` variable.
 
 pub mod link;
 pub mod relay;
@@ -42,7 +44,7 @@ use rmcp::model::{
 use rmcp::service::{PeerRequestOptions, ServiceError};
 use tokio_util::sync::CancellationToken;
 
-pub use link::{Link, LinkError, Target};
+pub use link::{ChildEnv, Link, LinkError, Target};
 pub use relay::{Downstream, Relay};
 pub use server::ProxyServer;
 
