@@ -8,6 +8,8 @@
 //! for a window: those loops are bounded and poll.
 
 mod common;
+#[path = "common/python.rs"]
+mod python;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -583,8 +585,12 @@ async fn a_tenants_spend_cap_warns_then_refuses_a_proxied_tool_and_a_reload_repr
     let (first, second) = (proxy.client(Some(a)).await, proxy.client(Some(b)).await);
     assert_eq!(text_of(&call(&first, "add", json!({"a": 1, "b": 1})).await), "2", "4 of the tenant's 10");
     let warned = call(&second, "add", json!({"a": 1, "b": 2})).await;
-    assert!(text_of(&warned).starts_with('3'), "{warned:?}");
-    assert!(text_of(&warned).contains("80% of the limit spend:tenant:acme"), "8 of 10 used: warned: {warned:?}");
+    assert_eq!(text_of(&warned), "3", "the proxied server's content, unchanged: {warned:?}");
+    let warnings = &warned.meta.as_ref().expect("_meta").0["io.github.mcp-ratelimit/warnings"];
+    assert_eq!(
+        (warnings[0]["scope"].clone(), warnings[0]["percent_used"].clone()),
+        (json!("spend:tenant:acme"), json!(80))
+    );
     let refused = call(&first, "add", json!({"a": 1, "b": 3})).await;
     assert_eq!(code_of(&refused), Some("rate_limited"), "{refused:?}");
     let error = &refused.structured_content.as_ref().expect("structured")["error"];
@@ -597,14 +603,14 @@ async fn a_tenants_spend_cap_warns_then_refuses_a_proxied_tool_and_a_reload_repr
     let tools = first.list_all_tools().await.expect("tools");
     let add = tools.iter().find(|t| t.name == "add").expect("add");
     assert!(add.description.as_deref().is_some_and(|d| d.ends_with("Costs 1 token.")), "{add:?}");
-    assert!(text_of(&call(&first, "add", json!({"a": 1, "b": 4})).await).starts_with('5'), "9 of 10 at cost 1");
+    assert_eq!(text_of(&call(&first, "add", json!({"a": 1, "b": 4})).await), "5", "9 of 10 at cost 1");
 }
 
 #[tokio::test]
 async fn a_proxied_tool_priced_by_its_arguments_is_settled_to_the_usage_it_reports() {
     let key = "pricing-key-0123456789abcdef";
     let toml = format!(
-        "[tools.transcribe]\ncost = \"seconds / 5\"\ncost_max = 20\n[tools.add]\ncost = 3\n\
+        "[tools.transcribe]\ncost = \"seconds / 5\"\ncost_max = 20\nsettle = \"usage\"\n[tools.add]\ncost = 3\n\
          [limits.caller]\nburst = 50\nrefill_per_sec = 0.001\n\
          [auth]\nkeys = [{{ sha256 = \"{}\", tenant = \"acme\" }}]\n",
         sha256_hex(key)
@@ -616,8 +622,10 @@ async fn a_proxied_tool_priced_by_its_arguments_is_settled_to_the_usage_it_repor
     let structured = done.structured_content.as_ref().expect("its own structured content");
     assert_eq!(structured["text"], "60 seconds transcribed", "{done:?}");
     assert_eq!(structured.get("reserved"), None, "the proxied server's structured content is left as it was");
-    let meta = done.meta.as_ref().expect("the price moved: _meta says so");
-    assert_eq!((meta.0["reserved"].clone(), meta.0["charged"].clone()), (json!(12), json!(6)), "{meta:?}");
+    let meta = &done.meta.as_ref().expect("the price moved: _meta says so").0;
+    let said = (meta["io.github.mcp-ratelimit/reserved"].clone(), meta["io.github.mcp-ratelimit/charged"].clone());
+    assert_eq!(said, (json!(12), json!(6)), "{meta:?}");
+    assert_eq!(meta["usage"], json!({"units": 6}), "its own _meta kept: {meta:?}");
     // A tool that reports nothing keeps its fixed price, and its answer is passed through unchanged.
     let added = call(&client, "add", json!({"a": 1, "b": 2})).await;
     let straight = call(&direct(fastmcp(&[])).await, "add", json!({"a": 1, "b": 2})).await;
@@ -652,12 +660,11 @@ async fn the_dashboard_and_metrics_show_the_proxied_server_and_its_refusals() {
     assert!(metrics.contains(r#"tool="add""#) && metrics.contains("loop_detected"), "{metrics}");
 }
 
-/// How another call's request answered `result` (`coalesced`, `cached`), in its structured
-/// content or, for a result without, its `_meta`.
+/// How another call's request answered `result` (`coalesced`, `cached`), as its `_meta` says.
 fn reused(result: &CallToolResult) -> Option<&'static str> {
     let said = |how: &str| {
-        result.structured_content.as_ref().is_some_and(|s| s[how] == true)
-            || result.meta.as_ref().is_some_and(|m| m.0.get(how) == Some(&json!(true)))
+        let key = format!("io.github.mcp-ratelimit/{how}");
+        result.meta.as_ref().is_some_and(|m| m.0.get(&key) == Some(&json!(true)))
     };
     ["coalesced", "cached"].into_iter().find(|how| said(how))
 }
@@ -803,4 +810,149 @@ fn the_childs_environment_is_checked_and_its_values_are_in_no_debug_string() {
         assert!(!shown.contains("value-never-printed"), "{shown}");
         assert!(shown.contains("API_TOKEN") && shown.contains("GITHUB_TOKEN"), "the names are shown: {shown}");
     }
+}
+
+#[tokio::test]
+async fn python_clients_of_both_eras_read_every_answer_the_proxy_passes_on_from_stdio_and_http_upstreams() {
+    let port = free_port();
+    let (node, args) = everything("streamableHttp");
+    let _server = serve_http(&node, &args, port).await;
+    let http = Target::Http { url: format!("http://127.0.0.1:{port}/mcp"), headers: Vec::new() };
+    // get-sum's own budget of one call a minute: the second is refused, a result the agent reads.
+    let toml = "[tools.get-sum]\ncost = 1\n[tools.get-sum.budget]\nalgorithm = \"fixed_window\"\nlimit = 1\nwindow_ms = 60000\n";
+    for (upstream, target) in [("stdio", command(everything("stdio"))), ("http", http)] {
+        let proxy = Proxy::start(toml, target).await;
+        // Legacy again after auto: a 2026-07-28 caller leaves the proxy's one upstream session as it was.
+        for mode in ["legacy", "auto", "legacy"] {
+            let steps = json!([
+                {"op": "list_tools"},
+                {"op": "call", "tool": "echo", "args": {"message": "hi"}},
+                {"op": "call", "tool": "get-structured-content", "args": {"location": "New York"}},
+                {"op": "call", "tool": "get-sum", "args": {"a": 1, "b": 2}},
+                {"op": "call", "tool": "get-sum", "args": {"a": 2, "b": 2}},
+                {"op": "list_resources"},
+                {"op": "read", "uri": "demo://resource/static/document/features.md"},
+                {"op": "list_prompts"},
+                {"op": "prompt", "name": "args-prompt", "args": {"city": "Paris"}},
+                {"op": "complete", "prompt": "completable-prompt", "argument": "department", "value": "E"},
+            ]);
+            let walked = python::walk(&proxy.url, mode, steps, &[]).await;
+            let at = format!("{mode} client, {upstream} upstream: {walked}");
+            assert_eq!(walked["protocol_version"], python::era_of(mode), "{at}");
+            let steps = walked["steps"].as_array().expect("steps");
+            assert!(steps.iter().all(|s| s.get("ok").is_some()), "every answer valid for the client's era: {at}");
+            assert_eq!(steps[1]["ok"]["text"], "Echo: hi", "{at}");
+            assert!(steps[2]["ok"]["structured"]["conditions"].is_string(), "{at}");
+            assert_eq!(steps[3]["ok"]["text"], "The sum of 1 and 2 is 3.", "{at}");
+            assert_eq!(steps[4]["ok"]["is_error"], true, "{at}");
+            assert_eq!(steps[4]["ok"]["structured"]["error"]["code"], "rate_limited", "{at}");
+            assert!(steps[8]["ok"].to_string().contains("Paris"), "{at}");
+            assert!(steps[9]["ok"]["completion"]["values"].to_string().contains("Engineering"), "{at}");
+            proxy.clock.advance(Duration::from_secs(60));
+        }
+    }
+}
+
+/// An rmcp client that speaks 2026-07-28 (stateless, `server/discover`) to `url`.
+async fn modern_client(url: &str) -> Client {
+    use rmcp::{ClientLifecycleMode, ClientServiceExt};
+    let transport = StreamableHttpClientTransport::from_config(StreamableHttpClientTransportConfig::with_uri(url));
+    let preferred_versions = vec![rmcp::model::ProtocolVersion::V_2026_07_28];
+    ().serve_with_lifecycle(transport, ClientLifecycleMode::Discover { preferred_versions })
+        .await
+        .expect("a 2026-07-28 client connects")
+}
+
+#[tokio::test]
+async fn an_rmcp_client_speaking_2026_07_28_gets_results_that_say_their_type() {
+    let toml = "[tools.get-sum]\ncost = 1\n[tools.get-sum.budget]\nalgorithm = \"fixed_window\"\nlimit = 1\nwindow_ms = 60000\n";
+    let proxy = Proxy::start(toml, command(everything("stdio"))).await;
+    let client = modern_client(&proxy.url).await;
+    let version = client.peer_info().map(|info| info.protocol_version.clone());
+    assert_eq!(version, Some(rmcp::model::ProtocolVersion::V_2026_07_28));
+    let complete = Some(rmcp::model::ResultType::COMPLETE);
+    let echo = call(&client, "echo", json!({"message": "modern"})).await;
+    assert_eq!((text_of(&echo), echo.result_type.clone()), ("Echo: modern".to_owned(), complete.clone()));
+    assert_eq!(call(&client, "get-sum", json!({"a": 1, "b": 2})).await.result_type, complete);
+    let refused = call(&client, "get-sum", json!({"a": 2, "b": 2})).await;
+    assert_eq!((code_of(&refused), refused.result_type.clone()), (Some("rate_limited"), complete.clone()));
+    let listed = client.list_resources(None).await.expect("resources");
+    assert_eq!(listed.result_type, complete);
+    let read = client.read_resource(ReadResourceRequestParams::new("demo://resource/static/document/features.md"));
+    assert_eq!(read.await.expect("read").result_type, complete);
+    assert_eq!(client.list_prompts(None).await.expect("prompts").result_type, complete);
+}
+
+#[tokio::test]
+async fn a_cached_answer_passes_on_unchanged_and_says_so_in_meta_for_clients_that_check_its_schema() {
+    // `get-structured-content` declares an outputSchema with `additionalProperties: false`.
+    let toml = "[tools.get-structured-content]\ncost = 1\ncache_ttl_ms = 60000\n";
+    let proxy = Proxy::start(toml, command(everything("stdio"))).await;
+    let ask = json!({"op": "call", "tool": "get-structured-content", "args": {"location": "Chicago"}});
+    for mode in ["legacy", "auto"] {
+        let walked = python::walk(&proxy.url, mode, json!([ask, ask]), &[]).await;
+        let steps = &walked["steps"];
+        assert!(steps[0].get("ok").is_some() && steps[1].get("ok").is_some(), "{mode}: {walked}");
+        assert_eq!(steps[1]["ok"]["structured"], steps[0]["ok"]["structured"], "unchanged: {walked}");
+        assert_eq!(steps[1]["ok"]["meta"]["io.github.mcp-ratelimit/cached"], true, "{mode}: {walked}");
+    }
+    let client = proxy.client(None).await;
+    let first = call(&client, "get-structured-content", json!({"location": "Los Angeles"})).await;
+    let second = call(&client, "get-structured-content", json!({"location": "Los Angeles"})).await;
+    assert_eq!((reused(&first), reused(&second)), (None, Some("cached")), "{first:?}\n{second:?}");
+    assert_eq!(second.structured_content, first.structured_content, "structuredContent unchanged");
+    assert_eq!(second.content, first.content, "content unchanged");
+}
+
+#[tokio::test]
+async fn a_caller_cannot_price_its_own_call_through_a_tool_that_echoes_it() {
+    // echo_back answers its argument as structuredContent; echo_meta as _meta. Both cost 5: a
+    // caller's `usage.units: 0` in either is not a price. echo_back is even trusted to bill
+    // (`settle = "usage"`), but only a `_meta` report is read.
+    let toml = "[tools.echo_back]\ncost = 5\nsettle = \"usage\"\n[tools.echo_meta]\ncost = 5\n\
+                [limits.caller]\nburst = 12\nrefill_per_sec = 0.001\n";
+    let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
+    let client = proxy.client(None).await;
+    let free = json!({"usage": {"units": 0}});
+    let echoed = call(&client, "echo_back", json!({"value": free})).await;
+    assert_eq!(echoed.structured_content, Some(free.clone()), "its answer, unchanged: {echoed:?}");
+    let echoed = call(&client, "echo_meta", json!({"meta": free})).await;
+    let meta = &echoed.meta.as_ref().expect("its _meta").0;
+    assert_eq!(meta["usage"], free["usage"], "its own _meta, unchanged: {echoed:?}");
+    assert_eq!(meta.get("io.github.mcp-ratelimit/charged"), None, "charged as reserved: {echoed:?}");
+    let refused = call(&client, "echo_back", json!({"value": {"again": true}})).await;
+    assert_eq!(code_of(&refused), Some("rate_limited"), "10 of 12 spent: {refused:?}");
+    assert_eq!(refused.structured_content.as_ref().expect("structured")["error"]["remaining"], 2);
+}
+
+#[tokio::test]
+async fn a_proxied_call_never_sent_is_charged_nothing_though_its_tool_settles_at_its_reservation() {
+    let key = "never-sent-key-0123456789abcdef";
+    let toml = format!(
+        "[proxy]\nmax_in_flight = 1\ntimeout_ms = 1000\n[upstream]\nqueue_max = 4\n[tools.add]\ncost = 5\n\
+         [limits.caller]\nburst = 10\nrefill_per_sec = 0.001\n[loop_detection]\nenabled = false\n\
+         [auth]\nkeys = [{{ sha256 = \"{}\" }}]\n",
+        sha256_hex(key)
+    );
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let client = Arc::new(proxy.client(Some(key)).await);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("never").to_string_lossy().into_owned();
+    let holder = {
+        let client = client.clone();
+        tokio::spawn(async move { call(&client, "wait_for", json!({"path": path})).await })
+    };
+    wait_until_exists(&dir.path().join("never.started")).await;
+    let waiting = {
+        let client = client.clone();
+        tokio::spawn(async move { call(&client, "add", json!({"a": 1, "b": 1})).await })
+    };
+    eventually("the add waits for the one slot", || async { proxy.app.state().behind.occupancy().waiting == 1 }).await;
+    proxy.clock.advance(Duration::from_millis(1000));
+    assert_eq!(code_of(&waiting.await.expect("the add")), Some("upstream_unavailable"), "never sent");
+    assert_eq!(code_of(&holder.await.expect("wait_for")), Some("upstream_unavailable"), "sent, no answer");
+    // 10 - 1 (wait_for, sent: its reservation stands) = 9: one more add at 5, then 4 left.
+    assert_eq!(text_of(&call(&client, "add", json!({"a": 2, "b": 2})).await), "4");
+    let refused = call(&client, "add", json!({"a": 3, "b": 3})).await;
+    assert_eq!(refused.structured_content.as_ref().expect("structured")["error"]["remaining"], 4, "{refused:?}");
 }

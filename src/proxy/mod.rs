@@ -331,7 +331,7 @@ impl Proxied {
         };
         let request = ClientRequest::CallToolRequest(CallToolRequest::new(request));
         let mut options = PeerRequestOptions::no_options();
-        options.meta = Some(meta);
+        options.meta = Some(for_upstream(meta));
         let answer = async {
             let handle = peer.send_cancellable_request(request, options).await?;
             let _route = progress
@@ -415,6 +415,28 @@ impl Drop for CancelOnDrop {
         }
     }
 }
+
+/// What the proxied server gets of a caller's request `_meta`: everything the caller says of its
+/// call (a trace context, its own keys; its progress token is replaced by the proxy's), but not
+/// what describes the caller's own connection to the proxy under 2026-07-28 (its protocol
+/// version, who it is, the log level it opts in to): the proxy's session to the proxied server is
+/// its own, of its own version. (rmcp's HTTP transport would send a caller's `protocolVersion` as
+/// that session's `MCP-Protocol-Version`, which a 2025-11-25 server refuses — and keep it for
+/// every request after.) Its capabilities stay: a server may answer a caller that speaks tasks
+/// with one.
+fn for_upstream(mut meta: RequestMetaObject) -> RequestMetaObject {
+    for key in CALLERS_CONNECTION {
+        meta.0.remove(key);
+    }
+    meta
+}
+
+/// The request `_meta` keys of 2026-07-28 that describe the caller's connection, not its call.
+const CALLERS_CONNECTION: [&str; 3] = [
+    "io.modelcontextprotocol/protocolVersion",
+    "io.modelcontextprotocol/clientInfo",
+    "io.modelcontextprotocol/logLevel",
+];
 
 fn unavailable(tool: &str, detail: &str, wait: Nanos) -> Refusal {
     Refusal::upstream_unavailable(tool, detail, wait.div_ceil(NANOS_PER_MS).max(1))

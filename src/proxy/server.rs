@@ -6,11 +6,11 @@ use std::sync::{Arc, OnceLock};
 
 #[allow(deprecated)] // Logging and resource subscriptions are legacy in 2026-07-28, and still in use.
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CancelTaskParams, CompleteRequestParams, CompleteResult,
-    GetPromptRequestParams, GetPromptResponse, GetTaskParams, GetTaskResult, Implementation, ListPromptsResult,
-    ListResourceTemplatesResult, ListResourcesResult, ListToolsResult, PaginatedRequestParams,
-    ReadResourceRequestParams, ReadResourceResponse, ServerConfig, SetLevelRequestParams, SubscribeRequestParams,
-    UnsubscribeRequestParams,
+    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, CompleteRequestParams, CompleteResult,
+    GetPromptRequestParams, GetPromptResponse, GetPromptResult, GetTaskParams, GetTaskResult, Implementation,
+    ListPromptsResult, ListResourceTemplatesResult, ListResourcesResult, ListToolsResult, PaginatedRequestParams,
+    ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult, ResultType, ServerConfig,
+    SetLevelRequestParams, SubscribeRequestParams, UnsubscribeRequestParams,
 };
 use rmcp::service::{NotificationContext, Peer, RequestContext, ServiceError};
 use rmcp::{ErrorData, RoleClient, RoleServer, ServerHandler};
@@ -180,16 +180,21 @@ impl ServerHandler for ProxyServer {
         };
         match answer {
             Ok(CallToolResponse::Complete(done)) => {
-                let done = results::reused(done, served);
-                // Settled from the `usage.units` the proxied server reports, if it does.
+                let done = results::reused(done.complete(), served, Answer::Theirs);
+                // Settled from the `_meta.usage.units` the proxied server reports, where the
+                // operator trusts it to (`settle = "usage"`); never from its structured content,
+                // which may echo the caller's own arguments.
                 let done = match reservation {
-                    Some(reservation) => limited::settled(done, reservation, Answer::Theirs).await,
+                    Some(reservation) => {
+                        let used = results::usage_in_meta(&done).map_or(Used::Unreported, Used::Reported);
+                        limited::settled_as(done, reservation, used, Answer::Theirs).await
+                    }
                     None => done,
                 };
                 if admission.warnings().is_empty() || done.is_error == Some(true) {
                     Ok(CallToolResponse::Complete(done))
                 } else {
-                    Ok(CallToolResponse::Complete(results::with_warnings(done, admission.warnings())))
+                    Ok(CallToolResponse::Complete(results::with_warnings(done, admission.warnings(), Answer::Theirs)))
                 }
             }
             Ok(other) => Ok(other),
@@ -210,7 +215,8 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, ErrorData> {
         let method = "resources/list";
-        self.ask(&context, method).await?.list_resources(request).await.map_err(|e| self.passed(method, e))
+        let listed = self.ask(&context, method).await?.list_resources(request).await;
+        listed.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
     async fn list_resource_templates(
@@ -219,7 +225,8 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<ListResourceTemplatesResult, ErrorData> {
         let method = "resources/templates/list";
-        self.ask(&context, method).await?.list_resource_templates(request).await.map_err(|e| self.passed(method, e))
+        let listed = self.ask(&context, method).await?.list_resource_templates(request).await;
+        listed.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
     async fn read_resource(
@@ -228,7 +235,8 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, ErrorData> {
         let method = "resources/read";
-        self.ask(&context, method).await?.read_resource_once(request).await.map_err(|e| self.passed(method, e))
+        let read = self.ask(&context, method).await?.read_resource_once(request).await;
+        read.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
     async fn subscribe(
@@ -262,7 +270,8 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<ListPromptsResult, ErrorData> {
         let method = "prompts/list";
-        self.ask(&context, method).await?.list_prompts(request).await.map_err(|e| self.passed(method, e))
+        let listed = self.ask(&context, method).await?.list_prompts(request).await;
+        listed.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
     async fn get_prompt(
@@ -271,7 +280,8 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<GetPromptResponse, ErrorData> {
         let method = "prompts/get";
-        self.ask(&context, method).await?.get_prompt_once(request).await.map_err(|e| self.passed(method, e))
+        let prompt = self.ask(&context, method).await?.get_prompt_once(request).await;
+        prompt.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
     async fn complete(
@@ -280,7 +290,8 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<CompleteResult, ErrorData> {
         let method = "completion/complete";
-        self.ask(&context, method).await?.complete(request).await.map_err(|e| self.passed(method, e))
+        let completed = self.ask(&context, method).await?.complete(request).await;
+        completed.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
     async fn set_level(
@@ -308,5 +319,53 @@ impl ServerHandler for ProxyServer {
     ) -> Result<(), ErrorData> {
         let method = "tasks/cancel";
         self.ask(&context, method).await?.cancel_task(request).await.map_err(|e| self.passed(method, e))
+    }
+}
+
+/// A result passed on from the proxied server, made valid for a caller of either protocol
+/// version, whatever the proxied server speaks: `resultType: "complete"` where it left it out
+/// (a 2025-11-25 server, as every stdio child of the proxy's one session is), which a 2026-07-28
+/// caller requires; rmcp takes `"complete"` off again for a 2025-11-25 caller. A `resultType`
+/// it did say (`input_required`, …) stays.
+trait Complete {
+    fn complete(self) -> Self;
+}
+
+macro_rules! complete_where_missing {
+    ($($result:ty),*) => {$(
+        impl Complete for $result {
+            fn complete(mut self) -> Self {
+                self.result_type.get_or_insert(ResultType::COMPLETE);
+                self
+            }
+        }
+    )*};
+}
+
+complete_where_missing!(
+    CallToolResult,
+    ListResourcesResult,
+    ListResourceTemplatesResult,
+    ListPromptsResult,
+    CompleteResult,
+    GetPromptResult,
+    ReadResourceResult
+);
+
+impl Complete for GetPromptResponse {
+    fn complete(self) -> Self {
+        match self {
+            GetPromptResponse::Complete(prompt) => GetPromptResponse::Complete(prompt.complete()),
+            other => other,
+        }
+    }
+}
+
+impl Complete for ReadResourceResponse {
+    fn complete(self) -> Self {
+        match self {
+            ReadResourceResponse::Complete(read) => ReadResourceResponse::Complete(read.complete()),
+            other => other,
+        }
     }
 }
