@@ -956,3 +956,146 @@ async fn a_proxied_call_never_sent_is_charged_nothing_though_its_tool_settles_at
     let refused = call(&client, "add", json!({"a": 3, "b": 3})).await;
     assert_eq!(refused.structured_content.as_ref().expect("structured")["error"]["remaining"], 4, "{refused:?}");
 }
+
+/// A small MCP server of the test's own (rmcp over streamable HTTP) that answers `research` with a
+/// SEP-2663 task for a caller that speaks tasks, and answers `tasks/get` and `tasks/cancel` for
+/// any id anyone names, as a server that trusts its one client (the proxy) would.
+#[derive(Clone, Default)]
+struct Tasker {
+    topics: Arc<std::sync::Mutex<std::collections::HashMap<String, String>>>,
+    cancelled: Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl rmcp::ServerHandler for Tasker {
+    fn get_info(&self) -> rmcp::model::ServerConfig {
+        let capabilities = rmcp::model::ServerCapabilities::builder().enable_tools().enable_tasks().build();
+        rmcp::model::ServerConfig::new(capabilities)
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<rmcp::model::PaginatedRequestParams>,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::ListToolsResult, rmcp::ErrorData> {
+        let Value::Object(schema) = json!({"type": "object", "properties": {"topic": {"type": "string"}}}) else {
+            unreachable!("an object")
+        };
+        let research = rmcp::model::Tool::new("research", "Researches a topic, as a task", Arc::new(schema));
+        Ok(rmcp::model::ListToolsResult::with_all_items(vec![research]))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::CallToolResponse, rmcp::ErrorData> {
+        let topic = request.arguments.and_then(|a| a.get("topic").cloned()).unwrap_or_default().to_string();
+        if !context.client_capabilities().is_some_and(|c| c.supports_tasks()) {
+            return Ok(CallToolResult::success(vec![rmcp::model::ContentBlock::text(topic)]).into());
+        }
+        let mut topics = self.topics.lock().unwrap();
+        let id = format!("task-{}", topics.len() + 1);
+        topics.insert(id.clone(), topic);
+        let now = "2026-12-03T00:00:00Z";
+        let task = rmcp::model::Task::new(id, rmcp::model::TaskStatus::Working, now, now).with_ttl_ms(60_000);
+        Ok(rmcp::model::CallToolResponse::Task(rmcp::model::CreateTaskResult::new(task)))
+    }
+
+    async fn get_task(
+        &self,
+        request: rmcp::model::GetTaskParams,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::GetTaskResult, rmcp::ErrorData> {
+        let unknown = || rmcp::ErrorData::invalid_params(format!("no task {}", request.task_id), None);
+        let topic = self.topics.lock().unwrap().get(&request.task_id).cloned().ok_or_else(unknown)?;
+        let Value::Object(result) = json!({"content": [{"type": "text", "text": format!("findings on {topic}")}]})
+        else {
+            unreachable!("an object")
+        };
+        let now = "2026-12-03T00:00:01Z";
+        let task = rmcp::model::Task::new(request.task_id, rmcp::model::TaskStatus::Completed, now, now);
+        let payload = rmcp::model::TaskPayload::Completed { result };
+        Ok(rmcp::model::GetTaskResult::new(rmcp::model::DetailedTask::new(task, payload)))
+    }
+
+    async fn cancel_task(
+        &self,
+        request: rmcp::model::CancelTaskParams,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<(), rmcp::ErrorData> {
+        self.cancelled.lock().unwrap().push(request.task_id);
+        Ok(())
+    }
+}
+
+/// Serves `server` over streamable HTTP on a free loopback port; its `/mcp` URL.
+async fn serve_in_test<S: rmcp::ServerHandler + Clone + Send + Sync + 'static>(server: S) -> String {
+    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+    use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
+    let mcp = StreamableHttpService::new(
+        move || Ok(server.clone()),
+        LocalSessionManager::default().into(),
+        StreamableHttpServerConfig::default(),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}/mcp", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, axum::Router::new().nest_service("/mcp", mcp)).await });
+    url
+}
+
+/// A client that declares the tasks extension.
+#[derive(Clone)]
+struct SpeaksTasks;
+
+impl rmcp::ClientHandler for SpeaksTasks {
+    fn get_info(&self) -> rmcp::model::ClientConfig {
+        let capabilities = rmcp::model::ClientCapabilities::builder().enable_tasks().build();
+        rmcp::model::ClientConfig::new(capabilities, rmcp::model::Implementation::new("tasks-test", "1"))
+    }
+}
+
+#[tokio::test]
+async fn a_task_through_the_proxy_is_its_callers_and_unknown_to_any_other() {
+    let upstream = Tasker::default();
+    let target = Target::Http { url: serve_in_test(upstream.clone()).await, headers: Vec::new() };
+    let (a, b) = ("tenant-a-task-key-0123456789", "tenant-b-task-key-0123456789");
+    let toml = format!(
+        "[tools.research]\ncost = 1\n[auth]\nkeys = [{{ sha256 = \"{}\", tenant = \"acme\" }}, \
+         {{ sha256 = \"{}\", tenant = \"globex\" }}]\n",
+        sha256_hex(a),
+        sha256_hex(b)
+    );
+    let proxy = Proxy::start(&toml, target).await;
+    let client = |key: &'static str| {
+        use rmcp::{ClientLifecycleMode, ClientServiceExt};
+        let config = StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()).auth_header(key);
+        let preferred_versions = vec![rmcp::model::ProtocolVersion::V_2026_07_28];
+        SpeaksTasks.serve_with_lifecycle(
+            StreamableHttpClientTransport::from_config(config),
+            ClientLifecycleMode::Discover { preferred_versions },
+        )
+    };
+    let (alice, bob) = (client(a).await.expect("a connects"), client(b).await.expect("b connects"));
+    let mut args = serde_json::Map::new();
+    args.insert("topic".into(), json!("acme's merger"));
+    let asked = alice.call_tool_once(CallToolRequestParams::new("research").with_arguments(args)).await;
+    let Ok(rmcp::model::CallToolResponse::Task(created)) = asked else { panic!("a task: {asked:?}") };
+    let id = created.task.task_id.clone();
+
+    fn unknown<T>(answer: &Result<T, ServiceError>) -> bool {
+        matches!(answer, Err(ServiceError::McpError(error)) if error.message.contains("unknown task"))
+    }
+    let read = bob.get_task(rmcp::model::GetTaskParams::new(id.clone())).await;
+    assert!(unknown(&read), "another tenant reads nothing: {read:?}");
+    let cancel = bob.cancel_task(rmcp::model::CancelTaskParams::new(id.clone())).await;
+    assert!(unknown(&cancel), "nor cancels it: {cancel:?}");
+    assert!(upstream.cancelled.lock().unwrap().is_empty(), "the proxied server never heard of bob's cancel");
+    let guessed = bob.get_task(rmcp::model::GetTaskParams::new("task-1")).await;
+    assert!(unknown(&guessed), "an id no call of bob's made is unknown as well: {guessed:?}");
+
+    let own = alice.get_task(rmcp::model::GetTaskParams::new(id.clone())).await.expect("alice's own task");
+    let rmcp::model::TaskPayload::Completed { result } = &own.task.payload else { panic!("completed: {own:?}") };
+    assert_eq!(result["content"][0]["text"], "findings on \"acme's merger\"", "{result:?}");
+    alice.cancel_task(rmcp::model::CancelTaskParams::new(id.clone())).await.expect("alice cancels her own");
+    assert_eq!(*upstream.cancelled.lock().unwrap(), vec![id]);
+}

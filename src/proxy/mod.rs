@@ -21,6 +21,9 @@
 //! to the session that made the call, resource updates to the sessions that subscribed, log
 //! messages and list changes to all. `logging/setLevel` sets the shared session's level.
 //!
+//! **Tasks.** A task a proxied call creates is its caller's ([`tasks`]): `tasks/get` and
+//! `tasks/cancel` for it from anyone else are refused as unknown, never passed on.
+//!
 //! **Identity.** The caller's key never leaves the proxy: the proxied server gets only
 //! `proxy.headers` (over HTTP) and the caller's own `_meta` (minus its progress token, which is
 //! the proxy's own upstream). It cannot tell callers apart; the proxy does that. Nor does a stdio
@@ -30,6 +33,7 @@
 pub mod link;
 pub mod relay;
 mod server;
+pub mod tasks;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -79,6 +83,8 @@ pub struct Proxied {
     /// Identical calls in flight sharing one request, and answers kept (`[tools.NAME] coalesce`,
     /// `cache_ttl_ms`).
     reuse: Arc<Reuse<Forwarded>>,
+    /// Whose each task created through the proxy is.
+    tasks: tasks::Owners,
 }
 
 /// What a forwarded call came back with.
@@ -171,6 +177,7 @@ impl Proxied {
             calls: AtomicU64::new(0),
             mean_call: AtomicU64::new(0),
             reuse: Reuse::new(clock.clone(), limits.metrics().clone(), up.cache_max_entries, up.cache_max_bytes),
+            tasks: tasks::Owners::new(clock.clone()),
         });
         // Without its tools there is nothing to serve: a server that cannot list them is a
         // start-up error, as one that cannot be reached is.

@@ -6,13 +6,14 @@ use std::sync::{Arc, OnceLock};
 
 #[allow(deprecated)] // Logging and resource subscriptions are legacy in 2026-07-28, and still in use.
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, CompleteRequestParams, CompleteResult,
-    GetPromptRequestParams, GetPromptResponse, GetPromptResult, GetTaskParams, GetTaskResult, Implementation,
-    ListPromptsResult, ListResourceTemplatesResult, ListResourcesResult, ListToolsResult, PaginatedRequestParams,
-    ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult, ResultType, ServerConfig,
-    SetLevelRequestParams, SubscribeRequestParams, UnsubscribeRequestParams,
+    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, CancelTaskRequest, ClientRequest,
+    CompleteRequestParams, CompleteResult, GetPromptRequestParams, GetPromptResponse, GetPromptResult, GetTaskParams,
+    GetTaskRequest, GetTaskResult, Implementation, ListPromptsResult, ListResourceTemplatesResult, ListResourcesResult,
+    ListToolsResult, PaginatedRequestParams, ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult,
+    ResultType, ServerConfig, ServerResult, SetLevelRequestParams, SubscribeRequestParams, TaskPayload,
+    UnsubscribeRequestParams,
 };
-use rmcp::service::{NotificationContext, Peer, RequestContext, ServiceError};
+use rmcp::service::{NotificationContext, Peer, PeerRequestOptions, RequestContext, ServiceError};
 use rmcp::{ErrorData, RoleClient, RoleServer, ServerHandler};
 
 use super::relay::Membership;
@@ -78,6 +79,18 @@ impl ProxyServer {
         let wait = self.proxied.breaker.open_for(self.proxied.clock.now()).unwrap_or(crate::clock::NANOS_PER_SEC);
         let ms = wait.div_ceil(crate::clock::NANOS_PER_MS).max(1);
         results::method_error(&Refusal::upstream_unavailable(method, detail, ms))
+    }
+
+    /// Refuses a task the caller does not own — another caller's, or one no proxied call of ours
+    /// created — as `serve` refuses a job that is not the caller's: unknown, whether it exists or
+    /// not. (The method limit has counted the request already: guessing ids costs.)
+    fn owned(&self, context: &RequestContext<RoleServer>, task: &str) -> Result<(), ErrorData> {
+        let caller = limited::caller_of(&self.limits, context)?;
+        if self.proxied.tasks.is_owned_by(task, caller.id()) {
+            Ok(())
+        } else {
+            Err(ErrorData::invalid_params(format!("unknown task: {task}"), None))
+        }
     }
 
     fn refuse(&self, caller: &Caller, tool: &str, refusal: Refusal) -> CallToolResponse {
@@ -197,6 +210,10 @@ impl ServerHandler for ProxyServer {
                     Ok(CallToolResponse::Complete(results::with_warnings(done, admission.warnings(), Answer::Theirs)))
                 }
             }
+            Ok(CallToolResponse::Task(task)) => {
+                self.proxied.tasks.record(&task.task.task_id, task.task.ttl_ms, caller.id());
+                Ok(CallToolResponse::Task(task))
+            }
             Ok(other) => Ok(other),
             Err(Unanswered::Error(error)) => Err(error),
             // Sent, and no answer: work may have been done, and the reservation stands.
@@ -303,23 +320,57 @@ impl ServerHandler for ProxyServer {
         self.ask(&context, method).await?.set_level(request).await.map_err(|e| self.passed(method, e))
     }
 
+    /// A task of the caller's own, as the proxied server reports it; any other is unknown.
     async fn get_task(
         &self,
         request: GetTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<GetTaskResult, ErrorData> {
         let method = "tasks/get";
-        self.ask(&context, method).await?.get_task(request).await.map_err(|e| self.passed(method, e))
+        let upstream = self.ask(&context, method).await?;
+        self.owned(&context, &request.task_id)?;
+        let request = ClientRequest::GetTaskRequest(GetTaskRequest::new(request));
+        let mut got = match as_caller(&upstream, request, &context).await {
+            Ok(ServerResult::GetTaskResult(got)) => got,
+            Ok(_) => return Err(self.passed(method, ServiceError::UnexpectedResponse)),
+            Err(error) => return Err(self.passed(method, error)),
+        };
+        // Its result, a 2025-11-25 server's, made valid for a 2026-07-28 caller as any other.
+        if let TaskPayload::Completed { result } = &mut got.task.payload {
+            result.entry("resultType").or_insert_with(|| ResultType::COMPLETE.as_str().into());
+        }
+        Ok(got)
     }
 
+    /// Cancels a task of the caller's own; any other is unknown, and the proxied server never hears.
     async fn cancel_task(
         &self,
         request: CancelTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
         let method = "tasks/cancel";
-        self.ask(&context, method).await?.cancel_task(request).await.map_err(|e| self.passed(method, e))
+        let upstream = self.ask(&context, method).await?;
+        self.owned(&context, &request.task_id)?;
+        let request = ClientRequest::CancelTaskRequest(CancelTaskRequest::new(request));
+        match as_caller(&upstream, request, &context).await {
+            Ok(ServerResult::TaskAckResult(_) | ServerResult::EmptyResult(_)) => Ok(()),
+            Ok(_) => Err(self.passed(method, ServiceError::UnexpectedResponse)),
+            Err(error) => Err(self.passed(method, error)),
+        }
     }
+}
+
+/// `request` sent to the proxied server with what the caller's `_meta` may carry there
+/// ([`super::for_upstream`]): a task's requests need the capabilities the caller declared (the
+/// tasks extension), which the proxy's own session to it does not.
+async fn as_caller(
+    upstream: &Peer<RoleClient>,
+    request: ClientRequest,
+    context: &RequestContext<RoleServer>,
+) -> Result<ServerResult, ServiceError> {
+    let mut options = PeerRequestOptions::no_options();
+    options.meta = Some(super::for_upstream(context.meta.clone()));
+    upstream.send_request_with_option(request, options).await?.await_response().await
 }
 
 /// A result passed on from the proxied server, made valid for a caller of either protocol
