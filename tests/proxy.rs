@@ -1099,3 +1099,70 @@ async fn a_task_through_the_proxy_is_its_callers_and_unknown_to_any_other() {
     alice.cancel_task(rmcp::model::CancelTaskParams::new(id.clone())).await.expect("alice cancels her own");
     assert_eq!(*upstream.cancelled.lock().unwrap(), vec![id]);
 }
+
+/// A client that keeps the log messages it hears: their text.
+#[derive(Clone, Default)]
+struct Logs(Arc<std::sync::Mutex<Vec<String>>>);
+
+#[allow(deprecated)] // Logging is legacy in 2026-07-28, and still what servers send.
+impl rmcp::ClientHandler for Logs {
+    async fn on_logging_message(
+        &self,
+        params: rmcp::model::LoggingMessageNotificationParam,
+        _context: rmcp::service::NotificationContext<rmcp::RoleClient>,
+    ) {
+        let text =
+            params.data.get("msg").and_then(Value::as_str).map_or_else(|| params.data.to_string(), str::to_owned);
+        self.0.lock().unwrap().push(text);
+    }
+}
+
+impl Logs {
+    fn heard(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+#[tokio::test]
+async fn a_log_message_reaches_only_the_sessions_that_asked_each_at_its_own_level() {
+    let (a, b) = ("tenant-a-logs-key-0123456789", "tenant-b-logs-key-0123456789");
+    let toml = format!(
+        "[loop_detection]\nenabled = false\n[auth]\nkeys = [{{ sha256 = \"{}\", tenant = \"acme\" }}, \
+         {{ sha256 = \"{}\", tenant = \"globex\" }}]\n",
+        sha256_hex(a),
+        sha256_hex(b)
+    );
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let session = |key: &str, logs: Logs| {
+        let config = StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()).auth_header(key);
+        logs.serve(StreamableHttpClientTransport::from_config(config))
+    };
+    let (heard_a, heard_b) = (Logs::default(), Logs::default());
+    let alice = session(a, heard_a.clone()).await.expect("a connects");
+    let bob = session(b, heard_b.clone()).await.expect("b connects");
+    #[allow(deprecated)]
+    let level = |l| rmcp::model::SetLevelRequestParams::new(l);
+    #[allow(deprecated)]
+    alice.set_level(level(rmcp::model::LoggingLevel::Warning)).await.expect("alice asks for warnings");
+    async fn log(client: &rmcp::service::RunningService<rmcp::RoleClient, Logs>, level: &str, message: &str) {
+        let mut args = serde_json::Map::new();
+        args.insert("level".into(), json!(level));
+        args.insert("message".into(), json!(message));
+        let logged = client.call_tool(CallToolRequestParams::new("log").with_arguments(args)).await;
+        assert_eq!(logged.map(|r| text_of(&r)).ok().as_deref(), Some("logged"));
+    }
+    log(&bob, "error", "first error").await;
+    eventually("alice hears the error", || async { heard_a.heard() == ["first error"] }).await;
+    // Bob never asked: he hears nothing, though his own call made the message.
+    log(&bob, "info", "an info alice's level drops").await;
+    #[allow(deprecated)]
+    bob.set_level(level(rmcp::model::LoggingLevel::Debug)).await.expect("bob asks for everything");
+    log(&alice, "debug", "some debug").await;
+    log(&alice, "warning", "a warning").await;
+    eventually("bob hears what was sent after he asked", || async { heard_b.heard() == ["some debug", "a warning"] })
+        .await;
+    eventually("alice hears the warning", || async { heard_a.heard() == ["first error", "a warning"] }).await;
+    common::settle().await;
+    assert_eq!(heard_a.heard(), ["first error", "a warning"], "alice's own level: warning and above");
+    assert_eq!(heard_b.heard(), ["some debug", "a warning"], "nothing from before bob asked");
+}

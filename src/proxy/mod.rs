@@ -19,7 +19,8 @@
 //! process for a command). A caller opening many sessions therefore opens nothing upstream, and the
 //! proxied server sees one client: the proxy. Notifications are routed back ([`relay`]): progress
 //! to the session that made the call, resource updates to the sessions that subscribed, log
-//! messages and list changes to all. `logging/setLevel` sets the shared session's level.
+//! messages to the sessions that set a level (each at its own), list changes to all. A session's
+//! `logging/setLevel` is its own; the shared session's level is the most verbose any asked for.
 //!
 //! **Tasks.** A task a proxied call creates is its caller's ([`tasks`]): `tasks/get` and
 //! `tasks/cancel` for it from anyone else are refused as unknown, never passed on.

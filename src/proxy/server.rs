@@ -311,13 +311,26 @@ impl ServerHandler for ProxyServer {
         completed.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
+    /// Sets the level of the proxied server's log messages this session hears; the proxied
+    /// server's own level becomes the most verbose any session asked for (see [`super::relay`]).
+    /// A request without a session (2026-07-28, stateless) hears no log messages, and changes
+    /// nothing.
     async fn set_level(
         &self,
         request: SetLevelRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
         let method = "logging/setLevel";
-        self.ask(&context, method).await?.set_level(request).await.map_err(|e| self.passed(method, e))
+        let upstream = self.ask(&context, method).await?;
+        let Some(session) = self.membership.get().map(Membership::id) else { return Ok(()) };
+        let downstream = &self.proxied.downstream;
+        let mut set = downstream.upstream_level.lock().await;
+        let wanted = downstream.set_level(session, request.level);
+        if *set != Some(wanted) {
+            upstream.set_level(SetLevelRequestParams::new(wanted)).await.map_err(|e| self.passed(method, e))?;
+            *set = Some(wanted);
+        }
+        Ok(())
     }
 
     /// A task of the caller's own, as the proxied server reports it; any other is unknown.
