@@ -1166,3 +1166,72 @@ async fn a_log_message_reaches_only_the_sessions_that_asked_each_at_its_own_leve
     assert_eq!(heard_a.heard(), ["first error", "a warning"], "alice's own level: warning and above");
     assert_eq!(heard_b.heard(), ["some debug", "a warning"], "nothing from before bob asked");
 }
+
+#[tokio::test]
+async fn tools_the_proxied_server_renames_leave_no_series_or_dashboard_rows_and_names_and_counts_are_bounded() {
+    let key = "renaming-key-0123456789abcdef";
+    let toml = format!(
+        "[limits.http]\nburst = 100000\n[limits.method.tools_call]\nburst = 100000\n\
+         [limits.method.tools_list]\nburst = 100000\n[limits.caller]\nburst = 100000\n\
+         [auth]\nkeys = [{{ sha256 = \"{}\" }}]\n",
+        sha256_hex(key)
+    );
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let client = proxy.client(Some(key)).await;
+    let base = proxy.url.trim_end_matches("/mcp").to_owned();
+    let names = |tools: &[rmcp::model::Tool]| tools.iter().map(|t| t.name.to_string()).collect::<Vec<_>>();
+    let mut sizes = Vec::new();
+    for round in ["alpha", "beta", "gamma"] {
+        let replaced = call(&client, "replace_tools", json!({"prefix": round, "count": 20})).await;
+        assert_eq!(text_of(&replaced), "20 tools");
+        let last = format!("{round}19");
+        eventually_some("the new tools are listed", Duration::from_secs(10), || async {
+            names(&client.list_all_tools().await.expect("tools")).contains(&last).then_some(())
+        })
+        .await;
+        for i in 0..20 {
+            assert_eq!(text_of(&call(&client, &format!("{round}{i}"), json!({})).await), format!("{round}{i}"));
+        }
+        // Four more identical calls of the first: the fifth in a row is a loop, a dashboard row.
+        let looped = answer_when(&client, &format!("{round}0"), json!({}), Duration::from_secs(5), |a| {
+            code_of(a) == Some("loop_detected")
+        })
+        .await;
+        assert_eq!(code_of(&looped), Some("loop_detected"));
+        let metrics = proxy_metrics(&proxy).await;
+        assert!(metrics.contains(&format!("tool=\"{round}0\"")), "{metrics}");
+        let data: Value =
+            reqwest::get(format!("{base}/dashboard/data")).await.expect("data").json().await.expect("json");
+        let rows: Vec<String> = data["tools"].as_array().expect("rows").iter().map(|r| r["tool"].to_string()).collect();
+        assert_eq!(rows, vec![format!("\"{round}0\"")], "one row, this round's looping tool: {data}");
+        for gone in ["alpha", "beta", "gamma"].iter().take_while(|r| **r != round) {
+            assert!(!metrics.contains(&format!("tool=\"{gone}")), "{gone}'s series are forgotten: {metrics}");
+        }
+        sizes.push(metrics.lines().count());
+    }
+    assert_eq!(sizes[1], sizes[0], "as many series for twenty renamed tools as for the twenty before");
+    assert_eq!(sizes[2], sizes[0], "and again");
+
+    // A name longer than the MCP spec's 128 characters is never offered, nor a label.
+    let long = "x".repeat(129);
+    call(&client, "replace_tools", json!({"prefix": long, "count": 5})).await;
+    eventually_some("the round's tools are gone", Duration::from_secs(10), || async {
+        let listed = names(&client.list_all_tools().await.expect("tools"));
+        (!listed.iter().any(|n| n.starts_with("gamma"))).then_some(listed)
+    })
+    .await;
+    let listed = client.list_all_tools().await.expect("tools");
+    assert!(listed.iter().all(|t| t.name.chars().count() <= 128), "{:?}", names(&listed));
+    let refused = client.call_tool(CallToolRequestParams::new(format!("{long}0"))).await;
+    assert!(matches!(refused, Err(ServiceError::McpError(_))), "not the proxied server's to hear: {refused:?}");
+    assert!(!proxy_metrics(&proxy).await.contains(&long), "no such label");
+
+    // And at most a thousand tools: the rest are not offered.
+    call(&client, "replace_tools", json!({"prefix": "many", "count": 1100})).await;
+    let listed = eventually_some("many tools listed", Duration::from_secs(20), || async {
+        let listed = client.list_all_tools().await.expect("tools");
+        listed.iter().any(|t| t.name.starts_with("many")).then_some(listed)
+    })
+    .await;
+    assert_eq!(listed.len(), mcp_ratelimit::proxy::MAX_TOOLS, "the first thousand of 1,100 and the fixture's own");
+}

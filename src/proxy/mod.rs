@@ -219,12 +219,13 @@ impl Proxied {
     }
 
     /// Lists the proxied server's tools again (within [`link::ANSWER_WITHIN`], whatever
-    /// `proxy.timeout_ms` says of calls), and warns of each `[tools.NAME]` it does not list; on an
-    /// error the last list stays.
+    /// `proxy.timeout_ms` says of calls), keeps those it may offer ([`offered`]), forgets the
+    /// metrics and dashboard rows of every tool it no longer lists, and warns of each
+    /// `[tools.NAME]` it does not list; on an error the last list stays.
     async fn learn_tools(&self) -> Result<(), String> {
         let peer = self.link.peer().ok_or("it is not connected")?;
-        let tools = match tokio::time::timeout(link::ANSWER_WITHIN, peer.list_all_tools()).await {
-            Ok(Ok(tools)) => tools,
+        let tools = match tokio::time::timeout(link::ANSWER_WITHIN, list_tools(&peer)).await {
+            Ok(Ok(tools)) => offered(tools),
             Ok(Err(error)) => return Err(crate::redact::url(&error.to_string())),
             Err(_) => return Err(format!("no answer within {:?}", link::ANSWER_WITHIN)),
         };
@@ -234,6 +235,11 @@ impl Proxied {
             }
         }
         tracing::info!(tools = tools.len(), "learnt the proxied server's tools");
+        // Every series and row of a tool it does not list now: those of tools renamed or dropped,
+        // and any a call still in flight then recorded after the last list.
+        let listed: std::collections::HashSet<String> = tools.iter().map(|t| t.name.to_string()).collect();
+        self.limits.metrics().forget_tools(|tool| !listed.contains(tool));
+        self.limits.guard().activity().forget_tools(|tool| !listed.contains(tool));
         self.tools.store(Arc::new(tools));
         Ok(())
     }
@@ -395,6 +401,57 @@ impl Proxied {
             }
         }
     }
+}
+
+/// The most tools a proxied server's list is read to; the rest are not offered (each tool is a
+/// handful of metric series and a dashboard row, which must stay bounded).
+pub const MAX_TOOLS: usize = 1000;
+/// The longest tool name the MCP spec allows (1 to 128 characters).
+pub const MAX_TOOL_NAME: usize = 128;
+
+/// Every page of the proxied server's tools, up to [`MAX_TOOLS`] (and as many pages): a server
+/// that lists more, or pages for ever, is read that far.
+async fn list_tools(peer: &rmcp::service::Peer<rmcp::RoleClient>) -> Result<Vec<Tool>, ServiceError> {
+    let mut tools = Vec::new();
+    let mut cursor = None;
+    for _ in 0..MAX_TOOLS {
+        let page = peer.list_tools(Some(rmcp::model::PaginatedRequestParams::default().with_cursor(cursor))).await?;
+        tools.extend(page.tools);
+        cursor = page.next_cursor;
+        if cursor.is_none() || tools.len() > MAX_TOOLS {
+            break;
+        }
+    }
+    Ok(tools)
+}
+
+/// The tools the proxy offers of those the proxied server lists: each with a name the MCP spec
+/// allows the length of (1 to 128 characters) and no control character in it, the first
+/// [`MAX_TOOLS`] of them. The others are neither listed downstream nor callable (a warning says
+/// how many): a 100 KB name would be a 100 KB metric label on every series of its tool. A name
+/// of other characters than the spec's `[A-Za-z0-9_.-]` is offered as it is.
+fn offered(tools: Vec<Tool>) -> Vec<Tool> {
+    let listed = tools.len();
+    let named = |tool: &Tool| {
+        let chars = tool.name.chars().count();
+        (1..=MAX_TOOL_NAME).contains(&chars) && !tool.name.chars().any(char::is_control)
+    };
+    let mut tools: Vec<Tool> = tools.into_iter().filter(named).collect();
+    if tools.len() < listed {
+        tracing::warn!(
+            dropped = listed - tools.len(),
+            "the proxied server lists tools whose names are empty, longer than {MAX_TOOL_NAME} characters or hold \
+             control characters; they are not offered"
+        );
+    }
+    if tools.len() > MAX_TOOLS {
+        tracing::warn!(
+            listed = tools.len(),
+            "the proxied server lists more than {MAX_TOOLS} tools; the rest are not offered"
+        );
+        tools.truncate(MAX_TOOLS);
+    }
+    tools
 }
 
 /// Tells the proxied server to stop a call whose answer nobody waits for any more.
