@@ -910,7 +910,7 @@ async fn a_caller_cannot_price_its_own_call_through_a_tool_that_echoes_it() {
     // caller's `usage.units: 0` in either is not a price. echo_back is even trusted to bill
     // (`settle = "usage"`), but only a `_meta` report is read.
     let toml = "[tools.echo_back]\ncost = 5\nsettle = \"usage\"\n[tools.echo_meta]\ncost = 5\n\
-                [limits.caller]\nburst = 12\nrefill_per_sec = 0.001\n";
+                [limits.caller]\nburst = 17\nrefill_per_sec = 0.001\n";
     let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
     let client = proxy.client(None).await;
     let free = json!({"usage": {"units": 0}});
@@ -920,8 +920,12 @@ async fn a_caller_cannot_price_its_own_call_through_a_tool_that_echoes_it() {
     let meta = &echoed.meta.as_ref().expect("its _meta").0;
     assert_eq!(meta["usage"], free["usage"], "its own _meta, unchanged: {echoed:?}");
     assert_eq!(meta.get("io.github.mcp-ratelimit/charged"), None, "charged as reserved: {echoed:?}");
+    // Nor can a server (or a caller through it) speak for the proxy in _meta.
+    let forged = call(&client, "echo_meta", json!({"meta": {"io.github.mcp-ratelimit/charged": 0, "own": 1}})).await;
+    let meta = &forged.meta.as_ref().expect("its _meta").0;
+    assert_eq!((meta.get("io.github.mcp-ratelimit/charged"), meta.get("own")), (None, Some(&json!(1))), "{meta:?}");
     let refused = call(&client, "echo_back", json!({"value": {"again": true}})).await;
-    assert_eq!(code_of(&refused), Some("rate_limited"), "10 of 12 spent: {refused:?}");
+    assert_eq!(code_of(&refused), Some("rate_limited"), "15 of 17 spent: {refused:?}");
     assert_eq!(refused.structured_content.as_ref().expect("structured")["error"]["remaining"], 2);
 }
 

@@ -105,6 +105,16 @@ fn said(mut done: CallToolResult, facts: &[(&str, serde_json::Value)], whose: An
     done
 }
 
+/// `done` without any `_meta` key under our [`META_PREFIX`]: what a proxied server says there is
+/// not ours to vouch for (a `charged: 0` of its own would read as our price), so only what we
+/// add ([`said`]) is there.
+pub fn without_ours(mut done: CallToolResult) -> CallToolResult {
+    if let Some(meta) = &mut done.meta {
+        meta.0.retain(|key, _| !key.starts_with(META_PREFIX));
+    }
+    done
+}
+
 /// The units the upstream reports a result used: `structuredContent.usage.units`, else
 /// `_meta.usage.units` (where a server that has no structured output can say it).
 pub fn usage_in(done: &CallToolResult) -> Option<u64> {

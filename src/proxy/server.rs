@@ -193,7 +193,7 @@ impl ServerHandler for ProxyServer {
         };
         match answer {
             Ok(CallToolResponse::Complete(done)) => {
-                let done = results::reused(done.complete(), served, Answer::Theirs);
+                let done = results::reused(results::without_ours(done.complete()), served, Answer::Theirs);
                 // Settled from the `_meta.usage.units` the proxied server reports, where the
                 // operator trusts it to (`settle = "usage"`); never from its structured content,
                 // which may echo the caller's own arguments.
@@ -327,7 +327,12 @@ impl ServerHandler for ProxyServer {
         let mut set = downstream.upstream_level.lock().await;
         let wanted = downstream.set_level(session, request.level);
         if *set != Some(wanted) {
-            upstream.set_level(SetLevelRequestParams::new(wanted)).await.map_err(|e| self.passed(method, e))?;
+            // Within the time a listing of tools has: the lock is held meanwhile.
+            let setting = upstream.set_level(SetLevelRequestParams::new(wanted));
+            match tokio::time::timeout(super::link::ANSWER_WITHIN, setting).await {
+                Ok(done) => done.map_err(|e| self.passed(method, e))?,
+                Err(_) => return Err(self.unavailable(method, "it did not answer in time")),
+            }
             *set = Some(wanted);
         }
         Ok(())
