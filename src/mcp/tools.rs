@@ -421,6 +421,13 @@ struct Added {
 /// [`Submitted`] a client without tasks gets.
 fn output_schema<T: JsonSchema + 'static>() -> Arc<JsonObject> {
     use rmcp::handler::server::tool::schema_for_output;
+    // Built once per type: every session's router holds the same schemas, not copies of its own.
+    static BUILT: std::sync::LazyLock<Mutex<BTreeMap<std::any::TypeId, Arc<JsonObject>>>> =
+        std::sync::LazyLock::new(Mutex::default);
+    let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(schema) = built.get(&std::any::TypeId::of::<T>()) {
+        return schema.clone();
+    }
     let mut schema = schema_for_output::<T>().as_ref().clone();
     let added = schema_for_output::<Added>();
     for section in ["properties", "$defs"] {
@@ -448,7 +455,9 @@ fn output_schema<T: JsonSchema + 'static>() -> Arc<JsonObject> {
     }
     let required = schema.remove("required").unwrap_or_else(|| serde_json::json!([]));
     schema.insert("anyOf".into(), serde_json::json!([{"required": required}, {"required": ["error"]}]));
-    Arc::new(schema)
+    let schema = Arc::new(schema);
+    built.insert(std::any::TypeId::of::<T>(), schema.clone());
+    schema
 }
 
 fn success(summary: String, structured: impl Serialize) -> Result<CallToolResult, ErrorData> {
