@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Drives mcp-ratelimit with the official MCP Inspector CLI: lists the tools and calls them
-# over streamable HTTP and over stdio, and checks that a burst ends in a refusal the agent can
-# read. Installs Node 22 and the Inspector from the npm registry into .tools/ on first use.
+# over streamable HTTP and over stdio, checks that a burst ends in a refusal the agent can
+# read, and calls `serve` and `proxy` (in front of server-everything) in both protocol eras
+# (`--protocol-era legacy` and `modern`). Installs Node 22 and the Inspector from the npm
+# registry into .tools/ on first use.
 #
 #   scripts/inspector.sh            # run the checks
 #   scripts/inspector.sh --ui       # start the server and the Inspector web UI instead
@@ -89,5 +91,37 @@ grep -q '"rate_limit_status"' <<<"$tools" || fail "tools/list over stdio"
 out=$(inspect --method tools/call --tool-name list_articles --tool-args-json '{"limit":2}' -e RUST_LOG=warn -- "$BIN" stdio)
 grep -q '"articles"' <<<"$out" || fail "list_articles over stdio: $out"
 echo "$out" | head -c 300; echo
+
+echo "== HTTP, both protocol eras: serve answers a 2026-07-28 client as it answers a 2025-11-25 one"
+for era in legacy modern; do
+  out=$(inspect "$URL" --transport http --protocol-era "$era" --header "Authorization: Bearer inspector-$era" \
+    --method tools/call --tool-name rate_limit_status --tool-args-json '{}')
+  grep -q '"budgets"' <<<"$out" || fail "rate_limit_status with --protocol-era $era: $out"
+  echo "$era: rate_limit_status answered"
+done
+
+echo "== the proxy in front of server-everything (stdio), both protocol eras"
+scripts/proxy-fixtures.sh >/dev/null
+EVERYTHING="$PWD/.tools/node/node_modules/@modelcontextprotocol/server-everything/dist/index.js"
+PROXY_PORT=$(free_port)
+PROXY_URL="http://127.0.0.1:$PROXY_PORT/mcp"
+PROXY_LOG=$(mktemp)
+RUST_LOG=warn "$BIN" proxy --listen "127.0.0.1:$PROXY_PORT" -- node "$EVERYTHING" stdio >"$PROXY_LOG" 2>&1 &
+PROXY_PID=$!
+trap 'kill "$PROXY_PID" 2>/dev/null || true; stop_server' EXIT
+for _ in $(seq 1 200); do
+  curl -fsS "http://127.0.0.1:$PROXY_PORT/health" >/dev/null 2>&1 && break
+  sleep 0.05
+done
+for era in legacy modern; do
+  out=$(inspect "$PROXY_URL" --transport http --protocol-era "$era" --method tools/call --tool-name echo \
+    --tool-args-json "{\"message\":\"hello $era\"}") || fail "echo through the proxy, --protocol-era $era: $out"
+  grep -q "Echo: hello $era" <<<"$out" || fail "echo through the proxy, --protocol-era $era: $out"
+  out=$(inspect "$PROXY_URL" --transport http --protocol-era "$era" --method tools/call \
+    --tool-name get-structured-content --tool-args-json '{"location":"Chicago"}') \
+    || fail "get-structured-content through the proxy, --protocol-era $era: $out"
+  grep -q '"conditions"' <<<"$out" || fail "get-structured-content through the proxy, --protocol-era $era: $out"
+  echo "$era: the proxied server's answers read as they are"
+done
 
 echo "inspector checks passed"

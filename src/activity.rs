@@ -379,6 +379,12 @@ impl Activity {
         self.recent.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Forgets the refusal counts of every tool `gone` says is gone (a proxied server no longer
+    /// lists it): its dashboard row. Methods and the HTTP layer are never a tool.
+    pub fn forget_tools(&self, gone: impl Fn(&str) -> bool) {
+        self.recent().per_tool.retain(|tool, series| series.layer != Layer::Tool || !gone(tool));
+    }
+
     /// How an identifier (a caller id, an address) is shown: `#` and six hex digits of a keyed
     /// hash, the same for the same identifier while this process runs.
     pub fn hashed(&self, id: &str) -> String {

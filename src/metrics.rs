@@ -5,11 +5,18 @@
 //! outcomes and a 16-way *client bucket* (a hash of the caller id): enough to see whether
 //! rejections come from one caller or many, never enough to tell who. No label ever holds a
 //! token, a caller id or an address.
+//!
+//! Counters live in a registry of our own, not the exporter's: a proxied server's tools come and
+//! go, and the series of a tool it no longer lists are forgotten ([`Metrics::forget_tools`]),
+//! which the exporter's registry cannot do. Gauges stay with the exporter.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
 
 use metrics::{Counter, Gauge, Key, Label, Level, Metadata, Recorder, SharedString, Unit};
+use metrics_exporter_prometheus::formatting::sanitize_label_value;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+use metrics_util::registry::{AtomicStorage, Registry};
 
 use crate::config::Catalogue;
 use crate::identity::Caller;
@@ -171,6 +178,10 @@ const METHOD_NAMES: &[&str] = &["tools/list", "tools/call", "other"];
 pub struct Metrics {
     recorder: PrometheusRecorder,
     handle: PrometheusHandle,
+    /// Every counter (see the module doc for why not the recorder's).
+    counters: Registry<Key, AtomicStorage>,
+    /// Each counter's help text, by name.
+    help: HashMap<&'static str, &'static str>,
     /// `[layer][name] -> [allowed, refused]` for every known layer and name.
     decisions: [HashMap<String, [Counter; 2]>; 3],
     in_flight: Gauge,
@@ -195,8 +206,10 @@ impl Metrics {
     pub fn new(tools: &Catalogue) -> Self {
         let recorder = PrometheusBuilder::new().build_recorder();
         let handle = recorder.handle();
-        let describe = |name: &'static str, unit: Unit, help: &'static str| {
-            recorder.describe_counter(name.into(), Some(unit), SharedString::const_str(help));
+        let counters = Registry::atomic();
+        let mut help = HashMap::new();
+        let mut describe = |name: &'static str, _unit: Unit, text: &'static str| {
+            help.insert(name, text);
         };
         describe(DECISIONS, Unit::Count, "Limit decisions by layer, tool (or method) and outcome.");
         describe(REJECTIONS, Unit::Count, "Refusals by layer, tool, code and client bucket (a 16-way hash).");
@@ -230,6 +243,7 @@ impl Metrics {
             Unit::Count,
             "Connections closed without ever presenting a whole request within server.header_read_timeout_ms.",
         );
+        describe(CONFIG_RELOADS, Unit::Count, "Config reloads applied or refused.");
         let gauge = |name: &'static str, help: &'static str| {
             recorder.describe_gauge(name.into(), Some(Unit::Count), SharedString::const_str(help));
         };
@@ -251,7 +265,7 @@ impl Metrics {
         let register = |layer: Layer, names: &mut dyn Iterator<Item = &str>| -> HashMap<String, [Counter; 2]> {
             names
                 .map(|name| {
-                    let counter = |outcome| recorder.register_counter(&decision_key(layer, name, outcome), &META);
+                    let counter = |outcome| counter_in(&counters, &decision_key(layer, name, outcome));
                     (name.to_owned(), [counter(Outcome::Allowed), counter(Outcome::Refused)])
                 })
                 .collect()
@@ -262,11 +276,15 @@ impl Metrics {
             register(Layer::Tool, &mut tools.names()),
         ];
         let in_flight = recorder.register_gauge(&Key::from_name(IN_FLIGHT), &META);
-        Self { recorder, handle, decisions, in_flight }
+        Self { recorder, handle, counters, help, decisions, in_flight }
+    }
+
+    fn counter(&self, key: &Key) -> Counter {
+        counter_in(&self.counters, key)
     }
 
     fn count(&self, name: &'static str, labels: Vec<Label>) {
-        self.recorder.register_counter(&Key::from_parts(name, labels), &META).increment(1);
+        self.counter(&Key::from_parts(name, labels)).increment(1);
     }
 
     /// Records one decision.
@@ -276,13 +294,13 @@ impl Metrics {
             return;
         }
         let outcome = if allowed { Outcome::Allowed } else { Outcome::Refused };
-        self.recorder.register_counter(&decision_key(layer, tool, outcome), &META).increment(1);
+        self.counter(&decision_key(layer, tool, outcome)).increment(1);
     }
 
     /// Records one refusal a shadow limit would have made (`outcome="shadow_refused"`); the
     /// call itself is counted allowed or refused by the enforced limits as usual.
     pub fn shadow_refusal(&self, layer: Layer, tool: &str) {
-        self.recorder.register_counter(&decision_key(layer, tool, Outcome::ShadowRefused), &META).increment(1);
+        self.counter(&decision_key(layer, tool, Outcome::ShadowRefused)).increment(1);
     }
 
     /// Records one refusal, labelled with the caller's bucket, never the caller.
@@ -312,7 +330,7 @@ impl Metrics {
     /// Records `units` cost units `refunded` or `charged` by settling a call of `tool`.
     pub fn settled(&self, tool: &str, how: &'static str, units: u64) {
         let labels = vec![Label::new("tool", tool.to_owned()), Label::new("how", how)];
-        self.recorder.register_counter(&Key::from_parts(SETTLED_UNITS, labels), &META).increment(units);
+        self.counter(&Key::from_parts(SETTLED_UNITS, labels)).increment(units);
     }
 
     /// Records one try of a settlement the store did not take.
@@ -379,10 +397,50 @@ impl Metrics {
         if delta >= 0.0 { self.in_flight.increment(delta) } else { self.in_flight.decrement(-delta) }
     }
 
+    /// Forgets every series of a tool `gone` says is gone (a proxied server no longer lists
+    /// it): its decisions, refusals, upstream requests and settlements. A method (`tools/list`)
+    /// and the HTTP layer are never a tool, whatever a proxied server names its tools.
+    pub fn forget_tools(&self, gone: impl Fn(&str) -> bool) {
+        self.counters.retain_counters(|key, _| {
+            let label = |name: &str| key.labels().find(|l| l.key() == name).map(|l| l.value());
+            let of_a_tool = label("layer").is_none_or(|layer| layer == Layer::Tool.as_str());
+            !(of_a_tool && label("tool").is_some_and(&gone))
+        });
+    }
+
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
-        self.handle.render()
+        let mut families: BTreeMap<String, Vec<(Key, u64)>> = BTreeMap::new();
+        self.counters.visit_counters(|key, value| {
+            let value = value.load(std::sync::atomic::Ordering::Relaxed);
+            families.entry(key.name().to_owned()).or_default().push((key.clone(), value));
+        });
+        let mut out = String::new();
+        for (name, mut series) in families {
+            series.sort_by(|a, b| a.0.cmp(&b.0));
+            if let Some(help) = self.help.get(name.as_str()) {
+                let _ = writeln!(out, "# HELP {name} {help}");
+            }
+            let _ = writeln!(out, "# TYPE {name} counter");
+            for (key, value) in series {
+                out.push_str(&name);
+                let labels: Vec<String> =
+                    key.labels().map(|l| format!("{}=\"{}\"", l.key(), sanitize_label_value(l.value()))).collect();
+                if !labels.is_empty() {
+                    let _ = write!(out, "{{{}}}", labels.join(","));
+                }
+                let _ = writeln!(out, " {value}");
+            }
+            out.push('\n');
+        }
+        out.push_str(&self.handle.render());
+        out
     }
+}
+
+/// The counter `key` names in `counters`, made there at its first use.
+fn counter_in(counters: &Registry<Key, AtomicStorage>, key: &Key) -> Counter {
+    counters.get_or_create_counter(key, |counter| Counter::from_arc(counter.clone()))
 }
 
 #[cfg(test)]
@@ -407,5 +465,24 @@ mod tests {
         ] {
             assert!(text.contains(line), "missing {line} in\n{text}");
         }
+    }
+
+    #[test]
+    fn a_forgotten_tool_leaves_no_series_and_a_method_is_never_a_tool() {
+        let m = Metrics::default();
+        for tool in ["gone", "kept"] {
+            m.decision(Layer::Tool, tool, true);
+            m.loop_detected(tool);
+            m.settled(tool, "refunded", 3);
+        }
+        m.decision(Layer::Method, "tools/list", false);
+        m.forget_tools(|tool| tool == "gone" || tool == "tools/list");
+        let text = m.render();
+        assert!(!text.contains("tool=\"gone\""), "{text}");
+        assert_eq!(text.matches("tool=\"kept\"").count(), 3, "{text}");
+        assert!(text.contains("layer=\"method\",tool=\"tools/list\",outcome=\"refused\"} 1"), "{text}");
+        assert!(text.contains("# HELP mcp_ratelimit_decisions_total "), "{text}");
+        m.decision(Layer::Tool, "gone", false);
+        assert!(m.render().contains("tool=\"gone\",outcome=\"refused\"} 1"), "it starts afresh if it comes back");
     }
 }

@@ -27,7 +27,7 @@ use common::{Client, TestServer, call, error_code, metric_sum, text};
 use mcp_ratelimit::clock::ManualClock;
 use mcp_ratelimit::config::{Catalogue, Config};
 use mcp_ratelimit::limit::{Concurrency, Limiter};
-use mcp_ratelimit::proxy::Target;
+use mcp_ratelimit::proxy::{ChildEnv, Target};
 use mcp_ratelimit::store::{Check, RedisStore, new_lease};
 use mcp_ratelimit::{App, LimitedRouter, RateLimits};
 use rmcp::handler::server::wrapper::Parameters;
@@ -298,7 +298,7 @@ fn fixture_server() -> Target {
     let python = root.join(".tools/python/bin/python");
     assert!(python.exists(), "{} is missing: run scripts/proxy-fixtures.sh (make test does)", python.display());
     let server = root.join("tests/fixtures/fastmcp_server.py").to_string_lossy().into_owned();
-    Target::Command { program: python.to_string_lossy().into_owned(), args: vec![server] }
+    Target::Command { program: python.to_string_lossy().into_owned(), args: vec![server], env: ChildEnv::default() }
 }
 
 /// `slots` calls at a time to the proxied server (all of them for these unverified callers), the

@@ -8,6 +8,8 @@
 //! for a window: those loops are bounded and poll.
 
 mod common;
+#[path = "common/python.rs"]
+mod python;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -16,7 +18,7 @@ use std::time::Duration;
 use mcp_ratelimit::App;
 use mcp_ratelimit::clock::ManualClock;
 use mcp_ratelimit::config::{Catalogue, Config};
-use mcp_ratelimit::proxy::Target;
+use mcp_ratelimit::proxy::{ChildEnv, Target};
 use rmcp::ServiceExt;
 use rmcp::model::{CallToolRequestParams, CallToolResult, GetPromptRequestParams, ReadResourceRequestParams};
 use rmcp::service::ServiceError;
@@ -51,7 +53,7 @@ fn fastmcp(args: &[&str]) -> (String, Vec<String>) {
 }
 
 fn command((program, args): (String, Vec<String>)) -> Target {
-    Target::Command { program, args }
+    Target::Command { program, args, env: ChildEnv::default() }
 }
 
 /// A proxy serving HTTP in-process on a free port, on a manual clock.
@@ -583,8 +585,12 @@ async fn a_tenants_spend_cap_warns_then_refuses_a_proxied_tool_and_a_reload_repr
     let (first, second) = (proxy.client(Some(a)).await, proxy.client(Some(b)).await);
     assert_eq!(text_of(&call(&first, "add", json!({"a": 1, "b": 1})).await), "2", "4 of the tenant's 10");
     let warned = call(&second, "add", json!({"a": 1, "b": 2})).await;
-    assert!(text_of(&warned).starts_with('3'), "{warned:?}");
-    assert!(text_of(&warned).contains("80% of the limit spend:tenant:acme"), "8 of 10 used: warned: {warned:?}");
+    assert_eq!(text_of(&warned), "3", "the proxied server's content, unchanged: {warned:?}");
+    let warnings = &warned.meta.as_ref().expect("_meta").0["io.github.mcp-ratelimit/warnings"];
+    assert_eq!(
+        (warnings[0]["scope"].clone(), warnings[0]["percent_used"].clone()),
+        (json!("spend:tenant:acme"), json!(80))
+    );
     let refused = call(&first, "add", json!({"a": 1, "b": 3})).await;
     assert_eq!(code_of(&refused), Some("rate_limited"), "{refused:?}");
     let error = &refused.structured_content.as_ref().expect("structured")["error"];
@@ -597,14 +603,14 @@ async fn a_tenants_spend_cap_warns_then_refuses_a_proxied_tool_and_a_reload_repr
     let tools = first.list_all_tools().await.expect("tools");
     let add = tools.iter().find(|t| t.name == "add").expect("add");
     assert!(add.description.as_deref().is_some_and(|d| d.ends_with("Costs 1 token.")), "{add:?}");
-    assert!(text_of(&call(&first, "add", json!({"a": 1, "b": 4})).await).starts_with('5'), "9 of 10 at cost 1");
+    assert_eq!(text_of(&call(&first, "add", json!({"a": 1, "b": 4})).await), "5", "9 of 10 at cost 1");
 }
 
 #[tokio::test]
 async fn a_proxied_tool_priced_by_its_arguments_is_settled_to_the_usage_it_reports() {
     let key = "pricing-key-0123456789abcdef";
     let toml = format!(
-        "[tools.transcribe]\ncost = \"seconds / 5\"\ncost_max = 20\n[tools.add]\ncost = 3\n\
+        "[tools.transcribe]\ncost = \"seconds / 5\"\ncost_max = 20\nsettle = \"usage\"\n[tools.add]\ncost = 3\n\
          [limits.caller]\nburst = 50\nrefill_per_sec = 0.001\n\
          [auth]\nkeys = [{{ sha256 = \"{}\", tenant = \"acme\" }}]\n",
         sha256_hex(key)
@@ -616,8 +622,10 @@ async fn a_proxied_tool_priced_by_its_arguments_is_settled_to_the_usage_it_repor
     let structured = done.structured_content.as_ref().expect("its own structured content");
     assert_eq!(structured["text"], "60 seconds transcribed", "{done:?}");
     assert_eq!(structured.get("reserved"), None, "the proxied server's structured content is left as it was");
-    let meta = done.meta.as_ref().expect("the price moved: _meta says so");
-    assert_eq!((meta.0["reserved"].clone(), meta.0["charged"].clone()), (json!(12), json!(6)), "{meta:?}");
+    let meta = &done.meta.as_ref().expect("the price moved: _meta says so").0;
+    let said = (meta["io.github.mcp-ratelimit/reserved"].clone(), meta["io.github.mcp-ratelimit/charged"].clone());
+    assert_eq!(said, (json!(12), json!(6)), "{meta:?}");
+    assert_eq!(meta["usage"], json!({"units": 6}), "its own _meta kept: {meta:?}");
     // A tool that reports nothing keeps its fixed price, and its answer is passed through unchanged.
     let added = call(&client, "add", json!({"a": 1, "b": 2})).await;
     let straight = call(&direct(fastmcp(&[])).await, "add", json!({"a": 1, "b": 2})).await;
@@ -652,12 +660,11 @@ async fn the_dashboard_and_metrics_show_the_proxied_server_and_its_refusals() {
     assert!(metrics.contains(r#"tool="add""#) && metrics.contains("loop_detected"), "{metrics}");
 }
 
-/// How another call's request answered `result` (`coalesced`, `cached`), in its structured
-/// content or, for a result without, its `_meta`.
+/// How another call's request answered `result` (`coalesced`, `cached`), as its `_meta` says.
 fn reused(result: &CallToolResult) -> Option<&'static str> {
     let said = |how: &str| {
-        result.structured_content.as_ref().is_some_and(|s| s[how] == true)
-            || result.meta.as_ref().is_some_and(|m| m.0.get(how) == Some(&json!(true)))
+        let key = format!("io.github.mcp-ratelimit/{how}");
+        result.meta.as_ref().is_some_and(|m| m.0.get(&key) == Some(&json!(true)))
     };
     ["coalesced", "cached"].into_iter().find(|how| said(how))
 }
@@ -840,4 +847,502 @@ async fn a_call_that_waited_the_timeout_for_a_turn_says_it_was_never_sent_and_co
 async fn proxy_metrics(proxy: &Proxy) -> String {
     let url = proxy.url.replace("/mcp", "/metrics");
     reqwest::get(url).await.expect("metrics").text().await.expect("text")
+}
+
+/// The proxy binary over stdio in front of `everything`, started with `env` added to (and
+/// `MCP_RL__…` of the test's own environment removed from) what the test runs with, and the
+/// config file `toml`.
+async fn proxy_binary_with_env(toml: &str, env: &[(&str, &str)]) -> (Client, tempfile::NamedTempFile) {
+    let mut file = tempfile::NamedTempFile::new().expect("config");
+    std::io::Write::write_all(&mut file, toml.as_bytes()).expect("write");
+    let (node, args) = everything("stdio");
+    let proxy = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit")).configure(|c| {
+        c.arg("proxy").arg("--stdio").arg("--config").arg(file.path()).arg("--").arg(&node).args(&args);
+        c.envs(env.iter().copied()).env("RUST_LOG", "warn");
+    });
+    let client = ().serve(TokioChildProcess::new(proxy).expect("the proxy starts")).await.expect("handshake");
+    (client, file)
+}
+
+#[tokio::test]
+async fn a_stdio_child_gets_none_of_the_proxys_secrets_only_what_the_operator_names() {
+    // Every secret the README says to set in the environment, and an ordinary one nobody named.
+    let secrets = [
+        ("MCP_RL__ADMIN__KEY", "admin-key-secret-0123456789"),
+        ("MCP_RL__AUTH__ID_SECRET", "id-secret-secret-0123456789"),
+        ("MCP_RL__UPSTREAM__API_KEY", "paid-api-key-secret-0123"),
+        ("MCP_RL__STORE__REDIS_URL", "redis://:redis-password-secret@127.0.0.1:6379"),
+        ("MCP_RL__PROXY__HEADERS__AUTHORIZATION", "Bearer header-secret-0123"),
+        ("AWS_SECRET_ACCESS_KEY", "aws-secret-not-named-0123"),
+    ];
+    let named = [("PASSED_THROUGH", "inherited-value-0123"), ("LC_TIME", "C")];
+    let toml = "[proxy]\ninherit_env = [\"PASSED_THROUGH\"]\n[proxy.env]\nSET_BY_OPERATOR = \"set-value-0123\"\n";
+    let env: Vec<(&str, &str)> = secrets.iter().chain(&named).copied().collect();
+    let (client, _file) = proxy_binary_with_env(toml, &env).await;
+    let seen = text_of(&call(&client, "get-env", json!({})).await);
+    let child: serde_json::Map<String, Value> = serde_json::from_str(&seen).expect("get-env answers the child's env");
+    for (name, value) in secrets {
+        assert!(!seen.contains(value), "{name}'s value reached the child: {seen}");
+    }
+    assert!(child.keys().all(|name| !name.to_ascii_uppercase().starts_with("MCP_RL__")), "{seen}");
+    assert_eq!(child.get("PASSED_THROUGH"), Some(&json!("inherited-value-0123")), "inherit_env: {seen}");
+    assert_eq!(child.get("SET_BY_OPERATOR"), Some(&json!("set-value-0123")), "[proxy.env]: {seen}");
+    assert_eq!(child.get("LC_TIME"), Some(&json!("C")), "the locale: {seen}");
+    assert_eq!(child.get("PATH").and_then(Value::as_str), std::env::var("PATH").ok().as_deref(), "{seen}");
+    let mut names: Vec<&str> = child.keys().map(String::as_str).collect();
+    names.retain(|n| {
+        !["PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "TMPDIR", "TZ", "LANG", "LANGUAGE"].contains(n)
+    });
+    names.retain(|n| !n.starts_with("LC_") && !["PASSED_THROUGH", "SET_BY_OPERATOR"].contains(n));
+    assert_eq!(names, Vec::<&str>::new(), "nothing else: {seen}");
+}
+
+#[test]
+fn the_childs_environment_is_checked_and_its_values_are_in_no_debug_string() {
+    let learned = Catalogue::learned();
+    for (toml, key) in [
+        ("[proxy]\ninherit_env = [\"PATH\", \"MCP_RL__ADMIN__KEY\"]\n", "proxy.inherit_env[1]"),
+        ("[proxy]\ninherit_env = [\"mcp_rl__store__redis_url\"]\n", "proxy.inherit_env[0]"),
+        ("[proxy.env]\nMCP_RL__UPSTREAM__API_KEY = \"x\"\n", "proxy.env.MCP_RL__UPSTREAM__API_KEY"),
+        ("[proxy.env]\n\"A=B\" = \"x\"\n", "proxy.env.A=B"),
+        ("[proxy]\ninherit_env = [\"\"]\n", "proxy.inherit_env[0]"),
+    ] {
+        let error = Config::from_toml(toml, &learned).expect_err(toml);
+        assert!(error.to_string().contains(key), "{toml}: {error}");
+    }
+    let toml = "[proxy]\ninherit_env = [\"GITHUB_TOKEN\"]\n[proxy.env]\nAPI_TOKEN = \"value-never-printed\"\n";
+    let config = Config::from_toml(toml, &learned).expect("valid");
+    let target = Target::of(&config.proxy, None, vec!["some-server".into()]).expect("a command");
+    for shown in [format!("{config:?}"), format!("{target:?}"), format!("{:?}", config.proxy)] {
+        assert!(!shown.contains("value-never-printed"), "{shown}");
+        assert!(shown.contains("API_TOKEN") && shown.contains("GITHUB_TOKEN"), "the names are shown: {shown}");
+    }
+}
+
+#[tokio::test]
+async fn python_clients_of_both_eras_read_every_answer_the_proxy_passes_on_from_stdio_and_http_upstreams() {
+    let port = free_port();
+    let (node, args) = everything("streamableHttp");
+    let _server = serve_http(&node, &args, port).await;
+    let http = Target::Http { url: format!("http://127.0.0.1:{port}/mcp"), headers: Vec::new() };
+    // get-sum's own budget of one call a minute: the second is refused, a result the agent reads.
+    let toml = "[tools.get-sum]\ncost = 1\n[tools.get-sum.budget]\nalgorithm = \"fixed_window\"\nlimit = 1\nwindow_ms = 60000\n";
+    for (upstream, target) in [("stdio", command(everything("stdio"))), ("http", http)] {
+        let proxy = Proxy::start(toml, target).await;
+        // Legacy again after auto: a 2026-07-28 caller leaves the proxy's one upstream session as it was.
+        for mode in ["legacy", "auto", "legacy"] {
+            let steps = json!([
+                {"op": "list_tools"},
+                {"op": "call", "tool": "echo", "args": {"message": "hi"}},
+                {"op": "call", "tool": "get-structured-content", "args": {"location": "New York"}},
+                {"op": "call", "tool": "get-sum", "args": {"a": 1, "b": 2}},
+                {"op": "call", "tool": "get-sum", "args": {"a": 2, "b": 2}},
+                {"op": "list_resources"},
+                {"op": "read", "uri": "demo://resource/static/document/features.md"},
+                {"op": "list_prompts"},
+                {"op": "prompt", "name": "args-prompt", "args": {"city": "Paris"}},
+                {"op": "complete", "prompt": "completable-prompt", "argument": "department", "value": "E"},
+            ]);
+            let walked = python::walk(&proxy.url, mode, steps, &[]).await;
+            let at = format!("{mode} client, {upstream} upstream: {walked}");
+            assert_eq!(walked["protocol_version"], python::era_of(mode), "{at}");
+            let steps = walked["steps"].as_array().expect("steps");
+            assert!(steps.iter().all(|s| s.get("ok").is_some()), "every answer valid for the client's era: {at}");
+            assert_eq!(steps[1]["ok"]["text"], "Echo: hi", "{at}");
+            assert!(steps[2]["ok"]["structured"]["conditions"].is_string(), "{at}");
+            assert_eq!(steps[3]["ok"]["text"], "The sum of 1 and 2 is 3.", "{at}");
+            assert_eq!(steps[4]["ok"]["is_error"], true, "{at}");
+            assert_eq!(steps[4]["ok"]["structured"]["error"]["code"], "rate_limited", "{at}");
+            assert!(steps[8]["ok"].to_string().contains("Paris"), "{at}");
+            assert!(steps[9]["ok"]["completion"]["values"].to_string().contains("Engineering"), "{at}");
+            proxy.clock.advance(Duration::from_secs(60));
+        }
+    }
+}
+
+/// An rmcp client that speaks 2026-07-28 (stateless, `server/discover`) to `url`.
+async fn modern_client(url: &str) -> Client {
+    use rmcp::{ClientLifecycleMode, ClientServiceExt};
+    let transport = StreamableHttpClientTransport::from_config(StreamableHttpClientTransportConfig::with_uri(url));
+    let preferred_versions = vec![rmcp::model::ProtocolVersion::V_2026_07_28];
+    ().serve_with_lifecycle(transport, ClientLifecycleMode::Discover { preferred_versions })
+        .await
+        .expect("a 2026-07-28 client connects")
+}
+
+#[tokio::test]
+async fn an_rmcp_client_speaking_2026_07_28_gets_results_that_say_their_type() {
+    let toml = "[tools.get-sum]\ncost = 1\n[tools.get-sum.budget]\nalgorithm = \"fixed_window\"\nlimit = 1\nwindow_ms = 60000\n";
+    let proxy = Proxy::start(toml, command(everything("stdio"))).await;
+    let client = modern_client(&proxy.url).await;
+    let version = client.peer_info().map(|info| info.protocol_version.clone());
+    assert_eq!(version, Some(rmcp::model::ProtocolVersion::V_2026_07_28));
+    let complete = Some(rmcp::model::ResultType::COMPLETE);
+    let echo = call(&client, "echo", json!({"message": "modern"})).await;
+    assert_eq!((text_of(&echo), echo.result_type.clone()), ("Echo: modern".to_owned(), complete.clone()));
+    assert_eq!(call(&client, "get-sum", json!({"a": 1, "b": 2})).await.result_type, complete);
+    let refused = call(&client, "get-sum", json!({"a": 2, "b": 2})).await;
+    assert_eq!((code_of(&refused), refused.result_type.clone()), (Some("rate_limited"), complete.clone()));
+    let listed = client.list_resources(None).await.expect("resources");
+    assert_eq!(listed.result_type, complete);
+    let read = client.read_resource(ReadResourceRequestParams::new("demo://resource/static/document/features.md"));
+    assert_eq!(read.await.expect("read").result_type, complete);
+    assert_eq!(client.list_prompts(None).await.expect("prompts").result_type, complete);
+}
+
+#[tokio::test]
+async fn a_cached_answer_passes_on_unchanged_and_says_so_in_meta_for_clients_that_check_its_schema() {
+    // `get-structured-content` declares an outputSchema with `additionalProperties: false`.
+    let toml = "[tools.get-structured-content]\ncost = 1\ncache_ttl_ms = 60000\n";
+    let proxy = Proxy::start(toml, command(everything("stdio"))).await;
+    let ask = json!({"op": "call", "tool": "get-structured-content", "args": {"location": "Chicago"}});
+    for mode in ["legacy", "auto"] {
+        let walked = python::walk(&proxy.url, mode, json!([ask, ask]), &[]).await;
+        let steps = &walked["steps"];
+        assert!(steps[0].get("ok").is_some() && steps[1].get("ok").is_some(), "{mode}: {walked}");
+        assert_eq!(steps[1]["ok"]["structured"], steps[0]["ok"]["structured"], "unchanged: {walked}");
+        assert_eq!(steps[1]["ok"]["meta"]["io.github.mcp-ratelimit/cached"], true, "{mode}: {walked}");
+    }
+    let client = proxy.client(None).await;
+    let first = call(&client, "get-structured-content", json!({"location": "Los Angeles"})).await;
+    let second = call(&client, "get-structured-content", json!({"location": "Los Angeles"})).await;
+    assert_eq!((reused(&first), reused(&second)), (None, Some("cached")), "{first:?}\n{second:?}");
+    assert_eq!(second.structured_content, first.structured_content, "structuredContent unchanged");
+    assert_eq!(second.content, first.content, "content unchanged");
+}
+
+#[tokio::test]
+async fn a_caller_cannot_price_its_own_call_through_a_tool_that_echoes_it() {
+    // echo_back answers its argument as structuredContent; echo_meta as _meta. Both cost 5: a
+    // caller's `usage.units: 0` in either is not a price. echo_back is even trusted to bill
+    // (`settle = "usage"`), but only a `_meta` report is read.
+    let toml = "[tools.echo_back]\ncost = 5\nsettle = \"usage\"\n[tools.echo_meta]\ncost = 5\n\
+                [limits.caller]\nburst = 17\nrefill_per_sec = 0.001\n";
+    let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
+    let client = proxy.client(None).await;
+    let free = json!({"usage": {"units": 0}});
+    let echoed = call(&client, "echo_back", json!({"value": free})).await;
+    assert_eq!(echoed.structured_content, Some(free.clone()), "its answer, unchanged: {echoed:?}");
+    let echoed = call(&client, "echo_meta", json!({"meta": free})).await;
+    let meta = &echoed.meta.as_ref().expect("its _meta").0;
+    assert_eq!(meta["usage"], free["usage"], "its own _meta, unchanged: {echoed:?}");
+    assert_eq!(meta.get("io.github.mcp-ratelimit/charged"), None, "charged as reserved: {echoed:?}");
+    // Nor can a server (or a caller through it) speak for the proxy in _meta.
+    let forged = call(&client, "echo_meta", json!({"meta": {"io.github.mcp-ratelimit/charged": 0, "own": 1}})).await;
+    let meta = &forged.meta.as_ref().expect("its _meta").0;
+    assert_eq!((meta.get("io.github.mcp-ratelimit/charged"), meta.get("own")), (None, Some(&json!(1))), "{meta:?}");
+    let refused = call(&client, "echo_back", json!({"value": {"again": true}})).await;
+    assert_eq!(code_of(&refused), Some("rate_limited"), "15 of 17 spent: {refused:?}");
+    assert_eq!(refused.structured_content.as_ref().expect("structured")["error"]["remaining"], 2);
+}
+
+#[tokio::test]
+async fn a_proxied_call_never_sent_is_charged_nothing_though_its_tool_settles_at_its_reservation() {
+    let key = "never-sent-key-0123456789abcdef";
+    let toml = format!(
+        "[proxy]\nmax_in_flight = 1\ntimeout_ms = 1000\n[upstream]\nqueue_max = 4\n[tools.add]\ncost = 5\n\
+         [limits.caller]\nburst = 10\nrefill_per_sec = 0.001\n[loop_detection]\nenabled = false\n\
+         [auth]\nkeys = [{{ sha256 = \"{}\" }}]\n",
+        sha256_hex(key)
+    );
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let client = Arc::new(proxy.client(Some(key)).await);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("never").to_string_lossy().into_owned();
+    let holder = {
+        let client = client.clone();
+        tokio::spawn(async move { call(&client, "wait_for", json!({"path": path})).await })
+    };
+    wait_until_exists(&dir.path().join("never.started")).await;
+    let waiting = {
+        let client = client.clone();
+        tokio::spawn(async move { call(&client, "add", json!({"a": 1, "b": 1})).await })
+    };
+    eventually("the add waits for the one slot", || async { proxy.app.state().behind.occupancy().waiting == 1 }).await;
+    proxy.clock.advance(Duration::from_millis(1000));
+    assert_eq!(code_of(&waiting.await.expect("the add")), Some("upstream_unavailable"), "never sent");
+    assert_eq!(code_of(&holder.await.expect("wait_for")), Some("upstream_unavailable"), "sent, no answer");
+    // 10 - 1 (wait_for, sent: its reservation stands) = 9: one more add at 5, then 4 left.
+    assert_eq!(text_of(&call(&client, "add", json!({"a": 2, "b": 2})).await), "4");
+    let refused = call(&client, "add", json!({"a": 3, "b": 3})).await;
+    assert_eq!(refused.structured_content.as_ref().expect("structured")["error"]["remaining"], 4, "{refused:?}");
+}
+
+/// A small MCP server of the test's own (rmcp over streamable HTTP) that answers `research` with a
+/// SEP-2663 task for a caller that speaks tasks, and answers `tasks/get` and `tasks/cancel` for
+/// any id anyone names, as a server that trusts its one client (the proxy) would.
+#[derive(Clone, Default)]
+struct Tasker {
+    topics: Arc<std::sync::Mutex<std::collections::HashMap<String, String>>>,
+    cancelled: Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl rmcp::ServerHandler for Tasker {
+    fn get_info(&self) -> rmcp::model::ServerConfig {
+        let capabilities = rmcp::model::ServerCapabilities::builder().enable_tools().enable_tasks().build();
+        rmcp::model::ServerConfig::new(capabilities)
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<rmcp::model::PaginatedRequestParams>,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::ListToolsResult, rmcp::ErrorData> {
+        let Value::Object(schema) = json!({"type": "object", "properties": {"topic": {"type": "string"}}}) else {
+            unreachable!("an object")
+        };
+        let research = rmcp::model::Tool::new("research", "Researches a topic, as a task", Arc::new(schema));
+        Ok(rmcp::model::ListToolsResult::with_all_items(vec![research]))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::CallToolResponse, rmcp::ErrorData> {
+        let topic = request.arguments.and_then(|a| a.get("topic").cloned()).unwrap_or_default().to_string();
+        if !context.client_capabilities().is_some_and(|c| c.supports_tasks()) {
+            return Ok(CallToolResult::success(vec![rmcp::model::ContentBlock::text(topic)]).into());
+        }
+        let mut topics = self.topics.lock().unwrap();
+        let id = format!("task-{}", topics.len() + 1);
+        topics.insert(id.clone(), topic);
+        let now = "2026-12-03T00:00:00Z";
+        let task = rmcp::model::Task::new(id, rmcp::model::TaskStatus::Working, now, now).with_ttl_ms(60_000);
+        Ok(rmcp::model::CallToolResponse::Task(rmcp::model::CreateTaskResult::new(task)))
+    }
+
+    async fn get_task(
+        &self,
+        request: rmcp::model::GetTaskParams,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::GetTaskResult, rmcp::ErrorData> {
+        let unknown = || rmcp::ErrorData::invalid_params(format!("no task {}", request.task_id), None);
+        let topic = self.topics.lock().unwrap().get(&request.task_id).cloned().ok_or_else(unknown)?;
+        let Value::Object(result) = json!({"content": [{"type": "text", "text": format!("findings on {topic}")}]})
+        else {
+            unreachable!("an object")
+        };
+        let now = "2026-12-03T00:00:01Z";
+        let task = rmcp::model::Task::new(request.task_id, rmcp::model::TaskStatus::Completed, now, now);
+        let payload = rmcp::model::TaskPayload::Completed { result };
+        Ok(rmcp::model::GetTaskResult::new(rmcp::model::DetailedTask::new(task, payload)))
+    }
+
+    async fn cancel_task(
+        &self,
+        request: rmcp::model::CancelTaskParams,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<(), rmcp::ErrorData> {
+        self.cancelled.lock().unwrap().push(request.task_id);
+        Ok(())
+    }
+}
+
+/// Serves `server` over streamable HTTP on a free loopback port; its `/mcp` URL.
+async fn serve_in_test<S: rmcp::ServerHandler + Clone + Send + Sync + 'static>(server: S) -> String {
+    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+    use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
+    let mcp = StreamableHttpService::new(
+        move || Ok(server.clone()),
+        LocalSessionManager::default().into(),
+        StreamableHttpServerConfig::default(),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}/mcp", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, axum::Router::new().nest_service("/mcp", mcp)).await });
+    url
+}
+
+/// A client that declares the tasks extension.
+#[derive(Clone)]
+struct SpeaksTasks;
+
+impl rmcp::ClientHandler for SpeaksTasks {
+    fn get_info(&self) -> rmcp::model::ClientConfig {
+        let capabilities = rmcp::model::ClientCapabilities::builder().enable_tasks().build();
+        rmcp::model::ClientConfig::new(capabilities, rmcp::model::Implementation::new("tasks-test", "1"))
+    }
+}
+
+#[tokio::test]
+async fn a_task_through_the_proxy_is_its_callers_and_unknown_to_any_other() {
+    let upstream = Tasker::default();
+    let target = Target::Http { url: serve_in_test(upstream.clone()).await, headers: Vec::new() };
+    let (a, b) = ("tenant-a-task-key-0123456789", "tenant-b-task-key-0123456789");
+    let toml = format!(
+        "[tools.research]\ncost = 1\n[auth]\nkeys = [{{ sha256 = \"{}\", tenant = \"acme\" }}, \
+         {{ sha256 = \"{}\", tenant = \"globex\" }}]\n",
+        sha256_hex(a),
+        sha256_hex(b)
+    );
+    let proxy = Proxy::start(&toml, target).await;
+    let client = |key: &'static str| {
+        use rmcp::{ClientLifecycleMode, ClientServiceExt};
+        let config = StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()).auth_header(key);
+        let preferred_versions = vec![rmcp::model::ProtocolVersion::V_2026_07_28];
+        SpeaksTasks.serve_with_lifecycle(
+            StreamableHttpClientTransport::from_config(config),
+            ClientLifecycleMode::Discover { preferred_versions },
+        )
+    };
+    let (alice, bob) = (client(a).await.expect("a connects"), client(b).await.expect("b connects"));
+    let mut args = serde_json::Map::new();
+    args.insert("topic".into(), json!("acme's merger"));
+    let asked = alice.call_tool_once(CallToolRequestParams::new("research").with_arguments(args)).await;
+    let Ok(rmcp::model::CallToolResponse::Task(created)) = asked else { panic!("a task: {asked:?}") };
+    let id = created.task.task_id.clone();
+
+    fn unknown<T>(answer: &Result<T, ServiceError>) -> bool {
+        matches!(answer, Err(ServiceError::McpError(error)) if error.message.contains("unknown task"))
+    }
+    let read = bob.get_task(rmcp::model::GetTaskParams::new(id.clone())).await;
+    assert!(unknown(&read), "another tenant reads nothing: {read:?}");
+    let cancel = bob.cancel_task(rmcp::model::CancelTaskParams::new(id.clone())).await;
+    assert!(unknown(&cancel), "nor cancels it: {cancel:?}");
+    assert!(upstream.cancelled.lock().unwrap().is_empty(), "the proxied server never heard of bob's cancel");
+    let guessed = bob.get_task(rmcp::model::GetTaskParams::new("task-1")).await;
+    assert!(unknown(&guessed), "an id no call of bob's made is unknown as well: {guessed:?}");
+
+    let own = alice.get_task(rmcp::model::GetTaskParams::new(id.clone())).await.expect("alice's own task");
+    let rmcp::model::TaskPayload::Completed { result } = &own.task.payload else { panic!("completed: {own:?}") };
+    assert_eq!(result["content"][0]["text"], "findings on \"acme's merger\"", "{result:?}");
+    alice.cancel_task(rmcp::model::CancelTaskParams::new(id.clone())).await.expect("alice cancels her own");
+    assert_eq!(*upstream.cancelled.lock().unwrap(), vec![id]);
+}
+
+/// A client that keeps the log messages it hears: their text.
+#[derive(Clone, Default)]
+struct Logs(Arc<std::sync::Mutex<Vec<String>>>);
+
+#[allow(deprecated)] // Logging is legacy in 2026-07-28, and still what servers send.
+impl rmcp::ClientHandler for Logs {
+    async fn on_logging_message(
+        &self,
+        params: rmcp::model::LoggingMessageNotificationParam,
+        _context: rmcp::service::NotificationContext<rmcp::RoleClient>,
+    ) {
+        let text =
+            params.data.get("msg").and_then(Value::as_str).map_or_else(|| params.data.to_string(), str::to_owned);
+        self.0.lock().unwrap().push(text);
+    }
+}
+
+impl Logs {
+    fn heard(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+#[tokio::test]
+async fn a_log_message_reaches_only_the_sessions_that_asked_each_at_its_own_level() {
+    let (a, b) = ("tenant-a-logs-key-0123456789", "tenant-b-logs-key-0123456789");
+    let toml = format!(
+        "[loop_detection]\nenabled = false\n[auth]\nkeys = [{{ sha256 = \"{}\", tenant = \"acme\" }}, \
+         {{ sha256 = \"{}\", tenant = \"globex\" }}]\n",
+        sha256_hex(a),
+        sha256_hex(b)
+    );
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let session = |key: &str, logs: Logs| {
+        let config = StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()).auth_header(key);
+        logs.serve(StreamableHttpClientTransport::from_config(config))
+    };
+    let (heard_a, heard_b) = (Logs::default(), Logs::default());
+    let alice = session(a, heard_a.clone()).await.expect("a connects");
+    let bob = session(b, heard_b.clone()).await.expect("b connects");
+    #[allow(deprecated)]
+    let level = |l| rmcp::model::SetLevelRequestParams::new(l);
+    #[allow(deprecated)]
+    alice.set_level(level(rmcp::model::LoggingLevel::Warning)).await.expect("alice asks for warnings");
+    async fn log(client: &rmcp::service::RunningService<rmcp::RoleClient, Logs>, level: &str, message: &str) {
+        let mut args = serde_json::Map::new();
+        args.insert("level".into(), json!(level));
+        args.insert("message".into(), json!(message));
+        let logged = client.call_tool(CallToolRequestParams::new("log").with_arguments(args)).await;
+        assert_eq!(logged.map(|r| text_of(&r)).ok().as_deref(), Some("logged"));
+    }
+    log(&bob, "error", "first error").await;
+    eventually("alice hears the error", || async { heard_a.heard() == ["first error"] }).await;
+    // Bob never asked: he hears nothing, though his own call made the message.
+    log(&bob, "info", "an info alice's level drops").await;
+    #[allow(deprecated)]
+    bob.set_level(level(rmcp::model::LoggingLevel::Debug)).await.expect("bob asks for everything");
+    log(&alice, "debug", "some debug").await;
+    log(&alice, "warning", "a warning").await;
+    eventually("bob hears what was sent after he asked", || async { heard_b.heard() == ["some debug", "a warning"] })
+        .await;
+    eventually("alice hears the warning", || async { heard_a.heard() == ["first error", "a warning"] }).await;
+    common::settle().await;
+    assert_eq!(heard_a.heard(), ["first error", "a warning"], "alice's own level: warning and above");
+    assert_eq!(heard_b.heard(), ["some debug", "a warning"], "nothing from before bob asked");
+}
+
+#[tokio::test]
+async fn tools_the_proxied_server_renames_leave_no_series_or_dashboard_rows_and_names_and_counts_are_bounded() {
+    let key = "renaming-key-0123456789abcdef";
+    let toml = format!(
+        "[limits.http]\nburst = 100000\n[limits.method.tools_call]\nburst = 100000\n\
+         [limits.method.tools_list]\nburst = 100000\n[limits.caller]\nburst = 100000\n\
+         [auth]\nkeys = [{{ sha256 = \"{}\" }}]\n",
+        sha256_hex(key)
+    );
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let client = proxy.client(Some(key)).await;
+    let base = proxy.url.trim_end_matches("/mcp").to_owned();
+    let names = |tools: &[rmcp::model::Tool]| tools.iter().map(|t| t.name.to_string()).collect::<Vec<_>>();
+    let mut sizes = Vec::new();
+    for round in ["alpha", "beta", "gamma"] {
+        let replaced = call(&client, "replace_tools", json!({"prefix": round, "count": 20})).await;
+        assert_eq!(text_of(&replaced), "20 tools");
+        let last = format!("{round}19");
+        eventually_some("the new tools are listed", Duration::from_secs(10), || async {
+            names(&client.list_all_tools().await.expect("tools")).contains(&last).then_some(())
+        })
+        .await;
+        for i in 0..20 {
+            assert_eq!(text_of(&call(&client, &format!("{round}{i}"), json!({})).await), format!("{round}{i}"));
+        }
+        // Four more identical calls of the first: the fifth in a row is a loop, a dashboard row.
+        let looped = answer_when(&client, &format!("{round}0"), json!({}), Duration::from_secs(5), |a| {
+            code_of(a) == Some("loop_detected")
+        })
+        .await;
+        assert_eq!(code_of(&looped), Some("loop_detected"));
+        let metrics = proxy_metrics(&proxy).await;
+        assert!(metrics.contains(&format!("tool=\"{round}0\"")), "{metrics}");
+        let data: Value =
+            reqwest::get(format!("{base}/dashboard/data")).await.expect("data").json().await.expect("json");
+        let rows: Vec<String> = data["tools"].as_array().expect("rows").iter().map(|r| r["tool"].to_string()).collect();
+        assert_eq!(rows, vec![format!("\"{round}0\"")], "one row, this round's looping tool: {data}");
+        for gone in ["alpha", "beta", "gamma"].iter().take_while(|r| **r != round) {
+            assert!(!metrics.contains(&format!("tool=\"{gone}")), "{gone}'s series are forgotten: {metrics}");
+        }
+        sizes.push(metrics.lines().count());
+    }
+    assert_eq!(sizes[1], sizes[0], "as many series for twenty renamed tools as for the twenty before");
+    assert_eq!(sizes[2], sizes[0], "and again");
+
+    // A name longer than the MCP spec's 128 characters is never offered, nor a label.
+    let long = "x".repeat(129);
+    call(&client, "replace_tools", json!({"prefix": long, "count": 5})).await;
+    eventually_some("the round's tools are gone", Duration::from_secs(10), || async {
+        let listed = names(&client.list_all_tools().await.expect("tools"));
+        (!listed.iter().any(|n| n.starts_with("gamma"))).then_some(listed)
+    })
+    .await;
+    let listed = client.list_all_tools().await.expect("tools");
+    assert!(listed.iter().all(|t| t.name.chars().count() <= 128), "{:?}", names(&listed));
+    let refused = client.call_tool(CallToolRequestParams::new(format!("{long}0"))).await;
+    assert!(matches!(refused, Err(ServiceError::McpError(_))), "not the proxied server's to hear: {refused:?}");
+    assert!(!proxy_metrics(&proxy).await.contains(&long), "no such label");
+
+    // And at most a thousand tools: the rest are not offered.
+    call(&client, "replace_tools", json!({"prefix": "many", "count": 1100})).await;
+    let listed = eventually_some("many tools listed", Duration::from_secs(20), || async {
+        let listed = client.list_all_tools().await.expect("tools");
+        listed.iter().any(|t| t.name.starts_with("many")).then_some(listed)
+    })
+    .await;
+    assert_eq!(listed.len(), mcp_ratelimit::proxy::MAX_TOOLS, "the first thousand of 1,100 and the fixture's own");
 }

@@ -310,7 +310,8 @@ impl Config {
             .list_separator(",")
             .with_list_parse_key("server.allowed_hosts")
             .with_list_parse_key("server.allowed_origins")
-            .with_list_parse_key("server.trusted_proxies");
+            .with_list_parse_key("server.trusted_proxies")
+            .with_list_parse_key("proxy.inherit_env");
         Self::load_layers(file, Some(env), tools)
     }
 

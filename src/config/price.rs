@@ -165,17 +165,29 @@ fn first_write(node: &Node<DefaultNumericTypes>) -> Option<&'static str> {
     how.or_else(|| node.children().iter().find_map(first_write))
 }
 
-/// `[tools.NAME] settle`: what a call is charged in the end.
+/// `[tools.NAME] settle`: what a call is charged in the end. Either way a call whose work never
+/// started (a job that never left the queue, a proxied call never sent) is charged nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Settle {
     /// What the upstream reports it used (`usage.units` in the answer), the difference refunded
-    /// or charged; the reservation when it reports nothing (its refusal or failure included);
-    /// nothing when no request reached it (a job that never left the queue).
+    /// or charged; the reservation when it reports nothing (its refusal or failure included).
+    /// The default for a server's own tools, whose upstream bills them.
     #[default]
     Usage,
-    /// Always what was reserved, whatever the upstream reports.
+    /// Always what was reserved, whatever the upstream reports. The default for a proxied
+    /// server's tools ([`Settle::default_for`]): their answers are not ours to trust with a price
+    /// (an `echo` would let the caller name its own).
     Reserved,
+}
+
+impl Settle {
+    /// What a tool that says nothing settles by: a proxied server's (in a catalogue learnt at run
+    /// time) by its reservation, unless the operator trusts its usage reports
+    /// (`settle = "usage"`); any other server's tools by their usage.
+    pub fn default_for(catalogue: &super::Catalogue) -> Self {
+        if catalogue.is_learned() { Settle::Reserved } else { Settle::Usage }
+    }
 }
 
 #[cfg(test)]

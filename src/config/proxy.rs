@@ -1,6 +1,6 @@
 //! `[proxy]`: the MCP server `mcp-ratelimit proxy` stands in front of — where it is (a URL, or a
-//! command to start as a stdio child), the headers to send it, what its tools cost when
-//! `[tools.NAME]` does not say, and how hard it may be called.
+//! command to start as a stdio child), the headers to send it, the environment a child gets, what
+//! its tools cost when `[tools.NAME]` does not say, and how hard it may be called.
 
 use std::collections::BTreeMap;
 
@@ -21,6 +21,13 @@ pub struct ProxyConfig {
     /// Headers sent with every request to `upstream_url` (its own API key, say). Their values
     /// never reach a log line or a `Debug` string.
     pub headers: BTreeMap<String, String>,
+    /// Variables set in a `command` child's environment, besides the few it always gets
+    /// ([`crate::proxy::link::ALWAYS_PASSED`]); values may be credentials: never logged, never in
+    /// a `Debug` string.
+    pub env: BTreeMap<String, String>,
+    /// Names of the proxy's own environment variables a `command` child also gets (its API key,
+    /// say, set where the proxy starts).
+    pub inherit_env: Vec<String>,
     /// The cost of a tool that `[tools.NAME]` does not price.
     pub default_cost: u64,
     /// Calls in flight to the proxied server at once, for every caller together; more wait in
@@ -41,6 +48,8 @@ impl std::fmt::Debug for ProxyConfig {
             .field("upstream_url", &crate::redact::url(&self.upstream_url))
             .field("command", &self.command.first())
             .field("headers", &self.headers.keys().collect::<Vec<_>>())
+            .field("env", &self.env.keys().collect::<Vec<_>>())
+            .field("inherit_env", &self.inherit_env)
             .field("default_cost", &self.default_cost)
             .field("max_in_flight", &self.max_in_flight)
             .field("timeout_ms", &self.timeout_ms)
@@ -55,6 +64,30 @@ pub fn check_upstream_url(url: &str) -> Result<(), String> {
     let parsed = reqwest::Url::parse(url).map_err(|e| format!("not a URL: {e}"))?;
     if !matches!(parsed.scheme(), "http" | "https") {
         return Err("the proxied server is reached over http or https".to_owned());
+    }
+    Ok(())
+}
+
+/// The prefix of the proxy's own configuration variables (`MCP_RL__ADMIN__KEY`, …), which hold
+/// its secrets: no child ever gets one.
+pub const OWN_PREFIX: &str = "MCP_RL__";
+
+/// Whether a variable named `name` is one of the proxy's own (its case ignored: a name that
+/// differs only in case is as telling).
+pub fn is_own_variable(name: &str) -> bool {
+    name.get(..OWN_PREFIX.len()).is_some_and(|head| head.eq_ignore_ascii_case(OWN_PREFIX))
+}
+
+/// Why `name` cannot name a variable of a child's environment, if it cannot.
+fn check_env_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.contains(['=', '\0']) {
+        return Err("not a variable name (empty, or holding `=` or a NUL character)".to_owned());
+    }
+    if is_own_variable(name) {
+        return Err(format!(
+            "`{OWN_PREFIX}` variables configure the proxy and hold its secrets (its admin key, Redis password, \
+             headers); no child gets one. Give the child its own variable"
+        ));
     }
     Ok(())
 }
@@ -78,6 +111,17 @@ impl ProxyConfig {
             if matches!(name.to_ascii_lowercase().as_str(), "accept" | "mcp-session-id" | "last-event-id" | "host") {
                 return Err(invalid(&key, "this header belongs to the MCP transport and cannot be set"));
             }
+        }
+        for name in self.env.keys() {
+            check_env_name(name).map_err(|why| invalid(format!("proxy.env.{name}"), why))?;
+        }
+        for (name, value) in &self.env {
+            if value.contains('\0') {
+                return Err(invalid(format!("proxy.env.{name}"), "a variable's value cannot hold a NUL character"));
+            }
+        }
+        for (i, name) in self.inherit_env.iter().enumerate() {
+            check_env_name(name).map_err(|why| invalid(format!("proxy.inherit_env[{i}]"), why))?;
         }
         if self.max_in_flight == 0 {
             return Err(invalid("proxy.max_in_flight", "at least one call must be able to reach the proxied server"));

@@ -90,14 +90,27 @@ impl Config {
                 let _ = writeln!(out, "{:<34} (priced {formula}, at most {})", "", policy.cost);
             }
         }
-        let reserved: Vec<&str> = (self.limiting.tools.iter())
-            .filter(|(_, p)| p.settle == super::Settle::Reserved && p.cost > 0)
-            .map(|(t, _)| t.as_str())
-            .collect();
-        let settles = if reserved.is_empty() {
-            "every price is settled from the usage the upstream reports".to_owned()
-        } else {
-            format!("prices are settled from the usage the upstream reports, except {}", reserved.join(", "))
+        let settling = |how: super::Settle| -> Vec<&str> {
+            (self.limiting.tools.iter())
+                .filter(|(_, p)| p.settle == how && p.cost > 0)
+                .map(|(t, _)| t.as_str())
+                .collect()
+        };
+        let settles = match (self.limiting.unlisted_tools.is_some(), settling(super::Settle::Reserved)) {
+            // A proxy: its server's answers price nothing unless the operator says so.
+            (true, _) => match settling(super::Settle::Usage) {
+                usage if usage.is_empty() => "a proxied tool is charged its cost, whatever its answer says".to_owned(),
+                usage => format!(
+                    "a proxied tool is charged its cost, except {}, settled from the usage they report in _meta",
+                    usage.join(", ")
+                ),
+            },
+            (false, reserved) if reserved.is_empty() => {
+                "every price is settled from the usage the upstream reports".to_owned()
+            }
+            (false, reserved) => {
+                format!("prices are settled from the usage the upstream reports, except {}", reserved.join(", "))
+            }
         };
         let _ = writeln!(out, "{settles}; a call is first charged the cost above (reserved).");
         out

@@ -62,13 +62,14 @@ pub enum Coalesce {
 
 impl ToolPolicy {
     /// The policy of a tool `[tools]` does not name, in a catalogue learnt at run time: it costs
-    /// `cost`, has no budget of its own, fails closed if it costs, and holds no slot.
+    /// `cost`, settles at that price whatever its answer says, has no budget of its own, fails
+    /// closed if it costs, and holds no slot.
     pub fn unlisted(cost: u64) -> Self {
         Self {
             cost,
             formula: None,
             cost_min: 0,
-            settle: Settle::default(),
+            settle: Settle::Reserved,
             budget: Vec::new(),
             fail: Fail::default_for(cost),
             holds_slot: false,
@@ -190,7 +191,7 @@ pub(super) fn validate_tools(
                 return Err(invalid(format!("tools.{tool}.{name}"), format!("`{tool}` {why}; leave it out")));
             }
         }
-        let settle = spec.settle.unwrap_or_default();
+        let settle = spec.settle.unwrap_or(Settle::default_for(catalogue));
         let policy = ToolPolicy { cost, formula, cost_min, settle, budget, fail, holds_slot, coalesce, cache_ttl_ms };
         tools.insert(tool, policy);
     }

@@ -10,7 +10,7 @@
 //!
 //! | the answer | charged |
 //! | --- | --- |
-//! | reports `usage.units` (`settle = "usage"`, the default) | those units |
+//! | reports `usage.units` (`settle = "usage"`: the default for our tools and a library's, not for a proxied server's) | those units |
 //! | the upstream never started the work: a job that never left our queue (canceled or expired there, or given up after the server's own submissions were refused: retries the server owns, not the agent's), a proxied call never sent | 0 |
 //! | anything else: no report, the upstream's refusal or error, a timeout (a job's submission that went unanswered included: the upstream may have started it), a cancelled call | the reservation |
 //!
@@ -154,7 +154,8 @@ impl Reserved {
     pub fn charge_for(&self, used: Used) -> u64 {
         match (self.settle, used) {
             (Settle::Usage, Used::Reported(units)) => units,
-            (Settle::Usage, Used::Nothing) => 0,
+            // Work never started costs nothing, whoever is trusted to bill it.
+            (_, Used::Nothing) => 0,
             (Settle::Usage, Used::Unreported) | (Settle::Reserved, _) => self.units,
         }
     }

@@ -30,6 +30,7 @@ use crate::config::ToolPolicy;
 use crate::guard::{Admission, Policy, Refusal, Reserved, ToolCall, Used};
 use crate::identity::Caller;
 use crate::mcp::results;
+pub use crate::mcp::results::Answer;
 use crate::metrics::Layer;
 use crate::rate_limits::RateLimits;
 
@@ -82,7 +83,7 @@ impl<S: Send + Sync + 'static> LimitedRouter<S> {
         };
         match result {
             Ok(CallToolResponse::Complete(done)) if !warnings.is_empty() && done.is_error != Some(true) => {
-                Ok(CallToolResponse::Complete(results::with_warnings(done, &warnings)))
+                Ok(CallToolResponse::Complete(results::with_warnings(done, &warnings, Answer::Theirs)))
             }
             other => other,
         }
@@ -158,16 +159,6 @@ pub fn used_in(done: &CallToolResult) -> Used {
     results::usage_in(done).map_or(Used::Unreported, Used::Reported)
 }
 
-/// Whose answer a door settles, which decides where it says the price.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Answer {
-    /// Our own tools' result: `reserved` and `charged` always in `structuredContent`.
-    Ours,
-    /// Another server's (behind the proxy) or a forker's tools' result: left exactly as it was,
-    /// unless its own usage report moved the price, which `_meta` then says.
-    Theirs,
-}
-
 /// `done`, the answer to a call that reserved `reservation`, with the price settled from what it
 /// says was used ([`used_in`]) and said in it as `whose` answer it is allows.
 pub async fn settled(done: CallToolResult, reservation: Reserved, whose: Answer) -> CallToolResult {
@@ -180,9 +171,9 @@ pub async fn settled(done: CallToolResult, reservation: Reserved, whose: Answer)
 pub async fn settled_as(done: CallToolResult, reservation: Reserved, used: Used, whose: Answer) -> CallToolResult {
     let settled = reservation.settle_behind(used).await;
     match whose {
-        Answer::Ours => results::priced(done, settled),
-        Answer::Theirs if settled.charged != settled.reserved => results::priced_in_meta(done, settled),
-        Answer::Theirs => done,
+        // Another's answer is left as it was unless its own usage report moved the price.
+        Answer::Theirs if settled.charged == settled.reserved => done,
+        whose => results::priced(done, settled, whose),
     }
 }
 

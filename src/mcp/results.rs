@@ -34,16 +34,33 @@ pub fn method_error(refusal: &Refusal) -> ErrorData {
     ErrorData::new(ErrorCode(-32000), refusal.message.clone(), data)
 }
 
-/// A tool result that also tells the agent which limits it is close to (in its text, and as
-/// `structuredContent.warnings`), so it can plan before it is refused.
-pub fn with_warnings(mut done: CallToolResult, warnings: &[Warning]) -> CallToolResult {
-    for warning in warnings {
-        done.content.push(ContentBlock::text(warning.sentence()));
+/// Whose answer a result is, which decides where what we add to it goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    /// One of our own tools': what we add goes in its `structuredContent`, which its
+    /// `outputSchema` admits (and warnings in its text too).
+    Ours,
+    /// Another server's (behind the proxy) or a forker's tool's (through `LimitedRouter`): its
+    /// `content` and `structuredContent` are left exactly as they were (they must still validate
+    /// against its `outputSchema`), and what we add goes in `_meta`, under [`META_PREFIX`].
+    Theirs,
+}
+
+/// The prefix of the `_meta` keys we add to a result we did not write
+/// (`io.github.mcp-ratelimit/cached`, `…/coalesced`, `…/warnings`, `…/reserved`, `…/charged`):
+/// a reverse-DNS name of our own, as the MCP spec asks of `_meta` keys.
+pub const META_PREFIX: &str = "io.github.mcp-ratelimit/";
+
+/// A tool result that also tells the agent which limits it is close to, so it can plan before
+/// it is refused: ours in its text and as `structuredContent.warnings`; theirs as
+/// `_meta["io.github.mcp-ratelimit/warnings"]`.
+pub fn with_warnings(mut done: CallToolResult, warnings: &[Warning], whose: Answer) -> CallToolResult {
+    if whose == Answer::Ours {
+        for warning in warnings {
+            done.content.push(ContentBlock::text(warning.sentence()));
+        }
     }
-    if let Some(serde_json::Value::Object(structured)) = &mut done.structured_content {
-        structured.insert("warnings".into(), serde_json::json!(warnings));
-    }
-    done
+    said(done, &[("warnings", serde_json::json!(warnings))], whose)
 }
 
 /// The size of `done`'s JSON when it may be kept for identical calls (`cache_ttl_ms`): a
@@ -56,45 +73,44 @@ pub fn keepable(done: &CallToolResult) -> Option<u64> {
 }
 
 /// A result another call's request answered says so: `cached: true` (a kept answer) or
-/// `coalesced: true` (an identical call's, in flight) in `structuredContent` when it is an object,
-/// else in `_meta`.
-pub fn reused(done: CallToolResult, served: Served) -> CallToolResult {
+/// `coalesced: true` (an identical call's, in flight), where [`said`] puts it.
+pub fn reused(done: CallToolResult, served: Served, whose: Answer) -> CallToolResult {
     let Some(how) = served.saved() else { return done };
-    said(done, &[(how, serde_json::Value::Bool(true))])
+    said(done, &[(how, serde_json::Value::Bool(true))], whose)
 }
 
-/// A result that says what its call reserved and was charged: `reserved` and `charged` in
-/// `structuredContent` when it is an object, else in `_meta`.
-pub fn priced(done: CallToolResult, settled: Settled) -> CallToolResult {
-    said(done, &[("reserved", settled.reserved.into()), ("charged", settled.charged.into())])
+/// A result that says what its call reserved and was charged (`reserved`, `charged`), where
+/// [`said`] puts it.
+pub fn priced(done: CallToolResult, settled: Settled, whose: Answer) -> CallToolResult {
+    said(done, &[("reserved", settled.reserved.into()), ("charged", settled.charged.into())], whose)
 }
 
-/// A result of another server's whose price moved from its reservation: `reserved` and
-/// `charged` in `_meta`, its content and `structuredContent` left as they were.
-pub fn priced_in_meta(mut done: CallToolResult, settled: Settled) -> CallToolResult {
+/// `done` with `facts` added where `whose` answer it is allows: an answer of ours in its
+/// `structuredContent` (an object: ours always is); anything else in `_meta`, each key prefixed
+/// with [`META_PREFIX`], beside whatever `_meta` it had.
+fn said(mut done: CallToolResult, facts: &[(&str, serde_json::Value)], whose: Answer) -> CallToolResult {
+    if whose == Answer::Ours
+        && let Some(serde_json::Value::Object(structured)) = &mut done.structured_content
+    {
+        for (key, value) in facts {
+            structured.insert((*key).into(), value.clone());
+        }
+        return done;
+    }
     let mut meta = done.meta.take().unwrap_or_default();
-    meta.0.insert("reserved".into(), settled.reserved.into());
-    meta.0.insert("charged".into(), settled.charged.into());
+    for (key, value) in facts {
+        meta.0.insert(format!("{META_PREFIX}{key}"), value.clone());
+    }
     done.meta = Some(meta);
     done
 }
 
-/// `done` with `facts` added where a client reads them: `structuredContent` when it is an
-/// object (ours always is), else `_meta` (another server's result, left as it was).
-fn said(mut done: CallToolResult, facts: &[(&str, serde_json::Value)]) -> CallToolResult {
-    match &mut done.structured_content {
-        Some(serde_json::Value::Object(structured)) => {
-            for (key, value) in facts {
-                structured.insert((*key).into(), value.clone());
-            }
-        }
-        _ => {
-            let mut meta = done.meta.take().unwrap_or_default();
-            for (key, value) in facts {
-                meta.0.insert((*key).into(), value.clone());
-            }
-            done.meta = Some(meta);
-        }
+/// `done` without any `_meta` key under our [`META_PREFIX`]: what a proxied server says there is
+/// not ours to vouch for (a `charged: 0` of its own would read as our price), so only what we
+/// add ([`said`]) is there.
+pub fn without_ours(mut done: CallToolResult) -> CallToolResult {
+    if let Some(meta) = &mut done.meta {
+        meta.0.retain(|key, _| !key.starts_with(META_PREFIX));
     }
     done
 }
@@ -103,8 +119,18 @@ fn said(mut done: CallToolResult, facts: &[(&str, serde_json::Value)]) -> CallTo
 /// `_meta.usage.units` (where a server that has no structured output can say it).
 pub fn usage_in(done: &CallToolResult) -> Option<u64> {
     let structured = done.structured_content.as_ref().and_then(|s| s.get("usage"));
-    let meta = done.meta.as_ref().and_then(|m| m.0.get("usage"));
-    structured.or(meta)?.get("units")?.as_u64()
+    structured.or_else(|| meta_usage(done))?.get("units")?.as_u64()
+}
+
+/// The units a result reports in `_meta.usage.units` only: where a proxied server that the
+/// operator trusts to bill (`[tools.NAME] settle = "usage"`) says it. Never its
+/// `structuredContent`, which may echo what the caller sent.
+pub fn usage_in_meta(done: &CallToolResult) -> Option<u64> {
+    meta_usage(done)?.get("units")?.as_u64()
+}
+
+fn meta_usage(done: &CallToolResult) -> Option<&serde_json::Value> {
+    done.meta.as_ref().and_then(|m| m.0.get("usage"))
 }
 
 #[cfg(test)]
@@ -128,7 +154,8 @@ mod tests {
     fn usage_is_read_from_structured_content_or_meta_and_the_price_is_said_beside_it() {
         let mut structured = CallToolResult::structured(serde_json::json!({"usage": {"units": 7}}));
         assert_eq!(usage_in(&structured), Some(7));
-        structured = priced(structured, Settled { reserved: 9, charged: 7 });
+        assert_eq!(usage_in_meta(&structured), None, "a proxied server's structured content may echo its caller");
+        structured = priced(structured, Settled { reserved: 9, charged: 7 }, Answer::Ours);
         let said = structured.structured_content.as_ref().expect("structured");
         assert_eq!((said["reserved"].clone(), said["charged"].clone()), (9.into(), 7.into()));
         let mut text = CallToolResult::success(vec![ContentBlock::text("fine")]);
@@ -137,9 +164,11 @@ mod tests {
         meta.0.insert("usage".into(), serde_json::json!({"units": 3}));
         text.meta = Some(meta);
         assert_eq!(usage_in(&text), Some(3));
-        let text = priced(text, Settled { reserved: 5, charged: 3 });
+        assert_eq!(usage_in_meta(&text), Some(3));
+        let text = priced(text, Settled { reserved: 5, charged: 3 }, Answer::Theirs);
         assert_eq!(text.structured_content, None, "another server's result keeps its shape");
-        assert_eq!(text.meta.as_ref().map(|m| m.0["charged"].clone()), Some(3.into()));
+        let charged = text.meta.as_ref().map(|m| m.0["io.github.mcp-ratelimit/charged"].clone());
+        assert_eq!(charged, Some(3.into()));
         let negative = CallToolResult::structured(serde_json::json!({"usage": {"units": -2}}));
         assert_eq!(usage_in(&negative), None, "not a count of units");
     }

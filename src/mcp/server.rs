@@ -233,7 +233,7 @@ impl ServerHandler for McpServer {
         let reservation = admission.take().and_then(|mut admission| admission.reserved());
         let result = match result {
             Ok(CallToolResponse::Complete(done)) => {
-                let done = results::reused(done, served);
+                let done = results::reused(done, served, limited::Answer::Ours);
                 let done = match reservation {
                     Some(reservation) => limited::settled(done, reservation, limited::Answer::Ours).await,
                     None => done,
@@ -253,7 +253,7 @@ impl ServerHandler for McpServer {
                 self.as_task(&caller, &done)
             }
             Ok(CallToolResponse::Complete(done)) if !warnings.is_empty() && done.is_error != Some(true) => {
-                Ok(CallToolResponse::Complete(results::with_warnings(done, &warnings)))
+                Ok(CallToolResponse::Complete(results::with_warnings(done, &warnings, limited::Answer::Ours)))
             }
             other => other,
         }

@@ -406,6 +406,75 @@ fn articles_found(query: Option<&str>, page: &ArticlePage) -> String {
     }
 }
 
+/// What the doors may add to a successful answer of ours once the tool has answered
+/// ([`results::priced`], [`results::reused`], [`results::with_warnings`]): every tool's
+/// `outputSchema` admits these, so a client that checks structured content against it (the
+/// official Python SDK does) accepts every answer. Only its schema is ever built.
+#[derive(JsonSchema)]
+#[allow(dead_code)]
+struct Added {
+    /// Units this call's price reserved in your budgets.
+    reserved: Option<u64>,
+    /// Units it was charged, settled from what the upstream reported it used.
+    charged: Option<u64>,
+    /// Answered from an identical call's answer, kept for `cache_ttl_ms`: no upstream request.
+    cached: Option<bool>,
+    /// Answered by an identical call's request in flight at the same time.
+    coalesced: Option<bool>,
+    /// The limits this call left close to their end, to plan with.
+    warnings: Option<Vec<crate::guard::Warning>>,
+}
+
+/// The `outputSchema` of a tool of ours whose successful answer is a `T`: `T`'s (what it
+/// serialises to), with what [`Added`] may add as optional properties; or, for a refusal (an
+/// `isError` result, which some clients check too: the MCP Inspector 2.12 does), the refusal's
+/// `{"error": {…}}`. Either `T`'s required properties, or `error`.
+///
+/// The two job tools declare none: to a client that speaks tasks they answer a task handle, which
+/// has no structured content (a client that checks the handle against a schema, as the MCP
+/// Inspector 2.12 does, would refuse it), and the task's result is a [`PredictionReport`], not the
+/// [`Submitted`] a client without tasks gets.
+fn output_schema<T: JsonSchema + 'static>() -> Arc<JsonObject> {
+    use rmcp::handler::server::tool::schema_for_output;
+    // Built once per type: every session's router holds the same schemas, not copies of its own.
+    static BUILT: std::sync::LazyLock<Mutex<BTreeMap<std::any::TypeId, Arc<JsonObject>>>> =
+        std::sync::LazyLock::new(Mutex::default);
+    let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(schema) = built.get(&std::any::TypeId::of::<T>()) {
+        return schema.clone();
+    }
+    let mut schema = schema_for_output::<T>().as_ref().clone();
+    let added = schema_for_output::<Added>();
+    for section in ["properties", "$defs"] {
+        let Some(serde_json::Value::Object(more)) = added.get(section) else { continue };
+        let entry = schema.entry(section).or_insert_with(|| serde_json::Value::Object(JsonObject::new()));
+        if let serde_json::Value::Object(into) = entry {
+            for (name, value) in more {
+                into.entry(name.clone()).or_insert_with(|| value.clone());
+            }
+        }
+    }
+    let refusal = serde_json::json!({
+        "type": "object",
+        "description": "Why the call was refused, and how long to wait: code, message, retry_after_ms, and where \
+                        known scope, limit and remaining.",
+        "required": ["code", "message"],
+    });
+    if let Some(serde_json::Value::Object(properties)) = schema.get_mut("properties") {
+        // A failed job's report has an `error` of its own (the reason, a string).
+        let error = match properties.remove("error") {
+            Some(own) => serde_json::json!({"anyOf": [own, refusal]}),
+            None => refusal,
+        };
+        properties.insert("error".into(), error);
+    }
+    let required = schema.remove("required").unwrap_or_else(|| serde_json::json!([]));
+    schema.insert("anyOf".into(), serde_json::json!([{"required": required}, {"required": ["error"]}]));
+    let schema = Arc::new(schema);
+    built.insert(std::any::TypeId::of::<T>(), schema.clone());
+    schema
+}
+
 fn success(summary: String, structured: impl Serialize) -> Result<CallToolResult, ErrorData> {
     let value = serde_json::to_value(structured).map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
     let mut result = CallToolResult::success(vec![ContentBlock::text(summary)]);
@@ -637,6 +706,7 @@ impl McpServer {
     /// Lists articles from the upstream, a page at a time.
     #[tool(
         description = "List articles whose titles match a query. Pages with `cursor`.",
+        output_schema = output_schema::<crate::upstream::api::ArticlePage>(),
         annotations(read_only_hint = true, open_world_hint = true)
     )]
     async fn list_articles(&self, Parameters(args): Parameters<ListArticlesArgs>) -> Result<CallToolResult, ErrorData> {
@@ -654,6 +724,7 @@ impl McpServer {
     /// Saves an article upstream.
     #[tool(
         description = "Save an article (title, body).",
+        output_schema = output_schema::<crate::upstream::api::SavedArticle>(),
         annotations(read_only_hint = false, destructive_hint = false, open_world_hint = true)
     )]
     async fn save_article(&self, Parameters(args): Parameters<SaveArticleArgs>) -> Result<CallToolResult, ErrorData> {
@@ -712,6 +783,7 @@ impl McpServer {
         description = "Status of an image or video job: starting (perhaps still queued for submission), \
                        processing, succeeded (with output URL), failed (with the reason) or canceled. While \
                        pending it says when to poll next; earlier polls are answered with the wait left.",
+        output_schema = output_schema::<PredictionReport>(),
         annotations(read_only_hint = true, open_world_hint = false)
     )]
     async fn get_prediction(
@@ -729,6 +801,7 @@ impl McpServer {
     #[tool(
         description = "Cancel one of your image or video jobs, upstream too; its in-flight slot is free at \
                        once. A job that already finished keeps its result.",
+        output_schema = output_schema::<PredictionReport>(),
         annotations(read_only_hint = false, destructive_hint = true, idempotent_hint = true, open_world_hint = true)
     )]
     async fn cancel_prediction(
@@ -748,6 +821,7 @@ impl McpServer {
         description = "Your own budgets: for each scope its algorithm, limit, what remains and when it is full \
                        again (your jobs in flight among them), your jobs in flight, the video submission queue, \
                        and what each tool costs. Free; use it to plan instead of hitting limits.",
+        output_schema = output_schema::<StatusReport>(),
         annotations(read_only_hint = true, open_world_hint = false)
     )]
     async fn rate_limit_status(

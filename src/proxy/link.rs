@@ -5,7 +5,8 @@
 //!
 //! Every downstream session shares this one upstream session (see [`super`] for why).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::OsString;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,7 +39,97 @@ pub enum Target {
         program: String,
         /// Its arguments.
         args: Vec<String>,
+        /// Its environment, besides the few variables every child gets.
+        env: ChildEnv,
     },
+}
+
+/// The variables of the proxy's environment every stdio child gets, as the official MCP SDKs
+/// pass them to a server they start (`getDefaultEnvironment`: what a program needs to start and
+/// find its files), plus the time zone and the temporary directory; the locale (`LC_*`) too.
+#[cfg(not(windows))]
+pub const ALWAYS_PASSED: &[&str] =
+    &["PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "TMPDIR", "TZ", "LANG", "LANGUAGE"];
+/// The variables of the proxy's environment every stdio child gets, as the official MCP SDKs
+/// pass them to a server they start (`getDefaultEnvironment`).
+#[cfg(windows)]
+pub const ALWAYS_PASSED: &[&str] = &[
+    "APPDATA",
+    "HOMEDRIVE",
+    "HOMEPATH",
+    "LOCALAPPDATA",
+    "PATH",
+    "PATHEXT",
+    "PROCESSOR_ARCHITECTURE",
+    "SYSTEMDRIVE",
+    "SYSTEMROOT",
+    "TEMP",
+    "TMP",
+    "USERNAME",
+    "USERPROFILE",
+    "PROGRAMFILES",
+];
+
+/// A stdio child's environment. It starts empty: a child is someone else's code (often fetched by
+/// `npx -y` at start-up), and the proxy's environment holds its secrets (`MCP_RL__ADMIN__KEY`,
+/// the Redis password, upstream credentials). It gets [`ALWAYS_PASSED`] and the locale from the
+/// proxy's environment, then what the operator names: `[proxy] inherit_env` (names passed
+/// through) and `[proxy] env` (values set). No `MCP_RL__` variable ever reaches it, whoever names
+/// it.
+#[derive(Clone, Default)]
+pub struct ChildEnv {
+    /// Set to these values (`[proxy] env`): perhaps credentials.
+    pub set: Vec<(String, String)>,
+    /// Passed through from the proxy's environment when it has them (`[proxy] inherit_env`).
+    pub inherit: Vec<String>,
+}
+
+impl std::fmt::Debug for ChildEnv {
+    /// Names only: the values may be credentials.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChildEnv")
+            .field("set", &self.set.iter().map(|(name, _)| name.as_str()).collect::<Vec<_>>())
+            .field("inherit", &self.inherit)
+            .finish()
+    }
+}
+
+/// Whether two variable names are the same variable: exactly, but on Windows, whose names ignore
+/// case, in any case.
+fn same_name(a: &str, b: &str) -> bool {
+    if cfg!(windows) { a.eq_ignore_ascii_case(b) } else { a == b }
+}
+
+impl ChildEnv {
+    /// What `[proxy] env` and `inherit_env` say.
+    pub fn of(config: &ProxyConfig) -> Self {
+        Self {
+            set: config.env.iter().map(|(name, value)| (name.clone(), value.clone())).collect(),
+            inherit: config.inherit_env.clone(),
+        }
+    }
+
+    /// The child's whole environment, drawn from `proxy` (the proxy's own, as
+    /// [`std::env::vars_os`] gives it).
+    pub fn variables(&self, proxy: impl IntoIterator<Item = (OsString, OsString)>) -> Vec<(OsString, OsString)> {
+        let mut out: BTreeMap<OsString, OsString> = BTreeMap::new();
+        for (name, value) in proxy {
+            let Some(text) = name.to_str() else { continue };
+            let always = ALWAYS_PASSED.iter().any(|a| same_name(a, text)) || text.starts_with("LC_");
+            // A value that looks like an exported shell function is not passed by default (as
+            // the SDKs do): a shell the child starts would define it.
+            let function = value.to_str().is_some_and(|v| v.starts_with("()"));
+            if (always && !function) || self.inherit.iter().any(|n| same_name(n, text)) {
+                out.insert(name, value);
+            }
+        }
+        for (name, value) in &self.set {
+            out.insert(name.into(), value.into());
+        }
+        // Whoever built this (a config is checked for it already): never one of the proxy's own.
+        out.retain(|name, _| name.to_str().is_some_and(|name| !crate::config::proxy::is_own_variable(name)));
+        out.into_iter().collect()
+    }
 }
 
 impl Target {
@@ -68,7 +159,7 @@ impl Target {
                 Ok(Target::Http { url, headers: headers()? })
             }
             (None, Some((program, args))) if !program.trim().is_empty() => {
-                Ok(Target::Command { program: program.clone(), args: args.to_vec() })
+                Ok(Target::Command { program: program.clone(), args: args.to_vec(), env: ChildEnv::of(config) })
             }
             _ => Err("name the proxied server: --upstream URL, or -- COMMAND ARGS… (or `proxy.upstream_url`, \
                       `proxy.command` in the config)"
@@ -86,9 +177,12 @@ impl std::fmt::Debug for Target {
                 .field("url", &crate::redact::url(url))
                 .field("headers", &headers.iter().map(|(name, _)| name.as_str()).collect::<Vec<_>>())
                 .finish(),
-            Target::Command { program, args } => {
-                f.debug_struct("Command").field("program", program).field("args", &args.len()).finish()
-            }
+            Target::Command { program, args, env } => f
+                .debug_struct("Command")
+                .field("program", program)
+                .field("args", &args.len())
+                .field("env", env)
+                .finish(),
         }
     }
 }
@@ -260,9 +354,9 @@ impl Link {
                     let transport = StreamableHttpClientTransport::with_client(reqwest::Client::new(), config);
                     relay.serve(transport).await.map_err(|e| handshake(e.to_string()))
                 }
-                Target::Command { program, args } => {
+                Target::Command { program, args, env } => {
                     let mut command = tokio::process::Command::new(program);
-                    command.args(args);
+                    command.args(args).env_clear().envs(env.variables(std::env::vars_os()));
                     let child = TokioChildProcess::new(command)
                         .map_err(|source| LinkError::Spawn { target: target.clone(), source })?;
                     *self.child.lock().unwrap_or_else(|p| p.into_inner()) = child.id();

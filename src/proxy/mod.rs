@@ -20,15 +20,22 @@
 //! process for a command). A caller opening many sessions therefore opens nothing upstream, and the
 //! proxied server sees one client: the proxy. Notifications are routed back ([`relay`]): progress
 //! to the session that made the call, resource updates to the sessions that subscribed, log
-//! messages and list changes to all. `logging/setLevel` sets the shared session's level.
+//! messages to the sessions that set a level (each at its own), list changes to all. A session's
+//! `logging/setLevel` is its own; the shared session's level is the most verbose any asked for.
+//!
+//! **Tasks.** A task a proxied call creates is its caller's ([`tasks`]): `tasks/get` and
+//! `tasks/cancel` for it from anyone else are refused as unknown, never passed on.
 //!
 //! **Identity.** The caller's key never leaves the proxy: the proxied server gets only
 //! `proxy.headers` (over HTTP) and the caller's own `_meta` (minus its progress token, which is
-//! the proxy's own upstream). It cannot tell callers apart; the proxy does that.
+//! the proxy's own upstream). It cannot tell callers apart; the proxy does that. Nor does a stdio
+//! child get the proxy's secrets: it starts from an empty environment plus what [`ChildEnv`]
+//! allows, and never an `MCP_RL__` variable.
 
 pub mod link;
 pub mod relay;
 mod server;
+pub mod tasks;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,7 +50,7 @@ use rmcp::model::{
 use rmcp::service::{PeerRequestOptions, ServiceError};
 use tokio_util::sync::CancellationToken;
 
-pub use link::{Link, LinkError, Target};
+pub use link::{ChildEnv, Link, LinkError, Target};
 pub use relay::{Downstream, Relay};
 pub use server::ProxyServer;
 
@@ -78,6 +85,8 @@ pub struct Proxied {
     /// Identical calls in flight sharing one request, and answers kept (`[tools.NAME] coalesce`,
     /// `cache_ttl_ms`).
     reuse: Arc<Reuse<Forwarded>>,
+    /// Whose each task created through the proxy is.
+    tasks: tasks::Owners,
 }
 
 /// What a forwarded call came back with.
@@ -170,6 +179,7 @@ impl Proxied {
             calls: AtomicU64::new(0),
             mean_call: AtomicU64::new(0),
             reuse: Reuse::new(clock.clone(), limits.metrics().clone(), up.cache_max_entries, up.cache_max_bytes),
+            tasks: tasks::Owners::new(clock.clone()),
         });
         // Without its tools there is nothing to serve: a server that cannot list them is a
         // start-up error, as one that cannot be reached is.
@@ -210,12 +220,13 @@ impl Proxied {
     }
 
     /// Lists the proxied server's tools again (within [`link::ANSWER_WITHIN`], whatever
-    /// `proxy.timeout_ms` says of calls), and warns of each `[tools.NAME]` it does not list; on an
-    /// error the last list stays.
+    /// `proxy.timeout_ms` says of calls), keeps those it may offer ([`offered`]), forgets the
+    /// metrics and dashboard rows of every tool it no longer lists, and warns of each
+    /// `[tools.NAME]` it does not list; on an error the last list stays.
     async fn learn_tools(&self) -> Result<(), String> {
         let peer = self.link.peer().ok_or("it is not connected")?;
-        let tools = match tokio::time::timeout(link::ANSWER_WITHIN, peer.list_all_tools()).await {
-            Ok(Ok(tools)) => tools,
+        let tools = match tokio::time::timeout(link::ANSWER_WITHIN, list_tools(&peer)).await {
+            Ok(Ok(tools)) => offered(tools),
             Ok(Err(error)) => return Err(crate::redact::url(&error.to_string())),
             Err(_) => return Err(format!("no answer within {:?}", link::ANSWER_WITHIN)),
         };
@@ -225,6 +236,11 @@ impl Proxied {
             }
         }
         tracing::info!(tools = tools.len(), "learnt the proxied server's tools");
+        // Every series and row of a tool it does not list now: those of tools renamed or dropped,
+        // and any a call still in flight then recorded after the last list.
+        let listed: std::collections::HashSet<String> = tools.iter().map(|t| t.name.to_string()).collect();
+        self.limits.metrics().forget_tools(|tool| !listed.contains(tool));
+        self.limits.guard().activity().forget_tools(|tool| !listed.contains(tool));
         self.tools.store(Arc::new(tools));
         Ok(())
     }
@@ -335,7 +351,7 @@ impl Proxied {
         };
         let request = ClientRequest::CallToolRequest(CallToolRequest::new(request));
         let mut options = PeerRequestOptions::no_options();
-        options.meta = Some(meta);
+        options.meta = Some(for_upstream(meta));
         let answer = async {
             let handle = peer.send_cancellable_request(request, options).await?;
             let _route = progress
@@ -396,6 +412,57 @@ impl Proxied {
     }
 }
 
+/// The most tools a proxied server's list is read to; the rest are not offered (each tool is a
+/// handful of metric series and a dashboard row, which must stay bounded).
+pub const MAX_TOOLS: usize = 1000;
+/// The longest tool name the MCP spec allows (1 to 128 characters).
+pub const MAX_TOOL_NAME: usize = 128;
+
+/// Every page of the proxied server's tools, up to [`MAX_TOOLS`] (and as many pages): a server
+/// that lists more, or pages for ever, is read that far.
+async fn list_tools(peer: &rmcp::service::Peer<rmcp::RoleClient>) -> Result<Vec<Tool>, ServiceError> {
+    let mut tools = Vec::new();
+    let mut cursor = None;
+    for _ in 0..MAX_TOOLS {
+        let page = peer.list_tools(Some(rmcp::model::PaginatedRequestParams::default().with_cursor(cursor))).await?;
+        tools.extend(page.tools);
+        cursor = page.next_cursor;
+        if cursor.is_none() || tools.len() > MAX_TOOLS {
+            break;
+        }
+    }
+    Ok(tools)
+}
+
+/// The tools the proxy offers of those the proxied server lists: each with a name the MCP spec
+/// allows the length of (1 to 128 characters) and no control character in it, the first
+/// [`MAX_TOOLS`] of them. The others are neither listed downstream nor callable (a warning says
+/// how many): a 100 KB name would be a 100 KB metric label on every series of its tool. A name
+/// of other characters than the spec's `[A-Za-z0-9_.-]` is offered as it is.
+fn offered(tools: Vec<Tool>) -> Vec<Tool> {
+    let listed = tools.len();
+    let named = |tool: &Tool| {
+        let chars = tool.name.chars().count();
+        (1..=MAX_TOOL_NAME).contains(&chars) && !tool.name.chars().any(char::is_control)
+    };
+    let mut tools: Vec<Tool> = tools.into_iter().filter(named).collect();
+    if tools.len() < listed {
+        tracing::warn!(
+            dropped = listed - tools.len(),
+            "the proxied server lists tools whose names are empty, longer than {MAX_TOOL_NAME} characters or hold \
+             control characters; they are not offered"
+        );
+    }
+    if tools.len() > MAX_TOOLS {
+        tracing::warn!(
+            listed = tools.len(),
+            "the proxied server lists more than {MAX_TOOLS} tools; the rest are not offered"
+        );
+        tools.truncate(MAX_TOOLS);
+    }
+    tools
+}
+
 /// Tells the proxied server to stop a call whose answer nobody waits for any more.
 struct CancelOnDrop {
     peer: Option<rmcp::service::Peer<rmcp::RoleClient>>,
@@ -423,15 +490,27 @@ impl Drop for CancelOnDrop {
     }
 }
 
-/// The caller's `_meta` as the proxied server may see it: without the protocol's own envelope
-/// (`io.modelcontextprotocol/…`: the protocol version and capabilities a 2026-07-28 caller sends
-/// with every request), which is between the caller and the proxy, and which a server of the
-/// handshake era refuses on its session.
-pub(crate) fn forwardable(meta: &RequestMetaObject) -> RequestMetaObject {
-    let mut forwarded = meta.clone();
-    forwarded.0.0.retain(|key, _| !key.starts_with("io.modelcontextprotocol/"));
-    forwarded
+/// What the proxied server gets of a caller's request `_meta`: everything the caller says of its
+/// call (a trace context, its own keys; its progress token is replaced by the proxy's), but not
+/// what describes the caller's own connection to the proxy under 2026-07-28 (its protocol
+/// version, who it is, the log level it opts in to): the proxy's session to the proxied server is
+/// its own, of its own version. (rmcp's HTTP transport would send a caller's `protocolVersion` as
+/// that session's `MCP-Protocol-Version`, which a 2025-11-25 server refuses — and keep it for
+/// every request after.) Its capabilities stay: a server may answer a caller that speaks tasks
+/// with one.
+fn for_upstream(mut meta: RequestMetaObject) -> RequestMetaObject {
+    for key in CALLERS_CONNECTION {
+        meta.0.remove(key);
+    }
+    meta
 }
+
+/// The request `_meta` keys of 2026-07-28 that describe the caller's connection, not its call.
+const CALLERS_CONNECTION: [&str; 3] = [
+    "io.modelcontextprotocol/protocolVersion",
+    "io.modelcontextprotocol/clientInfo",
+    "io.modelcontextprotocol/logLevel",
+];
 
 fn unavailable(tool: &str, detail: &str, wait: Nanos) -> Refusal {
     Refusal::upstream_unavailable(tool, detail, wait.div_ceil(NANOS_PER_MS).max(1))

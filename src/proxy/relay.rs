@@ -1,8 +1,17 @@
 //! What the proxied server says on its own, carried to the downstream sessions it concerns: a
 //! call's progress to the session that made the call, a resource's update to the sessions that
-//! subscribed to it, its log messages and the lists' changes to every session. The proxy's MCP
+//! subscribed to it, its log messages to the sessions that asked for them (`logging/setLevel`),
+//! each at or above its own level, and the lists' changes to every session. The proxy's MCP
 //! client ([`Relay`]) hears them; the downstream sessions join when they are initialized and
 //! leave when their handler is dropped.
+//!
+//! **Log levels.** The proxied server has one level, for its one client (the proxy); each session
+//! has its own. A session's `logging/setLevel` is recorded for it alone, and the proxied server's
+//! level is set to the most verbose any live session asked for ([`Downstream::set_level`]), so
+//! one caller's `debug` never makes another caller hear `debug`: each message goes to the sessions
+//! whose own level it meets. A session that never set a level hears none (the MCP spec lets a
+//! server choose what to send before `setLevel`). A message is not routed to the call it came
+//! from: a 2025-11-25 server's log notification does not say which request it belongs to.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -10,8 +19,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 #[allow(deprecated)] // Logging is legacy in 2026-07-28, and still what servers send.
 use rmcp::model::{
-    ClientCapabilities, ClientConfig, Implementation, LoggingMessageNotificationParam, ProgressNotificationParam,
-    ProgressToken, ResourceUpdatedNotificationParam,
+    ClientCapabilities, ClientConfig, Implementation, LoggingLevel, LoggingMessageNotificationParam,
+    ProgressNotificationParam, ProgressToken, ResourceUpdatedNotificationParam,
 };
 use rmcp::service::{NotificationContext, Peer};
 use rmcp::{ClientHandler, RoleClient, RoleServer};
@@ -19,20 +28,27 @@ use tokio::sync::Notify;
 
 /// The downstream sessions, and which of them each notification is for.
 #[derive(Default)]
+#[allow(deprecated)] // Logging is legacy in 2026-07-28, and still what servers send.
 pub struct Downstream {
     next: AtomicU64,
     state: Mutex<State>,
     /// Rung when the proxied server's tools changed (or it came back): the list is fetched again.
     pub(super) tools_changed: Notify,
+    /// The level last set on the proxied server, held while a new one is set so that two
+    /// sessions' `setLevel`s reach it in the order their levels were recorded.
+    pub(super) upstream_level: tokio::sync::Mutex<Option<LoggingLevel>>,
 }
 
 #[derive(Default)]
+#[allow(deprecated)] // Logging is legacy in 2026-07-28, and still what servers send.
 struct State {
     sessions: HashMap<u64, Peer<RoleServer>>,
     /// The upstream progress token of a call in flight → the session and the token it gave.
     progress: HashMap<ProgressToken, (u64, ProgressToken)>,
     /// Resource URI → the sessions subscribed to it.
     subscribed: HashMap<String, HashSet<u64>>,
+    /// The log level each session asked for; a session not here hears no log message.
+    levels: HashMap<u64, LoggingLevel>,
 }
 
 impl std::fmt::Debug for Downstream {
@@ -80,10 +96,23 @@ impl Downstream {
         was && none_left
     }
 
+    /// Records that `session` hears the proxied server's log messages at `level` and above;
+    /// returns the level the proxied server must send at for every live session to hear what it
+    /// asked for: the most verbose of theirs.
+    #[allow(deprecated)] // Logging is legacy in 2026-07-28, and still what servers send.
+    pub fn set_level(&self, session: u64, level: LoggingLevel) -> LoggingLevel {
+        let mut state = self.state();
+        state.prune();
+        if state.sessions.contains_key(&session) {
+            state.levels.insert(session, level);
+        }
+        state.levels.values().copied().min_by_key(|l| severity(*l)).unwrap_or(level)
+    }
+
     /// The sessions to tell, pruned of those whose transport has closed.
     fn peers(&self, only: impl Fn(&State, u64) -> bool) -> Vec<Peer<RoleServer>> {
         let mut state = self.state();
-        state.sessions.retain(|_, peer| !peer.is_transport_closed());
+        state.prune();
         let state = &*state;
         state.sessions.iter().filter(|(id, _)| only(state, **id)).map(|(_, peer)| peer.clone()).collect()
     }
@@ -98,11 +127,36 @@ impl Downstream {
     fn leave(&self, id: u64) {
         let mut state = self.state();
         state.sessions.remove(&id);
+        state.levels.remove(&id);
         state.progress.retain(|_, (session, _)| *session != id);
         state.subscribed.retain(|_, subscribers| {
             subscribers.remove(&id);
             !subscribers.is_empty()
         });
+    }
+}
+
+impl State {
+    /// Forgets the sessions whose transport has closed, and the levels they asked for.
+    fn prune(&mut self) {
+        self.sessions.retain(|_, peer| !peer.is_transport_closed());
+        let sessions = &self.sessions;
+        self.levels.retain(|id, _| sessions.contains_key(id));
+    }
+}
+
+/// How severe a log level is: `debug` 0 to `emergency` 7, as RFC 5424 orders them (reversed).
+#[allow(deprecated)] // Logging is legacy in 2026-07-28, and still what servers send.
+fn severity(level: LoggingLevel) -> u8 {
+    match level {
+        LoggingLevel::Debug => 0,
+        LoggingLevel::Info => 1,
+        LoggingLevel::Notice => 2,
+        LoggingLevel::Warning => 3,
+        LoggingLevel::Error => 4,
+        LoggingLevel::Critical => 5,
+        LoggingLevel::Alert => 6,
+        LoggingLevel::Emergency => 7,
     }
 }
 
@@ -183,7 +237,9 @@ impl ClientHandler for Relay {
         params: LoggingMessageNotificationParam,
         _context: NotificationContext<RoleClient>,
     ) {
-        for peer in self.downstream.peers(|_, _| true) {
+        let heard = severity(params.level);
+        let asked = |state: &State, id: u64| state.levels.get(&id).is_some_and(|l| heard >= severity(*l));
+        for peer in self.downstream.peers(asked) {
             let _ = peer.notify_logging_message(params.clone()).await;
         }
     }

@@ -6,13 +6,14 @@ use std::sync::{Arc, OnceLock};
 
 #[allow(deprecated)] // Logging and resource subscriptions are legacy in 2026-07-28, and still in use.
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CancelTaskParams, CompleteRequestParams, CompleteResult,
-    GetPromptRequestParams, GetPromptResponse, GetTaskParams, GetTaskResult, Implementation, ListPromptsResult,
-    ListResourceTemplatesResult, ListResourcesResult, ListToolsResult, PaginatedRequestParams,
-    ReadResourceRequestParams, ReadResourceResponse, ServerConfig, SetLevelRequestParams, SubscribeRequestParams,
+    CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, CancelTaskRequest, ClientRequest,
+    CompleteRequestParams, CompleteResult, GetPromptRequestParams, GetPromptResponse, GetPromptResult, GetTaskParams,
+    GetTaskRequest, GetTaskResult, Implementation, ListPromptsResult, ListResourceTemplatesResult, ListResourcesResult,
+    ListToolsResult, PaginatedRequestParams, ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult,
+    ResultType, ServerConfig, ServerResult, SetLevelRequestParams, SubscribeRequestParams, TaskPayload,
     UnsubscribeRequestParams,
 };
-use rmcp::service::{NotificationContext, Peer, RequestContext, ServiceError};
+use rmcp::service::{NotificationContext, Peer, PeerRequestOptions, RequestContext, ServiceError};
 use rmcp::{ErrorData, RoleClient, RoleServer, ServerHandler};
 
 use super::relay::Membership;
@@ -78,6 +79,18 @@ impl ProxyServer {
         let wait = self.proxied.breaker.open_for(self.proxied.clock.now()).unwrap_or(crate::clock::NANOS_PER_SEC);
         let ms = wait.div_ceil(crate::clock::NANOS_PER_MS).max(1);
         results::method_error(&Refusal::upstream_unavailable(method, detail, ms))
+    }
+
+    /// Refuses a task the caller does not own — another caller's, or one no proxied call of ours
+    /// created — as `serve` refuses a job that is not the caller's: unknown, whether it exists or
+    /// not. (The method limit has counted the request already: guessing ids costs.)
+    fn owned(&self, context: &RequestContext<RoleServer>, task: &str) -> Result<(), ErrorData> {
+        let caller = limited::caller_of(&self.limits, context)?;
+        if self.proxied.tasks.is_owned_by(task, caller.id()) {
+            Ok(())
+        } else {
+            Err(ErrorData::invalid_params(format!("unknown task: {task}"), None))
+        }
     }
 
     fn refuse(&self, caller: &Caller, tool: &str, refusal: Refusal) -> CallToolResponse {
@@ -173,7 +186,7 @@ impl ServerHandler for ProxyServer {
         let session = self.membership.get().map(Membership::id);
         let progress = session.zip(context.meta.get_progress_token());
         let sharing = policy.tool(&tool).and_then(|p| Sharing::of(p, &caller, &tool, &args));
-        let meta = super::forwardable(&context.meta);
+        let meta = context.meta.clone();
         let forwarded = self.proxied.answer(&caller, place, request, meta, progress, sharing);
         let (answer, served) = tokio::select! {
             answered = forwarded => answered,
@@ -181,17 +194,26 @@ impl ServerHandler for ProxyServer {
         };
         match answer {
             Ok(CallToolResponse::Complete(done)) => {
-                let done = results::reused(done, served);
-                // Settled from the `usage.units` the proxied server reports, if it does.
+                let done = results::reused(results::without_ours(done.complete()), served, Answer::Theirs);
+                // Settled from the `_meta.usage.units` the proxied server reports, where the
+                // operator trusts it to (`settle = "usage"`); never from its structured content,
+                // which may echo the caller's own arguments.
                 let done = match reservation {
-                    Some(reservation) => limited::settled(done, reservation, Answer::Theirs).await,
+                    Some(reservation) => {
+                        let used = results::usage_in_meta(&done).map_or(Used::Unreported, Used::Reported);
+                        limited::settled_as(done, reservation, used, Answer::Theirs).await
+                    }
                     None => done,
                 };
                 if admission.warnings().is_empty() || done.is_error == Some(true) {
                     Ok(CallToolResponse::Complete(done))
                 } else {
-                    Ok(CallToolResponse::Complete(results::with_warnings(done, admission.warnings())))
+                    Ok(CallToolResponse::Complete(results::with_warnings(done, admission.warnings(), Answer::Theirs)))
                 }
+            }
+            Ok(CallToolResponse::Task(task)) => {
+                self.proxied.tasks.record(&task.task.task_id, task.task.ttl_ms, caller.id());
+                Ok(CallToolResponse::Task(task))
             }
             Ok(other) => Ok(other),
             Err(Unanswered::Error(error)) => Err(error),
@@ -211,7 +233,8 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, ErrorData> {
         let method = "resources/list";
-        self.ask(&context, method).await?.list_resources(request).await.map_err(|e| self.passed(method, e))
+        let listed = self.ask(&context, method).await?.list_resources(request).await;
+        listed.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
     async fn list_resource_templates(
@@ -220,7 +243,8 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<ListResourceTemplatesResult, ErrorData> {
         let method = "resources/templates/list";
-        self.ask(&context, method).await?.list_resource_templates(request).await.map_err(|e| self.passed(method, e))
+        let listed = self.ask(&context, method).await?.list_resource_templates(request).await;
+        listed.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
     async fn read_resource(
@@ -229,7 +253,8 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, ErrorData> {
         let method = "resources/read";
-        self.ask(&context, method).await?.read_resource_once(request).await.map_err(|e| self.passed(method, e))
+        let read = self.ask(&context, method).await?.read_resource_once(request).await;
+        read.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
     async fn subscribe(
@@ -263,7 +288,8 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<ListPromptsResult, ErrorData> {
         let method = "prompts/list";
-        self.ask(&context, method).await?.list_prompts(request).await.map_err(|e| self.passed(method, e))
+        let listed = self.ask(&context, method).await?.list_prompts(request).await;
+        listed.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
     async fn get_prompt(
@@ -272,7 +298,8 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<GetPromptResponse, ErrorData> {
         let method = "prompts/get";
-        self.ask(&context, method).await?.get_prompt_once(request).await.map_err(|e| self.passed(method, e))
+        let prompt = self.ask(&context, method).await?.get_prompt_once(request).await;
+        prompt.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
     async fn complete(
@@ -281,33 +308,134 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<CompleteResult, ErrorData> {
         let method = "completion/complete";
-        self.ask(&context, method).await?.complete(request).await.map_err(|e| self.passed(method, e))
+        let completed = self.ask(&context, method).await?.complete(request).await;
+        completed.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
+    /// Sets the level of the proxied server's log messages this session hears; the proxied
+    /// server's own level becomes the most verbose any session asked for (see [`super::relay`]).
+    /// A request without a session (2026-07-28, stateless) hears no log messages, and changes
+    /// nothing.
     async fn set_level(
         &self,
         request: SetLevelRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
         let method = "logging/setLevel";
-        self.ask(&context, method).await?.set_level(request).await.map_err(|e| self.passed(method, e))
+        let upstream = self.ask(&context, method).await?;
+        let Some(session) = self.membership.get().map(Membership::id) else { return Ok(()) };
+        let downstream = &self.proxied.downstream;
+        let mut set = downstream.upstream_level.lock().await;
+        let wanted = downstream.set_level(session, request.level);
+        if *set != Some(wanted) {
+            // Within the time a listing of tools has: the lock is held meanwhile.
+            let setting = upstream.set_level(SetLevelRequestParams::new(wanted));
+            match tokio::time::timeout(super::link::ANSWER_WITHIN, setting).await {
+                Ok(done) => done.map_err(|e| self.passed(method, e))?,
+                Err(_) => return Err(self.unavailable(method, "it did not answer in time")),
+            }
+            *set = Some(wanted);
+        }
+        Ok(())
     }
 
+    /// A task of the caller's own, as the proxied server reports it; any other is unknown.
     async fn get_task(
         &self,
         request: GetTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<GetTaskResult, ErrorData> {
         let method = "tasks/get";
-        self.ask(&context, method).await?.get_task(request).await.map_err(|e| self.passed(method, e))
+        let upstream = self.ask(&context, method).await?;
+        self.owned(&context, &request.task_id)?;
+        let request = ClientRequest::GetTaskRequest(GetTaskRequest::new(request));
+        let mut got = match as_caller(&upstream, request, &context).await {
+            Ok(ServerResult::GetTaskResult(got)) => got,
+            Ok(_) => return Err(self.passed(method, ServiceError::UnexpectedResponse)),
+            Err(error) => return Err(self.passed(method, error)),
+        };
+        // Its result, a 2025-11-25 server's, made valid for a 2026-07-28 caller as any other.
+        if let TaskPayload::Completed { result } = &mut got.task.payload {
+            result.entry("resultType").or_insert_with(|| ResultType::COMPLETE.as_str().into());
+        }
+        Ok(got)
     }
 
+    /// Cancels a task of the caller's own; any other is unknown, and the proxied server never hears.
     async fn cancel_task(
         &self,
         request: CancelTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
         let method = "tasks/cancel";
-        self.ask(&context, method).await?.cancel_task(request).await.map_err(|e| self.passed(method, e))
+        let upstream = self.ask(&context, method).await?;
+        self.owned(&context, &request.task_id)?;
+        let request = ClientRequest::CancelTaskRequest(CancelTaskRequest::new(request));
+        match as_caller(&upstream, request, &context).await {
+            Ok(ServerResult::TaskAckResult(_) | ServerResult::EmptyResult(_)) => Ok(()),
+            Ok(_) => Err(self.passed(method, ServiceError::UnexpectedResponse)),
+            Err(error) => Err(self.passed(method, error)),
+        }
+    }
+}
+
+/// `request` sent to the proxied server with what the caller's `_meta` may carry there
+/// ([`super::for_upstream`]): a task's requests need the capabilities the caller declared (the
+/// tasks extension), which the proxy's own session to it does not.
+async fn as_caller(
+    upstream: &Peer<RoleClient>,
+    request: ClientRequest,
+    context: &RequestContext<RoleServer>,
+) -> Result<ServerResult, ServiceError> {
+    let mut options = PeerRequestOptions::no_options();
+    options.meta = Some(super::for_upstream(context.meta.clone()));
+    upstream.send_request_with_option(request, options).await?.await_response().await
+}
+
+/// A result passed on from the proxied server, made valid for a caller of either protocol
+/// version, whatever the proxied server speaks: `resultType: "complete"` where it left it out
+/// (a 2025-11-25 server, as every stdio child of the proxy's one session is), which a 2026-07-28
+/// caller requires; rmcp takes `"complete"` off again for a 2025-11-25 caller. A `resultType`
+/// it did say (`input_required`, …) stays.
+trait Complete {
+    fn complete(self) -> Self;
+}
+
+macro_rules! complete_where_missing {
+    ($($result:ty),*) => {$(
+        impl Complete for $result {
+            fn complete(mut self) -> Self {
+                self.result_type.get_or_insert(ResultType::COMPLETE);
+                self
+            }
+        }
+    )*};
+}
+
+complete_where_missing!(
+    CallToolResult,
+    ListResourcesResult,
+    ListResourceTemplatesResult,
+    ListPromptsResult,
+    CompleteResult,
+    GetPromptResult,
+    ReadResourceResult
+);
+
+impl Complete for GetPromptResponse {
+    fn complete(self) -> Self {
+        match self {
+            GetPromptResponse::Complete(prompt) => GetPromptResponse::Complete(prompt.complete()),
+            other => other,
+        }
+    }
+}
+
+impl Complete for ReadResourceResponse {
+    fn complete(self) -> Self {
+        match self {
+            ReadResourceResponse::Complete(read) => ReadResourceResponse::Complete(read.complete()),
+            other => other,
+        }
     }
 }
