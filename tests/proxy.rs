@@ -1060,7 +1060,7 @@ async fn a_proxied_call_never_sent_is_charged_nothing_though_its_tool_settles_at
     };
     eventually("the add waits for the one slot", || async { proxy.app.state().behind.occupancy().waiting == 1 }).await;
     proxy.clock.advance(Duration::from_millis(1000));
-    assert_eq!(code_of(&waiting.await.expect("the add")), Some("upstream_unavailable"), "never sent");
+    assert_eq!(code_of(&waiting.await.expect("the add")), Some("busy"), "never sent: waited for a slot in vain");
     assert_eq!(code_of(&holder.await.expect("wait_for")), Some("upstream_unavailable"), "sent, no answer");
     // 10 - 1 (wait_for, sent: its reservation stands) = 9: one more add at 5, then 4 left.
     assert_eq!(text_of(&call(&client, "add", json!({"a": 2, "b": 2})).await), "4");
