@@ -6,7 +6,9 @@
 //!
 //! The record is bounded: a task is forgotten when its `ttl` has passed on the server's clock (a
 //! task without one, or with a longer one, after [`LONGEST`]), and at most [`MAX_TASKS`] are
-//! kept, the one due to expire soonest making room. A forgotten task is nobody's: refused to all.
+//! kept. When they are all kept, the caller with the most tasks makes room (its task due to
+//! expire soonest goes): a caller that floods the proxy with long-lived tasks forgets its own,
+//! never another's. A forgotten task is nobody's: refused to all.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -69,7 +71,7 @@ impl Owners {
             tasks.retain(|_, task| task.until > now);
         }
         if tasks.len() >= MAX_TASKS
-            && let Some(soonest) = tasks.iter().min_by_key(|(_, task)| task.until).map(|(id, _)| id.clone())
+            && let Some(soonest) = room_among(&tasks, caller)
         {
             tasks.remove(&soonest);
         }
@@ -99,6 +101,25 @@ impl Owners {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// The task that makes room for one more of `caller`'s: the soonest to expire of whoever holds
+/// the most (by the caller each was created for), `caller` counted with the one it is adding.
+fn room_among(tasks: &HashMap<String, Owned>, caller: &str) -> Option<String> {
+    let mut held: HashMap<&str, usize> = HashMap::new();
+    for task in tasks.values() {
+        if let Some(first) = task.callers.first() {
+            *held.entry(first.as_str()).or_default() += 1;
+        }
+    }
+    *held.entry(caller).or_default() += 1;
+    let most = held.values().copied().max()?;
+    let evicted: Vec<&str> = held.iter().filter(|(_, n)| **n == most).map(|(c, _)| *c).collect();
+    tasks
+        .iter()
+        .filter(|(_, task)| task.callers.first().is_some_and(|c| evicted.contains(&c.as_str())))
+        .min_by_key(|(_, task)| task.until)
+        .map(|(id, _)| id.clone())
 }
 
 #[cfg(test)]
@@ -138,5 +159,19 @@ mod tests {
         owners.record("u", Some(u64::MAX), "tok:a");
         clock.advance(std::time::Duration::from_nanos(LONGEST));
         assert!(!owners.is_owned_by("u", "tok:a"), "a ttl past a day is a day");
+    }
+
+    #[test]
+    fn a_caller_flooding_the_record_with_long_tasks_forgets_its_own_never_anothers() {
+        let clock = ManualClock::new();
+        let owners = Owners::new(clock.clone());
+        owners.record("theirs", Some(1_000), "tok:victim");
+        for i in 0..(MAX_TASKS + 50) {
+            owners.record(&format!("flood{i}"), None, "tok:attacker");
+        }
+        assert_eq!(owners.len(), MAX_TASKS);
+        assert!(owners.is_owned_by("theirs", "tok:victim"), "the victim's short task is kept");
+        let kept = (0..(MAX_TASKS + 50)).filter(|i| owners.is_owned_by(&format!("flood{i}"), "tok:attacker")).count();
+        assert_eq!(kept, MAX_TASKS - 1, "the flood made room from itself");
     }
 }
