@@ -73,14 +73,14 @@ pub fn keepable(done: &CallToolResult) -> Option<u64> {
 }
 
 /// A result another call's request answered says so: `cached: true` (a kept answer) or
-/// `coalesced: true` (an identical call's, in flight), where [`said`] puts it.
+/// `coalesced: true` (an identical call's, in flight), where `said` puts it.
 pub fn reused(done: CallToolResult, served: Served, whose: Answer) -> CallToolResult {
     let Some(how) = served.saved() else { return done };
     said(done, &[(how, serde_json::Value::Bool(true))], whose)
 }
 
 /// A result that says what its call reserved and was charged (`reserved`, `charged`), where
-/// [`said`] puts it.
+/// `said` puts it.
 pub fn priced(done: CallToolResult, settled: Settled, whose: Answer) -> CallToolResult {
     said(done, &[("reserved", settled.reserved.into()), ("charged", settled.charged.into())], whose)
 }
@@ -107,7 +107,7 @@ fn said(mut done: CallToolResult, facts: &[(&str, serde_json::Value)], whose: An
 
 /// `done` without any `_meta` key under our [`META_PREFIX`]: what a proxied server says there is
 /// not ours to vouch for (a `charged: 0` of its own would read as our price), so only what we
-/// add ([`said`]) is there.
+/// add (`said`) is there.
 pub fn without_ours(mut done: CallToolResult) -> CallToolResult {
     if let Some(meta) = &mut done.meta {
         meta.0.retain(|key, _| !key.starts_with(META_PREFIX));
