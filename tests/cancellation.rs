@@ -35,8 +35,6 @@ use rmcp::model::{CallToolRequest, CallToolRequestParams, ClientRequest, Protoco
 use rmcp::service::PeerRequestOptions;
 use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
-use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
-use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use rmcp::{ClientLifecycleMode, ClientServiceExt, ServerHandler, tool, tool_handler, tool_router};
 use serde_json::{Value, json};
 use slow_link::Impairment;
@@ -408,15 +406,7 @@ async fn library_storm(backend: Backend) {
     );
     let limits = RateLimits::from_toml(&toml, Catalogue::new().job("nap")).await.expect("limits");
     let server = Sleeper { tools: LimitedRouter::new(Sleeper::tool_router(), limits.clone()) };
-    let mcp = StreamableHttpService::new(
-        move || Ok(server.clone()),
-        LocalSessionManager::default().into(),
-        StreamableHttpServerConfig::default(),
-    );
-    let app = axum::Router::new().nest_service("/mcp", mcp).layer(limits.http_layer());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!("http://{}/mcp", listener.local_addr().expect("addr"));
-    tokio::spawn(async move { axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await });
+    let url = common::serve_library(server, &limits).await;
     for era in ERAS {
         storm(&url, era, "nap", |_| json!({"ms": 300})).await;
         all_back_to_zero("the library", || async {

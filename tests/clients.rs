@@ -9,7 +9,6 @@ mod common;
 #[path = "common/python.rs"]
 mod python;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use common::*;
@@ -18,8 +17,6 @@ use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{CallToolResult, JsonObject, MetaObject, ProtocolVersion, ResultType};
 use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
-use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
-use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use rmcp::{ServerHandler, tool, tool_handler, tool_router};
 use serde_json::{Value, json};
 
@@ -158,15 +155,7 @@ async fn what_we_add_to_a_library_users_answer_goes_in_meta_and_its_structured_c
     let limits = "[tools.forecast]\ncost = 3\n[spend_caps]\ndaily_units = 100\nwarn_at_percent = 1\n";
     let limits = RateLimits::from_toml(limits, Catalogue::new().tool("forecast")).await.expect("limits");
     let server = Weather { tools: LimitedRouter::new(Weather::tool_router(), limits.clone()) };
-    let mcp = StreamableHttpService::new(
-        move || Ok(server.clone()),
-        LocalSessionManager::default().into(),
-        StreamableHttpServerConfig::default(),
-    );
-    let app = axum::Router::new().nest_service("/mcp", mcp).layer(limits.http_layer());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!("http://{}/mcp", listener.local_addr().expect("addr"));
-    tokio::spawn(async move { axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await });
+    let url = common::serve_library(server, &limits).await;
     for mode in ["legacy", "auto"] {
         let steps = json!([{"op": "call", "tool": "forecast", "args": {"city": "Oslo"}}]);
         let walked = python::walk(&url, mode, steps, &[]).await;

@@ -312,23 +312,7 @@ async fn the_binary_reloads_on_sighup_and_on_a_changed_file_and_keeps_its_limits
         )
     };
     std::fs::write(&file, limits("60")).expect("write");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
-    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--config"])
-        .arg(&file)
-        .env("RUST_LOG", "warn")
-        .kill_on_drop(true)
-        .spawn()
-        .expect("the binary starts");
-    let health = format!("http://127.0.0.1:{port}/health");
-    eventually("the server answers /health", || async { reqwest::get(&health).await.is_ok() }).await;
-    let transport = rmcp::transport::StreamableHttpClientTransport::from_config(
-        rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(format!(
-            "http://127.0.0.1:{port}/mcp"
-        ))
-        .auth_header("reloaded"),
-    );
-    let agent = rmcp::ServiceExt::serve((), transport).await.expect("client connects");
+    let (child, agent, port) = serve_file(&file, "reloaded").await;
     for i in 0..10 {
         assert!(!is_error(&call(&agent, "list_articles", query(i)).await));
     }

@@ -319,23 +319,7 @@ async fn a_reload_to_a_formula_too_deep_for_a_stack_is_refused_and_the_server_ke
     let dir = tempfile::tempdir().expect("dir");
     let file = dir.path().join("prices.toml");
     std::fs::write(&file, image_priced("1 + 2")).expect("write");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--config"])
-        .arg(&file)
-        .env("RUST_LOG", "warn")
-        .kill_on_drop(true)
-        .spawn()
-        .expect("the binary starts");
-    let health = format!("http://127.0.0.1:{port}/health");
-    eventually("the server answers /health", || async { reqwest::get(&health).await.is_ok() }).await;
-    let transport = rmcp::transport::StreamableHttpClientTransport::from_config(
-        rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(format!(
-            "http://127.0.0.1:{port}/mcp"
-        ))
-        .auth_header("deep-formula"),
-    );
-    let agent = rmcp::ServiceExt::serve((), transport).await.expect("client connects");
+    let (mut child, agent, port) = serve_file(&file, "deep-formula").await;
     let image = |i: u32| json!({ "prompt": format!("a lighthouse, take {i}") });
     assert_eq!(structured(&call(&agent, "generate_image", image(0)).await)["reserved"], 3);
 

@@ -135,3 +135,38 @@ where
         Either::Right(Box::pin(self.step.clone().run(request, inner)))
     }
 }
+
+/// An answer's body that holds `G` (a guard: a request under way, a session's message) until the
+/// body has been sent whole or dropped, so what the guard counts lasts as long as the answer does
+/// (an SSE stream included).
+pub(crate) struct Holding<G> {
+    body: axum::body::Body,
+    _held: G,
+}
+
+impl<G> Holding<G> {
+    /// `body`, holding `held` until it is done.
+    pub(crate) fn new(body: axum::body::Body, held: G) -> Self {
+        Self { body, _held: held }
+    }
+}
+
+impl<G: Unpin> http_body::Body for Holding<G> {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}

@@ -517,35 +517,12 @@ where
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let answered = std::task::ready!(Pin::new(&mut self.inner).poll(cx));
         let busy = self.busy.take();
-        Poll::Ready(answered.map(|response| response.map(|body| WatchedBody { body, _busy: busy })))
+        Poll::Ready(answered.map(|response| response.map(|body| WatchedBody::new(body, busy))))
     }
 }
 
 /// An answer's body, holding its request under way until it has been sent or dropped.
-struct WatchedBody {
-    body: Body,
-    _busy: Option<Busy>,
-}
-
-impl http_body::Body for WatchedBody {
-    type Data = axum::body::Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
-    }
-}
+type WatchedBody = crate::http::Holding<Option<Busy>>;
 
 /// Reads the body within its deadline, then passes the request on with the body in memory.
 /// A body declared larger than the limit is refused unread (on `/mcp` the front door answers

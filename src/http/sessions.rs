@@ -31,9 +31,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::task::{Context, Poll};
 
 use axum::body::Body;
 use axum::extract::Request;
@@ -394,32 +392,6 @@ impl Drop for Message {
     }
 }
 
-/// An answer's body, holding its message under way until it has been sent or dropped.
-struct MessageBody {
-    body: Body,
-    _message: Message,
-}
-
-impl http_body::Body for MessageBody {
-    type Data = axum::body::Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
-    }
-}
-
 /// Holds `initialize`s to the caps (`503` / `429` past one), and counts the messages of each
 /// open session for its idle time. Only a `POST` can do either, so every other request passes
 /// straight through.
@@ -463,7 +435,7 @@ where
             return Ok(response);
         }
         message.accepted = true;
-        return Ok(response.map(|body| Body::new(MessageBody { body, _message: message })));
+        return Ok(response.map(|body| Body::new(crate::http::Holding::new(body, message))));
     }
     let groups = Group::of(request.extensions().get::<Caller>());
     let (parts, body) = request.into_parts();

@@ -107,6 +107,45 @@ pub async fn client_of(url: &str) -> Client {
     ().serve(transport).await.expect("client connects")
 }
 
+/// `mcp-ratelimit serve --config FILE` as its own process on a free port (it reloads on SIGHUP and
+/// on the file changing), once it answers `/health`; an MCP client of it presenting `key`; its port.
+pub async fn serve_file(file: &std::path::Path, key: &str) -> (tokio::process::Child, Client, u16) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--config"])
+        .arg(file)
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the binary starts");
+    let health = format!("http://127.0.0.1:{port}/health");
+    eventually("the server answers /health", || async { reqwest::get(&health).await.is_ok() }).await;
+    let config = StreamableHttpClientTransportConfig::with_uri(format!("http://127.0.0.1:{port}/mcp")).auth_header(key);
+    let agent = ().serve(StreamableHttpClientTransport::from_config(config)).await.expect("client connects");
+    (child, agent, port)
+}
+
+/// Serves `server` (a library user's rmcp handler) on a free loopback port, as
+/// `examples/rmcp_server.rs` does: streamable HTTP at `/mcp` behind `limits`' HTTP layer. Its URL.
+pub async fn serve_library<S>(server: S, limits: &mcp_ratelimit::RateLimits) -> String
+where
+    S: rmcp::ServerHandler + Clone + Send + Sync + 'static,
+{
+    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+    use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
+    let mcp = StreamableHttpService::new(
+        move || Ok(server.clone()),
+        LocalSessionManager::default().into(),
+        StreamableHttpServerConfig::default(),
+    );
+    let app = axum::Router::new().nest_service("/mcp", mcp).layer(limits.http_layer());
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}/mcp", listener.local_addr().expect("addr"));
+    let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
 /// One mock upstream for several instances (`upstream.url`), on a clock of the test's own.
 pub async fn shared_mock() -> (Arc<ManualClock>, mcp_ratelimit::mock_upstream::MockUpstream) {
     let defaults = Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults");

@@ -5,6 +5,18 @@
 -- window, oldest first, each at a whole epoch microsecond (it was a `now`); calls at the same
 -- instant are merged. Reading and writing it is linear in its entries, like the memory twin's
 -- retry walk, which is why this algorithm is for small limits.
+-- A copy of the entries still in the window at now (the oldest aged out), for a refund to change.
+local function entries_in_window(limiter, state, now_us)
+  local window = limiter.span
+  local entries = {}
+  for _, entry in ipairs(state.entries) do
+    if #entries > 0 or elapsed_ns(now_us, entry.at_us, window) < window then
+      entries[#entries + 1] = { at_us = entry.at_us, units = entry.units }
+    end
+  end
+  return entries
+end
+
 definitions.sliding_log = function()
   return {
     load = function(fields)
@@ -83,13 +95,7 @@ definitions.sliding_log = function()
 
     -- An operator's refund: the entries still in the window, less `units` taken from the newest.
     refund = function(limiter, state, now_us, units)
-      local window = limiter.span
-      local entries = {}
-      for _, entry in ipairs(state.entries) do
-        if #entries > 0 or elapsed_ns(now_us, entry.at_us, window) < window then
-          entries[#entries + 1] = { at_us = entry.at_us, units = entry.units }
-        end
-      end
+      local entries = entries_in_window(limiter, state, now_us)
       local left = units
       while left > 0 and #entries > 0 do
         local newest = entries[#entries]
@@ -105,13 +111,7 @@ definitions.sliding_log = function()
     -- A settled price's refund: the units taken off the entry the charge was logged as (at its
     -- own instant), while it is still in the log; nothing off any other.
     give_back = function(limiter, state, now_us, units, taken_us)
-      local window = limiter.span
-      local entries = {}
-      for _, entry in ipairs(state.entries) do
-        if #entries > 0 or elapsed_ns(now_us, entry.at_us, window) < window then
-          entries[#entries + 1] = { at_us = entry.at_us, units = entry.units }
-        end
-      end
+      local entries = entries_in_window(limiter, state, now_us)
       for i, entry in ipairs(entries) do
         if entry.at_us == taken_us then
           entry.units = entry.units - math.min(entry.units, units)

@@ -17,6 +17,21 @@ local function sliding_window_weight(previous, offset, window)
   return whole
 end
 
+-- The window, now's offset into it, and the previous and current counts as of now's window (a
+-- count rolls into `previous` one window on, and is gone two windows on), for a refund to change.
+local function rolled_to_now(limiter, state, now_us)
+  local window = limiter.span
+  local offset = window_offset(now_us, window)
+  local previous, current = 0, 0
+  local since = since_ns(now_us, state.start_us, state.start_ns, 2 * window)
+  if since == offset then
+    previous, current = state.previous, state.current
+  elseif since == offset + window then
+    previous = state.current
+  end
+  return window, offset, previous, current
+end
+
 definitions.sliding_window = function()
   return {
     load = function(fields)
@@ -91,15 +106,7 @@ definitions.sliding_window = function()
     -- An operator's refund: rolled to now's window like acquire, then the units taken back from
     -- the current count first, then from the previous one.
     refund = function(limiter, state, now_us, units)
-      local window = limiter.span
-      local offset = window_offset(now_us, window)
-      local previous, current = 0, 0
-      local since = since_ns(now_us, state.start_us, state.start_ns, 2 * window)
-      if since == offset then
-        previous, current = state.previous, state.current
-      elseif since == offset + window then
-        previous = state.current
-      end
+      local window, offset, previous, current = rolled_to_now(limiter, state, now_us)
       local from_current = math.min(units, current)
       local start_us, start_ns = instant(now_us, -offset)
       return {
@@ -114,15 +121,7 @@ definitions.sliding_window = function()
     -- from the count of the window the charge was taken in: the current one, or the previous one
     -- in the window after it; nothing later.
     give_back = function(limiter, state, now_us, units, taken_us)
-      local window = limiter.span
-      local offset = window_offset(now_us, window)
-      local previous, current = 0, 0
-      local since = since_ns(now_us, state.start_us, state.start_ns, 2 * window)
-      if since == offset then
-        previous, current = state.previous, state.current
-      elseif since == offset + window then
-        previous = state.current
-      end
+      local window, offset, previous, current = rolled_to_now(limiter, state, now_us)
       local taken_start_us, taken_start_ns = instant(taken_us, -window_offset(taken_us, window))
       local charged = since_ns(now_us, taken_start_us, taken_start_ns, 2 * window)
       if charged == offset then
