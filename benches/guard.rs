@@ -23,8 +23,10 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use mcp_ratelimit::RateLimits;
 use mcp_ratelimit::clock::SystemClock;
 use mcp_ratelimit::config::LimitsConfig;
-use mcp_ratelimit::guard::ToolCall;
+use mcp_ratelimit::guard::{Call, Called, Worked};
 use mcp_ratelimit::http::limit::rate_limit_headers;
+use mcp_ratelimit::mcp::limited::{Plain, Tools};
+use rmcp::model::{CallToolResponse, CallToolResult};
 
 /// Every limit the caller draws on, never refusing (as `scripts/bench-compare.sh`'s `generous`).
 fn generous() -> String {
@@ -37,6 +39,11 @@ fn limits(toml: &str, runtime: &tokio::runtime::Runtime) -> RateLimits {
     let tools = mcp_ratelimit::mcp::tools::catalogue();
     let config = LimitsConfig::from_toml(toml, &tools).expect("the bench's config is valid");
     runtime.block_on(RateLimits::start(&config, tools, SystemClock::shared())).expect("memory limits start")
+}
+
+/// A tool's answer, as the router gives it.
+fn answered() -> CallToolResponse {
+    CallToolResponse::Complete(CallToolResult::success(vec![]))
 }
 
 fn served_call(c: &mut Criterion) {
@@ -60,10 +67,13 @@ fn served_call(c: &mut Criterion) {
                         assert!(decision.decision.allowed, "the generous HTTP limit refused");
                         black_box(rate_limit_headers(&decision));
                     }
-                    let call = ToolCall { tool: "list_articles", args, starts_job: false, loop_exempt: false };
-                    let admission = limits.guard().admit(&caller, &call).await;
-                    // Dropped here, as a finished call drops it.
-                    drop(black_box(admission.expect("the generous guard refused")));
+                    let args = args.as_object().expect("an object");
+                    let call = Call { tool: "list_articles", caller: &caller, args, cancelled: Default::default() };
+                    // The one guarded call every door runs, its work answering at once.
+                    let work = |_, _| std::future::ready(Worked::Answer(Ok(answered())));
+                    let called = limits.guard().call(&Tools(&Plain), Some(limits.reuse()), call, work).await;
+                    assert!(matches!(called, Called::Answered { .. }), "the generous guard refused");
+                    black_box(called);
                 });
             });
         });

@@ -5,7 +5,8 @@
 //! - the coarse HTTP limit (`limits.http_layer()`): 40 POSTs per caller, then 429 with
 //!   `Retry-After`, before any JSON is read;
 //! - the circuit breaker, while open: `upstream_unavailable` with the cool-down left, before the
-//!   guard charges anything (`Translator::call_tool`);
+//!   guard charges anything (`ApiRules::before_charging`: the one rule this door adds to the
+//!   library's);
 //! - the guard (`LimitedRouter`): loop detection, each tool's price (in `tools/list` too) charged
 //!   to the caller's and the tenant's budgets at once, and one `translate_document` in flight
 //!   per caller (a `job` in the `Catalogue`);
@@ -38,16 +39,16 @@ use std::time::{Duration, SystemTime};
 use mcp_ratelimit::breaker::Breaker;
 use mcp_ratelimit::clock::{NANOS_PER_SEC, Nanos, SharedClock, ceil_ms};
 use mcp_ratelimit::guard::Refusal;
+use mcp_ratelimit::identity::Caller;
+use mcp_ratelimit::mcp::limited::ToolRules;
 use mcp_ratelimit::mcp::results;
 use mcp_ratelimit::upstream::backoff::parse_retry_after;
 use mcp_ratelimit::{Catalogue, LimitedRouter, RateLimits};
-use rmcp::handler::server::tool::ToolCallContext;
 use rmcp::handler::server::wrapper::Parameters;
-use rmcp::model::{CallToolRequestParams, CallToolResponse, CallToolResult};
-use rmcp::service::RequestContext;
+use rmcp::model::CallToolResult;
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
-use rmcp::{ErrorData, RoleServer, ServerHandler, tool, tool_handler, tool_router};
+use rmcp::{ServerHandler, tool, tool_handler, tool_router};
 use serde_json::{Value, json};
 
 /// Our limits; everything not set here is `config.toml`'s default.
@@ -111,8 +112,25 @@ struct Translation {
 
 #[derive(Clone)]
 struct Translator {
-    tools: LimitedRouter<Self>,
+    tools: LimitedRouter<Self, ApiRules>,
     api: Arc<PaidApi>,
+}
+
+/// What this door adds to the library's rules around every call: every tool here needs the API,
+/// so while its breaker is open a call could not succeed, and it is refused before the guard
+/// charges anything for it.
+#[derive(Clone)]
+struct ApiRules(Arc<PaidApi>);
+
+impl ToolRules for ApiRules {
+    type Place = ();
+
+    fn before_charging(&self, tool: &str, _caller: &Caller) -> Result<(), Refusal> {
+        match self.0.breaker.open_for(self.0.clock.now()) {
+            Some(left) => Err(breaker_open(tool, left)),
+            None => Ok(()),
+        }
+    }
 }
 
 #[tool_router]
@@ -129,22 +147,7 @@ impl Translator {
 }
 
 #[tool_handler(router = self.tools, name = "paid-api-translator")]
-impl ServerHandler for Translator {
-    // Every tool here needs the API: while its breaker is open the call could not succeed, so it
-    // is refused before the guard charges anything for it.
-    async fn call_tool(
-        &self,
-        request: CallToolRequestParams,
-        context: RequestContext<RoleServer>,
-    ) -> Result<CallToolResponse, ErrorData> {
-        if self.tools.get(&request.name).is_some()
-            && let Some(left) = self.api.breaker.open_for(self.api.clock.now())
-        {
-            return Ok(results::tool_result(&breaker_open(&request.name, left)).into());
-        }
-        self.tools.call(ToolCallContext::new(self, request, context)).await
-    }
-}
+impl ServerHandler for Translator {}
 
 /// The API's answer as the tool's result, or the refusal the agent can act on.
 fn answer(outcome: Result<Value, Refusal>) -> CallToolResult {
@@ -219,7 +222,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let limits = RateLimits::from_toml(&limits, tools).await?;
     let api = Arc::new(PaidApi::new(format!("http://{api_addr}"), limits.clock().clone())?);
-    let server = Translator { tools: LimitedRouter::new(Translator::tool_router(), limits.clone()), api };
+    let rules = ApiRules(api.clone());
+    let server = Translator { tools: LimitedRouter::with_door(Translator::tool_router(), limits.clone(), rules), api };
 
     let mcp = StreamableHttpService::new(
         move || Ok(server.clone()),

@@ -29,7 +29,6 @@ use crate::mcp::{McpServer, Transport};
 use crate::mock_upstream::MockUpstream;
 use crate::proxy::{LinkError, Proxied, ProxyServer, Target};
 use crate::rate_limits::{LimitsError, RateLimits};
-use crate::reuse::Reuse;
 use crate::state::{AppState, OwnTools};
 use crate::upstream::adaptive::AdaptiveLimit;
 use crate::upstream::backoff::{Backoff, RetryBudget};
@@ -138,8 +137,7 @@ impl App {
             )
             .published_in(store.clone().job_mirror()),
         );
-        let reuse = Reuse::new(clock.clone(), limits.metrics().clone(), up.cache_max_entries, up.cache_max_bytes);
-        let own = Arc::new(OwnTools { upstream, jobs, reuse });
+        let own = Arc::new(OwnTools { upstream, jobs });
         let state = Arc::new(AppState { limits, behind: own.clone(), clock, config });
         tokio::spawn(sweep_forever(own.clone(), state.config.limiting.store.sweep_interval_ms, stop.clone()));
         if state.limits.guard().store().is_shared() {
@@ -313,9 +311,8 @@ async fn answer_cancel_requests_forever(own: Arc<OwnTools>, stop: CancellationTo
 async fn sweep_forever(own: Arc<OwnTools>, every_ms: u64, stop: CancellationToken) {
     crate::clock::every(Duration::from_millis(every_ms), stop, || {
         let jobs = own.jobs.sweep();
-        let answers = own.reuse.sweep();
-        if jobs + answers > 0 {
-            tracing::debug!(jobs, answers, "swept forgotten jobs and answers past their time");
+        if jobs > 0 {
+            tracing::debug!(jobs, "swept forgotten jobs");
         }
         std::future::ready(())
     })

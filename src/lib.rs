@@ -2,8 +2,8 @@
 //! server, and the reference MCP server built on it.
 //!
 //! **As a library**: build [`RateLimits`] from a config and the [`Catalogue`] of your tools, wrap
-//! your `ToolRouter` in a [`LimitedRouter`] (or call [`Guard::admit`](guard::Guard::admit) in
-//! your own `call_tool`), and put [`RateLimits::http_layer`] in front of your axum router. See
+//! your `ToolRouter` in a [`LimitedRouter`] (or run [`mcp::limited::call_tool`] in your own
+//! `call_tool`), and put [`RateLimits::http_layer`] in front of your axum router. See
 //! `examples/rmcp_server.rs` and `examples/axum_only.rs`.
 //!
 //! **The layers**, inside out; no module imports one above it, and no two import each other:
@@ -39,7 +39,6 @@ pub mod proxy;
 pub mod rate_limits;
 pub mod redact;
 pub mod reload;
-pub mod reuse;
 pub mod simulate;
 pub mod state;
 pub mod store;

@@ -50,12 +50,17 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clock::{SharedClock, SystemClock};
 use crate::config::{Backend, Catalogue, ConfigError, LimitsConfig};
-use crate::guard::Guard;
+use crate::guard::reuse::Reuse;
+use crate::guard::{Guard, Worked};
 use crate::http::front_door::IdentifyLayer;
 use crate::http::limit::HttpLimitLayer;
 use crate::identity::Identifier;
 use crate::metrics::Metrics;
 use crate::store::{MemoryStore, RedisStore, Store, StoreError};
+
+/// What a tool answers through rmcp: its response (a result, a task, an input request), or a
+/// JSON-RPC error; what identical calls share ([`RateLimits::reuse`]).
+pub type ToolAnswer = Result<rmcp::model::CallToolResponse, rmcp::ErrorData>;
 
 /// Why limits could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -85,6 +90,8 @@ struct Inner {
     metrics: Arc<Metrics>,
     catalogue: Catalogue,
     clock: SharedClock,
+    /// Identical calls in flight sharing one piece of work, and answers kept for them.
+    reuse: Arc<Reuse<Worked<ToolAnswer>>>,
     stop: CancellationToken,
 }
 
@@ -104,15 +111,34 @@ impl RateLimits {
     /// The limits of `config` (checked against `tools`, as [`LimitsConfig::load`] did), with their
     /// state where `store.backend` says (connecting to Redis when it says so), on `clock`.
     ///
-    /// A config can be changed in code before it is used, and the guard asked directly (here on a
-    /// manual clock, so the wait is exact):
+    /// A config can be changed in code before it is used, and a call run through the one guarded
+    /// call ([`Guard::call`]) without MCP at all: a door says what differs for its tools, the work
+    /// is the tool (here on a manual clock, so the wait is exact):
     ///
     /// ```
     /// use mcp_ratelimit::clock::ManualClock;
     /// use mcp_ratelimit::config::{Catalogue, Limit, LimitsConfig};
-    /// use mcp_ratelimit::guard::ToolCall;
+    /// use mcp_ratelimit::guard::{Call, Called, Door, Refusal, Used, Worked};
+    /// use mcp_ratelimit::identity::Caller;
     /// use mcp_ratelimit::limit::{Limiter, TokenBucket};
     /// use mcp_ratelimit::RateLimits;
+    ///
+    /// /// A search tool's door: nothing to refuse before charging, no usage reported.
+    /// struct Search;
+    ///
+    /// impl Door for Search {
+    ///     type Answer = String;
+    ///     type Place = ();
+    ///     fn before_charging(&self, _tool: &str, _caller: &Caller) -> Result<(), Refusal> {
+    ///         Ok(())
+    ///     }
+    ///     fn used(&self, _tool: &str, _answer: &String) -> Used {
+    ///         Used::Unreported
+    ///     }
+    ///     fn keepable(_answer: &String) -> Option<u64> {
+    ///         None
+    ///     }
+    /// }
     ///
     /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
     /// let tools = Catalogue::new().tool("search");
@@ -124,15 +150,18 @@ impl RateLimits {
     ///
     /// let caller = limits.identifier().load().local();
     /// for query in ["a", "b", "c", "d"] {
-    ///     let args = serde_json::json!({ "q": query });
-    ///     let call = ToolCall { tool: "search", args: &args, starts_job: false, loop_exempt: false };
-    ///     match limits.guard().admit(&caller, &call).await {
-    ///         Ok(_admission) => assert_ne!(query, "d"),
-    ///         Err(refusal) => {
+    ///     let mut args = serde_json::Map::new();
+    ///     args.insert("q".into(), query.into());
+    ///     let call = Call { tool: "search", caller: &caller, args: &args, cancelled: Default::default() };
+    ///     let work = |_, _| async move { Worked::Answer(format!("results for {query}")) };
+    ///     match limits.guard().call(&Search, None, call, work).await {
+    ///         Called::Answered { answer, .. } => assert_eq!(answer, format!("results for {query}")),
+    ///         Called::Refused(refusal) => {
     ///             assert_eq!(query, "d");
     ///             assert_eq!(refusal.retry_after_ms, Some(2_000));
     ///             assert!(refusal.message.contains("Wait 2 seconds"));
     ///         }
+    ///         other => panic!("{other:?}"),
     ///     }
     /// }
     /// # Ok::<(), mcp_ratelimit::rate_limits::LimitsError>(())
@@ -159,16 +188,21 @@ impl RateLimits {
         }
         let guard = Arc::new(guard);
         let stop = CancellationToken::new();
-        tokio::spawn(sweep_forever(guard.clone(), Duration::from_millis(config.store.sweep_interval_ms), stop.clone()));
+        let (entries, bytes) = (config.answers.max_entries, config.answers.max_bytes);
+        let reuse = Reuse::new(clock.clone(), metrics.clone(), entries, bytes);
+        let every = Duration::from_millis(config.store.sweep_interval_ms);
+        tokio::spawn(sweep_forever(guard.clone(), reuse.clone(), every, stop.clone()));
         if let Some(every) = guard.store().renew_every() {
             tokio::spawn(renew_forever(guard.clone(), every, stop.clone()));
             tokio::spawn(hear_operators_forever(guard.clone(), stop.clone()));
         }
         let identifier = Arc::new(ArcSwap::from_pointee(Identifier::new(config)));
-        Ok(Self { inner: Arc::new(Inner { guard, identifier, metrics, catalogue: tools, clock, stop }) })
+        let inner = Inner { guard, identifier, metrics, catalogue: tools, clock, reuse, stop };
+        Ok(Self { inner: Arc::new(inner) })
     }
 
-    /// Decides every call: [`Guard::admit`] for a tool call, [`Guard::admit_http`] for a request.
+    /// Decides every call: [`Guard::call`] for a tool call (the one guarded call every door runs),
+    /// [`Guard::admit_http`] for a request.
     pub fn guard(&self) -> &Arc<Guard> {
         &self.inner.guard
     }
@@ -191,6 +225,12 @@ impl RateLimits {
     /// The clock every decision reads.
     pub fn clock(&self) -> &SharedClock {
         &self.inner.clock
+    }
+
+    /// Identical tool calls in flight sharing one piece of work, and the answers kept for them
+    /// (`[tools.NAME] coalesce`, `cache_ttl_ms`): every door's, through the one guarded call.
+    pub fn reuse(&self) -> &Arc<Reuse<Worked<ToolAnswer>>> {
+        &self.inner.reuse
     }
 
     /// Puts the limits, keys and tenants of `config` in force from the next decision on; usage
@@ -245,11 +285,16 @@ impl<S> tower::Layer<S> for HttpLayer {
 }
 
 /// Forgets idle limiter state on a schedule, so memory stays bounded however many callers come.
-async fn sweep_forever(guard: Arc<Guard>, every: Duration, stop: CancellationToken) {
+async fn sweep_forever(
+    guard: Arc<Guard>,
+    reuse: Arc<Reuse<Worked<ToolAnswer>>>,
+    every: Duration,
+    stop: CancellationToken,
+) {
     crate::clock::every(every, stop, || {
-        let keys = guard.sweep();
-        if keys > 0 {
-            tracing::debug!(keys, "swept idle limiter state");
+        let (keys, answers) = (guard.sweep(), reuse.sweep());
+        if keys + answers > 0 {
+            tracing::debug!(keys, answers, "swept idle limiter state and answers past their time");
         }
         std::future::ready(())
     })

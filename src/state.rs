@@ -11,7 +11,6 @@ use crate::breaker::Breaker;
 use crate::clock::SharedClock;
 use crate::config::Config;
 use crate::rate_limits::RateLimits;
-use crate::reuse::{Reuse, Saved};
 use crate::upstream::Upstream;
 use crate::upstream::jobs::Jobs;
 use crate::upstream::queue::{FairQueue, Occupancy};
@@ -50,8 +49,6 @@ pub trait Behind: std::fmt::Debug + Send + Sync {
     fn jobs(&self) -> Option<&Arc<Jobs>> {
         None
     }
-    /// Tool calls answered without an upstream request of their own.
-    fn saved(&self) -> Saved;
 }
 
 /// Our tools' upstream: the paid API and the jobs running on it.
@@ -61,13 +58,7 @@ pub struct OwnTools {
     pub upstream: Arc<Upstream>,
     /// Jobs accepted and not yet forgotten: their slots, the account's fair queue, background polls.
     pub jobs: Arc<Jobs>,
-    /// Identical calls in flight sharing one request, and answers kept (`[tools.NAME] coalesce`,
-    /// `cache_ttl_ms`).
-    pub reuse: Arc<Reuse<ToolAnswer>>,
 }
-
-/// What a tool of ours answers, as the tool router gives it.
-pub type ToolAnswer = Result<rmcp::model::CallToolResponse, rmcp::ErrorData>;
 
 impl Behind for OwnTools {
     fn breaker(&self) -> &Breaker {
@@ -92,10 +83,6 @@ impl Behind for OwnTools {
 
     fn jobs(&self) -> Option<&Arc<Jobs>> {
         Some(&self.jobs)
-    }
-
-    fn saved(&self) -> Saved {
-        self.reuse.saved()
     }
 }
 

@@ -9,11 +9,12 @@ use std::sync::Arc;
 use common::*;
 use mcp_ratelimit::clock::ManualClock;
 use mcp_ratelimit::config::LimitsConfig;
-use mcp_ratelimit::guard::{Guard, ToolCall};
+use mcp_ratelimit::guard::{Admitted, Call, Called, Guard, Worked};
 use mcp_ratelimit::identity::Caller;
+use mcp_ratelimit::mcp::limited::{Plain, Tools};
 use mcp_ratelimit::metrics::Metrics;
 use mcp_ratelimit::store::MemoryStore;
-use rmcp::model::{CallToolRequestParams, ClientRequest, Request};
+use rmcp::model::{CallToolRequestParams, CallToolResponse, CallToolResult, ClientRequest, Request};
 use rmcp::service::PeerRequestOptions;
 use serde_json::json;
 
@@ -100,19 +101,32 @@ async fn a_dropped_admission_gives_its_slot_back_even_when_its_task_is_aborted()
     let guard = Guard::new(Arc::new(MemoryStore::on(clock.clone())), clock, &config, metrics.clone());
     let caller = Caller::from_token("holder");
     let args = json!({"title": "t", "body": "b"});
-    let save = ToolCall { tool: "save_article", args: &args, starts_job: false, loop_exempt: true };
+    let args = args.as_object().expect("an object");
+    // Each call's work takes its admission away, as a job does, and holds it.
+    let save = || async {
+        let call = Call { tool: "save_article", caller: &caller, args, cancelled: Default::default() };
+        let mut held = None;
+        let work = |admitted: Admitted<()>, _| {
+            held = admitted.admission.take();
+            std::future::ready(Worked::Answer(Ok(CallToolResponse::Complete(CallToolResult::success(vec![])))))
+        };
+        match guard.call(&Tools(&Plain), None, call, work).await {
+            Called::Refused(refusal) => Err(refusal),
+            _ => Ok(held.expect("the work took the admission")),
+        }
+    };
 
-    let _first = guard.admit(&caller, &save).await.expect("first slot");
-    let admission = guard.admit(&caller, &save).await.expect("second slot");
+    let _first = save().await.expect("first slot");
+    let admission = save().await.expect("second slot");
     assert!(metrics.render().contains("mcp_ratelimit_in_flight_calls 2"));
-    assert_eq!(guard.admit(&caller, &save).await.err().map(|r| r.code.as_str()), Some("busy"));
+    assert_eq!(save().await.err().map(|r| r.code.as_str()), Some("busy"));
     let holder = tokio::spawn(async move {
         let _held = admission;
         std::future::pending::<()>().await;
     });
     holder.abort();
     assert!(holder.await.is_err_and(|e| e.is_cancelled()));
-    let _again = guard.admit(&caller, &save).await.expect("slot released by the aborted task");
+    let _again = save().await.expect("slot released by the aborted task");
     assert!(metrics.render().contains("mcp_ratelimit_in_flight_calls 2"));
 }
 

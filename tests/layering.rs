@@ -7,8 +7,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The core: what any rmcp server needs to limit its tools, and nothing else.
-const CORE: [&str; 11] =
-    ["activity", "breaker", "clock", "config", "guard", "identity", "limit", "metrics", "redact", "reuse", "store"];
+const CORE: [&str; 10] =
+    ["activity", "breaker", "clock", "config", "guard", "identity", "limit", "metrics", "redact", "store"];
 
 /// Crates that are MCP itself; the core must not name them.
 const MCP_CRATES: [&str; 2] = ["rmcp", "rmcp_macros"];

@@ -687,7 +687,7 @@ async fn identical_calls_of_one_tenant_share_one_request_to_the_proxied_server_n
         let (client, path) = (proxy.client(Some(key)).await, path.clone());
         calls.push(tokio::spawn(async move { call(&client, "wait_for", json!({"path": path})).await }));
     }
-    let saved = || proxy.app.state().behind.saved().coalesced;
+    let saved = || proxy.app.state().limits.reuse().saved().coalesced;
     eventually("nine of acme's calls wait for the first one's request", || async { saved() == 9 }).await;
     std::fs::write(&release, "go").expect("release");
     let mut answers = Vec::new();

@@ -43,7 +43,7 @@ async fn at_once(server: &TestServer, keys: &[String], joined: u64) -> (u64, Vec
             tokio::spawn(async move { call(&client, "list_articles", json!({"query": "lighthouses"})).await })
         })
         .collect();
-    let saved = || async { server.app.state().behind.saved().coalesced };
+    let saved = || async { server.app.state().limits.reuse().saved().coalesced };
     eventually("the identical calls wait for the first one's request", || async { saved().await == joined }).await;
     server.chaos(json!({"hold": false})).await;
     let mut answers = Vec::new();

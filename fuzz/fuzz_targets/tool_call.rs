@@ -1,13 +1,13 @@
-//! A tool call's arguments, as any client can send them: through the tools' validation and then
-//! the guard. Validation answers a value or a refusal; the guard admits or refuses with a wait;
-//! neither panics, and a refusal always says how long to wait or why.
+//! A tool call's arguments, as any client can send them, through the one guarded call with our
+//! tools' validation: refused as invalid, refused by the guard with a wait, or admitted; never a
+//! panic, and a refusal always says how long to wait or why.
 #![no_main]
 
 use std::sync::{Arc, LazyLock};
 
 use libfuzzer_sys::fuzz_target;
 use mcp_ratelimit::clock::ManualClock;
-use mcp_ratelimit::guard::{Guard, ToolCall};
+use mcp_ratelimit::guard::{Call, Called, Door, Guard, Refusal, Used, Worked};
 use mcp_ratelimit::identity::Caller;
 use mcp_ratelimit::mcp::tools::{catalogue, validate_arguments};
 use mcp_ratelimit::metrics::Metrics;
@@ -29,25 +29,46 @@ static WORLD: LazyLock<World> = LazyLock::new(|| {
     World { runtime, guard, tools: tools.names().map(str::to_owned).collect() }
 });
 
+/// Our tools' door as far as the guard goes: their arguments checked as `serve` checks them.
+struct Tools;
+
+impl Door for Tools {
+    type Answer = ();
+    type Place = ();
+
+    fn check(&self, tool: &str, args: &serde_json::Map<String, serde_json::Value>) -> Result<serde_json::Value, Refusal> {
+        validate_arguments(tool, Some(args))
+    }
+
+    fn before_charging(&self, _tool: &str, _caller: &Caller) -> Result<(), Refusal> {
+        Ok(())
+    }
+
+    fn used(&self, _tool: &str, _answer: &()) -> Used {
+        Used::Unreported
+    }
+
+    fn keepable(_answer: &()) -> Option<u64> {
+        None
+    }
+}
+
 fuzz_target!(|data: &[u8]| {
     let Some((&pick, json)) = data.split_first() else { return };
     let world = &*WORLD;
     let tool = &world.tools[usize::from(pick) % world.tools.len()];
-    let Ok(value) = serde_json::from_slice::<serde_json::Value>(json) else { return };
-    let args = value.as_object();
-    let canonical = match validate_arguments(tool, args) {
-        Ok(canonical) => canonical,
-        Err(refusal) => {
-            assert_eq!(refusal.code.as_str(), "invalid_arguments");
-            return;
-        }
-    };
+    let Ok(serde_json::Value::Object(args)) = serde_json::from_slice::<serde_json::Value>(json) else { return };
     let caller = Caller::from_token(&format!("fuzz-{}", pick % 4));
-    let call = ToolCall { tool, args: &canonical, starts_job: catalogue().holds_slots(tool), loop_exempt: false };
+    let call = Call { tool, caller: &caller, args: &args, cancelled: Default::default() };
     world.runtime.block_on(async {
-        if let Err(refusal) = world.guard.admit(&caller, &call).await {
-            assert!(!refusal.message.is_empty());
-            assert!(refusal.retry_after_ms.is_some() || refusal.code.as_str() == "busy", "{refusal:?}");
+        match world.guard.call(&Tools, None, call, |_, _| std::future::ready(Worked::Answer(()))).await {
+            Called::Refused(refusal) if refusal.code.as_str() == "invalid_arguments" => {}
+            Called::Refused(refusal) => {
+                assert!(!refusal.message.is_empty());
+                assert!(refusal.retry_after_ms.is_some() || refusal.code.as_str() == "busy", "{refusal:?}");
+            }
+            Called::Answered { .. } => {}
+            other => panic!("{other:?}"),
         }
     });
 });

@@ -263,6 +263,18 @@ pub struct LimitsConfig {
     pub loop_detection: LoopDetectionConfig,
     /// Whose `X-Forwarded-For` names the caller.
     pub proxies: ProxyTrust,
+    /// How many answers may be kept for identical calls (`upstream.cache_max_entries`,
+    /// `upstream.cache_max_bytes`), all tools and scopes together.
+    pub answers: AnswerBounds,
+}
+
+/// The bounds of the answers kept for `[tools.NAME] cache_ttl_ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AnswerBounds {
+    /// Answers kept at most; past it the oldest makes room.
+    pub max_entries: usize,
+    /// Bytes of their JSON kept at most.
+    pub max_bytes: u64,
 }
 
 impl LimitsConfig {
@@ -429,6 +441,10 @@ impl RawConfig {
             store: self.store,
             loop_detection: self.loop_detection,
             proxies,
+            answers: AnswerBounds {
+                max_entries: self.upstream.cache_max_entries,
+                max_bytes: self.upstream.cache_max_bytes,
+            },
         };
         Ok(Config {
             limiting,

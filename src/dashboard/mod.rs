@@ -37,8 +37,8 @@ use crate::activity::{Audience, Snapshot};
 use crate::breaker::BreakerState;
 use crate::clock::NANOS_PER_MS;
 use crate::config::Backend;
+use crate::guard::reuse::Saved;
 use crate::identity::{Caller, Unauthorized};
-use crate::reuse::Saved;
 use crate::state::AppState;
 
 const PAGE: &str = include_str!("dashboard.html");
@@ -260,7 +260,7 @@ impl DashboardData {
                 videos_waiting: occupancy.videos_waiting,
                 videos_max: upstream.video_queue_max,
             },
-            saved: app.behind.saved(),
+            saved: app.limits.reuse().saved(),
             breaker: BreakerNow {
                 state: breaker,
                 open_for_ms: app.behind.breaker().open_for(now).map(|n| n.div_ceil(NANOS_PER_MS)),

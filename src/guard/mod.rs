@@ -2,8 +2,10 @@
 //!
 //! Three entry points, one per layer: [`Guard::admit_http`] (the coarse limit on `POST /mcp`,
 //! called by the HTTP tower layer), [`Guard::admit_method`] (`tools/list` and other methods) and
-//! [`Guard::admit`] (`tools/call`, called by `McpServer::call_tool` for every tool, so no tool
-//! can skip it). Each passes the same stages, each in a file of its own, composed here:
+//! [`Guard::call`] (`tools/call`: the one guarded call every door runs — the library's router,
+//! the reference server, the proxy, the simulator — in [`call`]; no tool can skip it, and it is
+//! the only caller of the guard's `admit`). Each passes the same stages, each in a file of its
+//! own, composed here:
 //!
 //! 1. **plan** ([`plan`]): the limits the request draws on, under which scope, at what cost;
 //! 2. **loops** ([`loops`], tool calls only): the same call repeated is refused before anything
@@ -16,8 +18,9 @@
 //!    says it used, by the door that has the answer ([`Admission::reserved`]).
 //!
 //! A forker who wants no loop detection removes stage 2 (the `loops` field and its two calls in
-//! [`Guard::admit`]); one who wants another store hands [`Guard::new`] another [`Store`].
+//! `Guard::admit`); one who wants another store hands [`Guard::new`] another [`Store`].
 
+pub mod call;
 mod decide;
 pub mod loops;
 pub mod operator;
@@ -26,6 +29,7 @@ pub mod policy;
 pub mod refusal;
 pub mod refusal_memory;
 pub mod report;
+pub mod reuse;
 pub mod scope;
 pub mod settle;
 
@@ -45,6 +49,7 @@ use crate::identity::Caller;
 use crate::limit::{Decision, Limiter, Taken};
 use crate::metrics::{Layer, Metrics};
 use crate::store::{Check, SlotGuard, Store, new_lease};
+pub use call::{Admitted, Call, Called, Door, TakeOnce, Worked};
 pub use policy::{MethodGroup, Policy, TierLimits};
 pub use refusal::{Refusal, RefusalCode};
 pub use report::{BudgetStatus, Money, Warning};
@@ -264,7 +269,7 @@ impl Guard {
     }
 
     /// The budgets a call of `tool` by `caller` draws on, with the units it costs in each (a job's
-    /// in-flight caps among them): what [`Guard::admit`] charges, for tools that reason about it.
+    /// in-flight caps among them): what a call of it is charged, for tools that reason about it.
     /// (A tool priced by a formula is shown at its most, `cost_max`.)
     pub fn scopes_of(&self, caller: &Caller, tool: &str, starts_job: bool) -> Vec<(Scope, Limit, u64)> {
         let policy = self.policy();
@@ -357,7 +362,7 @@ impl Guard {
     }
 
     /// Charges one `method` request to its group's limit (`tools/call` is charged by
-    /// [`Guard::admit`], together with the tool's budgets).
+    /// [`Guard::call`], together with the tool's budgets).
     pub async fn admit_method(&self, caller: &Caller, group: MethodGroup, method: &str) -> Result<(), Refusal> {
         let live = self.live.load_full();
         if !live.enabled {
@@ -402,7 +407,7 @@ impl Guard {
     /// refused for budget does not count towards a loop. Over a shared store the loop is
     /// checked in the same step as the budgets (one round trip for both); this instance's
     /// detector checks it otherwise, and while the shared store cannot decide.
-    pub async fn admit(&self, caller: &Caller, call: &ToolCall<'_>) -> Result<Admission, Refusal> {
+    async fn admit(&self, caller: &Caller, call: &ToolCall<'_>) -> Result<Admission, Refusal> {
         let live = self.live.load_full();
         if !live.enabled {
             return Ok(Admission::new(Vec::new(), self.metrics.clone()));
@@ -420,7 +425,7 @@ impl Guard {
         admitted
     }
 
-    /// [`Guard::admit`]'s decision: `shared` is the call as the shared loop history checks it,
+    /// `Guard::admit`'s decision: `shared` is the call as the shared loop history checks it,
     /// if it does; a call this instance's detector records instead goes to `recorded`.
     async fn charge(
         &self,

@@ -2,7 +2,7 @@
 //!
 //! A fixed price over- or under-charges whenever the work depends on the arguments or on what
 //! the upstream actually did (a video cut shorter than asked, tokens an answer did not need).
-//! So [`Guard::admit`](super::Guard::admit) *reserves* the call's price — its `[tools.NAME] cost`,
+//! So the guard's admission ([`Guard::call`](super::Guard::call)) *reserves* the call's price — its `[tools.NAME] cost`,
 //! or that cost's formula over the arguments — in every budget counted in cost units (the
 //! caller's, its tenant's, its address's, the spend cap), atomically with everything else, and
 //! hands the reservation out as a [`Reserved`]. When the answer is in, the door that asked

@@ -7,11 +7,13 @@
 //! // where   tools: LimitedRouter::new(Self::tool_router(), limits)
 //! ```
 //!
-//! Every call then passes [`Guard::admit`](crate::guard::Guard::admit) before the tool runs:
+//! Every call then goes through the one guarded call ([`Guard::call`](crate::guard::Guard::call)),
+//! which every door runs — this router, the reference server's and the proxy: before the tool runs
 //! loops are refused, the tool's cost is charged to the caller's, tenant's and tool's budgets at
 //! once (all or none), and a tool the [`Catalogue`](crate::config::Catalogue) marks as a job takes
 //! an in-flight slot for as long as it runs. The cost is a reservation: once the tool answers, it
-//! is settled to the `usage.units` the answer reports ([`settled`]). A refusal is the tool result an agent can act on
+//! is settled to the `usage.units` the answer reports. Identical calls may share one run of the
+//! tool (`[tools.NAME] coalesce`, `cache_ttl_ms`). A refusal is the tool result an agent can act on
 //! (`isError`, the wait in whole seconds, `structuredContent.error`); limits close to their end
 //! add warnings to the result. `tools/list` shows each tool's cost in its description.
 //!
@@ -19,74 +21,215 @@
 //! it is named here from the request's headers and address; over stdio it is the local caller.
 
 use std::borrow::Cow;
+use std::future::Future;
 
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::tool::ToolCallContext;
-use rmcp::model::{CallToolResponse, CallToolResult, JsonObject, Tool};
+use rmcp::model::{CallToolRequestParams, CallToolResponse, CallToolResult, Extensions, JsonObject, Tool};
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer};
 
 use crate::config::ToolPolicy;
-use crate::guard::{Admission, Policy, Refusal, Reserved, ToolCall, Used};
+use crate::guard::{Admitted, Call, Called, Door, Policy, Refusal, Reserved, Used, Worked};
 use crate::identity::Caller;
 use crate::mcp::results;
 pub use crate::mcp::results::Answer;
-use crate::metrics::Layer;
 use crate::rate_limits::RateLimits;
 
-/// A `ToolRouter` whose every call is guarded by [`RateLimits`]; it has the methods
-/// `#[tool_handler(router = …)]` calls (`call`, `list_all`, `get`).
+pub use crate::rate_limits::ToolAnswer;
+
+/// A door of MCP tools: what differs for them around the one guarded call ([`Door`]: checks,
+/// what is known before charging, loops, refusals explained, usage read), and what the rmcp side
+/// adds — whose answer it is (where what we add to it goes), what the work is handed, a last word
+/// on the response. Every method but [`ToolRules::before_charging`] has the library's default, so
+/// a door says only what differs, the way tower's `retry::Policy` says what to retry.
+pub trait ToolRules: Send + Sync {
+    /// What the door holds from before charging until its tool runs (a place in a queue).
+    type Place: Send + 'static;
+
+    /// What is known before anything is charged — the upstream known down, its queue full — or
+    /// what the call holds until its tool runs.
+    fn before_charging(&self, tool: &str, caller: &Caller) -> Result<Self::Place, Refusal>;
+
+    /// The arguments as the limits see them, or why they are refused before anything is
+    /// charged. By default as they are.
+    fn check(&self, _tool: &str, args: &JsonObject) -> Result<serde_json::Value, Refusal> {
+        Ok(serde_json::Value::Object(args.clone()))
+    }
+
+    /// Whether this call can never be a loop. By default none.
+    fn loop_exempt(&self, _tool: &str, _args: &serde_json::Value, _caller: &Caller) -> bool {
+        false
+    }
+
+    /// A refusal of the guard's, said better where the door knows more. By default as it is.
+    fn explain(&self, _tool: &str, refusal: Refusal, _caller: &Caller) -> Refusal {
+        refusal
+    }
+
+    /// What an answer says its tool used: by default its usage report
+    /// (`structuredContent.usage.units`, else `_meta.usage.units`; see [`used_by`]).
+    fn used(&self, _tool: &str, answer: &ToolAnswer) -> Used {
+        used_by(answer)
+    }
+
+    /// The refusal an answer carries when the tool itself refused (an upstream's 429, in our
+    /// refusals' shape), to record it like the others. By default read as our tools write it.
+    fn refusal_in(&self, answer: &ToolAnswer) -> Option<Refusal> {
+        refusal_in(answer)
+    }
+
+    /// Whose answers these are: ours (what we add goes in `structuredContent`, which our
+    /// `outputSchema`s admit) or, by default, another's (in `_meta`, its answer left as it was).
+    fn whose(&self) -> Answer {
+        Answer::Theirs
+    }
+
+    /// Hands what the call held since before charging to the tool, through the request's
+    /// extensions. By default it is dropped here.
+    fn hand_over(&self, _place: Self::Place, _extensions: &mut Extensions) {}
+
+    /// The response as the caller gets it, last (a job's result as a task for a client that
+    /// speaks tasks; a task's caller recorded). By default as it is.
+    fn finish(&self, _caller: &Caller, _tool: &str, response: CallToolResponse, _asked: &Asked) -> ToolAnswer {
+        Ok(response)
+    }
+}
+
+/// What the caller said of itself when it asked, for [`ToolRules::finish`].
+#[derive(Debug, Clone, Copy)]
+pub struct Asked {
+    /// Its client declared MCP Tasks.
+    pub supports_tasks: bool,
+}
+
+/// A door of tools as the one guarded call ([`Guard::call`](crate::guard::Guard::call)) sees
+/// it: `R`'s rules, for answers that are tool results. [`call_tool`] wraps its rules in it.
 #[derive(Debug)]
-pub struct LimitedRouter<S> {
+pub struct Tools<'a, R>(pub &'a R);
+
+impl<R: ToolRules> Door for Tools<'_, R> {
+    type Answer = ToolAnswer;
+    type Place = R::Place;
+
+    fn check(&self, tool: &str, args: &JsonObject) -> Result<serde_json::Value, Refusal> {
+        self.0.check(tool, args)
+    }
+
+    fn before_charging(&self, tool: &str, caller: &Caller) -> Result<R::Place, Refusal> {
+        self.0.before_charging(tool, caller)
+    }
+
+    fn loop_exempt(&self, tool: &str, args: &serde_json::Value, caller: &Caller) -> bool {
+        self.0.loop_exempt(tool, args, caller)
+    }
+
+    fn explain(&self, tool: &str, refusal: Refusal, caller: &Caller) -> Refusal {
+        self.0.explain(tool, refusal, caller)
+    }
+
+    fn used(&self, tool: &str, answer: &ToolAnswer) -> Used {
+        self.0.used(tool, answer)
+    }
+
+    fn keepable(answer: &ToolAnswer) -> Option<u64> {
+        keepable(answer)
+    }
+
+    fn refusal_in(&self, answer: &ToolAnswer) -> Option<Refusal> {
+        self.0.refusal_in(answer)
+    }
+}
+
+/// The library's rules: every default of [`ToolRules`], nothing known before charging.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Plain;
+
+impl ToolRules for Plain {
+    type Place = ();
+
+    fn before_charging(&self, _tool: &str, _caller: &Caller) -> Result<(), Refusal> {
+        Ok(())
+    }
+}
+
+/// What an answer's usage report says its work used (`structuredContent.usage.units`, else
+/// `_meta.usage.units`); unreported for an error or a result without one.
+pub fn used_by(answer: &ToolAnswer) -> Used {
+    match answer {
+        Ok(CallToolResponse::Complete(done)) => used_in(done),
+        _ => Used::Unreported,
+    }
+}
+
+/// The size of a successful tool result that may be kept for identical calls (`cache_ttl_ms`).
+pub fn keepable(answer: &ToolAnswer) -> Option<u64> {
+    match answer {
+        Ok(CallToolResponse::Complete(done)) => results::keepable(done),
+        _ => None,
+    }
+}
+
+/// The refusal a tool result carries (an upstream's 429 our tools answered), if it is one.
+pub fn refusal_in(answer: &ToolAnswer) -> Option<Refusal> {
+    match answer {
+        Ok(CallToolResponse::Complete(done)) => results::refusal_in(done),
+        _ => None,
+    }
+}
+
+/// A `ToolRouter` whose every call is guarded by [`RateLimits`] under the door's rules `D`
+/// ([`Plain`] for a library's tools: see [`ToolRules`]); it has the methods `#[tool_handler(router = …)]` calls
+/// (`call`, `list_all`, `get`).
+#[derive(Debug)]
+pub struct LimitedRouter<S, D = Plain> {
     router: ToolRouter<S>,
     limits: RateLimits,
+    door: D,
 }
 
-impl<S> Clone for LimitedRouter<S> {
+impl<S, D: Clone> Clone for LimitedRouter<S, D> {
     fn clone(&self) -> Self {
-        Self { router: self.router.clone(), limits: self.limits.clone() }
+        Self { router: self.router.clone(), limits: self.limits.clone(), door: self.door.clone() }
     }
 }
 
-impl<S: Send + Sync + 'static> LimitedRouter<S> {
+impl<S: Clone + Send + Sync + 'static> LimitedRouter<S> {
     /// `router`, with every call guarded by `limits`.
     pub fn new(router: ToolRouter<S>, limits: RateLimits) -> Self {
-        Self { router, limits }
+        Self { router, limits, door: Plain }
+    }
+}
+
+impl<S: Clone + Send + Sync + 'static, D: ToolRules> LimitedRouter<S, D> {
+    /// `router`, with every call guarded by `limits` under `door`'s rules.
+    pub fn with_door(router: ToolRouter<S>, limits: RateLimits, door: D) -> Self {
+        Self { router, limits, door }
     }
 
-    /// Charges the call, runs the tool if it may, and answers a refusal the agent can act on if
-    /// it may not. An unknown tool is the JSON-RPC error rmcp gives (`-32602`), charged nothing.
+    /// Runs the call through the one guarded pipeline ([`call_tool`]): charged, run if it may (a
+    /// tool that is cancelled is dropped at once), settled and reported; a refusal is the tool
+    /// result an agent can act on. An unknown tool is the JSON-RPC error `-32602`, charged nothing.
     pub async fn call(&self, context: ToolCallContext<'_, S>) -> Result<CallToolResponse, ErrorData> {
         if self.router.get(context.name()).is_none() {
-            return Err(ErrorData::invalid_params("tool not found", None));
+            return Err(ErrorData::invalid_params(format!("unknown tool `{}`", context.name()), None));
         }
-        let mut admission =
-            match admit(&self.limits, &context.request_context, context.name(), context.arguments.as_ref()).await? {
-                Ok(admission) => admission,
-                Err(refused) => return Ok(refused.into()),
-            };
-        let reservation = admission.reserved();
-        // A client's cancellation (or the session closing) drops the tool, and with it the
-        // admission's in-flight slots, at once instead of when the tool would have returned.
-        let cancelled = context.request_context.ct.clone();
-        let result = tokio::select! {
-            result = self.router.call(context) => result,
-            () = cancelled.cancelled() => Err(ErrorData::internal_error("the request was cancelled", None)),
+        let service = context.service.clone();
+        let router = self.router.clone();
+        let ToolCallContext { request_context, name, arguments, input_responses, request_state, .. } = context;
+        let args = arguments.clone().unwrap_or_default();
+        let mut request = CallToolRequestParams::new(name.clone());
+        request.arguments = arguments;
+        request.input_responses = input_responses;
+        request.request_state = request_state;
+        let work = |admitted: Admitted<D::Place>, _checked| {
+            let mut request_context = request_context.clone();
+            request_context.extensions.insert(admitted.caller);
+            request_context.extensions.insert(admitted.admission);
+            self.door.hand_over(admitted.place, &mut request_context.extensions);
+            async move { Worked::Answer(router.call(ToolCallContext::new(&service, request, request_context)).await) }
         };
-        let warnings = admission.warnings().to_vec();
-        drop(admission);
-        let result = match (result, reservation) {
-            (Ok(CallToolResponse::Complete(done)), Some(reservation)) => {
-                Ok(CallToolResponse::Complete(settled(done, reservation, Answer::Theirs).await))
-            }
-            (other, _) => other,
-        };
-        match result {
-            Ok(CallToolResponse::Complete(done)) if !warnings.is_empty() && done.is_error != Some(true) => {
-                Ok(CallToolResponse::Complete(results::with_warnings(done, &warnings, Answer::Theirs)))
-            }
-            other => other,
-        }
+        call_tool(&self.limits, &self.door, &name, &args, &request_context, work).await
     }
 
     /// Every tool, with its cost added to its description so a model sees prices before it calls.
@@ -97,6 +240,57 @@ impl<S: Send + Sync + 'static> LimitedRouter<S> {
     /// The tool called `name`, as the router has it.
     pub fn get(&self, name: &str) -> Option<&Tool> {
         self.router.get(name)
+    }
+}
+
+/// One call of `tool` with `arguments` through the one guarded pipeline (under `door`'s
+/// [`ToolRules`], run by
+/// [`Guard::call`](crate::guard::Guard::call)), as an rmcp door makes it: the caller named from
+/// `context`, the call raced against `context`'s cancellation, `work` run when admitted (shared
+/// with identical calls where the tool allows), and what came of it turned into the response:
+/// a refusal as the tool result an agent can act on, an answer with what we add to it (reused,
+/// its price, warnings) where `door` says it goes. `Err` only for a JSON-RPC error: the caller
+/// cannot be named, the tool's own, a cancelled call.
+pub async fn call_tool<D, W, F>(
+    limits: &RateLimits,
+    door: &D,
+    tool: &str,
+    arguments: &JsonObject,
+    context: &RequestContext<RoleServer>,
+    work: W,
+) -> Result<CallToolResponse, ErrorData>
+where
+    D: ToolRules,
+    W: FnOnce(Admitted<D::Place>, serde_json::Value) -> F,
+    F: Future<Output = Worked<ToolAnswer>> + Send + 'static,
+{
+    let caller = caller_of(limits, context)?;
+    let asked = Asked { supports_tasks: context.client_capabilities().is_some_and(|c| c.supports_tasks()) };
+    let call = Call { tool, caller: &caller, args: arguments, cancelled: context.ct.clone() };
+    let whose = door.whose();
+    match limits.guard().call(&Tools(door), Some(limits.reuse()), call, work).await {
+        Called::Refused(refusal) => Ok(results::tool_result(&refusal).into()),
+        Called::RefusedAfter { refusal, settled } => {
+            let done = results::tool_result(&refusal);
+            Ok(settled.map_or(done.clone(), |settled| results::priced(done, settled, Answer::Ours)).into())
+        }
+        Called::Answered { answer: Ok(CallToolResponse::Complete(done)), served, settled, warnings } => {
+            let mut done = results::reused(done, served, whose);
+            if let Some(settled) = settled {
+                // Another's answer is left as it was unless its own usage report moved the price.
+                if whose == Answer::Ours || settled.charged != settled.reserved {
+                    done = results::priced(done, settled, whose);
+                }
+            }
+            if !warnings.is_empty() && done.is_error != Some(true) {
+                done = results::with_warnings(done, &warnings, whose);
+            }
+            door.finish(&caller, tool, CallToolResponse::Complete(done), &asked)
+        }
+        Called::Answered { answer: Ok(other), .. } => door.finish(&caller, tool, other, &asked),
+        Called::Answered { answer: Err(error), .. } => Err(error),
+        Called::Cancelled => Err(ErrorData::internal_error("the request was cancelled", None)),
+        Called::Lost => Err(ErrorData::internal_error(crate::guard::reuse::Lost.to_string(), None)),
     }
 }
 
@@ -124,34 +318,6 @@ pub fn priced(tools: Vec<Tool>, policy: &Policy) -> Vec<Tool> {
         .collect()
 }
 
-/// Guards one call of `tool` with `arguments`, for a server that writes its own `call_tool`:
-/// the [`Admission`] to hold while the tool runs (dropping it gives its in-flight slots back),
-/// or the tool result that explains the refusal, to return as it is. `Err` only when the caller
-/// cannot be named (see [`caller_of`]).
-///
-/// ```text
-/// async fn call_tool(&self, request: CallToolRequestParams, context: RequestContext<RoleServer>)
-///     -> Result<CallToolResponse, ErrorData> {
-///     let _admission = match admit(&self.limits, &context, &request.name, request.arguments.as_ref()).await? {
-///         Ok(admission) => admission,
-///         Err(refused) => return Ok(refused.into()),
-///     };
-///     self.tool_router.call(ToolCallContext::new(self, request, context)).await
-/// }
-/// ```
-pub async fn admit(
-    limits: &RateLimits,
-    context: &RequestContext<RoleServer>,
-    tool: &str,
-    arguments: Option<&JsonObject>,
-) -> Result<Result<Admission, CallToolResult>, ErrorData> {
-    let caller = caller_of(limits, context)?;
-    let args = serde_json::Value::Object(arguments.cloned().unwrap_or_default());
-    let guard = limits.guard();
-    let call = ToolCall { tool, args: &args, starts_job: guard.policy().holds_slot(tool), loop_exempt: false };
-    Ok(guard.admit(&caller, &call).await.map_err(|refusal| refused(limits, &caller, tool, &refusal)))
-}
-
 /// What the work behind `done` came to, as far as its price goes: the units it reports, else
 /// unreported — an upstream's refusal or failure included: a failed upstream call is still
 /// charged (see [`crate::guard::settle`]).
@@ -175,17 +341,6 @@ pub async fn settled_as(done: CallToolResult, reservation: Reserved, used: Used,
         Answer::Theirs if settled.charged == settled.reserved => done,
         whose => results::priced(done, settled, whose),
     }
-}
-
-/// Records a refused call of `tool` for the dashboard, whatever refused it.
-pub fn seen_refused(limits: &RateLimits, caller: &Caller, tool: &str, refusal: &Refusal) {
-    limits.guard().activity().refused(caller, refusal.seen(Layer::Tool, tool), limits.clock().now());
-}
-
-/// The tool result of a refused call of `tool`, recorded for the dashboard on its way out.
-pub fn refused(limits: &RateLimits, caller: &Caller, tool: &str, refusal: &Refusal) -> CallToolResult {
-    seen_refused(limits, caller, tool, refusal);
-    results::tool_result(refusal)
 }
 
 /// The caller of an MCP request: the one the HTTP layer named, else one named here from the

@@ -9,8 +9,8 @@
 use rmcp::ErrorData;
 use rmcp::model::{CallToolResult, ContentBlock, ErrorCode};
 
+use crate::guard::reuse::Served;
 use crate::guard::{Refusal, Settled, Warning};
-use crate::reuse::Served;
 
 /// The `isError: true` tool result carrying the refusal's message and its structured error.
 pub fn tool_result(refusal: &Refusal) -> CallToolResult {

@@ -1,9 +1,8 @@
-//! The rmcp server handler, and the one door every tool call goes through.
-//!
-//! `call_tool` is written by hand instead of generated: it identifies the caller, validates the
-//! arguments, and asks the [`Guard`](crate::guard::Guard) before the tool router runs anything.
-//! A tool added to `tools.rs` is guarded without doing anything, and cannot opt out. Every
-//! refused call, whatever refused it, is recorded for the dashboard on its way out.
+//! The rmcp server handler of the reference server, built on its own library: its tools are a
+//! [`LimitedRouter`] under [`PaidTools`]' rules, so every call goes
+//! through the one guarded call every door runs ([`crate::guard::call`]) — the library's router
+//! and the proxy too. A tool added to `tools.rs` is guarded without doing anything, and cannot
+//! opt out.
 //!
 //! Image and video jobs are also MCP Tasks (the SEP-2663 extension) for clients that declare
 //! it: the call answers a task whose `taskId` is the `predict_id` and whose `pollIntervalMs` is
@@ -13,24 +12,24 @@
 
 use std::sync::Arc;
 
-use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::tool::ToolCallContext;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CancelTaskParams, CreateTaskResult, DetailedTask, ErrorCode,
+    CallToolRequestParams, CallToolResponse, CancelTaskParams, CreateTaskResult, DetailedTask, ErrorCode, Extensions,
     GetTaskParams, GetTaskResult, Implementation, ListToolsResult, PaginatedRequestParams, ServerCapabilities,
     ServerConfig, Task, TaskPayload, TaskStatus,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler, tool_handler};
+use serde_json::{Map, Value};
 
 use crate::clock::NANOS_PER_MS;
-use crate::guard::{MethodGroup, Refusal, RefusalCode, ToolCall};
+use crate::guard::{MethodGroup, Refusal, RefusalCode, TakeOnce};
 use crate::identity::Caller;
-use crate::mcp::tools::{self, TakeOnce};
-use crate::mcp::{limited, results};
-use crate::reuse::{Served, Sharing};
-use crate::state::{AppState, OwnTools, ToolAnswer};
+use crate::mcp::limited::{Asked, LimitedRouter, ToolAnswer, ToolRules};
+use crate::mcp::{limited, results, tools};
+use crate::state::{AppState, OwnTools};
 use crate::upstream::jobs::JobView;
+use crate::upstream::queue::Reservation;
 
 /// Which transport a handler serves; decides where the caller comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,26 +47,19 @@ pub struct McpServer {
     /// The paid API and its jobs.
     pub(crate) own: Arc<OwnTools>,
     pub(crate) transport: Transport,
-    tool_router: ToolRouter<Self>,
+    tools: LimitedRouter<Self, PaidTools>,
 }
 
 impl McpServer {
     /// A handler over the shared state and our tools' upstream.
     pub fn new(app: Arc<AppState>, own: Arc<OwnTools>, transport: Transport) -> Self {
-        Self { app, own, transport, tool_router: Self::tool_router() }
+        let door = PaidTools { app: app.clone(), own: own.clone() };
+        let tools = LimitedRouter::with_door(Self::tool_router(), app.limits.clone(), door);
+        Self { app, own, transport, tools }
     }
 
     fn caller_of(&self, context: &RequestContext<RoleServer>) -> Result<Caller, ErrorData> {
-        match self.transport {
-            Transport::Stdio => Ok(self.app.limits.identifier().load().local()),
-            Transport::Http => context
-                .extensions
-                .get::<http::request::Parts>()
-                .and_then(|parts| parts.extensions.get::<Caller>())
-                .cloned()
-                // Falling back to a shared identity would merge every caller into one budget.
-                .ok_or_else(|| ErrorData::internal_error("request reached a tool without a caller identity", None)),
-        }
+        limited::caller_of(&self.app.limits, context)
     }
 
     /// Charges a non-tool method to its per-caller limit; a refusal is a JSON-RPC error (there
@@ -121,7 +113,7 @@ fn task_of(view: JobView, ttl_ms: u64) -> Result<DetailedTask, ErrorData> {
     Ok(DetailedTask::new(task, payload))
 }
 
-#[tool_handler(router = self.tool_router)]
+#[tool_handler(router = self.tools)]
 impl ServerHandler for McpServer {
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().enable_tasks().build())
@@ -154,8 +146,7 @@ impl ServerHandler for McpServer {
         context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
         self.admit_method(&context, MethodGroup::ToolsList, "tools/list").await?;
-        let tools = limited::priced(self.tool_router.list_all(), &self.app.limits.guard().policy());
-        Ok(ListToolsResult::with_all_items(tools))
+        Ok(ListToolsResult::with_all_items(self.tools.list_all()))
     }
 
     async fn ping(&self, context: RequestContext<RoleServer>) -> Result<(), ErrorData> {
@@ -165,98 +156,9 @@ impl ServerHandler for McpServer {
     async fn call_tool(
         &self,
         request: CallToolRequestParams,
-        mut context: RequestContext<RoleServer>,
+        context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
-        if self.tool_router.get(&request.name).is_none() {
-            return Err(ErrorData::invalid_params(format!("unknown tool `{}`", request.name), None));
-        }
-        let caller = self.caller_of(&context)?;
-        let tool = request.name.to_string();
-        let args = match tools::validate_arguments(&tool, request.arguments.as_ref()) {
-            Ok(args) => args,
-            Err(refusal) => return Ok(self.refuse(&caller, &tool, refusal)),
-        };
-        let starts_job = tools::starts_job(&tool);
-        // Known before anything is charged: the upstream is down, or the account's queue is full.
-        let place = match self.before_charging(&tool, &caller) {
-            Ok(place) => place,
-            Err(refusal) => return Ok(self.refuse(&caller, &tool, refusal)),
-        };
-        // A job holds its slots until it is final; `[tools.NAME] holds_slot` makes any tool hold one
-        // until it returns.
-        let holds_slot = self.app.limits.guard().policy().holds_slot(&tool);
-        let loop_exempt = self.loop_exempt(&tool, &args, &caller);
-        let call = ToolCall { tool: &tool, args: &args, starts_job: holds_slot, loop_exempt };
-        let (admission, warnings) = match self.app.limits.guard().admit(&caller, &call).await {
-            Ok(admission) => {
-                let warnings = admission.warnings().to_vec();
-                (TakeOnce::new(admission), warnings)
-            }
-            Err(refusal) if starts_job && refusal.code == RefusalCode::Busy => {
-                return Ok(self.refuse(&caller, &tool, self.explain_busy(&tool, refusal, &caller)));
-            }
-            Err(refusal) => return Ok(self.refuse(&caller, &tool, refusal)),
-        };
-        let wants_task = starts_job && context.client_capabilities().is_some_and(|c| c.supports_tasks());
-        context.extensions.insert(caller.clone());
-        // A job tool takes the admission (its in-flight slots) into the job, which keeps it
-        // until the job is final; any other tool leaves it here, to be dropped when it returns.
-        context.extensions.insert(admission.clone());
-        if let Some(place) = place {
-            context.extensions.insert(TakeOnce::new(place));
-        }
-        // rmcp signals a client's cancellation (or the session closing) through this token but
-        // keeps polling the handler; racing it drops the tool's future at once, and with it any
-        // in-flight slot the admission holds, instead of when the upstream finally answers.
-        let cancelled = context.ct.clone();
-        let policy = self.app.limits.guard().policy();
-        let sharing = policy.tool(&tool).and_then(|p| Sharing::of(p, &caller, &tool, &args));
-        let call = async {
-            let Some(sharing) = sharing else {
-                return (self.tool_router.call(ToolCallContext::new(self, request, context)).await, Served::Asked);
-            };
-            // Asked by a task of its own, which a cancelled waiter leaves running for the others.
-            let server = self.clone();
-            let ask = async move { server.tool_router.call(ToolCallContext::new(&server, request, context)).await };
-            self.own
-                .reuse
-                .answer(&tool, sharing, keepable, ask)
-                .await
-                .unwrap_or_else(|lost| (Err(ErrorData::internal_error(lost.to_string(), None)), Served::Asked))
-        };
-        let (result, served) = tokio::select! {
-            answered = call => answered,
-            () = cancelled.cancelled() => (Err(ErrorData::internal_error("the request was cancelled", None)), Served::Asked),
-        };
-        // A job tool took the admission, and its job settles the price when it is final; any
-        // other call's price is settled here, from the answer, as its slots go back.
-        let reservation = admission.take().and_then(|mut admission| admission.reserved());
-        let result = match result {
-            Ok(CallToolResponse::Complete(done)) => {
-                let done = results::reused(done, served, limited::Answer::Ours);
-                let done = match reservation {
-                    Some(reservation) => limited::settled(done, reservation, limited::Answer::Ours).await,
-                    None => done,
-                };
-                Ok(CallToolResponse::Complete(done))
-            }
-            other => other,
-        };
-        // A refusal from the tool itself (the upstream's 429 or failure) is seen like the others.
-        if let Ok(CallToolResponse::Complete(done)) = &result
-            && let Some(refusal) = results::refusal_in(done)
-        {
-            self.seen_refused(&caller, &tool, &refusal);
-        }
-        match result {
-            Ok(CallToolResponse::Complete(done)) if wants_task && done.is_error != Some(true) => {
-                self.as_task(&caller, &done)
-            }
-            Ok(CallToolResponse::Complete(done)) if !warnings.is_empty() && done.is_error != Some(true) => {
-                Ok(CallToolResponse::Complete(results::with_warnings(done, &warnings, limited::Answer::Ours)))
-            }
-            other => other,
-        }
+        self.tools.call(ToolCallContext::new(self, request, context)).await
     }
 
     async fn get_task(
@@ -290,31 +192,78 @@ impl ServerHandler for McpServer {
     }
 }
 
-/// The size of an answer of ours that may be kept (`cache_ttl_ms`): a successful result.
-fn keepable(answer: &ToolAnswer) -> Option<u64> {
-    match answer {
-        Ok(CallToolResponse::Complete(done)) => results::keepable(done),
-        _ => None,
+/// The reference server's rules around the one guarded call: our tools' arguments checked
+/// against their limits before anything is charged; the upstream known down, or the account's
+/// queue full, refused before charging too (a job holds its place in the queue until it starts);
+/// a pending job's poll and `rate_limit_status` never a loop; a full job cap explained with the
+/// jobs holding it; the answers ours (what we add goes in their `structuredContent`); an accepted
+/// job answered as a task to a client that speaks tasks.
+#[derive(Clone)]
+pub struct PaidTools {
+    app: Arc<AppState>,
+    own: Arc<OwnTools>,
+}
+
+impl std::fmt::Debug for PaidTools {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PaidTools")
     }
 }
 
-impl McpServer {
-    /// Records a refused tool call for the dashboard.
-    fn seen_refused(&self, caller: &Caller, tool: &str, refusal: &Refusal) {
-        limited::seen_refused(&self.app.limits, caller, tool, refusal);
+impl ToolRules for PaidTools {
+    type Place = Option<Reservation>;
+
+    fn before_charging(&self, tool: &str, caller: &Caller) -> Result<Option<Reservation>, Refusal> {
+        tools::before_charging(&self.own, tool, caller)
     }
 
-    /// The tool result of a refused call, recorded for the dashboard on its way out.
-    fn refuse(&self, caller: &Caller, tool: &str, refusal: Refusal) -> CallToolResponse {
-        limited::refused(&self.app.limits, caller, tool, &refusal).into()
+    fn check(&self, tool: &str, args: &Map<String, Value>) -> Result<Value, Refusal> {
+        tools::validate_arguments(tool, Some(args))
     }
 
+    fn loop_exempt(&self, tool: &str, args: &Value, caller: &Caller) -> bool {
+        tools::loop_exempt(&self.own, tool, args, caller)
+    }
+
+    fn explain(&self, tool: &str, refusal: Refusal, caller: &Caller) -> Refusal {
+        if tools::starts_job(tool) && refusal.code == RefusalCode::Busy {
+            tools::explain_busy(&self.own, tool, refusal, caller)
+        } else {
+            refusal
+        }
+    }
+
+    fn whose(&self) -> limited::Answer {
+        limited::Answer::Ours
+    }
+
+    /// A job tool's queue place goes to the tool, which hands it to its job.
+    fn hand_over(&self, place: Option<Reservation>, extensions: &mut Extensions) {
+        if let Some(place) = place {
+            extensions.insert(TakeOnce::new(place));
+        }
+    }
+
+    /// An accepted job, to a client that speaks tasks, is a task.
+    fn finish(&self, caller: &Caller, tool: &str, response: CallToolResponse, asked: &Asked) -> ToolAnswer {
+        match response {
+            CallToolResponse::Complete(done)
+                if tools::starts_job(tool) && asked.supports_tasks && done.is_error != Some(true) =>
+            {
+                self.as_task(caller, &done)
+            }
+            other => Ok(other),
+        }
+    }
+}
+
+impl PaidTools {
     fn task_ttl_ms(&self) -> u64 {
         self.app.config.upstream.job_expiry_seconds.saturating_mul(1000)
     }
 
     /// Turns an accepted job's result into a `CreateTaskResult` for a client that speaks Tasks.
-    fn as_task(&self, caller: &Caller, done: &rmcp::model::CallToolResult) -> Result<CallToolResponse, ErrorData> {
+    fn as_task(&self, caller: &Caller, done: &rmcp::model::CallToolResult) -> ToolAnswer {
         let id = done
             .structured_content
             .as_ref()
@@ -322,5 +271,11 @@ impl McpServer {
             .ok_or_else(|| ErrorData::internal_error("an accepted job has no predict_id", None))?;
         let view = self.own.jobs.view(caller.id(), id).ok_or_else(|| unknown_task(id))?;
         Ok(CallToolResponse::Task(CreateTaskResult::new(task_of(view, self.task_ttl_ms())?.task)))
+    }
+}
+
+impl McpServer {
+    fn task_ttl_ms(&self) -> u64 {
+        self.app.config.upstream.job_expiry_seconds.saturating_mul(1000)
     }
 }

@@ -1,7 +1,8 @@
 //! The tools: thin wrappers over the paid API, each with a schema that states its limits.
 //!
-//! Tools never check budgets themselves: [`McpServer::call_tool`](super::server) has already
-//! validated their arguments (see [`validate_arguments`]) and charged the caller before a tool
+//! Tools never check budgets themselves: the one guarded call ([`crate::guard::call`], under
+//! [`PaidTools`](super::server::PaidTools)' rules) has already validated their arguments (see
+//! [`validate_arguments`]) and charged the caller before a tool
 //! body runs. A tool only turns upstream answers into results, and upstream failures into
 //! refusals that carry the wait. The two job tools take over what the admission holds (their
 //! in-flight slots) and hand it to the job, which gives it back when the job is final.
@@ -19,10 +20,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::clock::{Nanos, ceil_ms, ceil_secs};
 use crate::config::Catalogue;
-use crate::guard::{Admission, BudgetStatus, Refusal};
+use crate::guard::{Admission, BudgetStatus, Refusal, TakeOnce};
 use crate::identity::Caller;
 use crate::mcp::McpServer;
 use crate::mcp::{limited, results};
+use crate::state::OwnTools;
 use crate::upstream::UpstreamError;
 use crate::upstream::api::{ArticlePage, NewArticle, NewPrediction, PredictionKind, PredictionStatus};
 use crate::upstream::jobs::{JobView, Owner};
@@ -60,27 +62,6 @@ pub fn starts_job(tool: &str) -> bool {
 /// circuit breaker is open, before anything is charged).
 fn needs_upstream(tool: &str) -> bool {
     matches!(tool, "list_articles" | "save_article" | "generate_image" | "generate_image_to_video")
-}
-
-/// A value handed from `call_tool` to the tool body through rmcp's request extensions, which
-/// carry only `Clone` values: whoever takes it first owns it.
-#[derive(Debug)]
-pub(crate) struct TakeOnce<T>(Arc<Mutex<Option<T>>>);
-
-impl<T> Clone for TakeOnce<T> {
-    fn clone(&self) -> Self {
-        Self(self.0.clone())
-    }
-}
-
-impl<T> TakeOnce<T> {
-    pub(crate) fn new(value: T) -> Self {
-        Self(Arc::new(Mutex::new(Some(value))))
-    }
-
-    pub(crate) fn take(&self) -> Option<T> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
-    }
 }
 
 /// Longest prompt accepted, in characters.
@@ -620,26 +601,6 @@ impl McpServer {
         answer
     }
 
-    /// What must hold before `tool` is charged, with what it must carry to the tool body: the
-    /// upstream must not be known down (circuit breaker open), and a job needs a place in the
-    /// queue for the upstream account, in case it has to wait for a slot.
-    pub(crate) fn before_charging(&self, tool: &str, caller: &Caller) -> Result<Option<Reservation>, Refusal> {
-        if needs_upstream(tool)
-            && let Some(open_for) = self.own.upstream.open_for()
-        {
-            return Err(breaker_open(tool, open_for));
-        }
-        let kind = match tool {
-            "generate_image" => PredictionKind::Image,
-            "generate_image_to_video" => PredictionKind::Video,
-            _ => return Ok(None),
-        };
-        self.own.jobs.reserve(kind, caller.unverified_from().is_some()).map(Some).map_err(|(full, wait)| match full {
-            QueueFull::Full => Refusal::queue_full(tool, wait),
-            QueueFull::UnverifiedShare { slots, places } => Refusal::unverified_share_full(tool, wait, slots, places),
-        })
-    }
-
     /// Who a job belongs to, and the flow it waits in ([`Owner::of`]).
     fn owner_of(&self, caller: &Caller) -> Owner {
         Owner::of(caller, &self.app.limits.guard().policy())
@@ -675,25 +636,45 @@ impl McpServer {
             }
         }
     }
+}
 
-    /// Whether this call can never be a loop, because asking again is how it is meant to be
-    /// used and its answer changes with time: rate_limit_status, and polling a pending job
-    /// (answered with the wait left, however often it comes). Re-reading a final job is not
-    /// exempt: its answer will not change.
-    pub(crate) fn loop_exempt(&self, tool: &str, args: &serde_json::Value, caller: &Caller) -> bool {
-        match tool {
-            "rate_limit_status" => true,
-            "get_prediction" => args["predict_id"].as_str().is_some_and(|id| self.own.jobs.is_pending(caller.id(), id)),
-            _ => false,
-        }
+/// What must hold before `tool` is charged, with what it must carry to the tool body: the
+/// upstream must not be known down (circuit breaker open), and a job needs a place in the queue
+/// for the upstream account, in case it has to wait for a slot.
+pub(crate) fn before_charging(own: &OwnTools, tool: &str, caller: &Caller) -> Result<Option<Reservation>, Refusal> {
+    if needs_upstream(tool)
+        && let Some(open_for) = own.upstream.open_for()
+    {
+        return Err(breaker_open(tool, open_for));
     }
+    let kind = match tool {
+        "generate_image" => PredictionKind::Image,
+        "generate_image_to_video" => PredictionKind::Video,
+        _ => return Ok(None),
+    };
+    own.jobs.reserve(kind, caller.unverified_from().is_some()).map(Some).map_err(|(full, wait)| match full {
+        QueueFull::Full => Refusal::queue_full(tool, wait),
+        QueueFull::UnverifiedShare { slots, places } => Refusal::unverified_share_full(tool, wait, slots, places),
+    })
+}
 
-    /// A busy refusal for a job tool, made specific: the caller's jobs and when to look again.
-    pub(crate) fn explain_busy(&self, tool: &str, refusal: Refusal, caller: &Caller) -> Refusal {
-        let jobs = &self.own.jobs;
-        let mine = jobs.pending_of(caller.id()).into_iter().map(|v| v.prediction.id).collect();
-        refusal.with_jobs_in_flight(tool, mine, jobs.soonest_news(caller.id(), caller.tenant()))
+/// Whether this call can never be a loop, because asking again is how it is meant to be used and
+/// its answer changes with time: rate_limit_status, and polling a pending job (answered with the
+/// wait left, however often it comes). Re-reading a final job is not exempt: its answer will not
+/// change.
+pub(crate) fn loop_exempt(own: &OwnTools, tool: &str, args: &serde_json::Value, caller: &Caller) -> bool {
+    match tool {
+        "rate_limit_status" => true,
+        "get_prediction" => args["predict_id"].as_str().is_some_and(|id| own.jobs.is_pending(caller.id(), id)),
+        _ => false,
     }
+}
+
+/// A busy refusal for a job tool, made specific: the caller's jobs and when to look again.
+pub(crate) fn explain_busy(own: &OwnTools, tool: &str, refusal: Refusal, caller: &Caller) -> Refusal {
+    let jobs = &own.jobs;
+    let mine = jobs.pending_of(caller.id()).into_iter().map(|v| v.prediction.id).collect();
+    refusal.with_jobs_in_flight(tool, mine, jobs.soonest_news(caller.id(), caller.tenant()))
 }
 
 /// The admission (in-flight slots) a job tool hands to its job.

@@ -9,7 +9,7 @@
 //!    is refused `upstream_unavailable` with the time left, before anything is charged;
 //! 2. a place in the fair queue ([`FairQueue`], `upstream.queue_max` places): a full queue is
 //!    `busy` with a wait, before anything is charged;
-//! 3. the guard ([`Guard::admit`](crate::guard::Guard::admit)): loops, budgets, tenants, spend
+//! 3. the guard (the one guarded call, [`Guard::call`](crate::guard::Guard::call)): loops, budgets, tenants, spend
 //!    caps, in-flight slots for a `holds_slot` tool — exactly as for our own tools;
 //! 4. its turn for one of `proxy.max_in_flight` slots to the proxied server (tenants take turns);
 //! 5. the call itself, within `proxy.timeout_ms` of the proxied server's own time (the wait for
@@ -57,10 +57,10 @@ pub use server::ProxyServer;
 use crate::breaker::Breaker;
 use crate::clock::{NANOS_PER_MS, Nanos, SharedClock};
 use crate::config::Config;
-use crate::guard::Refusal;
+use crate::guard::{Admitted, Refusal, Used, Worked};
 use crate::identity::Caller;
+use crate::mcp::limited::ToolAnswer;
 use crate::rate_limits::RateLimits;
-use crate::reuse::{Reuse, Saved, Served, Sharing};
 use crate::state::Behind;
 use crate::upstream::adaptive::AdaptiveLimit;
 use crate::upstream::api::PredictionKind;
@@ -82,15 +82,9 @@ pub struct Proxied {
     calls: AtomicU64,
     /// A running mean of how long a call takes (ns): how soon a queue place frees up.
     mean_call: AtomicU64,
-    /// Identical calls in flight sharing one request, and answers kept (`[tools.NAME] coalesce`,
-    /// `cache_ttl_ms`).
-    reuse: Arc<Reuse<Forwarded>>,
     /// Whose each task created through the proxy is.
     tasks: tasks::Owners,
 }
-
-/// What a forwarded call came back with.
-type Forwarded = Result<CallToolResponse, Unanswered>;
 
 impl std::fmt::Debug for Proxied {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -118,10 +112,6 @@ impl Behind for Proxied {
 
     fn queue(&self) -> &FairQueue {
         &self.queue
-    }
-
-    fn saved(&self) -> Saved {
-        self.reuse.saved()
     }
 }
 
@@ -178,7 +168,6 @@ impl Proxied {
             limits: limits.clone(),
             calls: AtomicU64::new(0),
             mean_call: AtomicU64::new(0),
-            reuse: Reuse::new(clock.clone(), limits.metrics().clone(), up.cache_max_entries, up.cache_max_bytes),
             tasks: tasks::Owners::new(clock.clone()),
         });
         // Without its tools there is nothing to serve: a server that cannot list them is a
@@ -271,31 +260,29 @@ impl Proxied {
         }
     }
 
-    /// The answer to `caller`'s call: [`Proxied::forward`]'s, or, as `sharing` allows, an identical
-    /// call's in flight or kept ([`Reuse`]). A call answered so gives its queue `place` back
-    /// unused, and its progress goes nowhere (the request is another call's).
-    async fn answer(
-        self: &Arc<Self>,
-        caller: &Caller,
-        place: Reservation,
+    /// An admitted call's work, as the one guarded call runs it ([`crate::guard::call`]): sent
+    /// in its turn ([`Proxied::forward`]), its answer passed on as the caller's protocol era
+    /// reads it, without any key of ours the proxied server put in its `_meta`; or why it was not
+    /// answered. (Shared with identical calls, it is the asker's: its progress goes to the asker's
+    /// session.)
+    async fn work(
+        self: Arc<Self>,
+        admitted: Admitted<Reservation>,
         request: CallToolRequestParams,
         meta: RequestMetaObject,
         progress: Option<(u64, ProgressToken)>,
-        sharing: Option<Sharing>,
-    ) -> (Forwarded, Served) {
-        let Some(sharing) = sharing else {
-            return (self.forward(caller, place, request, meta, progress).await, Served::Asked);
-        };
-        let tool = request.name.to_string();
-        let (proxied, asker) = (self.clone(), caller.clone());
-        let ask = async move { proxied.forward(&asker, place, request, meta, progress).await };
-        let keepable = |answer: &Forwarded| match answer {
-            Ok(CallToolResponse::Complete(done)) => crate::mcp::results::keepable(done),
-            _ => None,
-        };
-        self.reuse.answer(&tool, sharing, keepable, ask).await.unwrap_or_else(|lost| {
-            (Err(Unanswered::Error(ErrorData::internal_error(lost.to_string(), None))), Served::Asked)
-        })
+    ) -> Worked<ToolAnswer> {
+        match self.forward(&admitted.caller, admitted.place, request, meta, progress).await {
+            Ok(CallToolResponse::Complete(done)) => {
+                let done = crate::mcp::results::without_ours(server::Complete::complete(done));
+                Worked::Answer(Ok(CallToolResponse::Complete(done)))
+            }
+            Ok(other) => Worked::Answer(Ok(other)),
+            Err(Unanswered::Error(error)) => Worked::Answer(Err(error)),
+            // Sent, and no answer: work may have been done, and the reservation stands.
+            Err(Unanswered::Unavailable(refusal)) => Worked::Refused(refusal, Used::Unreported),
+            Err(Unanswered::NotSent(refusal)) => Worked::Refused(refusal, Used::Nothing),
+        }
     }
 
     /// Waits for the call's turn (at most `proxy.timeout_ms`), sends it, and waits for the answer

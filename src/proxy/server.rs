@@ -16,14 +16,14 @@ use rmcp::model::{
 use rmcp::service::{NotificationContext, Peer, PeerRequestOptions, RequestContext, ServiceError};
 use rmcp::{ErrorData, RoleClient, RoleServer, ServerHandler};
 
+use super::Proxied;
 use super::relay::Membership;
-use super::{Proxied, Unanswered};
-use crate::guard::{MethodGroup, Refusal, Reserved, ToolCall, Used};
+use crate::guard::{MethodGroup, Refusal, Used};
 use crate::identity::Caller;
-use crate::mcp::limited::{self, Answer};
+use crate::mcp::limited::{self, Asked, ToolAnswer, ToolRules};
 use crate::mcp::results;
 use crate::rate_limits::RateLimits;
-use crate::reuse::Sharing;
+use crate::upstream::queue::Reservation;
 
 /// One downstream session's handler.
 pub struct ProxyServer {
@@ -92,28 +92,40 @@ impl ProxyServer {
             Err(ErrorData::invalid_params(format!("unknown task: {task}"), None))
         }
     }
+}
 
-    fn refuse(&self, caller: &Caller, tool: &str, refusal: Refusal) -> CallToolResponse {
-        limited::refused(&self.limits, caller, tool, &refusal).into()
+/// The proxy's rules around the one guarded call ([`crate::guard::call`]): the proxied server
+/// known down (its breaker open), or its queue full, refused before anything is charged, and a
+/// place in its queue held until the call's turn; its answers another's (what we add goes in
+/// `_meta`); a price settled from the `_meta.usage.units` it reports — never its structured
+/// content, which may echo the caller's own arguments — where the operator trusts it to
+/// (`settle = "usage"`); a task it answers with recorded as the caller's.
+impl ToolRules for ProxyServer {
+    type Place = Reservation;
+
+    fn before_charging(&self, tool: &str, caller: &Caller) -> Result<Reservation, Refusal> {
+        self.proxied.before_charging(tool, caller)
     }
 
-    /// [`ProxyServer::refuse`] for a call that reserved a price: settled for work that came to
-    /// `used` (`None`: as the refusal says), and said in the refusal.
-    async fn refuse_settled(
-        &self,
-        caller: &Caller,
-        tool: &str,
-        refusal: Refusal,
-        reservation: Option<Reserved>,
-        used: Option<Used>,
-    ) -> Result<CallToolResponse, ErrorData> {
-        let done = limited::refused(&self.limits, caller, tool, &refusal);
-        let done = match (reservation, used) {
-            (Some(reservation), Some(used)) => limited::settled_as(done, reservation, used, Answer::Ours).await,
-            (Some(reservation), None) => limited::settled(done, reservation, Answer::Ours).await,
-            (None, _) => done,
-        };
-        Ok(done.into())
+    fn used(&self, _tool: &str, answer: &ToolAnswer) -> Used {
+        match answer {
+            Ok(CallToolResponse::Complete(done)) => {
+                results::usage_in_meta(done).map_or(Used::Unreported, Used::Reported)
+            }
+            _ => Used::Unreported,
+        }
+    }
+
+    /// Another server's `isError` answer is its own, whatever it looks like: not a refusal of ours.
+    fn refusal_in(&self, _answer: &ToolAnswer) -> Option<Refusal> {
+        None
+    }
+
+    fn finish(&self, caller: &Caller, _tool: &str, response: CallToolResponse, _asked: &Asked) -> ToolAnswer {
+        if let CallToolResponse::Task(task) = &response {
+            self.proxied.tasks.record(&task.task.task_id, task.task.ttl_ms, caller.id());
+        }
+        Ok(response)
     }
 }
 
@@ -168,63 +180,12 @@ impl ServerHandler for ProxyServer {
         if !self.proxied.lists(&request.name) {
             return Err(ErrorData::invalid_params(format!("unknown tool `{}`", request.name), None));
         }
-        let caller = limited::caller_of(&self.limits, &context)?;
-        let tool = request.name.to_string();
-        let place = match self.proxied.before_charging(&tool, &caller) {
-            Ok(place) => place,
-            Err(refusal) => return Ok(self.refuse(&caller, &tool, refusal)),
-        };
-        let policy = self.limits.guard().policy();
-        let holds_slot = policy.holds_slot(&tool);
-        let args = serde_json::Value::Object(request.arguments.clone().unwrap_or_default());
-        let call = ToolCall { tool: &tool, args: &args, starts_job: holds_slot, loop_exempt: false };
-        let mut admission = match self.limits.guard().admit(&caller, &call).await {
-            Ok(admission) => admission,
-            Err(refusal) => return Ok(self.refuse(&caller, &tool, refusal)),
-        };
-        let reservation = admission.reserved();
+        let (tool, args) = (request.name.to_string(), request.arguments.clone().unwrap_or_default());
         let session = self.membership.get().map(Membership::id);
         let progress = session.zip(context.meta.get_progress_token());
-        let sharing = policy.tool(&tool).and_then(|p| Sharing::of(p, &caller, &tool, &args));
-        let meta = context.meta.clone();
-        let forwarded = self.proxied.answer(&caller, place, request, meta, progress, sharing);
-        let (answer, served) = tokio::select! {
-            answered = forwarded => answered,
-            () = context.ct.cancelled() => return Err(ErrorData::internal_error("the request was cancelled", None)),
-        };
-        match answer {
-            Ok(CallToolResponse::Complete(done)) => {
-                let done = results::reused(results::without_ours(done.complete()), served, Answer::Theirs);
-                // Settled from the `_meta.usage.units` the proxied server reports, where the
-                // operator trusts it to (`settle = "usage"`); never from its structured content,
-                // which may echo the caller's own arguments.
-                let done = match reservation {
-                    Some(reservation) => {
-                        let used = results::usage_in_meta(&done).map_or(Used::Unreported, Used::Reported);
-                        limited::settled_as(done, reservation, used, Answer::Theirs).await
-                    }
-                    None => done,
-                };
-                if admission.warnings().is_empty() || done.is_error == Some(true) {
-                    Ok(CallToolResponse::Complete(done))
-                } else {
-                    Ok(CallToolResponse::Complete(results::with_warnings(done, admission.warnings(), Answer::Theirs)))
-                }
-            }
-            Ok(CallToolResponse::Task(task)) => {
-                self.proxied.tasks.record(&task.task.task_id, task.task.ttl_ms, caller.id());
-                Ok(CallToolResponse::Task(task))
-            }
-            Ok(other) => Ok(other),
-            Err(Unanswered::Error(error)) => Err(error),
-            // Sent, and no answer: work may have been done, and the reservation stands.
-            Err(Unanswered::Unavailable(refusal)) => {
-                self.refuse_settled(&caller, &tool, refusal, reservation, None).await
-            }
-            Err(Unanswered::NotSent(refusal)) => {
-                self.refuse_settled(&caller, &tool, refusal, reservation, Some(Used::Nothing)).await
-            }
-        }
+        let (proxied, meta) = (self.proxied.clone(), context.meta.clone());
+        let work = move |admitted, _| proxied.work(admitted, request, meta, progress);
+        limited::call_tool(&self.limits, self, &tool, &args, &context, work).await
     }
 
     async fn list_resources(
@@ -397,7 +358,7 @@ async fn as_caller(
 /// (a 2025-11-25 server, as every stdio child of the proxy's one session is), which a 2026-07-28
 /// caller requires; rmcp takes `"complete"` off again for a 2025-11-25 caller. A `resultType`
 /// it did say (`input_required`, …) stays.
-trait Complete {
+pub(super) trait Complete {
     fn complete(self) -> Self;
 }
 

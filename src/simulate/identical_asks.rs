@@ -2,9 +2,10 @@
 //! coalesced (or not) and answers kept (or not): the upstream requests each setting makes, the
 //! requests it saves, and what each caller is charged.
 //!
-//! Each call goes the way `McpServer::call_tool` sends it: through the server's own
-//! [`Guard`](crate::guard::Guard) first (which charges it the tool's cost, whoever asks upstream), then through a real [`Reuse`] with
-//! the [`Sharing`] the tool's policy gives it — the first of identical calls in flight asks, the
+//! Each call goes the way every door of the server sends it, through the one guarded call
+//! ([`Guard::call`](crate::guard::Guard::call)): admitted first (which charges it the tool's
+//! cost, whoever asks upstream), then its work shared through a real [`Reuse`] as the tool's
+//! policy says — the first of identical calls in flight asks, the
 //! others wait for its answer, and a kept answer serves until its time is up. Every task runs on a
 //! current-thread runtime over a [`ManualClock`]; the upstream is a model that answers a read
 //! 500 ms after it is asked and counts the requests. Nothing is random.
@@ -21,13 +22,14 @@ use std::time::Duration;
 
 use serde::Serialize;
 use sha2::{Digest, Sha256};
+use tokio_util::sync::CancellationToken;
 
 use crate::clock::{Clock, ManualClock, NANOS_PER_MS, Nanos};
 use crate::config::{ApiKey, Coalesce, Config, ToolPolicy};
-use crate::guard::ToolCall;
+use crate::guard::reuse::Reuse;
+use crate::guard::{Call, Called, Door, Refusal, Used, Worked};
 use crate::identity::{Caller, CallerIds};
 use crate::metrics::Metrics;
-use crate::reuse::{Reuse, Sharing};
 use crate::simulate::shapes::secs;
 use crate::simulate::{SimulateError, settle, span};
 
@@ -173,16 +175,22 @@ fn agent(index: usize, tenants: usize, ids: &CallerIds) -> Caller {
 /// One setting (`policy`) with the agents split among `tenants` tenants.
 async fn replay(config: &Config, policy: ToolPolicy, tenants: usize) -> AskRun {
     let clock = ManualClock::new();
-    let guard = Arc::new(super::guard(config, clock.clone()));
+    // The setting is the tool's policy, as a config would give it.
+    let mut config = config.clone();
+    config.limiting.tools.insert(TOOL.to_owned(), policy.clone());
+    let guard = Arc::new(super::guard(&config, clock.clone()));
     let up = &config.upstream;
-    let reuse: Arc<Reuse<u64>> =
+    let reuse: Arc<Reuse<Worked<u64>>> =
         Reuse::new(clock.clone(), Arc::new(Metrics::default()), up.cache_max_entries, up.cache_max_bytes);
     let reads = Arc::new(Reads::default());
     let ended = Arc::new(Ended::default());
     let ids = CallerIds::of(&config.limiting);
     let agents: Vec<Caller> = (0..AGENTS).map(|i| agent(i, tenants, &ids)).collect();
     let charged: Arc<Vec<AtomicU64>> = Arc::new((0..AGENTS).map(|_| AtomicU64::new(0)).collect());
-    let args = serde_json::json!({ "query": "rate limiting", "limit": 10 });
+    let args = match serde_json::json!({ "query": "rate limiting", "limit": 10 }) {
+        serde_json::Value::Object(args) => args,
+        _ => serde_json::Map::new(),
+    };
     // What moves while the woken tasks run: settled once none of it changes.
     let progress = || (ended.calls.load(Ordering::SeqCst), reads.asked.load(Ordering::SeqCst), reuse.saved());
     let mut calls = 0u64;
@@ -197,21 +205,20 @@ async fn replay(config: &Config, policy: ToolPolicy, tenants: usize) -> AskRun {
                     (guard.clone(), reuse.clone(), reads.clone(), ended.clone(), charged.clone());
                 let (caller, policy, args, clock) = (caller.clone(), policy.clone(), args.clone(), clock.clone());
                 tokio::spawn(async move {
-                    let call = ToolCall { tool: TOOL, args: &args, starts_job: false, loop_exempt: false };
-                    let Ok(admission) = guard.admit(&caller, &call).await else {
-                        ended.refused.fetch_add(1, Ordering::SeqCst);
-                        ended.calls.fetch_add(1, Ordering::SeqCst);
-                        return;
-                    };
-                    if let Some(units) = charged.get(index) {
-                        units.fetch_add(policy.cost, Ordering::SeqCst);
+                    let call = Call { tool: TOOL, caller: &caller, args: &args, cancelled: CancellationToken::new() };
+                    // The one guarded call, as a door runs it: admitted (and charged), then one
+                    // read, shared with identical calls as the setting allows.
+                    let work = |_, _| async move { Worked::Answer(read(reads, clock).await) };
+                    match guard.call(&Asking, Some(&reuse), call, work).await {
+                        Called::Answered { .. } => {
+                            if let Some(units) = charged.get(index) {
+                                units.fetch_add(policy.cost, Ordering::SeqCst);
+                            }
+                        }
+                        _ => {
+                            ended.refused.fetch_add(1, Ordering::SeqCst);
+                        }
                     }
-                    let ask = read(reads, clock);
-                    match Sharing::of(&policy, &caller, TOOL, &args) {
-                        Some(sharing) => drop(reuse.answer(TOOL, sharing, |_| Some(8), ask).await),
-                        None => drop(ask.await),
-                    }
-                    drop(admission);
                     ended.calls.fetch_add(1, Ordering::SeqCst);
                 });
             }
@@ -236,6 +243,27 @@ async fn replay(config: &Config, policy: ToolPolicy, tenants: usize) -> AskRun {
         coalesced: saved.coalesced,
         cached: saved.cached,
         charged_per_caller: charged.iter().map(|c| c.load(Ordering::SeqCst)).collect(),
+    }
+}
+
+/// The simulated agents' door: nothing known before charging, every read keepable (8 bytes), and
+/// nothing reported of what it used (each call is charged its cost).
+struct Asking;
+
+impl Door for Asking {
+    type Answer = u64;
+    type Place = ();
+
+    fn before_charging(&self, _tool: &str, _caller: &Caller) -> Result<(), Refusal> {
+        Ok(())
+    }
+
+    fn used(&self, _tool: &str, _answer: &u64) -> Used {
+        Used::Unreported
+    }
+
+    fn keepable(_answer: &u64) -> Option<u64> {
+        Some(8)
     }
 }
 

@@ -2,8 +2,8 @@
 //!
 //! Each [`Shape`] is an agent — steady, bursty, fanning out, retrying, looping for hours — and
 //! each run replays one shape against one algorithm on a [`ManualClock`], through a real
-//! [`Guard`] on a memory store: the same [`Guard::admit`] the MCP server calls for every tool
-//! call, so the tables show what the server would decide, not what a model of it says. Hours of
+//! [`Guard`] on a memory store: the same one guarded call ([`Guard::call`]) every door of the
+//! server runs, so the tables show what the server would decide, not what a model of it says. Hours of
 //! agent time take milliseconds, and the only randomness is a seeded RNG's, so one seed always
 //! prints the same numbers.
 //!
@@ -40,10 +40,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Serialize;
+use tokio_util::sync::CancellationToken;
 
 use crate::clock::{Clock, ManualClock, NANOS_PER_MS, NANOS_PER_SEC, Nanos, SharedClock};
 use crate::config::Config;
-use crate::guard::{Guard, ToolCall};
+use crate::guard::{Admitted, Call, Called, Door, Guard, Refusal, Used, Worked};
 use crate::identity::{Caller, CallerIds, Identifier};
 use crate::limit::{self, ALGORITHMS, Limiter, period_of};
 use crate::mcp::tools::starts_job;
@@ -549,7 +550,7 @@ struct Replay<'a> {
 }
 
 impl Replay<'_> {
-    /// Replays `shape` through a fresh guard: every call goes through [`Guard::admit`] at its
+    /// Replays `shape` through a fresh guard: every call goes through [`Guard::call`] at its
     /// instant on the manual clock; an admission is released when the tool would return (at once)
     /// or, for a job, when the job would be final.
     async fn run(&self, algorithm: &'static str, shape: Shape, budget: &Budget) -> Run {
@@ -564,22 +565,52 @@ impl Replay<'_> {
             while jobs.front().is_some_and(|(done, _)| *done <= at) {
                 jobs.pop_front();
             }
-            let args = serde_json::json!({ "simulated_call": tally.calls });
-            let call = ToolCall { tool: self.tool, args: &args, starts_job: self.job.is_some(), loop_exempt: false };
-            let answer = match guard.admit(self.caller, &call).await {
-                Ok(admission) => {
-                    match self.job {
-                        Some(lasts) => jobs.push_back((at.saturating_add(lasts), admission)),
-                        None => drop(admission),
-                    }
-                    Answer::Admitted
+            let mut args = serde_json::Map::new();
+            args.insert("simulated_call".into(), tally.calls.into());
+            let call = Call { tool: self.tool, caller: self.caller, args: &args, cancelled: CancellationToken::new() };
+            // The one guarded call, as a door runs it; a job takes its admission (its slots) away
+            // with it until the job would be final.
+            let mut job = None;
+            let work = |admitted: Admitted<()>, _| {
+                if self.job.is_some() {
+                    job = admitted.admission.take();
                 }
-                Err(refusal) => Answer::Refused { retry_after: refusal.retry_after_ms.map(|ms| ms * NANOS_PER_MS) },
+                std::future::ready(Worked::Answer(()))
             };
+            let answer = match guard.call(&Replayed, None, call, work).await {
+                Called::Refused(refusal) => {
+                    Answer::Refused { retry_after: refusal.retry_after_ms.map(|ms| ms * NANOS_PER_MS) }
+                }
+                _ => Answer::Admitted,
+            };
+            if let (Some(lasts), Some(admission)) = (self.job, job) {
+                jobs.push_back((at.saturating_add(lasts), admission));
+            }
             tally.record(at, answer);
             agent.answered(at, answer);
         }
         tally.into_run(algorithm, self.cost)
+    }
+}
+
+/// A replayed agent's door: nothing known before charging, and nothing reported of what a call
+/// used (each is charged its cost).
+struct Replayed;
+
+impl Door for Replayed {
+    type Answer = ();
+    type Place = ();
+
+    fn before_charging(&self, _tool: &str, _caller: &Caller) -> Result<(), Refusal> {
+        Ok(())
+    }
+
+    fn used(&self, _tool: &str, _answer: &()) -> Used {
+        Used::Unreported
+    }
+
+    fn keepable(_answer: &()) -> Option<u64> {
+        None
     }
 }
 
