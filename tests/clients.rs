@@ -12,6 +12,7 @@ mod python;
 use std::sync::Arc;
 
 use common::*;
+use mcp_ratelimit::guard::Refusal;
 use mcp_ratelimit::{Catalogue, LimitedRouter, RateLimits};
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{CallToolResult, JsonObject, MetaObject, ProtocolVersion, ResultType};
@@ -169,4 +170,80 @@ async fn what_we_add_to_a_library_users_answer_goes_in_meta_and_its_structured_c
         assert_eq!((ours("reserved"), ours("charged")), (json!(3), json!(2)), "{walked}");
         assert!(ours("warnings")[0]["scope"].as_str().is_some_and(|s| s.starts_with("spend:")), "{walked}");
     }
+}
+
+/// A library user's slow tool, counting how often it really runs.
+#[derive(Clone)]
+struct Lookup {
+    tools: LimitedRouter<Self, Gate>,
+    runs: Arc<std::sync::atomic::AtomicU64>,
+}
+
+#[tool_router]
+impl Lookup {
+    #[tool(description = "Looks a city up (slowly).")]
+    async fn lookup(&self, Parameters(City { city }): Parameters<City>) -> String {
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        format!("{city}: found")
+    }
+}
+
+#[tool_handler(router = self.tools)]
+impl ServerHandler for Lookup {}
+
+/// A library user's one rule of its own: while the gate is shut, calls are refused before
+/// anything is charged (as a breaker does).
+#[derive(Clone, Default)]
+struct Gate(Arc<std::sync::atomic::AtomicBool>);
+
+impl mcp_ratelimit::mcp::limited::ToolRules for Gate {
+    type Place = ();
+
+    fn before_charging(&self, tool: &str, _caller: &mcp_ratelimit::identity::Caller) -> Result<(), Refusal> {
+        match self.0.load(std::sync::atomic::Ordering::SeqCst) {
+            true => Err(Refusal::upstream_unavailable(tool, "the gate is shut", 7_000)),
+            false => Ok(()),
+        }
+    }
+}
+
+/// A forker of the library gets what the reference server has, through the same guarded call:
+/// identical calls sharing one run of the tool (each still charged), and a rule of its own run
+/// before anything is charged.
+#[tokio::test]
+async fn a_library_users_router_coalesces_identical_calls_and_runs_its_own_rule_before_charging() {
+    let toml = "[tools.lookup]\ncost = 1\ncoalesce = \"caller\"\n[limits.caller]\nalgorithm = \"token_bucket\"\n\
+                burst = 12\nrefill_per_sec = 0.0001\n[limits.address]\nalgorithm = \"token_bucket\"\nburst = 1000\n\
+                refill_per_sec = 1\n[loop_detection]\nenabled = false\n";
+    let limits = RateLimits::from_toml(toml, Catalogue::new().tool("lookup")).await.expect("limits");
+    let gate = Gate::default();
+    let runs = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let tools = LimitedRouter::with_door(Lookup::tool_router(), limits.clone(), gate.clone());
+    let url = common::serve_library(Lookup { tools, runs: runs.clone() }, &limits).await;
+    let key = "lookup-key-0123456789";
+    let legacy = || async {
+        let config = StreamableHttpClientTransportConfig::with_uri(url.as_str()).auth_header(key);
+        rmcp::ServiceExt::serve((), StreamableHttpClientTransport::from_config(config)).await.expect("connects")
+    };
+    for (era, client) in [("2025-11-25", legacy().await), ("2026-07-28", modern_client(&url, key).await)] {
+        let before = runs.load(std::sync::atomic::Ordering::SeqCst);
+        let answers = futures::future::join_all((0..5).map(|_| call(&client, "lookup", json!({"city": "Oslo"})))).await;
+        assert!(answers.iter().all(|a| text(a) == "Oslo: found"), "{era}: {answers:?}");
+        assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst) - before, 1, "{era}: five identical calls, one run");
+        let coalesced =
+            |a: &CallToolResult| a.meta.as_ref().and_then(|m| m.0.get("io.github.mcp-ratelimit/coalesced")).is_some();
+        assert_eq!(answers.iter().filter(|a| coalesced(a)).count(), 4, "{era}: said in _meta: {answers:?}");
+        gate.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        let refused = call(&client, "lookup", json!({"city": "Bergen"})).await;
+        assert_eq!(error_code(&refused), Some("upstream_unavailable"), "{era}: {refused:?}");
+        gate.0.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+    // 12 units: the ten calls answered were each charged; the gate's refusals were not.
+    let client = legacy().await;
+    for city in ["Tromsø", "Bodø"] {
+        assert_eq!(text(&call(&client, "lookup", json!({"city": city})).await), format!("{city}: found"));
+    }
+    let refused = call(&client, "lookup", json!({"city": "Alta"})).await;
+    assert_eq!(error_code(&refused), Some("rate_limited"), "12 spent: ten shared, two alone: {refused:?}");
 }
