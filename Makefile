@@ -10,12 +10,12 @@ run:
 ## Every test: unit, property, integration (HTTP and stdio), CLI, the examples, the dashboard in
 ## headless Chromium, then the doc examples (which --all-targets leaves out).
 test: chromium proxy-fixtures
-	$(CARGO) test --all-targets --no-fail-fast
-	$(CARGO) test --doc
+	$(CARGO) test --workspace --all-targets --no-fail-fast
+	$(CARGO) test --workspace --doc
 
 ## The library's docs with every warning an error, and what `cargo package` would publish.
 docs:
-	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps
 	$(CARGO) package --list --allow-dirty >/dev/null
 
 ## The MCP servers tests/proxy.rs proxies (server-everything from npm, FastMCP from PyPI), installed once into .tools/.
@@ -43,7 +43,7 @@ install:
 ## Formatting and lints.
 check:
 	$(CARGO) fmt --all -- --check
-	$(CARGO) clippy --all-targets -- -D warnings
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 fmt:
 	$(CARGO) fmt --all

@@ -201,7 +201,8 @@ impl App {
                 mcp_at(move || ProxyServer::new(proxied.clone(), limits.clone()), session_manager, config)
             }
         };
-        let allowed = Arc::new(AllowedHosts::of(server, log.clone()));
+        let allowed =
+            Arc::new(AllowedHosts::new(server.allowed_hosts.clone(), server.allowed_origins.clone(), log.clone()));
         let dashboard = dashboard::routes().layer(front_door::rebinding_protection(allowed.clone()));
         // Never limited, but only for this server's own names (a foreign Host gets 403, as on
         // /mcp and the dashboard), and /metrics for whoever holds server.metrics_key.

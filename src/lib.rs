@@ -1,48 +1,47 @@
-//! mcp-ratelimit: limits that keep AI agents from running up a bill, as a library for any rmcp
-//! server, and the reference MCP server built on it.
+//! mcp-ratelimit: the reference MCP server that keeps AI agents from running up a bill, built
+//! on its own library.
 //!
-//! **As a library**: build [`RateLimits`] from a config and the [`Catalogue`] of your tools, wrap
-//! your `ToolRouter` in a [`LimitedRouter`] (or run [`mcp::limited::call_tool`] in your own
-//! `call_tool`), and put [`RateLimits::http_layer`] in front of your axum router. See
-//! `examples/rmcp_server.rs` and `examples/axum_only.rs`.
+//! **The layers are crates** (Cargo keeps them apart; nothing here can reach below a layer's
+//! public face):
+//! - `mcp-ratelimit-core` (`crates/core`): the limiting core, which knows nothing of MCP, HTTP or
+//!   Redis: [`clock`], [`limit`] (the algorithms), [`store`] (the traits and the memory store),
+//!   [`guard`] (the one guarded call), [`identity`], [`config`]'s limits sections, [`metrics`],
+//!   [`activity`], [`breaker`], [`redact`];
+//! - `mcp-ratelimit-redis` (`crates/redis`): the Redis store and its Lua ([`store::redis`]);
+//! - `mcp-ratelimit-rmcp` (`crates/rmcp`): what an rmcp server depends on: [`RateLimits`], the
+//!   guarded router ([`mcp::limited`], [`mcp::results`]) and the tower layers ([`http`]);
+//! - this crate, the server: [`mcp::server`] and [`mcp::tools`] (seven tools over a paid API),
+//!   [`upstream`] (jobs, the fair queue, backoff), [`proxy`], [`state`] (what every session
+//!   shares), [`dashboard`], [`admin`], [`reload`], [`simulate`], [`mock_upstream`], the
+//!   server's sections of [`config`], and [`app`], which wires it together.
 //!
-//! **The layers**, inside out; no module imports one above it, and no two import each other:
-//! - the core, which knows nothing of MCP or of any tool: [`clock`] (the one source of time),
-//!   [`limit`] (the algorithms), [`store`] (their state: memory or Redis), [`guard`] (every scope
-//!   of a call decided at once, refusals), [`identity`] (who calls), [`config`] (typed and
-//!   validated, checked against the catalogue passed down), [`metrics`], [`activity`] (the last
-//!   ten minutes, for the dashboard), [`breaker`] and [`redact`] (what is never printed);
-//! - the library around it: [`rate_limits`] (the handle), [`http`] (tower layers) and the rmcp
-//!   glue in [`mcp::limited`] and [`mcp::results`];
-//! - this server: [`mcp::server`] and [`mcp::tools`] (seven tools over a paid API), [`upstream`]
-//!   (jobs, the fair queue, backoff), [`state`] (what every session shares), [`dashboard`], [`admin`],
-//!   [`reload`], [`simulate`] and [`mock_upstream`];
-//! - [`app`], which wires the server together; nothing imports it.
+//! The lower crates' modules are re-exported under the same names, so a path reads the same
+//! from here (`mcp_ratelimit::guard::Guard`) as in the crate that defines it.
 
 #![warn(missing_docs)]
 
-pub mod activity;
 pub mod admin;
 pub mod app;
-pub mod breaker;
-pub mod clock;
 pub mod config;
 pub mod dashboard;
-pub mod guard;
 pub mod http;
-pub mod identity;
-pub mod limit;
 pub mod mcp;
-pub mod metrics;
 pub mod mock_upstream;
 pub mod proxy;
-pub mod rate_limits;
-pub mod redact;
 pub mod reload;
 pub mod simulate;
 pub mod state;
-pub mod store;
 pub mod upstream;
+
+pub use mcp_ratelimit_core::{activity, breaker, clock, guard, identity, limit, metrics, redact};
+pub use mcp_ratelimit_rmcp::rate_limits;
+
+/// Where limiter state lives: the core's traits and memory store, and the Redis store.
+pub mod store {
+    pub use mcp_ratelimit_core::store::*;
+    pub use mcp_ratelimit_redis as redis;
+    pub use mcp_ratelimit_redis::RedisStore;
+}
 
 pub use app::App;
 pub use config::{Catalogue, Config};

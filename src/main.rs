@@ -217,6 +217,11 @@ async fn run(command: Command) -> anyhow::Result<()> {
 
 /// Serves `/mcp` on `addr`, and the admin API when a key is configured, until a shutdown signal.
 async fn serve_http(app: &App, addr: SocketAddr) -> anyhow::Result<()> {
+    let admin = &app.state().config.admin;
+    if admin.key_sha256.is_none() {
+        // Said before anything listens, so whoever sees the port open can read it.
+        tracing::info!("admin API off: no admin.key configured");
+    }
     let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
     tracing::info!(
         mcp = %format!("http://{addr}/mcp"),
@@ -225,7 +230,6 @@ async fn serve_http(app: &App, addr: SocketAddr) -> anyhow::Result<()> {
         upstream = %mcp_ratelimit::redact::url(app.upstream_url()),
         "serving"
     );
-    let admin = &app.state().config.admin;
     if admin.key_sha256.is_some() {
         let at = admin.listen;
         let listener = TcpListener::bind(at).await.with_context(|| format!("cannot listen on {at} (admin.listen)"))?;
@@ -233,8 +237,6 @@ async fn serve_http(app: &App, addr: SocketAddr) -> anyhow::Result<()> {
             tracing::info!(admin = %format!("http://{at}/admin/openapi.json"), "admin API on");
             tokio::spawn(serving);
         }
-    } else {
-        tracing::info!("admin API off: no admin.key configured");
     }
     tokio::select! {
         served = app.serve_http(listener) => served?,

@@ -20,7 +20,8 @@ use algorithm_suite::{Backend, Key};
 use mcp_ratelimit::clock::Nanos;
 use mcp_ratelimit::limit::{Adjustment, Decision, Limiter, Taken};
 use mcp_ratelimit::store::Check;
-use mcp_ratelimit::store::redis::{Lease, RedisStore, new_lease};
+use mcp_ratelimit::store::Lease;
+use mcp_ratelimit::store::redis::RedisStore;
 use test_redis::TestRedis;
 
 /// Generous: a loaded CI machine must not turn a slow answer into a failure.
@@ -121,7 +122,7 @@ impl Key for RedisKey {
     /// before the call, and the call decided again, which must give the same decision.
     fn acquire(&mut self, now: Nanos, cost: u64) -> Decision {
         let redis = &*self.redis;
-        let lease = new_lease();
+        let lease = Lease::new();
         // In-flight slots have no clock, but their leases run on Redis's own, which the release
         // script reads: they are taken on it too (a lease lasts 30 s, far longer than a case).
         let at = (!self.limiter.holds_slots()).then_some(now);

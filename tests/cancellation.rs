@@ -28,7 +28,7 @@ use mcp_ratelimit::clock::ManualClock;
 use mcp_ratelimit::config::{Catalogue, Config};
 use mcp_ratelimit::limit::{Concurrency, Limiter};
 use mcp_ratelimit::proxy::{ChildEnv, Target};
-use mcp_ratelimit::store::{Check, RedisStore, new_lease};
+use mcp_ratelimit::store::{Check, Lease, RedisStore};
 use mcp_ratelimit::{App, LimitedRouter, RateLimits};
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{CallToolRequest, CallToolRequestParams, ClientRequest, ProtocolVersion};
@@ -272,11 +272,11 @@ async fn slots_a_decision_took_after_its_caller_stopped_waiting_are_given_back_a
     impairment.latency_ms.store(200, std::sync::atomic::Ordering::Relaxed);
     let limiter = Limiter::Concurrency(Concurrency::new(5));
     let check = Check { key: "{t}in_flight:caller:a", limiter: &limiter, cost: 2, shadow: false };
-    let timed_out = store.decide_leased(&[check], new_lease(), None).await;
+    let timed_out = store.decide_leased(&[check], Lease::new(), None).await;
     assert!(timed_out.is_err(), "the answer comes after the store's timeout: {timed_out:?}");
     // Dropped after Redis ran it (200 ms on the way there) and before its answer is back.
     let checks = [check];
-    let dropped = tokio::time::timeout(Duration::from_millis(250), store.decide_leased(&checks, new_lease(), None));
+    let dropped = tokio::time::timeout(Duration::from_millis(250), store.decide_leased(&checks, Lease::new(), None));
     assert!(dropped.await.is_err(), "the caller stopped waiting");
     // Redis fast again: what they took goes back now, not when the leases run out.
     impairment.latency_ms.store(0, std::sync::atomic::Ordering::Relaxed);
@@ -285,7 +285,7 @@ async fn slots_a_decision_took_after_its_caller_stopped_waiting_are_given_back_a
     })
     .await;
     let all = Check { cost: 5, ..check };
-    let decisions = store.decide_leased(&[all], new_lease(), None).await.expect("decides");
+    let decisions = store.decide_leased(&[all], Lease::new(), None).await.expect("decides");
     assert!(decisions[0].allowed, "all five slots are free: {decisions:?}");
 }
 

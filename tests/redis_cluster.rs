@@ -21,8 +21,9 @@ use common::*;
 use mcp_ratelimit::Config;
 use mcp_ratelimit::clock::Nanos;
 use mcp_ratelimit::limit::{Adjustment, Concurrency, Decision, Limiter, SlidingLog, TokenBucket};
-use mcp_ratelimit::store::redis::{HeldLease, RedisStore, Renewed, StoreError, new_lease};
+use mcp_ratelimit::store::redis::{HeldLease, RedisStore, Renewed};
 use mcp_ratelimit::store::{Check, MemoryStore};
+use mcp_ratelimit::store::{Lease, StoreError};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
 use serde_json::json;
@@ -196,7 +197,7 @@ fn in_flight_slots_on_the_cluster_are_taken_and_given_back_like_the_memory_store
             if take || held.is_empty() {
                 let expected = memory.decide_at(&checks, EPOCH);
                 // Leases on Redis's own clock: none runs out within a case.
-                let lease = new_lease();
+                let lease = Lease::new();
                 let got = runtime
                     .block_on(store.decide_leased(&checks, lease, None))
                     .map_err(|e| TestCaseError::fail(format!("call {n}: {e}")))?;
@@ -268,7 +269,7 @@ async fn keys_spanning_slots_are_refused_with_a_clear_error_and_charge_nothing()
         Check { key: &kb, limiter: &bucket, cost: 1, shadow: false },
     ];
     let e = store.decide(&checks).await.expect_err("two slots in one script");
-    assert!(matches!(e, StoreError::CrossSlot { .. }), "{e:?}");
+    assert!(matches!(e, StoreError::KeysApart { .. }), "{e:?}");
     assert!(e.to_string().contains("hash tag"), "{e}");
     for key in [&ka, &kb] {
         let peek = store.decide(&[Check { key, limiter: &bucket, cost: 0, shadow: false }]).await.expect("decides");
@@ -284,7 +285,7 @@ async fn leases_of_callers_on_different_nodes_are_renewed_together() {
     let (a, b) = tags_on_two_nodes(&cluster);
     let (ka, kb) = (cluster.key(&a, "in_flight"), cluster.key(&b, "in_flight"));
     let slots = Limiter::Concurrency(Concurrency::new(2));
-    let (la, lb) = (new_lease(), new_lease());
+    let (la, lb) = (Lease::new(), Lease::new());
     for (key, lease) in [(&ka, la), (&kb, lb)] {
         let taken = store.decide_leased(&[Check { key, limiter: &slots, cost: 2, shadow: false }], lease, None).await;
         assert!(taken.expect("decides")[0].allowed);
@@ -306,7 +307,7 @@ async fn leases_of_callers_on_different_nodes_are_renewed_together() {
         .expect("after 1970")
         .saturating_sub(Duration::from_secs(1));
     let second_ago: Nanos = u64::try_from(second_ago.as_micros()).expect("fits") * 1_000;
-    let (la, lb) = (new_lease(), new_lease());
+    let (la, lb) = (Lease::new(), Lease::new());
     for (key, lease) in [(&ka, la), (&kb, lb)] {
         let check = [Check { key, limiter: &slots, cost: 2, shadow: false }];
         let taken = store.decide_leased(&check, lease, Some(second_ago)).await;
@@ -391,6 +392,14 @@ async fn three_instances_on_one_tagged_key_admit_exactly_the_burst() {
 /// A caller token no other test (or run, on a shared cluster) uses.
 fn token(name: &str) -> String {
     format!("{name}-{:016x}", rand::random::<u64>())
+}
+
+/// The suite every backend must pass, on a Redis Cluster (every key of one call under one tag).
+#[tokio::test]
+async fn the_cluster_passes_the_backend_suite() {
+    let cluster = TestRedisCluster::start();
+    let store = RedisStore::connect(&cluster.url, TIMEOUT).await.expect("connects");
+    mcp_ratelimit::store::suite::run(std::sync::Arc::new(store), &cluster.key("suite", "")).await;
 }
 
 #[tokio::test]

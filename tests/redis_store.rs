@@ -22,8 +22,9 @@ use mcp_ratelimit::limit::{
     Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter, LimiterState, SlidingLog, SlidingWindow,
     TokenBucket,
 };
-use mcp_ratelimit::store::redis::{HeldLease, Lease, RedisStore, Renewed, StoreError, new_lease};
+use mcp_ratelimit::store::redis::{HeldLease, RedisStore, Renewed};
 use mcp_ratelimit::store::{Check, LearntAt, MemoryStore};
+use mcp_ratelimit::store::{Lease, StoreError};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use test_redis::TestRedis;
@@ -279,7 +280,7 @@ fn concurrency_script_counts_slots_like_concurrency_rs() {
                     let cost = cost.min(limiter.capacity());
                     let expected = limiter.acquire(&mut state, EPOCH, cost);
                     // Slots are leases on Redis's own clock (releases read it too); none runs out here.
-                    let lease = new_lease();
+                    let lease = Lease::new();
                     let got = runtime
                         .block_on(store.decide_leased(
                             &[Check { key: &key, limiter: &limiter, cost, shadow: false }],
@@ -435,6 +436,14 @@ async fn sliding_window_weighs_counts_beyond_2_53_exactly() {
     assert!(!twins.decide(&[Check { key: &key, limiter: &limiter, cost: 1, shadow: false }], now).await[0].allowed);
 }
 
+/// The suite every backend must pass (the memory store runs it too), through `dyn Store` only.
+#[tokio::test]
+async fn the_redis_store_passes_the_backend_suite() {
+    let redis = TestRedis::private();
+    let store = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis");
+    mcp_ratelimit::store::suite::run(Arc::new(store), &redis.key("{suite}")).await;
+}
+
 #[tokio::test]
 async fn three_scopes_are_decided_in_one_script_call() {
     let redis = TestRedis::private();
@@ -559,7 +568,7 @@ async fn written_keys_expire_at_forget_at_rounded_up_to_the_millisecond() {
 
     let slots = Limiter::Concurrency(Concurrency::new(3));
     let key = redis.key("concurrency");
-    let lease = new_lease();
+    let lease = Lease::new();
     let held = store.decide_leased(&[Check { key: &key, limiter: &slots, cost: 2, shadow: false }], lease, None).await;
     assert!(held.expect("decides")[0].allowed);
     let ttl: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut admin).await.expect("PTTL");
@@ -715,12 +724,13 @@ async fn an_unrenewed_lease_runs_out_and_frees_its_slots_and_a_renewed_one_does_
     let half = LEASE.as_nanos() as Nanos / 2;
     for key in [&crashed, &alive] {
         let held = store
-            .decide_leased(&[Check { key, limiter: &slots, cost: 2, shadow: false }], new_lease(), Some(now - half))
+            .decide_leased(&[Check { key, limiter: &slots, cost: 2, shadow: false }], Lease::new(), Some(now - half))
             .await;
         assert!(held.expect("decides")[0].allowed);
     }
     // The holder of `alive` renews its lease; the holder of `crashed` is gone and does not.
-    let lease_of = |raw: String| raw.split(' ').nth(1).and_then(|id| id.parse::<Lease>().ok()).expect("a lease");
+    let lease_of =
+        |raw: String| raw.split(' ').nth(1).and_then(|id| id.parse::<u64>().ok()).map(Lease::from_id).expect("a lease");
     let alive_lease = lease_of(redis::cmd("GET").arg(&alive).query_async(&mut admin).await.expect("GET"));
     let renewed =
         store.renew(&[HeldLease { key: &alive, lease: alive_lease, units: 2, capacity: 2 }]).await.expect("renews");
@@ -737,7 +747,7 @@ async fn an_unrenewed_lease_runs_out_and_frees_its_slots_and_a_renewed_one_does_
     // A lease that expired while its holder could not reach Redis is taken again on renewal.
     let gone = redis.key("gone");
     let retaken =
-        store.renew(&[HeldLease { key: &gone, lease: new_lease(), units: 1, capacity: 2 }]).await.expect("renews");
+        store.renew(&[HeldLease { key: &gone, lease: Lease::new(), units: 1, capacity: 2 }]).await.expect("renews");
     assert_eq!(retaken, [Renewed::Retaken]);
     let level = store.decide(&[Check { key: &gone, limiter: &slots, cost: 0, shadow: false }]).await.expect("decides");
     assert_eq!(level[0].remaining, 1, "the renewed lease counts again");
@@ -750,10 +760,10 @@ async fn a_renewal_never_takes_an_expired_lease_again_above_the_cap() {
     let slots = Limiter::Concurrency(Concurrency::new(2));
     let key = redis.key("after_an_outage");
     // While this instance could not reach Redis, its lease ran out and others took both slots.
-    let theirs = new_lease();
+    let theirs = Lease::new();
     let two = [Check { key: &key, limiter: &slots, cost: 2, shadow: false }];
     assert!(store.decide_leased(&two, theirs, None).await.expect("decides")[0].allowed);
-    let mine = HeldLease { key: &key, lease: new_lease(), units: 1, capacity: 2 };
+    let mine = HeldLease { key: &key, lease: Lease::new(), units: 1, capacity: 2 };
     assert_eq!(store.renew(&[mine]).await.expect("renews"), [Renewed::Lost], "no room: the lease is lost");
     // Counted exactly: when the others' two slots come back, both are free (a third, taken
     // again above the cap, would still hold one).
@@ -764,8 +774,8 @@ async fn a_renewal_never_takes_an_expired_lease_again_above_the_cap() {
     let roomy = redis.key("room_for_one");
     let one = store.decide(&[Check { key: &roomy, limiter: &slots, cost: 1, shadow: false }]).await;
     assert!(one.expect("decides")[0].allowed);
-    let two = [HeldLease { key: &roomy, lease: new_lease(), units: 1, capacity: 2 }; 2];
-    let answers = store.renew(&[two[0], HeldLease { lease: new_lease(), ..two[1] }]).await.expect("renews");
+    let two = [HeldLease { key: &roomy, lease: Lease::new(), units: 1, capacity: 2 }; 2];
+    let answers = store.renew(&[two[0], HeldLease { lease: Lease::new(), ..two[1] }]).await.expect("renews");
     assert_eq!(answers, [Renewed::Retaken, Renewed::Lost], "the second would be a third slot of two");
     let level = store.decide(&[Check { key: &roomy, limiter: &slots, cost: 0, shadow: false }]).await.expect("decides");
     assert_eq!(level[0].remaining, 0);
@@ -777,7 +787,7 @@ async fn a_renewal_that_reaches_redis_after_the_release_does_not_bring_the_slot_
     let store = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis").with_lease(LEASE);
     let slots = Limiter::Concurrency(Concurrency::new(2));
     let key = redis.key("released");
-    let lease = new_lease();
+    let lease = Lease::new();
     let taken = store.decide_leased(&[Check { key: &key, limiter: &slots, cost: 1, shadow: false }], lease, None).await;
     assert!(taken.expect("decides")[0].allowed);
     // The renewal read the lease as held, then the job ended and its release got there first.
@@ -984,7 +994,7 @@ async fn slots_are_claimed_under_the_learnt_limit_in_the_same_script_and_its_key
             if with_share {
                 checks.push(Check { key: share_key, limiter: share, cost: 1, shadow: false });
             }
-            let lease = new_lease();
+            let lease = Lease::new();
             let (decisions, limit) = store.decide_under(at, &checks, lease, None).await.expect("decides");
             (decisions.iter().all(|d| d.allowed).then_some(lease), decisions, limit)
         }
@@ -1022,6 +1032,6 @@ async fn slots_are_claimed_under_the_learnt_limit_in_the_same_script_and_its_key
         Algorithm::Gradient2(Gradient2 { tolerance: 1.5, smoothing: 0.2, long_window: 600, queue_size: 4 }),
     );
     let other = LearntAt { learner: &gradient2, ..at };
-    let (_, limit) = store.decide_under(other, &[], new_lease(), None).await.expect("reads");
+    let (_, limit) = store.decide_under(other, &[], Lease::new(), None).await.expect("reads");
     assert_eq!(limit.current, 10, "aimd's state means nothing to gradient2");
 }

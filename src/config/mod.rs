@@ -1,212 +1,34 @@
-//! Typed configuration: defaults, layering and validation.
+//! The server's configuration: the limits' sections (read by the core,
+//! [`LimitsConfig`]) and the server's own around them, from one file.
 //!
 //! Layers, last wins: the documented defaults (`config.toml` at the repository root, compiled
-//! in), then the user's file, then `MCP_RL__SECTION__KEY` environment variables. Whatever the
-//! layers say is validated before the server starts; every error names the key to fix.
-//!
-//! Each section's types and checks live in a file of their own, beside each other:
+//! in), then the user's file, then `MCP_RL__SECTION__KEY` environment variables
+//! ([`Document`]). Whatever the layers say is validated before the server starts; every error
+//! names the key to fix.
 //!
 //! | section | file |
 //! | --- | --- |
-//! | `[limits]` (every scope's limits, the in-flight caps) | [`limits`] |
-//! | `[tools.NAME]` (costs, own budgets, fail open or closed) and the checks that every cost fits | [`tools`] |
-//! | `[tools.NAME] cost` as a formula over the arguments, and `settle` | [`price`] |
-//! | `[auth]`, `[tiers]` | [`auth`] |
-//! | `[spend_caps]`, `[tenants.NAME]` | [`spend`] |
-//! | `[store]`, `[loop_detection]` | [`store`] |
+//! | the limits' sections (`[limits]`, `[tools.NAME]`, `[auth]`, `[tiers]`, `[spend_caps]`, `[tenants.NAME]`, `[store]`, `[loop_detection]`) | `mcp_ratelimit_core::config` |
 //! | `[server]`, `[admin]` | [`server`] |
 //! | `[upstream]`, `[mock_upstream]` | [`upstream`] |
 //! | `[proxy]` (the server `mcp-ratelimit proxy` stands in front of) | [`proxy`] |
 //!
-//! This file loads the layers and calls each section's `validate` in turn; `table.rs` prints the
-//! effective limits for `check-config`. The result is the limits' part ([`LimitsConfig`], all the
-//! library reads) and the server's part around it ([`Config`]).
+//! This file reads the document, has the core check the limits' sections, then checks the
+//! server's; `table.rs` prints the effective limits for `check-config`.
 
-pub mod auth;
-pub mod limits;
-pub mod price;
 pub mod proxy;
 pub mod server;
-pub mod spend;
-pub mod store;
 mod table;
-pub mod tools;
 pub mod upstream;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde::Deserialize;
 
-pub use auth::{ApiKey, AuthConfig};
-pub use limits::{Limit, Limits, METHOD_GROUPS, Mode};
-pub use price::{Formula, Settle};
+pub use mcp_ratelimit_core::config::*;
 pub use proxy::ProxyConfig;
-pub use server::{AdminConfig, ProxyTrust, ServerConfig};
-pub use spend::{SpendCaps, TenantOverride};
-pub use store::{Backend, LoopDetectionConfig, StoreConfig};
-pub use tools::{Coalesce, Fail, ToolPolicy};
+pub use server::{AdminConfig, ServerConfig};
 pub use upstream::{AdaptiveConfig, MockUpstreamConfig, UpstreamConfig};
-
-/// The documented defaults, the base layer under every config.
-pub const DEFAULT_TOML: &str = include_str!("../../config.toml");
-
-/// The tools a server offers, as its limits must know them: each tool's name, and whether a call
-/// of it holds in-flight slots for as long as its admission lives (a job, until it is final).
-///
-/// The limits know no tools of their own: a server builds its catalogue from its tool router at
-/// start-up and passes it down, and a config is checked against it (`[tools.NAME]` must name a
-/// tool, and every tool needs a cost).
-///
-/// ```
-/// use mcp_ratelimit::config::Catalogue;
-///
-/// let tools = Catalogue::new().tool("search").job("render_video");
-/// assert!(tools.contains("search") && !tools.holds_slots("search"));
-/// assert!(tools.holds_slots("render_video"));
-/// ```
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Catalogue {
-    /// Tool name → what kind of tool it is.
-    tools: BTreeMap<String, ToolKind>,
-    /// Tool name → the arguments it takes, where known (a price formula may read only those).
-    arguments: BTreeMap<String, Vec<String>>,
-    /// The tools are learnt at run time (see [`Catalogue::learned`]).
-    learned: bool,
-}
-
-impl Catalogue {
-    /// An empty catalogue.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// A catalogue whose tools are learnt at run time, as a proxy learns them from the `tools/list`
-    /// of the server behind it: `[tools.NAME]` may name a tool not listed yet (the list changes),
-    /// and a tool it does not price costs `proxy.default_cost`
-    /// ([`LimitsConfig::unlisted_tools`]).
-    ///
-    /// ```
-    /// use mcp_ratelimit::config::{Catalogue, LimitsConfig};
-    ///
-    /// let limits = LimitsConfig::from_toml("[proxy]\ndefault_cost = 3\n[tools.render]\ncost = 9\n", &Catalogue::learned())?;
-    /// assert_eq!(limits.tools["render"].cost, 9);
-    /// assert_eq!(limits.unlisted_tools.map(|t| t.cost), Some(3));
-    /// # Ok::<(), mcp_ratelimit::config::ConfigError>(())
-    /// ```
-    pub fn learned() -> Self {
-        Self { tools: BTreeMap::new(), arguments: BTreeMap::new(), learned: true }
-    }
-
-    /// Whether the tools are learnt at run time.
-    pub fn is_learned(&self) -> bool {
-        self.learned
-    }
-
-    /// With a tool that answers and is done: its admission is released when the call returns.
-    pub fn tool(mut self, name: impl Into<String>) -> Self {
-        self.tools.insert(name.into(), ToolKind::Answers);
-        self
-    }
-
-    /// With a tool whose calls hold one slot of the caller's and the tenant's in-flight caps
-    /// (`limits.in_flight`) for as long as their admission lives.
-    pub fn job(mut self, name: impl Into<String>) -> Self {
-        self.tools.insert(name.into(), ToolKind::Job);
-        self
-    }
-
-    /// With a tool whose answer is the caller's own (its jobs, its budgets): two callers asking
-    /// the same get different answers, so `[tools.NAME] coalesce` and `cache_ttl_ms` are refused
-    /// for it.
-    pub fn own_answer(mut self, name: impl Into<String>) -> Self {
-        self.tools.insert(name.into(), ToolKind::OwnAnswer);
-        self
-    }
-
-    /// With the arguments `name` takes: a `[tools.NAME] cost` formula reading another is refused.
-    pub fn arguments(
-        mut self,
-        name: impl Into<String>,
-        arguments: impl IntoIterator<Item = impl Into<String>>,
-    ) -> Self {
-        self.arguments.insert(name.into(), arguments.into_iter().map(Into::into).collect());
-        self
-    }
-
-    /// The arguments `name` takes, if the catalogue knows them.
-    pub fn arguments_of(&self, name: &str) -> Option<&[String]> {
-        self.arguments.get(name).map(Vec::as_slice)
-    }
-
-    /// The tools' names, in order.
-    pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.tools.keys().map(String::as_str)
-    }
-
-    /// Whether `name` is one of the tools.
-    pub fn contains(&self, name: &str) -> bool {
-        self.tools.contains_key(name)
-    }
-
-    /// Whether calls of `name` hold in-flight slots.
-    pub fn holds_slots(&self, name: &str) -> bool {
-        self.tools.get(name) == Some(&ToolKind::Job)
-    }
-
-    /// Whether `name` answers with the caller's own state ([`Catalogue::own_answer`]).
-    pub fn answers_for_the_caller(&self, name: &str) -> bool {
-        self.tools.get(name) == Some(&ToolKind::OwnAnswer)
-    }
-
-    fn listed(&self) -> String {
-        if self.tools.is_empty() {
-            return "none".to_owned();
-        }
-        self.names().collect::<Vec<_>>().join(", ")
-    }
-}
-
-/// What a tool of a [`Catalogue`] is, as the limits must know it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ToolKind {
-    /// Answers and is done.
-    Answers,
-    /// Holds in-flight slots for as long as its admission lives.
-    Job,
-    /// Answers with the caller's own state.
-    OwnAnswer,
-}
-
-/// A config that cannot be used, with the key at fault.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// A file could not be read or a value has the wrong type (the message names the key).
-    #[error("cannot load config: {0}")]
-    Load(#[from] config::ConfigError),
-    /// A value is well-typed but not acceptable.
-    #[error("invalid config: `{key}`: {message}")]
-    Invalid {
-        /// The dotted key, e.g. `limits.caller.burst`.
-        key: String,
-        /// What is wrong and what would be right.
-        message: String,
-    },
-}
-
-impl ConfigError {
-    /// The same fault, named at `key` (a check shared by two keys reports the one the user wrote).
-    fn at(self, key: &str) -> Self {
-        match self {
-            ConfigError::Invalid { message, .. } => ConfigError::Invalid { key: key.to_owned(), message },
-            load => load,
-        }
-    }
-}
-
-fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { key: key.into(), message: message.into() }
-}
 
 /// The validated configuration the server runs on: the limits' own ([`LimitsConfig`], all a
 /// library user needs), and the server's listeners, paid API and mock around them.
@@ -226,86 +48,11 @@ pub struct Config {
     pub proxy: ProxyConfig,
 }
 
-/// The limits' configuration, which is all [`RateLimits`](crate::RateLimits) and the
-/// [`Guard`](crate::guard::Guard) read: `[limits]`, `[tools.NAME]`, `[auth]`, `[tiers]`,
-/// `[spend_caps]`, `[tenants.NAME]`, `[store]`, `[loop_detection]`, and the two `[server]` keys
-/// that name callers behind a proxy. It is read from the same file as the server's, under the
-/// same keys.
-///
-/// ```
-/// use mcp_ratelimit::config::{Catalogue, LimitsConfig};
-///
-/// let tools = Catalogue::new().tool("search");
-/// let limits = LimitsConfig::from_toml("[tools.search]\ncost = 2\n", &tools)?;
-/// assert_eq!(limits.tools["search"].cost, 2);
-/// # Ok::<(), mcp_ratelimit::config::ConfigError>(())
-/// ```
-#[derive(Debug, Clone)]
-pub struct LimitsConfig {
-    /// API keys, tenants and whether a key is required.
-    pub auth: AuthConfig,
-    /// Tier name → factor applied to the per-caller budgets (`http`, `method`, `caller`).
-    pub tiers: BTreeMap<String, f64>,
-    /// The budgets of every scope, unscaled.
-    pub limits: Limits,
-    /// Daily spend caps per tenant.
-    pub spend_caps: SpendCaps,
-    /// Per-tenant budgets and caps instead of the defaults.
-    pub tenants: BTreeMap<String, TenantOverride>,
-    /// Each tool's cost and optional own budget; every tool of the catalogue has an entry.
-    pub tools: BTreeMap<String, ToolPolicy>,
-    /// The policy of a tool `tools` does not name, when the catalogue is learnt at run time
-    /// ([`Catalogue::learned`]: it costs `proxy.default_cost`); `None` for a fixed catalogue.
-    pub unlisted_tools: Option<ToolPolicy>,
-    /// Where the state lives, and its housekeeping.
-    pub store: StoreConfig,
-    /// Stuck agents repeating the same call.
-    pub loop_detection: LoopDetectionConfig,
-    /// Whose `X-Forwarded-For` names the caller.
-    pub proxies: ProxyTrust,
-    /// How many answers may be kept for identical calls (`upstream.cache_max_entries`,
-    /// `upstream.cache_max_bytes`), all tools and scopes together.
-    pub answers: AnswerBounds,
-}
-
-/// The bounds of the answers kept for `[tools.NAME] cache_ttl_ms`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AnswerBounds {
-    /// Answers kept at most; past it the oldest makes room.
-    pub max_entries: usize,
-    /// Bytes of their JSON kept at most.
-    pub max_bytes: u64,
-}
-
-impl LimitsConfig {
-    /// The documented defaults plus `toml`, checked against `tools`, as [`Config::from_toml`]
-    /// checks them; the server's sections, when `toml` has them, are checked and left out.
-    pub fn from_toml(toml: &str, tools: &Catalogue) -> Result<Self, ConfigError> {
-        Config::from_toml(toml, tools).map(|config| config.limiting)
-    }
-
-    /// The layers [`Config::load`] reads (the defaults, `file` or `./config.toml`, then
-    /// `MCP_RL__SECTION__KEY` variables), checked against `tools`, keeping the limits' part.
-    pub fn load(file: Option<&Path>, tools: &Catalogue) -> Result<Self, ConfigError> {
-        Config::load(file, tools).map(|config| config.limiting)
-    }
-}
-
+/// The server's own sections, as written (the limits' are the core's to read).
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawConfig {
+struct RawServerSections {
     server: server::RawServer,
-    auth: auth::RawAuth,
-    tiers: BTreeMap<String, f64>,
-    limits: limits::RawLimits,
-    spend_caps: spend::RawSpendCaps,
-    #[serde(default)]
-    tenants: BTreeMap<String, spend::RawTenant>,
-    #[serde(default)]
-    tools: BTreeMap<String, tools::RawTool>,
     upstream: UpstreamConfig,
-    store: StoreConfig,
-    loop_detection: LoopDetectionConfig,
     mock_upstream: MockUpstreamConfig,
     admin: server::RawAdmin,
     proxy: ProxyConfig,
@@ -315,16 +62,7 @@ impl Config {
     /// Loads defaults, then `file` (required when given, else `./config.toml` if present),
     /// then the environment, and validates the result against the server's `tools`.
     pub fn load(file: Option<&Path>, tools: &Catalogue) -> Result<Self, ConfigError> {
-        let env = config::Environment::with_prefix("MCP_RL")
-            .prefix_separator("__")
-            .separator("__")
-            .try_parsing(true)
-            .list_separator(",")
-            .with_list_parse_key("server.allowed_hosts")
-            .with_list_parse_key("server.allowed_origins")
-            .with_list_parse_key("server.trusted_proxies")
-            .with_list_parse_key("proxy.inherit_env");
-        Self::load_layers(file, Some(env), tools)
+        Self::from_document(&Document::load(file, tools)?, tools)
     }
 
     /// The defaults plus `toml`, without the environment (for tests and embedding), checked
@@ -342,12 +80,7 @@ impl Config {
     /// # Ok::<(), mcp_ratelimit::config::ConfigError>(())
     /// ```
     pub fn from_toml(toml: &str, tools: &Catalogue) -> Result<Self, ConfigError> {
-        integer_too_large(toml)?;
-        Self::defaults_for(tools)?
-            .add_source(config::File::from_str(toml, config::FileFormat::Toml))
-            .build()?
-            .try_deserialize::<RawConfig>()?
-            .validate(tools)
+        Self::from_document(&Document::from_toml(toml, tools)?, tools)
     }
 
     /// The documented defaults alone.
@@ -355,134 +88,29 @@ impl Config {
         Self::from_toml("", tools)
     }
 
-    /// The documented defaults as the base layer, keeping only the `[tools]` entries of `tools`:
-    /// the defaults price the reference server's tools, which another server does not have.
-    fn defaults_for(tools: &Catalogue) -> Result<config::ConfigBuilder<config::builder::DefaultState>, ConfigError> {
-        let defaults = config::Config::builder()
-            .add_source(config::File::from_str(DEFAULT_TOML, config::FileFormat::Toml))
-            .build()?
-            .try_deserialize::<config::Map<String, config::Value>>()?;
-        let mut builder = config::Config::builder();
-        for (section, mut value) in defaults {
-            if section == "tools" {
-                let mut priced = value.into_table()?;
-                priced.retain(|name, _| tools.contains(name));
-                value = config::Value::from(priced);
-            }
-            builder = builder.set_default(section, value)?;
+    /// The limits' sections checked by the core, then the server's, in the order a reader meets
+    /// them; the first error names its key.
+    fn from_document(document: &Document, tools: &Catalogue) -> Result<Self, ConfigError> {
+        let raw = document.section::<RawServerSections>()?;
+        let limiting = LimitsConfig::from_document(document, tools)?;
+        raw.proxy.validate()?;
+        let server = raw.server.validate(&limiting.proxies)?;
+        raw.upstream.validate()?;
+        if limiting.store.backend == Backend::Redis {
+            // The backend reads its own URL: one server, or a cluster's seed nodes.
+            mcp_ratelimit_redis::RedisStore::check_url(&limiting.store.redis_url)
+                .map_err(|e| invalid("store.redis_url", e.to_string()))?;
         }
-        Ok(builder)
-    }
-
-    fn load_layers(
-        file: Option<&Path>,
-        env: Option<config::Environment>,
-        tools: &Catalogue,
-    ) -> Result<Self, ConfigError> {
-        let path = file.unwrap_or(Path::new("config.toml"));
-        if let Ok(text) = std::fs::read_to_string(path) {
-            integer_too_large(&text)?;
-        }
-        let mut builder = Self::defaults_for(tools)?;
-        builder = match file {
-            Some(path) => builder.add_source(config::File::from(path).format(config::FileFormat::Toml).required(true)),
-            None => builder.add_source(
-                config::File::from(Path::new("config.toml")).format(config::FileFormat::Toml).required(false),
-            ),
-        };
-        if let Some(env) = env {
-            builder = builder.add_source(env);
-        }
-        builder.build()?.try_deserialize::<RawConfig>()?.validate(tools)
-    }
-}
-
-impl RawConfig {
-    /// Every section checked, in the order a reader meets them; the first error names its key.
-    fn validate(self, catalogue: &Catalogue) -> Result<Config, ConfigError> {
-        auth::validate_tiers(&self.tiers)?;
-        let limits = self.limits.validate()?;
-        let tools = tools::validate_tools(self.tools, catalogue, &limits, &self.tiers)?;
-        let auth = self.auth.validate(&self.tiers)?;
-        let spend_caps = self.spend_caps.validate()?;
-        let tenants = spend::validate_tenants(self.tenants)?;
-        spend::caps_cover_costs(&spend_caps, &tenants, &tools)?;
-        let shared = (self.store.backend == Backend::Redis).then_some(self.store.expected_instances);
-        tools::costs_fit(&tools, &self.tiers, &limits, &tenants, &auth.keys, &spend_caps, shared)?;
-        self.proxy.validate()?;
-        let unlisted_tools = catalogue.is_learned().then(|| ToolPolicy::unlisted(self.proxy.default_cost));
-        if let Some(unlisted) = &unlisted_tools {
-            // The default price is checked as a tool of its own, and a fault named at its key.
-            let priced = BTreeMap::from([(tools::UNPRICED.to_owned(), unlisted.clone())]);
-            spend::caps_cover_costs(&spend_caps, &tenants, &priced)
-                .and_then(|()| {
-                    tools::costs_fit(&priced, &self.tiers, &limits, &tenants, &auth.keys, &spend_caps, shared)
-                })
-                .map_err(|e| e.at("proxy.default_cost"))?;
-        }
-        let (server, proxies) = self.server.validate()?;
-        self.upstream.validate()?;
-        self.store.validate()?;
-        limits::spans_fit((&limits, &tools, &tenants, &auth.keys), &self.tiers, &limits::LONGEST)?;
-        if self.store.backend == Backend::Redis {
-            store::spans_fit_redis(&limits, &tools, &tenants, &auth.keys, &self.tiers)?;
-        }
-        self.loop_detection.validate()?;
-        self.mock_upstream.validate()?;
-        let admin = self.admin.validate()?;
-        let limiting = LimitsConfig {
-            auth,
-            tiers: self.tiers,
-            limits,
-            spend_caps,
-            tenants,
-            tools,
-            unlisted_tools,
-            store: self.store,
-            loop_detection: self.loop_detection,
-            proxies,
-            answers: AnswerBounds {
-                max_entries: self.upstream.cache_max_entries,
-                max_bytes: self.upstream.cache_max_bytes,
-            },
-        };
+        raw.mock_upstream.validate()?;
+        let admin = raw.admin.validate()?;
         Ok(Config {
             limiting,
             server,
-            upstream: self.upstream,
-            mock_upstream: self.mock_upstream,
+            upstream: raw.upstream,
+            mock_upstream: raw.mock_upstream,
             admin,
-            proxy: self.proxy,
+            proxy: raw.proxy,
         })
-    }
-}
-
-/// TOML integers are 64-bit signed, and the TOML reader stops at a larger one (a `u64` maximum,
-/// say) without naming its key: this finds it first and names it. Anything else unreadable is
-/// left to the reader's own message.
-fn integer_too_large(toml: &str) -> Result<(), ConfigError> {
-    fn walk(path: &str, value: &toml::de::DeValue<'_>) -> Option<(String, String)> {
-        match value {
-            toml::de::DeValue::Integer(n) if i64::from_str_radix(n.as_str(), n.radix()).is_err() => {
-                Some((path.to_owned(), n.as_str().to_owned()))
-            }
-            toml::de::DeValue::Table(table) => table.iter().find_map(|(key, value)| {
-                let key = key.get_ref();
-                walk(&if path.is_empty() { key.to_string() } else { format!("{path}.{key}") }, value.get_ref())
-            }),
-            toml::de::DeValue::Array(items) => {
-                items.iter().enumerate().find_map(|(i, item)| walk(&format!("{path}[{i}]"), item.get_ref()))
-            }
-            _ => None,
-        }
-    }
-    let Ok(document) = toml::de::DeTable::parse(toml) else { return Ok(()) };
-    match walk("", &toml::de::DeValue::Table(document.into_inner())) {
-        Some((key, number)) => Err(invalid(
-            key,
-            format!("{number} is larger than any number a config takes (TOML integers stop at {})", i64::MAX),
-        )),
-        None => Ok(()),
     }
 }
 

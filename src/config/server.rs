@@ -1,13 +1,13 @@
 //! `[server]` and `[admin]`: the listeners, what they accept, and how long a client may take.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use ipnet::IpNet;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use super::{ConfigError, invalid};
+use super::{ConfigError, ProxyTrust, invalid};
 use crate::redact::Secret;
 
 /// `[server]`.
@@ -97,29 +97,6 @@ impl std::fmt::Debug for KeyDigest {
     }
 }
 
-/// The part of `[server]` that names callers (`trust_proxy`, `trusted_proxies`): the limits read
-/// it to tell one unverified caller from another, so it belongs to their configuration
-/// ([`LimitsConfig`](super::LimitsConfig)), not to the listener's.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ProxyTrust {
-    /// Whether `X-Forwarded-For` from a trusted proxy names the caller.
-    pub trust_proxy: bool,
-    /// Proxies whose `X-Forwarded-For` is believed.
-    pub trusted_proxies: Vec<IpNet>,
-    /// The prefix length that groups IPv6 addresses into one address (`server.ipv6_prefix`): one
-    /// host is routinely given a whole /64, so its addresses cost nothing to rotate.
-    pub ipv6_prefix: u8,
-}
-
-impl Default for ProxyTrust {
-    fn default() -> Self {
-        Self { trust_proxy: false, trusted_proxies: Vec::new(), ipv6_prefix: DEFAULT_IPV6_PREFIX }
-    }
-}
-
-/// `server.ipv6_prefix` unless set: the /64 an ISP or a cloud gives one host.
-pub const DEFAULT_IPV6_PREFIX: u8 = 64;
-
 /// `[admin]`: the operator's API, on a listener of its own.
 #[derive(Clone)]
 pub struct AdminConfig {
@@ -149,8 +126,11 @@ pub(super) struct RawServer {
     allowed_hosts: Vec<String>,
     allowed_origins: Vec<String>,
     max_body_bytes: usize,
-    trust_proxy: bool,
-    trusted_proxies: Vec<String>,
+    // The keys that name callers are the limits' to read and check (`ProxyTrust`).
+    #[serde(rename = "trust_proxy")]
+    _trust_proxy: serde::de::IgnoredAny,
+    #[serde(rename = "trusted_proxies")]
+    _trusted_proxies: serde::de::IgnoredAny,
     session_idle_timeout_seconds: u64,
     max_sessions: usize,
     max_sessions_per_address: usize,
@@ -161,14 +141,15 @@ pub(super) struct RawServer {
     body_read_timeout_ms: u64,
     max_connections: usize,
     max_connections_per_address: usize,
-    ipv6_prefix: i64,
+    #[serde(rename = "ipv6_prefix")]
+    _ipv6_prefix: serde::de::IgnoredAny,
     metrics_key: Secret,
 }
 
 impl RawServer {
-    /// The section, checked: every key named in its error. The listener's part, and the part that
-    /// names callers.
-    pub(super) fn validate(self) -> Result<(ServerConfig, ProxyTrust), ConfigError> {
+    /// The section, checked: every key named in its error. The keys that name callers were read
+    /// and checked by the limits (`proxies`).
+    pub(super) fn validate(self, proxies: &ProxyTrust) -> Result<ServerConfig, ConfigError> {
         if self.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be at least 1"));
         }
@@ -200,12 +181,6 @@ impl RawServer {
                 return Err(invalid(key, format!("must be a fraction above 0.0, at most 1.0 (got {share})")));
             }
         }
-        let ipv6_prefix = u8::try_from(self.ipv6_prefix).ok().filter(|p| (1..=128).contains(p)).ok_or_else(|| {
-            invalid(
-                "server.ipv6_prefix",
-                format!("must be a prefix length from 1 to 128 (64 groups a host's /64; got {})", self.ipv6_prefix),
-            )
-        })?;
         let metrics_key = self.metrics_key.expose().trim();
         if !metrics_key.is_empty() && metrics_key.chars().count() < MIN_METRICS_KEY_CHARS {
             return Err(invalid(
@@ -243,18 +218,11 @@ impl RawServer {
                 ));
             }
         }
-        let mut trusted_proxies = Vec::with_capacity(self.trusted_proxies.len());
-        for (i, proxy) in self.trusted_proxies.iter().enumerate() {
-            let net = proxy.parse::<IpNet>().or_else(|_| proxy.parse::<IpAddr>().map(IpNet::from)).map_err(|_| {
-                invalid(format!("server.trusted_proxies[{i}]"), format!("`{proxy}` is not an IP or CIDR"))
-            })?;
-            trusted_proxies.push(net);
-        }
         let connections = ConnectionCaps {
             max: self.max_connections,
             max_per_address: self.max_connections_per_address,
-            ipv6_prefix,
-            exempt: if self.trust_proxy { trusted_proxies.clone() } else { Vec::new() },
+            ipv6_prefix: proxies.ipv6_prefix,
+            exempt: if proxies.trust_proxy { proxies.trusted_proxies.clone() } else { Vec::new() },
         };
         let server = ServerConfig {
             listen: self.listen,
@@ -272,7 +240,7 @@ impl RawServer {
             connections,
             metrics_key_sha256,
         };
-        Ok((server, ProxyTrust { trust_proxy: self.trust_proxy, trusted_proxies, ipv6_prefix }))
+        Ok(server)
     }
 }
 

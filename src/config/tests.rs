@@ -105,17 +105,12 @@ fn the_raw_config_prints_no_secret_either() {
                 [upstream]\nurl = \"https://u:upstream-pw-hush@api.example.com/\"\n\
                 [admin]\nkey = \"admin-key-hush-01234\"\n[auth]\nid_secret = \"id-secret-hush-01234\"\n\
                 [[auth.keys]]\nkey = \"plain-key-hush\"\n[[auth.keys]]\nsha256 = \"ab12cd34\"\n";
-    let raw = Config::defaults_for(&reference())
-        .expect("defaults")
-        .add_source(config::File::from_str(toml, config::FileFormat::Toml))
-        .build()
-        .expect("builds")
-        .try_deserialize::<RawConfig>()
-        .expect("a raw config");
-    for printed in [format!("{raw:?}"), format!("{raw:#?}")] {
+    let document = Document::from_toml(toml, &reference()).expect("reads");
+    let raw = document.section::<RawServerSections>().expect("the server's sections");
+    for printed in [format!("{document:?}"), format!("{document:#?}"), format!("{raw:?}"), format!("{raw:#?}")] {
         assert!(!printed.contains("hush") && !printed.contains("ab12cd34"), "{printed}");
-        assert!(printed.contains("redis://***@h:1,redis://***@g:2") && printed.contains("RawKey"), "{printed}");
     }
+    assert!(format!("{raw:?}").contains("https://***@api.example.com/"), "{raw:?}");
 }
 
 #[test]
@@ -324,12 +319,7 @@ fn the_listeners_caps_are_checked_naming_their_keys_and_the_metrics_key_never_sh
         Some(<sha2::Sha256 as sha2::Digest>::digest(b"metrics-key-hush-0123").into())
     );
     assert!(!format!("{on:?}{on:#?}").contains("hush"), "the metrics key never shows in a Debug print");
-    let raw = Config::defaults_for(&reference())
-        .expect("defaults")
-        .add_source(config::File::from_str(toml, config::FileFormat::Toml))
-        .build()
-        .expect("builds")
-        .try_deserialize::<RawConfig>()
-        .expect("a raw config");
-    assert!(!format!("{raw:?}").contains("hush"), "nor in the raw config's");
+    let document = Document::from_toml(toml, &reference()).expect("reads");
+    let raw = document.section::<RawServerSections>().expect("the server's sections");
+    assert!(!format!("{raw:?}{document:?}").contains("hush"), "nor in the raw config's");
 }

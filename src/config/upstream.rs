@@ -284,8 +284,6 @@ impl UpstreamConfig {
             ("upstream.breaker_failures", u64::from(self.breaker_failures)),
             ("upstream.breaker_cooldown_ms", self.breaker_cooldown_ms),
             ("upstream.retry_budget_window_ms", self.retry_budget_window_ms),
-            ("upstream.cache_max_entries", self.cache_max_entries as u64),
-            ("upstream.cache_max_bytes", self.cache_max_bytes),
         ] {
             if value == 0 {
                 return Err(invalid(key, "must be greater than zero"));

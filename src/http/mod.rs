@@ -1,140 +1,19 @@
-//! The HTTP pieces: tower layers any axum app can use.
+//! The server's HTTP pieces: the connection loop ([`serve`]: connection caps, a deadline for each
+//! request to arrive) and the session caps and idle time ([`sessions`]). The tower layers any
+//! axum app can use (the front door, the coarse limit, [`Shared`], [`StepLayer`]) are the
+//! library's (`mcp-ratelimit-rmcp`), re-exported here.
 //!
-//! Every connection is served by [`serve`] (connection caps, a deadline for each request to
-//! arrive). On `/mcp`, outside in: [`front_door`] (DNS-rebinding protection, identity and auth,
-//! header checks), then the coarse limit ([`limit::HttpLimitLayer`]), then the body deadline
+//! On `/mcp`, outside in: [`front_door`] (DNS-rebinding protection, identity and auth, header
+//! checks), then the coarse limit ([`limit::HttpLimitLayer`]), then the body deadline
 //! ([`serve::read_body_by_deadline`]), then the session caps and idle time ([`sessions`]), then
-//! rmcp. Each layer takes only what it needs (the allowed hosts, the identifier, the guard, the
-//! deadlines), so it can be used, and tested, alone.
-//! Each is a tower layer of its own, not `axum::middleware::from_fn`, which boxes the stack
-//! behind it and its future for every request; a request a layer does not touch (a GET, a
-//! DELETE) passes without an allocation.
-//! [`crate::app`] puts them together with rmcp's service, and `/health`, `/metrics` (behind
+//! rmcp. [`crate::app`] puts them together with rmcp's service, and `/health`, `/metrics` (behind
 //! [`front_door::metrics_key`] too) and the dashboard, never limited, behind the DNS-rebinding
 //! protection only.
 
-pub mod front_door;
-pub mod limit;
 pub mod serve;
 pub mod sessions;
 
-use std::future::Future;
-use std::sync::Arc;
-
-use axum::extract::Request;
-use axum::response::Response;
-
-/// A service behind an `Arc`. axum's router and the layers that await before calling on (the
-/// HTTP limit, the body deadline, the session cap) clone the inner stack on every request;
-/// rmcp's service carries its config (host lists and more), so cloning it per layer
-/// per request shows in a profile. Behind an `Arc` those clones are a reference count, and the
-/// service itself is cloned once, only for a request that actually reaches it.
-#[derive(Debug)]
-pub struct Shared<S>(Arc<S>);
-
-impl<S> Shared<S> {
-    /// `service`, behind an `Arc`.
-    pub fn new(service: S) -> Self {
-        Self(Arc::new(service))
-    }
-}
-
-impl<S> Clone for Shared<S> {
-    fn clone(&self) -> Self {
-        Self(self.0.clone())
-    }
-}
-
-impl<S, R> tower::Service<R> for Shared<S>
-where
-    S: tower::Service<R> + Clone,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = tower::util::Oneshot<S, R>;
-
-    fn poll_ready(&mut self, _cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
-        // Readiness belongs to the clone that serves the request: `oneshot` waits for it.
-        std::task::Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, request: R) -> Self::Future {
-        tower::ServiceExt::oneshot(S::clone(&self.0), request)
-    }
-}
-
-/// A front-door layer that passes most requests straight on and takes the rest into an async
-/// step of its own: the body deadline ([`serve::read_body_by_deadline`]) and the session caps
-/// ([`sessions::cap`]). [`StepLayer`] is the tower plumbing they share, so each is only its
-/// test and its step.
-pub trait Step: Clone + Send + Sync + 'static {
-    /// Whether `request` needs the step; one that does not passes on without an allocation.
-    fn takes(&self, request: &Request) -> bool;
-
-    /// The step for a taken `request`: it calls `inner` (ready) to pass the request on, or
-    /// answers itself.
-    fn run<S>(self, request: Request, inner: S) -> impl Future<Output = Result<Response, S::Error>> + Send
-    where
-        S: tower::Service<Request, Response = Response> + Send + 'static,
-        S::Future: Send,
-        S::Error: Send;
-}
-
-/// The layer of a [`Step`].
-#[derive(Debug, Clone)]
-pub struct StepLayer<T> {
-    step: T,
-}
-
-impl<T> StepLayer<T> {
-    /// A layer running `step`.
-    pub fn new(step: T) -> Self {
-        Self { step }
-    }
-}
-
-impl<S, T: Clone> tower::Layer<S> for StepLayer<T> {
-    type Service = Stepped<S, T>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        Stepped { inner, step: self.step.clone() }
-    }
-}
-
-/// The service [`StepLayer`] produces.
-#[derive(Debug, Clone)]
-pub struct Stepped<S, T> {
-    inner: S,
-    step: T,
-}
-
-impl<S, T> tower::Service<Request> for Stepped<S, T>
-where
-    S: tower::Service<Request, Response = Response> + Clone + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    T: Step,
-{
-    type Response = Response;
-    type Error = S::Error;
-    type Future = futures::future::Either<S::Future, futures::future::BoxFuture<'static, Result<Response, S::Error>>>;
-
-    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: Request) -> Self::Future {
-        use futures::future::Either;
-        if !self.step.takes(&request) {
-            return Either::Left(self.inner.call(request));
-        }
-        // The inner service is ready (`poll_ready` said so); take it, leaving a clone, so the
-        // step may call it after awaiting (tower's usual clone-and-swap).
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        Either::Right(Box::pin(self.step.clone().run(request, inner)))
-    }
-}
+pub use mcp_ratelimit_rmcp::http::*;
 
 /// An answer's body that holds `G` (a guard: a request under way, a session's message) until the
 /// body has been sent whole or dropped, so what the guard counts lasts as long as the answer does

@@ -395,11 +395,15 @@ impl Drop for Message {
 /// Holds `initialize`s to the caps (`503` / `429` past one), and counts the messages of each
 /// open session for its idle time. Only a `POST` can do either, so every other request passes
 /// straight through.
-pub fn cap(cap: Arc<SessionCap>) -> StepLayer<Arc<SessionCap>> {
-    StepLayer::new(cap)
+pub fn cap(cap: Arc<SessionCap>) -> StepLayer<Capped> {
+    StepLayer::new(Capped(cap))
 }
 
-impl Step for Arc<SessionCap> {
+/// The caps as a [`Step`] of the request path ([`cap`]).
+#[derive(Debug, Clone)]
+pub struct Capped(Arc<SessionCap>);
+
+impl Step for Capped {
     fn takes(&self, request: &Request) -> bool {
         request.method() == Method::POST
     }
@@ -410,7 +414,7 @@ impl Step for Arc<SessionCap> {
         S::Future: Send,
         S::Error: Send,
     {
-        within_caps(self, request, inner)
+        within_caps(self.0, request, inner)
     }
 }
 

@@ -54,7 +54,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
 use crate::limit::{Concurrency, Gcra, Limiter};
 use crate::metrics::Metrics;
-use crate::store::{Check, LearntAt, SharedLearner, SharedLimit, SlotGuard, Store, StoreError, new_lease};
+use crate::store::{Check, LearntAt, Lease, SharedLearner, SharedLimit, SlotGuard, Store, StoreError};
 use crate::upstream::adaptive::{AdaptiveLimit, Signal};
 use crate::upstream::api::PredictionKind;
 
@@ -502,7 +502,7 @@ impl FairQueue {
             checks.push(Check { key: &shared.gap_key, limiter: gap, cost: 1, shadow: false });
             blockers.push(Blocker::Gap);
         }
-        let lease = new_lease();
+        let lease = Lease::new();
         let answer = match self.learnt_at(shared) {
             Some((learner, at)) => learner.decide_under(at, &checks, lease).await.map(|(decisions, limit)| {
                 shared.heard(limit);
@@ -719,7 +719,7 @@ impl Reservation {
     ///
     /// Cancel-safe: dropped while the shared store is asked, the slot counted here goes back (its
     /// guard owns it from the instant it is counted), and so do the place and any lease the store
-    /// may have taken ([`Store::decide`]).
+    /// may have taken ([`Budgets::decide`](crate::store::Budgets::decide)).
     pub async fn start_now(mut self) -> Result<AccountSlot, Self> {
         let queue = self.queue.clone();
         let counted = {
@@ -812,7 +812,7 @@ mod tests {
 
     use super::*;
     use crate::clock::{ManualClock, NANOS_PER_SEC};
-    use crate::store::{Lease, StoreFuture, Verdict};
+    use crate::store::{Blocks, Broadcast, Budgets, Lease, Slots, StoreFuture, Verdict};
 
     const GAP: Nanos = 2 * NANOS_PER_SEC;
 
@@ -901,10 +901,11 @@ mod tests {
         released: Mutex<Vec<String>>,
     }
 
-    impl Store for Stalled {
+    impl Budgets for Stalled {
         fn decide<'a>(&'a self, _: &'a [Check<'a>], _: &'a [&'a str], _: Lease) -> StoreFuture<'a, Verdict> {
             Box::pin(std::future::pending())
         }
+
         fn adjust<'a>(
             &'a self,
             _: &'a [(&'a str, &'a Limiter, crate::limit::Adjustment)],
@@ -912,21 +913,35 @@ mod tests {
         ) -> StoreFuture<'a, Vec<crate::limit::Decision>> {
             Box::pin(std::future::pending())
         }
+
         fn forget<'a>(&'a self, _: &'a [&'a str]) -> StoreFuture<'a, u64> {
             Box::pin(std::future::pending())
         }
-        fn block<'a>(&'a self, _: &'a str, _: Duration) -> StoreFuture<'a, ()> {
-            Box::pin(std::future::pending())
-        }
-        fn unblock<'a>(&'a self, _: &'a str) -> StoreFuture<'a, bool> {
-            Box::pin(std::future::pending())
-        }
-        fn block_left<'a>(&'a self, _: &'a str) -> StoreFuture<'a, Option<Nanos>> {
-            Box::pin(std::future::pending())
-        }
+    }
+
+    impl Slots for Stalled {
         fn release(self: Arc<Self>, key: &str, _: &Limiter, _: u64, _: Lease) {
             self.released.lock().unwrap_or_else(|p| p.into_inner()).push(key.to_owned());
         }
+    }
+
+    impl Blocks for Stalled {
+        fn block<'a>(&'a self, _: &'a str, _: Duration) -> StoreFuture<'a, ()> {
+            Box::pin(std::future::pending())
+        }
+
+        fn unblock<'a>(&'a self, _: &'a str) -> StoreFuture<'a, bool> {
+            Box::pin(std::future::pending())
+        }
+
+        fn block_left<'a>(&'a self, _: &'a str) -> StoreFuture<'a, Option<Nanos>> {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    impl Broadcast for Stalled {}
+
+    impl Store for Stalled {
         fn is_shared(&self) -> bool {
             true
         }

@@ -1,0 +1,167 @@
+//! The stage that decides a plan: on the store, or — when a shared store cannot decide and the
+//! call may fail open — on the insurance limiter, behind a breaker that skips a failing store
+//! (one probe a second) and a memory of the store's refusals that answers a hot abuser without a
+//! round trip.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use crate::breaker::Breaker;
+use crate::clock::Nanos;
+use crate::config::Fail;
+use crate::guard::plan::{Planned, checks_of};
+use crate::guard::policy::Policy;
+use crate::guard::refusal_memory::RefusalMemory;
+use crate::guard::{Guard, LimitsInForce};
+use crate::limit::Decision;
+use crate::metrics::Layer;
+use crate::store::{Check, Lease, LoopCall, LoopHistory, Store, StoreError, Verdict};
+
+/// How long a failing shared store is skipped before one decision probes it again.
+pub(super) const STORE_PROBE_EVERY: Nanos = crate::clock::NANOS_PER_SEC;
+
+/// The limiter that decides while a shared store cannot: the same limits divided by
+/// `store.expected_instances`, in this instance's memory, so N instances deciding alone hand out
+/// about one budget between them instead of N.
+#[derive(Debug)]
+pub(super) struct Insurance {
+    pub(super) store: Arc<dyn Store>,
+    /// Open while the shared store is failing: decisions skip it (no timeout to wait out on
+    /// every call) until one probe a second finds it back.
+    pub(super) shared_down: Breaker,
+    /// The shared store's refusals still in force, answered here without a round trip.
+    pub(super) refused: Arc<RefusalMemory>,
+}
+
+/// What a plan came to.
+pub(super) struct Decided<'s> {
+    /// The limits decided (under the insurance limiter's policy, if it decided).
+    pub(super) scopes: Vec<Planned<'s>>,
+    /// One decision per scope (none when a block or a loop stopped it).
+    pub(super) decisions: Vec<Decision>,
+    /// The store that holds any slots taken.
+    pub(super) store: &'s Arc<dyn Store>,
+    /// The operator block that stopped the call, if one did: which of those asked about, and
+    /// the time left. Then nothing was decided or charged.
+    pub(super) blocked: Option<(usize, Nanos)>,
+    /// The loop the shared history found the call in, if it did: the time left, and whether
+    /// it was an A/B alternation. Then nothing was decided or charged.
+    pub(super) looping: Option<(Nanos, bool)>,
+}
+
+impl<'s> Decided<'s> {
+    fn of(scopes: Vec<Planned<'s>>, decisions: Vec<Decision>, store: &'s Arc<dyn Store>) -> Self {
+        Self { scopes, decisions, store, blocked: None, looping: None }
+    }
+}
+
+impl Guard {
+    /// Logs and counts a store that could not decide.
+    pub(super) fn store_failed(&self, layer: Layer, what: &str, error: &StoreError) {
+        self.metrics.store_error(layer);
+        tracing::warn!(target: "mcp_ratelimit::guard::decide", layer = layer.as_str(), what, %error, "limiter store failed");
+    }
+
+    /// Decides `checks` on the store, unless a shared store is known to be down, after checking
+    /// `looped` in the store's loop history in the same step when given; `None` when it could
+    /// not decide (counted and logged), so the caller falls back as its policy says.
+    async fn decide_shared(
+        &self,
+        checks: &[Check<'_>],
+        blocks: &[&str],
+        lease: Lease,
+        looped: Option<(&dyn LoopHistory, LoopCall<'_>)>,
+        (layer, what): (Layer, &str),
+    ) -> Option<Verdict> {
+        let permit = match &self.insurance {
+            Some(insurance) => Some(insurance.shared_down.permit(self.clock.now()).ok()?),
+            None => None,
+        };
+        let decided = match looped {
+            Some((history, call)) => history.decide_after_loop_check(call, checks, blocks, lease).await,
+            None => self.store.decide(checks, blocks, lease).await,
+        };
+        if let (Some(insurance), Some(permit)) = (&self.insurance, permit) {
+            insurance.shared_down.record(permit, decided.is_ok(), self.clock.now());
+            self.store_up.store(decided.is_ok(), Ordering::Relaxed);
+        }
+        decided.map_err(|error| self.store_failed(layer, what, &error)).ok()
+    }
+
+    /// Decides the plan `scopes_under` makes of the limits in force on the store or, when it
+    /// cannot decide and the call may `fail` open, on the insurance limiter (under its own
+    /// share of the limits). `blocks` are operator blocks read with the decision; they live in
+    /// the shared store, so the insurance limiter cannot see them.
+    pub(super) async fn decide<'s, F>(
+        &'s self,
+        live: &'s LimitsInForce,
+        scopes_under: F,
+        blocks: &[&str],
+        lease: Lease,
+        fail: Fail,
+        layer: (Layer, &str),
+    ) -> Option<Decided<'s>>
+    where
+        F: Fn(&'s Policy) -> Vec<Planned<'s>>,
+    {
+        match self.decide_on_store(live, &scopes_under, blocks, lease, None, layer).await {
+            Some(decided) => Some(decided),
+            None => self.decide_insured(live, &scopes_under, lease, fail).await,
+        }
+    }
+
+    /// [`Guard::decide`] on the store alone, after checking `looped` against the store's loop
+    /// history in the same step when given: `None` when the store could not decide. The memory
+    /// of the shared store's refusals answers a plan it knows to be refused still, without a
+    /// round trip (and without a loop check: the call is refused, and charged nothing, anyway).
+    pub(super) async fn decide_on_store<'s, F>(
+        &'s self,
+        live: &'s LimitsInForce,
+        scopes_under: &F,
+        blocks: &[&str],
+        lease: Lease,
+        looped: Option<(&dyn LoopHistory, LoopCall<'_>)>,
+        layer: (Layer, &str),
+    ) -> Option<Decided<'s>>
+    where
+        F: Fn(&'s Policy) -> Vec<Planned<'s>>,
+    {
+        let scopes = scopes_under(&live.policy);
+        let checks = checks_of(&scopes);
+        let now = self.clock.now();
+        if let Some(insurance) = &self.insurance
+            && let Some(decisions) = insurance.refused.recall(&checks, now)
+        {
+            return Some(Decided::of(scopes, decisions, &self.store));
+        }
+        let verdict = self.decide_shared(&checks, blocks, lease, looped, layer).await?;
+        if let (Verdict::Decided(decisions), Some(insurance)) = (&verdict, &self.insurance) {
+            insurance.refused.remember(&checks, decisions, now);
+        }
+        let mut decided = Decided::of(scopes, Vec::new(), &self.store);
+        match verdict {
+            Verdict::Decided(decisions) => decided.decisions = decisions,
+            Verdict::Blocked { index, left } => decided.blocked = Some((index, left)),
+            Verdict::Looping { retry_after, oscillating } => decided.looping = Some((retry_after, oscillating)),
+        }
+        Some(decided)
+    }
+
+    /// The plan `scopes_under` makes of the insurance limiter's share of the limits, decided
+    /// there, when the call may `fail` open: what decides while the shared store cannot.
+    pub(super) async fn decide_insured<'s, F>(
+        &'s self,
+        live: &'s LimitsInForce,
+        scopes_under: &F,
+        lease: Lease,
+        fail: Fail,
+    ) -> Option<Decided<'s>>
+    where
+        F: Fn(&'s Policy) -> Vec<Planned<'s>>,
+    {
+        let insurance = self.insurance.as_ref().filter(|_| fail == Fail::Open)?;
+        let scopes = scopes_under(live.insurance.as_ref()?);
+        let decisions = insurance.store.decide_all(&checks_of(&scopes), lease).await.ok()?;
+        Some(Decided::of(scopes, decisions, &insurance.store))
+    }
+}

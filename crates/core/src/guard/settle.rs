@@ -1,0 +1,283 @@
+//! The last stage of a priced call: its price settled from what the upstream says it used.
+//!
+//! A fixed price over- or under-charges whenever the work depends on the arguments or on what
+//! the upstream actually did (a video cut shorter than asked, tokens an answer did not need).
+//! So the guard's admission ([`Guard::call`](super::Guard::call)) *reserves* the call's price — its `[tools.NAME] cost`,
+//! or that cost's formula over the arguments — in every budget counted in cost units (the
+//! caller's, its tenant's, its address's, the spend cap), atomically with everything else, and
+//! hands the reservation out as a [`Reserved`]. When the answer is in, the door that asked
+//! settles it ([`Reserved::settle`]) by one rule, [`Reserved::charge_for`]:
+//!
+//! | the answer | charged |
+//! | --- | --- |
+//! | reports `usage.units` (`settle = "usage"`: the default for our tools and a library's, not for a proxied server's) | those units |
+//! | the upstream never started the work: a job that never left our queue (canceled or expired there, or given up after the server's own submissions were refused: retries the server owns, not the agent's), a proxied call never sent | 0 |
+//! | anything else: no report, the upstream's refusal or error, a timeout (a job's submission that went unanswered included: the upstream may have started it), a cancelled call | the reservation |
+//!
+//! The last row keeps a decision made before prices were settled: a failed upstream call is still
+//! charged, because the budget protects the upstream from the agent, and an agent hammering a
+//! failing upstream must be slowed as much as one hammering a healthy one (and a timed-out or
+//! cancelled call may have been done, and billed).
+//!
+//! The difference goes back, or is taken on top, in each of those budgets through its
+//! algorithm's adjustment ([`Adjustment`]) on the store that decided the call (Redis, or this
+//! instance's insurance limiter while Redis was down), in one script on Redis:
+//!
+//! - **given back only where it was taken** ([`Adjustment::Return`]): each budget remembers when
+//!   the call's charge landed, on the store's clock (its decision's `at` and `reset_after`), and
+//!   gets the difference back in that window — a fixed window's, the day of a spend cap — or a
+//!   sliding window's count it was taken in (the previous one's, in the next window), or the
+//!   sliding log's entry at its instant, while it is still in the log; a bucket gets back what the
+//!   unused units still owe. A refund that comes after its window (or its debt) has passed gives
+//!   nothing back, never to a later window: the budget then stands as it would had the call
+//!   cost its settled price. Never past the capacity either.
+//! - **taken on top now** ([`Adjustment::Charge`]): usage above the reservation was not known
+//!   when the call was decided, so it is charged when it is, to the current window, like a new
+//!   call; past what is left it takes what is left — a budget never goes below empty.
+//! - **after a reload** the budgets are planned anew under every limits put in force since the
+//!   charge: a budget whose limit changed at any of them (a lowered burst, another window, even
+//!   one put back since) gets nothing back — its state was kept under another limit (a lowered
+//!   burst caps a token bucket's saved level), and a refund by the old one could give more than
+//!   the call took; so does every budget when more reloads came than are remembered (16). A
+//!   charge on top goes to the limiter in force. The job then says what the budgets stand at: its
+//!   reservation when no budget could take the difference.
+//!
+//! A settlement the store does not take (Redis away, or slower than `store.timeout_ms`) is tried
+//! again, with a growing pause on the server's clock, for up to [`TRIES_FOR`]. A try whose answer was lost may have
+//! been applied all the same — Redis ran the script, the answer came too late — so every try
+//! carries the settlement's mark, set in the same script, and a try that finds its mark set
+//! changes nothing: applied exactly once however often it is sent. A job waits for its
+//! settlement to land before it says what it was charged ([`Reserved::settle`]); a call answered
+//! at once says the settled price while the tries go on behind it ([`Reserved::settle_behind`]).
+//! A settlement given up on after a minute is logged and counted
+//! (`mcp_ratelimit_settlements_given_up_total`), and the reservation stands: the job says so;
+//! an answer already given said the settled price (after a lost answer nobody can know which
+//! stands, and a lost refund can only have charged more, never admitted more). A reservation
+//! dropped without being settled stands too: a door that does not settle charges what it
+//! reserved, as a fixed price always did.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::clock::{Nanos, SharedClock};
+use crate::config::Settle;
+use crate::guard::refusal_memory::RefusalMemory;
+use crate::limit::{Adjustment, Limiter, Taken};
+use crate::metrics::Metrics;
+use crate::store::Store;
+
+/// How long a settlement the store does not take is tried again: past a Redis restart or a
+/// failover, and well within the life of its mark ([`crate::store::MARK_LIVES`]).
+pub const TRIES_FOR: Duration = Duration::from_secs(60);
+/// The pause before the first try again; it doubles up to [`LONGEST_PAUSE`].
+const FIRST_PAUSE: Duration = Duration::from_millis(250);
+/// The longest pause between two tries.
+const LONGEST_PAUSE: Duration = Duration::from_secs(5);
+
+/// What the work behind a call came to, as far as its price goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Used {
+    /// The upstream reported using this many units.
+    Reported(u64),
+    /// The upstream never started the work: the job never left our queue (the server's own
+    /// refused submissions aside), the proxied call was never sent.
+    Nothing,
+    /// Nobody says: the reservation stands.
+    Unreported,
+}
+
+/// A call's price, reserved and settled, as the agent sees both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settled {
+    /// Units reserved before the call ran.
+    pub reserved: u64,
+    /// Units it was charged in the end: its settled price (a budget that had less left gave
+    /// what it had, and stands at empty).
+    pub charged: u64,
+}
+
+/// The limiter each of a call's budgets was decided by, by key, under every limits put in force
+/// since the call was charged (a reload each), oldest first: none when nothing was reloaded;
+/// `None` when more was reloaded than is remembered.
+pub type InForce = Box<dyn Fn() -> Option<Vec<Vec<(String, Limiter)>>> + Send + Sync>;
+
+/// A settlement's adjustment of each budget, as every try sends it, and what it says in the
+/// metrics: `refunded` or `charged`, and the units.
+struct Adjusting {
+    budgets: Vec<(String, Limiter, Adjustment)>,
+    how: (&'static str, u64),
+}
+
+/// The price an admitted call reserved, until it is settled.
+#[must_use = "a reservation dropped unsettled stands: the call is charged what it reserved"]
+pub struct Reserved {
+    tool: String,
+    units: u64,
+    settle: Settle,
+    store: Arc<dyn Store>,
+    /// The server's clock, which paces the tries again.
+    clock: SharedClock,
+    /// The budgets that took the reservation: each key, its limiter, and where the charge landed.
+    budgets: Vec<(String, Limiter, Taken)>,
+    /// The budgets' limiters now, if a reload changed them.
+    in_force: InForce,
+    metrics: Arc<Metrics>,
+    /// The memory of a shared store's refusals, which a refund makes stale for these keys.
+    refusals: Option<Arc<RefusalMemory>>,
+}
+
+impl std::fmt::Debug for Reserved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reserved").field("tool", &self.tool).field("units", &self.units).finish_non_exhaustive()
+    }
+}
+
+impl Reserved {
+    /// A reservation of `units` for a call of `tool`, taken in `budgets` on `store`; tries
+    /// again are paced by `clock`.
+    pub(super) fn new(
+        (tool, units, settle): (&str, u64, Settle),
+        (store, clock): (Arc<dyn Store>, SharedClock),
+        (budgets, in_force): (Vec<(String, Limiter, Taken)>, InForce),
+        metrics: Arc<Metrics>,
+        refusals: Option<Arc<RefusalMemory>>,
+    ) -> Self {
+        Self { tool: tool.to_owned(), units, settle, store, clock, budgets, in_force, metrics, refusals }
+    }
+
+    /// Units reserved.
+    pub fn units(&self) -> u64 {
+        self.units
+    }
+
+    /// What a call whose work came to `used` is charged (the table in the module doc).
+    pub fn charge_for(&self, used: Used) -> u64 {
+        match (self.settle, used) {
+            (Settle::Usage, Used::Reported(units)) => units,
+            // Work never started costs nothing, whoever is trusted to bill it.
+            (_, Used::Nothing) => 0,
+            (Settle::Usage, Used::Unreported) | (Settle::Reserved, _) => self.units,
+        }
+    }
+
+    /// Settles the reservation for work that came to `used`: the difference refunded, or
+    /// charged on top, in every budget that took it, tried until the store takes it. Returns
+    /// what was reserved and charged: the settled price once the store took it; when it would
+    /// not take it for [`TRIES_FOR`], the reservation, which then stands.
+    pub async fn settle(self, used: Used) -> Settled {
+        let (settled, adjusting) = self.settling(used);
+        let Some(adjusting) = adjusting else { return settled };
+        let mark = self.mark(&adjusting);
+        if self.try_once(&adjusting, &mark).await || self.keep_trying(&adjusting, &mark).await {
+            settled
+        } else {
+            Settled { charged: self.units, ..settled }
+        }
+    }
+
+    /// The same for an answer that cannot wait for a store that does not answer: one try, and
+    /// if the store does not take it, the same tries go on behind the answer, which says the
+    /// settled price they are making.
+    pub async fn settle_behind(self, used: Used) -> Settled {
+        let (settled, adjusting) = self.settling(used);
+        let Some(adjusting) = adjusting else { return settled };
+        let mark = self.mark(&adjusting);
+        if !self.try_once(&adjusting, &mark).await {
+            tokio::spawn(async move { self.keep_trying(&adjusting, &mark).await });
+        }
+        settled
+    }
+
+    /// What work that came to `used` settles to, and the adjustment of each budget that takes
+    /// it there (the module doc's rules); none when the price is the reservation, or no budget
+    /// can take the difference (the reservation then stands, and is what was charged).
+    fn settling(&self, used: Used) -> (Settled, Option<Adjusting>) {
+        let charged = self.charge_for(used);
+        let settled = Settled { reserved: self.units, charged };
+        let (how, units) = match charged.cmp(&self.units) {
+            _ if self.budgets.is_empty() => return (settled, None),
+            std::cmp::Ordering::Equal => return (settled, None),
+            std::cmp::Ordering::Less => ("refunded", self.units - charged),
+            std::cmp::Ordering::Greater => ("charged", charged - self.units),
+        };
+        let since = (self.in_force)();
+        let of = |plan: &[(String, Limiter)], key: &str| plan.iter().find(|(k, _)| k == key).map(|(_, l)| l.clone());
+        let budgets: Vec<(String, Limiter, Adjustment)> = self
+            .budgets
+            .iter()
+            .filter_map(|(key, limiter, taken)| {
+                if how == "charged" {
+                    // On top, now, by the limiter in force (if the call still draws on the budget;
+                    // by the one it was charged under when the reloads since are not all kept).
+                    let now = since.as_ref().and_then(|since| since.last());
+                    let current = now.map_or(Some(limiter.clone()), |plan| of(plan, key))?;
+                    return Some((key.clone(), current, Adjustment::Charge(units)));
+                }
+                // Given back only where the limit stayed the one the call was charged under.
+                let kept = since.as_ref()?.iter().all(|plan| of(plan, key).as_ref() == Some(limiter));
+                kept.then(|| (key.clone(), limiter.clone(), Adjustment::Return { units, taken: *taken }))
+            })
+            .collect();
+        if budgets.is_empty() {
+            // No budget can take the difference: the reservation stands, and is what was charged.
+            return (Settled { charged: self.units, ..settled }, None);
+        }
+        (settled, Some(Adjusting { budgets, how: (how, units) }))
+    }
+
+    /// The key of this settlement's mark, under the budgets' hash tag (the first key's, which
+    /// every key of one call shares), so a try sent again after a lost answer lands once.
+    fn mark(&self, adjusting: &Adjusting) -> String {
+        let first = adjusting.budgets.first().map_or("", |(key, _, _)| key.as_str());
+        format!("{first}:settled:{:016x}", rand::random::<u64>())
+    }
+
+    /// One try; whether the store took it.
+    async fn try_once(&self, adjusting: &Adjusting, mark: &str) -> bool {
+        let budgets: Vec<(&str, &Limiter, Adjustment)> =
+            adjusting.budgets.iter().map(|(key, limiter, by)| (key.as_str(), limiter, *by)).collect();
+        match self.store.adjust(&budgets, Some(mark)).await {
+            Ok(_) => {
+                let (how, units) = adjusting.how;
+                // A charge takes at most what a budget holds, whatever a report claims.
+                let most = budgets.iter().map(|(_, limiter, _)| limiter.capacity()).max().unwrap_or(0);
+                self.metrics.settled(&self.tool, how, units.min(most));
+                if let (true, Some(refusals)) = (how == "refunded", &self.refusals) {
+                    // Only time gave budget back until now: a refusal remembered for these keys
+                    // may be too long. (Other instances keep theirs until it runs out: they can
+                    // only refuse a little longer, never admit more.)
+                    refusals.forget(budgets.iter().map(|(key, _, _)| *key));
+                }
+                true
+            }
+            Err(error) => {
+                self.metrics.settlement_error(&self.tool);
+                tracing::debug!(target: "mcp_ratelimit::guard::settle", tool = %self.tool, reserved = self.units, %error, "could not settle a price yet: trying again");
+                false
+            }
+        }
+    }
+
+    /// Tries again, after a growing pause with jitter (a store back after an outage is not
+    /// met by every settlement at once), until the store takes it or [`TRIES_FOR`] has passed;
+    /// whether it landed.
+    async fn keep_trying(&self, adjusting: &Adjusting, mark: &str) -> bool {
+        let nanos = |d: Duration| Nanos::try_from(d.as_nanos()).unwrap_or(Nanos::MAX);
+        let until = self.clock.now().saturating_add(nanos(TRIES_FOR));
+        let mut pause = FIRST_PAUSE;
+        loop {
+            let next = self.clock.now().saturating_add(nanos(pause.mul_f64(rand::random_range(0.5..1.0))));
+            if next >= until {
+                break;
+            }
+            self.clock.sleep_until(next).await;
+            if self.try_once(adjusting, mark).await {
+                return true;
+            }
+            pause = (pause * 2).min(LONGEST_PAUSE);
+        }
+        self.metrics.settlement_given_up(&self.tool);
+        tracing::warn!(target: "mcp_ratelimit::guard::settle", tool = %self.tool, reserved = self.units, "could not settle a price: the reservation stands");
+        false
+    }
+}

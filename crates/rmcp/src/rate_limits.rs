@@ -1,0 +1,336 @@
+//! The limits as a library: one handle that gives every caller of your rmcp server (or of any
+//! axum app) a budget, charges each tool its cost, caps calls in flight, and explains every
+//! refusal in words an agent can act on.
+//!
+//! Build a [`RateLimits`] from a config ([`RateLimits::from_toml`], or a [`LimitsConfig`] you load or
+//! change in code) and the [`Catalogue`] of your tools, then use it in one or both places:
+//! - around your tools: [`LimitedRouter`](crate::limited::LimitedRouter) wraps an rmcp
+//!   `ToolRouter`, so `#[tool_handler(router = self.tools)]` guards every call;
+//! - in front of HTTP: [`RateLimits::http_layer`] names each caller and charges its coarse HTTP
+//!   budget, answering 429 with `Retry-After` and the RateLimit headers.
+//!
+//! ```
+//! use mcp_ratelimit_rmcp::config::Catalogue;
+//! use mcp_ratelimit_rmcp::RateLimits;
+//!
+//! # tokio_test_block_on(async {
+//! let tools = Catalogue::new().tool("search").job("render");
+//! let limits = RateLimits::from_toml(
+//!     r#"
+//!     [limits.caller]
+//!     algorithm = "token_bucket"
+//!     burst = 10
+//!     refill_per_sec = 0.5
+//!
+//!     [tools.search]
+//!     cost = 1
+//!
+//!     [tools.render]
+//!     cost = 5
+//!     "#,
+//!     tools,
+//! )
+//! .await?;
+//! assert!(limits.guard().enabled());
+//! # Ok::<(), mcp_ratelimit_rmcp::rate_limits::LimitsError>(())
+//! # }).unwrap();
+//! # fn tokio_test_block_on<F: std::future::Future>(f: F) -> F::Output {
+//! #     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(f)
+//! # }
+//! ```
+//!
+//! The limits run on their own: idle state is swept, and over Redis in-flight leases are renewed
+//! and operators' resets heard, in tasks that stop when the last clone of the handle is dropped.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tokio_util::sync::CancellationToken;
+
+use crate::http::front_door::IdentifyLayer;
+use crate::http::limit::HttpLimitLayer;
+use mcp_ratelimit_core::clock::{SharedClock, SystemClock};
+use mcp_ratelimit_core::config::{Backend, Catalogue, ConfigError, LimitsConfig};
+use mcp_ratelimit_core::guard::reuse::Reuse;
+use mcp_ratelimit_core::guard::{Guard, Worked};
+use mcp_ratelimit_core::identity::Identifier;
+use mcp_ratelimit_core::metrics::Metrics;
+use mcp_ratelimit_core::store::{MemoryStore, Store, StoreError};
+
+/// What a tool answers through rmcp: its response (a result, a task, an input request), or a
+/// JSON-RPC error; what identical calls share ([`RateLimits::reuse`]).
+pub type ToolAnswer = Result<rmcp::model::CallToolResponse, rmcp::ErrorData>;
+
+/// Why limits could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum LimitsError {
+    /// The config does not load or validate (the message names the key).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// `store.redis_ca_file` cannot be used.
+    #[error("`store.redis_ca_file`: {0}")]
+    RedisCa(String),
+    /// The shared limiter store did not answer.
+    #[error("the limiter store: {0}")]
+    Store(#[from] StoreError),
+    /// `store.backend` names a backend this build does not have.
+    #[error("`store.backend`: \"{0}\" needs the feature `{0}` of mcp-ratelimit-rmcp")]
+    NoBackend(&'static str),
+}
+
+/// The Redis store `config.store` names, connected.
+#[cfg(feature = "redis")]
+async fn redis_store(config: &LimitsConfig) -> Result<Arc<dyn Store>, LimitsError> {
+    let timeout = Duration::from_millis(config.store.timeout_ms);
+    let lease = Duration::from_millis(config.store.lease_ms);
+    let ca = config.store.redis_ca().map_err(LimitsError::RedisCa)?;
+    let redis = crate::redis::RedisStore::connect_trusting(&config.store.redis_url, timeout, ca).await?;
+    Ok(Arc::new(redis.with_lease(lease)))
+}
+
+/// Without the feature `redis`, a config that names it is refused when the limits start.
+#[cfg(not(feature = "redis"))]
+async fn redis_store(_config: &LimitsConfig) -> Result<Arc<dyn Store>, LimitsError> {
+    Err(LimitsError::NoBackend("redis"))
+}
+
+/// Everything that decides: the guard (budgets, costs, in-flight caps, loops), who callers are,
+/// the metrics, and the tools they are for. Cheap to clone: clones share one state.
+#[derive(Debug, Clone)]
+pub struct RateLimits {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    guard: Arc<Guard>,
+    identifier: Arc<ArcSwap<Identifier>>,
+    metrics: Arc<Metrics>,
+    catalogue: Catalogue,
+    clock: SharedClock,
+    /// Identical calls in flight sharing one piece of work, and answers kept for them.
+    reuse: Arc<Reuse<Worked<ToolAnswer>>>,
+    stop: CancellationToken,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl RateLimits {
+    /// The documented defaults plus `toml`, for the tools of `tools`, on the system clock.
+    pub async fn from_toml(toml: &str, tools: Catalogue) -> Result<Self, LimitsError> {
+        let config = LimitsConfig::from_toml(toml, &tools)?;
+        Self::start(&config, tools, SystemClock::shared()).await
+    }
+
+    /// The limits of `config` (checked against `tools`, as [`LimitsConfig::load`] did), with their
+    /// state where `store.backend` says (connecting to Redis when it says so), on `clock`.
+    ///
+    /// A config can be changed in code before it is used, and a call run through the one guarded
+    /// call ([`Guard::call`]) without MCP at all: a door says what differs for its tools, the work
+    /// is the tool (here on a manual clock, so the wait is exact):
+    ///
+    /// ```
+    /// use mcp_ratelimit_rmcp::clock::ManualClock;
+    /// use mcp_ratelimit_rmcp::config::{Catalogue, Limit, LimitsConfig};
+    /// use mcp_ratelimit_rmcp::guard::{Call, Called, Door, Refusal, Used, Worked};
+    /// use mcp_ratelimit_rmcp::identity::Caller;
+    /// use mcp_ratelimit_rmcp::limit::{Limiter, TokenBucket};
+    /// use mcp_ratelimit_rmcp::RateLimits;
+    ///
+    /// /// A search tool's door: nothing to refuse before charging, no usage reported.
+    /// struct Search;
+    ///
+    /// impl Door for Search {
+    ///     type Answer = String;
+    ///     type Place = ();
+    ///     fn before_charging(&self, _tool: &str, _caller: &Caller) -> Result<(), Refusal> {
+    ///         Ok(())
+    ///     }
+    ///     fn used(&self, _tool: &str, _answer: &String) -> Used {
+    ///         Used::Unreported
+    ///     }
+    ///     fn keepable(_answer: &String) -> Option<u64> {
+    ///         None
+    ///     }
+    /// }
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+    /// let tools = Catalogue::new().tool("search");
+    /// let mut config = LimitsConfig::from_toml("[tools.search]\ncost = 1\n", &tools)?;
+    /// // Three calls at once, then one every two seconds.
+    /// config.limits.caller = vec![Limit::enforced(Limiter::TokenBucket(TokenBucket::new(3, 0.5)))];
+    /// let clock = ManualClock::new();
+    /// let limits = RateLimits::start(&config, tools, clock.clone()).await?;
+    ///
+    /// let caller = limits.identifier().load().local();
+    /// for query in ["a", "b", "c", "d"] {
+    ///     let mut args = serde_json::Map::new();
+    ///     args.insert("q".into(), query.into());
+    ///     let call = Call { tool: "search", caller: &caller, args: &args, cancelled: Default::default() };
+    ///     let work = |_, _| async move { Worked::Answer(format!("results for {query}")) };
+    ///     match limits.guard().call(&Search, None, call, work).await {
+    ///         Called::Answered { answer, .. } => assert_eq!(answer, format!("results for {query}")),
+    ///         Called::Refused(refusal) => {
+    ///             assert_eq!(query, "d");
+    ///             assert_eq!(refusal.retry_after_ms, Some(2_000));
+    ///             assert!(refusal.message.contains("Wait 2 seconds"));
+    ///         }
+    ///         other => panic!("{other:?}"),
+    ///     }
+    /// }
+    /// # Ok::<(), mcp_ratelimit_rmcp::rate_limits::LimitsError>(())
+    /// # }).unwrap();
+    /// ```
+    pub async fn start(config: &LimitsConfig, tools: Catalogue, clock: SharedClock) -> Result<Self, LimitsError> {
+        let store: Arc<dyn Store> = match config.store.backend {
+            Backend::Memory => Arc::new(MemoryStore::on(clock.clone())),
+            Backend::Redis => redis_store(config).await?,
+        };
+        let metrics = Arc::new(Metrics::new(&tools));
+        let shared = store.is_shared();
+        let mut guard = Guard::new(store, clock.clone(), config, metrics.clone());
+        if shared {
+            guard = guard.insured_by(Arc::new(MemoryStore::on(clock.clone())), config);
+        }
+        let guard = Arc::new(guard);
+        let stop = CancellationToken::new();
+        let (entries, bytes) = (config.answers.max_entries, config.answers.max_bytes);
+        let reuse = Reuse::new(clock.clone(), metrics.clone(), entries, bytes);
+        let every = Duration::from_millis(config.store.sweep_interval_ms);
+        tokio::spawn(sweep_forever(guard.clone(), reuse.clone(), every, stop.clone()));
+        if let Some(every) = guard.store().renew_every() {
+            tokio::spawn(renew_forever(guard.clone(), every, stop.clone()));
+            tokio::spawn(hear_operators_forever(guard.clone(), stop.clone()));
+        }
+        let identifier = Arc::new(ArcSwap::from_pointee(Identifier::new(config)));
+        let inner = Inner { guard, identifier, metrics, catalogue: tools, clock, reuse, stop };
+        Ok(Self { inner: Arc::new(inner) })
+    }
+
+    /// Decides every call: [`Guard::call`] for a tool call (the one guarded call every door runs),
+    /// [`Guard::admit_http`] for a request.
+    pub fn guard(&self) -> &Arc<Guard> {
+        &self.inner.guard
+    }
+
+    /// Names callers from a request's headers and address (swapped whole by [`RateLimits::reload`]).
+    pub fn identifier(&self) -> &Arc<ArcSwap<Identifier>> {
+        &self.inner.identifier
+    }
+
+    /// What the limits decided, for a `/metrics` route ([`Metrics::render`]).
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.inner.metrics
+    }
+
+    /// The tools the limits are for.
+    pub fn catalogue(&self) -> &Catalogue {
+        &self.inner.catalogue
+    }
+
+    /// The clock every decision reads.
+    pub fn clock(&self) -> &SharedClock {
+        &self.inner.clock
+    }
+
+    /// Identical tool calls in flight sharing one piece of work, and the answers kept for them
+    /// (`[tools.NAME] coalesce`, `cache_ttl_ms`): every door's, through the one guarded call.
+    pub fn reuse(&self) -> &Arc<Reuse<Worked<ToolAnswer>>> {
+        &self.inner.reuse
+    }
+
+    /// Puts the limits, keys and tenants of `config` in force from the next decision on; usage
+    /// carries over (see [`Guard::reload`]).
+    pub fn reload(&self, config: &LimitsConfig) {
+        if self.inner.identifier.load().ids() != &mcp_ratelimit_core::identity::CallerIds::of(config) {
+            // Every budget hangs on a caller id: new ids are new, full budgets.
+            tracing::warn!(target: "mcp_ratelimit::rate_limits", "auth.id_secret changed: every key's caller id is new, so its budgets start afresh");
+        }
+        self.inner.guard.reload(config);
+        self.inner.identifier.store(Arc::new(Identifier::new(config)));
+    }
+
+    /// The tower layer for an axum app: names each caller ([`IdentifyLayer`]: its key's hash,
+    /// else its address; 401 when `auth.required` and the key is unknown), then charges its coarse
+    /// HTTP budget (`limits.http`) for every `POST` ([`HttpLimitLayer`]: 429 with `Retry-After`
+    /// and the RateLimit headers). Serve the app with `into_make_service_with_connect_info` so
+    /// callers without a key are told apart by address.
+    pub fn http_layer(&self) -> HttpLayer {
+        HttpLayer {
+            identify: IdentifyLayer::new(self.inner.identifier.clone()),
+            limit: HttpLimitLayer::new(self.inner.guard.clone()),
+        }
+    }
+
+    /// Stops the housekeeping tasks now rather than when the last clone is dropped.
+    pub fn stop(&self) {
+        self.inner.stop.cancel();
+    }
+}
+
+/// [`IdentifyLayer`] around [`HttpLimitLayer`]: what [`RateLimits::http_layer`] gives.
+#[derive(Debug, Clone)]
+pub struct HttpLayer {
+    identify: IdentifyLayer,
+    limit: HttpLimitLayer,
+}
+
+impl HttpLayer {
+    /// Charges requests of every method, not only `POST`: for an HTTP API that is not MCP.
+    pub fn every_method(self) -> Self {
+        Self { limit: self.limit.every_method(), ..self }
+    }
+}
+
+impl<S> tower::Layer<S> for HttpLayer {
+    type Service = <IdentifyLayer as tower::Layer<<HttpLimitLayer as tower::Layer<S>>::Service>>::Service;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        self.identify.layer(self.limit.layer(inner))
+    }
+}
+
+/// Forgets idle limiter state on a schedule, so memory stays bounded however many callers come.
+async fn sweep_forever(
+    guard: Arc<Guard>,
+    reuse: Arc<Reuse<Worked<ToolAnswer>>>,
+    every: Duration,
+    stop: CancellationToken,
+) {
+    mcp_ratelimit_core::clock::every(every, stop, || {
+        let (keys, answers) = (guard.sweep(), reuse.sweep());
+        if keys + answers > 0 {
+            tracing::debug!(target: "mcp_ratelimit::rate_limits", keys, answers, "swept idle limiter state and answers past their time");
+        }
+        std::future::ready(())
+    })
+    .await;
+}
+
+/// Renews the in-flight leases this instance holds in a shared store (at least every 10 ms).
+async fn renew_forever(guard: Arc<Guard>, every: Duration, stop: CancellationToken) {
+    mcp_ratelimit_core::clock::every(every.max(Duration::from_millis(10)), stop, || async {
+        if let Err(error) = guard.store().renew_leases().await {
+            tracing::warn!(target: "mcp_ratelimit::rate_limits", %error, "could not renew in-flight leases");
+        }
+    })
+    .await;
+}
+
+/// Forgets this instance's remembered refusals when an operator gave budget back through any
+/// instance's admin API (see `guard::operator`).
+async fn hear_operators_forever(guard: Arc<Guard>, stop: CancellationToken) {
+    let seen = std::sync::atomic::AtomicU64::new(0);
+    mcp_ratelimit_core::clock::every(mcp_ratelimit_core::guard::operator::HEAR_OPERATORS_EVERY, stop, || async {
+        match guard.hear_operators(seen.load(std::sync::atomic::Ordering::Relaxed)).await {
+            Ok(now) => seen.store(now, std::sync::atomic::Ordering::Relaxed),
+            Err(error) => tracing::debug!(target: "mcp_ratelimit::rate_limits", %error, "could not read the operators' refunds and resets"),
+        }
+    })
+    .await;
+}

@@ -1,0 +1,175 @@
+//! How a [`Refusal`] reaches an MCP client.
+//!
+//! A limit hit inside a tool call is a *tool result* with `isError: true`, never a JSON-RPC
+//! error: the text lands in the model's context and says, in whole seconds, how long to wait,
+//! and the same facts are in `structuredContent.error` for programs. A refused method that has
+//! no tool result to carry it (`tools/list`, `ping`, `tasks/get`) is a JSON-RPC error with the
+//! same structured data.
+
+use rmcp::ErrorData;
+use rmcp::model::{CallToolResult, ContentBlock, ErrorCode};
+
+use mcp_ratelimit_core::guard::reuse::Served;
+use mcp_ratelimit_core::guard::{Refusal, Settled, Warning};
+
+/// The `isError: true` tool result carrying the refusal's message and its structured error.
+pub fn tool_result(refusal: &Refusal) -> CallToolResult {
+    let mut result = CallToolResult::error(vec![ContentBlock::text(refusal.message.clone())]);
+    result.structured_content = Some(refusal.to_json());
+    result
+}
+
+/// The refusal an `isError` tool result carries (what [`tool_result`] wrote), for whoever sees
+/// only results; `None` for any other result.
+pub fn refusal_in(result: &CallToolResult) -> Option<Refusal> {
+    if result.is_error != Some(true) {
+        return None;
+    }
+    Refusal::from_json(result.structured_content.as_ref()?)
+}
+
+/// A refused method as a JSON-RPC error (`-32000`) with the structured error as its data.
+pub fn method_error(refusal: &Refusal) -> ErrorData {
+    let data = refusal.to_json().get("error").cloned();
+    ErrorData::new(ErrorCode(-32000), refusal.message.clone(), data)
+}
+
+/// Whose answer a result is, which decides where what we add to it goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    /// One of our own tools': what we add goes in its `structuredContent`, which its
+    /// `outputSchema` admits (and warnings in its text too).
+    Ours,
+    /// Another server's (behind the proxy) or a forker's tool's (through `LimitedRouter`): its
+    /// `content` and `structuredContent` are left exactly as they were (they must still validate
+    /// against its `outputSchema`), and what we add goes in `_meta`, under [`META_PREFIX`].
+    Theirs,
+}
+
+/// The prefix of the `_meta` keys we add to a result we did not write
+/// (`io.github.mcp-ratelimit/cached`, `…/coalesced`, `…/warnings`, `…/reserved`, `…/charged`):
+/// a reverse-DNS name of our own, as the MCP spec asks of `_meta` keys.
+pub const META_PREFIX: &str = "io.github.mcp-ratelimit/";
+
+/// A tool result that also tells the agent which limits it is close to, so it can plan before
+/// it is refused: ours in its text and as `structuredContent.warnings`; theirs as
+/// `_meta["io.github.mcp-ratelimit/warnings"]`.
+pub fn with_warnings(mut done: CallToolResult, warnings: &[Warning], whose: Answer) -> CallToolResult {
+    if whose == Answer::Ours {
+        for warning in warnings {
+            done.content.push(ContentBlock::text(warning.sentence()));
+        }
+    }
+    said(done, &[("warnings", serde_json::json!(warnings))], whose)
+}
+
+/// The size of `done`'s JSON when it may be kept for identical calls (`cache_ttl_ms`): a
+/// successful result only, never an `isError` one (a refusal or the upstream's failure).
+pub fn keepable(done: &CallToolResult) -> Option<u64> {
+    if done.is_error == Some(true) {
+        return None;
+    }
+    serde_json::to_vec(done).ok().map(|json| json.len() as u64)
+}
+
+/// A result another call's request answered says so: `cached: true` (a kept answer) or
+/// `coalesced: true` (an identical call's, in flight), where `said` puts it.
+pub fn reused(done: CallToolResult, served: Served, whose: Answer) -> CallToolResult {
+    let Some(how) = served.saved() else { return done };
+    said(done, &[(how, serde_json::Value::Bool(true))], whose)
+}
+
+/// A result that says what its call reserved and was charged (`reserved`, `charged`), where
+/// `said` puts it.
+pub fn priced(done: CallToolResult, settled: Settled, whose: Answer) -> CallToolResult {
+    said(done, &[("reserved", settled.reserved.into()), ("charged", settled.charged.into())], whose)
+}
+
+/// `done` with `facts` added where `whose` answer it is allows: an answer of ours in its
+/// `structuredContent` (an object: ours always is); anything else in `_meta`, each key prefixed
+/// with [`META_PREFIX`], beside whatever `_meta` it had.
+fn said(mut done: CallToolResult, facts: &[(&str, serde_json::Value)], whose: Answer) -> CallToolResult {
+    if whose == Answer::Ours
+        && let Some(serde_json::Value::Object(structured)) = &mut done.structured_content
+    {
+        for (key, value) in facts {
+            structured.insert((*key).into(), value.clone());
+        }
+        return done;
+    }
+    let mut meta = done.meta.take().unwrap_or_default();
+    for (key, value) in facts {
+        meta.0.insert(format!("{META_PREFIX}{key}"), value.clone());
+    }
+    done.meta = Some(meta);
+    done
+}
+
+/// `done` without any `_meta` key under our [`META_PREFIX`]: what a proxied server says there is
+/// not ours to vouch for (a `charged: 0` of its own would read as our price), so only what we
+/// add (`said`) is there.
+pub fn without_ours(mut done: CallToolResult) -> CallToolResult {
+    if let Some(meta) = &mut done.meta {
+        meta.0.retain(|key, _| !key.starts_with(META_PREFIX));
+    }
+    done
+}
+
+/// The units the upstream reports a result used: `structuredContent.usage.units`, else
+/// `_meta.usage.units` (where a server that has no structured output can say it).
+pub fn usage_in(done: &CallToolResult) -> Option<u64> {
+    let structured = done.structured_content.as_ref().and_then(|s| s.get("usage"));
+    structured.or_else(|| meta_usage(done))?.get("units")?.as_u64()
+}
+
+/// The units a result reports in `_meta.usage.units` only: where a proxied server that the
+/// operator trusts to bill (`[tools.NAME] settle = "usage"`) says it. Never its
+/// `structuredContent`, which may echo what the caller sent.
+pub fn usage_in_meta(done: &CallToolResult) -> Option<u64> {
+    meta_usage(done)?.get("units")?.as_u64()
+}
+
+fn meta_usage(done: &CallToolResult) -> Option<&serde_json::Value> {
+    done.meta.as_ref().and_then(|m| m.0.get("usage"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_result_gives_back_the_refusal_it_carries() {
+        let busy = Refusal::busy("generate_image", "in_flight:caller:x".into(), 5);
+        let rate = Refusal::rate_limited("list_articles", "caller:x".into(), 60, 0, 1_000_000_000);
+        for refusal in [busy, rate] {
+            let result = tool_result(&refusal);
+            assert_eq!(result.is_error, Some(true));
+            assert_eq!(refusal_in(&result), Some(refusal));
+        }
+        let ok = CallToolResult::success(vec![ContentBlock::text("fine")]);
+        assert_eq!(refusal_in(&ok), None);
+    }
+
+    #[test]
+    fn usage_is_read_from_structured_content_or_meta_and_the_price_is_said_beside_it() {
+        let mut structured = CallToolResult::structured(serde_json::json!({"usage": {"units": 7}}));
+        assert_eq!(usage_in(&structured), Some(7));
+        assert_eq!(usage_in_meta(&structured), None, "a proxied server's structured content may echo its caller");
+        structured = priced(structured, Settled { reserved: 9, charged: 7 }, Answer::Ours);
+        let said = structured.structured_content.as_ref().expect("structured");
+        assert_eq!((said["reserved"].clone(), said["charged"].clone()), (9.into(), 7.into()));
+        let mut text = CallToolResult::success(vec![ContentBlock::text("fine")]);
+        assert_eq!(usage_in(&text), None, "nothing reported");
+        let mut meta = rmcp::model::MetaObject::default();
+        meta.0.insert("usage".into(), serde_json::json!({"units": 3}));
+        text.meta = Some(meta);
+        assert_eq!(usage_in(&text), Some(3));
+        assert_eq!(usage_in_meta(&text), Some(3));
+        let text = priced(text, Settled { reserved: 5, charged: 3 }, Answer::Theirs);
+        assert_eq!(text.structured_content, None, "another server's result keeps its shape");
+        let charged = text.meta.as_ref().map(|m| m.0["io.github.mcp-ratelimit/charged"].clone());
+        assert_eq!(charged, Some(3.into()));
+        let negative = CallToolResult::structured(serde_json::json!({"usage": {"units": -2}}));
+        assert_eq!(usage_in(&negative), None, "not a count of units");
+    }
+}
