@@ -8,7 +8,7 @@
 use std::net::SocketAddr;
 
 use axum::routing::get;
-use mcp_ratelimit::{Catalogue, RateLimits};
+use mcp_ratelimit_rmcp::{Catalogue, RateLimits};
 
 /// Each caller: 3 requests at once, refilled at one every 5 seconds.
 const LIMITS: &str = r#"

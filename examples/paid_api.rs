@@ -36,14 +36,15 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use mcp_ratelimit::breaker::Breaker;
-use mcp_ratelimit::clock::{NANOS_PER_SEC, Nanos, SharedClock, ceil_ms};
-use mcp_ratelimit::guard::Refusal;
-use mcp_ratelimit::identity::Caller;
-use mcp_ratelimit::mcp::limited::ToolRules;
-use mcp_ratelimit::mcp::results;
+// The library (mcp-ratelimit-rmcp, which re-exports the core), and one helper of the server's.
 use mcp_ratelimit::upstream::backoff::parse_retry_after;
-use mcp_ratelimit::{Catalogue, LimitedRouter, RateLimits};
+use mcp_ratelimit_rmcp::breaker::Breaker;
+use mcp_ratelimit_rmcp::clock::{NANOS_PER_SEC, Nanos, SharedClock, ceil_ms};
+use mcp_ratelimit_rmcp::guard::Refusal;
+use mcp_ratelimit_rmcp::identity::Caller;
+use mcp_ratelimit_rmcp::limited::ToolRules;
+use mcp_ratelimit_rmcp::results;
+use mcp_ratelimit_rmcp::{Catalogue, LimitedRouter, RateLimits};
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::CallToolResult;
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;

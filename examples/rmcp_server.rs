@@ -8,7 +8,7 @@
 
 use std::net::SocketAddr;
 
-use mcp_ratelimit::{Catalogue, LimitedRouter, RateLimits};
+use mcp_ratelimit_rmcp::{Catalogue, LimitedRouter, RateLimits};
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};

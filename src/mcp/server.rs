@@ -233,8 +233,8 @@ impl ToolRules for PaidTools {
         }
     }
 
-    fn whose(&self) -> limited::Answer {
-        limited::Answer::Ours
+    fn add_to(&self) -> limited::AddTo {
+        limited::AddTo::StructuredContent
     }
 
     /// A job tool's queue place goes to the tool, which hands it to its job.

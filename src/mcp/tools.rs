@@ -630,7 +630,9 @@ impl McpServer {
             Err(e) => {
                 let refusal = upstream_refusal(tool, e);
                 match reservation {
-                    Some(reservation) => Ok(limited::settled(refusal, reservation, limited::Answer::Ours).await),
+                    Some(reservation) => {
+                        Ok(limited::settled(refusal, reservation, limited::AddTo::StructuredContent).await)
+                    }
                     None => Ok(refusal),
                 }
             }

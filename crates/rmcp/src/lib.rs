@@ -21,5 +21,6 @@ pub use mcp_ratelimit_core::{activity, breaker, clock, config, guard, identity, 
 #[cfg(feature = "redis")]
 pub use mcp_ratelimit_redis as redis;
 
+pub use config::{Catalogue, LimitsConfig};
 pub use limited::LimitedRouter;
 pub use rate_limits::RateLimits;

@@ -31,7 +31,7 @@ use rmcp::{ErrorData, RoleServer};
 
 use crate::rate_limits::RateLimits;
 use crate::results;
-pub use crate::results::Answer;
+pub use crate::results::AddTo;
 use mcp_ratelimit_core::config::ToolPolicy;
 use mcp_ratelimit_core::guard::{Admitted, Call, Called, Door, Policy, Refusal, Reserved, Used, Worked};
 use mcp_ratelimit_core::identity::Caller;
@@ -79,10 +79,10 @@ pub trait ToolRules: Send + Sync {
         refusal_in(answer)
     }
 
-    /// Whose answers these are: ours (what we add goes in `structuredContent`, which our
-    /// `outputSchema`s admit) or, by default, another's (in `_meta`, its answer left as it was).
-    fn whose(&self) -> Answer {
-        Answer::Theirs
+    /// Where what the guard adds to these tools' results goes: by default `_meta`, the result
+    /// left as it was; `structuredContent` for tools whose `outputSchema`s admit what we add.
+    fn add_to(&self) -> AddTo {
+        AddTo::Meta
     }
 
     /// Hands what the call held since before charging to the tool, through the request's
@@ -267,23 +267,23 @@ where
     let caller = caller_of(limits, context)?;
     let asked = Asked { supports_tasks: context.client_capabilities().is_some_and(|c| c.supports_tasks()) };
     let call = Call { tool, caller: &caller, args: arguments, cancelled: context.ct.clone() };
-    let whose = door.whose();
+    let add_to = door.add_to();
     match limits.guard().call(&Tools(door), Some(limits.reuse()), call, work).await {
         Called::Refused(refusal) => Ok(results::tool_result(&refusal).into()),
         Called::RefusedAfter { refusal, settled } => {
             let done = results::tool_result(&refusal);
-            Ok(settled.map_or(done.clone(), |settled| results::priced(done, settled, Answer::Ours)).into())
+            Ok(settled.map_or(done.clone(), |settled| results::priced(done, settled, AddTo::StructuredContent)).into())
         }
         Called::Answered { answer: Ok(CallToolResponse::Complete(done)), served, settled, warnings } => {
-            let mut done = results::reused(done, served, whose);
+            let mut done = results::reused(done, served, add_to);
             if let Some(settled) = settled {
                 // Another's answer is left as it was unless its own usage report moved the price.
-                if whose == Answer::Ours || settled.charged != settled.reserved {
-                    done = results::priced(done, settled, whose);
+                if add_to == AddTo::StructuredContent || settled.charged != settled.reserved {
+                    done = results::priced(done, settled, add_to);
                 }
             }
             if !warnings.is_empty() && done.is_error != Some(true) {
-                done = results::with_warnings(done, &warnings, whose);
+                done = results::with_warnings(done, &warnings, add_to);
             }
             door.finish(&caller, tool, CallToolResponse::Complete(done), &asked)
         }
@@ -326,20 +326,20 @@ pub fn used_in(done: &CallToolResult) -> Used {
 }
 
 /// `done`, the answer to a call that reserved `reservation`, with the price settled from what it
-/// says was used ([`used_in`]) and said in it as `whose` answer it is allows.
-pub async fn settled(done: CallToolResult, reservation: Reserved, whose: Answer) -> CallToolResult {
+/// says was used ([`used_in`]) and said in it where `add_to` says.
+pub async fn settled(done: CallToolResult, reservation: Reserved, add_to: AddTo) -> CallToolResult {
     let used = used_in(&done);
-    settled_as(done, reservation, used, whose).await
+    settled_as(done, reservation, used, add_to).await
 }
 
 /// `done` with the price `reservation` holds settled for work that came to `used` (what the door
 /// knows better than the answer: a call never sent did nothing), said as [`settled`] says it.
-pub async fn settled_as(done: CallToolResult, reservation: Reserved, used: Used, whose: Answer) -> CallToolResult {
+pub async fn settled_as(done: CallToolResult, reservation: Reserved, used: Used, add_to: AddTo) -> CallToolResult {
     let settled = reservation.settle_behind(used).await;
-    match whose {
+    match add_to {
         // Another's answer is left as it was unless its own usage report moved the price.
-        Answer::Theirs if settled.charged == settled.reserved => done,
-        whose => results::priced(done, settled, whose),
+        AddTo::Meta if settled.charged == settled.reserved => done,
+        add_to => results::priced(done, settled, add_to),
     }
 }
 

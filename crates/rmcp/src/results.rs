@@ -34,16 +34,17 @@ pub fn method_error(refusal: &Refusal) -> ErrorData {
     ErrorData::new(ErrorCode(-32000), refusal.message.clone(), data)
 }
 
-/// Whose answer a result is, which decides where what we add to it goes.
+/// Where what the guard adds to a result goes (warnings, a settled price, whether it was
+/// shared), which depends on add_to result it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Answer {
-    /// One of our own tools': what we add goes in its `structuredContent`, which its
-    /// `outputSchema` admits (and warnings in its text too).
-    Ours,
-    /// Another server's (behind the proxy) or a forker's tool's (through `LimitedRouter`): its
-    /// `content` and `structuredContent` are left exactly as they were (they must still validate
-    /// against its `outputSchema`), and what we add goes in `_meta`, under [`META_PREFIX`].
-    Theirs,
+pub enum AddTo {
+    /// Its `structuredContent` (and warnings in its text too): for one of the reference server's
+    /// own tools, add_to `outputSchema` admits what we add.
+    StructuredContent,
+    /// Its `_meta`, under [`META_PREFIX`]: for another server's result (behind the proxy) or a
+    /// forker's tool's (through `LimitedRouter`), add_to `content` and `structuredContent` are
+    /// left exactly as they were (they must still validate against its `outputSchema`).
+    Meta,
 }
 
 /// The prefix of the `_meta` keys we add to a result we did not write
@@ -54,13 +55,13 @@ pub const META_PREFIX: &str = "io.github.mcp-ratelimit/";
 /// A tool result that also tells the agent which limits it is close to, so it can plan before
 /// it is refused: ours in its text and as `structuredContent.warnings`; theirs as
 /// `_meta["io.github.mcp-ratelimit/warnings"]`.
-pub fn with_warnings(mut done: CallToolResult, warnings: &[Warning], whose: Answer) -> CallToolResult {
-    if whose == Answer::Ours {
+pub fn with_warnings(mut done: CallToolResult, warnings: &[Warning], add_to: AddTo) -> CallToolResult {
+    if add_to == AddTo::StructuredContent {
         for warning in warnings {
             done.content.push(ContentBlock::text(warning.sentence()));
         }
     }
-    said(done, &[("warnings", serde_json::json!(warnings))], whose)
+    said(done, &[("warnings", serde_json::json!(warnings))], add_to)
 }
 
 /// The size of `done`'s JSON when it may be kept for identical calls (`cache_ttl_ms`): a
@@ -74,22 +75,22 @@ pub fn keepable(done: &CallToolResult) -> Option<u64> {
 
 /// A result another call's request answered says so: `cached: true` (a kept answer) or
 /// `coalesced: true` (an identical call's, in flight), where `said` puts it.
-pub fn reused(done: CallToolResult, served: Served, whose: Answer) -> CallToolResult {
+pub fn reused(done: CallToolResult, served: Served, add_to: AddTo) -> CallToolResult {
     let Some(how) = served.saved() else { return done };
-    said(done, &[(how, serde_json::Value::Bool(true))], whose)
+    said(done, &[(how, serde_json::Value::Bool(true))], add_to)
 }
 
 /// A result that says what its call reserved and was charged (`reserved`, `charged`), where
 /// `said` puts it.
-pub fn priced(done: CallToolResult, settled: Settled, whose: Answer) -> CallToolResult {
-    said(done, &[("reserved", settled.reserved.into()), ("charged", settled.charged.into())], whose)
+pub fn priced(done: CallToolResult, settled: Settled, add_to: AddTo) -> CallToolResult {
+    said(done, &[("reserved", settled.reserved.into()), ("charged", settled.charged.into())], add_to)
 }
 
-/// `done` with `facts` added where `whose` answer it is allows: an answer of ours in its
+/// `done` with `facts` added where `add_to` answer it is allows: an answer of ours in its
 /// `structuredContent` (an object: ours always is); anything else in `_meta`, each key prefixed
 /// with [`META_PREFIX`], beside whatever `_meta` it had.
-fn said(mut done: CallToolResult, facts: &[(&str, serde_json::Value)], whose: Answer) -> CallToolResult {
-    if whose == Answer::Ours
+fn said(mut done: CallToolResult, facts: &[(&str, serde_json::Value)], add_to: AddTo) -> CallToolResult {
+    if add_to == AddTo::StructuredContent
         && let Some(serde_json::Value::Object(structured)) = &mut done.structured_content
     {
         for (key, value) in facts {
@@ -155,7 +156,7 @@ mod tests {
         let mut structured = CallToolResult::structured(serde_json::json!({"usage": {"units": 7}}));
         assert_eq!(usage_in(&structured), Some(7));
         assert_eq!(usage_in_meta(&structured), None, "a proxied server's structured content may echo its caller");
-        structured = priced(structured, Settled { reserved: 9, charged: 7 }, Answer::Ours);
+        structured = priced(structured, Settled { reserved: 9, charged: 7 }, AddTo::StructuredContent);
         let said = structured.structured_content.as_ref().expect("structured");
         assert_eq!((said["reserved"].clone(), said["charged"].clone()), (9.into(), 7.into()));
         let mut text = CallToolResult::success(vec![ContentBlock::text("fine")]);
@@ -165,7 +166,7 @@ mod tests {
         text.meta = Some(meta);
         assert_eq!(usage_in(&text), Some(3));
         assert_eq!(usage_in_meta(&text), Some(3));
-        let text = priced(text, Settled { reserved: 5, charged: 3 }, Answer::Theirs);
+        let text = priced(text, Settled { reserved: 5, charged: 3 }, AddTo::Meta);
         assert_eq!(text.structured_content, None, "another server's result keeps its shape");
         let charged = text.meta.as_ref().map(|m| m.0["io.github.mcp-ratelimit/charged"].clone());
         assert_eq!(charged, Some(3.into()));
