@@ -68,6 +68,9 @@ pub enum PredictionKind {
     Video,
 }
 
+/// How long a video is when its submission does not say (`NewPrediction::seconds`).
+pub const DEFAULT_VIDEO_SECONDS: u32 = 5;
+
 /// Body of `POST /v1/predictions`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NewPrediction {
