@@ -58,7 +58,8 @@ pub struct SavedArticle {
     pub usage: Option<Usage>,
 }
 
-/// What kind of job a prediction is.
+/// What kind of job a prediction is, as the paid API's wire says it. The queue and the job book
+/// know jobs by their class instead ([`crate::upstream::classes`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum PredictionKind {
