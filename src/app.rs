@@ -32,6 +32,7 @@ use crate::rate_limits::{LimitsError, RateLimits};
 use crate::state::{AppState, OwnTools};
 use crate::upstream::adaptive::AdaptiveLimit;
 use crate::upstream::backoff::{Backoff, RetryBudget};
+use crate::upstream::classes::JobClasses;
 use crate::upstream::jobs::{JobRules, Jobs};
 use crate::upstream::queue::{FairQueue, QueueRules};
 use crate::upstream::{ClientError, Upstream};
@@ -107,8 +108,7 @@ impl App {
         let catalogue = crate::mcp::tools::catalogue();
         let stop = CancellationToken::new();
         let rules = JobRules {
-            image_hint: up.image_poll_seconds.saturating_mul(NANOS_PER_SEC),
-            video_hint: up.video_poll_seconds.saturating_mul(NANOS_PER_SEC),
+            turnover: up.image_poll_seconds.saturating_mul(NANOS_PER_SEC),
             expiry: up.job_expiry_seconds.saturating_mul(NANOS_PER_SEC),
             backoff: Backoff::new(up.max_attempts, Duration::from_millis(up.max_retry_after_ms)),
             refresh_wait: timeout.saturating_add(Duration::from_secs(1)),
@@ -117,7 +117,7 @@ impl App {
         let store = limits.guard().store().clone();
         let queue = Arc::new(
             FairQueue::new(
-                QueueRules::new(up.max_in_flight, ms(up.video_min_gap_ms), up.queue_max, up.video_queue_max)
+                QueueRules::new(up.max_in_flight, up.queue_max, JobClasses::from_config(up))
                     .unverified_share(up.unverified_slots(), up.unverified_places()),
                 clock.clone(),
             )

@@ -257,7 +257,7 @@ impl DashboardData {
                 account_ceiling: app.behind.ceiling(),
                 queue_waiting: occupancy.waiting,
                 queue_max: upstream.queue_max,
-                videos_waiting: occupancy.videos_waiting,
+                videos_waiting: occupancy.waiting_of(crate::upstream::classes::VIDEO),
                 videos_max: upstream.video_queue_max,
             },
             saved: app.limits.reuse().saved(),

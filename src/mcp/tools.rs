@@ -1,19 +1,26 @@
 //! The tools: thin wrappers over the paid API, each with a schema that states its limits.
 //!
+//! Each tool is declared once, in [`TOOLS`]: its name, what it reaches (the paid API, a job of
+//! which class, or only the caller's own state), whether asking again can be a loop, its arguments
+//! type and its `#[tool]` method. That one entry builds rmcp's router, the [`catalogue`] the
+//! limits are checked against, the argument checks and the refusals before anything is charged
+//! ([`validate_arguments`], `before_charging`) and the loop exemption (`loop_exempt`).
+//!
 //! Tools never check budgets themselves: the one guarded call ([`crate::guard::call`], under
-//! [`PaidTools`](super::server::PaidTools)' rules) has already validated their arguments (see
-//! [`validate_arguments`]) and charged the caller before a tool
-//! body runs. A tool only turns upstream answers into results, and upstream failures into
-//! refusals that carry the wait. The two job tools take over what the admission holds (their
-//! in-flight slots) and hand it to the job, which gives it back when the job is final.
+//! [`PaidTools`](super::server::PaidTools)' rules) has already validated their arguments and
+//! charged the caller before a tool body runs. A tool only turns upstream answers into results,
+//! and upstream failures into refusals that carry the wait. The job tools take over what the
+//! admission holds (their in-flight slots) and hand it to the job, which gives it back when the
+//! job is final.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use rmcp::handler::server::router::tool::{ToolRoute, ToolRouter};
 use rmcp::handler::server::tool::Extension;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{CallToolResult, ContentBlock, JsonObject};
-use rmcp::{ErrorData, tool, tool_router};
+use rmcp::{ErrorData, tool};
 use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -27,41 +34,164 @@ use crate::mcp::{limited, results};
 use crate::state::OwnTools;
 use crate::upstream::UpstreamError;
 use crate::upstream::api::{ArticlePage, NewArticle, NewPrediction, PredictionKind, PredictionStatus};
+use crate::upstream::classes::{ClassId, IMAGE, VIDEO};
 use crate::upstream::jobs::{JobView, Owner};
 use crate::upstream::queue::{QueueFull, Reservation};
 
-/// The tools this server offers, as its limits must know them: read from the tool router, so a
-/// tool added below is in the catalogue (and needs a cost in the config) without another list.
+/// What a tool reaches, as the limits and the checks before charging must know it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reach {
+    /// One request to the paid API, answered when it returns: refused before anything is charged
+    /// while the API's circuit breaker is open.
+    Upstream,
+    /// A job of this class on the paid API: refused before anything is charged while the breaker
+    /// is open or the account's queue has no place for it; the call holds the caller's in-flight
+    /// slots until the job is final.
+    Job(ClassId),
+    /// Only the caller's own state (its jobs, its budgets): two callers asking the same get
+    /// different answers.
+    Caller,
+}
+
+/// Whether asking the same again can be a loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Repeats {
+    /// The same call again counts towards a loop.
+    Loop,
+    /// Never a loop: asking again is how it is meant to be used, and its answer changes with time.
+    Never,
+    /// Never a loop while the job its `predict_id` names is pending: a poll is answered with the
+    /// wait left, however often it comes. Re-reading a final job is a loop: its answer will not
+    /// change.
+    WhileJobPending,
+}
+
+/// One tool of ours, declared once: everything the router, the catalogue, the checks before
+/// charging and loop detection read of it.
+pub struct Declaration {
+    /// Its name: the name of its `#[tool]` method.
+    pub name: &'static str,
+    /// What it reaches.
+    pub reach: Reach,
+    /// Whether asking the same again can be a loop.
+    pub repeats: Repeats,
+    /// Its arguments checked before anything is charged (their schema, and the limits the
+    /// schema cannot say), answered in canonical form: `parse::<T>` of the arguments type `T`
+    /// its method takes, or `Err` with what is wrong.
+    pub check: fn(Option<&JsonObject>) -> Result<serde_json::Value, String>,
+    /// Its `#[tool]` method (its description, schemas and annotations), as rmcp routes it.
+    pub route: fn() -> ToolRoute<McpServer>,
+}
+
+impl std::fmt::Debug for Declaration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Declaration")
+            .field("name", &self.name)
+            .field("reach", &self.reach)
+            .field("repeats", &self.repeats)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Our tools, each declared once. A tool added is an entry here, its arguments type and its
+/// `#[tool]` method below — and a `[tools.NAME]` price in `config.toml`.
+pub static TOOLS: &[Declaration] = &[
+    Declaration {
+        name: "list_articles",
+        reach: Reach::Upstream,
+        repeats: Repeats::Loop,
+        check: parse::<ListArticlesArgs>,
+        route: || ToolRoute::new(McpServer::list_articles_tool_attr(), McpServer::list_articles),
+    },
+    Declaration {
+        name: "save_article",
+        reach: Reach::Upstream,
+        repeats: Repeats::Loop,
+        check: parse::<SaveArticleArgs>,
+        route: || ToolRoute::new(McpServer::save_article_tool_attr(), McpServer::save_article),
+    },
+    Declaration {
+        name: "generate_image",
+        reach: Reach::Job(IMAGE),
+        repeats: Repeats::Loop,
+        check: parse::<GenerateImageArgs>,
+        route: || ToolRoute::new(McpServer::generate_image_tool_attr(), McpServer::generate_image),
+    },
+    Declaration {
+        name: "generate_image_to_video",
+        reach: Reach::Job(VIDEO),
+        repeats: Repeats::Loop,
+        check: parse::<GenerateVideoArgs>,
+        route: || ToolRoute::new(McpServer::generate_image_to_video_tool_attr(), McpServer::generate_image_to_video),
+    },
+    Declaration {
+        name: "get_prediction",
+        reach: Reach::Caller,
+        repeats: Repeats::WhileJobPending,
+        check: parse::<PredictionArgs>,
+        route: || ToolRoute::new(McpServer::get_prediction_tool_attr(), McpServer::get_prediction),
+    },
+    Declaration {
+        name: "cancel_prediction",
+        reach: Reach::Caller,
+        repeats: Repeats::Loop,
+        check: parse::<PredictionArgs>,
+        route: || ToolRoute::new(McpServer::cancel_prediction_tool_attr(), McpServer::cancel_prediction),
+    },
+    Declaration {
+        name: "rate_limit_status",
+        reach: Reach::Caller,
+        repeats: Repeats::Never,
+        check: parse::<NoArgs>,
+        route: || ToolRoute::new(McpServer::rate_limit_status_tool_attr(), McpServer::rate_limit_status),
+    },
+];
+
+/// The declaration of `tool`, if it is one of ours.
+fn declared(tool: &str) -> Option<&'static Declaration> {
+    TOOLS.iter().find(|d| d.name == tool)
+}
+
+impl McpServer {
+    /// rmcp's router of our tools, built from their declarations ([`TOOLS`]).
+    pub(crate) fn tool_router() -> ToolRouter<Self> {
+        TOOLS.iter().fold(ToolRouter::new(), |router, tool| router.with_route((tool.route)()))
+    }
+}
+
+/// The tools this server offers, as its limits must know them, from their declarations
+/// ([`TOOLS`]): a tool declared is in the catalogue (and needs a cost in the config).
 pub fn catalogue() -> Catalogue {
-    McpServer::tool_router().list_all().into_iter().fold(Catalogue::new(), |catalogue, tool| {
+    TOOLS.iter().fold(Catalogue::new(), |catalogue, tool| {
         // A price formula may read only the arguments a tool takes.
-        let arguments: Vec<String> = tool
+        let route = (tool.route)();
+        let arguments: Vec<String> = route
+            .attr
             .input_schema
             .get("properties")
             .and_then(|p| p.as_object())
             .map(|p| p.keys().cloned().collect())
             .unwrap_or_default();
-        let catalogue = catalogue.arguments(tool.name.to_string(), arguments);
-        if starts_job(&tool.name) {
-            catalogue.job(tool.name)
-        } else if needs_upstream(&tool.name) {
-            catalogue.tool(tool.name)
-        } else {
-            // get_prediction, cancel_prediction, rate_limit_status: the caller's jobs and budgets.
-            catalogue.own_answer(tool.name)
+        let catalogue = catalogue.arguments(tool.name, arguments);
+        match tool.reach {
+            Reach::Upstream => catalogue.tool(tool.name),
+            Reach::Job(_) => catalogue.job(tool.name),
+            Reach::Caller => catalogue.own_answer(tool.name),
         }
     })
 }
 
 /// Whether `tool` starts a job that holds in-flight slots until it is final.
 pub fn starts_job(tool: &str) -> bool {
-    matches!(tool, "generate_image" | "generate_image_to_video")
+    job_class(tool).is_some()
 }
 
-/// Whether `tool` has to reach the upstream to do anything (refused at once while the
-/// circuit breaker is open, before anything is charged).
-fn needs_upstream(tool: &str) -> bool {
-    matches!(tool, "list_articles" | "save_article" | "generate_image" | "generate_image_to_video")
+/// The class of the jobs `tool` starts, if it starts any.
+pub(crate) fn job_class(tool: &str) -> Option<ClassId> {
+    match declared(tool)?.reach {
+        Reach::Job(class) => Some(class),
+        Reach::Upstream | Reach::Caller => None,
+    }
 }
 
 /// Longest prompt accepted, in characters.
@@ -96,14 +226,9 @@ fn parse<T: DeserializeOwned + Serialize + Validate>(args: Option<&JsonObject>) 
 /// Checks `args` against the tool's schema and size limits, before anything is charged, and
 /// answers them in canonical form.
 pub fn validate_arguments(tool: &str, args: Option<&JsonObject>) -> Result<serde_json::Value, Refusal> {
-    let checked = match tool {
-        "list_articles" => parse::<ListArticlesArgs>(args),
-        "save_article" => parse::<SaveArticleArgs>(args),
-        "generate_image" => parse::<GenerateImageArgs>(args),
-        "generate_image_to_video" => parse::<GenerateVideoArgs>(args),
-        "get_prediction" | "cancel_prediction" => parse::<PredictionArgs>(args),
-        "rate_limit_status" => parse::<NoArgs>(args),
-        _ => Err("unknown tool".to_owned()),
+    let checked = match declared(tool) {
+        Some(declared) => (declared.check)(args),
+        None => Err("unknown tool".to_owned()),
     };
     checked.map_err(|problem| Refusal::invalid_arguments(tool, &problem))
 }
@@ -196,7 +321,7 @@ pub struct GenerateVideoArgs {
 }
 
 fn default_video_seconds() -> u32 {
-    crate::mock_upstream::DEFAULT_VIDEO_SECONDS
+    crate::upstream::api::DEFAULT_VIDEO_SECONDS
 }
 
 /// The longest clip a video job may ask for.
@@ -619,7 +744,7 @@ impl McpServer {
         let mut admission = held(admission)?;
         let reservation = admission.reserved();
         let slots = Box::new(admission);
-        match self.own.jobs.start(&self.owner_of(caller), job, place, slots).await {
+        match self.own.jobs.start(&self.owner_of(caller), tool, job, place, slots).await {
             // The job settles its price when it is final.
             Ok(view) => {
                 let reserved = reservation.map(|r| self.own.jobs.bill(&view.prediction.id, r));
@@ -644,31 +769,28 @@ impl McpServer {
 /// upstream must not be known down (circuit breaker open), and a job needs a place in the queue
 /// for the upstream account, in case it has to wait for a slot.
 pub(crate) fn before_charging(own: &OwnTools, tool: &str, caller: &Caller) -> Result<Option<Reservation>, Refusal> {
-    if needs_upstream(tool)
+    let Some(declared) = declared(tool) else { return Ok(None) };
+    if declared.reach != Reach::Caller
         && let Some(open_for) = own.upstream.open_for()
     {
         return Err(breaker_open(tool, open_for));
     }
-    let kind = match tool {
-        "generate_image" => PredictionKind::Image,
-        "generate_image_to_video" => PredictionKind::Video,
-        _ => return Ok(None),
-    };
-    own.jobs.reserve(kind, caller.unverified_from().is_some()).map(Some).map_err(|(full, wait)| match full {
+    let Reach::Job(class) = declared.reach else { return Ok(None) };
+    own.jobs.reserve(class, caller.unverified_from().is_some()).map(Some).map_err(|(full, wait)| match full {
         QueueFull::Full => Refusal::queue_full(tool, wait),
         QueueFull::UnverifiedShare { slots, places } => Refusal::unverified_share_full(tool, wait, slots, places),
     })
 }
 
-/// Whether this call can never be a loop, because asking again is how it is meant to be used and
-/// its answer changes with time: rate_limit_status, and polling a pending job (answered with the
-/// wait left, however often it comes). Re-reading a final job is not exempt: its answer will not
-/// change.
+/// Whether this call can never be a loop, as its tool's declaration says ([`Repeats`]): asking
+/// again is how it is meant to be used and its answer changes with time.
 pub(crate) fn loop_exempt(own: &OwnTools, tool: &str, args: &serde_json::Value, caller: &Caller) -> bool {
-    match tool {
-        "rate_limit_status" => true,
-        "get_prediction" => args["predict_id"].as_str().is_some_and(|id| own.jobs.is_pending(caller.id(), id)),
-        _ => false,
+    match declared(tool).map(|d| d.repeats) {
+        Some(Repeats::Never) => true,
+        Some(Repeats::WhileJobPending) => {
+            args["predict_id"].as_str().is_some_and(|id| own.jobs.is_pending(caller.id(), id))
+        }
+        Some(Repeats::Loop) | None => false,
     }
 }
 
@@ -684,7 +806,7 @@ fn held(admission: &TakeOnce<Admission>) -> Result<Admission, ErrorData> {
     admission.take().ok_or_else(|| ErrorData::internal_error("a job tool ran without its admission", None))
 }
 
-#[tool_router(vis = "pub(crate)")]
+/// The tools' methods: each is routed by its entry in [`TOOLS`].
 impl McpServer {
     /// Lists articles from the upstream, a page at a time.
     #[tool(
@@ -851,6 +973,7 @@ impl McpServer {
         queue.refresh_learnt().await;
         let rules = queue.rules_now();
         let occupancy = self.own.jobs.occupancy();
+        let videos = rules.classes.get(VIDEO);
         let upstream_queue = QueueStatus {
             account_in_flight: occupancy.in_flight,
             account_max_in_flight: rules.max_in_flight,
@@ -858,9 +981,9 @@ impl McpServer {
             account_ceiling: queue.rules().max_in_flight,
             waiting: occupancy.waiting,
             max_waiting: rules.max_waiting,
-            videos_waiting: occupancy.videos_waiting,
-            max_videos_waiting: rules.max_videos_waiting,
-            video_min_gap_ms: rules.video_gap / crate::clock::NANOS_PER_MS,
+            videos_waiting: occupancy.waiting_of(VIDEO),
+            max_videos_waiting: videos.and_then(|c| c.queue_max).unwrap_or(0),
+            video_min_gap_ms: videos.and_then(|c| c.min_gap).unwrap_or(0) / crate::clock::NANOS_PER_MS,
             unverified_share: caller.unverified_from().map(|_| UnverifiedShare {
                 in_flight: occupancy.unverified_in_flight,
                 max_in_flight: rules.unverified_slots,
@@ -900,6 +1023,41 @@ impl McpServer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_declaration_routes_its_own_method_under_its_name_once() {
+        let router = McpServer::tool_router();
+        let mut routed: Vec<String> = router.list_all().into_iter().map(|t| t.name.to_string()).collect();
+        routed.sort();
+        let mut declared: Vec<&str> = TOOLS.iter().map(|d| d.name).collect();
+        declared.sort();
+        assert_eq!(routed, declared, "one route per declaration, none twice");
+        for tool in TOOLS {
+            assert_eq!((tool.route)().name(), tool.name, "the declaration of {} routes another method", tool.name);
+        }
+    }
+
+    #[test]
+    fn the_catalogue_reads_what_each_tool_reaches_from_its_declaration() {
+        let catalogue = catalogue();
+        for (tool, job, callers_own) in [
+            ("list_articles", false, false),
+            ("save_article", false, false),
+            ("generate_image", true, false),
+            ("generate_image_to_video", true, false),
+            ("get_prediction", false, true),
+            ("cancel_prediction", false, true),
+            ("rate_limit_status", false, true),
+        ] {
+            assert!(catalogue.contains(tool), "{tool}");
+            assert_eq!(catalogue.holds_slots(tool), job, "{tool}");
+            assert_eq!(starts_job(tool), job, "{tool}");
+            assert_eq!(catalogue.answers_for_the_caller(tool), callers_own, "{tool}");
+        }
+        assert_eq!((job_class("generate_image"), job_class("generate_image_to_video")), (Some(IMAGE), Some(VIDEO)));
+        let video = catalogue.arguments_of("generate_image_to_video").expect("known arguments");
+        assert!(["image_url", "prompt", "seconds"].iter().all(|a| video.iter().any(|v| v == a)), "{video:?}");
+    }
 
     #[test]
     fn every_routed_tool_is_in_the_catalogue_with_a_validator() {

@@ -45,7 +45,8 @@ use crate::config::MockUpstreamConfig;
 use crate::http::serve::{Deadlines, read_body_by_deadline, serve};
 use crate::metrics::ConnectionMetrics;
 use crate::upstream::api::{
-    Article, ArticlePage, NewArticle, NewPrediction, Prediction, PredictionKind, PredictionStatus, SavedArticle, Usage,
+    Article, ArticlePage, DEFAULT_VIDEO_SECONDS, NewArticle, NewPrediction, Prediction, PredictionKind,
+    PredictionStatus, SavedArticle, Usage,
 };
 
 /// Units billed for a page of articles.
@@ -54,8 +55,6 @@ pub const LIST_PRICE: u64 = 1;
 pub const SAVE_PRICE: u64 = 2;
 /// Units billed for an image.
 pub const IMAGE_PRICE: u64 = 5;
-/// How long a video is when the submission does not say.
-pub const DEFAULT_VIDEO_SECONDS: u32 = 5;
 
 /// Units billed for a video of `seconds`: 20 with five seconds included, 2 per second beyond.
 pub fn video_price(seconds: u32) -> u64 {

@@ -63,7 +63,7 @@ use crate::mcp::limited::ToolAnswer;
 use crate::rate_limits::RateLimits;
 use crate::state::Behind;
 use crate::upstream::adaptive::AdaptiveLimit;
-use crate::upstream::api::PredictionKind;
+use crate::upstream::classes::JobClasses;
 use crate::upstream::jobs::Owner;
 use crate::upstream::queue::{FairQueue, Occupancy, QueueFull, QueueRules, Reservation};
 
@@ -149,7 +149,8 @@ impl Proxied {
                 changed.tools_changed.notify_one();
             })
             .await?;
-        let rules = QueueRules::new(max_in_flight, 0, up.queue_max, 0)
+        // Its calls are all alike: one class, neither spaced nor counted apart.
+        let rules = QueueRules::new(max_in_flight, up.queue_max, JobClasses::one("call"))
             .unverified_share(up.unverified_share_of(max_in_flight), up.unverified_places());
         let queue = Arc::new(
             FairQueue::new(rules, clock.clone())
@@ -240,7 +241,7 @@ impl Proxied {
         if let Some(open_for) = self.breaker.open_for(self.clock.now()) {
             return Err(unavailable(tool, "it failed or is restarting, and the circuit breaker is open", open_for));
         }
-        self.queue.reserve(PredictionKind::Image, caller.unverified_from().is_some()).map_err(|full| {
+        self.queue.reserve(JobClasses::ONLY, caller.unverified_from().is_some()).map_err(|full| {
             let wait = self.mean_call.load(Ordering::Relaxed).max(NANOS_PER_MS);
             match full {
                 QueueFull::Full => Refusal::queue_full(tool, wait),

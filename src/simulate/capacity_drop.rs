@@ -35,8 +35,8 @@ use crate::config::{AdaptiveConfig, Config, UpstreamConfig};
 use crate::simulate::shapes::secs;
 use crate::simulate::{SimulateError, settle, span, trimmed};
 use crate::upstream::adaptive::AdaptiveLimit;
-use crate::upstream::api::PredictionKind;
 use crate::upstream::backoff::{Backoff, Retry, RetryBudget};
+use crate::upstream::classes::JobClasses;
 use crate::upstream::queue::{AccountSlot, FairQueue, Flowing, QueueRules, Turn};
 
 /// The learners compared with the static cap, in order: every one `[upstream.adaptive]` offers.
@@ -303,7 +303,8 @@ struct Replay<'a> {
 
 impl Setup<'_> {
     /// The run under `learner`, or under the static cap (`None`), built as the server builds its
-    /// queue from `[upstream]` (the video gap aside: every job here is an image).
+    /// queue from `[upstream]`, with one class of job (every job here is an image: no gap, no
+    /// cap of its own).
     async fn replay(&self, learner: Option<&'static str>) -> LimitRun {
         let up = self.upstream;
         let clock = ManualClock::new();
@@ -311,7 +312,7 @@ impl Setup<'_> {
             let config = AdaptiveConfig { enabled: true, algorithm: name.to_owned(), ..up.adaptive.clone() };
             AdaptiveLimit::configured(&config, self.ceiling)
         });
-        let rules = QueueRules::new(self.ceiling, 0, up.queue_max, 0);
+        let rules = QueueRules::new(self.ceiling, up.queue_max, JobClasses::one("image"));
         let queue = Arc::new(FairQueue::new(rules, clock.clone()).adaptive(adaptive));
         let stop = CancellationToken::new();
         tokio::spawn(queue.clone().dispatch(stop.clone()));
@@ -436,7 +437,7 @@ impl Replay<'_> {
         match self.backoff.after_failure(job.refused, Some(RETRY_AFTER), &mut self.rng) {
             Retry::After(delay) if self.retry_budget.try_retry(now) => {
                 let not_before = now.saturating_add(nanos(delay));
-                let turn = self.queue.requeue_front(&FLOW, &job.id(), PredictionKind::Image, not_before);
+                let turn = self.queue.requeue_front(&FLOW, &job.id(), JobClasses::ONLY, not_before);
                 self.waiting.insert(job.number, Waiting { turn, job, not_before });
             }
             Retry::After(_) | Retry::GiveUp(_) => self.record.failed_at.push(now),
@@ -454,7 +455,7 @@ impl Replay<'_> {
         }
         while self.pending() < self.pending_wanted {
             // A full queue refuses the call (`busy`): the agent asks again at its next turn.
-            let Ok(place) = self.queue.reserve(PredictionKind::Image, false) else { return };
+            let Ok(place) = self.queue.reserve(JobClasses::ONLY, false) else { return };
             self.record.calls = self.record.calls.saturating_add(1);
             let job = Job { number: self.record.calls, refused: 0, sent: false };
             match place.start_now().await {

@@ -47,9 +47,10 @@ use crate::config::Config;
 use crate::guard::{Admitted, Call, Called, Door, Guard, Refusal, Used, Worked};
 use crate::identity::{Caller, CallerIds, Identifier};
 use crate::limit::{self, ALGORITHMS, Limiter, period_of};
-use crate::mcp::tools::starts_job;
+use crate::mcp::tools::{job_class, starts_job};
 use crate::metrics::Metrics;
 use crate::store::MemoryStore;
+use crate::upstream::classes::{ClassId, VIDEO};
 use capacity_drop::CapacityDrop;
 use identical_asks::IdenticalAsks;
 use shapes::Answer;
@@ -372,7 +373,7 @@ fn budget_shapes(config: &Config, plan: &Plan, algorithms: &[&'static str]) -> R
 
     let variants: Vec<(&'static str, Result<Config, &'static str>)> =
         algorithms.iter().map(|a| (*a, with_algorithm(config, tool, a))).collect();
-    let job = starts_job.then(|| job_duration(config, tool));
+    let job = job_class(tool).map(|class| job_duration(config, class));
     let replays: Vec<(Shape, &'static str, Replay<'_>)> = plan
         .shapes
         .iter()
@@ -519,13 +520,10 @@ fn reshaped(limiter: &Limiter, algorithm: &str) -> Result<Limiter, &'static str>
         .ok_or(NOT_A_RATE)
 }
 
-/// How long a job started by `tool` holds its in-flight slots: the mock upstream's job time.
-fn job_duration(config: &Config, tool: &str) -> Nanos {
-    let ms = if tool == "generate_image_to_video" {
-        config.mock_upstream.video_job_ms
-    } else {
-        config.mock_upstream.image_job_ms
-    };
+/// How long a job of `class` holds its in-flight slots: the mock upstream's job time (its video
+/// jobs take `video_job_ms`, every other `image_job_ms`).
+fn job_duration(config: &Config, class: ClassId) -> Nanos {
+    let ms = if class == VIDEO { config.mock_upstream.video_job_ms } else { config.mock_upstream.image_job_ms };
     ms.saturating_mul(NANOS_PER_MS)
 }
 

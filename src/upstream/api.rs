@@ -58,7 +58,8 @@ pub struct SavedArticle {
     pub usage: Option<Usage>,
 }
 
-/// What kind of job a prediction is.
+/// What kind of job a prediction is, as the paid API's wire says it. The queue and the job book
+/// know jobs by their class instead ([`crate::upstream::classes`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum PredictionKind {
@@ -67,6 +68,9 @@ pub enum PredictionKind {
     /// Image to video.
     Video,
 }
+
+/// How long a video is when its submission does not say (`NewPrediction::seconds`).
+pub const DEFAULT_VIDEO_SECONDS: u32 = 5;
 
 /// Body of `POST /v1/predictions`.
 #[derive(Debug, Clone, Serialize, Deserialize)]

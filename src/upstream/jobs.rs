@@ -22,14 +22,14 @@
 //! requests left for it in Redis a few times a second ([`Jobs::answer_cancel_requests`]) and
 //! publishes the canceled job, which the asking instance waits for.
 //!
-//! Every job also needs one of the upstream *account's* slots, from the [`FairQueue`]. An image
-//! job that finds one free (and nobody waiting) is submitted in the tool call itself — one
-//! attempt: a 429 goes back to the agent with its wait. Any other job — every video (spaced by
-//! the queue), and an image while the account is full — is accepted at once with a `predict_id`
-//! of our own and waits its turn; its task then submits it, retrying 429s, 5xx and timeouts
-//! with [`Backoff`] under the [`RetryBudget`] — work the server owns. The submission carries
-//! the `predict_id` as its idempotency key, so a retry after a lost answer cannot start (and
-//! bill) a second job.
+//! Every job also needs one of the upstream *account's* slots, from the [`FairQueue`]. A job of a
+//! class without a gap (an image) that finds one free (and nobody waiting) is submitted in the tool
+//! call itself — one attempt: a 429 goes back to the agent with its wait. Any other job — every
+//! video (its class is spaced by the queue), and an image while the account is full — is accepted
+//! at once with a `predict_id` of our own and waits its turn; its task then submits it, retrying
+//! 429s, 5xx and timeouts with [`Backoff`] under the [`RetryBudget`] — work the server owns. The
+//! submission carries the `predict_id` as its idempotency key, so a retry after a lost answer
+//! cannot start (and bill) a second job.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -47,6 +47,7 @@ use crate::store::JobMirror;
 use crate::store::StoreError;
 use crate::upstream::api::{NewPrediction, Prediction, PredictionKind, PredictionStatus};
 use crate::upstream::backoff::{Backoff, Retry, RetryBudget};
+use crate::upstream::classes::ClassId;
 use crate::upstream::queue::{AccountSlot, FairQueue, Flowing, Position, QueueFull, Reservation, Turn};
 use crate::upstream::{Upstream, UpstreamError};
 
@@ -75,6 +76,14 @@ const REPUBLISH_AT_MOST: Duration = Duration::from_secs(1);
 
 /// Whatever a job's admission holds (its in-flight slots); dropped when the job is final.
 pub type Slots = Box<dyn Any + Send + Sync>;
+
+/// A job waiting its turn in the queue, with what its submission needs.
+struct Queued {
+    /// The tool that asked for it (its upstream requests are counted under that tool).
+    tool: String,
+    job: NewPrediction,
+    turn: Turn,
+}
 
 /// Who a job belongs to, and where it queues.
 #[derive(Debug, Clone)]
@@ -118,13 +127,13 @@ impl Owner {
     }
 }
 
-/// The fixed parameters of job handling, from `[upstream]`.
+/// The fixed parameters of job handling, from `[upstream]` (each class's poll hint is the
+/// class's: [`crate::upstream::classes::JobClass::poll_hint`]).
 #[derive(Debug, Clone)]
 pub struct JobRules {
-    /// Poll hint of an image job.
-    pub image_hint: Nanos,
-    /// Poll hint of a video job.
-    pub video_hint: Nanos,
+    /// How soon an account slot may free up when no running job says when: the unit of a queue
+    /// wait's estimate (the image poll hint).
+    pub turnover: Nanos,
     /// A job still pending this long after acceptance is failed.
     pub expiry: Nanos,
     /// Retries of server-owned requests.
@@ -136,6 +145,8 @@ pub struct JobRules {
 
 struct Job {
     owner: Owner,
+    /// The class it queues as, whose poll hint it follows.
+    class: ClassId,
     upstream_id: Option<String>,
     /// The last state, with `id` = the `predict_id` agents see.
     last: Prediction,
@@ -225,13 +236,6 @@ async fn learn_from(account: &AccountSlot, answer: &Result<Prediction, UpstreamE
     }
 }
 
-fn tool_of(kind: PredictionKind) -> &'static str {
-    match kind {
-        PredictionKind::Image => "generate_image",
-        PredictionKind::Video => "generate_image_to_video",
-    }
-}
-
 fn nanos(d: Duration) -> Nanos {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
@@ -262,11 +266,9 @@ impl Jobs {
         lock_book(&self.book)
     }
 
-    fn hint(&self, kind: PredictionKind) -> Nanos {
-        match kind {
-            PredictionKind::Image => self.rules.image_hint,
-            PredictionKind::Video => self.rules.video_hint,
-        }
+    /// How long after a change a job of `class` is worth polling.
+    fn hint(&self, class: ClassId) -> Nanos {
+        self.queue.rules().classes.get(class).map_or(self.rules.turnover, |c| c.poll_hint)
     }
 
     /// The queue in front of the upstream account.
@@ -274,29 +276,33 @@ impl Jobs {
         &self.queue
     }
 
-    /// Promises a place in the queue for a job of `kind` (of an unverified caller: within their
+    /// Promises a place in the queue for a job of `class` (of an unverified caller: within their
     /// share) before the call is charged, or says why there is none and how long until one
     /// frees up.
-    pub fn reserve(&self, kind: PredictionKind, unverified: bool) -> Result<Reservation, (QueueFull, Nanos)> {
-        self.queue.reserve(kind, unverified).map_err(|full| (full, self.place_frees_in()))
+    pub fn reserve(&self, class: ClassId, unverified: bool) -> Result<Reservation, (QueueFull, Nanos)> {
+        self.queue.reserve(class, unverified).map_err(|full| (full, self.place_frees_in()))
     }
 
-    /// Starts the job `job` for `owner`, holding `slots` until it is final, and returns at once.
-    /// An image that finds an account slot free is submitted now, in one attempt (the agent gets
-    /// any refusal with its wait); anything else waits its turn in the place `place` holds.
+    /// Starts the job `job` that `tool` asked for, for `owner`, holding `slots` until it is final,
+    /// and returns at once. A job of a class without a gap that finds an account slot free is
+    /// submitted now, in one attempt (the agent gets any refusal with its wait); anything else
+    /// waits its turn in the place `place` holds (for a job of its class).
     pub async fn start(
         self: &Arc<Self>,
         owner: &Owner,
+        tool: &str,
         job: NewPrediction,
         place: Reservation,
         slots: Slots,
     ) -> Result<JobView, UpstreamError> {
-        let kind = job.kind;
+        let class = place.class();
         let place = match place.start_now().await {
-            Ok(account) => return self.submit_now(owner, job, slots, account).await,
+            Ok(account) => return self.submit_now(owner, tool, class, job, slots, account).await,
             Err(place) => place,
         };
-        let id = new_id(if kind == PredictionKind::Video { "v" } else { "i" });
+        let prefix = self.queue.rules().classes.get(class).map_or("", |c| c.id_prefix);
+        let id = new_id(prefix);
+        let kind = job.kind;
         let waiting = Prediction {
             id: id.clone(),
             kind,
@@ -305,35 +311,38 @@ impl Jobs {
             error: None,
             usage: None,
         };
-        self.insert(owner, None, waiting, vec![slots]);
+        self.insert(owner, class, None, waiting, vec![slots]);
         let turn = place.enqueue(&owner.flowing(), &id);
-        self.spawn(id.clone(), Some((job, turn)));
-        Ok(self.view_of(&id).unwrap_or_else(|| unreachable_view(&id)))
+        self.spawn(id.clone(), Some(Queued { tool: tool.to_owned(), job, turn }));
+        Ok(self.view_of(&id).unwrap_or_else(|| unreachable_view(&id, kind)))
     }
 
     async fn submit_now(
         self: &Arc<Self>,
         owner: &Owner,
+        tool: &str,
+        class: ClassId,
         job: NewPrediction,
         slots: Slots,
         account: AccountSlot,
     ) -> Result<JobView, UpstreamError> {
         let answer = self.upstream.create_prediction(&job, &new_id("k")).await;
-        self.metrics.upstream(tool_of(job.kind), UpstreamError::outcome_of(&answer));
+        self.metrics.upstream(tool, UpstreamError::outcome_of(&answer));
         learn_from(&account, &answer).await;
         let prediction = answer?;
         let id = prediction.id.clone();
-        self.insert(owner, Some(id.clone()), prediction, vec![slots, Box::new(account)]);
+        self.insert(owner, class, Some(id.clone()), prediction, vec![slots, Box::new(account)]);
         self.spawn(id.clone(), None);
-        Ok(self.view_of(&id).unwrap_or_else(|| unreachable_view(&id)))
+        Ok(self.view_of(&id).unwrap_or_else(|| unreachable_view(&id, job.kind)))
     }
 
-    fn insert(&self, owner: &Owner, upstream_id: Option<String>, last: Prediction, slots: Vec<Slots>) {
+    fn insert(&self, owner: &Owner, class: ClassId, upstream_id: Option<String>, last: Prediction, slots: Vec<Slots>) {
         let now = self.clock.now();
         let job = Job {
             owner: owner.clone(),
+            class,
             upstream_id,
-            next_poll_at: now.saturating_add(self.hint(last.kind)),
+            next_poll_at: now.saturating_add(self.hint(class)),
             updated_at: now,
             expires_at: now.saturating_add(self.rules.expiry),
             created: SystemTime::now(),
@@ -353,7 +362,7 @@ impl Jobs {
         self.publish(&id);
     }
 
-    fn spawn(self: &Arc<Self>, id: String, queued: Option<(NewPrediction, Turn)>) {
+    fn spawn(self: &Arc<Self>, id: String, queued: Option<Queued>) {
         let Some((cancel, expires_at)) = self.book().get(&id).map(|j| (j.cancel.clone(), j.expires_at)) else {
             return;
         };
@@ -361,8 +370,8 @@ impl Jobs {
         tokio::spawn(async move {
             let stop = jobs.stop.clone();
             let work = async {
-                if let Some((job, turn)) = queued
-                    && !jobs.submit_queued(&id, &job, turn).await
+                if let Some(queued) = queued
+                    && !jobs.submit_queued(&id, queued).await
                 {
                     return;
                 }
@@ -378,17 +387,17 @@ impl Jobs {
     }
 
     /// Submits a queued job when its turn comes; `false` if it ended instead.
-    async fn submit_queued(&self, id: &str, job: &NewPrediction, mut turn: Turn) -> bool {
-        let tool = tool_of(job.kind);
-        let Some(owner) = self.book().get(id).map(|j| j.owner.clone()) else { return false };
-        let retry_at = |not_before: Nanos| self.queue.requeue_front(&owner.flowing(), id, job.kind, not_before);
+    async fn submit_queued(&self, id: &str, queued: Queued) -> bool {
+        let Queued { tool, job, mut turn } = queued;
+        let Some((owner, class)) = self.book().get(id).map(|j| (j.owner.clone(), j.class)) else { return false };
+        let retry_at = |not_before: Nanos| self.queue.requeue_front(&owner.flowing(), id, class, not_before);
         let mut failed = 0;
         let mut sent = false;
         loop {
             // The sender is dropped when the job leaves the line (cancelled, expired).
             let Ok(account) = turn.await else { return false };
-            let answer = self.upstream.create_prediction(job, id).await;
-            self.metrics.upstream(tool, UpstreamError::outcome_of(&answer));
+            let answer = self.upstream.create_prediction(&job, id).await;
+            self.metrics.upstream(&tool, UpstreamError::outcome_of(&answer));
             learn_from(&account, &answer).await;
             let now = self.clock.now();
             // The budget is a share of the submissions the upstream actually received lately,
@@ -514,7 +523,7 @@ impl Jobs {
                 return true;
             }
             prediction.id = id.to_owned();
-            job.next_poll_at = now.saturating_add(self.hint(prediction.kind));
+            job.next_poll_at = now.saturating_add(self.hint(job.class));
             job.updated_at = now;
             is_final = prediction.status.is_terminal();
             job.last = prediction;
@@ -660,11 +669,11 @@ impl Jobs {
         let job = book.get(id)?;
         let pending = !job.last.status.is_terminal();
         let queued = if pending && job.upstream_id.is_none() { self.queue.position(id) } else { None };
-        let kind = job.last.kind;
+        let class = job.class;
         let wait = pending.then(|| match (&job.upstream_id, queued) {
             // Not submitted yet: the time in the queue, then the first useful poll.
-            (None, Some(place)) => self.queue_wait(&book, kind, place, now).saturating_add(self.hint(kind)),
-            (None, None) => self.hint(kind),
+            (None, Some(place)) => self.queue_wait(&book, class, place, now).saturating_add(self.hint(class)),
+            (None, None) => self.hint(class),
             (Some(_), _) => job.next_poll_at.saturating_sub(now),
         });
         Some(JobView {
@@ -686,39 +695,38 @@ impl Jobs {
             .min()
     }
 
-    /// What a job waiting at `place` may expect to wait for its turn: the video gaps ahead of
-    /// it, and — when more jobs are ahead than the account has free slots — until a running job
-    /// is seen to end, plus one image hint per further account's worth of jobs ahead. An
-    /// estimate: every poll recomputes it.
-    fn queue_wait(&self, book: &HashMap<String, Job>, kind: PredictionKind, place: Position, now: Nanos) -> Nanos {
+    /// What a job of `class` waiting at `place` may expect to wait for its turn: its class's
+    /// gaps ahead of it, if the class has one, and — when more jobs are ahead than the account has
+    /// free slots — until a running job is seen to end, plus one turnover per further account's
+    /// worth of jobs ahead. An estimate: every poll recomputes it.
+    fn queue_wait(&self, book: &HashMap<String, Job>, class: ClassId, place: Position, now: Nanos) -> Nanos {
         let rules = self.queue.rules();
-        let videos = if kind == PredictionKind::Video {
-            let gap_left = self.queue.next_video_at().saturating_sub(now);
-            gap_left.saturating_add(rules.video_gap.saturating_mul(place.videos_ahead as u64))
-        } else {
-            0
+        let gaps = match rules.classes.get(class).and_then(|c| c.min_gap) {
+            Some(gap) => {
+                let gap_left = self.queue.next_at(class).saturating_sub(now);
+                gap_left.saturating_add(gap.saturating_mul(place.alike_ahead as u64))
+            }
+            None => 0,
         };
         let free = rules.max_in_flight.saturating_sub(self.queue.occupancy().in_flight);
         let account = if place.ahead < free {
             0
         } else {
             let rounds = ((place.ahead - free) / rules.max_in_flight.max(1)) as u64;
-            let first = Self::turnover(book, now).unwrap_or(self.rules.image_hint);
-            first.saturating_add(self.rules.image_hint.saturating_mul(rounds))
+            let first = Self::turnover(book, now).unwrap_or(self.rules.turnover);
+            first.saturating_add(self.rules.turnover.saturating_mul(rounds))
         };
-        videos.max(account)
+        gaps.max(account)
     }
 
     /// How long until a full queue has room: until a job may leave it — when an account slot
-    /// frees up (if none is free) and, while videos wait, when the video gap has passed.
+    /// frees up (if none is free) and, while jobs of a class with a gap wait, when its gap has
+    /// passed.
     fn place_frees_in(&self) -> Nanos {
         let now = self.clock.now();
-        let occupancy = self.queue.occupancy();
-        let account_full = occupancy.in_flight >= self.queue.slots();
-        let turnover =
-            if account_full { Self::turnover(&self.book(), now).unwrap_or(self.rules.image_hint) } else { 0 };
-        let gap_left = if occupancy.videos_waiting > 0 { self.queue.next_video_at().saturating_sub(now) } else { 0 };
-        turnover.max(gap_left).max(1)
+        let account_full = self.queue.occupancy().in_flight >= self.queue.slots();
+        let turnover = if account_full { Self::turnover(&self.book(), now).unwrap_or(self.rules.turnover) } else { 0 };
+        turnover.max(self.queue.gaps_left(now)).max(1)
     }
 
     /// An agent's poll: the job as it stands, never a request to the upstream. When the
@@ -853,11 +861,11 @@ impl JobListing {
 }
 
 /// A job just inserted is always in the book; this keeps that invariant out of `unwrap`.
-fn unreachable_view(id: &str) -> JobView {
+fn unreachable_view(id: &str, kind: PredictionKind) -> JobView {
     JobView {
         prediction: Prediction {
             id: id.to_owned(),
-            kind: PredictionKind::Image,
+            kind,
             status: PredictionStatus::Failed,
             output: None,
             error: Some("the job was lost".to_owned()),

@@ -6,11 +6,13 @@
 //! once: a 429 or a failure goes straight back to the model as a refusal with the wait, never
 //! into a server-side retry loop that would burn quota while the agent waits. Work the server
 //! owns — queued submissions, background polls — is retried in [`jobs`] with [`backoff`], under a
-//! [`backoff::RetryBudget`], and spaced by the [`queue`].
+//! [`backoff::RetryBudget`], and spaced by the [`queue`], which tells jobs apart by their
+//! [`classes`] (image, video), given to it as data.
 
 pub mod adaptive;
 pub mod api;
 pub mod backoff;
+pub mod classes;
 pub mod jobs;
 pub mod queue;
 

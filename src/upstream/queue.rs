@@ -4,8 +4,10 @@
 //! token and connection — while our callers and tenants each have their own caps inside it.
 //! Every job needs one of the account's slots (`upstream.max_in_flight`) to reach the upstream.
 //! A job whose caller and tenant may start it, but for which the account has no free slot, waits
-//! here instead of being refused (or meeting the upstream's 429); video jobs also wait for their
-//! spacing (`upstream.video_min_gap_ms`, one submission per gap across all callers).
+//! here instead of being refused (or meeting the upstream's 429). Jobs are of a class
+//! ([`JobClass`]: image, video), which the queue reads as data: a class with a gap also waits
+//! for its spacing (videos: `upstream.video_min_gap_ms`, one submission per gap across all
+//! callers), and a class may be held to a number of places of its own.
 //!
 //! Who goes next is decided by **deficit round robin across flows** (a flow is a tenant, or a
 //! caller without one): each flow with an eligible job earns its quantum (its tier's factor) per
@@ -20,13 +22,13 @@
 //! its slot back and returns to the *front* of its flow with a `not_before`, so it keeps its
 //! place and the backoff applies. Every wait is on the shared [`Clock`](crate::clock::Clock).
 //!
-//! Over a shared store (Redis) the account's cap and the video spacing hold across instances:
+//! Over a shared store (Redis) the account's cap and each class's spacing hold across instances:
 //! before a job leaves, the dispatcher claims an account slot in the store (a lease on a
 //! `concurrency` scope of `max_in_flight`, renewed while the job runs, like any in-flight slot)
-//! and, for a video, the gap (a GCRA of burst 1, one per gap, on Redis's clock) — both in one
-//! all-or-nothing decision. An instance that finds the account full or the gap taken puts the
-//! job back at the front of its flow and tries again when the store says (the gap) or after a
-//! second (a slot another instance holds). The round robin itself is per instance.
+//! and, for a job of a class with a gap, the gap (a GCRA of burst 1, one per gap, on Redis's clock)
+//! — both in one all-or-nothing decision. An instance that finds the account full or the gap taken
+//! puts the job back at the front of its flow and tries again when the store says (the gap) or
+//! after a second (a slot another instance holds). The round robin itself is per instance.
 //!
 //! With an adaptive limit ([`FairQueue::adaptive`]) over a shared store, the learnt limit is one
 //! value in the store too, beside the account's cap under the same hash tag: the claim is decided
@@ -56,7 +58,7 @@ use crate::limit::{Concurrency, Gcra, Limiter};
 use crate::metrics::Metrics;
 use crate::store::{Check, LearntAt, Lease, SharedLearner, SharedLimit, SlotGuard, Store, StoreError};
 use crate::upstream::adaptive::{AdaptiveLimit, Signal};
-use crate::upstream::api::PredictionKind;
+use crate::upstream::classes::{ClassId, JobClass, JobClasses};
 
 mod round_robin;
 
@@ -66,17 +68,18 @@ use round_robin::{State, Waiting};
 /// (it cannot be told when one frees), and before asking a store that failed again.
 const ACCOUNT_RETRY: Nanos = NANOS_PER_SEC;
 
-/// The account, its unverified share and the video gap in a shared store.
+/// The account, its unverified share and the classes' gaps in a shared store.
 struct Shared {
     store: Arc<dyn Store>,
-    /// The keys the account's slots, the unverified share and the video gap are claimed under
-    /// (one hash tag, the queue's name: one slot, one decision).
+    /// The keys the account's slots, the unverified share and the classes' gaps are claimed
+    /// under (one hash tag, the queue's name: one slot, one decision).
     account_key: String,
     unverified_key: String,
-    gap_key: String,
     account: Limiter,
     unverified: Limiter,
-    gap: Option<Limiter>,
+    /// Per class, by [`ClassId`]: its gap's key (`{upstream}video_gap`) and limiter, if it has
+    /// a gap longer than 0.
+    gaps: Vec<Option<(String, Limiter)>>,
     /// Where the learnt limit every instance uses is kept (with an adaptive limit), under
     /// `learnt_key`.
     learner: Option<Arc<dyn SharedLearner>>,
@@ -117,7 +120,7 @@ enum Blocker {
     Account,
     /// The unverified callers' share of the slots is taken.
     UnverifiedShare,
-    /// Another video left within the gap.
+    /// Another job of its class left within the class's gap.
     Gap,
 }
 
@@ -135,12 +138,10 @@ enum Claim {
 pub struct QueueRules {
     /// The account's slots: predictions the upstream runs at once for us.
     pub max_in_flight: usize,
-    /// Least time between two video submissions.
-    pub video_gap: Nanos,
-    /// Jobs that may wait, all kinds together.
+    /// Jobs that may wait, all classes together.
     pub max_waiting: usize,
-    /// Video jobs that may wait (their wait grows by a gap each).
-    pub max_videos_waiting: usize,
+    /// The classes its jobs are of: their gaps and their own caps on waiting jobs.
+    pub classes: JobClasses,
     /// The account's slots unverified callers may hold, all together.
     pub unverified_slots: usize,
     /// The places in the queue unverified callers may hold, all together.
@@ -149,15 +150,8 @@ pub struct QueueRules {
 
 impl QueueRules {
     /// A queue without an unverified share (everyone may take every slot and place).
-    pub fn new(max_in_flight: usize, video_gap: Nanos, max_waiting: usize, max_videos_waiting: usize) -> Self {
-        Self {
-            max_in_flight,
-            video_gap,
-            max_waiting,
-            max_videos_waiting,
-            unverified_slots: max_in_flight,
-            unverified_places: max_waiting,
-        }
+    pub fn new(max_in_flight: usize, max_waiting: usize, classes: JobClasses) -> Self {
+        Self { max_in_flight, max_waiting, classes, unverified_slots: max_in_flight, unverified_places: max_waiting }
     }
 
     /// These rules with unverified callers held to `slots` of the account and `places` in the
@@ -179,8 +173,8 @@ pub struct FairQueue {
     clock: SharedClock,
     state: Mutex<State>,
     changed: Notify,
-    /// A shared store the account's slots and the video gap are claimed in, so every instance
-    /// keeps one cap and one spacing.
+    /// A shared store the account's slots and the classes' gaps are claimed in, so every
+    /// instance keeps one cap and one spacing.
     shared: Option<Shared>,
 }
 
@@ -266,7 +260,7 @@ impl AccountSlot {
 #[must_use = "dropping a reservation gives the place back"]
 pub struct Reservation {
     queue: Arc<FairQueue>,
-    kind: PredictionKind,
+    class: ClassId,
     unverified: bool,
     used: bool,
 }
@@ -274,7 +268,7 @@ pub struct Reservation {
 /// Why a job could not have a place in the queue.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum QueueFull {
-    /// Every place (or every video place) is taken.
+    /// Every place (or every place of the job's class) is taken.
     Full,
     /// The unverified callers' share of the places, or of the slots, is taken (or is none).
     UnverifiedShare {
@@ -287,7 +281,7 @@ pub enum QueueFull {
 
 impl std::fmt::Debug for Reservation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Reservation").field("kind", &self.kind).finish_non_exhaustive()
+        f.debug_struct("Reservation").field("class", &self.class).finish_non_exhaustive()
     }
 }
 
@@ -346,8 +340,8 @@ impl Drop for Turn {
 pub struct Position {
     /// Jobs that will be served before it, as the round robin stands now.
     pub ahead: usize,
-    /// How many of those are videos (each waits a gap).
-    pub videos_ahead: usize,
+    /// How many of those are of its own class (each waits the class's gap, if it has one).
+    pub alike_ahead: usize,
 }
 
 /// What the queue holds, for `rate_limit_status` and `/metrics`.
@@ -357,8 +351,8 @@ pub struct Occupancy {
     pub in_flight: usize,
     /// Jobs waiting, all flows.
     pub waiting: usize,
-    /// Video jobs waiting.
-    pub videos_waiting: usize,
+    /// Jobs waiting per class, by [`ClassId`] (see [`Occupancy::waiting_of`]).
+    pub waiting_per_class: Vec<usize>,
     /// Jobs waiting per flow.
     pub per_flow: Vec<(String, usize)>,
     /// Account slots unverified callers' jobs hold.
@@ -367,10 +361,23 @@ pub struct Occupancy {
     pub unverified_waiting: usize,
 }
 
+impl Occupancy {
+    /// Jobs of `class` waiting.
+    pub fn waiting_of(&self, class: ClassId) -> usize {
+        self.waiting_per_class.get(class.index()).copied().unwrap_or(0)
+    }
+}
+
 impl FairQueue {
     /// A queue with `rules`, its waits on `clock`.
     pub fn new(rules: QueueRules, clock: SharedClock) -> Self {
-        Self { rules, clock, state: Mutex::new(State::default()), changed: Notify::new(), shared: None, adaptive: None }
+        let state = Mutex::new(State::for_classes(rules.classes.len()));
+        Self { rules, clock, state, changed: Notify::new(), shared: None, adaptive: None }
+    }
+
+    /// The class `class` names, if the queue has it.
+    fn class(&self, class: ClassId) -> Option<&JobClass> {
+        self.rules.classes.get(class)
     }
 
     /// This queue handing out as many slots as `limit` has learnt the account takes, never
@@ -454,7 +461,7 @@ impl FairQueue {
         }
     }
 
-    /// This queue with the account's cap and the video spacing claimed in `store` when it is
+    /// This queue with the account's cap and the classes' spacing claimed in `store` when it is
     /// shared by several instances, under keys tagged `{name}` (`upstream` for the paid API's
     /// account, `proxied` for a proxied server): instances with the same name share one cap, and
     /// with an adaptive limit one learnt limit. The store's failures are counted in `metrics`.
@@ -462,17 +469,24 @@ impl FairQueue {
         if store.is_shared() {
             let account = Limiter::Concurrency(Concurrency::new(self.rules.max_in_flight as u64));
             let unverified = Limiter::Concurrency(Concurrency::new(self.rules.unverified_slots.max(1) as u64));
-            let gap = (self.rules.video_gap > 0)
-                .then(|| Limiter::Gcra(Gcra::new(1, NANOS_PER_SEC as f64 / self.rules.video_gap as f64)));
+            let gaps = self
+                .rules
+                .classes
+                .iter()
+                .map(|(_, class)| {
+                    let gap = class.min_gap.filter(|gap| *gap > 0)?;
+                    let limiter = Limiter::Gcra(Gcra::new(1, NANOS_PER_SEC as f64 / gap as f64));
+                    Some((format!("{{{name}}}{}_gap", class.name), limiter))
+                })
+                .collect();
             self.shared = Some(Shared {
                 learner: store.clone().shared_learner(),
                 store,
                 account_key: format!("{{{name}}}account:in_flight"),
                 unverified_key: format!("{{{name}}}account:unverified"),
-                gap_key: format!("{{{name}}}video_gap"),
                 account,
                 unverified,
-                gap,
+                gaps,
                 learnt_key: format!("{{{name}}}account:learnt"),
                 learnt: AtomicUsize::new(0),
                 down_until: AtomicU64::new(0),
@@ -483,10 +497,10 @@ impl FairQueue {
     }
 
     /// Claims, in the shared store, an account slot, for an unverified caller's job one of their
-    /// share, and for a video the gap, in one decision — under the shared learnt limit, with an
-    /// adaptive one. A store that cannot answer leaves the local cap (or learnt limit), share and
-    /// spacing in charge.
-    async fn claim(&self, kind: PredictionKind, unverified: bool) -> Claim {
+    /// share, and for a job of a class with a gap the gap, in one decision — under the shared
+    /// learnt limit, with an adaptive one. A store that cannot answer leaves the local cap (or
+    /// learnt limit), share and spacing in charge.
+    async fn claim(&self, class: ClassId, unverified: bool) -> Claim {
         let Some(shared) = &self.shared else { return Claim::Go(Vec::new(), None) };
         let now = self.clock.now();
         if shared.down(now) {
@@ -498,8 +512,8 @@ impl FairQueue {
             checks.push(Check { key: &shared.unverified_key, limiter: &shared.unverified, cost: 1, shadow: false });
             blockers.push(Blocker::UnverifiedShare);
         }
-        if let (PredictionKind::Video, Some(gap)) = (kind, &shared.gap) {
-            checks.push(Check { key: &shared.gap_key, limiter: gap, cost: 1, shadow: false });
+        if let Some((gap_key, gap)) = shared.gaps.get(class.index()).and_then(Option::as_ref) {
+            checks.push(Check { key: gap_key, limiter: gap, cost: 1, shadow: false });
             blockers.push(Blocker::Gap);
         }
         let lease = Lease::new();
@@ -560,8 +574,8 @@ impl FairQueue {
                 match state.pick(&rules, now) {
                     Some(job) => {
                         let counted = Counted::take(&self, &mut state, job.unverified);
-                        if job.kind == PredictionKind::Video {
-                            state.next_video_at = now.saturating_add(self.rules.video_gap);
+                        if let Some(gap) = self.class(job.class).and_then(|c| c.min_gap) {
+                            state.set_next_at(job.class, now.saturating_add(gap));
                         }
                         (Some((job, counted)), None)
                     }
@@ -569,18 +583,18 @@ impl FairQueue {
                 }
             };
             if let Some((job, counted)) = picked {
-                let (leases, shared_at) = match self.claim(job.kind, job.unverified).await {
+                let (leases, shared_at) = match self.claim(job.class, job.unverified).await {
                     Claim::Go(leases, shared_at) => (leases, shared_at),
                     Claim::Wait(wait, blocker) => {
-                        // Another instance holds the slots (or the share), or submitted a video
-                        // within the gap: back to the front, until the store says.
+                        // Another instance holds the slots (or the share), or submitted a job of
+                        // this class within its gap: back to the front, until the store says.
                         let mut state = self.state();
                         counted.give_back(&mut state);
                         let until = self.clock.now().saturating_add(wait);
                         match blocker {
                             Blocker::Account => state.account_full_until = until,
                             Blocker::UnverifiedShare => state.unverified_full_until = until,
-                            Blocker::Gap => state.next_video_at = until,
+                            Blocker::Gap => state.set_next_at(job.class, until),
                         }
                         state.unpick(job);
                         continue;
@@ -606,15 +620,16 @@ impl FairQueue {
         }
     }
 
-    /// Promises a place for a job of `kind` (of an unverified caller, held to their share), or
+    /// Promises a place for a job of `class` (of an unverified caller, held to their share), or
     /// says why there is none.
-    pub fn reserve(self: &Arc<Self>, kind: PredictionKind, unverified: bool) -> Result<Reservation, QueueFull> {
+    pub fn reserve(self: &Arc<Self>, class: ClassId, unverified: bool) -> Result<Reservation, QueueFull> {
         let mut state = self.state();
-        let waiting = state.waiting(None) + state.reserved_images + state.reserved_videos;
-        let videos = state.waiting(Some(PredictionKind::Video)) + state.reserved_videos;
-        if waiting >= self.rules.max_waiting
-            || (kind == PredictionKind::Video && videos >= self.rules.max_videos_waiting)
-        {
+        let waiting = state.waiting(None).saturating_add(state.reserved());
+        let class_full = self
+            .class(class)
+            .and_then(|c| c.queue_max)
+            .is_some_and(|max| state.waiting(Some(class)).saturating_add(state.of_class(class).reserved) >= max);
+        if waiting >= self.rules.max_waiting || class_full {
             return Err(QueueFull::Full);
         }
         let rules = &self.rules;
@@ -624,14 +639,8 @@ impl FairQueue {
         {
             return Err(QueueFull::UnverifiedShare { slots: rules.unverified_slots, places: rules.unverified_places });
         }
-        match kind {
-            PredictionKind::Image => state.reserved_images += 1,
-            PredictionKind::Video => state.reserved_videos += 1,
-        }
-        if unverified {
-            state.reserved_unverified += 1;
-        }
-        Ok(Reservation { queue: self.clone(), kind, unverified, used: false })
+        state.reserve_place(class, unverified);
+        Ok(Reservation { queue: self.clone(), class, unverified, used: false })
     }
 
     /// Where `id` stands, if it is waiting.
@@ -644,36 +653,40 @@ impl FairQueue {
         let ring_at = state.ring.iter().position(|k| *k == flow_key).unwrap_or(0);
         let mine = state.flows.get(&flow_key);
         let mut ahead = index;
-        let mut videos_ahead =
-            mine.map_or(0, |f| f.jobs.iter().take(index).filter(|w| w.kind == PredictionKind::Video).count());
+        let class = mine.and_then(|f| f.jobs.get(index)).map(|w| w.class);
+        let alike = |w: &Waiting| Some(w.class) == class;
+        let mut alike_ahead = mine.map_or(0, |f| f.jobs.iter().take(index).filter(|w| alike(w)).count());
         for (i, key) in state.ring.iter().enumerate().filter(|(_, k)| **k != flow_key) {
             let take = if i < ring_at { index + 1 } else { index };
             if let Some(flow) = state.flows.get(key) {
                 let served: Vec<&Waiting> = flow.jobs.iter().take(take).collect();
                 ahead += served.len();
-                videos_ahead += served.iter().filter(|w| w.kind == PredictionKind::Video).count();
+                alike_ahead += served.iter().filter(|w| alike(w)).count();
             }
         }
-        Some(Position { ahead, videos_ahead })
+        Some(Position { ahead, alike_ahead })
     }
 
-    /// When the next video may be submitted, if a gap is running.
-    pub fn next_video_at(&self) -> Nanos {
-        self.state().next_video_at
+    /// When the next job of `class` may be submitted, if its gap is running.
+    pub fn next_at(&self, class: ClassId) -> Nanos {
+        self.state().of_class(class).next_at
+    }
+
+    /// How long until every class with jobs waiting may submit again: the longest gap still
+    /// running among them (0 when none is).
+    pub fn gaps_left(&self, now: Nanos) -> Nanos {
+        let state = self.state();
+        let waiting = state.waiting_per_class();
+        let per_class = state.classes.iter().zip(waiting);
+        per_class.filter(|(_, waiting)| *waiting > 0).map(|(of, _)| of.next_at.saturating_sub(now)).max().unwrap_or(0)
     }
 
     /// Puts `id` back at the front of `flow` after a failed attempt (its slot already given
     /// back), not to leave before `not_before`.
-    pub fn requeue_front(
-        self: &Arc<Self>,
-        flow: &Flowing<'_>,
-        id: &str,
-        kind: PredictionKind,
-        not_before: Nanos,
-    ) -> Turn {
+    pub fn requeue_front(self: &Arc<Self>, flow: &Flowing<'_>, id: &str, class: ClassId, not_before: Nanos) -> Turn {
         let (turn, waiting) = oneshot::channel();
         let (unverified, quantum) = (flow.unverified, flow.quantum);
-        let job = Waiting { id: id.to_owned(), kind, unverified, not_before, flow: String::new(), quantum, turn };
+        let job = Waiting { id: id.to_owned(), class, unverified, not_before, flow: String::new(), quantum, turn };
         let flow = flow.name;
         self.state().push(flow, quantum, job, true);
         self.changed.notify_waiters();
@@ -705,7 +718,7 @@ impl FairQueue {
         Occupancy {
             in_flight: state.in_flight,
             waiting: state.waiting(None),
-            videos_waiting: state.waiting(Some(PredictionKind::Video)),
+            waiting_per_class: state.waiting_per_class(),
             per_flow,
             unverified_in_flight: state.unverified_in_flight,
             unverified_waiting: state.unverified_waiting(),
@@ -714,8 +727,13 @@ impl FairQueue {
 }
 
 impl Reservation {
+    /// The class of the job it holds a place for.
+    pub fn class(&self) -> ClassId {
+        self.class
+    }
+
     /// An account slot at once, if one is free and no job is waiting for one (nobody is
-    /// overtaken). Videos always wait their turn: the gap applies to them.
+    /// overtaken). A job of a class with a gap always waits its turn: the gap applies to it.
     ///
     /// Cancel-safe: dropped while the shared store is asked, the slot counted here goes back (its
     /// guard owns it from the instant it is counted), and so do the place and any lease the store
@@ -725,13 +743,14 @@ impl Reservation {
         let counted = {
             let mut state = queue.state();
             let free = state.door_open(&queue.rules_now(), self.unverified, queue.clock.now());
-            if self.kind != PredictionKind::Image || !free {
+            let spaced = queue.class(self.class).is_some_and(|c| c.min_gap.is_some());
+            if spaced || !free {
                 return Err(self);
             }
             // Taken locally first, so two calls racing here cannot both pass the local cap.
             Counted::take(&queue, &mut state, self.unverified)
         };
-        match queue.claim(self.kind, self.unverified).await {
+        match queue.claim(self.class, self.unverified).await {
             Claim::Go(leases, shared_at) => {
                 self.release_place(&mut queue.state());
                 self.used = true;
@@ -760,7 +779,7 @@ impl Reservation {
         let quantum = flow.quantum.clamp(0.01, 1000.0);
         let job = Waiting {
             id: id.to_owned(),
-            kind: self.kind,
+            class: self.class,
             unverified: self.unverified,
             not_before: 0,
             flow: String::new(),
@@ -775,13 +794,7 @@ impl Reservation {
 
     /// Gives the promised place back to the count (it became a slot, a waiting job, or nothing).
     fn release_place(&self, state: &mut State) {
-        match self.kind {
-            PredictionKind::Image => state.reserved_images = state.reserved_images.saturating_sub(1),
-            PredictionKind::Video => state.reserved_videos = state.reserved_videos.saturating_sub(1),
-        }
-        if self.unverified {
-            state.reserved_unverified = state.reserved_unverified.saturating_sub(1);
-        }
+        state.release_place(self.class, self.unverified);
     }
 }
 
@@ -813,11 +826,19 @@ mod tests {
     use super::*;
     use crate::clock::{ManualClock, NANOS_PER_SEC};
     use crate::store::{Blocks, Broadcast, Budgets, Lease, Slots, StoreFuture, Verdict};
+    use crate::upstream::classes::{IMAGE, VIDEO};
 
     const GAP: Nanos = 2 * NANOS_PER_SEC;
 
+    /// Images, and videos spaced by `gap` of which `videos` may wait: numbered as [`IMAGE`] and
+    /// [`VIDEO`].
+    fn classes(gap: Nanos, videos: usize) -> JobClasses {
+        let video = JobClass { min_gap: Some(gap), queue_max: Some(videos), ..JobClass::plain("video") };
+        JobClasses::new(vec![JobClass::plain("image"), video])
+    }
+
     fn queue(clock: &Arc<ManualClock>, slots: usize) -> Arc<FairQueue> {
-        let rules = QueueRules::new(slots, GAP, 100, 100);
+        let rules = QueueRules::new(slots, 100, classes(GAP, 100));
         let queue = Arc::new(FairQueue::new(rules, clock.clone()));
         tokio::spawn(queue.clone().dispatch(CancellationToken::new()));
         queue
@@ -835,15 +856,12 @@ mod tests {
     async fn round_robin_across_flows_not_first_come_first_served() {
         let clock = ManualClock::new();
         let q = queue(&clock, 1);
-        let held = q.reserve(PredictionKind::Image, false).expect("room").start_now().await.expect("a free slot");
+        let held = q.reserve(IMAGE, false).expect("room").start_now().await.expect("a free slot");
         let mut turns = Vec::new();
         for i in 0..3 {
-            turns.push((
-                "a",
-                q.reserve(PredictionKind::Image, false).expect("room").enqueue(&flow("a"), &format!("a{i}")),
-            ));
+            turns.push(("a", q.reserve(IMAGE, false).expect("room").enqueue(&flow("a"), &format!("a{i}"))));
         }
-        turns.push(("b", q.reserve(PredictionKind::Image, false).expect("room").enqueue(&flow("b"), "b0")));
+        turns.push(("b", q.reserve(IMAGE, false).expect("room").enqueue(&flow("b"), "b0")));
         assert_eq!(q.position("b0").map(|p| p.ahead), Some(1), "one of a's, then b's");
         drop(held);
         let mut order = Vec::new();
@@ -867,11 +885,11 @@ mod tests {
     async fn videos_are_spaced_by_the_gap_and_images_pass_them_meanwhile() {
         let clock = ManualClock::new();
         let q = queue(&clock, 10);
-        let mut v1 = q.reserve(PredictionKind::Video, false).expect("room").enqueue(&flow("a"), "v1");
-        let mut v2 = q.reserve(PredictionKind::Video, false).expect("room").enqueue(&flow("a"), "v2");
+        let mut v1 = q.reserve(VIDEO, false).expect("room").enqueue(&flow("a"), "v1");
+        let mut v2 = q.reserve(VIDEO, false).expect("room").enqueue(&flow("a"), "v2");
         let _first = granted(&mut v1).await.expect("the first video goes at once");
         assert!(granted(&mut v2).await.is_none(), "the second waits for the gap");
-        let image = q.reserve(PredictionKind::Image, false).expect("room");
+        let image = q.reserve(IMAGE, false).expect("room");
         let image = image.start_now().await.expect_err("someone is waiting: no overtaking at the door");
         let mut image = image.enqueue(&flow("b"), "i1");
         assert!(granted(&mut image).await.is_some(), "an image needs no gap");
@@ -880,12 +898,37 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_third_class_is_spaced_and_held_to_its_places_as_its_data_says() {
+        let clock = ManualClock::new();
+        let audio = JobClass { min_gap: Some(3 * NANOS_PER_SEC), queue_max: Some(2), ..JobClass::plain("audio") };
+        let mut all: Vec<JobClass> = classes(GAP, 100).iter().map(|(_, c)| c.clone()).collect();
+        all.push(audio);
+        let classes = JobClasses::new(all);
+        let audio = classes.iter().find(|(_, c)| c.name == "audio").map(|(id, _)| id).expect("audio");
+        let q = Arc::new(FairQueue::new(QueueRules::new(10, 100, classes), clock.clone()));
+        tokio::spawn(q.clone().dispatch(CancellationToken::new()));
+        let first = q.reserve(audio, false).expect("room");
+        let first = first.start_now().await.expect_err("a spaced class never takes a slot at the door");
+        let mut a1 = first.enqueue(&flow("a"), "a1");
+        let mut a2 = q.reserve(audio, false).expect("room").enqueue(&flow("a"), "a2");
+        assert_eq!(q.reserve(audio, false).err(), Some(QueueFull::Full), "two audio jobs may wait");
+        assert_eq!(q.occupancy().waiting_of(audio), 2);
+        let _a1 = granted(&mut a1).await.expect("the first goes at once");
+        let mut v1 = q.reserve(VIDEO, false).expect("room").enqueue(&flow("b"), "v1");
+        assert!(granted(&mut v1).await.is_some(), "a video waits for its own gap, not audio's");
+        clock.advance(Duration::from_nanos(GAP));
+        assert!(granted(&mut a2).await.is_none(), "audio's gap is longer than video's");
+        clock.advance(Duration::from_secs(1));
+        assert!(granted(&mut a2).await.is_some());
+    }
+
+    #[tokio::test]
     async fn a_full_account_holds_jobs_until_a_slot_is_given_back() {
         let clock = ManualClock::new();
         let q = queue(&clock, 2);
-        let a = q.reserve(PredictionKind::Image, false).expect("room").start_now().await.expect("slot");
-        let _b = q.reserve(PredictionKind::Image, false).expect("room").start_now().await.expect("slot");
-        let waiting = q.reserve(PredictionKind::Image, false).expect("room");
+        let a = q.reserve(IMAGE, false).expect("room").start_now().await.expect("slot");
+        let _b = q.reserve(IMAGE, false).expect("room").start_now().await.expect("slot");
+        let waiting = q.reserve(IMAGE, false).expect("room");
         let mut waiting = waiting.start_now().await.expect_err("the account is full").enqueue(&flow("c"), "c0");
         assert!(granted(&mut waiting).await.is_none());
         assert_eq!(q.occupancy().in_flight, 2);
@@ -950,14 +993,14 @@ mod tests {
     #[tokio::test]
     async fn a_call_dropped_while_the_shared_store_decides_gives_its_slot_and_place_back() {
         let clock = ManualClock::new();
-        let rules = QueueRules::new(1, GAP, 1, 1);
+        let rules = QueueRules::new(1, 1, classes(GAP, 1));
         let metrics = Arc::new(Metrics::default());
         let q = Arc::new(FairQueue::new(rules, clock.clone()).shared_in(Arc::new(Stalled::default()), "t", metrics));
-        let place = q.reserve(PredictionKind::Image, false).expect("room");
+        let place = q.reserve(IMAGE, false).expect("room");
         let starting = tokio::time::timeout(Duration::from_millis(20), place.start_now()).await;
         assert!(starting.is_err(), "the store never answers: the caller gives up (a client's cancel)");
         assert_eq!(q.occupancy().in_flight, 0, "the slot counted before the store was asked came back");
-        let again = q.reserve(PredictionKind::Image, false).expect("the place came back");
+        let again = q.reserve(IMAGE, false).expect("the place came back");
         drop(again);
     }
 
@@ -965,9 +1008,9 @@ mod tests {
     async fn a_job_whose_turn_is_dropped_leaves_the_line_at_once_and_only_that_entry() {
         let clock = ManualClock::new();
         let q = queue(&clock, 1);
-        let held = q.reserve(PredictionKind::Image, false).expect("room").start_now().await.expect("a free slot");
-        let first = q.reserve(PredictionKind::Image, false).expect("room").enqueue(&flow("a"), "a0");
-        let mut second = q.reserve(PredictionKind::Image, false).expect("room").enqueue(&flow("b"), "b0");
+        let held = q.reserve(IMAGE, false).expect("room").start_now().await.expect("a free slot");
+        let first = q.reserve(IMAGE, false).expect("room").enqueue(&flow("a"), "a0");
+        let mut second = q.reserve(IMAGE, false).expect("room").enqueue(&flow("b"), "b0");
         assert_eq!(q.occupancy().waiting, 2);
         drop(first);
         assert_eq!(q.occupancy().waiting, 1, "the cancelled call is out of the line before any slot frees");
@@ -976,7 +1019,7 @@ mod tests {
         let slot = granted(&mut second).await.expect("the freed slot goes to the one still waiting");
         drop(slot);
         // A turn that got its slot has nothing to take out: the next job under that id stays.
-        let mut retried = q.requeue_front(&flow("b"), "b0", PredictionKind::Image, 0);
+        let mut retried = q.requeue_front(&flow("b"), "b0", IMAGE, 0);
         drop(second);
         assert!(granted(&mut retried).await.is_some(), "a retry under the same id is not taken out");
     }
@@ -984,26 +1027,26 @@ mod tests {
     #[tokio::test]
     async fn a_full_queue_refuses_and_unused_places_come_back() {
         let clock = ManualClock::new();
-        let rules = QueueRules::new(1, GAP, 3, 1);
+        let rules = QueueRules::new(1, 3, classes(GAP, 1));
         let q = Arc::new(FairQueue::new(rules, clock.clone()));
-        let video = q.reserve(PredictionKind::Video, false).expect("room");
-        assert!(q.reserve(PredictionKind::Video, false).is_err(), "one video may wait");
-        let _i1 = q.reserve(PredictionKind::Image, false).expect("room");
-        let i2 = q.reserve(PredictionKind::Image, false).expect("room");
-        assert!(q.reserve(PredictionKind::Image, false).is_err(), "three places in all");
+        let video = q.reserve(VIDEO, false).expect("room");
+        assert!(q.reserve(VIDEO, false).is_err(), "one video may wait");
+        let _i1 = q.reserve(IMAGE, false).expect("room");
+        let i2 = q.reserve(IMAGE, false).expect("room");
+        assert!(q.reserve(IMAGE, false).is_err(), "three places in all");
         drop(i2);
-        assert!(q.reserve(PredictionKind::Image, false).is_ok(), "an unused reservation gives its place back");
+        assert!(q.reserve(IMAGE, false).is_ok(), "an unused reservation gives its place back");
         drop(video);
     }
 
     #[test]
     fn a_removed_job_leaves_the_line_and_weights_give_a_heavier_flow_more_turns() {
-        let mut state = State::default();
+        let mut state = State::for_classes(2);
         let push = |state: &mut State, flow: &str, q: f64, id: &str| {
             let (turn, _) = oneshot::channel();
             let job = Waiting {
                 id: id.into(),
-                kind: PredictionKind::Image,
+                class: IMAGE,
                 unverified: false,
                 not_before: 0,
                 flow: String::new(),
@@ -1018,7 +1061,7 @@ mod tests {
         }
         assert!(state.remove("l7"));
         let served: Vec<String> =
-            (0..8).filter_map(|_| state.pick(&QueueRules::new(100, GAP, 100, 100), 0)).map(|w| w.id).collect();
+            (0..8).filter_map(|_| state.pick(&QueueRules::new(100, 100, classes(GAP, 100)), 0)).map(|w| w.id).collect();
         assert_eq!(served.iter().filter(|id| id.starts_with('h')).count(), 6, "3:1 by weight: {served:?}");
     }
 }

@@ -1,5 +1,5 @@
-//! Who goes next: deficit round robin across flows, FIFO within a flow, with the video gap and the
-//! unverified callers' share deciding which heads may go now (see [`super::FairQueue`]).
+//! Who goes next: deficit round robin across flows, FIFO within a flow, with the classes' gaps and
+//! the unverified callers' share deciding which heads may go now (see [`super::FairQueue`]).
 
 use std::collections::{HashMap, VecDeque};
 
@@ -7,11 +7,11 @@ use tokio::sync::oneshot;
 
 use super::{AccountSlot, QueueRules};
 use crate::clock::Nanos;
-use crate::upstream::api::PredictionKind;
+use crate::upstream::classes::ClassId;
 
 pub(super) struct Waiting {
     pub(super) id: String,
-    pub(super) kind: PredictionKind,
+    pub(super) class: ClassId,
     /// An unverified caller's job, held to the unverified share.
     pub(super) unverified: bool,
     pub(super) not_before: Nanos,
@@ -28,12 +28,23 @@ pub(super) struct Flow {
     pub(super) jobs: VecDeque<Waiting>,
 }
 
+/// What the queue keeps per job class.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct PerClass {
+    /// No job of the class leaves before this (its gap since the last one, or as the shared store
+    /// said); 0 for a class without a gap.
+    pub(super) next_at: Nanos,
+    /// Places promised to jobs of the class and not used yet.
+    pub(super) reserved: usize,
+}
+
 #[derive(Default)]
 pub(super) struct State {
     pub(super) in_flight: usize,
     /// Of `in_flight`, the slots unverified callers' jobs hold.
     pub(super) unverified_in_flight: usize,
-    pub(super) next_video_at: Nanos,
+    /// Per class, by [`ClassId`].
+    pub(super) classes: Vec<PerClass>,
     /// Over a shared store: no job leaves before this (the account was full everywhere).
     pub(super) account_full_until: Nanos,
     /// Over a shared store: no unverified job leaves before this (their share was taken).
@@ -41,15 +52,66 @@ pub(super) struct State {
     pub(super) flows: HashMap<String, Flow>,
     /// Flows with waiting jobs, in round-robin order.
     pub(super) ring: VecDeque<String>,
-    pub(super) reserved_images: usize,
-    pub(super) reserved_videos: usize,
     /// Of the reservations, those of unverified callers.
     pub(super) reserved_unverified: usize,
 }
 
 impl State {
-    pub(super) fn waiting(&self, kind: Option<PredictionKind>) -> usize {
-        self.flows.values().flat_map(|f| &f.jobs).filter(|w| kind.is_none_or(|k| w.kind == k)).count()
+    /// An empty state for a queue of `classes` classes.
+    pub(super) fn for_classes(classes: usize) -> Self {
+        Self { classes: vec![PerClass::default(); classes], ..Self::default() }
+    }
+
+    /// What is kept for `class` (nothing, for a class the queue does not have).
+    pub(super) fn of_class(&self, class: ClassId) -> PerClass {
+        self.classes.get(class.index()).copied().unwrap_or_default()
+    }
+
+    /// No job of `class` leaves before `at`.
+    pub(super) fn set_next_at(&mut self, class: ClassId, at: Nanos) {
+        if let Some(of) = self.classes.get_mut(class.index()) {
+            of.next_at = at;
+        }
+    }
+
+    /// Counts a place promised to a job of `class`.
+    pub(super) fn reserve_place(&mut self, class: ClassId, unverified: bool) {
+        if let Some(of) = self.classes.get_mut(class.index()) {
+            of.reserved = of.reserved.saturating_add(1);
+        }
+        if unverified {
+            self.reserved_unverified = self.reserved_unverified.saturating_add(1);
+        }
+    }
+
+    /// Gives back a place promised to a job of `class`.
+    pub(super) fn release_place(&mut self, class: ClassId, unverified: bool) {
+        if let Some(of) = self.classes.get_mut(class.index()) {
+            of.reserved = of.reserved.saturating_sub(1);
+        }
+        if unverified {
+            self.reserved_unverified = self.reserved_unverified.saturating_sub(1);
+        }
+    }
+
+    /// Places promised and not used yet, all classes together.
+    pub(super) fn reserved(&self) -> usize {
+        self.classes.iter().fold(0, |sum, of| sum.saturating_add(of.reserved))
+    }
+
+    pub(super) fn waiting(&self, class: Option<ClassId>) -> usize {
+        self.flows.values().flat_map(|f| &f.jobs).filter(|w| class.is_none_or(|c| w.class == c)).count()
+    }
+
+    /// Jobs waiting per class, by [`ClassId`].
+    pub(super) fn waiting_per_class(&self) -> Vec<usize> {
+        let mut waiting = vec![0usize; self.classes.len()];
+        for w in self.flows.values().flat_map(|f| &f.jobs) {
+            if let Some(n) = waiting.get_mut(w.class.index()) {
+                *n = n.saturating_add(1);
+            }
+        }
+        waiting
     }
 
     /// Whether the unverified callers' share of the account is taken (here, or as the shared
@@ -60,7 +122,7 @@ impl State {
 
     pub(super) fn eligible(&self, w: &Waiting, rules: &QueueRules, now: Nanos) -> bool {
         now >= w.not_before
-            && (w.kind != PredictionKind::Video || now >= self.next_video_at)
+            && now >= self.of_class(w.class).next_at
             && !(w.unverified && self.unverified_share_taken(rules, now))
     }
 
@@ -116,10 +178,7 @@ impl State {
             // wakes the dispatcher), not for a time.
             .filter(|w| !(w.unverified && self.unverified_in_flight >= rules.unverified_slots))
             .map(|w| {
-                let mut at = w.not_before;
-                if w.kind == PredictionKind::Video {
-                    at = at.max(self.next_video_at);
-                }
+                let mut at = w.not_before.max(self.of_class(w.class).next_at);
                 if w.unverified {
                     at = at.max(self.unverified_full_until);
                 }
