@@ -29,7 +29,7 @@ use crate::mcp::{McpServer, Transport};
 use crate::mock_upstream::MockUpstream;
 use crate::proxy::{LinkError, Proxied, ProxyServer, Target};
 use crate::rate_limits::{LimitsError, RateLimits};
-use crate::state::{AppState, OwnTools};
+use crate::state::{AppState, PaidApi};
 use crate::upstream::adaptive::AdaptiveLimit;
 use crate::upstream::backoff::{Backoff, RetryBudget};
 use crate::upstream::classes::JobClasses;
@@ -70,7 +70,7 @@ pub struct App {
 #[derive(Debug)]
 enum Serving {
     /// Our tools.
-    Tools(Arc<OwnTools>),
+    Tools(Arc<PaidApi>),
     /// A proxied MCP server's.
     Proxy(Arc<Proxied>),
 }
@@ -137,7 +137,7 @@ impl App {
             )
             .published_in(store.clone().job_mirror()),
         );
-        let own = Arc::new(OwnTools { upstream, jobs });
+        let own = Arc::new(PaidApi { upstream, jobs });
         let state = Arc::new(AppState { limits, behind: own.clone(), clock, config });
         tokio::spawn(sweep_forever(own.clone(), state.config.limiting.store.sweep_interval_ms, stop.clone()));
         if state.limits.guard().store().is_shared() {
@@ -299,7 +299,7 @@ async fn over_stdio<S: rmcp::ServerHandler>(handler: S) -> Result<(), AppError> 
 }
 
 /// Cancels this instance's jobs that an agent asked another instance to cancel.
-async fn answer_cancel_requests_forever(own: Arc<OwnTools>, stop: CancellationToken) {
+async fn answer_cancel_requests_forever(own: Arc<PaidApi>, stop: CancellationToken) {
     crate::clock::every(crate::upstream::jobs::CANCEL_REQUESTS_EVERY, stop, || async {
         if let Err(error) = own.jobs.answer_cancel_requests().await {
             tracing::debug!(%error, "could not read the cancel requests");
@@ -309,7 +309,7 @@ async fn answer_cancel_requests_forever(own: Arc<OwnTools>, stop: CancellationTo
 }
 
 /// Forgets final jobs nobody asked about for long.
-async fn sweep_forever(own: Arc<OwnTools>, every_ms: u64, stop: CancellationToken) {
+async fn sweep_forever(own: Arc<PaidApi>, every_ms: u64, stop: CancellationToken) {
     crate::clock::every(Duration::from_millis(every_ms), stop, || {
         let jobs = own.jobs.sweep();
         if jobs > 0 {

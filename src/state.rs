@@ -29,7 +29,7 @@ pub struct AppState {
     pub behind: Arc<dyn Behind>,
 }
 
-/// What the guard stands in front of: our own tools and the paid API behind them ([`OwnTools`],
+/// What the guard stands in front of: our own tools and the paid API behind them ([`PaidApi`],
 /// for `serve` and `stdio`), or another MCP server ([`Proxied`](crate::proxy::Proxied), for
 /// `proxy`); what the dashboard, the admin API and `/metrics` read of it.
 pub trait Behind: std::fmt::Debug + Send + Sync {
@@ -53,14 +53,14 @@ pub trait Behind: std::fmt::Debug + Send + Sync {
 
 /// Our tools' upstream: the paid API and the jobs running on it.
 #[derive(Debug)]
-pub struct OwnTools {
+pub struct PaidApi {
     /// The paid API, behind its circuit breaker.
     pub upstream: Arc<Upstream>,
     /// Jobs accepted and not yet forgotten: their slots, the account's fair queue, background polls.
     pub jobs: Arc<Jobs>,
 }
 
-impl Behind for OwnTools {
+impl Behind for PaidApi {
     fn breaker(&self) -> &Breaker {
         self.upstream.breaker()
     }

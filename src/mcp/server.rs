@@ -27,7 +27,7 @@ use crate::guard::{MethodGroup, Refusal, RefusalCode, TakeOnce};
 use crate::identity::Caller;
 use crate::mcp::limited::{Asked, LimitedRouter, ToolAnswer, ToolRules};
 use crate::mcp::{limited, results, tools};
-use crate::state::{AppState, OwnTools};
+use crate::state::{AppState, PaidApi};
 use crate::upstream::jobs::JobView;
 use crate::upstream::queue::Reservation;
 
@@ -45,14 +45,14 @@ pub enum Transport {
 pub struct McpServer {
     pub(crate) app: Arc<AppState>,
     /// The paid API and its jobs.
-    pub(crate) own: Arc<OwnTools>,
+    pub(crate) own: Arc<PaidApi>,
     pub(crate) transport: Transport,
     tools: LimitedRouter<Self, PaidTools>,
 }
 
 impl McpServer {
     /// A handler over the shared state and our tools' upstream.
-    pub fn new(app: Arc<AppState>, own: Arc<OwnTools>, transport: Transport) -> Self {
+    pub fn new(app: Arc<AppState>, own: Arc<PaidApi>, transport: Transport) -> Self {
         let door = PaidTools { app: app.clone(), own: own.clone() };
         let tools = LimitedRouter::with_door(Self::tool_router(), app.limits.clone(), door);
         Self { app, own, transport, tools }
@@ -201,7 +201,7 @@ impl ServerHandler for McpServer {
 #[derive(Clone)]
 pub struct PaidTools {
     app: Arc<AppState>,
-    own: Arc<OwnTools>,
+    own: Arc<PaidApi>,
 }
 
 impl std::fmt::Debug for PaidTools {

@@ -31,7 +31,7 @@ use crate::guard::{Admission, BudgetStatus, Refusal, TakeOnce};
 use crate::identity::Caller;
 use crate::mcp::McpServer;
 use crate::mcp::{limited, results};
-use crate::state::OwnTools;
+use crate::state::PaidApi;
 use crate::upstream::UpstreamError;
 use crate::upstream::api::{ArticlePage, NewArticle, NewPrediction, PredictionKind, PredictionStatus};
 use crate::upstream::classes::{ClassId, IMAGE, VIDEO};
@@ -768,7 +768,7 @@ impl McpServer {
 /// What must hold before `tool` is charged, with what it must carry to the tool body: the
 /// upstream must not be known down (circuit breaker open), and a job needs a place in the queue
 /// for the upstream account, in case it has to wait for a slot.
-pub(crate) fn before_charging(own: &OwnTools, tool: &str, caller: &Caller) -> Result<Option<Reservation>, Refusal> {
+pub(crate) fn before_charging(own: &PaidApi, tool: &str, caller: &Caller) -> Result<Option<Reservation>, Refusal> {
     let Some(declared) = declared(tool) else { return Ok(None) };
     if declared.reach != Reach::Caller
         && let Some(open_for) = own.upstream.open_for()
@@ -784,7 +784,7 @@ pub(crate) fn before_charging(own: &OwnTools, tool: &str, caller: &Caller) -> Re
 
 /// Whether this call can never be a loop, as its tool's declaration says ([`Repeats`]): asking
 /// again is how it is meant to be used and its answer changes with time.
-pub(crate) fn loop_exempt(own: &OwnTools, tool: &str, args: &serde_json::Value, caller: &Caller) -> bool {
+pub(crate) fn loop_exempt(own: &PaidApi, tool: &str, args: &serde_json::Value, caller: &Caller) -> bool {
     match declared(tool).map(|d| d.repeats) {
         Some(Repeats::Never) => true,
         Some(Repeats::WhileJobPending) => {
@@ -795,7 +795,7 @@ pub(crate) fn loop_exempt(own: &OwnTools, tool: &str, args: &serde_json::Value, 
 }
 
 /// A busy refusal for a job tool, made specific: the caller's jobs and when to look again.
-pub(crate) fn explain_busy(own: &OwnTools, tool: &str, refusal: Refusal, caller: &Caller) -> Refusal {
+pub(crate) fn explain_busy(own: &PaidApi, tool: &str, refusal: Refusal, caller: &Caller) -> Refusal {
     let jobs = &own.jobs;
     let mine = jobs.pending_of(caller.id()).into_iter().map(|v| v.prediction.id).collect();
     refusal.with_jobs_in_flight(tool, mine, jobs.soonest_news(caller.id(), caller.tenant()))
