@@ -1,5 +1,5 @@
 //! A circuit breaker, as Envoy and resilience4j keep one per upstream: the paid API's (see
-//! [`crate::upstream`]), and the shared limiter store's (the guard stops waiting on a Redis that is
+//! `crate::upstream`), and the shared limiter store's (the guard stops waiting on a Redis that is
 //! down, and probes it once a second).
 //!
 //! When an upstream keeps failing, calling it harder helps nobody: agents wait on timeouts and

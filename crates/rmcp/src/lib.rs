@@ -1,5 +1,5 @@
 //! mcp-ratelimit for any rmcp server: build [`RateLimits`] from a config and the
-//! [`Catalogue`](config::Catalogue) of your tools, wrap your `ToolRouter` in a [`LimitedRouter`]
+//! [`Catalogue`] of your tools, wrap your `ToolRouter` in a [`LimitedRouter`]
 //! (or run [`limited::call_tool`] in your own `call_tool`), and put [`RateLimits::http_layer`] in
 //! front of your axum router. Every call then runs the one guarded call of the core: checked,
 //! priced, admitted in every scope at once, shared with identical calls, settled, and refused

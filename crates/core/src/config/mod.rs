@@ -204,7 +204,7 @@ pub fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigErro
     ConfigError::Invalid { key: key.into(), message: message.into() }
 }
 
-/// The limits' configuration, which is all [`RateLimits`](crate::RateLimits) and the
+/// The limits' configuration, which is all `RateLimits` and the
 /// [`Guard`](crate::guard::Guard) read: `[limits]`, `[tools.NAME]`, `[auth]`, `[tiers]`,
 /// `[spend_caps]`, `[tenants.NAME]`, `[store]`, `[loop_detection]`, and the two `[server]` keys
 /// that name callers behind a proxy. It is read from the same file as the server's, under the
@@ -466,31 +466,6 @@ impl RawLimitsConfig {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_raw_limits_sections_print_no_secret() {
-        let toml = "[store]\nredis_url = \"redis://:redis-pw-hush@h:1,redis://:other-pw-hush@g:2\"\n\
-                    [auth]\nid_secret = \"id-secret-hush-01234\"\n\
-                    [[auth.keys]]\nkey = \"plain-key-hush\"\n[[auth.keys]]\nsha256 = \"ab12cd34\"\n";
-        let document = Document::from_toml(toml, &Catalogue::new()).expect("reads");
-        let raw = document.section::<RawLimitsConfig>().expect("the limits' sections");
-        for printed in [format!("{raw:?}"), format!("{raw:#?}"), format!("{document:?}")] {
-            assert!(!printed.contains("hush") && !printed.contains("ab12cd34"), "{printed}");
-        }
-        assert!(format!("{raw:?}").contains("redis://***@h:1,redis://***@g:2"), "{raw:?}");
-        assert!(format!("{raw:?}").contains("RawKey"), "{raw:?}");
-    }
-
-    #[test]
-    fn a_section_nobody_reads_is_named() {
-        let e = LimitsConfig::from_toml("[limts.caller]\nburst = 3\n", &Catalogue::new()).expect_err("a typo");
-        assert!(e.to_string().contains("`limts`") && e.to_string().contains("unknown section"), "{e}");
-    }
-}
-
 /// TOML integers are 64-bit signed, and the TOML reader stops at a larger one (a `u64` maximum,
 /// say) without naming its key: this finds it first and names it. Anything else unreadable is
 /// left to the reader's own message.
@@ -517,5 +492,30 @@ fn integer_too_large(toml: &str) -> Result<(), ConfigError> {
             format!("{number} is larger than any number a config takes (TOML integers stop at {})", i64::MAX),
         )),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_raw_limits_sections_print_no_secret() {
+        let toml = "[store]\nredis_url = \"redis://:redis-pw-hush@h:1,redis://:other-pw-hush@g:2\"\n\
+                    [auth]\nid_secret = \"id-secret-hush-01234\"\n\
+                    [[auth.keys]]\nkey = \"plain-key-hush\"\n[[auth.keys]]\nsha256 = \"ab12cd34\"\n";
+        let document = Document::from_toml(toml, &Catalogue::new()).expect("reads");
+        let raw = document.section::<RawLimitsConfig>().expect("the limits' sections");
+        for printed in [format!("{raw:?}"), format!("{raw:#?}"), format!("{document:?}")] {
+            assert!(!printed.contains("hush") && !printed.contains("ab12cd34"), "{printed}");
+        }
+        assert!(format!("{raw:?}").contains("redis://***@h:1,redis://***@g:2"), "{raw:?}");
+        assert!(format!("{raw:?}").contains("RawKey"), "{raw:?}");
+    }
+
+    #[test]
+    fn a_section_nobody_reads_is_named() {
+        let e = LimitsConfig::from_toml("[limts.caller]\nburst = 3\n", &Catalogue::new()).expect_err("a typo");
+        assert!(e.to_string().contains("`limts`") && e.to_string().contains("unknown section"), "{e}");
     }
 }

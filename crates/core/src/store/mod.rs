@@ -3,7 +3,7 @@
 //! A [`Store`] takes the [`Check`]s of one call — one per scope it must pass — and decides them
 //! **atomically**: either every scope admits the call and all are charged, or none is. The
 //! algorithms live in [`crate::limit`]; a store only keeps their state, keyed by scope: in this
-//! process's memory ([`MemoryStore`]), or in Redis, shared by every instance ([`RedisStore`]),
+//! process's memory ([`MemoryStore`]), or in Redis, shared by every instance (`RedisStore`),
 //! where each algorithm has a Lua twin and one call is one script.
 //!
 //! A store shared by several instances also keeps what they must agree on beside the budgets,

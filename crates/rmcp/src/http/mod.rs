@@ -57,9 +57,9 @@ where
 }
 
 /// A front-door layer that passes most requests straight on and takes the rest into an async
-/// step of its own: the body deadline ([`serve::read_body_by_deadline`]) and the session caps
-/// ([`sessions::cap`]). [`StepLayer`] is the tower plumbing they share, so each is only its
-/// test and its step.
+/// step of its own: the reference server's body deadline (`serve::read_body_by_deadline`) and
+/// session caps (`sessions::cap`). [`StepLayer`] is the tower plumbing they share, so each is
+/// only its test and its step.
 pub trait Step: Clone + Send + Sync + 'static {
     /// Whether `request` needs the step; one that does not passes on without an allocation.
     fn takes(&self, request: &Request) -> bool;
