@@ -18,19 +18,19 @@ docs:
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps
 	$(CARGO) package --list --allow-dirty >/dev/null
 
-## The MCP servers tests/proxy.rs proxies (server-everything from npm, FastMCP from PyPI), installed once into .tools/.
+## The MCP servers tests/doors/proxy.rs proxies (server-everything from npm, FastMCP from PyPI), installed once into .tools/.
 proxy-fixtures:
 	scripts/proxy-fixtures.sh
 
-## Debian's chromium for tests/dashboard.rs, installed when missing (as root with apt-get; else the test says how).
+## Debian's chromium for tests/server/dashboard.rs, installed when missing (as root with apt-get; else the test says how).
 chromium:
 	@command -v chromium >/dev/null 2>&1 || [ -n "$$CHROMIUM" ] || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "chromium missing: installing Debian's package for tests/dashboard.rs"; \
+	    echo "chromium missing: installing Debian's package for tests/server/dashboard.rs"; \
 	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
-	      || echo "could not install chromium: tests/dashboard.rs will fail saying how to get it"; \
+	      || echo "could not install chromium: tests/server/dashboard.rs will fail saying how to get it"; \
 	  else \
-	    echo "chromium missing: tests/dashboard.rs will fail; apt-get install chromium, or set CHROMIUM"; \
+	    echo "chromium missing: tests/server/dashboard.rs will fail; apt-get install chromium, or set CHROMIUM"; \
 	  fi; }
 
 build:

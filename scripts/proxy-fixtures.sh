@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the MCP servers tests/proxy.rs puts `mcp-ratelimit proxy` in front of, from the
+# Installs the MCP servers tests/doors/proxy.rs puts `mcp-ratelimit proxy` in front of, from the
 # package registries, once: the official `@modelcontextprotocol/server-everything` (npm, into
 # .tools/node) and FastMCP (PyPI, into a virtualenv at .tools/python) for the tests' own small
 # Python server (tests/fixtures/fastmcp_server.py). Later runs find them and install nothing.

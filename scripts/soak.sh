@@ -5,7 +5,7 @@
 # each instance's RSS after the warm-up and at the end, cost admitted per caller against its
 # budget (and what the insurance limiter let through while Redis was down, apart),
 # predictions never final, in-flight slots still held, refusals by code and by tool, p50/p99
-# of tool calls — and fails on any violated bound. It is tests/soak.rs, run on the debug build
+# of tool calls — and fails on any violated bound. It is tests/binary/soak.rs, run on the debug build
 # `make test` made (ignored there); CI runs `scripts/soak.sh --minutes 1`.
 #
 #   scripts/soak.sh [--minutes N]      (default 10; needs redis-server)
@@ -21,4 +21,4 @@ while [ $# -gt 0 ]; do
   esac
 done
 command -v redis-server >/dev/null || { echo "needs redis-server (apt-get install redis-server)" >&2; exit 1; }
-SOAK_MINUTES=$minutes cargo test --test soak -- --ignored --nocapture 2>&1 | grep -v '^running\|^$'
+SOAK_MINUTES=$minutes cargo test --test binary soak:: -- --ignored --nocapture 2>&1 | grep -v '^running\|^$'

@@ -131,7 +131,7 @@ async fn idle_sessions_and_slow_clients_stay_bounded_and_a_caller_keeps_its_late
     let idle = Duration::from_secs(10 + n as u64 / 250);
     // The server-wide cap is what this test is about: the caps on unverified callers (every
     // session here comes from loopback, each with a made-up key) and the address's request limit
-    // are raised out of its way (tests/made_up_keys.rs holds those).
+    // are raised out of its way (tests/doors/made_up_keys.rs holds those).
     let config = format!(
         "[server]\nmax_sessions = {n}\nmax_sessions_per_address = {n}\nunverified_session_share = 1.0\n\
          session_idle_timeout_seconds = {}\n\

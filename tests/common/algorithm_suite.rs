@@ -1,7 +1,7 @@
-//! The algorithm test suite, written once and run against both stores: `tests/algorithms.rs`
-//! runs it on the Rust algorithms with a local state (the memory store's arithmetic),
-//! `tests/algorithms_redis.rs` on the Redis store's Lua scripts. Same properties, same models,
-//! same numbers.
+//! The algorithm test suite, written once and run against both stores:
+//! `tests/limits/algorithms.rs` runs it on the Rust algorithms with a local state (the memory
+//! store's arithmetic), `tests/limits/algorithms_redis.rs` on the Redis store's Lua scripts. Same
+//! properties, same models, same numbers.
 //!
 //! Every algorithm is checked against a reference model, on an explicit clock, with random
 //! arrival times and costs (proptest). The models keep the whole history and recompute from

@@ -7,8 +7,8 @@
 -- min, max and floor are exact or correctly rounded in both, and Lua's VM runs each one on its
 -- own, so nothing is fused), and the state is written with 17 significant digits, which read
 -- back to the very same double. So the Lua twin and the Rust one give the same limit to the last
--- bit (`learnt_limits_learn_exactly_like_their_rust_twins` in tests/redis_store.rs). Times are
--- whole microseconds and counts small integers, exact as everywhere else.
+-- bit (`learnt_limits_learn_exactly_like_their_rust_twins` in tests/limits/redis_store.rs).
+-- Times are whole microseconds and counts small integers, exact as everywhere else.
 --
 -- A learner is named by one string: "name min max backoff_ratio tolerance smoothing long_window
 -- queue_size" (the last four read by gradient2 only). Its state: "name limit cut_at_us long_rtt

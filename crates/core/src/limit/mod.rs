@@ -21,8 +21,8 @@
 //! its type. Config parsing, `check-config`, the simulator, the admin API's schema and both
 //! stores read the registry. On Redis it also needs its Lua twin beside the others
 //! (`crates/redis/src/<name>.lua`): the Redis crate lists the twins from the same line, so its
-//! build fails naming the missing file. `tests/algorithms.rs` fails until the shared suite has a
-//! reference model for it.
+//! build fails naming the missing file. `tests/limits/algorithms.rs` fails until the shared suite
+//! has a reference model for it.
 //!
 //! Beside them, [`adaptive`]: not a limit on callers but the learners that find how many calls
 //! an upstream takes at once from its answers (AIMD, Gradient2), which the account's queue hands

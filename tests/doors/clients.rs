@@ -1,0 +1,246 @@
+//! `serve`, and a library user's tools through `LimitedRouter`, as clients of both protocol eras
+//! meet them: rmcp's own client speaking 2026-07-28 (`ClientLifecycleMode::Discover`), and the
+//! official Python SDK in its default `auto` mode (2026-07-28) and in `legacy` (2025-11-25), which
+//! checks every answer as its era requires — `resultType`, and structured content against the
+//! tool's `outputSchema`. What we add to an answer of ours (`reserved`, `charged`, `cached`,
+//! `warnings`) is in its `outputSchema`; what we add to an answer we did not write is in `_meta`.
+
+use std::sync::Arc;
+
+use crate::common::*;
+use crate::{common, python};
+use mcp_ratelimit::guard::Refusal;
+use mcp_ratelimit::{Catalogue, LimitedRouter, RateLimits};
+use rmcp::handler::server::wrapper::Parameters;
+use rmcp::model::{CallToolResult, JsonObject, MetaObject, ProtocolVersion, ResultType};
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::{ServerHandler, tool, tool_handler, tool_router};
+use serde_json::{Value, json};
+
+/// Every answer warns (a spend cap warned of at 1 %), list_articles answers are kept, and the
+/// mock and the caps leave room for every job the walk starts.
+const EVERY_FIELD: &str = "[spend_caps]\ndaily_units = 100\nwarn_at_percent = 1\n\
+                           [tools.list_articles]\ncache_ttl_ms = 60000\n\
+                           [mock_upstream]\nmax_concurrent_predictions = 1000\n";
+
+#[tokio::test]
+async fn every_answer_of_our_tools_is_valid_for_clients_of_both_eras_and_admitted_by_its_output_schema() {
+    let server = TestServer::start(&format!("{EVERY_FIELD}{ROOMY_IN_FLIGHT}{NO_LOOP_DETECTION}")).await;
+    for mode in ["legacy", "auto"] {
+        let key = format!("Authorization: Bearer walker-{mode}");
+        let steps = json!([
+            {"op": "list_tools"},
+            {"op": "call", "tool": "list_articles", "args": {"query": "agents"}},
+            {"op": "call", "tool": "list_articles", "args": {"query": "agents"}},
+            {"op": "call", "tool": "save_article", "args": {"title": "On limits", "body": "Budgets."}},
+            {"op": "call", "tool": "generate_image", "args": {"prompt": "a lighthouse"}},
+            {"op": "call", "tool": "generate_image", "args": {"prompt": "draw [fail] please"}},
+            {"op": "call", "tool": "generate_image_to_video",
+             "args": {"image_url": "https://example.com/a.png", "prompt": "pan left", "seconds": 8}},
+            {"op": "call", "tool": "rate_limit_status", "args": {}},
+            {"op": "call", "tool": "save_article", "args": {"title": "  ", "body": "no title"}, "check_schema": true},
+            {"op": "call", "tool": "list_articles", "args": {"query": "agents", "limit": 0}, "check_schema": true},
+        ]);
+        let walked = python::walk(&server.url, mode, steps, &["-H", &key]).await;
+        assert_eq!(walked["protocol_version"], python::era_of(mode), "{walked}");
+        assert!(python::all_ok(&walked), "{mode}: every answer valid for the SDK: {walked}");
+        let steps = &walked["steps"];
+        let tools = steps[0]["ok"].as_array().expect("tools");
+        assert_eq!(tools.len(), 7, "{walked}");
+        // The job tools may answer a task handle, which has no structured content: no schema.
+        let jobs = ["generate_image", "generate_image_to_video"];
+        for tool in tools {
+            let declared = tool["outputSchema"]["type"] == "object";
+            assert_eq!(declared, !jobs.contains(&tool["name"].as_str().unwrap_or_default()), "{tool}");
+        }
+        let answer = |i: usize| &steps[i]["ok"]["structured"];
+        assert_eq!((answer(1).get("cached"), answer(2)["cached"].clone()), (None, json!(true)), "{walked}");
+        assert!(answer(1)["articles"].is_array() && answer(1)["charged"] == 1, "{walked}");
+        assert!(answer(3)["warnings"][0]["percent_used"].is_u64(), "warned: {walked}");
+        assert_eq!(answer(6)["reserved"], 26, "20 + 2 × 3 seconds: {walked}");
+        // Refusals too are what the outputSchema admits, for clients that check those as well.
+        assert_eq!(answer(8)["error"]["code"], "invalid_arguments", "a refusal: {walked}");
+        assert_eq!(answer(9)["error"]["code"], "invalid_arguments", "a refusal: {walked}");
+        let id = |i: usize| answer(i)["predict_id"].as_str().expect("a job").to_owned();
+        let (image, failing, video) = (id(4), id(5), id(6));
+        server.advance_secs(10.0);
+        let steps = json!([
+            {"op": "call", "tool": "get_prediction", "args": {"predict_id": image}},
+            {"op": "call", "tool": "get_prediction", "args": {"predict_id": failing}},
+            {"op": "call", "tool": "cancel_prediction", "args": {"predict_id": video}},
+            {"op": "call", "tool": "rate_limit_status", "args": {}},
+        ]);
+        let walked = python::walk(&server.url, mode, steps, &["-H", &key]).await;
+        assert!(python::all_ok(&walked), "{mode}: {walked}");
+        let answer = |i: usize| &walked["steps"][i]["ok"]["structured"];
+        assert_eq!((answer(0)["status"].clone(), answer(0)["charged"].clone()), (json!("succeeded"), json!(5)));
+        assert_eq!(answer(1)["status"], "failed", "{walked}");
+        assert!(answer(2)["status"].is_string(), "{walked}");
+    }
+}
+
+/// An rmcp client of `url` presenting `key`, speaking 2026-07-28: no handshake, no session.
+async fn modern_client(url: &str, key: &str) -> Client {
+    use rmcp::{ClientLifecycleMode, ClientServiceExt};
+    let config = StreamableHttpClientTransportConfig::with_uri(url).auth_header(key);
+    let preferred_versions = vec![ProtocolVersion::V_2026_07_28];
+    ().serve_with_lifecycle(
+        StreamableHttpClientTransport::from_config(config),
+        ClientLifecycleMode::Discover { preferred_versions },
+    )
+    .await
+    .expect("a 2026-07-28 client connects")
+}
+
+#[tokio::test]
+async fn an_rmcp_client_speaking_2026_07_28_is_served_and_refused_with_the_exact_wait() {
+    let server = TestServer::start(NO_LOOP_DETECTION).await;
+    let client = modern_client(&server.url, "modern-agent").await;
+    let version = client.peer_info().map(|info| info.protocol_version.clone());
+    assert_eq!(version, Some(ProtocolVersion::V_2026_07_28));
+    let status = call(&client, "rate_limit_status", json!({})).await;
+    assert_eq!(status.result_type, Some(ResultType::COMPLETE));
+    assert!(structured(&status)["caller"].as_str().is_some_and(|c| c.starts_with("tok:")));
+    let (passed, refused) = spend_until_refused(&client, "list_articles", json!({}), 100).await;
+    assert_eq!(passed, 60, "the caller's 60 tokens, as for a 2025-11-25 client");
+    assert_eq!((error_code(&refused), refused.result_type.clone()), (Some("rate_limited"), Some(ResultType::COMPLETE)));
+    assert_eq!(structured(&refused)["error"]["retry_after_ms"], 1000);
+    assert_eq!(text(&refused), "Rate limit reached for list_articles. Wait 1 second before calling it again.");
+}
+
+/// A forker's weather server: one tool whose outputSchema forbids any property it does not list,
+/// and which reports the units it used in `_meta`, behind our limits.
+#[derive(Clone)]
+struct Weather {
+    tools: LimitedRouter<Self>,
+}
+
+#[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+struct City {
+    /// The city.
+    city: String,
+}
+
+fn strict_forecast() -> Arc<JsonObject> {
+    let schema = json!({
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "celsius": {"type": "number"}},
+        "required": ["city", "celsius"],
+        "additionalProperties": false,
+    });
+    let Value::Object(schema) = schema else { unreachable!("an object") };
+    Arc::new(schema)
+}
+
+#[tool_router]
+impl Weather {
+    #[tool(description = "Forecast for a city.", output_schema = strict_forecast())]
+    async fn forecast(&self, Parameters(City { city }): Parameters<City>) -> CallToolResult {
+        let mut done = CallToolResult::structured(json!({"city": city, "celsius": 21.5}));
+        let mut meta = MetaObject::default();
+        meta.0.insert("usage".into(), json!({"units": 2}));
+        done.meta = Some(meta);
+        done
+    }
+}
+
+#[tool_handler(router = self.tools)]
+impl ServerHandler for Weather {}
+
+#[tokio::test]
+async fn what_we_add_to_a_library_users_answer_goes_in_meta_and_its_structured_content_is_left_as_it_was() {
+    let limits = "[tools.forecast]\ncost = 3\n[spend_caps]\ndaily_units = 100\nwarn_at_percent = 1\n";
+    let limits = RateLimits::from_toml(limits, Catalogue::new().tool("forecast")).await.expect("limits");
+    let server = Weather { tools: LimitedRouter::new(Weather::tool_router(), limits.clone()) };
+    let url = common::serve_library(server, &limits).await;
+    for mode in ["legacy", "auto"] {
+        let steps = json!([{"op": "call", "tool": "forecast", "args": {"city": "Oslo"}}]);
+        let walked = python::walk(&url, mode, steps, &[]).await;
+        assert!(python::all_ok(&walked), "{mode}: the structured content validates: {walked}");
+        let answer = &walked["steps"][0]["ok"];
+        assert_eq!(answer["structured"], json!({"city": "Oslo", "celsius": 21.5}), "left as it was: {walked}");
+        assert_eq!(answer["text"], json!({"city": "Oslo", "celsius": 21.5}).to_string(), "its text too: {walked}");
+        let meta = &answer["meta"];
+        assert_eq!(meta["usage"], json!({"units": 2}), "its own _meta kept: {walked}");
+        let ours = |key: &str| meta[format!("io.github.mcp-ratelimit/{key}")].clone();
+        assert_eq!((ours("reserved"), ours("charged")), (json!(3), json!(2)), "{walked}");
+        assert!(ours("warnings")[0]["scope"].as_str().is_some_and(|s| s.starts_with("spend:")), "{walked}");
+    }
+}
+
+/// A library user's slow tool, counting how often it really runs.
+#[derive(Clone)]
+struct Lookup {
+    tools: LimitedRouter<Self, Gate>,
+    runs: Arc<std::sync::atomic::AtomicU64>,
+}
+
+#[tool_router]
+impl Lookup {
+    #[tool(description = "Looks a city up (slowly).")]
+    async fn lookup(&self, Parameters(City { city }): Parameters<City>) -> String {
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        format!("{city}: found")
+    }
+}
+
+#[tool_handler(router = self.tools)]
+impl ServerHandler for Lookup {}
+
+/// A library user's one rule of its own: while the gate is shut, calls are refused before
+/// anything is charged (as a breaker does).
+#[derive(Clone, Default)]
+struct Gate(Arc<std::sync::atomic::AtomicBool>);
+
+impl mcp_ratelimit::mcp::limited::ToolRules for Gate {
+    type Place = ();
+
+    fn before_charging(&self, tool: &str, _caller: &mcp_ratelimit::identity::Caller) -> Result<(), Refusal> {
+        match self.0.load(std::sync::atomic::Ordering::SeqCst) {
+            true => Err(Refusal::upstream_unavailable(tool, "the gate is shut", 7_000)),
+            false => Ok(()),
+        }
+    }
+}
+
+/// A forker of the library gets what the reference server has, through the same guarded call:
+/// identical calls sharing one run of the tool (each still charged), and a rule of its own run
+/// before anything is charged.
+#[tokio::test]
+async fn a_library_users_router_coalesces_identical_calls_and_runs_its_own_rule_before_charging() {
+    let toml = "[tools.lookup]\ncost = 1\ncoalesce = \"caller\"\n[limits.caller]\nalgorithm = \"token_bucket\"\n\
+                burst = 12\nrefill_per_sec = 0.0001\n[limits.address]\nalgorithm = \"token_bucket\"\nburst = 1000\n\
+                refill_per_sec = 1\n[loop_detection]\nenabled = false\n";
+    let limits = RateLimits::from_toml(toml, Catalogue::new().tool("lookup")).await.expect("limits");
+    let gate = Gate::default();
+    let runs = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let tools = LimitedRouter::with_door(Lookup::tool_router(), limits.clone(), gate.clone());
+    let url = common::serve_library(Lookup { tools, runs: runs.clone() }, &limits).await;
+    let key = "lookup-key-0123456789";
+    let legacy = || async {
+        let config = StreamableHttpClientTransportConfig::with_uri(url.as_str()).auth_header(key);
+        rmcp::ServiceExt::serve((), StreamableHttpClientTransport::from_config(config)).await.expect("connects")
+    };
+    for (era, client) in [("2025-11-25", legacy().await), ("2026-07-28", modern_client(&url, key).await)] {
+        let before = runs.load(std::sync::atomic::Ordering::SeqCst);
+        let answers = futures::future::join_all((0..5).map(|_| call(&client, "lookup", json!({"city": "Oslo"})))).await;
+        assert!(answers.iter().all(|a| text(a) == "Oslo: found"), "{era}: {answers:?}");
+        assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst) - before, 1, "{era}: five identical calls, one run");
+        let coalesced =
+            |a: &CallToolResult| a.meta.as_ref().and_then(|m| m.0.get("io.github.mcp-ratelimit/coalesced")).is_some();
+        assert_eq!(answers.iter().filter(|a| coalesced(a)).count(), 4, "{era}: said in _meta: {answers:?}");
+        gate.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        let refused = call(&client, "lookup", json!({"city": "Bergen"})).await;
+        assert_eq!(error_code(&refused), Some("upstream_unavailable"), "{era}: {refused:?}");
+        gate.0.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+    // 12 units: the ten calls answered were each charged; the gate's refusals were not.
+    let client = legacy().await;
+    for city in ["Tromsø", "Bodø"] {
+        assert_eq!(text(&call(&client, "lookup", json!({"city": city})).await), format!("{city}: found"));
+    }
+    let refused = call(&client, "lookup", json!({"city": "Alta"})).await;
+    assert_eq!(error_code(&refused), Some("rate_limited"), "12 spent: ten shared, two alone: {refused:?}");
+}

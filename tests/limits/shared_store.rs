@@ -1,0 +1,835 @@
+//! Limits shared across instances through Redis, proven through MCP clients: three servers on
+//! one Redis give a caller one budget and one in-flight cap; while Redis is down, tools that
+//! cost money fail closed at once and free-or-open tools run under the insurance limiter; when
+//! Redis comes back the shared limits resume without a restart.
+
+use std::time::{Duration, Instant};
+
+use crate::common::*;
+use crate::test_redis::{TestRedis, TlsRedis};
+use serde_json::{Value, json};
+
+/// A caller token no other test (or run, on a shared `REDIS_URL`) uses.
+fn token(name: &str) -> String {
+    format!("{name}-{:016x}", rand::random::<u64>())
+}
+
+/// Redis as the store (`store` adds keys to `[store]`), a caller budget that does not refill
+/// while a test runs (Redis's clock is real time), and image jobs that outlast the test.
+fn shared(redis: &TestRedis, store: &str, extra: &str) -> String {
+    format!(
+        "[store]\nbackend = \"redis\"\nredis_url = \"{}\"\ntimeout_ms = 200\n{store}\
+         [limits.caller]\nrefill_per_sec = 0.001\n[mock_upstream]\nimage_job_ms = 600000\n{extra}",
+        redis.url
+    )
+}
+
+#[tokio::test]
+async fn three_instances_share_one_budget_and_one_in_flight_cap() {
+    // Jobs claim upstream-wide keys (the account, the video gap): a server of this test's own.
+    let redis = TestRedis::private();
+    let config = shared(&redis, "", "");
+    let servers =
+        [TestServer::start(&config).await, TestServer::start(&config).await, TestServer::start(&config).await];
+
+    let reader = token("reader");
+    let mut clients = Vec::new();
+    for server in &servers {
+        clients.push(server.client(Some(&reader)).await);
+    }
+    let mut admitted = 0;
+    let mut refusal = None;
+    for i in 0..90 {
+        let r = call(&clients[i % 3], "list_articles", json!({"query": format!("q{i}")})).await;
+        if is_error(&r) {
+            refusal.get_or_insert(r);
+        } else {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 60, "one budget of 60 across three instances, not 180");
+    let refusal = refusal.expect("refused past the shared budget");
+    assert_eq!(error_code(&refusal), Some("rate_limited"));
+    assert!(structured(&refusal)["error"]["scope"].as_str().is_some_and(|s| s.starts_with("caller:tok:")));
+
+    let painter = token("painter");
+    let mut clients = Vec::new();
+    for server in &servers {
+        clients.push(server.client(Some(&painter)).await);
+    }
+    let mut accepted = Vec::new();
+    for i in 0..5 {
+        let r = call(&clients[i % 3], "generate_image", json!({"prompt": format!("p{i}")})).await;
+        accepted.push(structured(&r)["predict_id"].as_str().expect("accepted").to_owned());
+    }
+    let busy = call(&clients[2], "generate_image", json!({"prompt": "one more"})).await;
+    assert_eq!(error_code(&busy), Some("busy"), "one in-flight cap of 5 across the instances");
+    assert!(structured(&busy)["error"]["scope"].as_str().is_some_and(|s| s.starts_with("in_flight:caller:")));
+
+    // A cancelled job gives its slot back in Redis: another instance can use it.
+    let r = call(&clients[0], "cancel_prediction", json!({"predict_id": accepted[0]})).await;
+    assert_eq!(structured(&r)["status"], "canceled", "{}", text(&r));
+    eventually("the slot came back in Redis", || async {
+        let status = call(&clients[1], "rate_limit_status", json!({})).await;
+        budget(&status, "in_flight:caller:")["remaining"] == 1
+    })
+    .await;
+    assert!(!is_error(&call(&clients[1], "generate_image", json!({"prompt": "in its place"})).await));
+}
+
+#[tokio::test]
+async fn while_redis_is_down_paid_tools_fail_closed_open_ones_use_the_insurance_and_then_it_resumes() {
+    let mut redis = TestRedis::private();
+    // A roomy HTTP layer: this test is about the tool decisions behind it.
+    let extra = "[tools.list_articles]\nfail = \"open\"\n[limits.http]\nburst = 10000\n";
+    let config = shared(&redis, "expected_instances = 2\n", extra);
+    let server = TestServer::start(&config).await;
+    let client = server.client(Some(&token("resilient"))).await;
+    assert!(!is_error(&call(&client, "list_articles", json!({"query": "before"})).await));
+
+    redis.kill();
+    // Time from Redis dying to the first insurance-limited answer, a whole MCP call included
+    // (printed with --nocapture).
+    let started = Instant::now();
+    let first = call(&client, "list_articles", json!({"query": "the first after the crash"})).await;
+    eprintln!("first insurance-limited answer {:?} after Redis died", started.elapsed());
+    assert!(!is_error(&first), "{}", text(&first));
+    let started = Instant::now();
+    let closed = call(&client, "generate_image", json!({"prompt": "costs money"})).await;
+    let waited = started.elapsed();
+    assert_eq!(error_code(&closed), Some("limiter_unavailable"), "{}", text(&closed));
+    assert!(structured(&closed)["error"]["retry_after_ms"].as_u64().is_some_and(|ms| ms >= 1));
+    assert!(waited < Duration::from_secs(2), "answered in {waited:?}, not after a long wait on a dead Redis");
+
+    // list_articles fails open: the insurance limiter holds 60 / 2 instances = 30 for the caller.
+    let mut admitted = 0;
+    for i in 0..40 {
+        if !is_error(&call(&client, "list_articles", json!({"query": format!("down {i}")})).await) {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted + 1, 30, "the insurance limiter's share, not an open door");
+    let metrics = server.metrics().await;
+    assert!(metrics.contains("mcp_ratelimit_store_up 0"), "{metrics}");
+    assert!(metric_sum(&metrics, "mcp_ratelimit_store_errors_total") >= 1.0, "{metrics}");
+
+    // Redis comes back (empty): after the store breaker's probe interval the shared limits
+    // resume, without restarting the server.
+    redis.restart();
+    eventually("the shared store answers again", || async {
+        // Each try waits out the store breaker's second, so the next decision probes Redis.
+        server.advance_secs(1.0);
+        !is_error(&call(&client, "generate_image", json!({"prompt": format!("{:?}", Instant::now())})).await)
+    })
+    .await;
+    assert!(server.metrics().await.contains("mcp_ratelimit_store_up 1"));
+}
+
+#[tokio::test]
+async fn with_the_documented_defaults_list_articles_fails_open_and_the_paid_tools_closed_while_redis_is_down() {
+    // Nothing about `fail` here: only the backend, so the defaults (config.toml) decide.
+    let mut redis = TestRedis::private();
+    let config = format!("[store]\nbackend = \"redis\"\nredis_url = \"{}\"\ntimeout_ms = 200\n", redis.url);
+    let server = TestServer::start(&config).await;
+    let client = server.client(Some(&token("defaults"))).await;
+    assert!(!is_error(&call(&client, "list_articles", json!({"query": "before"})).await));
+
+    redis.kill();
+    for i in 0..3 {
+        let r = call(&client, "list_articles", json!({"query": format!("down {i}")})).await;
+        assert!(!is_error(&r), "a cheap read is served by the insurance limiter: {}", text(&r));
+    }
+    let r = call(&client, "save_article", json!({"title": "t", "body": "while down"})).await;
+    assert_eq!(error_code(&r), Some("limiter_unavailable"), "{}", text(&r));
+    let r = call(&client, "generate_image", json!({"prompt": "while down"})).await;
+    assert_eq!(error_code(&r), Some("limiter_unavailable"), "{}", text(&r));
+    let metrics = server.metrics().await;
+    assert!(metrics.contains("mcp_ratelimit_store_up 0"), "Redis was really down: {metrics}");
+}
+
+#[tokio::test]
+async fn a_refused_caller_is_refused_locally_until_its_wait_is_over_without_a_round_trip() {
+    let redis = TestRedis::private();
+    let server = TestServer::start(&shared(&redis, "", NO_LOOP_DETECTION)).await;
+    let client = server.client(Some(&token("hot"))).await;
+    let (passed, refused) = spend_until_refused(&client, "save_article", json!({"title": "t", "body": "b0"}), 40).await;
+    assert_eq!(passed, 30, "60 tokens, 2 a save");
+    let wait = structured(&refused)["error"]["retry_after_ms"].as_u64().expect("wait");
+
+    // Each call is one POST: the coarse HTTP layer still asks Redis (one EVALSHA), the tool's
+    // decision no longer does.
+    let before = redis.evalsha_calls();
+    for i in 1..=5 {
+        let r = call(&client, "save_article", json!({"title": "t", "body": format!("b{i}")})).await;
+        assert_eq!(error_code(&r), Some("rate_limited"));
+        assert_eq!(structured(&r)["error"]["scope"], structured(&refused)["error"]["scope"]);
+        assert!(structured(&r)["error"]["retry_after_ms"].as_u64().is_some_and(|ms| ms <= wait));
+    }
+    assert_eq!(redis.evalsha_calls() - before, 5, "five HTTP decisions, no tool decision");
+    // A cheaper call may pass where the expensive one may not: it still goes to Redis.
+    let r = call(&client, "list_articles", json!({})).await;
+    assert_eq!(redis.evalsha_calls() - before, 7);
+    assert_eq!(error_code(&r), Some("rate_limited"), "nothing left at all");
+}
+
+/// A `serve` process of its own (so it can be killed outright) on the shared Redis.
+struct Instance {
+    child: tokio::process::Child,
+    url: String,
+}
+
+impl Instance {
+    async fn start(redis: &TestRedis, lease_ms: u64) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .env("MCP_RL__STORE__BACKEND", "redis")
+            .env("MCP_RL__STORE__REDIS_URL", &redis.url)
+            .env("MCP_RL__STORE__LEASE_MS", lease_ms.to_string())
+            // The same limits as the in-process instances of `shared`: instances share a config.
+            .env("MCP_RL__LIMITS__CALLER__REFILL_PER_SEC", "0.001")
+            .env("MCP_RL__MOCK_UPSTREAM__IMAGE_JOB_MS", "600000")
+            .env("RUST_LOG", "warn")
+            .kill_on_drop(true)
+            .spawn()
+            .expect("the binary starts");
+        let health = format!("http://127.0.0.1:{port}/health");
+        eventually("the instance answers /health", || async { reqwest::get(&health).await.is_ok() }).await;
+        Self { child, url: format!("http://127.0.0.1:{port}/mcp") }
+    }
+}
+
+#[tokio::test]
+async fn a_crashed_instances_slots_come_back_when_its_leases_run_out() {
+    let redis = TestRedis::private();
+    let painter = token("painter");
+    let mut doomed = Instance::start(&redis, 400).await;
+    let transport = rmcp::transport::StreamableHttpClientTransport::from_config(
+        rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(doomed.url.clone())
+            .auth_header(painter.clone()),
+    );
+    let client = rmcp::ServiceExt::serve((), transport).await.expect("client connects");
+    for i in 0..5 {
+        let r = call(&client, "generate_image", json!({"prompt": format!("p{i}")})).await;
+        assert!(!is_error(&r), "{}", text(&r));
+    }
+    // The instance dies holding its 5 slots: no release, no renewal.
+    doomed.child.kill().await.expect("killed");
+
+    let survivor = TestServer::start(&shared(&redis, "lease_ms = 400\n", "")).await;
+    let client = survivor.client(Some(&painter)).await;
+    let busy = call(&client, "generate_image", json!({"prompt": "right after the crash"})).await;
+    assert_eq!(error_code(&busy), Some("busy"), "the dead instance's leases still hold the slots");
+    // The leases run out on Redis's clock, 400 ms after the last renewal.
+    eventually("the crashed instance's slots came back", || async {
+        let status = call(&client, "rate_limit_status", json!({})).await;
+        budget(&status, "in_flight:caller:")["remaining"] == 5
+    })
+    .await;
+    assert!(!is_error(&call(&client, "generate_image", json!({"prompt": "after the leases"})).await));
+}
+
+/// A server on the real clock (Redis's clock is real time too), serving on a free port.
+async fn real_time_server(config: &str) -> (std::sync::Arc<mcp_ratelimit::App>, String) {
+    let config = mcp_ratelimit::Config::from_toml(config, &mcp_ratelimit::mcp::tools::catalogue()).expect("config");
+    let app = std::sync::Arc::new(
+        mcp_ratelimit::App::start(config, mcp_ratelimit::clock::SystemClock::shared()).await.expect("starts"),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}/mcp", listener.local_addr().expect("addr"));
+    let serving = app.clone();
+    tokio::spawn(async move { serving.serve_http(listener).await });
+    (app, url)
+}
+
+#[tokio::test]
+async fn three_instances_space_their_video_submissions_as_one_queue() {
+    let redis = TestRedis::private();
+    // One mock upstream for all three, on the real clock, recording when submissions arrive.
+    let defaults = mcp_ratelimit::Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults");
+    let deadlines = mcp_ratelimit::http::serve::Deadlines::of(&defaults.server);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let clock = mcp_ratelimit::clock::SystemClock::shared();
+    let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(defaults.mock_upstream, deadlines, clock, listener)
+        .await
+        .expect("mock");
+    const GAP_MS: u64 = 400;
+    // Submissions are spaced on Redis's clock and stamped on arrival at the mock: a loaded
+    // machine delays one submission's trip more than the next one's by tens of ms.
+    const JITTER_MS: u64 = 100;
+    // Every caller here has a made-up key: no share of the account is kept for configured ones.
+    let config = shared(
+        &redis,
+        "",
+        &format!("[upstream]\nurl = \"{}\"\nvideo_min_gap_ms = {GAP_MS}\nunverified_share = 1.0\n", mock.url),
+    );
+    let mut servers = Vec::new();
+    for _ in 0..3 {
+        servers.push(real_time_server(&config).await);
+    }
+    // Three callers, one on each instance, each sending two videos at once.
+    let mut clients = Vec::new();
+    for (_, url) in &servers {
+        let transport = rmcp::transport::StreamableHttpClientTransport::from_config(
+            rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(url.clone())
+                .auth_header(token("director")),
+        );
+        clients.push(rmcp::ServiceExt::serve((), transport).await.expect("client connects"));
+    }
+    let video = |i: usize| json!({"image_url": "https://example.com/a.png", "prompt": format!("scene {i}")});
+    let calls = clients.iter().enumerate().flat_map(|(i, c)| {
+        [call(c, "generate_image_to_video", video(2 * i)), call(c, "generate_image_to_video", video(2 * i + 1))]
+    });
+    for r in futures::future::join_all(calls).await {
+        assert!(!is_error(&r), "{}", text(&r));
+    }
+    let log_url = format!("{}/v1/submissions", mock.url);
+    let mut arrivals = Vec::new();
+    for _ in 0..500 {
+        let log: serde_json::Value = reqwest::get(&log_url).await.expect("log").json().await.expect("json");
+        arrivals = log["submissions"].as_array().expect("list").iter().filter_map(|s| s["at_ns"].as_u64()).collect();
+        if arrivals.len() >= 6 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(arrivals.len(), 6, "every video was submitted");
+    let gaps: Vec<u64> = arrivals.windows(2).map(|w| (w[1] - w[0]) / 1_000_000).collect();
+    assert!(gaps.iter().all(|&gap| gap + JITTER_MS >= GAP_MS), "submissions {gaps:?} ms apart, the gap is {GAP_MS} ms");
+}
+
+#[tokio::test]
+async fn two_instances_share_one_upstream_account_and_a_slot_freed_anywhere_starts_a_waiting_job() {
+    let redis = TestRedis::private();
+    // Every caller here has a made-up key: no share of the account is kept for configured ones.
+    let config = shared(&redis, "", "[upstream]\nmax_in_flight = 3\nunverified_share = 1.0\n");
+    let servers = [TestServer::start(&config).await, TestServer::start(&config).await];
+    let mut running = Vec::new();
+    let mut waiting = 0;
+    for i in 0..6 {
+        let server = &servers[i % 2];
+        let client = server.client(Some(&token(&format!("caller{i}")))).await;
+        let r = call(&client, "generate_image", json!({"prompt": format!("p{i}")})).await;
+        assert!(!is_error(&r), "{}", text(&r));
+        if structured(&r)["queue_position"].is_u64() {
+            waiting += 1;
+        } else {
+            running.push((i % 2, client, structured(&r)["predict_id"].as_str().expect("id").to_owned()));
+        }
+    }
+    let created = || async {
+        let mut n = 0;
+        for server in &servers {
+            n += server.upstream_usage().await["predictions_created"].as_u64().expect("count");
+        }
+        n
+    };
+    assert_eq!((running.len(), waiting), (3, 3), "one account of 3 across both instances");
+    assert_eq!(created().await, 3);
+
+    // A job ends on one instance: its account slot comes back in Redis, and a job waiting on
+    // either instance starts when its dispatcher next asks (a second later on its clock).
+    let (_, client, id) = &running[0];
+    let r = call(client, "cancel_prediction", json!({"predict_id": id})).await;
+    assert_eq!(structured(&r)["status"], "canceled");
+    eventually("a waiting job started in the freed slot", || async {
+        for server in &servers {
+            server.advance_secs(1.0);
+        }
+        created().await == 4
+    })
+    .await;
+    for server in &servers {
+        server.advance_secs(5.0);
+    }
+    settle().await;
+    assert_eq!(created().await, 4, "still one account of 3");
+}
+
+#[tokio::test]
+async fn unverified_callers_hold_their_share_of_the_account_across_instances_and_a_tenant_finds_room() {
+    let redis = TestRedis::private();
+    let tenant = token("tenant-key");
+    let keys = format!("[[auth.keys]]\nkey = \"{tenant}\"\ntenant = \"acme\"\n");
+    // An account of 4, half of it for unverified callers: 2 across both instances, not 2 each.
+    let config = shared(&redis, "", &format!("[upstream]\nmax_in_flight = 4\nunverified_share = 0.5\n{keys}"));
+    let servers = [TestServer::start(&config).await, TestServer::start(&config).await];
+    let created = || async {
+        let mut n = 0;
+        for server in &servers {
+            n += server.upstream_usage().await["predictions_created"].as_u64().expect("count");
+        }
+        n
+    };
+    let mut waiting = 0;
+    for i in 0..6 {
+        let client = servers[i % 2].client(Some(&token(&format!("made-up{i}")))).await;
+        let r = call(&client, "generate_image", json!({"prompt": format!("p{i}")})).await;
+        assert!(!is_error(&r), "{}", text(&r));
+        waiting += usize::from(structured(&r)["queue_position"].is_u64());
+    }
+    // Each instance's dispatcher asks Redis again a second later (on its clock) for the share.
+    for _ in 0..3 {
+        for server in &servers {
+            server.advance_secs(1.0);
+        }
+        settle().await;
+    }
+    assert_eq!(created().await, 2, "the unverified share, across both instances");
+    assert!(waiting >= 3, "the rest wait: {waiting}");
+    // A configured tenant's image on either instance finds one of the other two slots.
+    for server in &servers {
+        let client = server.client(Some(&tenant)).await;
+        let r = call(&client, "generate_image", json!({"prompt": "the tenant's"})).await;
+        assert!(!is_error(&r), "{}", text(&r));
+    }
+    eventually("both tenant images started", || async {
+        for server in &servers {
+            server.advance_secs(1.0);
+        }
+        created().await == 4
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_loop_round_robin_over_two_instances_is_stopped_on_its_fifth_call_not_its_tenth() {
+    let redis = TestRedis::start();
+    let config = shared(&redis, "", "");
+    let servers = [TestServer::start(&config).await, TestServer::start(&config).await];
+    let stuck = token("stuck");
+    let clients = [servers[0].client(Some(&stuck)).await, servers[1].client(Some(&stuck)).await];
+    let same = json!({"query": "the same thing again"});
+    for i in 0..4 {
+        let r = call(&clients[i % 2], "list_articles", same.clone()).await;
+        assert!(!is_error(&r), "call {i}: {}", text(&r));
+    }
+    let r = call(&clients[0], "list_articles", same).await;
+    assert_eq!(error_code(&r), Some("loop_detected"), "one history across the instances: {}", text(&r));
+}
+
+/// A `tools/call` costs two round trips to Redis: the request's HTTP limits in one script, then
+/// in another the call's budgets, the operator blocks and its loop check (a loop is refused, and
+/// a call refused for budget not recorded, inside that script). Every round trip the guard
+/// makes is a script (`EVALSHA`), so they are what is counted. Before the loop check joined
+/// the decision it was three.
+#[tokio::test]
+async fn a_tool_call_costs_two_round_trips_to_redis_its_loop_check_included() {
+    let redis = TestRedis::private();
+    let server = TestServer::start(&shared(&redis, "", "")).await;
+    let client = server.client(Some(&token("counted"))).await;
+    let mut per_call = Vec::new();
+    for n in 0..10 {
+        let before = redis.evalsha_calls();
+        let r = call(&client, "list_articles", json!({"query": format!("query {n}")})).await;
+        assert!(!is_error(&r), "call {n}: {}", text(&r));
+        per_call.push(redis.evalsha_calls() - before);
+    }
+    assert_eq!(per_call, [2; 10], "round trips per call");
+    // And the loop is still seen: four more of one call pass, the fifth is refused.
+    let same = json!({"query": "the same thing again"});
+    for i in 0..4 {
+        assert!(!is_error(&call(&client, "list_articles", same.clone()).await), "call {i}");
+    }
+    let before = redis.evalsha_calls();
+    assert_eq!(error_code(&call(&client, "list_articles", same).await), Some("loop_detected"));
+    assert_eq!(redis.evalsha_calls() - before, 2, "a loop is refused in the decision's own round trip");
+}
+
+#[tokio::test]
+async fn a_job_accepted_by_one_instance_can_be_polled_and_cancelled_on_another() {
+    let redis = TestRedis::private();
+    let (mock_clock, mock) = shared_mock().await;
+    let config = shared(&redis, "", &format!("[upstream]\nurl = \"{}\"\n", mock.url));
+    let (a, b) = (TestServer::start(&config).await, TestServer::start(&config).await);
+    let agent = token("roaming");
+    let (on_a, on_b) = (a.client(Some(&agent)).await, b.client(Some(&agent)).await);
+
+    let r = call(&on_a, "generate_image", json!({"prompt": "a harbour"})).await;
+    let id = structured(&r)["predict_id"].as_str().expect("id").to_owned();
+    eventually("instance b sees the job", || async {
+        let r = call(&on_b, "get_prediction", json!({"predict_id": id})).await;
+        !is_error(&r) && structured(&r)["status"] == "starting"
+    })
+    .await;
+    let stranger = b.client(Some(&token("stranger"))).await;
+    let r = call(&stranger, "get_prediction", json!({"predict_id": id})).await;
+    assert_eq!(error_code(&r), Some("invalid_arguments"), "someone else's job is unknown there too");
+
+    // The job finishes at the upstream; instance a learns it at its next poll and publishes it.
+    mock_clock.advance(Duration::from_secs(6));
+    a.advance_secs(2.0);
+    eventually("instance b reads the result", || async {
+        let r = call(&on_b, "get_prediction", json!({"predict_id": id})).await;
+        structured(&r)["status"] == "succeeded"
+            && structured(&r)["output"].as_str().is_some_and(|url| url.contains(id.as_str()))
+    })
+    .await;
+
+    // A second job, cancelled from instance b: upstream at once, and instance a gives the slot
+    // back when it next polls.
+    let r = call(&on_a, "generate_image", json!({"prompt": "a lighthouse"})).await;
+    let second = structured(&r)["predict_id"].as_str().expect("id").to_owned();
+    eventually("instance b sees the second job", || async {
+        !is_error(&call(&on_b, "get_prediction", json!({"predict_id": second})).await)
+    })
+    .await;
+    let r = call(&on_b, "cancel_prediction", json!({"predict_id": second})).await;
+    assert_eq!(structured(&r)["status"], "canceled", "{}", text(&r));
+    a.advance_secs(2.0);
+    eventually("instance a gave the slot back", || async {
+        let status = call(&on_b, "rate_limit_status", json!({})).await;
+        budget(&status, "in_flight:caller:")["remaining"] == 5
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn two_instances_share_one_budget_over_tls_to_a_redis_with_a_private_ca() {
+    let redis = TlsRedis::start();
+    let store = |ca: &str| {
+        format!(
+            "[store]\nbackend = \"redis\"\nredis_url = \"{}\"\nredis_ca_file = \"{ca}\"\ntimeout_ms = 5000\n\
+             [limits.caller]\nrefill_per_sec = 0.001\n",
+            redis.url
+        )
+    };
+    let config = store(&redis.ca_file.to_string_lossy());
+    let servers = [TestServer::start(&config).await, TestServer::start(&config).await];
+    let reader = token("tls-reader");
+    let clients = [servers[0].client(Some(&reader)).await, servers[1].client(Some(&reader)).await];
+    let mut admitted = 0;
+    for i in 0..70 {
+        if !is_error(&call(&clients[i % 2], "list_articles", json!({"query": format!("q{i}")})).await) {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 60, "one budget of 60 across two instances, over TLS");
+
+    // The system's trust store does not know this server's CA: no connection, and the server
+    // says why instead of starting without its shared limits. (A roomy store timeout: reading
+    // the system's trust store and a handshake on a loaded machine can take longer than a call.)
+    let config =
+        mcp_ratelimit::Config::from_toml(&store(""), &mcp_ratelimit::mcp::tools::catalogue()).expect("valid config");
+    let e = mcp_ratelimit::App::start(config, mcp_ratelimit::clock::SystemClock::shared())
+        .await
+        .expect_err("an unknown CA is refused");
+    let message = format!("{e:#}");
+    assert!(message.to_lowercase().contains("certificate"), "{message}");
+
+    // A CA file that is not a certificate is a config error naming the key.
+    let junk = tempfile::NamedTempFile::new().expect("a file");
+    std::fs::write(junk.path(), "not a certificate").expect("write");
+    let e = mcp_ratelimit::Config::from_toml(
+        &store(&junk.path().to_string_lossy()),
+        &mcp_ratelimit::mcp::tools::catalogue(),
+    )
+    .expect_err("junk CA");
+    assert!(e.to_string().contains("store.redis_ca_file"), "{e}");
+}
+
+#[tokio::test]
+async fn a_job_waiting_in_one_instances_queue_is_cancelled_from_another_and_never_submitted() {
+    let redis = TestRedis::private();
+    let (mock_clock, mock) = shared_mock().await;
+    // An account of one slot: the second image waits in instance a's queue behind the first.
+    // (Its caller has a made-up key: no share of the account is kept for configured ones.)
+    let config =
+        shared(&redis, "", &format!("[upstream]\nurl = \"{}\"\nmax_in_flight = 1\nunverified_share = 1.0\n", mock.url));
+    let (a, b) = (TestServer::start(&config).await, TestServer::start(&config).await);
+    let agent = token("impatient");
+    let (on_a, on_b) = (a.client(Some(&agent)).await, b.client(Some(&agent)).await);
+
+    let running = call(&on_a, "generate_image", json!({"prompt": "the first"})).await;
+    assert!(!is_error(&running), "{}", text(&running));
+    let r = call(&on_a, "generate_image", json!({"prompt": "waits its turn"})).await;
+    assert_eq!(structured(&r)["queue_position"], 1, "queued behind the running job: {}", text(&r));
+    let queued = structured(&r)["predict_id"].as_str().expect("id").to_owned();
+    eventually("instance b sees the queued job", || async {
+        !is_error(&call(&on_b, "get_prediction", json!({"predict_id": queued})).await)
+    })
+    .await;
+
+    let r = call(&on_b, "cancel_prediction", json!({"predict_id": queued})).await;
+    assert_eq!(structured(&r)["status"], "canceled", "{}", text(&r));
+    let r = call(&on_a, "get_prediction", json!({"predict_id": queued})).await;
+    assert_eq!(structured(&r)["status"], "canceled", "instance a took it out of its queue: {}", text(&r));
+    let status = call(&on_a, "rate_limit_status", json!({})).await;
+    assert_eq!(budget(&status, "in_flight:caller:")["remaining"], 4, "its slot came back; the running job keeps one");
+
+    // The account frees up: nothing is waiting any more, so nothing else is submitted.
+    mock_clock.advance(Duration::from_secs(6));
+    a.advance_secs(2.0);
+    eventually("the first job finished", || async {
+        structured(&call(&on_a, "get_prediction", json!({"predict_id": structured(&running)["predict_id"]})).await)
+            ["status"]
+            == "succeeded"
+    })
+    .await;
+    a.advance_secs(2.0);
+    assert_eq!(a.submissions().await.len(), 1, "the cancelled job never reached the upstream");
+}
+
+/// A TCP link to Redis that a test can cut (every connection through it dropped, new ones
+/// closed at once, as a network partition looks to the client) and mend. Redis keeps its data.
+struct Link {
+    url: String,
+    up: tokio::sync::watch::Sender<bool>,
+}
+
+impl Link {
+    async fn to(redis: &TestRedis) -> Self {
+        let target: std::net::SocketAddr =
+            redis.url.trim_start_matches("redis://").trim_end_matches('/').parse().expect("redis address");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the link");
+        let url = format!("redis://{}/", listener.local_addr().expect("link address"));
+        let up = tokio::sync::watch::Sender::new(true);
+        let state = up.subscribe();
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let mut state = state.clone();
+                if !*state.borrow() {
+                    continue; // dropped: closed at once
+                }
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::TcpStream::connect(target).await else { return };
+                    // Small commands, one at a time: without this, Nagle and delayed ACKs stall each.
+                    let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = state.wait_for(|up| !*up) => {}
+                    }
+                });
+            }
+        });
+        Self { url, up }
+    }
+
+    fn cut(&self) {
+        self.up.send_replace(false);
+    }
+
+    fn mend(&self) {
+        self.up.send_replace(true);
+    }
+}
+
+/// A job's status as `client` sees it, or the refusal's code.
+async fn status_of(client: &Client, id: &str) -> String {
+    let r = call(client, "get_prediction", json!({"predict_id": id})).await;
+    let seen = structured(&r)["status"].as_str().or_else(|| error_code(&r));
+    seen.unwrap_or("no status").to_owned()
+}
+
+/// Where a status is in a job's life: a view of a lower rank after a higher one went back.
+fn rank(status: &str) -> u8 {
+    match status {
+        "starting" => 0,
+        "processing" => 1,
+        "succeeded" | "failed" | "canceled" => 2,
+        other => panic!("not a job status: {other}"),
+    }
+}
+
+/// Redis at `url` as the store, and limits out of the way of tests that poll a job many times.
+fn redis_store(url: &str) -> String {
+    format!(
+        "[store]\nbackend = \"redis\"\nredis_url = \"{url}\"\ntimeout_ms = 200\n{NO_LOOP_DETECTION}\
+         [limits.http]\nburst = 100000\n[limits.method.tools_call]\nburst = 100000\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_finishes_while_its_instance_cannot_reach_redis_is_published_once_it_can() {
+    let redis = TestRedis::private();
+    let link = Link::to(&redis).await;
+    // Instance a owns the job and reaches Redis through the link; instance b directly.
+    let (a, b) = (TestServer::start(&redis_store(&link.url)).await, TestServer::start(&redis_store(&redis.url)).await);
+    let agent = token("roaming");
+    let (on_a, on_b) = (a.client(Some(&agent)).await, b.client(Some(&agent)).await);
+    let r = call(&on_a, "generate_image", json!({"prompt": "a harbour at dusk"})).await;
+    let id = structured(&r)["predict_id"].as_str().expect("accepted").to_owned();
+    // Every status instance b showed, each change once.
+    let mut seen_on_b: Vec<String> = Vec::new();
+    let see = |seen: &mut Vec<String>, status: String| {
+        if seen.last() != Some(&status) {
+            seen.push(status);
+        }
+    };
+    for want in ["starting", "processing"] {
+        let asked = Instant::now();
+        while seen_on_b.last().map(String::as_str) != Some(want) {
+            assert!(asked.elapsed() < Duration::from_secs(5), "instance b never saw the job {want}: {seen_on_b:?}");
+            see(&mut seen_on_b, status_of(&on_b, &id).await);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // The mock's image takes 6 s: processing after 1.2 s; instance a polls every 2 s.
+        a.advance_secs(2.0);
+    }
+
+    // Cut off from Redis, instance a sees the job finish (its poll of the upstream needs no Redis).
+    link.cut();
+    a.advance_secs(4.0);
+    eventually("instance a sees the job succeed", || async { status_of(&on_a, &id).await == "succeeded" }).await;
+    // Long enough for its publisher to fail and back off; b still reads the last snapshot.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let during = status_of(&on_b, &id).await;
+    assert_eq!(during, "processing", "instance b reads the snapshot written before the cut");
+    see(&mut seen_on_b, during);
+
+    link.mend();
+    let mended = Instant::now();
+    let mut last = String::new();
+    while mended.elapsed() < Duration::from_secs(5) && last != "succeeded" {
+        last = status_of(&on_b, &id).await;
+        see(&mut seen_on_b, last.clone());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(last, "succeeded", "published again once Redis could be reached: b saw {seen_on_b:?}");
+    eprintln!("instance b saw the job succeed {:?} after the link was mended", mended.elapsed());
+    let r = call(&on_b, "get_prediction", json!({"predict_id": id})).await;
+    assert!(structured(&r)["output"].as_str().is_some_and(|url| url.contains(id.as_str())), "{}", text(&r));
+    assert!(
+        seen_on_b.windows(2).all(|w| rank(&w[0]) <= rank(&w[1])),
+        "an older state after a newer one: {seen_on_b:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_rapid_changes_reach_redis_in_order_across_an_outage_and_the_in_flight_set_follows() {
+    const JOBS: usize = 20;
+    let redis = TestRedis::private();
+    let link = Link::to(&redis).await;
+    let config = format!(
+        "{}{ROOMY_IN_FLIGHT}[upstream]\nmax_in_flight = 30\nunverified_share = 1.0\n\
+         [mock_upstream]\nmax_concurrent_predictions = 30\n\
+         [limits.caller]\nburst = 1000\n",
+        redis_store(&link.url)
+    );
+    let owner = TestServer::start(&config).await;
+    let client = owner.client(Some(&token("prolific"))).await;
+    let mut ids = Vec::new();
+    for i in 0..JOBS {
+        let r = call(&client, "generate_image", json!({"prompt": format!("picture {i}")})).await;
+        assert!(!is_error(&r), "{}", text(&r));
+        ids.push(structured(&r)["predict_id"].as_str().expect("accepted").to_owned());
+    }
+    // A reader straight on Redis records every (version, status) each snapshot goes through.
+    let reader = redis::Client::open(redis.url.as_str()).expect("url");
+    let connection = reader.get_multiplexed_async_connection().await.expect("connects");
+    let keys: Vec<String> = ids.iter().map(|id| format!("job:{{{id}}}")).collect();
+    let watching = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let watcher = {
+        let (keys, watching, mut connection) = (keys.clone(), watching.clone(), connection.clone());
+        tokio::spawn(async move {
+            let mut seen: Vec<Vec<(u64, String)>> = vec![Vec::new(); keys.len()];
+            while watching.load(std::sync::atomic::Ordering::Relaxed) {
+                let values: Vec<Option<String>> =
+                    redis::cmd("MGET").arg(&keys).query_async(&mut connection).await.expect("MGET");
+                for (k, value) in values.iter().enumerate() {
+                    let Some(snapshot) = value.as_deref().and_then(|v| serde_json::from_str::<Value>(v).ok()) else {
+                        continue;
+                    };
+                    let version = snapshot["version"].as_u64().unwrap_or(0);
+                    let status = snapshot["prediction"]["status"].as_str().unwrap_or("none").to_owned();
+                    if seen[k].last() != Some(&(version, status.clone())) {
+                        seen[k].push((version, status));
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            seen
+        })
+    };
+    let members = || {
+        let mut connection = connection.clone();
+        async move {
+            let members: Vec<String> =
+                redis::cmd("SMEMBERS").arg("{upstream}job:in_flight").query_async(&mut connection).await.expect("set");
+            members
+        }
+    };
+    eventually("every job is in the shared set of jobs in flight", || async {
+        let members = members().await;
+        ids.iter().all(|id| members.contains(id))
+    })
+    .await;
+
+    // Every second of the job's 6, each of its polls (every 2 s) changes its snapshot; Redis is
+    // out of reach from the 3rd second to the 7th, while every job finishes.
+    for second in 1..=8 {
+        if second == 3 {
+            link.cut();
+        }
+        if second == 7 {
+            link.mend();
+        }
+        owner.advance_secs(1.0);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for id in &ids {
+        assert_eq!(status_of(&client, id).await, "succeeded", "the owner's own book");
+    }
+    eventually("every snapshot in Redis is final and the set of jobs in flight holds none", || async {
+        let mut connection = connection.clone();
+        let values: Vec<Option<String>> =
+            redis::cmd("MGET").arg(&keys).query_async(&mut connection).await.expect("MGET");
+        let finished = values.iter().all(|v| v.as_deref().is_some_and(|v| v.contains("\"succeeded\"")));
+        let members = members().await;
+        finished && ids.iter().all(|id| !members.contains(id))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    watching.store(false, std::sync::atomic::Ordering::Relaxed);
+    let seen = watcher.await.expect("the reader");
+    for (id, history) in ids.iter().zip(&seen) {
+        assert!(history.windows(2).all(|w| w[0].0 < w[1].0), "{id}: a version went back: {history:?}");
+        assert!(
+            history.windows(2).all(|w| rank(&w[0].1) <= rank(&w[1].1)),
+            "{id}: an older state after a newer one: {history:?}"
+        );
+        assert_eq!(history.last().map(|(_, s)| s.as_str()), Some("succeeded"), "{id}: {history:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_job_cancelled_on_another_instance_stays_canceled_there_whatever_its_owner_writes_next() {
+    let redis = TestRedis::private();
+    let (mock_clock, mock) = shared_mock().await;
+    let config = format!("{}[upstream]\nurl = \"{}\"\n", redis_store(&redis.url), mock.url);
+    let (a, b) = (TestServer::start(&config).await, TestServer::start(&config).await);
+    let agent = token("changed-its-mind");
+    let (on_a, on_b) = (a.client(Some(&agent)).await, b.client(Some(&agent)).await);
+    let r = call(&on_a, "generate_image", json!({"prompt": "a lighthouse"})).await;
+    let id = structured(&r)["predict_id"].as_str().expect("accepted").to_owned();
+    eventually("instance b sees the job", || async { status_of(&on_b, &id).await == "starting" }).await;
+    let r = call(&on_b, "cancel_prediction", json!({"predict_id": id})).await;
+    assert_eq!(structured(&r)["status"], "canceled", "{}", text(&r));
+
+    // Instance a does not know yet: its next poll fails (503), and it writes the job again, not
+    // final, with its next poll time.
+    let chaos = |knobs: Value| {
+        let url = format!("{}/v1/chaos", mock.url);
+        async move { reqwest::Client::new().put(url).json(&knobs).send().await.expect("chaos").status() }
+    };
+    assert!(chaos(json!({"rate_5xx": 1.0})).await.is_success());
+    a.advance_secs(2.0);
+    let usage = format!("{}/v1/usage", mock.url);
+    eventually("instance a's poll failed", || async {
+        let usage: Value = reqwest::get(&usage).await.expect("usage").json().await.expect("json");
+        usage["refused_5xx"].as_u64() >= Some(1)
+    })
+    .await;
+    assert_eq!(status_of(&on_a, &id).await, "starting", "the owner has not heard of the cancel yet");
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert_eq!(status_of(&on_b, &id).await, "canceled", "the owner's later write undid the cancel");
+    }
+
+    // The upstream is back: the owner hears of the cancel, and everyone agrees.
+    assert!(chaos(json!({"rate_5xx": 0.0})).await.is_success());
+    mock_clock.advance(Duration::from_secs(1));
+    a.advance_secs(5.0);
+    eventually("instance a sees the cancel", || async { status_of(&on_a, &id).await == "canceled" }).await;
+    assert_eq!(status_of(&on_b, &id).await, "canceled");
+}
