@@ -2,7 +2,7 @@
 //! from the binary with a config file and `MCP_RL__…` variables, and MCP spoken over raw HTTP.
 //!
 //! Nothing here touches the library's internals, so the hardening tests (`tests/idle_abuse.rs`,
-//! `tests/limits/slow_redis.rs`, `tests/binary/soak.rs`) prove what a deployment would see. Waits
+//! `tests/slow_redis.rs`, `tests/binary/soak.rs`) prove what a deployment would see. Waits
 //! are bounded polls.
 #![allow(dead_code)]
 

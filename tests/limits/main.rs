@@ -1,6 +1,6 @@
 //! How limits decide and where their state lives: every algorithm against its reference model, in
-//! memory and in Redis's Lua; the Redis store alone, on a cluster, slow or lossy, and shared by
-//! instances; budgets, tenants, tiers, in-flight slots, prices and lowered limits through MCP.
+//! memory and in Redis's Lua; the Redis store alone, on a cluster and shared by instances;
+//! budgets, tenants, tiers, in-flight slots, prices and lowered limits through MCP.
 //!
 //! One test binary of modules (one per subject), so the crate is linked once for all of them.
 
@@ -9,10 +9,6 @@
 mod algorithm_suite;
 #[path = "../common/mod.rs"]
 mod common;
-#[path = "../common/process.rs"]
-mod process;
-#[path = "../common/slow_link.rs"]
-mod slow_link;
 #[path = "../common/redis.rs"]
 mod test_redis;
 
@@ -29,5 +25,4 @@ mod pricing;
 mod redis_cluster;
 mod redis_store;
 mod shared_store;
-mod slow_redis;
 mod tenants;

@@ -5,16 +5,23 @@
 //! is served by the insurance limiter; when the latency goes away, shared limits resume by
 //! themselves. Prints the figures docs/resilience.md quotes (`--nocapture`).
 
+mod common;
+#[path = "common/process.rs"]
+mod process;
+#[path = "common/slow_link.rs"]
+mod slow_link;
+#[path = "common/redis.rs"]
+mod test_redis;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::common::metric_sum;
-use crate::process::{Server, Session, quantile};
-use crate::slow_link::Impairment;
-use crate::{process, slow_link, test_redis};
+use common::metric_sum;
+use process::{Server, Session, quantile};
 use serde_json::json;
+use slow_link::Impairment;
 
 /// `store.timeout_ms` in this test.
 const STORE_TIMEOUT: Duration = Duration::from_millis(200);
