@@ -30,7 +30,13 @@ if [ -n "${BASE:-}" ]; then
   (cd "$WORK/base" && cargo fetch --locked --quiet)
   measure "base ($BASE) --lib" "$WORK/base" --lib
 fi
-measure "mcp-ratelimit-core" "$ROOT" -p mcp-ratelimit-core
-measure "mcp-ratelimit-rmcp" "$ROOT" -p mcp-ratelimit-rmcp
-measure "mcp-ratelimit-rmcp +redis" "$ROOT" -p mcp-ratelimit-rmcp --features redis
-measure "mcp-ratelimit --lib" "$ROOT" -p mcp-ratelimit --lib
+# PACKAGES picks some: core rmcp rmcp+redis server (all four by default).
+for package in ${PACKAGES:-core rmcp rmcp+redis server}; do
+  case $package in
+    core) measure "mcp-ratelimit-core" "$ROOT" -p mcp-ratelimit-core ;;
+    rmcp) measure "mcp-ratelimit-rmcp" "$ROOT" -p mcp-ratelimit-rmcp ;;
+    rmcp+redis) measure "mcp-ratelimit-rmcp +redis" "$ROOT" -p mcp-ratelimit-rmcp --features redis ;;
+    server) measure "mcp-ratelimit --lib" "$ROOT" -p mcp-ratelimit --lib ;;
+    *) echo "unknown package $package (core, rmcp, rmcp+redis, server)" >&2; exit 2 ;;
+  esac
+done

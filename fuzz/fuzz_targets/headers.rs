@@ -29,7 +29,8 @@ static WORLD: LazyLock<World> = LazyLock::new(|| {
                 [[auth.keys]]\nkey = \"known\"\ntenant = \"t\"\n";
     let config = Config::from_toml(toml, &catalogue()).expect("config");
     let log = Arc::new(FrontDoorLog::new(SystemClock::shared()));
-    let allowed = Arc::new(AllowedHosts::of(&config.server, log));
+    let allowed =
+        Arc::new(AllowedHosts::new(config.server.allowed_hosts.clone(), config.server.allowed_origins.clone(), log));
     let hosts = axum::Router::new()
         .route("/", axum::routing::post(|| async { "in" }))
         .layer(rebinding_protection(allowed));
