@@ -370,35 +370,6 @@ mod tests {
     }
 
     #[test]
-    fn refusal_in_a_later_scope_charges_no_earlier_scope() {
-        let store = MemoryStore::new();
-        let roomy = Limiter::TokenBucket(TokenBucket::new(100, 1.0));
-        let tight = Limiter::TokenBucket(TokenBucket::new(5, 1.0));
-        let checks = [
-            Check { key: "caller:a", limiter: &roomy, cost: 5, shadow: false },
-            Check { key: "tenant:t", limiter: &tight, cost: 5, shadow: false },
-        ];
-        assert!(store.decide_at(&checks, 0).iter().all(|d| d.allowed));
-        let second = store.decide_at(&checks, 0);
-        assert!(second[0].allowed && !second[1].allowed);
-        let peek = store.decide_at(&[Check { key: "caller:a", limiter: &roomy, cost: 0, shadow: false }], 0);
-        assert_eq!(peek[0].remaining, 95, "the refused call must not have charged the caller");
-    }
-
-    #[test]
-    fn two_scopes_on_one_key_see_each_other() {
-        let store = MemoryStore::new();
-        let l = Limiter::TokenBucket(TokenBucket::new(10, 1.0));
-        let checks = [
-            Check { key: "k", limiter: &l, cost: 6, shadow: false },
-            Check { key: "k", limiter: &l, cost: 6, shadow: false },
-        ];
-        let d = store.decide_at(&checks, 0);
-        assert!(d[0].allowed && !d[1].allowed);
-        assert_eq!(store.decide_at(&[Check { key: "k", limiter: &l, cost: 0, shadow: false }], 0)[0].remaining, 10);
-    }
-
-    #[test]
     fn sweep_forgets_only_full_buckets() {
         let store = MemoryStore::new();
         let l = Limiter::TokenBucket(TokenBucket::new(10, 1.0));
