@@ -6,11 +6,7 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
-use super::auth::ApiKey;
-use super::spend::TenantOverride;
-use super::tools::ToolPolicy;
 use super::{ConfigError, invalid};
-use crate::clock::Nanos;
 use crate::limit::{ALGORITHMS, Concurrency, Limiter, Params};
 
 /// Whether a limit refuses, or only counts the calls it would have refused.
@@ -278,72 +274,4 @@ impl RawLimit {
             )),
         }
     }
-}
-
-/// The longest a limit may span (a window, or a bucket's burst × refill time), and why.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Longest {
-    /// In nanoseconds.
-    pub span: Nanos,
-    /// As an error says it: `a year (31536000 s)`.
-    pub in_words: &'static str,
-    /// Where the bound comes from, after the span in an error (` with store.backend = "redis"`),
-    /// or nothing for the bound every limit has.
-    pub because: &'static str,
-}
-
-/// The bound every limit has ([`crate::limit::params::LONGEST_SPAN`]).
-pub(super) const LONGEST: Longest =
-    Longest { span: crate::limit::params::LONGEST_SPAN, in_words: "a year (31536000 s)", because: "" };
-
-/// Every limit written for a caller, a tenant or a tool spans at most `most`, and so does each
-/// of the caller's own under every tier (a tier scales a bucket's burst, rounded and never below
-/// one, and its rate, so its span can grow: a burst of 1 at half the rate spans twice as long).
-pub(super) fn spans_fit(
-    (limits, tools, tenants, keys): (
-        &Limits,
-        &BTreeMap<String, ToolPolicy>,
-        &BTreeMap<String, TenantOverride>,
-        &[ApiKey],
-    ),
-    tiers: &BTreeMap<String, f64>,
-    most: &Longest,
-) -> Result<(), ConfigError> {
-    let mut spans: Vec<(String, &[Limit])> = vec![
-        ("limits.http".into(), &limits.http),
-        ("limits.address_http".into(), &limits.address_http),
-        ("limits.method.tools_list".into(), &limits.tools_list),
-        ("limits.method.tools_call".into(), &limits.tools_call),
-        ("limits.method.other".into(), &limits.other_methods),
-        ("limits.caller".into(), &limits.caller),
-        ("limits.tenant".into(), &limits.tenant),
-        ("limits.address".into(), &limits.address),
-    ];
-    spans.extend(tools.iter().map(|(t, p)| (format!("tools.{t}.budget"), p.budget.as_slice())));
-    spans.extend(tenants.iter().filter_map(|(t, o)| o.budget.as_deref().map(|b| (format!("tenants.{t}.budget"), b))));
-    spans.extend(
-        keys.iter().enumerate().filter_map(|(i, k)| k.caller.as_deref().map(|c| (format!("auth.keys[{i}].caller"), c))),
-    );
-    let Longest { span: longest, in_words, because } = *most;
-    if let Some((key, _)) = spans.iter().find(|(_, l)| l.iter().any(|l| l.limiter.span() > longest)) {
-        return Err(invalid(
-            key.as_str(),
-            format!("a window, or a bucket's burst × refill time, may span at most {in_words}{because}"),
-        ));
-    }
-    let own =
-        ["http", "method.tools_list", "method.tools_call", "method.other", "caller"].map(|s| format!("limits.{s}"));
-    let tiered = spans.iter().filter(|(key, _)| own.contains(key));
-    for ((key, limits), (tier, factor)) in tiered.flat_map(|s| tiers.iter().map(move |t| (s, t))) {
-        if limits.iter().any(|l| l.limiter.scaled(*factor).span() > longest) {
-            return Err(invalid(
-                key.as_str(),
-                format!(
-                    "× `tiers.{tier}` ({factor}) it spans more than {in_words}, the most a window, or a bucket's \
-                     burst × refill time, may span{because}"
-                ),
-            ));
-        }
-    }
-    Ok(())
 }

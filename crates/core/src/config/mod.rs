@@ -16,12 +16,14 @@
 //! | `[spend_caps]`, `[tenants.NAME]` | [`spend`] |
 //! | `[store]`, `[loop_detection]` | [`store`] |
 //! | `[server]`'s keys that name callers behind a proxy | [`trust`] |
+//! | the checks across sections (costs that fit every budget, caps that cover them, spans a store decides exactly) | `fits.rs` |
 //!
 //! [`Document`] reads the layers; [`LimitsConfig::from_document`] checks the limits' sections in
 //! turn. A server reads its own sections (`[server]`, `[upstream]`, `[admin]`, …) from the same
 //! [`Document`]: the reference server's `Config` does.
 
 pub mod auth;
+mod fits;
 pub mod limits;
 pub mod price;
 pub mod spend;
@@ -419,24 +421,24 @@ impl RawLimitsConfig {
         let auth = self.auth.validate(&self.tiers)?;
         let spend_caps = self.spend_caps.validate()?;
         let tenants = spend::validate_tenants(self.tenants)?;
-        spend::caps_cover_costs(&spend_caps, &tenants, &tools)?;
+        fits::caps_cover_costs(&spend_caps, &tenants, &tools)?;
         let shared = (self.store.backend == Backend::Redis).then_some(self.store.expected_instances);
-        tools::costs_fit(&tools, &self.tiers, &limits, &tenants, &auth.keys, &spend_caps, shared)?;
+        fits::costs_fit(&tools, &self.tiers, &limits, &tenants, &auth.keys, &spend_caps, shared)?;
         let unlisted_tools = catalogue.is_learned().then(|| ToolPolicy::unlisted(self.proxy.default_cost));
         if let Some(unlisted) = &unlisted_tools {
             // The default price is checked as a tool of its own, and a fault named at its key.
             let priced = BTreeMap::from([(tools::UNPRICED.to_owned(), unlisted.clone())]);
-            spend::caps_cover_costs(&spend_caps, &tenants, &priced)
+            fits::caps_cover_costs(&spend_caps, &tenants, &priced)
                 .and_then(|()| {
-                    tools::costs_fit(&priced, &self.tiers, &limits, &tenants, &auth.keys, &spend_caps, shared)
+                    fits::costs_fit(&priced, &self.tiers, &limits, &tenants, &auth.keys, &spend_caps, shared)
                 })
                 .map_err(|e| e.at("proxy.default_cost"))?;
         }
         let proxies = self.server.validate()?;
         self.store.validate()?;
-        limits::spans_fit((&limits, &tools, &tenants, &auth.keys), &self.tiers, &limits::LONGEST)?;
+        fits::spans_fit((&limits, &tools, &tenants, &auth.keys), &self.tiers, &fits::LONGEST)?;
         if self.store.backend == Backend::Redis {
-            store::spans_fit_redis(&limits, &tools, &tenants, &auth.keys, &self.tiers)?;
+            fits::spans_fit_redis(&limits, &tools, &tenants, &auth.keys, &self.tiers)?;
         }
         self.loop_detection.validate()?;
         for (key, value) in [

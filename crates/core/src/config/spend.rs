@@ -6,7 +6,6 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 
 use super::limits::{Limit, MAX_UNITS, RawScope};
-use super::tools::ToolPolicy;
 use super::{ConfigError, invalid};
 
 /// The daily spend cap of a tenant (or of a caller without one), in cost units.
@@ -108,21 +107,4 @@ pub(super) fn validate_tenants(
         tenants.insert(name, TenantOverride { budget, daily_spend_units });
     }
     Ok(tenants)
-}
-
-/// Every cap at least the dearest tool's cost: a smaller one could never admit that tool.
-pub(super) fn caps_cover_costs(
-    spend_caps: &SpendCaps,
-    tenants: &BTreeMap<String, TenantOverride>,
-    tools: &BTreeMap<String, ToolPolicy>,
-) -> Result<(), ConfigError> {
-    let max_cost = tools.values().map(|t| t.cost).max().unwrap_or(0);
-    for (key, cap) in std::iter::once(("spend_caps.daily_units".to_owned(), spend_caps.daily_units))
-        .chain(tenants.iter().map(|(t, o)| (format!("tenants.{t}.daily_spend_units"), o.daily_spend_units)))
-    {
-        if let Some(cap) = cap.filter(|cap| *cap < max_cost) {
-            return Err(invalid(key, format!("a cap of {cap} is below the dearest tool's cost {max_cost}")));
-        }
-    }
-    Ok(())
 }

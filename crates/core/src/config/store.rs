@@ -1,14 +1,9 @@
 //! `[store]` and `[loop_detection]`: where limiter state lives (this process, or Redis shared by
 //! every instance), how long its leases and sweeps take, and how a stuck agent is told apart.
 
-use std::collections::BTreeMap;
-
 use serde::Deserialize;
 
-use super::auth::ApiKey;
-use super::limits::{DAY_MS, Limits, Longest, spans_fit};
-use super::spend::TenantOverride;
-use super::tools::ToolPolicy;
+use super::limits::DAY_MS;
 use super::{ConfigError, invalid};
 
 /// Where limiter state lives.
@@ -120,20 +115,7 @@ impl StoreConfig {
 
 /// The most a window, or a bucket's burst × refill time, may span on Redis: the Lua twins
 /// compute in doubles, exact to the nanosecond over at most 2^52 ns (52 days).
-const REDIS_SPAN: u64 = 1 << 52;
-
-/// With Redis as the store, every limit spans at most [`REDIS_SPAN`], the caller's own under
-/// every tier too (see [`super::limits::spans_fit`]).
-pub(super) fn spans_fit_redis(
-    limits: &Limits,
-    tools: &BTreeMap<String, ToolPolicy>,
-    tenants: &BTreeMap<String, TenantOverride>,
-    keys: &[ApiKey],
-    tiers: &BTreeMap<String, f64>,
-) -> Result<(), ConfigError> {
-    let most = Longest { span: REDIS_SPAN, in_words: "52 days", because: " with store.backend = \"redis\"" };
-    spans_fit((limits, tools, tenants, keys), tiers, &most)
-}
+pub(super) const REDIS_SPAN: u64 = 1 << 52;
 
 impl LoopDetectionConfig {
     /// The section, checked: a window above zero and within a day, at least two repeats.

@@ -6,12 +6,10 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
-use super::auth::ApiKey;
 use super::limits::{DAY_MS, Limit, Limits, RawScope};
 use super::price::{Formula, Settle};
-use super::spend::{SpendCaps, TenantOverride};
 use super::{Catalogue, ConfigError, invalid};
-use crate::limit::{FixedWindow, Limiter};
+use crate::limit::Limiter;
 
 /// What a refusal of `proxy.default_cost` calls the tools it prices.
 pub(super) const UNPRICED: &str = "an unpriced tool";
@@ -295,87 +293,6 @@ fn cost_fits_the_scopes(
                         limiter.capacity_key()
                     ),
                 ));
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Refuses a config in which a paid tool's cost is larger than an enforced limit of a scope it
-/// draws on, as the guard scales them (`Policy::new`, `Policy::scaled`: capacities rounded,
-/// never below one): the tenants' and keys' own budgets as written, and over a shared store
-/// (`shared`: its expected instances), for a tool that fails open, the insurance limiter's share
-/// of 1/`store.expected_instances` of every one of them (`limits.caller` after each tier), and
-/// of the spend caps. Such a tool could never be called by that tenant or key, or on any
-/// instance while the store cannot decide. (The unscaled `limits.*`, their tiers and the caps
-/// are checked where they are read.)
-pub(super) fn costs_fit(
-    tools: &BTreeMap<String, ToolPolicy>,
-    tiers: &BTreeMap<String, f64>,
-    limits: &Limits,
-    tenants: &BTreeMap<String, TenantOverride>,
-    keys: &[ApiKey],
-    spend_caps: &SpendCaps,
-    shared: Option<u32>,
-) -> Result<(), ConfigError> {
-    // Every limit a cost is drawn from: the key of its capacity, the limiter, whether tiers scale it.
-    let mut drawn: Vec<(String, Limiter, bool)> = Vec::new();
-    let mut scope = |key: &str, list: &[Limit], tiered: bool| {
-        for (i, limit) in list.iter().enumerate().filter(|(_, l)| l.enforced_mode()) {
-            let at = if list.len() > 1 { format!("{key}[{i}]") } else { key.to_owned() };
-            drawn.push((format!("{at}.{}", limit.limiter.capacity_key()), limit.limiter.clone(), tiered));
-        }
-    };
-    scope("limits.caller", &limits.caller, true);
-    scope("limits.tenant", &limits.tenant, false);
-    scope("limits.address", &limits.address, false);
-    for (tenant, own) in tenants {
-        scope(&format!("tenants.{tenant}.budget"), own.budget.as_deref().unwrap_or_default(), false);
-    }
-    for (i, key) in keys.iter().enumerate() {
-        scope(&format!("auth.keys[{i}].caller"), key.caller.as_deref().unwrap_or_default(), false);
-    }
-    let cap = |units: u64| Limiter::FixedWindow(FixedWindow::new(units, DAY_MS * 1_000_000));
-    drawn.extend(spend_caps.daily_units.map(|units| ("spend_caps.daily_units".to_owned(), cap(units), false)));
-    for (tenant, own) in tenants {
-        if let Some(units) = own.daily_spend_units {
-            drawn.push((format!("tenants.{tenant}.daily_spend_units"), cap(units), false));
-        }
-    }
-
-    let untiered = [(None, 1.0)];
-    for (tool, policy) in tools.iter().filter(|(_, p)| p.cost > 0) {
-        let cost = policy.cost;
-        for (at, limiter, tiered) in &drawn {
-            let factors: Vec<(Option<&str>, f64)> =
-                if *tiered { tiers.iter().map(|(t, f)| (Some(t.as_str()), *f)).collect() } else { untiered.to_vec() };
-            for (tier, factor) in factors {
-                let scaled = limiter.scaled(factor);
-                let of = tier.map_or_else(|| format!("`{at}`"), |t| format!("`{at}` × `tiers.{t}`"));
-                if cost > scaled.capacity() {
-                    return Err(invalid(
-                        format!("tools.{tool}.cost"),
-                        format!(
-                            "cost {cost} is larger than {of} = {}, so `{tool}` could never be called there; lower \
-                             the cost or raise `{at}`",
-                            scaled.capacity()
-                        ),
-                    ));
-                }
-                let Some(instances) = shared.filter(|n| *n > 1 && policy.fail == Fail::Open) else { continue };
-                let share = scaled.scaled(1.0 / f64::from(instances)).capacity();
-                if cost > share {
-                    return Err(invalid(
-                        "store.expected_instances",
-                        format!(
-                            "with {instances} instances sharing the store, the insurance limiter gives each 1/{instances} \
-                             of {of} ({} → {share}), less than the cost {cost} of `{tool}`, which fails open: while \
-                             the store cannot decide, no instance could admit it. Lower `store.expected_instances` \
-                             or `tools.{tool}.cost`, raise `{at}`, or set `tools.{tool}.fail = \"closed\"`",
-                            scaled.capacity()
-                        ),
-                    ));
-                }
             }
         }
     }
