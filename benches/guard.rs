@@ -68,7 +68,7 @@ fn served_call(c: &mut Criterion) {
                         black_box(rate_limit_headers(&decision));
                     }
                     let args = args.as_object().expect("an object");
-                    let call = Call { tool: "list_articles", caller: &caller, args, cancelled: Default::default() };
+                    let call = Call::new("list_articles", &caller, args);
                     // The one guarded call every door runs, its work answering at once.
                     let work = |_, _| std::future::ready(Worked::Answer(Ok(answered())));
                     let called = limits.guard().call(&Tools(&Plain), Some(limits.reuse()), call, work).await;

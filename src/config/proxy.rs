@@ -39,6 +39,24 @@ pub struct ProxyConfig {
     pub timeout_ms: u64,
     /// The calls in flight learnt from its answers (`[proxy.adaptive]`), under `max_in_flight`.
     pub adaptive: AdaptiveConfig,
+    /// The protocol version the proxy's own client speaks to the proxied server.
+    pub upstream_protocol: UpstreamProtocol,
+}
+
+/// `proxy.upstream_protocol`: which MCP version the proxy's own client speaks to the proxied
+/// server, whatever its callers speak (each answer is made valid for its caller's version).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub enum UpstreamProtocol {
+    /// Ask for 2026-07-28 (`server/discover`), and fall back to the 2025-11-25 handshake where
+    /// the server does not know it.
+    #[serde(rename = "auto")]
+    Auto,
+    /// The 2025-11-25 `initialize` handshake, and one session.
+    #[serde(rename = "2025-11-25")]
+    V2025_11_25,
+    /// 2026-07-28 only: a server that does not speak it is a start-up error.
+    #[serde(rename = "2026-07-28")]
+    V2026_07_28,
 }
 
 impl std::fmt::Debug for ProxyConfig {
@@ -54,6 +72,7 @@ impl std::fmt::Debug for ProxyConfig {
             .field("max_in_flight", &self.max_in_flight)
             .field("timeout_ms", &self.timeout_ms)
             .field("adaptive", &self.adaptive)
+            .field("upstream_protocol", &self.upstream_protocol)
             .finish()
     }
 }

@@ -11,17 +11,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
+use rmcp::model::ProtocolVersion;
 use rmcp::model::ServerPeerInfo;
 use rmcp::service::{Peer, RunningService};
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
-use rmcp::{RoleClient, ServiceExt};
+use rmcp::{ClientLifecycleMode, ClientServiceExt, RoleClient};
 use tokio_util::sync::CancellationToken;
 
 use super::relay::Relay;
 use crate::breaker::Breaker;
 use crate::clock::SharedClock;
-use crate::config::ProxyConfig;
+use crate::config::{ProxyConfig, UpstreamProtocol};
 
 /// Where the proxied server is.
 #[derive(Clone)]
@@ -222,6 +223,8 @@ pub struct Link {
     target: Target,
     /// Requests the session may have in flight at once (`proxy.max_in_flight`).
     concurrency: usize,
+    /// The version its client asks for (`proxy.upstream_protocol`).
+    protocol: UpstreamProtocol,
     peer: ArcSwapOption<Peer<RoleClient>>,
     /// What the proxied server said of itself at its last handshake.
     info: ArcSwapOption<ServerPeerInfo>,
@@ -243,6 +246,24 @@ pub(super) const ANSWER_WITHIN: Duration = Duration::from_secs(30);
 
 type Session = RunningService<RoleClient, Relay>;
 
+/// How the proxy's client meets the proxied server (`proxy.upstream_protocol`). `auto` asks for
+/// 2026-07-28 (`server/discover`) and speaks it where the server does (no session: each request
+/// carries its `_meta`, `Mcp-Method` and `Mcp-Name` go with it over HTTP, and a tool may ask the
+/// caller for input, `input_required`); a server that does not know `server/discover` gets the
+/// 2025-11-25 `initialize` handshake instead, within 10 seconds of asking.
+fn lifecycle(protocol: UpstreamProtocol) -> ClientLifecycleMode {
+    match protocol {
+        UpstreamProtocol::Auto => ClientLifecycleMode::Auto {
+            preferred_versions: vec![ProtocolVersion::V_2026_07_28],
+            legacy_version: Some(ProtocolVersion::V_2025_11_25),
+        },
+        UpstreamProtocol::V2025_11_25 => ClientLifecycleMode::Initialize,
+        UpstreamProtocol::V2026_07_28 => {
+            ClientLifecycleMode::Discover { preferred_versions: vec![ProtocolVersion::V_2026_07_28] }
+        }
+    }
+}
+
 impl Link {
     /// Connects to `target` once (its error is the start-up error), with up to `concurrency`
     /// requests in flight on the session, and keeps it up until `stop`, reconnecting with backoff; `breaker` is opened while it is down and closed
@@ -250,7 +271,7 @@ impl Link {
     /// lists them after this first one).
     pub async fn start(
         target: Target,
-        concurrency: usize,
+        config: &ProxyConfig,
         relay: Relay,
         breaker: Arc<Breaker>,
         clock: SharedClock,
@@ -259,7 +280,8 @@ impl Link {
     ) -> Result<Arc<Self>, LinkError> {
         let link = Arc::new(Self {
             target,
-            concurrency,
+            concurrency: config.max_in_flight,
+            protocol: config.upstream_protocol,
             peer: ArcSwapOption::empty(),
             info: ArcSwapOption::empty(),
             child: std::sync::Mutex::new(None),
@@ -352,7 +374,10 @@ impl Link {
                         .max_concurrent_requests(self.concurrency);
                     // A pooled client: the default one opens a connection per request.
                     let transport = StreamableHttpClientTransport::with_client(reqwest::Client::new(), config);
-                    relay.serve(transport).await.map_err(|e| handshake(e.to_string()))
+                    relay
+                        .serve_with_lifecycle(transport, lifecycle(self.protocol))
+                        .await
+                        .map_err(|e| handshake(e.to_string()))
                 }
                 Target::Command { program, args, env } => {
                     let mut command = tokio::process::Command::new(program);
@@ -360,7 +385,10 @@ impl Link {
                     let child = TokioChildProcess::new(command)
                         .map_err(|source| LinkError::Spawn { target: target.clone(), source })?;
                     *self.child.lock().unwrap_or_else(|p| p.into_inner()) = child.id();
-                    relay.serve(child).await.map_err(|e| handshake(e.to_string()))
+                    relay
+                        .serve_with_lifecycle(child, lifecycle(self.protocol))
+                        .await
+                        .map_err(|e| handshake(e.to_string()))
                 }
             }
         };

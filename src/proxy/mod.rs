@@ -44,8 +44,8 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use rmcp::ErrorData;
 use rmcp::model::{
-    CallToolRequest, CallToolRequestParams, CallToolResponse, ClientRequest, ProgressToken, RequestMetaObject,
-    ServerResult, Tool,
+    CallToolRequest, CallToolRequestParams, CallToolResponse, ClientRequest, ProgressToken, ProtocolVersion,
+    RequestMetaObject, ServerResult, Tool,
 };
 use rmcp::service::{PeerRequestOptions, ServiceError};
 use tokio_util::sync::CancellationToken;
@@ -145,7 +145,7 @@ impl Proxied {
         let changed = downstream.clone();
         let max_in_flight = config.proxy.max_in_flight;
         let link =
-            Link::start(target, max_in_flight, relay, breaker.clone(), clock.clone(), stop.child_token(), move || {
+            Link::start(target, &config.proxy, relay, breaker.clone(), clock.clone(), stop.child_token(), move || {
                 changed.tools_changed.notify_one();
             })
             .await?;
@@ -189,6 +189,26 @@ impl Proxied {
     /// Its tools as it last listed them, without prices.
     pub fn tools(&self) -> Arc<Vec<Tool>> {
         self.tools.load_full()
+    }
+
+    /// Whether it speaks 2026-07-28 to the proxy: no session, each request self-contained.
+    fn stateless(&self) -> bool {
+        self.link.info().is_some_and(|info| info.protocol_version >= ProtocolVersion::V_2026_07_28)
+    }
+
+    /// What the proxied server gets of a caller's request `_meta` ([`for_upstream`]); and where it
+    /// speaks 2026-07-28, which has no `logging/setLevel`, the level its log messages are wanted at:
+    /// the most verbose any live session asked for, as the one level of a 2025-11-25 session would
+    /// be (each session then hears what meets its own level, [`relay`]).
+    fn upstream_meta(&self, meta: RequestMetaObject) -> RequestMetaObject {
+        let mut meta = for_upstream(meta);
+        if self.stateless()
+            && let Some(level) = self.downstream.wanted_level()
+            && let Ok(level) = serde_json::to_value(level)
+        {
+            meta.0.insert(LOG_LEVEL.to_owned(), level);
+        }
+        meta
     }
 
     /// Whether it lists `name`.
@@ -339,7 +359,7 @@ impl Proxied {
         };
         let request = ClientRequest::CallToolRequest(CallToolRequest::new(request));
         let mut options = PeerRequestOptions::no_options();
-        options.meta = Some(for_upstream(meta));
+        options.meta = Some(self.upstream_meta(meta));
         let answer = async {
             let handle = peer.send_cancellable_request(request, options).await?;
             let _route = progress
@@ -481,11 +501,11 @@ impl Drop for CancelOnDrop {
 /// What the proxied server gets of a caller's request `_meta`: everything the caller says of its
 /// call (a trace context, its own keys; its progress token is replaced by the proxy's), but not
 /// what describes the caller's own connection to the proxy under 2026-07-28 (its protocol
-/// version, who it is, the log level it opts in to): the proxy's session to the proxied server is
-/// its own, of its own version. (rmcp's HTTP transport would send a caller's `protocolVersion` as
-/// that session's `MCP-Protocol-Version`, which a 2025-11-25 server refuses — and keep it for
-/// every request after.) Its capabilities stay: a server may answer a caller that speaks tasks
-/// with one.
+/// version, who it is, the log level it opts in to): the proxy's connection to the proxied server
+/// is its own, of its own version, and its client says those of itself. (rmcp's HTTP transport
+/// would send a caller's `protocolVersion` as that session's `MCP-Protocol-Version`, which a
+/// 2025-11-25 server refuses — and keep it for every request after.) Its capabilities stay: a
+/// server may answer a caller that speaks tasks with one.
 fn for_upstream(mut meta: RequestMetaObject) -> RequestMetaObject {
     for key in CALLERS_CONNECTION {
         meta.0.remove(key);
@@ -493,12 +513,12 @@ fn for_upstream(mut meta: RequestMetaObject) -> RequestMetaObject {
     meta
 }
 
+/// The request `_meta` key of 2026-07-28 that says which log messages the request wants.
+const LOG_LEVEL: &str = "io.modelcontextprotocol/logLevel";
+
 /// The request `_meta` keys of 2026-07-28 that describe the caller's connection, not its call.
-const CALLERS_CONNECTION: [&str; 3] = [
-    "io.modelcontextprotocol/protocolVersion",
-    "io.modelcontextprotocol/clientInfo",
-    "io.modelcontextprotocol/logLevel",
-];
+const CALLERS_CONNECTION: [&str; 3] =
+    ["io.modelcontextprotocol/protocolVersion", "io.modelcontextprotocol/clientInfo", LOG_LEVEL];
 
 fn unavailable(tool: &str, detail: &str, wait: Nanos) -> Refusal {
     Refusal::upstream_unavailable(tool, detail, wait.div_ceil(NANOS_PER_MS).max(1))

@@ -109,6 +109,15 @@ impl Downstream {
         state.levels.values().copied().min_by_key(|l| severity(*l)).unwrap_or(level)
     }
 
+    /// The most verbose level any live session asked for, if one did: what a 2026-07-28 proxied
+    /// server is asked to send at with each request, having no level of its own.
+    #[allow(deprecated)] // Logging is legacy in 2026-07-28, and still what servers send.
+    pub fn wanted_level(&self) -> Option<LoggingLevel> {
+        let mut state = self.state();
+        state.prune();
+        state.levels.values().copied().min_by_key(|l| severity(*l))
+    }
+
     /// The sessions to tell, pruned of those whose transport has closed.
     fn peers(&self, only: impl Fn(&State, u64) -> bool) -> Vec<Peer<RoleServer>> {
         let mut state = self.state();

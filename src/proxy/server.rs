@@ -81,6 +81,20 @@ impl ProxyServer {
         results::method_error(&Refusal::upstream_unavailable(method, detail, ms))
     }
 
+    /// `request` sent to the proxied server with what the caller's `_meta` may carry there
+    /// ([`Proxied::upstream_meta`]): a task's requests need the capabilities the caller declared
+    /// (the tasks extension), which the proxy's own session to it does not.
+    async fn as_caller(
+        &self,
+        upstream: &Peer<RoleClient>,
+        request: ClientRequest,
+        context: &RequestContext<RoleServer>,
+    ) -> Result<ServerResult, ServiceError> {
+        let mut options = PeerRequestOptions::no_options();
+        options.meta = Some(self.proxied.upstream_meta(context.meta.clone()));
+        upstream.send_request_with_option(request, options).await?.await_response().await
+    }
+
     /// Refuses a task the caller does not own — another caller's, or one no proxied call of ours
     /// created — as `serve` refuses a job that is not the caller's: unknown, whether it exists or
     /// not. (The method limit has counted the request already: guessing ids costs.)
@@ -180,12 +194,11 @@ impl ServerHandler for ProxyServer {
         if !self.proxied.lists(&request.name) {
             return Err(ErrorData::invalid_params(format!("unknown tool `{}`", request.name), None));
         }
-        let (tool, args) = (request.name.to_string(), request.arguments.clone().unwrap_or_default());
         let session = self.membership.get().map(Membership::id);
         let progress = session.zip(context.meta.get_progress_token());
-        let (proxied, meta) = (self.proxied.clone(), context.meta.clone());
+        let (proxied, meta, asked) = (self.proxied.clone(), context.meta.clone(), request.clone());
         let work = move |admitted, _| proxied.work(admitted, request, meta, progress);
-        limited::call_tool(&self.limits, self, &tool, &args, &context, work).await
+        limited::call_tool(&self.limits, self, &asked, &context, work).await
     }
 
     async fn list_resources(
@@ -288,6 +301,10 @@ impl ServerHandler for ProxyServer {
         let downstream = &self.proxied.downstream;
         let mut set = downstream.upstream_level.lock().await;
         let wanted = downstream.set_level(session, request.level);
+        // A 2026-07-28 server has no level to set: each request says its own (`upstream_meta`).
+        if self.proxied.stateless() {
+            return Ok(());
+        }
         if *set != Some(wanted) {
             // Within the time a listing of tools has: the lock is held meanwhile.
             let setting = upstream.set_level(SetLevelRequestParams::new(wanted));
@@ -310,7 +327,7 @@ impl ServerHandler for ProxyServer {
         let upstream = self.ask(&context, method).await?;
         self.owned(&context, &request.task_id)?;
         let request = ClientRequest::GetTaskRequest(GetTaskRequest::new(request));
-        let mut got = match as_caller(&upstream, request, &context).await {
+        let mut got = match self.as_caller(&upstream, request, &context).await {
             Ok(ServerResult::GetTaskResult(got)) => got,
             Ok(_) => return Err(self.passed(method, ServiceError::UnexpectedResponse)),
             Err(error) => return Err(self.passed(method, error)),
@@ -332,7 +349,7 @@ impl ServerHandler for ProxyServer {
         let upstream = self.ask(&context, method).await?;
         self.owned(&context, &request.task_id)?;
         let request = ClientRequest::CancelTaskRequest(CancelTaskRequest::new(request));
-        match as_caller(&upstream, request, &context).await {
+        match self.as_caller(&upstream, request, &context).await {
             Ok(ServerResult::TaskAckResult(_) | ServerResult::EmptyResult(_)) => Ok(()),
             Ok(_) => Err(self.passed(method, ServiceError::UnexpectedResponse)),
             Err(error) => Err(self.passed(method, error)),
@@ -340,22 +357,9 @@ impl ServerHandler for ProxyServer {
     }
 }
 
-/// `request` sent to the proxied server with what the caller's `_meta` may carry there
-/// ([`super::for_upstream`]): a task's requests need the capabilities the caller declared (the
-/// tasks extension), which the proxy's own session to it does not.
-async fn as_caller(
-    upstream: &Peer<RoleClient>,
-    request: ClientRequest,
-    context: &RequestContext<RoleServer>,
-) -> Result<ServerResult, ServiceError> {
-    let mut options = PeerRequestOptions::no_options();
-    options.meta = Some(super::for_upstream(context.meta.clone()));
-    upstream.send_request_with_option(request, options).await?.await_response().await
-}
-
 /// A result passed on from the proxied server, made valid for a caller of either protocol
 /// version, whatever the proxied server speaks: `resultType: "complete"` where it left it out
-/// (a 2025-11-25 server, as every stdio child of the proxy's one session is), which a 2026-07-28
+/// (a 2025-11-25 server), which a 2026-07-28
 /// caller requires; rmcp takes `"complete"` off again for a 2025-11-25 caller. A `resultType`
 /// it did say (`input_required`, …) stays.
 pub(super) trait Complete {
@@ -367,10 +371,26 @@ macro_rules! complete_where_missing {
         impl Complete for $result {
             fn complete(mut self) -> Self {
                 self.result_type.get_or_insert(ResultType::COMPLETE);
+                without_their_connection(&mut self.meta);
                 self
             }
         }
     )*};
+}
+
+/// The result `_meta` key of 2026-07-28 that describes the proxied server's connection to the
+/// proxy, not its answer: who answered it (the proxy answers its callers).
+const THEIR_CONNECTION: &str = "io.modelcontextprotocol/serverInfo";
+
+/// `meta` without what describes the proxied server's connection to the proxy; left out
+/// altogether where that was all it held, as a 2025-11-25 server would have sent it.
+fn without_their_connection(meta: &mut Option<rmcp::model::MetaObject>) {
+    if let Some(held) = meta
+        && held.remove(THEIR_CONNECTION).is_some()
+        && held.is_empty()
+    {
+        *meta = None;
+    }
 }
 
 complete_where_missing!(

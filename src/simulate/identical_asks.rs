@@ -22,7 +22,6 @@ use std::time::Duration;
 
 use serde::Serialize;
 use sha2::{Digest, Sha256};
-use tokio_util::sync::CancellationToken;
 
 use crate::clock::{Clock, ManualClock, NANOS_PER_MS, Nanos};
 use crate::config::{ApiKey, Coalesce, Config, ToolPolicy};
@@ -205,7 +204,7 @@ async fn replay(config: &Config, policy: ToolPolicy, tenants: usize) -> AskRun {
                     (guard.clone(), reuse.clone(), reads.clone(), ended.clone(), charged.clone());
                 let (caller, policy, args, clock) = (caller.clone(), policy.clone(), args.clone(), clock.clone());
                 tokio::spawn(async move {
-                    let call = Call { tool: TOOL, caller: &caller, args: &args, cancelled: CancellationToken::new() };
+                    let call = Call::new(TOOL, &caller, &args);
                     // The one guarded call, as a door runs it: admitted (and charged), then one
                     // read, shared with identical calls as the setting allows.
                     let work = |_, _| async move { Worked::Answer(read(reads, clock).await) };

@@ -40,7 +40,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Serialize;
-use tokio_util::sync::CancellationToken;
 
 use crate::clock::{Clock, ManualClock, NANOS_PER_MS, NANOS_PER_SEC, Nanos, SharedClock};
 use crate::config::Config;
@@ -565,7 +564,7 @@ impl Replay<'_> {
             }
             let mut args = serde_json::Map::new();
             args.insert("simulated_call".into(), tally.calls.into());
-            let call = Call { tool: self.tool, caller: self.caller, args: &args, cancelled: CancellationToken::new() };
+            let call = Call::new(self.tool, self.caller, &args);
             // The one guarded call, as a door runs it; a job takes its admission (its slots) away
             // with it until the job would be final.
             let mut job = None;

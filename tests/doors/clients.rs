@@ -11,8 +11,12 @@ use crate::common::*;
 use crate::{common, python};
 use mcp_ratelimit::guard::Refusal;
 use mcp_ratelimit::{Catalogue, LimitedRouter, RateLimits};
+use rmcp::handler::server::tool::{InputResponses, RequestState};
 use rmcp::handler::server::wrapper::Parameters;
-use rmcp::model::{CallToolResult, JsonObject, MetaObject, ProtocolVersion, ResultType};
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, InputRequiredResult, JsonObject, MetaObject,
+    ProtocolVersion, ResultType,
+};
 use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::{ServerHandler, tool, tool_handler, tool_router};
@@ -81,7 +85,7 @@ async fn every_answer_of_our_tools_is_valid_for_clients_of_both_eras_and_admitte
 }
 
 /// An rmcp client of `url` presenting `key`, speaking 2026-07-28: no handshake, no session.
-async fn modern_client(url: &str, key: &str) -> Client {
+pub(crate) async fn modern_client(url: &str, key: &str) -> Client {
     use rmcp::{ClientLifecycleMode, ClientServiceExt};
     let config = StreamableHttpClientTransportConfig::with_uri(url).auth_header(key);
     let preferred_versions = vec![ProtocolVersion::V_2026_07_28];
@@ -243,4 +247,141 @@ async fn a_library_users_router_coalesces_identical_calls_and_runs_its_own_rule_
     }
     let refused = call(&client, "lookup", json!({"city": "Alta"})).await;
     assert_eq!(error_code(&refused), Some("rate_limited"), "12 spent: ten shared, two alone: {refused:?}");
+}
+
+/// A library user's tools that ask their caller for input (MCP 2026-07-28's multi-round-trip
+/// requests, SEP-2322): a booking confirmed in a second round, and a quiz of seven rounds.
+#[derive(Clone)]
+pub(crate) struct Booking {
+    tools: LimitedRouter<Self>,
+    asked: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Booking {
+    /// The booking tools under no limits of their own: a 2026-07-28 server to proxy.
+    pub(crate) async fn unlimited() -> Self {
+        let tools = Catalogue::new().tool("book").tool("quiz");
+        let toml = "[tools.book]\ncost = 1\n[tools.quiz]\ncost = 1\n[limits]\nenabled = false\n";
+        let limits = RateLimits::from_toml(toml, tools).await.expect("limits");
+        Self { tools: LimitedRouter::new(Self::tool_router(), limits), asked: Arc::default() }
+    }
+}
+
+#[tool_router]
+impl Booking {
+    #[tool(description = "Books a night in a city, once the caller confirms.")]
+    async fn book(
+        &self,
+        Parameters(City { city }): Parameters<City>,
+        RequestState(state): RequestState,
+        InputResponses(responses): InputResponses,
+    ) -> CallToolResponse {
+        match responses {
+            None => {
+                let n = self.asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                InputRequiredResult::from_request_state(format!("confirm-{n}")).into()
+            }
+            Some(_) => CallToolResult::success(vec![ContentBlock::text(format!(
+                "{city}: booked ({})",
+                state.unwrap_or_default()
+            ))])
+            .into(),
+        }
+    }
+
+    #[tool(description = "Asks seven questions, one a round.")]
+    async fn quiz(&self, RequestState(state): RequestState) -> CallToolResponse {
+        let asked: u32 =
+            state.as_deref().and_then(|s| s.strip_prefix("asked-")).and_then(|n| n.parse().ok()).unwrap_or(0);
+        match asked {
+            0..7 => InputRequiredResult::from_request_state(format!("asked-{}", asked + 1)).into(),
+            _ => CallToolResult::success(vec![ContentBlock::text("seven answers")]).into(),
+        }
+    }
+}
+
+#[tool_handler(router = self.tools)]
+impl ServerHandler for Booking {}
+
+/// One round of `tool` with `args`: resuming `state` with an answer, or (`None`) a call of its own.
+pub(crate) async fn round(
+    client: &Client,
+    tool: &str,
+    args: Value,
+    state: Option<&str>,
+) -> Result<CallToolResponse, String> {
+    let Value::Object(args) = args else { unreachable!("arguments are an object") };
+    let mut params = CallToolRequestParams::new(tool.to_owned()).with_arguments(args);
+    if let Some(state) = state {
+        params.request_state = Some(state.to_owned());
+        params.input_responses = Some([("confirm".to_owned(), json!({"action": "accept"}))].into());
+    }
+    client.peer().call_tool_once(params).await.map_err(|e| e.to_string())
+}
+
+pub(crate) fn asked_state(answer: &Result<CallToolResponse, String>) -> Option<String> {
+    match answer {
+        Ok(CallToolResponse::InputRequired(input)) => input.request_state.clone(),
+        _ => None,
+    }
+}
+
+pub(crate) fn completed(answer: &Result<CallToolResponse, String>) -> Option<&CallToolResult> {
+    match answer {
+        Ok(CallToolResponse::Complete(done)) => Some(done),
+        _ => None,
+    }
+}
+
+/// A call answered `input_required` and sent again with the input is one call: its price is
+/// charged once, its rounds are never a loop (loop detection on, five in a row), and the state it
+/// resumes with is believed only once, for that caller, that tool and those arguments — replayed
+/// or invented, it is charged as a new call, by a client of either era.
+#[tokio::test]
+async fn a_call_that_asks_for_input_and_is_resumed_is_one_call_charged_once_and_never_a_loop() {
+    let toml = "[tools.book]\ncost = 5\n[tools.quiz]\ncost = 0\n[limits.caller]\nalgorithm = \"token_bucket\"\n\
+                burst = 5\nrefill_per_sec = 0.0001\n[limits.address]\nalgorithm = \"token_bucket\"\nburst = 1000\n\
+                refill_per_sec = 1\n[loop_detection]\nenabled = true\nrepeats = 5\n[tiers]\nguest = 1.0\n";
+    let limits = RateLimits::from_toml(toml, Catalogue::new().tool("book").tool("quiz")).await.expect("limits");
+    let tools = LimitedRouter::new(Booking::tool_router(), limits.clone());
+    let url = common::serve_library(Booking { tools, asked: Arc::default() }, &limits).await;
+    let refused = |answer: &Result<CallToolResponse, String>| completed(answer).and_then(error_code).map(str::to_owned);
+
+    let client = modern_client(&url, "traveller-0123456789").await;
+    let config = StreamableHttpClientTransportConfig::with_uri(url.as_str()).auth_header("old-client-0123456789");
+    let legacy: Client =
+        rmcp::ServiceExt::serve((), StreamableHttpClientTransport::from_config(config)).await.expect("connects");
+    let oslo = json!({"city": "Oslo"});
+    let first = round(&client, "book", oslo.clone(), None).await;
+    let state = asked_state(&first).expect("asked to confirm");
+    // Another caller (a 2025-11-25 client) sending that state is a new call: charged its 5 tokens,
+    // then refused for the next 5; the mark is not its to take.
+    let theirs = round(&legacy, "book", oslo.clone(), Some(&state)).await;
+    assert_eq!(completed(&theirs).map(text), Some(format!("Oslo: booked ({state})")), "{theirs:?}");
+    let again = round(&legacy, "book", oslo.clone(), Some(&state)).await;
+    assert_eq!(refused(&again).as_deref(), Some("rate_limited"), "its 5 tokens spent: {again:?}");
+    let booked = round(&client, "book", oslo.clone(), Some(&state)).await;
+    assert_eq!(completed(&booked).map(text), Some(format!("Oslo: booked ({state})")), "5 tokens paid once: {booked:?}");
+    // Replayed, the state is a new call: 5 more tokens the caller has not got.
+    let replayed = round(&client, "book", oslo.clone(), Some(&state)).await;
+    assert_eq!(refused(&replayed).as_deref(), Some("rate_limited"), "{replayed:?}");
+    for (args, state) in [(oslo.clone(), "confirm-99"), (json!({"city": "Bergen"}), state.as_str())] {
+        let invented = round(&client, "book", args, Some(state)).await;
+        assert_eq!(refused(&invented).as_deref(), Some("rate_limited"), "{state}: {invented:?}");
+    }
+    // Eight rounds of one quiz, five in a row being a loop: never a loop, and the answer at the end.
+    let mut answer = round(&client, "quiz", json!({}), None).await;
+    for _ in 0..7 {
+        let state = asked_state(&answer).unwrap_or_else(|| panic!("another question: {answer:?}"));
+        answer = round(&client, "quiz", json!({}), Some(&state)).await;
+    }
+    assert_eq!(completed(&answer).map(text).as_deref(), Some("seven answers"), "{answer:?}");
+    // The detector is on, and the eight rounds were one call of the five a loop takes: the fourth
+    // quiz started afresh is the fifth in a row.
+    let mut fresh = Vec::new();
+    for _ in 0..5 {
+        fresh.push(refused(&round(&client, "quiz", json!({}), None).await));
+    }
+    let looped = Some("loop_detected".to_owned());
+    assert_eq!(fresh, [None, None, None, looped.clone(), looped], "{fresh:?}");
 }

@@ -323,6 +323,14 @@ async fn headers_from_config_reach_an_http_upstream_and_the_callers_key_never_do
     let seen = call(&client, "header", json!({"name": "authorization"})).await;
     assert_eq!(text_of(&seen), "", "the caller's key stays at the proxy");
     assert!(!format!("{:?}", proxy.app).contains(secret), "the header's value is in no Debug string");
+    // FastMCP speaks 2026-07-28, and so does the proxy to it: a router in front of it reads the
+    // method and the tool from the headers (SEP-2243) without parsing the body.
+    let spoken = proxy.app.proxied().expect("a proxy").link().info().map(|i| i.protocol_version.clone());
+    assert_eq!(spoken, Some(rmcp::model::ProtocolVersion::V_2026_07_28));
+    for (name, sent) in [("mcp-method", "tools/call"), ("mcp-name", "header"), ("mcp-protocol-version", "2026-07-28")] {
+        let seen = call(&client, "header", json!({"name": name})).await;
+        assert_eq!(text_of(&seen), sent, "{name}");
+    }
 }
 
 fn sha256_hex(key: &str) -> String {
@@ -1151,6 +1159,32 @@ async fn serve_in_test<S: rmcp::ServerHandler + Clone + Send + Sync + 'static>(s
     url
 }
 
+/// A tool of a 2026-07-28 server that asks its caller for input, through the proxy: the proxy's
+/// own client speaks 2026-07-28 to that server (it asks with `server/discover`), the
+/// `input_required` answer reaches a 2026-07-28 caller as the server gave it, and the call resumed
+/// with the input is one call: charged once; replayed, charged as a new one.
+#[tokio::test]
+async fn a_call_a_2026_upstream_answers_input_required_is_resumed_through_the_proxy_as_one_call() {
+    use crate::clients::{Booking, asked_state, completed, modern_client, round};
+    let target = Target::Http { url: serve_in_test(Booking::unlimited().await).await, headers: Vec::new() };
+    let toml = "[tools.book]\ncost = 5\n[limits.caller]\nalgorithm = \"token_bucket\"\nburst = 5\n\
+                refill_per_sec = 0.0001\n[limits.address]\nalgorithm = \"token_bucket\"\nburst = 1000\n\
+                refill_per_sec = 1\n[tiers]\nguest = 1.0\n";
+    let proxy = Proxy::start(toml, target).await;
+    let upstream = proxy.app.proxied().expect("a proxy").link().info().map(|i| i.protocol_version.clone());
+    assert_eq!(upstream, Some(rmcp::model::ProtocolVersion::V_2026_07_28), "the proxy's client speaks 2026-07-28");
+    let client = modern_client(&proxy.url, "traveller-through-the-proxy").await;
+    let oslo = json!({"city": "Oslo"});
+    let first = round(&client, "book", oslo.clone(), None).await;
+    let state = asked_state(&first).unwrap_or_else(|| panic!("asked to confirm: {first:?}"));
+    let booked = round(&client, "book", oslo.clone(), Some(&state)).await;
+    let booked = completed(&booked).map(common::text);
+    assert_eq!(booked, Some(format!("Oslo: booked ({state})")), "its 5 tokens paid once");
+    let replayed = round(&client, "book", oslo, Some(&state)).await;
+    let refused = completed(&replayed).and_then(common::error_code);
+    assert_eq!(refused, Some("rate_limited"), "replayed, a new call: {replayed:?}");
+}
+
 /// A client that declares the tasks extension.
 #[derive(Clone)]
 struct SpeaksTasks;
@@ -1231,16 +1265,29 @@ impl Logs {
     }
 }
 
+/// Whichever version the proxy speaks to FastMCP (which speaks both): 2025-11-25, one session
+/// whose level the proxy sets, or 2026-07-28, where each request says the level it wants.
 #[tokio::test]
 async fn a_log_message_reaches_only_the_sessions_that_asked_each_at_its_own_level() {
+    for (protocol, version) in [
+        ("2025-11-25", rmcp::model::ProtocolVersion::V_2025_11_25),
+        ("auto", rmcp::model::ProtocolVersion::V_2026_07_28),
+    ] {
+        each_session_hears_the_log_messages_it_asked_for(protocol, version).await;
+    }
+}
+
+async fn each_session_hears_the_log_messages_it_asked_for(protocol: &str, version: rmcp::model::ProtocolVersion) {
     let (a, b) = ("tenant-a-logs-key-0123456789", "tenant-b-logs-key-0123456789");
     let toml = format!(
         "[loop_detection]\nenabled = false\n[auth]\nkeys = [{{ sha256 = \"{}\", tenant = \"acme\" }}, \
-         {{ sha256 = \"{}\", tenant = \"globex\" }}]\n",
+         {{ sha256 = \"{}\", tenant = \"globex\" }}]\n[proxy]\nupstream_protocol = \"{protocol}\"\n",
         sha256_hex(a),
         sha256_hex(b)
     );
     let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let spoken = proxy.app.proxied().expect("a proxy").link().info().map(|i| i.protocol_version.clone());
+    assert_eq!(spoken, Some(version), "{protocol}");
     let session = |key: &str, logs: Logs| {
         let config = StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()).auth_header(key);
         logs.serve(StreamableHttpClientTransport::from_config(config))

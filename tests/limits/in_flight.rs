@@ -102,7 +102,7 @@ async fn a_dropped_admission_gives_its_slot_back_even_when_its_task_is_aborted()
     let args = args.as_object().expect("an object");
     // Each call's work takes its admission away, as a job does, and holds it.
     let save = || async {
-        let call = Call { tool: "save_article", caller: &caller, args, cancelled: Default::default() };
+        let call = Call::new("save_article", &caller, args);
         let mut held = None;
         let work = |admitted: Admitted<()>, _| {
             held = admitted.admission.take();

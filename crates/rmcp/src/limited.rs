@@ -139,6 +139,10 @@ impl<R: ToolRules> Door for Tools<'_, R> {
     fn refusal_in(&self, answer: &ToolAnswer) -> Option<Refusal> {
         self.0.refusal_in(answer)
     }
+
+    fn asks_input(answer: &ToolAnswer) -> Option<&str> {
+        asks_input(answer)
+    }
 }
 
 /// The library's rules: every default of [`ToolRules`], nothing known before charging.
@@ -167,6 +171,25 @@ pub fn keepable(answer: &ToolAnswer) -> Option<u64> {
     match answer {
         Ok(CallToolResponse::Complete(done)) => results::keepable(done),
         _ => None,
+    }
+}
+
+/// The `requestState` to resume with (empty when it gave none), if `answer` is MCP's
+/// `input_required`: the caller is asked for input and calls again with it.
+pub fn asks_input(answer: &ToolAnswer) -> Option<&str> {
+    match answer {
+        Ok(CallToolResponse::InputRequired(input)) => Some(input.request_state.as_deref().unwrap_or_default()),
+        _ => None,
+    }
+}
+
+/// The state a call says it resumes an earlier round with: its `requestState`, or empty when it
+/// answers input requests without one; `None` for a call of its own.
+pub fn resumes(request: &CallToolRequestParams) -> Option<&str> {
+    match (&request.request_state, &request.input_responses) {
+        (Some(state), _) => Some(state.as_str()),
+        (None, Some(_)) => Some(""),
+        (None, None) => None,
     }
 }
 
@@ -217,11 +240,11 @@ impl<S: Clone + Send + Sync + 'static, D: ToolRules> LimitedRouter<S, D> {
         let service = context.service.clone();
         let router = self.router.clone();
         let ToolCallContext { request_context, name, arguments, input_responses, request_state, .. } = context;
-        let args = arguments.clone().unwrap_or_default();
-        let mut request = CallToolRequestParams::new(name.clone());
+        let mut request = CallToolRequestParams::new(name);
         request.arguments = arguments;
         request.input_responses = input_responses;
         request.request_state = request_state;
+        let asked = request.clone();
         let work = |admitted: Admitted<D::Place>, _checked| {
             let mut request_context = request_context.clone();
             request_context.extensions.insert(admitted.caller);
@@ -229,7 +252,7 @@ impl<S: Clone + Send + Sync + 'static, D: ToolRules> LimitedRouter<S, D> {
             self.door.hand_over(admitted.place, &mut request_context.extensions);
             async move { Worked::Answer(router.call(ToolCallContext::new(&service, request, request_context)).await) }
         };
-        call_tool(&self.limits, &self.door, &name, &args, &request_context, work).await
+        call_tool(&self.limits, &self.door, &asked, &request_context, work).await
     }
 
     /// Every tool, with its cost added to its description so a model sees prices before it calls.
@@ -243,7 +266,7 @@ impl<S: Clone + Send + Sync + 'static, D: ToolRules> LimitedRouter<S, D> {
     }
 }
 
-/// One call of `tool` with `arguments` through the one guarded pipeline (under `door`'s
+/// One call (`request`: its tool, its arguments, the round it resumes) through the one guarded pipeline (under `door`'s
 /// [`ToolRules`], run by
 /// [`Guard::call`](mcp_ratelimit_core::guard::Guard::call)), as an rmcp door makes it: the caller named from
 /// `context`, the call raced against `context`'s cancellation, `work` run when admitted (shared
@@ -254,8 +277,7 @@ impl<S: Clone + Send + Sync + 'static, D: ToolRules> LimitedRouter<S, D> {
 pub async fn call_tool<D, W, F>(
     limits: &RateLimits,
     door: &D,
-    tool: &str,
-    arguments: &JsonObject,
+    request: &CallToolRequestParams,
     context: &RequestContext<RoleServer>,
     work: W,
 ) -> Result<CallToolResponse, ErrorData>
@@ -266,7 +288,10 @@ where
 {
     let caller = caller_of(limits, context)?;
     let asked = Asked { supports_tasks: context.client_capabilities().is_some_and(|c| c.supports_tasks()) };
-    let call = Call { tool, caller: &caller, args: arguments, cancelled: context.ct.clone() };
+    let (tool, no_arguments) = (request.name.as_ref(), JsonObject::new());
+    let arguments = request.arguments.as_ref().unwrap_or(&no_arguments);
+    let resumes = resumes(request);
+    let call = Call { tool, caller: &caller, args: arguments, cancelled: context.ct.clone(), resumes };
     let add_to = door.add_to();
     match limits.guard().call(&Tools(door), Some(limits.reuse()), call, work).await {
         Called::Refused(refusal) => Ok(results::tool_result(&refusal).into()),

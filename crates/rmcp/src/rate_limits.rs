@@ -171,7 +171,7 @@ impl RateLimits {
     /// for query in ["a", "b", "c", "d"] {
     ///     let mut args = serde_json::Map::new();
     ///     args.insert("q".into(), query.into());
-    ///     let call = Call { tool: "search", caller: &caller, args: &args, cancelled: Default::default() };
+    ///     let call = Call::new("search", &caller, &args);
     ///     let work = |_, _| async move { Worked::Answer(format!("results for {query}")) };
     ///     match limits.guard().call(&Search, None, call, work).await {
     ///         Called::Answered { answer, .. } => assert_eq!(answer, format!("results for {query}")),

@@ -17,6 +17,9 @@
 //! cancels: the work is raced against the cancellation and dropped, and every slot, lease and queue
 //! place it holds is owned by a guard that gives it back when dropped (see `upstream::queue`).
 //!
+//! A call that asks its caller for input (MCP's `input_required`) and is sent again with it is one
+//! call: the next round is neither charged again nor a loop ([`crate::guard::resume`]).
+//!
 //! Identical calls may share one piece of work (`[tools.NAME] coalesce`, `cache_ttl_ms`: see
 //! [`crate::guard::reuse`]); each caller is still admitted and charged on its own. A priced call's
 //! reservation is settled from what the answer says it used ([`crate::guard::settle`]). Every
@@ -74,6 +77,13 @@ pub trait Door: Send + Sync {
     /// The refusal an answer carries when the work itself refused (the upstream's 429), so it is
     /// recorded like the others. By default none.
     fn refusal_in(&self, _answer: &Self::Answer) -> Option<Refusal> {
+        None
+    }
+
+    /// The state to resume with, if `answer` asks the caller for input and to call again with it
+    /// (MCP's `input_required`: its `requestState`, empty when it gave none); that next call is
+    /// then this one's continuation ([`crate::guard::resume`]). By default no answer does.
+    fn asks_input(_answer: &Self::Answer) -> Option<&str> {
         None
     }
 }
@@ -142,6 +152,17 @@ pub struct Call<'a> {
     /// Cancelled when the caller stops waiting (a client's `notifications/cancelled`, a session
     /// closing, a stateless request's connection dropped).
     pub cancelled: CancellationToken,
+    /// The state this call says it resumes an earlier round with (MCP's `requestState`, empty
+    /// when it sends `inputResponses` without one), or `None` for a call of its own. Believed only
+    /// where the guard kept a mark for it ([`crate::guard::resume`]).
+    pub resumes: Option<&'a str>,
+}
+
+impl<'a> Call<'a> {
+    /// A call of `tool` by `caller` with `args`, never cancelled, resuming nothing.
+    pub fn new(tool: &'a str, caller: &'a Caller, args: &'a Map<String, Value>) -> Self {
+        Self { tool, caller, args, cancelled: CancellationToken::new(), resumes: None }
+    }
 }
 
 impl Guard {
@@ -162,7 +183,7 @@ impl Guard {
         W: FnOnce(Admitted<D::Place>, Value) -> F,
         F: Future<Output = Worked<D::Answer>> + Send + 'static,
     {
-        let Call { tool, caller, args, cancelled } = call;
+        let Call { tool, caller, args, cancelled, resumes } = call;
         let refused = |refusal: Refusal| {
             self.seen_refused(caller, tool, &refusal);
             Called::Refused(refusal)
@@ -177,14 +198,28 @@ impl Guard {
         };
         let policy = self.policy();
         let loop_exempt = door.loop_exempt(tool, &args, caller);
-        let guarded = ToolCall { tool, args: &args, starts_job: policy.holds_slot(tool), loop_exempt };
+        // A round of a call answered "input required" is that call: its mark is taken once.
+        let resumed = match resumes {
+            Some(state) => self.take_resumed(caller, tool, &args, state).await,
+            None => false,
+        };
+        let guarded = ToolCall { tool, args: &args, starts_job: policy.holds_slot(tool), loop_exempt, resumed };
         let admission = match self.admit(caller, &guarded).await {
             Ok(admission) => admission,
-            Err(refusal) => return refused(door.explain(tool, refusal, caller)),
+            Err(refusal) => {
+                // Refused for now (its request limit, its slot), it may still be resumed later.
+                if let (true, Some(state)) = (resumed, resumes) {
+                    self.expect_resumed(caller, tool, &args, state).await;
+                }
+                return refused(door.explain(tool, refusal, caller));
+            }
         };
+        // What an answer asking for input is resumed by: this call, as it was checked.
+        let resumable = args.clone();
         let warnings = admission.warnings().to_vec();
         let admission = TakeOnce::new(admission);
-        let sharing = policy.tool(tool).and_then(|p| Sharing::of(p, caller, tool, &args));
+        // A round that answers input requests is its own: never shared, nor kept for others.
+        let sharing = policy.tool(tool).filter(|_| resumes.is_none()).and_then(|p| Sharing::of(p, caller, tool, &args));
         let admitted = Admitted { caller: caller.clone(), admission: admission.clone(), place };
         let work = work(admitted, args);
         let worked = async {
@@ -214,6 +249,9 @@ impl Guard {
             Some((Worked::Answer(answer), served)) => {
                 if let Some(refusal) = door.refusal_in(&answer) {
                     self.seen_refused(caller, tool, &refusal);
+                }
+                if let Some(state) = D::asks_input(&answer) {
+                    self.expect_resumed(caller, tool, &resumable, state).await;
                 }
                 let settled = settle(door.used(tool, &answer)).await;
                 Called::Answered { answer, served, settled, warnings }

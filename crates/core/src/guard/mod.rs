@@ -29,6 +29,7 @@ pub mod policy;
 pub mod refusal;
 pub mod refusal_memory;
 pub mod report;
+pub mod resume;
 pub mod reuse;
 pub mod scope;
 pub mod settle;
@@ -43,7 +44,7 @@ use crate::clock::{Nanos, SharedClock, ceil_ms};
 use crate::config::{Fail, Limit, LimitsConfig, Settle};
 use crate::guard::decide::Insurance;
 use crate::guard::loops::{Looping, Loops, Recorded, SharedLoopCall};
-use crate::guard::plan::{Planned, http_scopes, method_scopes, status_scopes, tool_scopes};
+use crate::guard::plan::{Planned, http_scopes, method_scopes, resumed_scopes, status_scopes, tool_scopes};
 use crate::guard::report::{RefusalLog, budget_status, refused_by, warnings_of};
 use crate::identity::Caller;
 use crate::limit::{Decision, Limiter, Taken};
@@ -129,6 +130,10 @@ pub struct ToolCall<'a> {
     /// Whether the call can never be a loop (a poll of a pending job, which the job book
     /// answers with its wait).
     pub loop_exempt: bool,
+    /// Whether the call resumes one answered "input required" ([`resume`]): then it is charged
+    /// neither its price nor its tool's budget again (it is still a request, and a `holds_slot`
+    /// tool still takes its slot), and it is never a loop.
+    pub resumed: bool,
 }
 
 /// What a caller refused because the store could not decide is told to wait.
@@ -412,7 +417,7 @@ impl Guard {
         if !live.enabled {
             return Ok(Admission::new(Vec::new(), self.metrics.clone()));
         }
-        let loops = self.loops.as_ref().filter(|_| !call.loop_exempt);
+        let loops = self.loops.as_ref().filter(|_| !call.loop_exempt && !call.resumed);
         let shared = loops.and_then(|loops| loops.shared_call(caller, call));
         let mut recorded = None;
         if let (Some(loops), None) = (loops, &shared) {
@@ -437,7 +442,10 @@ impl Guard {
     ) -> Result<Admission, Refusal> {
         let (tool, starts_job) = (call.tool, call.starts_job);
         let fail = live.policy.tool(tool).map_or(Fail::Closed, |t| t.fail);
-        let under = |p| tool_scopes(p, caller, tool, Policy::price_of(p, tool, call.args), starts_job);
+        let under = |p| match call.resumed {
+            true => resumed_scopes(p, caller, starts_job),
+            false => tool_scopes(p, caller, tool, Policy::price_of(p, tool, call.args), starts_job),
+        };
         let lease = Lease::new();
         let blocks: Vec<Scope> =
             std::iter::once(Scope::block_caller(caller)).chain(Scope::block_tenant(caller)).collect();

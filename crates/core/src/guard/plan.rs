@@ -100,6 +100,18 @@ pub fn tool_scopes<'p>(
     scopes
 }
 
+/// The scopes a call that resumes one answered "input required" draws on ([`crate::guard::resume`]):
+/// its method limit (it is a request), and for a `holds_slot` tool the in-flight caps while it
+/// runs; not its price, which the first round paid, nor its tool's budget (it is the same call).
+pub fn resumed_scopes<'p>(policy: &'p Policy, caller: &Caller, starts_job: bool) -> Vec<Planned<'p>> {
+    let mut scopes = Vec::with_capacity(4);
+    plan(&mut scopes, Scope::method(caller, MethodGroup::ToolsCall), &policy.for_caller(caller).tools_call, 1);
+    if starts_job {
+        in_flight_scopes(policy, caller, 1, &mut scopes);
+    }
+    scopes
+}
+
 /// What `rate_limit_status` reads for `caller` (every limit, at cost 0), plus the HTTP scopes
 /// when the caller comes over HTTP.
 pub fn status_scopes<'p>(policy: &'p Policy, caller: &Caller, over_http: bool) -> Vec<Planned<'p>> {

@@ -120,6 +120,12 @@ impl Scope {
         caller.tenant().map(|tenant| Self::new(caller, format_args!("block:tenant:{tenant}")))
     }
 
+    /// The mark that lets the caller resume one call answered "input required" (`digest` names
+    /// the call and its state; see [`crate::guard::resume`]).
+    pub fn resume(caller: &Caller, digest: &str) -> Self {
+        Self::new(caller, format_args!("resume:{}:{digest}", caller.id()))
+    }
+
     /// The caller's recent calls, for loop detection: its address's for an unverified caller.
     pub fn loops(caller: &Caller) -> Self {
         Self::new(caller, format_args!("loops:{}", loop_owner(caller)))

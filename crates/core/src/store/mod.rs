@@ -223,7 +223,10 @@ pub trait Slots: Send + Sync {
     }
 }
 
-/// An operator's blocks: a key that stops every call naming it until it runs out or is lifted.
+/// Keys that hold for a while and can be lifted once: an operator's blocks (a key that stops
+/// every call naming it until it runs out or is lifted), and the mark that lets a call answered
+/// "input required" be resumed once ([`crate::guard::resume`]). `unblock` must say whether the
+/// key was in force and lift it in one step: of two instances lifting it at once, one is told yes.
 pub trait Blocks: Send + Sync {
     /// Sets the block `key` for `duration` (on a shared store, for every instance).
     fn block<'a>(&'a self, key: &'a str, duration: Duration) -> StoreFuture<'a, ()>;
