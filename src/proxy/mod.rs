@@ -286,14 +286,8 @@ impl Proxied {
     /// reads it, without any key of ours the proxied server put in its `_meta`; or why it was not
     /// answered. (Shared with identical calls, it is the asker's: its progress goes to the asker's
     /// session.)
-    async fn work(
-        self: Arc<Self>,
-        admitted: Admitted<Reservation>,
-        request: CallToolRequestParams,
-        meta: RequestMetaObject,
-        progress: Option<(u64, ProgressToken)>,
-    ) -> Worked<ToolAnswer> {
-        match self.forward(&admitted.caller, admitted.place, request, meta, progress).await {
+    async fn work(self: Arc<Self>, admitted: Admitted<Reservation>, outgoing: Outgoing) -> Worked<ToolAnswer> {
+        match self.forward(&admitted.caller, admitted.place, outgoing).await {
             Ok(CallToolResponse::Complete(done)) => {
                 let done = crate::mcp::results::without_ours(server::Complete::complete(done));
                 Worked::Answer(Ok(CallToolResponse::Complete(done)))
@@ -307,8 +301,8 @@ impl Proxied {
     }
 
     /// Waits for the call's turn (at most `proxy.timeout_ms`), sends it, and waits for the answer
-    /// (at most `proxy.timeout_ms` of the proxied server's own time); `progress` is where the
-    /// call's progress goes (a downstream session and its token).
+    /// (at most `proxy.timeout_ms` of the proxied server's own time), meanwhile asking its caller
+    /// what the proxied server asks while it serves the call ([`relay::Ask`]).
     ///
     /// Cancel-safe: dropped anywhere — its caller cancelled — the call leaves the line at once
     /// ([`Turn`](crate::upstream::queue::Turn)), gives back any slot it held, and the proxied
@@ -317,10 +311,9 @@ impl Proxied {
         &self,
         caller: &Caller,
         place: Reservation,
-        request: CallToolRequestParams,
-        meta: RequestMetaObject,
-        progress: Option<(u64, ProgressToken)>,
+        outgoing: Outgoing,
     ) -> Result<CallToolResponse, Unanswered> {
+        let Outgoing { request, meta, progress, asker } = outgoing;
         let tool = request.name.to_string();
         // On the server's one clock, like every other wait: a test walks past it.
         let timeout = u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX);
@@ -364,11 +357,23 @@ impl Proxied {
             let handle = peer.send_cancellable_request(request, options).await?;
             let _route = progress
                 .map(|(session, token)| self.downstream.route_progress(handle.progress_token.clone(), session, token));
+            let (_asks_route, mut asks) = self.downstream.route_asks(handle.id.clone());
             let id = handle.id.clone();
             // Dropped before the answer (the caller cancelled, or the timeout): the proxied
             // server is told to stop.
             let cancel = CancelOnDrop { peer: Some((*peer).clone()), id };
-            let answer = handle.await_response().await;
+            let response = handle.await_response();
+            tokio::pin!(response);
+            // What the server asks while it serves the call is asked of this call's caller, here,
+            // in the caller's own request (rmcp then sends it on that request's stream).
+            let answer = loop {
+                tokio::select! {
+                    answer = &mut response => break answer,
+                    Some((ask, reply)) = asks.recv() => {
+                        let _ = reply.send(ask.of(&asker.peer, asker.capabilities.as_ref()).await);
+                    }
+                }
+            };
             cancel.disarm();
             answer
         };
@@ -418,6 +423,23 @@ impl Proxied {
             }
         }
     }
+}
+
+/// A call on its way to the proxied server: the request, what its caller's `_meta` said, where its
+/// progress goes (a downstream session and the caller's token), and whom to ask what the server
+/// asks while it serves the call.
+pub(crate) struct Outgoing {
+    pub(crate) request: CallToolRequestParams,
+    pub(crate) meta: RequestMetaObject,
+    pub(crate) progress: Option<(u64, ProgressToken)>,
+    pub(crate) asker: Asker,
+}
+
+/// The caller of a call, as the proxied server's requests reach it: its session (or stateless
+/// request), and the capabilities its client declared.
+pub(crate) struct Asker {
+    pub(crate) peer: rmcp::service::Peer<rmcp::RoleServer>,
+    pub(crate) capabilities: Option<rmcp::model::ClientCapabilities>,
 }
 
 /// The most tools a proxied server's list is read to; the rest are not offered (each tool is a

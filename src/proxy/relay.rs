@@ -5,6 +5,16 @@
 //! client ([`Relay`]) hears them; the downstream sessions join when they are initialized and
 //! leave when their handler is dropped.
 //!
+//! **What it asks.** A request the proxied server sends while it serves a call — sampling
+//! (`sampling/createMessage`), elicitation (`elicitation/create`), the client's roots
+//! (`roots/list`) — is the caller's to answer, and only that caller's: it reaches the call that
+//! is waiting for the server's answer ([`Downstream::route_asks`]), which asks its own caller
+//! ([`Ask`]) and hands the answer back. Which call a request belongs to is the HTTP response stream
+//! it arrived on (rmcp's [`InboundStreamOrigin`]: a 2025-11-25 server sends a call's requests on
+//! that call's stream). A request on no call's stream — over stdio, where there are no streams, or
+//! one the server sends on its own — is refused: the proxy cannot tell whose it is, and answering
+//! for one caller what another asked would leak.
+//!
 //! **Log levels.** The proxied server has one level, for its one client (the proxy); each session
 //! has its own. A session's `logging/setLevel` is recorded for it alone, and the proxied server's
 //! level is set to the most verbose any live session asked for ([`Downstream::set_level`]), so
@@ -12,6 +22,10 @@
 //! whose own level it meets. A session that never set a level hears none (the MCP spec lets a
 //! server choose what to send before `setLevel`). A message is not routed to the call it came
 //! from: a 2025-11-25 server's log notification does not say which request it belongs to.
+
+// Sampling, roots and logging are legacy in 2026-07-28 (SEP-2577), and still what 2025-11-25
+// servers send.
+#![allow(deprecated)]
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,9 +36,13 @@ use rmcp::model::{
     ClientCapabilities, ClientConfig, Implementation, LoggingLevel, LoggingMessageNotificationParam,
     ProgressNotificationParam, ProgressToken, ResourceUpdatedNotificationParam,
 };
-use rmcp::service::{NotificationContext, Peer};
-use rmcp::{ClientHandler, RoleClient, RoleServer};
-use tokio::sync::Notify;
+use rmcp::model::{
+    CreateMessageRequestParams, CreateMessageResult, ElicitRequestParams, ElicitResult, ElicitationCapability,
+    ListRootsResult, RequestId, RootsCapabilities, SamplingCapability,
+};
+use rmcp::service::{InboundStreamOrigin, NotificationContext, Peer, RequestContext, ServiceError};
+use rmcp::{ClientHandler, ErrorData, RoleClient, RoleServer};
+use tokio::sync::{Notify, mpsc, oneshot};
 
 /// The downstream sessions, and which of them each notification is for.
 #[derive(Default)]
@@ -49,6 +67,76 @@ struct State {
     subscribed: HashMap<String, HashSet<u64>>,
     /// The log level each session asked for; a session not here hears no log message.
     levels: HashMap<u64, LoggingLevel>,
+    /// The upstream request id of a call waiting for its answer → where the proxied server's
+    /// requests made while serving it go.
+    asks: HashMap<RequestId, mpsc::Sender<Asked>>,
+}
+
+/// What the proxied server asks of a caller while it serves the caller's call.
+#[derive(Debug)]
+pub enum Ask {
+    /// `sampling/createMessage`.
+    Sampling(CreateMessageRequestParams),
+    /// `elicitation/create`.
+    Elicitation(ElicitRequestParams),
+    /// `roots/list`.
+    Roots,
+}
+
+/// A caller's answer to an [`Ask`].
+#[derive(Debug)]
+pub enum Answer {
+    /// To `sampling/createMessage`.
+    Sampling(CreateMessageResult),
+    /// To `elicitation/create`.
+    Elicitation(ElicitResult),
+    /// To `roots/list`.
+    Roots(ListRootsResult),
+}
+
+/// An ask on its way to the call it is for, with where its answer goes.
+pub type Asked = (Ask, oneshot::Sender<Result<Answer, ErrorData>>);
+
+impl Ask {
+    /// The method the proxied server sent.
+    pub fn method(&self) -> &'static str {
+        match self {
+            Ask::Sampling(_) => "sampling/createMessage",
+            Ask::Elicitation(_) => "elicitation/create",
+            Ask::Roots => "roots/list",
+        }
+    }
+
+    /// Asks `caller` (its client declared `capabilities`, if it said): refused, without asking,
+    /// when its client did not declare the capability the request needs.
+    #[allow(deprecated)] // Sampling and roots are legacy in 2026-07-28, and still what servers send.
+    pub async fn of(
+        self,
+        caller: &Peer<RoleServer>,
+        capabilities: Option<&ClientCapabilities>,
+    ) -> Result<Answer, ErrorData> {
+        let method = self.method();
+        let declared = capabilities.is_some_and(|c| match &self {
+            Ask::Sampling(_) => c.sampling.is_some(),
+            Ask::Elicitation(_) => c.elicitation.is_some(),
+            Ask::Roots => c.roots.is_some(),
+        });
+        if !declared {
+            return Err(ErrorData::invalid_request(
+                format!("the caller's client did not declare the capability `{method}` needs: it cannot be asked"),
+                None,
+            ));
+        }
+        let answered = match self {
+            Ask::Sampling(params) => caller.create_message(params).await.map(Answer::Sampling),
+            Ask::Elicitation(params) => caller.create_elicitation(params).await.map(Answer::Elicitation),
+            Ask::Roots => caller.list_roots().await.map(Answer::Roots),
+        };
+        answered.map_err(|error| match error {
+            ServiceError::McpError(error) => error,
+            other => ErrorData::internal_error(format!("the caller could not be asked `{method}`: {other}"), None),
+        })
+    }
 }
 
 impl std::fmt::Debug for Downstream {
@@ -74,6 +162,37 @@ impl Downstream {
     pub fn route_progress(self: &Arc<Self>, upstream: ProgressToken, session: u64, token: ProgressToken) -> Route {
         self.state().progress.insert(upstream.clone(), (session, token));
         Route { upstream, downstream: self.clone() }
+    }
+
+    /// The proxied server's requests made while it serves the upstream call `upstream` go to the
+    /// returned receiver, until the route is dropped (the call has its answer, or was dropped).
+    pub fn route_asks(self: &Arc<Self>, upstream: RequestId) -> (AskRoute, mpsc::Receiver<Asked>) {
+        let (sender, receiver) = mpsc::channel(4);
+        self.state().asks.insert(upstream.clone(), sender);
+        (AskRoute { upstream, downstream: self.clone() }, receiver)
+    }
+
+    /// Hands `ask` to the call whose response stream it arrived on, and waits for its caller's
+    /// answer; refused when it arrived on no call's stream, or that call is no longer waiting.
+    async fn ask(&self, context: &RequestContext<RoleClient>, ask: Ask) -> Result<Answer, ErrorData> {
+        let method = ask.method();
+        let route = match context.extensions.get::<InboundStreamOrigin>() {
+            Some(InboundStreamOrigin::OutboundRequest(call)) => self.state().asks.get(call).cloned(),
+            _ => None,
+        };
+        let Some(route) = route else {
+            return Err(ErrorData::invalid_request(
+                format!(
+                    "`{method}` did not come on the stream of a call in flight: the proxy, which serves many \
+                     callers, cannot tell whose it is"
+                ),
+                None,
+            ));
+        };
+        let gone = || ErrorData::invalid_request(format!("the call `{method}` was asked for is over"), None);
+        let (reply, answer) = oneshot::channel();
+        route.send((ask, reply)).await.map_err(|_| gone())?;
+        answer.await.map_err(|_| gone())?
     }
 
     /// Records that `session` subscribed to `uri`; `true` when it is the first to.
@@ -202,9 +321,22 @@ impl Drop for Route {
     }
 }
 
-/// The proxy's MCP client: it declares no client capabilities (no sampling, elicitation or roots:
-/// a request of the proxied server cannot be routed to one agent of many), and relays what the
-/// proxied server sends on its own to [`Downstream`].
+/// A call's route for the proxied server's requests; removed when dropped.
+#[derive(Debug)]
+pub struct AskRoute {
+    upstream: RequestId,
+    downstream: Arc<Downstream>,
+}
+
+impl Drop for AskRoute {
+    fn drop(&mut self) {
+        self.downstream.state().asks.remove(&self.upstream);
+    }
+}
+
+/// The proxy's MCP client: it declares sampling, elicitation and roots (a server offers the tools
+/// that use them only to a client that does), routes what the proxied server asks to the caller
+/// whose call it is serving, and relays what it sends on its own to [`Downstream`].
 #[derive(Debug, Clone)]
 pub struct Relay {
     downstream: Arc<Downstream>,
@@ -220,10 +352,40 @@ impl Relay {
 #[allow(deprecated)] // Logging and resource subscriptions are legacy in 2026-07-28, and still in use.
 impl ClientHandler for Relay {
     fn get_info(&self) -> ClientConfig {
-        ClientConfig::new(
-            ClientCapabilities::default(),
-            Implementation::new("mcp-ratelimit-proxy", env!("CARGO_PKG_VERSION")),
-        )
+        let mut capabilities = ClientCapabilities::default();
+        capabilities.sampling = Some(SamplingCapability::default());
+        capabilities.elicitation = Some(ElicitationCapability::default());
+        capabilities.roots = Some(RootsCapabilities::default());
+        ClientConfig::new(capabilities, Implementation::new("mcp-ratelimit-proxy", env!("CARGO_PKG_VERSION")))
+    }
+
+    async fn create_message(
+        &self,
+        params: CreateMessageRequestParams,
+        context: RequestContext<RoleClient>,
+    ) -> Result<CreateMessageResult, ErrorData> {
+        match self.downstream.ask(&context, Ask::Sampling(params)).await? {
+            Answer::Sampling(answer) => Ok(answer),
+            _ => Err(ErrorData::internal_error("the caller answered another request", None)),
+        }
+    }
+
+    async fn create_elicitation(
+        &self,
+        params: ElicitRequestParams,
+        context: RequestContext<RoleClient>,
+    ) -> Result<ElicitResult, ErrorData> {
+        match self.downstream.ask(&context, Ask::Elicitation(params)).await? {
+            Answer::Elicitation(answer) => Ok(answer),
+            _ => Err(ErrorData::internal_error("the caller answered another request", None)),
+        }
+    }
+
+    async fn list_roots(&self, context: RequestContext<RoleClient>) -> Result<ListRootsResult, ErrorData> {
+        match self.downstream.ask(&context, Ask::Roots).await? {
+            Answer::Roots(answer) => Ok(answer),
+            _ => Err(ErrorData::internal_error("the caller answered another request", None)),
+        }
     }
 
     async fn on_progress(&self, params: ProgressNotificationParam, _context: NotificationContext<RoleClient>) {

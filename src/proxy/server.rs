@@ -16,8 +16,8 @@ use rmcp::model::{
 use rmcp::service::{NotificationContext, Peer, PeerRequestOptions, RequestContext, ServiceError};
 use rmcp::{ErrorData, RoleClient, RoleServer, ServerHandler};
 
-use super::Proxied;
 use super::relay::Membership;
+use super::{Asker, Outgoing, Proxied};
 use crate::guard::{MethodGroup, Refusal, Used};
 use crate::identity::Caller;
 use crate::mcp::limited::{self, Asked, ToolAnswer, ToolRules};
@@ -196,8 +196,11 @@ impl ServerHandler for ProxyServer {
         }
         let session = self.membership.get().map(Membership::id);
         let progress = session.zip(context.meta.get_progress_token());
-        let (proxied, meta, asked) = (self.proxied.clone(), context.meta.clone(), request.clone());
-        let work = move |admitted, _| proxied.work(admitted, request, meta, progress);
+        let asker = Asker { peer: context.peer.clone(), capabilities: context.client_capabilities() };
+        let asked = request.clone();
+        let outgoing = Outgoing { request, meta: context.meta.clone(), progress, asker };
+        let proxied = self.proxied.clone();
+        let work = move |admitted, _| proxied.work(admitted, outgoing);
         limited::call_tool(&self.limits, self, &asked, &context, work).await
     }
 

@@ -81,16 +81,53 @@ impl Proxy {
     }
 }
 
-/// A client straight to the proxied server, to compare with what the proxy answers.
-async fn direct((program, args): (String, Vec<String>)) -> Client {
+/// A client straight to the proxied server, to compare with what the proxy answers: declaring
+/// what the proxy's own client declares (it can be asked for sampling, elicitation and roots).
+async fn direct((program, args): (String, Vec<String>)) -> rmcp::service::RunningService<rmcp::RoleClient, Asked> {
     let child = TokioChildProcess::new(tokio::process::Command::new(program).configure(|c| {
         c.args(&args);
     }))
     .expect("the server starts");
-    ().serve(child).await.expect("handshake")
+    Asked::default().serve(child).await.expect("handshake")
 }
 
-async fn call(client: &Client, tool: &str, args: Value) -> CallToolResult {
+/// A client that can be asked (it declares sampling, elicitation and roots) and answers sampling,
+/// recording every request it was asked.
+#[derive(Clone, Default)]
+struct Asked(Arc<std::sync::Mutex<Vec<String>>>);
+
+#[allow(deprecated)] // Sampling and roots are legacy in 2026-07-28, and what 2025-11-25 servers send.
+impl rmcp::ClientHandler for Asked {
+    fn get_info(&self) -> rmcp::model::ClientConfig {
+        let mut capabilities = rmcp::model::ClientCapabilities::default();
+        capabilities.sampling = Some(Default::default());
+        capabilities.elicitation = Some(Default::default());
+        capabilities.roots = Some(Default::default());
+        rmcp::model::ClientConfig::new(capabilities, rmcp::model::Implementation::new("asked", "1"))
+    }
+
+    async fn create_message(
+        &self,
+        params: rmcp::model::CreateMessageRequestParams,
+        _context: rmcp::service::RequestContext<rmcp::RoleClient>,
+    ) -> Result<rmcp::model::CreateMessageResult, rmcp::ErrorData> {
+        self.0.lock().unwrap().push(serde_json::to_string(&params).unwrap_or_default());
+        let answer = rmcp::model::SamplingMessage::assistant_text("sampled by the caller that asked");
+        Ok(rmcp::model::CreateMessageResult::new(answer, "test-model".to_owned()))
+    }
+}
+
+impl Asked {
+    fn asked(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+async fn call<H: rmcp::ClientHandler>(
+    client: &rmcp::service::RunningService<rmcp::RoleClient, H>,
+    tool: &str,
+    args: Value,
+) -> CallToolResult {
     let Value::Object(args) = args else { panic!("arguments are an object") };
     client.call_tool(CallToolRequestParams::new(tool.to_owned()).with_arguments(args)).await.expect("an answer")
 }
@@ -153,6 +190,58 @@ async fn everything_over_streamable_http_is_proxied_too() {
     assert!(tools.iter().any(|t| t.name == "echo"), "{tools:?}");
     let echo = call(&client, "echo", json!({"message": "over http"})).await;
     assert_eq!(text_of(&echo), "Echo: over http");
+}
+
+/// What the proxied server asks while it serves a call (here `sampling/createMessage`) reaches the
+/// session of the caller whose call it is, and no other; a caller whose client did not declare
+/// sampling is refused without anyone being asked; and over stdio, where nothing says which call
+/// a request belongs to, nobody is asked.
+#[tokio::test]
+async fn what_the_proxied_server_asks_during_a_call_reaches_that_callers_session_only() {
+    let port = free_port();
+    let (node, args) = everything("streamableHttp");
+    let _server = serve_http(&node, &args, port).await;
+    let target = Target::Http { url: format!("http://127.0.0.1:{port}/mcp"), headers: Vec::new() };
+    let proxy = Proxy::start("[loop_detection]\nenabled = false\n", target).await;
+    let session = |key: &str| StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()).auth_header(key);
+    let (alice_asked, carol_asked) = (Asked::default(), Asked::default());
+    let alice =
+        alice_asked.clone().serve(StreamableHttpClientTransport::from_config(session("alice-0123456789abcdef"))).await;
+    let alice = alice.expect("alice connects");
+    let carol =
+        carol_asked.clone().serve(StreamableHttpClientTransport::from_config(session("carol-0123456789abcdef"))).await;
+    let _carol = carol.expect("carol connects, and stays connected");
+    let bob = ().serve(StreamableHttpClientTransport::from_config(session("bob-0123456789abcdef"))).await;
+    let bob = bob.expect("bob connects");
+    let tools = alice.list_all_tools().await.expect("tools");
+    assert!(tools.iter().any(|t| t.name == "trigger-sampling-request"), "offered: the proxy can be asked");
+
+    let sample = |prompt: &str| {
+        CallToolRequestParams::new("trigger-sampling-request")
+            .with_arguments(json!({"prompt": prompt}).as_object().cloned().unwrap_or_default())
+    };
+    let answered = alice.call_tool(sample("alice's question")).await.expect("answered");
+    assert!(text_of(&answered).contains("sampled by the caller that asked"), "{answered:?}");
+    let asked = alice_asked.asked();
+    assert!(asked.len() == 1 && asked[0].contains("alice's question"), "alice was asked once: {asked:?}");
+    assert!(carol_asked.asked().is_empty(), "carol, who can be asked too, was not");
+
+    // Bob's client cannot be asked: the server hears a refusal, and nobody else is asked for him.
+    let refused = bob.call_tool(sample("bob's question")).await;
+    let said = format!("{refused:?}");
+    assert!(!said.contains("sampled by"), "{said}");
+    assert!(said.contains("did not declare"), "the reason reaches him: {said}");
+    assert_eq!((alice_asked.asked().len(), carol_asked.asked().len()), (1, 0), "nobody answered for bob");
+
+    // Over stdio nothing says which call a request is for: refused, nobody asked.
+    let proxy = Proxy::start("", command(everything("stdio"))).await;
+    let config = StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()).auth_header("alice-0123456789abcdef");
+    let dave_asked = Asked::default();
+    let dave = dave_asked.clone().serve(StreamableHttpClientTransport::from_config(config)).await.expect("connects");
+    let refused = dave.call_tool(sample("dave's question")).await;
+    let said = format!("{refused:?}");
+    assert!(!said.contains("sampled by") && said.contains("cannot tell whose it is"), "{said}");
+    assert!(dave_asked.asked().is_empty(), "{:?}", dave_asked.asked());
 }
 
 #[tokio::test]
