@@ -44,8 +44,8 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use rmcp::ErrorData;
 use rmcp::model::{
-    CallToolRequest, CallToolRequestParams, CallToolResponse, ClientRequest, ProgressToken, ProtocolVersion,
-    RequestMetaObject, ServerResult, Tool,
+    CallToolRequest, CallToolRequestParams, CallToolResponse, ClientRequest, CreateTaskResult, GetTaskParams,
+    GetTaskRequest, ProgressToken, ProtocolVersion, RequestMetaObject, ServerResult, Task, TaskPayload, Tool,
 };
 use rmcp::service::{PeerRequestOptions, ServiceError};
 use tokio_util::sync::CancellationToken;
@@ -57,7 +57,7 @@ pub use server::ProxyServer;
 use crate::breaker::Breaker;
 use crate::clock::{NANOS_PER_MS, Nanos, SharedClock};
 use crate::config::Config;
-use crate::guard::{Admitted, Refusal, Used, Worked};
+use crate::guard::{Admission, Admitted, Refusal, Used, Worked};
 use crate::identity::Caller;
 use crate::mcp::limited::ToolAnswer;
 use crate::rate_limits::RateLimits;
@@ -65,7 +65,7 @@ use crate::state::Behind;
 use crate::upstream::adaptive::AdaptiveLimit;
 use crate::upstream::classes::JobClasses;
 use crate::upstream::jobs::Owner;
-use crate::upstream::queue::{FairQueue, Occupancy, QueueFull, QueueRules, Reservation};
+use crate::upstream::queue::{AccountSlot, FairQueue, Occupancy, QueueFull, QueueRules, Reservation};
 
 /// The proxied server and what protects it, shared by every downstream session.
 pub struct Proxied {
@@ -287,12 +287,22 @@ impl Proxied {
     /// answered. (Shared with identical calls, it is the asker's: its progress goes to the asker's
     /// session.)
     async fn work(self: Arc<Self>, admitted: Admitted<Reservation>, outgoing: Outgoing) -> Worked<ToolAnswer> {
+        let meta = outgoing.meta.clone();
         match self.forward(&admitted.caller, admitted.place, outgoing).await {
-            Ok(CallToolResponse::Complete(done)) => {
+            // A task holds its place to the proxied server, its caller's slots and its price
+            // until it is final, not until its handle came back.
+            Ok(Forwarded::Task(task, slot)) => {
+                if let Some(admission) = admitted.admission.take() {
+                    let held = Held { task: task.task.clone(), admission, slot, meta };
+                    tokio::spawn(self.clone().hold_until_final(held));
+                }
+                Worked::Answer(Ok(CallToolResponse::Task(task)))
+            }
+            Ok(Forwarded::Answer(CallToolResponse::Complete(done))) => {
                 let done = crate::mcp::results::without_ours(server::Complete::complete(done));
                 Worked::Answer(Ok(CallToolResponse::Complete(done)))
             }
-            Ok(other) => Worked::Answer(Ok(other)),
+            Ok(Forwarded::Answer(other)) => Worked::Answer(Ok(other)),
             Err(Unanswered::Error(error)) => Worked::Answer(Err(error)),
             // Sent, and no answer: work may have been done, and the reservation stands.
             Err(Unanswered::Unavailable(refusal)) => Worked::Refused(refusal, Used::Unreported),
@@ -307,12 +317,7 @@ impl Proxied {
     /// Cancel-safe: dropped anywhere — its caller cancelled — the call leaves the line at once
     /// ([`Turn`](crate::upstream::queue::Turn)), gives back any slot it held, and the proxied
     /// server is told to stop a call already sent.
-    async fn forward(
-        &self,
-        caller: &Caller,
-        place: Reservation,
-        outgoing: Outgoing,
-    ) -> Result<CallToolResponse, Unanswered> {
+    async fn forward(&self, caller: &Caller, place: Reservation, outgoing: Outgoing) -> Result<Forwarded, Unanswered> {
         let Outgoing { request, meta, progress, asker } = outgoing;
         let tool = request.name.to_string();
         // On the server's one clock, like every other wait: a test walks past it.
@@ -400,9 +405,11 @@ impl Proxied {
             Some(Ok(result)) => {
                 self.breaker.record(permit, true, now);
                 match result {
-                    ServerResult::CallToolResult(done) => Ok(CallToolResponse::Complete(done)),
-                    ServerResult::CreateTaskResult(task) => Ok(CallToolResponse::Task(task)),
-                    ServerResult::InputRequiredResult(input) => Ok(CallToolResponse::InputRequired(input)),
+                    ServerResult::CallToolResult(done) => Ok(Forwarded::Answer(CallToolResponse::Complete(done))),
+                    ServerResult::CreateTaskResult(task) => Ok(Forwarded::Task(task, slot)),
+                    ServerResult::InputRequiredResult(input) => {
+                        Ok(Forwarded::Answer(CallToolResponse::InputRequired(input)))
+                    }
                     _ => Err(Unanswered::Error(ErrorData::internal_error(
                         "the proxied server answered tools/call with another kind of result",
                         None,
@@ -421,6 +428,72 @@ impl Proxied {
                 let detail = crate::redact::url(&error.to_string());
                 Err(Unanswered::Unavailable(unavailable(&tool, &detail, wait)))
             }
+        }
+    }
+}
+
+/// What a sent call came back with: an answer, or a task that keeps the call's place to the
+/// proxied server until it is final.
+enum Forwarded {
+    Answer(CallToolResponse),
+    Task(CreateTaskResult, AccountSlot),
+}
+
+/// What a task created through the proxy holds until it is final: its place among
+/// `proxy.max_in_flight`, its caller's admission (in-flight slots, the reserved price), and the
+/// caller's `_meta` its `tasks/get` goes with (the tasks extension it declared).
+struct Held {
+    task: Task,
+    admission: Admission,
+    slot: AccountSlot,
+    meta: RequestMetaObject,
+}
+
+/// How often a task is asked after when it does not say (`pollInterval`), and the least.
+const TASK_POLL: Nanos = crate::clock::NANOS_PER_SEC;
+const TASK_POLL_AT_LEAST: Nanos = 100 * NANOS_PER_MS;
+
+impl Proxied {
+    /// Keeps what `held` holds until its task is final — completed, failed or cancelled, as the
+    /// proxied server says when asked (`tasks/get`, at the task's `pollInterval`), or past its
+    /// `ttl` (a day at most), or unknown to the server — then settles its price: to the
+    /// `_meta.usage.units` a completed result reports where the tool settles by usage, else as
+    /// reserved.
+    async fn hold_until_final(self: Arc<Self>, held: Held) {
+        let Held { task, mut admission, slot, meta } = held;
+        let every =
+            task.poll_interval_ms.map_or(TASK_POLL, |ms| ms.saturating_mul(NANOS_PER_MS)).max(TASK_POLL_AT_LEAST);
+        let ttl = task.ttl_ms.map_or(tasks::LONGEST, |ms| ms.saturating_mul(NANOS_PER_MS)).min(tasks::LONGEST);
+        let until = self.clock.now().saturating_add(ttl);
+        let used = loop {
+            self.clock.sleep_until(self.clock.now().saturating_add(every).min(until)).await;
+            if self.clock.now() >= until {
+                break Used::Unreported;
+            }
+            let Some(peer) = self.link.peer() else { continue };
+            let request = ClientRequest::GetTaskRequest(GetTaskRequest::new(GetTaskParams::new(task.task_id.clone())));
+            let mut options = PeerRequestOptions::no_options();
+            options.meta = Some(self.upstream_meta(meta.clone()));
+            let asked = async { peer.send_request_with_option(request, options).await?.await_response().await };
+            match tokio::time::timeout(link::ANSWER_WITHIN, asked).await {
+                Ok(Ok(ServerResult::GetTaskResult(got))) => match got.task.payload {
+                    TaskPayload::Working | TaskPayload::InputRequired { .. } => {}
+                    TaskPayload::Completed { result } => {
+                        let result = serde_json::from_value::<rmcp::model::CallToolResult>(result.into()).ok();
+                        let units = result.as_ref().and_then(crate::mcp::results::usage_in_meta);
+                        break units.map_or(Used::Unreported, Used::Reported);
+                    }
+                    _ => break Used::Unreported,
+                },
+                // It no longer knows the task: it is over, whatever it came to.
+                Ok(Err(ServiceError::McpError(_))) => break Used::Unreported,
+                // Not reached, or no answer in time: asked again at the next turn.
+                Ok(Ok(_) | Err(_)) | Err(_) => {}
+            }
+        };
+        drop(slot);
+        if let Some(reservation) = admission.reserved() {
+            reservation.settle_behind(used).await;
         }
     }
 }

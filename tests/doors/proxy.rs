@@ -1164,11 +1164,14 @@ async fn a_proxied_call_never_sent_is_charged_nothing_though_its_tool_settles_at
 
 /// A small MCP server of the test's own (rmcp over streamable HTTP) that answers `research` with a
 /// SEP-2663 task for a caller that speaks tasks, and answers `tasks/get` and `tasks/cancel` for
-/// any id anyone names, as a server that trusts its one client (the proxy) would.
+/// any id anyone names, as a server that trusts its one client (the proxy) would. While `working`
+/// is set, every task it is asked about is still working.
 #[derive(Clone, Default)]
 struct Tasker {
     topics: Arc<std::sync::Mutex<std::collections::HashMap<String, String>>>,
     cancelled: Arc<std::sync::Mutex<Vec<String>>>,
+    working: Arc<std::sync::atomic::AtomicBool>,
+    asked: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl rmcp::ServerHandler for Tasker {
@@ -1213,6 +1216,15 @@ impl rmcp::ServerHandler for Tasker {
     ) -> Result<rmcp::model::GetTaskResult, rmcp::ErrorData> {
         let unknown = || rmcp::ErrorData::invalid_params(format!("no task {}", request.task_id), None);
         let topic = self.topics.lock().unwrap().get(&request.task_id).cloned().ok_or_else(unknown)?;
+        self.asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if self.working.load(std::sync::atomic::Ordering::SeqCst) {
+            let now = "2026-12-03T00:00:01Z";
+            let task = rmcp::model::Task::new(request.task_id, rmcp::model::TaskStatus::Working, now, now);
+            return Ok(rmcp::model::GetTaskResult::new(rmcp::model::DetailedTask::new(
+                task,
+                rmcp::model::TaskPayload::Working,
+            )));
+        }
         let Value::Object(result) = json!({"content": [{"type": "text", "text": format!("findings on {topic}")}]})
         else {
             unreachable!("an object")
@@ -1329,6 +1341,60 @@ async fn a_task_through_the_proxy_is_its_callers_and_unknown_to_any_other() {
     assert_eq!(result["content"][0]["text"], "findings on \"acme's merger\"", "{result:?}");
     alice.cancel_task(rmcp::model::CancelTaskParams::new(id.clone())).await.expect("alice cancels her own");
     assert_eq!(*upstream.cancelled.lock().unwrap(), vec![id]);
+}
+
+/// A call of a `holds_slot` tool the proxied server answers with a task keeps its caller's slot
+/// (and its place to the proxied server) until the task is final — the proxy asks the server at
+/// the task's poll interval — not until its handle came back.
+#[tokio::test]
+async fn a_proxied_task_holds_its_slot_until_it_is_final_not_until_its_handle_returns() {
+    let upstream = Tasker::default();
+    upstream.working.store(true, std::sync::atomic::Ordering::SeqCst);
+    let target = Target::Http { url: serve_in_test(upstream.clone()).await, headers: Vec::new() };
+    let toml = "[tools.research]\ncost = 1\nholds_slot = true\n[limits.in_flight]\ncaller = 1\n\
+                [loop_detection]\nenabled = false\n";
+    let proxy = Proxy::start(toml, target).await;
+    let alice = {
+        use rmcp::{ClientLifecycleMode, ClientServiceExt};
+        let config =
+            StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()).auth_header("alice-tasks-0123456789");
+        let preferred_versions = vec![rmcp::model::ProtocolVersion::V_2026_07_28];
+        SpeaksTasks
+            .serve_with_lifecycle(
+                StreamableHttpClientTransport::from_config(config),
+                ClientLifecycleMode::Discover { preferred_versions },
+            )
+            .await
+            .expect("alice connects")
+    };
+    let research = |topic: &str| {
+        let args = json!({"topic": topic}).as_object().cloned().unwrap_or_default();
+        alice.call_tool_once(CallToolRequestParams::new("research").with_arguments(args))
+    };
+    let busy = |answer: &Result<rmcp::model::CallToolResponse, ServiceError>| match answer {
+        Ok(rmcp::model::CallToolResponse::Complete(done)) => code_of(done) == Some("busy"),
+        _ => false,
+    };
+    let first = research("one").await;
+    assert!(matches!(first, Ok(rmcp::model::CallToolResponse::Task(_))), "a task: {first:?}");
+    let second = research("two").await;
+    assert!(busy(&second), "the task holds the one slot: {second:?}");
+    // A second later the proxy asks after the task: still working, still holding.
+    let asked = upstream.asked.load(std::sync::atomic::Ordering::SeqCst);
+    proxy.clock.advance(Duration::from_secs(1));
+    eventually("the proxy asks after the task", || async {
+        upstream.asked.load(std::sync::atomic::Ordering::SeqCst) > asked
+    })
+    .await;
+    let third = research("three").await;
+    assert!(busy(&third), "still working, still held: {third:?}");
+    // Final: the next time it asks, the slot comes back.
+    upstream.working.store(false, std::sync::atomic::Ordering::SeqCst);
+    proxy.clock.advance(Duration::from_secs(1));
+    eventually_some("the slot comes back once the task is final", Duration::from_secs(10), || async {
+        matches!(research("four").await, Ok(rmcp::model::CallToolResponse::Task(_))).then_some(())
+    })
+    .await;
 }
 
 /// A client that keeps the log messages it hears: their text.
