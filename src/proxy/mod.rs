@@ -288,16 +288,19 @@ impl Proxied {
     /// session.)
     async fn work(self: Arc<Self>, admitted: Admitted<Reservation>, outgoing: Outgoing) -> Worked<ToolAnswer> {
         let meta = outgoing.meta.clone();
+        let holds_slot = self.limits.guard().policy().holds_slot(&outgoing.request.name);
         match self.forward(&admitted.caller, admitted.place, outgoing).await {
-            // A task holds its place to the proxied server, its caller's slots and its price
-            // until it is final, not until its handle came back.
-            Ok(Forwarded::Task(task, slot)) => {
+            // A task of a `holds_slot` tool holds its place to the proxied server, its caller's
+            // slots and its price until it is final, not until its handle came back. (Only those:
+            // the in-flight caps bound how many places one caller's tasks can hold.)
+            Ok(Forwarded::Task(task, slot)) if holds_slot => {
                 if let Some(admission) = admitted.admission.take() {
                     let held = Held { task: task.task.clone(), admission, slot, meta };
                     tokio::spawn(self.clone().hold_until_final(held));
                 }
                 Worked::Answer(Ok(CallToolResponse::Task(task)))
             }
+            Ok(Forwarded::Task(task, _slot)) => Worked::Answer(Ok(CallToolResponse::Task(task))),
             Ok(Forwarded::Answer(CallToolResponse::Complete(done))) => {
                 let done = crate::mcp::results::without_ours(server::Complete::complete(done));
                 Worked::Answer(Ok(CallToolResponse::Complete(done)))

@@ -232,9 +232,9 @@ impl Downstream {
     /// server is asked to send at with each request, having no level of its own.
     #[allow(deprecated)] // Logging is legacy in 2026-07-28, and still what servers send.
     pub fn wanted_level(&self) -> Option<LoggingLevel> {
-        let mut state = self.state();
-        state.prune();
-        state.levels.values().copied().min_by_key(|l| severity(*l))
+        // Asked with every call: the levels only (a session that left took its level with it),
+        // not a walk of every session.
+        self.state().levels.values().copied().min_by_key(|l| severity(*l))
     }
 
     /// The sessions to tell, pruned of those whose transport has closed.

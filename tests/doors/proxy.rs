@@ -1395,6 +1395,36 @@ async fn a_proxied_task_holds_its_slot_until_it_is_final_not_until_its_handle_re
         matches!(research("four").await, Ok(rmcp::model::CallToolResponse::Task(_))).then_some(())
     })
     .await;
+
+    // A tool that does not hold a slot gives its place to the proxied server back with the handle:
+    // with one place, task after task is answered at once, none waiting for another to be final.
+    let key = "bob-tasks-0123456789";
+    let toml = format!(
+        "[tools.research]\ncost = 1\n[proxy]\nmax_in_flight = 1\n[loop_detection]\nenabled = false\n\
+         [auth]\nkeys = [{{ sha256 = \"{}\" }}]\n",
+        sha256_hex(key)
+    );
+    let target = Target::Http { url: serve_in_test(upstream.clone()).await, headers: Vec::new() };
+    upstream.working.store(true, std::sync::atomic::Ordering::SeqCst);
+    let proxy = Proxy::start(&toml, target).await;
+    let bob = {
+        use rmcp::{ClientLifecycleMode, ClientServiceExt};
+        let config = StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()).auth_header(key);
+        let preferred_versions = vec![rmcp::model::ProtocolVersion::V_2026_07_28];
+        SpeaksTasks
+            .serve_with_lifecycle(
+                StreamableHttpClientTransport::from_config(config),
+                ClientLifecycleMode::Discover { preferred_versions },
+            )
+            .await
+            .expect("bob connects")
+    };
+    for topic in ["five", "six", "seven"] {
+        let args = json!({"topic": topic}).as_object().cloned().unwrap_or_default();
+        let asked = bob.call_tool_once(CallToolRequestParams::new("research").with_arguments(args));
+        let answered = tokio::time::timeout(Duration::from_secs(10), asked).await;
+        assert!(matches!(answered, Ok(Ok(rmcp::model::CallToolResponse::Task(_)))), "{topic}: {answered:?}");
+    }
 }
 
 /// A client that keeps the log messages it hears: their text.
