@@ -59,7 +59,11 @@ fuzz_target!(|data: &[u8]| {
     let tool = &world.tools[usize::from(pick) % world.tools.len()];
     let Ok(serde_json::Value::Object(args)) = serde_json::from_slice::<serde_json::Value>(json) else { return };
     let caller = Caller::from_token(&format!("fuzz-{}", pick % 4));
-    let call = Call { tool, caller: &caller, args: &args, cancelled: Default::default() };
+    let mut call = Call::new(tool, &caller, &args);
+    // Half the inputs claim to resume a round nobody was given: charged as a call of their own.
+    if pick & 0x80 != 0 {
+        call.resumes = Some("a made-up request state");
+    }
     world.runtime.block_on(async {
         match world.guard.call(&Tools, None, call, |_, _| std::future::ready(Worked::Answer(()))).await {
             Called::Refused(refusal) if refusal.code.as_str() == "invalid_arguments" => {}

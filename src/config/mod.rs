@@ -26,7 +26,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 pub use mcp_ratelimit_core::config::*;
-pub use proxy::{ProxyConfig, UpstreamProtocol};
+pub use proxy::{ProxyConfig, UpstreamProtocol, UpstreamSessions};
 pub use server::{AdminConfig, ServerConfig};
 pub use upstream::{AdaptiveConfig, MockUpstreamConfig, UpstreamConfig};
 

@@ -41,6 +41,27 @@ pub struct ProxyConfig {
     pub adaptive: AdaptiveConfig,
     /// The protocol version the proxy's own client speaks to the proxied server.
     pub upstream_protocol: UpstreamProtocol,
+    /// Whose calls share one session to the proxied server (one child, for a command).
+    pub upstream_sessions: UpstreamSessions,
+    /// The most sessions to the proxied server (children, for a command) open at once for
+    /// `tenant` or `session` scopes, besides the first one the proxy keeps.
+    pub max_children: usize,
+    /// A scope's session to the proxied server with no call and no downstream session for this
+    /// long is closed (its child stopped).
+    pub upstream_idle_seconds: u64,
+}
+
+/// `proxy.upstream_sessions`: which callers share one session to the proxied server (one child
+/// process, for a command) — and with it whatever state the server keeps in a session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UpstreamSessions {
+    /// Every caller shares one session.
+    Shared,
+    /// The callers of one tenant share one (an unverified caller: those of its address).
+    Tenant,
+    /// Each downstream session has its own (a 2026-07-28 caller, which has none: each caller).
+    Session,
 }
 
 /// `proxy.upstream_protocol`: which MCP version the proxy's own client speaks to the proxied
@@ -73,6 +94,9 @@ impl std::fmt::Debug for ProxyConfig {
             .field("timeout_ms", &self.timeout_ms)
             .field("adaptive", &self.adaptive)
             .field("upstream_protocol", &self.upstream_protocol)
+            .field("upstream_sessions", &self.upstream_sessions)
+            .field("max_children", &self.max_children)
+            .field("upstream_idle_seconds", &self.upstream_idle_seconds)
             .finish()
     }
 }
@@ -148,6 +172,12 @@ impl ProxyConfig {
         self.adaptive.validate("proxy.adaptive", self.max_in_flight)?;
         if self.timeout_ms == 0 {
             return Err(invalid("proxy.timeout_ms", "a call needs some time to be answered (at least 1)"));
+        }
+        if self.max_children == 0 {
+            return Err(invalid("proxy.max_children", "at least one scope must be able to reach the proxied server"));
+        }
+        if !(1..=86_400).contains(&self.upstream_idle_seconds) {
+            return Err(invalid("proxy.upstream_idle_seconds", "from 1 second to a day (86400)"));
         }
         Ok(())
     }

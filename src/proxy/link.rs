@@ -3,7 +3,7 @@
 //! restarted — with backoff whenever it ends, the breaker open meanwhile so callers are told at
 //! once how long to wait instead of waiting on a dead server.
 //!
-//! Every downstream session shares this one upstream session (see [`super`] for why).
+//! Which downstream sessions share one of these is [`super::scopes`]' to say.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsString;

@@ -16,9 +16,10 @@
 //!    a turn is bounded by it too, separately), never retried: its result, `isError` or not, and
 //!    its JSON-RPC errors pass through unchanged.
 //!
-//! **Sessions.** All downstream sessions share one MCP session to the proxied server (one child
-//! process for a command). A caller opening many sessions therefore opens nothing upstream, and the
-//! proxied server sees one client: the proxy. Notifications are routed back ([`relay`]): progress
+//! **Sessions.** Whose calls share one MCP session to the proxied server (one child process for a
+//! command) is `proxy.upstream_sessions` ([`scopes`]): each tenant its own by default, so no tenant
+//! reads what another left in a stateful server; opening one is charged, and they are capped and
+//! closed when idle. Notifications are routed back ([`relay`]) among a session's callers: progress
 //! to the session that made the call, resource updates to the sessions that subscribed, log
 //! messages to the sessions that set a level (each at its own), list changes to all. A session's
 //! `logging/setLevel` is its own; the shared session's level is the most verbose any asked for.
@@ -34,6 +35,7 @@
 
 pub mod link;
 pub mod relay;
+pub mod scopes;
 mod server;
 pub mod tasks;
 
@@ -45,13 +47,14 @@ use arc_swap::ArcSwap;
 use rmcp::ErrorData;
 use rmcp::model::{
     CallToolRequest, CallToolRequestParams, CallToolResponse, ClientRequest, CreateTaskResult, GetTaskParams,
-    GetTaskRequest, ProgressToken, ProtocolVersion, RequestMetaObject, ServerResult, Task, TaskPayload, Tool,
+    GetTaskRequest, ProgressToken, RequestMetaObject, ServerResult, Task, TaskPayload, Tool,
 };
 use rmcp::service::{PeerRequestOptions, ServiceError};
 use tokio_util::sync::CancellationToken;
 
 pub use link::{ChildEnv, Link, LinkError, Target};
 pub use relay::{Downstream, Relay};
+pub use scopes::{Scopes, Upstream};
 pub use server::ProxyServer;
 
 use crate::breaker::Breaker;
@@ -69,8 +72,8 @@ use crate::upstream::queue::{AccountSlot, FairQueue, Occupancy, QueueFull, Queue
 
 /// The proxied server and what protects it, shared by every downstream session.
 pub struct Proxied {
-    link: Arc<Link>,
-    downstream: Arc<Downstream>,
+    /// The sessions to it: the proxy's own, and one per scope (`proxy.upstream_sessions`).
+    scopes: Arc<Scopes>,
     /// Its tools as it last listed them (unpriced).
     tools: ArcSwap<Vec<Tool>>,
     breaker: Arc<Breaker>,
@@ -88,7 +91,7 @@ pub struct Proxied {
 
 impl std::fmt::Debug for Proxied {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Proxied").field("link", &self.link).field("tools", &self.tools.load().len()).finish()
+        f.debug_struct("Proxied").field("scopes", &self.scopes).field("tools", &self.tools.load().len()).finish()
     }
 }
 
@@ -140,15 +143,8 @@ impl Proxied {
         let up = &config.upstream;
         let ms = |n: u64| n.saturating_mul(NANOS_PER_MS);
         let breaker = Arc::new(Breaker::new(up.breaker_failures, ms(up.breaker_cooldown_ms)));
-        let downstream = Arc::new(Downstream::default());
-        let relay = Relay::new(downstream.clone());
-        let changed = downstream.clone();
         let max_in_flight = config.proxy.max_in_flight;
-        let link =
-            Link::start(target, &config.proxy, relay, breaker.clone(), clock.clone(), stop.child_token(), move || {
-                changed.tools_changed.notify_one();
-            })
-            .await?;
+        let scopes = Scopes::start(target, &config.proxy, breaker.clone(), clock.clone(), stop.child_token()).await?;
         // Its calls are all alike: one class, neither spaced nor counted apart.
         let rules = QueueRules::new(max_in_flight, up.queue_max, JobClasses::one("call"))
             .unverified_share(up.unverified_share_of(max_in_flight), up.unverified_places());
@@ -159,8 +155,7 @@ impl Proxied {
         );
         tokio::spawn(queue.clone().dispatch(stop.child_token()));
         let proxied = Arc::new(Self {
-            link,
-            downstream,
+            scopes,
             tools: ArcSwap::from_pointee(Vec::new()),
             breaker,
             queue,
@@ -174,41 +169,26 @@ impl Proxied {
         // Without its tools there is nothing to serve: a server that cannot list them is a
         // start-up error, as one that cannot be reached is.
         proxied.learn_tools().await.map_err(|reason| LinkError::Handshake {
-            target: proxied.link.target().to_string(),
+            target: proxied.link().target().to_string(),
             reason: format!("it did not list its tools: {reason}"),
         })?;
         tokio::spawn(proxied.clone().learn_tools_when_changed(stop));
         Ok(proxied)
     }
 
-    /// The session to the proxied server.
+    /// The proxy's own session to the proxied server (the one `shared` serves every caller on).
     pub fn link(&self) -> &Link {
-        &self.link
+        self.scopes.shared().link()
+    }
+
+    /// The sessions to the proxied server.
+    pub fn scopes(&self) -> &Arc<Scopes> {
+        &self.scopes
     }
 
     /// Its tools as it last listed them, without prices.
     pub fn tools(&self) -> Arc<Vec<Tool>> {
         self.tools.load_full()
-    }
-
-    /// Whether it speaks 2026-07-28 to the proxy: no session, each request self-contained.
-    fn stateless(&self) -> bool {
-        self.link.info().is_some_and(|info| info.protocol_version >= ProtocolVersion::V_2026_07_28)
-    }
-
-    /// What the proxied server gets of a caller's request `_meta` ([`for_upstream`]); and where it
-    /// speaks 2026-07-28, which has no `logging/setLevel`, the level its log messages are wanted at:
-    /// the most verbose any live session asked for, as the one level of a 2025-11-25 session would
-    /// be (each session then hears what meets its own level, [`relay`]).
-    fn upstream_meta(&self, meta: RequestMetaObject) -> RequestMetaObject {
-        let mut meta = for_upstream(meta);
-        if self.stateless()
-            && let Some(level) = self.downstream.wanted_level()
-            && let Ok(level) = serde_json::to_value(level)
-        {
-            meta.0.insert(LOG_LEVEL.to_owned(), level);
-        }
-        meta
     }
 
     /// Whether it lists `name`.
@@ -219,13 +199,15 @@ impl Proxied {
     async fn learn_tools_when_changed(self: Arc<Self>, stop: CancellationToken) {
         loop {
             tokio::select! {
-                () = self.downstream.tools_changed.notified() => {}
+                () = self.scopes.tools_changed().notified() => {}
                 () = stop.cancelled() => return,
             }
             if let Err(reason) = self.learn_tools().await {
                 tracing::warn!(%reason, "the proxied server did not list its tools; keeping the last list");
             }
-            self.downstream.tools_list_changed().await;
+            for upstream in self.scopes.all() {
+                upstream.downstream().tools_list_changed().await;
+            }
         }
     }
 
@@ -234,7 +216,7 @@ impl Proxied {
     /// metrics and dashboard rows of every tool it no longer lists, and warns of each
     /// `[tools.NAME]` it does not list; on an error the last list stays.
     async fn learn_tools(&self) -> Result<(), String> {
-        let peer = self.link.peer().ok_or("it is not connected")?;
+        let peer = self.link().peer().ok_or("it is not connected")?;
         let tools = match tokio::time::timeout(link::ANSWER_WITHIN, list_tools(&peer)).await {
             Ok(Ok(tools)) => offered(tools),
             Ok(Err(error)) => return Err(crate::redact::url(&error.to_string())),
@@ -287,7 +269,7 @@ impl Proxied {
     /// answered. (Shared with identical calls, it is the asker's: its progress goes to the asker's
     /// session.)
     async fn work(self: Arc<Self>, admitted: Admitted<Reservation>, outgoing: Outgoing) -> Worked<ToolAnswer> {
-        let meta = outgoing.meta.clone();
+        let (meta, upstream) = (outgoing.meta.clone(), outgoing.upstream.clone());
         let holds_slot = self.limits.guard().policy().holds_slot(&outgoing.request.name);
         match self.forward(&admitted.caller, admitted.place, outgoing).await {
             // A task of a `holds_slot` tool holds its place to the proxied server, its caller's
@@ -295,7 +277,7 @@ impl Proxied {
             // the in-flight caps bound how many places one caller's tasks can hold.)
             Ok(Forwarded::Task(task, slot)) if holds_slot => {
                 if let Some(admission) = admitted.admission.take() {
-                    let held = Held { task: task.task.clone(), admission, slot, meta };
+                    let held = Held { task: task.task.clone(), admission, slot, meta, upstream };
                     tokio::spawn(self.clone().hold_until_final(held));
                 }
                 Worked::Answer(Ok(CallToolResponse::Task(task)))
@@ -321,7 +303,9 @@ impl Proxied {
     /// ([`Turn`](crate::upstream::queue::Turn)), gives back any slot it held, and the proxied
     /// server is told to stop a call already sent.
     async fn forward(&self, caller: &Caller, place: Reservation, outgoing: Outgoing) -> Result<Forwarded, Unanswered> {
-        let Outgoing { request, meta, progress, asker } = outgoing;
+        let Outgoing { request, meta, progress, asker, upstream } = outgoing;
+        // Its session stays open while it is in flight (a 2026-07-28 caller's has no other hold).
+        let _in_flight = upstream.hold(&self.clock);
         let tool = request.name.to_string();
         // On the server's one clock, like every other wait: a test walks past it.
         let timeout = u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX);
@@ -353,19 +337,20 @@ impl Proxied {
             .breaker
             .permit(now)
             .map_err(|open| Unanswered::NotSent(unavailable(&tool, "the circuit breaker is open", open.retry_after)))?;
-        let Some(peer) = self.link.peer() else {
+        let Some(peer) = upstream.link().peer() else {
             self.breaker.record(permit, false, now);
             let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
             return Err(Unanswered::NotSent(unavailable(&tool, "it is restarting", wait)));
         };
         let request = ClientRequest::CallToolRequest(CallToolRequest::new(request));
         let mut options = PeerRequestOptions::no_options();
-        options.meta = Some(self.upstream_meta(meta));
+        options.meta = Some(upstream.upstream_meta(meta));
         let answer = async {
             let handle = peer.send_cancellable_request(request, options).await?;
-            let _route = progress
-                .map(|(session, token)| self.downstream.route_progress(handle.progress_token.clone(), session, token));
-            let (_asks_route, mut asks) = self.downstream.route_asks(handle.id.clone());
+            let _route = progress.map(|(session, token)| {
+                upstream.downstream().route_progress(handle.progress_token.clone(), session, token)
+            });
+            let (_asks_route, mut asks) = upstream.downstream().route_asks(handle.id.clone());
             let id = handle.id.clone();
             // Dropped before the answer (the caller cancelled, or the timeout): the proxied
             // server is told to stop.
@@ -450,6 +435,8 @@ struct Held {
     admission: Admission,
     slot: AccountSlot,
     meta: RequestMetaObject,
+    /// The session it was made on, kept open meanwhile.
+    upstream: Arc<Upstream>,
 }
 
 /// How often a task is asked after when it does not say (`pollInterval`), and the least.
@@ -463,7 +450,8 @@ impl Proxied {
     /// `_meta.usage.units` a completed result reports where the tool settles by usage, else as
     /// reserved.
     async fn hold_until_final(self: Arc<Self>, held: Held) {
-        let Held { task, mut admission, slot, meta } = held;
+        let Held { task, mut admission, slot, meta, upstream } = held;
+        let _open = upstream.hold(&self.clock);
         let every =
             task.poll_interval_ms.map_or(TASK_POLL, |ms| ms.saturating_mul(NANOS_PER_MS)).max(TASK_POLL_AT_LEAST);
         let ttl = task.ttl_ms.map_or(tasks::LONGEST, |ms| ms.saturating_mul(NANOS_PER_MS)).min(tasks::LONGEST);
@@ -473,10 +461,10 @@ impl Proxied {
             if self.clock.now() >= until {
                 break Used::Unreported;
             }
-            let Some(peer) = self.link.peer() else { continue };
+            let Some(peer) = upstream.link().peer() else { continue };
             let request = ClientRequest::GetTaskRequest(GetTaskRequest::new(GetTaskParams::new(task.task_id.clone())));
             let mut options = PeerRequestOptions::no_options();
-            options.meta = Some(self.upstream_meta(meta.clone()));
+            options.meta = Some(upstream.upstream_meta(meta.clone()));
             let asked = async { peer.send_request_with_option(request, options).await?.await_response().await };
             match tokio::time::timeout(link::ANSWER_WITHIN, asked).await {
                 Ok(Ok(ServerResult::GetTaskResult(got))) => match got.task.payload {
@@ -509,6 +497,8 @@ pub(crate) struct Outgoing {
     pub(crate) meta: RequestMetaObject,
     pub(crate) progress: Option<(u64, ProgressToken)>,
     pub(crate) asker: Asker,
+    /// The session to the proxied server it goes on (its caller's scope's).
+    pub(crate) upstream: Arc<Upstream>,
 }
 
 /// The caller of a call, as the proxied server's requests reach it: its session (or stateless
@@ -612,7 +602,7 @@ fn for_upstream(mut meta: RequestMetaObject) -> RequestMetaObject {
 }
 
 /// The request `_meta` key of 2026-07-28 that says which log messages the request wants.
-const LOG_LEVEL: &str = "io.modelcontextprotocol/logLevel";
+pub(crate) const LOG_LEVEL: &str = "io.modelcontextprotocol/logLevel";
 
 /// The request `_meta` keys of 2026-07-28 that describe the caller's connection, not its call.
 const CALLERS_CONNECTION: [&str; 3] =

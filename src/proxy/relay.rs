@@ -44,14 +44,15 @@ use rmcp::service::{InboundStreamOrigin, NotificationContext, Peer, RequestConte
 use rmcp::{ClientHandler, ErrorData, RoleClient, RoleServer};
 use tokio::sync::{Notify, mpsc, oneshot};
 
-/// The downstream sessions, and which of them each notification is for.
-#[derive(Default)]
+/// The downstream sessions of one session to the proxied server, and which of them each
+/// notification is for.
 #[allow(deprecated)] // Logging is legacy in 2026-07-28, and still what servers send.
 pub struct Downstream {
     next: AtomicU64,
     state: Mutex<State>,
-    /// Rung when the proxied server's tools changed (or it came back): the list is fetched again.
-    pub(super) tools_changed: Notify,
+    /// Rung when the proxied server's tools changed (or it came back): the list is fetched again
+    /// (one bell for every session to it).
+    tools_changed: Arc<Notify>,
     /// The level last set on the proxied server, held while a new one is set so that two
     /// sessions' `setLevel`s reach it in the order their levels were recorded.
     pub(super) upstream_level: tokio::sync::Mutex<Option<LoggingLevel>>,
@@ -146,6 +147,16 @@ impl std::fmt::Debug for Downstream {
 }
 
 impl Downstream {
+    /// No sessions yet; `tools_changed` rung when the proxied server says its tools changed.
+    pub fn new(tools_changed: Arc<Notify>) -> Self {
+        Self {
+            next: AtomicU64::new(0),
+            state: Mutex::default(),
+            tools_changed,
+            upstream_level: tokio::sync::Mutex::new(None),
+        }
+    }
+
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -17,7 +17,9 @@ use rmcp::service::{NotificationContext, Peer, PeerRequestOptions, RequestContex
 use rmcp::{ErrorData, RoleClient, RoleServer, ServerHandler};
 
 use super::relay::Membership;
+use super::scopes::{self, Hold, Unopened, Upstream};
 use super::{Asker, Outgoing, Proxied};
+use crate::config::UpstreamSessions;
 use crate::guard::{MethodGroup, Refusal, Used};
 use crate::identity::Caller;
 use crate::mcp::limited::{self, Asked, ToolAnswer, ToolRules};
@@ -29,8 +31,21 @@ use crate::upstream::queue::Reservation;
 pub struct ProxyServer {
     proxied: Arc<Proxied>,
     limits: RateLimits,
+    /// Its number among the downstream sessions (its scope under `proxy.upstream_sessions =
+    /// "session"`).
+    session: u64,
+    /// The downstream session, once initialized (a 2026-07-28 request has none).
+    peer: OnceLock<Peer<RoleServer>>,
+    /// The session to the proxied server it is on, held open while it lives.
+    attached: OnceLock<(Arc<Upstream>, Hold)>,
     /// The session's place among those the proxied server's notifications go to.
     membership: OnceLock<Membership>,
+}
+
+/// A request's way to the proxied server: its scope's session, and that session's client.
+struct Asking {
+    upstream: Arc<Upstream>,
+    peer: Arc<Peer<RoleClient>>,
 }
 
 impl std::fmt::Debug for ProxyServer {
@@ -43,7 +58,45 @@ impl ProxyServer {
     /// A handler for one session, over HTTP or stdio: the caller is the one the HTTP layer named,
     /// and over stdio the local one ([`limited::caller_of`]).
     pub fn new(proxied: Arc<Proxied>, limits: RateLimits) -> Self {
-        Self { proxied, limits, membership: OnceLock::new() }
+        let session = proxied.scopes().next_session();
+        Self { proxied, limits, session, peer: OnceLock::new(), attached: OnceLock::new(), membership: OnceLock::new() }
+    }
+
+    /// The scope of `caller`'s requests in this session (`None`: the proxy's own session).
+    fn scope(&self, caller: &Caller) -> Option<String> {
+        self.proxied.scopes().scope_of(caller, self.peer.get().map(|_| self.session))
+    }
+
+    /// The session to the proxied server this request goes on: its caller's scope's, opened if
+    /// need be (`what` names what opened it). A downstream session stays on the one it first
+    /// got, which holds it open and tells it what the proxied server says on its own.
+    async fn upstream(&self, context: &RequestContext<RoleServer>, what: &str) -> Result<Arc<Upstream>, Unopened> {
+        if let Some((upstream, _)) = self.attached.get() {
+            return Ok(upstream.clone());
+        }
+        let caller = limited::caller_of(&self.limits, context).map_err(|_| {
+            Unopened::Refused(Refusal::upstream_unavailable(what, "the caller could not be named", 1_000))
+        })?;
+        let scopes = self.proxied.scopes();
+        let upstream = scopes.get(self.scope(&caller), &caller, &self.limits, what).await?;
+        self.attach(&upstream);
+        Ok(upstream)
+    }
+
+    /// Puts an initialized downstream session on `upstream` for as long as it lives.
+    fn attach(&self, upstream: &Arc<Upstream>) {
+        let Some(peer) = self.peer.get() else { return };
+        if self.attached.set((upstream.clone(), upstream.hold(&self.proxied.clock))).is_ok() {
+            let _ = self.membership.set(upstream.downstream().join(peer.clone()));
+        }
+    }
+
+    /// Why a scope's session could not be had, as a JSON-RPC error.
+    fn unopened(&self, method: &str, unopened: Unopened) -> ErrorData {
+        match unopened {
+            Unopened::Refused(refusal) => results::method_error(&refusal),
+            Unopened::Unreachable(error) => self.unavailable(method, &error.to_string()),
+        }
     }
 
     /// Charges a method other than a tool call to its per-caller limit.
@@ -53,15 +106,13 @@ impl ProxyServer {
         self.limits.guard().admit_method(&caller, group, method).await.map_err(|r| results::method_error(&r))
     }
 
-    /// Admits `method` under its per-method limit, then gives the session to the proxied server,
-    /// or the refusal a caller gets while it is down.
-    async fn ask(
-        &self,
-        context: &RequestContext<RoleServer>,
-        method: &str,
-    ) -> Result<Arc<Peer<RoleClient>>, ErrorData> {
+    /// Admits `method` under its per-method limit, then gives the session to the proxied server
+    /// (its caller's scope's), or the refusal a caller gets while it is down.
+    async fn ask(&self, context: &RequestContext<RoleServer>, method: &str) -> Result<Asking, ErrorData> {
         self.admit_method(context, method).await?;
-        self.proxied.link.peer().ok_or_else(|| self.unavailable(method, "it is restarting"))
+        let upstream = self.upstream(context, method).await.map_err(|u| self.unopened(method, u))?;
+        let peer = upstream.link().peer().ok_or_else(|| self.unavailable(method, "it is restarting"))?;
+        Ok(Asking { upstream, peer })
     }
 
     /// A passed-through request's error: the proxied server's own, unchanged; or why it could not
@@ -86,13 +137,13 @@ impl ProxyServer {
     /// (the tasks extension), which the proxy's own session to it does not.
     async fn as_caller(
         &self,
-        upstream: &Peer<RoleClient>,
+        asking: &Asking,
         request: ClientRequest,
         context: &RequestContext<RoleServer>,
     ) -> Result<ServerResult, ServiceError> {
         let mut options = PeerRequestOptions::no_options();
-        options.meta = Some(self.proxied.upstream_meta(context.meta.clone()));
-        upstream.send_request_with_option(request, options).await?.await_response().await
+        options.meta = Some(asking.upstream.upstream_meta(context.meta.clone()));
+        asking.peer.send_request_with_option(request, options).await?.await_response().await
     }
 
     /// Refuses a task the caller does not own — another caller's, or one no proxied call of ours
@@ -100,7 +151,7 @@ impl ProxyServer {
     /// not. (The method limit has counted the request already: guessing ids costs.)
     fn owned(&self, context: &RequestContext<RoleServer>, task: &str) -> Result<(), ErrorData> {
         let caller = limited::caller_of(&self.limits, context)?;
-        if self.proxied.tasks.is_owned_by(task, caller.id()) {
+        if self.proxied.tasks.is_owned_by(&scopes::task_key(self.scope(&caller).as_deref(), task), caller.id()) {
             Ok(())
         } else {
             Err(ErrorData::invalid_params(format!("unknown task: {task}"), None))
@@ -137,7 +188,8 @@ impl ToolRules for ProxyServer {
 
     fn finish(&self, caller: &Caller, _tool: &str, response: CallToolResponse, _asked: &Asked) -> ToolAnswer {
         if let CallToolResponse::Task(task) = &response {
-            self.proxied.tasks.record(&task.task.task_id, task.task.ttl_ms, caller.id());
+            let key = scopes::task_key(self.scope(caller).as_deref(), &task.task.task_id);
+            self.proxied.tasks.record(&key, task.task.ttl_ms, caller.id());
         }
         Ok(response)
     }
@@ -146,7 +198,7 @@ impl ToolRules for ProxyServer {
 #[allow(deprecated)] // Logging and resource subscriptions are legacy in 2026-07-28, and still in use.
 impl ServerHandler for ProxyServer {
     fn get_info(&self) -> ServerConfig {
-        let theirs = self.proxied.link.info();
+        let theirs = self.proxied.link().info();
         let mut capabilities = theirs.as_ref().map(|i| i.capabilities.clone()).unwrap_or_default();
         // The proxy always lists tools, and says when they change.
         let mut tools = capabilities.tools.clone().unwrap_or_default();
@@ -167,7 +219,11 @@ impl ServerHandler for ProxyServer {
     }
 
     async fn on_initialized(&self, context: NotificationContext<RoleServer>) {
-        let _ = self.membership.set(self.proxied.downstream.join(context.peer));
+        let _ = self.peer.set(context.peer);
+        // On the proxy's own session, every session hears its notifications from the start.
+        if self.proxied.scopes().mode() == UpstreamSessions::Shared {
+            self.attach(self.proxied.scopes().shared());
+        }
     }
 
     async fn ping(&self, context: RequestContext<RoleServer>) -> Result<(), ErrorData> {
@@ -194,11 +250,25 @@ impl ServerHandler for ProxyServer {
         if !self.proxied.lists(&request.name) {
             return Err(ErrorData::invalid_params(format!("unknown tool `{}`", request.name), None));
         }
+        let upstream = match self.upstream(&context, &request.name).await {
+            Ok(upstream) => upstream,
+            Err(Unopened::Refused(refusal)) => return Ok(results::tool_result(&refusal).into()),
+            Err(Unopened::Unreachable(error)) => {
+                let wait =
+                    self.proxied.breaker.open_for(self.proxied.clock.now()).unwrap_or(crate::clock::NANOS_PER_SEC);
+                let refusal = Refusal::upstream_unavailable(
+                    &request.name,
+                    &error.to_string(),
+                    wait.div_ceil(crate::clock::NANOS_PER_MS),
+                );
+                return Ok(results::tool_result(&refusal).into());
+            }
+        };
         let session = self.membership.get().map(Membership::id);
         let progress = session.zip(context.meta.get_progress_token());
         let asker = Asker { peer: context.peer.clone(), capabilities: context.client_capabilities() };
         let asked = request.clone();
-        let outgoing = Outgoing { request, meta: context.meta.clone(), progress, asker };
+        let outgoing = Outgoing { request, meta: context.meta.clone(), progress, asker, upstream };
         let proxied = self.proxied.clone();
         let work = move |admitted, _| proxied.work(admitted, outgoing);
         limited::call_tool(&self.limits, self, &asked, &context, work).await
@@ -210,7 +280,7 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, ErrorData> {
         let method = "resources/list";
-        let listed = self.ask(&context, method).await?.list_resources(request).await;
+        let listed = self.ask(&context, method).await?.peer.list_resources(request).await;
         listed.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
@@ -220,7 +290,7 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<ListResourceTemplatesResult, ErrorData> {
         let method = "resources/templates/list";
-        let listed = self.ask(&context, method).await?.list_resource_templates(request).await;
+        let listed = self.ask(&context, method).await?.peer.list_resource_templates(request).await;
         listed.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
@@ -230,7 +300,7 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, ErrorData> {
         let method = "resources/read";
-        let read = self.ask(&context, method).await?.read_resource_once(request).await;
+        let read = self.ask(&context, method).await?.peer.read_resource_once(request).await;
         read.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
@@ -240,11 +310,11 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
         let method = "resources/subscribe";
-        let upstream = self.ask(&context, method).await?;
+        let asking = self.ask(&context, method).await?;
         let session = self.membership.get().map(Membership::id);
-        // The one upstream session subscribes once, for every downstream session that asked.
-        let first = session.is_none_or(|s| self.proxied.downstream.subscribe(s, &request.uri));
-        if first { upstream.subscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
+        // The upstream session subscribes once, for every downstream session on it that asked.
+        let first = session.is_none_or(|s| asking.upstream.downstream().subscribe(s, &request.uri));
+        if first { asking.peer.subscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
     }
 
     async fn unsubscribe(
@@ -253,10 +323,10 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
         let method = "resources/unsubscribe";
-        let upstream = self.ask(&context, method).await?;
+        let asking = self.ask(&context, method).await?;
         let session = self.membership.get().map(Membership::id);
-        let last = session.is_none_or(|s| self.proxied.downstream.unsubscribe(s, &request.uri));
-        if last { upstream.unsubscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
+        let last = session.is_none_or(|s| asking.upstream.downstream().unsubscribe(s, &request.uri));
+        if last { asking.peer.unsubscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
     }
 
     async fn list_prompts(
@@ -265,7 +335,7 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<ListPromptsResult, ErrorData> {
         let method = "prompts/list";
-        let listed = self.ask(&context, method).await?.list_prompts(request).await;
+        let listed = self.ask(&context, method).await?.peer.list_prompts(request).await;
         listed.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
@@ -275,7 +345,7 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<GetPromptResponse, ErrorData> {
         let method = "prompts/get";
-        let prompt = self.ask(&context, method).await?.get_prompt_once(request).await;
+        let prompt = self.ask(&context, method).await?.peer.get_prompt_once(request).await;
         prompt.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
@@ -285,7 +355,7 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<CompleteResult, ErrorData> {
         let method = "completion/complete";
-        let completed = self.ask(&context, method).await?.complete(request).await;
+        let completed = self.ask(&context, method).await?.peer.complete(request).await;
         completed.map(Complete::complete).map_err(|e| self.passed(method, e))
     }
 
@@ -299,18 +369,18 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
         let method = "logging/setLevel";
-        let upstream = self.ask(&context, method).await?;
+        let asking = self.ask(&context, method).await?;
         let Some(session) = self.membership.get().map(Membership::id) else { return Ok(()) };
-        let downstream = &self.proxied.downstream;
+        let downstream = asking.upstream.downstream();
         let mut set = downstream.upstream_level.lock().await;
         let wanted = downstream.set_level(session, request.level);
         // A 2026-07-28 server has no level to set: each request says its own (`upstream_meta`).
-        if self.proxied.stateless() {
+        if asking.upstream.stateless() {
             return Ok(());
         }
         if *set != Some(wanted) {
             // Within the time a listing of tools has: the lock is held meanwhile.
-            let setting = upstream.set_level(SetLevelRequestParams::new(wanted));
+            let setting = asking.peer.set_level(SetLevelRequestParams::new(wanted));
             match tokio::time::timeout(super::link::ANSWER_WITHIN, setting).await {
                 Ok(done) => done.map_err(|e| self.passed(method, e))?,
                 Err(_) => return Err(self.unavailable(method, "it did not answer in time")),
@@ -327,10 +397,10 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<GetTaskResult, ErrorData> {
         let method = "tasks/get";
-        let upstream = self.ask(&context, method).await?;
+        let asking = self.ask(&context, method).await?;
         self.owned(&context, &request.task_id)?;
         let request = ClientRequest::GetTaskRequest(GetTaskRequest::new(request));
-        let mut got = match self.as_caller(&upstream, request, &context).await {
+        let mut got = match self.as_caller(&asking, request, &context).await {
             Ok(ServerResult::GetTaskResult(got)) => got,
             Ok(_) => return Err(self.passed(method, ServiceError::UnexpectedResponse)),
             Err(error) => return Err(self.passed(method, error)),
@@ -349,10 +419,10 @@ impl ServerHandler for ProxyServer {
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
         let method = "tasks/cancel";
-        let upstream = self.ask(&context, method).await?;
+        let asking = self.ask(&context, method).await?;
         self.owned(&context, &request.task_id)?;
         let request = ClientRequest::CancelTaskRequest(CancelTaskRequest::new(request));
-        match self.as_caller(&upstream, request, &context).await {
+        match self.as_caller(&asking, request, &context).await {
             Ok(ServerResult::TaskAckResult(_) | ServerResult::EmptyResult(_)) => Ok(()),
             Ok(_) => Err(self.passed(method, ServiceError::UnexpectedResponse)),
             Err(error) => Err(self.passed(method, error)),

@@ -373,7 +373,7 @@ async fn a_killed_child_is_unavailable_with_a_wait_then_served_after_its_restart
     // busy machine): the request limits stand aside, this is about the restart.
     let toml = "[upstream]\nbreaker_cooldown_ms = 5000\n[loop_detection]\nenabled = false\n\
                 [limits.http]\nburst = 100000\n[limits.address_http]\nburst = 100000\n\
-                [limits.method.tools_call]\nburst = 100000\n";
+                [limits.method.tools_call]\nburst = 100000\n[proxy]\nupstream_sessions = \"shared\"\n";
     let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
     let client = proxy.client(None).await;
     let pid: i32 = text_of(&call(&client, "pid", json!({})).await).parse().expect("a pid");
@@ -512,7 +512,9 @@ fn a_proxys_config_prices_tools_it_has_not_seen_and_checks_the_default_price() {
 
 #[tokio::test]
 async fn a_tool_the_server_adds_is_learnt_priced_and_callable() {
-    let proxy = Proxy::start("[tools.plus_one]\ncost = 3\n", command(fastmcp(&[]))).await;
+    // Tools are learnt from the proxy's own session: one the server adds in another is not.
+    let toml = "[tools.plus_one]\ncost = 3\n[proxy]\nupstream_sessions = \"shared\"\n";
+    let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
     let client = proxy.client(None).await;
     let unknown = client.call_tool(CallToolRequestParams::new("plus_one")).await;
     assert!(matches!(unknown, Err(ServiceError::McpError(_))), "not listed yet: {unknown:?}");
@@ -601,7 +603,7 @@ async fn calls_beyond_max_in_flight_wait_their_turn_and_a_full_queue_is_busy() {
 
 #[tokio::test]
 async fn a_call_slower_than_the_timeout_is_unavailable_and_never_retried() {
-    let toml = "[proxy]\ntimeout_ms = 1000\n";
+    let toml = "[proxy]\ntimeout_ms = 1000\nupstream_sessions = \"shared\"\n";
     let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
     let client = Arc::new(proxy.client(None).await);
     let dir = tempfile::tempdir().expect("tempdir");
@@ -624,7 +626,8 @@ async fn a_call_slower_than_the_timeout_is_unavailable_and_never_retried() {
 
 #[tokio::test]
 async fn many_downstream_sessions_share_one_upstream_session_and_child() {
-    let proxy = Proxy::start("[loop_detection]\nenabled = false\n", command(fastmcp(&[]))).await;
+    let toml = "[loop_detection]\nenabled = false\n[proxy]\nupstream_sessions = \"shared\"\n";
+    let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
     let child = proxy.app.proxied().expect("a proxy").link().child_pid().expect("a child");
     let mut sessions = Vec::new();
     for _ in 0..10 {
@@ -1427,6 +1430,99 @@ async fn a_proxied_task_holds_its_slot_until_it_is_final_not_until_its_handle_re
     }
 }
 
+/// The process id of the proxied server `client`'s calls reach.
+async fn pid(client: &Client) -> String {
+    text_of(&call(client, "pid", json!({})).await)
+}
+
+/// With `proxy.upstream_sessions = "tenant"` (the default) in front of a stateful server (over
+/// stdio, each child one client's state): what one tenant leaves in it another never reads, while
+/// the callers of one tenant share it; each scope's child is opened by its first call; at most
+/// `proxy.max_children` are open, a new scope refused `busy` while all are in use and given the
+/// place of one idle; and one idle for `proxy.upstream_idle_seconds` is closed.
+#[tokio::test]
+async fn two_tenants_never_see_each_others_state_and_the_children_are_capped_and_closed_when_idle() {
+    let keys =
+        ["acme-one-0123456789abcdef", "acme-two-0123456789abcdef", "globex-0123456789abcdef", "initech-0123456789abc"];
+    let toml = format!(
+        "[loop_detection]\nenabled = false\n[proxy]\nmax_children = 2\nupstream_idle_seconds = 60\n[auth]\nkeys = [\
+         {{ sha256 = \"{}\", tenant = \"acme\" }}, {{ sha256 = \"{}\", tenant = \"acme\" }}, \
+         {{ sha256 = \"{}\", tenant = \"globex\" }}, {{ sha256 = \"{}\", tenant = \"initech\" }}]\n",
+        sha256_hex(keys[0]),
+        sha256_hex(keys[1]),
+        sha256_hex(keys[2]),
+        sha256_hex(keys[3])
+    );
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let own = proxy.app.proxied().expect("a proxy").link().child_pid().expect("the proxy's own child");
+    let (alice, alice_too, bob) =
+        (proxy.client(Some(keys[0])).await, proxy.client(Some(keys[1])).await, proxy.client(Some(keys[2])).await);
+    assert_eq!(text_of(&call(&alice, "remember", json!({"value": "acme's secret"})).await), "remembered");
+    assert_eq!(text_of(&call(&bob, "recall", json!({})).await), "", "another tenant reads nothing of acme's");
+    assert_eq!(text_of(&call(&alice_too, "recall", json!({})).await), "acme's secret", "acme's callers share theirs");
+    let (acme, globex) = (pid(&alice).await, pid(&bob).await);
+    assert_eq!(pid(&alice_too).await, acme);
+    assert!(acme != globex && acme != own.to_string() && globex != own.to_string(), "{acme} {globex} {own}");
+
+    // Two children open, both in use (alice's and bob's sessions live): a third tenant waits.
+    let carol = proxy.client(Some(keys[3])).await;
+    let refused = call(&carol, "pid", json!({})).await;
+    assert_eq!(code_of(&refused), Some("busy"), "{refused:?}");
+    assert_eq!(common::structured(&refused)["error"]["scope"], "proxy:max_children", "{refused:?}");
+    // Bob leaves: his tenant's child is idle, and carol's takes its place.
+    bob.cancel().await.expect("bob leaves");
+    let initech = eventually_some("carol gets a child once bob's is idle", Duration::from_secs(10), || async {
+        let answer = call(&carol, "pid", json!({})).await;
+        (code_of(&answer).is_none()).then(|| text_of(&answer))
+    })
+    .await;
+    assert!(initech != acme && initech != globex, "{initech}");
+    // Idle for a minute (carol gone too), initech's child is closed; acme's (alice's sessions
+    // live) stays.
+    carol.cancel().await.expect("carol leaves");
+    let scopes = proxy.app.proxied().expect("a proxy").scopes().clone();
+    eventually("carol's session is let go of", || async {
+        proxy.clock.advance(Duration::from_secs(61));
+        scopes.all().len() == 2
+    })
+    .await;
+    assert_eq!(pid(&alice).await, acme, "acme's child was never closed");
+}
+
+/// With `proxy.upstream_sessions = "session"`, each downstream session has its own child, and
+/// opening one is charged to the caller's `limits.method.other`: a flood of sessions opens what
+/// that budget allows, never more than `proxy.max_children`.
+#[tokio::test]
+async fn each_session_its_own_child_and_a_flood_of_sessions_opens_what_its_budget_allows() {
+    let toml = "[loop_detection]\nenabled = false\n[proxy]\nupstream_sessions = \"session\"\nmax_children = 3\n\
+                [limits.method.other]\nalgorithm = \"token_bucket\"\nburst = 2\nrefill_per_sec = 0.001\n";
+    let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
+    let key = "flooder-0123456789abcdef";
+    let (first, second) = (proxy.client(Some(key)).await, proxy.client(Some(key)).await);
+    let (one, two) = (text_of(&call(&first, "pid", json!({})).await), text_of(&call(&second, "pid", json!({})).await));
+    assert_ne!(one, two, "two sessions of one caller, two children");
+    assert_eq!(text_of(&call(&first, "pid", json!({})).await), one, "a session stays on its own");
+    // Its two openings spent its budget for them: the next session's first call is refused.
+    let mut refused = Vec::new();
+    for _ in 0..10 {
+        let session = proxy.client(Some(key)).await;
+        refused.push(code_of(&call(&session, "pid", json!({})).await).map(str::to_owned));
+    }
+    assert!(refused.iter().all(|r| r.as_deref() == Some("rate_limited")), "{refused:?}");
+    // Another caller's sessions: at most max_children open at once.
+    let others: Vec<Client> = futures::future::join_all((0..4).map(|i| {
+        proxy.client(Some(["other-a-0123456789", "other-b-0123456789", "other-c-0123456789", "other-d-0123456789"][i]))
+    }))
+    .await;
+    let mut codes = Vec::new();
+    for other in &others {
+        codes.push(code_of(&call(other, "pid", json!({})).await).map(str::to_owned));
+    }
+    let open = proxy.app.proxied().expect("a proxy").scopes().all().len() - 1;
+    assert!(open <= 3, "{open} open: {codes:?}");
+    assert!(codes.iter().any(|c| c.as_deref() == Some("busy")), "{codes:?}");
+}
+
 /// A client that keeps the log messages it hears: their text.
 #[derive(Clone, Default)]
 struct Logs(Arc<std::sync::Mutex<Vec<String>>>);
@@ -1466,7 +1562,8 @@ async fn each_session_hears_the_log_messages_it_asked_for(protocol: &str, versio
     let (a, b) = ("tenant-a-logs-key-0123456789", "tenant-b-logs-key-0123456789");
     let toml = format!(
         "[loop_detection]\nenabled = false\n[auth]\nkeys = [{{ sha256 = \"{}\", tenant = \"acme\" }}, \
-         {{ sha256 = \"{}\", tenant = \"globex\" }}]\n[proxy]\nupstream_protocol = \"{protocol}\"\n",
+         {{ sha256 = \"{}\", tenant = \"globex\" }}]\n[proxy]\nupstream_protocol = \"{protocol}\"\n\
+         upstream_sessions = \"shared\"\n",
         sha256_hex(a),
         sha256_hex(b)
     );
@@ -1513,7 +1610,7 @@ async fn tools_the_proxied_server_renames_leave_no_series_or_dashboard_rows_and_
     let toml = format!(
         "[limits.http]\nburst = 100000\n[limits.method.tools_call]\nburst = 100000\n\
          [limits.method.tools_list]\nburst = 100000\n[limits.caller]\nburst = 100000\n\
-         [auth]\nkeys = [{{ sha256 = \"{}\" }}]\n",
+         [auth]\nkeys = [{{ sha256 = \"{}\" }}]\n[proxy]\nupstream_sessions = \"shared\"\n",
         sha256_hex(key)
     );
     let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;

@@ -174,6 +174,24 @@ impl Refusal {
         self
     }
 
+    /// Every session a proxy may open to the server it fronts (`max` of them) is in use by other
+    /// callers, so the caller's own cannot be opened; `wait` is until one may go idle.
+    pub fn sessions_full(tool: &str, max: u64, wait: Nanos) -> Self {
+        Self {
+            code: RefusalCode::Busy,
+            message: format!(
+                "All {max} sessions to the proxied server are in use by other callers, so {tool} cannot open \
+                 yours. Wait {} before calling it again.",
+                seconds(ceil_secs(wait))
+            ),
+            retry_after_ms: Some(ceil_ms(wait).max(1)),
+            scope: Some("proxy:max_children".into()),
+            limit: Some(max),
+            remaining: Some(0),
+            details: None,
+        }
+    }
+
     /// The queue in front of the upstream account is full; `wait` is until a place frees up.
     pub fn queue_full(tool: &str, wait: Nanos) -> Self {
         Self {
