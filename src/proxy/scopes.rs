@@ -71,8 +71,9 @@ impl Upstream {
         self.link.info().is_some_and(|info| info.protocol_version >= ProtocolVersion::V_2026_07_28)
     }
 
-    /// What the proxied server gets of a caller's request `_meta` ([`super::for_upstream`]); and
-    /// where it speaks 2026-07-28, which has no `logging/setLevel`, the level its log messages
+    /// What the proxied server gets of a caller's request `_meta` (what describes the caller's
+    /// own connection left out); and where it speaks 2026-07-28, which has no
+    /// `logging/setLevel`, the level its log messages
     /// are wanted at: the most verbose any downstream session of this scope asked for, as the one
     /// level of a 2025-11-25 session would be (each session then hears what meets its own level).
     pub fn upstream_meta(&self, meta: RequestMetaObject) -> RequestMetaObject {
