@@ -13,7 +13,8 @@
 //! it arrived on (rmcp's [`InboundStreamOrigin`]: a 2025-11-25 server sends a call's requests on
 //! that call's stream). A request on no call's stream — over stdio, where there are no streams, or
 //! one the server sends on its own — is refused: the proxy cannot tell whose it is, and answering
-//! for one caller what another asked would leak.
+//! for one caller what another asked would leak; except on a session that serves one downstream
+//! session (`upstream_sessions = "session"`), where everything it asks is that session's.
 //!
 //! **Log levels.** The proxied server has one level, for its one client (the proxy); each session
 //! has its own. A session's `logging/setLevel` is recorded for it alone, and the proxied server's
@@ -53,6 +54,9 @@ pub struct Downstream {
     /// Rung when the proxied server's tools changed (or it came back): the list is fetched again
     /// (one bell for every session to it).
     tools_changed: Arc<Notify>,
+    /// Whether its upstream session serves one downstream session by design (`upstream_sessions =
+    /// "session"`): then what the proxied server asks off any call's stream is that session's.
+    sole: bool,
     /// The level last set on the proxied server, held while a new one is set so that two
     /// sessions' `setLevel`s reach it in the order their levels were recorded.
     pub(super) upstream_level: tokio::sync::Mutex<Option<LoggingLevel>>,
@@ -147,12 +151,14 @@ impl std::fmt::Debug for Downstream {
 }
 
 impl Downstream {
-    /// No sessions yet; `tools_changed` rung when the proxied server says its tools changed.
-    pub fn new(tools_changed: Arc<Notify>) -> Self {
+    /// No sessions yet; `tools_changed` rung when the proxied server says its tools changed;
+    /// `sole` when its upstream session serves one downstream session by design.
+    pub fn new(tools_changed: Arc<Notify>, sole: bool) -> Self {
         Self {
             next: AtomicU64::new(0),
             state: Mutex::default(),
             tools_changed,
+            sole,
             upstream_level: tokio::sync::Mutex::new(None),
         }
     }
@@ -192,6 +198,12 @@ impl Downstream {
             _ => None,
         };
         let Some(route) = route else {
+            // An upstream session of one downstream session (`upstream_sessions = "session"`):
+            // whatever it asks is that session's caller's to answer.
+            if let Some(caller) = self.sole_session() {
+                let capabilities = caller.peer_info().map(|info| info.capabilities.clone());
+                return ask.of(&caller, capabilities.as_ref()).await;
+            }
             return Err(ErrorData::invalid_request(
                 format!(
                     "`{method}` did not come on the stream of a call in flight: the proxy, which serves many \
@@ -204,6 +216,20 @@ impl Downstream {
         let (reply, answer) = oneshot::channel();
         route.send((ask, reply)).await.map_err(|_| gone())?;
         answer.await.map_err(|_| gone())?
+    }
+
+    /// The one downstream session this upstream session serves, where it serves one by design.
+    fn sole_session(&self) -> Option<Peer<RoleServer>> {
+        if !self.sole {
+            return None;
+        }
+        let mut state = self.state();
+        state.prune();
+        let mut sessions = state.sessions.values();
+        match (sessions.next(), sessions.next()) {
+            (Some(only), None) => Some(only.clone()),
+            _ => None,
+        }
     }
 
     /// Records that `session` subscribed to `uri`; `true` when it is the first to.

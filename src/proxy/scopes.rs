@@ -170,7 +170,7 @@ impl Scopes {
     ) -> Result<Arc<Self>, LinkError> {
         let tools_changed = Arc::new(Notify::new());
         let start = Start { target, config: config.clone(), clock, stop, tools_changed };
-        let shared = start.upstream(breaker).await?;
+        let shared = start.upstream(breaker, false).await?;
         let scopes = Arc::new(Self {
             mode: config.upstream_sessions,
             shared,
@@ -266,7 +266,8 @@ impl Scopes {
                     .await
                     .map_err(Unopened::Refused)?;
                 let breaker = Arc::new(Breaker::new(SCOPE_BREAKER_FAILURES, SCOPE_BREAKER_COOLDOWN));
-                self.start.upstream(breaker).await.map_err(Unopened::Unreachable)
+                let sole = self.mode == UpstreamSessions::Session;
+                self.start.upstream(breaker, sole).await.map_err(Unopened::Unreachable)
             })
             .await
             .cloned();
@@ -325,9 +326,9 @@ impl Scopes {
 
 impl Start {
     /// A session to the proxied server, connected now, kept up (its breaker `breaker`) until
-    /// closed or the proxy stops.
-    async fn upstream(&self, breaker: Arc<Breaker>) -> Result<Arc<Upstream>, LinkError> {
-        let downstream = Arc::new(Downstream::new(self.tools_changed.clone()));
+    /// closed or the proxy stops; `sole` when it serves one downstream session.
+    async fn upstream(&self, breaker: Arc<Breaker>, sole: bool) -> Result<Arc<Upstream>, LinkError> {
+        let downstream = Arc::new(Downstream::new(self.tools_changed.clone(), sole));
         let relay = Relay::new(downstream.clone());
         let stop = self.stop.child_token();
         let changed = self.tools_changed.clone();

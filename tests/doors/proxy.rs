@@ -115,6 +115,14 @@ impl rmcp::ClientHandler for Asked {
         let answer = rmcp::model::SamplingMessage::assistant_text("sampled by the caller that asked");
         Ok(rmcp::model::CreateMessageResult::new(answer, "test-model".to_owned()))
     }
+
+    async fn list_roots(
+        &self,
+        _context: rmcp::service::RequestContext<rmcp::RoleClient>,
+    ) -> Result<rmcp::model::ListRootsResult, rmcp::ErrorData> {
+        self.0.lock().unwrap().push("roots/list".to_owned());
+        Ok(rmcp::model::ListRootsResult::new(vec![rmcp::model::Root::new("file:///work/the-caller-that-asked")]))
+    }
 }
 
 impl Asked {
@@ -242,6 +250,28 @@ async fn what_the_proxied_server_asks_during_a_call_reaches_that_callers_session
     let said = format!("{refused:?}");
     assert!(!said.contains("sampled by") && said.contains("cannot tell whose it is"), "{said}");
     assert!(dave_asked.asked().is_empty(), "{:?}", dave_asked.asked());
+}
+
+/// With `proxy.upstream_sessions = "session"`, a stdio child serves one downstream session, so what
+/// it asks off any call's stream is that session's caller's: `server-everything`'s roots, which it
+/// asks for on its own, reach the caller whose child it is.
+#[tokio::test]
+async fn a_child_of_one_session_asks_that_sessions_caller_even_off_a_calls_stream() {
+    let proxy = Proxy::start("[proxy]\nupstream_sessions = \"session\"\n", command(everything("stdio"))).await;
+    let session = |key: &str| StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()).auth_header(key);
+    let alice_asked = Asked::default();
+    let alice =
+        alice_asked.clone().serve(StreamableHttpClientTransport::from_config(session("alice-0123456789abcdef")));
+    let alice = alice.await.expect("alice connects");
+    let roots = call(&alice, "get-roots-list", json!({})).await;
+    assert!(text_of(&roots).contains("file:///work/the-caller-that-asked"), "{roots:?}");
+    assert!(alice_asked.asked().iter().any(|a| a == "roots/list"), "{:?}", alice_asked.asked());
+    // Another session's child asks its own caller, who cannot be asked: nobody answers for it.
+    let bob = ().serve(StreamableHttpClientTransport::from_config(session("bob-0123456789abcdef"))).await;
+    let bob = bob.expect("bob connects");
+    let (before, theirs) = (alice_asked.asked().len(), call(&bob, "get-roots-list", json!({})).await);
+    assert!(!text_of(&theirs).contains("the-caller-that-asked"), "{theirs:?}");
+    assert_eq!(alice_asked.asked().len(), before, "alice was not asked for bob");
 }
 
 #[tokio::test]
@@ -1300,6 +1330,20 @@ impl rmcp::ClientHandler for SpeaksTasks {
     }
 }
 
+/// A 2026-07-28 client of `url` presenting `key` that declares the tasks extension.
+async fn speaks_tasks(url: &str, key: &str) -> rmcp::service::RunningService<rmcp::RoleClient, SpeaksTasks> {
+    use rmcp::{ClientLifecycleMode, ClientServiceExt};
+    let config = StreamableHttpClientTransportConfig::with_uri(url).auth_header(key);
+    let preferred_versions = vec![rmcp::model::ProtocolVersion::V_2026_07_28];
+    SpeaksTasks
+        .serve_with_lifecycle(
+            StreamableHttpClientTransport::from_config(config),
+            ClientLifecycleMode::Discover { preferred_versions },
+        )
+        .await
+        .expect("a client that speaks tasks connects")
+}
+
 #[tokio::test]
 async fn a_task_through_the_proxy_is_its_callers_and_unknown_to_any_other() {
     let upstream = Tasker::default();
@@ -1312,16 +1356,7 @@ async fn a_task_through_the_proxy_is_its_callers_and_unknown_to_any_other() {
         sha256_hex(b)
     );
     let proxy = Proxy::start(&toml, target).await;
-    let client = |key: &'static str| {
-        use rmcp::{ClientLifecycleMode, ClientServiceExt};
-        let config = StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()).auth_header(key);
-        let preferred_versions = vec![rmcp::model::ProtocolVersion::V_2026_07_28];
-        SpeaksTasks.serve_with_lifecycle(
-            StreamableHttpClientTransport::from_config(config),
-            ClientLifecycleMode::Discover { preferred_versions },
-        )
-    };
-    let (alice, bob) = (client(a).await.expect("a connects"), client(b).await.expect("b connects"));
+    let (alice, bob) = (speaks_tasks(&proxy.url, a).await, speaks_tasks(&proxy.url, b).await);
     let mut args = serde_json::Map::new();
     args.insert("topic".into(), json!("acme's merger"));
     let asked = alice.call_tool_once(CallToolRequestParams::new("research").with_arguments(args)).await;
@@ -1357,19 +1392,7 @@ async fn a_proxied_task_holds_its_slot_until_it_is_final_not_until_its_handle_re
     let toml = "[tools.research]\ncost = 1\nholds_slot = true\n[limits.in_flight]\ncaller = 1\n\
                 [loop_detection]\nenabled = false\n";
     let proxy = Proxy::start(toml, target).await;
-    let alice = {
-        use rmcp::{ClientLifecycleMode, ClientServiceExt};
-        let config =
-            StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()).auth_header("alice-tasks-0123456789");
-        let preferred_versions = vec![rmcp::model::ProtocolVersion::V_2026_07_28];
-        SpeaksTasks
-            .serve_with_lifecycle(
-                StreamableHttpClientTransport::from_config(config),
-                ClientLifecycleMode::Discover { preferred_versions },
-            )
-            .await
-            .expect("alice connects")
-    };
+    let alice = speaks_tasks(&proxy.url, "alice-tasks-0123456789").await;
     let research = |topic: &str| {
         let args = json!({"topic": topic}).as_object().cloned().unwrap_or_default();
         alice.call_tool_once(CallToolRequestParams::new("research").with_arguments(args))
@@ -1410,18 +1433,7 @@ async fn a_proxied_task_holds_its_slot_until_it_is_final_not_until_its_handle_re
     let target = Target::Http { url: serve_in_test(upstream.clone()).await, headers: Vec::new() };
     upstream.working.store(true, std::sync::atomic::Ordering::SeqCst);
     let proxy = Proxy::start(&toml, target).await;
-    let bob = {
-        use rmcp::{ClientLifecycleMode, ClientServiceExt};
-        let config = StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()).auth_header(key);
-        let preferred_versions = vec![rmcp::model::ProtocolVersion::V_2026_07_28];
-        SpeaksTasks
-            .serve_with_lifecycle(
-                StreamableHttpClientTransport::from_config(config),
-                ClientLifecycleMode::Discover { preferred_versions },
-            )
-            .await
-            .expect("bob connects")
-    };
+    let bob = speaks_tasks(&proxy.url, key).await;
     for topic in ["five", "six", "seven"] {
         let args = json!({"topic": topic}).as_object().cloned().unwrap_or_default();
         let asked = bob.call_tool_once(CallToolRequestParams::new("research").with_arguments(args));
