@@ -56,7 +56,7 @@ pub struct Downstream {
     tools_changed: Arc<Notify>,
     /// Whether its upstream session serves one downstream session by design (`upstream_sessions =
     /// "session"`): then what the proxied server asks off any call's stream is that session's.
-    sole: bool,
+    sole: std::sync::atomic::AtomicBool,
     /// The level last set on the proxied server, held while a new one is set so that two
     /// sessions' `setLevel`s reach it in the order their levels were recorded.
     pub(super) upstream_level: tokio::sync::Mutex<Option<LoggingLevel>>,
@@ -158,7 +158,7 @@ impl Downstream {
             next: AtomicU64::new(0),
             state: Mutex::default(),
             tools_changed,
-            sole,
+            sole: std::sync::atomic::AtomicBool::new(sole),
             upstream_level: tokio::sync::Mutex::new(None),
         }
     }
@@ -218,9 +218,14 @@ impl Downstream {
         answer.await.map_err(|_| gone())?
     }
 
+    /// From now on its upstream session serves one downstream session by design.
+    pub fn serve_one(&self) {
+        self.sole.store(true, Ordering::Relaxed);
+    }
+
     /// The one downstream session this upstream session serves, where it serves one by design.
     fn sole_session(&self) -> Option<Peer<RoleServer>> {
-        if !self.sole {
+        if !self.sole.load(Ordering::Relaxed) {
             return None;
         }
         let mut state = self.state();

@@ -10,7 +10,8 @@
 //!   2026-07-28 caller, which has no session, has one per caller).
 //!
 //! The proxy always keeps one session of its own (the first, opened at start-up): it learns the
-//! tools from it, and `shared` serves every caller on it. A scope's session is opened by its first
+//! tools from it, `shared` serves every caller on it, and otherwise the first scope to come takes
+//! it (one client costs one child) and keeps it. Another scope's session is opened by its first
 //! request, which is charged to the caller's `limits.method.other` (opening sessions buys
 //! nothing); at most `proxy.max_children` are open at once — a new scope beyond them takes the
 //! place of the one idle longest (no call in flight, no downstream session), or is refused `busy`
@@ -142,6 +143,10 @@ pub struct Scopes {
     start: Start,
     /// Downstream sessions so far, to name each one's scope under `session`.
     sessions: AtomicU64,
+    /// The scope that took the proxy's own session: the first to come, so that one client (Claude
+    /// Desktop over `proxy --stdio`, a lone tenant) costs one child, not two. It keeps it for the
+    /// proxy's life — given to another scope later, it would hand over what the first left in it.
+    adopter: std::sync::OnceLock<String>,
 }
 
 impl std::fmt::Debug for Scopes {
@@ -179,6 +184,7 @@ impl Scopes {
             idle: config.upstream_idle_seconds.saturating_mul(NANOS_PER_SEC),
             start,
             sessions: AtomicU64::new(0),
+            adopter: std::sync::OnceLock::new(),
         });
         if scopes.mode != UpstreamSessions::Shared {
             tokio::spawn(scopes.clone().close_idle_forever());
@@ -244,10 +250,19 @@ impl Scopes {
         what: &str,
     ) -> Result<Arc<Upstream>, Unopened> {
         let Some(scope) = scope else { return Ok(self.shared.clone()) };
+        if self.adopter.get() == Some(&scope) {
+            return Ok(self.shared.clone());
+        }
         let slot = {
             let mut slots = self.slots();
             if let Some(slot) = slots.get(&scope) {
                 slot.clone()
+            } else if self.adopter.set(scope.clone()).is_ok() {
+                // The first scope takes the proxy's own session: it opens nothing.
+                if self.mode == UpstreamSessions::Session {
+                    self.shared.downstream.serve_one();
+                }
+                return Ok(self.shared.clone());
             } else {
                 if slots.len() >= self.max && !self.close_longest_idle(&mut slots) {
                     let max = u64::try_from(self.max).unwrap_or(u64::MAX);

@@ -1449,15 +1449,16 @@ async fn pid(client: &Client) -> String {
 
 /// With `proxy.upstream_sessions = "tenant"` (the default) in front of a stateful server (over
 /// stdio, each child one client's state): what one tenant leaves in it another never reads, while
-/// the callers of one tenant share it; each scope's child is opened by its first call; at most
-/// `proxy.max_children` are open, a new scope refused `busy` while all are in use and given the
-/// place of one idle; and one idle for `proxy.upstream_idle_seconds` is closed.
+/// the callers of one tenant share it; the first tenant takes the proxy's own child, each other
+/// one's child is opened by its first call; at most `proxy.max_children` more are open, a new scope
+/// refused `busy` while all are in use and given the place of one idle; and one idle for
+/// `proxy.upstream_idle_seconds` is closed.
 #[tokio::test]
 async fn two_tenants_never_see_each_others_state_and_the_children_are_capped_and_closed_when_idle() {
     let keys =
         ["acme-one-0123456789abcdef", "acme-two-0123456789abcdef", "globex-0123456789abcdef", "initech-0123456789abc"];
     let toml = format!(
-        "[loop_detection]\nenabled = false\n[proxy]\nmax_children = 2\nupstream_idle_seconds = 60\n[auth]\nkeys = [\
+        "[loop_detection]\nenabled = false\n[proxy]\nmax_children = 1\nupstream_idle_seconds = 60\n[auth]\nkeys = [\
          {{ sha256 = \"{}\", tenant = \"acme\" }}, {{ sha256 = \"{}\", tenant = \"acme\" }}, \
          {{ sha256 = \"{}\", tenant = \"globex\" }}, {{ sha256 = \"{}\", tenant = \"initech\" }}]\n",
         sha256_hex(keys[0]),
@@ -1474,9 +1475,10 @@ async fn two_tenants_never_see_each_others_state_and_the_children_are_capped_and
     assert_eq!(text_of(&call(&alice_too, "recall", json!({})).await), "acme's secret", "acme's callers share theirs");
     let (acme, globex) = (pid(&alice).await, pid(&bob).await);
     assert_eq!(pid(&alice_too).await, acme);
-    assert!(acme != globex && acme != own.to_string() && globex != own.to_string(), "{acme} {globex} {own}");
+    assert_eq!(acme, own.to_string(), "the first tenant takes the proxy's own child: one client, one child");
+    assert_ne!(globex, acme, "another tenant, another child");
 
-    // Two children open, both in use (alice's and bob's sessions live): a third tenant waits.
+    // The one more child open and in use (bob's session lives): a third tenant waits.
     let carol = proxy.client(Some(keys[3])).await;
     let refused = call(&carol, "pid", json!({})).await;
     assert_eq!(code_of(&refused), Some("busy"), "{refused:?}");
@@ -1489,21 +1491,21 @@ async fn two_tenants_never_see_each_others_state_and_the_children_are_capped_and
     })
     .await;
     assert!(initech != acme && initech != globex, "{initech}");
-    // Idle for a minute (carol gone too), initech's child is closed; acme's (alice's sessions
-    // live) stays.
+    // Idle for a minute (carol gone too), initech's child is closed; the proxy's own, acme's,
+    // stays.
     carol.cancel().await.expect("carol leaves");
     let scopes = proxy.app.proxied().expect("a proxy").scopes().clone();
     eventually("carol's session is let go of", || async {
         proxy.clock.advance(Duration::from_secs(61));
-        scopes.all().len() == 2
+        scopes.all().len() == 1
     })
     .await;
     assert_eq!(pid(&alice).await, acme, "acme's child was never closed");
 }
 
-/// With `proxy.upstream_sessions = "session"`, each downstream session has its own child, and
-/// opening one is charged to the caller's `limits.method.other`: a flood of sessions opens what
-/// that budget allows, never more than `proxy.max_children`.
+/// With `proxy.upstream_sessions = "session"`, each downstream session has its own child (the first
+/// the proxy's own), and opening one is charged to the caller's `limits.method.other`: a flood of
+/// sessions opens what that budget allows, never more than `proxy.max_children`.
 #[tokio::test]
 async fn each_session_its_own_child_and_a_flood_of_sessions_opens_what_its_budget_allows() {
     let toml = "[loop_detection]\nenabled = false\n[proxy]\nupstream_sessions = \"session\"\nmax_children = 3\n\
@@ -1514,13 +1516,18 @@ async fn each_session_its_own_child_and_a_flood_of_sessions_opens_what_its_budge
     let (one, two) = (text_of(&call(&first, "pid", json!({})).await), text_of(&call(&second, "pid", json!({})).await));
     assert_ne!(one, two, "two sessions of one caller, two children");
     assert_eq!(text_of(&call(&first, "pid", json!({})).await), one, "a session stays on its own");
-    // Its two openings spent its budget for them: the next session's first call is refused.
+    // The first took the proxy's own child; the second opening and one more spend its budget of
+    // two, and every session after is refused.
+    let mut sessions = Vec::new();
     let mut refused = Vec::new();
     for _ in 0..10 {
         let session = proxy.client(Some(key)).await;
         refused.push(code_of(&call(&session, "pid", json!({})).await).map(str::to_owned));
+        sessions.push(session);
     }
-    assert!(refused.iter().all(|r| r.as_deref() == Some("rate_limited")), "{refused:?}");
+    let rate_limited = Some("rate_limited".to_owned());
+    assert_eq!(refused[0], None, "one more opening in its budget: {refused:?}");
+    assert!(refused[1..].iter().all(|r| *r == rate_limited), "{refused:?}");
     // Another caller's sessions: at most max_children open at once.
     let others: Vec<Client> = futures::future::join_all((0..4).map(|i| {
         proxy.client(Some(["other-a-0123456789", "other-b-0123456789", "other-c-0123456789", "other-d-0123456789"][i]))
