@@ -70,7 +70,7 @@ fn served_call(c: &mut Criterion) {
                     let args = args.as_object().expect("an object");
                     let call = Call::new("list_articles", &caller, args);
                     // The one guarded call every door runs, its work answering at once.
-                    let work = |_, _| std::future::ready(Worked::Answer(Ok(answered())));
+                    let work = |_, _: &serde_json::Value| std::future::ready(Worked::Answer(Ok(answered())));
                     let called = limits.guard().call(&Tools(&Plain), Some(limits.reuse()), call, work).await;
                     assert!(matches!(called, Called::Answered { .. }), "the generous guard refused");
                     black_box(called);

@@ -270,7 +270,7 @@ impl ServerHandler for ProxyServer {
         let asked = request.clone();
         let outgoing = Outgoing { request, meta: context.meta.clone(), progress, asker, upstream };
         let proxied = self.proxied.clone();
-        let work = move |admitted, _| proxied.work(admitted, outgoing);
+        let work = move |admitted, _: &serde_json::Value| proxied.work(admitted, outgoing);
         limited::call_tool(&self.limits, self, &asked, &context, work).await
     }
 

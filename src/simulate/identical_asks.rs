@@ -207,7 +207,7 @@ async fn replay(config: &Config, policy: ToolPolicy, tenants: usize) -> AskRun {
                     let call = Call::new(TOOL, &caller, &args);
                     // The one guarded call, as a door runs it: admitted (and charged), then one
                     // read, shared with identical calls as the setting allows.
-                    let work = |_, _| async move { Worked::Answer(read(reads, clock).await) };
+                    let work = |_, _: &serde_json::Value| async move { Worked::Answer(read(reads, clock).await) };
                     match guard.call(&Asking, Some(&reuse), call, work).await {
                         Called::Answered { .. } => {
                             if let Some(units) = charged.get(index) {

@@ -568,7 +568,7 @@ impl Replay<'_> {
             // The one guarded call, as a door runs it; a job takes its admission (its slots) away
             // with it until the job would be final.
             let mut job = None;
-            let work = |admitted: Admitted<()>, _| {
+            let work = |admitted: Admitted<()>, _: &serde_json::Value| {
                 if self.job.is_some() {
                     job = admitted.admission.take();
                 }

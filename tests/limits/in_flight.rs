@@ -104,7 +104,7 @@ async fn a_dropped_admission_gives_its_slot_back_even_when_its_task_is_aborted()
     let save = || async {
         let call = Call::new("save_article", &caller, args);
         let mut held = None;
-        let work = |admitted: Admitted<()>, _| {
+        let work = |admitted: Admitted<()>, _: &serde_json::Value| {
             held = admitted.admission.take();
             std::future::ready(Worked::Answer(Ok(CallToolResponse::Complete(CallToolResult::success(vec![])))))
         };

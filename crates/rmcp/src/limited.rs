@@ -245,7 +245,7 @@ impl<S: Clone + Send + Sync + 'static, D: ToolRules> LimitedRouter<S, D> {
         request.input_responses = input_responses;
         request.request_state = request_state;
         let asked = request.clone();
-        let work = |admitted: Admitted<D::Place>, _checked| {
+        let work = |admitted: Admitted<D::Place>, _checked: &serde_json::Value| {
             let mut request_context = request_context.clone();
             request_context.extensions.insert(admitted.caller);
             request_context.extensions.insert(admitted.admission);
@@ -283,7 +283,7 @@ pub async fn call_tool<D, W, F>(
 ) -> Result<CallToolResponse, ErrorData>
 where
     D: ToolRules,
-    W: FnOnce(Admitted<D::Place>, serde_json::Value) -> F,
+    W: FnOnce(Admitted<D::Place>, &serde_json::Value) -> F,
     F: Future<Output = Worked<ToolAnswer>> + Send + 'static,
 {
     let caller = caller_of(limits, context)?;

@@ -172,7 +172,7 @@ impl RateLimits {
     ///     let mut args = serde_json::Map::new();
     ///     args.insert("q".into(), query.into());
     ///     let call = Call::new("search", &caller, &args);
-    ///     let work = |_, _| async move { Worked::Answer(format!("results for {query}")) };
+    ///     let work = |_, _: &serde_json::Value| async move { Worked::Answer(format!("results for {query}")) };
     ///     match limits.guard().call(&Search, None, call, work).await {
     ///         Called::Answered { answer, .. } => assert_eq!(answer, format!("results for {query}")),
     ///         Called::Refused(refusal) => {

@@ -169,7 +169,8 @@ impl Guard {
     /// Runs `call` through the one pipeline at `door`: checked, refused before charging if it must
     /// be, admitted, `work` run (shared through `reuse` with identical calls where the tool allows),
     /// raced against the caller's cancellation, its price settled, and every refusal recorded.
-    /// `work` gets what the call holds and its checked arguments, and is run as a task of its own
+    /// `work` gets what the call holds and a look at its checked arguments (they stay the
+    /// pipeline's: an answer asking for input is resumed by them), and is run as a task of its own
     /// when it may be shared (a waiter that goes away cancels nothing).
     pub async fn call<D, W, F>(
         &self,
@@ -180,7 +181,7 @@ impl Guard {
     ) -> Called<D::Answer>
     where
         D: Door,
-        W: FnOnce(Admitted<D::Place>, Value) -> F,
+        W: FnOnce(Admitted<D::Place>, &Value) -> F,
         F: Future<Output = Worked<D::Answer>> + Send + 'static,
     {
         let Call { tool, caller, args, cancelled, resumes } = call;
@@ -214,14 +215,12 @@ impl Guard {
                 return refused(door.explain(tool, refusal, caller));
             }
         };
-        // What an answer asking for input is resumed by: this call, as it was checked.
-        let resumable = args.clone();
         let warnings = admission.warnings().to_vec();
         let admission = TakeOnce::new(admission);
         // A round that answers input requests is its own: never shared, nor kept for others.
         let sharing = policy.tool(tool).filter(|_| resumes.is_none()).and_then(|p| Sharing::of(p, caller, tool, &args));
         let admitted = Admitted { caller: caller.clone(), admission: admission.clone(), place };
-        let work = work(admitted, args);
+        let work = work(admitted, &args);
         let worked = async {
             match (sharing, reuse) {
                 (Some(sharing), Some(reuse)) => reuse.answer(tool, sharing, keepable::<D>, work).await.ok(),
@@ -251,7 +250,7 @@ impl Guard {
                     self.seen_refused(caller, tool, &refusal);
                 }
                 if let Some(state) = D::asks_input(&answer) {
-                    self.expect_resumed(caller, tool, &resumable, state).await;
+                    self.expect_resumed(caller, tool, &args, state).await;
                 }
                 let settled = settle(door.used(tool, &answer)).await;
                 Called::Answered { answer, served, settled, warnings }
