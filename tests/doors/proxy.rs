@@ -1477,6 +1477,17 @@ async fn two_tenants_never_see_each_others_state_and_the_children_are_capped_and
     assert_eq!(pid(&alice_too).await, acme);
     assert_eq!(acme, own.to_string(), "the first tenant takes the proxy's own child: one client, one child");
     assert_ne!(globex, acme, "another tenant, another child");
+    // The official Python SDK of both eras (a 2026-07-28 caller has no session: its scope is its
+    // tenant all the same): acme's callers read acme's, globex's read nothing of it.
+    for mode in ["auto", "legacy"] {
+        for (key, expected) in [(keys[1], "acme's secret"), (keys[2], "")] {
+            let header = format!("Authorization: Bearer {key}");
+            let steps = json!([{"op": "call", "tool": "recall", "args": {}}]);
+            let walked = python::walk(&proxy.url, mode, steps, &["-H", &header]).await;
+            assert_eq!(walked["protocol_version"], python::era_of(mode), "{walked}");
+            assert_eq!(walked["steps"][0]["ok"]["text"], expected, "{mode}: {walked}");
+        }
+    }
 
     // The one more child open and in use (bob's session lives): a third tenant waits.
     let carol = proxy.client(Some(keys[3])).await;
