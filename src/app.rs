@@ -185,7 +185,13 @@ impl App {
         let config = StreamableHttpServerConfig::default()
             .with_allowed_hosts(server.allowed_hosts.clone())
             .with_max_request_body_bytes(server.max_body_bytes)
-            .with_cancellation_token(self.stop.child_token());
+            .with_cancellation_token(self.stop.child_token())
+            // A 2026-07-28 request (stateless) is answered with a JSON body where its answer is
+            // all there is to say, and with a stream only where something comes before it
+            // (progress, a log message, a question for the caller): no stream to open, frame and
+            // parse for the common call (rmcp falls back to a stream by itself). 2025-11-25
+            // sessions keep their streams either way.
+            .with_json_response(true);
         let session_manager = sessions::manager(server);
         let log = Arc::new(FrontDoorLog::new(app.clock.clone()));
         let stop = self.stop.child_token();

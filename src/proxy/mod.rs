@@ -87,6 +87,9 @@ pub struct Proxied {
     mean_call: AtomicU64,
     /// Whose each task created through the proxy is.
     tasks: tasks::Owners,
+    /// How many times its tools were learnt again since it started: what a 2026-07-28
+    /// subscription to `notifications/tools/list_changed` waits on.
+    relearnt: tokio::sync::watch::Sender<u64>,
 }
 
 impl std::fmt::Debug for Proxied {
@@ -165,6 +168,7 @@ impl Proxied {
             calls: AtomicU64::new(0),
             mean_call: AtomicU64::new(0),
             tasks: tasks::Owners::new(clock.clone()),
+            relearnt: tokio::sync::watch::Sender::new(0),
         });
         // Without its tools there is nothing to serve: a server that cannot list them is a
         // start-up error, as one that cannot be reached is.
@@ -191,6 +195,11 @@ impl Proxied {
         self.tools.load_full()
     }
 
+    /// Changes each time its tools are learnt again (its list changed, or it came back).
+    fn relearnt(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.relearnt.subscribe()
+    }
+
     /// Whether it lists `name`.
     fn lists(&self, name: &str) -> bool {
         self.tools.load().iter().any(|t| t.name == name)
@@ -208,6 +217,7 @@ impl Proxied {
             for upstream in self.scopes.all() {
                 upstream.downstream().tools_list_changed().await;
             }
+            self.relearnt.send_modify(|times| *times = times.wrapping_add(1));
         }
     }
 

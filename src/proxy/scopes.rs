@@ -266,7 +266,10 @@ impl Scopes {
             } else {
                 if slots.len() >= self.max && !self.close_longest_idle(&mut slots) {
                     let max = u64::try_from(self.max).unwrap_or(u64::MAX);
-                    return Err(Unopened::Refused(Refusal::sessions_full(what, max, self.close_every())));
+                    let refusal = Refusal::sessions_full(what, max, self.close_every());
+                    // On the dashboard as any other refusal (`admit_method`'s say themselves).
+                    limits.guard().seen_refused(caller, what, &refusal);
+                    return Err(Unopened::Refused(refusal));
                 }
                 let slot = Slot::default();
                 slots.insert(scope.clone(), slot.clone());

@@ -10,10 +10,10 @@ use rmcp::model::{
     CompleteRequestParams, CompleteResult, GetPromptRequestParams, GetPromptResponse, GetPromptResult, GetTaskParams,
     GetTaskRequest, GetTaskResult, Implementation, ListPromptsResult, ListResourceTemplatesResult, ListResourcesResult,
     ListToolsResult, PaginatedRequestParams, ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult,
-    ResultType, ServerConfig, ServerResult, SetLevelRequestParams, SubscribeRequestParams, TaskPayload,
-    UnsubscribeRequestParams,
+    ResultType, ServerConfig, ServerNotification, ServerResult, SetLevelRequestParams, SubscribeRequestParams,
+    SubscriptionFilter, TaskPayload, ToolListChangedNotification, UnsubscribeRequestParams,
 };
-use rmcp::service::{NotificationContext, Peer, PeerRequestOptions, RequestContext, ServiceError};
+use rmcp::service::{NotificationContext, Peer, PeerRequestOptions, RequestContext, ServiceError, SubscriptionContext};
 use rmcp::{ErrorData, RoleClient, RoleServer, ServerHandler};
 
 use super::relay::Membership;
@@ -142,7 +142,7 @@ impl ProxyServer {
         context: &RequestContext<RoleServer>,
     ) -> Result<ServerResult, ServiceError> {
         let mut options = PeerRequestOptions::no_options();
-        options.meta = Some(asking.upstream.upstream_meta(context.meta.clone()));
+        options.meta = Some(asking.upstream.upstream_meta(with_trace_context(context)));
         asking.peer.send_request_with_option(request, options).await?.await_response().await
     }
 
@@ -268,7 +268,7 @@ impl ServerHandler for ProxyServer {
         let progress = session.zip(context.meta.get_progress_token());
         let asker = Asker { peer: context.peer.clone(), capabilities: context.client_capabilities() };
         let asked = request.clone();
-        let outgoing = Outgoing { request, meta: context.meta.clone(), progress, asker, upstream };
+        let outgoing = Outgoing { request, meta: with_trace_context(&context), progress, asker, upstream };
         let proxied = self.proxied.clone();
         let work = move |admitted, _: &serde_json::Value| proxied.work(admitted, outgoing);
         limited::call_tool(&self.limits, self, &asked, &context, work).await
@@ -390,6 +390,42 @@ impl ServerHandler for ProxyServer {
         Ok(())
     }
 
+    /// A 2026-07-28 caller's subscription: `notifications/tools/list_changed`, the one change the
+    /// proxy itself can tell of (the tools it offers are those it learnt, priced). Prompts' and
+    /// resources' changes, which only the proxied server knows, are not offered: a 2025-11-25
+    /// session hears those ([`super::relay`]).
+    fn accepted_subscription_filter(&self, requested: &SubscriptionFilter) -> Option<SubscriptionFilter> {
+        let mut accepted = SubscriptionFilter::new();
+        accepted.tools_list_changed = requested.tools_list_changed.filter(|&wanted| wanted);
+        Some(accepted)
+    }
+
+    /// Holds a subscription open until its caller ends it (or the proxy stops), telling it each
+    /// time the proxy learns the proxied server's tools again. Opening one is charged as any
+    /// other method (`limits.method.other`).
+    async fn listen(&self, subscription: SubscriptionContext) -> Result<(), ErrorData> {
+        self.admit_method(subscription.request_context(), "subscriptions/listen").await?;
+        let mut relearnt = self.proxied.relearnt();
+        relearnt.mark_unchanged();
+        loop {
+            tokio::select! {
+                () = subscription.cancelled() => return Ok(()),
+                changed = relearnt.changed() => {
+                    if changed.is_err() {
+                        return Ok(());
+                    }
+                    if subscription.accepted().tools_list_changed != Some(true) {
+                        continue;
+                    }
+                    let changed = ToolListChangedNotification { method: Default::default(), extensions: Default::default() };
+                    if subscription.sink().send(ServerNotification::ToolListChangedNotification(changed)).await.is_err() {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
     /// A task of the caller's own, as the proxied server reports it; any other is unknown.
     async fn get_task(
         &self,
@@ -428,6 +464,55 @@ impl ServerHandler for ProxyServer {
             Err(error) => Err(self.passed(method, error)),
         }
     }
+}
+
+/// The W3C trace context's names, as HTTP headers and as request `_meta` keys (SEP-414).
+const TRACEPARENT: &str = "traceparent";
+const TRACESTATE: &str = "tracestate";
+
+/// The caller's request `_meta`, with the W3C trace context its HTTP request carried
+/// (`traceparent`, `tracestate` headers) where the `_meta` says none of its own: the proxied
+/// server hears it in `_meta`, where MCP carries a request's trace context (SEP-414), so the
+/// caller's trace goes on through the proxied server whichever way the caller sent it. A
+/// `traceparent` that is not one (W3C Trace Context's format) is left out, and its `tracestate`
+/// with it.
+fn with_trace_context(context: &RequestContext<RoleServer>) -> rmcp::model::RequestMetaObject {
+    let mut meta = context.meta.clone();
+    if meta.0.contains_key(TRACEPARENT) {
+        return meta;
+    }
+    let Some(headers) = context.extensions.get::<http::request::Parts>().map(|parts| &parts.headers) else {
+        return meta;
+    };
+    let header = |name: &str| headers.get(name).and_then(|value| value.to_str().ok()).map(str::trim);
+    let Some(parent) = header(TRACEPARENT).filter(|parent| is_traceparent(parent)) else { return meta };
+    meta.0.insert(TRACEPARENT.to_owned(), parent.into());
+    // At most 32 members of at most 256 characters each, printable ASCII (W3C Trace Context).
+    let state = header(TRACESTATE)
+        .filter(|s| !s.is_empty() && s.len() <= 8_192 && s.bytes().all(|b| (0x20..0x7f).contains(&b)));
+    if let Some(state) = state {
+        meta.0.insert(TRACESTATE.to_owned(), state.into());
+    }
+    meta
+}
+
+/// Whether `value` is a W3C `traceparent`: `VERSION-TRACEID-PARENTID-FLAGS` in lowercase hex,
+/// neither id all zeros, version `ff` never; version `00` exactly that, a later version perhaps
+/// followed by `-` and more.
+fn is_traceparent(value: &str) -> bool {
+    let bytes = value.as_bytes();
+    let hex = |part: &[u8]| part.iter().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b));
+    let zeros = |part: &[u8]| part.iter().all(|&b| b == b'0');
+    if bytes.len() < 55 || bytes[2] != b'-' || bytes[35] != b'-' || bytes[52] != b'-' {
+        return false;
+    }
+    let (version, trace, parent, flags) = (&bytes[0..2], &bytes[3..35], &bytes[36..52], &bytes[53..55]);
+    let rest = &bytes[55..];
+    [version, trace, parent, flags].into_iter().all(hex)
+        && version != b"ff"
+        && !zeros(trace)
+        && !zeros(parent)
+        && if version == b"00" { rest.is_empty() } else { rest.is_empty() || rest[0] == b'-' }
 }
 
 /// A result passed on from the proxied server, made valid for a caller of either protocol
@@ -490,6 +575,30 @@ impl Complete for ReadResourceResponse {
         match self {
             ReadResourceResponse::Complete(read) => ReadResourceResponse::Complete(read.complete()),
             other => other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_traceparent;
+
+    #[test]
+    fn only_a_w3c_traceparent_is_one() {
+        assert!(is_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"));
+        assert!(is_traceparent("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00-later"));
+        for not in [
+            "",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01x",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0\u{e9}",
+            "00_4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        ] {
+            assert!(!is_traceparent(not), "{not}");
         }
     }
 }

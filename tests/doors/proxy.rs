@@ -1494,6 +1494,9 @@ async fn two_tenants_never_see_each_others_state_and_the_children_are_capped_and
     let refused = call(&carol, "pid", json!({})).await;
     assert_eq!(code_of(&refused), Some("busy"), "{refused:?}");
     assert_eq!(common::structured(&refused)["error"]["scope"], "proxy:max_children", "{refused:?}");
+    let base = proxy.url.trim_end_matches("/mcp").to_owned();
+    let data: Value = reqwest::get(format!("{base}/dashboard/data")).await.expect("data").json().await.expect("json");
+    assert!(data.to_string().contains("proxy:max_children"), "the refusal is on the dashboard: {data}");
     // Bob leaves: his tenant's child is idle, and carol's takes its place.
     bob.cancel().await.expect("bob leaves");
     let initech = eventually_some("carol gets a child once bob's is idle", Duration::from_secs(10), || async {
@@ -1701,4 +1704,54 @@ async fn tools_the_proxied_server_renames_leave_no_series_or_dashboard_rows_and_
     })
     .await;
     assert_eq!(listed.len(), mcp_ratelimit::proxy::MAX_TOOLS, "the first thousand of 1,100 and the fixture's own");
+}
+
+#[tokio::test]
+async fn a_callers_trace_context_reaches_the_proxied_server_from_its_http_headers_or_its_own_meta() {
+    // Five calls of `trace` alike would be a loop; what they carry differs outside the arguments.
+    let proxy = Proxy::start("[loop_detection]\nenabled = false\n", command(fastmcp(&[]))).await;
+    let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let state = "vendor=opaque";
+    let trace = json!({"op": "call", "tool": "trace"});
+    // Sent as W3C headers by clients of both eras: the proxied server reads them in `_meta`.
+    for mode in ["legacy", "auto"] {
+        let headers = [format!("traceparent: {parent}"), format!("tracestate: {state}")];
+        let args = ["-H", headers[0].as_str(), "-H", headers[1].as_str()];
+        let walked = python::walk(&proxy.url, mode, json!([trace]), &args).await;
+        let seen = &walked["steps"][0]["ok"]["structured"];
+        assert_eq!(*seen, json!({"traceparent": parent, "tracestate": state}), "{mode}: {walked}");
+        // A header that is no traceparent is not passed on, nor its tracestate.
+        let args = ["-H", "traceparent: 00-not-a-trace-01", "-H", headers[1].as_str()];
+        let walked = python::walk(&proxy.url, mode, json!([trace]), &args).await;
+        assert_eq!(walked["steps"][0]["ok"]["structured"], json!({}), "{mode}: {walked}");
+    }
+    // A trace context in the request's own `_meta` (SEP-414) passes on as the caller sent it.
+    let client = proxy.client(None).await;
+    let own = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00";
+    let mut meta = rmcp::model::RequestMetaObject::default();
+    meta.0.insert("traceparent".to_owned(), own.into());
+    let mut request = CallToolRequestParams::new("trace");
+    request.meta = Some(meta);
+    let seen = client.call_tool(request).await.expect("traced");
+    assert_eq!(seen.structured_content, Some(json!({"traceparent": own})));
+}
+
+#[tokio::test]
+async fn a_2026_07_28_caller_subscribed_to_tool_list_changes_hears_of_a_tool_the_server_adds() {
+    use rmcp::model::{ServerNotification, SubscriptionFilter};
+    let toml = "[proxy]\nupstream_sessions = \"shared\"\n";
+    let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
+    let client = modern_client(&proxy.url).await;
+    // Of what it asks, the proxy accepts what it can tell: its own tools' list changing.
+    let mut asked = SubscriptionFilter::builder().tools_list_changed().build();
+    asked.resources_list_changed = Some(true);
+    let mut subscription = client.peer().listen(asked).await.expect("subscribed");
+    assert_eq!(*subscription.acknowledged(), SubscriptionFilter::builder().tools_list_changed().build());
+    assert_eq!(text_of(&call(&client, "grow", json!({"name": "plus_two"})).await), "added plus_two");
+    let heard = tokio::time::timeout(Duration::from_secs(10), subscription.next()).await;
+    let heard = heard.expect("told within 10 s").expect("the stream stands").expect("a notification");
+    assert!(matches!(heard, ServerNotification::ToolListChangedNotification(_)), "{heard:?}");
+    // By then the proxy lists it.
+    let tools = client.list_all_tools().await.expect("tools");
+    assert!(tools.iter().any(|t| t.name == "plus_two"), "{tools:?}");
 }
