@@ -11,15 +11,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
-use rmcp::model::ProtocolVersion;
-use rmcp::model::ServerPeerInfo;
+use rmcp::model::{ProtocolVersion, ServerNotification, ServerPeerInfo, SubscriptionFilter};
 use rmcp::service::{Peer, RunningService};
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
 use rmcp::{ClientLifecycleMode, ClientServiceExt, RoleClient};
 use tokio_util::sync::CancellationToken;
 
-use super::relay::Relay;
+use super::relay::{Change, Relay};
 use crate::breaker::Breaker;
 use crate::clock::SharedClock;
 use crate::config::{ProxyConfig, UpstreamProtocol};
@@ -251,6 +250,51 @@ type Session = RunningService<RoleClient, Relay>;
 /// carries its `_meta`, `Mcp-Method` and `Mcp-Name` go with it over HTTP, and a tool may ask the
 /// caller for input, `input_required`); a server that does not know `server/discover` gets the
 /// 2025-11-25 `initialize` handshake instead, within 10 seconds of asking.
+/// A 2026-07-28 server tells its clients of changes only on a subscription they hold open
+/// (`subscriptions/listen`): the proxy holds one for each session to it, asking for what the
+/// server says it tells of (its tools', prompts' and resources' lists changing), and relays what it
+/// hears as a 2025-11-25 session's notifications are ([`Relay`]). It ends with the session. A
+/// 2025-11-25 server tells its sessions unasked; a server that refuses the subscription is left
+/// to be asked again when it comes back.
+fn hear_changes(session: &Session, relay: Relay) {
+    let Some(info) = session.peer_info() else { return };
+    if info.protocol_version < ProtocolVersion::V_2026_07_28 {
+        return;
+    }
+    let tells = |list_changed: Option<bool>| list_changed.filter(|&tells| tells);
+    let capabilities = &info.capabilities;
+    let mut asked = SubscriptionFilter::new();
+    asked.tools_list_changed = tells(capabilities.tools.as_ref().and_then(|t| t.list_changed));
+    asked.prompts_list_changed = tells(capabilities.prompts.as_ref().and_then(|p| p.list_changed));
+    asked.resources_list_changed = tells(capabilities.resources.as_ref().and_then(|r| r.list_changed));
+    if asked == SubscriptionFilter::new() {
+        return;
+    }
+    let peer = session.peer().clone();
+    tokio::spawn(async move {
+        let mut subscription = match tokio::time::timeout(ANSWER_WITHIN, peer.listen(asked)).await {
+            Ok(Ok(subscription)) => subscription,
+            Ok(Err(error)) => {
+                let reason = crate::redact::url(&error.to_string());
+                tracing::info!(%reason, "the proxied server holds no subscription for the proxy: its changes go unheard");
+                return;
+            }
+            Err(_) => {
+                tracing::info!("the proxied server did not acknowledge a subscription in time: its changes go unheard");
+                return;
+            }
+        };
+        while let Ok(Some(heard)) = subscription.next().await {
+            match heard {
+                ServerNotification::ToolListChangedNotification(_) => relay.tools_changed(),
+                ServerNotification::PromptListChangedNotification(_) => relay.changed(Change::Prompts).await,
+                ServerNotification::ResourceListChangedNotification(_) => relay.changed(Change::Resources).await,
+                _ => {}
+            }
+        }
+    });
+}
+
 fn lifecycle(protocol: UpstreamProtocol) -> ClientLifecycleMode {
     match protocol {
         UpstreamProtocol::Auto => ClientLifecycleMode::Auto {
@@ -287,7 +331,7 @@ impl Link {
             child: std::sync::Mutex::new(None),
         });
         let session = link.connect(relay.clone()).await?;
-        link.up(&session);
+        link.up(&session, &relay);
         let kept = link.clone();
         tokio::spawn(async move { kept.keep_up(session, relay, breaker, clock, stop, on_up).await });
         Ok(link)
@@ -313,9 +357,10 @@ impl Link {
         *self.child.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn up(&self, session: &Session) {
+    fn up(&self, session: &Session, relay: &Relay) {
         self.info.store(session.peer_info());
         self.peer.store(Some(Arc::new(session.peer().clone())));
+        hear_changes(session, relay.clone());
     }
 
     async fn keep_up(
@@ -351,7 +396,7 @@ impl Link {
                     }
                 }
             };
-            self.up(&session);
+            self.up(&session, &relay);
             breaker.close();
             on_up();
             tracing::info!(upstream = %self.target, "the proxied server is back");
@@ -367,11 +412,12 @@ impl Link {
             match &self.target {
                 Target::Http { url, headers } => {
                     let headers: HashMap<_, _> = headers.iter().cloned().collect();
-                    // As many requests at once as the proxy lets through: the transport's own
-                    // limit (16) would be a second, hidden cap.
+                    // As many requests at once as the proxy lets through, and the subscription
+                    // it holds open ([`hear_changes`]): the transport's own limit (16) would be a
+                    // second, hidden cap.
                     let config = StreamableHttpClientTransportConfig::with_uri(url.as_str())
                         .custom_headers(headers)
-                        .max_concurrent_requests(self.concurrency);
+                        .max_concurrent_requests(self.concurrency.saturating_add(1));
                     // A pooled client: the default one opens a connection per request.
                     let transport = StreamableHttpClientTransport::with_client(reqwest::Client::new(), config);
                     relay

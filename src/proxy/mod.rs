@@ -23,6 +23,8 @@
 //! to the session that made the call, resource updates to the sessions that subscribed, log
 //! messages to the sessions that set a level (each at its own), list changes to all. A session's
 //! `logging/setLevel` is its own; the shared session's level is the most verbose any asked for.
+//! A 2026-07-28 server tells of changes only on a subscription: the proxy holds one on each
+//! session to it ([`link`]), and a 2026-07-28 caller's own subscription hears the lists' changes.
 //!
 //! **Tasks.** A task a proxied call creates is its caller's ([`tasks`]): `tasks/get` and
 //! `tasks/cancel` for it from anyone else are refused as unknown, never passed on.

@@ -60,7 +60,23 @@ pub struct Downstream {
     /// The level last set on the proxied server, held while a new one is set so that two
     /// sessions' `setLevel`s reach it in the order their levels were recorded.
     pub(super) upstream_level: tokio::sync::Mutex<Option<LoggingLevel>>,
+    /// The changes the proxied server tells of, for the 2026-07-28 subscriptions on this session
+    /// (`subscriptions/listen`), which join no session.
+    changes: tokio::sync::broadcast::Sender<Change>,
 }
+
+/// A change of the proxied server's that a 2026-07-28 subscription hears of (its tools' are the
+/// proxy's to tell: it lists them only once it has learnt them again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    /// Its prompts' list (`notifications/prompts/list_changed`).
+    Prompts,
+    /// Its resources' list (`notifications/resources/list_changed`).
+    Resources,
+}
+
+/// How many changes a slow subscription may fall behind by (then it is told of both kinds).
+const CHANGES_KEPT: usize = 16;
 
 #[derive(Default)]
 #[allow(deprecated)] // Logging is legacy in 2026-07-28, and still what servers send.
@@ -160,7 +176,13 @@ impl Downstream {
             tools_changed,
             sole: std::sync::atomic::AtomicBool::new(sole),
             upstream_level: tokio::sync::Mutex::new(None),
+            changes: tokio::sync::broadcast::Sender::new(CHANGES_KEPT),
         }
+    }
+
+    /// The changes told of from now on, for a subscription.
+    pub fn changes(&self) -> tokio::sync::broadcast::Receiver<Change> {
+        self.changes.subscribe()
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -470,18 +492,34 @@ impl ClientHandler for Relay {
     }
 
     async fn on_resource_list_changed(&self, _context: NotificationContext<RoleClient>) {
-        for peer in self.downstream.peers(|_, _| true) {
-            let _ = peer.notify_resource_list_changed().await;
-        }
+        self.changed(Change::Resources).await;
     }
 
     async fn on_prompt_list_changed(&self, _context: NotificationContext<RoleClient>) {
-        for peer in self.downstream.peers(|_, _| true) {
-            let _ = peer.notify_prompt_list_changed().await;
-        }
+        self.changed(Change::Prompts).await;
     }
 
     async fn on_tool_list_changed(&self, _context: NotificationContext<RoleClient>) {
+        self.tools_changed();
+    }
+}
+
+impl Relay {
+    /// The proxied server's tools changed: they are learnt again (then every session and
+    /// subscription is told).
+    pub fn tools_changed(&self) {
         self.downstream.tools_changed.notify_one();
+    }
+
+    /// The proxied server's prompts or resources changed: every session on its session is told,
+    /// and every subscription.
+    pub async fn changed(&self, change: Change) {
+        let _ = self.downstream.changes.send(change);
+        for peer in self.downstream.peers(|_, _| true) {
+            let _ = match change {
+                Change::Prompts => peer.notify_prompt_list_changed().await,
+                Change::Resources => peer.notify_resource_list_changed().await,
+            };
+        }
     }
 }

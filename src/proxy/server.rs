@@ -11,12 +11,16 @@ use rmcp::model::{
     GetTaskRequest, GetTaskResult, Implementation, ListPromptsResult, ListResourceTemplatesResult, ListResourcesResult,
     ListToolsResult, PaginatedRequestParams, ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult,
     ResultType, ServerConfig, ServerNotification, ServerResult, SetLevelRequestParams, SubscribeRequestParams,
-    SubscriptionFilter, TaskPayload, ToolListChangedNotification, UnsubscribeRequestParams,
+    SubscriptionFilter, TaskPayload, UnsubscribeRequestParams,
 };
-use rmcp::service::{NotificationContext, Peer, PeerRequestOptions, RequestContext, ServiceError, SubscriptionContext};
+use rmcp::service::{
+    NotificationContext, Peer, PeerRequestOptions, RequestContext, ServiceError, SubscriptionContext,
+    SubscriptionSendError,
+};
 use rmcp::{ErrorData, RoleClient, RoleServer, ServerHandler};
+use tokio::sync::broadcast::error::RecvError;
 
-use super::relay::Membership;
+use super::relay::{Change, Membership};
 use super::scopes::{self, Hold, Unopened, Upstream};
 use super::{Asker, Outgoing, Proxied};
 use crate::config::UpstreamSessions;
@@ -390,37 +394,58 @@ impl ServerHandler for ProxyServer {
         Ok(())
     }
 
-    /// A 2026-07-28 caller's subscription: `notifications/tools/list_changed`, the one change the
-    /// proxy itself can tell of (the tools it offers are those it learnt, priced). Prompts' and
-    /// resources' changes, which only the proxied server knows, are not offered: a 2025-11-25
-    /// session hears those ([`super::relay`]).
+    /// A 2026-07-28 caller's subscription: of what it asks, the lists' changes — the tools', which
+    /// the proxy tells of once it has learnt them again, and the prompts' and resources', which
+    /// the proxied server tells of (rmcp keeps only those its capabilities advertise). Updates of
+    /// single resources are not offered: they are subscribed upstream per URI, a 2025-11-25
+    /// session's `resources/subscribe`.
     fn accepted_subscription_filter(&self, requested: &SubscriptionFilter) -> Option<SubscriptionFilter> {
+        let wanted = |asked: Option<bool>| asked.filter(|&wanted| wanted);
         let mut accepted = SubscriptionFilter::new();
-        accepted.tools_list_changed = requested.tools_list_changed.filter(|&wanted| wanted);
+        accepted.tools_list_changed = wanted(requested.tools_list_changed);
+        accepted.prompts_list_changed = wanted(requested.prompts_list_changed);
+        accepted.resources_list_changed = wanted(requested.resources_list_changed);
         Some(accepted)
     }
 
-    /// Holds a subscription open until its caller ends it (or the proxy stops), telling it each
-    /// time the proxy learns the proxied server's tools again. Opening one is charged as any
-    /// other method (`limits.method.other`).
+    /// Holds a subscription open until its caller ends it (or the proxy stops), telling it of
+    /// each change it accepted: the tools learnt again, and the prompts' and resources' lists as
+    /// the session to the proxied server of the caller's scope hears of them (that session is
+    /// held open meanwhile). Opening one is charged as any other method (`limits.method.other`).
     async fn listen(&self, subscription: SubscriptionContext) -> Result<(), ErrorData> {
-        self.admit_method(subscription.request_context(), "subscriptions/listen").await?;
+        let method = "subscriptions/listen";
+        let context = subscription.request_context();
+        self.admit_method(context, method).await?;
+        let upstream = self.upstream(context, method).await.map_err(|u| self.unopened(method, u))?;
+        let _open = upstream.hold(&self.proxied.clock);
         let mut relearnt = self.proxied.relearnt();
         relearnt.mark_unchanged();
+        let mut changes = upstream.downstream().changes();
         loop {
-            tokio::select! {
+            let told: Vec<ServerNotification> = tokio::select! {
                 () = subscription.cancelled() => return Ok(()),
-                changed = relearnt.changed() => {
-                    if changed.is_err() {
-                        return Ok(());
+                relearnt = relearnt.changed() => match relearnt {
+                    Ok(()) => vec![ServerNotification::ToolListChangedNotification(Default::default())],
+                    Err(_) => return Ok(()),
+                },
+                change = changes.recv() => match change {
+                    Ok(Change::Prompts) => vec![ServerNotification::PromptListChangedNotification(Default::default())],
+                    Ok(Change::Resources) => {
+                        vec![ServerNotification::ResourceListChangedNotification(Default::default())]
                     }
-                    if subscription.accepted().tools_list_changed != Some(true) {
-                        continue;
-                    }
-                    let changed = ToolListChangedNotification { method: Default::default(), extensions: Default::default() };
-                    if subscription.sink().send(ServerNotification::ToolListChangedNotification(changed)).await.is_err() {
-                        return Ok(());
-                    }
+                    // It fell behind: whatever it missed, both lists may have changed.
+                    Err(RecvError::Lagged(_)) => vec![
+                        ServerNotification::PromptListChangedNotification(Default::default()),
+                        ServerNotification::ResourceListChangedNotification(Default::default()),
+                    ],
+                    Err(RecvError::Closed) => return Ok(()),
+                },
+            };
+            for notification in told {
+                match subscription.sink().send(notification).await {
+                    // Not a kind it accepted: it is not told.
+                    Ok(()) | Err(SubscriptionSendError::NotificationNotAccepted(_)) => {}
+                    Err(_) => return Ok(()),
                 }
             }
         }

@@ -1736,22 +1736,112 @@ async fn a_callers_trace_context_reaches_the_proxied_server_from_its_http_header
     assert_eq!(seen.structured_content, Some(json!({"traceparent": own})));
 }
 
+/// A 2026-07-28 server whose tool `change` adds a tool `extra` and a prompt `extra`, and tells
+/// its subscribers (`subscriptions/listen`) that both lists changed: the only way a 2026-07-28
+/// server tells its clients of changes.
+#[derive(Clone, Default)]
+struct Changing {
+    changed: Arc<std::sync::atomic::AtomicBool>,
+    told: Arc<tokio::sync::Notify>,
+}
+
+impl rmcp::ServerHandler for Changing {
+    fn get_info(&self) -> rmcp::model::ServerConfig {
+        let capabilities = rmcp::model::ServerCapabilities::builder()
+            .enable_prompts()
+            .enable_prompts_list_changed()
+            .enable_tools()
+            .enable_tool_list_changed()
+            .build();
+        rmcp::model::ServerConfig::new(capabilities)
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<rmcp::model::PaginatedRequestParams>,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::ListToolsResult, rmcp::ErrorData> {
+        let tool = |name: &str| {
+            let schema = json!({"type": "object"}).as_object().cloned().unwrap_or_default();
+            rmcp::model::Tool::new(name.to_owned(), format!("The tool {name}"), Arc::new(schema))
+        };
+        let mut tools = vec![tool("change")];
+        if self.changed.load(std::sync::atomic::Ordering::SeqCst) {
+            tools.push(tool("extra"));
+        }
+        Ok(rmcp::model::ListToolsResult::with_all_items(tools))
+    }
+
+    async fn list_prompts(
+        &self,
+        _request: Option<rmcp::model::PaginatedRequestParams>,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::ListPromptsResult, rmcp::ErrorData> {
+        let prompts = if self.changed.load(std::sync::atomic::Ordering::SeqCst) {
+            vec![rmcp::model::Prompt::new("extra", Some("A prompt added"), None)]
+        } else {
+            Vec::new()
+        };
+        Ok(rmcp::model::ListPromptsResult::with_all_items(prompts))
+    }
+
+    async fn call_tool(
+        &self,
+        _request: CallToolRequestParams,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::CallToolResponse, rmcp::ErrorData> {
+        self.changed.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.told.notify_waiters();
+        Ok(CallToolResult::success(vec![rmcp::model::ContentBlock::text("changed")]).into())
+    }
+
+    fn accepted_subscription_filter(
+        &self,
+        requested: &rmcp::model::SubscriptionFilter,
+    ) -> Option<rmcp::model::SubscriptionFilter> {
+        Some(requested.clone())
+    }
+
+    async fn listen(&self, subscription: rmcp::service::SubscriptionContext) -> Result<(), rmcp::ErrorData> {
+        use rmcp::model::ServerNotification::{PromptListChangedNotification, ToolListChangedNotification};
+        loop {
+            tokio::select! {
+                () = subscription.cancelled() => return Ok(()),
+                () = self.told.notified() => {
+                    let _ = subscription.sink().send(ToolListChangedNotification(Default::default())).await;
+                    let _ = subscription.sink().send(PromptListChangedNotification(Default::default())).await;
+                }
+            }
+        }
+    }
+}
+
 #[tokio::test]
-async fn a_2026_07_28_caller_subscribed_to_tool_list_changes_hears_of_a_tool_the_server_adds() {
+async fn a_2026_07_28_servers_changes_reach_the_proxy_and_its_2026_07_28_subscribers() {
     use rmcp::model::{ServerNotification, SubscriptionFilter};
-    let toml = "[proxy]\nupstream_sessions = \"shared\"\n";
-    let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
+    let target = Target::Http { url: serve_in_test(Changing::default()).await, headers: Vec::new() };
+    let proxy = Proxy::start("", target).await;
     let client = modern_client(&proxy.url).await;
-    // Of what it asks, the proxy accepts what it can tell: its own tools' list changing.
-    let mut asked = SubscriptionFilter::builder().tools_list_changed().build();
+    // Of what it asks, the proxy accepts the lists' changes the server tells of (not resources').
+    let mut asked = SubscriptionFilter::builder().tools_list_changed().prompts_list_changed().build();
     asked.resources_list_changed = Some(true);
     let mut subscription = client.peer().listen(asked).await.expect("subscribed");
-    assert_eq!(*subscription.acknowledged(), SubscriptionFilter::builder().tools_list_changed().build());
-    assert_eq!(text_of(&call(&client, "grow", json!({"name": "plus_two"})).await), "added plus_two");
-    let heard = tokio::time::timeout(Duration::from_secs(10), subscription.next()).await;
-    let heard = heard.expect("told within 10 s").expect("the stream stands").expect("a notification");
-    assert!(matches!(heard, ServerNotification::ToolListChangedNotification(_)), "{heard:?}");
-    // By then the proxy lists it.
+    let accepted = SubscriptionFilter::builder().tools_list_changed().prompts_list_changed().build();
+    assert_eq!(*subscription.acknowledged(), accepted);
+    // The server tells the proxy (on the proxy's own subscription); the proxy learns the tools
+    // again and tells its subscriber of both lists.
+    assert_eq!(text_of(&call(&client, "change", json!({})).await), "changed");
+    let mut heard = Vec::new();
+    while heard.len() < 2 {
+        let next = tokio::time::timeout(Duration::from_secs(10), subscription.next()).await;
+        heard.push(next.expect("told within 10 s").expect("the stream stands").expect("a notification"));
+    }
+    assert!(heard.iter().any(|n| matches!(n, ServerNotification::ToolListChangedNotification(_))), "{heard:?}");
+    assert!(heard.iter().any(|n| matches!(n, ServerNotification::PromptListChangedNotification(_))), "{heard:?}");
+    // Told of its tools, the caller finds the new one listed (and priced) by then.
     let tools = client.list_all_tools().await.expect("tools");
-    assert!(tools.iter().any(|t| t.name == "plus_two"), "{tools:?}");
+    let extra = tools.iter().find(|t| t.name == "extra").unwrap_or_else(|| panic!("listed: {tools:?}"));
+    assert_eq!(extra.description.as_deref(), Some("The tool extra. Costs 1 token."));
+    let prompts = client.list_all_prompts().await.expect("prompts");
+    assert!(prompts.iter().any(|p| p.name == "extra"), "{prompts:?}");
 }
