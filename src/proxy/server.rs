@@ -414,12 +414,12 @@ impl ServerHandler for ProxyServer {
     /// held open meanwhile). Opening one is charged as any other method (`limits.method.other`).
     async fn listen(&self, subscription: SubscriptionContext) -> Result<(), ErrorData> {
         let method = "subscriptions/listen";
+        // From its acknowledgment on: a change while its scope's session opens is not missed.
+        let mut relearnt = self.proxied.relearnt();
         let context = subscription.request_context();
         self.admit_method(context, method).await?;
         let upstream = self.upstream(context, method).await.map_err(|u| self.unopened(method, u))?;
         let _open = upstream.hold(&self.proxied.clock);
-        let mut relearnt = self.proxied.relearnt();
-        relearnt.mark_unchanged();
         let mut changes = upstream.downstream().changes();
         loop {
             let told: Vec<ServerNotification> = tokio::select! {

@@ -1816,11 +1816,29 @@ impl rmcp::ServerHandler for Changing {
     }
 }
 
+/// A 2025-11-25 client that counts the prompt list changes it is told of.
+#[derive(Clone, Default)]
+struct PromptsHeard(Arc<std::sync::atomic::AtomicUsize>);
+
+impl rmcp::ClientHandler for PromptsHeard {
+    async fn on_prompt_list_changed(&self, _context: rmcp::service::NotificationContext<rmcp::RoleClient>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 #[tokio::test]
-async fn a_2026_07_28_servers_changes_reach_the_proxy_and_its_2026_07_28_subscribers() {
+async fn a_2026_07_28_servers_changes_reach_the_proxy_and_its_callers_of_both_eras() {
     use rmcp::model::{ServerNotification, SubscriptionFilter};
     let target = Target::Http { url: serve_in_test(Changing::default()).await, headers: Vec::new() };
     let proxy = Proxy::start("", target).await;
+    // A 2025-11-25 session hears changes unasked.
+    let heard_by_legacy = PromptsHeard::default();
+    let transport =
+        StreamableHttpClientTransport::from_config(StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()));
+    let legacy = heard_by_legacy.clone().serve(transport).await.expect("a 2025-11-25 client connects");
+    // Its first request puts it on its scope's session to the proxied server.
+    assert!(legacy.list_all_prompts().await.expect("prompts").is_empty());
+    // A 2026-07-28 caller subscribes.
     let client = modern_client(&proxy.url).await;
     // Of what it asks, the proxy accepts the lists' changes the server tells of (not resources').
     let mut asked = SubscriptionFilter::builder().tools_list_changed().prompts_list_changed().build();
@@ -1844,4 +1862,33 @@ async fn a_2026_07_28_servers_changes_reach_the_proxy_and_its_2026_07_28_subscri
     assert_eq!(extra.description.as_deref(), Some("The tool extra. Costs 1 token."));
     let prompts = client.list_all_prompts().await.expect("prompts");
     assert!(prompts.iter().any(|p| p.name == "extra"), "{prompts:?}");
+    eventually("the 2025-11-25 session is told the prompts changed", || async {
+        heard_by_legacy.0.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
+    .await;
+    legacy.cancel().await.expect("closed");
+}
+
+#[tokio::test]
+async fn opening_subscriptions_through_the_proxy_is_charged_and_refused_past_the_budget() {
+    use rmcp::model::SubscriptionFilter;
+    let target = Target::Http { url: serve_in_test(Changing::default()).await, headers: Vec::new() };
+    let toml = "[limits.method.other]\nalgorithm = \"token_bucket\"\nburst = 3\nrefill_per_sec = 0.001\n";
+    let proxy = Proxy::start(toml, target).await;
+    let client = modern_client(&proxy.url).await;
+    let asked = || SubscriptionFilter::builder().tools_list_changed().build();
+    // rmcp acknowledges a subscription before the server's handler runs; the charge comes then,
+    // and one past the budget ends at once with the refusal. Three fit the burst.
+    let mut subscriptions = Vec::new();
+    for _ in 0..5 {
+        subscriptions.push(client.peer().listen(asked()).await.expect("acknowledged"));
+    }
+    for refused in &mut subscriptions[3..] {
+        let ended = tokio::time::timeout(Duration::from_secs(10), refused.next()).await.expect("ended at once");
+        let error = ended.expect_err("refused");
+        assert!(error.to_string().contains("rate_limited"), "{error}");
+    }
+    for open in &mut subscriptions[..3] {
+        assert!(futures::FutureExt::now_or_never(open.next()).is_none(), "still open");
+    }
 }
