@@ -149,7 +149,16 @@ impl Proxied {
         let ms = |n: u64| n.saturating_mul(NANOS_PER_MS);
         let breaker = Arc::new(Breaker::new(up.breaker_failures, ms(up.breaker_cooldown_ms)));
         let max_in_flight = config.proxy.max_in_flight;
-        let scopes = Scopes::start(target, &config.proxy, breaker.clone(), clock.clone(), stop.child_token()).await?;
+        let unverified_children = up.unverified_share_of(config.proxy.max_children);
+        let scopes = Scopes::start(
+            target,
+            &config.proxy,
+            unverified_children,
+            breaker.clone(),
+            clock.clone(),
+            stop.child_token(),
+        )
+        .await?;
         // Its calls are all alike: one class, neither spaced nor counted apart.
         let rules = QueueRules::new(max_in_flight, up.queue_max, JobClasses::one("call"))
             .unverified_share(up.unverified_share_of(max_in_flight), up.unverified_places());

@@ -133,12 +133,23 @@ struct Start {
 
 type Slot = Arc<OnceCell<Arc<Upstream>>>;
 
+/// A scope's place among the open sessions: its session (once opened), and whether it was opened
+/// for a caller without a configured key (held to their share of the places).
+#[derive(Clone, Default)]
+struct Place {
+    slot: Slot,
+    unverified: bool,
+}
+
 /// The sessions to the proxied server: the proxy's own, and one per scope.
 pub struct Scopes {
     mode: UpstreamSessions,
     shared: Arc<Upstream>,
-    scoped: Mutex<HashMap<String, Slot>>,
+    scoped: Mutex<HashMap<String, Place>>,
     max: usize,
+    /// Of `max`, the places callers without a configured key may hold together
+    /// (`upstream.unverified_share` of them): configured tenants always find room.
+    unverified_max: usize,
     idle: Nanos,
     start: Start,
     /// Downstream sessions so far, to name each one's scope under `session`.
@@ -165,10 +176,12 @@ pub enum Unopened {
 
 impl Scopes {
     /// The proxy's own session to the proxied server at `target` (connected now: its error is the
-    /// start-up error), and the rules for the others; each started on `clock`, until `stop`.
+    /// start-up error), and the rules for the others (of `proxy.max_children`, `unverified_max` for
+    /// callers without a configured key); each started on `clock`, until `stop`.
     pub async fn start(
         target: Target,
         config: &ProxyConfig,
+        unverified_max: usize,
         breaker: Arc<Breaker>,
         clock: SharedClock,
         stop: CancellationToken,
@@ -181,6 +194,7 @@ impl Scopes {
             shared,
             scoped: Mutex::new(HashMap::new()),
             max: config.max_children,
+            unverified_max: unverified_max.min(config.max_children),
             idle: config.upstream_idle_seconds.saturating_mul(NANOS_PER_SEC),
             start,
             sessions: AtomicU64::new(0),
@@ -212,13 +226,13 @@ impl Scopes {
         self.sessions.fetch_add(1, Ordering::Relaxed)
     }
 
-    fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<String, Slot>> {
+    fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<String, Place>> {
         self.scoped.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Every session open now, the proxy's own first.
     pub fn all(&self) -> Vec<Arc<Upstream>> {
-        let scoped = self.slots().values().filter_map(|slot| slot.get().cloned()).collect::<Vec<_>>();
+        let scoped = self.slots().values().filter_map(|place| place.slot.get().cloned()).collect::<Vec<_>>();
         std::iter::once(self.shared.clone()).chain(scoped).collect()
     }
 
@@ -255,8 +269,8 @@ impl Scopes {
         }
         let slot = {
             let mut slots = self.slots();
-            if let Some(slot) = slots.get(&scope) {
-                slot.clone()
+            if let Some(place) = slots.get(&scope) {
+                place.slot.clone()
             } else if self.adopter.set(scope.clone()).is_ok() {
                 // The first scope takes the proxy's own session: it opens nothing.
                 if self.mode == UpstreamSessions::Session {
@@ -264,16 +278,24 @@ impl Scopes {
                 }
                 return Ok(self.shared.clone());
             } else {
-                if slots.len() >= self.max && !self.close_longest_idle(&mut slots) {
-                    let max = u64::try_from(self.max).unwrap_or(u64::MAX);
-                    let refusal = Refusal::sessions_full(what, max, self.close_every());
+                let unverified = caller.unverified_from().is_some();
+                let refused = |refusal: Refusal| {
                     // On the dashboard as any other refusal (`admit_method`'s say themselves).
                     limits.guard().seen_refused(caller, what, &refusal);
-                    return Err(Unopened::Refused(refusal));
+                    Err(Unopened::Refused(refusal))
+                };
+                let theirs = slots.values().filter(|place| place.unverified).count();
+                if unverified && theirs >= self.unverified_max && !self.close_longest_idle(&mut slots, true) {
+                    let max = u64::try_from(self.unverified_max).unwrap_or(u64::MAX);
+                    return refused(Refusal::unverified_sessions_full(what, max, self.close_every()));
                 }
-                let slot = Slot::default();
-                slots.insert(scope.clone(), slot.clone());
-                slot
+                if slots.len() >= self.max && !self.close_longest_idle(&mut slots, false) {
+                    let max = u64::try_from(self.max).unwrap_or(u64::MAX);
+                    return refused(Refusal::sessions_full(what, max, self.close_every()));
+                }
+                let place = Place { slot: Slot::default(), unverified };
+                slots.insert(scope.clone(), place.clone());
+                place.slot
             }
         };
         let opened = slot
@@ -292,22 +314,24 @@ impl Scopes {
         if opened.is_err() {
             // Not opened: the next request tries again.
             let mut slots = self.slots();
-            if slots.get(&scope).is_some_and(|s| Arc::ptr_eq(s, &slot) && !s.initialized()) {
+            if slots.get(&scope).is_some_and(|p| Arc::ptr_eq(&p.slot, &slot) && !p.slot.initialized()) {
                 slots.remove(&scope);
             }
         }
         opened
     }
 
-    /// Closes the open session idle longest, if one is idle; whether one was.
-    fn close_longest_idle(&self, slots: &mut HashMap<String, Slot>) -> bool {
+    /// Closes the open session idle longest (of unverified callers' only, if `unverified`), if one
+    /// is idle; whether one was.
+    fn close_longest_idle(&self, slots: &mut HashMap<String, Place>, unverified: bool) -> bool {
         let idle = slots
             .iter()
-            .filter_map(|(scope, slot)| Some((scope.clone(), slot.get()?.idle_since()?)))
+            .filter(|(_, place)| place.unverified || !unverified)
+            .filter_map(|(scope, place)| Some((scope.clone(), place.slot.get()?.idle_since()?)))
             .min_by_key(|(_, since)| *since);
         let Some((scope, _)) = idle else { return false };
-        if let Some(slot) = slots.remove(&scope)
-            && let Some(upstream) = slot.get()
+        if let Some(place) = slots.remove(&scope)
+            && let Some(upstream) = place.slot.get()
         {
             upstream.stop.cancel();
         }
@@ -330,8 +354,8 @@ impl Scopes {
             }
             let now = clock.now();
             let mut slots = self.slots();
-            slots.retain(|_, slot| {
-                let Some(upstream) = slot.get() else { return true };
+            slots.retain(|_, place| {
+                let Some(upstream) = place.slot.get() else { return true };
                 let stale = upstream.idle_since().is_some_and(|since| now.saturating_sub(since) >= self.idle);
                 if stale {
                     upstream.stop.cancel();

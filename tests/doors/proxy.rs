@@ -1519,13 +1519,19 @@ async fn two_tenants_never_see_each_others_state_and_the_children_are_capped_and
 
 /// With `proxy.upstream_sessions = "session"`, each downstream session has its own child (the first
 /// the proxy's own), and opening one is charged to the caller's `limits.method.other`: a flood of
-/// sessions opens what that budget allows, never more than `proxy.max_children`.
+/// sessions opens what that budget allows, never more than `proxy.max_children`; and callers
+/// without a configured key hold at most their share of them (`upstream.unverified_share`), so
+/// configured tenants always find room.
 #[tokio::test]
 async fn each_session_its_own_child_and_a_flood_of_sessions_opens_what_its_budget_allows() {
-    let toml = "[loop_detection]\nenabled = false\n[proxy]\nupstream_sessions = \"session\"\nmax_children = 3\n\
-                [limits.method.other]\nalgorithm = \"token_bucket\"\nburst = 2\nrefill_per_sec = 0.001\n";
-    let proxy = Proxy::start(toml, command(fastmcp(&[]))).await;
     let key = "flooder-0123456789abcdef";
+    let toml = format!(
+        "[loop_detection]\nenabled = false\n[proxy]\nupstream_sessions = \"session\"\nmax_children = 4\n\
+         [limits.method.other]\nalgorithm = \"token_bucket\"\nburst = 2\nrefill_per_sec = 0.001\n\
+         [auth]\nkeys = [{{ sha256 = \"{}\", tenant = \"flood\" }}]\n",
+        sha256_hex(key)
+    );
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
     let (first, second) = (proxy.client(Some(key)).await, proxy.client(Some(key)).await);
     let (one, two) = (text_of(&call(&first, "pid", json!({})).await), text_of(&call(&second, "pid", json!({})).await));
     assert_ne!(one, two, "two sessions of one caller, two children");
@@ -1542,18 +1548,24 @@ async fn each_session_its_own_child_and_a_flood_of_sessions_opens_what_its_budge
     let rate_limited = Some("rate_limited".to_owned());
     assert_eq!(refused[0], None, "one more opening in its budget: {refused:?}");
     assert!(refused[1..].iter().all(|r| *r == rate_limited), "{refused:?}");
-    // Another caller's sessions: at most max_children open at once.
-    let others: Vec<Client> = futures::future::join_all((0..4).map(|i| {
-        proxy.client(Some(["other-a-0123456789", "other-b-0123456789", "other-c-0123456789", "other-d-0123456789"][i]))
-    }))
-    .await;
-    let mut codes = Vec::new();
+    // Callers with made-up keys, each its own budget: together they open at most their share of
+    // the children (half of 4: 2), whatever is free.
+    let made_up = ["other-a-0123456789", "other-b-0123456789", "other-c-0123456789", "other-d-0123456789"];
+    let others: Vec<Client> = futures::future::join_all(made_up.iter().map(|k| proxy.client(Some(k)))).await;
+    let mut answers = Vec::new();
     for other in &others {
-        codes.push(code_of(&call(other, "pid", json!({})).await).map(str::to_owned));
+        answers.push(call(other, "pid", json!({})).await);
+    }
+    let codes: Vec<Option<&str>> = answers.iter().map(code_of).collect();
+    assert_eq!(codes.iter().filter(|c| c.is_none()).count(), 2, "{codes:?}");
+    for answer in answers.iter().filter(|a| code_of(a).is_some()) {
+        assert_eq!(code_of(answer), Some("busy"), "{answer:?}");
+        let error = &common::structured(answer)["error"];
+        assert_eq!(error["scope"], "proxy:max_children:unverified", "{answer:?}");
+        assert_eq!(error["limit"], 2, "{answer:?}");
     }
     let open = proxy.app.proxied().expect("a proxy").scopes().all().len() - 1;
-    assert!(open <= 3, "{open} open: {codes:?}");
-    assert!(codes.iter().any(|c| c.as_deref() == Some("busy")), "{codes:?}");
+    assert_eq!(open, 4, "never more than max_children");
 }
 
 /// A client that keeps the log messages it hears: their text.

@@ -192,6 +192,33 @@ impl Refusal {
         }
     }
 
+    /// The sessions a proxy may open to the server it fronts for callers without a configured key
+    /// (`max` of them, all such callers together) are in use, so this caller's cannot be opened;
+    /// `wait` is until one may go idle.
+    pub fn unverified_sessions_full(tool: &str, max: u64, wait: Nanos) -> Self {
+        let message = if max == 0 {
+            format!(
+                "This proxy keeps its sessions to the server it fronts for callers with a configured API key: {tool} \
+                 needs one. Send your key as `Authorization: Bearer <key>` or `X-API-Key: <key>`."
+            )
+        } else {
+            format!(
+                "Callers without a configured API key may hold {max} sessions to the proxied server together, and they \
+                 are in use, so {tool} cannot open yours. Wait {} before calling it again, or send a configured API key.",
+                seconds(ceil_secs(wait))
+            )
+        };
+        Self {
+            code: RefusalCode::Busy,
+            message,
+            retry_after_ms: Some(ceil_ms(wait).max(1)),
+            scope: Some("proxy:max_children:unverified".into()),
+            limit: Some(max),
+            remaining: Some(0),
+            details: None,
+        }
+    }
+
     /// The queue in front of the upstream account is full; `wait` is until a place frees up.
     pub fn queue_full(tool: &str, wait: Nanos) -> Self {
         Self {
