@@ -245,11 +245,6 @@ pub(super) const ANSWER_WITHIN: Duration = Duration::from_secs(30);
 
 type Session = RunningService<RoleClient, Relay>;
 
-/// How the proxy's client meets the proxied server (`proxy.upstream_protocol`). `auto` asks for
-/// 2026-07-28 (`server/discover`) and speaks it where the server does (no session: each request
-/// carries its `_meta`, `Mcp-Method` and `Mcp-Name` go with it over HTTP, and a tool may ask the
-/// caller for input, `input_required`); a server that does not know `server/discover` gets the
-/// 2025-11-25 `initialize` handshake instead, within 10 seconds of asking.
 /// A 2026-07-28 server tells its clients of changes only on a subscription they hold open
 /// (`subscriptions/listen`): the proxy holds one for each session to it, asking for what the
 /// server says it tells of (its tools', prompts' and resources' lists changing), and relays what it
@@ -295,6 +290,11 @@ fn hear_changes(session: &Session, relay: Relay) {
     });
 }
 
+/// How the proxy's client meets the proxied server (`proxy.upstream_protocol`). `auto` asks for
+/// 2026-07-28 (`server/discover`) and speaks it where the server does (no session: each request
+/// carries its `_meta`, `Mcp-Method` and `Mcp-Name` go with it over HTTP, and a tool may ask the
+/// caller for input, `input_required`); a server that does not know `server/discover` gets the
+/// 2025-11-25 `initialize` handshake instead, within 10 seconds of asking.
 fn lifecycle(protocol: UpstreamProtocol) -> ClientLifecycleMode {
     match protocol {
         UpstreamProtocol::Auto => ClientLifecycleMode::Auto {
