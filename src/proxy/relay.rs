@@ -67,12 +67,14 @@ pub struct Downstream {
 
 /// A change of the proxied server's that a 2026-07-28 subscription hears of (its tools' are the
 /// proxy's to tell: it lists them only once it has learnt them again).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
     /// Its prompts' list (`notifications/prompts/list_changed`).
     Prompts,
     /// Its resources' list (`notifications/resources/list_changed`).
     Resources,
+    /// One resource, to whoever subscribed to it (`notifications/resources/updated`).
+    Resource(String),
 }
 
 /// How many changes a slow subscription may fall behind by (then it is told of both kinds).
@@ -183,6 +185,12 @@ impl Downstream {
     /// The changes told of from now on, for a subscription.
     pub fn changes(&self) -> tokio::sync::broadcast::Receiver<Change> {
         self.changes.subscribe()
+    }
+
+    /// A number for a 2026-07-28 subscription's place among the subscribers of resources (it
+    /// joins no session: [`Downstream::subscribe`] and [`Downstream::unsubscribe`] take it).
+    pub fn subscriber(&self) -> u64 {
+        self.next.fetch_add(1, Ordering::Relaxed)
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -485,6 +493,7 @@ impl ClientHandler for Relay {
         _context: NotificationContext<RoleClient>,
     ) {
         let uri = params.uri.clone();
+        let _ = self.downstream.changes.send(Change::Resource(uri.clone()));
         let subscribed = |state: &State, id: u64| state.subscribed.get(&uri).is_some_and(|s| s.contains(&id));
         for peer in self.downstream.peers(subscribed) {
             let _ = peer.notify_resource_updated(params.clone()).await;
@@ -514,11 +523,13 @@ impl Relay {
     /// The proxied server's prompts or resources changed: every session on its session is told,
     /// and every subscription.
     pub async fn changed(&self, change: Change) {
-        let _ = self.downstream.changes.send(change);
+        let _ = self.downstream.changes.send(change.clone());
         for peer in self.downstream.peers(|_, _| true) {
-            let _ = match change {
+            let _ = match &change {
                 Change::Prompts => peer.notify_prompt_list_changed().await,
                 Change::Resources => peer.notify_resource_list_changed().await,
+                // Only the sessions that subscribed hear of it (`on_resource_updated`).
+                Change::Resource(_) => Ok(()),
             };
         }
     }

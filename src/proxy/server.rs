@@ -10,8 +10,9 @@ use rmcp::model::{
     CompleteRequestParams, CompleteResult, GetPromptRequestParams, GetPromptResponse, GetPromptResult, GetTaskParams,
     GetTaskRequest, GetTaskResult, Implementation, ListPromptsResult, ListResourceTemplatesResult, ListResourcesResult,
     ListToolsResult, PaginatedRequestParams, ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult,
-    ResultType, ServerConfig, ServerNotification, ServerResult, SetLevelRequestParams, SubscribeRequestParams,
-    SubscriptionFilter, TaskPayload, UnsubscribeRequestParams,
+    ResourceUpdatedNotification, ResourceUpdatedNotificationParam, ResultType, ServerConfig, ServerNotification,
+    ServerResult, SetLevelRequestParams, SubscribeRequestParams, SubscriptionFilter, TaskPayload,
+    UnsubscribeRequestParams,
 };
 use rmcp::service::{
     NotificationContext, Peer, PeerRequestOptions, RequestContext, ServiceError, SubscriptionContext,
@@ -148,6 +149,37 @@ impl ProxyServer {
         let mut options = PeerRequestOptions::no_options();
         options.meta = Some(asking.upstream.upstream_meta(with_trace_context(context)));
         asking.peer.send_request_with_option(request, options).await?.await_response().await
+    }
+
+    /// Subscribes a 2026-07-28 subscription to `uris` on `upstream` (a 2025-11-25 session): each
+    /// charged as a 2025-11-25 session's `resources/subscribe` is (so asking for many buys
+    /// nothing), and each no one on that session subscribed to yet subscribed to upstream, within
+    /// the time a listing of tools has. The subscriptions are given up as the returned guard is
+    /// dropped.
+    #[allow(deprecated)] // Resource subscriptions are what a 2025-11-25 server knows.
+    async fn subscribe_all(
+        &self,
+        context: &RequestContext<RoleServer>,
+        upstream: &Arc<Upstream>,
+        uris: Vec<String>,
+    ) -> Result<Resources, ErrorData> {
+        let method = "subscriptions/listen";
+        let peer = upstream.link().peer().ok_or_else(|| self.unavailable(method, "it is restarting"))?;
+        let downstream = upstream.downstream().clone();
+        let mut resources = Resources { subscriber: downstream.subscriber(), downstream, peer, uris: Vec::new() };
+        for uri in uris {
+            self.admit_method(context, "resources/subscribe").await?;
+            let first = resources.downstream.subscribe(resources.subscriber, &uri);
+            resources.uris.push(uri.clone());
+            if first {
+                let subscribing = resources.peer.subscribe(SubscribeRequestParams::new(uri));
+                match tokio::time::timeout(super::link::ANSWER_WITHIN, subscribing).await {
+                    Ok(done) => done.map_err(|e| self.passed(method, e))?,
+                    Err(_) => return Err(self.unavailable(method, "it did not answer in time")),
+                }
+            }
+        }
+        Ok(resources)
     }
 
     /// Refuses a task the caller does not own — another caller's, or one no proxied call of ours
@@ -405,6 +437,15 @@ impl ServerHandler for ProxyServer {
         accepted.tools_list_changed = wanted(requested.tools_list_changed);
         accepted.prompts_list_changed = wanted(requested.prompts_list_changed);
         accepted.resources_list_changed = wanted(requested.resources_list_changed);
+        // Single resources from a 2025-11-25 server, which the proxy subscribes to for it
+        // (`resources/subscribe`, once for all its subscribers); the first [`MAX_RESOURCES`].
+        if !self.proxied.scopes().shared().stateless() {
+            accepted.resource_subscriptions = requested
+                .resource_subscriptions
+                .as_ref()
+                .map(|uris| uris.iter().take(MAX_RESOURCES).cloned().collect::<Vec<_>>())
+                .filter(|uris| !uris.is_empty());
+        }
         Some(accepted)
     }
 
@@ -421,6 +462,8 @@ impl ServerHandler for ProxyServer {
         let upstream = self.upstream(context, method).await.map_err(|u| self.unopened(method, u))?;
         let _open = upstream.hold(&self.proxied.clock);
         let mut changes = upstream.downstream().changes();
+        let uris = subscription.accepted().resource_subscriptions.clone().unwrap_or_default();
+        let _resources = if uris.is_empty() { None } else { Some(self.subscribe_all(context, &upstream, uris).await?) };
         loop {
             let told: Vec<ServerNotification> = tokio::select! {
                 () = subscription.cancelled() => return Ok(()),
@@ -433,6 +476,10 @@ impl ServerHandler for ProxyServer {
                     Ok(Change::Resources) => {
                         vec![ServerNotification::ResourceListChangedNotification(Default::default())]
                     }
+                    // Of those it subscribed to (the sink sends no other).
+                    Ok(Change::Resource(uri)) => vec![ServerNotification::ResourceUpdatedNotification(
+                        ResourceUpdatedNotification::new(ResourceUpdatedNotificationParam::new(uri)),
+                    )],
                     // It fell behind: whatever it missed, both lists may have changed.
                     Err(RecvError::Lagged(_)) => vec![
                         ServerNotification::PromptListChangedNotification(Default::default()),
@@ -487,6 +534,39 @@ impl ServerHandler for ProxyServer {
             Ok(ServerResult::TaskAckResult(_) | ServerResult::EmptyResult(_)) => Ok(()),
             Ok(_) => Err(self.passed(method, ServiceError::UnexpectedResponse)),
             Err(error) => Err(self.passed(method, error)),
+        }
+    }
+}
+
+/// The most resources one 2026-07-28 subscription may ask to hear of (each is charged, and may
+/// cost a request to the proxied server).
+const MAX_RESOURCES: usize = 100;
+
+/// A 2026-07-28 subscription's place among the subscribers of single resources on one session
+/// to the proxied server; dropped, it leaves, and each resource nobody is subscribed to any more
+/// is unsubscribed from upstream.
+struct Resources {
+    downstream: Arc<super::Downstream>,
+    peer: Arc<Peer<RoleClient>>,
+    subscriber: u64,
+    uris: Vec<String>,
+}
+
+impl Drop for Resources {
+    #[allow(deprecated)] // Resource subscriptions are what a 2025-11-25 server knows.
+    fn drop(&mut self) {
+        let left: Vec<String> =
+            self.uris.drain(..).filter(|uri| self.downstream.unsubscribe(self.subscriber, uri)).collect();
+        if left.is_empty() {
+            return;
+        }
+        let peer = self.peer.clone();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                for uri in left {
+                    let _ = peer.unsubscribe(UnsubscribeRequestParams::new(uri)).await;
+                }
+            });
         }
     }
 }

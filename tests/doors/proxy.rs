@@ -1755,13 +1755,21 @@ async fn a_callers_trace_context_reaches_the_proxied_server_from_its_http_header
 struct Changing {
     changed: Arc<std::sync::atomic::AtomicBool>,
     told: Arc<tokio::sync::Notify>,
+    /// The 2025-11-25 sessions that subscribed to a resource (`resources/subscribe`): `change`
+    /// tells them it was updated.
+    subscribers: Arc<std::sync::Mutex<Vec<Subscribed>>>,
 }
+
+/// A session of the server's and the resource it subscribed to.
+type Subscribed = (rmcp::service::Peer<rmcp::RoleServer>, String);
 
 impl rmcp::ServerHandler for Changing {
     fn get_info(&self) -> rmcp::model::ServerConfig {
         let capabilities = rmcp::model::ServerCapabilities::builder()
             .enable_prompts()
             .enable_prompts_list_changed()
+            .enable_resources()
+            .enable_resources_subscribe()
             .enable_tools()
             .enable_tool_list_changed()
             .build();
@@ -1804,7 +1812,22 @@ impl rmcp::ServerHandler for Changing {
     ) -> Result<rmcp::model::CallToolResponse, rmcp::ErrorData> {
         self.changed.store(true, std::sync::atomic::Ordering::SeqCst);
         self.told.notify_waiters();
+        let subscribers = self.subscribers.lock().unwrap().clone();
+        for (peer, uri) in subscribers {
+            #[allow(deprecated)] // What a 2025-11-25 session is told.
+            let _ = peer.notify_resource_updated(rmcp::model::ResourceUpdatedNotificationParam::new(uri)).await;
+        }
         Ok(CallToolResult::success(vec![rmcp::model::ContentBlock::text("changed")]).into())
+    }
+
+    #[allow(deprecated)] // A 2025-11-25 session's subscription.
+    async fn subscribe(
+        &self,
+        request: rmcp::model::SubscribeRequestParams,
+        context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<(), rmcp::ErrorData> {
+        self.subscribers.lock().unwrap().push((context.peer, request.uri));
+        Ok(())
     }
 
     fn accepted_subscription_filter(
@@ -1903,4 +1926,53 @@ async fn opening_subscriptions_through_the_proxy_is_charged_and_refused_past_the
     for open in &mut subscriptions[..3] {
         assert!(futures::FutureExt::now_or_never(open.next()).is_none(), "still open");
     }
+}
+
+/// A 2025-11-25 client that keeps the URIs of the resource updates it is told of.
+#[derive(Clone, Default)]
+struct Updates(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl rmcp::ClientHandler for Updates {
+    async fn on_resource_updated(
+        &self,
+        params: rmcp::model::ResourceUpdatedNotificationParam,
+        _context: rmcp::service::NotificationContext<rmcp::RoleClient>,
+    ) {
+        self.0.lock().unwrap().push(params.uri);
+    }
+}
+
+/// A resource's update reaches whoever subscribed to it, in either era: a 2025-11-25 session by
+/// `resources/subscribe`, a 2026-07-28 caller on its `subscriptions/listen`; the proxied server
+/// (2025-11-25) is subscribed once for both.
+#[tokio::test]
+async fn a_resource_update_reaches_the_callers_of_both_eras_that_subscribed_to_it() {
+    use rmcp::model::{ServerNotification, SubscriptionFilter};
+    let server = Changing::default();
+    let target = Target::Http { url: serve_in_test(server.clone()).await, headers: Vec::new() };
+    let proxy = Proxy::start("[proxy]\nupstream_protocol = \"2025-11-25\"\n", target).await;
+    let thing = "test://thing";
+    let heard_by_legacy = Updates::default();
+    let transport =
+        StreamableHttpClientTransport::from_config(StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()));
+    let legacy = heard_by_legacy.clone().serve(transport).await.expect("a 2025-11-25 client connects");
+    #[allow(deprecated)] // A 2025-11-25 session's subscription.
+    legacy.subscribe(rmcp::model::SubscribeRequestParams::new(thing)).await.expect("subscribed");
+    let client = modern_client(&proxy.url).await;
+    let mut asked = SubscriptionFilter::new();
+    asked.resource_subscriptions = Some(vec![thing.to_owned(), "test://never-changes".to_owned()]);
+    let mut subscription = client.peer().listen(asked.clone()).await.expect("subscribed");
+    assert_eq!(subscription.acknowledged().resource_subscriptions, asked.resource_subscriptions);
+    assert_eq!(text_of(&call(&client, "change", json!({})).await), "changed");
+    let heard = tokio::time::timeout(Duration::from_secs(10), subscription.next()).await;
+    let heard = heard.expect("told within 10 s").expect("the stream stands").expect("a notification");
+    let ServerNotification::ResourceUpdatedNotification(updated) = heard else { panic!("{heard:?}") };
+    assert_eq!(updated.params.uri, thing);
+    eventually("the 2025-11-25 session is told too", || async {
+        heard_by_legacy.0.lock().unwrap().as_slice() == [thing.to_owned()]
+    })
+    .await;
+    let asked_upstream: Vec<String> = server.subscribers.lock().unwrap().iter().map(|(_, uri)| uri.clone()).collect();
+    assert_eq!(asked_upstream, [thing, "test://never-changes"], "the server asked once per resource");
+    legacy.cancel().await.expect("closed");
 }
