@@ -96,12 +96,17 @@ impl ProxyServer {
         }
     }
 
+    /// Why a scope's session could not be had, as the refusal its caller gets.
+    fn unopened_refusal(&self, what: &str, unopened: Unopened) -> Refusal {
+        match unopened {
+            Unopened::Refused(refusal) => refusal,
+            Unopened::Unreachable(error) => self.unavailable_refusal(what, &error.to_string()),
+        }
+    }
+
     /// Why a scope's session could not be had, as a JSON-RPC error.
     fn unopened(&self, method: &str, unopened: Unopened) -> ErrorData {
-        match unopened {
-            Unopened::Refused(refusal) => results::method_error(&refusal),
-            Unopened::Unreachable(error) => self.unavailable(method, &error.to_string()),
-        }
+        results::method_error(&self.unopened_refusal(method, unopened))
     }
 
     /// Charges a method other than a tool call to its per-caller limit.
@@ -129,12 +134,16 @@ impl ProxyServer {
         }
     }
 
-    /// `upstream_unavailable` as a JSON-RPC error, with the refusal's data, and the breaker's
-    /// time left as the wait (a second when it is closed).
-    fn unavailable(&self, method: &str, detail: &str) -> ErrorData {
+    /// `upstream_unavailable` for `what`, with the breaker's time left as the wait (a second when
+    /// it is closed).
+    fn unavailable_refusal(&self, what: &str, detail: &str) -> Refusal {
         let wait = self.proxied.breaker.open_for(self.proxied.clock.now()).unwrap_or(crate::clock::NANOS_PER_SEC);
-        let ms = wait.div_ceil(crate::clock::NANOS_PER_MS).max(1);
-        results::method_error(&Refusal::upstream_unavailable(method, detail, ms))
+        super::unavailable(what, detail, wait)
+    }
+
+    /// `upstream_unavailable` as a JSON-RPC error, with the refusal's data.
+    fn unavailable(&self, method: &str, detail: &str) -> ErrorData {
+        results::method_error(&self.unavailable_refusal(method, detail))
     }
 
     /// `request` sent to the proxied server with what the caller's `_meta` may carry there
@@ -288,17 +297,7 @@ impl ServerHandler for ProxyServer {
         }
         let upstream = match self.upstream(&context, &request.name).await {
             Ok(upstream) => upstream,
-            Err(Unopened::Refused(refusal)) => return Ok(results::tool_result(&refusal).into()),
-            Err(Unopened::Unreachable(error)) => {
-                let wait =
-                    self.proxied.breaker.open_for(self.proxied.clock.now()).unwrap_or(crate::clock::NANOS_PER_SEC);
-                let refusal = Refusal::upstream_unavailable(
-                    &request.name,
-                    &error.to_string(),
-                    wait.div_ceil(crate::clock::NANOS_PER_MS),
-                );
-                return Ok(results::tool_result(&refusal).into());
-            }
+            Err(unopened) => return Ok(results::tool_result(&self.unopened_refusal(&request.name, unopened)).into()),
         };
         let session = self.membership.get().map(Membership::id);
         let progress = session.zip(context.meta.get_progress_token());
