@@ -1564,6 +1564,12 @@ async fn each_session_its_own_child_and_a_flood_of_sessions_opens_what_its_budge
         assert_eq!(error["scope"], "proxy:max_children:unverified", "{answer:?}");
         assert_eq!(error["limit"], 2, "{answer:?}");
     }
+    // A 2026-07-28 caller with a made-up key (the Python SDK, stateless: its own scope) is held
+    // to the same share.
+    let step = json!([{"op": "call", "tool": "pid"}]);
+    let walked = python::walk(&proxy.url, "auto", step, &["-H", "Authorization: Bearer other-e-0123456789"]).await;
+    let error = &walked["steps"][0]["ok"]["structured"]["error"];
+    assert_eq!(error["scope"], "proxy:max_children:unverified", "{walked}");
     let open = proxy.app.proxied().expect("a proxy").scopes().all().len() - 1;
     assert_eq!(open, 4, "never more than max_children");
 }
