@@ -34,7 +34,7 @@ use crate::upstream::adaptive::AdaptiveLimit;
 use crate::upstream::backoff::{Backoff, RetryBudget};
 use crate::upstream::classes::JobClasses;
 use crate::upstream::jobs::{JobRules, Jobs};
-use crate::upstream::queue::{FairQueue, QueueRules};
+use crate::upstream::queue::{FairQueue, QueueRules, TierRule};
 use crate::upstream::{ClientError, Upstream};
 
 /// Why the server could not start or serve.
@@ -118,7 +118,8 @@ impl App {
         let queue = Arc::new(
             FairQueue::new(
                 QueueRules::new(up.max_in_flight, up.queue_max, JobClasses::from_config(up))
-                    .unverified_share(up.unverified_slots(), up.unverified_places()),
+                    .unverified_share(up.unverified_slots(), up.unverified_places())
+                    .with_tiers(TierRule::from_config(up)),
                 clock.clone(),
             )
             .adaptive(AdaptiveLimit::configured(&up.adaptive, up.max_in_flight))

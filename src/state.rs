@@ -92,7 +92,8 @@ impl AppState {
     pub fn sample_gauges(&self) {
         use crate::breaker::BreakerState;
         use crate::metrics::{
-            ACCOUNT_SLOTS_IN_USE, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH, STORE_UP, UPSTREAM_CONCURRENCY_LIMIT,
+            ACCOUNT_SLOTS_IN_USE, ACCOUNT_TIER_PLACES, ACCOUNT_TIER_SLOTS, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH,
+            STORE_UP, UPSTREAM_CONCURRENCY_LIMIT,
         };
         let occupancy = self.behind.occupancy();
         // Per flow bucket (a 16-way hash of the tenant or caller, never its name); every bucket
@@ -106,6 +107,16 @@ impl AppState {
             self.limits.metrics().sample(QUEUE_DEPTH, vec![label], *waiting as f64);
         }
         self.limits.metrics().sample(ACCOUNT_SLOTS_IN_USE, Vec::new(), occupancy.in_flight as f64);
+        // Tier names come from the config, never from a caller: a bounded label.
+        for tier in &occupancy.per_tier {
+            let labels =
+                |of: &'static str| vec![metrics::Label::new("tier", tier.tier.clone()), metrics::Label::new("of", of)];
+            let metrics = self.limits.metrics();
+            metrics.sample(ACCOUNT_TIER_SLOTS, labels("reserved"), tier.reserved_slots as f64);
+            metrics.sample(ACCOUNT_TIER_SLOTS, labels("in_use"), tier.in_flight as f64);
+            metrics.sample(ACCOUNT_TIER_PLACES, labels("reserved"), tier.reserved_places as f64);
+            metrics.sample(ACCOUNT_TIER_PLACES, labels("waiting"), tier.waiting as f64);
+        }
         self.limits.metrics().sample(UPSTREAM_CONCURRENCY_LIMIT, Vec::new(), self.behind.slots() as f64);
         let jobs = self.behind.jobs().map_or(0, |jobs| jobs.in_flight());
         self.limits.metrics().sample(JOBS_IN_FLIGHT, Vec::new(), jobs as f64);
@@ -192,6 +203,8 @@ impl AppState {
             ("upstream.max_in_flight", running.upstream.max_in_flight != config.upstream.max_in_flight),
             ("upstream.queue_max", running.upstream.queue_max != config.upstream.queue_max),
             ("upstream.unverified_share", running.upstream.unverified_share != config.upstream.unverified_share),
+            ("upstream.reserved", running.upstream.reserved != config.upstream.reserved),
+            ("upstream.priority", running.upstream.priority != config.upstream.priority),
             ("upstream.cache_max_entries", running.upstream.cache_max_entries != config.upstream.cache_max_entries),
             ("upstream.cache_max_bytes", running.upstream.cache_max_bytes != config.upstream.cache_max_bytes),
             ("upstream.adaptive", running.upstream.adaptive != config.upstream.adaptive),

@@ -96,6 +96,7 @@ impl Config {
         raw.proxy.validate()?;
         let server = raw.server.validate(&limiting.proxies)?;
         raw.upstream.validate()?;
+        raw.upstream.validate_tiers(&limiting.tiers)?;
         if limiting.store.backend == Backend::Redis {
             // The backend reads its own URL: one server, or a cluster's seed nodes.
             mcp_ratelimit_redis::RedisStore::check_url(&limiting.store.redis_url)

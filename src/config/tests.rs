@@ -323,3 +323,24 @@ fn the_listeners_caps_are_checked_naming_their_keys_and_the_metrics_key_never_sh
     let raw = document.section::<RawServerSections>().expect("the server's sections");
     assert!(!format!("{raw:?}{document:?}").contains("hush"), "nor in the raw config's");
 }
+
+#[test]
+fn reserved_shares_and_ranks_name_known_tiers_and_reserve_no_more_than_the_account() {
+    let ok = Config::from_toml_test(
+        "[tiers]\npro = 2.0\n[upstream.reserved]\npro = 0.5\n[upstream.priority]\npro = 3\nguest = -1\n",
+    )
+    .expect("valid");
+    assert_eq!(ok.upstream.reserved["pro"], 0.5);
+    assert_eq!(ok.upstream.priority["guest"], -1);
+    assert!(
+        Config::from_toml_test("[upstream.reserved]\nadmin = 0.2\ndefault = 0.1\nguest = 0.7\n").is_ok(),
+        "0.1 + 0.2 + 0.7 is the whole"
+    );
+    let unknown = err("[upstream.reserved]\nplatinum = 0.5\n");
+    assert!(unknown.contains("upstream.reserved.platinum") && unknown.contains("admin, default, guest"), "{unknown}");
+    assert!(err("[upstream.priority]\nplatinum = 1\n").contains("upstream.priority.platinum"));
+    assert!(err("[upstream.reserved]\nadmin = 1.5\n").contains("upstream.reserved.admin"));
+    assert!(err("[upstream.reserved]\nadmin = -0.1\n").contains("upstream.reserved.admin"));
+    let over = err("[upstream.reserved]\nadmin = 0.6\ndefault = 0.5\n");
+    assert!(over.contains("upstream.reserved") && over.contains("more than the whole account"), "{over}");
+}

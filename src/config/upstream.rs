@@ -2,6 +2,7 @@
 //! queue, the share unverified callers may hold, timeouts, retries and the breaker — and the
 //! mock that stands in for it.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
 use serde::Deserialize;
@@ -66,6 +67,14 @@ pub struct UpstreamConfig {
     pub cache_max_bytes: u64,
     /// The account's slots learnt from its answers (`[upstream.adaptive]`).
     pub adaptive: AdaptiveConfig,
+    /// `[upstream.reserved]`: tier → the share (0 to 1) of the account's slots and of the queue
+    /// its configured callers may always count on (slots lent to others for one job at most).
+    #[serde(default)]
+    pub reserved: BTreeMap<String, f64>,
+    /// `[upstream.priority]`: tier → its rank when the account is full (higher goes first; a
+    /// tier not named ranks 0).
+    #[serde(default)]
+    pub priority: BTreeMap<String, i64>,
 }
 
 /// `[upstream.adaptive]`, `[proxy.adaptive]`: the slots toward the upstream learnt from its
@@ -198,6 +207,8 @@ impl std::fmt::Debug for UpstreamConfig {
             .field("cache_max_entries", &self.cache_max_entries)
             .field("cache_max_bytes", &self.cache_max_bytes)
             .field("adaptive", &self.adaptive)
+            .field("reserved", &self.reserved)
+            .field("priority", &self.priority)
             .finish()
     }
 }
@@ -308,7 +319,35 @@ impl UpstreamConfig {
         }
         self.adaptive.validate("upstream.adaptive", self.max_in_flight)?;
         fraction("upstream.unverified_share", self.unverified_share)?;
-        fraction("upstream.retry_budget_ratio", self.retry_budget_ratio)
+        fraction("upstream.retry_budget_ratio", self.retry_budget_ratio)?;
+        for (tier, share) in &self.reserved {
+            fraction(&format!("upstream.reserved.{tier}"), *share)?;
+        }
+        // A little above 1 for the sum's rounding (0.1 + 0.2 + 0.7), never a whole slot's worth.
+        let sum: f64 = self.reserved.values().sum();
+        if sum > 1.0 + 1e-9 {
+            return Err(invalid(
+                "upstream.reserved",
+                format!("the shares add up to {sum}, more than the whole account"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `[upstream.reserved]` and `[upstream.priority]` checked against `[tiers]`: every tier
+    /// they name is one.
+    pub(super) fn validate_tiers(&self, tiers: &BTreeMap<String, f64>) -> Result<(), ConfigError> {
+        let named = self.reserved.keys().map(|t| ("reserved", t)).chain(self.priority.keys().map(|t| ("priority", t)));
+        for (section, tier) in named {
+            if !tiers.contains_key(tier) {
+                let names = tiers.keys().cloned().collect::<Vec<_>>().join(", ");
+                return Err(invalid(
+                    format!("upstream.{section}.{tier}"),
+                    format!("unknown tier `{tier}`; the tiers are {names}"),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 

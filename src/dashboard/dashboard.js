@@ -185,6 +185,19 @@ function renderJobs(jobs) {
     return tr;
   });
   fillTable("owners", "owners-empty", rows);
+  const tiers = jobs.tiers.map((t) => {
+    const tr = el("tr");
+    tr.append(
+      el("td", "who", t.tier),
+      el("td", "num", String(t.rank)),
+      el("td", "num", `${number(t.in_use)} of ${number(t.reserved_slots)} reserved`),
+      el("td", "num", `${number(t.waiting)} of ${number(t.reserved_places)} reserved`),
+    );
+    return tr;
+  });
+  // Shown only when the config reserves a share or ranks a tier.
+  $("tiers").tBodies[0].replaceChildren(...tiers);
+  $("tiers").hidden = tiers.length === 0;
 }
 
 function renderSaved(saved) {

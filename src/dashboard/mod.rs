@@ -178,6 +178,22 @@ struct JobsNow {
     /// Videos among them, and the most that may wait.
     videos_waiting: usize,
     videos_max: usize,
+    /// Per tier with a reserved share or a rank (`[upstream.reserved]`, `[upstream.priority]`).
+    tiers: Vec<TierNow>,
+}
+
+/// One tier's share of the account and the queue.
+#[derive(Debug, Serialize)]
+struct TierNow {
+    tier: String,
+    /// Its rank when the account is full.
+    rank: i64,
+    /// Slots its jobs hold, and the slots reserved for it.
+    in_use: usize,
+    reserved_slots: usize,
+    /// Its jobs waiting, and the places reserved for it.
+    waiting: usize,
+    reserved_places: usize,
 }
 
 #[derive(Debug, Serialize)]
@@ -259,6 +275,18 @@ impl DashboardData {
                 queue_max: upstream.queue_max,
                 videos_waiting: occupancy.waiting_of(crate::upstream::classes::VIDEO),
                 videos_max: upstream.video_queue_max,
+                tiers: occupancy
+                    .per_tier
+                    .iter()
+                    .map(|t| TierNow {
+                        tier: t.tier.clone(),
+                        rank: t.rank,
+                        in_use: t.in_flight,
+                        reserved_slots: t.reserved_slots,
+                        waiting: t.waiting,
+                        reserved_places: t.reserved_places,
+                    })
+                    .collect(),
             },
             saved: app.limits.reuse().saved(),
             breaker: BreakerNow {

@@ -464,6 +464,31 @@ pub struct QueueStatus {
     /// such callers hold together, and may hold.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub unverified_share: Option<UnverifiedShare>,
+    /// When `[upstream.reserved]` or `[upstream.priority]` names the caller's tier: its rank and
+    /// its reserved share of the account and the queue.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tier: Option<TierShare>,
+}
+
+/// A tier's rank and reserved share of the upstream account and its queue.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct TierShare {
+    /// The caller's tier.
+    pub tier: String,
+    /// Its rank when the account is full: the waiting jobs of the highest rank go first.
+    pub rank: i64,
+    /// Whether the caller's jobs draw on the reservation (a caller without a configured key's
+    /// never do).
+    pub draws_on_reservation: bool,
+    /// The account's slots reserved for the tier: a job of the tier gets the next slot that frees
+    /// while the tier holds fewer.
+    pub reserved_slots: usize,
+    /// The queue's places reserved for it, never given to another tier.
+    pub reserved_places: usize,
+    /// Its jobs the account runs now.
+    pub in_flight: usize,
+    /// Its jobs waiting now.
+    pub waiting: usize,
 }
 
 /// The account's slots and queue places that callers without a configured key share.
@@ -728,7 +753,7 @@ impl McpServer {
 
     /// Who a job belongs to, and the flow it waits in ([`Owner::of`]).
     fn owner_of(&self, caller: &Caller) -> Owner {
-        Owner::of(caller, &self.app.limits.guard().policy())
+        Owner::of(caller, &self.app.limits.guard().policy(), self.own.jobs.queue().rules())
     }
 
     /// Starts a job with what `call_tool` handed over: the admission and the queue place.
@@ -776,9 +801,11 @@ pub(crate) fn before_charging(own: &PaidApi, tool: &str, caller: &Caller) -> Res
         return Err(breaker_open(tool, open_for));
     }
     let Reach::Job(class) = declared.reach else { return Ok(None) };
-    own.jobs.reserve(class, caller.unverified_from().is_some()).map(Some).map_err(|(full, wait)| match full {
+    let standing = own.jobs.queue().rules().standing(caller.tier(), caller.unverified_from().is_some());
+    own.jobs.reserve(class, standing).map(Some).map_err(|(full, wait)| match full {
         QueueFull::Full => Refusal::queue_full(tool, wait),
         QueueFull::UnverifiedShare { slots, places } => Refusal::unverified_share_full(tool, wait, slots, places),
+        QueueFull::Reserved => Refusal::queue_reserved(tool, wait),
     })
 }
 
@@ -989,6 +1016,15 @@ impl McpServer {
                 max_in_flight: rules.unverified_slots,
                 waiting: occupancy.unverified_waiting,
                 max_waiting: rules.unverified_places,
+            }),
+            tier: occupancy.per_tier.into_iter().find(|t| t.tier == caller.tier()).map(|t| TierShare {
+                draws_on_reservation: caller.unverified_from().is_none() && t.reserved_slots + t.reserved_places > 0,
+                tier: t.tier,
+                rank: t.rank,
+                reserved_slots: t.reserved_slots,
+                reserved_places: t.reserved_places,
+                in_flight: t.in_flight,
+                waiting: t.waiting,
             }),
         };
         lines.push(format!(

@@ -70,7 +70,7 @@ use crate::state::Behind;
 use crate::upstream::adaptive::AdaptiveLimit;
 use crate::upstream::classes::JobClasses;
 use crate::upstream::jobs::Owner;
-use crate::upstream::queue::{AccountSlot, FairQueue, Occupancy, QueueFull, QueueRules, Reservation};
+use crate::upstream::queue::{AccountSlot, FairQueue, Occupancy, QueueFull, QueueRules, Reservation, TierRule};
 
 /// The proxied server and what protects it, shared by every downstream session.
 pub struct Proxied {
@@ -161,7 +161,8 @@ impl Proxied {
         .await?;
         // Its calls are all alike: one class, neither spaced nor counted apart.
         let rules = QueueRules::new(max_in_flight, up.queue_max, JobClasses::one("call"))
-            .unverified_share(up.unverified_share_of(max_in_flight), up.unverified_places());
+            .unverified_share(up.unverified_share_of(max_in_flight), up.unverified_places())
+            .with_tiers(TierRule::from_config(up));
         let queue = Arc::new(
             FairQueue::new(rules, clock.clone())
                 .adaptive(AdaptiveLimit::configured(&config.proxy.adaptive, max_in_flight))
@@ -264,13 +265,15 @@ impl Proxied {
         if let Some(open_for) = self.breaker.open_for(self.clock.now()) {
             return Err(unavailable(tool, "it failed or is restarting, and the circuit breaker is open", open_for));
         }
-        self.queue.reserve(JobClasses::ONLY, caller.unverified_from().is_some()).map_err(|full| {
+        let standing = self.queue.rules().standing(caller.tier(), caller.unverified_from().is_some());
+        self.queue.reserve(JobClasses::ONLY, standing).map_err(|full| {
             let wait = self.mean_call.load(Ordering::Relaxed).max(NANOS_PER_MS);
             match full {
                 QueueFull::Full => Refusal::queue_full(tool, wait),
                 QueueFull::UnverifiedShare { slots, places } => {
                     Refusal::unverified_share_full(tool, wait, slots, places)
                 }
+                QueueFull::Reserved => Refusal::queue_reserved(tool, wait),
             }
         })
     }
@@ -341,7 +344,7 @@ impl Proxied {
             Ok(slot) => slot,
             Err(place) => {
                 let id = format!("call-{}", self.calls.fetch_add(1, Ordering::Relaxed));
-                let owner = Owner::of(caller, &self.limits.guard().policy());
+                let owner = Owner::of(caller, &self.limits.guard().policy(), self.queue.rules());
                 let turn = place.enqueue(&owner.flowing(), &id);
                 // Dropped here when the time is up, the turn takes the call out of the line.
                 match self.by(queued_at.saturating_add(timeout), turn).await {

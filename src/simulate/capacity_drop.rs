@@ -37,7 +37,7 @@ use crate::simulate::{SimulateError, settle, span, trimmed};
 use crate::upstream::adaptive::AdaptiveLimit;
 use crate::upstream::backoff::{Backoff, Retry, RetryBudget};
 use crate::upstream::classes::JobClasses;
-use crate::upstream::queue::{AccountSlot, FairQueue, Flowing, QueueRules, Turn};
+use crate::upstream::queue::{AccountSlot, FairQueue, Flowing, QueueRules, Standing, Turn};
 
 /// The learners compared with the static cap, in order: every one `[upstream.adaptive]` offers.
 const LEARNERS: &[&str] = crate::upstream::adaptive::ALGORITHMS;
@@ -56,7 +56,7 @@ const PENDING_PER_SLOT: usize = 2;
 /// even with an upstream that answers in no time and a retry budget of none).
 const AGENT_TURN: Nanos = 100 * NANOS_PER_MS;
 /// The agent's flow in the fair queue (its tenant).
-const FLOW: Flowing<'static> = Flowing { name: "tenant:simulated", quantum: 1.0, unverified: false };
+const FLOW: Flowing<'static> = Flowing { name: "tenant:simulated", quantum: 1.0, standing: Standing::PLAIN };
 
 /// One phase of the account's capacity.
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -455,7 +455,7 @@ impl Replay<'_> {
         }
         while self.pending() < self.pending_wanted {
             // A full queue refuses the call (`busy`): the agent asks again at its next turn.
-            let Ok(place) = self.queue.reserve(JobClasses::ONLY, false) else { return };
+            let Ok(place) = self.queue.reserve(JobClasses::ONLY, Standing::PLAIN) else { return };
             self.record.calls = self.record.calls.saturating_add(1);
             let job = Job { number: self.record.calls, refused: 0, sent: false };
             match place.start_now().await {

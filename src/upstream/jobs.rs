@@ -48,7 +48,9 @@ use crate::store::StoreError;
 use crate::upstream::api::{NewPrediction, Prediction, PredictionKind, PredictionStatus};
 use crate::upstream::backoff::{Backoff, Retry, RetryBudget};
 use crate::upstream::classes::ClassId;
-use crate::upstream::queue::{AccountSlot, FairQueue, Flowing, Position, QueueFull, Reservation, Turn};
+use crate::upstream::queue::{
+    AccountSlot, FairQueue, Flowing, Position, QueueFull, QueueRules, Reservation, Standing, Turn,
+};
 use crate::upstream::{Upstream, UpstreamError};
 
 mod mirror;
@@ -97,16 +99,17 @@ pub struct Owner {
     pub flow: String,
     /// The flow's weight in the round robin (the caller's tier factor).
     pub weight: f64,
-    /// A caller without a configured key: its jobs are held to the unverified share of the
-    /// account's slots and queue.
-    pub unverified: bool,
+    /// Where its jobs stand in the queue: a caller without a configured key's are held to the
+    /// unverified share of the account's slots and queue; a tier's draw on its reservation and go
+    /// by its rank.
+    pub standing: Standing,
 }
 
 impl Owner {
     /// `caller` as an owner: its flow is its tenant, its address for an unverified caller (all
     /// of whose unverified callers are one flow), or the caller, weighted by its tier's factor in
-    /// `policy`.
-    pub fn of(caller: &crate::identity::Caller, policy: &crate::guard::Policy) -> Self {
+    /// `policy`, standing by its tier as the queue's `rules` say.
+    pub fn of(caller: &crate::identity::Caller, policy: &crate::guard::Policy, rules: &QueueRules) -> Self {
         let flow = match (caller.tenant(), caller.unverified_from()) {
             (Some(tenant), _) => format!("tenant:{tenant}"),
             (None, Some(address)) => format!("address:{address}"),
@@ -117,13 +120,13 @@ impl Owner {
             tenant: caller.tenant().map(str::to_owned),
             flow,
             weight: policy.factor_of(caller),
-            unverified: caller.unverified_from().is_some(),
+            standing: rules.standing(caller.tier(), caller.unverified_from().is_some()),
         }
     }
 
     /// The flow its jobs wait in.
     pub fn flowing(&self) -> Flowing<'_> {
-        Flowing { name: &self.flow, quantum: self.weight, unverified: self.unverified }
+        Flowing { name: &self.flow, quantum: self.weight, standing: self.standing }
     }
 }
 
@@ -276,11 +279,11 @@ impl Jobs {
         &self.queue
     }
 
-    /// Promises a place in the queue for a job of `class` (of an unverified caller: within their
-    /// share) before the call is charged, or says why there is none and how long until one
-    /// frees up.
-    pub fn reserve(&self, class: ClassId, unverified: bool) -> Result<Reservation, (QueueFull, Nanos)> {
-        self.queue.reserve(class, unverified).map_err(|full| (full, self.place_frees_in()))
+    /// Promises a place in the queue for a job of `class` standing as `standing` (of an
+    /// unverified caller: within their share; never one a reserved tier is owed) before the call
+    /// is charged, or says why there is none and how long until one frees up.
+    pub fn reserve(&self, class: ClassId, standing: Standing) -> Result<Reservation, (QueueFull, Nanos)> {
+        self.queue.reserve(class, standing).map_err(|full| (full, self.place_frees_in()))
     }
 
     /// Starts the job `job` that `tool` asked for, for `owner`, holding `slots` until it is final,

@@ -61,8 +61,10 @@ use crate::upstream::adaptive::{AdaptiveLimit, Signal};
 use crate::upstream::classes::{ClassId, JobClass, JobClasses};
 
 mod round_robin;
+mod tiers;
 
 use round_robin::{State, Waiting};
+pub use tiers::{Standing, TierRule};
 
 /// How long an instance waits before asking again for an account slot another instance holds
 /// (it cannot be told when one frees), and before asking a store that failed again.
@@ -146,12 +148,45 @@ pub struct QueueRules {
     pub unverified_slots: usize,
     /// The places in the queue unverified callers may hold, all together.
     pub unverified_places: usize,
+    /// The tiers with a reserved share or a rank (`[upstream.reserved]`, `[upstream.priority]`).
+    pub tiers: Vec<TierRule>,
 }
 
 impl QueueRules {
     /// A queue without an unverified share (everyone may take every slot and place).
     pub fn new(max_in_flight: usize, max_waiting: usize, classes: JobClasses) -> Self {
-        Self { max_in_flight, max_waiting, classes, unverified_slots: max_in_flight, unverified_places: max_waiting }
+        Self {
+            max_in_flight,
+            max_waiting,
+            classes,
+            unverified_slots: max_in_flight,
+            unverified_places: max_waiting,
+            tiers: Vec::new(),
+        }
+    }
+
+    /// These rules with `tiers` reserved a share of the slots and places, and ranked.
+    pub fn with_tiers(self, tiers: Vec<TierRule>) -> Self {
+        Self { tiers, ..self }
+    }
+
+    /// Where a job of a caller of `tier` stands (an unverified caller draws on no reservation).
+    pub fn standing(&self, tier: &str, unverified: bool) -> Standing {
+        let Some((i, rule)) = self.tiers.iter().enumerate().find(|(_, t)| t.name == tier) else {
+            return Standing::plain(unverified);
+        };
+        let reserved = (!unverified && rule.reserved > 0.0).then_some(i);
+        Standing { unverified, reserved, rank: rule.rank }
+    }
+
+    /// The account's slots tier `i` is reserved (of the slots as these rules have them).
+    pub fn reserved_slots(&self, i: usize) -> usize {
+        self.tiers.get(i).map_or(0, |t| t.share_of(self.max_in_flight))
+    }
+
+    /// The queue's places tier `i` is reserved.
+    pub fn reserved_places(&self, i: usize) -> usize {
+        self.tiers.get(i).map_or(0, |t| t.share_of(self.max_waiting))
     }
 
     /// These rules with unverified callers held to `slots` of the account and `places` in the
@@ -189,22 +224,23 @@ impl std::fmt::Debug for FairQueue {
 /// between counting a slot and making its guard, so no cancelled future can keep one.
 struct Counted {
     queue: Arc<FairQueue>,
-    /// Counted for an unverified caller's job: also one of their share.
-    unverified: bool,
+    /// Who it was counted for: an unverified caller's job holds one of their share, a reserved
+    /// tier's one of its slots.
+    standing: Standing,
     /// Still counted (not given back yet).
     held: bool,
 }
 
 impl Counted {
     /// Counts a slot for a job of this class in `state` (the queue's, locked).
-    fn take(queue: &Arc<FairQueue>, state: &mut State, unverified: bool) -> Self {
-        state.take_slot(unverified);
-        Self { queue: queue.clone(), unverified, held: true }
+    fn take(queue: &Arc<FairQueue>, state: &mut State, standing: Standing) -> Self {
+        state.take_slot(standing);
+        Self { queue: queue.clone(), standing, held: true }
     }
 
     /// Gives the slot back under a lock already held, with whatever else that step decides.
     fn give_back(mut self, state: &mut State) {
-        state.give_slot(self.unverified);
+        state.give_slot(self.standing);
         self.held = false;
     }
 }
@@ -212,7 +248,7 @@ impl Counted {
 impl Drop for Counted {
     fn drop(&mut self) {
         if self.held {
-            self.queue.state().give_slot(self.unverified);
+            self.queue.state().give_slot(self.standing);
             self.queue.changed.notify_waiters();
         }
     }
@@ -261,7 +297,7 @@ impl AccountSlot {
 pub struct Reservation {
     queue: Arc<FairQueue>,
     class: ClassId,
-    unverified: bool,
+    standing: Standing,
     used: bool,
 }
 
@@ -277,6 +313,9 @@ pub enum QueueFull {
         /// Places unverified callers may hold.
         places: usize,
     },
+    /// The places left are reserved for tiers that do not hold their share yet
+    /// (`[upstream.reserved]`).
+    Reserved,
 }
 
 impl std::fmt::Debug for Reservation {
@@ -359,6 +398,25 @@ pub struct Occupancy {
     pub unverified_in_flight: usize,
     /// Unverified callers' jobs waiting.
     pub unverified_waiting: usize,
+    /// Per tier with a reserved share or a rank, in the order of [`QueueRules::tiers`].
+    pub per_tier: Vec<TierOccupancy>,
+}
+
+/// What one tier with a reserved share or a rank holds of the queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TierOccupancy {
+    /// The tier.
+    pub tier: String,
+    /// Its rank when the account is full.
+    pub rank: i64,
+    /// The account's slots reserved for it (of the slots handed out now).
+    pub reserved_slots: usize,
+    /// The queue's places reserved for it.
+    pub reserved_places: usize,
+    /// Slots its configured callers' jobs hold.
+    pub in_flight: usize,
+    /// Its configured callers' jobs waiting.
+    pub waiting: usize,
 }
 
 impl Occupancy {
@@ -371,7 +429,7 @@ impl Occupancy {
 impl FairQueue {
     /// A queue with `rules`, its waits on `clock`.
     pub fn new(rules: QueueRules, clock: SharedClock) -> Self {
-        let state = Mutex::new(State::for_classes(rules.classes.len()));
+        let state = Mutex::new(State::new(&rules));
         Self { rules, clock, state, changed: Notify::new(), shared: None, adaptive: None }
     }
 
@@ -573,7 +631,7 @@ impl FairQueue {
                 let rules = self.rules_now();
                 match state.pick(&rules, now) {
                     Some(job) => {
-                        let counted = Counted::take(&self, &mut state, job.unverified);
+                        let counted = Counted::take(&self, &mut state, job.standing);
                         if let Some(gap) = self.class(job.class).and_then(|c| c.min_gap) {
                             state.set_next_at(job.class, now.saturating_add(gap));
                         }
@@ -583,7 +641,7 @@ impl FairQueue {
                 }
             };
             if let Some((job, counted)) = picked {
-                let (leases, shared_at) = match self.claim(job.class, job.unverified).await {
+                let (leases, shared_at) = match self.claim(job.class, job.standing.unverified).await {
                     Claim::Go(leases, shared_at) => (leases, shared_at),
                     Claim::Wait(wait, blocker) => {
                         // Another instance holds the slots (or the share), or submitted a job of
@@ -620,9 +678,9 @@ impl FairQueue {
         }
     }
 
-    /// Promises a place for a job of `class` (of an unverified caller, held to their share), or
-    /// says why there is none.
-    pub fn reserve(self: &Arc<Self>, class: ClassId, unverified: bool) -> Result<Reservation, QueueFull> {
+    /// Promises a place for a job of `class` standing as `standing` (of an unverified caller,
+    /// held to their share; never one a reserved tier is still owed), or says why there is none.
+    pub fn reserve(self: &Arc<Self>, class: ClassId, standing: Standing) -> Result<Reservation, QueueFull> {
         let mut state = self.state();
         let waiting = state.waiting(None).saturating_add(state.reserved());
         let class_full = self
@@ -633,35 +691,50 @@ impl FairQueue {
             return Err(QueueFull::Full);
         }
         let rules = &self.rules;
-        if unverified
+        if standing.unverified
             && (rules.unverified_slots == 0
                 || state.unverified_waiting() + state.reserved_unverified >= rules.unverified_places)
         {
             return Err(QueueFull::UnverifiedShare { slots: rules.unverified_slots, places: rules.unverified_places });
         }
-        state.reserve_place(class, unverified);
-        Ok(Reservation { queue: self.clone(), class, unverified, used: false })
+        let owed = tiers::places_owed(&rules.tiers, rules.max_waiting, standing, |i| state.places_held_by(i));
+        if waiting.saturating_add(1).saturating_add(owed) > rules.max_waiting {
+            return Err(QueueFull::Reserved);
+        }
+        state.reserve_place(class, standing);
+        Ok(Reservation { queue: self.clone(), class, standing, used: false })
     }
 
     /// Where `id` stands, if it is waiting.
     pub fn position(&self, id: &str) -> Option<Position> {
+        let rules = self.rules_now();
         let state = self.state();
         let (flow_key, index) =
             state.flows.iter().find_map(|(key, f)| f.jobs.iter().position(|w| w.id == id).map(|i| (key.clone(), i)))?;
-        // As the round robin stands: every flow ahead of ours in the ring serves up to `index + 1`
-        // jobs before ours comes up, every flow behind up to `index`.
+        // Who goes first (see `State::pick`): a tier still owed reserved slots, then the highest
+        // rank. A flow that goes before ours serves all its jobs first; one alike, as the round
+        // robin stands: up to `index + 1` jobs if it is ahead of ours in the ring, `index` if
+        // behind; one after ours, none.
+        let precedence = |s: Standing| (state.owed_a_slot(s, &rules), s.rank);
         let ring_at = state.ring.iter().position(|k| *k == flow_key).unwrap_or(0);
         let mine = state.flows.get(&flow_key);
         let mut ahead = index;
-        let class = mine.and_then(|f| f.jobs.get(index)).map(|w| w.class);
+        let me = mine.and_then(|f| f.jobs.get(index));
+        let (class, standing) = (me.map(|w| w.class), me.map_or(Standing::PLAIN, |w| w.standing));
         let alike = |w: &Waiting| Some(w.class) == class;
         let mut alike_ahead = mine.map_or(0, |f| f.jobs.iter().take(index).filter(|w| alike(w)).count());
         for (i, key) in state.ring.iter().enumerate().filter(|(_, k)| **k != flow_key) {
-            let take = if i < ring_at { index + 1 } else { index };
             if let Some(flow) = state.flows.get(key) {
+                let theirs = flow.jobs.front().map_or(Standing::PLAIN, |w| w.standing);
+                let take = match precedence(theirs).cmp(&precedence(standing)) {
+                    std::cmp::Ordering::Greater => flow.jobs.len(),
+                    std::cmp::Ordering::Equal if i < ring_at => index + 1,
+                    std::cmp::Ordering::Equal => index,
+                    std::cmp::Ordering::Less => 0,
+                };
                 let served: Vec<&Waiting> = flow.jobs.iter().take(take).collect();
-                ahead += served.len();
-                alike_ahead += served.iter().filter(|w| alike(w)).count();
+                ahead = ahead.saturating_add(served.len());
+                alike_ahead = alike_ahead.saturating_add(served.iter().filter(|w| alike(w)).count());
             }
         }
         Some(Position { ahead, alike_ahead })
@@ -685,8 +758,8 @@ impl FairQueue {
     /// back), not to leave before `not_before`.
     pub fn requeue_front(self: &Arc<Self>, flow: &Flowing<'_>, id: &str, class: ClassId, not_before: Nanos) -> Turn {
         let (turn, waiting) = oneshot::channel();
-        let (unverified, quantum) = (flow.unverified, flow.quantum);
-        let job = Waiting { id: id.to_owned(), class, unverified, not_before, flow: String::new(), quantum, turn };
+        let (standing, quantum) = (flow.standing, flow.quantum);
+        let job = Waiting { id: id.to_owned(), class, standing, not_before, flow: String::new(), quantum, turn };
         let flow = flow.name;
         self.state().push(flow, quantum, job, true);
         self.changed.notify_waiters();
@@ -712,7 +785,21 @@ impl FairQueue {
 
     /// What the queue holds now.
     pub fn occupancy(&self) -> Occupancy {
+        let rules = self.rules_now();
         let state = self.state();
+        let per_tier = rules
+            .tiers
+            .iter()
+            .enumerate()
+            .map(|(i, tier)| TierOccupancy {
+                tier: tier.name.clone(),
+                rank: tier.rank,
+                reserved_slots: rules.reserved_slots(i),
+                reserved_places: rules.reserved_places(i),
+                in_flight: state.in_flight_of(i),
+                waiting: state.waiting_of_tier(i),
+            })
+            .collect();
         let mut per_flow: Vec<(String, usize)> = state.flows.iter().map(|(k, f)| (k.clone(), f.jobs.len())).collect();
         per_flow.sort();
         Occupancy {
@@ -722,6 +809,7 @@ impl FairQueue {
             per_flow,
             unverified_in_flight: state.unverified_in_flight,
             unverified_waiting: state.unverified_waiting(),
+            per_tier,
         }
     }
 }
@@ -742,15 +830,15 @@ impl Reservation {
         let queue = self.queue.clone();
         let counted = {
             let mut state = queue.state();
-            let free = state.door_open(&queue.rules_now(), self.unverified, queue.clock.now());
+            let free = state.door_open(&queue.rules_now(), self.standing, queue.clock.now());
             let spaced = queue.class(self.class).is_some_and(|c| c.min_gap.is_some());
             if spaced || !free {
                 return Err(self);
             }
             // Taken locally first, so two calls racing here cannot both pass the local cap.
-            Counted::take(&queue, &mut state, self.unverified)
+            Counted::take(&queue, &mut state, self.standing)
         };
-        match queue.claim(self.class, self.unverified).await {
+        match queue.claim(self.class, self.standing.unverified).await {
             Claim::Go(leases, shared_at) => {
                 self.release_place(&mut queue.state());
                 self.used = true;
@@ -780,7 +868,7 @@ impl Reservation {
         let job = Waiting {
             id: id.to_owned(),
             class: self.class,
-            unverified: self.unverified,
+            standing: self.standing,
             not_before: 0,
             flow: String::new(),
             quantum,
@@ -794,7 +882,7 @@ impl Reservation {
 
     /// Gives the promised place back to the count (it became a slot, a waiting job, or nothing).
     fn release_place(&self, state: &mut State) {
-        state.release_place(self.class, self.unverified);
+        state.release_place(self.class, self.standing);
     }
 }
 
@@ -807,16 +895,16 @@ impl Drop for Reservation {
 }
 
 /// The flow a job waits in: its name (a tenant, the address of unverified callers, or a caller),
-/// its weight in the round robin (the caller's tier factor), and whether it is an unverified
-/// callers' flow, held to their share.
+/// its weight in the round robin (the caller's tier factor), and where its caller's jobs stand
+/// (an unverified caller's held to their share; a tier's reservation and rank).
 #[derive(Debug, Clone, Copy)]
 pub struct Flowing<'a> {
     /// The flow's name.
     pub name: &'a str,
     /// Its quantum in the round robin.
     pub quantum: f64,
-    /// Unverified callers' jobs.
-    pub unverified: bool,
+    /// Where the caller's jobs stand.
+    pub standing: Standing,
 }
 
 #[cfg(test)]
@@ -845,7 +933,7 @@ mod tests {
     }
 
     fn flow(name: &str) -> Flowing<'_> {
-        Flowing { name, quantum: 1.0, unverified: false }
+        Flowing { name, quantum: 1.0, standing: Standing::PLAIN }
     }
 
     async fn granted(turn: &mut Turn) -> Option<AccountSlot> {
@@ -856,12 +944,12 @@ mod tests {
     async fn round_robin_across_flows_not_first_come_first_served() {
         let clock = ManualClock::new();
         let q = queue(&clock, 1);
-        let held = q.reserve(IMAGE, false).expect("room").start_now().await.expect("a free slot");
+        let held = q.reserve(IMAGE, Standing::PLAIN).expect("room").start_now().await.expect("a free slot");
         let mut turns = Vec::new();
         for i in 0..3 {
-            turns.push(("a", q.reserve(IMAGE, false).expect("room").enqueue(&flow("a"), &format!("a{i}"))));
+            turns.push(("a", q.reserve(IMAGE, Standing::PLAIN).expect("room").enqueue(&flow("a"), &format!("a{i}"))));
         }
-        turns.push(("b", q.reserve(IMAGE, false).expect("room").enqueue(&flow("b"), "b0")));
+        turns.push(("b", q.reserve(IMAGE, Standing::PLAIN).expect("room").enqueue(&flow("b"), "b0")));
         assert_eq!(q.position("b0").map(|p| p.ahead), Some(1), "one of a's, then b's");
         drop(held);
         let mut order = Vec::new();
@@ -885,11 +973,11 @@ mod tests {
     async fn videos_are_spaced_by_the_gap_and_images_pass_them_meanwhile() {
         let clock = ManualClock::new();
         let q = queue(&clock, 10);
-        let mut v1 = q.reserve(VIDEO, false).expect("room").enqueue(&flow("a"), "v1");
-        let mut v2 = q.reserve(VIDEO, false).expect("room").enqueue(&flow("a"), "v2");
+        let mut v1 = q.reserve(VIDEO, Standing::PLAIN).expect("room").enqueue(&flow("a"), "v1");
+        let mut v2 = q.reserve(VIDEO, Standing::PLAIN).expect("room").enqueue(&flow("a"), "v2");
         let _first = granted(&mut v1).await.expect("the first video goes at once");
         assert!(granted(&mut v2).await.is_none(), "the second waits for the gap");
-        let image = q.reserve(IMAGE, false).expect("room");
+        let image = q.reserve(IMAGE, Standing::PLAIN).expect("room");
         let image = image.start_now().await.expect_err("someone is waiting: no overtaking at the door");
         let mut image = image.enqueue(&flow("b"), "i1");
         assert!(granted(&mut image).await.is_some(), "an image needs no gap");
@@ -907,14 +995,14 @@ mod tests {
         let audio = classes.iter().find(|(_, c)| c.name == "audio").map(|(id, _)| id).expect("audio");
         let q = Arc::new(FairQueue::new(QueueRules::new(10, 100, classes), clock.clone()));
         tokio::spawn(q.clone().dispatch(CancellationToken::new()));
-        let first = q.reserve(audio, false).expect("room");
+        let first = q.reserve(audio, Standing::PLAIN).expect("room");
         let first = first.start_now().await.expect_err("a spaced class never takes a slot at the door");
         let mut a1 = first.enqueue(&flow("a"), "a1");
-        let mut a2 = q.reserve(audio, false).expect("room").enqueue(&flow("a"), "a2");
-        assert_eq!(q.reserve(audio, false).err(), Some(QueueFull::Full), "two audio jobs may wait");
+        let mut a2 = q.reserve(audio, Standing::PLAIN).expect("room").enqueue(&flow("a"), "a2");
+        assert_eq!(q.reserve(audio, Standing::PLAIN).err(), Some(QueueFull::Full), "two audio jobs may wait");
         assert_eq!(q.occupancy().waiting_of(audio), 2);
         let _a1 = granted(&mut a1).await.expect("the first goes at once");
-        let mut v1 = q.reserve(VIDEO, false).expect("room").enqueue(&flow("b"), "v1");
+        let mut v1 = q.reserve(VIDEO, Standing::PLAIN).expect("room").enqueue(&flow("b"), "v1");
         assert!(granted(&mut v1).await.is_some(), "a video waits for its own gap, not audio's");
         clock.advance(Duration::from_nanos(GAP));
         assert!(granted(&mut a2).await.is_none(), "audio's gap is longer than video's");
@@ -926,9 +1014,9 @@ mod tests {
     async fn a_full_account_holds_jobs_until_a_slot_is_given_back() {
         let clock = ManualClock::new();
         let q = queue(&clock, 2);
-        let a = q.reserve(IMAGE, false).expect("room").start_now().await.expect("slot");
-        let _b = q.reserve(IMAGE, false).expect("room").start_now().await.expect("slot");
-        let waiting = q.reserve(IMAGE, false).expect("room");
+        let a = q.reserve(IMAGE, Standing::PLAIN).expect("room").start_now().await.expect("slot");
+        let _b = q.reserve(IMAGE, Standing::PLAIN).expect("room").start_now().await.expect("slot");
+        let waiting = q.reserve(IMAGE, Standing::PLAIN).expect("room");
         let mut waiting = waiting.start_now().await.expect_err("the account is full").enqueue(&flow("c"), "c0");
         assert!(granted(&mut waiting).await.is_none());
         assert_eq!(q.occupancy().in_flight, 2);
@@ -996,11 +1084,11 @@ mod tests {
         let rules = QueueRules::new(1, 1, classes(GAP, 1));
         let metrics = Arc::new(Metrics::default());
         let q = Arc::new(FairQueue::new(rules, clock.clone()).shared_in(Arc::new(Stalled::default()), "t", metrics));
-        let place = q.reserve(IMAGE, false).expect("room");
+        let place = q.reserve(IMAGE, Standing::PLAIN).expect("room");
         let starting = tokio::time::timeout(Duration::from_millis(20), place.start_now()).await;
         assert!(starting.is_err(), "the store never answers: the caller gives up (a client's cancel)");
         assert_eq!(q.occupancy().in_flight, 0, "the slot counted before the store was asked came back");
-        let again = q.reserve(IMAGE, false).expect("the place came back");
+        let again = q.reserve(IMAGE, Standing::PLAIN).expect("the place came back");
         drop(again);
     }
 
@@ -1008,9 +1096,9 @@ mod tests {
     async fn a_job_whose_turn_is_dropped_leaves_the_line_at_once_and_only_that_entry() {
         let clock = ManualClock::new();
         let q = queue(&clock, 1);
-        let held = q.reserve(IMAGE, false).expect("room").start_now().await.expect("a free slot");
-        let first = q.reserve(IMAGE, false).expect("room").enqueue(&flow("a"), "a0");
-        let mut second = q.reserve(IMAGE, false).expect("room").enqueue(&flow("b"), "b0");
+        let held = q.reserve(IMAGE, Standing::PLAIN).expect("room").start_now().await.expect("a free slot");
+        let first = q.reserve(IMAGE, Standing::PLAIN).expect("room").enqueue(&flow("a"), "a0");
+        let mut second = q.reserve(IMAGE, Standing::PLAIN).expect("room").enqueue(&flow("b"), "b0");
         assert_eq!(q.occupancy().waiting, 2);
         drop(first);
         assert_eq!(q.occupancy().waiting, 1, "the cancelled call is out of the line before any slot frees");
@@ -1029,25 +1117,119 @@ mod tests {
         let clock = ManualClock::new();
         let rules = QueueRules::new(1, 3, classes(GAP, 1));
         let q = Arc::new(FairQueue::new(rules, clock.clone()));
-        let video = q.reserve(VIDEO, false).expect("room");
-        assert!(q.reserve(VIDEO, false).is_err(), "one video may wait");
-        let _i1 = q.reserve(IMAGE, false).expect("room");
-        let i2 = q.reserve(IMAGE, false).expect("room");
-        assert!(q.reserve(IMAGE, false).is_err(), "three places in all");
+        let video = q.reserve(VIDEO, Standing::PLAIN).expect("room");
+        assert!(q.reserve(VIDEO, Standing::PLAIN).is_err(), "one video may wait");
+        let _i1 = q.reserve(IMAGE, Standing::PLAIN).expect("room");
+        let i2 = q.reserve(IMAGE, Standing::PLAIN).expect("room");
+        assert!(q.reserve(IMAGE, Standing::PLAIN).is_err(), "three places in all");
         drop(i2);
-        assert!(q.reserve(IMAGE, false).is_ok(), "an unused reservation gives its place back");
+        assert!(q.reserve(IMAGE, Standing::PLAIN).is_ok(), "an unused reservation gives its place back");
         drop(video);
+    }
+
+    /// A queue of `slots` slots and `places` places whose tier `pro` is reserved `pro` of both,
+    /// `admin` ranks 2 and `guest` -1.
+    fn tiered(clock: &Arc<ManualClock>, slots: usize, places: usize, pro: f64) -> Arc<FairQueue> {
+        let tiers = vec![
+            TierRule { name: "admin".into(), reserved: 0.0, rank: 2 },
+            TierRule { name: "guest".into(), reserved: 0.0, rank: -1 },
+            TierRule { name: "pro".into(), reserved: pro, rank: 0 },
+        ];
+        let rules = QueueRules::new(slots, places, classes(GAP, 100)).with_tiers(tiers);
+        let queue = Arc::new(FairQueue::new(rules, clock.clone()));
+        tokio::spawn(queue.clone().dispatch(CancellationToken::new()));
+        queue
+    }
+
+    #[tokio::test]
+    async fn a_reserved_slot_is_lent_while_its_tier_waits_for_none_and_comes_back_at_the_next_free_slot() {
+        let clock = ManualClock::new();
+        let q = tiered(&clock, 2, 20, 0.5);
+        let pro = q.rules().standing("pro", false);
+        let free = Standing::PLAIN;
+        let first = q.reserve(IMAGE, free).expect("room").start_now().await.expect("a free slot");
+        let _second =
+            q.reserve(IMAGE, free).expect("room").start_now().await.expect("pro's slot, lent: nobody of pro waits");
+        let mut flood = Vec::new();
+        for i in 0..5 {
+            flood.push(q.reserve(IMAGE, free).expect("room").enqueue(&flow("free"), &format!("f{i}")));
+        }
+        let mut mine = q.reserve(IMAGE, pro).expect("room").enqueue(&Flowing { standing: pro, ..flow("pro") }, "p0");
+        assert_eq!(q.occupancy().per_tier[2].waiting, 1);
+        assert_eq!(q.position("p0").map(|p| p.ahead), Some(0), "pro is next, however many free jobs wait");
+        assert_eq!(q.position("f0").map(|p| p.ahead), Some(1), "pro goes before the free tier's first");
+        drop(first);
+        let slot = granted(&mut mine).await.expect("the next slot that frees goes to pro, owed one");
+        assert_eq!(q.occupancy().per_tier[2].in_flight, 1);
+        for turn in &mut flood {
+            assert!(granted(turn).await.is_none(), "the free tier waits");
+        }
+        drop(slot);
+        assert!(granted(&mut flood[0]).await.is_some(), "pro's slot, lent again once pro waits for none");
+    }
+
+    #[tokio::test]
+    async fn when_the_account_is_full_the_highest_rank_goes_first_and_ranks_alike_take_turns() {
+        let clock = ManualClock::new();
+        let q = tiered(&clock, 1, 20, 0.0);
+        let held = q.reserve(IMAGE, Standing::PLAIN).expect("room").start_now().await.expect("a free slot");
+        let mut turns = Vec::new();
+        for (tier, flow_name, id) in
+            [("guest", "g", "g0"), ("default", "d", "d0"), ("default", "e", "e0"), ("admin", "a", "a0")]
+        {
+            let standing = q.rules().standing(tier, false);
+            let place = q.reserve(IMAGE, standing).expect("room");
+            turns.push((id, place.enqueue(&Flowing { standing, ..flow(flow_name) }, id)));
+        }
+        assert_eq!(q.position("a0").map(|p| p.ahead), Some(0));
+        assert_eq!(q.position("g0").map(|p| p.ahead), Some(3), "the lowest rank goes last");
+        drop(held);
+        let mut order = Vec::new();
+        while !turns.is_empty() {
+            let mut next = None;
+            for (i, (id, turn)) in turns.iter_mut().enumerate() {
+                if let Some(slot) = granted(turn).await {
+                    next = Some((i, *id, slot));
+                    break;
+                }
+            }
+            let (i, id, slot) = next.expect("someone is served");
+            order.push(id);
+            drop(turns.remove(i));
+            drop(slot);
+        }
+        assert_eq!(order, ["a0", "d0", "e0", "g0"]);
+    }
+
+    #[tokio::test]
+    async fn a_reserved_tiers_places_are_never_taken_by_another_and_an_unverified_caller_draws_on_none() {
+        let clock = ManualClock::new();
+        let q = tiered(&clock, 1, 10, 0.5);
+        let pro = q.rules().standing("pro", false);
+        assert_eq!(q.rules().standing("pro", true).reserved_tier(), None, "a made-up key proves no tier");
+        let mut places = Vec::new();
+        for _ in 0..5 {
+            places.push(q.reserve(IMAGE, Standing::PLAIN).expect("an unreserved place"));
+        }
+        assert_eq!(q.reserve(IMAGE, Standing::PLAIN).err(), Some(QueueFull::Reserved), "the other five are pro's");
+        assert_eq!(q.reserve(IMAGE, Standing::plain(true)).err(), Some(QueueFull::Reserved));
+        for _ in 0..5 {
+            places.push(q.reserve(IMAGE, pro).expect("pro's own place"));
+        }
+        assert_eq!(q.reserve(IMAGE, pro).err(), Some(QueueFull::Full));
+        places.truncate(4);
+        assert!(q.reserve(IMAGE, Standing::PLAIN).is_ok(), "a place given back is anyone's again");
     }
 
     #[test]
     fn a_removed_job_leaves_the_line_and_weights_give_a_heavier_flow_more_turns() {
-        let mut state = State::for_classes(2);
+        let mut state = State::new(&QueueRules::new(100, 100, classes(GAP, 100)));
         let push = |state: &mut State, flow: &str, q: f64, id: &str| {
             let (turn, _) = oneshot::channel();
             let job = Waiting {
                 id: id.into(),
                 class: IMAGE,
-                unverified: false,
+                standing: Standing::PLAIN,
                 not_before: 0,
                 flow: String::new(),
                 quantum: q,

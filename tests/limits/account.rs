@@ -3,6 +3,7 @@
 //! when it is full, jobs wait their turn round-robin across tenants.
 
 use crate::common::*;
+use crate::python;
 use mcp_ratelimit::clock::NANOS_PER_SEC;
 use serde_json::{Value, json};
 
@@ -247,4 +248,77 @@ async fn a_full_queue_is_busy_with_a_wait_an_obedient_agent_can_honour() {
     })
     .await;
     assert!(!is_error(&call(&b, "generate_image", image("b0")).await), "after the wait it was told, it gets in");
+}
+
+/// Eight free-tier tenants (`f0`…`f7`, tier `default`) and a pro one (`pro-key`, tier `pro`),
+/// on an account of 4 slots and 20 places, half of each reserved for pro.
+fn free_and_pro() -> String {
+    let free: String = (0..8).map(|i| format!("[[auth.keys]]\nkey = \"f{i}-key\"\ntenant = \"f{i}\"\n")).collect();
+    format!(
+        "[tiers]\npro = 1.0\n[upstream]\nmax_in_flight = 4\nqueue_max = 20\n[upstream.reserved]\npro = 0.5\n\
+         [limits.in_flight]\ncaller = 50\ntenant = 50\n[loop_detection]\nenabled = false\n{free}\
+         [[auth.keys]]\nkey = \"pro-key\"\ntenant = \"p\"\ntier = \"pro\"\n"
+    )
+}
+
+#[tokio::test]
+async fn free_tier_callers_flooding_the_account_never_delay_a_pro_callers_job_past_one_job_length() {
+    let server = TestServer::start(&free_and_pro()).await;
+    let mut free = Vec::new();
+    for i in 0..8 {
+        free.push(server.client(Some(&format!("f{i}-key"))).await);
+    }
+    // The flood: round after round over the free tenants, until the queue turns them away.
+    let (mut accepted, mut refused) = (0, None);
+    for round in 0..3 {
+        for client in &free {
+            let r = call(client, "generate_image", image(&format!("free {round}"))).await;
+            if is_error(&r) { refused = Some(r) } else { accepted += 1 }
+        }
+    }
+    assert_eq!(accepted, 4 + 10, "4 run and 10 wait: the other 10 places are pro's");
+    let refused = refused.expect("the free tier was turned away");
+    assert_eq!(error_code(&refused), Some("busy"));
+    assert_eq!(structured(&refused)["error"]["scope"], "queue:upstream:reserved", "{}", text(&refused));
+    assert!(structured(&refused)["error"]["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0));
+
+    // A pro caller of each era finds a place, and is next.
+    let pro = server.client(Some("pro-key")).await;
+    let r = call(&pro, "generate_image", image("pro, 2025-11-25")).await;
+    assert_eq!(structured(&r)["queue_position"], 1, "next, however many free jobs wait: {}", text(&r));
+    let first = structured(&r)["predict_id"].as_str().expect("id").to_owned();
+    let steps = json!([
+        {"op": "call", "tool": "generate_image", "args": {"prompt": "pro, 2026-07-28"}},
+        {"op": "call", "tool": "rate_limit_status", "args": {}, "check_schema": true},
+    ]);
+    let walked = python::walk(&server.url, "auto", steps, &["-H", "Authorization: Bearer pro-key"]).await;
+    assert_eq!(walked["protocol_version"], "2026-07-28", "{walked}");
+    assert!(python::all_ok(&walked), "{walked}");
+    let second = &walked["steps"][0]["ok"]["structured"];
+    assert_eq!(second["queue_position"], 2, "behind pro's first only: {walked}");
+    let second = second["predict_id"].as_str().expect("id").to_owned();
+    let tier = &walked["steps"][1]["ok"]["structured"]["upstream_queue"]["tier"];
+    assert_eq!(tier["tier"], "pro", "{walked}");
+    assert_eq!(tier["draws_on_reservation"], true);
+    assert_eq!((tier["reserved_slots"].as_u64(), tier["reserved_places"].as_u64()), (Some(2), Some(10)));
+    assert_eq!((tier["in_flight"].as_u64(), tier["waiting"].as_u64()), (Some(0), Some(2)));
+    let metrics = server.metrics().await;
+    let sample = |of: &str| {
+        metrics.lines().find(|l| {
+            l.starts_with("mcp_ratelimit_account_tier_places{")
+                && l.contains("tier=\"pro\"")
+                && l.contains(&format!("of=\"{of}\""))
+        })
+    };
+    assert!(sample("reserved").is_some_and(|l| l.ends_with(" 10")), "{metrics}");
+    assert!(sample("waiting").is_some_and(|l| l.ends_with(" 2")), "{metrics}");
+
+    // One job's length: the free jobs running end, and both of pro's go in the first slots freed.
+    server.advance_secs(6.0);
+    eventually("the freed slots were handed out", || async { server.submissions().await.len() >= 8 }).await;
+    let log = server.submissions().await;
+    let next: Vec<&str> = log[4..8].iter().map(|s| s.2.as_str()).collect();
+    assert!(next.contains(&first.as_str()) && next.contains(&second.as_str()), "pro's jobs among {next:?}");
+    let (started, pro_at) = (log[0].0, log.iter().filter(|s| s.2 == first || s.2 == second).map(|s| s.0).max());
+    assert!(pro_at.is_some_and(|at| at - started <= 6 * NANOS_PER_SEC), "within one job's length of the flood");
 }

@@ -41,6 +41,13 @@ pub const LOOP_DETECTIONS: &str = "mcp_ratelimit_loop_detections_total";
 pub const QUEUE_DEPTH: &str = "mcp_ratelimit_queue_depth";
 /// `mcp_ratelimit_account_slots_in_use`: the upstream account's slots held by running jobs.
 pub const ACCOUNT_SLOTS_IN_USE: &str = "mcp_ratelimit_account_slots_in_use";
+/// `mcp_ratelimit_account_tier_slots{tier, of}`: per tier of `[upstream.reserved]` or
+/// `[upstream.priority]`, the account's slots reserved for it (`of="reserved"`) and held by its
+/// configured callers' jobs (`of="in_use"`).
+pub const ACCOUNT_TIER_SLOTS: &str = "mcp_ratelimit_account_tier_slots";
+/// `mcp_ratelimit_account_tier_places{tier, of}`: the same for the queue's places: reserved
+/// (`of="reserved"`) and held by its jobs waiting (`of="waiting"`).
+pub const ACCOUNT_TIER_PLACES: &str = "mcp_ratelimit_account_tier_places";
 /// `mcp_ratelimit_upstream_concurrency_limit`: the slots toward the upstream handed out now —
 /// the static cap, or the limit `[upstream.adaptive]` (`[proxy.adaptive]`) has learnt.
 pub const UPSTREAM_CONCURRENCY_LIMIT: &str = "mcp_ratelimit_upstream_concurrency_limit";
@@ -249,6 +256,14 @@ impl Metrics {
         };
         gauge(QUEUE_DEPTH, "Jobs waiting for the upstream account, by flow bucket (a 16-way hash of the tenant).");
         gauge(ACCOUNT_SLOTS_IN_USE, "The upstream account's slots held by running jobs.");
+        gauge(
+            ACCOUNT_TIER_SLOTS,
+            "The account's slots reserved for a tier, and held by its jobs (of: reserved, in_use).",
+        );
+        gauge(
+            ACCOUNT_TIER_PLACES,
+            "The queue's places reserved for a tier, and held by its jobs (of: reserved, waiting).",
+        );
         gauge(
             UPSTREAM_CONCURRENCY_LIMIT,
             "Slots toward the upstream handed out now: the static cap, or the adaptive limit learnt.",

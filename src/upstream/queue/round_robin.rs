@@ -1,19 +1,21 @@
 //! Who goes next: deficit round robin across flows, FIFO within a flow, with the classes' gaps and
-//! the unverified callers' share deciding which heads may go now (see [`super::FairQueue`]).
+//! the unverified callers' share deciding which heads may go now (see [`super::FairQueue`]), and
+//! the tiers' reserved slots and ranks which of those go first (see [`super::tiers`]).
 
 use std::collections::{HashMap, VecDeque};
 
 use tokio::sync::oneshot;
 
-use super::{AccountSlot, QueueRules};
+use super::{AccountSlot, QueueRules, Standing};
 use crate::clock::Nanos;
 use crate::upstream::classes::ClassId;
 
 pub(super) struct Waiting {
     pub(super) id: String,
     pub(super) class: ClassId,
-    /// An unverified caller's job, held to the unverified share.
-    pub(super) unverified: bool,
+    /// Where it stands: an unverified caller's job is held to their share; a tier's draws on
+    /// its reservation and goes by its rank.
+    pub(super) standing: Standing,
     pub(super) not_before: Nanos,
     /// The flow it waits in, and that flow's quantum (set by `State::push`).
     pub(super) flow: String,
@@ -38,6 +40,15 @@ pub(super) struct PerClass {
     pub(super) reserved: usize,
 }
 
+/// What the queue keeps per tier with a reserved share or a rank.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct PerTier {
+    /// Slots its jobs (of configured callers) hold.
+    pub(super) in_flight: usize,
+    /// Places promised to its jobs and not used yet.
+    pub(super) reserved: usize,
+}
+
 #[derive(Default)]
 pub(super) struct State {
     pub(super) in_flight: usize,
@@ -54,12 +65,31 @@ pub(super) struct State {
     pub(super) ring: VecDeque<String>,
     /// Of the reservations, those of unverified callers.
     pub(super) reserved_unverified: usize,
+    /// Per tier, by its index in [`QueueRules::tiers`].
+    pub(super) tiers: Vec<PerTier>,
 }
 
 impl State {
-    /// An empty state for a queue of `classes` classes.
-    pub(super) fn for_classes(classes: usize) -> Self {
-        Self { classes: vec![PerClass::default(); classes], ..Self::default() }
+    /// An empty state for a queue under `rules` (its classes and tiers).
+    pub(super) fn new(rules: &QueueRules) -> Self {
+        let (classes, tiers) = (rules.classes.len(), rules.tiers.len());
+        Self { classes: vec![PerClass::default(); classes], tiers: vec![PerTier::default(); tiers], ..Self::default() }
+    }
+
+    /// Slots tier `i`'s jobs hold.
+    pub(super) fn in_flight_of(&self, i: usize) -> usize {
+        self.tiers.get(i).map_or(0, |t| t.in_flight)
+    }
+
+    /// Tier `i`'s jobs waiting.
+    pub(super) fn waiting_of_tier(&self, i: usize) -> usize {
+        self.flows.values().flat_map(|f| &f.jobs).filter(|w| w.standing.reserved == Some(i)).count()
+    }
+
+    /// Places tier `i`'s jobs hold: waiting, or promised.
+    pub(super) fn places_held_by(&self, i: usize) -> usize {
+        let promised = self.tiers.get(i).map_or(0, |t| t.reserved);
+        self.waiting_of_tier(i).saturating_add(promised)
     }
 
     /// What is kept for `class` (nothing, for a class the queue does not have).
@@ -74,23 +104,29 @@ impl State {
         }
     }
 
-    /// Counts a place promised to a job of `class`.
-    pub(super) fn reserve_place(&mut self, class: ClassId, unverified: bool) {
+    /// Counts a place promised to a job of `class` standing as `standing`.
+    pub(super) fn reserve_place(&mut self, class: ClassId, standing: Standing) {
         if let Some(of) = self.classes.get_mut(class.index()) {
             of.reserved = of.reserved.saturating_add(1);
         }
-        if unverified {
+        if standing.unverified {
             self.reserved_unverified = self.reserved_unverified.saturating_add(1);
+        }
+        if let Some(tier) = standing.reserved.and_then(|i| self.tiers.get_mut(i)) {
+            tier.reserved = tier.reserved.saturating_add(1);
         }
     }
 
-    /// Gives back a place promised to a job of `class`.
-    pub(super) fn release_place(&mut self, class: ClassId, unverified: bool) {
+    /// Gives back a place promised to a job of `class` standing as `standing`.
+    pub(super) fn release_place(&mut self, class: ClassId, standing: Standing) {
         if let Some(of) = self.classes.get_mut(class.index()) {
             of.reserved = of.reserved.saturating_sub(1);
         }
-        if unverified {
+        if standing.unverified {
             self.reserved_unverified = self.reserved_unverified.saturating_sub(1);
+        }
+        if let Some(tier) = standing.reserved.and_then(|i| self.tiers.get_mut(i)) {
+            tier.reserved = tier.reserved.saturating_sub(1);
         }
     }
 
@@ -123,25 +159,41 @@ impl State {
     pub(super) fn eligible(&self, w: &Waiting, rules: &QueueRules, now: Nanos) -> bool {
         now >= w.not_before
             && now >= self.of_class(w.class).next_at
-            && !(w.unverified && self.unverified_share_taken(rules, now))
+            && !(w.standing.unverified && self.unverified_share_taken(rules, now))
     }
 
-    /// The next job to serve by deficit round robin, taken out of its flow; `None` if no slot is
-    /// free or no waiting job may go yet.
+    /// Whether a job standing as `standing` is of a tier that holds fewer slots than it is
+    /// reserved.
+    pub(super) fn owed_a_slot(&self, standing: Standing, rules: &QueueRules) -> bool {
+        standing.reserved.is_some_and(|i| self.in_flight_of(i) < rules.reserved_slots(i))
+    }
+
+    /// The next job to serve, taken out of its flow; `None` if no slot is free or no waiting job
+    /// may go yet. Among the flows whose first job may go now, those of a tier still owed
+    /// reserved slots go first, else those of the highest rank; among them, deficit round robin.
     pub(super) fn pick(&mut self, rules: &QueueRules, now: Nanos) -> Option<Waiting> {
         if self.in_flight >= rules.max_in_flight || now < self.account_full_until {
             return None;
         }
         let eligible_head = |state: &State, key: &String| {
-            state.flows.get(key).and_then(|f| f.jobs.front()).is_some_and(|w| state.eligible(w, rules, now))
+            state
+                .flows
+                .get(key)
+                .and_then(|f| f.jobs.front())
+                .filter(|w| state.eligible(w, rules, now))
+                .map(|w| w.standing)
         };
-        if !self.ring.iter().any(|key| eligible_head(self, key)) {
-            return None;
+        let (mut top, mut any_owed) = (None, false);
+        for head in self.ring.iter().filter_map(|key| eligible_head(self, key)) {
+            top = top.max(Some(head.rank));
+            any_owed |= self.owed_a_slot(head, rules);
         }
-        // Terminates: an eligible flow earns at least its quantum (≥ 0.01) every round.
+        let top = top?;
+        let goes_now = |state: &State, s: Standing| if any_owed { state.owed_a_slot(s, rules) } else { s.rank == top };
+        // Terminates: a flow that goes now earns at least its quantum (≥ 0.01) every round.
         loop {
             let key = self.ring.front()?.clone();
-            let head_ok = eligible_head(self, &key);
+            let head_ok = eligible_head(self, &key).is_some_and(|s| goes_now(self, s));
             let flow = self.flows.get_mut(&key)?;
             if head_ok {
                 if flow.deficit < 1.0 {
@@ -176,10 +228,10 @@ impl State {
             .filter_map(|f| f.jobs.front())
             // An unverified job whose share is held here waits for a slot to come back (which
             // wakes the dispatcher), not for a time.
-            .filter(|w| !(w.unverified && self.unverified_in_flight >= rules.unverified_slots))
+            .filter(|w| !(w.standing.unverified && self.unverified_in_flight >= rules.unverified_slots))
             .map(|w| {
                 let mut at = w.not_before.max(self.of_class(w.class).next_at);
-                if w.unverified {
+                if w.standing.unverified {
                     at = at.max(self.unverified_full_until);
                 }
                 at
@@ -191,7 +243,8 @@ impl State {
     /// Whether a job may take a free slot at the door without overtaking anyone: nobody waits,
     /// or (for a configured caller's job) only unverified jobs whose share is taken, which
     /// could not have the slot anyway.
-    pub(super) fn door_open(&self, rules: &QueueRules, unverified: bool, now: Nanos) -> bool {
+    pub(super) fn door_open(&self, rules: &QueueRules, standing: Standing, now: Nanos) -> bool {
+        let unverified = standing.unverified;
         if self.in_flight >= rules.max_in_flight || now < self.account_full_until {
             return false;
         }
@@ -200,26 +253,32 @@ impl State {
         }
         !unverified
             && self.unverified_share_taken(rules, now)
-            && self.flows.values().flat_map(|f| &f.jobs).all(|w| w.unverified)
+            && self.flows.values().flat_map(|f| &f.jobs).all(|w| w.standing.unverified)
     }
 
     pub(super) fn unverified_waiting(&self) -> usize {
-        self.flows.values().flat_map(|f| &f.jobs).filter(|w| w.unverified).count()
+        self.flows.values().flat_map(|f| &f.jobs).filter(|w| w.standing.unverified).count()
     }
 
-    /// Counts a slot taken by a job of this class.
-    pub(super) fn take_slot(&mut self, unverified: bool) {
-        self.in_flight += 1;
-        if unverified {
-            self.unverified_in_flight += 1;
+    /// Counts a slot taken by a job standing as `standing`.
+    pub(super) fn take_slot(&mut self, standing: Standing) {
+        self.in_flight = self.in_flight.saturating_add(1);
+        if standing.unverified {
+            self.unverified_in_flight = self.unverified_in_flight.saturating_add(1);
+        }
+        if let Some(tier) = standing.reserved.and_then(|i| self.tiers.get_mut(i)) {
+            tier.in_flight = tier.in_flight.saturating_add(1);
         }
     }
 
-    /// Gives back a slot taken by a job of this class.
-    pub(super) fn give_slot(&mut self, unverified: bool) {
+    /// Gives back a slot taken by a job standing as `standing`.
+    pub(super) fn give_slot(&mut self, standing: Standing) {
         self.in_flight = self.in_flight.saturating_sub(1);
-        if unverified {
+        if standing.unverified {
             self.unverified_in_flight = self.unverified_in_flight.saturating_sub(1);
+        }
+        if let Some(tier) = standing.reserved.and_then(|i| self.tiers.get_mut(i)) {
+            tier.in_flight = tier.in_flight.saturating_sub(1);
         }
     }
 

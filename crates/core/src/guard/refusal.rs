@@ -235,6 +235,25 @@ impl Refusal {
         }
     }
 
+    /// The places left in the queue in front of the upstream account are reserved for callers of
+    /// tiers that do not hold their share yet (`[upstream.reserved]`); `wait` is until a place
+    /// may free up.
+    pub fn queue_reserved(tool: &str, wait: Nanos) -> Self {
+        Self {
+            code: RefusalCode::Busy,
+            message: format!(
+                "The places left for jobs waiting for the upstream to start {tool} are reserved for callers of \
+                 another tier. Wait {} before calling it again.",
+                seconds(ceil_secs(wait))
+            ),
+            retry_after_ms: Some(ceil_ms(wait).max(1)),
+            scope: Some("queue:upstream:reserved".into()),
+            limit: None,
+            remaining: Some(0),
+            details: None,
+        }
+    }
+
     /// A call that waited `waited` for one of the upstream's `slots` calls in flight to finish,
     /// in vain, and was never sent: the upstream is busy, not down, and the call cost nothing.
     pub fn never_sent(tool: &str, waited: Nanos, slots: usize, wait: Nanos) -> Self {
