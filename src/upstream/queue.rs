@@ -66,8 +66,9 @@ mod tiers;
 use round_robin::{State, Waiting};
 pub use tiers::{Standing, TierRule};
 
-/// How long an instance waits before asking again for an account slot another instance holds
-/// (it cannot be told when one frees), and before asking a store that failed again.
+/// How long an instance waits before asking again for an account slot another instance holds,
+/// unless it hears first that one was freed (a message can be lost: a subscription that dropped),
+/// and before asking a store that failed again.
 const ACCOUNT_RETRY: Nanos = NANOS_PER_SEC;
 
 /// The account, its unverified share and the classes' gaps in a shared store.
@@ -93,6 +94,11 @@ struct Shared {
     /// limits locally meanwhile.
     down_until: AtomicU64,
     metrics: Arc<Metrics>,
+    /// The channel every instance says on that it freed an account slot (or one of the share),
+    /// once it is free (`{upstream}account:freed`).
+    freed_channel: String,
+    /// What is heard on it: each message wakes the dispatcher, which asks again at once.
+    freed: Option<tokio::sync::watch::Receiver<u64>>,
 }
 
 impl Shared {
@@ -537,7 +543,10 @@ impl FairQueue {
                     Some((format!("{{{name}}}{}_gap", class.name), limiter))
                 })
                 .collect();
+            let freed_channel = format!("{{{name}}}account:freed");
             self.shared = Some(Shared {
+                freed: store.clone().hear(&freed_channel),
+                freed_channel,
                 learner: store.clone().shared_learner(),
                 store,
                 account_key: format!("{{{name}}}account:in_flight"),
@@ -584,8 +593,10 @@ impl FairQueue {
         };
         match answer {
             Ok((decisions, taken_at)) if decisions.iter().all(|d| d.allowed) => {
+                // Given back, each says so to every instance waiting for a slot.
                 let lease_of = |key: &str, limiter: &Limiter| {
                     SlotGuard::new(shared.store.clone(), key.to_owned(), limiter.clone(), 1, lease)
+                        .telling(&shared.freed_channel)
                 };
                 let mut leases = vec![lease_of(&shared.account_key, &shared.account)];
                 if unverified {
@@ -619,8 +630,10 @@ impl FairQueue {
         &self.rules
     }
 
-    /// Serves waiting jobs as slots free up and gaps pass, until `stop`.
+    /// Serves waiting jobs as slots free up and gaps pass, until `stop`. Over a shared store, a
+    /// slot freed by any instance is heard at once, and the jobs waiting here ask for it then.
     pub async fn dispatch(self: Arc<Self>, stop: CancellationToken) {
+        let mut freed = self.shared.as_ref().and_then(|s| s.freed.clone());
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -670,10 +683,25 @@ impl FairQueue {
                     None => std::future::pending().await,
                 }
             };
+            let heard = async {
+                match freed.as_mut() {
+                    Some(freed) => freed.changed().await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 () = stop.cancelled() => return,
                 () = &mut changed => {}
                 () = sleep => {}
+                listening = heard => {
+                    if listening {
+                        // Another instance freed a slot: what it said full may not be any more.
+                        let mut state = self.state();
+                        (state.account_full_until, state.unverified_full_until) = (0, 0);
+                    } else {
+                        freed = None;
+                    }
+                }
             }
         }
     }

@@ -299,22 +299,24 @@ async fn three_instances_space_their_video_submissions_as_one_queue() {
 }
 
 #[tokio::test]
-async fn two_instances_share_one_upstream_account_and_a_slot_freed_anywhere_starts_a_waiting_job() {
+async fn a_slot_freed_on_one_instance_starts_a_job_waiting_on_another_at_once_told_by_redis() {
     let redis = TestRedis::private();
     // Every caller here has a made-up key: no share of the account is kept for configured ones.
     let config = shared(&redis, "", "[upstream]\nmax_in_flight = 3\nunverified_share = 1.0\n");
     let servers = [TestServer::start(&config).await, TestServer::start(&config).await];
     let mut running = Vec::new();
-    let mut waiting = 0;
+    let mut waiting = Vec::new();
+    // Three start on the first instance; three wait on the second.
     for i in 0..6 {
-        let server = &servers[i % 2];
+        let server = &servers[i / 3];
         let client = server.client(Some(&token(&format!("caller{i}")))).await;
         let r = call(&client, "generate_image", json!({"prompt": format!("p{i}")})).await;
         assert!(!is_error(&r), "{}", text(&r));
+        let id = structured(&r)["predict_id"].as_str().expect("id").to_owned();
         if structured(&r)["queue_position"].is_u64() {
-            waiting += 1;
+            waiting.push(id);
         } else {
-            running.push((i % 2, client, structured(&r)["predict_id"].as_str().expect("id").to_owned()));
+            running.push((i / 3, client, id));
         }
     }
     let created = || async {
@@ -324,21 +326,20 @@ async fn two_instances_share_one_upstream_account_and_a_slot_freed_anywhere_star
         }
         n
     };
-    assert_eq!((running.len(), waiting), (3, 3), "one account of 3 across both instances");
+    assert_eq!((running.len(), waiting.len()), (3, 3), "one account of 3 across both instances");
+    assert!(running.iter().all(|(instance, _, _)| *instance == 0));
     assert_eq!(created().await, 3);
 
-    // A job ends on one instance: its account slot comes back in Redis, and a job waiting on
-    // either instance starts when its dispatcher next asks (a second later on its clock).
+    // A job ends on the first instance: Redis says its slot is free once it is, and a job
+    // waiting on the second starts then, with no clock moving (no asking again a second later).
     let (_, client, id) = &running[0];
     let r = call(client, "cancel_prediction", json!({"predict_id": id})).await;
     assert_eq!(structured(&r)["status"], "canceled");
-    eventually("a waiting job started in the freed slot", || async {
-        for server in &servers {
-            server.advance_secs(1.0);
-        }
-        created().await == 4
-    })
-    .await;
+    eventually("a job waiting on the other instance started in the freed slot", || async { created().await == 4 })
+        .await;
+    let submitted = servers[1].submissions().await;
+    let started = submitted.last().map(|s| s.2.clone()).expect("a submission");
+    assert!(waiting.contains(&started), "{started} was one of the second instance's: {waiting:?}");
     for server in &servers {
         server.advance_secs(5.0);
     }
@@ -832,4 +833,81 @@ async fn a_job_cancelled_on_another_instance_stays_canceled_there_whatever_its_o
     a.advance_secs(5.0);
     eventually("instance a sees the cancel", || async { status_of(&on_a, &id).await == "canceled" }).await;
     assert_eq!(status_of(&on_b, &id).await, "canceled");
+}
+
+/// Three tenants, one on each of three instances, each with ten one-second images: the account
+/// of 4 runs at its capacity while work waits, whichever instance frees a slot and whichever
+/// holds the next job (each hears from Redis the moment a slot frees anywhere), never over 4.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_keep_an_account_of_four_busy_while_work_waits_and_never_over_four() {
+    let redis = TestRedis::private();
+    let (mock_clock, mock) = shared_mock_running(1_000).await;
+    let keys: String = ["x", "y", "z"]
+        .iter()
+        .map(|t| format!("[[auth.keys]]\nkey = \"{t}-busy-account-key\"\ntenant = \"{t}\"\n"))
+        .collect();
+    let config = format!(
+        "[store]\nbackend = \"redis\"\nredis_url = \"{}\"\ntimeout_ms = 200\n\
+         [upstream]\nurl = \"{}\"\nmax_in_flight = 4\nimage_poll_seconds = 1\nqueue_max = 100\n\
+         [limits.caller]\nburst = 1000\n[limits.tenant]\nburst = 1000\n\
+         [limits.in_flight]\ncaller = 100\ntenant = 100\n[loop_detection]\nenabled = false\n{keys}",
+        redis.url, mock.url
+    );
+    let servers =
+        [TestServer::start(&config).await, TestServer::start(&config).await, TestServer::start(&config).await];
+    for (server, tenant) in servers.iter().zip(["x", "y", "z"]) {
+        let client = server.client(Some(&format!("{tenant}-busy-account-key"))).await;
+        for i in 0..10 {
+            let r = call(&client, "generate_image", json!({"prompt": format!("{tenant} {i}")})).await;
+            assert!(!is_error(&r), "{}", text(&r));
+        }
+    }
+    let waiting = || servers.iter().map(|s| s.app.state().behind.occupancy().waiting).sum::<usize>();
+    let created = || async {
+        let usage: Value =
+            reqwest::get(format!("{}/v1/usage", mock.url)).await.expect("usage").json().await.expect("json");
+        usage["predictions_created"].as_u64().expect("count")
+    };
+    let mut connection =
+        redis::Client::open(redis.url.as_str()).expect("url").get_multiplexed_async_connection().await.expect("redis");
+    // The slots every instance holds: the live leases' units on the account's key (concurrency.lua).
+    let held_script = redis::Script::new(
+        "local t = redis.call('TIME') local now = t[1] * 1000000 + t[2] \
+         local f = {} for w in string.gmatch(redis.call('GET', KEYS[1]) or '', '%S+') do f[#f + 1] = w end \
+         local units = 0 for i = 2, #f, 3 do if tonumber(f[i + 2]) > now then units = units + f[i + 1] end end \
+         return units",
+    );
+    let mut held = async || -> usize {
+        held_script.key("{upstream}account:in_flight").invoke_async(&mut connection).await.expect("reads Redis")
+    };
+    // Every 100 ms of the clocks, once what it set off has settled (the jobs it ended polled, and
+    // their slots taken again, or nobody waiting): the slots held in Redis while work waits.
+    let (mut busy, mut steps, mut most) = (0usize, 0usize, 0usize);
+    for step in 1..=60 {
+        for server in &servers {
+            server.advance_ms(100);
+        }
+        mock_clock.advance(Duration::from_millis(100));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let started = Instant::now();
+        let mut now_held = held().await;
+        while now_held < 4 && waiting() > 0 && started.elapsed() < Duration::from_millis(500) {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            now_held = held().await;
+        }
+        most = most.max(now_held);
+        if waiting() > 0 && step < 60 {
+            busy += now_held;
+            steps += 1;
+        }
+    }
+    let in_six_seconds = created().await;
+    let used = busy as f64 / (4 * steps.max(1)) as f64;
+    println!(
+        "three instances, an account of 4, one-second jobs: {in_six_seconds} started in 6 s, {:.1} % of the slots held while work waited",
+        100.0 * used
+    );
+    assert!(most <= 4, "never over the account's 4: {most}");
+    assert!(used >= 0.95, "{:.1} % of the account used while work waited", 100.0 * used);
+    assert!(in_six_seconds >= 24, "4 slots × 6 one-second rounds: {in_six_seconds}");
 }

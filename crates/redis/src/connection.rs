@@ -69,6 +69,21 @@ impl Target {
         }
     }
 
+    /// A client of one node (a cluster's first seed node) for what a shared connection cannot
+    /// carry: a subscription. A cluster passes every message published on any node to every
+    /// other node, so one node hears them all.
+    pub(super) fn listener(&self, certificates: TlsCertificates) -> RedisResult<Client> {
+        let (url, tls) = match self {
+            Target::Node { url, tls, .. } => (url.as_str(), *tls),
+            Target::Cluster { nodes, tls, .. } => (nodes.first().map_or("", String::as_str), *tls),
+        };
+        if tls && certificates.root_cert.is_some() {
+            Client::build_with_tls(url, certificates)
+        } else {
+            Client::open(url)
+        }
+    }
+
     /// Opens the connection, each attempt and each reply bounded by `timeout`; a TLS server is
     /// verified against `certificates` (their root, or the system's trust store without one).
     pub(super) async fn connect(self, timeout: Duration, certificates: TlsCertificates) -> RedisResult<Connection> {

@@ -211,6 +211,7 @@ const REPLY_FIELDS: usize = 5;
 
 mod connection;
 mod learner;
+mod listen;
 mod shared;
 
 use learner::learnt_ttl_ms;
@@ -234,6 +235,9 @@ pub struct RedisStore {
     /// The in-flight leases this instance holds (key, lease) → (units, the key's cap), renewed on
     /// a schedule ([`Slots::renew_leases`](mcp_ratelimit_core::store::Slots::renew_leases)) until given back.
     held: std::sync::Mutex<Held>,
+    /// A client of one node, for subscriptions ([`Broadcast::hear`](mcp_ratelimit_core::store::Broadcast::hear)).
+    /// Its URL may carry a password: never printed.
+    listener: ::redis::Client,
 }
 
 /// The leases an instance holds: (key, lease) → (units, the key's cap).
@@ -269,6 +273,7 @@ impl RedisStore {
         }
         let certificates = TlsCertificates { client_tls: None, root_cert: ca_pem };
         let address = target.address().to_owned();
+        let listener = target.listener(certificates.clone()).map_err(|e| classify(&address, timeout, e))?;
         let (decide, release, renew, adjust, record, learn) = (
             Script::new(DECIDE_SCRIPT),
             Script::new(RELEASE_SCRIPT),
@@ -287,7 +292,20 @@ impl RedisStore {
         let connection = bounded(&address, timeout, connecting).await?;
         let lease = DEFAULT_LEASE;
         let held = std::sync::Mutex::default();
-        Ok(RedisStore { connection, timeout, address, decide, release, renew, adjust, record, learn, lease, held })
+        Ok(RedisStore {
+            connection,
+            timeout,
+            address,
+            decide,
+            release,
+            renew,
+            adjust,
+            record,
+            learn,
+            lease,
+            held,
+            listener,
+        })
     }
 
     /// Checks that `url` has one of the forms [`RedisStore::connect`] takes, without connecting:
@@ -786,6 +804,8 @@ struct GiveBack {
     address: String,
     timeout: Duration,
     lease: Duration,
+    /// A channel the release says so on, when it gives slots back (`release.lua`).
+    tell: Option<String>,
 }
 
 /// The first pause before a release Redis did not take is tried again; it doubles.
@@ -799,7 +819,13 @@ impl GiveBack {
             address: store.address.clone(),
             timeout: store.timeout,
             lease: store.lease,
+            tell: None,
         }
+    }
+
+    /// This release, said on `channel` when it gives slots back.
+    fn telling(self, channel: &str) -> Self {
+        Self { tell: Some(channel.to_owned()), ..self }
     }
 
     /// Gives back `lease`'s slots on every one of `keys` in a task of its own, trying each again
@@ -819,6 +845,9 @@ impl GiveBack {
                 loop {
                     let mut invocation = self.script.key(key);
                     invocation.arg(lease.id()).arg(lease_us);
+                    if let Some(channel) = &self.tell {
+                        invocation.arg(channel);
+                    }
                     let given: Result<i64, StoreError> =
                         bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await;
                     let Err(error) = given else { break };

@@ -80,6 +80,18 @@ impl Slots for RedisStore {
         super::GiveBack::of(&self).spawn(vec![key.to_owned()], lease);
     }
 
+    fn release_telling(
+        self: std::sync::Arc<Self>,
+        key: &str,
+        _limiter: &Limiter,
+        _cost: u64,
+        lease: Lease,
+        channel: &str,
+    ) {
+        self.held().remove(&(key.to_owned(), lease));
+        super::GiveBack::of(&self).telling(channel).spawn(vec![key.to_owned()], lease);
+    }
+
     fn hold(&self, key: &str, lease: Lease, units: u64, capacity: u64) {
         self.held().insert((key.to_owned(), lease), (units, capacity));
     }
@@ -114,6 +126,10 @@ impl Broadcast for RedisStore {
 
     fn counter<'a>(&'a self, key: &'a str) -> StoreFuture<'a, u64> {
         Box::pin(async move { RedisStore::counter(self, key).await })
+    }
+
+    fn hear(self: std::sync::Arc<Self>, channel: &str) -> Option<tokio::sync::watch::Receiver<u64>> {
+        Some(self.hear_channel(channel))
     }
 }
 

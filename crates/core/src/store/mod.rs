@@ -207,6 +207,12 @@ pub trait Slots: Send + Sync {
     /// then runs out by itself).
     fn release(self: Arc<Self>, key: &str, limiter: &Limiter, cost: u64, lease: Lease);
 
+    /// [`Slots::release`], and once the slots are free, says so on `channel` to every instance
+    /// that hears it ([`Broadcast::hear`]); a store nobody shares has nobody to tell.
+    fn release_telling(self: Arc<Self>, key: &str, limiter: &Limiter, cost: u64, lease: Lease, _channel: &str) {
+        self.release(key, limiter, cost, lease);
+    }
+
     /// Notes that this instance holds `units` slots on `key` (capped at `capacity`) under
     /// `lease`, to renew them until they are given back; nothing to do where slots cannot
     /// outlive their process.
@@ -239,8 +245,18 @@ pub trait Blocks: Send + Sync {
 }
 
 /// News for every instance: counters any instance bumps and every instance reads (an
-/// operator's change, heard by the others). A store no other instance shares has nobody to tell.
+/// operator's change, heard by the others), and channels any instance says something on and
+/// every instance hears at once (a slot freed). A store no other instance shares has nobody to
+/// tell.
 pub trait Broadcast: Send + Sync {
+    /// Hears what any instance says on `channel` ([`SlotGuard::telling`]): the receiver's value
+    /// counts the messages heard, and changes with each (and once more when the store has been
+    /// out of reach, as messages may have been missed meanwhile). `None` where nobody else shares
+    /// the store. Heard until every receiver is dropped.
+    fn hear(self: Arc<Self>, _channel: &str) -> Option<tokio::sync::watch::Receiver<u64>> {
+        None
+    }
+
     /// Adds one to the counter `key` every instance can read; the count after it (0 where
     /// nobody else shares the store).
     fn bump<'a>(&'a self, _key: &'a str) -> StoreFuture<'a, u64> {
@@ -416,6 +432,8 @@ pub struct SlotGuard {
     limiter: Limiter,
     cost: u64,
     lease: Lease,
+    /// A channel its release is said on ([`SlotGuard::telling`]).
+    tell: Option<String>,
 }
 
 impl SlotGuard {
@@ -423,12 +441,24 @@ impl SlotGuard {
     /// shared store they are renewed until this guard is dropped.
     pub fn new(store: Arc<dyn Store>, key: String, limiter: Limiter, cost: u64, lease: Lease) -> Self {
         store.hold(&key, lease, cost, limiter.capacity());
-        Self { store, key, limiter, cost, lease }
+        Self { store, key, limiter, cost, lease, tell: None }
+    }
+
+    /// This guard, its release said on `channel` once the slots are free
+    /// ([`Slots::release_telling`]): every instance waiting for one hears it at once.
+    pub fn telling(mut self, channel: &str) -> Self {
+        self.tell = Some(channel.to_owned());
+        self
     }
 }
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        self.store.clone().release(&self.key, &self.limiter, self.cost, self.lease);
+        match &self.tell {
+            Some(channel) => {
+                self.store.clone().release_telling(&self.key, &self.limiter, self.cost, self.lease, channel)
+            }
+            None => self.store.clone().release(&self.key, &self.limiter, self.cost, self.lease),
+        }
     }
 }
