@@ -26,5 +26,6 @@ mod operate;
 mod pricing;
 mod redis_cluster;
 mod redis_store;
+mod shared_line;
 mod shared_store;
 mod tenants;

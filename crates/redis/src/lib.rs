@@ -211,6 +211,7 @@ const REPLY_FIELDS: usize = 5;
 
 mod connection;
 mod learner;
+mod line;
 mod listen;
 mod shared;
 
@@ -231,6 +232,7 @@ pub struct RedisStore {
     adjust: Script,
     record: Script,
     learn: Script,
+    line: Script,
     lease: Duration,
     /// The in-flight leases this instance holds (key, lease) → (units, the key's cap), renewed on
     /// a schedule ([`Slots::renew_leases`](mcp_ratelimit_core::store::Slots::renew_leases)) until given back.
@@ -274,17 +276,18 @@ impl RedisStore {
         let certificates = TlsCertificates { client_tls: None, root_cert: ca_pem };
         let address = target.address().to_owned();
         let listener = target.listener(certificates.clone()).map_err(|e| classify(&address, timeout, e))?;
-        let (decide, release, renew, adjust, record, learn) = (
+        let (decide, release, renew, adjust, record, learn, line) = (
             Script::new(DECIDE_SCRIPT),
             Script::new(RELEASE_SCRIPT),
             Script::new(RENEW_SCRIPT),
             Script::new(ADJUST_SCRIPT),
             Script::new(RECORD_SCRIPT),
             Script::new(LEARN_SCRIPT),
+            Script::new(line::LINE_SCRIPT),
         );
         let connecting = async {
             let connection = target.connect(timeout, certificates).await?;
-            for script in [&decide, &release, &renew, &adjust, &record, &learn] {
+            for script in [&decide, &release, &renew, &adjust, &record, &learn, &line] {
                 connection.load(script).await?;
             }
             Ok(connection)
@@ -302,6 +305,7 @@ impl RedisStore {
             adjust,
             record,
             learn,
+            line,
             lease,
             held,
             listener,

@@ -146,6 +146,10 @@ impl Store for RedisStore {
         Some(self)
     }
 
+    fn shared_line(self: std::sync::Arc<Self>) -> Option<std::sync::Arc<dyn mcp_ratelimit_core::store::SharedLine>> {
+        Some(self)
+    }
+
     fn shared_learner(
         self: std::sync::Arc<Self>,
     ) -> Option<std::sync::Arc<dyn mcp_ratelimit_core::store::SharedLearner>> {

@@ -9,9 +9,11 @@
 //! A store shared by several instances also keeps what they must agree on beside the budgets,
 //! each behind a trait of its own, so the guard and the upstream name no concrete store: a
 //! caller's recent calls ([`LoopHistory`], for loop detection), the published job book
-//! ([`JobMirror`]) and the upstream account's learnt concurrency limit ([`SharedLearner`]). A
-//! third backend implements these traits and nothing above changes.
+//! ([`JobMirror`]), the upstream account's learnt concurrency limit ([`SharedLearner`]) and the
+//! one line every instance's waiting jobs stand in ([`SharedLine`]). A third backend implements
+//! these traits and nothing above changes.
 
+pub mod line;
 pub mod memory;
 pub mod suite;
 
@@ -23,6 +25,7 @@ use std::time::Duration;
 use crate::clock::Nanos;
 use crate::limit::adaptive::{Learner, Signal};
 use crate::limit::{Adjustment, Decision, Limiter};
+pub use line::{LINE_ALIVE, LINE_HEARTBEAT, LineAnswer, LineAt, LineClaim, LineEntry, LineWait, SharedLine};
 pub use memory::MemoryStore;
 
 /// How long the mark of an adjustment sent with one ([`Budgets::adjust`]) lives: longer than the
@@ -292,6 +295,11 @@ pub trait Store: Budgets + Slots + Blocks + Broadcast {
 
     /// Where the job book is published for every instance, if this store is shared.
     fn job_mirror(self: Arc<Self>) -> Option<Arc<dyn JobMirror>> {
+        None
+    }
+
+    /// Where the line every instance's waiting jobs stand in is kept, if this store is shared.
+    fn shared_line(self: Arc<Self>) -> Option<Arc<dyn SharedLine>> {
         None
     }
 
