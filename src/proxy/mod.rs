@@ -340,11 +340,11 @@ impl Proxied {
             let wait = self.mean_call.load(Ordering::Relaxed).max(NANOS_PER_MS);
             Refusal::never_sent(&tool, waited, self.queue.slots(), wait)
         };
-        let slot = match place.start_now().await {
+        let owner = Owner::of(caller, &self.limits.guard().policy(), self.queue.rules());
+        let slot = match place.start_now(&owner.flowing()).await {
             Ok(slot) => slot,
             Err(place) => {
                 let id = format!("call-{}", self.calls.fetch_add(1, Ordering::Relaxed));
-                let owner = Owner::of(caller, &self.limits.guard().policy(), self.queue.rules());
                 let turn = place.enqueue(&owner.flowing(), &id);
                 // Dropped here when the time is up, the turn takes the call out of the line.
                 match self.by(queued_at.saturating_add(timeout), turn).await {

@@ -458,7 +458,7 @@ impl Replay<'_> {
             let Ok(place) = self.queue.reserve(JobClasses::ONLY, Standing::PLAIN) else { return };
             self.record.calls = self.record.calls.saturating_add(1);
             let job = Job { number: self.record.calls, refused: 0, sent: false };
-            match place.start_now().await {
+            match place.start_now(&FLOW).await {
                 Ok(slot) => self.submit(job, slot, false, now),
                 Err(place) => {
                     let turn = place.enqueue(&FLOW, &job.id());

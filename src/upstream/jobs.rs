@@ -299,7 +299,7 @@ impl Jobs {
         slots: Slots,
     ) -> Result<JobView, UpstreamError> {
         let class = place.class();
-        let place = match place.start_now().await {
+        let place = match place.start_now(&owner.flowing()).await {
             Ok(account) => return self.submit_now(owner, tool, class, job, slots, account).await,
             Err(place) => place,
         };

@@ -56,10 +56,11 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
 use crate::limit::{Concurrency, Gcra, Limiter};
 use crate::metrics::Metrics;
-use crate::store::{Check, LearntAt, Lease, SharedLearner, SharedLimit, SlotGuard, Store, StoreError};
+use crate::store::{Check, LearntAt, Lease, SharedLearner, SharedLimit, SharedLine, SlotGuard, Store, StoreError};
 use crate::upstream::adaptive::{AdaptiveLimit, Signal};
 use crate::upstream::classes::{ClassId, JobClass, JobClasses};
 
+mod line;
 mod round_robin;
 mod tiers;
 
@@ -99,6 +100,18 @@ struct Shared {
     freed_channel: String,
     /// What is heard on it: each message wakes the dispatcher, which asks again at once.
     freed: Option<tokio::sync::watch::Receiver<u64>>,
+    /// The one line every instance's waiting jobs stand in, when the store keeps one.
+    line: Option<Arc<dyn SharedLine>>,
+    /// The queue's name (the keys' hash tag), and this instance's in the line (random).
+    name: String,
+    instance: String,
+    /// Per tier of [`QueueRules::tiers`]: the key its jobs' slots are counted on, so a claim
+    /// knows which tier holds fewer than it is reserved on every instance.
+    tier_keys: Vec<String>,
+    /// The limiter those keys are held under (the account's cap: they count, never refuse).
+    tier_limiter: Limiter,
+    /// Numbers the candidates a claim at the door names.
+    doors: AtomicU64,
 }
 
 impl Shared {
@@ -544,7 +557,14 @@ impl FairQueue {
                 })
                 .collect();
             let freed_channel = format!("{{{name}}}account:freed");
+            let tier_keys = self.rules.tiers.iter().map(|t| format!("{{{name}}}account:tier:{}", t.name)).collect();
             self.shared = Some(Shared {
+                line: store.clone().shared_line(),
+                name: name.to_owned(),
+                instance: format!("{:016x}", rand::random::<u64>()),
+                tier_keys,
+                tier_limiter: Limiter::Concurrency(Concurrency::new(self.rules.max_in_flight as u64)),
+                doors: AtomicU64::new(0),
                 freed: store.clone().hear(&freed_channel),
                 freed_channel,
                 learner: store.clone().shared_learner(),
@@ -634,16 +654,52 @@ impl FairQueue {
     /// slot freed by any instance is heard at once, and the jobs waiting here ask for it then.
     pub async fn dispatch(self: Arc<Self>, stop: CancellationToken) {
         let mut freed = self.shared.as_ref().and_then(|s| s.freed.clone());
+        let mut alive_at = tokio::time::Instant::now();
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
             let now = self.clock.now();
+            if let Some((shared, line)) = self.line_now(now) {
+                let wake_at = match self.line_step(shared, line, &mut alive_at).await {
+                    line::LineStep::Again => continue,
+                    line::LineStep::Wait(at) => at,
+                };
+                // While jobs here stand in the line, they say so in real time (the line's clock).
+                let in_line = self.state().joined_count() > 0;
+                let heartbeat = alive_at + crate::store::LINE_HEARTBEAT;
+                let sleep = async {
+                    match wake_at {
+                        Some(at) => self.clock.sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                let heard = async {
+                    match freed.as_mut() {
+                        Some(freed) => freed.changed().await.is_ok(),
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = &mut changed => {}
+                    () = sleep => {}
+                    () = tokio::time::sleep_until(heartbeat), if in_line => {}
+                    listening = heard => if !listening { freed = None },
+                }
+                continue;
+            }
             let (picked, wake_at) = {
                 let mut state = self.state();
                 let rules = self.rules_now();
                 match state.pick(&rules, now) {
-                    Some(job) => {
+                    Some(mut job) => {
+                        // Chosen here while the line could not be asked: out of the line, and
+                        // back in with its tag if it must wait again.
+                        if let Some(joined) = job.joined.take() {
+                            state.leaving.push(joined.member);
+                            job.rejoin_at = Some(joined.tag);
+                        }
                         let counted = Counted::take(&self, &mut state, job.standing);
                         if let Some(gap) = self.class(job.class).and_then(|c| c.min_gap) {
                             state.set_next_at(job.class, now.saturating_add(gap));
@@ -787,7 +843,7 @@ impl FairQueue {
     pub fn requeue_front(self: &Arc<Self>, flow: &Flowing<'_>, id: &str, class: ClassId, not_before: Nanos) -> Turn {
         let (turn, waiting) = oneshot::channel();
         let (standing, quantum) = (flow.standing, flow.quantum);
-        let job = Waiting { id: id.to_owned(), class, standing, not_before, flow: String::new(), quantum, turn };
+        let job = Waiting::new(id, class, standing, not_before, turn);
         let flow = flow.name;
         self.state().push(flow, quantum, job, true);
         self.changed.notify_waiters();
@@ -854,7 +910,7 @@ impl Reservation {
     /// Cancel-safe: dropped while the shared store is asked, the slot counted here goes back (its
     /// guard owns it from the instant it is counted), and so do the place and any lease the store
     /// may have taken ([`Budgets::decide`](crate::store::Budgets::decide)).
-    pub async fn start_now(mut self) -> Result<AccountSlot, Self> {
+    pub async fn start_now(mut self, flow: &Flowing<'_>) -> Result<AccountSlot, Self> {
         let queue = self.queue.clone();
         let counted = {
             let mut state = queue.state();
@@ -866,6 +922,26 @@ impl Reservation {
             // Taken locally first, so two calls racing here cannot both pass the local cap.
             Counted::take(&queue, &mut state, self.standing)
         };
+        if let Some((shared, line)) = queue.line_now(queue.clock.now()) {
+            // Over the one line: now only if this job would be next on every instance.
+            let candidate = queue.candidate(shared, &Flowing { standing: self.standing, ..*flow }, self.class);
+            let lease = Lease::new();
+            match queue.ask_line(shared, line, lease, Some(&candidate)).await {
+                Ok(answer) => match queue.door_slot(shared, answer, counted, lease) {
+                    Ok(slot) => {
+                        self.release_place(&mut queue.state());
+                        self.used = true;
+                        return Ok(slot);
+                    }
+                    Err(counted) => {
+                        counted.give_back(&mut queue.state());
+                        return Err(self);
+                    }
+                },
+                // The queue limits locally now: the claim below says so.
+                Err(error) => queue.line_failed(shared, &error, "claim a turn at the door"),
+            }
+        }
         match queue.claim(self.class, self.standing.unverified).await {
             Claim::Go(leases, shared_at) => {
                 self.release_place(&mut queue.state());
@@ -886,22 +962,15 @@ impl Reservation {
         }
     }
 
-    /// Turns the promised place into job `id` waiting at the back of its flow.
+    /// Turns the promised place into job `id` waiting at the back of its flow (over a shared
+    /// line, it joins the line at the dispatcher's next step).
     pub fn enqueue(mut self, flow: &Flowing<'_>, id: &str) -> Turn {
         self.used = true;
         let (turn, waiting) = oneshot::channel();
         let mut state = self.queue.state();
         self.release_place(&mut state);
         let quantum = flow.quantum.clamp(0.01, 1000.0);
-        let job = Waiting {
-            id: id.to_owned(),
-            class: self.class,
-            standing: self.standing,
-            not_before: 0,
-            flow: String::new(),
-            quantum,
-            turn,
-        };
+        let job = Waiting::new(id, self.class, self.standing, 0, turn);
         state.push(flow.name, quantum, job, false);
         drop(state);
         self.queue.changed.notify_waiters();
@@ -972,7 +1041,8 @@ mod tests {
     async fn round_robin_across_flows_not_first_come_first_served() {
         let clock = ManualClock::new();
         let q = queue(&clock, 1);
-        let held = q.reserve(IMAGE, Standing::PLAIN).expect("room").start_now().await.expect("a free slot");
+        let held =
+            q.reserve(IMAGE, Standing::PLAIN).expect("room").start_now(&flow("door")).await.expect("a free slot");
         let mut turns = Vec::new();
         for i in 0..3 {
             turns.push(("a", q.reserve(IMAGE, Standing::PLAIN).expect("room").enqueue(&flow("a"), &format!("a{i}"))));
@@ -1006,7 +1076,7 @@ mod tests {
         let _first = granted(&mut v1).await.expect("the first video goes at once");
         assert!(granted(&mut v2).await.is_none(), "the second waits for the gap");
         let image = q.reserve(IMAGE, Standing::PLAIN).expect("room");
-        let image = image.start_now().await.expect_err("someone is waiting: no overtaking at the door");
+        let image = image.start_now(&flow("door")).await.expect_err("someone is waiting: no overtaking at the door");
         let mut image = image.enqueue(&flow("b"), "i1");
         assert!(granted(&mut image).await.is_some(), "an image needs no gap");
         clock.advance(Duration::from_nanos(GAP));
@@ -1024,7 +1094,7 @@ mod tests {
         let q = Arc::new(FairQueue::new(QueueRules::new(10, 100, classes), clock.clone()));
         tokio::spawn(q.clone().dispatch(CancellationToken::new()));
         let first = q.reserve(audio, Standing::PLAIN).expect("room");
-        let first = first.start_now().await.expect_err("a spaced class never takes a slot at the door");
+        let first = first.start_now(&flow("door")).await.expect_err("a spaced class never takes a slot at the door");
         let mut a1 = first.enqueue(&flow("a"), "a1");
         let mut a2 = q.reserve(audio, Standing::PLAIN).expect("room").enqueue(&flow("a"), "a2");
         assert_eq!(q.reserve(audio, Standing::PLAIN).err(), Some(QueueFull::Full), "two audio jobs may wait");
@@ -1042,10 +1112,11 @@ mod tests {
     async fn a_full_account_holds_jobs_until_a_slot_is_given_back() {
         let clock = ManualClock::new();
         let q = queue(&clock, 2);
-        let a = q.reserve(IMAGE, Standing::PLAIN).expect("room").start_now().await.expect("slot");
-        let _b = q.reserve(IMAGE, Standing::PLAIN).expect("room").start_now().await.expect("slot");
+        let a = q.reserve(IMAGE, Standing::PLAIN).expect("room").start_now(&flow("door")).await.expect("slot");
+        let _b = q.reserve(IMAGE, Standing::PLAIN).expect("room").start_now(&flow("door")).await.expect("slot");
         let waiting = q.reserve(IMAGE, Standing::PLAIN).expect("room");
-        let mut waiting = waiting.start_now().await.expect_err("the account is full").enqueue(&flow("c"), "c0");
+        let mut waiting =
+            waiting.start_now(&flow("door")).await.expect_err("the account is full").enqueue(&flow("c"), "c0");
         assert!(granted(&mut waiting).await.is_none());
         assert_eq!(q.occupancy().in_flight, 2);
         drop(a);
@@ -1113,7 +1184,7 @@ mod tests {
         let metrics = Arc::new(Metrics::default());
         let q = Arc::new(FairQueue::new(rules, clock.clone()).shared_in(Arc::new(Stalled::default()), "t", metrics));
         let place = q.reserve(IMAGE, Standing::PLAIN).expect("room");
-        let starting = tokio::time::timeout(Duration::from_millis(20), place.start_now()).await;
+        let starting = tokio::time::timeout(Duration::from_millis(20), place.start_now(&flow("door"))).await;
         assert!(starting.is_err(), "the store never answers: the caller gives up (a client's cancel)");
         assert_eq!(q.occupancy().in_flight, 0, "the slot counted before the store was asked came back");
         let again = q.reserve(IMAGE, Standing::PLAIN).expect("the place came back");
@@ -1124,7 +1195,8 @@ mod tests {
     async fn a_job_whose_turn_is_dropped_leaves_the_line_at_once_and_only_that_entry() {
         let clock = ManualClock::new();
         let q = queue(&clock, 1);
-        let held = q.reserve(IMAGE, Standing::PLAIN).expect("room").start_now().await.expect("a free slot");
+        let held =
+            q.reserve(IMAGE, Standing::PLAIN).expect("room").start_now(&flow("door")).await.expect("a free slot");
         let first = q.reserve(IMAGE, Standing::PLAIN).expect("room").enqueue(&flow("a"), "a0");
         let mut second = q.reserve(IMAGE, Standing::PLAIN).expect("room").enqueue(&flow("b"), "b0");
         assert_eq!(q.occupancy().waiting, 2);
@@ -1175,9 +1247,13 @@ mod tests {
         let q = tiered(&clock, 2, 20, 0.5);
         let pro = q.rules().standing("pro", false);
         let free = Standing::PLAIN;
-        let first = q.reserve(IMAGE, free).expect("room").start_now().await.expect("a free slot");
-        let _second =
-            q.reserve(IMAGE, free).expect("room").start_now().await.expect("pro's slot, lent: nobody of pro waits");
+        let first = q.reserve(IMAGE, free).expect("room").start_now(&flow("door")).await.expect("a free slot");
+        let _second = q
+            .reserve(IMAGE, free)
+            .expect("room")
+            .start_now(&flow("door"))
+            .await
+            .expect("pro's slot, lent: nobody of pro waits");
         let mut flood = Vec::new();
         for i in 0..5 {
             flood.push(q.reserve(IMAGE, free).expect("room").enqueue(&flow("free"), &format!("f{i}")));
@@ -1200,7 +1276,8 @@ mod tests {
     async fn when_the_account_is_full_the_highest_rank_goes_first_and_ranks_alike_take_turns() {
         let clock = ManualClock::new();
         let q = tiered(&clock, 1, 20, 0.0);
-        let held = q.reserve(IMAGE, Standing::PLAIN).expect("room").start_now().await.expect("a free slot");
+        let held =
+            q.reserve(IMAGE, Standing::PLAIN).expect("room").start_now(&flow("door")).await.expect("a free slot");
         let mut turns = Vec::new();
         for (tier, flow_name, id) in
             [("guest", "g", "g0"), ("default", "d", "d0"), ("default", "e", "e0"), ("admin", "a", "a0")]
@@ -1254,15 +1331,7 @@ mod tests {
         let mut state = State::new(&QueueRules::new(100, 100, classes(GAP, 100)));
         let push = |state: &mut State, flow: &str, q: f64, id: &str| {
             let (turn, _) = oneshot::channel();
-            let job = Waiting {
-                id: id.into(),
-                class: IMAGE,
-                standing: Standing::PLAIN,
-                not_before: 0,
-                flow: String::new(),
-                quantum: q,
-                turn,
-            };
+            let job = Waiting::new(id, IMAGE, Standing::PLAIN, 0, turn);
             state.push(flow, q, job, false);
         };
         for i in 0..8 {

@@ -26,8 +26,9 @@
 -- ARGV[1]: the operation (join, leave, alive, claim). ARGV[2]: the instance. ARGV[3]: how long a
 -- mark of being alive lasts (us).
 --   alive: marks the instance alive (its heartbeat, while it has jobs in the line).
---   join: ARGV[4] the member, ARGV[5] its flow, ARGV[6] its weight, ARGV[7] its tag or "" for a
---     new one. Returns the tag (a string).
+--   join: ARGV[4] the member, ARGV[5] its flow, ARGV[6] its weight, ARGV[7] its tag, "" for a
+--     new one behind its flow's, or "front" for the line's virtual time (a job put back keeps its
+--     place). Returns the tag (a string).
 --   leave: ARGV[4] the member. Returns 1 if it was in the line.
 --   claim: ARGV[4] the lease, ARGV[5] its duration (us), ARGV[6] the account's capacity,
 --     ARGV[7] the share's, ARGV[8] "ceiling ttl_ms learner" or "", ARGV[9] the most entries
@@ -123,6 +124,9 @@ end
 
 if op == 'join' then
   local member, flow, weight, tag = ARGV[4], ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+  if ARGV[7] == 'front' then
+    tag = vtime()
+  end
   mark_alive()
   local held = redis.call('ZSCORE', LINE, member)
   if held then

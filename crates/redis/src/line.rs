@@ -4,7 +4,8 @@
 
 use super::{GiveBack, RedisStore, StoreError, Unanswered, bounded, learner};
 use mcp_ratelimit_core::store::{
-    LINE_ALIVE, LearntAt, LineAnswer, LineAt, LineClaim, LineEntry, LineWait, SharedLimit, SharedLine, StoreFuture,
+    JoinAt, LINE_ALIVE, LearntAt, LineAnswer, LineAt, LineClaim, LineEntry, LineWait, SharedLimit, SharedLine,
+    StoreFuture,
 };
 
 /// The line script: the prelude, every algorithm, the learnt limits, then the entry point.
@@ -123,11 +124,15 @@ impl RedisStore {
 
 /// The line on Redis's clock.
 impl SharedLine for RedisStore {
-    fn join<'a>(&'a self, at: LineAt<'a>, entry: &'a LineEntry, tag: Option<f64>) -> StoreFuture<'a, f64> {
+    fn join<'a>(&'a self, at: LineAt<'a>, entry: &'a LineEntry, place: JoinAt) -> StoreFuture<'a, f64> {
         Box::pin(async move {
             let mut invocation = self.line_call(at, "join");
             invocation.arg(entry.member(at.instance)).arg(&entry.flow).arg(format!("{}", entry.weight));
-            invocation.arg(tag.map_or_else(String::new, |t| format!("{t:?}")));
+            invocation.arg(match place {
+                JoinAt::Back => String::new(),
+                JoinAt::Front => "front".to_owned(),
+                JoinAt::Tag(tag) => format!("{tag:?}"),
+            });
             let tag: String = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
             tag.parse().map_err(|_| self.malformed(format!("line.lua answered tag {tag:?}")))
         })

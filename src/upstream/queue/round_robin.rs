@@ -8,6 +8,7 @@ use tokio::sync::oneshot;
 
 use super::{AccountSlot, QueueRules, Standing};
 use crate::clock::Nanos;
+use crate::store::{JoinAt, LineEntry};
 use crate::upstream::classes::ClassId;
 
 pub(super) struct Waiting {
@@ -21,6 +22,47 @@ pub(super) struct Waiting {
     pub(super) flow: String,
     pub(super) quantum: f64,
     pub(super) turn: oneshot::Sender<AccountSlot>,
+    /// Over a shared line: how it is named there and its tag, once it has joined.
+    pub(super) joined: Option<Joined>,
+    /// A job put back at the front of its flow (a retry): it keeps its place in the line too.
+    pub(super) front: bool,
+    /// Over a shared line: how many go before it, as the line last said.
+    pub(super) ahead: Option<usize>,
+    /// Over a shared line: the tag it joins again with, having lost its entry (the store failed).
+    pub(super) rejoin_at: Option<f64>,
+}
+
+impl Waiting {
+    /// Job `id` of `class` standing as `standing`, not to leave before `not_before`; its slot
+    /// goes into `turn`. Its flow is set when it is pushed ([`State::push`]).
+    pub(super) fn new(
+        id: &str,
+        class: ClassId,
+        standing: Standing,
+        not_before: Nanos,
+        turn: oneshot::Sender<AccountSlot>,
+    ) -> Self {
+        let (flow, quantum) = (String::new(), 1.0);
+        let (joined, front, ahead, rejoin_at) = (None, false, None, None);
+        Self { id: id.to_owned(), class, standing, not_before, flow, quantum, turn, joined, front, ahead, rejoin_at }
+    }
+}
+
+/// A waiting job's entry in the shared line.
+#[derive(Debug, Clone)]
+pub(super) struct Joined {
+    /// Its name there ([`LineEntry::member`]).
+    pub(super) member: String,
+    /// Its tag: a job put back keeps it.
+    pub(super) tag: f64,
+}
+
+/// A waiting job that has not joined the shared line yet, as it joins.
+pub(super) struct Joining {
+    pub(super) entry: LineEntry,
+    /// Where: at the tag it had (it joined before the store failed), at the front (a job put
+    /// back), or behind its flow's.
+    pub(super) place: JoinAt,
 }
 
 #[derive(Default)]
@@ -67,6 +109,8 @@ pub(super) struct State {
     pub(super) reserved_unverified: usize,
     /// Per tier, by its index in [`QueueRules::tiers`].
     pub(super) tiers: Vec<PerTier>,
+    /// Over a shared line: the entries of jobs that left here, to take out of the line.
+    pub(super) leaving: Vec<String>,
 }
 
 impl State {
@@ -285,9 +329,16 @@ impl State {
     /// Takes out the entries for `id` whose turn nobody waits for any more.
     pub(super) fn remove_abandoned(&mut self, id: &str) -> bool {
         let mut removed = false;
+        let leaving = &mut self.leaving;
         self.flows.retain(|_, flow| {
             let before = flow.jobs.len();
-            flow.jobs.retain(|w| !(w.id == id && w.turn.is_closed()));
+            flow.jobs.retain(|w| {
+                let gone = w.id == id && w.turn.is_closed();
+                if let (true, Some(joined)) = (gone, &w.joined) {
+                    leaving.push(joined.member.clone());
+                }
+                !gone
+            });
             removed |= flow.jobs.len() != before;
             !flow.jobs.is_empty()
         });
@@ -304,7 +355,13 @@ impl State {
             return false;
         };
         if let Some(flow) = self.flows.get_mut(&key) {
-            flow.jobs.retain(|w| w.id != id);
+            let leaving = &mut self.leaving;
+            flow.jobs.retain(|w| {
+                if let (true, Some(joined)) = (w.id == id, &w.joined) {
+                    leaving.push(joined.member.clone());
+                }
+                w.id != id
+            });
             if flow.jobs.is_empty() {
                 self.flows.remove(&key);
                 self.ring.retain(|k| *k != key);
@@ -323,9 +380,93 @@ impl State {
         }
     }
 
+    /// Takes job `id` out of its flow, wherever it stands (the shared line chose it).
+    pub(super) fn take_job(&mut self, id: &str) -> Option<Waiting> {
+        let key = self.flows.iter().find(|(_, f)| f.jobs.iter().any(|w| w.id == id)).map(|(k, _)| k.clone())?;
+        let flow = self.flows.get_mut(&key)?;
+        let at = flow.jobs.iter().position(|w| w.id == id)?;
+        let job = flow.jobs.remove(at);
+        if flow.jobs.is_empty() {
+            self.flows.remove(&key);
+            self.ring.retain(|k| *k != key);
+        }
+        job
+    }
+
+    /// The waiting jobs that have not joined the shared line and may (their retry's wait over),
+    /// as entries of `instance`'s.
+    pub(super) fn joining(&self, now: Nanos) -> Vec<Joining> {
+        let jobs = self.flows.values().flat_map(|f| &f.jobs);
+        jobs.filter(|w| w.joined.is_none() && now >= w.not_before)
+            .map(|w| Joining {
+                entry: LineEntry {
+                    job: w.id.clone(),
+                    flow: w.flow.clone(),
+                    weight: w.quantum,
+                    class: w.class.index(),
+                    unverified: w.standing.unverified,
+                    tier: w.standing.reserved,
+                    rank: w.standing.rank,
+                },
+                place: match (w.rejoin_at, w.front) {
+                    (Some(tag), _) => JoinAt::Tag(tag),
+                    (None, true) => JoinAt::Front,
+                    (None, false) => JoinAt::Back,
+                },
+            })
+            .collect()
+    }
+
+    /// Job `id` has joined the line as `member` at `tag`; `false` if it is not waiting here any
+    /// more (its entry must leave the line).
+    pub(super) fn joined(&mut self, id: &str, member: String, tag: f64) -> bool {
+        match self.flows.values_mut().flat_map(|f| f.jobs.iter_mut()).find(|w| w.id == id && w.joined.is_none()) {
+            Some(job) => {
+                job.joined = Some(Joined { member, tag });
+                job.rejoin_at = None;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Jobs waiting here that stand in the shared line.
+    pub(super) fn joined_count(&self) -> usize {
+        self.flows.values().flat_map(|f| &f.jobs).filter(|w| w.joined.is_some()).count()
+    }
+
+    /// The line may have lost track of what joined (the store failed): every job joins again,
+    /// keeping its tag, when the store answers.
+    pub(super) fn rejoin_all(&mut self) {
+        for job in self.flows.values_mut().flat_map(|f| f.jobs.iter_mut()) {
+            if let Some(joined) = job.joined.take() {
+                job.front = false;
+                job.ahead = None;
+                job.rejoin_at = Some(joined.tag);
+            }
+        }
+    }
+
+    /// What the line said of this instance's jobs: how many go before each; when it read the
+    /// whole line, a joined job it did not name is no longer in it, and joins again.
+    pub(super) fn heard_places(&mut self, mine: &[(String, usize)], complete: bool) {
+        let places: HashMap<&str, usize> = mine.iter().map(|(id, ahead)| (id.as_str(), *ahead)).collect();
+        for job in self.flows.values_mut().flat_map(|f| f.jobs.iter_mut()) {
+            match (places.get(job.id.as_str()), &job.joined) {
+                (Some(ahead), _) => job.ahead = Some(*ahead),
+                (None, Some(joined)) if complete => {
+                    job.rejoin_at = Some(joined.tag);
+                    job.joined = None;
+                }
+                (None, _) => {}
+            }
+        }
+    }
+
     pub(super) fn push(&mut self, flow: &str, quantum: f64, mut job: Waiting, front: bool) {
         job.flow = flow.to_owned();
         job.quantum = quantum;
+        job.front |= front;
         let entry = self.flows.entry(flow.to_owned()).or_insert_with(|| Flow { quantum, ..Flow::default() });
         entry.quantum = quantum;
         let was_idle = entry.jobs.is_empty();

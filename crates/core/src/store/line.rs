@@ -68,6 +68,17 @@ impl LineEntry {
     }
 }
 
+/// Where a job joins the line.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum JoinAt {
+    /// Behind its flow's jobs: a new tag.
+    Back,
+    /// At the front (a job put back to retry keeps its place): the line's virtual time.
+    Front,
+    /// At the tag it had (it joins again after the store lost track of it).
+    Tag(f64),
+}
+
 /// What a claim is decided under: the account's slots and everything that may hold a job back.
 #[derive(Debug, Clone, Copy)]
 pub struct LineClaim<'a> {
@@ -129,9 +140,9 @@ pub enum LineAnswer {
 
 /// The line every instance's waiting jobs stand in, in a store they share.
 pub trait SharedLine: Send + Sync + std::fmt::Debug {
-    /// Puts `entry` in the line, at `tag` (a job that keeps its place) or at a new tag; the tag
-    /// it has. Joining again is harmless: an entry already there keeps its tag.
-    fn join<'a>(&'a self, at: LineAt<'a>, entry: &'a LineEntry, tag: Option<f64>) -> StoreFuture<'a, f64>;
+    /// Puts `entry` in the line where `place` says; the tag it has. Joining again is harmless:
+    /// an entry already there keeps its tag.
+    fn join<'a>(&'a self, at: LineAt<'a>, entry: &'a LineEntry, place: JoinAt) -> StoreFuture<'a, f64>;
 
     /// Takes the entry named `member` ([`LineEntry::member`]) out of the line; whether it was in
     /// it.

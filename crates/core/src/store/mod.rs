@@ -25,7 +25,7 @@ use std::time::Duration;
 use crate::clock::Nanos;
 use crate::limit::adaptive::{Learner, Signal};
 use crate::limit::{Adjustment, Decision, Limiter};
-pub use line::{LINE_ALIVE, LINE_HEARTBEAT, LineAnswer, LineAt, LineClaim, LineEntry, LineWait, SharedLine};
+pub use line::{JoinAt, LINE_ALIVE, LINE_HEARTBEAT, LineAnswer, LineAt, LineClaim, LineEntry, LineWait, SharedLine};
 pub use memory::MemoryStore;
 
 /// How long the mark of an adjustment sent with one ([`Budgets::adjust`]) lives: longer than the
