@@ -697,8 +697,8 @@ impl FairQueue {
                         // Chosen here while the line could not be asked: out of the line, and
                         // back in with its tag if it must wait again.
                         if let Some(joined) = job.joined.take() {
-                            state.leaving.push(joined.member);
-                            job.rejoin_at = Some(joined.tag);
+                            state.leaving.push(joined.member.clone());
+                            job.rejoin_at = Some(joined);
                         }
                         let counted = Counted::take(&self, &mut state, job.standing);
                         if let Some(gap) = self.class(job.class).and_then(|c| c.min_gap) {

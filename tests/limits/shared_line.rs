@@ -58,9 +58,9 @@ async fn jobs_go_by_their_flows_turns_whichever_instance_they_wait_on() {
     let store = line(&redis).await;
     // Tenant x queues three on instance a, then tenant y one on instance b.
     for i in 0..3 {
-        store.join(at("a"), &job(&format!("x{i}"), "tenant:x"), JoinAt::Back).await.expect("joins");
+        store.join(at("a"), &job(&format!("x{i}"), "tenant:x"), &JoinAt::Back).await.expect("joins");
     }
-    store.join(at("b"), &job("y0", "tenant:y"), JoinAt::Back).await.expect("joins");
+    store.join(at("b"), &job("y0", "tenant:y"), &JoinAt::Back).await.expect("joins");
     let mut order = Vec::new();
     for _ in 0..4 {
         // Both ask, in turn: only the instance whose job is next takes a slot.
@@ -77,9 +77,9 @@ async fn jobs_go_by_their_flows_turns_whichever_instance_they_wait_on() {
 async fn another_instances_job_next_changes_nothing_and_says_where_mine_stand() {
     let redis = TestRedis::private();
     let store = line(&redis).await;
-    store.join(at("a"), &job("x0", "tenant:x"), JoinAt::Back).await.expect("joins");
-    store.join(at("b"), &job("y0", "tenant:y"), JoinAt::Back).await.expect("joins");
-    store.join(at("b"), &job("y1", "tenant:y"), JoinAt::Back).await.expect("joins");
+    store.join(at("a"), &job("x0", "tenant:x"), &JoinAt::Back).await.expect("joins");
+    store.join(at("b"), &job("y0", "tenant:y"), &JoinAt::Back).await.expect("joins");
+    store.join(at("b"), &job("y1", "tenant:y"), &JoinAt::Back).await.expect("joins");
     let answer = claim(&store, "b", 10, 0.0, None).await;
     let LineAnswer::Wait { why, mine, complete, .. } = answer else { panic!("x0 is next: {answer:?}") };
     assert_eq!((why, complete), (LineWait::Theirs, true));
@@ -96,7 +96,7 @@ async fn a_job_at_the_door_goes_at_once_only_if_it_would_be_next() {
     let store = line(&redis).await;
     let door = job("z0", "tenant:z");
     assert_eq!(went(&claim(&store, "c", 10, 0.0, Some(&door)).await), Some("z0"), "an empty line: at once");
-    store.join(at("a"), &job("x0", "tenant:x"), JoinAt::Back).await.expect("joins");
+    store.join(at("a"), &job("x0", "tenant:x"), &JoinAt::Back).await.expect("joins");
     let second = job("z1", "tenant:z");
     let answer = claim(&store, "c", 10, 0.0, Some(&second)).await;
     assert!(matches!(answer, LineAnswer::Wait { why: LineWait::Theirs, .. }), "x0 waited first: {answer:?}");
@@ -106,17 +106,17 @@ async fn a_job_at_the_door_goes_at_once_only_if_it_would_be_next() {
 async fn a_tier_owed_a_reserved_slot_goes_first_then_the_highest_rank() {
     let redis = TestRedis::private();
     let store = line(&redis).await;
-    store.join(at("a"), &job("free0", "tenant:f"), JoinAt::Back).await.expect("joins");
-    store.join(at("a"), &LineEntry { rank: 5, ..job("admin0", "tenant:admin") }, JoinAt::Back).await.expect("joins");
-    store.join(at("b"), &LineEntry { tier: Some(0), ..job("pro0", "tenant:p") }, JoinAt::Back).await.expect("joins");
+    store.join(at("a"), &job("free0", "tenant:f"), &JoinAt::Back).await.expect("joins");
+    store.join(at("a"), &LineEntry { rank: 5, ..job("admin0", "tenant:admin") }, &JoinAt::Back).await.expect("joins");
+    store.join(at("b"), &LineEntry { tier: Some(0), ..job("pro0", "tenant:p") }, &JoinAt::Back).await.expect("joins");
     // Pro is reserved half of 4 slots and holds none: first, on whichever instance.
     assert_eq!(went(&claim(&store, "b", 4, 0.5, None).await), Some("pro0"));
     assert_eq!(went(&claim(&store, "a", 4, 0.5, None).await), Some("admin0"), "then the highest rank");
     assert_eq!(went(&claim(&store, "a", 4, 0.5, None).await), Some("free0"));
     // An unverified caller's job never draws on a reservation.
-    store.join(at("a"), &job("free1", "tenant:f"), JoinAt::Back).await.expect("joins");
+    store.join(at("a"), &job("free1", "tenant:f"), &JoinAt::Back).await.expect("joins");
     store
-        .join(at("b"), &LineEntry { tier: Some(0), unverified: true, ..job("u0", "address:1") }, JoinAt::Back)
+        .join(at("b"), &LineEntry { tier: Some(0), unverified: true, ..job("u0", "address:1") }, &JoinAt::Back)
         .await
         .expect("joins");
     assert_eq!(went(&claim(&store, "a", 4, 0.5, None).await), Some("free1"), "u0 is owed nothing");
@@ -129,9 +129,9 @@ async fn a_gap_holds_only_its_class_and_says_when_it_passes() {
     let gap = Limiter::Gcra(Gcra::new(1, 1.0 / 60.0));
     let gaps = [None, Some(("{t}video_gap", &gap))];
     let video = |id: &str| LineEntry { class: 1, ..job(id, "tenant:v") };
-    store.join(at("a"), &video("v0"), JoinAt::Back).await.expect("joins");
-    store.join(at("a"), &video("v1"), JoinAt::Back).await.expect("joins");
-    store.join(at("a"), &job("i0", "tenant:i"), JoinAt::Back).await.expect("joins");
+    store.join(at("a"), &video("v0"), &JoinAt::Back).await.expect("joins");
+    store.join(at("a"), &video("v1"), &JoinAt::Back).await.expect("joins");
+    store.join(at("a"), &job("i0", "tenant:i"), &JoinAt::Back).await.expect("joins");
     let claim_here = |store: Arc<RedisStore>| async move {
         let tiers = [];
         let claim = LineClaim {
@@ -160,8 +160,8 @@ async fn a_gap_holds_only_its_class_and_says_when_it_passes() {
 async fn a_dead_instances_jobs_stop_holding_the_line() {
     let redis = TestRedis::private();
     let store = line(&redis).await;
-    store.join(at("dead"), &job("d0", "tenant:d"), JoinAt::Back).await.expect("joins");
-    store.join(at("b"), &LineEntry { weight: 0.5, ..job("b0", "tenant:b") }, JoinAt::Back).await.expect("joins");
+    store.join(at("dead"), &job("d0", "tenant:d"), &JoinAt::Back).await.expect("joins");
+    store.join(at("b"), &LineEntry { weight: 0.5, ..job("b0", "tenant:b") }, &JoinAt::Back).await.expect("joins");
     assert!(matches!(claim(&store, "b", 10, 0.0, None).await, LineAnswer::Wait { why: LineWait::Theirs, .. }));
     // Its mark of being alive runs out (made to here, as five seconds would).
     let mut connection =

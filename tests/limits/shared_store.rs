@@ -835,6 +835,121 @@ async fn a_job_cancelled_on_another_instance_stays_canceled_there_whatever_its_o
     assert_eq!(status_of(&on_b, &id).await, "canceled");
 }
 
+/// Three instances on one Redis in front of one mock on its own clock (one-second images), an
+/// account of `slots`, the server polling every second, and `extra` config (keys, tiers).
+struct Three {
+    _redis: TestRedis,
+    mock_clock: std::sync::Arc<mcp_ratelimit::clock::ManualClock>,
+    mock: mcp_ratelimit::mock_upstream::MockUpstream,
+    servers: [TestServer; 3],
+}
+
+impl Three {
+    async fn start(slots: usize, extra: &str) -> Self {
+        let redis = TestRedis::private();
+        let (mock_clock, mock) = shared_mock_running(1_000).await;
+        let config = format!(
+            "[store]\nbackend = \"redis\"\nredis_url = \"{}\"\ntimeout_ms = 200\n\
+             [upstream]\nurl = \"{}\"\nmax_in_flight = {slots}\nimage_poll_seconds = 1\nqueue_max = 100\n\
+             [limits.caller]\nburst = 1000\n[limits.tenant]\nburst = 1000\n\
+             [limits.in_flight]\ncaller = 100\ntenant = 100\n[loop_detection]\nenabled = false\n{extra}",
+            redis.url, mock.url
+        );
+        let servers =
+            [TestServer::start(&config).await, TestServer::start(&config).await, TestServer::start(&config).await];
+        Self { _redis: redis, mock_clock, mock, servers }
+    }
+
+    /// An agent presenting `key` to instance `i`.
+    async fn agent(&self, i: usize, key: &str) -> Client {
+        self.servers[i].client(Some(key)).await
+    }
+
+    /// Submits an image as `agent`: its id.
+    async fn image(agent: &Client, prompt: &str) -> String {
+        let r = call(agent, "generate_image", json!({ "prompt": prompt })).await;
+        assert!(!is_error(&r), "{}", text(&r));
+        structured(&r)["predict_id"].as_str().expect("an id").to_owned()
+    }
+
+    /// Moves every clock by `ms`, then waits (in real time, a little) for what that set off.
+    async fn step(&self, ms: u64) {
+        // The mock first: a poll the servers' step sets off finds the job as long done as it is.
+        self.mock_clock.advance(Duration::from_millis(ms));
+        for server in &self.servers {
+            server.advance_ms(ms);
+        }
+        settle().await;
+    }
+
+    /// The ids the mock has seen submitted, in order.
+    async fn submitted(&self) -> Vec<String> {
+        let log: Value =
+            reqwest::get(format!("{}/v1/submissions", self.mock.url)).await.expect("log").json().await.expect("json");
+        log["submissions"]
+            .as_array()
+            .expect("list")
+            .iter()
+            .filter_map(|s| s["idempotency_key"].as_str())
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_on_one_instance_takes_turns_with_another_tenants_backlog_on_two_others() {
+    let keys = "[[auth.keys]]\nkey = \"x-backlog-key\"\ntenant = \"x\"\n[[auth.keys]]\nkey = \"y-single-key\"\ntenant = \"y\"\n";
+    let three = Three::start(1, keys).await;
+    // X: one running, then a backlog on A and on B; Y keeps one job waiting on C.
+    let x = [three.agent(0, "x-backlog-key").await, three.agent(1, "x-backlog-key").await];
+    let y = three.agent(2, "y-single-key").await;
+    for i in 0..41 {
+        Three::image(&x[i % 2], &format!("x {i}")).await;
+    }
+    let mut ys = vec![Three::image(&y, "y 0").await];
+    const ROUNDS: usize = 30;
+    for round in 1..=ROUNDS {
+        // One job's length: the running job ends, whichever instance ran it, and the slot goes on.
+        three.step(1_000).await;
+        eventually("the freed slot was taken again", || async { three.submitted().await.len() > round }).await;
+        let submitted = three.submitted().await;
+        if ys.last().is_some_and(|y| submitted.contains(y)) {
+            ys.push(Three::image(&y, &format!("y {round}")).await);
+        }
+    }
+    let submitted = three.submitted().await;
+    let starts: Vec<usize> = (1..=ROUNDS).filter(|&i| ys.contains(&submitted[i])).collect();
+    println!("Y's one job at a time on C took {} of {ROUNDS} slots against X's backlog on A and B", starts.len());
+    // Turn and turn about: Y's next job, waiting from the moment its last one started, goes in
+    // the freed slot after the next, one job's length later (of two jobs with one tag, the one
+    // that joined first goes first). Instances racing for each freed slot would leave it behind
+    // several of X's in a row.
+    let longest = starts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(ROUNDS);
+    assert!(starts.first().is_some_and(|&first| first <= 2) && longest <= 2, "Y's jobs started at slots {starts:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn free_tier_callers_flooding_two_instances_never_delay_a_pro_callers_job_on_a_third_past_one_job_length() {
+    let keys = "[tiers]\npro = 1.0\n[upstream.reserved]\npro = 0.5\n\
+                [[auth.keys]]\nkey = \"free-flood-key\"\ntenant = \"f\"\n\
+                [[auth.keys]]\nkey = \"pro-caller-key\"\ntenant = \"p\"\ntier = \"pro\"\n";
+    let three = Three::start(4, keys).await;
+    let free = [three.agent(0, "free-flood-key").await, three.agent(1, "free-flood-key").await];
+    for i in 0..30 {
+        Three::image(&free[i % 2], &format!("free {i}")).await;
+    }
+    let agent = three.agent(2, "pro-caller-key").await;
+    let pro = [Three::image(&agent, "pro 0").await, Three::image(&agent, "pro 1").await];
+    settle().await;
+    assert_eq!(three.submitted().await.len(), 4, "the free tier holds every slot, lent");
+    for _ in 0..11 {
+        three.step(100).await;
+    }
+    eventually("the freed slots were taken again", || async { three.submitted().await.len() >= 8 }).await;
+    let next: Vec<String> = three.submitted().await[4..8].to_vec();
+    assert!(pro.iter().all(|p| next.contains(p)), "pro's two jobs took two of the first slots freed: {next:?}");
+}
+
 /// Three tenants, one on each of three instances, each with ten one-second images: the account
 /// of 4 runs at its capacity while work waits, whichever instance frees a slot and whichever
 /// holds the next job (each hears from Redis the moment a slot frees anywhere), never over 4.

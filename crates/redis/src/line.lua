@@ -28,7 +28,8 @@
 --   alive: marks the instance alive (its heartbeat, while it has jobs in the line).
 --   join: ARGV[4] the member, ARGV[5] its flow, ARGV[6] its weight, ARGV[7] its tag, "" for a
 --     new one behind its flow's, or "front" for the line's virtual time (a job put back keeps its
---     place). Returns the tag (a string).
+--     place), ARGV[8] the name it had in the line when it joins again, or "". Returns its tag (a
+--     string) and its name in the line.
 --   leave: ARGV[4] the member. Returns 1 if it was in the line.
 --   claim: ARGV[4] the lease, ARGV[5] its duration (us), ARGV[6] the account's capacity,
 --     ARGV[7] the share's, ARGV[8] "ceiling ttl_ms learner" or "", ARGV[9] the most entries
@@ -42,7 +43,9 @@
 --     this instance in the line: its id and how many go before it}.
 --
 -- A member is "instance \31 job \31 class \31 unverified \31 tier \31 rank": the class and tier
--- as 1-based indices into the keys above (tier 0: none), unverified 1 or 0.
+-- as 1-based indices into the keys above (tier 0: none), unverified 1 or 0. In the line it is
+-- named after the order it joined in ("sequence \31 member", the sequence zero-padded), so that
+-- of two jobs with the same tag the one that joined first goes first.
 
 if redis.replicate_commands then
   redis.replicate_commands()
@@ -54,19 +57,21 @@ local LINE, FLOWS, VTIME, ALIVE, FLOW_OF = KEYS[1], KEYS[2], KEYS[3], KEYS[4], K
 -- Keys left with nobody in line go away by themselves.
 local IDLE_MS = 86400000
 
-local function parse(member)
+-- An entry of the line (named with its sequence) or a candidate (not).
+local function parse(member, in_line)
   local f = {}
   for field in string.gmatch(member, '[^\31]+') do
     f[#f + 1] = field
   end
+  local at = in_line and 1 or 0
   return {
     member = member,
-    instance = f[1],
-    job = f[2],
-    class = tonumber(f[3]),
-    unverified = f[4] == '1',
-    tier = tonumber(f[5]),
-    rank = tonumber(f[6]),
+    instance = f[at + 1],
+    job = f[at + 2],
+    class = tonumber(f[at + 3]),
+    unverified = f[at + 4] == '1',
+    tier = tonumber(f[at + 5]),
+    rank = tonumber(f[at + 6]),
   }
 end
 
@@ -128,9 +133,16 @@ if op == 'join' then
     tag = vtime()
   end
   mark_alive()
-  local held = redis.call('ZSCORE', LINE, member)
-  if held then
-    return held
+  if ARGV[8] ~= '' then
+    member = ARGV[8]
+    local held = redis.call('ZSCORE', LINE, member)
+    if held then
+      return { held, member }
+    end
+  else
+    -- Never a member's name: members start with their sequence's digits.
+    local sequence = redis.call('HINCRBY', FLOW_OF, '~sequence', 1)
+    member = string.format('%015d', sequence) .. '\31' .. member
   end
   if not tag then
     tag = next_tag(flow, weight)
@@ -140,7 +152,7 @@ if op == 'join' then
   redis.call('ZADD', LINE, string.format('%.17g', tag), member)
   redis.call('HSET', FLOW_OF, member, flow)
   touch()
-  return string.format('%.17g', tag)
+  return { string.format('%.17g', tag), member }
 end
 
 if op == 'leave' then
@@ -183,7 +195,7 @@ for t = 1, tiers do
   shares[t] = tonumber(ARGV[at + t])
 end
 at = at + tiers + 1
-local candidate = ARGV[at] ~= '' and parse(ARGV[at]) or nil
+local candidate = ARGV[at] ~= '' and parse(ARGV[at], false) or nil
 local candidate_flow, candidate_weight = ARGV[at + 1], tonumber(ARGV[at + 2])
 
 -- The learnt limit, as decide.lua reads it: the account's and the share's capacities scaled to it.
@@ -282,7 +294,7 @@ local function consider(entry)
 end
 local candidate_tag = candidate and next_tag(candidate_flow, candidate_weight)
 for i = 1, #entries, 2 do
-  local entry = parse(entries[i])
+  local entry = parse(entries[i], true)
   entry.tag = tonumber(entries[i + 1])
   if candidate and not candidate.seen and candidate_tag < entry.tag then
     candidate.tag, candidate.seen = candidate_tag, true

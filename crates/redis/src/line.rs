@@ -124,17 +124,19 @@ impl RedisStore {
 
 /// The line on Redis's clock.
 impl SharedLine for RedisStore {
-    fn join<'a>(&'a self, at: LineAt<'a>, entry: &'a LineEntry, place: JoinAt) -> StoreFuture<'a, f64> {
+    fn join<'a>(&'a self, at: LineAt<'a>, entry: &'a LineEntry, place: &'a JoinAt) -> StoreFuture<'a, (f64, String)> {
         Box::pin(async move {
             let mut invocation = self.line_call(at, "join");
             invocation.arg(entry.member(at.instance)).arg(&entry.flow).arg(format!("{}", entry.weight));
-            invocation.arg(match place {
-                JoinAt::Back => String::new(),
-                JoinAt::Front => "front".to_owned(),
-                JoinAt::Tag(tag) => format!("{tag:?}"),
-            });
-            let tag: String = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
-            tag.parse().map_err(|_| self.malformed(format!("line.lua answered tag {tag:?}")))
+            match place {
+                JoinAt::Back => invocation.arg("").arg(""),
+                JoinAt::Front => invocation.arg("front").arg(""),
+                JoinAt::Again { tag, member } => invocation.arg(format!("{tag:?}")).arg(member),
+            };
+            let (tag, member): (String, String) =
+                bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
+            let tag = tag.parse().map_err(|_| self.malformed(format!("line.lua answered tag {tag:?}")))?;
+            Ok((tag, member))
         })
     }
 

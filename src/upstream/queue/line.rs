@@ -151,9 +151,8 @@ impl FairQueue {
         }
         let joining = self.state().joining(self.clock.now());
         for job in joining {
-            match line.join(at, &job.entry, job.place).await {
-                Ok(tag) => {
-                    let member = job.entry.member(&shared.instance);
+            match line.join(at, &job.entry, &job.place).await {
+                Ok((tag, member)) => {
                     let mut state = self.state();
                     if !state.joined(&job.entry.job, member.clone(), tag) {
                         state.leaving.push(member);

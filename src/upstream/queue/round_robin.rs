@@ -28,8 +28,8 @@ pub(super) struct Waiting {
     pub(super) front: bool,
     /// Over a shared line: how many go before it, as the line last said.
     pub(super) ahead: Option<usize>,
-    /// Over a shared line: the tag it joins again with, having lost its entry (the store failed).
-    pub(super) rejoin_at: Option<f64>,
+    /// Over a shared line: where it joins again, having lost its entry (the store failed).
+    pub(super) rejoin_at: Option<Joined>,
 }
 
 impl Waiting {
@@ -408,8 +408,8 @@ impl State {
                     tier: w.standing.reserved,
                     rank: w.standing.rank,
                 },
-                place: match (w.rejoin_at, w.front) {
-                    (Some(tag), _) => JoinAt::Tag(tag),
+                place: match (&w.rejoin_at, w.front) {
+                    (Some(Joined { tag, member }), _) => JoinAt::Again { tag: *tag, member: member.clone() },
                     (None, true) => JoinAt::Front,
                     (None, false) => JoinAt::Back,
                 },
@@ -440,9 +440,8 @@ impl State {
     pub(super) fn rejoin_all(&mut self) {
         for job in self.flows.values_mut().flat_map(|f| f.jobs.iter_mut()) {
             if let Some(joined) = job.joined.take() {
-                job.front = false;
                 job.ahead = None;
-                job.rejoin_at = Some(joined.tag);
+                job.rejoin_at = Some(joined);
             }
         }
     }
@@ -454,9 +453,8 @@ impl State {
         for job in self.flows.values_mut().flat_map(|f| f.jobs.iter_mut()) {
             match (places.get(job.id.as_str()), &job.joined) {
                 (Some(ahead), _) => job.ahead = Some(*ahead),
-                (None, Some(joined)) if complete => {
-                    job.rejoin_at = Some(joined.tag);
-                    job.joined = None;
+                (None, Some(_)) if complete => {
+                    job.rejoin_at = job.joined.take();
                 }
                 (None, _) => {}
             }

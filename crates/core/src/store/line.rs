@@ -54,8 +54,9 @@ pub struct LineEntry {
 }
 
 impl LineEntry {
-    /// How it is named in the line, for `instance`: everything a claim needs to judge it, and
-    /// nothing a caller sent (the flow is kept apart).
+    /// How it is named for `instance`: everything a claim needs to judge it, and nothing a
+    /// caller sent (the flow is kept apart). The line names it after the order it joined in too
+    /// ([`SharedLine::join`]).
     pub fn member(&self, instance: &str) -> String {
         let tier = self.tier.map_or(0, |t| t.saturating_add(1));
         let class = self.class.saturating_add(1);
@@ -69,14 +70,20 @@ impl LineEntry {
 }
 
 /// Where a job joins the line.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum JoinAt {
     /// Behind its flow's jobs: a new tag.
     Back,
     /// At the front (a job put back to retry keeps its place): the line's virtual time.
     Front,
-    /// At the tag it had (it joins again after the store lost track of it).
-    Tag(f64),
+    /// Where it stood, under the name it had there (it joins again after the store lost track
+    /// of it, or failed while it was asked).
+    Again {
+        /// Its tag.
+        tag: f64,
+        /// Its name in the line.
+        member: String,
+    },
 }
 
 /// What a claim is decided under: the account's slots and everything that may hold a job back.
@@ -140,9 +147,10 @@ pub enum LineAnswer {
 
 /// The line every instance's waiting jobs stand in, in a store they share.
 pub trait SharedLine: Send + Sync + std::fmt::Debug {
-    /// Puts `entry` in the line where `place` says; the tag it has. Joining again is harmless:
-    /// an entry already there keeps its tag.
-    fn join<'a>(&'a self, at: LineAt<'a>, entry: &'a LineEntry, place: JoinAt) -> StoreFuture<'a, f64>;
+    /// Puts `entry` in the line where `place` says; the tag it has and its name in the line (of
+    /// two jobs with one tag, the one that joined first goes first). Joining again under the same
+    /// name is harmless: an entry already there keeps its tag.
+    fn join<'a>(&'a self, at: LineAt<'a>, entry: &'a LineEntry, place: &'a JoinAt) -> StoreFuture<'a, (f64, String)>;
 
     /// Takes the entry named `member` ([`LineEntry::member`]) out of the line; whether it was in
     /// it.
