@@ -896,29 +896,41 @@ impl Three {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tenant_on_one_instance_takes_turns_with_another_tenants_backlog_on_two_others() {
-    let keys = "[[auth.keys]]\nkey = \"x-backlog-key\"\ntenant = \"x\"\n[[auth.keys]]\nkey = \"y-single-key\"\ntenant = \"y\"\n";
-    let three = Three::start(1, keys).await;
-    // X: one running, then a backlog on A and on B; Y keeps one job waiting on C.
-    let x = [three.agent(0, "x-backlog-key").await, three.agent(1, "x-backlog-key").await];
-    let y = three.agent(2, "y-single-key").await;
+/// On an account of one slot: `backlog_key` queues one running and forty waiting on A and B, and
+/// `single_key` keeps one job waiting on C for `rounds` job lengths. Which freed slots (1 is the
+/// first after the running job) C's jobs took.
+async fn one_at_a_time_on_c(three: &Three, backlog_key: &str, single_key: &str, rounds: usize) -> Vec<usize> {
+    let backlog = [three.agent(0, backlog_key).await, three.agent(1, backlog_key).await];
+    let single = three.agent(2, single_key).await;
     for i in 0..41 {
-        Three::image(&x[i % 2], &format!("x {i}")).await;
+        Three::image(&backlog[i % 2], &format!("backlog {i}")).await;
     }
-    let mut ys = vec![Three::image(&y, "y 0").await];
-    const ROUNDS: usize = 30;
-    for round in 1..=ROUNDS {
+    let mut mine = vec![Three::image(&single, "single 0").await];
+    for round in 1..=rounds {
         // One job's length: the running job ends, whichever instance ran it, and the slot goes on.
         three.step(1_000).await;
         eventually("the freed slot was taken again", || async { three.submitted().await.len() > round }).await;
-        let submitted = three.submitted().await;
-        if ys.last().is_some_and(|y| submitted.contains(y)) {
-            ys.push(Three::image(&y, &format!("y {round}")).await);
+        if mine.last().is_some_and(|id| futures::executor::block_on(three.submitted()).contains(id)) {
+            mine.push(Three::image(&single, &format!("single {round}")).await);
         }
     }
     let submitted = three.submitted().await;
-    let starts: Vec<usize> = (1..=ROUNDS).filter(|&i| ys.contains(&submitted[i])).collect();
+    (1..=rounds).filter(|&i| mine.contains(&submitted[i])).collect()
+}
+
+/// X's key, and Y's of `tier`.
+fn x_and_y(tier: &str) -> String {
+    format!(
+        "[[auth.keys]]\nkey = \"x-backlog-key\"\ntenant = \"x\"\n\
+         [[auth.keys]]\nkey = \"y-single-key\"\ntenant = \"y\"\ntier = \"{tier}\"\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_on_one_instance_takes_turns_with_another_tenants_backlog_on_two_others() {
+    let three = Three::start(1, &x_and_y("default")).await;
+    const ROUNDS: usize = 30;
+    let starts = one_at_a_time_on_c(&three, "x-backlog-key", "y-single-key", ROUNDS).await;
     println!("Y's one job at a time on C took {} of {ROUNDS} slots against X's backlog on A and B", starts.len());
     // Turn and turn about: Y's next job, waiting from the moment its last one started, goes in
     // the freed slot after the next, one job's length later (of two jobs with one tag, the one
@@ -926,6 +938,16 @@ async fn a_tenant_on_one_instance_takes_turns_with_another_tenants_backlog_on_tw
     // several of X's in a row.
     let longest = starts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(ROUNDS);
     assert!(starts.first().is_some_and(|&first| first <= 2) && longest <= 2, "Y's jobs started at slots {starts:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_higher_rank_on_one_instance_takes_every_freed_slot_before_a_lower_ranks_backlog_on_two_others() {
+    // Y is a guest (half X's weight), ranked above X's default tier: when the account is full,
+    // Y goes first.
+    let three = Three::start(1, &format!("[upstream.priority]\nguest = 1\n{}", x_and_y("guest"))).await;
+    const ROUNDS: usize = 12;
+    let starts = one_at_a_time_on_c(&three, "x-backlog-key", "y-single-key", ROUNDS).await;
+    assert_eq!(starts, (1..=ROUNDS).collect::<Vec<_>>(), "Y's one waiting job took every freed slot");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
