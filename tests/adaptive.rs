@@ -418,11 +418,17 @@ async fn two_instances_under_load_never_hold_more_slots_than_the_limit_they_lear
          {transient} readings with a 429's slot not yet back"
     );
     assert!(lowest >= 3 && highest <= 6, "about the capacity, from the first 429 on: {lowest}..{highest}");
+    // Answers still on their way (a freed slot is taken again at once) may move the limit once
+    // more: what every instance shows is the one limit as it stands when asked.
+    settle().await;
     let (_, limit) = shared.in_redis().await;
     assert!((4..=5).contains(&limit), "the limit learnt is the capacity, or one probe above: {limit}");
-    for i in 0..2 {
-        assert_eq!(shared.status(i).await["account_max_in_flight"], limit, "every instance shows the one limit");
-    }
+    eventually("every instance shows the one limit", || async {
+        let (_, limit) = shared.in_redis().await;
+        shared.status(0).await["account_max_in_flight"] == limit
+            && shared.status(1).await["account_max_in_flight"] == limit
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

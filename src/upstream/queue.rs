@@ -821,7 +821,9 @@ impl FairQueue {
                 alike_ahead = alike_ahead.saturating_add(served.iter().filter(|w| alike(w)).count());
             }
         }
-        Some(Position { ahead, alike_ahead })
+        // Over a shared line, how many go before it on every instance, as the line last said.
+        let ahead = me.and_then(|w| w.ahead).unwrap_or(ahead);
+        Some(Position { ahead, alike_ahead: alike_ahead.min(ahead) })
     }
 
     /// When the next job of `class` may be submitted, if its gap is running.

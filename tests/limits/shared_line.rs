@@ -109,7 +109,11 @@ async fn a_tier_owed_a_reserved_slot_goes_first_then_the_highest_rank() {
     store.join(at("a"), &job("free0", "tenant:f"), &JoinAt::Back).await.expect("joins");
     store.join(at("a"), &LineEntry { rank: 5, ..job("admin0", "tenant:admin") }, &JoinAt::Back).await.expect("joins");
     store.join(at("b"), &LineEntry { tier: Some(0), ..job("pro0", "tenant:p") }, &JoinAt::Back).await.expect("joins");
-    // Pro is reserved half of 4 slots and holds none: first, on whichever instance.
+    // Pro is reserved half of 4 slots and holds none: first, on whichever instance; and A is told
+    // where its jobs stand behind it.
+    let answer = claim(&store, "a", 4, 0.5, None).await;
+    let LineAnswer::Wait { why: LineWait::Theirs, mine, .. } = answer else { panic!("pro0 is next: {answer:?}") };
+    assert_eq!(mine, [("free0".to_owned(), 2), ("admin0".to_owned(), 1)], "pro0, then admin0, then free0");
     assert_eq!(went(&claim(&store, "b", 4, 0.5, None).await), Some("pro0"));
     assert_eq!(went(&claim(&store, "a", 4, 0.5, None).await), Some("admin0"), "then the highest rank");
     assert_eq!(went(&claim(&store, "a", 4, 0.5, None).await), Some("free0"));

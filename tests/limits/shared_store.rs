@@ -941,6 +941,29 @@ async fn a_tenant_on_one_instance_takes_turns_with_another_tenants_backlog_on_tw
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_waiting_on_one_instance_is_told_its_place_in_the_one_line_and_goes_when_it_says() {
+    let three = Three::start(1, &x_and_y("default")).await;
+    let x = three.agent(0, "x-backlog-key").await;
+    for i in 0..6 {
+        Three::image(&x, &format!("x {i}")).await;
+    }
+    let y = three.agent(2, "y-single-key").await;
+    let id = Three::image(&y, "y").await;
+    // Behind X's first waiting job (on A), which has the same tag and joined first: second.
+    let place = || async {
+        let status = call(&y, "rate_limit_status", json!({})).await;
+        structured(&status)["jobs_in_flight"][0]["queue_position"].as_u64()
+    };
+    eventually("C heard from the line where Y's job stands", || async { place().await == Some(2) }).await;
+    for slot in 1..=2 {
+        three.step(1_000).await;
+        eventually("the freed slot was taken again", || async { three.submitted().await.len() > slot }).await;
+    }
+    let submitted = three.submitted().await;
+    assert_eq!(submitted.iter().position(|s| *s == id), Some(2), "Y's went in the second slot freed: {submitted:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_higher_rank_on_one_instance_takes_every_freed_slot_before_a_lower_ranks_backlog_on_two_others() {
     // Y is a guest (half X's weight), ranked above X's default tier: when the account is full,
     // Y goes first.

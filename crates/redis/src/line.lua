@@ -325,27 +325,42 @@ elseif next_up.instance ~= instance then
 end
 
 if why then
-  -- How many go before each of this instance's jobs: every job of a higher rank, and those of
-  -- its rank with an earlier tag (what `queue_position` shows).
-  local per_rank = {}
+  -- How many go before each of this instance's jobs (what `queue_position` shows), as State::pick
+  -- orders them: every job that goes first (a tier owed a slot, then a higher rank), and those
+  -- alike with an earlier place in the line.
+  local function precedence(entry)
+    return (owed(entry) and 1 or 0), entry.rank
+  end
+  local function before(a_owed, a_rank, b_owed, b_rank)
+    return a_owed > b_owed or (a_owed == b_owed and a_rank > b_rank)
+  end
+  local groups = {}
   for _, entry in ipairs(line) do
-    per_rank[entry.rank] = (per_rank[entry.rank] or 0) + 1
+    local o, r = precedence(entry)
+    local key = o .. ' ' .. r
+    local group = groups[key]
+    if not group then
+      group = { owed = o, rank = r, count = 0, seen = 0 }
+      groups[key] = group
+    end
+    group.count = group.count + 1
   end
   local complete = redis.call('ZCARD', LINE) <= scan and 1 or 0
   local reply = { 0, why, wake or -1, complete }
-  local seen = {}
   for _, entry in ipairs(line) do
+    local o, r = precedence(entry)
+    local mine = groups[o .. ' ' .. r]
     if entry.instance == instance then
-      local ahead = seen[entry.rank] or 0
-      for rank, count in pairs(per_rank) do
-        if rank > entry.rank then
-          ahead = ahead + count
+      local ahead = mine.seen
+      for _, group in pairs(groups) do
+        if before(group.owed, group.rank, o, r) then
+          ahead = ahead + group.count
         end
       end
       reply[#reply + 1] = entry.job
       reply[#reply + 1] = ahead
     end
-    seen[entry.rank] = (seen[entry.rank] or 0) + 1
+    mine.seen = mine.seen + 1
   end
   return reply
 end
