@@ -838,7 +838,7 @@ async fn a_job_cancelled_on_another_instance_stays_canceled_there_whatever_its_o
 /// Three instances on one Redis in front of one mock on its own clock (one-second images), an
 /// account of `slots`, the server polling every second, and `extra` config (keys, tiers).
 struct Three {
-    _redis: TestRedis,
+    redis: TestRedis,
     mock_clock: std::sync::Arc<mcp_ratelimit::clock::ManualClock>,
     mock: mcp_ratelimit::mock_upstream::MockUpstream,
     servers: [TestServer; 3],
@@ -857,7 +857,7 @@ impl Three {
         );
         let servers =
             [TestServer::start(&config).await, TestServer::start(&config).await, TestServer::start(&config).await];
-        Self { _redis: redis, mock_clock, mock, servers }
+        Self { redis, mock_clock, mock, servers }
     }
 
     /// An agent presenting `key` to instance `i`.
@@ -910,7 +910,8 @@ async fn one_at_a_time_on_c(three: &Three, backlog_key: &str, single_key: &str, 
         // One job's length: the running job ends, whichever instance ran it, and the slot goes on.
         three.step(1_000).await;
         eventually("the freed slot was taken again", || async { three.submitted().await.len() > round }).await;
-        if mine.last().is_some_and(|id| futures::executor::block_on(three.submitted()).contains(id)) {
+        let submitted = three.submitted().await;
+        if mine.last().is_some_and(|id| submitted.contains(id)) {
             mine.push(Three::image(&single, &format!("single {round}")).await);
         }
     }
@@ -961,6 +962,64 @@ async fn a_job_waiting_on_one_instance_is_told_its_place_in_the_one_line_and_goe
     }
     let submitted = three.submitted().await;
     assert_eq!(submitted.iter().position(|s| *s == id), Some(2), "Y's went in the second slot freed: {submitted:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_waiting_in_the_line_when_redis_dies_all_end_served_locally_and_the_line_is_used_again_when_it_is_back() {
+    let mut three = Three::start(1, &x_and_y("default")).await;
+    let x = three.agent(0, "x-backlog-key").await;
+    let y = three.agent(2, "y-single-key").await;
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        ids.push(Three::image(&x, &format!("x {i}")).await);
+    }
+    for i in 0..2 {
+        ids.push(Three::image(&y, &format!("y {i}")).await);
+    }
+    settle().await;
+    three.redis.kill();
+    // Each instance serves its own waiting jobs by its own round robin: none is stranded.
+    for _ in 0..12 {
+        three.step(1_000).await;
+        // (The first was submitted at once, under a key of its own.)
+        let submitted = three.submitted().await;
+        if ids[1..].iter().all(|id| submitted.contains(id)) {
+            break;
+        }
+    }
+    let submitted = three.submitted().await;
+    assert!(ids[1..].iter().all(|id| submitted.contains(id)), "every waiting job was submitted: {submitted:?}");
+    for i in [0, 2] {
+        let metrics = three.servers[i].metrics().await;
+        assert!(
+            metric_sum(&metrics, "mcp_ratelimit_store_errors_total{layer=\"account\"}") >= 1.0,
+            "counted: {metrics}"
+        );
+    }
+    three.redis.restart();
+    for _ in 0..3 {
+        three.step(1_000).await;
+    }
+    for (agent, id) in ids.iter().enumerate().map(|(i, id)| (if i < 4 { &x } else { &y }, id)) {
+        let r = call(agent, "get_prediction", json!({ "predict_id": id })).await;
+        assert_eq!(structured(&r)["status"], "succeeded", "{id}: {}", text(&r));
+    }
+    // Back: new waiting jobs stand in the one line again.
+    for i in 0..3 {
+        Three::image(&x, &format!("after {i}")).await;
+    }
+    let mut connection = redis::Client::open(three.redis.url.as_str())
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis");
+    eventually("the waiting jobs joined the line again", || async {
+        three.step(100).await;
+        let waiting: u64 =
+            redis::cmd("ZCARD").arg("{upstream}line").query_async(&mut connection.clone()).await.unwrap_or(0);
+        waiting >= 1
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
