@@ -138,6 +138,7 @@ impl App {
             )
             .published_in(store.clone().job_mirror()),
         );
+        jobs.end_orphans_of_dead_instances();
         let own = Arc::new(PaidApi { upstream, jobs });
         let state = Arc::new(AppState { limits, behind: own.clone(), clock, config });
         tokio::spawn(sweep_forever(own.clone(), state.config.limiting.store.sweep_interval_ms, stop.clone()));

@@ -220,9 +220,19 @@ pub struct Jobs {
     shared: Option<Arc<dyn JobMirror>>,
     /// The jobs whose snapshot Redis does not have yet.
     outbox: Arc<Outbox>,
+    /// Jobs of other instances an agent polled here and found pending, (owner, id) → until when
+    /// (on the book's clock) their polls are not a loop, as a local job's are not.
+    pending_elsewhere: Mutex<HashMap<(String, String), Nanos>>,
 }
 
 type Book = HashMap<String, Job>;
+
+/// How long a job of another instance found pending stays known as such without another poll.
+const PENDING_ELSEWHERE_FOR: Nanos = 600 * NANOS_PER_SEC;
+
+/// The most jobs of other instances remembered as pending: past it, new ones are not (their
+/// polls count towards a loop, as before).
+const PENDING_ELSEWHERE_MAX: usize = 10_000;
 
 fn lock_book(book: &Mutex<Book>) -> MutexGuard<'_, Book> {
     // Jobs are replaced field by field under the lock, never left half-written.
@@ -262,7 +272,20 @@ impl Jobs {
     ) -> Self {
         let book = Arc::new(Mutex::new(HashMap::new()));
         let outbox = Arc::default();
-        Self { upstream, clock, metrics, queue, retry_budget, rules, book, stop, shared: None, outbox }
+        let pending_elsewhere = Mutex::default();
+        Self {
+            upstream,
+            clock,
+            metrics,
+            queue,
+            retry_budget,
+            rules,
+            book,
+            stop,
+            shared: None,
+            outbox,
+            pending_elsewhere,
+        }
     }
 
     fn book(&self) -> MutexGuard<'_, Book> {
@@ -741,7 +764,11 @@ impl Jobs {
             let local = self.book().get(id).map(|j| j.owner.caller == owner);
             match local {
                 // Accepted by another instance: its published state.
-                None => return self.published(owner, id).await.map(Self::view_of_snapshot),
+                None => {
+                    let view = self.published(owner, id).await.map(Self::view_of_snapshot);
+                    self.heard_elsewhere(owner, id, view.as_ref().is_some_and(JobView::is_pending));
+                    return view;
+                }
                 Some(false) => return None,
                 Some(true) => {}
             }
@@ -762,9 +789,32 @@ impl Jobs {
         }
     }
 
-    /// Whether `owner`'s job `id` exists and is still pending (its polls are never a loop).
+    /// Whether `owner`'s job `id` exists and is still pending (its polls are never a loop): here,
+    /// or on another instance as its last poll here found it.
     pub fn is_pending(&self, owner: &str, id: &str) -> bool {
-        self.book().get(id).is_some_and(|j| j.owner.caller == owner && !j.last.status.is_terminal())
+        if let Some(job) = self.book().get(id) {
+            return job.owner.caller == owner && !job.last.status.is_terminal();
+        }
+        let now = self.clock.now();
+        let elsewhere = self.pending_elsewhere.lock().unwrap_or_else(|p| p.into_inner());
+        elsewhere.get(&(owner.to_owned(), id.to_owned())).is_some_and(|until| now < *until)
+    }
+
+    /// What a poll here found of `owner`'s job `id` on another instance: pending or not.
+    fn heard_elsewhere(&self, owner: &str, id: &str, pending: bool) {
+        let now = self.clock.now();
+        let mut elsewhere = self.pending_elsewhere.lock().unwrap_or_else(|p| p.into_inner());
+        let key = (owner.to_owned(), id.to_owned());
+        if !pending {
+            elsewhere.remove(&key);
+            return;
+        }
+        if elsewhere.len() >= PENDING_ELSEWHERE_MAX {
+            elsewhere.retain(|_, until| now < *until);
+        }
+        if elsewhere.len() < PENDING_ELSEWHERE_MAX || elsewhere.contains_key(&key) {
+            elsewhere.insert(key, now.saturating_add(PENDING_ELSEWHERE_FOR));
+        }
     }
 
     /// `owner`'s pending jobs, oldest first.

@@ -230,7 +230,13 @@ pub struct FairQueue {
     /// A shared store the account's slots and the classes' gaps are claimed in, so every
     /// instance keeps one cap and one spacing.
     shared: Option<Shared>,
+    /// What ends the jobs of a dead instance that a claim here took out of the shared line
+    /// ([`FairQueue::on_orphans`]).
+    orphans: std::sync::OnceLock<Orphans>,
 }
+
+/// Ends jobs, by id, that waited on an instance no longer alive.
+pub type Orphans = Box<dyn Fn(Vec<String>) + Send + Sync>;
 
 impl std::fmt::Debug for FairQueue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -449,7 +455,8 @@ impl FairQueue {
     /// A queue with `rules`, its waits on `clock`.
     pub fn new(rules: QueueRules, clock: SharedClock) -> Self {
         let state = Mutex::new(State::new(&rules));
-        Self { rules, clock, state, changed: Notify::new(), shared: None, adaptive: None }
+        let orphans = std::sync::OnceLock::new();
+        Self { rules, clock, state, changed: Notify::new(), shared: None, adaptive: None, orphans }
     }
 
     /// The class `class` names, if the queue has it.
@@ -462,6 +469,12 @@ impl FairQueue {
     pub fn adaptive(mut self, limit: Option<AdaptiveLimit>) -> Self {
         self.adaptive = limit;
         self
+    }
+
+    /// Has `end` end the jobs of a dead instance that a claim here takes out of the shared line
+    /// (nobody else knows they will never run). Once; a second call is ignored.
+    pub fn on_orphans(&self, end: Orphans) {
+        let _ = self.orphans.set(end);
     }
 
     /// Whether its slots are learnt ([`FairQueue::adaptive`]).

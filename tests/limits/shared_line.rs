@@ -42,7 +42,7 @@ async fn claim(store: &RedisStore, instance: &str, slots: u64, pro: f64, candida
         candidate,
         lease: Lease::new(),
     };
-    store.claim(at(instance), claim).await.expect("claims")
+    store.claim(at(instance), claim).await.expect("claims").0
 }
 
 fn went(answer: &LineAnswer) -> Option<&str> {
@@ -148,7 +148,7 @@ async fn a_gap_holds_only_its_class_and_says_when_it_passes() {
             candidate: None,
             lease: Lease::new(),
         };
-        store.claim(at("a"), claim).await.expect("claims")
+        store.claim(at("a"), claim).await.expect("claims").0
     };
     let mut first = vec![claim_here(store.clone()).await, claim_here(store.clone()).await];
     let mut first: Vec<&str> = first.iter_mut().filter_map(|a| went(a)).collect();
@@ -172,7 +172,20 @@ async fn a_dead_instances_jobs_stop_holding_the_line() {
         redis::Client::open(redis.url.as_str()).expect("url").get_multiplexed_async_connection().await.expect("redis");
     let _: () =
         redis::cmd("ZADD").arg("{t}line:alive").arg(1).arg("dead").query_async(&mut connection).await.expect("zadd");
-    assert_eq!(went(&claim(&store, "b", 10, 0.0, None).await), Some("b0"));
+    let lease = Lease::new();
+    let (tiers, gaps) = ([(PRO, 0.0)], [None]);
+    let claim = LineClaim {
+        account: (ACCOUNT, 10),
+        share: (SHARE, 10),
+        learnt: None,
+        gaps: &gaps,
+        tiers: &tiers,
+        scan: 1000,
+        candidate: None,
+        lease,
+    };
+    let (answer, dropped) = store.claim(at("b"), claim).await.expect("claims");
+    assert_eq!((went(&answer), dropped), (Some("b0"), vec!["d0".to_owned()]), "b0 goes; d0 is handed to b to end");
     let left: u64 = redis::cmd("ZCARD").arg("{t}line").query_async(&mut connection).await.expect("zcard");
     assert_eq!(left, 0, "the dead instance's job was dropped from the line");
     assert!(store.clone().shared_line().is_some());

@@ -180,6 +180,11 @@ struct Instance {
 
 impl Instance {
     async fn start(redis: &TestRedis, lease_ms: u64) -> Self {
+        Self::start_with(redis, lease_ms, &[]).await
+    }
+
+    /// [`Instance::start`] with more `MCP_RL__` settings.
+    async fn start_with(redis: &TestRedis, lease_ms: u64, settings: &[(&str, &str)]) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
         let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
@@ -189,6 +194,7 @@ impl Instance {
             // The same limits as the in-process instances of `shared`: instances share a config.
             .env("MCP_RL__LIMITS__CALLER__REFILL_PER_SEC", "0.001")
             .env("MCP_RL__MOCK_UPSTREAM__IMAGE_JOB_MS", "600000")
+            .envs(settings.iter().copied())
             .env("RUST_LOG", "warn")
             .kill_on_drop(true)
             .spawn()
@@ -215,7 +221,6 @@ async fn a_crashed_instances_slots_come_back_when_its_leases_run_out() {
     }
     // The instance dies holding its 5 slots: no release, no renewal.
     doomed.child.kill().await.expect("killed");
-
     let survivor = TestServer::start(&shared(&redis, "lease_ms = 400\n", "")).await;
     let client = survivor.client(Some(&painter)).await;
     let busy = call(&client, "generate_image", json!({"prompt": "right after the crash"})).await;
@@ -227,6 +232,67 @@ async fn a_crashed_instances_slots_come_back_when_its_leases_run_out() {
     })
     .await;
     assert!(!is_error(&call(&client, "generate_image", json!({"prompt": "after the leases"})).await));
+}
+
+#[tokio::test]
+async fn jobs_waiting_on_an_instance_that_dies_stop_holding_the_line_and_end_failed_for_their_agents() {
+    let redis = TestRedis::private();
+    let painter = token("painter");
+    // Made-up keys: no share of the account is kept for configured ones.
+    let settings = [("MCP_RL__UPSTREAM__MAX_IN_FLIGHT", "1"), ("MCP_RL__UPSTREAM__UNVERIFIED_SHARE", "1.0")];
+    let mut doomed = Instance::start_with(&redis, 400, &settings).await;
+    let transport = rmcp::transport::StreamableHttpClientTransport::from_config(
+        rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(doomed.url.clone())
+            .auth_header(painter.clone()),
+    );
+    let client = rmcp::ServiceExt::serve((), transport).await.expect("client connects");
+    let mut waiting = Vec::new();
+    for i in 0..3 {
+        let r = call(&client, "generate_image", json!({"prompt": format!("p{i}")})).await;
+        assert!(!is_error(&r), "{}", text(&r));
+        if structured(&r)["queue_position"].is_u64() {
+            waiting.push(structured(&r)["predict_id"].as_str().expect("id").to_owned());
+        }
+    }
+    assert_eq!(waiting.len(), 2, "one runs on the account of 1, two wait in the line");
+    // The instance dies with two jobs in the line.
+    doomed.child.kill().await.expect("killed");
+    let survivor = TestServer::start(&shared(
+        &redis,
+        "lease_ms = 400\n",
+        "[upstream]\nmax_in_flight = 1\nunverified_share = 1.0\n",
+    ))
+    .await;
+    let other = survivor.client(Some(&token("sculptor"))).await;
+    let r = call(&other, "generate_image", json!({"prompt": "after the crash"})).await;
+    let mine = structured(&r)["predict_id"].as_str().expect("accepted").to_owned();
+    let agent = survivor.client(Some(&painter)).await;
+    // Once the dead instance has been silent for 5 s, a claim takes its jobs out of the line and
+    // ends them; the survivor's job goes in the slot its leases held.
+    let ended = eventually_some("the dead instance's jobs were ended", Duration::from_secs(20), || async {
+        // Asked a few times a second, within the address's request budget.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        survivor.advance_secs(1.0);
+        let mut statuses = Vec::new();
+        for id in &waiting {
+            let r = call(&agent, "get_prediction", json!({"predict_id": id})).await;
+            statuses.push(
+                structured(&r)["prediction"]["status"].as_str().or(structured(&r)["status"].as_str())?.to_owned(),
+            );
+            if statuses.last().is_some_and(|s| s != "failed") {
+                return None;
+            }
+        }
+        Some(call(&agent, "get_prediction", json!({"predict_id": waiting[0]})).await)
+    })
+    .await;
+    assert!(text(&ended).contains("stopped before submitting it"), "{}", text(&ended));
+    eventually("the survivor's job took the account's slot", || async {
+        survivor.advance_secs(1.0);
+        let r = call(&other, "get_prediction", json!({"predict_id": mine}));
+        structured(&r.await)["status"] != "starting"
+    })
+    .await;
 }
 
 /// A server on the real clock (Redis's clock is real time too), serving on a free port.
@@ -453,6 +519,11 @@ async fn a_job_accepted_by_one_instance_can_be_polled_and_cancelled_on_another()
         !is_error(&r) && structured(&r)["status"] == "starting"
     })
     .await;
+    // Polled again and again on b while it is pending on a: an agent waiting, never a loop.
+    for poll in 0..8 {
+        let r = call(&on_b, "get_prediction", json!({"predict_id": id})).await;
+        assert!(!is_error(&r), "poll {poll}: {}", text(&r));
+    }
     let stranger = b.client(Some(&token("stranger"))).await;
     let r = call(&stranger, "get_prediction", json!({"predict_id": id})).await;
     assert_eq!(error_code(&r), Some("invalid_arguments"), "someone else's job is unknown there too");
@@ -1008,7 +1079,7 @@ async fn jobs_waiting_in_the_line_when_redis_dies_all_end_served_locally_and_the
     for i in 0..3 {
         Three::image(&x, &format!("after {i}")).await;
     }
-    let mut connection = redis::Client::open(three.redis.url.as_str())
+    let connection = redis::Client::open(three.redis.url.as_str())
         .expect("url")
         .get_multiplexed_async_connection()
         .await
@@ -1103,10 +1174,11 @@ async fn three_instances_keep_an_account_of_four_busy_while_work_waits_and_never
     // their slots taken again, or nobody waiting): the slots held in Redis while work waits.
     let (mut busy, mut steps, mut most) = (0usize, 0usize, 0usize);
     for step in 1..=60 {
+        // The mock first: a poll the servers' step sets off finds the job as long done as it is.
+        mock_clock.advance(Duration::from_millis(100));
         for server in &servers {
             server.advance_ms(100);
         }
-        mock_clock.advance(Duration::from_millis(100));
         tokio::time::sleep(Duration::from_millis(20)).await;
         let started = Instant::now();
         let mut now_held = held().await;

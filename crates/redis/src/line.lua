@@ -37,10 +37,12 @@
 --     place among the gap keys, the GCRA's burst and period; "" for a class without a gap), then
 --     the number of tiers T, then T reserved shares, then a candidate member or "" and its flow
 --     and weight.
---     Returns {1, job, now_us, learnt limit or -1} when one of this instance's jobs goes, else
---     {0, why (1 the account is full, 2 another instance's job is next, 3 nothing may go), ns
---     until something may go by time alone or -1, 1 if the whole line was read, then per job of
---     this instance in the line: its id and how many go before it}.
+--     Returns {1, job, now_us, learnt limit or -1, dropped} when one of this instance's jobs
+--     goes, else {0, why (1 the account is full, 2 another instance's job is next, 3 nothing may
+--     go), ns until something may go by time alone or -1, 1 if the whole line was read, dropped,
+--     then per job of this instance in the line: its id and how many go before it}; `dropped` is
+--     the jobs of instances no longer alive this claim took out of the line, as one string of
+--     ids separated by spaces, for the claiming instance to end.
 --
 -- A member is "instance \31 job \31 class \31 unverified \31 tier \31 rank": the class and tier
 -- as 1-based indices into the keys above (tier 0: none), unverified 1 or 0. In the line it is
@@ -276,6 +278,7 @@ end
 -- Reads the line in tag order, dropping the jobs of instances no longer alive; the first job
 -- owed a slot that may go, and the first of the highest rank that may go.
 local entries = redis.call('ZRANGE', LINE, 0, scan - 1, 'WITHSCORES')
+local dropped = {}
 local line = {}
 local first_owed, first_ranked = nil, nil
 local wake = nil
@@ -307,6 +310,7 @@ for i = 1, #entries, 2 do
     local flow = redis.call('HGET', FLOW_OF, entry.member)
     redis.call('HDEL', FLOW_OF, entry.member)
     take_out(entry.member, flow)
+    dropped[#dropped + 1] = entry.job
   end
 end
 if candidate and not candidate.seen then
@@ -346,7 +350,7 @@ if why then
     group.count = group.count + 1
   end
   local complete = redis.call('ZCARD', LINE) <= scan and 1 or 0
-  local reply = { 0, why, wake or -1, complete }
+  local reply = { 0, why, wake or -1, complete, table.concat(dropped, ' ') }
   for _, entry in ipairs(line) do
     local o, r = precedence(entry)
     local mine = groups[o .. ' ' .. r]
@@ -399,4 +403,4 @@ else
   end
 end
 redis.call('SET', VTIME, string.format('%.17g', math.max(vtime(), next_up.tag)), 'PX', IDLE_MS)
-return { 1, next_up.job, now_us, current }
+return { 1, next_up.job, now_us, current, table.concat(dropped, ' ') }

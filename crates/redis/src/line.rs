@@ -38,7 +38,7 @@ impl RedisStore {
         value.and_then(|v| v.parse().ok()).ok_or_else(|| self.malformed(format!("line.lua answered {what} {value:?}")))
     }
 
-    async fn line_claim(&self, at: LineAt<'_>, claim: LineClaim<'_>) -> Result<LineAnswer, StoreError> {
+    async fn line_claim(&self, at: LineAt<'_>, claim: LineClaim<'_>) -> Result<(LineAnswer, Vec<String>), StoreError> {
         let mut invocation = self.line_call(at, "claim");
         invocation.key(claim.account.0).key(claim.share.0);
         // The learnt limit's key is read only with a learner; another of the line's keys holds
@@ -94,6 +94,9 @@ impl RedisStore {
         let reply: Vec<String> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
         unanswered.answered();
         let mut fields = reply.iter();
+        let dropped = |field: Option<&String>| -> Vec<String> {
+            field.map(|ids| ids.split(' ').filter(|id| !id.is_empty()).map(str::to_owned).collect()).unwrap_or_default()
+        };
         match fields.next().map(String::as_str) {
             Some("1") => {
                 let job = fields.next().cloned().ok_or_else(|| self.malformed("a claim without its job".into()))?;
@@ -101,7 +104,7 @@ impl RedisStore {
                 let current: i64 = self.number("a limit", fields.next())?;
                 let at = now_us.saturating_mul(1_000);
                 let limit = u64::try_from(current).ok().map(|current| SharedLimit { current, at });
-                Ok(LineAnswer::Go { job, at, limit })
+                Ok((LineAnswer::Go { job, at, limit }, dropped(fields.next())))
             }
             Some("0") => {
                 let why = match fields.next().map(String::as_str) {
@@ -111,11 +114,12 @@ impl RedisStore {
                 };
                 let wake: i64 = self.number("a wait", fields.next())?;
                 let complete = fields.next().map(String::as_str) == Some("1");
+                let dropped = dropped(fields.next());
                 let mut mine = Vec::new();
                 while let Some(job) = fields.next() {
                     mine.push((job.clone(), self.number("a place", fields.next())?));
                 }
-                Ok(LineAnswer::Wait { why, wake: u64::try_from(wake).ok(), mine, complete })
+                Ok((LineAnswer::Wait { why, wake: u64::try_from(wake).ok(), mine, complete }, dropped))
             }
             other => Err(self.malformed(format!("line.lua answered {other:?}"))),
         }
@@ -157,7 +161,7 @@ impl SharedLine for RedisStore {
         })
     }
 
-    fn claim<'a>(&'a self, at: LineAt<'a>, claim: LineClaim<'a>) -> StoreFuture<'a, LineAnswer> {
+    fn claim<'a>(&'a self, at: LineAt<'a>, claim: LineClaim<'a>) -> StoreFuture<'a, (LineAnswer, Vec<String>)> {
         Box::pin(async move { self.line_claim(at, claim).await })
     }
 }

@@ -279,6 +279,48 @@ impl Jobs {
         Ok(Some(Self::view_of_snapshot(snapshot)))
     }
 
+    /// Ends the jobs `ids` that waited in another instance's queue when it died (the shared line
+    /// took them out, as their instance stopped saying it is alive): each still waiting, never
+    /// submitted, is published `failed` with the reason, final, so its agent polling on any
+    /// instance learns it will never run and may call again; nothing of it ran upstream. Its
+    /// caller's in-flight slots were held under the dead instance's leases and come back when
+    /// they run out.
+    pub async fn end_orphaned(&self, ids: Vec<String>) {
+        let Some(redis) = &self.shared else { return };
+        for id in ids {
+            let Ok(Some(raw)) = redis.get(&snapshot_key(&id)).await else { continue };
+            let Ok(mut snapshot) = serde_json::from_str::<Snapshot>(&raw) else { continue };
+            if snapshot.prediction.status.is_terminal() || snapshot.upstream_id.is_some() {
+                continue;
+            }
+            snapshot.prediction.status = PredictionStatus::Failed;
+            snapshot.prediction.error = Some(
+                "the server instance it waited on stopped before submitting it: nothing ran upstream; call again"
+                    .into(),
+            );
+            (snapshot.version, snapshot.is_final) = (snapshot.version.saturating_add(1), true);
+            let Ok(value) = serde_json::to_string(&snapshot) else { continue };
+            match redis.put_record(&snapshot_key(&id), &value, snapshot.version, keep()).await {
+                Ok(_) => {
+                    let _ = redis.set_remove(IN_FLIGHT_KEY, std::slice::from_ref(&id)).await;
+                    tracing::warn!(predict_id = %id, "a job that waited on a dead server instance was ended as failed");
+                }
+                Err(error) => tracing::warn!(%error, predict_id = %id, "could not end a dead instance's job"),
+            }
+        }
+    }
+
+    /// Has the queue end, through [`Jobs::end_orphaned`], the jobs of a dead instance that a claim
+    /// here takes out of the shared line.
+    pub fn end_orphans_of_dead_instances(self: &Arc<Self>) {
+        let jobs = Arc::downgrade(self);
+        self.queue.on_orphans(Box::new(move |ids| {
+            if let (Some(jobs), Ok(runtime)) = (jobs.upgrade(), tokio::runtime::Handle::try_current()) {
+                runtime.spawn(async move { jobs.end_orphaned(ids).await });
+            }
+        }));
+    }
+
     /// Leaves a cancel request for the instance whose queue holds `id`, and waits (at most
     /// [`CANCEL_CONFIRM`]) for it to publish the job final.
     pub(super) async fn ask_owner_to_cancel(&self, owner: &str, id: &str) -> Result<Option<JobView>, UpstreamError> {

@@ -76,6 +76,28 @@ impl FairQueue {
         lease: Lease,
         candidate: Option<&LineEntry>,
     ) -> Result<LineAnswer, StoreError> {
+        let (answer, dropped) = self.ask_line_dropping(shared, line, lease, candidate).await?;
+        if !dropped.is_empty() {
+            tracing::warn!(
+                jobs = dropped.len(),
+                "jobs of a server instance no longer alive were taken out of the shared line"
+            );
+            if let Some(end) = self.orphans.get() {
+                end(dropped);
+            }
+        }
+        Ok(answer)
+    }
+
+    /// [`FairQueue::ask_line`]'s round trip: the answer, and the jobs of instances no longer
+    /// alive it took out of the line.
+    async fn ask_line_dropping(
+        &self,
+        shared: &Shared,
+        line: &Arc<dyn SharedLine>,
+        lease: Lease,
+        candidate: Option<&LineEntry>,
+    ) -> Result<(LineAnswer, Vec<String>), StoreError> {
         let gaps: Vec<Option<(&str, &Limiter)>> =
             shared.gaps.iter().map(|gap| gap.as_ref().map(|(key, limiter)| (key.as_str(), limiter))).collect();
         let tiers: Vec<(&str, f64)> =

@@ -160,8 +160,9 @@ pub trait SharedLine: Send + Sync + std::fmt::Debug {
     fn alive<'a>(&'a self, at: LineAt<'a>) -> StoreFuture<'a, ()>;
 
     /// Takes the slots of the job whose turn it is, if it is one of this instance's (or the
-    /// candidate), in one step; see [`LineAnswer`].
-    fn claim<'a>(&'a self, at: LineAt<'a>, claim: LineClaim<'a>) -> StoreFuture<'a, LineAnswer>;
+    /// candidate), in one step; see [`LineAnswer`]. Also the jobs of instances no longer alive it
+    /// took out of the line (for the claiming instance to end: nobody else will).
+    fn claim<'a>(&'a self, at: LineAt<'a>, claim: LineClaim<'a>) -> StoreFuture<'a, (LineAnswer, Vec<String>)>;
 }
 
 #[cfg(test)]
