@@ -422,6 +422,13 @@ impl Jobs {
         loop {
             // The sender is dropped when the job leaves the line (cancelled, expired).
             let Ok(account) = turn.await else { return false };
+            // Ended by another instance while it waited (this one was taken for dead): never sent,
+            // so its agent, told it failed, is never billed for it.
+            if let Some(reason) = self.ended_elsewhere(id).await {
+                drop(account);
+                self.fail(id, reason);
+                return false;
+            }
             let answer = self.upstream.create_prediction(&job, id).await;
             self.metrics.upstream(&tool, UpstreamError::outcome_of(&answer));
             learn_from(&account, &answer).await;

@@ -923,6 +923,8 @@ impl Three {
             "[store]\nbackend = \"redis\"\nredis_url = \"{}\"\ntimeout_ms = 200\n\
              [upstream]\nurl = \"{}\"\nmax_in_flight = {slots}\nimage_poll_seconds = 1\nqueue_max = 100\n\
              [limits.caller]\nburst = 1000\n[limits.tenant]\nburst = 1000\n\
+             [limits.http]\nburst = 100000\n[limits.address_http]\nburst = 100000\n\
+             [limits.method.tools_call]\nburst = 100000\n\
              [limits.in_flight]\ncaller = 100\ntenant = 100\n[loop_detection]\nenabled = false\n{extra}",
             redis.url, mock.url
         );
@@ -1091,6 +1093,61 @@ async fn jobs_waiting_in_the_line_when_redis_dies_all_end_served_locally_and_the
         waiting >= 1
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_another_instance_ended_for_an_instance_taken_for_dead_is_never_submitted() {
+    let three = Three::start(1, &x_and_y("default")).await;
+    let x = three.agent(0, "x-backlog-key").await;
+    Three::image(&x, "x running").await;
+    let waiting = Three::image(&x, "x waiting").await;
+    let connection = redis::Client::open(three.redis.url.as_str())
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis");
+    let line = || async {
+        let members: Vec<String> = redis::cmd("ZRANGE")
+            .arg("{upstream}line")
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut connection.clone())
+            .await
+            .expect("zrange");
+        members
+    };
+    eventually("A's waiting job joined the line", || async { line().await.len() == 1 }).await;
+    // A looks dead for a moment (cut off from Redis, say): its mark of being alive runs out.
+    let instance = line().await[0].split('\u{1f}').nth(1).expect("the instance in the member").to_owned();
+    let _: () = redis::cmd("ZADD")
+        .arg("{upstream}line:alive")
+        .arg(1)
+        .arg(&instance)
+        .query_async(&mut connection.clone())
+        .await
+        .expect("zadd");
+    // C's next claim takes A's job out of the line and ends it for its agent.
+    let y = three.agent(2, "y-single-key").await;
+    let after = Three::image(&y, "y").await;
+    let x_on_c = three.agent(2, "x-backlog-key").await;
+    eventually("A's waiting job was published failed", || async {
+        let r = call(&x_on_c, "get_prediction", json!({ "predict_id": waiting })).await;
+        structured(&r)["status"] == "failed"
+    })
+    .await;
+    // A is alive after all: its running job ends, and the job it still holds is never sent.
+    for slot in 1..=2 {
+        three.step(1_000).await;
+        eventually("the freed slot was taken again", || async {
+            three.submitted().await.len() > slot || three.submitted().await.contains(&after)
+        })
+        .await;
+    }
+    let submitted = three.submitted().await;
+    assert!(!submitted.contains(&waiting), "the ended job was never submitted: {submitted:?}");
+    assert!(submitted.contains(&after), "the slot went on to C's job: {submitted:?}");
+    let r = call(&x, "get_prediction", json!({ "predict_id": waiting })).await;
+    assert_eq!(structured(&r)["status"], "failed", "A says so too once its turn came: {}", text(&r));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -287,9 +287,9 @@ impl RedisStore {
         );
         let connecting = async {
             let connection = target.connect(timeout, certificates).await?;
-            for script in [&decide, &release, &renew, &adjust, &record, &learn, &line] {
-                connection.load(script).await?;
-            }
+            // Side by side on the one connection: a round trip for all of them, not one each.
+            let scripts = [&decide, &release, &renew, &adjust, &record, &learn, &line];
+            futures::future::try_join_all(scripts.map(|script| connection.load(script))).await?;
             Ok(connection)
         };
         let connection = bounded(&address, timeout, connecting).await?;

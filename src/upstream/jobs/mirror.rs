@@ -310,6 +310,21 @@ impl Jobs {
         }
     }
 
+    /// Why job `id` was ended by another instance while it waited here, if it was: its published
+    /// snapshot is final (a cancel, or [`Jobs::end_orphaned`]). Over a shared store only; a store
+    /// that cannot answer says nothing (the job goes on).
+    pub(super) async fn ended_elsewhere(&self, id: &str) -> Option<String> {
+        let redis = self.shared.as_ref()?;
+        let raw = redis.get(&snapshot_key(id)).await.ok()??;
+        let snapshot = serde_json::from_str::<Snapshot>(&raw).ok()?;
+        (snapshot.is_final && snapshot.prediction.status.is_terminal()).then(|| {
+            snapshot
+                .prediction
+                .error
+                .unwrap_or_else(|| "another server instance ended it before it was submitted".into())
+        })
+    }
+
     /// Has the queue end, through [`Jobs::end_orphaned`], the jobs of a dead instance that a claim
     /// here takes out of the shared line.
     pub fn end_orphans_of_dead_instances(self: &Arc<Self>) {
