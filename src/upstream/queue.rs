@@ -673,79 +673,19 @@ impl FairQueue {
             tokio::pin!(changed);
             changed.as_mut().enable();
             let now = self.clock.now();
-            if let Some((shared, line)) = self.line_now(now) {
-                let wake_at = match self.line_step(shared, line, &mut alive_at).await {
+            let (wake_at, in_line) = if let Some((shared, line)) = self.line_now(now) {
+                match self.line_step(shared, line, &mut alive_at).await {
                     line::LineStep::Again => continue,
-                    line::LineStep::Wait(at) => at,
-                };
-                // While jobs here stand in the line, they say so in real time (the line's clock).
-                let in_line = self.state().joined_count() > 0;
-                let heartbeat = alive_at + crate::store::LINE_HEARTBEAT;
-                let sleep = async {
-                    match wake_at {
-                        Some(at) => self.clock.sleep_until(at).await,
-                        None => std::future::pending().await,
-                    }
-                };
-                let heard = async {
-                    match freed.as_mut() {
-                        Some(freed) => freed.changed().await.is_ok(),
-                        None => std::future::pending().await,
-                    }
-                };
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    () = &mut changed => {}
-                    () = sleep => {}
-                    () = tokio::time::sleep_until(heartbeat), if in_line => {}
-                    listening = heard => if !listening { freed = None },
+                    // While jobs here stand in the line, they say so in real time (its clock).
+                    line::LineStep::Wait(at) => (at, self.state().joined_count() > 0),
                 }
-                continue;
-            }
-            let (picked, wake_at) = {
-                let mut state = self.state();
-                let rules = self.rules_now();
-                match state.pick(&rules, now) {
-                    Some(mut job) => {
-                        // Chosen here while the line could not be asked: out of the line, and
-                        // back in with its tag if it must wait again.
-                        if let Some(joined) = job.joined.take() {
-                            state.leaving.push(joined.member.clone());
-                            job.rejoin_at = Some(joined);
-                        }
-                        let counted = Counted::take(&self, &mut state, job.standing);
-                        if let Some(gap) = self.class(job.class).and_then(|c| c.min_gap) {
-                            state.set_next_at(job.class, now.saturating_add(gap));
-                        }
-                        (Some((job, counted)), None)
-                    }
-                    None => (None, state.next_wake(&rules, now)),
+            } else {
+                match self.local_step(now).await {
+                    Some(wake_at) => (wake_at, false),
+                    None => continue,
                 }
             };
-            if let Some((job, counted)) = picked {
-                let (leases, shared_at) = match self.claim(job.class, job.standing.unverified).await {
-                    Claim::Go(leases, shared_at) => (leases, shared_at),
-                    Claim::Wait(wait, blocker) => {
-                        // Another instance holds the slots (or the share), or submitted a job of
-                        // this class within its gap: back to the front, until the store says.
-                        let mut state = self.state();
-                        counted.give_back(&mut state);
-                        let until = self.clock.now().saturating_add(wait);
-                        match blocker {
-                            Blocker::Account => state.account_full_until = until,
-                            Blocker::UnverifiedShare => state.unverified_full_until = until,
-                            Blocker::Gap => state.set_next_at(job.class, until),
-                        }
-                        state.unpick(job);
-                        continue;
-                    }
-                };
-                // A job that left meanwhile drops its receiver: the slot comes straight back.
-                let taken_at = self.clock.now();
-                let slot = AccountSlot { counted, taken_at, shared_at, _leases: leases };
-                let _ = job.turn.send(slot);
-                continue;
-            }
+            let heartbeat = alive_at + crate::store::LINE_HEARTBEAT;
             let sleep = async {
                 match wake_at {
                     Some(at) => self.clock.sleep_until(at).await,
@@ -762,6 +702,7 @@ impl FairQueue {
                 () = stop.cancelled() => return,
                 () = &mut changed => {}
                 () = sleep => {}
+                () = tokio::time::sleep_until(heartbeat), if in_line => {}
                 listening = heard => {
                     if listening {
                         // Another instance freed a slot: what it said full may not be any more.
@@ -773,6 +714,57 @@ impl FairQueue {
                 }
             }
         }
+    }
+
+    /// One step of the local round robin (no shared line, or the store cannot answer): the next
+    /// job picked here gets its slot (claimed in the shared store, if any), or when to look
+    /// again. `None`: step again at once.
+    async fn local_step(self: &Arc<Self>, now: Nanos) -> Option<Option<Nanos>> {
+        let (picked, wake_at) = {
+            let mut state = self.state();
+            let rules = self.rules_now();
+            match state.pick(&rules, now) {
+                Some(mut job) => {
+                    // Chosen here while the line could not be asked: out of the line, and
+                    // back in with its tag if it must wait again.
+                    if let Some(joined) = job.joined.take() {
+                        state.leaving.push(joined.member.clone());
+                        job.rejoin_at = Some(joined);
+                    }
+                    let counted = Counted::take(self, &mut state, job.standing);
+                    if let Some(gap) = self.class(job.class).and_then(|c| c.min_gap) {
+                        state.set_next_at(job.class, now.saturating_add(gap));
+                    }
+                    (Some((job, counted)), None)
+                }
+                None => (None, state.next_wake(&rules, now)),
+            }
+        };
+        if let Some((job, counted)) = picked {
+            let (leases, shared_at) = match self.claim(job.class, job.standing.unverified).await {
+                Claim::Go(leases, shared_at) => (leases, shared_at),
+                Claim::Wait(wait, blocker) => {
+                    // Another instance holds the slots (or the share), or submitted a job of
+                    // this class within its gap: back to the front, until the store says.
+                    let mut state = self.state();
+                    counted.give_back(&mut state);
+                    let until = self.clock.now().saturating_add(wait);
+                    match blocker {
+                        Blocker::Account => state.account_full_until = until,
+                        Blocker::UnverifiedShare => state.unverified_full_until = until,
+                        Blocker::Gap => state.set_next_at(job.class, until),
+                    }
+                    state.unpick(job);
+                    return None;
+                }
+            };
+            // A job that left meanwhile drops its receiver: the slot comes straight back.
+            let taken_at = self.clock.now();
+            let slot = AccountSlot { counted, taken_at, shared_at, _leases: leases };
+            let _ = job.turn.send(slot);
+            return None;
+        }
+        Some(wake_at)
     }
 
     /// Promises a place for a job of `class` standing as `standing` (of an unverified caller,

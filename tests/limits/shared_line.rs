@@ -150,7 +150,7 @@ async fn a_gap_holds_only_its_class_and_says_when_it_passes() {
         };
         store.claim(at("a"), claim).await.expect("claims").0
     };
-    let mut first = vec![claim_here(store.clone()).await, claim_here(store.clone()).await];
+    let mut first = [claim_here(store.clone()).await, claim_here(store.clone()).await];
     let mut first: Vec<&str> = first.iter_mut().filter_map(|a| went(a)).collect();
     first.sort();
     assert_eq!(first, ["i0", "v0"], "v1 waits for the gap; the image passes it");
