@@ -685,7 +685,14 @@ impl FairQueue {
                     None => continue,
                 }
             };
-            let heartbeat = alive_at + crate::store::LINE_HEARTBEAT;
+            // Real time, made only when needed: the simulator's runtime keeps no timers.
+            let heartbeat = async {
+                if in_line {
+                    tokio::time::sleep_until(alive_at + crate::store::LINE_HEARTBEAT).await;
+                } else {
+                    std::future::pending::<()>().await;
+                }
+            };
             let sleep = async {
                 match wake_at {
                     Some(at) => self.clock.sleep_until(at).await,
@@ -702,7 +709,7 @@ impl FairQueue {
                 () = stop.cancelled() => return,
                 () = &mut changed => {}
                 () = sleep => {}
-                () = tokio::time::sleep_until(heartbeat), if in_line => {}
+                () = heartbeat => {}
                 listening = heard => {
                     if listening {
                         // Another instance freed a slot: what it said full may not be any more.
