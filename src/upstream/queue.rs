@@ -128,6 +128,12 @@ impl Shared {
         self.down_until.store(now.saturating_add(ACCOUNT_RETRY), Ordering::Relaxed);
     }
 
+    /// The guard of one slot taken on `key` under `lease`: renewed while held, and given back
+    /// with a word to every instance waiting for a slot.
+    fn slot(&self, key: &str, limiter: &Limiter, lease: Lease) -> SlotGuard {
+        SlotGuard::new(self.store.clone(), key.to_owned(), limiter.clone(), 1, lease).telling(&self.freed_channel)
+    }
+
     /// The store's answer about the learnt limit: what every instance hands out now.
     fn heard(&self, limit: SharedLimit) {
         self.learnt.store(usize::try_from(limit.current).unwrap_or(usize::MAX), Ordering::Relaxed);
@@ -626,14 +632,9 @@ impl FairQueue {
         };
         match answer {
             Ok((decisions, taken_at)) if decisions.iter().all(|d| d.allowed) => {
-                // Given back, each says so to every instance waiting for a slot.
-                let lease_of = |key: &str, limiter: &Limiter| {
-                    SlotGuard::new(shared.store.clone(), key.to_owned(), limiter.clone(), 1, lease)
-                        .telling(&shared.freed_channel)
-                };
-                let mut leases = vec![lease_of(&shared.account_key, &shared.account)];
+                let mut leases = vec![shared.slot(&shared.account_key, &shared.account, lease)];
                 if unverified {
-                    leases.push(lease_of(&shared.unverified_key, &shared.unverified));
+                    leases.push(shared.slot(&shared.unverified_key, &shared.unverified, lease));
                 }
                 Claim::Go(leases, taken_at)
             }

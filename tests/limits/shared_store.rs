@@ -255,8 +255,22 @@ async fn jobs_waiting_on_an_instance_that_dies_stop_holding_the_line_and_end_fai
         }
     }
     assert_eq!(waiting.len(), 2, "one runs on the account of 1, two wait in the line");
-    // The instance dies with two jobs in the line.
+    // The instance dies with two jobs in the line; its mark of being alive is made to run out
+    // now rather than five seconds of real time later.
     doomed.child.kill().await.expect("killed");
+    let mut connection =
+        redis::Client::open(redis.url.as_str()).expect("url").get_multiplexed_async_connection().await.expect("redis");
+    let members: Vec<String> =
+        redis::cmd("ZRANGE").arg("{upstream}line").arg(0).arg(-1).query_async(&mut connection).await.expect("zrange");
+    assert_eq!(members.len(), 2, "both waiting jobs stand in the line: {members:?}");
+    let dead = members[0].split('\u{1f}').nth(1).expect("the instance in the member").to_owned();
+    let _: () = redis::cmd("ZADD")
+        .arg("{upstream}line:alive")
+        .arg(1)
+        .arg(&dead)
+        .query_async(&mut connection)
+        .await
+        .expect("zadd");
     let survivor = TestServer::start(&shared(
         &redis,
         "lease_ms = 400\n",
@@ -267,8 +281,8 @@ async fn jobs_waiting_on_an_instance_that_dies_stop_holding_the_line_and_end_fai
     let r = call(&other, "generate_image", json!({"prompt": "after the crash"})).await;
     let mine = structured(&r)["predict_id"].as_str().expect("accepted").to_owned();
     let agent = survivor.client(Some(&painter)).await;
-    // Once the dead instance has been silent for 5 s, a claim takes its jobs out of the line and
-    // ends them; the survivor's job goes in the slot its leases held.
+    // A claim takes the dead instance's jobs out of the line and ends them; the survivor's job
+    // goes in the slot its leases held.
     let ended = eventually_some("the dead instance's jobs were ended", Duration::from_secs(20), || async {
         // Asked a few times a second, within the address's request budget.
         tokio::time::sleep(Duration::from_millis(300)).await;

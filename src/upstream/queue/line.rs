@@ -52,10 +52,7 @@ impl FairQueue {
     /// the share's for an unverified caller's job, its tier's. With no standing (the job left
     /// meanwhile), every lease the claim may have taken, to give back at once.
     fn line_leases(&self, shared: &Shared, lease: Lease, standing: Option<Standing>) -> Vec<SlotGuard> {
-        let guard = |key: &str, limiter: &Limiter| {
-            SlotGuard::new(shared.store.clone(), key.to_owned(), limiter.clone(), 1, lease)
-                .telling(&shared.freed_channel)
-        };
+        let guard = |key: &str, limiter: &Limiter| shared.slot(key, limiter, lease);
         let mut leases = vec![guard(&shared.account_key, &shared.account)];
         if standing.is_none_or(|s| s.unverified) {
             leases.push(guard(&shared.unverified_key, &shared.unverified));
