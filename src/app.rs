@@ -225,7 +225,7 @@ impl App {
         // deadline, the session caps; then rmcp.
         let front_door = tower::ServiceBuilder::new()
             .layer(front_door::rebinding_protection(allowed))
-            .layer(IdentifyLayer::new(app.limits.identifier().clone()))
+            .layer(IdentifyLayer::new(app.limits.identifier().clone(), app.clock.clone()))
             .layer(front_door::mcp_post_checks(server.max_body_bytes))
             .layer(HttpLimitLayer::new(app.limits.guard().clone()))
             .layer(serve::read_body_by_deadline(serve::BodyDeadline::of(server)))

@@ -92,7 +92,7 @@ impl AppState {
     pub fn sample_gauges(&self) {
         use crate::breaker::BreakerState;
         use crate::metrics::{
-            ACCOUNT_SLOTS_IN_USE, ACCOUNT_TIER_PLACES, ACCOUNT_TIER_SLOTS, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH,
+            ACCOUNT_SLOTS_IN_USE, ACCOUNT_TIER_PLACES, ACCOUNT_TIER_SLOTS, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH, QUEUEING_DELAY, SHED_LEVEL,
             STORE_UP, UPSTREAM_CONCURRENCY_LIMIT,
         };
         let occupancy = self.behind.occupancy();
@@ -127,6 +127,11 @@ impl AppState {
         };
         self.limits.metrics().sample(BREAKER_STATE, Vec::new(), breaker);
         self.limits.metrics().sample(STORE_UP, Vec::new(), if self.limits.guard().store_up() { 1.0 } else { 0.0 });
+        if let Some(overload) = self.limits.guard().overload() {
+            let delay = overload.least_delay as f64 / crate::clock::NANOS_PER_SEC as f64;
+            self.limits.metrics().sample(QUEUEING_DELAY, Vec::new(), delay);
+            self.limits.metrics().sample(SHED_LEVEL, Vec::new(), overload.level as f64);
+        }
     }
 }
 
@@ -197,6 +202,12 @@ impl AppState {
             // Connections are grouped when accepted; callers' addresses follow a reload at once.
             ("server.ipv6_prefix", running.server.connections.ipv6_prefix != config.server.connections.ipv6_prefix),
             ("server.metrics_key", running.server.metrics_key_sha256 != config.server.metrics_key_sha256),
+            (
+                "server.shedding",
+                running.limiting.shedding.enabled != config.limiting.shedding.enabled
+                    || running.limiting.shedding.target != config.limiting.shedding.target
+                    || running.limiting.shedding.interval != config.limiting.shedding.interval,
+            ),
             ("upstream.url", running.upstream.url != config.upstream.url),
             ("upstream.api_key", running.upstream.api_key != config.upstream.api_key),
             ("upstream.api_key_header", running.upstream.api_key_header != config.upstream.api_key_header),

@@ -144,6 +144,9 @@ pub(super) struct RawServer {
     #[serde(rename = "ipv6_prefix")]
     _ipv6_prefix: serde::de::IgnoredAny,
     metrics_key: Secret,
+    // When the server counts as behind is the limits' to read and check (`Shedding`).
+    #[serde(rename = "shedding")]
+    _shedding: serde::de::IgnoredAny,
 }
 
 impl RawServer {

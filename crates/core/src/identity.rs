@@ -34,6 +34,7 @@ use ipnet::IpNet;
 use sha2::{Digest, Sha256};
 
 use crate::config::{ApiKey, LimitsConfig};
+use crate::clock::Nanos;
 
 /// The identity a request is charged to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -381,6 +382,24 @@ impl Identifier {
 
     /// Whether `ip` (canonical: an IPv4-mapped IPv6 address is its IPv4 one) is a trusted proxy,
     /// whether the proxy is written as IPv4 (`127.0.0.1/8`) or IPv4-mapped (`::ffff:10.0.0.0/104`).
+    /// When a request that reached this server at `now` (on the guard's clock, which counts from
+    /// the Unix epoch) arrived: `now`, or, with `trust_proxy` and a trusted peer, the earlier
+    /// `X-Request-Start` that proxy stamped on it (`t=` seconds, milliseconds or microseconds
+    /// since the epoch, as nginx, HAProxy and Heroku's router write it), so the time it queued in
+    /// front of the server counts too. Never later than `now`; anyone else's stamp is ignored (it
+    /// would let a caller say the server is behind).
+    pub fn arrived(&self, headers: &HeaderMap, peer: Option<IpAddr>, now: Nanos) -> Nanos {
+        let Some(peer) = peer.map(|p| p.to_canonical()) else { return now };
+        if !self.trust_proxy || !self.trusted(peer) {
+            return now;
+        }
+        headers
+            .get("x-request-start")
+            .and_then(|v| v.to_str().ok())
+            .and_then(request_start)
+            .map_or(now, |stamped| stamped.min(now))
+    }
+
     fn trusted(&self, ip: IpAddr) -> bool {
         let mapped = match ip {
             IpAddr::V4(v4) => Some(IpAddr::V6(v4.to_ipv6_mapped())),
@@ -415,6 +434,26 @@ impl Identifier {
         }
         Some(client)
     }
+}
+
+/// An `X-Request-Start` value in nanoseconds since the Unix epoch: `t=` (optional) and a number
+/// of seconds (a fraction allowed), milliseconds or microseconds, told apart by size as the
+/// monitoring tools that read it do.
+fn request_start(value: &str) -> Option<Nanos> {
+    let number = value.trim();
+    let number = number.strip_prefix("t=").unwrap_or(number).trim();
+    let reading: f64 = number.parse().ok().filter(|n: &f64| n.is_finite() && *n >= 0.0)?;
+    let per_unit = if reading < 1e11 {
+        1e9
+    } else if reading < 1e14 {
+        1e6
+    } else if reading < 1e17 {
+        1e3
+    } else {
+        1.0
+    };
+    let nanos = reading * per_unit;
+    (nanos < u64::MAX as f64).then_some(nanos as Nanos)
 }
 
 /// The address `ip` counts as wherever callers are counted per address: an IPv4 address as it

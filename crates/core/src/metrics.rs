@@ -78,6 +78,16 @@ pub const SETTLEMENT_ERRORS: &str = "mcp_ratelimit_settlement_errors_total";
 /// for a minute of tries: the reservation stands.
 pub const SETTLEMENTS_GIVEN_UP: &str = "mcp_ratelimit_settlements_given_up_total";
 
+/// `mcp_ratelimit_shed_total{tier, unverified}`: tool calls refused, before anything was
+/// charged, because the server itself was behind (`[server.shedding]`).
+pub const SHED: &str = "mcp_ratelimit_shed_total";
+/// `mcp_ratelimit_shed_level`: how many of the lowest classes of callers the server refuses now
+/// (0: none).
+pub const SHED_LEVEL: &str = "mcp_ratelimit_shed_level";
+/// `mcp_ratelimit_queueing_delay_seconds`: the least queueing delay of the tool calls of the last
+/// interval of `[server.shedding]` (over `target_ms`, the server is behind).
+pub const QUEUEING_DELAY: &str = "mcp_ratelimit_queueing_delay_seconds";
+
 /// `mcp_ratelimit_config_reloads_total{outcome}`: config reloads applied or refused.
 pub const CONFIG_RELOADS: &str = "mcp_ratelimit_config_reloads_total";
 
@@ -251,6 +261,11 @@ impl Metrics {
             "Connections closed without ever presenting a whole request within server.header_read_timeout_ms.",
         );
         describe(CONFIG_RELOADS, Unit::Count, "Config reloads applied or refused.");
+        describe(
+            SHED,
+            Unit::Count,
+            "Tool calls refused before any charge because the server itself was behind, by tier and unverified.",
+        );
         let gauge = |name: &'static str, help: &'static str| {
             recorder.describe_gauge(name.into(), Some(Unit::Count), SharedString::const_str(help));
         };
@@ -272,6 +287,12 @@ impl Metrics {
         gauge(STORE_UP, "1 while the limiter store answers, 0 while it fails.");
         gauge(BREAKER_STATE, "The upstream circuit breaker: 0 closed, 1 half-open, 2 open.");
         gauge(CONNECTIONS_OPEN, "Connections a listener holds open, by listener.");
+        gauge(SHED_LEVEL, "How many of the lowest classes of callers the server refuses because it is behind.");
+        recorder.describe_gauge(
+            QUEUEING_DELAY.into(),
+            Some(Unit::Seconds),
+            SharedString::const_str("The least queueing delay of the tool calls of the last shedding interval."),
+        );
         recorder.describe_gauge(
             IN_FLIGHT.into(),
             Some(Unit::Count),
@@ -394,6 +415,12 @@ impl Metrics {
     /// Records one config reload, `applied` or `refused`.
     pub fn config_reload(&self, outcome: &'static str) {
         self.count(CONFIG_RELOADS, vec![Label::new("outcome", outcome)]);
+    }
+
+    /// Records one call refused because the server was behind, by its caller's tier.
+    pub fn shed(&self, caller: &Caller) {
+        let (tier, unverified) = crate::guard::shed::Shedder::labels_of(caller);
+        self.count(SHED, vec![Label::new("tier", tier), Label::new("unverified", unverified)]);
     }
 
     /// Records one call refused as a loop.

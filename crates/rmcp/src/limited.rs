@@ -34,6 +34,7 @@ use crate::results;
 pub use crate::results::AddTo;
 use mcp_ratelimit_core::config::ToolPolicy;
 use mcp_ratelimit_core::guard::{Admitted, Call, Called, Door, Policy, Refusal, Reserved, Used, Worked};
+use mcp_ratelimit_core::guard::shed::Arrived;
 use mcp_ratelimit_core::identity::Caller;
 
 pub use crate::rate_limits::ToolAnswer;
@@ -291,7 +292,9 @@ where
     let (tool, no_arguments) = (request.name.as_ref(), JsonObject::new());
     let arguments = request.arguments.as_ref().unwrap_or(&no_arguments);
     let resumes = resumes(request);
-    let call = Call { tool, caller: &caller, args: arguments, cancelled: context.ct.clone(), resumes };
+    let arrived = context.extensions.get::<http::request::Parts>().and_then(|parts| parts.extensions.get::<Arrived>());
+    let call =
+        Call { tool, caller: &caller, args: arguments, cancelled: context.ct.clone(), resumes, arrived: arrived.map(|a| a.0) };
     let add_to = door.add_to();
     match limits.guard().call(&Tools(door), Some(limits.reuse()), call, work).await {
         Called::Refused(refusal) => Ok(results::tool_result(&refusal).into()),

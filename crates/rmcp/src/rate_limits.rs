@@ -262,7 +262,7 @@ impl RateLimits {
     /// callers without a key are told apart by address.
     pub fn http_layer(&self) -> HttpLayer {
         HttpLayer {
-            identify: IdentifyLayer::new(self.inner.identifier.clone()),
+            identify: IdentifyLayer::new(self.inner.identifier.clone(), self.inner.clock.clone()),
             limit: HttpLimitLayer::new(self.inner.guard.clone()),
         }
     }

@@ -26,6 +26,7 @@ pub mod auth;
 mod fits;
 pub mod limits;
 pub mod price;
+pub mod shed;
 pub mod spend;
 pub mod store;
 pub mod tools;
@@ -246,6 +247,9 @@ pub struct LimitsConfig {
     /// How many answers may be kept for identical calls (`upstream.cache_max_entries`,
     /// `upstream.cache_max_bytes`), all tools and scopes together.
     pub answers: AnswerBounds,
+    /// When the server counts as behind, and whom it refuses first (`[server.shedding]`, the
+    /// ranks of `[upstream.priority]`).
+    pub shedding: shed::Shedding,
 }
 
 /// The bounds of the answers kept for `[tools.NAME] cache_ttl_ms`.
@@ -395,16 +399,28 @@ struct RawLimitsConfig {
     tools: BTreeMap<String, tools::RawTool>,
     store: StoreConfig,
     loop_detection: LoopDetectionConfig,
-    server: trust::RawTrust,
+    server: RawServerPart,
     upstream: RawAnswerBounds,
     proxy: RawUnlisted,
 }
 
-/// `upstream.cache_max_entries` and `upstream.cache_max_bytes`: the bounds of the kept answers.
+/// The keys of `[server]` the limits read: those naming callers behind a proxy, and
+/// `[server.shedding]`.
+#[derive(Debug, Deserialize)]
+struct RawServerPart {
+    #[serde(flatten)]
+    trust: trust::RawTrust,
+    shedding: shed::RawShedding,
+}
+
+/// `upstream.cache_max_entries` and `upstream.cache_max_bytes`: the bounds of the kept answers;
+/// `[upstream.priority]`: the ranks the server sheds by (the server checks it names known tiers).
 #[derive(Debug, Deserialize)]
 struct RawAnswerBounds {
     cache_max_entries: usize,
     cache_max_bytes: u64,
+    #[serde(default)]
+    priority: BTreeMap<String, i64>,
 }
 
 /// `proxy.default_cost`: what a tool the config does not price costs when tools are learnt.
@@ -434,7 +450,8 @@ impl RawLimitsConfig {
                 })
                 .map_err(|e| e.at("proxy.default_cost"))?;
         }
-        let proxies = self.server.validate()?;
+        let proxies = self.server.trust.validate()?;
+        let shedding = self.server.shedding.validate(self.upstream.priority.clone())?;
         self.store.validate()?;
         fits::spans_fit((&limits, &tools, &tenants, &auth.keys), &self.tiers, &fits::LONGEST)?;
         if self.store.backend == Backend::Redis {
@@ -464,6 +481,7 @@ impl RawLimitsConfig {
                 max_entries: self.upstream.cache_max_entries,
                 max_bytes: self.upstream.cache_max_bytes,
             },
+            shedding,
         })
     }
 }

@@ -3,6 +3,7 @@
 //! is added or fixed for all of them.
 //!
 //! ```text
+//! (the server behind: shed, see `shed`)
 //! check the arguments ─► before charging ─► admit (loops, every budget, slots) ─► the work, racing
 //! (refused: invalid)     (upstream down,    (refused: rate_limited, busy, …)     the caller's cancel,
 //!                         queue full)                                           shared with identical
@@ -35,6 +36,7 @@ use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
 
 use crate::guard::reuse::{Reuse, Served, Sharing};
+use crate::guard::shed::Shed;
 use crate::guard::{Admission, Guard, Refusal, Settled, ToolCall, Used, Warning};
 use crate::identity::Caller;
 use crate::metrics::Layer;
@@ -156,12 +158,16 @@ pub struct Call<'a> {
     /// when it sends `inputResponses` without one), or `None` for a call of its own. Believed only
     /// where the guard kept a mark for it ([`crate::guard::resume`]).
     pub resumes: Option<&'a str>,
+    /// When its request arrived on the guard's clock ([`Arrived`](crate::guard::shed::Arrived)),
+    /// if the door can tell: its queueing delay says whether the server is behind
+    /// ([`crate::guard::shed`]).
+    pub arrived: Option<crate::clock::Nanos>,
 }
 
 impl<'a> Call<'a> {
     /// A call of `tool` by `caller` with `args`, never cancelled, resuming nothing.
     pub fn new(tool: &'a str, caller: &'a Caller, args: &'a Map<String, Value>) -> Self {
-        Self { tool, caller, args, cancelled: CancellationToken::new(), resumes: None }
+        Self { tool, caller, args, cancelled: CancellationToken::new(), resumes: None, arrived: None }
     }
 }
 
@@ -184,11 +190,18 @@ impl Guard {
         W: FnOnce(Admitted<D::Place>, &Value) -> F,
         F: Future<Output = Worked<D::Answer>> + Send + 'static,
     {
-        let Call { tool, caller, args, cancelled, resumes } = call;
+        let Call { tool, caller, args, cancelled, resumes, arrived } = call;
         let refused = |refusal: Refusal| {
             self.seen_refused(caller, tool, &refusal);
             Called::Refused(refusal)
         };
+        // First, while it costs nothing: a server that is behind refuses the lowest priority.
+        if let Some(shedder) = &self.shedder
+            && let Shed::Refuse { wait } = shedder.judge(caller, arrived, self.clock.now())
+        {
+            self.metrics.shed(caller);
+            return refused(Refusal::overloaded(tool, wait));
+        }
         let args = match door.check(tool, args) {
             Ok(args) => args,
             Err(refusal) => return refused(refusal),

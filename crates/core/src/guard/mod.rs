@@ -33,6 +33,7 @@ pub mod resume;
 pub mod reuse;
 pub mod scope;
 pub mod settle;
+pub mod shed;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -156,6 +157,8 @@ pub struct Guard {
     metrics: Arc<Metrics>,
     activity: Activity,
     refusal_log: RefusalLog,
+    /// Refuses the lowest priority first while the server itself is behind (`[server.shedding]`).
+    shedder: Option<shed::Shedder>,
 }
 
 /// The limits one decision is taken under.
@@ -235,7 +238,14 @@ impl Guard {
             metrics,
             activity: Activity::new(),
             refusal_log: RefusalLog::default(),
+            shedder: shed::Shedder::configured(config),
         }
+    }
+
+    /// Where the server stands against `[server.shedding]`: the least queueing delay of the last
+    /// interval and how many classes of callers are refused (`None`: shedding is off).
+    pub fn overload(&self) -> Option<shed::Overload> {
+        self.shedder.as_ref().map(|shedder| shedder.overload(self.clock.now()))
     }
 
     /// This guard with an insurance limiter in `local` (a store of this process alone): while the

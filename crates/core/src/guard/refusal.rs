@@ -235,6 +235,24 @@ impl Refusal {
         }
     }
 
+    /// The server itself is behind (`[server.shedding]`) and refuses callers of this one's
+    /// priority first; `wait` is the least time before it serves them again.
+    pub fn overloaded(tool: &str, wait: Nanos) -> Self {
+        Self {
+            code: RefusalCode::Busy,
+            message: format!(
+                "The server is overloaded and is turning away callers of your priority before it charges them. \
+                 Nothing was charged for {tool}. Wait {} before calling it again.",
+                seconds(ceil_secs(wait))
+            ),
+            retry_after_ms: Some(ceil_ms(wait).max(1)),
+            scope: Some("server:overloaded".into()),
+            limit: None,
+            remaining: Some(0),
+            details: None,
+        }
+    }
+
     /// The places left in the queue in front of the upstream account are reserved for callers of
     /// tiers that do not hold their share yet (`[upstream.reserved]`); `wait` is until a place
     /// may free up.

@@ -20,6 +20,7 @@ use tower::{Layer, Service};
 
 use mcp_ratelimit_core::clock::SharedClock;
 use mcp_ratelimit_core::guard::report::RefusalLog;
+use mcp_ratelimit_core::guard::shed::Arrived;
 use mcp_ratelimit_core::identity::Identifier;
 
 /// The `Host` and `Origin` values a server answers to (`server.allowed_hosts`,
@@ -298,15 +299,27 @@ impl HeaderCheck for MetricsKey {
 /// [`Caller`](mcp_ratelimit_core::identity::Caller) into the request's extensions, for the limit behind it and the tools; answers 401
 /// when `auth.required` and the key is missing or unknown. The address comes from axum's
 /// `ConnectInfo<SocketAddr>` (serve with `into_make_service_with_connect_info`).
-#[derive(Debug, Clone)]
+///
+/// It also stamps when the request arrived ([`Arrived`], on `clock`; a trusted proxy's
+/// `X-Request-Start` if earlier), so the guard can tell how long calls queue in the server
+/// (`[server.shedding]`).
+#[derive(Clone)]
 pub struct IdentifyLayer {
     identifier: Arc<ArcSwap<Identifier>>,
+    clock: SharedClock,
+}
+
+impl std::fmt::Debug for IdentifyLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdentifyLayer").finish_non_exhaustive()
+    }
 }
 
 impl IdentifyLayer {
-    /// A layer naming callers with `identifier` (swapped whole by a config reload).
-    pub fn new(identifier: Arc<ArcSwap<Identifier>>) -> Self {
-        Self { identifier }
+    /// A layer naming callers with `identifier` (swapped whole by a config reload), stamping
+    /// arrivals on `clock` (the guard's).
+    pub fn new(identifier: Arc<ArcSwap<Identifier>>, clock: SharedClock) -> Self {
+        Self { identifier, clock }
     }
 }
 
@@ -314,15 +327,22 @@ impl<S> Layer<S> for IdentifyLayer {
     type Service = Identified<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Identified { inner, identifier: self.identifier.clone() }
+        Identified { inner, identifier: self.identifier.clone(), clock: self.clock.clone() }
     }
 }
 
 /// The service [`IdentifyLayer`] produces.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Identified<S> {
     inner: S,
     identifier: Arc<ArcSwap<Identifier>>,
+    clock: SharedClock,
+}
+
+impl<S> std::fmt::Debug for Identified<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Identified").finish_non_exhaustive()
+    }
 }
 
 impl<S> Service<Request> for Identified<S>
@@ -340,9 +360,12 @@ where
 
     fn call(&mut self, mut request: Request) -> Self::Future {
         let peer = request.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0.ip());
-        match self.identifier.load().identify(request.headers(), peer) {
+        let identifier = self.identifier.load();
+        match identifier.identify(request.headers(), peer) {
             Ok(caller) => {
+                let arrived = identifier.arrived(request.headers(), peer, self.clock.now());
                 request.extensions_mut().insert(caller);
+                request.extensions_mut().insert(Arrived(arrived));
                 futures::future::Either::Left(self.inner.call(request))
             }
             Err(unauthorized) => {
