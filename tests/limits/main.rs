@@ -28,4 +28,5 @@ mod redis_cluster;
 mod redis_store;
 mod shared_line;
 mod shared_store;
+mod shedding;
 mod tenants;

@@ -321,7 +321,7 @@ mod tests {
     #[test]
     fn with_a_key_required_there_is_no_unverified_class() {
         let toml = "[tools.search]\ncost = 1\n[upstream.priority]\npro = 1\nguest = -1\n[tiers]\npro = 2.0\n\
-                    [auth]\nrequired = true\n";
+                    [auth]\nrequired = true\n[[auth.keys]]\nkey = \"p\"\ntier = \"pro\"\n";
         let config = LimitsConfig::from_toml(toml, &Catalogue::new().tool("search")).expect("config");
         let shedder = Shedder::configured(&config).expect("on");
         assert_eq!(shedder.classes, [(-1, true), (0, true), (1, true)]);
