@@ -112,6 +112,27 @@ impl MemoryStore {
         ((fp >> 64) as usize) % SHARDS
     }
 
+    /// What `check` would be decided at `now`, deciding nothing: the key's state is read, not
+    /// changed (the line judges jobs by it before it takes their slots).
+    pub fn peek_at(&self, check: &Check<'_>, now: Nanos) -> Decision {
+        let fp = self.fingerprint(check.key);
+        let map = lock(&self.shards[Self::shard_of(fp)]);
+        let mut state = map.get(&fp).map_or_else(|| check.limiter.fresh(now), |entry| entry.state.clone());
+        check.limiter.acquire(&mut state, now, check.cost)
+    }
+
+    /// The in-flight slots held on `key` at `now`, whatever its cap.
+    pub fn slots_in_use_at(&self, key: &str, now: Nanos) -> u64 {
+        let unbounded = Limiter::Concurrency(crate::limit::Concurrency::new(u64::MAX));
+        let check = Check { key, limiter: &unbounded, cost: 0, shadow: false };
+        u64::MAX - self.peek_at(&check, now).remaining
+    }
+
+    /// The clock its decisions as a [`Store`] take their time from.
+    pub fn clock(&self) -> &SharedClock {
+        &self.clock
+    }
+
     /// Decides all checks at once at `now`; see [`Budgets::decide`].
     pub fn decide_at(&self, checks: &[Check<'_>], now: Nanos) -> Vec<Decision> {
         match checks {

@@ -14,7 +14,9 @@
 //! these traits and nothing above changes.
 
 pub mod line;
+pub mod line_suite;
 pub mod memory;
+pub mod shared_memory;
 pub mod suite;
 
 use std::future::Future;
@@ -27,6 +29,7 @@ use crate::limit::adaptive::{Learner, Signal};
 use crate::limit::{Adjustment, Decision, Limiter};
 pub use line::{JoinAt, LINE_ALIVE, LINE_HEARTBEAT, LineAnswer, LineAt, LineClaim, LineEntry, LineWait, SharedLine};
 pub use memory::MemoryStore;
+pub use shared_memory::SharedMemory;
 
 /// How long the mark of an adjustment sent with one ([`Budgets::adjust`]) lives: longer than the
 /// settlement that sent it keeps trying ([`crate::guard::settle`]), so no retry of it can land twice.
