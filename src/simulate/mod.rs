@@ -28,6 +28,7 @@
 pub mod capacity_drop;
 pub mod chart;
 pub mod identical_asks;
+pub mod many_instances;
 pub mod shapes;
 
 use std::collections::VecDeque;
@@ -52,6 +53,7 @@ use crate::store::MemoryStore;
 use crate::upstream::classes::{ClassId, VIDEO};
 use capacity_drop::CapacityDrop;
 use identical_asks::IdenticalAsks;
+use many_instances::ManyInstances;
 use shapes::Answer;
 pub use shapes::{SHAPES, Shape};
 
@@ -68,10 +70,14 @@ pub enum UpstreamShape {
     /// Many agents ask the same paid read at once and again: coalescing and reuse against neither
     /// ([`identical_asks`]).
     IdenticalAsks,
+    /// Three instances share one account through one store: one line against a queue each
+    /// ([`many_instances`]).
+    ManyInstances,
 }
 
 /// Every upstream shape, in the order they are run and printed (after the budget shapes).
-pub const UPSTREAM_SHAPES: [UpstreamShape; 2] = [UpstreamShape::CapacityDrop, UpstreamShape::IdenticalAsks];
+pub const UPSTREAM_SHAPES: [UpstreamShape; 3] =
+    [UpstreamShape::CapacityDrop, UpstreamShape::IdenticalAsks, UpstreamShape::ManyInstances];
 
 impl UpstreamShape {
     /// The name used on the command line, in the tables and as a chart's file name.
@@ -79,6 +85,7 @@ impl UpstreamShape {
         match self {
             UpstreamShape::CapacityDrop => "capacity_drop",
             UpstreamShape::IdenticalAsks => "identical_asks",
+            UpstreamShape::ManyInstances => "many_instances",
         }
     }
 
@@ -308,6 +315,9 @@ pub struct Report {
     /// `identical_asks`, if it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub identical_asks: Option<IdenticalAsks>,
+    /// `many_instances`, if it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub many_instances: Option<ManyInstances>,
 }
 
 /// The budget shapes: who calls what, the budgets each call draws on, and one table per shape.
@@ -346,7 +356,8 @@ pub fn run(config: &Config, plan: &Plan) -> Result<Report, SimulateError> {
     let capacity_drop =
         wants(UpstreamShape::CapacityDrop).then(|| capacity_drop::run(config, plan.seed)).transpose()?;
     let identical_asks = wants(UpstreamShape::IdenticalAsks).then(|| identical_asks::run(config)).transpose()?;
-    Ok(Report { seed: plan.seed, budgets, capacity_drop, identical_asks })
+    let many_instances = wants(UpstreamShape::ManyInstances).then(many_instances::run).transpose()?;
+    Ok(Report { seed: plan.seed, budgets, capacity_drop, identical_asks, many_instances })
 }
 
 /// Replays every budget shape of `plan` against each of `algorithms`.
@@ -702,6 +713,9 @@ impl Report {
         if let Some(asks) = &self.identical_asks {
             asks.write_text(&mut out);
         }
+        if let Some(instances) = &self.many_instances {
+            instances.write_text(&mut out);
+        }
         let budget_charts = self.budgets.iter().flat_map(|b| &b.shapes).filter_map(|s| s.chart.as_ref());
         let charts: Vec<String> = budget_charts
             .chain(self.capacity_drop.iter().filter_map(|d| d.chart.as_ref()))
@@ -718,7 +732,10 @@ impl Report {
     pub fn calls(&self) -> u64 {
         let budgets = self.budgets.iter().flat_map(|b| &b.shapes).flat_map(|s| &s.runs).map(|r| r.calls).sum::<u64>();
         let drop = self.capacity_drop.iter().flat_map(|d| &d.runs).map(|r| r.calls).sum::<u64>();
-        budgets + drop + self.identical_asks.as_ref().map_or(0, IdenticalAsks::calls)
+        budgets
+            + drop
+            + self.identical_asks.as_ref().map_or(0, IdenticalAsks::calls)
+            + self.many_instances.as_ref().map_or(0, ManyInstances::calls)
     }
 
     /// Draws one chart per budget shape, and one for `capacity_drop`, into `dir` (created if
@@ -807,7 +824,12 @@ impl Budgets {
 /// timer.
 fn on_one_thread<F: Future>(work: F) -> Result<F::Output, SimulateError> {
     let runtime =
-        tokio::runtime::Builder::new_current_thread().build().map_err(|e| SimulateError::Runtime(e.to_string()))?;
+        // Time on: the queue's heartbeat to a shared line is kept in real time (it never comes
+        // due in a run of milliseconds); every wait that matters is on the ManualClock.
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .map_err(|e| SimulateError::Runtime(e.to_string()))?;
     Ok(runtime.block_on(work))
 }
 

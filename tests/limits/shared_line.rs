@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::test_redis::TestRedis;
-use mcp_ratelimit::limit::{Gcra, Limiter};
 use mcp_ratelimit::store::redis::RedisStore;
 use mcp_ratelimit::store::{JoinAt, Lease, LineAnswer, LineAt, LineClaim, LineEntry, LineWait, SharedLine, Store};
 
@@ -25,33 +24,7 @@ fn at(instance: &str) -> LineAt<'_> {
     LineAt { name: "t", instance }
 }
 
-fn job(id: &str, flow: &str) -> LineEntry {
-    LineEntry { job: id.into(), flow: flow.into(), weight: 1.0, class: 0, unverified: false, tier: None, rank: 0 }
-}
-
-/// A claim on an account of `slots`, one class (images, no gap), pro reserved `pro` of it.
-async fn claim(store: &RedisStore, instance: &str, slots: u64, pro: f64, candidate: Option<&LineEntry>) -> LineAnswer {
-    let tiers = [(PRO, pro)];
-    let gaps = [None];
-    let claim = LineClaim {
-        account: (ACCOUNT, slots),
-        share: (SHARE, slots),
-        learnt: None,
-        gaps: &gaps,
-        tiers: &tiers,
-        scan: 1000,
-        candidate,
-        lease: Lease::new(),
-    };
-    store.claim(at(instance), claim).await.expect("claims").0
-}
-
-fn went(answer: &LineAnswer) -> Option<&str> {
-    match answer {
-        LineAnswer::Go { job, .. } => Some(job),
-        LineAnswer::Wait { .. } => None,
-    }
-}
+use mcp_ratelimit::store::line_suite::{job, went};
 
 #[tokio::test]
 async fn the_redis_line_passes_the_line_suite_the_memory_twin_passes() {
@@ -66,7 +39,9 @@ async fn a_dead_instances_jobs_stop_holding_the_line() {
     let store = line(&redis).await;
     store.join(at("dead"), &job("d0", "tenant:d"), &JoinAt::Back).await.expect("joins");
     store.join(at("b"), &LineEntry { weight: 0.5, ..job("b0", "tenant:b") }, &JoinAt::Back).await.expect("joins");
-    assert!(matches!(claim(&store, "b", 10, 0.0, None).await, LineAnswer::Wait { why: LineWait::Theirs, .. }));
+    let line: Arc<dyn SharedLine> = store.clone();
+    let (first, _) = mcp_ratelimit::store::line_suite::claim(&line, "t", "b", 10, 0.0, None).await;
+    assert!(matches!(first, LineAnswer::Wait { why: LineWait::Theirs, .. }), "{first:?}");
     // Its mark of being alive runs out (made to here, as five seconds would).
     let mut connection =
         redis::Client::open(redis.url.as_str()).expect("url").get_multiplexed_async_connection().await.expect("redis");
@@ -83,6 +58,7 @@ async fn a_dead_instances_jobs_stop_holding_the_line() {
         scan: 1000,
         candidate: None,
         lease,
+        told: "",
     };
     let (answer, dropped) = store.claim(at("b"), claim).await.expect("claims");
     assert_eq!((went(&answer), dropped), (Some("b0"), vec!["d0".to_owned()]), "b0 goes; d0 is handed to b to end");

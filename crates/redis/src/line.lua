@@ -36,7 +36,8 @@
 --     read, ARGV[10] the number of classes C, then C gap specs ("key capacity span": its key's
 --     place among the gap keys, the GCRA's burst and period; "" for a class without a gap), then
 --     the number of tiers T, then T reserved shares, then a candidate member or "" and its flow
---     and weight.
+--     and weight, then the channel a freed slot is told on: a claim that lets a job go and
+--     leaves slots free while jobs wait says so there, for the instance whose job is next.
 --     Returns {1, job, now_us, learnt limit or -1, dropped} when one of this instance's jobs
 --     goes, else {0, why (1 the account is full, 2 another instance's job is next, 3 nothing may
 --     go), ns until something may go by time alone or -1, 1 if the whole line was read, dropped,
@@ -199,6 +200,7 @@ end
 at = at + tiers + 1
 local candidate = ARGV[at] ~= '' and parse(ARGV[at], false) or nil
 local candidate_flow, candidate_weight = ARGV[at + 1], tonumber(ARGV[at + 2])
+local told = ARGV[at + 3]
 
 -- The learnt limit, as decide.lua reads it: the account's and the share's capacities scaled to it.
 local current = -1
@@ -403,4 +405,9 @@ else
   end
 end
 redis.call('SET', VTIME, string.format('%.17g', math.max(vtime(), next_up.tag)), 'PX', IDLE_MS)
+-- Slots left free and jobs still waiting: the instance whose job is next may be asleep (several
+-- slots freed at once were one message), so it is told.
+if told and told ~= '' and in_use + 1 < cap and redis.call('ZCARD', LINE) > 0 then
+  redis.call('PUBLISH', told, 'turn')
+end
 return { 1, next_up.job, now_us, current, table.concat(dropped, ' ') }

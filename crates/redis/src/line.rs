@@ -87,6 +87,7 @@ impl RedisStore {
             Some(entry) => invocation.arg(entry.member(at.instance)).arg(&entry.flow).arg(format!("{}", entry.weight)),
             None => invocation.arg("").arg("").arg("1"),
         };
+        invocation.arg(claim.told);
         // Slots the script may take and nobody would hold: given back if no answer comes.
         let mut taken = vec![claim.account.0.to_owned(), claim.share.0.to_owned()];
         taken.extend(claim.tiers.iter().map(|(key, _)| (*key).to_owned()));

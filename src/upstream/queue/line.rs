@@ -108,6 +108,7 @@ impl FairQueue {
             scan: SCAN,
             candidate,
             lease,
+            told: &shared.freed_channel,
         };
         let at = LineAt { name: &shared.name, instance: &shared.instance };
         line.claim(at, claim).await

@@ -106,6 +106,10 @@ pub struct LineClaim<'a> {
     pub candidate: Option<&'a LineEntry>,
     /// The lease the slots are taken under.
     pub lease: Lease,
+    /// The channel every instance hears a slot freed on ([`Broadcast::hear`](super::Broadcast::hear)):
+    /// a claim that lets a job go and leaves slots free while jobs still wait says so on it, so
+    /// the instance whose job is next asks now (several slots freed at once are one message).
+    pub told: &'a str,
 }
 
 /// Why no job of the claiming instance goes now.

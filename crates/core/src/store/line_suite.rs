@@ -72,6 +72,7 @@ pub async fn claim(
         scan: 1000,
         candidate,
         lease: Lease::new(),
+        told: "",
     };
     line.claim(LineAt { name, instance }, claim).await.expect("claims")
 }
@@ -159,6 +160,7 @@ async fn a_gap_holds_only_its_class_and_says_when_it_passes(line: &Arc<dyn Share
             scan: 1000,
             candidate: None,
             lease: Lease::new(),
+            told: "",
         };
         line.claim(LineAt { name, instance: "a" }, claim).await.expect("claims").0
     };

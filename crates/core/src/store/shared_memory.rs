@@ -27,6 +27,8 @@ use crate::limit::{Adjustment, Concurrency, Decision, Limiter};
 /// A memory store shared by the instances of one process; see the module.
 pub struct SharedMemory {
     memory: Arc<MemoryStore>,
+    /// Whether it keeps the line and the channels ([`SharedMemory::slots_only`]: not).
+    keeps_line: bool,
     lines: Mutex<HashMap<String, Line>>,
     channels: Mutex<HashMap<String, tokio::sync::watch::Sender<u64>>>,
 }
@@ -122,9 +124,18 @@ impl SharedMemory {
     pub fn on(clock: SharedClock) -> Self {
         Self {
             memory: Arc::new(MemoryStore::on(clock)),
+            keeps_line: true,
             lines: Mutex::new(HashMap::new()),
             channels: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// An empty store on `clock` that shares only budgets and slots, as a shared store that keeps
+    /// no line would: each instance queues its own jobs, claims the account's slots here, and,
+    /// never told of a slot freed, asks again a second later (what the simulator compares the
+    /// line with).
+    pub fn slots_only(clock: SharedClock) -> Self {
+        Self { keeps_line: false, ..Self::on(clock) }
     }
 
     fn now(&self) -> Nanos {
@@ -327,6 +338,10 @@ impl SharedMemory {
             line.take_out(&waiting.member);
         }
         line.vtime = line.vtime.max(tag);
+        // Slots left free and jobs still waiting: the instance whose job is next may be asleep.
+        if in_use.saturating_add(1) < cap && !line.order.is_empty() && !claim.told.is_empty() {
+            self.tell(claim.told);
+        }
         (LineAnswer::Go { job: waiting.entry.job, at: now, limit: None }, dropped)
     }
 }
@@ -376,6 +391,9 @@ impl Blocks for SharedMemory {
 
 impl Broadcast for SharedMemory {
     fn hear(self: Arc<Self>, channel: &str) -> Option<tokio::sync::watch::Receiver<u64>> {
+        if !self.keeps_line {
+            return None;
+        }
         let mut channels = self.channels.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         Some(channels.entry(channel.to_owned()).or_insert_with(|| tokio::sync::watch::Sender::new(0)).subscribe())
     }
@@ -391,7 +409,7 @@ impl Store for SharedMemory {
     }
 
     fn shared_line(self: Arc<Self>) -> Option<Arc<dyn SharedLine>> {
-        Some(self)
+        if self.keeps_line { Some(self) } else { None }
     }
 }
 
