@@ -15,9 +15,10 @@
 //! ```
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::{JoinAt, Lease, LineAnswer, LineAt, LineClaim, LineEntry, LineWait, SharedLine, Store};
-use crate::limit::{Gcra, Limiter};
+use crate::limit::{Concurrency, Gcra, Limiter};
 
 /// Runs every check on `store`'s line, each in a line of its own named `prefix` and a number
 /// (give a prefix of its own per run where the store outlives the test).
@@ -30,6 +31,7 @@ pub async fn run(store: Arc<dyn Store>, prefix: &str) {
     a_tier_owed_a_reserved_slot_goes_first_then_the_highest_rank(&line, &name(4)).await;
     a_gap_holds_only_its_class_and_says_when_it_passes(&line, &name(5)).await;
     a_job_joining_again_keeps_its_place_and_one_that_left_is_gone(&line, &name(6)).await;
+    a_turn_taken_with_slots_left_free_is_told_to_every_instance(&store, &line, &name(7)).await;
 }
 
 /// A job of `flow`, weight 1, class 0, verified, of no tier, rank 0.
@@ -191,4 +193,53 @@ async fn a_job_joining_again_keeps_its_place_and_one_that_left_is_gone(line: &Ar
     assert_eq!(went(&claim(line, name, "b", 10, 0.0, None).await.0), Some("y0"));
     let (empty, _) = claim(line, name, "a", 10, 0.0, None).await;
     assert!(matches!(empty, LineAnswer::Wait { why: LineWait::Nothing, .. }), "{empty:?}");
+}
+
+async fn a_turn_taken_with_slots_left_free_is_told_to_every_instance(
+    store: &Arc<dyn Store>,
+    line: &Arc<dyn SharedLine>,
+    name: &str,
+) {
+    let channel = format!("{{{name}}}account:freed");
+    let mut heard = store.clone().hear(&channel).expect("a shared store hears its channels");
+    // A subscription may take a moment to hold (Redis): a slot given back and told, until heard.
+    let slot = Limiter::Concurrency(Concurrency::new(1));
+    let warm_up = format!("{{{name}}}warm_up");
+    let mut ready = false;
+    for _ in 0..50 {
+        store.clone().release_telling(&warm_up, &slot, 0, Lease::new(), &channel);
+        if tokio::time::timeout(Duration::from_millis(100), heard.changed()).await.is_ok() {
+            ready = true;
+            break;
+        }
+    }
+    assert!(ready, "a slot given back and told is heard");
+    // Two jobs wait on two instances; a takes its turn with slots left free: b is told to ask.
+    join(line, name, "a", &job("a0", "tenant:a")).await;
+    join(line, name, "b", &job("b0", "tenant:b")).await;
+    heard.borrow_and_update();
+    let [account, share, tier] = keys(name);
+    let tiers = [(tier.as_str(), 0.0)];
+    let gaps = [None];
+    let claim = |instance: &'static str| LineClaim {
+        account: (&account, 10),
+        share: (&share, 10),
+        learnt: None,
+        gaps: &gaps,
+        tiers: &tiers,
+        scan: 1000,
+        candidate: None,
+        lease: Lease::new(),
+        told: &channel,
+    };
+    let (went_a, _) = line.claim(LineAt { name, instance: "a" }, claim("a")).await.expect("claims");
+    assert_eq!(went(&went_a), Some("a0"));
+    let told = tokio::time::timeout(Duration::from_secs(5), heard.changed()).await;
+    assert!(told.is_ok(), "b, whose job is next, is told");
+    heard.borrow_and_update();
+    // b's turn empties the line: nobody is told.
+    let (went_b, _) = line.claim(LineAt { name, instance: "b" }, claim("b")).await.expect("claims");
+    assert_eq!(went(&went_b), Some("b0"));
+    let told = tokio::time::timeout(Duration::from_millis(300), heard.changed()).await;
+    assert!(told.is_err(), "nobody waits: nothing told");
 }
