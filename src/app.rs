@@ -136,7 +136,7 @@ impl App {
                 limits.metrics().clone(),
                 stop.child_token(),
             )
-            .published_in(store.clone().job_mirror()),
+            .published_in(store.clone()),
         );
         jobs.end_orphans_of_dead_instances();
         let own = Arc::new(PaidApi { upstream, jobs });

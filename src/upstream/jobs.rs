@@ -41,9 +41,9 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
-use crate::guard::{Reserved, Used};
+use crate::guard::{Handed, Reserved, Used};
 use crate::metrics::Metrics;
-use crate::store::JobMirror;
+use crate::store::{JobMirror, Store};
 use crate::store::StoreError;
 use crate::upstream::api::{NewPrediction, Prediction, PredictionKind, PredictionStatus};
 use crate::upstream::backoff::{Backoff, Retry, RetryBudget};
@@ -218,6 +218,8 @@ pub struct Jobs {
     stop: CancellationToken,
     /// Where snapshots of the book are published for the other instances.
     shared: Option<Arc<dyn JobMirror>>,
+    /// The shared store the prices of a dead instance's jobs are given back in.
+    settle_in: Option<Arc<dyn Store>>,
     /// The jobs whose snapshot Redis does not have yet.
     outbox: Arc<Outbox>,
     /// Jobs of other instances an agent polled here and found pending, (owner, id) → until when
@@ -283,6 +285,7 @@ impl Jobs {
             book,
             stop,
             shared: None,
+            settle_in: None,
             outbox,
             pending_elsewhere,
         }
@@ -424,9 +427,16 @@ impl Jobs {
             let Ok(account) = turn.await else { return false };
             // Ended by another instance while it waited (this one was taken for dead): never sent,
             // so its agent, told it failed, is never billed for it.
-            if let Some(reason) = self.ended_elsewhere(id).await {
+            if let Some(ended) = self.ended_elsewhere(id).await {
                 drop(account);
-                self.fail(id, reason);
+                if ended.given_back
+                    && let Some(job) = self.book().get_mut(id)
+                {
+                    // Given back by the instance that ended it: settled once, there.
+                    job.reservation = None;
+                    job.charged = Some(0);
+                }
+                self.fail(id, ended.reason);
                 return false;
             }
             let answer = self.upstream.create_prediction(&job, id).await;
@@ -590,6 +600,10 @@ impl Jobs {
         job.reserved = Some(units);
         if !job.last.status.is_terminal() {
             job.reservation = Some(reservation);
+            drop(book);
+            // Its snapshot carries the reservation now, for another instance to give back if
+            // this one dies while it waits.
+            self.publish(id);
             return units;
         }
         let used = used_by(job);

@@ -936,7 +936,7 @@ impl Three {
         let config = format!(
             "[store]\nbackend = \"redis\"\nredis_url = \"{}\"\ntimeout_ms = 200\n\
              [upstream]\nurl = \"{}\"\nmax_in_flight = {slots}\nimage_poll_seconds = 1\nqueue_max = 100\n\
-             [limits.caller]\nburst = 1000\n[limits.tenant]\nburst = 1000\n\
+             [limits.caller]\nburst = 1000\nrefill_per_sec = 0.001\n[limits.tenant]\nburst = 1000\nrefill_per_sec = 0.001\n\
              [limits.http]\nburst = 100000\n[limits.address_http]\nburst = 100000\n\
              [limits.method.tools_call]\nburst = 100000\n\
              [limits.in_flight]\ncaller = 100\ntenant = 100\n[loop_detection]\nenabled = false\n{extra}",
@@ -1109,12 +1109,22 @@ async fn jobs_waiting_in_the_line_when_redis_dies_all_end_served_locally_and_the
     .await;
 }
 
+/// What is left of tenant x's budget, as `agent` (one of x's) is told.
+async fn tenant_left(agent: &Client) -> u64 {
+    let status = call(agent, "rate_limit_status", json!({})).await;
+    let budgets = structured(&status)["budgets"].as_array().expect("budgets").clone();
+    let tenant = budgets.iter().find(|b| b["scope"] == "tenant:x").expect("tenant budget").clone();
+    tenant["remaining"].as_u64().expect("remaining")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_another_instance_ended_for_an_instance_taken_for_dead_is_never_submitted() {
     let three = Three::start(1, &x_and_y("default")).await;
     let x = three.agent(0, "x-backlog-key").await;
     Three::image(&x, "x running").await;
     let waiting = Three::image(&x, "x waiting").await;
+    // Tenant x's budget (it never refills here), charged for both calls.
+    let charged_both = tenant_left(&x).await;
     let connection = redis::Client::open(three.redis.url.as_str())
         .expect("url")
         .get_multiplexed_async_connection()
@@ -1149,6 +1159,13 @@ async fn a_job_another_instance_ended_for_an_instance_taken_for_dead_is_never_su
         structured(&r)["status"] == "failed"
     })
     .await;
+    // Nothing ran: C gave its price back, from what A published of its reservation.
+    let price = {
+        let r = call(&x_on_c, "get_prediction", json!({ "predict_id": waiting })).await;
+        assert_eq!(structured(&r)["charged"], 0, "{}", text(&r));
+        structured(&r)["reserved"].as_u64().expect("its reservation")
+    };
+    eventually("the price was given back", || async { tenant_left(&x_on_c).await == charged_both + price }).await;
     // A is alive after all: its running job ends, and the job it still holds is never sent.
     for slot in 1..=2 {
         three.step(1_000).await;
@@ -1162,6 +1179,9 @@ async fn a_job_another_instance_ended_for_an_instance_taken_for_dead_is_never_su
     assert!(submitted.contains(&after), "the slot went on to C's job: {submitted:?}");
     let r = call(&x, "get_prediction", json!({ "predict_id": waiting })).await;
     assert_eq!(structured(&r)["status"], "failed", "A says so too once its turn came: {}", text(&r));
+    // A settles nothing again: given back once, not twice.
+    three.step(1_000).await;
+    assert_eq!(tenant_left(&x).await, charged_both + price, "given back once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

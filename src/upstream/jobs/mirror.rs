@@ -37,6 +37,13 @@ pub(super) struct Snapshot {
     reserved: Option<u64>,
     #[serde(default)]
     charged: Option<u64>,
+    /// While it waits to be submitted: its call's reservation, for another instance to give back
+    /// if this one dies first ([`Jobs::end_orphaned`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    handed: Option<Handed>,
+    /// Ended by another instance, which gave its price back: its owner must not settle it again.
+    #[serde(default)]
+    given_back: bool,
 }
 
 impl Snapshot {
@@ -54,6 +61,12 @@ impl Snapshot {
             is_final: job.last.status.is_terminal(),
             reserved: job.reserved,
             charged: job.charged,
+            handed: job
+                .reservation
+                .as_ref()
+                .filter(|_| job.upstream_id.is_none() && !job.last.status.is_terminal())
+                .and_then(Reserved::handed),
+            given_back: false,
         }
     }
 }
@@ -83,6 +96,14 @@ impl Outbox {
     fn put_back(&self, ids: Vec<String>) {
         self.changed().extend(ids);
     }
+}
+
+/// A job another instance ended while it waited here ([`Jobs::ended_elsewhere`]).
+pub(super) struct EndedElsewhere {
+    /// Why, as its agent is told.
+    pub(super) reason: String,
+    /// Whether that instance gave its price back (then this one must not settle it).
+    pub(super) given_back: bool,
 }
 
 /// The one writer of an instance's snapshots (see [`Jobs::published_in`]).
@@ -191,8 +212,8 @@ impl Jobs {
     /// This book, published in `redis` for the other instances: starts its publisher, which
     /// runs until the book's stop token is cancelled. Call it once, inside a Tokio runtime
     /// (outside one the book stays this instance's own, and says so).
-    pub fn published_in(mut self, redis: Option<Arc<dyn JobMirror>>) -> Self {
-        let Some(redis) = redis else { return self };
+    pub fn published_in(mut self, store: Arc<dyn Store>) -> Self {
+        let Some(redis) = store.clone().job_mirror() else { return self };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             tracing::warn!("no async runtime to publish jobs from: other instances will not see this one's jobs");
             return self;
@@ -205,6 +226,7 @@ impl Jobs {
         };
         runtime.spawn(publisher.run(self.stop.clone()));
         self.shared = Some(redis);
+        self.settle_in = Some(store);
         self
     }
 
@@ -293,6 +315,10 @@ impl Jobs {
             if snapshot.prediction.status.is_terminal() || snapshot.upstream_id.is_some() {
                 continue;
             }
+            let handed = snapshot.handed.take();
+            if handed.is_some() {
+                (snapshot.given_back, snapshot.charged) = (true, Some(0));
+            }
             snapshot.prediction.status = PredictionStatus::Failed;
             snapshot.prediction.error = Some(
                 "the server instance it waited on stopped before submitting it: nothing ran upstream; call again"
@@ -301,9 +327,15 @@ impl Jobs {
             (snapshot.version, snapshot.is_final) = (snapshot.version.saturating_add(1), true);
             let Ok(value) = serde_json::to_string(&snapshot) else { continue };
             match redis.put_record(&snapshot_key(&id), &value, snapshot.version, keep()).await {
-                Ok(_) => {
+                Ok(written) => {
                     let _ = redis.set_remove(IN_FLIGHT_KEY, std::slice::from_ref(&id)).await;
                     tracing::warn!(predict_id = %id, "a job that waited on a dead server instance was ended as failed");
+                    // Nothing ran: the price its call reserved goes back, once (only the writer of
+                    // the final snapshot gives it back, and its owner then never settles it).
+                    if let (true, Some(handed), Some(store)) = (written, handed, &self.settle_in) {
+                        let settled = handed.give_back(store.clone(), self.clock.clone(), self.metrics.clone()).await;
+                        tracing::info!(predict_id = %id, reserved = settled.reserved, charged = settled.charged, "the price of a dead instance's job was given back");
+                    }
                 }
                 Err(error) => tracing::warn!(%error, predict_id = %id, "could not end a dead instance's job"),
             }
@@ -313,15 +345,16 @@ impl Jobs {
     /// Why job `id` was ended by another instance while it waited here, if it was: its published
     /// snapshot is final (a cancel, or [`Jobs::end_orphaned`]). Over a shared store only; a store
     /// that cannot answer says nothing (the job goes on).
-    pub(super) async fn ended_elsewhere(&self, id: &str) -> Option<String> {
+    pub(super) async fn ended_elsewhere(&self, id: &str) -> Option<EndedElsewhere> {
         let redis = self.shared.as_ref()?;
         let raw = redis.get(&snapshot_key(id)).await.ok()??;
         let snapshot = serde_json::from_str::<Snapshot>(&raw).ok()?;
-        (snapshot.is_final && snapshot.prediction.status.is_terminal()).then(|| {
-            snapshot
+        (snapshot.is_final && snapshot.prediction.status.is_terminal()).then(|| EndedElsewhere {
+            reason: snapshot
                 .prediction
                 .error
-                .unwrap_or_else(|| "another server instance ended it before it was submitted".into())
+                .unwrap_or_else(|| "another server instance ended it before it was submitted".into()),
+            given_back: snapshot.given_back,
         })
     }
 

@@ -62,7 +62,7 @@ use std::time::Duration;
 use crate::clock::{Nanos, SharedClock};
 use crate::config::Settle;
 use crate::guard::refusal_memory::RefusalMemory;
-use crate::limit::{Adjustment, Limiter, Taken};
+use crate::limit::{Adjustment, Limiter, Shape, Taken};
 use crate::metrics::Metrics;
 use crate::store::Store;
 
@@ -84,6 +84,65 @@ pub enum Used {
     Nothing,
     /// Nobody says: the reservation stands.
     Unreported,
+}
+
+/// A reservation as another instance sharing the store can give it back ([`Reserved::handed`]):
+/// the job it paid for waited on an instance that died before submitting it, so nothing ran and
+/// nothing is owed. Each budget is named by its key (caller ids are hashes: no credential) with its
+/// limiter as the store's scripts take it (algorithm, capacity, shape) and where the charge landed.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Handed {
+    /// The tool the call was of.
+    pub tool: String,
+    /// Units reserved.
+    pub units: u64,
+    budgets: Vec<HandedBudget>,
+}
+
+/// One budget of a [`Handed`] reservation.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct HandedBudget {
+    key: String,
+    algorithm: String,
+    capacity: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    period: Option<Nanos>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    window: Option<Nanos>,
+    at: Nanos,
+    reset_after: Nanos,
+}
+
+impl Handed {
+    /// Gives the whole reservation back (the work never started: [`Used::Nothing`]) in every
+    /// budget that took it, on `store`, tried as any settlement is; what was reserved and what
+    /// it was charged in the end. A budget whose limiter cannot be rebuilt (a name this build
+    /// does not know) keeps its charge.
+    pub async fn give_back(self, store: Arc<dyn Store>, clock: SharedClock, metrics: Arc<Metrics>) -> Settled {
+        let budgets = self
+            .budgets
+            .into_iter()
+            .filter_map(|b| {
+                let shape = match (b.period, b.window) {
+                    (Some(period), _) => Shape::Rate { period },
+                    (None, Some(window)) => Shape::Window { window },
+                    (None, None) => Shape::Slots,
+                };
+                let limiter = Limiter::with_shape(&b.algorithm, b.capacity, shape)?;
+                Some((b.key, limiter, Taken { at: b.at, reset_after: b.reset_after }))
+            })
+            .collect();
+        // Settled under the limiters it was charged by, whatever was reloaded since.
+        let in_force: InForce = Box::new(|| Some(Vec::new()));
+        let reserved = Reserved::new(
+            (&self.tool, self.units, Settle::Reserved),
+            (store, clock),
+            (budgets, in_force),
+            metrics,
+            None,
+        );
+        reserved.settle(Used::Nothing).await
+    }
 }
 
 /// A call's price, reserved and settled, as the agent sees both.
@@ -148,6 +207,37 @@ impl Reserved {
     /// Units reserved.
     pub fn units(&self) -> u64 {
         self.units
+    }
+
+    /// This reservation written down for another instance sharing the store, to give back if
+    /// this one dies before the work starts ([`Handed::give_back`]); `None` when it was taken on
+    /// this instance's own store (the insurance limiter while the shared one was down: nobody
+    /// else could give it back there) or took no budget.
+    pub fn handed(&self) -> Option<Handed> {
+        if !self.store.is_shared() || self.budgets.is_empty() {
+            return None;
+        }
+        let budgets = self
+            .budgets
+            .iter()
+            .map(|(key, limiter, taken)| {
+                let (period, window) = match limiter.shape() {
+                    Shape::Rate { period } => (Some(period), None),
+                    Shape::Window { window } => (None, Some(window)),
+                    Shape::Slots => (None, None),
+                };
+                HandedBudget {
+                    key: key.clone(),
+                    algorithm: limiter.algorithm().to_owned(),
+                    capacity: limiter.capacity(),
+                    period,
+                    window,
+                    at: taken.at,
+                    reset_after: taken.reset_after,
+                }
+            })
+            .collect();
+        Some(Handed { tool: self.tool.clone(), units: self.units, budgets })
     }
 
     /// What a call whose work came to `used` is charged (the table in the module doc).

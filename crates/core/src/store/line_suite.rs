@@ -221,7 +221,7 @@ async fn a_turn_taken_with_slots_left_free_is_told_to_every_instance(
     let [account, share, tier] = keys(name);
     let tiers = [(tier.as_str(), 0.0)];
     let gaps = [None];
-    let claim = |instance: &'static str| LineClaim {
+    let claim = || LineClaim {
         account: (&account, 10),
         share: (&share, 10),
         learnt: None,
@@ -232,13 +232,13 @@ async fn a_turn_taken_with_slots_left_free_is_told_to_every_instance(
         lease: Lease::new(),
         told: &channel,
     };
-    let (went_a, _) = line.claim(LineAt { name, instance: "a" }, claim("a")).await.expect("claims");
+    let (went_a, _) = line.claim(LineAt { name, instance: "a" }, claim()).await.expect("claims");
     assert_eq!(went(&went_a), Some("a0"));
     let told = tokio::time::timeout(Duration::from_secs(5), heard.changed()).await;
     assert!(told.is_ok(), "b, whose job is next, is told");
     heard.borrow_and_update();
     // b's turn empties the line: nobody is told.
-    let (went_b, _) = line.claim(LineAt { name, instance: "b" }, claim("b")).await.expect("claims");
+    let (went_b, _) = line.claim(LineAt { name, instance: "b" }, claim()).await.expect("claims");
     assert_eq!(went(&went_b), Some("b0"));
     let told = tokio::time::timeout(Duration::from_millis(300), heard.changed()).await;
     assert!(told.is_err(), "nobody waits: nothing told");
