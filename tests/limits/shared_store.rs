@@ -1109,22 +1109,30 @@ async fn jobs_waiting_in_the_line_when_redis_dies_all_end_served_locally_and_the
     .await;
 }
 
-/// What is left of tenant x's budget, as `agent` (one of x's) is told.
-async fn tenant_left(agent: &Client) -> u64 {
+/// What is left of `agent`'s budget `scope`, as it is told.
+async fn left(agent: &Client, scope: &str) -> u64 {
     let status = call(agent, "rate_limit_status", json!({})).await;
     let budgets = structured(&status)["budgets"].as_array().expect("budgets").clone();
-    let tenant = budgets.iter().find(|b| b["scope"] == "tenant:x").expect("tenant budget").clone();
-    tenant["remaining"].as_u64().expect("remaining")
+    let budget = budgets.iter().find(|b| b["scope"] == scope).unwrap_or_else(|| panic!("no {scope}: {budgets:?}"));
+    budget["remaining"].as_u64().expect("remaining")
+}
+
+/// What is left of tenant x's budget, as `agent` (one of x's) is told.
+async fn tenant_left(agent: &Client) -> u64 {
+    left(agent, "tenant:x").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_another_instance_ended_for_an_instance_taken_for_dead_is_never_submitted() {
-    let three = Three::start(1, &x_and_y("default")).await;
+    // A daily spend cap: a window, where a price given back twice would show (a bucket never
+    // takes back more than the charge left out).
+    let three = Three::start(1, &format!("{}[spend_caps]\ndaily_units = 500\n", x_and_y("default"))).await;
     let x = three.agent(0, "x-backlog-key").await;
     Three::image(&x, "x running").await;
     let waiting = Three::image(&x, "x waiting").await;
     // Tenant x's budget (it never refills here), charged for both calls.
     let charged_both = tenant_left(&x).await;
+    let spent_both = left(&x, "spend:tenant:x").await;
     let connection = redis::Client::open(three.redis.url.as_str())
         .expect("url")
         .get_multiplexed_async_connection()
@@ -1166,6 +1174,7 @@ async fn a_job_another_instance_ended_for_an_instance_taken_for_dead_is_never_su
         structured(&r)["reserved"].as_u64().expect("its reservation")
     };
     eventually("the price was given back", || async { tenant_left(&x_on_c).await == charged_both + price }).await;
+    assert_eq!(left(&x_on_c, "spend:tenant:x").await, spent_both + price);
     // A is alive after all: its running job ends, and the job it still holds is never sent.
     for slot in 1..=2 {
         three.step(1_000).await;
@@ -1182,6 +1191,7 @@ async fn a_job_another_instance_ended_for_an_instance_taken_for_dead_is_never_su
     // A settles nothing again: given back once, not twice.
     three.step(1_000).await;
     assert_eq!(tenant_left(&x).await, charged_both + price, "given back once");
+    assert_eq!(left(&x, "spend:tenant:x").await, spent_both + price, "given back once, in the day's window too");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
