@@ -92,8 +92,8 @@ impl AppState {
     pub fn sample_gauges(&self) {
         use crate::breaker::BreakerState;
         use crate::metrics::{
-            ACCOUNT_SLOTS_IN_USE, ACCOUNT_TIER_PLACES, ACCOUNT_TIER_SLOTS, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH, QUEUEING_DELAY, SHED_LEVEL,
-            STORE_UP, UPSTREAM_CONCURRENCY_LIMIT,
+            ACCOUNT_SLOTS_IN_USE, ACCOUNT_TIER_PLACES, ACCOUNT_TIER_SLOTS, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH,
+            QUEUEING_DELAY, SHED_LEVEL, STORE_UP, UPSTREAM_CONCURRENCY_LIMIT,
         };
         let occupancy = self.behind.occupancy();
         // Per flow bucket (a 16-way hash of the tenant or caller, never its name); every bucket

@@ -232,9 +232,11 @@ async fn replay(scenario: &Scenario, sharing: Sharing) -> InstancesRun {
     let queues: Vec<Arc<FairQueue>> = (0..INSTANCES)
         .map(|_| {
             let rules = QueueRules::new(SLOTS, PLACES, JobClasses::one("image")).with_tiers(tiers.clone());
-            let queue = Arc::new(
-                FairQueue::new(rules, clock.clone()).shared_in(store.clone(), "upstream", Arc::new(Metrics::default())),
-            );
+            let queue = Arc::new(FairQueue::new(rules, clock.clone()).shared_in(
+                store.clone(),
+                "upstream",
+                Arc::new(Metrics::default()),
+            ));
             tokio::spawn(queue.clone().dispatch(stop.child_token()));
             queue
         })

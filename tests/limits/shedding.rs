@@ -119,7 +119,11 @@ async fn a_server_behind_refuses_the_lowest_priority_first_with_the_wait_and_nev
     let budgets = structured(&status)["budgets"].as_array().expect("budgets").clone();
     let address = budgets.iter().find(|b| b["scope"] == "address:ip:127.0.0.1").expect("address budget");
     let charged = |b: &Value| b["limit"].as_u64().unwrap_or(0) - b["remaining"].as_u64().unwrap_or(0);
-    assert_eq!(charged(address), 2, "the unverified callers were charged for the two calls that went on, not the 4 refused");
+    assert_eq!(
+        charged(address),
+        2,
+        "the unverified callers were charged for the two calls that went on, not the 4 refused"
+    );
     assert_eq!(metric(&server.metrics().await, "mcp_ratelimit_shed_level "), 0.0);
 }
 

@@ -33,8 +33,8 @@ use http::HeaderMap;
 use ipnet::IpNet;
 use sha2::{Digest, Sha256};
 
-use crate::config::{ApiKey, LimitsConfig};
 use crate::clock::Nanos;
+use crate::config::{ApiKey, LimitsConfig};
 
 /// The identity a request is charged to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

@@ -33,8 +33,8 @@ use crate::rate_limits::RateLimits;
 use crate::results;
 pub use crate::results::AddTo;
 use mcp_ratelimit_core::config::ToolPolicy;
-use mcp_ratelimit_core::guard::{Admitted, Call, Called, Door, Policy, Refusal, Reserved, Used, Worked};
 use mcp_ratelimit_core::guard::shed::Arrived;
+use mcp_ratelimit_core::guard::{Admitted, Call, Called, Door, Policy, Refusal, Reserved, Used, Worked};
 use mcp_ratelimit_core::identity::Caller;
 
 pub use crate::rate_limits::ToolAnswer;
@@ -293,8 +293,14 @@ where
     let arguments = request.arguments.as_ref().unwrap_or(&no_arguments);
     let resumes = resumes(request);
     let arrived = context.extensions.get::<http::request::Parts>().and_then(|parts| parts.extensions.get::<Arrived>());
-    let call =
-        Call { tool, caller: &caller, args: arguments, cancelled: context.ct.clone(), resumes, arrived: arrived.map(|a| a.0) };
+    let call = Call {
+        tool,
+        caller: &caller,
+        args: arguments,
+        cancelled: context.ct.clone(),
+        resumes,
+        arrived: arrived.map(|a| a.0),
+    };
     let add_to = door.add_to();
     match limits.guard().call(&Tools(door), Some(limits.reuse()), call, work).await {
         Called::Refused(refusal) => Ok(results::tool_result(&refusal).into()),

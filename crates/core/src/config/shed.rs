@@ -48,7 +48,9 @@ pub(super) struct RawShedding {
 impl RawShedding {
     /// The section, checked, with the ranks it sheds by.
     pub(super) fn validate(self, ranks: BTreeMap<String, i64>) -> Result<Shedding, ConfigError> {
-        for (key, ms) in [("server.shedding.target_ms", self.target_ms), ("server.shedding.interval_ms", self.interval_ms)] {
+        for (key, ms) in
+            [("server.shedding.target_ms", self.target_ms), ("server.shedding.interval_ms", self.interval_ms)]
+        {
             if ms == 0 || ms > LONGEST_MS {
                 return Err(invalid(key, format!("must be from 1 to {LONGEST_MS} milliseconds (got {ms})")));
             }

@@ -308,13 +308,16 @@ mod tests {
     #[test]
     fn shedding_is_off_when_disabled_and_its_keys_are_checked() {
         let tools = Catalogue::new().tool("search");
-        let off = LimitsConfig::from_toml("[tools.search]\ncost = 1\n[server.shedding]\nenabled = false\n", &tools).expect("config");
+        let off = LimitsConfig::from_toml("[tools.search]\ncost = 1\n[server.shedding]\nenabled = false\n", &tools)
+            .expect("config");
         assert!(Shedder::configured(&off).is_none());
         for bad in ["target_ms = 0", "interval_ms = 0", "interval_ms = 60001", "target_ms = 100000"] {
-            let err = LimitsConfig::from_toml(&format!("[tools.search]\ncost = 1\n[server.shedding]\n{bad}\n"), &tools).expect_err(bad);
+            let err = LimitsConfig::from_toml(&format!("[tools.search]\ncost = 1\n[server.shedding]\n{bad}\n"), &tools)
+                .expect_err(bad);
             assert!(err.to_string().contains("server.shedding."), "{err}");
         }
-        let unknown = LimitsConfig::from_toml("[tools.search]\ncost = 1\n[server.shedding]\ntarget = 5\n", &tools).expect_err("unknown key");
+        let unknown = LimitsConfig::from_toml("[tools.search]\ncost = 1\n[server.shedding]\ntarget = 5\n", &tools)
+            .expect_err("unknown key");
         assert!(unknown.to_string().contains("target"), "{unknown}");
     }
 

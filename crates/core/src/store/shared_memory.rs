@@ -469,7 +469,8 @@ mod tests {
     #[tokio::test]
     async fn a_slot_given_back_is_told_to_every_instance_that_hears_its_channel() {
         let store = Arc::new(SharedMemory::on(ManualClock::new()));
-        let (mut a, mut b) = (store.clone().hear("{t}freed").expect("hears"), store.clone().hear("{t}freed").expect("hears"));
+        let (mut a, mut b) =
+            (store.clone().hear("{t}freed").expect("hears"), store.clone().hear("{t}freed").expect("hears"));
         let slot = Limiter::Concurrency(Concurrency::new(1));
         let check = [Check { key: "{t}account", limiter: &slot, cost: 1, shadow: false }];
         let lease = Lease::new();
