@@ -112,11 +112,6 @@ impl Shedder {
         self.classes.partition_point(|c| *c < class)
     }
 
-    /// The tier a refused caller is counted under in `/metrics`, and whether it is unverified.
-    pub fn labels_of(caller: &Caller) -> (String, &'static str) {
-        (caller.tier().to_owned(), if caller.unverified_from().is_some() { "true" } else { "false" })
-    }
-
     /// Takes the queueing delay of a call of `caller` that `arrived` (`None`: its door cannot
     /// tell) and was taken up `now`, and says whether it goes on.
     pub fn judge(&self, caller: &Caller, arrived: Option<Nanos>, now: Nanos) -> Shed {
