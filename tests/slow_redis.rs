@@ -101,6 +101,11 @@ async fn a_slow_or_lossy_redis_costs_a_request_at_most_the_store_timeout_and_ser
     run_phase(&caller, Duration::from_millis(500), "warm-up").await;
 
     let healthy = run_phase(&caller, Duration::from_secs(2), "healthy").await;
+    // Slow but within the timeout: every decision waits on Redis, which is work, not a queue in
+    // front of the server, so nobody is shed (`[server.shedding]`, target 100 ms).
+    impairment.latency_ms.store(60, Ordering::Relaxed);
+    let sluggish = run_phase(&caller, Duration::from_secs(3), "sluggish").await;
+    let metrics_sluggish = server.metrics().await;
     impairment.latency_ms.store(500, Ordering::Relaxed);
     let slow = run_phase(&caller, Duration::from_secs(4), "slow").await;
     // Sampled where the answer cannot depend on the instant: while every round trip takes
@@ -130,6 +135,7 @@ async fn a_slow_or_lossy_redis_costs_a_request_at_most_the_store_timeout_and_ser
 
     println!("slow and lossy Redis (store.timeout_ms {}), one caller, tool calls in turn:", STORE_TIMEOUT.as_millis());
     println!("{}", healthy.line("healthy"));
+    println!("{}", sluggish.line("+60 ms each way"));
     println!("{}", slow.line("+500 ms each way"));
     println!("{}", lossy.line("+20 ms, 10 % of segments held 1 s"));
     println!("{}", recovered.line("healthy again"));
@@ -137,12 +143,15 @@ async fn a_slow_or_lossy_redis_costs_a_request_at_most_the_store_timeout_and_ser
     println!("panics: {}", server.process.panics());
 
     assert_eq!(server.process.panics(), 0, "{}", server.process.log());
-    for (name, phase) in [("healthy", &healthy), ("slow", &slow), ("lossy", &lossy), ("recovered", &recovered)] {
+    let phases =
+        [("healthy", &healthy), ("sluggish", &sluggish), ("slow", &slow), ("lossy", &lossy), ("recovered", &recovered)];
+    for (name, phase) in phases {
         let slowest = phase.took.iter().max().copied().unwrap_or_default();
         assert!(slowest <= STORE_TIMEOUT + MARGIN, "{name}: a request waited {slowest:?}");
         assert!(phase.outcomes.keys().all(|k| !k.contains("HTTP")), "{name}: {:?}", phase.outcomes);
     }
-    for phase in [&healthy, &recovered] {
+    assert!(metrics_sluggish.contains("mcp_ratelimit_shed_level 0"), "a slow store is not overload");
+    for phase in [&healthy, &sluggish, &recovered] {
         assert_eq!(phase.outcome("list_articles served") + phase.outcome("save_article served"), phase.took.len());
     }
     // Redis too slow to answer in time: closed refuses, open is served (by the insurance).

@@ -242,6 +242,11 @@ impl Guard {
         }
     }
 
+    /// The clock every decision takes its time from.
+    pub fn clock(&self) -> &SharedClock {
+        &self.clock
+    }
+
     /// Where the server stands against `[server.shedding]`: the least queueing delay of the last
     /// interval and how many classes of callers are refused (`None`: shedding is off).
     pub fn overload(&self) -> Option<shed::Overload> {

@@ -24,6 +24,7 @@ use tower::{Layer, Service};
 
 use crate::http::front_door::{jsonrpc_error, jsonrpc_error_with};
 use mcp_ratelimit_core::clock::{ceil_ms, ceil_secs};
+use mcp_ratelimit_core::guard::shed::Arrived;
 use mcp_ratelimit_core::guard::{Guard, HttpDecision};
 use mcp_ratelimit_core::identity::Caller;
 
@@ -116,7 +117,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request<Body>) -> Self::Future {
+    fn call(&mut self, mut request: Request<Body>) -> Self::Future {
         let counted = self.every_method || request.method() == Method::POST;
         if !counted || !self.guard.enabled() {
             return Box::pin(self.inner.call(request));
@@ -132,7 +133,15 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let guard = self.guard.clone();
         Box::pin(async move {
-            let Some(decision) = guard.admit_http(&caller).await else {
+            let deciding = guard.clock().now();
+            let decided = guard.admit_http(&caller).await;
+            // The decision's round trip to the store is this server's work, not a queue: the
+            // request's arrival moves on by it, so a slow store does not read as being behind
+            // (`[server.shedding]`).
+            if let Some(arrived) = request.extensions_mut().get_mut::<Arrived>() {
+                arrived.0 = arrived.0.saturating_add(guard.clock().now().saturating_sub(deciding));
+            }
+            let Some(decision) = decided else {
                 // The store could not decide: the finer limits behind this layer still apply.
                 return inner.call(request).await;
             };
