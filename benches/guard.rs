@@ -12,6 +12,9 @@
 //! * `served_call/limited`: the HTTP layer's decision (`http` and `address_http`) with its three
 //!   RateLimit headers, then the tool guard's (method, caller, address, the tool's address budget,
 //!   the operator's blocks, the loop check), the admission dropped as a finished call drops it;
+//! * `served_call/unshed`: `limited` with `[server.shedding]` off: `limited` over it is what
+//!   judging each call's queueing delay costs (every call here carries its arrival, as the HTTP
+//!   layer stamps it);
 //! * `served_call/off`: the same with `limits.enabled = false`: naming the caller, and the two
 //!   early returns;
 //! * `served_call/limited_minus_off` is not a benchmark: subtract the two medians.
@@ -54,7 +57,12 @@ fn served_call(c: &mut Criterion) {
     headers.insert(http::header::AUTHORIZATION, http::HeaderValue::from_static("Bearer bench-made-up-key"));
     let peer = Some(IpAddr::V4(Ipv4Addr::LOCALHOST));
     let mut group = c.benchmark_group("served_call");
-    for (name, toml) in [("limited", generous()), ("off", format!("{}[limits]\nenabled = false\n", generous()))] {
+    let variants = [
+        ("limited", generous()),
+        ("unshed", format!("{}[server.shedding]\nenabled = false\n", generous())),
+        ("off", format!("{}[limits]\nenabled = false\n", generous())),
+    ];
+    for (name, toml) in variants {
         let limits = limits(&toml, &runtime);
         let mut n = 0usize;
         group.bench_function(name, |b| {
@@ -68,7 +76,9 @@ fn served_call(c: &mut Criterion) {
                         black_box(rate_limit_headers(&decision));
                     }
                     let args = args.as_object().expect("an object");
-                    let call = Call::new("list_articles", &caller, args);
+                    let mut call = Call::new("list_articles", &caller, args);
+                    // Stamped as the identify layer stamps a request that has just arrived.
+                    call.arrived = Some(limits.clock().now());
                     // The one guarded call every door runs, its work answering at once.
                     let work = |_, _: &serde_json::Value| std::future::ready(Worked::Answer(Ok(answered())));
                     let called = limits.guard().call(&Tools(&Plain), Some(limits.reuse()), call, work).await;
