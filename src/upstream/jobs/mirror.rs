@@ -332,9 +332,14 @@ impl Jobs {
                     tracing::warn!(predict_id = %id, "a job that waited on a dead server instance was ended as failed");
                     // Nothing ran: the price its call reserved goes back, once (only the writer of
                     // the final snapshot gives it back, and its owner then never settles it).
+                    // In a task of its own: a settlement the store does not take is tried for a minute,
+                    // which must not hold up ending the dead instance's other jobs.
                     if let (true, Some(handed), Some(store)) = (written, handed, &self.settle_in) {
-                        let settled = handed.give_back(store.clone(), self.clock.clone(), self.metrics.clone()).await;
-                        tracing::info!(predict_id = %id, reserved = settled.reserved, charged = settled.charged, "the price of a dead instance's job was given back");
+                        let (store, clock, metrics) = (store.clone(), self.clock.clone(), self.metrics.clone());
+                        tokio::spawn(async move {
+                            let settled = handed.give_back(store, clock, metrics).await;
+                            tracing::info!(predict_id = %id, reserved = settled.reserved, charged = settled.charged, "the price of a dead instance's job was given back");
+                        });
                     }
                 }
                 Err(error) => tracing::warn!(%error, predict_id = %id, "could not end a dead instance's job"),

@@ -238,7 +238,6 @@ impl SharedMemory {
         });
         let candidate_tag = claim.candidate.map(|entry| line.next_tag(&entry.flow, entry.weight));
         let mut dropped = Vec::new();
-        let mut kept: Vec<(f64, Waiting)> = Vec::new();
         let mut considered: Vec<(f64, Waiting, bool)> = Vec::new();
         let mut candidate_seen = false;
         for ((tag, _), waiting) in read {
@@ -249,7 +248,6 @@ impl SharedMemory {
                 considered.push((candidate_tag, candidate.clone(), true));
             }
             if line.is_alive(&waiting.instance, now) {
-                kept.push((tag.0, waiting.clone()));
                 considered.push((tag.0, waiting, false));
             } else {
                 line.take_out(&waiting.member);
@@ -290,12 +288,14 @@ impl SharedMemory {
             // How many go before each of this instance's jobs, as State::pick orders them.
             let precedence = |entry: &LineEntry| (owed(entry), entry.rank);
             let mut counts: BTreeMap<(bool, i64), usize> = BTreeMap::new();
-            for (_, waiting) in &kept {
+            // The line as read, the candidate (which has not joined) left out.
+            let kept = || considered.iter().filter(|(_, _, is_candidate)| !is_candidate).map(|(_, w, _)| w);
+            for waiting in kept() {
                 *counts.entry(precedence(&waiting.entry)).or_default() += 1;
             }
             let mut seen: BTreeMap<(bool, i64), usize> = BTreeMap::new();
             let mut mine = Vec::new();
-            for (_, waiting) in &kept {
+            for waiting in kept() {
                 let p = precedence(&waiting.entry);
                 let ahead_here = seen.entry(p).or_default();
                 if waiting.instance == at.instance {
