@@ -237,6 +237,12 @@ impl ToolRules for PaidTools {
         limited::AddTo::StructuredContent
     }
 
+    /// A job tool answers with a receipt (a fresh `predict_id`), not the job's result: never
+    /// compared. The rest as any tool's.
+    fn outcome<'a>(&self, tool: &str, answer: &'a ToolAnswer) -> Option<std::borrow::Cow<'a, Value>> {
+        if tools::starts_job(tool) { None } else { limited::outcome_of(answer) }
+    }
+
     /// A job tool's queue place goes to the tool, which hands it to its job.
     fn hand_over(&self, place: Option<Reservation>, extensions: &mut Extensions) {
         if let Some(place) = place {

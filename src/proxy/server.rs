@@ -213,6 +213,13 @@ impl ProxyServer {
 impl ToolRules for ProxyServer {
     type Place = Reservation;
 
+    /// What the proxied server's `tools/list` annotations say: its `readOnlyHint`.
+    fn read_only(&self, tool: &str) -> bool {
+        let tools = self.proxied.tools();
+        let annotated = tools.iter().find(|t| t.name == tool).and_then(|t| t.annotations.as_ref());
+        annotated.and_then(|a| a.read_only_hint) == Some(true)
+    }
+
     fn before_charging(&self, tool: &str, caller: &Caller) -> Result<Reservation, Refusal> {
         self.proxied.before_charging(tool, caller)
     }

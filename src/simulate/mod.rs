@@ -18,17 +18,20 @@
 //! identical calls long before any budget) stays on and never fires: the simulator is about the
 //! budgets. The coarse HTTP limit in front of `/mcp` is a different layer and is not replayed.
 //!
-//! Two [`UpstreamShape`]s replay the other side, each with its own model and table: the account's
-//! capacity dropping under a busy agent, the static cap against each adaptive learner
-//! ([`capacity_drop`]), and many agents asking the same paid read, with and without coalescing and
-//! a cache ([`identical_asks`]). They run the server's own queue, learner and answer sharing on a
-//! current-thread runtime over a [`ManualClock`], so they too take milliseconds and print the same
-//! numbers for a seed.
+//! Five [`UpstreamShape`]s replay what budgets alone do not show, each with its own model and
+//! table: the account's capacity dropping under a busy agent, the static cap against each adaptive
+//! learner ([`capacity_drop`]); many agents asking the same paid read, with and without coalescing
+//! and a cache ([`identical_asks`]); three instances sharing one account ([`many_instances`]); and
+//! two agents whose answers decide whether they loop — one paraphrasing a search that stays empty,
+//! one polling a job that moves ([`result_loops`]). They run the server's own queue, learner,
+//! answer sharing and loop detection on a current-thread runtime over a [`ManualClock`], so they
+//! too take milliseconds and print the same numbers for a seed.
 
 pub mod capacity_drop;
 pub mod chart;
 pub mod identical_asks;
 pub mod many_instances;
+pub mod result_loops;
 pub mod shapes;
 
 use std::collections::VecDeque;
@@ -54,6 +57,7 @@ use crate::upstream::classes::{ClassId, VIDEO};
 use capacity_drop::CapacityDrop;
 use identical_asks::IdenticalAsks;
 use many_instances::ManyInstances;
+use result_loops::ResultLoops;
 use shapes::Answer;
 pub use shapes::{SHAPES, Shape};
 
@@ -73,11 +77,22 @@ pub enum UpstreamShape {
     /// Three instances share one account through one store: one line against a queue each
     /// ([`many_instances`]).
     ManyInstances,
+    /// An agent rephrases a search that keeps coming back empty: loops found by their answers
+    /// ([`result_loops`]).
+    ParaphrasingSearcher,
+    /// An agent polls a job whose answer moves on every poll: a repeated call that is progress,
+    /// not a loop ([`result_loops`]).
+    PollingWithProgress,
 }
 
 /// Every upstream shape, in the order they are run and printed (after the budget shapes).
-pub const UPSTREAM_SHAPES: [UpstreamShape; 3] =
-    [UpstreamShape::CapacityDrop, UpstreamShape::IdenticalAsks, UpstreamShape::ManyInstances];
+pub const UPSTREAM_SHAPES: [UpstreamShape; 5] = [
+    UpstreamShape::CapacityDrop,
+    UpstreamShape::IdenticalAsks,
+    UpstreamShape::ManyInstances,
+    UpstreamShape::ParaphrasingSearcher,
+    UpstreamShape::PollingWithProgress,
+];
 
 impl UpstreamShape {
     /// The name used on the command line, in the tables and as a chart's file name.
@@ -86,6 +101,8 @@ impl UpstreamShape {
             UpstreamShape::CapacityDrop => "capacity_drop",
             UpstreamShape::IdenticalAsks => "identical_asks",
             UpstreamShape::ManyInstances => "many_instances",
+            UpstreamShape::ParaphrasingSearcher => "paraphrasing_searcher",
+            UpstreamShape::PollingWithProgress => "polling_with_progress",
         }
     }
 
@@ -318,6 +335,9 @@ pub struct Report {
     /// `many_instances`, if it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub many_instances: Option<ManyInstances>,
+    /// `paraphrasing_searcher` and `polling_with_progress`, if either ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result_loops: Option<ResultLoops>,
 }
 
 /// The budget shapes: who calls what, the budgets each call draws on, and one table per shape.
@@ -357,7 +377,10 @@ pub fn run(config: &Config, plan: &Plan) -> Result<Report, SimulateError> {
         wants(UpstreamShape::CapacityDrop).then(|| capacity_drop::run(config, plan.seed)).transpose()?;
     let identical_asks = wants(UpstreamShape::IdenticalAsks).then(|| identical_asks::run(config)).transpose()?;
     let many_instances = wants(UpstreamShape::ManyInstances).then(many_instances::run).transpose()?;
-    Ok(Report { seed: plan.seed, budgets, capacity_drop, identical_asks, many_instances })
+    let (searcher, poller) =
+        (wants(UpstreamShape::ParaphrasingSearcher), wants(UpstreamShape::PollingWithProgress));
+    let result_loops = (searcher || poller).then(|| result_loops::run(config, searcher, poller)).transpose()?;
+    Ok(Report { seed: plan.seed, budgets, capacity_drop, identical_asks, many_instances, result_loops })
 }
 
 /// Replays every budget shape of `plan` against each of `algorithms`.
@@ -716,6 +739,9 @@ impl Report {
         if let Some(instances) = &self.many_instances {
             instances.write_text(&mut out);
         }
+        if let Some(loops) = &self.result_loops {
+            loops.write_text(&mut out);
+        }
         let budget_charts = self.budgets.iter().flat_map(|b| &b.shapes).filter_map(|s| s.chart.as_ref());
         let charts: Vec<String> = budget_charts
             .chain(self.capacity_drop.iter().filter_map(|d| d.chart.as_ref()))
@@ -736,6 +762,7 @@ impl Report {
             + drop
             + self.identical_asks.as_ref().map_or(0, IdenticalAsks::calls)
             + self.many_instances.as_ref().map_or(0, ManyInstances::calls)
+            + self.result_loops.as_ref().map_or(0, ResultLoops::calls)
     }
 
     /// Draws one chart per budget shape, and one for `capacity_drop`, into `dir` (created if

@@ -1982,3 +1982,45 @@ async fn a_resource_update_reaches_the_callers_of_both_eras_that_subscribed_to_i
     assert_eq!(asked_upstream, [thing, "test://never-changes"], "the server asked once per resource");
     legacy.cancel().await.expect("closed");
 }
+
+/// Loops found by their answers, in front of a server nobody here wrote, through the Python SDK in
+/// both eras: a proxied read (`lookup`, `readOnlyHint`) that keeps answering nothing (a fresh
+/// `request_id` each time, a volatile field) is warned, then stopped at the sixth call whatever
+/// the term, and the calls refused never reach it; a proxied poll whose answer moves (`tick`) is
+/// never a loop however often the same call is repeated; the same call with the same answer
+/// (`pid`) still is, at the fifth.
+#[tokio::test]
+async fn a_proxied_read_that_keeps_answering_nothing_is_stopped_and_a_poll_that_moves_never_is_in_both_eras() {
+    let keys = "[[auth.keys]]\nkey = \"auto-key\"\n[[auth.keys]]\nkey = \"legacy-key\"\n";
+    let proxy = Proxy::start(keys, command(fastmcp(&[]))).await;
+    let step = |tool: &str, args: Value| json!({"op": "call", "tool": tool, "args": args});
+    for (mode, key) in [("auto", "auto-key"), ("legacy", "legacy-key")] {
+        let mut steps: Vec<Value> = (0..7).map(|n| step("lookup", json!({"term": format!("term {n}")}))).collect();
+        steps.extend((0..12).map(|_| step("tick", json!({}))));
+        steps.extend((0..5).map(|_| step("pid", json!({}))));
+        let auth = format!("Authorization: Bearer {key}");
+        let walked = python::walk(&proxy.url, mode, Value::Array(steps), &["-H", &auth]).await;
+        assert_eq!(walked["protocol_version"], python::era_of(mode), "{walked}");
+        let steps = walked["steps"].as_array().expect("steps");
+        let ok = |n: usize| steps[n].get("ok").unwrap_or_else(|| panic!("{mode}: step {n}: {}", steps[n]));
+        let refused = |n: usize| ok(n)["is_error"] == json!(true);
+        let code = |n: usize| ok(n)["structured"]["error"]["code"].clone();
+        let warned = |n: usize| ok(n)["meta"]["io.github.mcp-ratelimit/no_progress"]["same_answers"].clone();
+        for n in 0..5 {
+            assert!(!refused(n), "{mode}: lookup {n} is answered: {}", ok(n));
+            assert_eq!(ok(n)["structured"]["matches"], json!([]), "{mode}: the proxied answer is passed on");
+        }
+        assert_eq!((warned(3), warned(4)), (json!(4), json!(5)), "{mode}: warned, then stopped");
+        assert!(ok(4)["text"].as_str().is_some_and(|t| t.contains("now refused for the next 60 s")), "{}", ok(4));
+        for n in 5..7 {
+            assert_eq!(code(n), "loop_detected", "{mode}: lookup {n}: {}", ok(n));
+        }
+        for n in 7..19 {
+            assert!(!refused(n), "{mode}: tick {} moves, never a loop: {}", n - 7, ok(n));
+        }
+        for n in 19..23 {
+            assert!(!refused(n), "{mode}: pid {}: {}", n - 19, ok(n));
+        }
+        assert_eq!(code(23), "loop_detected", "{mode}: the fifth identical pid with the same answer: {}", ok(23));
+    }
+}

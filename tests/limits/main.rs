@@ -26,6 +26,7 @@ mod operate;
 mod pricing;
 mod redis_cluster;
 mod redis_store;
+mod result_loops;
 mod shared_line;
 mod shared_store;
 mod shedding;

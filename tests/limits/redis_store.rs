@@ -803,7 +803,7 @@ const LEASE: Duration = Duration::from_secs(10);
 /// loop (the guard's order: check the loop, decide, forget a refused call; in one step).
 #[test]
 fn a_loop_checked_in_the_decision_charges_nothing_and_a_refused_or_blocked_call_is_never_recorded() {
-    use mcp_ratelimit::guard::loops::signature;
+    use mcp_ratelimit::guard::loops::{Pattern, signature};
     use mcp_ratelimit::store::{LoopCall, Verdict};
     let redis = TestRedis::start();
     let runtime = runtime();
@@ -812,7 +812,8 @@ fn a_loop_checked_in_the_decision_charges_nothing_and_a_refused_or_blocked_call_
     let bucket = Limiter::TokenBucket(TokenBucket::new(3, 1.0));
     let check = [Check { key: &budget, limiter: &bucket, cost: 1, shadow: false }];
     let same = signature(7, "list_articles", &serde_json::json!({}));
-    let call = LoopCall { key: &history, signature: same, window: 60 * SEC, repeats: 5 };
+    let tool_signature = mcp_ratelimit::guard::loops::tool_signature(7, "list_articles");
+    let call = LoopCall { key: &history, signature: same, tool_signature, window: 60 * SEC, repeats: 5 };
     let decide =
         |call, now| runtime.block_on(store.decide_after_loop_check_at(call, &check, &[], now)).expect("decides");
     let allowed = |verdict: &Verdict| match verdict {
@@ -829,7 +830,7 @@ fn a_loop_checked_in_the_decision_charges_nothing_and_a_refused_or_blocked_call_
     // A token is back a second later: the fourth passes; the fifth, a second after, is the loop.
     assert_eq!(allowed(&decide(call, EPOCH + SEC)), Some((true, 0)));
     let at = EPOCH + 2 * SEC;
-    assert_eq!(decide(call, at), Verdict::Looping { retry_after: 60 * SEC, oscillating: false });
+    assert_eq!(decide(call, at), Verdict::Looping { retry_after: 60 * SEC, pattern: Pattern::Repeated });
     // It charged nothing: another call finds the token that second brought.
     let other = LoopCall { signature: signature(7, "list_articles", &serde_json::json!({"page": 2})), ..call };
     assert_eq!(allowed(&decide(other, at)), Some((true, 0)));
@@ -854,42 +855,69 @@ fn a_loop_checked_in_the_decision_charges_nothing_and_a_refused_or_blocked_call_
     assert!(matches!(decide(&[]), Verdict::Looping { .. }), "the fifth recorded call");
 }
 
+/// The Lua twin of the loop detector, calls and answers alike: random calls of two tools (one
+/// with two argument sets), each answered (or not) with one of two answers, under `no_progress`
+/// 3, checked and heard by both, with every refusal, pattern, wait and streak equal.
 #[test]
 fn the_loop_script_decides_like_the_loop_detector() {
-    use mcp_ratelimit::guard::loops::{LoopDetector, signature};
+    use mcp_ratelimit::guard::loops::{LoopDetector, Pattern, Streaked, signature, tool_signature};
     use mcp_ratelimit::store::redis::LoopAnswer;
+    use mcp_ratelimit::store::{LoopAnswered, LoopCall};
     let redis = TestRedis::start();
     let runtime = runtime();
     let store = runtime.block_on(RedisStore::connect(&redis.url, TIMEOUT)).expect("connects to Redis");
     const WINDOW: Nanos = 60 * SEC;
-    // Calls from a small alphabet (so repeats and A/B runs are common), now and then a step of
-    // time, sometimes a whole window.
+    const NO_PROGRESS: u32 = 3;
+    // Calls from a small alphabet (so repeats, A/B runs and streaks are common), now and then a
+    // step of time, sometimes a whole window; an answer of two (or none heard).
     let step = prop_oneof![8 => Just(0u64), 1 => Just(SEC), 1 => Just(WINDOW), 1 => Just(WINDOW - 1_000)];
-    let strategy = prop::collection::vec((0..2u8, step), 1..=40);
+    let answer = prop_oneof![3 => Just(Some(0u128)), 2 => Just(Some(1u128)), 1 => Just(None)];
+    let strategy = prop::collection::vec((0..3u8, answer, step), 1..=40);
     let case = std::cell::Cell::new(0);
     let outcome = runner().run(&strategy, |calls| {
         case.set(case.get() + 1);
         let key = redis.key(&format!("loops:{}", case.get()));
         let local = LoopDetector::new(5, WINDOW);
         let mut now = EPOCH;
-        for (n, (letter, dt)) in calls.into_iter().enumerate() {
+        for (n, (letter, answer, dt)) in calls.into_iter().enumerate() {
             now += dt;
-            let args = serde_json::json!({ "page": letter });
-            let expected = local.check("caller", "list_articles", &args, now);
-            let answer = runtime
-                .block_on(store.loop_check(&key, signature(7, "list_articles", &args), WINDOW, 5, Some(now)))
+            let (tool, args) = match letter {
+                2 => ("save_article", serde_json::json!({})),
+                page => ("list_articles", serde_json::json!({ "page": page })),
+            };
+            let call = LoopCall {
+                key: &key,
+                signature: signature(7, tool, &args),
+                tool_signature: tool_signature(7, tool),
+                window: WINDOW,
+                repeats: 5,
+            };
+            let expected = local.check("caller", tool, &args, now);
+            let checked = runtime
+                .block_on(store.loop_check(call, Some(now)))
                 .map_err(|e| TestCaseError::fail(format!("call {n}: {e}")))?;
-            match (expected, answer) {
+            match (&expected, checked) {
                 (Ok(_), LoopAnswer::Recorded) => {}
-                (Err(looping), LoopAnswer::Looping { retry_after, oscillating }) => {
-                    prop_assert_eq!(
-                        (looping.retry_after, looping.oscillating),
-                        (retry_after, oscillating),
-                        "call {}",
-                        n
-                    );
+                (Err(looping), LoopAnswer::Looping { retry_after, pattern }) => {
+                    prop_assert_eq!((looping.retry_after, looping.pattern), (retry_after, pattern), "call {}", n);
                 }
-                (expected, answer) => prop_assert!(false, "call {}: local {:?}, Redis {:?}", n, expected, answer),
+                (expected, checked) => prop_assert!(false, "call {}: local {:?}, Redis {:?}", n, expected, checked),
+            }
+            if let (Ok(_), Some(answer)) = (expected, answer) {
+                let heard = local.answered("caller", (tool, &args), answer, NO_PROGRESS, now);
+                let answered = LoopAnswered {
+                    key: &key,
+                    signature: call.signature,
+                    tool_signature: call.tool_signature,
+                    answer,
+                    window: WINDOW,
+                    repeats: 5,
+                    no_progress: NO_PROGRESS,
+                };
+                let shared = runtime
+                    .block_on(store.loop_answered(answered, Some(now)))
+                    .map_err(|e| TestCaseError::fail(format!("answer {n}: {e}")))?;
+                prop_assert_eq!(heard, shared, "answer {}", n);
             }
         }
         Ok(())
@@ -897,21 +925,40 @@ fn the_loop_script_decides_like_the_loop_detector() {
     if let Err(e) = outcome {
         panic!("{e}");
     }
-    // And the two patterns by name: the 5th of one call, the 9th of an A/B run.
+    // And the patterns by name: the 5th of one call, the 9th of an A/B run, and a tool whose
+    // answer was the same three times (the arguments changing) stopped for every argument.
     let key = redis.key("loops:named");
-    let sig = |letter: u8| signature(7, "list_articles", &serde_json::json!({ "page": letter }));
-    let answers: Vec<LoopAnswer> = [0u8, 0, 0, 0, 0]
-        .iter()
-        .map(|&l| runtime.block_on(store.loop_check(&key, sig(l), WINDOW, 5, Some(EPOCH))).expect("answers"))
-        .collect();
+    let call = |key: &str, letter: u8, now: Nanos| {
+        let args = serde_json::json!({ "page": letter });
+        let (signature, tool_signature) = (signature(7, "list_articles", &args), tool_signature(7, "list_articles"));
+        let call = LoopCall { key, signature, tool_signature, window: WINDOW, repeats: 5 };
+        runtime.block_on(store.loop_check(call, Some(now))).expect("answers")
+    };
+    let answers: Vec<LoopAnswer> = [0u8, 0, 0, 0, 0].iter().map(|&l| call(&key, l, EPOCH)).collect();
     assert!(answers[..4].iter().all(|a| matches!(a, LoopAnswer::Recorded)));
-    assert_eq!(answers[4], LoopAnswer::Looping { retry_after: WINDOW, oscillating: false });
+    assert_eq!(answers[4], LoopAnswer::Looping { retry_after: WINDOW, pattern: Pattern::Repeated });
     let key = redis.key("loops:alternating");
-    let answers: Vec<LoopAnswer> = (0..9u8)
-        .map(|i| runtime.block_on(store.loop_check(&key, sig(i % 2), WINDOW, 5, Some(EPOCH))).expect("answers"))
-        .collect();
+    let answers: Vec<LoopAnswer> = (0..9u8).map(|i| call(&key, i % 2, EPOCH)).collect();
     assert!(answers[..8].iter().all(|a| matches!(a, LoopAnswer::Recorded)));
-    assert_eq!(answers[8], LoopAnswer::Looping { retry_after: WINDOW, oscillating: true });
+    assert_eq!(answers[8], LoopAnswer::Looping { retry_after: WINDOW, pattern: Pattern::Oscillating });
+    let key = redis.key("loops:no_progress");
+    for page in 0..3u8 {
+        assert_eq!(call(&key, page, EPOCH), LoopAnswer::Recorded);
+        let args = serde_json::json!({ "page": page });
+        let answered = LoopAnswered {
+            key: &key,
+            signature: signature(7, "list_articles", &args),
+            tool_signature: tool_signature(7, "list_articles"),
+            answer: 42,
+            window: WINDOW,
+            repeats: 5,
+            no_progress: NO_PROGRESS,
+        };
+        let streaked = runtime.block_on(store.loop_answered(answered, Some(EPOCH))).expect("hears");
+        let stopped_for = (page == 2).then_some(WINDOW);
+        assert_eq!(streaked, Streaked { same: u32::from(page) + 1, stopped_for });
+    }
+    assert_eq!(call(&key, 9, EPOCH + SEC), LoopAnswer::Looping { retry_after: WINDOW - SEC, pattern: Pattern::NoProgress });
 }
 
 /// A learner of either algorithm, with parameters anywhere config allows.

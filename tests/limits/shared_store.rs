@@ -497,9 +497,10 @@ async fn a_loop_round_robin_over_two_instances_is_stopped_on_its_fifth_call_not_
 /// makes is a script (`EVALSHA`), so they are what is counted. Before the loop check joined
 /// the decision it was three.
 #[tokio::test]
-async fn a_tool_call_costs_two_round_trips_to_redis_its_loop_check_included() {
+async fn a_tool_call_costs_three_round_trips_to_redis_its_loop_check_and_answer_included() {
     let redis = TestRedis::private();
-    let server = TestServer::start(&shared(&redis, "", "")).await;
+    // Ten searches that all find nothing would be a loop by their answers at the sixth.
+    let server = TestServer::start(&shared(&redis, "", "[loop_detection]\nno_progress = 0\n")).await;
     let client = server.client(Some(&token("counted"))).await;
     let mut per_call = Vec::new();
     for n in 0..10 {
@@ -508,7 +509,8 @@ async fn a_tool_call_costs_two_round_trips_to_redis_its_loop_check_included() {
         assert!(!is_error(&r), "call {n}: {}", text(&r));
         per_call.push(redis.evalsha_calls() - before);
     }
-    assert_eq!(per_call, [2; 10], "round trips per call");
+    // The HTTP limits', the decision's (its loop check in it), and the answer heard.
+    assert_eq!(per_call, [3; 10], "round trips per call");
     // And the loop is still seen: four more of one call pass, the fifth is refused.
     let same = json!({"query": "the same thing again"});
     for i in 0..4 {

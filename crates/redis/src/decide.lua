@@ -6,7 +6,7 @@
 -- First, when the call has a loop check, it is checked against the caller's recent calls
 -- (loop_history.lua) in the same script, so loop detection costs no round trip of its own: a
 -- loop is refused before anything is decided or charged, with the reply {-2, retry_after (us),
--- 1 if it was an A/B oscillation}; a call recorded there and then stopped by a block or refused
+-- the pattern: 0 repeated, 1 an A/B oscillation, 2 no progress}; a call recorded there and then stopped by a block or refused
 -- by a check is taken back out (a refused call does not count towards a loop).
 --
 -- A call may also be decided under a learnt limit (adaptive.lua: the upstream account's slots,
@@ -22,7 +22,7 @@
 -- ARGV[1]: now in epoch microseconds, or "" to use Redis's TIME.
 -- ARGV[2], ARGV[3]: the lease in-flight slots are taken under, and its duration in us
 -- (see concurrency.lua).
--- ARGV[4], ARGV[5], ARGV[6]: the loop check's window (us), repeats and the call's signature,
+-- ARGV[4], ARGV[5], ARGV[6]: the loop check's window (us), repeats and "<the call's signature> <its tool's>",
 -- or three "" for a call without one.
 -- ARGV[7]: "ceiling ttl_ms learner" (see adaptive.lua) for a call decided under a learnt limit,
 -- else "".

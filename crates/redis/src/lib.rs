@@ -82,8 +82,9 @@ use ::redis::cluster_routing::Slot;
 use ::redis::{ErrorKind, RedisError, RedisResult, Script, ServerErrorKind, TlsCertificates};
 
 use mcp_ratelimit_core::clock::Nanos;
+use mcp_ratelimit_core::guard::loops::{Pattern, Streaked};
 use mcp_ratelimit_core::limit::{Adjustment, Decision, Limiter, Shape};
-use mcp_ratelimit_core::store::{Check, LearntAt, Lease, LoopCall, SharedLimit, StoreError, Verdict};
+use mcp_ratelimit_core::store::{Check, LearntAt, Lease, LoopAnswered, LoopCall, SharedLimit, StoreError, Verdict};
 
 /// A script of the prelude, every registered algorithm's Lua twin (`redis/<name>.lua`, read at
 /// compile time: an algorithm without its twin does not build), then the files `entry` names
@@ -134,6 +135,10 @@ const ADJUST_SCRIPT: &str = mcp_ratelimit_core::limit::registry!(with_every_algo
 /// The record script: a shared record that a final or newer one is never replaced by.
 const RECORD_SCRIPT: &str = include_str!("record.lua");
 
+/// The loop answer script: the prelude, the loop history, then the entry point.
+const LOOP_ANSWER_SCRIPT: &str =
+    concat!(include_str!("prelude.lua"), include_str!("loop_history.lua"), include_str!("loop_answer.lua"));
+
 /// What the loop history answered to a call checked alone ([`RedisStore::loop_check`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LoopAnswer {
@@ -143,8 +148,8 @@ pub enum LoopAnswer {
     Looping {
         /// Nanoseconds until the call may be made again.
         retry_after: Nanos,
-        /// Whether it was an A/B oscillation.
-        oscillating: bool,
+        /// The pattern it repeats.
+        pattern: Pattern,
     },
 }
 
@@ -233,6 +238,7 @@ pub struct RedisStore {
     record: Script,
     learn: Script,
     line: Script,
+    loop_answer: Script,
     lease: Duration,
     /// The in-flight leases this instance holds (key, lease) → (units, the key's cap), renewed on
     /// a schedule ([`Slots::renew_leases`](mcp_ratelimit_core::store::Slots::renew_leases)) until given back.
@@ -276,7 +282,7 @@ impl RedisStore {
         let certificates = TlsCertificates { client_tls: None, root_cert: ca_pem };
         let address = target.address().to_owned();
         let listener = target.listener(certificates.clone()).map_err(|e| classify(&address, timeout, e))?;
-        let (decide, release, renew, adjust, record, learn, line) = (
+        let (decide, release, renew, adjust, record, learn, line, loop_answer) = (
             Script::new(DECIDE_SCRIPT),
             Script::new(RELEASE_SCRIPT),
             Script::new(RENEW_SCRIPT),
@@ -284,11 +290,12 @@ impl RedisStore {
             Script::new(RECORD_SCRIPT),
             Script::new(LEARN_SCRIPT),
             Script::new(line::LINE_SCRIPT),
+            Script::new(LOOP_ANSWER_SCRIPT),
         );
         let connecting = async {
             let connection = target.connect(timeout, certificates).await?;
             // Side by side on the one connection: a round trip for all of them, not one each.
-            let scripts = [&decide, &release, &renew, &adjust, &record, &learn, &line];
+            let scripts = [&decide, &release, &renew, &adjust, &record, &learn, &line, &loop_answer];
             futures::future::try_join_all(scripts.map(|script| connection.load(script))).await?;
             Ok(connection)
         };
@@ -306,6 +313,7 @@ impl RedisStore {
             record,
             learn,
             line,
+            loop_answer,
             lease,
             held,
             listener,
@@ -439,20 +447,34 @@ impl RedisStore {
     /// at an explicit clock reading when `now` is given. The very script a call's decision runs
     /// ([`LoopHistory::decide_after_loop_check`](mcp_ratelimit_core::store::LoopHistory::decide_after_loop_check)),
     /// with nothing else to decide.
-    pub async fn loop_check(
-        &self,
-        key: &str,
-        signature: u128,
-        window: Nanos,
-        repeats: u32,
-        now: Option<Nanos>,
-    ) -> Result<LoopAnswer, StoreError> {
-        let call = LoopCall { key, signature, window, repeats };
+    pub async fn loop_check(&self, call: LoopCall<'_>, now: Option<Nanos>) -> Result<LoopAnswer, StoreError> {
         let now_us = now.map(micros).transpose()?;
         match self.run_unless_blocked(&[], &[], Some(call), now_us, Lease::new()).await? {
-            Verdict::Looping { retry_after, oscillating } => Ok(LoopAnswer::Looping { retry_after, oscillating }),
+            Verdict::Looping { retry_after, pattern } => Ok(LoopAnswer::Looping { retry_after, pattern }),
             Verdict::Decided(_) => Ok(LoopAnswer::Recorded),
             Verdict::Blocked { .. } => Err(self.malformed("a block answered a loop check that named none".into())),
+        }
+    }
+
+    /// Hears the answer a checked call got, as
+    /// [`mcp_ratelimit_core::guard::loops::LoopDetector::answered`] does (`loop_answer.lua`); at an
+    /// explicit clock reading when `now` is given.
+    pub async fn loop_answered(&self, heard: LoopAnswered<'_>, now: Option<Nanos>) -> Result<Streaked, StoreError> {
+        let now_us = now.map(micros).transpose()?;
+        let mut invocation = self.loop_answer.key(heard.key);
+        invocation.arg(now_us.map_or_else(String::new, |us| us.to_string()));
+        invocation.arg(heard.window.div_ceil(1_000)).arg(heard.repeats.max(2));
+        let (signature, tool, answer) = (hex(heard.signature), hex(heard.tool_signature), hex(heard.answer));
+        let said = |h: &[u8; 32]| String::from_utf8_lossy(h).into_owned();
+        invocation.arg(format!("{} {} {} {}", said(&signature), said(&tool), said(&answer), heard.no_progress));
+        let reply: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
+        match reply[..] {
+            [same, stopped_for_us] => Ok(Streaked {
+                same: u32::try_from(same).unwrap_or(u32::MAX).max(1),
+                stopped_for: (stopped_for_us > 0)
+                    .then(|| u64::try_from(stopped_for_us).unwrap_or(0).saturating_mul(1_000)),
+            }),
+            _ => Err(self.malformed(format!("loop_answer.lua answered {reply:?}"))),
         }
     }
 
@@ -582,7 +604,11 @@ impl RedisStore {
         invocation.arg(now_us.map_or_else(String::new, |us| us.to_string()));
         invocation.arg(lease.id()).arg(u64::try_from(self.lease.as_micros()).unwrap_or(u64::MAX));
         match &looped {
-            Some(call) => invocation.arg(call.window.div_ceil(1_000)).arg(call.repeats).arg(&hex(call.signature)[..]),
+            Some(call) => {
+                let (signature, tool) = (hex(call.signature), hex(call.tool_signature));
+                let said = |h: &[u8; 32]| String::from_utf8_lossy(h).into_owned();
+                invocation.arg(call.window.div_ceil(1_000)).arg(call.repeats).arg(format!("{} {}", said(&signature), said(&tool)))
+            }
             None => invocation.arg("").arg("").arg(""),
         };
         match &under {
@@ -605,9 +631,9 @@ impl RedisStore {
             invocation.key(at.key);
         }
         let mut reply: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
-        if let [-2, retry_after_us, oscillating] = reply[..] {
+        if let [-2, retry_after_us, pattern] = reply[..] {
             let retry_after = u64::try_from(retry_after_us).unwrap_or(0).saturating_mul(1_000);
-            return Ok((Verdict::Looping { retry_after, oscillating: oscillating == 1 }, None));
+            return Ok((Verdict::Looping { retry_after, pattern: Pattern::from_code(pattern) }, None));
         }
         if let [-1, place, left_ms] = reply[..] {
             let index = usize::try_from(place - 1).ok().filter(|i| *i < blocks.len());

@@ -1,25 +1,37 @@
 -- loop_history.lua: the twin of crates/core/src/guard/loops.rs, a caller's recent calls kept in Redis so
 -- that every instance sees the same history: a stuck agent repeating one call round-robin over
 -- three instances is stopped on its 5th call, not its 15th. decide.lua checks a call here in
--- the same script as its budgets, so loop detection costs no round trip of its own.
+-- the same script as its budgets, so loop detection costs no round trip of its own; an answer is
+-- heard here (loop_answer.lua) once the call has one.
 --
 -- The rules are those of loops.rs: the same signature `repeats` times in a row within the
 -- window, or the `repeats`-th occurrence of a signature in a strict A/B/A/B alternation, is
--- refused and stops that signature (both, for an alternation) until `window` has passed; a
--- stopped signature is refused with the time left and not recorded. At most 2 x repeats calls
--- and 32 stops are kept; the key expires a window after its last write.
+-- refused and stops that signature (both, for an alternation) until `window` has passed; the
+-- same answer from one tool `no_progress` times in a row stops the tool (its tool signature)
+-- likewise; a stopped signature is refused with the time left and not recorded. An answer other
+-- than the last one its signature got makes the earlier calls of that signature stop counting
+-- (they become '-', which matches nothing). At most 2 x repeats calls, 32 stops and 32 tools'
+-- streaks are kept; the key expires a window after its last write.
 --
--- State: "<next seq> c <seq> <signature> <at_us> ... p <signature> <until_us> <oscillating> ...",
--- calls oldest first; integers written with %d (exact, unlike cjson's 14 digits).
+-- State: "<next seq> c <seq> <signature> <at_us> <answer> ... p <signature> <until_us> <pattern>
+-- ... s <tool signature> <answer> <same> <at_us> ...", calls and streaks oldest first, an answer
+-- not yet heard '-', pattern 0 (repeated), 1 (oscillating) or 2 (no progress); integers written
+-- with %d (exact, unlike cjson's 14 digits). A state written by an older version (no answers) is
+-- unreadable, and read as an empty history.
 local MAX_STOPS = 32
+local MAX_STREAKS = 32
 
--- The history under `key` at `now_us`, `window` (us) and `repeats`: for mode "check", `arg` is
--- the call's signature, and the answer {1, seq} (recorded) or {0, retry_after_us, oscillating};
--- for mode "forget", `arg` is the seq to take back, and the answer {1}.
+-- The history under `key` at `now_us`, `window` (us) and `repeats`:
+-- * mode "check": `arg` is "<signature> <tool signature>", the answer {1, seq} (recorded) or
+--   {0, retry_after_us, pattern};
+-- * mode "forget": `arg` is the seq to take back, the answer {1};
+-- * mode "answer": `arg` is "<signature> <tool signature> <answer> <no_progress>", the answer
+--   {same, stopped_for_us}: identical answers of the tool in a row (1 when no_progress is 0) and,
+--   when this one stopped the tool, for how long (else 0).
 local function loop_history(key, now_us, mode, window, repeats, arg)
   -- Reads the history; anything unreadable is an empty one.
   local function load(raw)
-    local state = { n = 0, c = {}, p = {} }
+    local state = { n = 0, c = {}, p = {}, s = {} }
     if not raw then
       return state
     end
@@ -30,14 +42,17 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
     state.n = tonumber(words[1]) or 0
     local i = 2
     while i <= #words do
-      if words[i] == 'c' and i + 3 <= #words then
-        state.c[#state.c + 1] = { s = tonumber(words[i + 1]), g = words[i + 2], t = tonumber(words[i + 3]) }
-        i = i + 4
+      if words[i] == 'c' and i + 4 <= #words then
+        state.c[#state.c + 1] = { s = tonumber(words[i + 1]), g = words[i + 2], t = tonumber(words[i + 3]), a = words[i + 4] }
+        i = i + 5
       elseif words[i] == 'p' and i + 3 <= #words then
         state.p[#state.p + 1] = { g = words[i + 1], u = tonumber(words[i + 2]), o = tonumber(words[i + 3]) }
         i = i + 4
+      elseif words[i] == 's' and i + 4 <= #words then
+        state.s[#state.s + 1] = { g = words[i + 1], a = words[i + 2], n = tonumber(words[i + 3]), t = tonumber(words[i + 4]) }
+        i = i + 5
       else
-        return { n = state.n, c = {}, p = {} }
+        return { n = state.n, c = {}, p = {}, s = {} }
       end
     end
     return state
@@ -46,18 +61,41 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
   local state = load(redis.call('GET', key))
 
   local function save()
-    if #state.c == 0 and #state.p == 0 then
+    if #state.c == 0 and #state.p == 0 and #state.s == 0 then
       redis.call('DEL', key)
       return
     end
     local parts = { string.format('%d', state.n) }
     for _, call in ipairs(state.c) do
-      parts[#parts + 1] = string.format('c %d %s %d', call.s, call.g, call.t)
+      parts[#parts + 1] = string.format('c %d %s %d %s', call.s, call.g, call.t, call.a)
     end
     for _, stop in ipairs(state.p) do
       parts[#parts + 1] = string.format('p %s %d %d', stop.g, stop.u, stop.o)
     end
+    for _, streak in ipairs(state.s) do
+      parts[#parts + 1] = string.format('s %s %s %d %d', streak.g, streak.a, streak.n, streak.t)
+    end
     redis.call('SET', key, table.concat(parts, ' '), 'PX', math.max(ceil_div(window, 1000), 1))
+  end
+
+  local function stop(sig, pattern)
+    local kept = {}
+    for _, s in ipairs(state.p) do
+      if s.g ~= sig then
+        kept[#kept + 1] = s
+      end
+    end
+    state.p = kept
+    if #state.p >= MAX_STOPS then
+      local soonest = 1
+      for i, s in ipairs(state.p) do
+        if s.u < state.p[soonest].u then
+          soonest = i
+        end
+      end
+      table.remove(state.p, soonest)
+    end
+    state.p[#state.p + 1] = { g = sig, u = now_us + window, o = pattern }
   end
 
   if mode == 'forget' then
@@ -73,7 +111,71 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
     return { 1 }
   end
 
-  local signature = arg
+  if mode == 'answer' then
+    local signature, tool, answer, no_progress = string.match(arg, '^(%S+) (%S+) (%S+) (%d+)$')
+    no_progress = tonumber(no_progress) or 0
+    -- The latest call of the signature still waiting for its answer gets it; if the one before
+    -- it got another answer, the earlier calls stop counting.
+    local this = nil
+    for i = #state.c, 1, -1 do
+      if state.c[i].g == signature and state.c[i].a == '-' then
+        this = i
+        break
+      end
+    end
+    if this then
+      local changed = false
+      for i = this - 1, 1, -1 do
+        if state.c[i].g == signature and state.c[i].a ~= '-' then
+          changed = state.c[i].a ~= answer
+          break
+        end
+      end
+      if changed then
+        for i = 1, this - 1 do
+          if state.c[i].g == signature then
+            state.c[i].g = '-'
+          end
+        end
+      end
+      state.c[this].a = answer
+    end
+    local same, stopped_for = 1, 0
+    if no_progress >= 2 then
+      local streaks, found = {}, nil
+      for _, streak in ipairs(state.s) do
+        if now_us - streak.t < window then
+          streaks[#streaks + 1] = streak
+          if streak.g == tool then
+            found = streak
+          end
+        end
+      end
+      state.s = streaks
+      if found then
+        if found.a == answer then
+          found.n = found.n + 1
+        else
+          found.n = 1
+        end
+        found.a, found.t = answer, now_us
+        same = found.n
+      else
+        if #state.s >= MAX_STREAKS then
+          table.remove(state.s, 1)
+        end
+        state.s[#state.s + 1] = { g = tool, a = answer, n = 1, t = now_us }
+      end
+      if same >= no_progress then
+        stop(tool, 2)
+        stopped_for = window
+      end
+    end
+    save()
+    return { same, stopped_for }
+  end
+
+  local signature, tool = string.match(arg, '^(%S+) (%S+)$')
 
   local stops = {}
   for _, stop in ipairs(state.p) do
@@ -83,7 +185,7 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
   end
   state.p = stops
   for _, stop in ipairs(stops) do
-    if stop.g == signature then
+    if stop.g == signature or stop.g == tool then
       return { 0, stop.u - now_us, stop.o }
     end
   end
@@ -96,19 +198,6 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
     end
   end
   state.c = calls
-
-  local function stop(sig, oscillating)
-    if #state.p >= MAX_STOPS then
-      local soonest = 1
-      for i, s in ipairs(state.p) do
-        if s.u < state.p[soonest].u then
-          soonest = i
-        end
-      end
-      table.remove(state.p, soonest)
-    end
-    state.p[#state.p + 1] = { g = sig, u = now_us + window, o = oscillating }
-  end
 
   local same = 1
   for i = #calls, 1, -1 do
@@ -123,7 +212,7 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
     return { 0, window, 0 }
   end
 
-  if #calls >= 1 and calls[#calls].g ~= signature then
+  if #calls >= 1 and calls[#calls].g ~= signature and calls[#calls].g ~= '-' then
     local other = calls[#calls].g
     local alternating, expect, i = 2, signature, #calls - 1
     while i >= 1 and calls[i].g == expect do
@@ -143,7 +232,7 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
     table.remove(calls, 1)
   end
   local seq = state.n
-  calls[#calls + 1] = { s = seq, g = signature, t = now_us }
+  calls[#calls + 1] = { s = seq, g = signature, t = now_us, a = '-' }
   state.n = seq + 1
   save()
   return { 1, seq }

@@ -169,6 +169,13 @@ impl LoopHistory for RedisStore {
     ) -> StoreFuture<'a, Verdict> {
         Box::pin(async move { self.run_unless_blocked(checks, blocks, Some(call), None, lease).await })
     }
+
+    fn answered<'a>(
+        &'a self,
+        answer: mcp_ratelimit_core::store::LoopAnswered<'a>,
+    ) -> StoreFuture<'a, mcp_ratelimit_core::guard::loops::Streaked> {
+        Box::pin(async move { self.loop_answered(answer, None).await })
+    }
 }
 
 impl JobMirror for RedisStore {

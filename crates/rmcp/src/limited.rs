@@ -74,6 +74,20 @@ pub trait ToolRules: Send + Sync {
         used_by(answer)
     }
 
+    /// What an answer says, for loop detection to compare with the tool's last answers to the
+    /// caller: by default a complete result's (see [`outcome_of`]); a door returns `None` for a
+    /// tool whose answer is a receipt rather than a result (a job's id).
+    fn outcome<'a>(&self, _tool: &str, answer: &'a ToolAnswer) -> Option<Cow<'a, serde_json::Value>> {
+        outcome_of(answer)
+    }
+
+    /// Whether `tool` only reads (its `readOnlyHint`): its identical answers in a row are counted
+    /// under `[loop_detection] no_progress`. By default none is known to; [`LimitedRouter`] reads
+    /// its tools' annotations.
+    fn read_only(&self, _tool: &str) -> bool {
+        false
+    }
+
     /// The refusal an answer carries when the tool itself refused (an upstream's 429, in our
     /// refusals' shape), to record it like the others. By default read as our tools write it.
     fn refusal_in(&self, answer: &ToolAnswer) -> Option<Refusal> {
@@ -133,6 +147,14 @@ impl<R: ToolRules> Door for Tools<'_, R> {
         self.0.used(tool, answer)
     }
 
+    fn outcome<'a>(&self, tool: &str, answer: &'a ToolAnswer) -> Option<Cow<'a, serde_json::Value>> {
+        self.0.outcome(tool, answer)
+    }
+
+    fn reads_only(&self, tool: &str) -> bool {
+        self.0.read_only(tool)
+    }
+
     fn keepable(answer: &ToolAnswer) -> Option<u64> {
         keepable(answer)
     }
@@ -164,6 +186,21 @@ pub fn used_by(answer: &ToolAnswer) -> Used {
     match answer {
         Ok(CallToolResponse::Complete(done)) => used_in(done),
         _ => Used::Unreported,
+    }
+}
+
+/// What a complete tool result says, for loop detection: its `structuredContent` when it has one
+/// and is not an error, else whether it is an error and its content (`_meta` is never part of
+/// it). `None` for anything that is not a complete result (a task, a request for input, a
+/// JSON-RPC error).
+pub fn outcome_of(answer: &ToolAnswer) -> Option<Cow<'_, serde_json::Value>> {
+    let Ok(CallToolResponse::Complete(done)) = answer else { return None };
+    match &done.structured_content {
+        Some(structured) if done.is_error != Some(true) => Some(Cow::Borrowed(structured)),
+        _ => {
+            let content = serde_json::to_value(&done.content).ok()?;
+            Some(Cow::Owned(serde_json::json!({ "isError": done.is_error == Some(true), "content": content })))
+        }
     }
 }
 
@@ -199,6 +236,62 @@ pub fn refusal_in(answer: &ToolAnswer) -> Option<Refusal> {
     match answer {
         Ok(CallToolResponse::Complete(done)) => results::refusal_in(done),
         _ => None,
+    }
+}
+
+/// A door's rules for one call of a routed tool, with what the router's annotations say of it:
+/// whether it only reads.
+struct Routed<'a, D> {
+    door: &'a D,
+    read_only: bool,
+}
+
+impl<D: ToolRules> ToolRules for Routed<'_, D> {
+    type Place = D::Place;
+
+    fn before_charging(&self, tool: &str, caller: &Caller) -> Result<D::Place, Refusal> {
+        self.door.before_charging(tool, caller)
+    }
+
+    fn check(&self, tool: &str, args: &JsonObject) -> Result<serde_json::Value, Refusal> {
+        self.door.check(tool, args)
+    }
+
+    fn loop_exempt(&self, tool: &str, args: &serde_json::Value, caller: &Caller) -> bool {
+        self.door.loop_exempt(tool, args, caller)
+    }
+
+    fn explain(&self, tool: &str, refusal: Refusal, caller: &Caller) -> Refusal {
+        self.door.explain(tool, refusal, caller)
+    }
+
+    fn used(&self, tool: &str, answer: &ToolAnswer) -> Used {
+        self.door.used(tool, answer)
+    }
+
+    fn outcome<'a>(&self, tool: &str, answer: &'a ToolAnswer) -> Option<Cow<'a, serde_json::Value>> {
+        self.door.outcome(tool, answer)
+    }
+
+    /// What the door says, or else the tool's `readOnlyHint`.
+    fn read_only(&self, tool: &str) -> bool {
+        self.read_only || self.door.read_only(tool)
+    }
+
+    fn refusal_in(&self, answer: &ToolAnswer) -> Option<Refusal> {
+        self.door.refusal_in(answer)
+    }
+
+    fn add_to(&self) -> AddTo {
+        self.door.add_to()
+    }
+
+    fn hand_over(&self, place: D::Place, extensions: &mut Extensions) {
+        self.door.hand_over(place, extensions);
+    }
+
+    fn finish(&self, caller: &Caller, tool: &str, response: CallToolResponse, asked: &Asked) -> ToolAnswer {
+        self.door.finish(caller, tool, response, asked)
     }
 }
 
@@ -253,7 +346,9 @@ impl<S: Clone + Send + Sync + 'static, D: ToolRules> LimitedRouter<S, D> {
             self.door.hand_over(admitted.place, &mut request_context.extensions);
             async move { Worked::Answer(router.call(ToolCallContext::new(&service, request, request_context)).await) }
         };
-        call_tool(&self.limits, &self.door, &asked, &request_context, work).await
+        let read_only = self.router.get(&asked.name).and_then(|t| t.annotations.as_ref()?.read_only_hint);
+        let door = Routed { door: &self.door, read_only: read_only == Some(true) };
+        call_tool(&self.limits, &door, &asked, &request_context, work).await
     }
 
     /// Every tool, with its cost added to its description so a model sees prices before it calls.
@@ -308,7 +403,7 @@ where
             let done = results::tool_result(&refusal);
             Ok(settled.map_or(done.clone(), |settled| results::priced(done, settled, AddTo::StructuredContent)).into())
         }
-        Called::Answered { answer: Ok(CallToolResponse::Complete(done)), served, settled, warnings } => {
+        Called::Answered { answer: Ok(CallToolResponse::Complete(done)), served, settled, warnings, no_progress } => {
             let mut done = results::reused(done, served, add_to);
             if let Some(settled) = settled {
                 // Another's answer is left as it was unless its own usage report moved the price.
@@ -318,6 +413,9 @@ where
             }
             if !warnings.is_empty() && done.is_error != Some(true) {
                 done = results::with_warnings(done, &warnings, add_to);
+            }
+            if let Some(no_progress) = no_progress {
+                done = results::with_no_progress(done, &no_progress);
             }
             door.finish(&caller, tool, CallToolResponse::Complete(done), &asked)
         }

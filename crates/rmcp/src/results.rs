@@ -9,6 +9,7 @@
 use rmcp::ErrorData;
 use rmcp::model::{CallToolResult, ContentBlock, ErrorCode};
 
+use mcp_ratelimit_core::guard::loops::NoProgress;
 use mcp_ratelimit_core::guard::reuse::Served;
 use mcp_ratelimit_core::guard::{Refusal, Settled, Warning};
 
@@ -62,6 +63,17 @@ pub fn with_warnings(mut done: CallToolResult, warnings: &[Warning], add_to: Add
         }
     }
     said(done, &[("warnings", serde_json::json!(warnings))], add_to)
+}
+
+/// A result whose tool keeps giving the caller the same answer, with the warning a model reads:
+/// a text block appended to its `content` (a model reads `content`, not `_meta`), and the same
+/// facts as `_meta["io.github.mcp-ratelimit/no_progress"]` for programs — for any result, ours or
+/// another server's: its `structuredContent` is left as it was, so it still validates against its
+/// `outputSchema`. The one change to another's `content` we make, because a warning no model
+/// reads is no warning.
+pub fn with_no_progress(mut done: CallToolResult, no_progress: &NoProgress) -> CallToolResult {
+    done.content.push(ContentBlock::text(no_progress.sentence()));
+    said(done, &[("no_progress", serde_json::json!(no_progress))], AddTo::Meta)
 }
 
 /// The size of `done`'s JSON when it may be kept for identical calls (`cache_ttl_ms`): a

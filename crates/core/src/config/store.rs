@@ -26,6 +26,14 @@ pub struct LoopDetectionConfig {
     pub repeats: u32,
     /// The window those calls must fall in, and how long a detected loop is stopped for.
     pub window_ms: u64,
+    /// The same answer from the same tool this many times in a row (arguments changed or not)
+    /// stops the caller's calls of that tool; 0: answers are not compared. A tool may say its own
+    /// (`[tools.NAME] no_progress`).
+    pub no_progress: u32,
+    /// The fields (object keys, at any depth of an answer, or of the JSON in its text) whose
+    /// values say nothing about progress — timestamps, request ids — left out when two answers are
+    /// compared. A tool may name its own instead (`[tools.NAME] volatile_fields`).
+    pub volatile_fields: Vec<String>,
 }
 
 /// `[store]`.
@@ -132,6 +140,32 @@ impl LoopDetectionConfig {
         if self.repeats < 2 {
             return Err(invalid("loop_detection.repeats", "must be at least 2: one call is never a loop"));
         }
-        Ok(())
+        no_progress_is_valid("loop_detection.no_progress", self.no_progress)?;
+        volatile_fields_are_valid("loop_detection.volatile_fields", &self.volatile_fields)
     }
+}
+
+/// The most answers a `no_progress` rule may wait for: a caller's history keeps that many.
+pub const MAX_NO_PROGRESS: u32 = 1_000;
+
+/// A `no_progress` (`key`) of 0 (off) or 2 to [`MAX_NO_PROGRESS`]: one answer is never a streak.
+pub(super) fn no_progress_is_valid(key: &str, no_progress: u32) -> Result<(), ConfigError> {
+    if no_progress == 1 || no_progress > MAX_NO_PROGRESS {
+        return Err(invalid(
+            key,
+            format!("0 (answers are not compared) or 2 to {MAX_NO_PROGRESS}: one answer is never a streak"),
+        ));
+    }
+    Ok(())
+}
+
+/// `volatile_fields` (`key`): names of object keys, none empty, at most 64 of them.
+pub(super) fn volatile_fields_are_valid(key: &str, fields: &[String]) -> Result<(), ConfigError> {
+    if fields.len() > 64 {
+        return Err(invalid(key, format!("at most 64 field names (got {})", fields.len())));
+    }
+    if fields.iter().any(|f| f.is_empty()) {
+        return Err(invalid(key, "a field name cannot be empty"));
+    }
+    Ok(())
 }

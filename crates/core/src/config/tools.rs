@@ -41,6 +41,11 @@ pub struct ToolPolicy {
     /// How long a successful answer is reused for identical calls in the same scope
     /// (`cache_ttl_ms`; 0: never).
     pub cache_ttl_ms: u64,
+    /// The tool's own `no_progress` (0: its answers are not compared), instead of
+    /// `[loop_detection] no_progress`.
+    pub no_progress: Option<u32>,
+    /// The tool's own `volatile_fields`, instead of `[loop_detection] volatile_fields`.
+    pub volatile_fields: Option<Vec<String>>,
 }
 
 /// `[tools.NAME] coalesce`: whose identical calls may share one upstream request (and, with
@@ -73,6 +78,8 @@ impl ToolPolicy {
             holds_slot: false,
             coalesce: Coalesce::Off,
             cache_ttl_ms: 0,
+            no_progress: None,
+            volatile_fields: None,
         }
     }
 }
@@ -114,6 +121,8 @@ pub(super) struct RawTool {
     holds_slot: Option<bool>,
     coalesce: Option<Coalesce>,
     cache_ttl_ms: Option<i64>,
+    no_progress: Option<u32>,
+    volatile_fields: Option<Vec<String>>,
 }
 
 /// `[tools.*]`, checked against the server's `catalogue` (every tool there has a cost, and no
@@ -190,7 +199,26 @@ pub(super) fn validate_tools(
             }
         }
         let settle = spec.settle.unwrap_or(Settle::default_for(catalogue));
-        let policy = ToolPolicy { cost, formula, cost_min, settle, budget, fail, holds_slot, coalesce, cache_ttl_ms };
+        if let Some(no_progress) = spec.no_progress {
+            super::store::no_progress_is_valid(&format!("tools.{tool}.no_progress"), no_progress)?;
+        }
+        if let Some(fields) = &spec.volatile_fields {
+            super::store::volatile_fields_are_valid(&format!("tools.{tool}.volatile_fields"), fields)?;
+        }
+        let (no_progress, volatile_fields) = (spec.no_progress, spec.volatile_fields);
+        let policy = ToolPolicy {
+            cost,
+            formula,
+            cost_min,
+            settle,
+            budget,
+            fail,
+            holds_slot,
+            coalesce,
+            cache_ttl_ms,
+            no_progress,
+            volatile_fields,
+        };
         tools.insert(tool, policy);
     }
     if let Some(missing) = catalogue.names().find(|t| !tools.contains_key(*t)) {

@@ -29,12 +29,14 @@
 //! Nothing here knows MCP: the answer is the door's own type; the rmcp glue turns what comes out
 //! ([`Called`]) into a tool result.
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
 
+use crate::guard::loops::NoProgress;
 use crate::guard::reuse::{Reuse, Served, Sharing};
 use crate::guard::shed::Shed;
 use crate::guard::{Admission, Guard, Refusal, Settled, ToolCall, Used, Warning};
@@ -68,6 +70,23 @@ pub trait Door: Send + Sync {
     /// with the jobs holding it). By default as it is.
     fn explain(&self, _tool: &str, refusal: Refusal, _caller: &Caller) -> Refusal {
         refusal
+    }
+
+    /// What `answer` says, for loop detection to compare with the tool's last answers to the
+    /// same caller ([`crate::guard::progress`]): a tool result's structured content, else its
+    /// content. `None` for an answer that is not the work's result (a job's receipt, a task, a
+    /// request for input): such answers are never compared. By default none is.
+    fn outcome<'a>(&self, _tool: &str, _answer: &'a Self::Answer) -> Option<Cow<'a, Value>> {
+        None
+    }
+
+    /// Whether `tool` only reads (MCP's `readOnlyHint`): the same answer to a read again and again
+    /// is no progress (`[loop_detection] no_progress`), while the same acknowledgement of a write
+    /// is not (the write happened; a write repeated with the same arguments is still caught by
+    /// its arguments). A tool that says its own `no_progress` is counted either way. By default
+    /// none is known to.
+    fn reads_only(&self, _tool: &str) -> bool {
+        false
     }
 
     /// What `answer` says its work used, to settle the call's price by.
@@ -128,6 +147,9 @@ pub enum Called<A> {
         settled: Option<Settled>,
         /// The limits it took past their warning level.
         warnings: Vec<Warning>,
+        /// The tool keeps giving the caller this same answer: the warning it must carry (one
+        /// answer short of the stop, or with the answer that makes it).
+        no_progress: Option<NoProgress>,
     },
     /// The door refused it after it was admitted (see [`Worked::Refused`]).
     RefusedAfter {
@@ -266,7 +288,13 @@ impl Guard {
                     self.expect_resumed(caller, tool, &args, state).await;
                 }
                 let settled = settle(door.used(tool, &answer)).await;
-                Called::Answered { answer, served, settled, warnings }
+                let no_progress = match door.outcome(tool, &answer) {
+                    Some(said) if !loop_exempt && resumes.is_none() => {
+                        self.heard(caller, (tool, &args), &said, door.reads_only(tool)).await
+                    }
+                    _ => None,
+                };
+                Called::Answered { answer, served, settled, warnings, no_progress }
             }
             Some((Worked::Refused(refusal, used), _)) => {
                 self.seen_refused(caller, tool, &refusal);

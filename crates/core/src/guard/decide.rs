@@ -46,7 +46,7 @@ pub(super) struct Decided<'s> {
     pub(super) blocked: Option<(usize, Nanos)>,
     /// The loop the shared history found the call in, if it did: the time left, and whether
     /// it was an A/B alternation. Then nothing was decided or charged.
-    pub(super) looping: Option<(Nanos, bool)>,
+    pub(super) looping: Option<(Nanos, crate::guard::loops::Pattern)>,
 }
 
 impl<'s> Decided<'s> {
@@ -142,7 +142,7 @@ impl Guard {
         match verdict {
             Verdict::Decided(decisions) => decided.decisions = decisions,
             Verdict::Blocked { index, left } => decided.blocked = Some((index, left)),
-            Verdict::Looping { retry_after, oscillating } => decided.looping = Some((retry_after, oscillating)),
+            Verdict::Looping { retry_after, pattern } => decided.looping = Some((retry_after, pattern)),
         }
         Some(decided)
     }

@@ -25,6 +25,7 @@ mod decide;
 pub mod loops;
 pub mod operator;
 pub mod plan;
+pub mod progress;
 pub mod policy;
 pub mod refusal;
 pub mod refusal_memory;
@@ -44,7 +45,7 @@ use crate::activity::{Activity, Refused, Sample, ScopeLevel};
 use crate::clock::{Nanos, SharedClock, ceil_ms};
 use crate::config::{Fail, Limit, LimitsConfig, Settle};
 use crate::guard::decide::Insurance;
-use crate::guard::loops::{Looping, Loops, Recorded, SharedLoopCall};
+use crate::guard::loops::{Looping, Loops, NoProgress, Pattern, Recorded, SharedLoopCall};
 use crate::guard::plan::{Planned, http_scopes, method_scopes, resumed_scopes, status_scopes, tool_scopes};
 use crate::guard::report::{RefusalLog, budget_status, refused_by, warnings_of};
 use crate::identity::Caller;
@@ -225,7 +226,10 @@ impl Guard {
     pub fn new(store: Arc<dyn Store>, clock: SharedClock, config: &LimitsConfig, metrics: Arc<Metrics>) -> Self {
         let detection = &config.loop_detection;
         let window = detection.window_ms.saturating_mul(crate::clock::NANOS_PER_MS);
-        let loops = detection.enabled.then(|| Loops::new(detection.repeats, window, store.clone().loop_history()));
+        let loops = detection.enabled.then(|| {
+            Loops::new(detection.repeats, window, store.clone().loop_history())
+                .comparing(detection.no_progress, detection.volatile_fields.clone())
+        });
         let first = Arc::new(LimitsInForce::new(config, false, 0));
         Self {
             live: ArcSwap::from(first.clone()),
@@ -410,12 +414,18 @@ impl Guard {
     fn check_loop_locally(&self, loops: &Loops, caller: &Caller, call: &ToolCall<'_>) -> Result<Recorded, Refusal> {
         loops
             .check_locally(caller, call, self.clock.now())
-            .map_err(|looping| self.refuse_loop(caller, call.tool, &looping))
+            .map_err(|looping| self.refuse_loop(caller, call.tool, looping))
     }
 
     /// The refusal of a call found in a loop, counted and reported.
-    fn refuse_loop(&self, caller: &Caller, tool: &str, looping: &Looping) -> Refusal {
-        let refusal = Refusal::loop_detected(tool, looping);
+    fn refuse_loop(&self, caller: &Caller, tool: &str, mut looping: Looping) -> Refusal {
+        if let (Pattern::NoProgress, Some(loops)) = (looping.pattern, &self.loops) {
+            // A stop is only ever made under the tool's own `no_progress` or the one a read has.
+            let policy = self.policy();
+            let own = policy.tool(tool).and_then(|p| p.no_progress);
+            looping.repeats = own.unwrap_or(loops.answers_of(None, true).0);
+        }
+        let refusal = Refusal::loop_detected(tool, &looping);
         self.metrics.decision(Layer::Tool, tool, false);
         self.metrics.loop_detected(tool);
         self.report_refusal(caller, (Layer::Tool, tool), refusal.code.as_str(), ("loop", looping.retry_after));
@@ -479,12 +489,8 @@ impl Guard {
                 insured.ok_or_else(|| Refusal::limiter_unavailable(tool, STORE_RETRY_MS))?
             }
         };
-        if let (Some((retry_after, oscillating)), Some(loops)) = (decided.looping, &self.loops) {
-            return Err(self.refuse_loop(
-                caller,
-                tool,
-                &Looping { retry_after, repeats: loops.repeats(), oscillating },
-            ));
+        if let (Some((retry_after, pattern)), Some(loops)) = (decided.looping, &self.loops) {
+            return Err(self.refuse_loop(caller, tool, Looping { retry_after, repeats: loops.repeats(), pattern }));
         }
         if let Some((index, left)) = decided.blocked {
             return Err(self.refuse_blocked(caller, tool, blocks.get(index).map_or("block", Scope::name), left));
@@ -566,6 +572,28 @@ impl Guard {
             self.metrics.clone(),
             refusals,
         ))
+    }
+
+    /// Hears the answer `caller`'s call of `tool` with `args` got (`said`: what it says,
+    /// [`Door::outcome`]), for loop detection: an answer that changed makes the call's earlier
+    /// repetitions stop counting; the same answer again and again from one tool that `reads_only`
+    /// (or says its own `no_progress`) stops it. Returns the warning the answer must carry, if it
+    /// is one short of the stop or makes it.
+    async fn heard(
+        &self,
+        caller: &Caller,
+        (tool, args): (&str, &serde_json::Value),
+        said: &serde_json::Value,
+        reads_only: bool,
+    ) -> Option<NoProgress> {
+        let loops = self.loops.as_ref()?;
+        if !self.live.load().enabled {
+            return None;
+        }
+        let policy = self.policy();
+        let (no_progress, volatile) = loops.answers_of(policy.tool(tool), reads_only);
+        let streaked = loops.answered(caller, (tool, args), (said, volatile), no_progress, self.clock.now()).await;
+        NoProgress::of(tool, streaked, no_progress)
     }
 
     /// The caller's bucket and the time, for the report stage.

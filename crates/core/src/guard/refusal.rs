@@ -9,7 +9,7 @@ use serde_json::{Map, Value, json};
 
 use crate::activity::Refused;
 use crate::clock::{Nanos, ceil_ms, ceil_secs};
-use crate::guard::loops::Looping;
+use crate::guard::loops::{Looping, Pattern};
 use crate::metrics::Layer;
 
 /// Why a call was refused; the `code` field of the structured error.
@@ -320,21 +320,34 @@ impl Refusal {
         }
     }
 
-    /// The caller repeated the same call in a loop; the same arguments are refused until the
-    /// window has passed.
+    /// The caller repeated the same call in a loop, or kept getting the same answer from one tool;
+    /// the same arguments (for no progress, the tool) are refused until the window has passed.
     pub fn loop_detected(tool: &str, looping: &Looping) -> Self {
         let wait = seconds(ceil_secs(looping.retry_after));
-        let what = if looping.oscillating {
-            format!("you keep alternating between the same two calls, {tool} among them, with identical arguments")
-        } else {
-            format!("you called {tool} with identical arguments {} times in a row", looping.repeats)
+        let message = match looping.pattern {
+            Pattern::NoProgress => format!(
+                "Loop detected: {tool} gave you the same answer {} times in a row, whatever the arguments. \
+                 Asking again will not change it. Use what you have, try another tool or ask the user; \
+                 calls of {tool} are refused for the next {wait}.",
+                looping.repeats
+            ),
+            pattern => {
+                let what = if pattern == Pattern::Oscillating {
+                    format!(
+                        "you keep alternating between the same two calls, {tool} among them, with identical arguments"
+                    )
+                } else {
+                    format!("you called {tool} with identical arguments {} times in a row", looping.repeats)
+                };
+                format!(
+                    "Loop detected: {what}. The result will not change. Change the arguments or try something else; \
+                     these identical calls are refused for the next {wait}."
+                )
+            }
         };
         Self {
             code: RefusalCode::LoopDetected,
-            message: format!(
-                "Loop detected: {what}. The result will not change. Change the arguments or try something else; \
-                 these identical calls are refused for the next {wait}."
-            ),
+            message,
             retry_after_ms: Some(ceil_ms(looping.retry_after).max(1)),
             scope: Some(format!("loop:{tool}").into()),
             limit: Some(u64::from(looping.repeats)),

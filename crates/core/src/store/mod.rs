@@ -68,8 +68,8 @@ pub enum Verdict {
     Looping {
         /// How long until the call may be made again.
         retry_after: crate::clock::Nanos,
-        /// Whether it was an A/B alternation rather than one call repeated.
-        oscillating: bool,
+        /// The pattern it repeats.
+        pattern: Pattern,
     },
 }
 
@@ -323,6 +323,48 @@ impl dyn Store {
     }
 }
 
+/// Which pattern made a loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pattern {
+    /// The same call `repeats` times in a row.
+    Repeated,
+    /// Two calls in strict alternation.
+    Oscillating,
+    /// The same answer from one tool `no_progress` times in a row.
+    NoProgress,
+}
+
+impl Pattern {
+    /// Its number in a shared store's history (and a script's reply).
+    pub fn code(self) -> u8 {
+        match self {
+            Pattern::Repeated => 0,
+            Pattern::Oscillating => 1,
+            Pattern::NoProgress => 2,
+        }
+    }
+
+    /// The pattern numbered `code`; an unknown number reads as a repetition.
+    pub fn from_code(code: i64) -> Self {
+        match code {
+            1 => Pattern::Oscillating,
+            2 => Pattern::NoProgress,
+            _ => Pattern::Repeated,
+        }
+    }
+}
+
+/// How a tool's answers to a caller stand after one more: how many in a row were the same, and
+/// whether that stopped the tool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Streaked {
+    /// Identical answers in a row, this one included (1: it changed).
+    pub same: u32,
+    /// Whether this answer completed `no_progress` of them: the tool's next call is refused, for
+    /// this many nanoseconds.
+    pub stopped_for: Option<Nanos>,
+}
+
 /// A call to check against its caller's recent calls ([`LoopHistory`]).
 #[derive(Debug, Clone, Copy)]
 pub struct LoopCall<'a> {
@@ -330,10 +372,33 @@ pub struct LoopCall<'a> {
     pub key: &'a str,
     /// The call: its tool and canonical arguments, hashed alike on every instance.
     pub signature: u128,
+    /// Its tool's answers ([`crate::guard::loops::tool_signature`]): a stop under it refuses the
+    /// call whatever its arguments.
+    pub tool_signature: u128,
     /// How long a call stays in the history, and a loop stays refused.
     pub window: Nanos,
     /// Identical calls in a row (or turns of an A/B alternation) that make a loop.
     pub repeats: u32,
+}
+
+/// An answer for the history to hear ([`LoopHistory::answered`]).
+#[derive(Debug, Clone, Copy)]
+pub struct LoopAnswered<'a> {
+    /// The caller's history.
+    pub key: &'a str,
+    /// The call answered.
+    pub signature: u128,
+    /// Its tool's answers.
+    pub tool_signature: u128,
+    /// What the answer says ([`crate::guard::progress::answer_hash`]), hashed alike on every
+    /// instance.
+    pub answer: u128,
+    /// How long a call stays in the history, and a loop stays refused.
+    pub window: Nanos,
+    /// Identical calls in a row that make a loop (how many calls the history keeps).
+    pub repeats: u32,
+    /// Identical answers of the tool in a row that stop it (0: not counted).
+    pub no_progress: u32,
 }
 
 /// Each caller's recent calls, kept where every instance sees them (the twin of
@@ -353,6 +418,11 @@ pub trait LoopHistory: Send + Sync + std::fmt::Debug {
         blocks: &'a [&'a str],
         lease: Lease,
     ) -> StoreFuture<'a, Verdict>;
+
+    /// Hears the answer a checked call got, as [`crate::guard::loops::LoopDetector::answered`]
+    /// does, in one step: the call's earlier runs stop counting if its answer changed, and the
+    /// tool's answers are counted (and the tool stopped) under `no_progress`.
+    fn answered<'a>(&'a self, answer: LoopAnswered<'a>) -> StoreFuture<'a, Streaked>;
 }
 
 /// The job book as every instance sees it: a versioned record per job and a few shared sets

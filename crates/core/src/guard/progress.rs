@@ -1,0 +1,160 @@
+//! Progress: what an answer says, for telling whether a tool keeps giving a caller the same one
+//! ([`crate::guard::loops`]).
+//!
+//! Two answers are the same when their canonical JSON is, once what changes on every call without
+//! saying anything new is left out: the **volatile fields**, object keys named in
+//! `volatile_fields` (timestamps, request ids), at any depth — also inside a text that is itself
+//! JSON (a tool without structured output often answers with a JSON document as text).
+//!
+//! Nothing else is guessed at: an answer that echoes its query in prose ("No results for
+//! “zebras”") differs from one query to the next. Taking the arguments' words out of answers
+//! would make every acknowledgement of a write that names what it wrote ("Created notes.md")
+//! the same answer; a tool that wants its empty answers compared answers in structured content.
+//!
+//! Keys are sorted at every depth, as for call signatures; the hash is the keyed xxh3-128 of
+//! that text. The walk is iterative, so a deeply nested answer cannot overflow the stack.
+
+use std::borrow::Cow;
+
+use serde_json::Value;
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::guard::loops::push_json_string;
+
+/// The hash, keyed by `seed`, of what `answer` says, `volatile` fields left out: equal for two
+/// answers exactly when they say the same.
+pub fn answer_hash(seed: u64, answer: &Value, volatile: &[String]) -> u128 {
+    let mut hasher = Xxh3::with_seed(seed);
+    let mut text = String::new();
+    push_said(&mut text, answer, volatile);
+    hasher.update(text.as_bytes());
+    hasher.digest128()
+}
+
+/// What is left to write.
+enum Step<'a> {
+    Value(Cow<'a, Value>),
+    Key(&'a str),
+    Text(&'static str),
+}
+
+/// Appends what `value` says as canonical JSON: keys sorted, `volatile` keys left out, a string
+/// that is a JSON object or array read as that JSON.
+fn push_said(out: &mut String, value: &Value, volatile: &[String]) {
+    let mut todo = vec![Step::Value(Cow::Borrowed(value))];
+    while let Some(step) = todo.pop() {
+        match step {
+            Step::Text(text) => out.push_str(text),
+            Step::Key(key) => {
+                push_json_string(out, key);
+                out.push(':');
+            }
+            Step::Value(value) => match value {
+                Cow::Borrowed(value) => push_value(out, value, &mut todo, volatile),
+                Cow::Owned(value) => {
+                    // A parsed text: written whole here, as it owns what it holds.
+                    let mut inner = String::new();
+                    push_said(&mut inner, &value, volatile);
+                    out.push_str(&inner);
+                }
+            },
+        }
+    }
+}
+
+/// One value of [`push_said`]: a scalar written, a container's parts pushed on `todo`.
+fn push_value<'a>(out: &mut String, value: &'a Value, todo: &mut Vec<Step<'a>>, volatile: &[String]) {
+    match value {
+        Value::Null => out.push_str("null"),
+        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Value::Number(n) => out.push_str(&n.to_string()),
+        Value::String(s) => match json_text(s) {
+            Some(parsed) => todo.push(Step::Value(Cow::Owned(parsed))),
+            None => push_json_string(out, s),
+        },
+        Value::Array(items) => {
+            out.push('[');
+            todo.push(Step::Text("]"));
+            for (i, item) in items.iter().enumerate().rev() {
+                todo.push(Step::Value(Cow::Borrowed(item)));
+                if i > 0 {
+                    todo.push(Step::Text(","));
+                }
+            }
+        }
+        Value::Object(map) => {
+            out.push('{');
+            todo.push(Step::Text("}"));
+            let mut entries: Vec<_> = map.iter().filter(|(key, _)| !volatile.iter().any(|v| v == *key)).collect();
+            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            for (i, (key, item)) in entries.into_iter().enumerate().rev() {
+                todo.push(Step::Value(Cow::Borrowed(item)));
+                todo.push(Step::Key(key));
+                if i > 0 {
+                    todo.push(Step::Text(","));
+                }
+            }
+        }
+    }
+}
+
+/// `text` as JSON, when it is a JSON object or array (whitespace around it allowed).
+fn json_text(text: &str) -> Option<Value> {
+    let trimmed = text.trim();
+    if !(trimmed.starts_with('{') || trimmed.starts_with('[')) {
+        return None;
+    }
+    serde_json::from_str::<Value>(trimmed).ok().filter(|v| v.is_object() || v.is_array())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn hash(answer: &Value) -> u128 {
+        let volatile = vec!["timestamp".to_owned(), "request_id".to_owned()];
+        answer_hash(7, answer, &volatile)
+    }
+
+    #[test]
+    fn volatile_fields_are_left_out_at_any_depth_and_inside_json_text() {
+        let a = json!({"results": [], "meta": {"timestamp": "2026-12-04T05:00:00Z", "request_id": "r1"}});
+        let b = json!({"meta": {"request_id": "r2", "timestamp": "2026-12-04T05:00:07Z"}, "results": []});
+        assert_eq!(hash(&a), hash(&b));
+        let text = |t: &str, id: &str| json!([{"type": "text", "text": format!(r#"{{"hits": 0, "timestamp": "{t}", "request_id": "{id}"}}"#)}]);
+        assert_eq!(hash(&text("1", "x")), hash(&text("2", "y")));
+        let moved = json!({"results": [{"title": "new"}], "meta": {"timestamp": "t"}});
+        assert_ne!(hash(&a), hash(&moved), "a real change is progress");
+    }
+
+    #[test]
+    fn prose_is_compared_as_it_is() {
+        let none = |q: &str| json!([{"type": "text", "text": format!("No results for \"{q}\".")}]);
+        assert_ne!(hash(&none("zebras")), hash(&none("migrating zebras")), "no guessing at echoes");
+        assert_eq!(hash(&none("zebras")), hash(&none("zebras")));
+    }
+
+    #[test]
+    fn key_order_and_seed() {
+        assert_eq!(hash(&json!({"a": 1, "b": [2, {"d": 3, "c": 4}]})), hash(&json!({"b": [2, {"c": 4, "d": 3}], "a": 1})));
+        assert_ne!(answer_hash(1, &json!(1), &[]), answer_hash(2, &json!(1), &[]));
+        // Scalars are told apart from strings that look like them.
+        assert_ne!(hash(&json!(1)), hash(&json!("1")));
+    }
+
+    #[test]
+    fn a_deeply_nested_answer_does_not_overflow_the_stack() {
+        // Deeper than any answer off the wire (serde_json stops at 128 levels).
+        let mut deep = json!(0);
+        for _ in 0..1_000 {
+            deep = json!([deep]);
+        }
+        let _ = hash(&deep);
+        let mut text = String::new();
+        for _ in 0..10_000 {
+            text.push('[');
+        }
+        let _ = hash(&json!(text));
+    }
+}
