@@ -19,6 +19,10 @@ pub type Client = RunningService<RoleClient, ()>;
 /// (rightly) stop such an agent first.
 pub const NO_LOOP_DETECTION: &str = "[loop_detection]\nenabled = false\n";
 
+/// For tests that exhaust a budget with searches that all find nothing: loop detection by
+/// answers (`no_progress`) would (rightly) stop such an agent first.
+pub const NO_PROGRESS_CHECK: &str = "[loop_detection]\nno_progress = 0\n";
+
 /// For tests about budgets that start many jobs at once: the in-flight caps out of the way.
 pub const ROOMY_IN_FLIGHT: &str = "[limits.in_flight]\ncaller = 1000\ntenant = 1000\naddress = 1000\n";
 

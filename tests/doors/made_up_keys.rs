@@ -136,7 +136,7 @@ async fn all_unverified_callers_of_an_address_are_one_flow_in_the_fair_queue() {
 
 #[tokio::test]
 async fn rotating_keys_per_request_meets_a_429_and_configured_keys_keep_their_budgets() {
-    let server = TestServer::start(&format!("{ACME}{GLOBEX}")).await;
+    let server = TestServer::start(&format!("{ACME}{GLOBEX}{NO_PROGRESS_CHECK}")).await;
     let http = reqwest::Client::new();
     let ping = json!({"jsonrpc": "2.0", "id": 1, "method": "ping"});
     let mut refused = None;
@@ -185,7 +185,8 @@ async fn spend_until_refused(client: &Client, tool: &str, at_most: usize) -> (us
 #[tokio::test]
 async fn an_addresss_tool_budgets_spend_cap_and_loop_history_are_shared_by_its_made_up_keys() {
     let config = "[tools.save_article.budget]\nalgorithm = \"fixed_window\"\nlimit = 3\nwindow_ms = 3600000\n\
-                  [spend_caps]\ndaily_units = 20\n[tools.generate_image_to_video]\ncost = 20\n";
+                  [spend_caps]\ndaily_units = 20\n[tools.generate_image_to_video]\ncost = 20\n\
+                  [loop_detection]\nno_progress = 0\n";
     let server = TestServer::start(config).await;
     // The tool's own budget: 3 saves per address, whichever keys ask.
     for n in 0..3 {
@@ -217,6 +218,18 @@ async fn an_addresss_tool_budgets_spend_cap_and_loop_history_are_shared_by_its_m
     }
     let last = last.expect("five calls");
     assert_eq!(error_code(&last), Some("loop_detected"), "{}", text(&last));
+
+    // And by its answers: a search rephrased by six invented keys, each finding nothing, is one
+    // agent getting the same answer; the sixth is refused.
+    let server = TestServer::start("").await;
+    for n in 0..6 {
+        let agent = server.client(Some(&format!("paraphrasing-{n}"))).await;
+        let r = call(&agent, "list_articles", json!({"query": format!("nothing like this, take {n}")})).await;
+        match n {
+            5 => assert_eq!(error_code(&r), Some("loop_detected"), "{}", text(&r)),
+            _ => assert!(!is_error(&r), "search {n}: {}", text(&r)),
+        }
+    }
 }
 
 /// `initialize` over raw HTTP for `token`: the status, and the session id when one was opened.

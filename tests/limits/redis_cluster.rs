@@ -404,7 +404,7 @@ async fn two_servers_on_the_cluster_give_one_caller_one_budget_and_one_in_flight
     // A caller budget that does not refill while the test runs (Redis's clock is real time).
     let config = format!(
         "[store]\nbackend = \"redis\"\nredis_url = \"{}\"\ntimeout_ms = 500\n\
-         [limits.caller]\nrefill_per_sec = 0.001\n[mock_upstream]\nimage_job_ms = 600000\n",
+         [limits.caller]\nrefill_per_sec = 0.001\n[mock_upstream]\nimage_job_ms = 600000\n{NO_PROGRESS_CHECK}",
         cluster.url
     );
     let servers = [TestServer::start(&config).await, TestServer::start(&config).await];

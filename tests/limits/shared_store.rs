@@ -28,7 +28,7 @@ fn shared(redis: &TestRedis, store: &str, extra: &str) -> String {
 async fn three_instances_share_one_budget_and_one_in_flight_cap() {
     // Jobs claim upstream-wide keys (the account, the video gap): a server of this test's own.
     let redis = TestRedis::private();
-    let config = shared(&redis, "", "");
+    let config = shared(&redis, "", NO_PROGRESS_CHECK);
     let servers =
         [TestServer::start(&config).await, TestServer::start(&config).await, TestServer::start(&config).await];
 
@@ -81,8 +81,8 @@ async fn three_instances_share_one_budget_and_one_in_flight_cap() {
 async fn while_redis_is_down_paid_tools_fail_closed_open_ones_use_the_insurance_and_then_it_resumes() {
     let mut redis = TestRedis::private();
     // A roomy HTTP layer: this test is about the tool decisions behind it.
-    let extra = "[tools.list_articles]\nfail = \"open\"\n[limits.http]\nburst = 10000\n";
-    let config = shared(&redis, "expected_instances = 2\n", extra);
+    let extra = format!("[tools.list_articles]\nfail = \"open\"\n[limits.http]\nburst = 10000\n{NO_PROGRESS_CHECK}");
+    let config = shared(&redis, "expected_instances = 2\n", &extra);
     let server = TestServer::start(&config).await;
     let client = server.client(Some(&token("resilient"))).await;
     assert!(!is_error(&call(&client, "list_articles", json!({"query": "before"})).await));
@@ -500,7 +500,7 @@ async fn a_loop_round_robin_over_two_instances_is_stopped_on_its_fifth_call_not_
 async fn a_tool_call_costs_three_round_trips_to_redis_its_loop_check_and_answer_included() {
     let redis = TestRedis::private();
     // Ten searches that all find nothing would be a loop by their answers at the sixth.
-    let server = TestServer::start(&shared(&redis, "", "[loop_detection]\nno_progress = 0\n")).await;
+    let server = TestServer::start(&shared(&redis, "", NO_PROGRESS_CHECK)).await;
     let client = server.client(Some(&token("counted"))).await;
     let mut per_call = Vec::new();
     for n in 0..10 {
@@ -580,7 +580,7 @@ async fn two_instances_share_one_budget_over_tls_to_a_redis_with_a_private_ca() 
     let store = |ca: &str| {
         format!(
             "[store]\nbackend = \"redis\"\nredis_url = \"{}\"\nredis_ca_file = \"{ca}\"\ntimeout_ms = 5000\n\
-             [limits.caller]\nrefill_per_sec = 0.001\n",
+             [limits.caller]\nrefill_per_sec = 0.001\n{NO_PROGRESS_CHECK}",
             redis.url
         )
     };

@@ -281,15 +281,18 @@ impl Guard {
         match worked {
             None => Called::Lost,
             Some((Worked::Answer(answer), served)) => {
-                if let Some(refusal) = door.refusal_in(&answer) {
-                    self.seen_refused(caller, tool, &refusal);
+                let refused = door.refusal_in(&answer);
+                if let Some(refusal) = &refused {
+                    self.seen_refused(caller, tool, refusal);
                 }
                 if let Some(state) = D::asks_input(&answer) {
                     self.expect_resumed(caller, tool, &args, state).await;
                 }
                 let settled = settle(door.used(tool, &answer)).await;
+                // An answer that is the upstream's refusal (its 429) is for backoff to deal with,
+                // not an answer the caller keeps getting.
                 let no_progress = match door.outcome(tool, &answer) {
-                    Some(said) if !loop_exempt && resumes.is_none() => {
+                    Some(said) if !loop_exempt && resumes.is_none() && refused.is_none() => {
                         self.heard(caller, (tool, &args), &said, door.reads_only(tool)).await
                     }
                     _ => None,
