@@ -377,8 +377,7 @@ pub fn run(config: &Config, plan: &Plan) -> Result<Report, SimulateError> {
         wants(UpstreamShape::CapacityDrop).then(|| capacity_drop::run(config, plan.seed)).transpose()?;
     let identical_asks = wants(UpstreamShape::IdenticalAsks).then(|| identical_asks::run(config)).transpose()?;
     let many_instances = wants(UpstreamShape::ManyInstances).then(many_instances::run).transpose()?;
-    let (searcher, poller) =
-        (wants(UpstreamShape::ParaphrasingSearcher), wants(UpstreamShape::PollingWithProgress));
+    let (searcher, poller) = (wants(UpstreamShape::ParaphrasingSearcher), wants(UpstreamShape::PollingWithProgress));
     let result_loops = (searcher || poller).then(|| result_loops::run(config, searcher, poller)).transpose()?;
     Ok(Report { seed: plan.seed, budgets, capacity_drop, identical_asks, many_instances, result_loops })
 }

@@ -110,7 +110,10 @@ pub struct ResultLoops {
 pub(crate) fn run(config: &Config, searcher: bool, poller: bool) -> Result<ResultLoops, SimulateError> {
     let (caller, _) = super::simulated_caller(config)?;
     let replay = |agent: Agent| -> Result<Vec<ResultRun>, SimulateError> {
-        Setting::all(config).into_iter().map(|setting| super::on_one_thread(replay(config, &caller, setting, agent))).collect()
+        Setting::all(config)
+            .into_iter()
+            .map(|setting| super::on_one_thread(replay(config, &caller, setting, agent)))
+            .collect()
     };
     Ok(ResultLoops {
         paraphrasing_searcher: searcher.then(|| replay(Agent::Searcher)).transpose()?,
@@ -149,7 +152,9 @@ impl Agent {
     fn answer(self, n: u64, at: Nanos) -> Value {
         match self {
             Agent::Searcher => json!({ "articles": [], "request_id": format!("r{n}"), "took_ms": 40 + n % 17 }),
-            Agent::Poller if at >= JOB_DONE => json!({ "status": "succeeded", "output": "https://example.com/p-1.png" }),
+            Agent::Poller if at >= JOB_DONE => {
+                json!({ "status": "succeeded", "output": "https://example.com/p-1.png" })
+            }
             Agent::Poller => json!({
                 "status": "processing",
                 "progress": at.saturating_mul(100) / JOB_DONE,
@@ -275,7 +280,10 @@ impl ResultLoops {
                 secs(TURN),
                 self.repeats
             );
-            let _ = writeln!(out, "  answered  searches that reached the paid API; warned: answers that carried the warning");
+            let _ = writeln!(
+                out,
+                "  answered  searches that reached the paid API; warned: answers that carried the warning"
+            );
             let _ = writeln!(
                 out,
                 "  {:<32} {:>6} {:>9} {:>8} {:>14} {:>7}",

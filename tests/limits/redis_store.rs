@@ -958,7 +958,10 @@ fn the_loop_script_decides_like_the_loop_detector() {
         let stopped_for = (page == 2).then_some(WINDOW);
         assert_eq!(streaked, Streaked { same: u32::from(page) + 1, stopped_for });
     }
-    assert_eq!(call(&key, 9, EPOCH + SEC), LoopAnswer::Looping { retry_after: WINDOW - SEC, pattern: Pattern::NoProgress });
+    assert_eq!(
+        call(&key, 9, EPOCH + SEC),
+        LoopAnswer::Looping { retry_after: WINDOW - SEC, pattern: Pattern::NoProgress }
+    );
 }
 
 /// A learner of either algorithm, with parameters anywhere config allows.

@@ -43,8 +43,15 @@ impl Store {
 
 /// A query of the paraphraser's `n`th try: never the same words, never a match.
 fn paraphrase(n: usize) -> String {
-    ["zebra migration routes", "routes zebras migrate along", "migrating zebras: the paths",
-     "where do zebras migrate", "zebra seasonal movement", "zebras moving each season", "the great zebra trek"][n % 7]
+    [
+        "zebra migration routes",
+        "routes zebras migrate along",
+        "migrating zebras: the paths",
+        "where do zebras migrate",
+        "zebra seasonal movement",
+        "zebras moving each season",
+        "the great zebra trek",
+    ][n % 7]
         .to_owned()
 }
 

@@ -607,7 +607,11 @@ impl RedisStore {
             Some(call) => {
                 let (signature, tool) = (hex(call.signature), hex(call.tool_signature));
                 let said = |h: &[u8; 32]| String::from_utf8_lossy(h).into_owned();
-                invocation.arg(call.window.div_ceil(1_000)).arg(call.repeats).arg(format!("{} {}", said(&signature), said(&tool)))
+                invocation.arg(call.window.div_ceil(1_000)).arg(call.repeats).arg(format!(
+                    "{} {}",
+                    said(&signature),
+                    said(&tool)
+                ))
             }
             None => invocation.arg("").arg("").arg(""),
         };

@@ -41,8 +41,8 @@ use crate::guard::ToolCall;
 use crate::guard::progress::answer_hash;
 use crate::guard::scope::{Scope, loop_owner};
 use crate::identity::Caller;
-pub use crate::store::{Pattern, Streaked};
 use crate::store::{LoopAnswered, LoopCall, LoopHistory};
+pub use crate::store::{Pattern, Streaked};
 
 /// The most signatures one caller can have stopped at once. Reaching it drops the stop that
 /// ends soonest: an agent looping on that many different calls inside one window is stopped
@@ -212,10 +212,8 @@ impl LoopDetector {
         {
             // Walk back while the calls keep alternating this, other, this, … and count this
             // call's occurrences in that run.
-            let alternating = 2 + before
-                .zip([signature, other].into_iter().cycle())
-                .take_while(|(s, e)| *s == Some(*e))
-                .count();
+            let alternating =
+                2 + before.zip([signature, other].into_iter().cycle()).take_while(|(s, e)| *s == Some(*e)).count();
             if alternating.div_ceil(2) >= self.repeats as usize {
                 self.stop(history, signature, now, Pattern::Oscillating);
                 self.stop(history, other, now, Pattern::Oscillating);
@@ -236,7 +234,14 @@ impl LoopDetector {
     /// got makes its earlier calls stop counting towards a loop. With `no_progress` (0: off), the
     /// tool's answers are counted too, whatever the arguments: the `no_progress`-th identical one
     /// in a row stops the tool for the window.
-    pub fn answered(&self, caller: &str, (tool, args): (&str, &Value), answer: u128, no_progress: u32, now: Nanos) -> Streaked {
+    pub fn answered(
+        &self,
+        caller: &str,
+        (tool, args): (&str, &Value),
+        answer: u128,
+        no_progress: u32,
+        now: Nanos,
+    ) -> Streaked {
         let signature = self.signature(tool, args);
         let stopping_tool = tool_signature(self.seed, tool);
         let mut state = self.lock();
@@ -814,7 +819,10 @@ mod tests {
         let d = detector();
         for n in 0..20u64 {
             assert!(d.check("alice", "search", &json!({ "q": n }), n).is_ok());
-            assert_eq!(d.answered("alice", ("search", &json!({ "q": n })), 7, 0, n), Streaked { same: 1, stopped_for: None });
+            assert_eq!(
+                d.answered("alice", ("search", &json!({ "q": n })), 7, 0, n),
+                Streaked { same: 1, stopped_for: None }
+            );
         }
     }
 

@@ -137,7 +137,10 @@ mod tests {
 
     #[test]
     fn key_order_and_seed() {
-        assert_eq!(hash(&json!({"a": 1, "b": [2, {"d": 3, "c": 4}]})), hash(&json!({"b": [2, {"c": 4, "d": 3}], "a": 1})));
+        assert_eq!(
+            hash(&json!({"a": 1, "b": [2, {"d": 3, "c": 4}]})),
+            hash(&json!({"b": [2, {"c": 4, "d": 3}], "a": 1}))
+        );
         assert_ne!(answer_hash(1, &json!(1), &[]), answer_hash(2, &json!(1), &[]));
         // Scalars are told apart from strings that look like them.
         assert_ne!(hash(&json!(1)), hash(&json!("1")));
