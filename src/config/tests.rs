@@ -62,6 +62,15 @@ fn unknown_tool_unknown_algorithm_and_bad_rates_are_named() {
     assert!(err("[upstream]\nurl = \"ftp://x\"\n").contains("upstream.url"));
     assert!(err("[limits.in_flight]\ncaller = 0\n").contains("limits.in_flight.caller"));
     assert!(err("[loop_detection]\nrepeats = 1\n").contains("loop_detection.repeats"));
+    assert!(err("[loop_detection]\nno_progress = 1\n").contains("loop_detection.no_progress"));
+    assert!(err("[loop_detection]\nno_progress = 1001\n").contains("loop_detection.no_progress"));
+    assert!(err("[loop_detection]\nno_progress = -3\n").contains("no_progress"));
+    assert!(err("[loop_detection]\nvolatile_fields = [\"\"]\n").contains("loop_detection.volatile_fields"));
+    assert!(err("[tools.list_articles]\nno_progress = 1\n").contains("tools.list_articles.no_progress"));
+    assert!(
+        err("[tools.list_articles]\nvolatile_fields = [\"ok\", \"\"]\n")
+            .contains("tools.list_articles.volatile_fields")
+    );
     assert!(err("[upstream]\nmax_attempts = 0\n").contains("upstream.max_attempts"));
     assert!(err("[upstream]\nretry_budget_ratio = 1.5\n").contains("upstream.retry_budget_ratio"));
 }

@@ -173,6 +173,65 @@ async fn what_we_add_to_a_library_users_answer_goes_in_meta_and_its_structured_c
     }
 }
 
+/// A library user's index: a search that only reads (annotated so) and a note that writes, both
+/// answering the same thing whatever they are asked.
+#[derive(Clone)]
+struct Index {
+    tools: LimitedRouter<Self>,
+}
+
+#[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+struct Term {
+    /// What to look up, or to note.
+    term: String,
+}
+
+#[tool_router]
+impl Index {
+    #[tool(description = "Searches the index.", annotations(read_only_hint = true))]
+    async fn search(&self, Parameters(Term { term: _ }): Parameters<Term>) -> CallToolResult {
+        CallToolResult::structured(json!({"hits": [], "took_ms": 3}))
+    }
+
+    #[tool(description = "Notes a term.")]
+    async fn note(&self, Parameters(Term { term: _ }): Parameters<Term>) -> CallToolResult {
+        CallToolResult::structured(json!({"noted": true}))
+    }
+}
+
+#[tool_handler(router = self.tools)]
+impl ServerHandler for Index {}
+
+/// A library user's router reads its tools' annotations: a read (`readOnlyHint`) answering
+/// nothing again and again stops its caller at the sixth call whatever the term, in both eras; a
+/// write whose acknowledgements are all alike is never a loop by its answers.
+#[tokio::test]
+async fn a_library_users_read_that_keeps_answering_nothing_is_stopped_and_its_write_is_not() {
+    // Configured keys: unverified callers of one address share one loop history.
+    let toml = "[tools.search]\ncost = 1\n[tools.note]\ncost = 1\n[[auth.keys]]\nkey = \"index-key-legacy\"\n\
+                [[auth.keys]]\nkey = \"index-key-auto\"\n";
+    let limits = RateLimits::from_toml(toml, Catalogue::new().tool("search").tool("note")).await.expect("limits");
+    let url =
+        common::serve_library(Index { tools: LimitedRouter::new(Index::tool_router(), limits.clone()) }, &limits).await;
+    for mode in ["legacy", "auto"] {
+        let key = format!("Authorization: Bearer index-key-{mode}");
+        let mut steps: Vec<Value> =
+            (0..7).map(|n| json!({"op": "call", "tool": "note", "args": {"term": format!("note {n}")}})).collect();
+        steps.extend((0..7).map(|n| json!({"op": "call", "tool": "search", "args": {"term": format!("term {n}")}})));
+        let walked = python::walk(&url, mode, Value::Array(steps), &["-H", &key]).await;
+        let steps = walked["steps"].as_array().expect("steps");
+        let refused = |n: usize| steps[n]["ok"]["is_error"] == json!(true);
+        for n in 0..7 {
+            assert!(!refused(n), "{mode}: note {n}, a write, is never stopped by its answers: {}", steps[n]);
+        }
+        for n in 7..12 {
+            assert!(!refused(n), "{mode}: search {}: {}", n - 7, steps[n]);
+        }
+        assert_eq!(steps[12]["ok"]["structured"]["error"]["code"], "loop_detected", "{mode}: {}", steps[12]);
+        assert_eq!(steps[12]["ok"]["structured"]["error"]["scope"], "loop:search", "{mode}");
+    }
+}
+
 /// A library user's slow tool, counting how often it really runs.
 #[derive(Clone)]
 struct Lookup {

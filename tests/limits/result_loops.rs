@@ -200,3 +200,26 @@ async fn with_redis_killed_this_instances_detector_still_stops_the_paraphraser()
     // Five identical answers heard here after the two Redis heard: the sixth call after the kill.
     assert_eq!(refused_at, Some(7));
 }
+
+/// A tool's own `no_progress` lowered live (as SIGHUP would) applies at its next answer: three
+/// identical answers heard under the default 5, then the tool's own 2 put in force, and the fourth
+/// answer stops it (said in that answer), the fifth call refused naming the new threshold.
+#[tokio::test]
+async fn a_tools_no_progress_lowered_live_applies_at_its_next_answer() {
+    use mcp_ratelimit::state::Reloaded;
+    let server = TestServer::start(KEYS).await;
+    let client = server.client(Some("rmcp-key")).await;
+    for n in 0..3 {
+        let r = call(&client, "list_articles", json!({"query": paraphrase(n)})).await;
+        assert!(!is_error(&r) && !text(&r).contains("same answer"), "search {n}: {}", text(&r));
+    }
+    let lowered = format!("{KEYS}[tools.list_articles]\nno_progress = 2\n");
+    let config = mcp_ratelimit::Config::from_toml(&lowered, &mcp_ratelimit::mcp::tools::catalogue()).expect("valid");
+    assert!(matches!(server.app.state().reload(&config), Reloaded::Applied { .. }));
+    let r = call(&client, "list_articles", json!({"query": paraphrase(3)})).await;
+    assert!(!is_error(&r), "{}", text(&r));
+    assert!(text(&r).contains("same answer 4 times in a row") && text(&r).contains("now refused"), "{}", text(&r));
+    let r = call(&client, "list_articles", json!({"query": paraphrase(4)})).await;
+    assert_eq!(error_code(&r), Some("loop_detected"), "{}", text(&r));
+    assert_eq!(structured(&r)["error"]["limit"], 2, "the threshold in force");
+}
