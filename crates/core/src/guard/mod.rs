@@ -34,6 +34,7 @@ pub mod reuse;
 pub mod scope;
 pub mod settle;
 pub mod shed;
+pub mod trace;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
