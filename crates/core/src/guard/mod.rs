@@ -83,6 +83,9 @@ impl Admission {
     }
 
     fn reserving(mut self, reserved: Option<Reserved>) -> Self {
+        if let Some(reserved) = &reserved {
+            trace::reserved(reserved.units());
+        }
         self.reserved = reserved;
         self
     }

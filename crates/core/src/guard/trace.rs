@@ -93,10 +93,21 @@ pub fn record<A>(span: &Span, called: &Called<A>) {
     }
 }
 
+/// Records on the span current where a call was admitted (its guard span) the units its price
+/// reserved, known before the work runs (a job settles it only when it is final). One cached
+/// check when no subscriber wants [`TARGET`].
+pub fn reserved(units: u64) {
+    if tracing::enabled!(target: TARGET, tracing::Level::INFO) {
+        Span::current().record("ratelimit.reserved", units);
+    }
+}
+
 /// Marks the span current where the guard decided on its insurance limiter, because the shared
 /// store could not decide: the call failed open.
 pub fn failed_open() {
-    Span::current().record("ratelimit.fail_open", true);
+    if tracing::enabled!(target: TARGET, tracing::Level::INFO) {
+        Span::current().record("ratelimit.fail_open", true);
+    }
 }
 
 fn refused(span: &Span, refusal: &Refusal) {
