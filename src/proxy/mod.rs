@@ -333,7 +333,8 @@ impl Proxied {
     /// `traceparent` header: [`link`]) when traces are on.
     async fn forward(&self, caller: &Caller, place: Reservation, outgoing: Outgoing) -> Result<Forwarded, Unanswered> {
         let span = proxied_span(&outgoing.request.name);
-        let forwarded = self.forward_in(caller, place, outgoing).instrument(span.clone()).await;
+        // Boxed: the call's future is large, and a span around it would copy it on the stack.
+        let forwarded = Box::pin(self.forward_in(caller, place, outgoing)).instrument(span.clone()).await;
         if !span.is_disabled() {
             let outcome = match &forwarded {
                 Ok(Forwarded::Answer(_)) => "answered",
