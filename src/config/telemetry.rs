@@ -54,7 +54,8 @@ impl RawTelemetry {
             return Ok(None);
         }
         let mut url = Url::parse(endpoint).map_err(|e| {
-            invalid("telemetry.otlp_endpoint", format!("`{endpoint}` is not a URL ({e}); e.g. `http://localhost:4318`"))
+            let shown = crate::redact::url(endpoint);
+            invalid("telemetry.otlp_endpoint", format!("`{shown}` is not a URL ({e}); e.g. `http://localhost:4318`"))
         })?;
         if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none_or(str::is_empty) {
             return Err(invalid(

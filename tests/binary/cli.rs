@@ -126,6 +126,15 @@ fn environment_overrides_the_file_and_is_validated_too() {
 }
 
 #[test]
+fn the_telemetry_endpoint_is_set_from_the_environment_and_checked_there_too() {
+    let (ok, _, stderr) = check_config("", &[("MCP_RL__TELEMETRY__OTLP_ENDPOINT", "http://127.0.0.1:4318")]);
+    assert!(ok, "{stderr}");
+    let (ok, _, stderr) = check_config("", &[("MCP_RL__TELEMETRY__OTLP_ENDPOINT", "collector:4318")]);
+    assert!(!ok);
+    assert!(stderr.contains("telemetry.otlp_endpoint") && stderr.contains("http://"), "{stderr}");
+}
+
+#[test]
 fn a_timeout_beyond_any_clock_is_refused_naming_its_key_from_a_file_or_the_environment() {
     let huge = "18446744073709551615";
     for (toml, env) in [

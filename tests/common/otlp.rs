@@ -79,6 +79,28 @@ impl Receiver {
     }
 }
 
+/// `telemetry`'s layer as this thread's subscriber, while the value lives: for a current-thread
+/// test, whose server runs its tasks on this thread.
+///
+/// `tracing` caches whether a callsite is wanted, and while only one subscriber has ever been
+/// registered it asks only the subscriber of the thread that meets the callsite first: another
+/// test's thread, with none, would turn the trace spans off for good. A second subscriber, kept
+/// alive beside this one, makes it ask every live one, and the cache is rebuilt once both are.
+pub struct Subscribed {
+    _default: tracing::subscriber::DefaultGuard,
+    _second: tracing::Dispatch,
+}
+
+/// See [`Subscribed`].
+pub fn subscribe(telemetry: &Telemetry) -> Subscribed {
+    use tracing_subscriber::layer::SubscriberExt;
+    let second = tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default());
+    let dispatch = tracing::Dispatch::new(tracing_subscriber::registry().with(telemetry.layer()));
+    let default = tracing::dispatcher::set_default(&dispatch);
+    tracing::callsite::rebuild_interest_cache();
+    Subscribed { _default: default, _second: second }
+}
+
 async fn receive(State(bodies): State<Arc<Mutex<Vec<Vec<u8>>>>>, body: Bytes) -> StatusCode {
     bodies.lock().unwrap_or_else(|p| p.into_inner()).push(body.to_vec());
     StatusCode::OK

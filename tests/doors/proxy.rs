@@ -1759,13 +1759,12 @@ async fn a_callers_trace_context_reaches_the_proxied_server_from_its_http_header
 /// HTTP, where it also hears it as the `traceparent` header; the receiver holds that span.
 #[tokio::test(flavor = "current_thread")]
 async fn with_traces_on_the_proxied_server_hears_the_proxys_span_of_the_callers_trace() {
-    use crate::otlp::{Receiver, hex};
-    use tracing_subscriber::layer::SubscriberExt;
+    use crate::otlp::{Receiver, hex, subscribe};
     let receiver = Receiver::start();
     let toml = format!("[loop_detection]\nenabled = false\n[telemetry]\notlp_endpoint = \"{}\"\n", receiver.url);
     let config = Config::from_toml(&toml, &Catalogue::learned()).expect("valid");
     let telemetry = mcp_ratelimit::telemetry::Telemetry::start(&config.telemetry.expect("on")).expect("exporter");
-    let _traced = tracing::subscriber::set_default(tracing_subscriber::registry().with(telemetry.layer()));
+    let _traced = subscribe(&telemetry);
     let port = free_port();
     let (python, args) = fastmcp(&["http", &port.to_string()]);
     let _server = serve_http(&python, &args, port).await;

@@ -13,10 +13,9 @@ use mcp_ratelimit::telemetry::Telemetry;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use rmcp::model::{CallToolRequestParams, RequestMetaObject};
 use serde_json::{Value, json};
-use tracing_subscriber::layer::SubscriberExt;
 
 use crate::common::*;
-use crate::otlp::{Receiver, attribute, hex, names, one};
+use crate::otlp::{Receiver, Subscribed, attribute, hex, names, one, subscribe};
 use crate::python;
 
 /// A caller's key: configured, in tenant acme. It must never reach an exported byte.
@@ -42,15 +41,14 @@ fn video(prompt: &str) -> Value {
 /// A server on a manual clock exporting to `receiver` ([`KEY`] of tier `tier`, `extra` added to
 /// its config), its exporter,
 /// and the subscriber that feeds it, set for this thread while the guard lives.
-async fn traced(receiver: &Receiver, tier: &str, extra: &str) -> (TestServer, Telemetry, tracing::subscriber::DefaultGuard) {
+async fn traced(receiver: &Receiver, tier: &str, extra: &str) -> (TestServer, Telemetry, Subscribed) {
     let toml = format!("{}{extra}\n[telemetry]\notlp_endpoint = \"{}\"\nexport_interval_ms = 50\n", keys(tier), receiver.url);
     let server = TestServer::start(&toml).await;
     let config = server.app.state().config.telemetry.clone().expect("[telemetry] is on");
     assert_eq!(config.traces_url.as_str(), format!("{}/v1/traces", receiver.url));
     let telemetry = Telemetry::start(&config).expect("the exporter starts");
-    let subscriber = tracing_subscriber::registry().with(telemetry.layer());
-    let guard = tracing::subscriber::set_default(subscriber);
-    (server, telemetry, guard)
+    let subscribed = subscribe(&telemetry);
+    (server, telemetry, subscribed)
 }
 
 /// The spans of trace [`TRACE`] among `spans`.
