@@ -68,9 +68,7 @@ impl Telemetry {
             .with_timeout(config.export_timeout)
             .build()
             .map_err(|e| TelemetryError(e.to_string()))?;
-        let batches = BatchConfigBuilder::default()
-            .with_scheduled_delay(config.export_interval)
-            .build();
+        let batches = BatchConfigBuilder::default().with_scheduled_delay(config.export_interval).build();
         let processor = BatchSpanProcessor::builder(exporter).with_batch_config(batches).build();
         let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(config.sample_ratio)));
         let provider = SdkTracerProvider::builder()

@@ -12,18 +12,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
-use rmcp::model::{ProtocolVersion, ServerNotification, ServerPeerInfo, SubscriptionFilter};
-use rmcp::service::{Peer, RunningService};
 use futures::stream::BoxStream;
 use http::{HeaderName, HeaderValue};
 use rmcp::model::{ClientJsonRpcMessage, GetMeta};
+use rmcp::model::{ProtocolVersion, ServerNotification, ServerPeerInfo, SubscriptionFilter};
+use rmcp::service::{Peer, RunningService};
 use rmcp::transport::streamable_http_client::{
-    SseError, StreamableHttpClient, StreamableHttpClientTransportConfig, StreamableHttpError, StreamableHttpPostResponse,
-    StreamableHttpResponseLimits,
+    SseError, StreamableHttpClient, StreamableHttpClientTransportConfig, StreamableHttpError,
+    StreamableHttpPostResponse, StreamableHttpResponseLimits,
 };
-use sse_stream::Sse;
 use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
 use rmcp::{ClientLifecycleMode, ClientServiceExt, RoleClient};
+use sse_stream::Sse;
 use tokio_util::sync::CancellationToken;
 
 use super::relay::{Change, Relay};
@@ -460,7 +460,10 @@ impl Link {
 struct Traced(reqwest::Client);
 
 /// `headers` with the trace context of `message`'s `_meta`, if it is a request carrying one.
-fn with_trace_headers(message: &ClientJsonRpcMessage, mut headers: HashMap<HeaderName, HeaderValue>) -> HashMap<HeaderName, HeaderValue> {
+fn with_trace_headers(
+    message: &ClientJsonRpcMessage,
+    mut headers: HashMap<HeaderName, HeaderValue>,
+) -> HashMap<HeaderName, HeaderValue> {
     let ClientJsonRpcMessage::Request(request) = message else { return headers };
     let meta = request.request.get_meta();
     for (name, value) in [("traceparent", meta.get_traceparent()), ("tracestate", meta.get_tracestate())] {
@@ -544,6 +547,13 @@ impl StreamableHttpClient for Traced {
         max_sse_event_size: usize,
     ) -> impl Future<Output = Result<BoxStream<'static, Result<Sse, SseError>>, StreamableHttpError<Self::Error>>> + Send + '_
     {
-        self.0.get_stream_with_max_sse_event_size(uri, session_id, last_event_id, auth_header, custom_headers, max_sse_event_size)
+        self.0.get_stream_with_max_sse_event_size(
+            uri,
+            session_id,
+            last_event_id,
+            auth_header,
+            custom_headers,
+            max_sse_event_size,
+        )
     }
 }

@@ -134,6 +134,11 @@ pub fn hex(bytes: &[u8]) -> String {
 /// The one span named `name` among `spans`, panicking with them all if there is not exactly one.
 pub fn one<'a>(spans: &'a [&'a Span], name: &str) -> &'a Span {
     let found: Vec<_> = spans.iter().filter(|s| s.name == name).collect();
-    assert_eq!(found.len(), 1, "one `{name}` span expected among {:#?}", spans.iter().map(|s| &s.name).collect::<Vec<_>>());
+    assert_eq!(
+        found.len(),
+        1,
+        "one `{name}` span expected among {:#?}",
+        spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+    );
     found[0]
 }

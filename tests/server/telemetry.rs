@@ -42,7 +42,8 @@ fn video(prompt: &str) -> Value {
 /// its config), its exporter,
 /// and the subscriber that feeds it, set for this thread while the guard lives.
 async fn traced(receiver: &Receiver, tier: &str, extra: &str) -> (TestServer, Telemetry, Subscribed) {
-    let toml = format!("{}{extra}\n[telemetry]\notlp_endpoint = \"{}\"\nexport_interval_ms = 50\n", keys(tier), receiver.url);
+    let toml =
+        format!("{}{extra}\n[telemetry]\notlp_endpoint = \"{}\"\nexport_interval_ms = 50\n", keys(tier), receiver.url);
     let server = TestServer::start(&toml).await;
     let config = server.app.state().config.telemetry.clone().expect("[telemetry] is on");
     assert_eq!(config.traces_url.as_str(), format!("{}/v1/traces", receiver.url));
@@ -146,7 +147,11 @@ async fn a_2026_client_sending_traceparent_as_a_header_is_continued_and_a_refusa
         .unwrap_or_else(|| panic!("a refused decision: {:#?}", names(&spans)));
     assert_eq!(attribute(refused, "ratelimit.code").as_deref(), Some("rate_limited"));
     assert_eq!(attribute(refused, "ratelimit.layer").as_deref(), Some("tool"));
-    assert!(attribute(refused, "ratelimit.scope").is_some_and(|scope| scope.starts_with("caller:tok:")), "{:#?}", names(&spans));
+    assert!(
+        attribute(refused, "ratelimit.scope").is_some_and(|scope| scope.starts_with("caller:tok:")),
+        "{:#?}",
+        names(&spans)
+    );
     assert_eq!(attribute(refused, "ratelimit.limit").as_deref(), Some("30"));
     // The first call reserved 30 and was settled to the 1 unit the paid API billed: 29 are left.
     assert_eq!(attribute(refused, "ratelimit.remaining").as_deref(), Some("29"));

@@ -27,9 +27,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use futures::FutureExt;
-use tracing::Instrument;
 use futures::future::{BoxFuture, Shared};
 use sha2::{Digest, Sha256};
+use tracing::Instrument;
 
 use crate::clock::{NANOS_PER_MS, Nanos, SharedClock};
 use crate::config::{Coalesce, ToolPolicy};
