@@ -126,7 +126,11 @@ async fn a_2026_client_sending_traceparent_as_a_header_is_continued_and_a_refusa
     let (server, telemetry, _traced) = traced(&receiver, "default", "[tiers]\nguest = 1.0\n[tools.list_articles]\ncost = 30\n[limits.caller]\nalgorithm = \"fixed_window\"\nlimit = 30\nwindow_ms = 3600000\n").await;
     // The Python SDK's default: the stateless 2026-07-28 protocol, the trace context as W3C headers.
     let headers = [format!("Authorization: Bearer {KEY}"), format!("traceparent: {}", traceparent())];
-    let steps = json!([{"op": "call", "tool": "list_articles", "args": {}}, {"op": "call", "tool": "list_articles", "args": {"query": "more"}}]);
+    let steps = json!([
+        {"op": "call", "tool": "list_articles", "args": {}},
+        {"op": "call", "tool": "list_articles", "args": {"query": "more"}},
+        {"op": "list_tools"},
+    ]);
     let walked = python::walk(&server.url, "auto", steps, &["-H", &headers[0], "-H", &headers[1]]).await;
     assert_eq!(walked["protocol_version"], python::era_of("auto"), "{walked}");
     assert!(python::all_ok(&walked), "{walked}");
@@ -134,13 +138,23 @@ async fn a_2026_client_sending_traceparent_as_a_header_is_continued_and_a_refusa
 
     let spans = receiver
         .wait_for(&telemetry, "two decisions of the trace", |spans| {
-            of_trace(spans).iter().filter(|s| s.name == "ratelimit.guard").count() == 2
+            let trace = of_trace(spans);
+            trace.iter().filter(|s| s.name == "ratelimit.guard").count() == 2
+                && trace.iter().any(|s| s.name == "tools/list")
         })
         .await;
     let trace = of_trace(&spans);
     let requests: Vec<_> = trace.iter().filter(|s| s.name == "tools/call").collect();
     assert_eq!(requests.len(), 2, "{:#?}", names(&spans));
     assert!(requests.iter().all(|s| hex(&s.parent_span_id) == PARENT), "both continue the header's span");
+    // Every other request is a span of its own too, in the same trace (the SDK lists the tools
+    // itself too, to check answers against their output schemas).
+    let listed: Vec<_> = trace.iter().filter(|s| s.name == "tools/list").collect();
+    assert!(!listed.is_empty(), "{:#?}", names(&spans));
+    for listed in listed {
+        assert_eq!(hex(&listed.parent_span_id), PARENT);
+        assert_eq!(attribute(listed, "mcp.method.name").as_deref(), Some("tools/list"));
+    }
     let refused = trace
         .iter()
         .find(|s| s.name == "ratelimit.guard" && attribute(s, "ratelimit.outcome").as_deref() == Some("refused"))

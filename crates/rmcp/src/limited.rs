@@ -289,7 +289,9 @@ where
     F: Future<Output = Worked<ToolAnswer>> + Send + 'static,
 {
     let span = crate::trace::request_span("tools/call", Some(request.name.as_ref()), context);
-    call_tool_in_span(limits, door, request, context, work).instrument(span).await
+    let answered = call_tool_in_span(limits, door, request, context, work).instrument(span.clone()).await;
+    crate::trace::record_error(&span, &answered);
+    answered
 }
 
 /// [`call_tool`], in the request's span.

@@ -9,9 +9,11 @@
 //! reference server's `[telemetry]`) makes it a child of the caller's span, read with the
 //! propagator set in `opentelemetry::global`; without it the span starts its own trace.
 
-use rmcp::RoleServer;
+use std::future::Future;
+
 use rmcp::service::RequestContext;
-use tracing::Span;
+use rmcp::{ErrorData, RoleServer};
+use tracing::{Instrument, Span};
 
 use mcp_ratelimit_core::guard::trace::TARGET;
 
@@ -26,6 +28,7 @@ pub fn request_span(method: &str, tool: Option<&str>, context: &RequestContext<R
         "mcp.method.name" = method,
         "mcp.tool.name" = tool,
         "mcp.request.id" = tracing::field::Empty,
+        "rpc.jsonrpc.error_code" = tracing::field::Empty,
     );
     if !span.is_disabled() {
         span.record("mcp.request.id", tracing::field::display(&context.id));
@@ -33,6 +36,30 @@ pub fn request_span(method: &str, tool: Option<&str>, context: &RequestContext<R
         continue_trace(&span, context);
     }
     span
+}
+
+/// `handling`, the handler of an MCP request of `method`, run in the request's span
+/// ([`request_span`]), which records the JSON-RPC error it answers, if any (a method limit's
+/// refusal is one: `-32000`). With no subscriber wanting the span, `handling` is simply awaited.
+pub async fn traced<T>(
+    method: &str,
+    context: &RequestContext<RoleServer>,
+    handling: impl Future<Output = Result<T, ErrorData>>,
+) -> Result<T, ErrorData> {
+    let span = request_span(method, None, context);
+    if span.is_disabled() {
+        return handling.await;
+    }
+    let handled = handling.instrument(span.clone()).await;
+    record_error(&span, &handled);
+    handled
+}
+
+/// Records on a request's `span` the JSON-RPC error `handled` is, if it is one.
+pub fn record_error<T>(span: &Span, handled: &Result<T, ErrorData>) {
+    if let (false, Err(error)) = (span.is_disabled(), handled) {
+        span.record("rpc.jsonrpc.error_code", error.code.0);
+    }
 }
 
 /// Makes `span` a child of the trace `context` carries, if it carries one.
