@@ -57,8 +57,7 @@ impl Telemetry {
     /// `config.export_interval`, each span of service `config.service_name`; a trace this server
     /// starts is kept at `config.sample_ratio`, one a caller started as its sampled flag says.
     /// Sets the process's propagator to W3C Trace Context, which the spans' `traceparent` is read
-    /// and written with. Must be called within a tokio runtime or not, but not dropped in one
-    /// while it exports: see [`Telemetry::shutdown`].
+    /// and written with. Needs no runtime: the exporter has a thread of its own.
     pub fn start(config: &TelemetryConfig) -> Result<Self, TelemetryError> {
         opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
         let exporter = opentelemetry_otlp::SpanExporter::builder()
