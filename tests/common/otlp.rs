@@ -101,6 +101,22 @@ pub fn subscribe(telemetry: &Telemetry) -> Subscribed {
     Subscribed { _default: default, _second: second }
 }
 
+impl Receiver {
+    /// Waits, at most ten seconds of real time, until `done` holds of the spans received: for an
+    /// exporter in another process, which sends at its own interval.
+    pub async fn eventually(&self, what: &str, done: impl Fn(&[Span]) -> bool) -> Vec<Span> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let spans = self.spans();
+            if done(&spans) {
+                return spans;
+            }
+            assert!(Instant::now() < deadline, "no {what} in 10 s; spans: {:#?}", names(&spans));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
 async fn receive(State(bodies): State<Arc<Mutex<Vec<Vec<u8>>>>>, body: Bytes) -> StatusCode {
     bodies.lock().unwrap_or_else(|p| p.into_inner()).push(body.to_vec());
     StatusCode::OK
