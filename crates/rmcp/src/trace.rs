@@ -3,7 +3,7 @@
 //! (what a client instrumented with OpenTelemetry sends). A `_meta` one wins.
 //!
 //! The span is a `tracing` span of the core's trace target
-//! ([`TARGET`](mcp_ratelimit_core::guard::trace::TARGET)), disabled — and free — unless a
+//! ([`TARGET`]), disabled — and free — unless a
 //! subscriber wants that target; the guard's span ([`mcp_ratelimit_core::guard::trace`]) is its
 //! child. With the feature `opentelemetry`, a subscriber with a tracing-opentelemetry layer (the
 //! reference server's `[telemetry]`) makes it a child of the caller's span, read with the
