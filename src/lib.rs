@@ -31,6 +31,7 @@ pub mod proxy;
 pub mod reload;
 pub mod simulate;
 pub mod state;
+pub mod telemetry;
 pub mod upstream;
 
 pub use mcp_ratelimit_core::{activity, breaker, clock, guard, identity, limit, metrics, redact};

@@ -8,12 +8,13 @@ use anyhow::Context;
 use clap::builder::PossibleValuesParser;
 use clap::{Parser, Subcommand, ValueEnum};
 use mcp_ratelimit::clock::SystemClock;
-use mcp_ratelimit::config::Catalogue;
+use mcp_ratelimit::config::{Catalogue, ConfigError};
 use mcp_ratelimit::limit::ALGORITHMS;
 use mcp_ratelimit::mcp::tools::catalogue;
 use mcp_ratelimit::mock_upstream::MockUpstream;
 use mcp_ratelimit::proxy::Target;
 use mcp_ratelimit::simulate::{self, Plan, Shape, UpstreamShape};
+use mcp_ratelimit::telemetry::Telemetry;
 use mcp_ratelimit::{App, Config};
 use tokio::net::TcpListener;
 
@@ -122,19 +123,35 @@ enum Format {
 
 /// Logs go to stderr: `RUST_LOG` if set, else `info` (`warn` when MCP itself is on stdio, so a
 /// client that shows the server's stderr shows only what matters), rmcp's own at `warn` and its
-/// per-response errors not at all; colours only on a terminal.
-fn init_logging(quiet: bool) {
+/// per-response errors not at all; colours only on a terminal. With `telemetry` (`[telemetry]`
+/// set), the request path's spans also go to its exporter, through a layer of their own: each
+/// layer has its own filter, so the log never shows those spans and, with no exporter, nothing
+/// wants them and they are never made ([`mcp_ratelimit::telemetry`]).
+fn init_logging(quiet: bool, telemetry: Option<&Telemetry>) {
     use std::io::IsTerminal;
+    use tracing_subscriber::prelude::*;
     // rmcp logs every JSON-RPC error it answers (a refused ping, say) as a WARN; the guard's own
     // rate-limited line already says what was refused, and why.
     let default = if quiet { "warn,rmcp::service=error" } else { "info,rmcp=warn,rmcp::service=error" };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let log = tracing_subscriber::fmt::layer()
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
-        .init();
+        .with_filter(mcp_ratelimit::telemetry::log_filter(filter));
+    tracing_subscriber::registry().with(log).with(telemetry.map(Telemetry::layer)).init();
+}
+
+/// The config a command that runs a server reads (`None` for the others), loaded once, before
+/// logging starts: `[telemetry]` says where its spans go.
+fn config_of(command: &Command) -> Result<Option<Config>, ConfigError> {
+    match command {
+        Command::Serve { config, .. } | Command::Stdio { config } | Command::MockUpstream { config, .. } => {
+            Config::load(config.as_deref(), &catalogue()).map(Some)
+        }
+        Command::Proxy { config, .. } => Config::load(config.as_deref(), &Catalogue::learned()).map(Some),
+        Command::CheckConfig { .. } | Command::Simulate { .. } => Ok(None),
+    }
 }
 
 fn main() -> ExitCode {
@@ -155,7 +172,22 @@ fn main() -> ExitCode {
     if let Command::Simulate { config, shapes, algorithms, tool, seed, out, format } = cli.command {
         return run_simulation(config.as_deref(), shapes, algorithms, tool, seed, &out, format);
     }
-    init_logging(matches!(cli.command, Command::Stdio { .. } | Command::Proxy { stdio: true, .. }));
+    let config = match config_of(&cli.command) {
+        Ok(Some(config)) => config,
+        Ok(None) => unreachable!("check-config and simulate are handled above"),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let telemetry = match config.telemetry.as_ref().map(Telemetry::start).transpose() {
+        Ok(telemetry) => telemetry,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    init_logging(matches!(cli.command, Command::Stdio { .. } | Command::Proxy { stdio: true, .. }), telemetry.as_ref());
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {
@@ -163,7 +195,13 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cli.command)) {
+    let ran = runtime.block_on(run(cli.command, config));
+    drop(runtime);
+    // The last spans are sent, outside the runtime: the exporter's client blocks.
+    if let Some(Err(e)) = telemetry.map(Telemetry::shutdown) {
+        eprintln!("{e}");
+    }
+    match ran {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -172,17 +210,15 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(command: Command) -> anyhow::Result<()> {
+async fn run(command: Command, config: Config) -> anyhow::Result<()> {
     match command {
         Command::Serve { config: file, listen } => {
-            let config = Config::load(file.as_deref(), &catalogue())?;
             let addr = listen.unwrap_or(config.server.listen);
             let app = App::start(config, SystemClock::shared()).await?;
             app.reload_on_change(config_file(file));
             serve_http(&app, addr).await?;
         }
         Command::Proxy { config: file, listen, stdio, upstream, command } => {
-            let config = Config::load(file.as_deref(), &Catalogue::learned())?;
             let target = Target::of(&config.proxy, upstream, command).map_err(anyhow::Error::msg)?;
             let addr = listen.unwrap_or(config.server.listen);
             let app = App::start_proxy(config, target, SystemClock::shared()).await?;
@@ -195,14 +231,12 @@ async fn run(command: Command) -> anyhow::Result<()> {
             }
         }
         Command::Stdio { config: file } => {
-            let config = Config::load(file.as_deref(), &catalogue())?;
             let app = App::start(config, SystemClock::shared()).await?;
             app.reload_on_change(config_file(file));
             tracing::info!(upstream = %mcp_ratelimit::redact::url(app.upstream_url()), "serving MCP on stdio");
             app.serve_stdio().await?;
         }
-        Command::MockUpstream { config, listen } => {
-            let config = Config::load(config.as_deref(), &catalogue())?;
+        Command::MockUpstream { listen, .. } => {
             let addr = listen.unwrap_or(config.mock_upstream.listen);
             let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
             let deadlines = mcp_ratelimit::http::serve::Deadlines::of(&config.server);

@@ -225,6 +225,8 @@ impl AppState {
             ("proxy.max_in_flight", running.proxy.max_in_flight != config.proxy.max_in_flight),
             ("proxy.timeout_ms", running.proxy.timeout_ms != config.proxy.timeout_ms),
             ("proxy.adaptive", running.proxy.adaptive != config.proxy.adaptive),
+            // The exporter and the subscriber it feeds are set up once, when the process starts.
+            ("telemetry", running.telemetry != config.telemetry),
             (
                 "loop_detection",
                 format!("{:?}", running.limiting.loop_detection) != format!("{:?}", config.limiting.loop_detection),

@@ -12,6 +12,7 @@
 //! | `[server]`, `[admin]` | [`server`] |
 //! | `[upstream]`, `[mock_upstream]` | [`upstream`] |
 //! | `[proxy]` (the server `mcp-ratelimit proxy` stands in front of) | [`proxy`] |
+//! | `[telemetry]` (OpenTelemetry traces) | [`telemetry`] |
 //!
 //! This file reads the document, has the core check the limits' sections, then checks the
 //! server's; `table.rs` prints the effective limits for `check-config`.
@@ -19,6 +20,7 @@
 pub mod proxy;
 pub mod server;
 mod table;
+pub mod telemetry;
 pub mod upstream;
 
 use std::path::Path;
@@ -28,6 +30,7 @@ use serde::Deserialize;
 pub use mcp_ratelimit_core::config::*;
 pub use proxy::{ProxyConfig, UpstreamProtocol, UpstreamSessions};
 pub use server::{AdminConfig, ServerConfig};
+pub use telemetry::TelemetryConfig;
 pub use upstream::{AdaptiveConfig, MockUpstreamConfig, UpstreamConfig};
 
 /// The validated configuration the server runs on: the limits' own ([`LimitsConfig`], all a
@@ -46,6 +49,8 @@ pub struct Config {
     pub admin: AdminConfig,
     /// The server `mcp-ratelimit proxy` stands in front of.
     pub proxy: ProxyConfig,
+    /// Where traces go, if anywhere (`None`: off).
+    pub telemetry: Option<TelemetryConfig>,
 }
 
 /// The server's own sections, as written (the limits' are the core's to read).
@@ -56,6 +61,7 @@ struct RawServerSections {
     mock_upstream: MockUpstreamConfig,
     admin: server::RawAdmin,
     proxy: ProxyConfig,
+    telemetry: telemetry::RawTelemetry,
 }
 
 impl Config {
@@ -104,6 +110,7 @@ impl Config {
         }
         raw.mock_upstream.validate()?;
         let admin = raw.admin.validate()?;
+        let telemetry = raw.telemetry.validate()?;
         Ok(Config {
             limiting,
             server,
@@ -111,6 +118,7 @@ impl Config {
             mock_upstream: raw.mock_upstream,
             admin,
             proxy: raw.proxy,
+            telemetry,
         })
     }
 }

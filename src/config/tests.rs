@@ -353,3 +353,30 @@ fn reserved_shares_and_ranks_name_known_tiers_and_reserve_no_more_than_the_accou
     let over = err("[upstream.reserved]\nadmin = 0.6\ndefault = 0.5\n");
     assert!(over.contains("upstream.reserved") && over.contains("more than the whole account"), "{over}");
 }
+
+#[test]
+fn telemetry_is_off_unless_an_endpoint_is_set_and_each_bad_value_is_named() {
+    assert_eq!(Config::from_toml_test("").expect("defaults").telemetry, None);
+    let on = Config::from_toml_test("[telemetry]\notlp_endpoint = \"http://collector:4318\"\n").expect("valid");
+    let on = on.telemetry.expect("on");
+    assert_eq!(on.traces_url.as_str(), "http://collector:4318/v1/traces", "a base URL gets the traces path");
+    assert_eq!(on.service_name, "mcp-ratelimit");
+    let full = Config::from_toml_test("[telemetry]\notlp_endpoint = \"https://otel.example/custom/traces\"\n");
+    assert_eq!(full.expect("valid").telemetry.expect("on").traces_url.as_str(), "https://otel.example/custom/traces");
+    for (toml, key, says) in [
+        ("otlp_endpoint = \"collector:4318\"", "telemetry.otlp_endpoint", "http://"),
+        ("otlp_endpoint = \"not a url\"", "telemetry.otlp_endpoint", "is not a URL"),
+        ("otlp_endpoint = \"ftp://collector\"", "telemetry.otlp_endpoint", "http://"),
+        ("otlp_endpoint = \"http://user:pw@collector:4318\"", "telemetry.otlp_endpoint", "credentials"),
+        ("otlp_endpoint = \"http://c:4318\"\nservice_name = \" \"", "telemetry.service_name", "empty"),
+        ("otlp_endpoint = \"http://c:4318\"\nsample_ratio = 1.5", "telemetry.sample_ratio", "0.0 to 1.0"),
+        ("otlp_endpoint = \"http://c:4318\"\nexport_interval_ms = 0", "telemetry.export_interval_ms", "1 to"),
+        ("otlp_endpoint = \"http://c:4318\"\nexport_timeout_ms = 3600001", "telemetry.export_timeout_ms", "1 to"),
+        ("otlp_endpiont = \"http://c:4318\"", "otlp_endpiont", ""),
+    ] {
+        let e = err(&format!("[telemetry]\n{toml}\n"));
+        assert!(e.contains(key) && e.contains(says), "{toml}: {e}");
+    }
+    // The password of a refused URL is not repeated in the error.
+    assert!(!err("[telemetry]\notlp_endpoint = \"http://user:hunter2@c:4318\"\n").contains("hunter2"));
+}

@@ -145,12 +145,18 @@ impl ServerHandler for McpServer {
         _request: Option<PaginatedRequestParams>,
         context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
-        self.admit_method(&context, MethodGroup::ToolsList, "tools/list").await?;
-        Ok(ListToolsResult::with_all_items(self.tools.list_all()))
+        crate::mcp::trace::traced("tools/list", &context, async {
+            self.admit_method(&context, MethodGroup::ToolsList, "tools/list").await?;
+            Ok(ListToolsResult::with_all_items(self.tools.list_all()))
+        })
+        .await
     }
 
     async fn ping(&self, context: RequestContext<RoleServer>) -> Result<(), ErrorData> {
-        self.admit_method(&context, MethodGroup::Other, "ping").await
+        crate::mcp::trace::traced("ping", &context, async {
+            self.admit_method(&context, MethodGroup::Other, "ping").await
+        })
+        .await
     }
 
     async fn call_tool(
@@ -166,11 +172,18 @@ impl ServerHandler for McpServer {
         request: GetTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<GetTaskResult, ErrorData> {
-        let caller = self.caller_of(&context)?;
-        self.admit_method(&context, MethodGroup::Other, "tasks/get").await?;
-        let view =
-            self.own.jobs.poll(caller.id(), &request.task_id).await.ok_or_else(|| unknown_task(&request.task_id))?;
-        Ok(GetTaskResult::new(task_of(view, self.task_ttl_ms())?))
+        crate::mcp::trace::traced("tasks/get", &context, async {
+            let caller = self.caller_of(&context)?;
+            self.admit_method(&context, MethodGroup::Other, "tasks/get").await?;
+            let view = self
+                .own
+                .jobs
+                .poll(caller.id(), &request.task_id)
+                .await
+                .ok_or_else(|| unknown_task(&request.task_id))?;
+            Ok(GetTaskResult::new(task_of(view, self.task_ttl_ms())?))
+        })
+        .await
     }
 
     async fn cancel_task(
@@ -178,17 +191,20 @@ impl ServerHandler for McpServer {
         request: CancelTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        let caller = self.caller_of(&context)?;
-        self.admit_method(&context, MethodGroup::Other, "tasks/cancel").await?;
-        match self.own.jobs.cancel(caller.id(), &request.task_id).await {
-            Ok(Some(_)) => Ok(()),
-            Ok(None) => Err(unknown_task(&request.task_id)),
-            Err(error) => Err(ErrorData::new(
-                ErrorCode(-32000),
-                format!("the job could not be cancelled upstream: {error}; try again"),
-                None,
-            )),
-        }
+        crate::mcp::trace::traced("tasks/cancel", &context, async {
+            let caller = self.caller_of(&context)?;
+            self.admit_method(&context, MethodGroup::Other, "tasks/cancel").await?;
+            match self.own.jobs.cancel(caller.id(), &request.task_id).await {
+                Ok(Some(_)) => Ok(()),
+                Ok(None) => Err(unknown_task(&request.task_id)),
+                Err(error) => Err(ErrorData::new(
+                    ErrorCode(-32000),
+                    format!("the job could not be cancelled upstream: {error}; try again"),
+                    None,
+                )),
+            }
+        })
+        .await
     }
 }
 

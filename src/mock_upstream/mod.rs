@@ -17,7 +17,8 @@
 //! For tests and experiments (never limited, never subject to chaos):
 //! - `GET /v1/usage`: what it was asked to do — the bill an agent ran up;
 //! - `GET /v1/submissions`: every `POST /v1/predictions` it received, with the clock reading
-//!   and the status it answered (to prove spacing and backoff);
+//!   and the status it answered (to prove spacing and backoff), and the W3C `traceparent` it
+//!   carried (to prove a trace reaches the paid API);
 //! - `PUT /v1/chaos`: change the chaos knobs while running (`rate_429`, `rate_5xx`,
 //!   `retry_after_seconds`, `latency_ms`, `max_concurrent_predictions`), e.g. to take the API down
 //!   and bring it back, or to change the account's capacity under a running server; and
@@ -109,6 +110,9 @@ struct Submission {
     /// Its `Idempotency-Key` (the server sends a job's `predict_id` when it has one).
     #[serde(skip_serializing_if = "Option::is_none")]
     idempotency_key: Option<String>,
+    /// Its `traceparent` header (`[telemetry]` on: the trace of the call that submitted it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    traceparent: Option<String>,
 }
 
 const MAX_SUBMISSION_LOG: usize = 100_000;
@@ -324,11 +328,13 @@ async fn log_submissions(State(state): State<Arc<MockState>>, request: Request, 
     let at_ns = state.clock.now();
     let idempotency_key =
         request.headers().get("idempotency-key").and_then(|v| v.to_str().ok()).map(|k| k.chars().take(64).collect());
+    let traceparent =
+        request.headers().get("traceparent").and_then(|v| v.to_str().ok()).map(|k| k.chars().take(64).collect());
     let response = next.run(request).await;
     if is_submission {
         let mut log = lock(&state.submissions);
         if log.len() < MAX_SUBMISSION_LOG {
-            log.push(Submission { at_ns, status: response.status().as_u16(), idempotency_key });
+            log.push(Submission { at_ns, status: response.status().as_u16(), idempotency_key, traceparent });
         }
     }
     response

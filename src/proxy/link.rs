@@ -7,15 +7,23 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsString;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
+use futures::stream::BoxStream;
+use http::{HeaderName, HeaderValue};
+use rmcp::model::{ClientJsonRpcMessage, GetMeta};
 use rmcp::model::{ProtocolVersion, ServerNotification, ServerPeerInfo, SubscriptionFilter};
 use rmcp::service::{Peer, RunningService};
-use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::streamable_http_client::{
+    SseError, StreamableHttpClient, StreamableHttpClientTransportConfig, StreamableHttpError,
+    StreamableHttpPostResponse, StreamableHttpResponseLimits,
+};
 use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
 use rmcp::{ClientLifecycleMode, ClientServiceExt, RoleClient};
+use sse_stream::Sse;
 use tokio_util::sync::CancellationToken;
 
 use super::relay::{Change, Relay};
@@ -419,7 +427,7 @@ impl Link {
                         .custom_headers(headers)
                         .max_concurrent_requests(self.concurrency.saturating_add(1));
                     // A pooled client: the default one opens a connection per request.
-                    let transport = StreamableHttpClientTransport::with_client(reqwest::Client::new(), config);
+                    let transport = StreamableHttpClientTransport::with_client(Traced(reqwest::Client::new()), config);
                     relay
                         .serve_with_lifecycle(transport, lifecycle(self.protocol))
                         .await
@@ -441,5 +449,111 @@ impl Link {
         tokio::time::timeout(ANSWER_WITHIN, connecting)
             .await
             .map_err(|_| handshake(format!("no answer within {ANSWER_WITHIN:?}")))?
+    }
+}
+
+/// The HTTP client of a proxied server's session: reqwest, as rmcp drives it, with the W3C trace
+/// context a forwarded request carries in its `_meta` (`traceparent`, `tracestate`: the proxy's
+/// span, when traces are on) also sent as headers, where an HTTP server instrumented with
+/// OpenTelemetry reads it. Anything else passes as it is.
+#[derive(Clone)]
+struct Traced(reqwest::Client);
+
+/// `headers` with the trace context of `message`'s `_meta`, if it is a request carrying one.
+fn with_trace_headers(
+    message: &ClientJsonRpcMessage,
+    mut headers: HashMap<HeaderName, HeaderValue>,
+) -> HashMap<HeaderName, HeaderValue> {
+    let ClientJsonRpcMessage::Request(request) = message else { return headers };
+    let meta = request.request.get_meta();
+    for (name, value) in [("traceparent", meta.get_traceparent()), ("tracestate", meta.get_tracestate())] {
+        if let Some(value) = value.and_then(|v| HeaderValue::from_str(v).ok()) {
+            headers.insert(HeaderName::from_static(name), value);
+        }
+    }
+    headers
+}
+
+impl StreamableHttpClient for Traced {
+    type Error = reqwest::Error;
+
+    fn post_message(
+        &self,
+        uri: Arc<str>,
+        message: ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+    ) -> impl Future<Output = Result<StreamableHttpPostResponse, StreamableHttpError<Self::Error>>> + Send + '_ {
+        let headers = with_trace_headers(&message, custom_headers);
+        self.0.post_message(uri, message, session_id, auth_header, headers)
+    }
+
+    fn post_message_with_max_sse_event_size(
+        &self,
+        uri: Arc<str>,
+        message: ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+        max_sse_event_size: usize,
+    ) -> impl Future<Output = Result<StreamableHttpPostResponse, StreamableHttpError<Self::Error>>> + Send + '_ {
+        let headers = with_trace_headers(&message, custom_headers);
+        self.0.post_message_with_max_sse_event_size(uri, message, session_id, auth_header, headers, max_sse_event_size)
+    }
+
+    fn post_message_with_response_limits(
+        &self,
+        uri: Arc<str>,
+        message: ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+        limits: StreamableHttpResponseLimits,
+    ) -> impl Future<Output = Result<StreamableHttpPostResponse, StreamableHttpError<Self::Error>>> + Send + '_ {
+        let headers = with_trace_headers(&message, custom_headers);
+        self.0.post_message_with_response_limits(uri, message, session_id, auth_header, headers, limits)
+    }
+
+    fn delete_session(
+        &self,
+        uri: Arc<str>,
+        session_id: Arc<str>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+    ) -> impl Future<Output = Result<(), StreamableHttpError<Self::Error>>> + Send + '_ {
+        self.0.delete_session(uri, session_id, auth_header, custom_headers)
+    }
+
+    fn get_stream(
+        &self,
+        uri: Arc<str>,
+        session_id: Option<Arc<str>>,
+        last_event_id: Option<String>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+    ) -> impl Future<Output = Result<BoxStream<'static, Result<Sse, SseError>>, StreamableHttpError<Self::Error>>> + Send + '_
+    {
+        self.0.get_stream(uri, session_id, last_event_id, auth_header, custom_headers)
+    }
+
+    fn get_stream_with_max_sse_event_size(
+        &self,
+        uri: Arc<str>,
+        session_id: Option<Arc<str>>,
+        last_event_id: Option<String>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+        max_sse_event_size: usize,
+    ) -> impl Future<Output = Result<BoxStream<'static, Result<Sse, SseError>>, StreamableHttpError<Self::Error>>> + Send + '_
+    {
+        self.0.get_stream_with_max_sse_event_size(
+            uri,
+            session_id,
+            last_event_id,
+            auth_header,
+            custom_headers,
+            max_sse_event_size,
+        )
     }
 }

@@ -53,6 +53,7 @@ use rmcp::model::{
 };
 use rmcp::service::{PeerRequestOptions, ServiceError};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 pub use link::{ChildEnv, Link, LinkError, Target};
 pub use relay::{Downstream, Relay};
@@ -326,8 +327,35 @@ impl Proxied {
     /// Cancel-safe: dropped anywhere — its caller cancelled — the call leaves the line at once
     /// ([`Turn`](crate::upstream::queue::Turn)), gives back any slot it held, and the proxied
     /// server is told to stop a call already sent.
+    ///
+    /// The call is a span of its own ([`proxied_span`]): its wait for a turn and its request to the
+    /// proxied server, which hears that span's trace context in `_meta` (and, over HTTP, in a
+    /// `traceparent` header: [`link`]) when traces are on.
     async fn forward(&self, caller: &Caller, place: Reservation, outgoing: Outgoing) -> Result<Forwarded, Unanswered> {
-        let Outgoing { request, meta, progress, asker, upstream } = outgoing;
+        let span = proxied_span(&outgoing.request.name);
+        // Boxed: the call's future is large, and a span around it would copy it on the stack.
+        let forwarded = Box::pin(self.forward_in(caller, place, outgoing)).instrument(span.clone()).await;
+        if !span.is_disabled() {
+            let outcome = match &forwarded {
+                Ok(Forwarded::Answer(_)) => "answered",
+                Ok(Forwarded::Task(..)) => "task",
+                Err(Unanswered::Error(_)) => "error",
+                Err(Unanswered::Unavailable(_)) => "unavailable",
+                Err(Unanswered::NotSent(_)) => "not_sent",
+            };
+            span.record("proxy.outcome", outcome);
+        }
+        forwarded
+    }
+
+    /// [`Proxied::forward`], in its span.
+    async fn forward_in(
+        &self,
+        caller: &Caller,
+        place: Reservation,
+        outgoing: Outgoing,
+    ) -> Result<Forwarded, Unanswered> {
+        let Outgoing { request, mut meta, progress, asker, upstream } = outgoing;
         // Its session stays open while it is in flight (a 2026-07-28 caller's has no other hold).
         let _in_flight = upstream.hold(&self.clock);
         let tool = request.name.to_string();
@@ -368,6 +396,10 @@ impl Proxied {
         };
         let request = ClientRequest::CallToolRequest(CallToolRequest::new(request));
         let mut options = PeerRequestOptions::no_options();
+        // The trace goes on from this call's span, not from the caller's.
+        for (key, value) in crate::telemetry::context_of(&tracing::Span::current()).into_iter().flatten() {
+            meta.0.insert(key, value.into());
+        }
         options.meta = Some(upstream.upstream_meta(meta));
         let answer = async {
             let handle = peer.send_cancellable_request(request, options).await?;
@@ -442,6 +474,20 @@ impl Proxied {
             }
         }
     }
+}
+
+/// The span of one call forwarded to the proxied server, from its wait for a turn to its answer
+/// (`proxy.outcome`: `answered`, `task`, `error`, `unavailable`, `not_sent`). Disabled, and free,
+/// when traces are off.
+fn proxied_span(tool: &str) -> tracing::Span {
+    tracing::info_span!(
+        target: crate::telemetry::TARGET,
+        "proxy.request",
+        "otel.kind" = "client",
+        "mcp.method.name" = "tools/call",
+        "mcp.tool.name" = tool,
+        "proxy.outcome" = tracing::field::Empty,
+    )
 }
 
 /// What a sent call came back with: an answer, or a task that keeps the call's place to the

@@ -279,7 +279,7 @@ impl ServerHandler for ProxyServer {
     }
 
     async fn ping(&self, context: RequestContext<RoleServer>) -> Result<(), ErrorData> {
-        self.admit_method(&context, "ping").await
+        crate::mcp::trace::traced("ping", &context, async { self.admit_method(&context, "ping").await }).await
     }
 
     /// The proxied server's tools, each with its price appended.
@@ -288,9 +288,12 @@ impl ServerHandler for ProxyServer {
         _request: Option<PaginatedRequestParams>,
         context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
-        self.admit_method(&context, "tools/list").await?;
-        let tools = limited::priced(self.proxied.tools().to_vec(), &self.limits.guard().policy());
-        Ok(ListToolsResult::with_all_items(tools))
+        crate::mcp::trace::traced("tools/list", &context, async {
+            self.admit_method(&context, "tools/list").await?;
+            let tools = limited::priced(self.proxied.tools().to_vec(), &self.limits.guard().policy());
+            Ok(ListToolsResult::with_all_items(tools))
+        })
+        .await
     }
 
     async fn call_tool(
@@ -321,9 +324,12 @@ impl ServerHandler for ProxyServer {
         request: Option<PaginatedRequestParams>,
         context: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, ErrorData> {
-        let method = "resources/list";
-        let listed = self.ask(&context, method).await?.peer.list_resources(request).await;
-        listed.map(Complete::complete).map_err(|e| self.passed(method, e))
+        crate::mcp::trace::traced("resources/list", &context, async {
+            let method = "resources/list";
+            let listed = self.ask(&context, method).await?.peer.list_resources(request).await;
+            listed.map(Complete::complete).map_err(|e| self.passed(method, e))
+        })
+        .await
     }
 
     async fn list_resource_templates(
@@ -331,9 +337,12 @@ impl ServerHandler for ProxyServer {
         request: Option<PaginatedRequestParams>,
         context: RequestContext<RoleServer>,
     ) -> Result<ListResourceTemplatesResult, ErrorData> {
-        let method = "resources/templates/list";
-        let listed = self.ask(&context, method).await?.peer.list_resource_templates(request).await;
-        listed.map(Complete::complete).map_err(|e| self.passed(method, e))
+        crate::mcp::trace::traced("resources/templates/list", &context, async {
+            let method = "resources/templates/list";
+            let listed = self.ask(&context, method).await?.peer.list_resource_templates(request).await;
+            listed.map(Complete::complete).map_err(|e| self.passed(method, e))
+        })
+        .await
     }
 
     async fn read_resource(
@@ -341,9 +350,12 @@ impl ServerHandler for ProxyServer {
         request: ReadResourceRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, ErrorData> {
-        let method = "resources/read";
-        let read = self.ask(&context, method).await?.peer.read_resource_once(request).await;
-        read.map(Complete::complete).map_err(|e| self.passed(method, e))
+        crate::mcp::trace::traced("resources/read", &context, async {
+            let method = "resources/read";
+            let read = self.ask(&context, method).await?.peer.read_resource_once(request).await;
+            read.map(Complete::complete).map_err(|e| self.passed(method, e))
+        })
+        .await
     }
 
     async fn subscribe(
@@ -351,12 +363,15 @@ impl ServerHandler for ProxyServer {
         request: SubscribeRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        let method = "resources/subscribe";
-        let asking = self.ask(&context, method).await?;
-        let session = self.membership.get().map(Membership::id);
-        // The upstream session subscribes once, for every downstream session on it that asked.
-        let first = session.is_none_or(|s| asking.upstream.downstream().subscribe(s, &request.uri));
-        if first { asking.peer.subscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
+        crate::mcp::trace::traced("resources/subscribe", &context, async {
+            let method = "resources/subscribe";
+            let asking = self.ask(&context, method).await?;
+            let session = self.membership.get().map(Membership::id);
+            // The upstream session subscribes once, for every downstream session on it that asked.
+            let first = session.is_none_or(|s| asking.upstream.downstream().subscribe(s, &request.uri));
+            if first { asking.peer.subscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
+        })
+        .await
     }
 
     async fn unsubscribe(
@@ -364,11 +379,14 @@ impl ServerHandler for ProxyServer {
         request: UnsubscribeRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        let method = "resources/unsubscribe";
-        let asking = self.ask(&context, method).await?;
-        let session = self.membership.get().map(Membership::id);
-        let last = session.is_none_or(|s| asking.upstream.downstream().unsubscribe(s, &request.uri));
-        if last { asking.peer.unsubscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
+        crate::mcp::trace::traced("resources/unsubscribe", &context, async {
+            let method = "resources/unsubscribe";
+            let asking = self.ask(&context, method).await?;
+            let session = self.membership.get().map(Membership::id);
+            let last = session.is_none_or(|s| asking.upstream.downstream().unsubscribe(s, &request.uri));
+            if last { asking.peer.unsubscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
+        })
+        .await
     }
 
     async fn list_prompts(
@@ -376,9 +394,12 @@ impl ServerHandler for ProxyServer {
         request: Option<PaginatedRequestParams>,
         context: RequestContext<RoleServer>,
     ) -> Result<ListPromptsResult, ErrorData> {
-        let method = "prompts/list";
-        let listed = self.ask(&context, method).await?.peer.list_prompts(request).await;
-        listed.map(Complete::complete).map_err(|e| self.passed(method, e))
+        crate::mcp::trace::traced("prompts/list", &context, async {
+            let method = "prompts/list";
+            let listed = self.ask(&context, method).await?.peer.list_prompts(request).await;
+            listed.map(Complete::complete).map_err(|e| self.passed(method, e))
+        })
+        .await
     }
 
     async fn get_prompt(
@@ -386,9 +407,12 @@ impl ServerHandler for ProxyServer {
         request: GetPromptRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<GetPromptResponse, ErrorData> {
-        let method = "prompts/get";
-        let prompt = self.ask(&context, method).await?.peer.get_prompt_once(request).await;
-        prompt.map(Complete::complete).map_err(|e| self.passed(method, e))
+        crate::mcp::trace::traced("prompts/get", &context, async {
+            let method = "prompts/get";
+            let prompt = self.ask(&context, method).await?.peer.get_prompt_once(request).await;
+            prompt.map(Complete::complete).map_err(|e| self.passed(method, e))
+        })
+        .await
     }
 
     async fn complete(
@@ -396,9 +420,12 @@ impl ServerHandler for ProxyServer {
         request: CompleteRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CompleteResult, ErrorData> {
-        let method = "completion/complete";
-        let completed = self.ask(&context, method).await?.peer.complete(request).await;
-        completed.map(Complete::complete).map_err(|e| self.passed(method, e))
+        crate::mcp::trace::traced("completion/complete", &context, async {
+            let method = "completion/complete";
+            let completed = self.ask(&context, method).await?.peer.complete(request).await;
+            completed.map(Complete::complete).map_err(|e| self.passed(method, e))
+        })
+        .await
     }
 
     /// Sets the level of the proxied server's log messages this session hears; the proxied
@@ -410,26 +437,29 @@ impl ServerHandler for ProxyServer {
         request: SetLevelRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        let method = "logging/setLevel";
-        let asking = self.ask(&context, method).await?;
-        let Some(session) = self.membership.get().map(Membership::id) else { return Ok(()) };
-        let downstream = asking.upstream.downstream();
-        let mut set = downstream.upstream_level.lock().await;
-        let wanted = downstream.set_level(session, request.level);
-        // A 2026-07-28 server has no level to set: each request says its own (`upstream_meta`).
-        if asking.upstream.stateless() {
-            return Ok(());
-        }
-        if *set != Some(wanted) {
-            // Within the time a listing of tools has: the lock is held meanwhile.
-            let setting = asking.peer.set_level(SetLevelRequestParams::new(wanted));
-            match tokio::time::timeout(super::link::ANSWER_WITHIN, setting).await {
-                Ok(done) => done.map_err(|e| self.passed(method, e))?,
-                Err(_) => return Err(self.unavailable(method, "it did not answer in time")),
+        crate::mcp::trace::traced("logging/setLevel", &context, async {
+            let method = "logging/setLevel";
+            let asking = self.ask(&context, method).await?;
+            let Some(session) = self.membership.get().map(Membership::id) else { return Ok(()) };
+            let downstream = asking.upstream.downstream();
+            let mut set = downstream.upstream_level.lock().await;
+            let wanted = downstream.set_level(session, request.level);
+            // A 2026-07-28 server has no level to set: each request says its own (`upstream_meta`).
+            if asking.upstream.stateless() {
+                return Ok(());
             }
-            *set = Some(wanted);
-        }
-        Ok(())
+            if *set != Some(wanted) {
+                // Within the time a listing of tools has: the lock is held meanwhile.
+                let setting = asking.peer.set_level(SetLevelRequestParams::new(wanted));
+                match tokio::time::timeout(super::link::ANSWER_WITHIN, setting).await {
+                    Ok(done) => done.map_err(|e| self.passed(method, e))?,
+                    Err(_) => return Err(self.unavailable(method, "it did not answer in time")),
+                }
+                *set = Some(wanted);
+            }
+            Ok(())
+        })
+        .await
     }
 
     /// A 2026-07-28 caller's subscription: of what it asks, the lists' changes — the tools', which
@@ -510,20 +540,23 @@ impl ServerHandler for ProxyServer {
         request: GetTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<GetTaskResult, ErrorData> {
-        let method = "tasks/get";
-        let asking = self.ask(&context, method).await?;
-        self.owned(&context, &request.task_id)?;
-        let request = ClientRequest::GetTaskRequest(GetTaskRequest::new(request));
-        let mut got = match self.as_caller(&asking, request, &context).await {
-            Ok(ServerResult::GetTaskResult(got)) => got,
-            Ok(_) => return Err(self.passed(method, ServiceError::UnexpectedResponse)),
-            Err(error) => return Err(self.passed(method, error)),
-        };
-        // Its result, a 2025-11-25 server's, made valid for a 2026-07-28 caller as any other.
-        if let TaskPayload::Completed { result } = &mut got.task.payload {
-            result.entry("resultType").or_insert_with(|| ResultType::COMPLETE.as_str().into());
-        }
-        Ok(got)
+        crate::mcp::trace::traced("tasks/get", &context, async {
+            let method = "tasks/get";
+            let asking = self.ask(&context, method).await?;
+            self.owned(&context, &request.task_id)?;
+            let request = ClientRequest::GetTaskRequest(GetTaskRequest::new(request));
+            let mut got = match self.as_caller(&asking, request, &context).await {
+                Ok(ServerResult::GetTaskResult(got)) => got,
+                Ok(_) => return Err(self.passed(method, ServiceError::UnexpectedResponse)),
+                Err(error) => return Err(self.passed(method, error)),
+            };
+            // Its result, a 2025-11-25 server's, made valid for a 2026-07-28 caller as any other.
+            if let TaskPayload::Completed { result } = &mut got.task.payload {
+                result.entry("resultType").or_insert_with(|| ResultType::COMPLETE.as_str().into());
+            }
+            Ok(got)
+        })
+        .await
     }
 
     /// Cancels a task of the caller's own; any other is unknown, and the proxied server never hears.
@@ -532,15 +565,18 @@ impl ServerHandler for ProxyServer {
         request: CancelTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        let method = "tasks/cancel";
-        let asking = self.ask(&context, method).await?;
-        self.owned(&context, &request.task_id)?;
-        let request = ClientRequest::CancelTaskRequest(CancelTaskRequest::new(request));
-        match self.as_caller(&asking, request, &context).await {
-            Ok(ServerResult::TaskAckResult(_) | ServerResult::EmptyResult(_)) => Ok(()),
-            Ok(_) => Err(self.passed(method, ServiceError::UnexpectedResponse)),
-            Err(error) => Err(self.passed(method, error)),
-        }
+        crate::mcp::trace::traced("tasks/cancel", &context, async {
+            let method = "tasks/cancel";
+            let asking = self.ask(&context, method).await?;
+            self.owned(&context, &request.task_id)?;
+            let request = ClientRequest::CancelTaskRequest(CancelTaskRequest::new(request));
+            match self.as_caller(&asking, request, &context).await {
+                Ok(ServerResult::TaskAckResult(_) | ServerResult::EmptyResult(_)) => Ok(()),
+                Ok(_) => Err(self.passed(method, ServiceError::UnexpectedResponse)),
+                Err(error) => Err(self.passed(method, error)),
+            }
+        })
+        .await
     }
 }
 

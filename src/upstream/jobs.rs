@@ -39,6 +39,7 @@ use std::time::{Duration, SystemTime};
 use rand::Rng;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
 use crate::guard::{Handed, Reserved, Used};
@@ -396,11 +397,16 @@ impl Jobs {
             return;
         };
         let jobs = self.clone();
+        // A queued job's wait and submission belong to the trace of the call that started it.
+        let queue_span = match &queued {
+            Some(_) => queue_span(),
+            None => tracing::Span::none(),
+        };
         tokio::spawn(async move {
             let stop = jobs.stop.clone();
             let work = async {
                 if let Some(queued) = queued
-                    && !jobs.submit_queued(&id, queued).await
+                    && !jobs.submit_queued(&id, queued).instrument(queue_span).await
                 {
                     return;
                 }
@@ -419,12 +425,19 @@ impl Jobs {
     async fn submit_queued(&self, id: &str, queued: Queued) -> bool {
         let Queued { tool, job, mut turn } = queued;
         let Some((owner, class)) = self.book().get(id).map(|j| (j.owner.clone(), j.class)) else { return false };
+        let queued_at = self.clock.now();
         let retry_at = |not_before: Nanos| self.queue.requeue_front(&owner.flowing(), id, class, not_before);
         let mut failed = 0;
         let mut sent = false;
         loop {
             // The sender is dropped when the job leaves the line (cancelled, expired).
             let Ok(account) = turn.await else { return false };
+            let span = tracing::Span::current();
+            if !span.is_disabled() {
+                let waited_ms = self.clock.now().saturating_sub(queued_at) / crate::clock::NANOS_PER_MS;
+                span.record("upstream.queue.waited_ms", waited_ms);
+                span.record("upstream.queue.tries", u32::saturating_add(failed, 1));
+            }
             // Ended by another instance while it waited (this one was taken for dead): never sent,
             // so its agent, told it failed, is never billed for it.
             if let Some(ended) = self.ended_elsewhere(id).await {
@@ -964,4 +977,17 @@ fn used_by(job: &Job) -> Used {
         (Some(_), Some(usage)) => Used::Reported(usage.units),
         (Some(_), None) => Used::Unreported,
     }
+}
+
+/// The span of a queued job from the call that queued it (its parent: the span current there) to
+/// its submission: how long it waited for an account slot on the server's clock, and in how many
+/// tries it was sent; its submission's [`upstream`](crate::upstream) request is its child.
+/// Disabled, and free, when traces are off.
+fn queue_span() -> tracing::Span {
+    tracing::info_span!(
+        target: crate::telemetry::TARGET,
+        "upstream.queue",
+        "upstream.queue.waited_ms" = tracing::field::Empty,
+        "upstream.queue.tries" = tracing::field::Empty,
+    )
 }

@@ -19,6 +19,7 @@ pub mod queue;
 use std::time::{Duration, SystemTime};
 
 use reqwest::{StatusCode, Url};
+use tracing::Instrument;
 
 use crate::breaker::Breaker;
 use crate::clock::{Nanos, SharedClock};
@@ -177,12 +178,40 @@ impl Upstream {
     /// Sends `request` if the breaker lets it through, and tells the breaker how it went: only
     /// failures of the API itself (5xx, timeouts, broken connections) count against it; a 429
     /// or a 4xx is an API that answers.
+    ///
+    /// Each request is a span of its own ([`upstream_span`]), under the call's, and carries that
+    /// span's trace context as a `traceparent` header when traces are on.
     async fn send<T: serde::de::DeserializeOwned>(&self, request: reqwest::RequestBuilder) -> Result<T, UpstreamError> {
+        let request = request.build();
+        let span = upstream_span(request.as_ref().ok());
+        let answer = self.send_in(request, &span).instrument(span.clone()).await;
+        if !span.is_disabled() {
+            span.record("upstream.outcome", UpstreamError::outcome_of(&answer));
+        }
+        answer
+    }
+
+    /// [`Upstream::send`], in its span.
+    async fn send_in<T: serde::de::DeserializeOwned>(
+        &self,
+        request: Result<reqwest::Request, reqwest::Error>,
+        span: &tracing::Span,
+    ) -> Result<T, UpstreamError> {
         let permit = self
             .breaker
             .permit(self.clock.now())
             .map_err(|open| UpstreamError::CircuitOpen { retry_after: open.retry_after })?;
-        let answer = read_json(request.send().await).await;
+        let sent = match request {
+            Ok(mut request) => {
+                crate::telemetry::inject_headers(span, request.headers_mut());
+                self.http.execute(request).await
+            }
+            Err(unbuilt) => Err(unbuilt),
+        };
+        if let (false, Ok(response)) = (span.is_disabled(), &sent) {
+            span.record("http.response.status_code", response.status().as_u16());
+        }
+        let answer = read_json(sent).await;
         let failed = matches!(answer, Err(UpstreamError::Unavailable(_) | UpstreamError::NoAnswer(_)));
         self.breaker.record(permit, !failed, self.clock.now());
         answer
@@ -248,6 +277,27 @@ impl Upstream {
         }
         Ok(url)
     }
+}
+
+/// The span of one request to the paid API: its method and path (never its query, which holds
+/// an agent's words, nor its credential header), the status it was answered and the outcome the
+/// metrics count (`circuit_open`: the breaker kept it from being sent). Disabled, and free, when
+/// traces are off.
+fn upstream_span(request: Option<&reqwest::Request>) -> tracing::Span {
+    let span = tracing::info_span!(
+        target: crate::telemetry::TARGET,
+        "upstream.request",
+        "otel.kind" = "client",
+        "http.request.method" = tracing::field::Empty,
+        "url.path" = tracing::field::Empty,
+        "http.response.status_code" = tracing::field::Empty,
+        "upstream.outcome" = tracing::field::Empty,
+    );
+    if let (false, Some(request)) = (span.is_disabled(), request) {
+        span.record("http.request.method", request.method().as_str());
+        span.record("url.path", request.url().path());
+    }
+    span
 }
 
 async fn read_json<T: serde::de::DeserializeOwned>(

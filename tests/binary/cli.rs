@@ -126,6 +126,15 @@ fn environment_overrides_the_file_and_is_validated_too() {
 }
 
 #[test]
+fn the_telemetry_endpoint_is_set_from_the_environment_and_checked_there_too() {
+    let (ok, _, stderr) = check_config("", &[("MCP_RL__TELEMETRY__OTLP_ENDPOINT", "http://127.0.0.1:4318")]);
+    assert!(ok, "{stderr}");
+    let (ok, _, stderr) = check_config("", &[("MCP_RL__TELEMETRY__OTLP_ENDPOINT", "collector:4318")]);
+    assert!(!ok);
+    assert!(stderr.contains("telemetry.otlp_endpoint") && stderr.contains("http://"), "{stderr}");
+}
+
+#[test]
 fn a_timeout_beyond_any_clock_is_refused_naming_its_key_from_a_file_or_the_environment() {
     let huge = "18446744073709551615";
     for (toml, env) in [
@@ -220,4 +229,34 @@ fn serve_on_a_free_port(configure: impl FnOnce(&mut Command)) -> (std::process::
     });
     assert!(up, "server never listened");
     (child, port)
+}
+
+/// `serve` with `[telemetry]` (set as a user sets it, in the file): the binary's own subscriber
+/// sends the call's spans to the collector, named for the caller's tenant, never its key.
+#[tokio::test]
+async fn serve_with_telemetry_sends_a_calls_spans_to_the_collector() {
+    use crate::otlp::{Receiver, attribute};
+    let receiver = Receiver::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("config.toml");
+    let key = "binary-telemetry-key-0123456789";
+    let toml = format!(
+        "[[auth.keys]]\nkey = \"{key}\"\ntenant = \"acme\"\n[telemetry]\notlp_endpoint = \"{}\"\nexport_interval_ms = 100\n",
+        receiver.url
+    );
+    std::fs::write(&file, toml).expect("config written");
+    let (_child, agent, _port) = crate::common::serve_file(&file, key).await;
+    let answered = crate::common::call(&agent, "list_articles", serde_json::json!({})).await;
+    assert!(!crate::common::is_error(&answered));
+    let spans = receiver
+        .eventually("the call's spans", |spans| {
+            ["tools/call", "ratelimit.guard", "upstream.request"]
+                .iter()
+                .all(|name| spans.iter().any(|s| s.name == *name))
+        })
+        .await;
+    let decided = spans.iter().find(|s| s.name == "ratelimit.guard").expect("found");
+    assert_eq!(attribute(decided, "ratelimit.caller.tenant").as_deref(), Some("acme"));
+    let bytes = receiver.bytes();
+    assert!(!bytes.windows(key.len()).any(|w| w == key.as_bytes()), "the key in an exported span");
 }

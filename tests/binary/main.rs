@@ -6,6 +6,8 @@
 // The shared helpers, one copy each in this binary.
 #[path = "../common/mod.rs"]
 mod common;
+#[path = "../common/otlp.rs"]
+mod otlp;
 #[path = "../common/process.rs"]
 mod process;
 #[path = "../common/redis.rs"]

@@ -1754,6 +1754,54 @@ async fn a_callers_trace_context_reaches_the_proxied_server_from_its_http_header
     assert_eq!(seen.structured_content, Some(json!({"traceparent": own})));
 }
 
+/// `[telemetry]` on: the proxied server hears the trace of a call in `_meta` — not the caller's
+/// span but the proxy's own span of the call, a child in the caller's trace — over stdio and over
+/// HTTP, where it also hears it as the `traceparent` header; the receiver holds that span.
+#[tokio::test(flavor = "current_thread")]
+async fn with_traces_on_the_proxied_server_hears_the_proxys_span_of_the_callers_trace() {
+    use crate::otlp::{Receiver, hex, subscribe};
+    let receiver = Receiver::start();
+    let toml = format!("[loop_detection]\nenabled = false\n[telemetry]\notlp_endpoint = \"{}\"\n", receiver.url);
+    let config = Config::from_toml(&toml, &Catalogue::learned()).expect("valid");
+    let telemetry = mcp_ratelimit::telemetry::Telemetry::start(&config.telemetry.expect("on")).expect("exporter");
+    let _traced = subscribe(&telemetry);
+    let port = free_port();
+    let (python, args) = fastmcp(&["http", &port.to_string()]);
+    let _server = serve_http(&python, &args, port).await;
+    let http = Target::Http { url: format!("http://127.0.0.1:{port}/mcp"), headers: Vec::new() };
+    // One trace of the caller's per call, so each is told apart in the receiver.
+    let calls = [
+        ("stdio", command(fastmcp(&[])), "trace", json!({}), "0af7651916cd43dd8448eb211c80319c"),
+        ("http", http.clone(), "trace", json!({}), "1bf7651916cd43dd8448eb211c80319c"),
+        ("http", http, "header", json!({"name": "traceparent"}), "2cf7651916cd43dd8448eb211c80319c"),
+    ];
+    for (mode, target, tool, args, trace) in calls {
+        let proxy = Proxy::start(&toml, target).await;
+        let client = proxy.client(None).await;
+        let callers = format!("00-{trace}-b7ad6b7169203331-01");
+        let mut meta = rmcp::model::RequestMetaObject::default();
+        meta.0.insert("traceparent".to_owned(), callers.clone().into());
+        let mut request = CallToolRequestParams::new(tool);
+        request.arguments = args.as_object().cloned();
+        request.meta = Some(meta);
+        let seen = client.call_tool(request).await.expect("answered");
+        let heard = match tool {
+            "trace" => seen.structured_content.as_ref().and_then(|s| s["traceparent"].as_str()).map(str::to_owned),
+            _ => Some(text_of(&seen)),
+        };
+        let spans = receiver
+            .wait_for(&telemetry, "the proxied call's span", |spans| {
+                spans.iter().any(|s| s.name == "proxy.request" && hex(&s.trace_id) == trace)
+            })
+            .await;
+        let sent = spans.iter().find(|s| s.name == "proxy.request" && hex(&s.trace_id) == trace).expect("found");
+        let expected = format!("00-{trace}-{}-01", hex(&sent.span_id));
+        assert_ne!(expected, callers);
+        assert_eq!(heard.as_deref(), Some(expected.as_str()), "{mode} {tool}: {seen:?}");
+        assert_eq!(crate::otlp::attribute(sent, "proxy.outcome").as_deref(), Some("answered"), "{mode}");
+    }
+}
+
 /// A 2026-07-28 server whose tool `change` adds a tool `extra` and a prompt `extra`, and tells
 /// its subscribers (`subscriptions/listen`) that both lists changed: the only way a 2026-07-28
 /// server tells its clients of changes.

@@ -364,4 +364,13 @@ async fn a_reload_names_the_settings_the_queue_and_the_answer_cache_were_built_w
     let reloaded = server.app.state().reload(&built);
     let mcp_ratelimit::state::Reloaded::Applied { need_restart } = reloaded else { panic!("applied: {reloaded:?}") };
     assert_eq!(need_restart, ["upstream.cache_max_entries", "upstream.adaptive"], "named, not silently kept");
+    // The exporter and the subscriber it feeds are set up once, when the process starts.
+    let traced = mcp_ratelimit::Config::from_toml(
+        &format!("{ROOMY}[telemetry]\notlp_endpoint = \"http://127.0.0.1:4318\"\n"),
+        &mcp_ratelimit::mcp::tools::catalogue(),
+    )
+    .expect("valid");
+    let reloaded = server.app.state().reload(&traced);
+    let mcp_ratelimit::state::Reloaded::Applied { need_restart } = reloaded else { panic!("applied: {reloaded:?}") };
+    assert_eq!(need_restart, ["telemetry"], "named, not silently kept");
 }

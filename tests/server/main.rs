@@ -9,6 +9,10 @@
 mod browser;
 #[path = "../common/mod.rs"]
 mod common;
+#[path = "../common/otlp.rs"]
+mod otlp;
+#[path = "../common/python.rs"]
+mod python;
 #[path = "../common/redis.rs"]
 mod test_redis;
 
@@ -19,4 +23,5 @@ mod dashboard_auth;
 mod jobs;
 mod loops;
 mod reuse;
+mod telemetry;
 mod upstream;

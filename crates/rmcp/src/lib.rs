@@ -15,6 +15,7 @@ pub mod http;
 pub mod limited;
 pub mod rate_limits;
 pub mod results;
+pub mod trace;
 
 pub use mcp_ratelimit_core::{activity, breaker, clock, config, guard, identity, limit, metrics, redact, store};
 /// The Redis store (the crate `mcp-ratelimit-redis`).

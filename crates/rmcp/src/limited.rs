@@ -28,6 +28,7 @@ use rmcp::handler::server::tool::ToolCallContext;
 use rmcp::model::{CallToolRequestParams, CallToolResponse, CallToolResult, Extensions, JsonObject, Tool};
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer};
+use tracing::Instrument;
 
 use crate::rate_limits::RateLimits;
 use crate::results;
@@ -371,6 +372,25 @@ impl<S: Clone + Send + Sync + 'static, D: ToolRules> LimitedRouter<S, D> {
 /// its price, warnings) where `door` says it goes. `Err` only for a JSON-RPC error: the caller
 /// cannot be named, the tool's own, a cancelled call.
 pub async fn call_tool<D, W, F>(
+    limits: &RateLimits,
+    door: &D,
+    request: &CallToolRequestParams,
+    context: &RequestContext<RoleServer>,
+    work: W,
+) -> Result<CallToolResponse, ErrorData>
+where
+    D: ToolRules,
+    W: FnOnce(Admitted<D::Place>, &serde_json::Value) -> F,
+    F: Future<Output = Worked<ToolAnswer>> + Send + 'static,
+{
+    let span = crate::trace::request_span("tools/call", Some(request.name.as_ref()), context);
+    let answered = call_tool_in_span(limits, door, request, context, work).instrument(span.clone()).await;
+    crate::trace::record_error(&span, &answered);
+    answered
+}
+
+/// [`call_tool`], in the request's span.
+async fn call_tool_in_span<D, W, F>(
     limits: &RateLimits,
     door: &D,
     request: &CallToolRequestParams,

@@ -263,7 +263,7 @@ pub struct AnswerBounds {
 
 /// Every section of the one config file: the limits' (read here) and the server's around them
 /// (read by the server from the same [`Document`]). A section not named here is a typo.
-pub const SECTIONS: [&str; 13] = [
+pub const SECTIONS: [&str; 14] = [
     "server",
     "auth",
     "tiers",
@@ -277,6 +277,7 @@ pub const SECTIONS: [&str; 13] = [
     "mock_upstream",
     "admin",
     "proxy",
+    "telemetry",
 ];
 
 /// Keys whose environment override is a comma-separated list.

@@ -35,10 +35,12 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::guard::loops::NoProgress;
 use crate::guard::reuse::{Reuse, Served, Sharing};
 use crate::guard::shed::Shed;
+use crate::guard::trace;
 use crate::guard::{Admission, Guard, Refusal, Settled, ToolCall, Used, Warning};
 use crate::identity::Caller;
 use crate::metrics::Layer;
@@ -200,7 +202,28 @@ impl Guard {
     /// `work` gets what the call holds and a look at its checked arguments (they stay the
     /// pipeline's: an answer asking for input is resumed by them), and is run as a task of its own
     /// when it may be shared (a waiter that goes away cancels nothing).
+    ///
+    /// The whole call runs in its span ([`trace::call_span`]), which ends with what it came to.
     pub async fn call<D, W, F>(
+        &self,
+        door: &D,
+        reuse: Option<&Arc<Reuse<Worked<D::Answer>>>>,
+        call: Call<'_>,
+        work: W,
+    ) -> Called<D::Answer>
+    where
+        D: Door,
+        W: FnOnce(Admitted<D::Place>, &Value) -> F,
+        F: Future<Output = Worked<D::Answer>> + Send + 'static,
+    {
+        let span = trace::call_span(call.tool, call.caller);
+        let called = self.call_in_span(door, reuse, call, work).instrument(span.clone()).await;
+        trace::record(&span, &called);
+        called
+    }
+
+    /// [`Guard::call`], inside its span.
+    async fn call_in_span<D, W, F>(
         &self,
         door: &D,
         reuse: Option<&Arc<Reuse<Worked<D::Answer>>>>,

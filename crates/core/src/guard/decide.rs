@@ -162,6 +162,7 @@ impl Guard {
         let insurance = self.insurance.as_ref().filter(|_| fail == Fail::Open)?;
         let scopes = scopes_under(live.insurance.as_ref()?);
         let decisions = insurance.store.decide_all(&checks_of(&scopes), lease).await.ok()?;
+        super::trace::failed_open();
         Some(Decided::of(scopes, decisions, &insurance.store))
     }
 }

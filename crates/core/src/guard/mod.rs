@@ -35,6 +35,7 @@ pub mod reuse;
 pub mod scope;
 pub mod settle;
 pub mod shed;
+pub mod trace;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -83,6 +84,9 @@ impl Admission {
     }
 
     fn reserving(mut self, reserved: Option<Reserved>) -> Self {
+        if let Some(reserved) = &reserved {
+            trace::reserved(reserved.units());
+        }
         self.reserved = reserved;
         self
     }

@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
 use sha2::{Digest, Sha256};
+use tracing::Instrument;
 
 use crate::clock::{NANOS_PER_MS, Nanos, SharedClock};
 use crate::config::{Coalesce, ToolPolicy};
@@ -235,12 +236,16 @@ impl<T: Clone + Send + Sync + 'static> Reuse<T> {
                     // Only a request others may join is among those in flight.
                     let landed = sharing.coalesce.then(|| Landed { reuse: self.clone(), key: sharing.key });
                     let reuse = self.clone();
-                    let task = tokio::spawn(async move {
-                        let answer = ask.await;
-                        reuse.keep(sharing, &answer, keep);
-                        drop(landed);
-                        answer
-                    });
+                    // In the asking call's span, so its upstream request is in that call's trace.
+                    let task = tokio::spawn(
+                        async move {
+                            let answer = ask.await;
+                            reuse.keep(sharing, &answer, keep);
+                            drop(landed);
+                            answer
+                        }
+                        .in_current_span(),
+                    );
                     let waiting = async move { task.await.ok() }.boxed().shared();
                     if sharing.coalesce {
                         state.in_flight.insert(sharing.key, waiting.clone());

@@ -1,0 +1,146 @@
+//! OpenTelemetry traces (`[telemetry]`): the spans the request path makes, exported over OTLP/HTTP
+//! (protobuf) to a collector, and the W3C trace context they carry to the paid API and the proxied
+//! server.
+//!
+//! The spans are `tracing` spans of one target ([`TARGET`]): the MCP request's (made by the rmcp
+//! glue, `mcp_ratelimit_rmcp::trace`, continuing the caller's `traceparent`), the guard's decision
+//! under it (`mcp_ratelimit_core::guard::trace`), and each request to the paid API or the proxied
+//! server (here, in `upstream` and `proxy`). [`Telemetry::layer`] turns them into OpenTelemetry
+//! spans: a tracing-opentelemetry layer with a filter of its own that lets only [`TARGET`] through,
+//! beside the log layer, whose filter ([`log_filter`]) never lets it through.
+//!
+//! Why `tracing` spans, not the OpenTelemetry API directly: the guard is in a crate that must not
+//! depend on an exporter, and a `tracing` span is already how its callers (a library user's
+//! subscriber too) hear of what it does. Why it costs nothing when off: with `[telemetry]` off no
+//! layer wants [`TARGET`], so `tracing` marks each of its callsites disabled the first time it is
+//! met, and from then on a span macro is one load of that cached interest returning a disabled
+//! span; no attribute is formatted (each recording checks `is_disabled` first), no exporter, no
+//! thread, no header is written. The batch exporter runs on a thread of its own with a bounded
+//! queue: a collector that is slow or down drops spans, never holds a request.
+
+use std::collections::HashMap;
+
+use opentelemetry::propagation::{Injector, TextMapPropagator};
+use opentelemetry::trace::TracerProvider;
+use opentelemetry_otlp::{Protocol, WithExportConfig};
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracerProvider};
+use tracing::Span;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::Layer;
+use tracing_subscriber::filter::{Directive, Targets};
+use tracing_subscriber::registry::LookupSpan;
+
+use crate::config::TelemetryConfig;
+
+pub use mcp_ratelimit_core::guard::trace::TARGET;
+
+/// The W3C trace context's names, as HTTP headers and as request `_meta` keys (SEP-414).
+pub const TRACEPARENT: &str = "traceparent";
+/// See [`TRACEPARENT`].
+pub const TRACESTATE: &str = "tracestate";
+
+/// Traces that cannot be sent: the exporter could not be built.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot start the OTLP exporter for `telemetry.otlp_endpoint`: {0}")]
+pub struct TelemetryError(String);
+
+/// The running exporter of `[telemetry]`: spans go to the collector until it is shut down.
+#[derive(Debug)]
+pub struct Telemetry {
+    provider: SdkTracerProvider,
+}
+
+impl Telemetry {
+    /// An exporter posting batches of spans to `config.traces_url` every
+    /// `config.export_interval`, each span of service `config.service_name`; a trace this server
+    /// starts is kept at `config.sample_ratio`, one a caller started as its sampled flag says.
+    /// Sets the process's propagator to W3C Trace Context, which the spans' `traceparent` is read
+    /// and written with. Needs no runtime: the exporter has a thread of its own.
+    pub fn start(config: &TelemetryConfig) -> Result<Self, TelemetryError> {
+        opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_protocol(Protocol::HttpBinary)
+            .with_endpoint(config.traces_url.as_str())
+            .with_timeout(config.export_timeout)
+            .build()
+            .map_err(|e| TelemetryError(e.to_string()))?;
+        let batches = BatchConfigBuilder::default().with_scheduled_delay(config.export_interval).build();
+        let processor = BatchSpanProcessor::builder(exporter).with_batch_config(batches).build();
+        let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(config.sample_ratio)));
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(processor)
+            .with_sampler(sampler)
+            .with_resource(Resource::builder().with_service_name(config.service_name.clone()).build())
+            .build();
+        Ok(Self { provider })
+    }
+
+    /// The layer that turns the spans of [`TARGET`] into OpenTelemetry spans of this exporter,
+    /// and sees nothing else.
+    pub fn layer<S>(&self) -> impl Layer<S> + use<S>
+    where
+        S: tracing::Subscriber + for<'span> LookupSpan<'span>,
+    {
+        let tracer = self.provider.tracer("mcp-ratelimit");
+        tracing_opentelemetry::layer()
+            .with_tracer(tracer)
+            .with_location(false)
+            .with_threads(false)
+            .with_filter(Targets::new().with_target(TARGET, tracing::Level::INFO))
+    }
+
+    /// Sends every finished span now, waiting for the collector's answer.
+    pub fn flush(&self) -> Result<(), TelemetryError> {
+        self.provider.force_flush().map_err(|e| TelemetryError(e.to_string()))
+    }
+
+    /// Sends what is left and stops the exporter's thread. Blocks: call it outside the async
+    /// runtime (after it has stopped), as `main` does.
+    pub fn shutdown(self) -> Result<(), TelemetryError> {
+        self.provider.shutdown().map_err(|e| TelemetryError(e.to_string()))
+    }
+}
+
+/// `filter` (the log layer's) never letting [`TARGET`] through, whatever `RUST_LOG` says: those
+/// spans are for the exporter, and a log that showed them would make them cost when traces are off.
+pub fn log_filter(filter: tracing_subscriber::EnvFilter) -> tracing_subscriber::EnvFilter {
+    match format!("{TARGET}=off").parse::<Directive>() {
+        Ok(off) => filter.add_directive(off),
+        Err(_) => filter,
+    }
+}
+
+/// The W3C trace context of `span` (`traceparent`, and `tracestate` if it has one), to send on
+/// with a request it makes; `None` when the span is not exported (traces off, or not sampled
+/// and not to be passed on).
+pub fn context_of(span: &Span) -> Option<HashMap<String, String>> {
+    if span.is_disabled() {
+        return None;
+    }
+    let context = span.context();
+    let mut carrier = Carrier::default();
+    TraceContextPropagator::new().inject_context(&context, &mut carrier);
+    carrier.0.contains_key(TRACEPARENT).then_some(carrier.0)
+}
+
+/// Puts the trace context of `span` ([`context_of`]) in `headers`, over any there.
+pub fn inject_headers(span: &Span, headers: &mut http::HeaderMap) {
+    for (name, value) in context_of(span).into_iter().flatten() {
+        if let (Ok(name), Ok(value)) = (http::HeaderName::try_from(name), http::HeaderValue::try_from(value)) {
+            headers.insert(name, value);
+        }
+    }
+}
+
+/// A W3C trace context as a map of its headers' names to their values.
+#[derive(Default)]
+struct Carrier(HashMap<String, String>);
+
+impl Injector for Carrier {
+    fn set(&mut self, key: &str, value: String) {
+        self.0.insert(key.to_owned(), value);
+    }
+}

@@ -1,0 +1,206 @@
+//! OpenTelemetry traces (`[telemetry]`) sent to a real OTLP/HTTP receiver (`common/otlp.rs`),
+//! through MCP clients of both protocol eras: one tool call is one trace, continuing the caller's
+//! `traceparent` (from its request's `_meta`, or its HTTP header), through the guard's decision
+//! and the upstream queue to the paid API, which hears the trace too; and no span carries a
+//! caller's key.
+//!
+//! The exporter is the server's own ([`Telemetry`]), under a subscriber this test's thread sets:
+//! each test runs on a current-thread runtime, so the server's tasks run on that thread and see
+//! it. The receiver is asked after a flush, never after a fixed sleep; the server's clock is
+//! manual, and the upstream queue's wait is a step of it.
+
+use mcp_ratelimit::telemetry::Telemetry;
+use opentelemetry_proto::tonic::trace::v1::Span;
+use rmcp::model::{CallToolRequestParams, RequestMetaObject};
+use serde_json::{Value, json};
+
+use crate::common::*;
+use crate::otlp::{Receiver, Subscribed, attribute, hex, names, one, subscribe};
+use crate::python;
+
+/// A caller's key: configured, in tenant acme. It must never reach an exported byte.
+const KEY: &str = "sk-live-7f3c9a1e5b2d4f60-never-in-a-span";
+
+/// The trace the caller is in, and its span the call continues.
+const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const PARENT: &str = "00f067aa0ba902b7";
+
+/// [`KEY`], of tenant acme and tier `tier`.
+fn keys(tier: &str) -> String {
+    format!("[[auth.keys]]\nkey = \"{KEY}\"\ntenant = \"acme\"\ntier = \"{tier}\"\n")
+}
+
+fn traceparent() -> String {
+    format!("00-{TRACE}-{PARENT}-01")
+}
+
+fn video(prompt: &str) -> Value {
+    json!({"image_url": "https://example.com/a.png", "prompt": prompt})
+}
+
+/// A server on a manual clock exporting to `receiver` ([`KEY`] of tier `tier`, `extra` added to
+/// its config), its exporter,
+/// and the subscriber that feeds it, set for this thread while the guard lives.
+async fn traced(receiver: &Receiver, tier: &str, extra: &str) -> (TestServer, Telemetry, Subscribed) {
+    let toml =
+        format!("{}{extra}\n[telemetry]\notlp_endpoint = \"{}\"\nexport_interval_ms = 50\n", keys(tier), receiver.url);
+    let server = TestServer::start(&toml).await;
+    let config = server.app.state().config.telemetry.clone().expect("[telemetry] is on");
+    assert_eq!(config.traces_url.as_str(), format!("{}/v1/traces", receiver.url));
+    let telemetry = Telemetry::start(&config).expect("the exporter starts");
+    let subscribed = subscribe(&telemetry);
+    (server, telemetry, subscribed)
+}
+
+/// The spans of trace [`TRACE`] among `spans`.
+fn of_trace(spans: &[Span]) -> Vec<&Span> {
+    spans.iter().filter(|s| hex(&s.trace_id) == TRACE).collect()
+}
+
+/// The mock upstream's submissions, as it logged them (with each one's `traceparent`).
+async fn submissions(server: &TestServer) -> Vec<Value> {
+    let url = format!("{}/v1/submissions", server.app.upstream_url());
+    let log: Value = reqwest::get(url).await.expect("submissions").json().await.expect("json");
+    log["submissions"].as_array().cloned().unwrap_or_default()
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_queued_call_is_one_trace_from_the_callers_traceparent_through_the_decision_to_the_paid_api() {
+    let receiver = Receiver::start();
+    let (server, telemetry, _traced) = traced(&receiver, "admin", "[upstream]\nvideo_min_gap_ms = 10000\n").await;
+    // The 2025-11-25 handshake (rmcp's client), the trace context in the request's `_meta`.
+    let client = server.client(Some(KEY)).await;
+    assert!(!is_error(&call(&client, "generate_image_to_video", video("first")).await));
+    let mut request = CallToolRequestParams::new("generate_image_to_video")
+        .with_arguments(video("second").as_object().cloned().expect("object"));
+    let mut meta = RequestMetaObject::default();
+    meta.0.insert("traceparent".to_owned(), traceparent().into());
+    request.meta = Some(meta);
+    let queued = client.call_tool(request).await.expect("tools/call answered");
+    assert_eq!(structured(&queued)["queue_position"], 1, "{}", text(&queued));
+
+    // Its turn comes when the videos' gap has passed on the server's clock.
+    server.advance_secs(10.0);
+    eventually("the queued video is submitted", || async { submissions(&server).await.len() == 2 }).await;
+    let spans = receiver
+        .wait_for(&telemetry, "queued submission of the trace", |spans| {
+            of_trace(spans).iter().any(|s| s.name == "upstream.queue")
+        })
+        .await;
+    let trace = of_trace(&spans);
+
+    let asked = one(&trace, "tools/call");
+    assert_eq!(hex(&asked.parent_span_id), PARENT, "the caller's span is the request's parent");
+    assert_eq!(attribute(asked, "mcp.tool.name").as_deref(), Some("generate_image_to_video"));
+    let decided = one(&trace, "ratelimit.guard");
+    assert_eq!(decided.parent_span_id, asked.span_id);
+    assert_eq!(attribute(decided, "ratelimit.caller.tenant").as_deref(), Some("acme"));
+    assert_eq!(attribute(decided, "ratelimit.caller.tier").as_deref(), Some("admin"));
+    assert!(attribute(decided, "ratelimit.caller.id").is_some_and(|id| id.starts_with("tok:")), "{:#?}", names(&spans));
+    assert_eq!(attribute(decided, "ratelimit.outcome").as_deref(), Some("answered"));
+    assert_eq!(attribute(decided, "ratelimit.reserved").as_deref(), Some("20"), "a video's price before it runs");
+    let waited = one(&trace, "upstream.queue");
+    assert_eq!(waited.parent_span_id, decided.span_id);
+    assert_eq!(attribute(waited, "upstream.queue.waited_ms").as_deref(), Some("10000"));
+    let sent = one(&trace, "upstream.request");
+    assert_eq!(sent.parent_span_id, waited.span_id);
+    assert_eq!(attribute(sent, "http.request.method").as_deref(), Some("POST"));
+    assert_eq!(attribute(sent, "url.path").as_deref(), Some("/v1/predictions"));
+    assert_eq!(attribute(sent, "upstream.outcome").as_deref(), Some("ok"));
+    // The first video, sent without a trace context, is a trace of its own.
+    assert!(
+        spans.iter().any(|s| s.name == "tools/call" && hex(&s.trace_id) != TRACE && s.parent_span_id.is_empty()),
+        "{:#?}",
+        names(&spans)
+    );
+
+    // The paid API heard the trace, from the very span that sent the request.
+    let heard = submissions(&server).await;
+    assert_eq!(heard[1]["traceparent"], format!("00-{TRACE}-{}-01", hex(&sent.span_id)), "{heard:?}");
+    assert_ne!(heard[0]["traceparent"].as_str().unwrap_or_default().get(3..35), Some(TRACE));
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_2026_client_sending_traceparent_as_a_header_is_continued_and_a_refusal_names_its_budget() {
+    let receiver = Receiver::start();
+    let (server, telemetry, _traced) = traced(&receiver, "default", "[tiers]\nguest = 1.0\n[tools.list_articles]\ncost = 30\n[limits.caller]\nalgorithm = \"fixed_window\"\nlimit = 30\nwindow_ms = 3600000\n").await;
+    // The Python SDK's default: the stateless 2026-07-28 protocol, the trace context as W3C headers.
+    let headers = [format!("Authorization: Bearer {KEY}"), format!("traceparent: {}", traceparent())];
+    let steps = json!([
+        {"op": "call", "tool": "list_articles", "args": {}},
+        {"op": "call", "tool": "list_articles", "args": {"query": "more"}},
+        {"op": "list_tools"},
+    ]);
+    let walked = python::walk(&server.url, "auto", steps, &["-H", &headers[0], "-H", &headers[1]]).await;
+    assert_eq!(walked["protocol_version"], python::era_of("auto"), "{walked}");
+    assert!(python::all_ok(&walked), "{walked}");
+    assert_eq!(walked["steps"][1]["ok"]["is_error"], true, "the caller's budget of one call is spent: {walked}");
+
+    let spans = receiver
+        .wait_for(&telemetry, "two decisions of the trace", |spans| {
+            let trace = of_trace(spans);
+            trace.iter().filter(|s| s.name == "ratelimit.guard").count() == 2
+                && trace.iter().any(|s| s.name == "tools/list")
+        })
+        .await;
+    let trace = of_trace(&spans);
+    let requests: Vec<_> = trace.iter().filter(|s| s.name == "tools/call").collect();
+    assert_eq!(requests.len(), 2, "{:#?}", names(&spans));
+    assert!(requests.iter().all(|s| hex(&s.parent_span_id) == PARENT), "both continue the header's span");
+    // Every other request is a span of its own too, in the same trace (the SDK lists the tools
+    // itself too, to check answers against their output schemas).
+    let listed: Vec<_> = trace.iter().filter(|s| s.name == "tools/list").collect();
+    assert!(!listed.is_empty(), "{:#?}", names(&spans));
+    for listed in listed {
+        assert_eq!(hex(&listed.parent_span_id), PARENT);
+        assert_eq!(attribute(listed, "mcp.method.name").as_deref(), Some("tools/list"));
+    }
+    let refused = trace
+        .iter()
+        .find(|s| s.name == "ratelimit.guard" && attribute(s, "ratelimit.outcome").as_deref() == Some("refused"))
+        .unwrap_or_else(|| panic!("a refused decision: {:#?}", names(&spans)));
+    assert_eq!(attribute(refused, "ratelimit.code").as_deref(), Some("rate_limited"));
+    assert_eq!(attribute(refused, "ratelimit.layer").as_deref(), Some("tool"));
+    assert!(
+        attribute(refused, "ratelimit.scope").is_some_and(|scope| scope.starts_with("caller:tok:")),
+        "{:#?}",
+        names(&spans)
+    );
+    assert_eq!(attribute(refused, "ratelimit.limit").as_deref(), Some("30"));
+    // The first call reserved 30 and was settled to the 1 unit the paid API billed: 29 are left.
+    assert_eq!(attribute(refused, "ratelimit.remaining").as_deref(), Some("29"));
+    let answered = trace
+        .iter()
+        .find(|s| s.name == "ratelimit.guard" && attribute(s, "ratelimit.outcome").as_deref() == Some("answered"))
+        .unwrap_or_else(|| panic!("an answered decision: {:#?}", names(&spans)));
+    assert_eq!(attribute(answered, "ratelimit.reserved").as_deref(), Some("30"));
+    assert_eq!(attribute(answered, "ratelimit.charged").as_deref(), Some("1"));
+    assert!(attribute(refused, "ratelimit.retry_after_ms").is_some_and(|ms| ms.parse::<u64>().is_ok_and(|ms| ms > 0)));
+    assert_eq!(attribute(refused, "ratelimit.caller.tenant").as_deref(), Some("acme"));
+    // The answered one reached the paid API in the same trace.
+    assert!(trace.iter().any(|s| s.name == "upstream.request"), "{:#?}", names(&spans));
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn no_exported_span_byte_holds_a_callers_key() {
+    let receiver = Receiver::start();
+    let (server, telemetry, _traced) = traced(&receiver, "guest", "").await;
+    let client = server.client(Some(KEY)).await;
+    assert!(!is_error(&call(&client, "list_articles", json!({"query": KEY})).await));
+    // An unknown key is a caller too (unverified, by its address): its key is not in a span either.
+    let stranger = "sk-live-0000-unknown-key-never-in-a-span";
+    let other = server.client(Some(stranger)).await;
+    call(&other, "list_articles", json!({})).await;
+    receiver
+        .wait_for(&telemetry, "both calls' decisions", |spans| {
+            spans.iter().filter(|s| s.name == "ratelimit.guard").count() >= 2
+        })
+        .await;
+    let bytes = receiver.bytes();
+    let holds = |needle: &str| bytes.windows(needle.len()).any(|w| w == needle.as_bytes());
+    assert!(holds("acme"), "the spans were exported, naming the tenant");
+    assert!(!holds(KEY), "a configured key in an exported span");
+    assert!(!holds(stranger), "an unknown caller's key in an exported span");
+    // Not even a piece of one: the shortest part that would still say something.
+    assert!(!holds(&KEY[..16]) && !holds(&stranger[..16]), "part of a key in an exported span");
+}
