@@ -204,3 +204,36 @@ async fn no_exported_span_byte_holds_a_callers_key() {
     // Not even a piece of one: the shortest part that would still say something.
     assert!(!holds(&KEY[..16]) && !holds(&stranger[..16]), "part of a key in an exported span");
 }
+
+/// Loops by their answers in the trace: the answer one short of the stop and the one that makes it
+/// name the streak (and the stop's length), and the call refused after them names the loop's
+/// scope and threshold, as any refusal names its budget.
+#[tokio::test(flavor = "current_thread")]
+async fn a_search_answering_nothing_again_and_again_shows_its_streak_and_its_stop_in_the_trace() {
+    let receiver = Receiver::start();
+    let (server, telemetry, _traced) = traced(&receiver, "default", "").await;
+    let client = server.client(Some(KEY)).await;
+    for n in 0..6 {
+        let r = call(&client, "list_articles", json!({"query": format!("nothing like it, take {n}")})).await;
+        assert_eq!(is_error(&r), n == 5, "search {n}: {}", text(&r));
+    }
+    let spans = receiver
+        .wait_for(&telemetry, "six decisions", |spans| {
+            spans.iter().filter(|s| s.name == "ratelimit.guard").count() == 6
+        })
+        .await;
+    let guard: Vec<&Span> = spans.iter().filter(|s| s.name == "ratelimit.guard").collect();
+    let streak = |n: &str| guard.iter().find(|s| attribute(s, "ratelimit.loop.same_answers").as_deref() == Some(n));
+    let warned = streak("4").unwrap_or_else(|| panic!("the warning: {:#?}", names(&spans)));
+    assert_eq!(attribute(warned, "ratelimit.loop.refused_for_ms"), None, "warned, not yet stopped");
+    let stopped = streak("5").unwrap_or_else(|| panic!("the stop: {:#?}", names(&spans)));
+    assert_eq!(attribute(stopped, "ratelimit.outcome").as_deref(), Some("answered"));
+    assert_eq!(attribute(stopped, "ratelimit.loop.refused_for_ms").as_deref(), Some("60000"));
+    let refused = guard
+        .iter()
+        .find(|s| attribute(s, "ratelimit.code").as_deref() == Some("loop_detected"))
+        .unwrap_or_else(|| panic!("the refusal: {:#?}", names(&spans)));
+    assert_eq!(attribute(refused, "ratelimit.scope").as_deref(), Some("loop:list_articles"));
+    assert_eq!(attribute(refused, "ratelimit.limit").as_deref(), Some("5"));
+    assert_eq!(attribute(refused, "ratelimit.retry_after_ms").as_deref(), Some("60000"));
+}

@@ -46,6 +46,8 @@ pub fn call_span(tool: &str, caller: &Caller) -> Span {
         "ratelimit.served" = Empty,
         "ratelimit.warnings" = Empty,
         "ratelimit.fail_open" = Empty,
+        "ratelimit.loop.same_answers" = Empty,
+        "ratelimit.loop.refused_for_ms" = Empty,
     );
     if !span.is_disabled() {
         span.record("ratelimit.caller.id", caller.id());
@@ -58,7 +60,8 @@ pub fn call_span(tool: &str, caller: &Caller) -> Span {
 }
 
 /// Records on `span` what the call came to: its outcome, the refusal's budget and wait, its
-/// price reserved and charged, how it was served, how many limits it took past their warning.
+/// price reserved and charged, how it was served, how many limits it took past their warning,
+/// and how many identical answers in a row its tool gave (when it warned or stopped).
 pub fn record<A>(span: &Span, called: &Called<A>) {
     if span.is_disabled() {
         return;
@@ -73,7 +76,7 @@ pub fn record<A>(span: &Span, called: &Called<A>) {
             refused(span, refusal);
             priced(span, settled.as_ref());
         }
-        Called::Answered { served, settled, warnings, .. } => {
+        Called::Answered { served, settled, warnings, no_progress, .. } => {
             span.record("ratelimit.outcome", "answered");
             let served = match served {
                 Served::Asked => "asked",
@@ -83,6 +86,13 @@ pub fn record<A>(span: &Span, called: &Called<A>) {
             span.record("ratelimit.served", served);
             span.record("ratelimit.warnings", u64::try_from(warnings.len()).unwrap_or(u64::MAX));
             priced(span, settled.as_ref());
+            // The tool keeps giving this caller the same answer: warned, or stopped from now on.
+            if let Some(no_progress) = no_progress {
+                span.record("ratelimit.loop.same_answers", no_progress.same_answers);
+                if let Some(ms) = no_progress.refused_for_ms {
+                    span.record("ratelimit.loop.refused_for_ms", ms);
+                }
+            }
         }
         Called::Cancelled => {
             span.record("ratelimit.outcome", "cancelled");
