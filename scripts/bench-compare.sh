@@ -22,6 +22,10 @@
 #   refused   generous, but the caller's budget spent in the warm-up: every tools/call refused by
 #             the tool guard, a refusal through the whole MCP stack
 #   redis     generous, on a redis-server this script starts on a free port (on wrk's core)
+# HEAD_ENV adds overrides (KEY=VALUE words) to HEAD's side of every scenario. TRACES=1 starts an
+# OTLP/HTTP sink on wrk's core (it reads every export and answers 200) and sets HEAD's
+# MCP_RL__TELEMETRY__OTLP_ENDPOINT to it: one build against itself with traces on and off is
+#   TRACES=1 scripts/bench-compare.sh HEAD HEAD
 # The server is pinned to CPU 0 and wrk (Debian's package) to CPU 1, and the server's own CPU time
 # per request is read from /proc, as in scripts/load.sh. Within a round the two builds run one
 # scenario back to back, the first one alternating between rounds, so drift hits both alike.
@@ -76,6 +80,8 @@ fi
 # shellcheck source=scripts/lib.sh disable=SC1091 # followed under shellcheck -x
 . scripts/lib.sh
 ensure_wrk
+HEAD_ENV=${HEAD_ENV:-}
+SINK_PID=
 CORES=$(nproc)
 SERVER_CPU=0
 WRK_CPU=$(( CORES > 1 ? 1 : 0 ))
@@ -85,6 +91,10 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/bench-compare.XXXXXX")
 REDIS_PID=""
 cleanup() {
   stop_server
+  if [ -n "$SINK_PID" ]; then
+    kill "$SINK_PID" 2>/dev/null || true
+    wait "$SINK_PID" 2>/dev/null || true
+  fi
   if [ -n "$REDIS_PID" ]; then
     kill "$REDIS_PID" 2>/dev/null || true
     wait "$REDIS_PID" 2>/dev/null || true
@@ -149,6 +159,28 @@ if [[ " $SCENARIOS " == *" redis "* ]]; then
   REDIS_PID=$!
   for _ in $(seq 1 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.05; done
   redis-cli -p "$REDIS_PORT" ping >/dev/null || { echo "redis-server did not start:" >&2; cat "$WORK/redis.log" >&2; exit 1; }
+fi
+
+if [ "${TRACES:-0}" = 1 ]; then
+  SINK_PORT=$(free_port)
+  # shellcheck disable=SC2016 # Python, not shell
+  taskset -c "$WRK_CPU" python3 -c '
+import http.server, sys
+class Sink(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Sink).serve_forever()
+' "$SINK_PORT" &
+  SINK_PID=$!
+  HEAD_ENV="$HEAD_ENV MCP_RL__TELEMETRY__OTLP_ENDPOINT=http://127.0.0.1:$SINK_PORT"
+  echo "traces on for ${SIDE_LABEL[head]}: an OTLP sink on port $SINK_PORT"
 fi
 
 # What each scenario sets. Every limit the caller draws on, never refusing: its own (HTTP, method,
@@ -216,6 +248,13 @@ for side in "${SIDES[@]}"; do
     if [ -z "${NA[$scenario,$side]:-}" ] && ! check "$bin" "${kept[@]}"; then
       echo "${SIDE_LABEL[$side]} refuses the $scenario overrides together (${kept[*]}): $CHECK" >&2
       exit 1
+    fi
+    if [ "$side" = head ] && [ -n "$HEAD_ENV" ]; then
+      # shellcheck disable=SC2206 # a list of KEY=VALUE words
+      extra=($HEAD_ENV)
+      check "$bin" "${kept[@]}" "${extra[@]}" ||
+        { echo "${SIDE_LABEL[head]} refuses HEAD_ENV ($HEAD_ENV): $CHECK" >&2; exit 1; }
+      kept+=("${extra[@]}")
     fi
     ACCEPTED[$scenario,$side]="${kept[*]}"
   done
