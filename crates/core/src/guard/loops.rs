@@ -245,7 +245,12 @@ impl LoopDetector {
         let signature = self.signature(tool, args);
         let stopping_tool = tool_signature(self.seed, tool);
         let mut state = self.lock();
-        let history = state.callers.entry(caller.to_owned()).or_default();
+        if !state.callers.contains_key(caller) {
+            state.callers.insert(caller.to_owned(), History::default());
+        }
+        let Some(history) = state.callers.get_mut(caller) else {
+            return Streaked { same: 1, stopped_for: None };
+        };
         hear_answer(&mut history.calls, signature, answer);
         if no_progress < 2 {
             return Streaked { same: 1, stopped_for: None };
@@ -419,14 +424,25 @@ fn push_canonical(out: &mut String, value: &Value) {
 /// Appends `s` as a quoted JSON string.
 pub(crate) fn push_json_string(out: &mut String, s: &str) {
     out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
-            c => out.push(c),
+    // The runs between characters that need escaping are copied whole; those are ASCII, so every
+    // cut falls on a character boundary.
+    let mut start = 0;
+    for (i, byte) in s.bytes().enumerate() {
+        let escaped = match byte {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            b if b < 0x20 => "",
+            _ => continue,
+        };
+        out.push_str(s.get(start..i).unwrap_or_default());
+        if escaped.is_empty() {
+            out.push_str(&format!("\\u{byte:04x}"));
+        } else {
+            out.push_str(escaped);
         }
+        start = i + 1;
     }
+    out.push_str(s.get(start..).unwrap_or_default());
     out.push('"');
 }
 

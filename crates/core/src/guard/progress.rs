@@ -85,13 +85,26 @@ fn push_value<'a>(out: &mut String, value: &'a Value, todo: &mut Vec<Step<'a>>, 
         Value::Object(map) => {
             out.push('{');
             todo.push(Step::Text("}"));
-            let mut entries: Vec<_> = map.iter().filter(|(key, _)| !volatile.iter().any(|v| v == *key)).collect();
-            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
-            for (i, (key, item)) in entries.into_iter().enumerate().rev() {
+            let kept = |(key, _): &(&String, &Value)| !volatile.iter().any(|v| v == *key);
+            // Pushed last first, so they come off the stack in order, a comma between two.
+            let mut push = |todo: &mut Vec<Step<'a>>, pushed: &mut bool, key: &'a str, item: &'a Value| {
+                if std::mem::replace(pushed, true) {
+                    todo.push(Step::Text(","));
+                }
                 todo.push(Step::Value(Cow::Borrowed(item)));
                 todo.push(Step::Key(key));
-                if i > 0 {
-                    todo.push(Step::Text(","));
+            };
+            let mut pushed = false;
+            if map.keys().is_sorted() {
+                // A map that keeps its keys sorted (serde_json's default): no copy to sort.
+                for (key, item) in map.iter().rev().filter(kept) {
+                    push(todo, &mut pushed, key, item);
+                }
+            } else {
+                let mut entries: Vec<_> = map.iter().filter(kept).collect();
+                entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+                for (key, item) in entries.into_iter().rev() {
+                    push(todo, &mut pushed, key, item);
                 }
             }
         }
