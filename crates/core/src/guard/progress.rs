@@ -11,101 +11,98 @@
 //! would make every acknowledgement of a write that names what it wrote ("Created notes.md")
 //! the same answer; a tool that wants its empty answers compared answers in structured content.
 //!
-//! Keys are sorted at every depth, as for call signatures; the hash is the keyed xxh3-128 of
-//! that text. The walk is iterative, so a deeply nested answer cannot overflow the stack.
+//! Keys are sorted at every depth, as for call signatures; the hash is the keyed xxh3-128 of an
+//! unambiguous encoding of what is left (no JSON text is written: it is fed to the hasher as it
+//! is walked). The walk is iterative, so a deeply nested answer cannot overflow the stack.
 
 use std::borrow::Cow;
 
 use serde_json::Value;
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::guard::loops::push_json_string;
-
 /// The hash, keyed by `seed`, of what `answer` says, `volatile` fields left out: equal for two
 /// answers exactly when they say the same.
 pub fn answer_hash(seed: u64, answer: &Value, volatile: &[String]) -> u128 {
     let mut hasher = Xxh3::with_seed(seed);
-    let mut text = String::new();
-    push_said(&mut text, answer, volatile);
-    hasher.update(text.as_bytes());
+    feed(&mut hasher, answer, volatile);
     hasher.digest128()
 }
 
-/// What is left to write.
+/// What is left to feed the hasher.
 enum Step<'a> {
     Value(Cow<'a, Value>),
     Key(&'a str),
-    Text(&'static str),
+    Mark(u8),
 }
 
-/// Appends what `value` says as canonical JSON: keys sorted, `volatile` keys left out, a string
-/// that is a JSON object or array read as that JSON.
-fn push_said(out: &mut String, value: &Value, volatile: &[String]) {
+/// Feeds `hasher` what `value` says, in an encoding that is unambiguous without escaping
+/// anything: a tag byte per value, strings and keys by their length and bytes, numbers by their
+/// kind and bits, containers closed by a mark; object keys sorted, `volatile` keys left out, and
+/// a string that is a JSON object or array read as that JSON. No text is built: the bytes go to
+/// the hasher as they are found.
+fn feed(hasher: &mut Xxh3, value: &Value, volatile: &[String]) {
     let mut todo = vec![Step::Value(Cow::Borrowed(value))];
     while let Some(step) = todo.pop() {
         match step {
-            Step::Text(text) => out.push_str(text),
-            Step::Key(key) => {
-                push_json_string(out, key);
-                out.push(':');
-            }
-            Step::Value(value) => match value {
-                Cow::Borrowed(value) => push_value(out, value, &mut todo, volatile),
-                Cow::Owned(value) => {
-                    // A parsed text: written whole here, as it owns what it holds.
-                    let mut inner = String::new();
-                    push_said(&mut inner, &value, volatile);
-                    out.push_str(&inner);
-                }
-            },
+            Step::Mark(mark) => hasher.update(&[mark]),
+            Step::Key(key) => bytes(hasher, b'k', key),
+            Step::Value(Cow::Borrowed(value)) => feed_value(hasher, value, &mut todo, volatile),
+            // A parsed text owns what it holds: fed whole here (its depth is bounded by the
+            // parser's recursion limit, and each level of JSON inside a string needs its quotes
+            // escaped again, so few levels fit in any answer).
+            Step::Value(Cow::Owned(value)) => feed(hasher, &value, volatile),
         }
     }
 }
 
-/// One value of [`push_said`]: a scalar written, a container's parts pushed on `todo`.
-fn push_value<'a>(out: &mut String, value: &'a Value, todo: &mut Vec<Step<'a>>, volatile: &[String]) {
+/// `text` as a tag, its length and its bytes.
+fn bytes(hasher: &mut Xxh3, tag: u8, text: &str) {
+    hasher.update(&[tag]);
+    hasher.update(&(text.len() as u64).to_le_bytes());
+    hasher.update(text.as_bytes());
+}
+
+/// One value of [`feed`]: a scalar fed, a container's parts pushed on `todo` (last first).
+fn feed_value<'a>(hasher: &mut Xxh3, value: &'a Value, todo: &mut Vec<Step<'a>>, volatile: &[String]) {
     match value {
-        Value::Null => out.push_str("null"),
-        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-        Value::Number(n) => out.push_str(&n.to_string()),
-        Value::String(s) => match json_text(s) {
-            Some(parsed) => todo.push(Step::Value(Cow::Owned(parsed))),
-            None => push_json_string(out, s),
-        },
-        Value::Array(items) => {
-            out.push('[');
-            todo.push(Step::Text("]"));
-            for (i, item) in items.iter().enumerate().rev() {
-                todo.push(Step::Value(Cow::Borrowed(item)));
-                if i > 0 {
-                    todo.push(Step::Text(","));
-                }
+        Value::Null => hasher.update(b"n"),
+        Value::Bool(b) => hasher.update(if *b { b"t" } else { b"f" }),
+        Value::Number(n) => {
+            if let Some(u) = n.as_u64() {
+                hasher.update(b"u");
+                hasher.update(&u.to_le_bytes());
+            } else if let Some(i) = n.as_i64() {
+                hasher.update(b"i");
+                hasher.update(&i.to_le_bytes());
+            } else {
+                hasher.update(b"d");
+                hasher.update(&n.as_f64().unwrap_or(f64::NAN).to_bits().to_le_bytes());
             }
         }
+        Value::String(s) => match json_text(s) {
+            Some(parsed) => todo.push(Step::Value(Cow::Owned(parsed))),
+            None => bytes(hasher, b's', s),
+        },
+        Value::Array(items) => {
+            hasher.update(b"[");
+            todo.push(Step::Mark(b']'));
+            todo.extend(items.iter().rev().map(|item| Step::Value(Cow::Borrowed(item))));
+        }
         Value::Object(map) => {
-            out.push('{');
-            todo.push(Step::Text("}"));
+            hasher.update(b"{");
+            todo.push(Step::Mark(b'}'));
             let kept = |(key, _): &(&String, &Value)| !volatile.iter().any(|v| v == *key);
-            // Pushed last first, so they come off the stack in order, a comma between two.
-            let mut push = |todo: &mut Vec<Step<'a>>, pushed: &mut bool, key: &'a str, item: &'a Value| {
-                if std::mem::replace(pushed, true) {
-                    todo.push(Step::Text(","));
-                }
+            let mut push = |(key, item): (&'a String, &'a Value)| {
                 todo.push(Step::Value(Cow::Borrowed(item)));
                 todo.push(Step::Key(key));
             };
-            let mut pushed = false;
             if map.keys().is_sorted() {
                 // A map that keeps its keys sorted (serde_json's default): no copy to sort.
-                for (key, item) in map.iter().rev().filter(kept) {
-                    push(todo, &mut pushed, key, item);
-                }
+                map.iter().rev().filter(kept).for_each(&mut push);
             } else {
                 let mut entries: Vec<_> = map.iter().filter(kept).collect();
                 entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
-                for (key, item) in entries.into_iter().rev() {
-                    push(todo, &mut pushed, key, item);
-                }
+                entries.into_iter().rev().for_each(&mut push);
             }
         }
     }
