@@ -7,7 +7,8 @@
 //! check the arguments ─► before charging ─► admit (loops, every budget, slots) ─► the work, racing
 //! (refused: invalid)     (upstream down,    (refused: rate_limited, busy, …)     the caller's cancel,
 //!                         queue full)                                           shared with identical
-//!                                                                               calls ─► settle ─► report
+//!                                                                               calls ─► settle ─► hear
+//!                                                        the answer (loops by answers) ─► report
 //! ```
 //!
 //! A door supplies only what differs ([`Door`]): how arguments are checked, what is known before

@@ -15,7 +15,10 @@
 //! 4. **report** ([`report`]): which limit refused and how long to wait, the warnings an
 //!    admitted call carries, metrics, the dashboard's activity and the (rate-limited) log;
 //! 5. **settle** ([`settle`], after the call): the price the call reserved made what the upstream
-//!    says it used, by the door that has the answer ([`Admission::reserved`]).
+//!    says it used, by the door that has the answer ([`Admission::reserved`]);
+//! 6. **hear** ([`progress`], [`loops`], after the call): what the answer says, so that a call
+//!    whose answer moved stops counting towards a loop, and a read that keeps giving the same
+//!    answer is warned, then stopped (`[loop_detection] no_progress`).
 //!
 //! A forker who wants no loop detection removes stage 2 (the `loops` field and its two calls in
 //! `Guard::admit`); one who wants another store hands [`Guard::new`] another [`Store`].
