@@ -78,14 +78,19 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
     redis.call('SET', key, table.concat(parts, ' '), 'PX', math.max(ceil_div(window, 1000), 1))
   end
 
-  local function stop(sig, pattern)
-    local kept = {}
-    for _, s in ipairs(state.p) do
-      if s.g ~= sig then
-        kept[#kept + 1] = s
+  -- The items of `list` for which `wanted` holds, in order.
+  local function kept(list, wanted)
+    local out = {}
+    for _, item in ipairs(list) do
+      if wanted(item) then
+        out[#out + 1] = item
       end
     end
-    state.p = kept
+    return out
+  end
+
+  local function stop(sig, pattern)
+    state.p = kept(state.p, function(s) return s.g ~= sig end)
     if #state.p >= MAX_STOPS then
       local soonest = 1
       for i, s in ipairs(state.p) do
@@ -100,13 +105,7 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
 
   if mode == 'forget' then
     local seq = tonumber(arg)
-    local kept = {}
-    for _, call in ipairs(state.c) do
-      if call.s ~= seq then
-        kept[#kept + 1] = call
-      end
-    end
-    state.c = kept
+    state.c = kept(state.c, function(call) return call.s ~= seq end)
     save()
     return { 1 }
   end
@@ -177,26 +176,15 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
 
   local signature, tool = string.match(arg, '^(%S+) (%S+)$')
 
-  local stops = {}
+  state.p = kept(state.p, function(stop) return stop.u > now_us end)
   for _, stop in ipairs(state.p) do
-    if stop.u > now_us then
-      stops[#stops + 1] = stop
-    end
-  end
-  state.p = stops
-  for _, stop in ipairs(stops) do
     if stop.g == signature or stop.g == tool then
       return { 0, stop.u - now_us, stop.o }
     end
   end
 
-  local calls = {}
-  for _, call in ipairs(state.c) do
-    -- A call stamped a hair after now (another instance read the clock later) is live.
-    if now_us - call.t < window then
-      calls[#calls + 1] = call
-    end
-  end
+  -- A call stamped a hair after now (another instance read the clock later) is live.
+  local calls = kept(state.c, function(call) return now_us - call.t < window end)
   state.c = calls
 
   local same = 1

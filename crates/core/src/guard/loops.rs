@@ -245,12 +245,7 @@ impl LoopDetector {
         let signature = self.signature(tool, args);
         let stopping_tool = tool_signature(self.seed, tool);
         let mut state = self.lock();
-        if !state.callers.contains_key(caller) {
-            state.callers.insert(caller.to_owned(), History::default());
-        }
-        let Some(history) = state.callers.get_mut(caller) else {
-            return Streaked { same: 1, stopped_for: None };
-        };
+        let history = state.callers.entry(caller.to_owned()).or_default();
         hear_answer(&mut history.calls, signature, answer);
         if no_progress < 2 {
             return Streaked { same: 1, stopped_for: None };
@@ -422,7 +417,7 @@ fn push_canonical(out: &mut String, value: &Value) {
 }
 
 /// Appends `s` as a quoted JSON string.
-pub(crate) fn push_json_string(out: &mut String, s: &str) {
+fn push_json_string(out: &mut String, s: &str) {
     out.push('"');
     // The runs between characters that need escaping are copied whole; those are ASCII, so every
     // cut falls on a character boundary.

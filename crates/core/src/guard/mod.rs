@@ -428,9 +428,7 @@ impl Guard {
     fn refuse_loop(&self, caller: &Caller, tool: &str, mut looping: Looping) -> Refusal {
         if let (Pattern::NoProgress, Some(loops)) = (looping.pattern, &self.loops) {
             // A stop is only ever made under the tool's own `no_progress` or the one a read has.
-            let policy = self.policy();
-            let own = policy.tool(tool).and_then(|p| p.no_progress);
-            looping.repeats = own.unwrap_or(loops.answers_of(None, true).0);
+            looping.repeats = loops.answers_of(self.policy().tool(tool), true).0;
         }
         let refusal = Refusal::loop_detected(tool, &looping);
         self.metrics.decision(Layer::Tool, tool, false);
