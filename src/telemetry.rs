@@ -34,7 +34,7 @@ use tracing_subscriber::registry::LookupSpan;
 
 use crate::config::TelemetryConfig;
 
-pub use mcp_ratelimit_core::guard::trace::TARGET;
+pub use mcp_ratelimit_core::guard::trace::{TARGET, in_trace};
 
 /// The W3C trace context's names, as HTTP headers and as request `_meta` keys (SEP-414).
 pub const TRACEPARENT: &str = "traceparent";
@@ -69,7 +69,10 @@ impl Telemetry {
             .map_err(|e| TelemetryError(e.to_string()))?;
         let batches = BatchConfigBuilder::default().with_scheduled_delay(config.export_interval).build();
         let processor = BatchSpanProcessor::builder(exporter).with_batch_config(batches).build();
-        let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(config.sample_ratio)));
+        // The share of new traces is drawn per request before any span is made (so one not kept
+        // costs nothing); a span with no parent here is one that draw kept.
+        mcp_ratelimit_core::guard::trace::sample_new_traces(config.sample_ratio);
+        let sampler = Sampler::ParentBased(Box::new(Sampler::AlwaysOn));
         let provider = SdkTracerProvider::builder()
             .with_span_processor(processor)
             .with_sampler(sampler)
@@ -112,6 +115,18 @@ impl Telemetry {
     }
 }
 
+/// `span`, made with no `tracing` parent (`parent: None`), as the child of the span current here in
+/// the trace, but not in `tracing`: for work that outlives the request that started it (a queued
+/// job's wait, its watch). A `tracing` parent is kept open until its last child closes, so the
+/// request's span would be sent only when the job ends; an OpenTelemetry parent is a name.
+pub fn under_current(span: Span) -> Span {
+    if !span.is_disabled() {
+        // Only a subscriber without the layer refuses, and then there is no trace to join.
+        let _ = span.set_parent(Span::current().context());
+    }
+    span
+}
+
 /// `filter` (the log layer's) never letting [`TARGET`] through, whatever `RUST_LOG` says: those
 /// spans are for the exporter, and a log that showed them would make them cost when traces are off.
 pub fn log_filter(filter: tracing_subscriber::EnvFilter) -> tracing_subscriber::EnvFilter {
@@ -134,21 +149,41 @@ pub fn context_of(span: &Span) -> Option<HashMap<String, String>> {
     carrier.0.contains_key(TRACEPARENT).then_some(carrier.0)
 }
 
-/// Puts the trace context of `span` ([`context_of`]) in `headers`, over any there.
+/// Puts the trace context of `span` ([`context_of`]) in `headers`, over any there: written
+/// straight into the map, with no map of its own in between.
 pub fn inject_headers(span: &Span, headers: &mut http::HeaderMap) {
-    for (name, value) in context_of(span).into_iter().flatten() {
-        if let (Ok(name), Ok(value)) = (http::HeaderName::try_from(name), http::HeaderValue::try_from(value)) {
-            headers.insert(name, value);
-        }
+    if span.is_disabled() {
+        return;
     }
+    TraceContextPropagator::new().inject_context(&span.context(), &mut Headers(headers));
 }
 
-/// A W3C trace context as a map of its headers' names to their values.
+/// A W3C trace context as a map of its headers' names to their values; an empty `tracestate`
+/// (the caller sent none) is no header.
 #[derive(Default)]
 struct Carrier(HashMap<String, String>);
 
 impl Injector for Carrier {
     fn set(&mut self, key: &str, value: String) {
-        self.0.insert(key.to_owned(), value);
+        if !value.is_empty() {
+            self.0.insert(key.to_owned(), value);
+        }
+    }
+}
+
+/// HTTP headers as a propagator writes a trace context into them; as [`Carrier`], an empty value
+/// is no header.
+struct Headers<'a>(&'a mut http::HeaderMap);
+
+impl Injector for Headers<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if value.is_empty() {
+            return;
+        }
+        if let (Ok(name), Ok(value)) =
+            (http::HeaderName::from_bytes(key.as_bytes()), http::HeaderValue::try_from(value))
+        {
+            self.0.insert(name, value);
+        }
     }
 }

@@ -480,6 +480,10 @@ impl Proxied {
 /// (`proxy.outcome`: `answered`, `task`, `error`, `unavailable`, `not_sent`). Disabled, and free,
 /// when traces are off.
 fn proxied_span(tool: &str) -> tracing::Span {
+    // Only inside a traced request (one that was not sampled makes no span).
+    if !crate::telemetry::in_trace() {
+        return tracing::Span::none();
+    }
     tracing::info_span!(
         target: crate::telemetry::TARGET,
         "proxy.request",

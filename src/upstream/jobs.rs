@@ -397,11 +397,13 @@ impl Jobs {
             return;
         };
         let jobs = self.clone();
-        // A queued job's wait and submission belong to the trace of the call that started it.
+        // A queued job's wait and submission, and the polls that watch it, belong to the trace of
+        // the call that started it.
         let queue_span = match &queued {
             Some(_) => queue_span(),
             None => tracing::Span::none(),
         };
+        let watch_span = watch_span();
         tokio::spawn(async move {
             let stop = jobs.stop.clone();
             let work = async {
@@ -410,7 +412,7 @@ impl Jobs {
                 {
                     return;
                 }
-                jobs.watch(&id).await;
+                jobs.watch(&id).instrument(watch_span).await;
             };
             tokio::select! {
                 () = work => {}
@@ -979,15 +981,31 @@ fn used_by(job: &Job) -> Used {
     }
 }
 
+/// The span of a job's watch, from its submission to its final state, under the call that
+/// started it: the polls of the paid API are its children. Disabled, and free, when traces are off
+/// or the call was not traced.
+fn watch_span() -> tracing::Span {
+    if !crate::telemetry::in_trace() {
+        return tracing::Span::none();
+    }
+    crate::telemetry::under_current(
+        tracing::info_span!(target: crate::telemetry::TARGET, parent: None, "upstream.watch"),
+    )
+}
+
 /// The span of a queued job from the call that queued it (its parent: the span current there) to
 /// its submission: how long it waited for an account slot on the server's clock, and in how many
 /// tries it was sent; its submission's [`upstream`](crate::upstream) request is its child.
 /// Disabled, and free, when traces are off.
 fn queue_span() -> tracing::Span {
-    tracing::info_span!(
+    if !crate::telemetry::in_trace() {
+        return tracing::Span::none();
+    }
+    crate::telemetry::under_current(tracing::info_span!(
         target: crate::telemetry::TARGET,
+        parent: None,
         "upstream.queue",
         "upstream.queue.waited_ms" = tracing::field::Empty,
         "upstream.queue.tries" = tracing::field::Empty,
-    )
+    ))
 }

@@ -19,7 +19,6 @@ pub mod queue;
 use std::time::{Duration, SystemTime};
 
 use reqwest::{StatusCode, Url};
-use tracing::Instrument;
 
 use crate::breaker::Breaker;
 use crate::clock::{Nanos, SharedClock};
@@ -180,11 +179,13 @@ impl Upstream {
     /// or a 4xx is an API that answers.
     ///
     /// Each request is a span of its own ([`upstream_span`]), under the call's, and carries that
-    /// span's trace context as a `traceparent` header when traces are on.
+    /// span's trace context as a `traceparent` header when traces are on. The span is never
+    /// entered: nothing under it reads the current span (it is handed down), and entering it at
+    /// every poll of the request would cost each traced call for nothing.
     async fn send<T: serde::de::DeserializeOwned>(&self, request: reqwest::RequestBuilder) -> Result<T, UpstreamError> {
         let request = request.build();
         let span = upstream_span(request.as_ref().ok());
-        let answer = self.send_in(request, &span).instrument(span.clone()).await;
+        let answer = self.send_in(request, &span).await;
         if !span.is_disabled() {
             span.record("upstream.outcome", UpstreamError::outcome_of(&answer));
         }
@@ -284,20 +285,20 @@ impl Upstream {
 /// metrics count (`circuit_open`: the breaker kept it from being sent). Disabled, and free, when
 /// traces are off.
 fn upstream_span(request: Option<&reqwest::Request>) -> tracing::Span {
-    let span = tracing::info_span!(
+    // Only inside a traced request: one that was not sampled makes no span, nor does work no
+    // request awaits (a job's watch makes its own span, under the call's).
+    if !crate::telemetry::in_trace() {
+        return tracing::Span::none();
+    }
+    tracing::info_span!(
         target: crate::telemetry::TARGET,
         "upstream.request",
         "otel.kind" = "client",
-        "http.request.method" = tracing::field::Empty,
-        "url.path" = tracing::field::Empty,
+        "http.request.method" = request.map(|r| r.method().as_str()),
+        "url.path" = request.map(|r| r.url().path()),
         "http.response.status_code" = tracing::field::Empty,
         "upstream.outcome" = tracing::field::Empty,
-    );
-    if let (false, Some(request)) = (span.is_disabled(), request) {
-        span.record("http.request.method", request.method().as_str());
-        span.record("url.path", request.url().path());
-    }
-    span
+    )
 }
 
 async fn read_json<T: serde::de::DeserializeOwned>(

@@ -250,13 +250,53 @@ async fn serve_with_telemetry_sends_a_calls_spans_to_the_collector() {
     assert!(!crate::common::is_error(&answered));
     let spans = receiver
         .eventually("the call's spans", |spans| {
-            ["tools/call", "ratelimit.guard", "upstream.request"]
-                .iter()
-                .all(|name| spans.iter().any(|s| s.name == *name))
+            ["tools/call", "upstream.request"].iter().all(|name| spans.iter().any(|s| s.name == *name))
         })
         .await;
-    let decided = spans.iter().find(|s| s.name == "ratelimit.guard").expect("found");
+    let decided = spans.iter().find(|s| s.name == "tools/call").expect("found");
     assert_eq!(attribute(decided, "ratelimit.caller.tenant").as_deref(), Some("acme"));
+    assert_eq!(attribute(decided, "ratelimit.outcome").as_deref(), Some("answered"));
+    let sent = spans.iter().find(|s| s.name == "upstream.request").expect("found");
+    assert_eq!(sent.parent_span_id, decided.span_id, "the paid API's request is the call's child");
     let bytes = receiver.bytes();
     assert!(!bytes.windows(key.len()).any(|w| w == key.as_bytes()), "the key in an exported span");
+}
+
+/// `telemetry.sample_ratio = 0`: a call that comes with no trace context of its caller's makes no
+/// span at all (the draw is made before any is made, so it costs what traces off cost), while one
+/// whose caller sent a sampled `traceparent` is traced whole. In the binary, a process of its own:
+/// the ratio is the process's.
+#[tokio::test]
+async fn serve_with_a_sample_ratio_of_zero_traces_only_what_the_caller_started() {
+    use crate::otlp::{Receiver, hex};
+    let receiver = Receiver::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("config.toml");
+    let key = "binary-sampled-key-0123456789";
+    let toml = format!(
+        "[[auth.keys]]\nkey = \"{key}\"\n[telemetry]\notlp_endpoint = \"{}\"\nexport_interval_ms = 100\nsample_ratio = 0.0\n",
+        receiver.url
+    );
+    std::fs::write(&file, toml).expect("config written");
+    let (_child, agent, _port) = crate::common::serve_file(&file, key).await;
+    for page in ["0", "10", "20"] {
+        let answered = crate::common::call(&agent, "list_articles", serde_json::json!({"cursor": page})).await;
+        assert!(!crate::common::is_error(&answered));
+    }
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    let mut request = rmcp::model::CallToolRequestParams::new("list_articles");
+    let mut meta = rmcp::model::RequestMetaObject::default();
+    meta.0.insert("traceparent".to_owned(), format!("00-{trace}-b7ad6b7169203331-01").into());
+    request.meta = Some(meta);
+    let answered = agent.call_tool(request).await.expect("tools/call answered");
+    assert!(!crate::common::is_error(&answered));
+    // Spans are exported in the order they end: once the traced call's are in, the three before
+    // it would be too, had they made any.
+    let spans = receiver
+        .eventually("the traced call's spans", |spans| {
+            ["tools/call", "upstream.request"].iter().all(|name| spans.iter().any(|s| s.name == *name))
+        })
+        .await;
+    assert!(spans.iter().all(|s| hex(&s.trace_id) == trace), "{:#?}", crate::otlp::names(&spans));
+    assert_eq!(spans.iter().filter(|s| s.name == "tools/call").count(), 1, "{:#?}", crate::otlp::names(&spans));
 }

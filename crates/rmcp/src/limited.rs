@@ -383,7 +383,7 @@ where
     W: FnOnce(Admitted<D::Place>, &serde_json::Value) -> F,
     F: Future<Output = Worked<ToolAnswer>> + Send + 'static,
 {
-    let span = crate::trace::request_span("tools/call", Some(request.name.as_ref()), context);
+    let span = crate::trace::call_span(request.name.as_ref(), context);
     let answered = call_tool_in_span(limits, door, request, context, work).instrument(span.clone()).await;
     crate::trace::record_error(&span, &answered);
     answered

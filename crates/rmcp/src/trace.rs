@@ -2,10 +2,10 @@
 //! `tracestate`) of the request's `_meta` (MCP's place for it, SEP-414), else of its HTTP headers
 //! (what a client instrumented with OpenTelemetry sends). A `_meta` one wins.
 //!
-//! The span is a `tracing` span of the core's trace target
-//! ([`TARGET`]), disabled — and free — unless a
-//! subscriber wants that target; the guard's span ([`mcp_ratelimit_core::guard::trace`]) is its
-//! child. With the feature `opentelemetry`, a subscriber with a tracing-opentelemetry layer (the
+//! The span is a `tracing` span of the core's trace target ([`TARGET`]), disabled — and free —
+//! unless a subscriber wants that target. A `tools/call`'s is the core's
+//! [`call_span`](mcp_ratelimit_core::guard::trace::call_span), which the guard records its
+//! decision on: one span for the request and what was decided about it. With the feature `opentelemetry`, a subscriber with a tracing-opentelemetry layer (the
 //! reference server's `[telemetry]`) makes it a child of the caller's span, read with the
 //! propagator set in `opentelemetry::global`; without it the span starts its own trace.
 
@@ -17,25 +17,95 @@ use tracing::{Instrument, Span};
 
 use mcp_ratelimit_core::guard::trace::TARGET;
 
-/// The span of one MCP request of `method` (`tools/call`, naming `tool`), continuing the trace
-/// `context` carries; disabled when no subscriber wants it.
-pub fn request_span(method: &str, tool: Option<&str>, context: &RequestContext<RoleServer>) -> Span {
+/// The span of one MCP request of `method` other than `tools/call`, continuing the trace `context`
+/// carries; disabled when no subscriber wants it or the request is not traced ([`traced_request`]).
+pub fn request_span(method: &str, context: &RequestContext<RoleServer>) -> Span {
+    let Some(parent) = traced_request(context) else { return Span::none() };
     let span = tracing::info_span!(
         target: TARGET,
         "mcp.request",
         "otel.name" = method,
         "otel.kind" = "server",
         "mcp.method.name" = method,
-        "mcp.tool.name" = tool,
         "mcp.request.id" = tracing::field::Empty,
         "rpc.jsonrpc.error_code" = tracing::field::Empty,
     );
+    of_request(span, context, parent)
+}
+
+/// The span of one `tools/call` of `tool` ([`call_span`](mcp_ratelimit_core::guard::trace::call_span):
+/// the request's, holding the guard's decision too), continuing the trace `context` carries;
+/// disabled when no subscriber wants it or the request is not traced ([`traced_request`]).
+pub fn call_span(tool: &str, context: &RequestContext<RoleServer>) -> Span {
+    let Some(parent) = traced_request(context) else { return Span::none() };
+    of_request(mcp_ratelimit_core::guard::trace::call_span(tool), context, parent)
+}
+
+/// Whether the request `context` is of makes a span, and the caller's trace it continues, if any:
+/// always when its caller sent a trace context (kept or not as that says), or when it runs inside
+/// a span of ours; otherwise when this process starts a trace for it
+/// ([`starts_trace`](mcp_ratelimit_core::guard::trace::starts_trace)). `Some` when no subscriber
+/// wants the spans: their macro is then the cheap check.
+fn traced_request(context: &RequestContext<RoleServer>) -> Option<Parent> {
+    if !tracing::enabled!(target: TARGET, tracing::Level::INFO) {
+        return Some(Parent::default());
+    }
+    let parent = Parent::of(context);
+    (parent.is_some()
+        || mcp_ratelimit_core::guard::trace::in_trace()
+        || mcp_ratelimit_core::guard::trace::starts_trace())
+    .then_some(parent)
+}
+
+/// `span` with the request's id, continuing the caller's trace `parent`.
+fn of_request(span: Span, context: &RequestContext<RoleServer>, parent: Parent) -> Span {
     if !span.is_disabled() {
         span.record("mcp.request.id", tracing::field::display(&context.id));
-        #[cfg(feature = "opentelemetry")]
-        continue_trace(&span, context);
+        parent.adopt(&span);
     }
     span
+}
+
+/// The trace context a request's caller sent, read with the propagator set in
+/// `opentelemetry::global` (none without the feature `opentelemetry`).
+#[derive(Default)]
+struct Parent(#[cfg(feature = "opentelemetry")] Option<opentelemetry::Context>);
+
+impl Parent {
+    #[cfg(feature = "opentelemetry")]
+    fn of(context: &RequestContext<RoleServer>) -> Self {
+        use opentelemetry::trace::TraceContextExt;
+        let parent = opentelemetry::global::get_text_map_propagator(|propagator| propagator.extract(&Carried(context)));
+        Self(parent.span().span_context().is_valid().then_some(parent))
+    }
+
+    #[cfg(not(feature = "opentelemetry"))]
+    fn of(_: &RequestContext<RoleServer>) -> Self {
+        Self::default()
+    }
+
+    #[cfg(feature = "opentelemetry")]
+    fn is_some(&self) -> bool {
+        self.0.is_some()
+    }
+
+    #[cfg(not(feature = "opentelemetry"))]
+    fn is_some(&self) -> bool {
+        false
+    }
+
+    /// Makes `span` a child of this trace, if there is one.
+    #[cfg(feature = "opentelemetry")]
+    fn adopt(self, span: &Span) {
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        if let Some(parent) = self.0 {
+            // Only a subscriber without the layer refuses, and then there is nothing to continue.
+            let _ = span.set_parent(parent);
+        }
+    }
+
+    #[cfg(not(feature = "opentelemetry"))]
+    fn adopt(self, _: &Span) {}
 }
 
 /// `handling`, the handler of an MCP request of `method`, run in the request's span
@@ -46,7 +116,7 @@ pub async fn traced<T>(
     context: &RequestContext<RoleServer>,
     handling: impl Future<Output = Result<T, ErrorData>>,
 ) -> Result<T, ErrorData> {
-    let span = request_span(method, None, context);
+    let span = request_span(method, context);
     if span.is_disabled() {
         return handling.await;
     }
@@ -59,18 +129,6 @@ pub async fn traced<T>(
 pub fn record_error<T>(span: &Span, handled: &Result<T, ErrorData>) {
     if let (false, Err(error)) = (span.is_disabled(), handled) {
         span.record("rpc.jsonrpc.error_code", error.code.0);
-    }
-}
-
-/// Makes `span` a child of the trace `context` carries, if it carries one.
-#[cfg(feature = "opentelemetry")]
-fn continue_trace(span: &Span, context: &RequestContext<RoleServer>) {
-    use opentelemetry::trace::TraceContextExt;
-    use tracing_opentelemetry::OpenTelemetrySpanExt;
-    let parent = opentelemetry::global::get_text_map_propagator(|propagator| propagator.extract(&Carried(context)));
-    if parent.span().span_context().is_valid() {
-        // Only a subscriber without the layer refuses, and then there is nothing to continue.
-        let _ = span.set_parent(parent);
     }
 }
 

@@ -36,7 +36,6 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
 use crate::guard::loops::NoProgress;
 use crate::guard::reuse::{Reuse, Served, Sharing};
@@ -204,7 +203,8 @@ impl Guard {
     /// pipeline's: an answer asking for input is resumed by them), and is run as a task of its own
     /// when it may be shared (a waiter that goes away cancels nothing).
     ///
-    /// The whole call runs in its span ([`trace::call_span`]), which ends with what it came to.
+    /// The call's caller and what it came to are recorded on the span current where it runs (a
+    /// door's [`trace::call_span`]) when traces are on.
     pub async fn call<D, W, F>(
         &self,
         door: &D,
@@ -217,14 +217,14 @@ impl Guard {
         W: FnOnce(Admitted<D::Place>, &Value) -> F,
         F: Future<Output = Worked<D::Answer>> + Send + 'static,
     {
-        let span = trace::call_span(call.tool, call.caller);
-        let called = self.call_in_span(door, reuse, call, work).instrument(span.clone()).await;
-        trace::record(&span, &called);
+        trace::caller(call.caller);
+        let called = self.called(door, reuse, call, work).await;
+        trace::record(&called);
         called
     }
 
-    /// [`Guard::call`], inside its span.
-    async fn call_in_span<D, W, F>(
+    /// [`Guard::call`], but for the trace.
+    async fn called<D, W, F>(
         &self,
         door: &D,
         reuse: Option<&Arc<Reuse<Worked<D::Answer>>>>,
