@@ -185,18 +185,25 @@ impl Upstream {
     async fn send<T: serde::de::DeserializeOwned>(&self, request: reqwest::RequestBuilder) -> Result<T, UpstreamError> {
         let request = request.build();
         let span = upstream_span(request.as_ref().ok());
-        let answer = self.send_in(request, &span).await;
+        let mut status = None;
+        let answer = self.send_in(request, &span, &mut status).await;
         if !span.is_disabled() {
-            span.record("upstream.outcome", UpstreamError::outcome_of(&answer));
+            tracing::record_all!(
+                span,
+                "http.response.status_code" = status,
+                "upstream.outcome" = UpstreamError::outcome_of(&answer),
+            );
         }
         answer
     }
 
-    /// [`Upstream::send`], in its span.
+    /// [`Upstream::send`], the trace context of `span` sent with the request; `status` is the
+    /// answer's status code, if it came.
     async fn send_in<T: serde::de::DeserializeOwned>(
         &self,
         request: Result<reqwest::Request, reqwest::Error>,
         span: &tracing::Span,
+        status: &mut Option<u16>,
     ) -> Result<T, UpstreamError> {
         let permit = self
             .breaker
@@ -209,9 +216,7 @@ impl Upstream {
             }
             Err(unbuilt) => Err(unbuilt),
         };
-        if let (false, Ok(response)) = (span.is_disabled(), &sent) {
-            span.record("http.response.status_code", response.status().as_u16());
-        }
+        *status = sent.as_ref().ok().map(|response| response.status().as_u16());
         let answer = read_json(sent).await;
         let failed = matches!(answer, Err(UpstreamError::Unavailable(_) | UpstreamError::NoAnswer(_)));
         self.breaker.record(permit, !failed, self.clock.now());

@@ -180,6 +180,15 @@ async fn a_2026_client_sending_traceparent_as_a_header_is_continued_and_a_refusa
     assert_eq!(attribute(refused, "ratelimit.caller.tenant").as_deref(), Some("acme"));
     // The answered one reached the paid API in the same trace.
     assert!(trace.iter().any(|s| s.name == "upstream.request"), "{:#?}", names(&spans));
+    // Each field once: a span keeps every value recorded, so one recorded twice (the units
+    // reserved at admission and again when settled) would be exported twice.
+    for span in &trace {
+        let mut keys: Vec<&str> = span.attributes.iter().map(|a| a.key.as_str()).collect();
+        let all = keys.len();
+        keys.sort_unstable();
+        keys.dedup();
+        assert_eq!(keys.len(), all, "a field exported twice on {}: {:?}", span.name, span.attributes);
+    }
 }
 
 #[tokio::test(flavor = "current_thread")]

@@ -27,10 +27,11 @@ pub fn request_span(method: &str, context: &RequestContext<RoleServer>) -> Span 
         "otel.name" = method,
         "otel.kind" = "server",
         "mcp.method.name" = method,
-        "mcp.request.id" = tracing::field::Empty,
+        "mcp.request.id" = tracing::field::display(&context.id),
         "rpc.jsonrpc.error_code" = tracing::field::Empty,
     );
-    of_request(span, context, parent)
+    parent.adopt(&span);
+    span
 }
 
 /// The span of one `tools/call` of `tool` ([`call_span`](mcp_ratelimit_core::guard::trace::call_span):
@@ -38,7 +39,9 @@ pub fn request_span(method: &str, context: &RequestContext<RoleServer>) -> Span 
 /// disabled when no subscriber wants it or the request is not traced ([`traced_request`]).
 pub fn call_span(tool: &str, context: &RequestContext<RoleServer>) -> Span {
     let Some(parent) = traced_request(context) else { return Span::none() };
-    of_request(mcp_ratelimit_core::guard::trace::call_span(tool), context, parent)
+    let span = mcp_ratelimit_core::guard::trace::call_span(tool, Some(&context.id));
+    parent.adopt(&span);
+    span
 }
 
 /// Whether the request `context` is of makes a span, and the caller's trace it continues, if any:
@@ -55,15 +58,6 @@ fn traced_request(context: &RequestContext<RoleServer>) -> Option<Parent> {
         || mcp_ratelimit_core::guard::trace::in_trace()
         || mcp_ratelimit_core::guard::trace::starts_trace())
     .then_some(parent)
-}
-
-/// `span` with the request's id, continuing the caller's trace `parent`.
-fn of_request(span: Span, context: &RequestContext<RoleServer>, parent: Parent) -> Span {
-    if !span.is_disabled() {
-        span.record("mcp.request.id", tracing::field::display(&context.id));
-        parent.adopt(&span);
-    }
-    span
 }
 
 /// The trace context a request's caller sent, read with the propagator set in
@@ -94,11 +88,11 @@ impl Parent {
         false
     }
 
-    /// Makes `span` a child of this trace, if there is one.
+    /// Makes `span` a child of this trace, if there is one (and `span` is enabled).
     #[cfg(feature = "opentelemetry")]
     fn adopt(self, span: &Span) {
         use tracing_opentelemetry::OpenTelemetrySpanExt;
-        if let Some(parent) = self.0 {
+        if let (false, Some(parent)) = (span.is_disabled(), self.0) {
             // Only a subscriber without the layer refuses, and then there is nothing to continue.
             let _ = span.set_parent(parent);
         }

@@ -217,9 +217,9 @@ impl Guard {
         W: FnOnce(Admitted<D::Place>, &Value) -> F,
         F: Future<Output = Worked<D::Answer>> + Send + 'static,
     {
-        trace::caller(call.caller);
+        let caller = call.caller;
         let called = self.called(door, reuse, call, work).await;
-        trace::record(&called);
+        trace::record(caller, &called);
         called
     }
 

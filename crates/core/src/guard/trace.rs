@@ -5,8 +5,8 @@
 //! them into OpenTelemetry spans only when `[telemetry] otlp_endpoint` is set (a
 //! tracing-opentelemetry layer filtered to this target; its log layer never shows the target).
 //! With no layer that wants them, every callsite of the target is disabled once, when it is first
-//! met, so [`call_span`] is a cached check that hands back a disabled span, and [`caller`],
-//! [`record`], [`reserved`] and [`failed_open`] return at once: the hot path builds no attribute
+//! met, so [`call_span`] is a cached check that hands back a disabled span, and [`record`],
+//! [`reserved`] and [`failed_open`] return at once: the hot path builds no attribute
 //! and allocates nothing. The core stays free of any OpenTelemetry crate: a library user's own
 //! subscriber may turn these spans into anything.
 //!
@@ -19,7 +19,8 @@
 //! library user calling the guard directly makes [`call_span`] and runs the call in it.
 //!
 //! Fields are recorded a group at a time (`tracing::record_all!`): one dispatch to the
-//! subscriber per group, not one per field.
+//! subscriber per group, not one per field, and each field once (an OpenTelemetry span keeps
+//! every value recorded, so a field recorded twice would be exported twice).
 //!
 //! What a span names of a caller is what every other report names: its id (a hash of its key,
 //! never the key: [`crate::identity`]), its tenant and tier.
@@ -29,9 +30,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tracing::Span;
 use tracing::field::Empty;
 
+use crate::guard::Settled;
 use crate::guard::call::Called;
 use crate::guard::reuse::Served;
-use crate::guard::{Refusal, Settled};
 use crate::identity::Caller;
 
 /// The `tracing` target of every span the project exports as a trace (the request's here and in
@@ -69,11 +70,11 @@ pub fn in_trace() -> bool {
         && Span::current().metadata().is_some_and(|metadata| metadata.target() == TARGET)
 }
 
-/// The span of one `tools/call` of `tool`, named `tools/call` (`otel.name`), a child of the span
-/// current where it is made: the fields of the MCP request (its id and JSON-RPC error, recorded by
-/// the door) and of the guard's decision (recorded by [`Guard::call`](crate::guard::Guard::call)
+/// The span of one `tools/call` of `tool` (the MCP request `request_id`, if it has one), named
+/// `tools/call` (`otel.name`), a child of the span current where it is made: the fields of the MCP
+/// request (its id, and its JSON-RPC error, recorded by the door) and of the guard's decision (recorded by [`Guard::call`](crate::guard::Guard::call)
 /// run inside it), empty until then. Disabled, and free, when no subscriber wants [`TARGET`].
-pub fn call_span(tool: &str) -> Span {
+pub fn call_span(tool: &str, request_id: Option<&dyn std::fmt::Display>) -> Span {
     tracing::info_span!(
         target: TARGET,
         "mcp.request",
@@ -81,7 +82,7 @@ pub fn call_span(tool: &str) -> Span {
         "otel.kind" = "server",
         "mcp.method.name" = "tools/call",
         "mcp.tool.name" = tool,
-        "mcp.request.id" = Empty,
+        "mcp.request.id" = request_id.map(tracing::field::display),
         "rpc.jsonrpc.error_code" = Empty,
         "ratelimit.layer" = "tool",
         "ratelimit.caller.id" = Empty,
@@ -113,52 +114,49 @@ fn current() -> Option<Span> {
     Some(Span::current()).filter(|span| !span.is_disabled())
 }
 
-/// Records on the current span who called: `caller`'s id, tier and tenant.
-pub fn caller(caller: &Caller) {
-    if let Some(span) = current() {
-        tracing::record_all!(
-            span,
-            "ratelimit.caller.id" = caller.id(),
-            "ratelimit.caller.tier" = caller.tier(),
-            "ratelimit.caller.tenant" = caller.tenant(),
-        );
-    }
-}
-
-/// Records on the current span what the call came to: its outcome, the refusal's budget and wait,
-/// its price reserved and charged, how it was served, how many limits it took past their warning,
-/// and how many identical answers in a row its tool gave (when it warned or stopped).
-pub fn record<A>(called: &Called<A>) {
+/// Records on the current span, in one dispatch, who called (`caller`'s id, tier and tenant) and
+/// what the call came to: its outcome, the refusal's budget and wait, the units it was charged
+/// (those it reserved were recorded when it was admitted: [`reserved`]), how it was served, how
+/// many limits it took past their warning, and how many identical answers in a row its tool gave
+/// (when it warned or stopped).
+pub fn record<A>(caller: &Caller, called: &Called<A>) {
     let Some(span) = current() else { return };
-    match called {
-        Called::Refused(refusal) => refused(&span, "refused", refusal),
-        Called::RefusedAfter { refusal, settled } => {
-            refused(&span, "refused_after", refusal);
-            priced(&span, settled.as_ref());
-        }
-        Called::Answered { served, settled, warnings, no_progress, .. } => {
+    let (outcome, refusal, settled) = match called {
+        Called::Refused(refusal) => ("refused", Some(refusal), None),
+        Called::RefusedAfter { refusal, settled } => ("refused_after", Some(refusal), settled.as_ref()),
+        Called::Answered { settled, .. } => ("answered", None, settled.as_ref()),
+        Called::Cancelled => ("cancelled", None, None),
+        Called::Lost => ("lost", None, None),
+    };
+    let (served, warnings, no_progress) = match called {
+        Called::Answered { served, warnings, no_progress, .. } => {
             let served = match served {
                 Served::Asked => "asked",
                 Served::Coalesced => "coalesced",
                 Served::Cached => "cached",
             };
-            // The tool keeps giving this caller the same answer: warned, or stopped from now on.
-            let (same_answers, refused_for_ms) =
-                no_progress.as_ref().map_or((None, None), |n| (Some(n.same_answers), n.refused_for_ms));
-            tracing::record_all!(
-                span,
-                "ratelimit.outcome" = "answered",
-                "ratelimit.served" = served,
-                "ratelimit.warnings" = u64::try_from(warnings.len()).unwrap_or(u64::MAX),
-                "ratelimit.reserved" = settled.as_ref().map(|s| s.reserved),
-                "ratelimit.charged" = settled.as_ref().map(|s| s.charged),
-                "ratelimit.loop.same_answers" = same_answers,
-                "ratelimit.loop.refused_for_ms" = refused_for_ms,
-            );
+            (Some(served), Some(u64::try_from(warnings.len()).unwrap_or(u64::MAX)), no_progress.as_ref())
         }
-        Called::Cancelled => tracing::record_all!(span, "ratelimit.outcome" = "cancelled"),
-        Called::Lost => tracing::record_all!(span, "ratelimit.outcome" = "lost"),
-    }
+        _ => (None, None, None),
+    };
+    tracing::record_all!(
+        span,
+        "ratelimit.caller.id" = caller.id(),
+        "ratelimit.caller.tier" = caller.tier(),
+        "ratelimit.caller.tenant" = caller.tenant(),
+        "ratelimit.outcome" = outcome,
+        "ratelimit.code" = refusal.map(|r| r.code.as_str()),
+        "ratelimit.scope" = refusal.and_then(|r| r.scope.as_deref()),
+        "ratelimit.limit" = refusal.and_then(|r| r.limit),
+        "ratelimit.remaining" = refusal.and_then(|r| r.remaining),
+        "ratelimit.retry_after_ms" = refusal.and_then(|r| r.retry_after_ms),
+        "ratelimit.charged" = settled.map(|s: &Settled| s.charged),
+        "ratelimit.served" = served,
+        "ratelimit.warnings" = warnings,
+        // The tool keeps giving this caller the same answer: warned, or stopped from now on.
+        "ratelimit.loop.same_answers" = no_progress.map(|n| n.same_answers),
+        "ratelimit.loop.refused_for_ms" = no_progress.and_then(|n| n.refused_for_ms),
+    );
 }
 
 /// Records on the current span the units the call's price reserved, known before the work runs
@@ -174,23 +172,5 @@ pub fn reserved(units: u64) {
 pub fn failed_open() {
     if let Some(span) = current() {
         tracing::record_all!(span, "ratelimit.fail_open" = true);
-    }
-}
-
-fn refused(span: &Span, outcome: &str, refusal: &Refusal) {
-    tracing::record_all!(
-        span,
-        "ratelimit.outcome" = outcome,
-        "ratelimit.code" = refusal.code.as_str(),
-        "ratelimit.scope" = refusal.scope.as_deref(),
-        "ratelimit.limit" = refusal.limit,
-        "ratelimit.remaining" = refusal.remaining,
-        "ratelimit.retry_after_ms" = refusal.retry_after_ms,
-    );
-}
-
-fn priced(span: &Span, settled: Option<&Settled>) {
-    if let Some(settled) = settled {
-        tracing::record_all!(span, "ratelimit.reserved" = settled.reserved, "ratelimit.charged" = settled.charged);
     }
 }
