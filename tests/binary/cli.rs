@@ -231,28 +231,46 @@ fn serve_on_a_free_port(configure: impl FnOnce(&mut Command)) -> (std::process::
     (child, port)
 }
 
-/// `serve` with `[telemetry]` (set as a user sets it, in the file): the binary's own subscriber
-/// sends the call's spans to the collector, named for the caller's tenant, never its key.
+/// `serve` with `[telemetry]` exporting to `receiver` (set as a user sets it, in the file, with
+/// `telemetry` added to the section), `key` configured with `auth` added to its entry; the
+/// directory holding the file, the child, and an agent of `key`.
+async fn serve_traced(
+    receiver: &crate::otlp::Receiver,
+    key: &str,
+    auth: &str,
+    telemetry: &str,
+) -> (tempfile::TempDir, tokio::process::Child, crate::common::Client) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("config.toml");
+    let toml = format!(
+        "[[auth.keys]]\nkey = \"{key}\"\n{auth}[telemetry]\notlp_endpoint = \"{}\"\nexport_interval_ms = 100\n{telemetry}",
+        receiver.url
+    );
+    std::fs::write(&file, toml).expect("config written");
+    let (child, agent, _port) = crate::common::serve_file(&file, key).await;
+    (dir, child, agent)
+}
+
+/// The spans `receiver` holds once they include a `tools/call` and an `upstream.request`.
+async fn a_calls_spans(receiver: &crate::otlp::Receiver) -> Vec<opentelemetry_proto::tonic::trace::v1::Span> {
+    receiver
+        .eventually("a call's spans", |spans| {
+            ["tools/call", "upstream.request"].iter().all(|name| spans.iter().any(|s| s.name == *name))
+        })
+        .await
+}
+
+/// `serve` with `[telemetry]`: the binary's own subscriber sends the call's spans to the
+/// collector, named for the caller's tenant, never its key.
 #[tokio::test]
 async fn serve_with_telemetry_sends_a_calls_spans_to_the_collector() {
     use crate::otlp::{Receiver, attribute};
     let receiver = Receiver::start();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let file = dir.path().join("config.toml");
     let key = "binary-telemetry-key-0123456789";
-    let toml = format!(
-        "[[auth.keys]]\nkey = \"{key}\"\ntenant = \"acme\"\n[telemetry]\notlp_endpoint = \"{}\"\nexport_interval_ms = 100\n",
-        receiver.url
-    );
-    std::fs::write(&file, toml).expect("config written");
-    let (_child, agent, _port) = crate::common::serve_file(&file, key).await;
+    let (_dir, _child, agent) = serve_traced(&receiver, key, "tenant = \"acme\"\n", "").await;
     let answered = crate::common::call(&agent, "list_articles", serde_json::json!({})).await;
     assert!(!crate::common::is_error(&answered));
-    let spans = receiver
-        .eventually("the call's spans", |spans| {
-            ["tools/call", "upstream.request"].iter().all(|name| spans.iter().any(|s| s.name == *name))
-        })
-        .await;
+    let spans = a_calls_spans(&receiver).await;
     let decided = spans.iter().find(|s| s.name == "tools/call").expect("found");
     assert_eq!(attribute(decided, "ratelimit.caller.tenant").as_deref(), Some("acme"));
     assert_eq!(attribute(decided, "ratelimit.outcome").as_deref(), Some("answered"));
@@ -268,17 +286,10 @@ async fn serve_with_telemetry_sends_a_calls_spans_to_the_collector() {
 /// the ratio is the process's.
 #[tokio::test]
 async fn serve_with_a_sample_ratio_of_zero_traces_only_what_the_caller_started() {
-    use crate::otlp::{Receiver, hex};
+    use crate::otlp::{Receiver, hex, names};
     let receiver = Receiver::start();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let file = dir.path().join("config.toml");
     let key = "binary-sampled-key-0123456789";
-    let toml = format!(
-        "[[auth.keys]]\nkey = \"{key}\"\n[telemetry]\notlp_endpoint = \"{}\"\nexport_interval_ms = 100\nsample_ratio = 0.0\n",
-        receiver.url
-    );
-    std::fs::write(&file, toml).expect("config written");
-    let (_child, agent, _port) = crate::common::serve_file(&file, key).await;
+    let (_dir, _child, agent) = serve_traced(&receiver, key, "", "sample_ratio = 0.0\n").await;
     for page in ["0", "10", "20"] {
         let answered = crate::common::call(&agent, "list_articles", serde_json::json!({"cursor": page})).await;
         assert!(!crate::common::is_error(&answered));
@@ -292,11 +303,7 @@ async fn serve_with_a_sample_ratio_of_zero_traces_only_what_the_caller_started()
     assert!(!crate::common::is_error(&answered));
     // Spans are exported in the order they end: once the traced call's are in, the three before
     // it would be too, had they made any.
-    let spans = receiver
-        .eventually("the traced call's spans", |spans| {
-            ["tools/call", "upstream.request"].iter().all(|name| spans.iter().any(|s| s.name == *name))
-        })
-        .await;
-    assert!(spans.iter().all(|s| hex(&s.trace_id) == trace), "{:#?}", crate::otlp::names(&spans));
-    assert_eq!(spans.iter().filter(|s| s.name == "tools/call").count(), 1, "{:#?}", crate::otlp::names(&spans));
+    let spans = a_calls_spans(&receiver).await;
+    assert!(spans.iter().all(|s| hex(&s.trace_id) == trace), "{:#?}", names(&spans));
+    assert_eq!(spans.iter().filter(|s| s.name == "tools/call").count(), 1, "{:#?}", names(&spans));
 }
