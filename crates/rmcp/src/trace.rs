@@ -18,7 +18,8 @@ use tracing::{Instrument, Span};
 use mcp_ratelimit_core::guard::trace::TARGET;
 
 /// The span of one MCP request of `method` other than `tools/call`, continuing the trace `context`
-/// carries; disabled when no subscriber wants it or the request is not traced ([`traced_request`]).
+/// carries; disabled when no subscriber wants it or the request is not traced (no caller's trace
+/// context, and [`starts_trace`](mcp_ratelimit_core::guard::trace::starts_trace) did not keep it).
 pub fn request_span(method: &str, context: &RequestContext<RoleServer>) -> Span {
     let Some(parent) = traced_request(context) else { return Span::none() };
     let span = tracing::info_span!(
@@ -36,7 +37,7 @@ pub fn request_span(method: &str, context: &RequestContext<RoleServer>) -> Span 
 
 /// The span of one `tools/call` of `tool` ([`call_span`](mcp_ratelimit_core::guard::trace::call_span):
 /// the request's, holding the guard's decision too), continuing the trace `context` carries;
-/// disabled when no subscriber wants it or the request is not traced ([`traced_request`]).
+/// disabled when no subscriber wants it or the request is not traced (as [`request_span`]).
 pub fn call_span(tool: &str, context: &RequestContext<RoleServer>) -> Span {
     let Some(parent) = traced_request(context) else { return Span::none() };
     let span = mcp_ratelimit_core::guard::trace::call_span(tool, Some(&context.id));
