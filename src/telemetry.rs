@@ -34,7 +34,8 @@ use tracing_subscriber::registry::LookupSpan;
 
 use crate::config::TelemetryConfig;
 
-pub use mcp_ratelimit_core::guard::trace::{TARGET, in_trace};
+pub use mcp_ratelimit_core::guard::trace::TARGET;
+use mcp_ratelimit_core::guard::trace::in_trace;
 
 /// The W3C trace context's names, as HTTP headers and as request `_meta` keys (SEP-414).
 pub const TRACEPARENT: &str = "traceparent";
@@ -115,11 +116,21 @@ impl Telemetry {
     }
 }
 
-/// `span`, made with no `tracing` parent (`parent: None`), as the child of the span current here in
-/// the trace, but not in `tracing`: for work that outlives the request that started it (a queued
-/// job's wait, its watch). A `tracing` parent is kept open until its last child closes, so the
-/// request's span would be sent only when the job ends; an OpenTelemetry parent is a name.
-pub fn under_current(span: Span) -> Span {
+/// The span `make` makes, for work a request leads to (a request to the paid API or the proxied
+/// server), a child of the span current here — only inside a traced request ([`in_trace`]): a
+/// request not sampled makes no span of its work, nor does work no request awaits, and `make` is
+/// then never called.
+pub fn of_work(make: impl FnOnce() -> Span) -> Span {
+    if in_trace() { make() } else { Span::none() }
+}
+
+/// As [`of_work`], for work that outlives the request that started it (a queued job's wait, its
+/// watch): the span `make` makes with no `tracing` parent (`parent: None`) is the current span's
+/// child in the trace, but not in `tracing`. A `tracing` parent is kept open until its last child
+/// closes, so the request's span would be sent only when the job ends; an OpenTelemetry parent is
+/// a name.
+pub fn of_later_work(make: impl FnOnce() -> Span) -> Span {
+    let span = of_work(make);
     if !span.is_disabled() {
         // Only a subscriber without the layer refuses, and then there is no trace to join.
         let _ = span.set_parent(Span::current().context());
@@ -140,46 +151,51 @@ pub fn log_filter(filter: tracing_subscriber::EnvFilter) -> tracing_subscriber::
 /// with a request it makes; `None` when the span is not exported (traces off, or not sampled
 /// and not to be passed on).
 pub fn context_of(span: &Span) -> Option<HashMap<String, String>> {
-    if span.is_disabled() {
-        return None;
-    }
-    let context = span.context();
     let mut carrier = Carrier::default();
-    TraceContextPropagator::new().inject_context(&context, &mut carrier);
+    inject(span, &mut carrier);
     carrier.0.contains_key(TRACEPARENT).then_some(carrier.0)
 }
 
 /// Puts the trace context of `span` ([`context_of`]) in `headers`, over any there: written
 /// straight into the map, with no map of its own in between.
 pub fn inject_headers(span: &Span, headers: &mut http::HeaderMap) {
-    if span.is_disabled() {
-        return;
-    }
-    TraceContextPropagator::new().inject_context(&span.context(), &mut Headers(headers));
+    inject(span, &mut Headers(headers));
 }
 
-/// A W3C trace context as a map of its headers' names to their values; an empty `tracestate`
-/// (the caller sent none) is no header.
+/// Writes the W3C trace context of `span` into `carrier`, an empty value (a `tracestate` the caller
+/// never sent) left out; nothing when `span` is disabled.
+fn inject(span: &Span, carrier: &mut dyn Injector) {
+    if !span.is_disabled() {
+        TraceContextPropagator::new().inject_context(&span.context(), &mut NonEmpty(carrier));
+    }
+}
+
+/// A carrier that is never given an empty value.
+struct NonEmpty<'a>(&'a mut dyn Injector);
+
+impl Injector for NonEmpty<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if !value.is_empty() {
+            self.0.set(key, value);
+        }
+    }
+}
+
+/// A W3C trace context as a map of its headers' names to their values.
 #[derive(Default)]
 struct Carrier(HashMap<String, String>);
 
 impl Injector for Carrier {
     fn set(&mut self, key: &str, value: String) {
-        if !value.is_empty() {
-            self.0.insert(key.to_owned(), value);
-        }
+        self.0.insert(key.to_owned(), value);
     }
 }
 
-/// HTTP headers as a propagator writes a trace context into them; as [`Carrier`], an empty value
-/// is no header.
+/// HTTP headers as a propagator writes a trace context into them.
 struct Headers<'a>(&'a mut http::HeaderMap);
 
 impl Injector for Headers<'_> {
     fn set(&mut self, key: &str, value: String) {
-        if value.is_empty() {
-            return;
-        }
         if let (Ok(name), Ok(value)) =
             (http::HeaderName::from_bytes(key.as_bytes()), http::HeaderValue::try_from(value))
         {

@@ -480,18 +480,16 @@ impl Proxied {
 /// (`proxy.outcome`: `answered`, `task`, `error`, `unavailable`, `not_sent`). Disabled, and free,
 /// when traces are off.
 fn proxied_span(tool: &str) -> tracing::Span {
-    // Only inside a traced request (one that was not sampled makes no span).
-    if !crate::telemetry::in_trace() {
-        return tracing::Span::none();
-    }
-    tracing::info_span!(
-        target: crate::telemetry::TARGET,
-        "proxy.request",
-        "otel.kind" = "client",
-        "mcp.method.name" = "tools/call",
-        "mcp.tool.name" = tool,
-        "proxy.outcome" = tracing::field::Empty,
-    )
+    crate::telemetry::of_work(|| {
+        tracing::info_span!(
+            target: crate::telemetry::TARGET,
+            "proxy.request",
+            "otel.kind" = "client",
+            "mcp.method.name" = "tools/call",
+            "mcp.tool.name" = tool,
+            "proxy.outcome" = tracing::field::Empty,
+        )
+    })
 }
 
 /// What a sent call came back with: an answer, or a task that keeps the call's place to the

@@ -985,11 +985,8 @@ fn used_by(job: &Job) -> Used {
 /// started it: the polls of the paid API are its children. Disabled, and free, when traces are off
 /// or the call was not traced.
 fn watch_span() -> tracing::Span {
-    if !crate::telemetry::in_trace() {
-        return tracing::Span::none();
-    }
-    crate::telemetry::under_current(
-        tracing::info_span!(target: crate::telemetry::TARGET, parent: None, "upstream.watch"),
+    crate::telemetry::of_later_work(
+        || tracing::info_span!(target: crate::telemetry::TARGET, parent: None, "upstream.watch"),
     )
 }
 
@@ -998,14 +995,13 @@ fn watch_span() -> tracing::Span {
 /// tries it was sent; its submission's [`upstream`](crate::upstream) request is its child.
 /// Disabled, and free, when traces are off.
 fn queue_span() -> tracing::Span {
-    if !crate::telemetry::in_trace() {
-        return tracing::Span::none();
-    }
-    crate::telemetry::under_current(tracing::info_span!(
-        target: crate::telemetry::TARGET,
-        parent: None,
-        "upstream.queue",
-        "upstream.queue.waited_ms" = tracing::field::Empty,
-        "upstream.queue.tries" = tracing::field::Empty,
-    ))
+    crate::telemetry::of_later_work(|| {
+        tracing::info_span!(
+            target: crate::telemetry::TARGET,
+            parent: None,
+            "upstream.queue",
+            "upstream.queue.waited_ms" = tracing::field::Empty,
+            "upstream.queue.tries" = tracing::field::Empty,
+        )
+    })
 }

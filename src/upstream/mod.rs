@@ -290,20 +290,18 @@ impl Upstream {
 /// metrics count (`circuit_open`: the breaker kept it from being sent). Disabled, and free, when
 /// traces are off.
 fn upstream_span(request: Option<&reqwest::Request>) -> tracing::Span {
-    // Only inside a traced request: one that was not sampled makes no span, nor does work no
-    // request awaits (a job's watch makes its own span, under the call's).
-    if !crate::telemetry::in_trace() {
-        return tracing::Span::none();
-    }
-    tracing::info_span!(
-        target: crate::telemetry::TARGET,
-        "upstream.request",
-        "otel.kind" = "client",
-        "http.request.method" = request.map(|r| r.method().as_str()),
-        "url.path" = request.map(|r| r.url().path()),
-        "http.response.status_code" = tracing::field::Empty,
-        "upstream.outcome" = tracing::field::Empty,
-    )
+    // A job's watch makes its own span, under the call's, for the polls no request awaits.
+    crate::telemetry::of_work(|| {
+        tracing::info_span!(
+            target: crate::telemetry::TARGET,
+            "upstream.request",
+            "otel.kind" = "client",
+            "http.request.method" = request.map(|r| r.method().as_str()),
+            "url.path" = request.map(|r| r.url().path()),
+            "http.response.status_code" = tracing::field::Empty,
+            "upstream.outcome" = tracing::field::Empty,
+        )
+    })
 }
 
 async fn read_json<T: serde::de::DeserializeOwned>(

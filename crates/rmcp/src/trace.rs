@@ -55,9 +55,10 @@ fn traced_request(context: &RequestContext<RoleServer>) -> Option<Parent> {
         return Some(Parent::default());
     }
     let parent = Parent::of(context);
+    // The draw before the look at the current span: at ratio 1 it is all there is to it.
     (parent.is_some()
-        || mcp_ratelimit_core::guard::trace::in_trace()
-        || mcp_ratelimit_core::guard::trace::starts_trace())
+        || mcp_ratelimit_core::guard::trace::starts_trace()
+        || mcp_ratelimit_core::guard::trace::in_trace())
     .then_some(parent)
 }
 
