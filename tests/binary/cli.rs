@@ -233,13 +233,13 @@ fn serve_on_a_free_port(configure: impl FnOnce(&mut Command)) -> (std::process::
 
 /// `serve` with `[telemetry]` exporting to `receiver` (set as a user sets it, in the file, with
 /// `telemetry` added to the section), `key` configured with `auth` added to its entry; the
-/// directory holding the file, the child, and an agent of `key`.
+/// directory holding the file, the child, an agent of `key`, and the server's MCP URL.
 async fn serve_traced(
     receiver: &crate::otlp::Receiver,
     key: &str,
     auth: &str,
     telemetry: &str,
-) -> (tempfile::TempDir, tokio::process::Child, crate::common::Client) {
+) -> (tempfile::TempDir, tokio::process::Child, crate::common::Client, String) {
     let dir = tempfile::tempdir().expect("temp dir");
     let file = dir.path().join("config.toml");
     let toml = format!(
@@ -247,17 +247,8 @@ async fn serve_traced(
         receiver.url
     );
     std::fs::write(&file, toml).expect("config written");
-    let (child, agent, _port) = crate::common::serve_file(&file, key).await;
-    (dir, child, agent)
-}
-
-/// The spans `receiver` holds once they include a `tools/call` and an `upstream.request`.
-async fn a_calls_spans(receiver: &crate::otlp::Receiver) -> Vec<opentelemetry_proto::tonic::trace::v1::Span> {
-    receiver
-        .eventually("a call's spans", |spans| {
-            ["tools/call", "upstream.request"].iter().all(|name| spans.iter().any(|s| s.name == *name))
-        })
-        .await
+    let (child, agent, port) = crate::common::serve_file(&file, key).await;
+    (dir, child, agent, format!("http://127.0.0.1:{port}/mcp"))
 }
 
 /// `serve` with `[telemetry]`: the binary's own subscriber sends the call's spans to the
@@ -267,10 +258,14 @@ async fn serve_with_telemetry_sends_a_calls_spans_to_the_collector() {
     use crate::otlp::{Receiver, attribute};
     let receiver = Receiver::start();
     let key = "binary-telemetry-key-0123456789";
-    let (_dir, _child, agent) = serve_traced(&receiver, key, "tenant = \"acme\"\n", "").await;
+    let (_dir, _child, agent, _url) = serve_traced(&receiver, key, "tenant = \"acme\"\n", "").await;
     let answered = crate::common::call(&agent, "list_articles", serde_json::json!({})).await;
     assert!(!crate::common::is_error(&answered));
-    let spans = a_calls_spans(&receiver).await;
+    let spans = receiver
+        .eventually("the call's spans", |spans| {
+            ["tools/call", "upstream.request"].iter().all(|name| spans.iter().any(|s| s.name == *name))
+        })
+        .await;
     let decided = spans.iter().find(|s| s.name == "tools/call").expect("found");
     assert_eq!(attribute(decided, "ratelimit.caller.tenant").as_deref(), Some("acme"));
     assert_eq!(attribute(decided, "ratelimit.outcome").as_deref(), Some("answered"));
@@ -282,28 +277,44 @@ async fn serve_with_telemetry_sends_a_calls_spans_to_the_collector() {
 
 /// `telemetry.sample_ratio = 0`: a call that comes with no trace context of its caller's makes no
 /// span at all (the draw is made before any is made, so it costs what traces off cost), while one
-/// whose caller sent a sampled `traceparent` is traced whole. In the binary, a process of its own:
-/// the ratio is the process's.
+/// whose caller sent a sampled `traceparent` is traced whole — through clients of both eras: rmcp's
+/// (2025-11-25, the context in `_meta`) and the Python SDK's default (2026-07-28, the context as a
+/// header). In the binary, a process of its own: the ratio is the process's.
 #[tokio::test]
 async fn serve_with_a_sample_ratio_of_zero_traces_only_what_the_caller_started() {
     use crate::otlp::{Receiver, hex, names};
     let receiver = Receiver::start();
     let key = "binary-sampled-key-0123456789";
-    let (_dir, _child, agent) = serve_traced(&receiver, key, "", "sample_ratio = 0.0\n").await;
+    let (_dir, _child, agent, url) = serve_traced(&receiver, key, "", "sample_ratio = 0.0\n").await;
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    // Untraced first: three calls of the 2025-11-25 client, one of the 2026-07-28 one.
     for page in ["0", "10", "20"] {
         let answered = crate::common::call(&agent, "list_articles", serde_json::json!({"cursor": page})).await;
         assert!(!crate::common::is_error(&answered));
     }
-    let trace = "0af7651916cd43dd8448eb211c80319c";
+    let authorization = format!("Authorization: Bearer {key}");
+    let one_call = |page: &str| serde_json::json!([{"op": "call", "tool": "list_articles", "args": {"cursor": page}}]);
+    let walked = crate::python::walk(&url, "auto", one_call("30"), &["-H", &authorization]).await;
+    assert!(crate::python::all_ok(&walked), "{walked}");
+    assert_eq!(walked["protocol_version"], crate::python::era_of("auto"), "{walked}");
+    // Then one call of each that carries the caller's trace.
     let mut request = rmcp::model::CallToolRequestParams::new("list_articles");
     let mut meta = rmcp::model::RequestMetaObject::default();
     meta.0.insert("traceparent".to_owned(), format!("00-{trace}-b7ad6b7169203331-01").into());
     request.meta = Some(meta);
     let answered = agent.call_tool(request).await.expect("tools/call answered");
     assert!(!crate::common::is_error(&answered));
-    // Spans are exported in the order they end: once the traced call's are in, the three before
-    // it would be too, had they made any.
-    let spans = a_calls_spans(&receiver).await;
+    let traceparent = format!("traceparent: 00-{trace}-00f067aa0ba902b7-01");
+    let walked = crate::python::walk(&url, "auto", one_call("40"), &["-H", &authorization, "-H", &traceparent]).await;
+    assert!(crate::python::all_ok(&walked), "{walked}");
+    // Spans are exported in the order they end: once the traced calls' are in, the four before
+    // them would be too, had they made any.
+    let spans = receiver
+        .eventually("both traced calls' spans", |spans| {
+            spans.iter().filter(|s| s.name == "tools/call").count() >= 2
+                && spans.iter().filter(|s| s.name == "upstream.request").count() >= 2
+        })
+        .await;
     assert!(spans.iter().all(|s| hex(&s.trace_id) == trace), "{:#?}", names(&spans));
-    assert_eq!(spans.iter().filter(|s| s.name == "tools/call").count(), 1, "{:#?}", names(&spans));
+    assert_eq!(spans.iter().filter(|s| s.name == "tools/call").count(), 2, "{:#?}", names(&spans));
 }

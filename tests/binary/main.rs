@@ -10,6 +10,8 @@ mod common;
 mod otlp;
 #[path = "../common/process.rs"]
 mod process;
+#[path = "../common/python.rs"]
+mod python;
 #[path = "../common/redis.rs"]
 mod test_redis;
 
