@@ -245,3 +245,35 @@ async fn a_search_answering_nothing_again_and_again_shows_its_streak_and_its_sto
     assert_eq!(attribute(refused, "ratelimit.limit").as_deref(), Some("5"));
     assert_eq!(attribute(refused, "ratelimit.retry_after_ms").as_deref(), Some("60000"));
 }
+
+/// Redis killed mid-run: the call the insurance limiter admits says so on its span
+/// (`ratelimit.fail_open`), and the paid call refused because the shared store cannot decide names
+/// its code, each once, on the request's own span.
+#[tokio::test(flavor = "current_thread")]
+async fn with_redis_killed_the_span_says_the_call_failed_open_or_was_refused_closed() {
+    let mut redis = crate::test_redis::TestRedis::private();
+    let receiver = Receiver::start();
+    let store = format!("[store]\nbackend = \"redis\"\nredis_url = \"{}\"\ntimeout_ms = 200\n", redis.url);
+    let (server, telemetry, _traced) = traced(&receiver, "default", &store).await;
+    let client = server.client(Some(KEY)).await;
+    assert!(!is_error(&call(&client, "list_articles", json!({"query": "before"})).await));
+    redis.kill();
+    let open = call(&client, "list_articles", json!({"query": "after the crash"})).await;
+    assert!(!is_error(&open), "{}", text(&open));
+    let closed = call(&client, "generate_image", json!({"prompt": "costs money"})).await;
+    assert_eq!(error_code(&closed), Some("limiter_unavailable"), "{}", text(&closed));
+    let spans = receiver
+        .wait_for(&telemetry, "the three calls", |spans| spans.iter().filter(|s| s.name == "tools/call").count() == 3)
+        .await;
+    let calls: Vec<&Span> = spans.iter().filter(|s| s.name == "tools/call").collect();
+    let failed_open: Vec<&&Span> =
+        calls.iter().filter(|s| attribute(s, "ratelimit.fail_open").as_deref() == Some("true")).collect();
+    assert_eq!(failed_open.len(), 1, "only the call after the crash: {:#?}", names(&spans));
+    assert_eq!(attribute(failed_open[0], "ratelimit.outcome").as_deref(), Some("answered"));
+    let refused = calls
+        .iter()
+        .find(|s| attribute(s, "mcp.tool.name").as_deref() == Some("generate_image"))
+        .unwrap_or_else(|| panic!("the paid call: {:#?}", names(&spans)));
+    assert_eq!(attribute(refused, "ratelimit.outcome").as_deref(), Some("refused"));
+    assert_eq!(attribute(refused, "ratelimit.code").as_deref(), Some("limiter_unavailable"));
+}
