@@ -28,7 +28,8 @@ use mcp_ratelimit::clock::SystemClock;
 use mcp_ratelimit::config::LimitsConfig;
 use mcp_ratelimit::guard::{Call, Called, Worked};
 use mcp_ratelimit::http::limit::rate_limit_headers;
-use mcp_ratelimit::mcp::limited::{Plain, Tools};
+use mcp_ratelimit::identity::Identity;
+use mcp_ratelimit::mcp::limited::{Plain, ToolAnswer};
 use rmcp::model::{CallToolResponse, CallToolResult};
 
 /// Every limit the caller draws on, never refusing (as `scripts/bench-compare.sh`'s `generous`).
@@ -70,7 +71,12 @@ fn served_call(c: &mut Criterion) {
                 n = n.wrapping_add(1);
                 let args = &pages[n % pages.len()];
                 runtime.block_on(async {
-                    let caller = limits.identifier().load().identify(&headers, peer).expect("a caller");
+                    let caller = limits
+                        .identifier()
+                        .load()
+                        .identify(&headers, peer)
+                        .map(Identity::without_verifying)
+                        .expect("a caller");
                     if let Some(decision) = limits.guard().admit_http(&caller).await {
                         assert!(decision.decision.allowed, "the generous HTTP limit refused");
                         black_box(rate_limit_headers(&decision));
@@ -80,8 +86,9 @@ fn served_call(c: &mut Criterion) {
                     // Stamped as the identify layer stamps a request that has just arrived.
                     call.arrived = Some(limits.clock().now());
                     // The one guarded call every door runs, its work answering at once.
-                    let work = |_, _: &serde_json::Value| std::future::ready(Worked::Answer(Ok(answered())));
-                    let called = limits.guard().call(&Tools(&Plain), Some(limits.reuse()), call, work).await;
+                    let work =
+                        |_, _: &serde_json::Value| std::future::ready(Worked::Answer(ToolAnswer::new(Ok(answered()))));
+                    let called = limits.guard().call(&Plain, Some(limits.reuse()), call, work).await;
                     assert!(matches!(called, Called::Answered { .. }), "the generous guard refused");
                     black_box(called);
                 });

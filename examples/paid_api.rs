@@ -40,9 +40,8 @@ use std::time::{Duration, SystemTime};
 use mcp_ratelimit::upstream::backoff::parse_retry_after;
 use mcp_ratelimit_rmcp::breaker::Breaker;
 use mcp_ratelimit_rmcp::clock::{NANOS_PER_SEC, Nanos, SharedClock, ceil_ms};
-use mcp_ratelimit_rmcp::guard::Refusal;
+use mcp_ratelimit_rmcp::guard::{Door, Refusal};
 use mcp_ratelimit_rmcp::identity::Caller;
-use mcp_ratelimit_rmcp::limited::ToolRules;
 use mcp_ratelimit_rmcp::results;
 use mcp_ratelimit_rmcp::{Catalogue, LimitedRouter, RateLimits};
 use rmcp::handler::server::wrapper::Parameters;
@@ -123,7 +122,7 @@ struct Translator {
 #[derive(Clone)]
 struct ApiRules(Arc<PaidApi>);
 
-impl ToolRules for ApiRules {
+impl Door for ApiRules {
     type Place = ();
 
     fn before_charging(&self, tool: &str, _caller: &Caller) -> Result<(), Refusal> {
@@ -259,7 +258,7 @@ mod stand_in {
     use tokio::sync::watch;
 
     /// The account our server holds with the API.
-    pub const ACCOUNT_KEY: &str = "demo-account";
+    pub(crate) const ACCOUNT_KEY: &str = "demo-account";
     /// The account's quota is counted per minute.
     const QUOTA_WINDOW: Duration = Duration::from_secs(60);
 
@@ -280,7 +279,7 @@ mod stand_in {
     }
 
     /// Serves the API on a free loopback port.
-    pub async fn start(quota: u32) -> std::io::Result<SocketAddr> {
+    pub(crate) async fn start(quota: u32) -> std::io::Result<SocketAddr> {
         let api = Arc::new(Api {
             quota,
             window: Mutex::new((Instant::now(), 0)),

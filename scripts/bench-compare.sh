@@ -22,6 +22,11 @@
 #   refused   generous, but the caller's budget spent in the warm-up: every tools/call refused by
 #             the tool guard, a refusal through the whole MCP stack
 #   redis     generous, on a redis-server this script starts on a free port (on wrk's core)
+# CALLERS=oauth names the callers otherwise: BASE's presents a configured key and HEAD's an OAuth
+# access token (RS256, minted by tests/fixtures/oauth_provider.mjs, which this script starts on
+# wrk's core after scripts/proxy-fixtures.sh), both verified callers with the same budgets, so one
+# build on both sides measures what naming a caller by its token costs:
+#   CALLERS=oauth SCENARIOS="generous refused" scripts/bench-compare.sh HEAD HEAD
 # HEAD_ENV adds overrides (KEY=VALUE words) to HEAD's side of every scenario. TRACES=1 starts an
 # OTLP/HTTP sink on wrk's core (it reads every export and answers 200) and sets HEAD's
 # MCP_RL__TELEMETRY__OTLP_ENDPOINT to it: one build against itself with traces on and off is
@@ -99,6 +104,10 @@ cleanup() {
     kill "$REDIS_PID" 2>/dev/null || true
     wait "$REDIS_PID" 2>/dev/null || true
   fi
+  if [ -n "${PROVIDER_PID:-}" ]; then
+    kill "$PROVIDER_PID" 2>/dev/null || true
+    wait "$PROVIDER_PID" 2>/dev/null || true
+  fi
   local wt
   for wt in "$WORK"/worktree-*; do
     [ -d "$wt" ] && { git -C "$ROOT" worktree remove --force "$wt" >/dev/null 2>&1 || true; }
@@ -151,6 +160,33 @@ SIDES=(base head)
 declare -A SIDE_BIN=([base]=$BASE_BIN [head]=$HEAD_BIN)
 declare -A SIDE_LABEL=([base]="BASE $BASE_LABEL" [head]="HEAD $HEAD_LABEL")
 LABEL_WIDTH=$(( ${#BASE_LABEL} > ${#HEAD_LABEL} ? ${#BASE_LABEL} + 5 : ${#HEAD_LABEL} + 5 ))
+
+# Who calls, per side: the token each presents, and the config file each server reads.
+EMPTY="$WORK/empty.toml"
+: >"$EMPTY"
+declare -A SIDE_TOKEN=([base]=$TOKEN [head]=$TOKEN) SIDE_CONFIG=([base]=$EMPTY [head]=$EMPTY)
+CALLERS_ARE="a caller with a made-up bearer token"
+PROVIDER_PID=""
+if [ "${CALLERS:-}" = oauth ]; then
+  scripts/proxy-fixtures.sh >/dev/null
+  node=.tools/node/node_modules/.bin/node
+  [ -x "$node" ] || node=node
+  mkfifo "$WORK/provider.out"
+  taskset -c "$WRK_CPU" "$node" tests/fixtures/oauth_provider.mjs '{}' <"$WORK/provider.out" >"$WORK/provider.json" 2>"$WORK/provider.log" &
+  PROVIDER_PID=$!
+  exec {PROVIDER_STDIN}>"$WORK/provider.out" # its stdin open while this script runs
+  for _ in $(seq 1 200); do [ -s "$WORK/provider.json" ] && break; sleep 0.05; done
+  ISSUER=$(sed -E 's/.*"issuer":"([^"]*)".*/\1/' "$WORK/provider.json")
+  [ -n "$ISSUER" ] || { echo "the OAuth provider did not start:" >&2; cat "$WORK/provider.log" >&2; exit 1; }
+  AUDIENCE=https://bench.example/mcp
+  claims=$(printf '{"claims":{"sub":"bench-agent","aud":"%s","exp":%d}}' "$AUDIENCE" $(( $(date +%s) + 86400 )))
+  SIDE_TOKEN[head]=$(curl -fsS -H 'content-type: application/json' -d "$claims" "$ISSUER/test/mint" | sed -E 's/.*"token":"([^"]*)".*/\1/')
+  SIDE_CONFIG[base]="$WORK/key.toml"
+  printf '[[auth.keys]]\nkey = "%s"\n' "$TOKEN" >"${SIDE_CONFIG[base]}"
+  SIDE_CONFIG[head]="$WORK/oauth.toml"
+  printf '[auth.oauth]\nissuer = "%s"\naudience = "%s"\n' "$ISSUER" "$AUDIENCE" >"${SIDE_CONFIG[head]}"
+  CALLERS_ARE="BASE's caller with a configured key, HEAD's with an OAuth access token (RS256)"
+fi
 
 REDIS_PORT=""
 if [[ " $SCENARIOS " == *" redis "* ]]; then
@@ -205,10 +241,9 @@ declare -A DEFINING=(
   [redis]="MCP_RL__STORE__BACKEND MCP_RL__STORE__REDIS_URL"
 )
 
-# Both builds run on their built-in defaults plus the overrides: an empty config file, never the
-# ./config.toml of this checkout (a newer build's keys, which an older one refuses).
-EMPTY="$WORK/empty.toml"
-: >"$EMPTY"
+# Both builds run on their built-in defaults plus the overrides: an empty config file (or, with
+# CALLERS=oauth, one naming the callers), never the ./config.toml of this checkout (a newer
+# build's keys, which an older one refuses).
 config_key() { sed 's/^MCP_RL__//; s/__/./g' <<<"$1" | tr '[:upper:]' '[:lower:]'; }
 # check BIN [KEY=VALUE...]: whether BIN accepts the defaults with these overrides; its message in CHECK.
 check() {
@@ -263,7 +298,7 @@ done
 echo
 echo "mcp-ratelimit bench-compare: ${SIDE_LABEL[base]} vs ${SIDE_LABEL[head]}"
 echo "$CORES cores, server on CPU $SERVER_CPU, wrk on CPU $WRK_CPU, $CONNECTIONS connections, $SESSIONS_PER_RUN sessions, ${WARMUP}s warm-up + ${DURATION}s per run, $ROUNDS rounds"
-echo "tool: $TOOL through tools/call, caller with a made-up bearer token; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "tool: $TOOL through tools/call, $CALLERS_ARE; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
 for side in "${SIDES[@]}"; do
   dropped=$(for key in ${DROPPED[$side]:-}; do config_key "$key"; done | sort -u | tr '\n' ' ')
   echo "keys ${SIDE_LABEL[$side]} does not have (their overrides left out): ${dropped:-none}"
@@ -293,18 +328,19 @@ measure() {
   BIN=$bin
   PORT=$(free_port)
   local up=0
-  RUST_LOG=error start_server "$WORK/server.log" env "${overrides[@]}" taskset -c "$SERVER_CPU" -- --config "$EMPTY" || up=$?
+  RUST_LOG=error start_server "$WORK/server.log" env "${overrides[@]}" taskset -c "$SERVER_CPU" -- --config "${SIDE_CONFIG[$side]}" || up=$?
   trap cleanup EXIT # start_server set its own
   [ "$up" = 0 ] || { echo "$scenario on ${SIDE_LABEL[$side]}: the server did not start" >&2; exit 1; }
   local url="http://127.0.0.1:$PORT"
   if [ "$scenario" != tight ]; then
     local sid
     for _ in $(seq 1 "$SESSIONS_PER_RUN"); do
-      sid=$(open_session "$url/mcp" "$TOKEN")
+      sid=$(open_session "$url/mcp" "${SIDE_TOKEN[$side]}")
       [ -n "$sid" ] && sids="$sids${sids:+,}$sid"
     done
     [ -n "$sids" ] || { echo "$scenario on ${SIDE_LABEL[$side]}: no MCP session could be opened" >&2; cat "$WORK/server.log" >&2; exit 1; }
   fi
+  export TOKEN=${SIDE_TOKEN[$side]}
   SESSIONS=$sids taskset -c "$WRK_CPU" wrk -t1 -c"$CONNECTIONS" -d"${WARMUP}s" -s "$script" "$url" >/dev/null 2>&1 || true
   local before after result metrics_before metrics_after
   metrics_before=$(curl -fsS "$url/metrics" 2>/dev/null || true)

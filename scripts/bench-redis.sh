@@ -93,7 +93,7 @@ children_cpu() {
 # The EVALSHA of `return 1`, and the exact EVALSHA the store sends for a one-scope decision
 # (captured with MONITOR during a short run that is not measured).
 RETURN_1=$(rcli SCRIPT LOAD 'return 1')
-(rcli MONITOR | grep -m1 -i '"evalsha"' >"$work/monitor") &
+(rcli MONITOR | grep -m1 -i '"evalsha"' >"$work/monitor") & # sigpipe: ends MONITOR on purpose; `wait || true`
 monitor=$!
 sleep 0.2
 "${CLIENT_CPU[@]}" "$BIN" throughput "$url" 1 1 0.1 >/dev/null

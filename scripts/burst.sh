@@ -62,7 +62,9 @@ entry() {
 started=$(date +%s.%N)
 entry 1 "{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"initialize\",\"params\":{\"protocolVersion\":\"$PROTOCOL\",\"capabilities\":{},\"clientInfo\":{\"name\":\"burst.sh\",\"version\":\"1\"}}}" "" >"$work/init.cfg"
 curl -sS -K "$work/init.cfg" >"$work/done"
-session=$(tr -d '\r' <"$work/head.1" | sed -n 's/^[Mm][Cc][Pp]-[Ss][Ee][Ss][Ss][Ii][Oo][Nn]-[Ii][Dd]: *//p' | head -n 1)
+# The first Mcp-Session-Id, read by one awk to the end of the file: no pipe whose reader stops
+# early (head -n 1), which can kill the writer with SIGPIPE and pipefail the script.
+session=$(awk 'tolower($0) ~ /^mcp-session-id:/ && !found { sub(/\r$/, ""); sub(/^[^:]*: */, ""); print; found = 1 }' "$work/head.1")
 if [ -z "$session" ]; then
   echo "initialize returned no Mcp-Session-Id (HTTP $(cut -d' ' -f2 "$work/done")):" >&2
   cat "$work/head.1" "$work/body.1" >&2
@@ -100,14 +102,14 @@ done <"$work/done"
 echo "pings answered with HTTP 200: $ok results, $errors JSON-RPC errors"
 if [ -n "$first_error" ]; then
   echo "first JSON-RPC error (POST #$first_error):"
-  grep -o '{"jsonrpc".*' "$work/body.$first_error" | head -n 1 | cut -c1-400 | sed 's/^/  /'
+  grep -m1 -o '{"jsonrpc".*' "$work/body.$first_error" | cut -c1-400 | sed 's/^/  /'
 fi
 
 first=$(awk '$2 == 429 { print $1; exit }' "$work/done")
 if [ -n "$first" ]; then
   echo "first 429 (POST #$first):"
   tr -d '\r' <"$work/head.$first" | grep -iE '^(retry-after|ratelimit-policy|ratelimit|ratelimit-remaining):' | sed 's/^/  /'
-  echo "  body: $(head -c 300 "$work/body.$first")"
+  printf '  body: %.300s\n' "$(cat "$work/body.$first")"
 else
   echo "no 429 in $sent POSTs"
 fi

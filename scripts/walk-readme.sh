@@ -5,6 +5,7 @@
 #   make run (until it logs where to look)     the dashboard and its data
 #   make burst, and scripts/burst.sh at make run's server
 #   make inspector, then the README's three mcp-inspector commands, and a poll of the task
+#   the README's walk-through of the guard's refusals (a loop, then a spent budget)
 #   ./target/release/mcp-ratelimit simulate and check-config
 #   make install (into a scratch CARGO_INSTALL_ROOT, not ~/.cargo/bin) and the binary on PATH
 #
@@ -78,7 +79,15 @@ step "inspector: get_prediction (task)" mcp-inspector --cli http://127.0.0.1:300
   --tool-args-json "{\"predict_id\":\"$task\"}"
 grep -q '"succeeded"' "$(out "inspector: get_prediction (task)")" || { echo "    the task did not succeed"; failed=1; }
 step "inspector: tools/list over stdio" mcp-inspector --cli --method tools/list -- ./target/release/mcp-ratelimit stdio
-head -c 1 "$(out "inspector: tools/list over stdio")" | grep -q '{' || { echo "    stdio output is not clean JSON"; failed=1; }
+[ "$(head -c 1 "$(out "inspector: tools/list over stdio")")" = "{" ] || { echo "    stdio output is not clean JSON"; failed=1; }
+# The README's walk-through of the guard's refusals, as written, at make run's server (on its real
+# clock: the 61 calls go out well within the second a token takes to come back).
+awk '/<!-- walked: tests\/repo\/readme.rs -->/ { on = 1; next } on && /^```sh$/ { next } on && /^```$/ { exit } on' \
+  "$clone/README.md" >"$work/refusals.sh"
+step "the guard's refusals" bash "$work/refusals.sh"
+refusals=$(out "the guard's refusals")
+grep -qx 'search 5: refused loop_detected' "$refusals" && grep -qx 'page 61: refused rate_limited' "$refusals" \
+  && [ "$(grep -c ': refused' "$refusals")" = 2 ] || { echo "    not the refusals the README promises"; failed=1; }
 step simulate ./target/release/mcp-ratelimit simulate --shape runaway_loop
 step check-config ./target/release/mcp-ratelimit check-config
 export CARGO_INSTALL_ROOT="$work/install"

@@ -17,12 +17,12 @@ use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::breaker::Breaker;
 use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC, SharedClock};
 use crate::config::Catalogue;
 use crate::config::Config;
 use crate::dashboard;
-use crate::http::front_door::{self, AllowedHosts, FrontDoorLog, IdentifyLayer};
+use crate::http::front_door::{self, AllowedHosts, FrontDoorLog};
+use crate::http::identify::{self, IdentifyLayer};
 use crate::http::limit::HttpLimitLayer;
 use crate::http::{Shared, serve, sessions};
 use crate::mcp::{McpServer, Transport};
@@ -33,8 +33,9 @@ use crate::state::{AppState, PaidApi};
 use crate::upstream::adaptive::AdaptiveLimit;
 use crate::upstream::backoff::{Backoff, RetryBudget};
 use crate::upstream::classes::JobClasses;
+use crate::upstream::gate;
 use crate::upstream::jobs::{JobRules, Jobs};
-use crate::upstream::queue::{FairQueue, QueueRules, TierRule};
+use crate::upstream::queue::{QueueRules, TierRule};
 use crate::upstream::{ClientError, Upstream};
 
 /// Why the server could not start or serve.
@@ -103,7 +104,7 @@ impl App {
         let up = &config.upstream;
         let ms = |n: u64| n.saturating_mul(NANOS_PER_MS);
         let timeout = Duration::from_millis(up.timeout_ms);
-        let breaker = Breaker::new(up.breaker_failures, ms(up.breaker_cooldown_ms));
+        let breaker = gate::breaker(up);
         let upstream = Arc::new(Upstream::new(&upstream_url, up.credential(), timeout, breaker, clock.clone())?);
         let catalogue = crate::mcp::tools::catalogue();
         let stop = CancellationToken::new();
@@ -115,17 +116,11 @@ impl App {
         };
         let limits = RateLimits::start(&config.limiting, catalogue, clock.clone()).await?;
         let store = limits.guard().store().clone();
-        let queue = Arc::new(
-            FairQueue::new(
-                QueueRules::new(up.max_in_flight, up.queue_max, JobClasses::from_config(up))
-                    .unverified_share(up.unverified_slots(), up.unverified_places())
-                    .with_tiers(TierRule::from_config(up)),
-                clock.clone(),
-            )
-            .adaptive(AdaptiveLimit::configured(&up.adaptive, up.max_in_flight))
-            .shared_in(store.clone(), "upstream", limits.metrics().clone()),
-        );
-        tokio::spawn(queue.clone().dispatch(stop.child_token()));
+        let queue_rules = QueueRules::new(up.max_in_flight, up.queue_max, JobClasses::from_config(up))
+            .unverified_share(up.unverified_slots(), up.unverified_places())
+            .with_tiers(TierRule::from_config(up));
+        let adaptive = AdaptiveLimit::configured(&up.adaptive, up.max_in_flight);
+        let queue = gate::start_queue(queue_rules, adaptive, &limits, "upstream", clock.clone(), stop.child_token());
         let jobs = Arc::new(
             Jobs::new(
                 upstream.clone(),
@@ -140,7 +135,7 @@ impl App {
         );
         jobs.end_orphans_of_dead_instances();
         let own = Arc::new(PaidApi { upstream, jobs });
-        let state = Arc::new(AppState { limits, behind: own.clone(), clock, config });
+        let state = Arc::new(AppState { limits, behind: own.clone(), clock, config, traces: Default::default() });
         tokio::spawn(sweep_forever(own.clone(), state.config.limiting.store.sweep_interval_ms, stop.clone()));
         if state.limits.guard().store().is_shared() {
             tokio::spawn(answer_cancel_requests_forever(own.clone(), stop.clone()));
@@ -156,7 +151,7 @@ impl App {
         let limits = RateLimits::start(&config.limiting, Catalogue::learned(), clock.clone()).await?;
         let upstream_url = target.to_string();
         let proxied = Proxied::start(target, &config, limits.clone(), clock.clone(), stop.child_token()).await?;
-        let state = Arc::new(AppState { limits, behind: proxied.clone(), clock, config });
+        let state = Arc::new(AppState { limits, behind: proxied.clone(), clock, config, traces: Default::default() });
         Ok(Self { state, serving: Serving::Proxy(proxied), upstream_url, stop, _mock: None })
     }
 
@@ -219,15 +214,20 @@ impl App {
         let open = Router::new()
             .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
             .route("/metrics", get(metrics).layer(metrics_key))
+            // RFC 9728 Protected Resource Metadata: where to get a token for /mcp (404 while
+            // `[auth.oauth]` is off).
+            .merge(mcp_ratelimit_rmcp::oauth::metadata_routes(app.limits.callers().tokens().clone()))
             .layer(front_door::rebinding_protection(allowed.clone()));
         // Outside in, as one layer (a router boxes each of its layers again for every request):
-        // DNS-rebinding protection, identity, the header checks, the coarse HTTP limit, the body
-        // deadline, the session caps; then rmcp.
+        // DNS-rebinding protection, identity, the header checks, the coarse HTTP limit, the 401
+        // for an invalid token (after it was charged as its address's), the body deadline, the
+        // session caps; then rmcp.
         let front_door = tower::ServiceBuilder::new()
             .layer(front_door::rebinding_protection(allowed))
-            .layer(IdentifyLayer::new(app.limits.identifier().clone(), app.clock.clone()))
+            .layer(IdentifyLayer::new(app.limits.callers().clone(), app.clock.clone()))
             .layer(front_door::mcp_post_checks(server.max_body_bytes))
             .layer(HttpLimitLayer::new(app.limits.guard().clone()))
+            .layer(identify::refuse_invalid_tokens())
             .layer(serve::read_body_by_deadline(serve::BodyDeadline::of(server)))
             .layer(sessions::cap(cap));
         mcp.layer(front_door).merge(dashboard).merge(open).with_state(app.clone())

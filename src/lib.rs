@@ -35,7 +35,7 @@ pub mod telemetry;
 pub mod upstream;
 
 pub use mcp_ratelimit_core::{activity, breaker, clock, guard, identity, limit, metrics, redact};
-pub use mcp_ratelimit_rmcp::rate_limits;
+pub use mcp_ratelimit_rmcp::{oauth, rate_limits};
 
 /// Where limiter state lives: the core's traits and memory store, and the Redis store.
 pub mod store {

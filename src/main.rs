@@ -3,6 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::Context;
 use clap::builder::PossibleValuesParser;
@@ -15,6 +16,7 @@ use mcp_ratelimit::mock_upstream::MockUpstream;
 use mcp_ratelimit::proxy::Target;
 use mcp_ratelimit::simulate::{self, Plan, Shape, UpstreamShape};
 use mcp_ratelimit::telemetry::Telemetry;
+use mcp_ratelimit::telemetry::bounded::TraceQueue;
 use mcp_ratelimit::{App, Config};
 use tokio::net::TcpListener;
 
@@ -195,7 +197,8 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let ran = runtime.block_on(run(cli.command, config));
+    let traces = telemetry.as_ref().map(Telemetry::queue);
+    let ran = runtime.block_on(run(cli.command, config, traces));
     drop(runtime);
     // The last spans are sent, outside the runtime: the exporter's client blocks.
     if let Some(Err(e)) = telemetry.map(Telemetry::shutdown) {
@@ -210,18 +213,28 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(command: Command, config: Config) -> anyhow::Result<()> {
+/// Runs `command`; `traces`, the trace exporter's queue with `[telemetry]` on, is shown in the
+/// server's `/metrics`.
+async fn run(command: Command, config: Config, traces: Option<Arc<TraceQueue>>) -> anyhow::Result<()> {
+    let watch = |app: &App| {
+        if let Some(traces) = &traces {
+            app.state().watch_traces(traces.clone());
+        }
+    };
     match command {
         Command::Serve { config: file, listen } => {
             let addr = listen.unwrap_or(config.server.listen);
-            let app = App::start(config, SystemClock::shared()).await?;
+            let app = App::start(config.serving_at(addr)?, SystemClock::shared()).await?;
+            watch(&app);
             app.reload_on_change(config_file(file));
             serve_http(&app, addr).await?;
         }
         Command::Proxy { config: file, listen, stdio, upstream, command } => {
             let target = Target::of(&config.proxy, upstream, command).map_err(anyhow::Error::msg)?;
             let addr = listen.unwrap_or(config.server.listen);
+            let config = if stdio { config } else { config.serving_at(addr)? };
             let app = App::start_proxy(config, target, SystemClock::shared()).await?;
+            watch(&app);
             app.reload_on_change(config_file(file));
             if stdio {
                 tracing::info!(upstream = %app.upstream_url(), "proxying MCP on stdio");
@@ -232,6 +245,7 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
         }
         Command::Stdio { config: file } => {
             let app = App::start(config, SystemClock::shared()).await?;
+            watch(&app);
             app.reload_on_change(config_file(file));
             tracing::info!(upstream = %mcp_ratelimit::redact::url(app.upstream_url()), "serving MCP on stdio");
             app.serve_stdio().await?;

@@ -11,6 +11,7 @@ use crate::breaker::Breaker;
 use crate::clock::SharedClock;
 use crate::config::Config;
 use crate::rate_limits::RateLimits;
+use crate::telemetry::bounded::TraceQueue;
 use crate::upstream::Upstream;
 use crate::upstream::jobs::Jobs;
 use crate::upstream::queue::{FairQueue, Occupancy};
@@ -27,6 +28,8 @@ pub struct AppState {
     pub limits: RateLimits,
     /// What the guard stands in front of, as the dashboard, the admin API and `/metrics` see it.
     pub behind: Arc<dyn Behind>,
+    /// The trace exporter's queue, with `[telemetry]` on: `/metrics` shows what it holds and drops.
+    pub traces: std::sync::OnceLock<Arc<TraceQueue>>,
 }
 
 /// What the guard stands in front of: our own tools and the paid API behind them ([`PaidApi`],
@@ -87,6 +90,12 @@ impl Behind for PaidApi {
 }
 
 impl AppState {
+    /// Shows the trace exporter's `queue` in `/metrics` from now on (the process's one exporter,
+    /// started before the server: `main`); a second call changes nothing.
+    pub fn watch_traces(&self, queue: Arc<TraceQueue>) {
+        let _ = self.traces.set(queue);
+    }
+
     /// Sets the gauges that are read from live state when `/metrics` is scraped (the learnt limit
     /// as [`FairQueue::refresh_learnt`] last read it: see [`AppState::refresh_gauges`]).
     pub fn sample_gauges(&self) {
@@ -127,6 +136,9 @@ impl AppState {
         };
         self.limits.metrics().sample(BREAKER_STATE, Vec::new(), breaker);
         self.limits.metrics().sample(STORE_UP, Vec::new(), if self.limits.guard().store_up() { 1.0 } else { 0.0 });
+        if let Some(traces) = self.traces.get() {
+            self.limits.metrics().trace_queue(traces.bytes(), traces.dropped());
+        }
         if let Some(overload) = self.limits.guard().overload() {
             let delay = overload.least_delay as f64 / crate::clock::NANOS_PER_SEC as f64;
             self.limits.metrics().sample(QUEUEING_DELAY, Vec::new(), delay);
@@ -160,7 +172,13 @@ impl AppState {
     /// Loads `file` (and the environment) as at start-up and, if it validates, makes its limits
     /// live.
     pub fn reload_from(&self, file: Option<&Path>) -> Reloaded {
-        match Config::load(file, self.limits.catalogue()) {
+        let loaded = Config::load(file, self.limits.catalogue());
+        // The same default audience as at start: the address served is not reloaded.
+        let loaded = match self.config.served_at {
+            Some(addr) => loaded.and_then(|config| config.serving_at(addr)),
+            None => loaded,
+        };
+        match loaded {
             Ok(config) => self.reload(&config),
             Err(error) => self.refuse(error.to_string()),
         }

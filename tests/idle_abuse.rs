@@ -124,6 +124,148 @@ async fn slow_body(addr: &str, head: &str) -> (Duration, String) {
     (started.elapsed(), text.lines().next().unwrap_or_default().to_owned())
 }
 
+/// The slow clients, each kind [`SLOW_CLIENTS`] at a time against `addr`, again and again while
+/// `caller` is timed: the caller's latencies, how long each slow header was let trickle, and
+/// how long each slow body took to be answered, with the answer's status line.
+async fn latencies_under_slow_clients(
+    caller: &Session,
+    addr: &str,
+) -> (Vec<Duration>, Vec<Duration>, Vec<(Duration, String)>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut header_cuts = Vec::new();
+    let mut body_cuts = Vec::new();
+    for _ in 0..SLOW_CLIENTS {
+        let (at, until) = (addr.to_owned(), stop.clone());
+        header_cuts.push(tokio::spawn(async move {
+            let mut cuts = Vec::new();
+            while !until.load(Ordering::Relaxed) {
+                cuts.push(slow_headers(&at).await);
+            }
+            cuts
+        }));
+        let (at, until) = (addr.to_owned(), stop.clone());
+        body_cuts.push(tokio::spawn(async move {
+            let mut cuts = Vec::new();
+            while !until.load(Ordering::Relaxed) {
+                cuts.push(slow_body(&at, MCP_HEAD).await);
+            }
+            cuts
+        }));
+    }
+    tokio::time::sleep(HEADER_TIMEOUT / 2).await; // every slow client is connected and trickling
+    let abused = latencies(caller).await;
+    stop.store(true, Ordering::Relaxed);
+    let header_cuts: Vec<Duration> =
+        futures::future::join_all(header_cuts).await.into_iter().flatten().flatten().collect();
+    let body_cuts: Vec<(Duration, String)> =
+        futures::future::join_all(body_cuts).await.into_iter().flatten().flatten().collect();
+    (abused, header_cuts, body_cuts)
+}
+
+/// What the idle abuse measured: the sessions, memory (RSS, KiB) at each stage, when the idle
+/// sessions were reaped, the well-behaved caller's latencies and the slow clients' cuts.
+struct Figures {
+    /// `max_sessions`, and the sessions opened (the caller's own among them).
+    n: usize,
+    /// `session_idle_timeout_seconds`.
+    idle: Duration,
+    /// How long opening the sessions took.
+    opening: Duration,
+    /// How many initializes past the cap were refused.
+    beyond: usize,
+    rss_before: u64,
+    rss_sessions: u64,
+    rss_abused: u64,
+    rss_again: u64,
+    /// When the cap had room again, from the first session opened.
+    reaped_after: Duration,
+    /// The caller's latencies without the abuse (before and after it), and during it.
+    quiet: Vec<Duration>,
+    abused: Vec<Duration>,
+    /// How long each slow header was let trickle; each slow body's time and status line.
+    header_cuts: Vec<Duration>,
+    body_cuts: Vec<(Duration, String)>,
+}
+
+impl Figures {
+    /// Prints the figures docs/resilience.md quotes, then checks them: no panic in `server`, slow
+    /// clients cut at their deadlines, memory bounded per session and not grown by a second wave,
+    /// and the caller's p99 under the abuse within 2× its quiet p99.
+    fn report_and_check(self, server: &Server) {
+        let Self {
+            n,
+            idle,
+            opening,
+            beyond,
+            rss_before,
+            rss_sessions,
+            rss_abused,
+            rss_again,
+            reaped_after,
+            quiet,
+            abused,
+            header_cuts,
+            body_cuts,
+        } = self;
+        let p = |samples: &[Duration], q| quantile(samples, q).as_secs_f64() * 1000.0;
+        let per_session = rss_sessions.saturating_sub(rss_before) as f64 * 1024.0 / n as f64;
+        let slowest_header = header_cuts.iter().max().copied().unwrap_or_default();
+        let fastest_header = header_cuts.iter().min().copied().unwrap_or_default();
+        let slowest_body = body_cuts.iter().map(|(d, _)| *d).max().unwrap_or_default();
+        println!("idle abuse: {n} sessions (max_sessions {n}, idle time {idle:?})");
+        println!("  opened {} sessions in {opening:.1?}; {} initializes past the cap got 503", n - 1, beyond);
+        println!(
+            "  RSS: {rss_before} KiB before, {rss_sessions} KiB with {n} idle sessions ({per_session:.0} bytes a session), \
+             {rss_abused} KiB after the slow clients, {rss_again} KiB with a second wave after the reaping"
+        );
+        println!("  idle sessions reaped {reaped_after:.1?} after the first was opened (idle time {idle:?})");
+        println!(
+            "  slow headers: {} connections cut after {fastest_header:.2?}-{slowest_header:.2?} (header_read_timeout {HEADER_TIMEOUT:?})",
+            header_cuts.len()
+        );
+        println!(
+            "  slow bodies: {} requests answered {:?} after at most {slowest_body:.2?} (body_read_timeout {BODY_TIMEOUT:?})",
+            body_cuts.len(),
+            body_cuts.first().map(|(_, s)| s.as_str()).unwrap_or_default()
+        );
+        println!(
+            "  well-behaved caller: p50 {:.2} ms / p99 {:.2} ms quiet ({} calls, before and after); p50 {:.2} ms / p99 {:.2} ms during the abuse ({SAMPLES} calls)",
+            p(&quiet, 0.5),
+            p(&quiet, 0.99),
+            quiet.len(),
+            p(&abused, 0.5),
+            p(&abused, 0.99)
+        );
+        println!("  panics: {}", server.process.panics());
+
+        assert_eq!(server.process.panics(), 0, "{}", server.process.log());
+        assert!(!header_cuts.is_empty() && !body_cuts.is_empty());
+        assert!(
+            fastest_header + Duration::from_millis(50) >= HEADER_TIMEOUT && slowest_header <= HEADER_TIMEOUT + LATE,
+            "slow headers cut after {fastest_header:?}-{slowest_header:?}, the timeout is {HEADER_TIMEOUT:?}"
+        );
+        for (took, status) in &body_cuts {
+            assert!(status.starts_with("HTTP/1.1 408"), "a slow body got {status:?}");
+            assert!(
+                *took + Duration::from_millis(50) >= BODY_TIMEOUT && *took <= BODY_TIMEOUT + LATE,
+                "408 after {took:?}"
+            );
+        }
+        // The bound: max_sessions × what an idle session costs (about 105 KiB in a debug build).
+        assert!(per_session < 160.0 * 1024.0, "{per_session:.0} bytes per idle session");
+        assert!(
+            rss_again <= rss_sessions.max(rss_abused) + rss_sessions / 10,
+            "a second wave after the reaping grew memory: {rss_sessions} -> {rss_again} KiB"
+        );
+        assert!(
+            quantile(&abused, 0.99) <= quantile(&quiet, 0.99) * 2,
+            "the caller's p99 went from {:?} to {:?} under the abuse",
+            quantile(&quiet, 0.99),
+            quantile(&abused, 0.99)
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_sessions_and_slow_clients_stay_bounded_and_a_caller_keeps_its_latency() {
     let n = sessions();
@@ -159,35 +301,7 @@ async fn idle_sessions_and_slow_clients_stay_bounded_and_a_caller_keeps_its_late
     assert!(beyond.iter().all(|(status, _)| *status == 503), "past max_sessions an initialize gets 503");
     let rss_sessions = server.process.rss_kib();
 
-    // The slow clients, each kind SLOW_CLIENTS at a time, again and again while the caller is timed.
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut header_cuts = Vec::new();
-    let mut body_cuts = Vec::new();
-    for _ in 0..SLOW_CLIENTS {
-        let (at, until) = (addr.clone(), stop.clone());
-        header_cuts.push(tokio::spawn(async move {
-            let mut cuts = Vec::new();
-            while !until.load(Ordering::Relaxed) {
-                cuts.push(slow_headers(&at).await);
-            }
-            cuts
-        }));
-        let (at, until) = (addr.clone(), stop.clone());
-        body_cuts.push(tokio::spawn(async move {
-            let mut cuts = Vec::new();
-            while !until.load(Ordering::Relaxed) {
-                cuts.push(slow_body(&at, MCP_HEAD).await);
-            }
-            cuts
-        }));
-    }
-    tokio::time::sleep(HEADER_TIMEOUT / 2).await; // every slow client is connected and trickling
-    let abused = latencies(&caller).await;
-    stop.store(true, Ordering::Relaxed);
-    let header_cuts: Vec<Duration> =
-        futures::future::join_all(header_cuts).await.into_iter().flatten().flatten().collect();
-    let body_cuts: Vec<(Duration, String)> =
-        futures::future::join_all(body_cuts).await.into_iter().flatten().flatten().collect();
+    let (abused, header_cuts, body_cuts) = latencies_under_slow_clients(&caller, &addr).await;
     let rss_abused = server.process.rss_kib();
     let measured = started.elapsed();
     assert!(measured < idle, "opening and measuring took {measured:?}, longer than the idle time {idle:?}");
@@ -216,62 +330,22 @@ async fn idle_sessions_and_slow_clients_stay_bounded_and_a_caller_keeps_its_late
     assert!(again.iter().all(|(status, _)| *status == 200), "the cap is free again after the reaping");
     let rss_again = server.process.rss_kib();
 
-    let p = |samples: &[Duration], q| quantile(samples, q).as_secs_f64() * 1000.0;
-    let per_session = rss_sessions.saturating_sub(rss_before) as f64 * 1024.0 / n as f64;
-    let slowest_header = header_cuts.iter().max().copied().unwrap_or_default();
-    let fastest_header = header_cuts.iter().min().copied().unwrap_or_default();
-    let slowest_body = body_cuts.iter().map(|(d, _)| *d).max().unwrap_or_default();
-    println!("idle abuse: {n} sessions (max_sessions {n}, idle time {idle:?})");
-    println!("  opened {} sessions in {opening:.1?}; {} initializes past the cap got 503", n - 1, beyond.len());
-    println!(
-        "  RSS: {rss_before} KiB before, {rss_sessions} KiB with {n} idle sessions ({per_session:.0} bytes a session), \
-         {rss_abused} KiB after the slow clients, {rss_again} KiB with a second wave after the reaping"
-    );
-    println!("  idle sessions reaped {reaped_after:.1?} after the first was opened (idle time {idle:?})");
-    println!(
-        "  slow headers: {} connections cut after {fastest_header:.2?}-{slowest_header:.2?} (header_read_timeout {HEADER_TIMEOUT:?})",
-        header_cuts.len()
-    );
-    println!(
-        "  slow bodies: {} requests answered {:?} after at most {slowest_body:.2?} (body_read_timeout {BODY_TIMEOUT:?})",
-        body_cuts.len(),
-        body_cuts.first().map(|(_, s)| s.as_str()).unwrap_or_default()
-    );
-    println!(
-        "  well-behaved caller: p50 {:.2} ms / p99 {:.2} ms quiet ({} calls, before and after); p50 {:.2} ms / p99 {:.2} ms during the abuse ({SAMPLES} calls)",
-        p(&quiet, 0.5),
-        p(&quiet, 0.99),
-        quiet.len(),
-        p(&abused, 0.5),
-        p(&abused, 0.99)
-    );
-    println!("  panics: {}", server.process.panics());
-
-    assert_eq!(server.process.panics(), 0, "{}", server.process.log());
-    assert!(!header_cuts.is_empty() && !body_cuts.is_empty());
-    assert!(
-        fastest_header + Duration::from_millis(50) >= HEADER_TIMEOUT && slowest_header <= HEADER_TIMEOUT + LATE,
-        "slow headers cut after {fastest_header:?}-{slowest_header:?}, the timeout is {HEADER_TIMEOUT:?}"
-    );
-    for (took, status) in &body_cuts {
-        assert!(status.starts_with("HTTP/1.1 408"), "a slow body got {status:?}");
-        assert!(
-            *took + Duration::from_millis(50) >= BODY_TIMEOUT && *took <= BODY_TIMEOUT + LATE,
-            "408 after {took:?}"
-        );
-    }
-    // The bound: max_sessions × what an idle session costs (about 105 KiB in a debug build).
-    assert!(per_session < 160.0 * 1024.0, "{per_session:.0} bytes per idle session");
-    assert!(
-        rss_again <= rss_sessions.max(rss_abused) + rss_sessions / 10,
-        "a second wave after the reaping grew memory: {rss_sessions} -> {rss_again} KiB"
-    );
-    assert!(
-        quantile(&abused, 0.99) <= quantile(&quiet, 0.99) * 2,
-        "the caller's p99 went from {:?} to {:?} under the abuse",
-        quantile(&quiet, 0.99),
-        quantile(&abused, 0.99)
-    );
+    let figures = Figures {
+        n,
+        idle,
+        opening,
+        beyond: beyond.len(),
+        rss_before,
+        rss_sessions,
+        rss_abused,
+        rss_again,
+        reaped_after,
+        quiet,
+        abused,
+        header_cuts,
+        body_cuts,
+    };
+    figures.report_and_check(&server);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,7 +16,7 @@ use crate::http::front_door::presents_key;
 
 /// Lets a request through only with `Authorization: Bearer <admin key>`; otherwise 401 with
 /// `WWW-Authenticate: Bearer`.
-pub async fn require_key(State(key): State<Arc<[u8; 32]>>, request: Request, next: Next) -> Response {
+pub(super) async fn require_key(State(key): State<Arc<[u8; 32]>>, request: Request, next: Next) -> Response {
     let presented = bearer(request.headers());
     if presents_key(request.headers(), &key) {
         return next.run(request).await;

@@ -21,7 +21,7 @@ const MAX_BLOCK_MS: u64 = 30 * 86_400 * 1_000;
 
 /// A refusal of the admin API: its status and a JSON body naming what to fix.
 #[derive(Debug)]
-pub struct Problem {
+pub(super) struct Problem {
     status: StatusCode,
     code: &'static str,
     message: String,
@@ -67,7 +67,7 @@ impl IntoResponse for Problem {
     }
 }
 
-type Answer = Result<Json<Value>, Problem>;
+type RouteResult = Result<Json<Value>, Problem>;
 
 /// The JSON object of a request body (an empty body is an empty object), refusing fields the
 /// route does not take.
@@ -106,10 +106,20 @@ fn text<'a>(object: &'a Map<String, Value>, field: &'static str) -> Result<Optio
 /// The caller an operator names in the path (and, for a made-up key, `from` in the query).
 fn caller_target(app: &AppState, id: &str, query: &HashMap<String, String>) -> Result<Target, Problem> {
     use crate::identity::UnknownCaller;
-    match app.limits.identifier().load().by_id(id, query.get("from").map(String::as_str)) {
+    let identifier = app.limits.identifier().load();
+    let named = if id.starts_with("sub:") {
+        // A token's subject: its id says nothing of the tenant, tier and client its budgets are
+        // kept under, so the operator names them as the dashboard and rate_limit_status show them.
+        let field = |name: &str| query.get(name).map(String::as_str);
+        identifier.subject_by_id(id, field("tenant"), field("tier"), field("client"))
+    } else {
+        identifier.by_id(id, query.get("from").map(String::as_str))
+    };
+    match named {
         Ok(caller) => Ok(Target::Caller(caller)),
         Err(e @ UnknownCaller::Malformed(_)) => Err(Problem::invalid("caller", e.to_string())),
         Err(e @ UnknownCaller::BadAddress(_)) => Err(Problem::invalid("from", e.to_string())),
+        Err(e @ UnknownCaller::UnknownTier(_)) => Err(Problem::invalid("tier", e.to_string())),
         Err(e @ UnknownCaller::NeedsAddress(_)) => Err(Problem::not_found("unknown_caller", e.to_string())),
     }
 }
@@ -124,16 +134,16 @@ fn tenant_target(app: &AppState, tenant: &str) -> Result<Target, Problem> {
         .ok_or_else(|| Problem::not_found("unknown_tenant", format!("no configured key belongs to tenant `{tenant}`")))
 }
 
-pub async fn openapi() -> Response {
+pub(super) async fn openapi() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], super::openapi()).into_response()
 }
 
-pub async fn no_such_route() -> Problem {
+pub(super) async fn no_such_route() -> Problem {
     Problem::not_found("no_such_route", "no such admin route; GET /admin/openapi.json lists them")
 }
 
 /// Every configured key's caller id, tenant and tier — never the key.
-pub async fn keys(State(app): State<Arc<AppState>>) -> Answer {
+pub(super) async fn keys(State(app): State<Arc<AppState>>) -> RouteResult {
     tracing::info!(action = "list_keys", "admin action");
     let keys: Vec<Value> = app
         .config
@@ -151,7 +161,7 @@ pub async fn keys(State(app): State<Arc<AppState>>) -> Answer {
     Ok(Json(json!({ "keys": keys })))
 }
 
-async fn inspect(app: &AppState, target: Target) -> Answer {
+async fn inspect(app: &AppState, target: Target) -> RouteResult {
     tracing::info!(action = "inspect", target = %target.label(), "admin action");
     let budgets = app.limits.guard().budgets(&target).await?;
     let blocks = app.limits.guard().blocks(&target).await?;
@@ -180,13 +190,13 @@ async fn inspect(app: &AppState, target: Target) -> Answer {
     Ok(Json(answer))
 }
 
-async fn reset(app: &AppState, target: Target, body: &Bytes) -> Answer {
+async fn reset(app: &AppState, target: Target, body: &Bytes) -> RouteResult {
     let body = body_object(body, &["scope"])?;
     let scopes = app.limits.guard().reset(&target, text(&body, "scope")?).await?;
     Ok(Json(json!({ "reset": scopes })))
 }
 
-async fn refund(app: &AppState, target: Target, body: &Bytes) -> Answer {
+async fn refund(app: &AppState, target: Target, body: &Bytes) -> RouteResult {
     let body = body_object(body, &["units", "scope"])?;
     let units = whole(&body, "units", 1, u64::from(u32::MAX))?
         .ok_or_else(|| Problem::invalid("units", "required: how many units to give back"))?;
@@ -194,7 +204,7 @@ async fn refund(app: &AppState, target: Target, body: &Bytes) -> Answer {
     Ok(Json(json!({ "refunded": units, "budget": budget })))
 }
 
-async fn block(app: &AppState, target: Target, body: &Bytes) -> Answer {
+async fn block(app: &AppState, target: Target, body: &Bytes) -> RouteResult {
     let body = body_object(body, &["duration_ms"])?;
     let ms = whole(&body, "duration_ms", 1, MAX_BLOCK_MS)?
         .ok_or_else(|| Problem::invalid("duration_ms", "required: how long the block holds, in milliseconds"))?;
@@ -202,86 +212,101 @@ async fn block(app: &AppState, target: Target, body: &Bytes) -> Answer {
     Ok(Json(json!({ "blocked": blocked })))
 }
 
-async fn unblock(app: &AppState, target: Target) -> Answer {
+async fn unblock(app: &AppState, target: Target) -> RouteResult {
     let lifted = app.limits.guard().unblock(&target).await?;
     Ok(Json(json!({ "lifted": lifted })))
 }
 
-pub async fn inspect_caller(
+pub(super) async fn inspect_caller(
     State(app): State<Arc<AppState>>,
     Path(caller): Path<String>,
     Query(query): Query<HashMap<String, String>>,
-) -> Answer {
+) -> RouteResult {
     let target = caller_target(&app, &caller, &query)?;
     inspect(&app, target).await
 }
 
-pub async fn reset_caller(
+pub(super) async fn reset_caller(
     State(app): State<Arc<AppState>>,
     Path(caller): Path<String>,
     Query(query): Query<HashMap<String, String>>,
     body: Bytes,
-) -> Answer {
+) -> RouteResult {
     let target = caller_target(&app, &caller, &query)?;
     reset(&app, target, &body).await
 }
 
-pub async fn refund_caller(
+pub(super) async fn refund_caller(
     State(app): State<Arc<AppState>>,
     Path(caller): Path<String>,
     Query(query): Query<HashMap<String, String>>,
     body: Bytes,
-) -> Answer {
+) -> RouteResult {
     let target = caller_target(&app, &caller, &query)?;
     refund(&app, target, &body).await
 }
 
-pub async fn block_caller(
+pub(super) async fn block_caller(
     State(app): State<Arc<AppState>>,
     Path(caller): Path<String>,
     Query(query): Query<HashMap<String, String>>,
     body: Bytes,
-) -> Answer {
+) -> RouteResult {
     let target = caller_target(&app, &caller, &query)?;
     block(&app, target, &body).await
 }
 
-pub async fn unblock_caller(
+pub(super) async fn unblock_caller(
     State(app): State<Arc<AppState>>,
     Path(caller): Path<String>,
     Query(query): Query<HashMap<String, String>>,
-) -> Answer {
+) -> RouteResult {
     let target = caller_target(&app, &caller, &query)?;
     unblock(&app, target).await
 }
 
-pub async fn inspect_tenant(State(app): State<Arc<AppState>>, Path(tenant): Path<String>) -> Answer {
+pub(super) async fn inspect_tenant(State(app): State<Arc<AppState>>, Path(tenant): Path<String>) -> RouteResult {
     let target = tenant_target(&app, &tenant)?;
     inspect(&app, target).await
 }
 
-pub async fn reset_tenant(State(app): State<Arc<AppState>>, Path(tenant): Path<String>, body: Bytes) -> Answer {
+pub(super) async fn reset_tenant(
+    State(app): State<Arc<AppState>>,
+    Path(tenant): Path<String>,
+    body: Bytes,
+) -> RouteResult {
     let target = tenant_target(&app, &tenant)?;
     reset(&app, target, &body).await
 }
 
-pub async fn refund_tenant(State(app): State<Arc<AppState>>, Path(tenant): Path<String>, body: Bytes) -> Answer {
+pub(super) async fn refund_tenant(
+    State(app): State<Arc<AppState>>,
+    Path(tenant): Path<String>,
+    body: Bytes,
+) -> RouteResult {
     let target = tenant_target(&app, &tenant)?;
     refund(&app, target, &body).await
 }
 
-pub async fn block_tenant(State(app): State<Arc<AppState>>, Path(tenant): Path<String>, body: Bytes) -> Answer {
+pub(super) async fn block_tenant(
+    State(app): State<Arc<AppState>>,
+    Path(tenant): Path<String>,
+    body: Bytes,
+) -> RouteResult {
     let target = tenant_target(&app, &tenant)?;
     block(&app, target, &body).await
 }
 
-pub async fn unblock_tenant(State(app): State<Arc<AppState>>, Path(tenant): Path<String>) -> Answer {
+pub(super) async fn unblock_tenant(State(app): State<Arc<AppState>>, Path(tenant): Path<String>) -> RouteResult {
     let target = tenant_target(&app, &tenant)?;
     unblock(&app, target).await
 }
 
 /// Jobs not yet final: all, a caller's (`caller=`) or a tenant's (`tenant=`).
-pub async fn jobs(State(app): State<Arc<AppState>>, Query(query): Query<HashMap<String, String>>) -> Answer {
+pub(super) async fn jobs(
+    State(app): State<Arc<AppState>>,
+    Query(query): Query<HashMap<String, String>>,
+) -> RouteResult {
     if let Some(unknown) = query.keys().find(|k| !matches!(k.as_str(), "caller" | "tenant" | "from")) {
         return Err(Problem::invalid(unknown.as_str(), "unknown parameter; this route takes caller, tenant"));
     }
@@ -313,7 +338,7 @@ pub async fn jobs(State(app): State<Arc<AppState>>, Query(query): Query<HashMap<
 }
 
 /// Cancels a job, whoever's it is, on whichever instance holds it.
-pub async fn cancel_job(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> Answer {
+pub(super) async fn cancel_job(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> RouteResult {
     let unknown = || Problem::not_found("unknown_job", format!("no job `{id}` is known"));
     let jobs = app.behind.jobs().ok_or_else(unknown)?;
     let owner = jobs.owner_of(&id).await.ok_or_else(unknown)?;

@@ -51,6 +51,8 @@ pub struct Config {
     pub proxy: ProxyConfig,
     /// Where traces go, if anywhere (`None`: off).
     pub telemetry: Option<TelemetryConfig>,
+    /// The address `/mcp` is served at, once [`Config::serving_at`] said it (`None` on stdio).
+    pub served_at: Option<std::net::SocketAddr>,
 }
 
 /// The server's own sections, as written (the limits' are the core's to read).
@@ -119,7 +121,30 @@ impl Config {
             admin,
             proxy: raw.proxy,
             telemetry,
+            served_at: None,
         })
+    }
+
+    /// This config served over HTTP at `addr`: an access token's audience, when
+    /// `auth.oauth.audience` is not set, is the MCP URL the server prints (`http://{addr}/mcp`).
+    /// An unspecified address (`0.0.0.0`, `::`) names no URL a client could use, so then the
+    /// audience must be set.
+    pub fn serving_at(mut self, addr: std::net::SocketAddr) -> Result<Self, ConfigError> {
+        let oauth = &mut self.limiting.auth.oauth;
+        if oauth.enabled() && oauth.audience.is_empty() {
+            if addr.ip().is_unspecified() {
+                return Err(invalid(
+                    "auth.oauth.audience",
+                    format!(
+                        "must be set when serving on {addr}: tokens are issued for this server's public URL \
+                         (e.g. \"https://mcp.example.com/mcp\"), which an unspecified address does not name"
+                    ),
+                ));
+            }
+            oauth.audience = format!("http://{addr}/mcp");
+        }
+        self.served_at = Some(addr);
+        Ok(self)
     }
 }
 

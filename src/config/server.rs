@@ -153,6 +153,36 @@ impl RawServer {
     /// The section, checked: every key named in its error. The keys that name callers were read
     /// and checked by the limits (`proxies`).
     pub(super) fn validate(self, proxies: &ProxyTrust) -> Result<ServerConfig, ConfigError> {
+        self.counts_are_valid()?;
+        self.hosts_are_valid()?;
+        let metrics_key_sha256 = self.metrics_key_digest()?;
+        let connections = ConnectionCaps {
+            max: self.max_connections,
+            max_per_address: self.max_connections_per_address,
+            ipv6_prefix: proxies.ipv6_prefix,
+            exempt: if proxies.trust_proxy { proxies.trusted_proxies.clone() } else { Vec::new() },
+        };
+        let server = ServerConfig {
+            listen: self.listen,
+            allowed_hosts: self.allowed_hosts,
+            allowed_origins: self.allowed_origins,
+            max_body_bytes: self.max_body_bytes,
+            session_idle_timeout: Duration::from_secs(self.session_idle_timeout_seconds),
+            max_sessions: self.max_sessions,
+            max_sessions_per_address: self.max_sessions_per_address,
+            unverified_session_share: self.unverified_session_share,
+            key_session_share: self.key_session_share,
+            tenant_session_share: self.tenant_session_share,
+            header_read_timeout: Duration::from_millis(self.header_read_timeout_ms),
+            body_read_timeout: Duration::from_millis(self.body_read_timeout_ms),
+            connections,
+            metrics_key_sha256,
+        };
+        Ok(server)
+    }
+
+    /// The counts, shares and timeouts: each in its range.
+    fn counts_are_valid(&self) -> Result<(), ConfigError> {
         if self.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be at least 1"));
         }
@@ -184,19 +214,6 @@ impl RawServer {
                 return Err(invalid(key, format!("must be a fraction above 0.0, at most 1.0 (got {share})")));
             }
         }
-        let metrics_key = self.metrics_key.expose().trim();
-        if !metrics_key.is_empty() && metrics_key.chars().count() < MIN_METRICS_KEY_CHARS {
-            return Err(invalid(
-                "server.metrics_key",
-                format!(
-                    "is {} characters; a metrics key needs at least {MIN_METRICS_KEY_CHARS} (e.g. `openssl rand -hex \
-                     32`), or leave it empty for no key",
-                    metrics_key.chars().count()
-                ),
-            ));
-        }
-        let metrics_key_sha256 =
-            (!metrics_key.is_empty()).then(|| KeyDigest(Sha256::digest(metrics_key.as_bytes()).into()));
         // A day at most: longer would be a typo, and timers add these to the current instant.
         for (key, value, day) in [
             ("server.session_idle_timeout_seconds", self.session_idle_timeout_seconds, 86_400),
@@ -210,6 +227,11 @@ impl RawServer {
                 return Err(invalid(key, format!("{value} is more than a day ({day})")));
             }
         }
+        Ok(())
+    }
+
+    /// The hosts and origins a request may name.
+    fn hosts_are_valid(&self) -> Result<(), ConfigError> {
         if self.allowed_hosts.is_empty() {
             return Err(invalid("server.allowed_hosts", "list at least one host name (e.g. \"localhost\")"));
         }
@@ -221,29 +243,23 @@ impl RawServer {
                 ));
             }
         }
-        let connections = ConnectionCaps {
-            max: self.max_connections,
-            max_per_address: self.max_connections_per_address,
-            ipv6_prefix: proxies.ipv6_prefix,
-            exempt: if proxies.trust_proxy { proxies.trusted_proxies.clone() } else { Vec::new() },
-        };
-        let server = ServerConfig {
-            listen: self.listen,
-            allowed_hosts: self.allowed_hosts,
-            allowed_origins: self.allowed_origins,
-            max_body_bytes: self.max_body_bytes,
-            session_idle_timeout: Duration::from_secs(self.session_idle_timeout_seconds),
-            max_sessions: self.max_sessions,
-            max_sessions_per_address: self.max_sessions_per_address,
-            unverified_session_share: self.unverified_session_share,
-            key_session_share: self.key_session_share,
-            tenant_session_share: self.tenant_session_share,
-            header_read_timeout: Duration::from_millis(self.header_read_timeout_ms),
-            body_read_timeout: Duration::from_millis(self.body_read_timeout_ms),
-            connections,
-            metrics_key_sha256,
-        };
-        Ok(server)
+        Ok(())
+    }
+
+    /// The metrics key's digest (the key itself is never kept), or none for no key.
+    fn metrics_key_digest(&self) -> Result<Option<KeyDigest>, ConfigError> {
+        let metrics_key = self.metrics_key.expose().trim();
+        if !metrics_key.is_empty() && metrics_key.chars().count() < MIN_METRICS_KEY_CHARS {
+            return Err(invalid(
+                "server.metrics_key",
+                format!(
+                    "is {} characters; a metrics key needs at least {MIN_METRICS_KEY_CHARS} (e.g. `openssl rand -hex \
+                     32`), or leave it empty for no key",
+                    metrics_key.chars().count()
+                ),
+            ));
+        }
+        Ok((!metrics_key.is_empty()).then(|| KeyDigest(Sha256::digest(metrics_key.as_bytes()).into())))
     }
 }
 

@@ -9,6 +9,14 @@ impl Config {
     /// The effective limits as a table for `check-config`.
     pub fn limits_table(&self) -> String {
         let mut out = String::new();
+        self.limits_rows(&mut out);
+        self.callers_lines(&mut out);
+        self.tools_rows(&mut out);
+        out
+    }
+
+    /// Every limit's row: its scope, algorithm and parameters.
+    fn limits_rows(&self, out: &mut String) {
         let _ = writeln!(out, "{:<34} {:<15} parameters", "scope", "algorithm");
         let limits = &self.limiting.limits;
         let in_flight = [
@@ -40,6 +48,10 @@ impl Config {
             let _ =
                 writeln!(out, "{:<34} {:<15} {cap} cost units per UTC day", "spend cap (per tenant)", "fixed_window");
         }
+    }
+
+    /// Tiers, keys, the unverified callers' shares, sessions and connections.
+    fn callers_lines(&self, out: &mut String) {
         let _ = writeln!(out);
         let tiers: Vec<String> = self.limiting.tiers.iter().map(|(t, f)| format!("{t} ×{f}")).collect();
         let _ = writeln!(out, "tiers (scale per-caller scopes): {}", tiers.join(", "));
@@ -79,6 +91,10 @@ impl Config {
                 (false, false) => "open",
             }
         );
+    }
+
+    /// Every tool's cost and own budget, and how prices are settled.
+    fn tools_rows(&self, out: &mut String) {
         let _ = writeln!(out);
         let _ = writeln!(out, "{:<34} {:<6} own budget (per tenant, address or caller; in calls)", "tool", "cost");
         for (tool, policy) in &self.limiting.tools {
@@ -113,6 +129,5 @@ impl Config {
             }
         };
         let _ = writeln!(out, "{settles}; a call is first charged the cost above (reserved).");
-        out
     }
 }

@@ -30,7 +30,7 @@ use axum::Router;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use http::{HeaderMap, HeaderValue, StatusCode, header};
+use http::{HeaderMap, HeaderValue, header};
 use serde::Serialize;
 
 use crate::activity::{Audience, Snapshot};
@@ -38,7 +38,8 @@ use crate::breaker::BreakerState;
 use crate::clock::NANOS_PER_MS;
 use crate::config::Backend;
 use crate::guard::reuse::Saved;
-use crate::identity::{Caller, Unauthorized};
+use crate::http::identify::Denied;
+use crate::identity::Caller;
 use crate::state::AppState;
 
 const PAGE: &str = include_str!("dashboard.html");
@@ -87,16 +88,15 @@ enum Viewer {
 impl Viewer {
     /// The viewer `headers` prove, or why they prove none while `auth.required` is on (read from
     /// the live identifier, so a reload that turns it on closes the data at once).
-    fn of(app: &AppState, headers: &HeaderMap) -> Result<Self, Unauthorized> {
-        let identifier = app.limits.identifier().load();
-        if !identifier.required() {
+    async fn of(app: &AppState, headers: &HeaderMap) -> Result<Self, Denied> {
+        if !app.limits.identifier().load().required() {
             return Ok(Viewer::Anyone);
         }
         if app.config.admin.key_sha256.is_some_and(|key| crate::admin::presents_key(headers, &key)) {
             return Ok(Viewer::Operator);
         }
-        // With keys required, only a configured key names a caller.
-        identifier.identify(headers, None).map(Viewer::Key)
+        // With auth required, only a configured key or a valid access token names a caller.
+        app.limits.callers().name(headers, None).await.map(Viewer::Key)
     }
 
     fn audience(&self) -> Audience<'_> {
@@ -120,15 +120,16 @@ impl Viewer {
 }
 
 async fn data(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    let viewer = match Viewer::of(&app, &headers) {
+    let viewer = match Viewer::of(&app, &headers).await {
         Ok(viewer) => viewer,
-        Err(unauthorized) => {
-            tracing::debug!(%unauthorized, "dashboard data refused");
+        Err(denied) => {
+            tracing::debug!(message = %denied.message, "dashboard data refused");
             let body = serde_json::json!({"error": {"code": "unauthorized",
-                "message": format!("{unauthorized}: auth.required is on, so the dashboard's data needs \
-                                    `Authorization: Bearer <a configured key or the admin key>`")}});
-            let mut response = guarded("application/json", (StatusCode::UNAUTHORIZED, body.to_string()));
-            response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                "message": format!("{}: auth.required is on, so the dashboard's data needs \
+                                    `Authorization: Bearer <a configured key, an access token or the admin key>`",
+                                   denied.message)}});
+            let mut response = guarded("application/json", (denied.status, body.to_string()));
+            response.headers_mut().insert(header::WWW_AUTHENTICATE, denied.challenge.clone());
             return response;
         }
     };

@@ -85,12 +85,12 @@ pub struct BodyDeadline {
     /// The largest body read.
     pub max_bytes: usize,
     /// How a body that breaks them is answered.
-    pub refusal: Refusal,
+    pub refusal: ErrorShape,
 }
 
 /// The shape of the answer to a body too slow, too large or cut off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refusal {
+pub enum ErrorShape {
     /// A JSON-RPC error, as an MCP client reads it (`/mcp`).
     JsonRpc,
     /// `{"error": {"code": …, "message": …}}`, the admin API's shape (and the mock upstream's).
@@ -100,18 +100,18 @@ pub enum Refusal {
 impl BodyDeadline {
     /// The deadline `[server]` configures, refused as JSON-RPC errors.
     pub fn of(server: &ServerConfig) -> Self {
-        Self { timeout: server.body_read_timeout, max_bytes: server.max_body_bytes, refusal: Refusal::JsonRpc }
+        Self { timeout: server.body_read_timeout, max_bytes: server.max_body_bytes, refusal: ErrorShape::JsonRpc }
     }
 
     /// This deadline, refused as plain JSON errors.
     pub fn answered_plainly(self) -> Self {
-        Self { refusal: Refusal::Plain, ..self }
+        Self { refusal: ErrorShape::Plain, ..self }
     }
 
     fn refuse(&self, status: StatusCode, code: &str, message: &str) -> Response {
         let response = match self.refusal {
-            Refusal::JsonRpc => jsonrpc_error(status, -32600, message, None),
-            Refusal::Plain => {
+            ErrorShape::JsonRpc => jsonrpc_error(status, -32600, message, None),
+            ErrorShape::Plain => {
                 (status, axum::Json(serde_json::json!({"error": {"code": code, "message": message}}))).into_response()
             }
         };
@@ -270,7 +270,7 @@ struct Counts {
 }
 
 /// One connection's place among those open, given back when it is dropped.
-struct Held {
+struct OpenConnection {
     open: Arc<Open>,
     address: Option<IpAddr>,
 }
@@ -297,7 +297,7 @@ impl Open {
 
     /// A place for a connection from `peer`, or the cap that is full; both caps are checked and
     /// taken under one lock, so concurrent accepts never pass one together.
-    fn admit(self: &Arc<Self>, peer: IpAddr) -> Result<Held, Full> {
+    fn admit(self: &Arc<Self>, peer: IpAddr) -> Result<OpenConnection, Full> {
         let address = self.address_of(peer);
         let mut counts = self.counts();
         if counts.total >= self.caps.max {
@@ -314,7 +314,7 @@ impl Open {
         counts.total += 1;
         drop(counts);
         self.counted.open.increment(1.0);
-        Ok(Held { open: self.clone(), address })
+        Ok(OpenConnection { open: self.clone(), address })
     }
 
     /// Answers a connection past a cap with a fixed refusal, written without waiting, and
@@ -352,7 +352,7 @@ impl Open {
     }
 }
 
-impl Drop for Held {
+impl Drop for OpenConnection {
     fn drop(&mut self) {
         let mut counts = self.open.counts();
         counts.total = counts.total.saturating_sub(1);

@@ -119,7 +119,7 @@ struct Book {
     /// here from `opening` in one step, so it is never counted twice nor missed.
     open: HashMap<Arc<str>, Record>,
     /// Per group: its sessions being opened, and open.
-    groups: HashMap<Group, Held>,
+    groups: HashMap<Group, SessionCount>,
     /// `initialize`s since the last full prune.
     since_prune: usize,
 }
@@ -135,12 +135,12 @@ struct Record {
 }
 
 #[derive(Debug, Default)]
-struct Held {
+struct SessionCount {
     opening: usize,
     open: usize,
 }
 
-impl Held {
+impl SessionCount {
     fn count(&self) -> usize {
         self.opening.saturating_add(self.open)
     }
@@ -178,7 +178,7 @@ impl Book {
     /// The first of `groups` at its cap, if any.
     fn full(&self, groups: &[Group], caps: &Caps) -> Option<Full> {
         groups.iter().find_map(|group| {
-            let held = self.groups.get(group).map_or(0, Held::count);
+            let held = self.groups.get(group).map_or(0, SessionCount::count);
             (held >= caps.of(group)).then(|| Full::Group(group.clone()))
         })
     }

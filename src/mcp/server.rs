@@ -1,8 +1,9 @@
-//! The rmcp server handler of the reference server, built on its own library: its tools are a
-//! [`LimitedRouter`] under [`PaidTools`]' rules, so every call goes
-//! through the one guarded call every door runs ([`crate::guard::call`]) — the library's router
-//! and the proxy too. A tool added to `tools.rs` is guarded without doing anything, and cannot
-//! opt out.
+//! The rmcp server handler of the reference server, built on its own library: every tool call goes
+//! through the one guarded call every door runs ([`crate::guard::call`], by
+//! [`limited::call_tool`]) under [`PaidTools`]' rules — the library's router and the proxy too —
+//! and its tool's method is handed what the call was admitted with as a typed value
+//! ([`tools::Declaration::work`]). A tool declared in `tools/` is guarded without doing anything,
+//! and cannot opt out.
 //!
 //! Image and video jobs are also MCP Tasks (the SEP-2663 extension) for clients that declare
 //! it: the call answers a task whose `taskId` is the `predict_id` and whose `pollIntervalMs` is
@@ -12,24 +13,23 @@
 
 use std::sync::Arc;
 
-use rmcp::handler::server::tool::ToolCallContext;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CancelTaskParams, CreateTaskResult, DetailedTask, ErrorCode, Extensions,
+    CallToolRequestParams, CallToolResponse, CancelTaskParams, CreateTaskResult, DetailedTask, ErrorCode,
     GetTaskParams, GetTaskResult, Implementation, ListToolsResult, PaginatedRequestParams, ServerCapabilities,
-    ServerConfig, Task, TaskPayload, TaskStatus,
+    ServerConfig, Task, TaskPayload, TaskStatus, Tool,
 };
 use rmcp::service::RequestContext;
-use rmcp::{ErrorData, RoleServer, ServerHandler, tool_handler};
+use rmcp::{ErrorData, RoleServer, ServerHandler};
 use serde_json::{Map, Value};
 
 use crate::clock::NANOS_PER_MS;
-use crate::guard::{MethodGroup, Refusal, RefusalCode, TakeOnce};
+use crate::guard::{Admitted, Checked, Door, Refusal, RefusalCode, Worked};
 use crate::identity::Caller;
-use crate::mcp::limited::{Asked, LimitedRouter, ToolAnswer, ToolRules};
-use crate::mcp::{limited, results, tools};
+use crate::mcp::limited::{AddTo, Response, Routed, ToolAnswer};
+use crate::mcp::{limited, tools};
 use crate::state::{AppState, PaidApi};
 use crate::upstream::jobs::JobView;
-use crate::upstream::queue::Reservation;
+use crate::upstream::queue::QueuePlace;
 
 /// Which transport a handler serves; decides where the caller comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,31 +47,24 @@ pub struct McpServer {
     /// The paid API and its jobs.
     pub(crate) own: Arc<PaidApi>,
     pub(crate) transport: Transport,
-    tools: LimitedRouter<Self, PaidTools>,
+    door: PaidTools,
+}
+
+impl std::fmt::Debug for McpServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("McpServer").field("transport", &self.transport).finish_non_exhaustive()
+    }
 }
 
 impl McpServer {
     /// A handler over the shared state and our tools' upstream.
     pub fn new(app: Arc<AppState>, own: Arc<PaidApi>, transport: Transport) -> Self {
-        let door = PaidTools { app: app.clone(), own: own.clone() };
-        let tools = LimitedRouter::with_door(Self::tool_router(), app.limits.clone(), door);
-        Self { app, own, transport, tools }
+        let door = PaidTools { own: own.clone() };
+        Self { app, own, transport, door }
     }
 
     fn caller_of(&self, context: &RequestContext<RoleServer>) -> Result<Caller, ErrorData> {
         limited::caller_of(&self.app.limits, context)
-    }
-
-    /// Charges a non-tool method to its per-caller limit; a refusal is a JSON-RPC error (there
-    /// is no tool result to carry it) with the same structured data a tool refusal has.
-    async fn admit_method(
-        &self,
-        context: &RequestContext<RoleServer>,
-        group: MethodGroup,
-        method: &str,
-    ) -> Result<(), ErrorData> {
-        let caller = self.caller_of(context)?;
-        self.app.limits.guard().admit_method(&caller, group, method).await.map_err(|r| results::method_error(&r))
     }
 }
 
@@ -113,7 +106,6 @@ fn task_of(view: JobView, ttl_ms: u64) -> Result<DetailedTask, ErrorData> {
     Ok(DetailedTask::new(task, payload))
 }
 
-#[tool_handler(router = self.tools)]
 impl ServerHandler for McpServer {
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().enable_tasks().build())
@@ -145,26 +137,53 @@ impl ServerHandler for McpServer {
         _request: Option<PaginatedRequestParams>,
         context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
-        crate::mcp::trace::traced("tools/list", &context, async {
-            self.admit_method(&context, MethodGroup::ToolsList, "tools/list").await?;
-            Ok(ListToolsResult::with_all_items(self.tools.list_all()))
-        })
-        .await
+        let tools = |_| async {
+            let priced = limited::priced(tools::listed().to_vec(), &self.app.limits.guard().policy());
+            Ok(ListToolsResult::with_all_items(priced))
+        };
+        limited::method(&self.app.limits, "tools/list", &context, tools).await
     }
 
     async fn ping(&self, context: RequestContext<RoleServer>) -> Result<(), ErrorData> {
-        crate::mcp::trace::traced("ping", &context, async {
-            self.admit_method(&context, MethodGroup::Other, "ping").await
-        })
-        .await
+        limited::method(&self.app.limits, "ping", &context, |_| async { Ok(()) }).await
     }
 
+    /// The tool as `tools/list` shows it, before its price is added (rmcp checks a stateless
+    /// request's `Mcp-Param-*` headers against its input schema).
+    fn get_tool(&self, name: &str) -> Option<Tool> {
+        tools::listed().iter().find(|t| t.name == name).cloned()
+    }
+
+    /// A call of one of our tools through the one guarded call, its method handed what the call
+    /// was admitted with; an unknown tool is the JSON-RPC error `-32602`, charged nothing.
     async fn call_tool(
         &self,
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
-        self.tools.call(ToolCallContext::new(self, request, context)).await
+        let Some(declared) = tools::declared(&request.name) else {
+            return Err(ErrorData::invalid_params(format!("unknown tool `{}`", request.name), None));
+        };
+        // An accepted job, to a client that speaks tasks, is a task.
+        let supports_tasks = context.client_capabilities().is_some_and(|c| c.supports_tasks());
+        // The caller is named here only for a call that may become a task (the guarded call names
+        // it again, as it does for every call).
+        let task_of = (tools::starts_job(&request.name) && supports_tasks).then(|| self.caller_of(&context));
+        let listed = tools::listed().iter().find(|t| t.name == request.name);
+        let reads_only = listed.and_then(|t| t.annotations.as_ref()).and_then(|a| a.read_only_hint);
+        let routed = Routed { add_to: AddTo::StructuredContent, reads_only: reads_only == Some(true) };
+        let server = self.clone();
+        let work = move |admitted: Admitted<Option<QueuePlace>>, args: &Value| {
+            let args = args.clone();
+            async move { Worked::Answer(ToolAnswer::new((declared.work)(&server, admitted, args).await.map(Into::into))) }
+        };
+        let response = limited::call_tool(&self.app.limits, &self.door, routed, &request, &context, work).await?;
+        match (response, task_of) {
+            (CallToolResponse::Complete(done), Some(Ok(caller))) if done.is_error != Some(true) => {
+                self.as_task(&caller, &done)
+            }
+            (response, _) => Ok(response),
+        }
     }
 
     async fn get_task(
@@ -172,9 +191,7 @@ impl ServerHandler for McpServer {
         request: GetTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<GetTaskResult, ErrorData> {
-        crate::mcp::trace::traced("tasks/get", &context, async {
-            let caller = self.caller_of(&context)?;
-            self.admit_method(&context, MethodGroup::Other, "tasks/get").await?;
+        limited::method(&self.app.limits, "tasks/get", &context, |caller| async move {
             let view = self
                 .own
                 .jobs
@@ -191,9 +208,7 @@ impl ServerHandler for McpServer {
         request: CancelTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        crate::mcp::trace::traced("tasks/cancel", &context, async {
-            let caller = self.caller_of(&context)?;
-            self.admit_method(&context, MethodGroup::Other, "tasks/cancel").await?;
+        limited::method(&self.app.limits, "tasks/cancel", &context, |caller| async move {
             match self.own.jobs.cancel(caller.id(), &request.task_id).await {
                 Ok(Some(_)) => Ok(()),
                 Ok(None) => Err(unknown_task(&request.task_id)),
@@ -212,11 +227,11 @@ impl ServerHandler for McpServer {
 /// against their limits before anything is charged; the upstream known down, or the account's
 /// queue full, refused before charging too (a job holds its place in the queue until it starts);
 /// a pending job's poll and `rate_limit_status` never a loop; a full job cap explained with the
-/// jobs holding it; the answers ours (what we add goes in their `structuredContent`); an accepted
-/// job answered as a task to a client that speaks tasks.
+/// jobs holding it; a job's answer a receipt. (What we add goes in our results'
+/// `structuredContent`, and an accepted job is a task to a client that speaks tasks: both
+/// [`McpServer`]'s to say.)
 #[derive(Clone)]
 pub struct PaidTools {
-    app: Arc<AppState>,
     own: Arc<PaidApi>,
 }
 
@@ -226,19 +241,21 @@ impl std::fmt::Debug for PaidTools {
     }
 }
 
-impl ToolRules for PaidTools {
-    type Place = Option<Reservation>;
+impl Door for PaidTools {
+    type Place = Option<QueuePlace>;
 
-    fn before_charging(&self, tool: &str, caller: &Caller) -> Result<Option<Reservation>, Refusal> {
+    /// Our tools' arguments checked against their limits; a pending job's poll and
+    /// `rate_limit_status` never a loop; a job tool's answer a receipt (a fresh `predict_id`), not
+    /// the job's result.
+    fn check(&self, tool: &str, args: &Map<String, Value>, caller: &Caller) -> Result<Checked, Refusal> {
+        let args = tools::validate_arguments(tool, Some(args))?;
+        let loop_exempt = tools::loop_exempt(&self.own, tool, &args, caller);
+        Ok(Checked { args, loop_exempt, receipt: tools::starts_job(tool) })
+    }
+
+    /// A job tool's queue place goes to the tool, which hands it to its job.
+    fn before_charging(&self, tool: &str, caller: &Caller) -> Result<Option<QueuePlace>, Refusal> {
         tools::before_charging(&self.own, tool, caller)
-    }
-
-    fn check(&self, tool: &str, args: &Map<String, Value>) -> Result<Value, Refusal> {
-        tools::validate_arguments(tool, Some(args))
-    }
-
-    fn loop_exempt(&self, tool: &str, args: &Value, caller: &Caller) -> bool {
-        tools::loop_exempt(&self.own, tool, args, caller)
     }
 
     fn explain(&self, tool: &str, refusal: Refusal, caller: &Caller) -> Refusal {
@@ -248,44 +265,15 @@ impl ToolRules for PaidTools {
             refusal
         }
     }
-
-    fn add_to(&self) -> limited::AddTo {
-        limited::AddTo::StructuredContent
-    }
-
-    /// A job tool answers with a receipt (a fresh `predict_id`), not the job's result: never
-    /// compared. The rest as any tool's.
-    fn outcome<'a>(&self, tool: &str, answer: &'a ToolAnswer) -> Option<std::borrow::Cow<'a, Value>> {
-        if tools::starts_job(tool) { None } else { limited::outcome_of(answer) }
-    }
-
-    /// A job tool's queue place goes to the tool, which hands it to its job.
-    fn hand_over(&self, place: Option<Reservation>, extensions: &mut Extensions) {
-        if let Some(place) = place {
-            extensions.insert(TakeOnce::new(place));
-        }
-    }
-
-    /// An accepted job, to a client that speaks tasks, is a task.
-    fn finish(&self, caller: &Caller, tool: &str, response: CallToolResponse, asked: &Asked) -> ToolAnswer {
-        match response {
-            CallToolResponse::Complete(done)
-                if tools::starts_job(tool) && asked.supports_tasks && done.is_error != Some(true) =>
-            {
-                self.as_task(caller, &done)
-            }
-            other => Ok(other),
-        }
-    }
 }
 
-impl PaidTools {
+impl McpServer {
     fn task_ttl_ms(&self) -> u64 {
         self.app.config.upstream.job_expiry_seconds.saturating_mul(1000)
     }
 
     /// Turns an accepted job's result into a `CreateTaskResult` for a client that speaks Tasks.
-    fn as_task(&self, caller: &Caller, done: &rmcp::model::CallToolResult) -> ToolAnswer {
+    fn as_task(&self, caller: &Caller, done: &rmcp::model::CallToolResult) -> Response {
         let id = done
             .structured_content
             .as_ref()
@@ -293,11 +281,5 @@ impl PaidTools {
             .ok_or_else(|| ErrorData::internal_error("an accepted job has no predict_id", None))?;
         let view = self.own.jobs.view(caller.id(), id).ok_or_else(|| unknown_task(id))?;
         Ok(CallToolResponse::Task(CreateTaskResult::new(task_of(view, self.task_ttl_ms())?.task)))
-    }
-}
-
-impl McpServer {
-    fn task_ttl_ms(&self) -> u64 {
-        self.app.config.upstream.job_expiry_seconds.saturating_mul(1000)
     }
 }

@@ -17,8 +17,8 @@
 //! For tests and experiments (never limited, never subject to chaos):
 //! - `GET /v1/usage`: what it was asked to do — the bill an agent ran up;
 //! - `GET /v1/submissions`: every `POST /v1/predictions` it received, with the clock reading
-//!   and the status it answered (to prove spacing and backoff), and the W3C `traceparent` it
-//!   carried (to prove a trace reaches the paid API);
+//!   and the status it answered (to prove spacing and backoff), and the W3C `traceparent` and
+//!   `tracestate` it carried (to prove which trace reaches the paid API);
 //! - `PUT /v1/chaos`: change the chaos knobs while running (`rate_429`, `rate_5xx`,
 //!   `retry_after_seconds`, `latency_ms`, `max_concurrent_predictions`), e.g. to take the API down
 //!   and bring it back, or to change the account's capacity under a running server; and
@@ -113,6 +113,9 @@ struct Submission {
     /// Its `traceparent` header (`[telemetry]` on: the trace of the call that submitted it).
     #[serde(skip_serializing_if = "Option::is_none")]
     traceparent: Option<String>,
+    /// Its `tracestate` header, if it had one (its first 1,024 characters).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tracestate: Option<String>,
 }
 
 const MAX_SUBMISSION_LOG: usize = 100_000;
@@ -328,16 +331,27 @@ async fn log_submissions(State(state): State<Arc<MockState>>, request: Request, 
     let at_ns = state.clock.now();
     let idempotency_key =
         request.headers().get("idempotency-key").and_then(|v| v.to_str().ok()).map(|k| k.chars().take(64).collect());
-    let traceparent =
-        request.headers().get("traceparent").and_then(|v| v.to_str().ok()).map(|k| k.chars().take(64).collect());
+    let traceparent = header_text(request.headers(), "traceparent", 64);
+    let tracestate = header_text(request.headers(), "tracestate", 1024);
     let response = next.run(request).await;
     if is_submission {
         let mut log = lock(&state.submissions);
         if log.len() < MAX_SUBMISSION_LOG {
-            log.push(Submission { at_ns, status: response.status().as_u16(), idempotency_key, traceparent });
+            log.push(Submission {
+                at_ns,
+                status: response.status().as_u16(),
+                idempotency_key,
+                traceparent,
+                tracestate,
+            });
         }
     }
     response
+}
+
+/// The first `most` characters of header `name`, if it was sent.
+fn header_text(headers: &axum::http::HeaderMap, name: &str, most: usize) -> Option<String> {
+    headers.get(name).map(|v| String::from_utf8_lossy(v.as_bytes()).chars().take(most).collect())
 }
 
 /// `GET /v1/submissions`: every submission received, oldest first.

@@ -70,8 +70,9 @@ use crate::rate_limits::RateLimits;
 use crate::state::Behind;
 use crate::upstream::adaptive::AdaptiveLimit;
 use crate::upstream::classes::JobClasses;
+use crate::upstream::gate;
 use crate::upstream::jobs::Owner;
-use crate::upstream::queue::{AccountSlot, FairQueue, Occupancy, QueueFull, QueueRules, Reservation, TierRule};
+use crate::upstream::queue::{AccountSlot, FairQueue, Occupancy, QueuePlace, QueueRules, TierRule};
 
 /// The proxied server and what protects it, shared by every downstream session.
 pub struct Proxied {
@@ -147,8 +148,7 @@ impl Proxied {
         stop: CancellationToken,
     ) -> Result<Arc<Self>, LinkError> {
         let up = &config.upstream;
-        let ms = |n: u64| n.saturating_mul(NANOS_PER_MS);
-        let breaker = Arc::new(Breaker::new(up.breaker_failures, ms(up.breaker_cooldown_ms)));
+        let breaker = Arc::new(gate::breaker(up));
         let max_in_flight = config.proxy.max_in_flight;
         let unverified_children = up.unverified_share_of(config.proxy.max_children);
         let scopes = Scopes::start(
@@ -164,12 +164,8 @@ impl Proxied {
         let rules = QueueRules::new(max_in_flight, up.queue_max, JobClasses::one("call"))
             .unverified_share(up.unverified_share_of(max_in_flight), up.unverified_places())
             .with_tiers(TierRule::from_config(up));
-        let queue = Arc::new(
-            FairQueue::new(rules, clock.clone())
-                .adaptive(AdaptiveLimit::configured(&config.proxy.adaptive, max_in_flight))
-                .shared_in(limits.guard().store().clone(), "proxied", limits.metrics().clone()),
-        );
-        tokio::spawn(queue.clone().dispatch(stop.child_token()));
+        let adaptive = AdaptiveLimit::configured(&config.proxy.adaptive, max_in_flight);
+        let queue = gate::start_queue(rules, adaptive, &limits, "proxied", clock.clone(), stop.child_token());
         let proxied = Arc::new(Self {
             scopes,
             tools: ArcSwap::from_pointee(Vec::new()),
@@ -262,21 +258,12 @@ impl Proxied {
 
     /// Refuses a call the proxied server could not take now, before it is charged: the breaker
     /// is open, or the queue has no place.
-    fn before_charging(&self, tool: &str, caller: &Caller) -> Result<Reservation, Refusal> {
-        if let Some(open_for) = self.breaker.open_for(self.clock.now()) {
-            return Err(unavailable(tool, "it failed or is restarting, and the circuit breaker is open", open_for));
-        }
-        let standing = self.queue.rules().standing(caller.tier(), caller.unverified_from().is_some());
-        self.queue.reserve(JobClasses::ONLY, standing).map_err(|full| {
-            let wait = self.mean_call.load(Ordering::Relaxed).max(NANOS_PER_MS);
-            match full {
-                QueueFull::Full => Refusal::queue_full(tool, wait),
-                QueueFull::UnverifiedShare { slots, places } => {
-                    Refusal::unverified_share_full(tool, wait, slots, places)
-                }
-                QueueFull::Reserved => Refusal::queue_reserved(tool, wait),
-            }
-        })
+    pub(crate) fn before_charging(&self, tool: &str, caller: &Caller) -> Result<QueuePlace, Refusal> {
+        let why = "it failed or is restarting, and the circuit breaker is open";
+        gate::up(tool, self.breaker.open_for(self.clock.now()), why)?;
+        // A place frees in about a call's time.
+        let frees_in = || self.mean_call.load(Ordering::Relaxed).max(NANOS_PER_MS);
+        gate::place(tool, caller, &self.queue, JobClasses::ONLY, frees_in)
     }
 
     /// `work`'s output if it is done before the clock reads `deadline`; `None` (and `work`
@@ -293,7 +280,7 @@ impl Proxied {
     /// reads it, without any key of ours the proxied server put in its `_meta`; or why it was not
     /// answered. (Shared with identical calls, it is the asker's: its progress goes to the asker's
     /// session.)
-    async fn work(self: Arc<Self>, admitted: Admitted<Reservation>, outgoing: Outgoing) -> Worked<ToolAnswer> {
+    async fn work(self: Arc<Self>, admitted: Admitted<QueuePlace>, outgoing: Outgoing) -> Worked<ToolAnswer> {
         let (meta, upstream) = (outgoing.meta.clone(), outgoing.upstream.clone());
         let holds_slot = self.limits.guard().policy().holds_slot(&outgoing.request.name);
         match self.forward(&admitted.caller, admitted.place, outgoing).await {
@@ -302,18 +289,18 @@ impl Proxied {
             // the in-flight caps bound how many places one caller's tasks can hold.)
             Ok(Forwarded::Task(task, slot)) if holds_slot => {
                 if let Some(admission) = admitted.admission.take() {
-                    let held = Held { task: task.task.clone(), admission, slot, meta, upstream };
+                    let held = OpenTask { task: task.task.clone(), admission, slot, meta, upstream };
                     tokio::spawn(self.clone().hold_until_final(held));
                 }
-                Worked::Answer(Ok(CallToolResponse::Task(task)))
+                Worked::Answer(ToolAnswer::relayed(Ok(CallToolResponse::Task(task))))
             }
-            Ok(Forwarded::Task(task, _slot)) => Worked::Answer(Ok(CallToolResponse::Task(task))),
+            Ok(Forwarded::Task(task, _slot)) => Worked::Answer(ToolAnswer::relayed(Ok(CallToolResponse::Task(task)))),
             Ok(Forwarded::Answer(CallToolResponse::Complete(done))) => {
                 let done = crate::mcp::results::without_ours(server::Complete::complete(done));
-                Worked::Answer(Ok(CallToolResponse::Complete(done)))
+                Worked::Answer(ToolAnswer::relayed(Ok(CallToolResponse::Complete(done))))
             }
-            Ok(Forwarded::Answer(other)) => Worked::Answer(Ok(other)),
-            Err(Unanswered::Error(error)) => Worked::Answer(Err(error)),
+            Ok(Forwarded::Answer(other)) => Worked::Answer(ToolAnswer::relayed(Ok(other))),
+            Err(Unanswered::Error(error)) => Worked::Answer(ToolAnswer::relayed(Err(error))),
             // Sent, and no answer: work may have been done, and the reservation stands.
             Err(Unanswered::Unavailable(refusal)) => Worked::Refused(refusal, Used::Unreported),
             Err(Unanswered::NotSent(refusal)) => Worked::Refused(refusal, Used::Nothing),
@@ -331,7 +318,7 @@ impl Proxied {
     /// The call is a span of its own ([`proxied_span`]): its wait for a turn and its request to the
     /// proxied server, which hears that span's trace context in `_meta` (and, over HTTP, in a
     /// `traceparent` header: [`link`]) when traces are on.
-    async fn forward(&self, caller: &Caller, place: Reservation, outgoing: Outgoing) -> Result<Forwarded, Unanswered> {
+    async fn forward(&self, caller: &Caller, place: QueuePlace, outgoing: Outgoing) -> Result<Forwarded, Unanswered> {
         let span = proxied_span(&outgoing.request.name);
         // Boxed: the call's future is large, and a span around it would copy it on the stack.
         let forwarded = Box::pin(self.forward_in(caller, place, outgoing)).instrument(span.clone()).await;
@@ -352,81 +339,27 @@ impl Proxied {
     async fn forward_in(
         &self,
         caller: &Caller,
-        place: Reservation,
+        place: QueuePlace,
         outgoing: Outgoing,
     ) -> Result<Forwarded, Unanswered> {
-        let Outgoing { request, mut meta, progress, asker, upstream } = outgoing;
+        let Outgoing { request, meta, progress, asker, upstream } = outgoing;
         // Its session stays open while it is in flight (a 2026-07-28 caller's has no other hold).
         let _in_flight = upstream.hold(&self.clock);
         let tool = request.name.to_string();
-        // On the server's one clock, like every other wait: a test walks past it.
-        let timeout = u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX);
-        let queued_at = self.clock.now();
-        // No turn in time: the call was never sent. A place frees in about a call's time.
-        let never_sent = || {
-            let waited = self.clock.now().saturating_sub(queued_at);
-            let wait = self.mean_call.load(Ordering::Relaxed).max(NANOS_PER_MS);
-            Refusal::never_sent(&tool, waited, self.queue.slots(), wait)
-        };
-        let owner = Owner::of(caller, &self.limits.guard().policy(), self.queue.rules());
-        let slot = match place.start_now(&owner.flowing()).await {
-            Ok(slot) => slot,
-            Err(place) => {
-                let id = format!("call-{}", self.calls.fetch_add(1, Ordering::Relaxed));
-                let turn = place.enqueue(&owner.flowing(), &id);
-                // Dropped here when the time is up, the turn takes the call out of the line.
-                match self.by(queued_at.saturating_add(timeout), turn).await {
-                    Some(Ok(slot)) => slot,
-                    Some(Err(_)) | None => return Err(Unanswered::NotSent(never_sent())),
-                }
-            }
-        };
+        let slot = self.turn_of(caller, place, &tool).await?;
         let started = self.clock.now();
         // The proxied server's own time: what it took teaches the limit, the queue's wait does not.
-        let deadline = started.saturating_add(timeout);
+        let deadline = started.saturating_add(self.timeout_nanos());
         let now = started;
-        let permit = self
-            .breaker
-            .permit(now)
-            .map_err(|open| Unanswered::NotSent(unavailable(&tool, "the circuit breaker is open", open.retry_after)))?;
+        let permit = self.breaker.permit(now).map_err(|open| {
+            Unanswered::NotSent(gate::unavailable(&tool, "the circuit breaker is open", open.retry_after))
+        })?;
         let Some(peer) = upstream.link().peer() else {
             self.breaker.record(permit, false, now);
             let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
-            return Err(Unanswered::NotSent(unavailable(&tool, "it is restarting", wait)));
+            return Err(Unanswered::NotSent(gate::unavailable(&tool, "it is restarting", wait)));
         };
-        let request = ClientRequest::CallToolRequest(CallToolRequest::new(request));
-        let mut options = PeerRequestOptions::no_options();
-        // The trace goes on from this call's span, not from the caller's.
-        for (key, value) in crate::telemetry::context_of(&tracing::Span::current()).into_iter().flatten() {
-            meta.0.insert(key, value.into());
-        }
-        options.meta = Some(upstream.upstream_meta(meta));
-        let answer = async {
-            let handle = peer.send_cancellable_request(request, options).await?;
-            let _route = progress.map(|(session, token)| {
-                upstream.downstream().route_progress(handle.progress_token.clone(), session, token)
-            });
-            let (_asks_route, mut asks) = upstream.downstream().route_asks(handle.id.clone());
-            let id = handle.id.clone();
-            // Dropped before the answer (the caller cancelled, or the timeout): the proxied
-            // server is told to stop.
-            let cancel = CancelOnDrop { peer: Some((*peer).clone()), id };
-            let response = handle.await_response();
-            tokio::pin!(response);
-            // What the server asks while it serves the call is asked of this call's caller, here,
-            // in the caller's own request (rmcp then sends it on that request's stream).
-            let answer = loop {
-                tokio::select! {
-                    answer = &mut response => break answer,
-                    Some((ask, reply)) = asks.recv() => {
-                        let _ = reply.send(ask.of(&asker.peer, asker.capabilities.as_ref()).await);
-                    }
-                }
-            };
-            cancel.disarm();
-            answer
-        };
-        let answer = self.by(deadline, answer).await;
+        let answer = self.by(deadline, ask_upstream(&peer, request, meta, progress, &asker, &upstream)).await;
         let now = self.clock.now();
         let took = now.saturating_sub(started);
         let mean = self.mean_call.load(Ordering::Relaxed);
@@ -439,12 +372,53 @@ impl Proxied {
             Some(Ok(_)) => slot.accepted().await,
             Some(Err(_)) => {}
         }
+        self.answered(&tool, permit, now, answer, slot)
+    }
+
+    /// The call's timeout on the server's one clock, like every other wait: a test walks past it.
+    fn timeout_nanos(&self) -> Nanos {
+        u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The call's turn in the account's fair queue: at once when a slot is free and nobody waits,
+    /// else in its flow's turn. No turn within the timeout: the call was never sent.
+    async fn turn_of(&self, caller: &Caller, place: QueuePlace, tool: &str) -> Result<AccountSlot, Unanswered> {
+        let queued_at = self.clock.now();
+        let owner = Owner::of(caller, &self.limits.guard().policy(), self.queue.rules());
+        let place = match place.start_now(&owner.flowing()).await {
+            Ok(slot) => return Ok(slot),
+            Err(place) => place,
+        };
+        let id = format!("call-{}", self.calls.fetch_add(1, Ordering::Relaxed));
+        let turn = place.enqueue(&owner.flowing(), &id);
+        // Dropped here when the time is up, the turn takes the call out of the line.
+        match self.by(queued_at.saturating_add(self.timeout_nanos()), turn).await {
+            Some(Ok(slot)) => Ok(slot),
+            Some(Err(_)) | None => {
+                // A place frees in about a call's time.
+                let waited = self.clock.now().saturating_sub(queued_at);
+                let wait = self.mean_call.load(Ordering::Relaxed).max(NANOS_PER_MS);
+                Err(Unanswered::NotSent(Refusal::never_sent(tool, waited, self.queue.slots(), wait)))
+            }
+        }
+    }
+
+    /// What the proxied server's answer (or its silence until the deadline, `None`) makes of the
+    /// call, the breaker told whether it is up.
+    fn answered(
+        &self,
+        tool: &str,
+        permit: crate::breaker::Permit,
+        now: Nanos,
+        answer: Option<Result<ServerResult, ServiceError>>,
+        slot: AccountSlot,
+    ) -> Result<Forwarded, Unanswered> {
         match answer {
             None => {
                 self.breaker.record(permit, false, now);
                 let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
                 let detail = format!("it did not answer within {} ms", self.timeout.as_millis());
-                Err(Unanswered::Unavailable(unavailable(&tool, &detail, wait)))
+                Err(Unanswered::Unavailable(gate::unavailable(tool, &detail, wait)))
             }
             Some(Ok(result)) => {
                 self.breaker.record(permit, true, now);
@@ -470,10 +444,59 @@ impl Proxied {
                 let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
                 // The transport's errors quote the URL, with any password in it.
                 let detail = crate::redact::url(&error.to_string());
-                Err(Unanswered::Unavailable(unavailable(&tool, &detail, wait)))
+                Err(Unanswered::Unavailable(gate::unavailable(tool, &detail, wait)))
             }
         }
     }
+}
+
+/// Sends the call to the proxied server under this call's trace context and waits for its
+/// answer, passing on its progress, and asking the caller what the server asks while it serves
+/// the call. Dropped before the answer (the caller cancelled, or the timeout): the proxied server
+/// is told to stop.
+async fn ask_upstream(
+    peer: &rmcp::service::Peer<rmcp::RoleClient>,
+    request: CallToolRequestParams,
+    mut meta: RequestMetaObject,
+    progress: Option<(u64, ProgressToken)>,
+    asker: &Asker,
+    upstream: &Upstream,
+) -> Result<ServerResult, ServiceError> {
+    let request = ClientRequest::CallToolRequest(CallToolRequest::new(request));
+    let mut options = PeerRequestOptions::no_options();
+    // The trace goes on from this call's span, not from the caller's: its context replaces
+    // whatever trace context the caller's `_meta` held (a tracestate the span does not carry
+    // is one it dropped).
+    if let Some(ours) = crate::telemetry::context_of(&tracing::Span::current()) {
+        meta.0.remove(crate::telemetry::TRACEPARENT);
+        meta.0.remove(crate::telemetry::TRACESTATE);
+        for (key, value) in ours {
+            meta.0.insert(key, value.into());
+        }
+    }
+    options.meta = Some(upstream.upstream_meta(meta));
+    let handle = peer.send_cancellable_request(request, options).await?;
+    let _route = progress
+        .map(|(session, token)| upstream.downstream().route_progress(handle.progress_token.clone(), session, token));
+    let (_asks_route, mut asks) = upstream.downstream().route_asks(handle.id.clone());
+    let id = handle.id.clone();
+    // Dropped before the answer (the caller cancelled, or the timeout): the proxied
+    // server is told to stop.
+    let cancel = CancelOnDrop { peer: Some((*peer).clone()), id };
+    let response = handle.await_response();
+    tokio::pin!(response);
+    // What the server asks while it serves the call is asked of this call's caller, here,
+    // in the caller's own request (rmcp then sends it on that request's stream).
+    let answer = loop {
+        tokio::select! {
+            answer = &mut response => break answer,
+            Some((ask, reply)) = asks.recv() => {
+                let _ = reply.send(ask.of(&asker.peer, asker.capabilities.as_ref()).await);
+            }
+        }
+    };
+    cancel.disarm();
+    answer
 }
 
 /// The span of one call forwarded to the proxied server, from its wait for a turn to its answer
@@ -486,7 +509,7 @@ fn proxied_span(tool: &str) -> tracing::Span {
             "proxy.request",
             "otel.kind" = "client",
             "mcp.method.name" = "tools/call",
-            "mcp.tool.name" = tool,
+            "mcp.tool.name" = crate::guard::trace::cut(tool),
             "proxy.outcome" = tracing::field::Empty,
         )
     })
@@ -502,7 +525,7 @@ enum Forwarded {
 /// What a task created through the proxy holds until it is final: its place among
 /// `proxy.max_in_flight`, its caller's admission (in-flight slots, the reserved price), and the
 /// caller's `_meta` its `tasks/get` goes with (the tasks extension it declared).
-struct Held {
+struct OpenTask {
     task: Task,
     admission: Admission,
     slot: AccountSlot,
@@ -521,8 +544,8 @@ impl Proxied {
     /// `ttl` (a day at most), or unknown to the server — then settles its price: to the
     /// `_meta.usage.units` a completed result reports where the tool settles by usage, else as
     /// reserved.
-    async fn hold_until_final(self: Arc<Self>, held: Held) {
-        let Held { task, mut admission, slot, meta, upstream } = held;
+    async fn hold_until_final(self: Arc<Self>, held: OpenTask) {
+        let OpenTask { task, mut admission, slot, meta, upstream } = held;
         let _open = upstream.hold(&self.clock);
         let every =
             task.poll_interval_ms.map_or(TASK_POLL, |ms| ms.saturating_mul(NANOS_PER_MS)).max(TASK_POLL_AT_LEAST);
@@ -679,7 +702,3 @@ pub(crate) const LOG_LEVEL: &str = "io.modelcontextprotocol/logLevel";
 /// The request `_meta` keys of 2026-07-28 that describe the caller's connection, not its call.
 const CALLERS_CONNECTION: [&str; 3] =
     ["io.modelcontextprotocol/protocolVersion", "io.modelcontextprotocol/clientInfo", LOG_LEVEL];
-
-fn unavailable(tool: &str, detail: &str, wait: Nanos) -> Refusal {
-    Refusal::upstream_unavailable(tool, detail, wait.div_ceil(NANOS_PER_MS).max(1))
-}

@@ -108,7 +108,7 @@ pub enum Ask {
 
 /// A caller's answer to an [`Ask`].
 #[derive(Debug)]
-pub enum Answer {
+pub enum Reply {
     /// To `sampling/createMessage`.
     Sampling(CreateMessageResult),
     /// To `elicitation/create`.
@@ -118,7 +118,7 @@ pub enum Answer {
 }
 
 /// An ask on its way to the call it is for, with where its answer goes.
-pub type Asked = (Ask, oneshot::Sender<Result<Answer, ErrorData>>);
+pub type Asked = (Ask, oneshot::Sender<Result<Reply, ErrorData>>);
 
 impl Ask {
     /// The method the proxied server sent.
@@ -137,7 +137,7 @@ impl Ask {
         self,
         caller: &Peer<RoleServer>,
         capabilities: Option<&ClientCapabilities>,
-    ) -> Result<Answer, ErrorData> {
+    ) -> Result<Reply, ErrorData> {
         let method = self.method();
         let declared = capabilities.is_some_and(|c| match &self {
             Ask::Sampling(_) => c.sampling.is_some(),
@@ -151,9 +151,9 @@ impl Ask {
             ));
         }
         let answered = match self {
-            Ask::Sampling(params) => caller.create_message(params).await.map(Answer::Sampling),
-            Ask::Elicitation(params) => caller.create_elicitation(params).await.map(Answer::Elicitation),
-            Ask::Roots => caller.list_roots().await.map(Answer::Roots),
+            Ask::Sampling(params) => caller.create_message(params).await.map(Reply::Sampling),
+            Ask::Elicitation(params) => caller.create_elicitation(params).await.map(Reply::Elicitation),
+            Ask::Roots => caller.list_roots().await.map(Reply::Roots),
         };
         answered.map_err(|error| match error {
             ServiceError::McpError(error) => error,
@@ -221,7 +221,7 @@ impl Downstream {
 
     /// Hands `ask` to the call whose response stream it arrived on, and waits for its caller's
     /// answer; refused when it arrived on no call's stream, or that call is no longer waiting.
-    async fn ask(&self, context: &RequestContext<RoleClient>, ask: Ask) -> Result<Answer, ErrorData> {
+    async fn ask(&self, context: &RequestContext<RoleClient>, ask: Ask) -> Result<Reply, ErrorData> {
         let method = ask.method();
         let route = match context.extensions.get::<InboundStreamOrigin>() {
             Some(InboundStreamOrigin::OutboundRequest(call)) => self.state().asks.get(call).cloned(),
@@ -437,7 +437,7 @@ impl ClientHandler for Relay {
         context: RequestContext<RoleClient>,
     ) -> Result<CreateMessageResult, ErrorData> {
         match self.downstream.ask(&context, Ask::Sampling(params)).await? {
-            Answer::Sampling(answer) => Ok(answer),
+            Reply::Sampling(answer) => Ok(answer),
             _ => Err(ErrorData::internal_error("the caller answered another request", None)),
         }
     }
@@ -448,14 +448,14 @@ impl ClientHandler for Relay {
         context: RequestContext<RoleClient>,
     ) -> Result<ElicitResult, ErrorData> {
         match self.downstream.ask(&context, Ask::Elicitation(params)).await? {
-            Answer::Elicitation(answer) => Ok(answer),
+            Reply::Elicitation(answer) => Ok(answer),
             _ => Err(ErrorData::internal_error("the caller answered another request", None)),
         }
     }
 
     async fn list_roots(&self, context: RequestContext<RoleClient>) -> Result<ListRootsResult, ErrorData> {
         match self.downstream.ask(&context, Ask::Roots).await? {
-            Answer::Roots(answer) => Ok(answer),
+            Reply::Roots(answer) => Ok(answer),
             _ => Err(ErrorData::internal_error("the caller answered another request", None)),
         }
     }

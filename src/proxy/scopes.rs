@@ -131,13 +131,13 @@ struct Start {
     tools_changed: Arc<Notify>,
 }
 
-type Slot = Arc<OnceCell<Arc<Upstream>>>;
+type SessionCell = Arc<OnceCell<Arc<Upstream>>>;
 
 /// A scope's place among the open sessions: its session (once opened), and whether it was opened
 /// for a caller without a configured key (held to their share of the places).
 #[derive(Clone, Default)]
-struct Place {
-    slot: Slot,
+struct ScopeSession {
+    slot: SessionCell,
     unverified: bool,
 }
 
@@ -145,7 +145,7 @@ struct Place {
 pub struct Scopes {
     mode: UpstreamSessions,
     shared: Arc<Upstream>,
-    scoped: Mutex<HashMap<String, Place>>,
+    scoped: Mutex<HashMap<String, ScopeSession>>,
     max: usize,
     /// Of `max`, the places callers without a configured key may hold together
     /// (`upstream.unverified_share` of them): configured tenants always find room.
@@ -167,6 +167,7 @@ impl std::fmt::Debug for Scopes {
 }
 
 /// Why a scope's session could not be had.
+#[derive(Debug)]
 pub enum Unopened {
     /// A refusal of the caller's: its limit on opening sessions, or every place taken.
     Refused(Refusal),
@@ -226,7 +227,7 @@ impl Scopes {
         self.sessions.fetch_add(1, Ordering::Relaxed)
     }
 
-    fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<String, Place>> {
+    fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<String, ScopeSession>> {
         self.scoped.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -279,11 +280,8 @@ impl Scopes {
                 return Ok(self.shared.clone());
             } else {
                 let unverified = caller.unverified_from().is_some();
-                let refused = |refusal: Refusal| {
-                    // On the dashboard as any other refusal (`admit_method`'s say themselves).
-                    limits.guard().seen_refused(caller, what, &refusal);
-                    Err(Unopened::Refused(refusal))
-                };
+                // Recorded by whoever answers with it: the one guarded call, or a method's handler.
+                let refused = |refusal: Refusal| Err(Unopened::Refused(refusal));
                 let theirs = slots.values().filter(|place| place.unverified).count();
                 if unverified && theirs >= self.unverified_max && !self.close_longest_idle(&mut slots, true) {
                     let max = u64::try_from(self.unverified_max).unwrap_or(u64::MAX);
@@ -293,7 +291,7 @@ impl Scopes {
                     let max = u64::try_from(self.max).unwrap_or(u64::MAX);
                     return refused(Refusal::sessions_full(what, max, self.close_every()));
                 }
-                let place = Place { slot: Slot::default(), unverified };
+                let place = ScopeSession { slot: SessionCell::default(), unverified };
                 slots.insert(scope.clone(), place.clone());
                 place.slot
             }
@@ -302,7 +300,7 @@ impl Scopes {
             .get_or_try_init(|| async {
                 limits
                     .guard()
-                    .admit_method(caller, MethodGroup::Other, "initialize")
+                    .charge_method(caller, MethodGroup::Other, "initialize")
                     .await
                     .map_err(Unopened::Refused)?;
                 let breaker = Arc::new(Breaker::new(SCOPE_BREAKER_FAILURES, SCOPE_BREAKER_COOLDOWN));
@@ -323,7 +321,7 @@ impl Scopes {
 
     /// Closes the open session idle longest (of unverified callers' only, if `unverified`), if one
     /// is idle; whether one was.
-    fn close_longest_idle(&self, slots: &mut HashMap<String, Place>, unverified: bool) -> bool {
+    fn close_longest_idle(&self, slots: &mut HashMap<String, ScopeSession>, unverified: bool) -> bool {
         let idle = slots
             .iter()
             .filter(|(_, place)| place.unverified || !unverified)

@@ -25,12 +25,13 @@ use super::relay::{Change, Membership};
 use super::scopes::{self, Hold, Unopened, Upstream};
 use super::{Asker, Outgoing, Proxied};
 use crate::config::UpstreamSessions;
-use crate::guard::{MethodGroup, Refusal, Used};
+use crate::guard::{Checked, Door, Refusal, Used, Worked};
 use crate::identity::Caller;
-use crate::mcp::limited::{self, Asked, ToolAnswer, ToolRules};
+use crate::mcp::limited::{self, AddTo, Routed};
 use crate::mcp::results;
 use crate::rate_limits::RateLimits;
-use crate::upstream::queue::Reservation;
+use crate::upstream::gate;
+use crate::upstream::queue::QueuePlace;
 
 /// One downstream session's handler.
 pub struct ProxyServer {
@@ -104,23 +105,40 @@ impl ProxyServer {
         }
     }
 
-    /// Why a scope's session could not be had, as a JSON-RPC error.
-    fn unopened(&self, method: &str, unopened: Unopened) -> ErrorData {
-        results::method_error(&self.unopened_refusal(method, unopened))
+    /// Why a scope's session could not be had, as a JSON-RPC error, on the dashboard as any other
+    /// refusal (a tool call's is the one guarded call's to record).
+    fn unopened(&self, context: &RequestContext<RoleServer>, method: &str, unopened: Unopened) -> ErrorData {
+        let refusal = self.unopened_refusal(method, unopened);
+        if let Ok(caller) = limited::caller_of(&self.limits, context) {
+            self.limits.guard().seen_refused(&caller, method, &refusal);
+        }
+        results::method_error(&refusal)
     }
 
-    /// Charges a method other than a tool call to its per-caller limit.
-    async fn admit_method(&self, context: &RequestContext<RoleServer>, method: &str) -> Result<(), ErrorData> {
-        let caller = limited::caller_of(&self.limits, context)?;
-        let group = if method == "tools/list" { MethodGroup::ToolsList } else { MethodGroup::Other };
-        self.limits.guard().admit_method(&caller, group, method).await.map_err(|r| results::method_error(&r))
+    /// A method passed to the proxied server, as every such handler serves it: admitted under its
+    /// per-method limit in its span ([`limited::method`]), then `asked` of the session to the
+    /// proxied server of its caller's scope (or the refusal a caller gets while it is down), the
+    /// proxied server's error passed back as its own ([`ProxyServer::passed`]).
+    async fn pass<T, F>(
+        &self,
+        method: &str,
+        context: &RequestContext<RoleServer>,
+        asked: impl FnOnce(Asking) -> F,
+    ) -> Result<T, ErrorData>
+    where
+        F: Future<Output = Result<T, ServiceError>>,
+    {
+        limited::method(&self.limits, method, context, |_| async {
+            let asking = self.asking(context, method).await?;
+            asked(asking).await.map_err(|e| self.passed(method, e))
+        })
+        .await
     }
 
-    /// Admits `method` under its per-method limit, then gives the session to the proxied server
-    /// (its caller's scope's), or the refusal a caller gets while it is down.
-    async fn ask(&self, context: &RequestContext<RoleServer>, method: &str) -> Result<Asking, ErrorData> {
-        self.admit_method(context, method).await?;
-        let upstream = self.upstream(context, method).await.map_err(|u| self.unopened(method, u))?;
+    /// The session to the proxied server of `context`'s caller's scope, for `method`, or the
+    /// refusal a caller gets while it is down.
+    async fn asking(&self, context: &RequestContext<RoleServer>, method: &str) -> Result<Asking, ErrorData> {
+        let upstream = self.upstream(context, method).await.map_err(|u| self.unopened(context, method, u))?;
         let peer = upstream.link().peer().ok_or_else(|| self.unavailable(method, "it is restarting"))?;
         Ok(Asking { upstream, peer })
     }
@@ -138,7 +156,7 @@ impl ProxyServer {
     /// it is closed).
     fn unavailable_refusal(&self, what: &str, detail: &str) -> Refusal {
         let wait = self.proxied.breaker.open_for(self.proxied.clock.now()).unwrap_or(crate::clock::NANOS_PER_SEC);
-        super::unavailable(what, detail, wait)
+        gate::unavailable(what, detail, wait)
     }
 
     /// `upstream_unavailable` as a JSON-RPC error, with the refusal's data.
@@ -177,7 +195,8 @@ impl ProxyServer {
         let downstream = upstream.downstream().clone();
         let mut resources = Resources { subscriber: downstream.subscriber(), downstream, peer, uris: Vec::new() };
         for uri in uris {
-            self.admit_method(context, "resources/subscribe").await?;
+            // Each resource is charged as a subscription of its own.
+            limited::method(&self.limits, "resources/subscribe", context, |_| async { Ok(()) }).await?;
             let first = resources.downstream.subscribe(resources.subscriber, &uri);
             resources.uris.push(uri.clone());
             if first {
@@ -204,46 +223,49 @@ impl ProxyServer {
     }
 }
 
-/// The proxy's rules around the one guarded call ([`crate::guard::call`]): the proxied server
-/// known down (its breaker open), or its queue full, refused before anything is charged, and a
-/// place in its queue held until the call's turn; its answers another's (what we add goes in
-/// `_meta`); a price settled from the `_meta.usage.units` it reports — never its structured
-/// content, which may echo the caller's own arguments — where the operator trusts it to
-/// (`settle = "usage"`); a task it answers with recorded as the caller's.
-impl ToolRules for ProxyServer {
-    type Place = Reservation;
+/// The proxy's door around the one guarded call ([`crate::guard::call`]), for one call: the
+/// session it goes on could not be opened (its caller's share of the sessions spent, the proxied
+/// server unreachable) — refused like any other refusal, by the guard in the call's span, before
+/// anything is charged; the proxied server known down (its breaker open), or its queue full,
+/// refused before anything is charged too; and a place in its queue held until the call's turn.
+/// Its answers are another server's
+/// ([`ToolAnswer::relayed`](crate::mcp::limited::ToolAnswer::relayed)): a price settled from the
+/// `_meta.usage.units` it reports — never its structured content, which may echo the caller's own
+/// arguments — where the operator trusts it to (`settle = "usage"`), and what we add goes in
+/// `_meta`.
+#[derive(Debug)]
+struct ToSession<'a> {
+    proxied: &'a Proxied,
+    /// Why its session could not be opened, if it could not.
+    unopened: Option<Refusal>,
+}
 
-    /// What the proxied server's `tools/list` annotations say: its `readOnlyHint`.
-    fn read_only(&self, tool: &str) -> bool {
+impl Door for ToSession<'_> {
+    type Place = QueuePlace;
+
+    fn check(
+        &self,
+        _tool: &str,
+        args: &serde_json::Map<String, serde_json::Value>,
+        _caller: &Caller,
+    ) -> Result<Checked, Refusal> {
+        match &self.unopened {
+            Some(refusal) => Err(refusal.clone()),
+            None => Ok(Checked::new(serde_json::Value::Object(args.clone()))),
+        }
+    }
+
+    fn before_charging(&self, tool: &str, caller: &Caller) -> Result<QueuePlace, Refusal> {
+        self.proxied.before_charging(tool, caller)
+    }
+}
+
+impl ProxyServer {
+    /// What the proxied server's `tools/list` annotations say of `tool`: its `readOnlyHint`.
+    fn reads_only(&self, tool: &str) -> bool {
         let tools = self.proxied.tools();
         let annotated = tools.iter().find(|t| t.name == tool).and_then(|t| t.annotations.as_ref());
         annotated.and_then(|a| a.read_only_hint) == Some(true)
-    }
-
-    fn before_charging(&self, tool: &str, caller: &Caller) -> Result<Reservation, Refusal> {
-        self.proxied.before_charging(tool, caller)
-    }
-
-    fn used(&self, _tool: &str, answer: &ToolAnswer) -> Used {
-        match answer {
-            Ok(CallToolResponse::Complete(done)) => {
-                results::usage_in_meta(done).map_or(Used::Unreported, Used::Reported)
-            }
-            _ => Used::Unreported,
-        }
-    }
-
-    /// Another server's `isError` answer is its own, whatever it looks like: not a refusal of ours.
-    fn refusal_in(&self, _answer: &ToolAnswer) -> Option<Refusal> {
-        None
-    }
-
-    fn finish(&self, caller: &Caller, _tool: &str, response: CallToolResponse, _asked: &Asked) -> ToolAnswer {
-        if let CallToolResponse::Task(task) = &response {
-            let key = scopes::task_key(self.scope(caller).as_deref(), &task.task.task_id);
-            self.proxied.tasks.record(&key, task.task.ttl_ms, caller.id());
-        }
-        Ok(response)
     }
 }
 
@@ -279,7 +301,7 @@ impl ServerHandler for ProxyServer {
     }
 
     async fn ping(&self, context: RequestContext<RoleServer>) -> Result<(), ErrorData> {
-        crate::mcp::trace::traced("ping", &context, async { self.admit_method(&context, "ping").await }).await
+        limited::method(&self.limits, "ping", &context, |_| async { Ok(()) }).await
     }
 
     /// The proxied server's tools, each with its price appended.
@@ -288,8 +310,7 @@ impl ServerHandler for ProxyServer {
         _request: Option<PaginatedRequestParams>,
         context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
-        crate::mcp::trace::traced("tools/list", &context, async {
-            self.admit_method(&context, "tools/list").await?;
+        limited::method(&self.limits, "tools/list", &context, |_| async {
             let tools = limited::priced(self.proxied.tools().to_vec(), &self.limits.guard().policy());
             Ok(ListToolsResult::with_all_items(tools))
         })
@@ -305,18 +326,35 @@ impl ServerHandler for ProxyServer {
         if !self.proxied.lists(&request.name) {
             return Err(ErrorData::invalid_params(format!("unknown tool `{}`", request.name), None));
         }
-        let upstream = match self.upstream(&context, &request.name).await {
-            Ok(upstream) => upstream,
-            Err(unopened) => return Ok(results::tool_result(&self.unopened_refusal(&request.name, unopened)).into()),
-        };
+        let upstream = self.upstream(&context, &request.name).await;
+        let upstream = upstream.map_err(|unopened| self.unopened_refusal(&request.name, unopened));
+        let unopened = upstream.as_ref().err().cloned();
         let session = self.membership.get().map(Membership::id);
         let progress = session.zip(context.meta.get_progress_token());
         let asker = Asker { peer: context.peer.clone(), capabilities: context.client_capabilities() };
         let asked = request.clone();
-        let outgoing = Outgoing { request, meta: with_trace_context(&context), progress, asker, upstream };
+        let meta = with_trace_context(&context);
+        let outgoing = upstream.map(|upstream| Outgoing { request, meta, progress, asker, upstream });
         let proxied = self.proxied.clone();
-        let work = move |admitted, _: &serde_json::Value| proxied.work(admitted, outgoing);
-        limited::call_tool(&self.limits, self, &asked, &context, work).await
+        let work = move |admitted, _: &serde_json::Value| async move {
+            match outgoing {
+                Ok(outgoing) => proxied.work(admitted, outgoing).await,
+                // Refused at the door (`ToSession`) and never run; were it run, the same refusal,
+                // nothing sent.
+                Err(refusal) => Worked::Refused(refusal, Used::Nothing),
+            }
+        };
+        let tool = Routed { add_to: AddTo::Meta, reads_only: self.reads_only(&asked.name) };
+        let door = ToSession { proxied: &self.proxied, unopened };
+        let response = limited::call_tool(&self.limits, &door, tool, &asked, &context, work).await;
+        // A task it answers with is the caller's: only its caller may read or cancel it.
+        if let Ok(CallToolResponse::Task(task)) = &response
+            && let Ok(caller) = limited::caller_of(&self.limits, &context)
+        {
+            let key = scopes::task_key(self.scope(&caller).as_deref(), &task.task.task_id);
+            self.proxied.tasks.record(&key, task.task.ttl_ms, caller.id());
+        }
+        response
     }
 
     async fn list_resources(
@@ -324,10 +362,8 @@ impl ServerHandler for ProxyServer {
         request: Option<PaginatedRequestParams>,
         context: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, ErrorData> {
-        crate::mcp::trace::traced("resources/list", &context, async {
-            let method = "resources/list";
-            let listed = self.ask(&context, method).await?.peer.list_resources(request).await;
-            listed.map(Complete::complete).map_err(|e| self.passed(method, e))
+        self.pass("resources/list", &context, |a| async move {
+            a.peer.list_resources(request).await.map(Complete::complete)
         })
         .await
     }
@@ -337,10 +373,8 @@ impl ServerHandler for ProxyServer {
         request: Option<PaginatedRequestParams>,
         context: RequestContext<RoleServer>,
     ) -> Result<ListResourceTemplatesResult, ErrorData> {
-        crate::mcp::trace::traced("resources/templates/list", &context, async {
-            let method = "resources/templates/list";
-            let listed = self.ask(&context, method).await?.peer.list_resource_templates(request).await;
-            listed.map(Complete::complete).map_err(|e| self.passed(method, e))
+        self.pass("resources/templates/list", &context, |a| async move {
+            a.peer.list_resource_templates(request).await.map(Complete::complete)
         })
         .await
     }
@@ -350,10 +384,8 @@ impl ServerHandler for ProxyServer {
         request: ReadResourceRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, ErrorData> {
-        crate::mcp::trace::traced("resources/read", &context, async {
-            let method = "resources/read";
-            let read = self.ask(&context, method).await?.peer.read_resource_once(request).await;
-            read.map(Complete::complete).map_err(|e| self.passed(method, e))
+        self.pass("resources/read", &context, |a| async move {
+            a.peer.read_resource_once(request).await.map(Complete::complete)
         })
         .await
     }
@@ -363,9 +395,9 @@ impl ServerHandler for ProxyServer {
         request: SubscribeRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        crate::mcp::trace::traced("resources/subscribe", &context, async {
-            let method = "resources/subscribe";
-            let asking = self.ask(&context, method).await?;
+        let method = "resources/subscribe";
+        limited::method(&self.limits, method, &context, |_| async {
+            let asking = self.asking(&context, method).await?;
             let session = self.membership.get().map(Membership::id);
             // The upstream session subscribes once, for every downstream session on it that asked.
             let first = session.is_none_or(|s| asking.upstream.downstream().subscribe(s, &request.uri));
@@ -379,9 +411,9 @@ impl ServerHandler for ProxyServer {
         request: UnsubscribeRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        crate::mcp::trace::traced("resources/unsubscribe", &context, async {
-            let method = "resources/unsubscribe";
-            let asking = self.ask(&context, method).await?;
+        let method = "resources/unsubscribe";
+        limited::method(&self.limits, method, &context, |_| async {
+            let asking = self.asking(&context, method).await?;
             let session = self.membership.get().map(Membership::id);
             let last = session.is_none_or(|s| asking.upstream.downstream().unsubscribe(s, &request.uri));
             if last { asking.peer.unsubscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
@@ -394,11 +426,11 @@ impl ServerHandler for ProxyServer {
         request: Option<PaginatedRequestParams>,
         context: RequestContext<RoleServer>,
     ) -> Result<ListPromptsResult, ErrorData> {
-        crate::mcp::trace::traced("prompts/list", &context, async {
-            let method = "prompts/list";
-            let listed = self.ask(&context, method).await?.peer.list_prompts(request).await;
-            listed.map(Complete::complete).map_err(|e| self.passed(method, e))
-        })
+        self.pass(
+            "prompts/list",
+            &context,
+            |a| async move { a.peer.list_prompts(request).await.map(Complete::complete) },
+        )
         .await
     }
 
@@ -407,11 +439,11 @@ impl ServerHandler for ProxyServer {
         request: GetPromptRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<GetPromptResponse, ErrorData> {
-        crate::mcp::trace::traced("prompts/get", &context, async {
-            let method = "prompts/get";
-            let prompt = self.ask(&context, method).await?.peer.get_prompt_once(request).await;
-            prompt.map(Complete::complete).map_err(|e| self.passed(method, e))
-        })
+        self.pass(
+            "prompts/get",
+            &context,
+            |a| async move { a.peer.get_prompt_once(request).await.map(Complete::complete) },
+        )
         .await
     }
 
@@ -420,11 +452,11 @@ impl ServerHandler for ProxyServer {
         request: CompleteRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CompleteResult, ErrorData> {
-        crate::mcp::trace::traced("completion/complete", &context, async {
-            let method = "completion/complete";
-            let completed = self.ask(&context, method).await?.peer.complete(request).await;
-            completed.map(Complete::complete).map_err(|e| self.passed(method, e))
-        })
+        self.pass(
+            "completion/complete",
+            &context,
+            |a| async move { a.peer.complete(request).await.map(Complete::complete) },
+        )
         .await
     }
 
@@ -437,9 +469,9 @@ impl ServerHandler for ProxyServer {
         request: SetLevelRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        crate::mcp::trace::traced("logging/setLevel", &context, async {
-            let method = "logging/setLevel";
-            let asking = self.ask(&context, method).await?;
+        let method = "logging/setLevel";
+        limited::method(&self.limits, method, &context, |_| async {
+            let asking = self.asking(&context, method).await?;
             let Some(session) = self.membership.get().map(Membership::id) else { return Ok(()) };
             let downstream = asking.upstream.downstream();
             let mut set = downstream.upstream_level.lock().await;
@@ -494,8 +526,8 @@ impl ServerHandler for ProxyServer {
         // From its acknowledgment on: a change while its scope's session opens is not missed.
         let mut relearnt = self.proxied.relearnt();
         let context = subscription.request_context();
-        self.admit_method(context, method).await?;
-        let upstream = self.upstream(context, method).await.map_err(|u| self.unopened(method, u))?;
+        limited::method(&self.limits, method, context, |_| async { Ok(()) }).await?;
+        let upstream = self.upstream(context, method).await.map_err(|u| self.unopened(context, method, u))?;
         let _open = upstream.hold(&self.proxied.clock);
         let mut changes = upstream.downstream().changes();
         let uris = subscription.accepted().resource_subscriptions.clone().unwrap_or_default();
@@ -540,9 +572,9 @@ impl ServerHandler for ProxyServer {
         request: GetTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<GetTaskResult, ErrorData> {
-        crate::mcp::trace::traced("tasks/get", &context, async {
-            let method = "tasks/get";
-            let asking = self.ask(&context, method).await?;
+        let method = "tasks/get";
+        limited::method(&self.limits, method, &context, |_| async {
+            let asking = self.asking(&context, method).await?;
             self.owned(&context, &request.task_id)?;
             let request = ClientRequest::GetTaskRequest(GetTaskRequest::new(request));
             let mut got = match self.as_caller(&asking, request, &context).await {
@@ -565,9 +597,9 @@ impl ServerHandler for ProxyServer {
         request: CancelTaskParams,
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        crate::mcp::trace::traced("tasks/cancel", &context, async {
-            let method = "tasks/cancel";
-            let asking = self.ask(&context, method).await?;
+        let method = "tasks/cancel";
+        limited::method(&self.limits, method, &context, |_| async {
+            let asking = self.asking(&context, method).await?;
             self.owned(&context, &request.task_id)?;
             let request = ClientRequest::CancelTaskRequest(CancelTaskRequest::new(request));
             match self.as_caller(&asking, request, &context).await {
@@ -622,9 +654,15 @@ const TRACESTATE: &str = "tracestate";
 /// server hears it in `_meta`, where MCP carries a request's trace context (SEP-414), so the
 /// caller's trace goes on through the proxied server whichever way the caller sent it. A
 /// `traceparent` that is not one (W3C Trace Context's format) is left out, and its `tracestate`
-/// with it.
+/// with it; a `tracestate`, from either place, only if
+/// [`accepted_tracestate`](crate::guard::trace::accepted_tracestate) (1 to 512 bytes of printable
+/// ASCII).
 fn with_trace_context(context: &RequestContext<RoleServer>) -> rmcp::model::RequestMetaObject {
+    use crate::guard::trace::accepted_tracestate;
     let mut meta = context.meta.clone();
+    if meta.0.get(TRACESTATE).is_some_and(|state| !state.as_str().is_some_and(accepted_tracestate)) {
+        meta.0.remove(TRACESTATE);
+    }
     if meta.0.contains_key(TRACEPARENT) {
         return meta;
     }
@@ -634,12 +672,11 @@ fn with_trace_context(context: &RequestContext<RoleServer>) -> rmcp::model::Requ
     let header = |name: &str| headers.get(name).and_then(|value| value.to_str().ok()).map(str::trim);
     let Some(parent) = header(TRACEPARENT).filter(|parent| is_traceparent(parent)) else { return meta };
     meta.0.insert(TRACEPARENT.to_owned(), parent.into());
-    // At most 32 members of at most 256 characters each, printable ASCII (W3C Trace Context).
-    let state = header(TRACESTATE)
-        .filter(|s| !s.is_empty() && s.len() <= 8_192 && s.bytes().all(|b| (0x20..0x7f).contains(&b)));
-    if let Some(state) = state {
-        meta.0.insert(TRACESTATE.to_owned(), state.into());
-    }
+    match header(TRACESTATE).filter(|state| accepted_tracestate(state)) {
+        Some(state) => meta.0.insert(TRACESTATE.to_owned(), state.into()),
+        // Not one its `_meta` may keep beside the header's traceparent either.
+        None => meta.0.remove(TRACESTATE),
+    };
     meta
 }
 

@@ -26,7 +26,7 @@ use sha2::{Digest, Sha256};
 use crate::clock::{Clock, ManualClock, NANOS_PER_MS, Nanos};
 use crate::config::{ApiKey, Coalesce, Config, ToolPolicy};
 use crate::guard::reuse::Reuse;
-use crate::guard::{Call, Called, Door, Refusal, Used, Worked};
+use crate::guard::{Answer, Call, Called, Plain, Worked};
 use crate::identity::{Caller, CallerIds};
 use crate::metrics::Metrics;
 use crate::simulate::shapes::secs;
@@ -179,7 +179,7 @@ async fn replay(config: &Config, policy: ToolPolicy, tenants: usize) -> AskRun {
     config.limiting.tools.insert(TOOL.to_owned(), policy.clone());
     let guard = Arc::new(super::guard(&config, clock.clone()));
     let up = &config.upstream;
-    let reuse: Arc<Reuse<Worked<u64>>> =
+    let reuse: Arc<Reuse<Worked<Read>>> =
         Reuse::new(clock.clone(), Arc::new(Metrics::default()), up.cache_max_entries, up.cache_max_bytes);
     let reads = Arc::new(Reads::default());
     let ended = Arc::new(Ended::default());
@@ -208,7 +208,7 @@ async fn replay(config: &Config, policy: ToolPolicy, tenants: usize) -> AskRun {
                     // The one guarded call, as a door runs it: admitted (and charged), then one
                     // read, shared with identical calls as the setting allows.
                     let work = |_, _: &serde_json::Value| async move { Worked::Answer(read(reads, clock).await) };
-                    match guard.call(&Asking, Some(&reuse), call, work).await {
+                    match guard.call(&Plain, Some(&reuse), call, work).await {
                         Called::Answered { .. } => {
                             if let Some(units) = charged.get(index) {
                                 units.fetch_add(policy.cost, Ordering::SeqCst);
@@ -245,34 +245,24 @@ async fn replay(config: &Config, policy: ToolPolicy, tenants: usize) -> AskRun {
     }
 }
 
-/// The simulated agents' door: nothing known before charging, every read keepable (8 bytes), and
-/// nothing reported of what it used (each call is charged its cost).
-struct Asking;
+/// A read's answer, kept for identical calls (8 bytes, as a number); nothing reported of what it
+/// used (each call is charged its cost).
+#[derive(Debug, Clone, Copy)]
+struct Read;
 
-impl Door for Asking {
-    type Answer = u64;
-    type Place = ();
-
-    fn before_charging(&self, _tool: &str, _caller: &Caller) -> Result<(), Refusal> {
-        Ok(())
-    }
-
-    fn used(&self, _tool: &str, _answer: &u64) -> Used {
-        Used::Unreported
-    }
-
-    fn keepable(_answer: &u64) -> Option<u64> {
+impl Answer for Read {
+    fn keepable(&self) -> Option<u64> {
         Some(8)
     }
 }
 
 /// A read: one upstream request, answered [`READ_TAKES`] later on the clock.
-async fn read(reads: Arc<Reads>, clock: Arc<ManualClock>) -> u64 {
-    let number = reads.asked.fetch_add(1, Ordering::SeqCst).saturating_add(1);
+async fn read(reads: Arc<Reads>, clock: Arc<ManualClock>) -> Read {
+    reads.asked.fetch_add(1, Ordering::SeqCst);
     let at = clock.now().saturating_add(READ_TAKES);
     reads.answers_at.lock().unwrap_or_else(|p| p.into_inner()).push(at);
     clock.sleep_until(at).await;
-    number
+    Read
 }
 
 /// Moves the clock to `until` (at most), stopping at every answer on the way and letting what it

@@ -30,7 +30,7 @@ use serde::Serialize;
 use tokio::sync::oneshot::error::TryRecvError;
 use tokio_util::sync::CancellationToken;
 
-use crate::clock::{Clock, ManualClock, NANOS_PER_MS, NANOS_PER_SEC, Nanos};
+use crate::clock::{Clock, ManualClock, NANOS_PER_MS, NANOS_PER_SEC, Nanos, SharedClock};
 use crate::metrics::Metrics;
 use crate::simulate::{SimulateError, settle};
 use crate::store::{SharedMemory, Store};
@@ -217,19 +217,43 @@ struct Pending {
     turn: Turn,
 }
 
-async fn replay(scenario: &Scenario, sharing: Sharing) -> InstancesRun {
-    let clock = ManualClock::new();
-    let store: Arc<dyn Store> = match sharing {
-        Sharing::Line => Arc::new(SharedMemory::on(clock.clone())),
-        Sharing::QueueEach => Arc::new(SharedMemory::slots_only(clock.clone())),
-    };
+/// What a replay counts of the jobs that started.
+#[derive(Default)]
+struct Tally {
+    running: Vec<(Nanos, AccountSlot)>,
+    started: usize,
+    started_in_6s: u64,
+    /// The longest a watched job waited (0 for one that started at once).
+    watched_wait: Option<Nanos>,
+    last_start: Nanos,
+}
+
+impl Tally {
+    /// A job starts `now` in `slot`, having waited `waited` if it is watched.
+    fn started(&mut self, now: Nanos, slot: AccountSlot, waited: Option<Nanos>) {
+        self.started += 1;
+        self.running.push((now.saturating_add(JOB), slot));
+        if let Some(waited) = waited {
+            self.watched_wait = Some(self.watched_wait.map_or(waited, |w| w.max(waited)));
+        }
+        self.last_start = now;
+        self.started_in_6s += u64::from(now < FIRST);
+    }
+}
+
+/// Each instance's queue over the one store, dispatching until `stop`.
+fn queues_of(
+    scenario: &Scenario,
+    store: &Arc<dyn Store>,
+    clock: &SharedClock,
+    stop: &CancellationToken,
+) -> Vec<Arc<FairQueue>> {
     let tiers = if scenario.pro_reserved > 0.0 {
         vec![TierRule { name: "pro".into(), reserved: scenario.pro_reserved, rank: 0 }]
     } else {
         Vec::new()
     };
-    let stop = CancellationToken::new();
-    let queues: Vec<Arc<FairQueue>> = (0..INSTANCES)
+    (0..INSTANCES)
         .map(|_| {
             let rules = QueueRules::new(SLOTS, PLACES, JobClasses::one("image")).with_tiers(tiers.clone());
             let queue = Arc::new(FairQueue::new(rules, clock.clone()).shared_in(
@@ -240,23 +264,31 @@ async fn replay(scenario: &Scenario, sharing: Sharing) -> InstancesRun {
             tokio::spawn(queue.clone().dispatch(stop.child_token()));
             queue
         })
-        .collect();
+        .collect()
+}
+
+async fn replay(scenario: &Scenario, sharing: Sharing) -> InstancesRun {
+    let clock = ManualClock::new();
+    let store: Arc<dyn Store> = match sharing {
+        Sharing::Line => Arc::new(SharedMemory::on(clock.clone())),
+        Sharing::QueueEach => Arc::new(SharedMemory::slots_only(clock.clone())),
+    };
+    let stop = CancellationToken::new();
+    let queues = queues_of(scenario, &store, &(clock.clone() as SharedClock), &stop);
     let mut batches = scenario.batches.clone();
     batches.sort_by_key(|b| b.at_ms);
     let mut pending: Vec<Pending> = Vec::new();
-    let mut running: Vec<(Nanos, AccountSlot)> = Vec::new();
-    let (mut used, mut offered) = (0u128, 0u128);
-    let (mut started_in_6s, mut most, mut watched_wait, mut last_start) = (0u64, 0usize, None::<Nanos>, 0);
+    let mut tally = Tally::default();
+    let (mut used, mut offered, mut most) = (0u128, 0u128, 0usize);
     let mut next_id = 0u64;
     let total: usize = batches.iter().map(|b| b.jobs).sum();
-    let mut started = 0usize;
     let progress = |queues: &[Arc<FairQueue>]| -> Vec<(usize, usize)> {
         queues.iter().map(|q| q.occupancy()).map(|o| (o.in_flight, o.waiting)).collect()
     };
     loop {
         let now = clock.now();
         // Jobs that end give their slots back (and, with the line, say so).
-        running.retain(|(until, _)| *until > now);
+        tally.running.retain(|(until, _)| *until > now);
         settle(|| progress(&queues)).await;
         // Calls that arrive now: a job goes at once if it may, else it waits its turn.
         while let Some(batch) = batches.first().copied().filter(|b| b.at_ms * NANOS_PER_MS <= now) {
@@ -268,15 +300,7 @@ async fn replay(scenario: &Scenario, sharing: Sharing) -> InstancesRun {
                 next_id += 1;
                 let Ok(place) = queue.reserve(JobClasses::ONLY, standing) else { continue };
                 match place.start_now(&flow).await {
-                    Ok(slot) => {
-                        started += 1;
-                        running.push((now.saturating_add(JOB), slot));
-                        if batch.watched {
-                            watched_wait = Some(watched_wait.unwrap_or(0));
-                        }
-                        last_start = now;
-                        started_in_6s += u64::from(now < FIRST);
-                    }
+                    Ok(slot) => tally.started(now, slot, batch.watched.then_some(0)),
                     Err(place) => {
                         let turn = place.enqueue(&flow, &format!("{}-{next_id}", batch.tenant));
                         pending.push(Pending { submitted: now, watched: batch.watched, turn });
@@ -286,30 +310,20 @@ async fn replay(scenario: &Scenario, sharing: Sharing) -> InstancesRun {
             settle(|| progress(&queues)).await;
         }
         // Turns that came: those jobs start now.
-        let mut still = Vec::with_capacity(pending.len());
-        for mut job in pending {
-            match job.turn.try_recv() {
-                Ok(slot) => {
-                    started += 1;
-                    running.push((now.saturating_add(JOB), slot));
-                    if job.watched {
-                        let waited = now.saturating_sub(job.submitted);
-                        watched_wait = Some(watched_wait.map_or(waited, |w| w.max(waited)));
-                    }
-                    last_start = now;
-                    started_in_6s += u64::from(now < FIRST);
-                }
-                Err(TryRecvError::Empty) => still.push(job),
-                Err(TryRecvError::Closed) => {}
+        pending.retain_mut(|job| match job.turn.try_recv() {
+            Ok(slot) => {
+                tally.started(now, slot, job.watched.then(|| now.saturating_sub(job.submitted)));
+                false
             }
-        }
-        pending = still;
-        most = most.max(running.len());
+            Err(TryRecvError::Empty) => true,
+            Err(TryRecvError::Closed) => false,
+        });
+        most = most.max(tally.running.len());
         if !pending.is_empty() {
             offered += (SLOTS as u128) * u128::from(STEP);
-            used += (running.len().min(SLOTS) as u128) * u128::from(STEP);
+            used += (tally.running.len().min(SLOTS) as u128) * u128::from(STEP);
         }
-        if (started >= total && batches.is_empty()) || now >= HORIZON {
+        if (tally.started >= total && batches.is_empty()) || now >= HORIZON {
             break;
         }
         clock.advance(Duration::from_nanos(STEP));
@@ -319,10 +333,10 @@ async fn replay(scenario: &Scenario, sharing: Sharing) -> InstancesRun {
         scenario: scenario.name.to_owned(),
         sharing: sharing.name().to_owned(),
         utilization: if offered == 0 { 1.0 } else { used as f64 / offered as f64 },
-        started_in_6s,
+        started_in_6s: tally.started_in_6s,
         most_at_once: most,
-        watched_wait_ms: watched_wait.map(|w| w / NANOS_PER_MS),
-        last_start_ms: last_start / NANOS_PER_MS,
+        watched_wait_ms: tally.watched_wait.map(|w| w / NANOS_PER_MS),
+        last_start_ms: tally.last_start / NANOS_PER_MS,
     }
 }
 

@@ -30,7 +30,7 @@ use serde_json::{Value, json};
 
 use crate::clock::{Clock, ManualClock, NANOS_PER_MS, NANOS_PER_SEC, Nanos};
 use crate::config::Config;
-use crate::guard::{Call, Called, Door, Refusal, RefusalCode, Used, Worked};
+use crate::guard::{Answer, Call, Called, Plain, RefusalCode, Worked};
 use crate::identity::Caller;
 use crate::simulate::SimulateError;
 use crate::simulate::shapes::secs;
@@ -182,7 +182,7 @@ async fn replay(config: &Config, caller: &Caller, setting: Setting, agent: Agent
         _ => 0,
     };
     let guard = super::guard(&config, clock.clone());
-    let door = Answers { heard: setting != Setting::ArgumentsOnly };
+    let heard = setting != Setting::ArgumentsOnly;
     let mut run = ResultRun {
         setting: setting.name(),
         calls: 0,
@@ -198,13 +198,15 @@ async fn replay(config: &Config, caller: &Caller, setting: Setting, agent: Agent
         clock.advance(Duration::from_nanos(at.saturating_sub(clock.now())));
         run.calls += 1;
         let args = agent.args(run.calls);
-        let answer = agent.answer(run.answered + 1, at);
+        let answer = Heard { answer: agent.answer(run.answered + 1, at), heard };
         let work = |_, _: &Value| std::future::ready(Worked::Answer(answer));
-        match guard.call(&door, None, Call::new(agent.tool(), caller, &args), work).await {
+        // Both agents read: a search, a job's status.
+        let call = Call { reads_only: true, ..Call::new(agent.tool(), caller, &args) };
+        match guard.call(&Plain, None, call, work).await {
             Called::Answered { answer, no_progress, .. } => {
                 run.answered += 1;
                 run.warned += u64::from(no_progress.is_some());
-                if answer["status"] == "succeeded" {
+                if answer.answer["status"] == "succeeded" {
                     run.result_seen_ms = Some(at / NANOS_PER_MS);
                     break;
                 }
@@ -230,34 +232,16 @@ async fn replay(config: &Config, caller: &Caller, setting: Setting, agent: Agent
     run
 }
 
-/// The agents' door: answers are JSON, heard by loop detection unless the setting says not.
-struct Answers {
+/// An agent's answer: JSON, heard by loop detection unless the setting says not.
+#[derive(Debug, Clone)]
+struct Heard {
+    answer: Value,
     heard: bool,
 }
 
-impl Door for Answers {
-    type Answer = Value;
-    type Place = ();
-
-    fn before_charging(&self, _tool: &str, _caller: &Caller) -> Result<(), Refusal> {
-        Ok(())
-    }
-
-    fn outcome<'a>(&self, _tool: &str, answer: &'a Value) -> Option<Cow<'a, Value>> {
-        self.heard.then_some(Cow::Borrowed(answer))
-    }
-
-    /// Both agents read: a search, a job's status.
-    fn reads_only(&self, _tool: &str) -> bool {
-        true
-    }
-
-    fn used(&self, _tool: &str, _answer: &Value) -> Used {
-        Used::Unreported
-    }
-
-    fn keepable(_answer: &Value) -> Option<u64> {
-        None
+impl Answer for Heard {
+    fn outcome(&self) -> Option<Cow<'_, Value>> {
+        self.heard.then_some(Cow::Borrowed(&self.answer))
     }
 }
 

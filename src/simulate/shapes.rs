@@ -62,7 +62,7 @@ const HOUR: Nanos = 60 * MINUTE;
 
 /// How an answer reached the agent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Answer {
+pub(crate) enum Outcome {
     /// The call went through.
     Admitted,
     /// The call was refused, with the wait the refusal named (`retry_after_ms`), if any.
@@ -99,13 +99,13 @@ impl Agent {
     }
 
     /// Tells the agent how its call made at `at` was answered.
-    pub(crate) fn answered(&mut self, at: Nanos, answer: Answer) {
+    pub(crate) fn answered(&mut self, at: Nanos, answer: Outcome) {
         let Agent::Reactive { next, turn, reaction, rng } = self else { return };
         let wait = match (answer, *reaction) {
-            (Answer::Admitted, _) => jittered(rng, *turn),
-            (Answer::Refused { .. }, Reaction::RetryAtOnce) => rng.random_range(30..=70) * NANOS_PER_MS,
-            (Answer::Refused { retry_after }, Reaction::WaitRetryAfter) => retry_after.unwrap_or(*turn),
-            (Answer::Refused { .. }, Reaction::Reconnect) => rng.random_range(200..=400) * NANOS_PER_MS,
+            (Outcome::Admitted, _) => jittered(rng, *turn),
+            (Outcome::Refused { .. }, Reaction::RetryAtOnce) => rng.random_range(30..=70) * NANOS_PER_MS,
+            (Outcome::Refused { retry_after }, Reaction::WaitRetryAfter) => retry_after.unwrap_or(*turn),
+            (Outcome::Refused { .. }, Reaction::Reconnect) => rng.random_range(200..=400) * NANOS_PER_MS,
         };
         // Time moves on after every call, even after a refusal that named no wait.
         *next = at.saturating_add(wait.max(NANOS_PER_MS));

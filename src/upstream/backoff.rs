@@ -184,12 +184,12 @@ pub struct RetryBudget {
     ratio: f64,
     min_retries: u32,
     slot_len: Nanos,
-    slots: Mutex<[Slot; SLOTS]>,
+    slots: Mutex<[StepCounts; SLOTS]>,
 }
 
 /// The counts of one `window / 10` step, and which step it holds.
 #[derive(Debug, Clone, Copy, Default)]
-struct Slot {
+struct StepCounts {
     step: u64,
     requests: u64,
     retries: u64,
@@ -201,7 +201,7 @@ impl RetryBudget {
     pub fn new(ratio: f64, min_retries: u32, window: Nanos) -> Self {
         let ratio = if ratio.is_finite() { ratio.max(0.0) } else { 0.0 };
         let slot_len = (window / SLOTS as u64).max(1);
-        Self { ratio, min_retries, slot_len, slots: Mutex::new([Slot::default(); SLOTS]) }
+        Self { ratio, min_retries, slot_len, slots: Mutex::new([StepCounts::default(); SLOTS]) }
     }
 
     /// Counts one original (first) attempt at `now`.
@@ -230,11 +230,11 @@ impl RetryBudget {
     }
 
     /// The slot for `now`, emptied first if it still holds an older step.
-    fn slot_at<'a>(&self, slots: &'a mut [Slot; SLOTS], now: Nanos) -> &'a mut Slot {
+    fn slot_at<'a>(&self, slots: &'a mut [StepCounts; SLOTS], now: Nanos) -> &'a mut StepCounts {
         let step = now / self.slot_len;
         let slot = &mut slots[(step % SLOTS as u64) as usize];
         if slot.step < step {
-            *slot = Slot { step, ..Slot::default() };
+            *slot = StepCounts { step, ..StepCounts::default() };
         }
         slot
     }

@@ -13,6 +13,7 @@ pub mod adaptive;
 pub mod api;
 pub mod backoff;
 pub mod classes;
+pub mod gate;
 pub mod jobs;
 pub mod queue;
 
@@ -211,7 +212,7 @@ impl Upstream {
             .map_err(|open| UpstreamError::CircuitOpen { retry_after: open.retry_after })?;
         let sent = match request {
             Ok(mut request) => {
-                crate::telemetry::inject_headers(span, request.headers_mut());
+                crate::telemetry::inject_traceparent(span, request.headers_mut());
                 self.http.execute(request).await
             }
             Err(unbuilt) => Err(unbuilt),
@@ -297,7 +298,7 @@ fn upstream_span(request: Option<&reqwest::Request>) -> tracing::Span {
             "upstream.request",
             "otel.kind" = "client",
             "http.request.method" = request.map(|r| r.method().as_str()),
-            "url.path" = request.map(|r| r.url().path()),
+            "url.path" = request.map(|r| crate::guard::trace::cut(r.url().path())),
             "http.response.status_code" = tracing::field::Empty,
             "upstream.outcome" = tracing::field::Empty,
         )

@@ -281,50 +281,86 @@ fn kill_times(run: Duration) -> Vec<Duration> {
 async fn soak() {
     let minutes: f64 = std::env::var("SOAK_MINUTES").ok().and_then(|m| m.parse().ok()).unwrap_or(10.0);
     let run = Duration::from_secs_f64(minutes * 60.0);
-    let mut redis = Redis::start();
-    let chaos = "[mock_upstream]\nrate_429 = 0.05\nrate_5xx = 0.05\nretry_after_seconds = 1\n\
-                 image_job_ms = 2000\nvideo_job_ms = 5000\n";
-    let upstream = Upstream::start(chaos).await;
-    let mut config = format!(
-        "[store]\nbackend = \"redis\"\nredis_url = \"{}\"\nexpected_instances = {INSTANCES}\ntimeout_ms = {}\n\
-         [upstream]\nurl = \"{}\"\nvideo_min_gap_ms = {}\n[tools.list_articles]\nfail = \"open\"\n{chaos}",
-        redis.url(),
-        STORE_TIMEOUT.as_millis(),
-        upstream.url,
-        VIDEO_GAP.as_millis()
-    );
-    for i in 0..CALLERS {
-        config.push_str(&format!("[[auth.keys]]\nkey = \"soak-caller-{i:02}\"\ntenant = \"soak-tenant-{i:02}\"\n"));
-    }
-    let mut servers = Vec::new();
-    for _ in 0..INSTANCES {
-        servers.push(Server::start(&config, &[]).await);
-    }
-    // The instances close a connection left idle for `server.header_read_timeout_ms` (10 s):
-    // a client that reuses one at that very millisecond has it reset under its request (seen
-    // here: 2 resets in 10 tries within a millisecond of the deadline). The drain leaves some
-    // connections idle about that long, so the client lets idle connections go first, as
-    // well-behaved HTTP clients do (undici 4 s, httpx 5 s).
-    let http = reqwest::Client::builder().pool_idle_timeout(Duration::from_secs(5)).build().expect("a client");
-    let record = Arc::new(Mutex::new(Record::default()));
-    let began = Instant::now();
-    let until = began + WARM_UP + run;
-    let mut callers = Vec::new();
-    for i in 0..CALLERS {
-        let mut sessions = Vec::new();
-        for server in &servers {
-            let mut session = Session::new(&http, &server.url, &format!("soak-caller-{i:02}"));
-            assert_eq!(session.open().await.expect("open"), 200);
-            sessions.push(session);
+    let mut rig = Rig::start().await;
+    let load = Load::through_outages(&mut rig, run).await;
+    let drained = Drained::drain(&rig, &load.record).await;
+    let instances = Instances::read(&rig).await;
+
+    // The report.
+    let stale = stale_views(&load.record, &load.windows);
+    let budgets = Budgets::of(&load, &drained.settled);
+    let tally = Tally::of(&load, &budgets);
+    let report = Report { minutes, run, rig: &rig, load: &load, drained: &drained, instances, budgets, stale, tally };
+    report.print_figures();
+    report.print_outages_and_latency();
+    report.check();
+}
+
+/// Fail-open windows: an instance, and when it was without its store (the grace included).
+type Windows = Vec<(usize, Instant, Instant)>;
+
+/// The soak's processes: the instances (and the client its callers reach them with), the mock
+/// upstream and Redis, stopped in that order when dropped.
+struct Rig {
+    http: reqwest::Client,
+    servers: Vec<Server>,
+    upstream: Upstream,
+    redis: Redis,
+}
+
+impl Rig {
+    /// Starts Redis, the mock upstream with its chaos, and [`INSTANCES`] instances sharing both,
+    /// with a key and a tenant for each of the [`CALLERS`].
+    async fn start() -> Self {
+        let redis = Redis::start();
+        let chaos = "[mock_upstream]\nrate_429 = 0.05\nrate_5xx = 0.05\nretry_after_seconds = 1\n\
+                     image_job_ms = 2000\nvideo_job_ms = 5000\n";
+        let upstream = Upstream::start(chaos).await;
+        let mut config = format!(
+            "[store]\nbackend = \"redis\"\nredis_url = \"{}\"\nexpected_instances = {INSTANCES}\ntimeout_ms = {}\n\
+             [upstream]\nurl = \"{}\"\nvideo_min_gap_ms = {}\n[tools.list_articles]\nfail = \"open\"\n{chaos}",
+            redis.url(),
+            STORE_TIMEOUT.as_millis(),
+            upstream.url,
+            VIDEO_GAP.as_millis()
+        );
+        for i in 0..CALLERS {
+            config.push_str(&format!("[[auth.keys]]\nkey = \"soak-caller-{i:02}\"\ntenant = \"soak-tenant-{i:02}\"\n"));
         }
-        callers.push(tokio::spawn(caller_loop(i, sessions, until, record.clone())));
+        let mut servers = Vec::new();
+        for _ in 0..INSTANCES {
+            servers.push(Server::start(&config, &[]).await);
+        }
+        // The instances close a connection left idle for `server.header_read_timeout_ms` (10 s):
+        // a client that reuses one at that very millisecond has it reset under its request (seen
+        // here: 2 resets in 10 tries within a millisecond of the deadline). The drain leaves some
+        // connections idle about that long, so the client lets idle connections go first, as
+        // well-behaved HTTP clients do (undici 4 s, httpx 5 s).
+        let http = reqwest::Client::builder().pool_idle_timeout(Duration::from_secs(5)).build().expect("a client");
+        Self { http, servers, upstream, redis }
     }
 
-    // Fail-open windows as each instance saw them: whenever its store errors grew or its store
-    // was down between two readings of its /metrics, half a second apart (and the grace after).
-    let windows: Arc<Mutex<Vec<(usize, Instant, Instant)>>> = Arc::default();
-    let monitor = {
-        let (urls, windows) = (servers.iter().map(|s| s.base.clone()).collect::<Vec<_>>(), windows.clone());
+    /// Opens a session on every instance for each caller, and starts its task, calling until
+    /// `until` into `record`.
+    async fn start_callers(&self, until: Instant, record: &Arc<Mutex<Record>>) -> Vec<tokio::task::JoinHandle<()>> {
+        let mut callers = Vec::new();
+        for i in 0..CALLERS {
+            let mut sessions = Vec::new();
+            for server in &self.servers {
+                let mut session = Session::new(&self.http, &server.url, &format!("soak-caller-{i:02}"));
+                assert_eq!(session.open().await.expect("open"), 200);
+                sessions.push(session);
+            }
+            callers.push(tokio::spawn(caller_loop(i, sessions, until, record.clone())));
+        }
+        callers
+    }
+
+    /// Starts the monitor of fail-open windows as each instance saw them, until `until`: whenever
+    /// its store errors grew or its store was down between two readings of its /metrics, half a
+    /// second apart (and the grace after), a window goes into `windows`.
+    fn monitor(&self, until: Instant, windows: &Arc<Mutex<Windows>>) -> tokio::task::JoinHandle<()> {
+        let (urls, windows) = (self.servers.iter().map(|s| s.base.clone()).collect::<Vec<_>>(), windows.clone());
         tokio::spawn(async move {
             let mut errors = vec![0.0; urls.len()];
             let mut last = Instant::now();
@@ -343,338 +379,541 @@ async fn soak() {
                 last = now;
             }
         })
-    };
+    }
 
-    tokio::time::sleep(WARM_UP).await;
-    let rss_start: Vec<u64> = servers.iter().map(|s| s.process.rss_kib()).collect();
-    let measured = Instant::now();
-    let mut kills = 0;
-    for at in kill_times(run) {
-        tokio::time::sleep_until((measured + at).into()).await;
-        let down = Instant::now();
-        redis.kill();
-        tokio::time::sleep(REDIS_DOWN).await;
-        redis.restart();
-        kills += 1;
-        for k in 0..INSTANCES {
-            windows.lock().expect("windows").push((k, down, Instant::now() + GRACE));
+    /// Kills Redis at each of the [`kill_times`] of `run` after `measured`, for [`REDIS_DOWN`],
+    /// and starts it again; every instance is without its store from the kill to [`GRACE`] after
+    /// the restart (a window in `windows`). Returns how many times Redis was killed.
+    async fn kill_redis_on_schedule(&mut self, run: Duration, measured: Instant, windows: &Mutex<Windows>) -> usize {
+        let mut kills = 0;
+        for at in kill_times(run) {
+            tokio::time::sleep_until((measured + at).into()).await;
+            let down = Instant::now();
+            self.redis.kill();
+            tokio::time::sleep(REDIS_DOWN).await;
+            self.redis.restart();
+            kills += 1;
+            for k in 0..INSTANCES {
+                windows.lock().expect("windows").push((k, down, Instant::now() + GRACE));
+            }
         }
+        kills
     }
-    for caller in callers {
-        caller.await.expect("a caller task");
-    }
-    monitor.await.expect("the monitor");
-    let rss_end: Vec<u64> = servers.iter().map(|s| s.process.rss_kib()).collect();
-    let traffic = began.elapsed();
-    let windows = std::mem::take(&mut *windows.lock().expect("windows"));
-    let store_trouble: f64 = windows.iter().map(|(_, from, to)| (*to - *from).as_secs_f64()).sum();
+}
 
-    // Drain: every prediction asked about, of the instance that took it, until final.
-    let record = std::mem::take(&mut *record.lock().expect("record"));
-    let mut readers: Vec<Vec<Session>> = Vec::new();
-    for i in 0..CALLERS {
-        let mut of_caller = Vec::new();
-        for server in &servers {
-            let mut session = Session::new(&http, &server.url, &format!("soak-caller-{i:02}"));
-            session.open().await.expect("open");
-            of_caller.push(session);
+/// The traffic and the outages it went through.
+struct Load {
+    /// Every call the callers made and every prediction accepted.
+    record: Record,
+    /// The fail-open windows: an instance, and when it was without its store (grace included).
+    windows: Windows,
+    /// Each instance's RSS (KiB) after the warm-up, and at the end of the traffic.
+    rss_start: Vec<u64>,
+    rss_end: Vec<u64>,
+    /// When the warm-up ended.
+    measured: Instant,
+    /// How many times Redis was killed.
+    kills: usize,
+    /// How long the traffic ran, warm-up included.
+    traffic: Duration,
+    /// The fail-open windows' length, in instance-seconds.
+    store_trouble: f64,
+}
+
+impl Load {
+    /// The callers at about twice their budget for the warm-up and `run`, with Redis killed on
+    /// schedule after the warm-up, and the fail-open windows each instance saw.
+    async fn through_outages(rig: &mut Rig, run: Duration) -> Self {
+        let record = Arc::new(Mutex::new(Record::default()));
+        let began = Instant::now();
+        let until = began + WARM_UP + run;
+        let callers = rig.start_callers(until, &record).await;
+        let windows: Arc<Mutex<Windows>> = Arc::default();
+        let monitor = rig.monitor(until, &windows);
+
+        tokio::time::sleep(WARM_UP).await;
+        let rss_start: Vec<u64> = rig.servers.iter().map(|s| s.process.rss_kib()).collect();
+        let measured = Instant::now();
+        let kills = rig.kill_redis_on_schedule(run, measured, &windows).await;
+        for caller in callers {
+            caller.await.expect("a caller task");
         }
-        readers.push(of_caller);
+        monitor.await.expect("the monitor");
+        let rss_end: Vec<u64> = rig.servers.iter().map(|s| s.process.rss_kib()).collect();
+        let traffic = began.elapsed();
+        let windows = std::mem::take(&mut *windows.lock().expect("windows"));
+        let store_trouble: f64 = windows.iter().map(|(_, from, to)| (*to - *from).as_secs_f64()).sum();
+        let record = std::mem::take(&mut *record.lock().expect("record"));
+        Self { record, windows, rss_start, rss_end, measured, kills, traffic, store_trouble }
     }
-    let told_to_wait = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let status_of = |owner: usize, instance: usize, id: String| {
-        let session = readers[owner][instance].clone();
-        let told_to_wait = told_to_wait.clone();
-        async move {
-            // The drain polls every pending job each second, faster than a caller's request
-            // limit refills (2/s): like an agent, the reader waits as long as it is told to.
-            let mut waited = Duration::ZERO;
-            let answer = loop {
-                let answer = match session.call("get_prediction", json!({"predict_id": id.clone()})).await {
-                    Ok(answer) => answer,
-                    Err(e) => return (format!("no answer ({e})"), None),
-                };
-                match answer.retry_after.map(Duration::from_secs) {
-                    Some(wait) if answer.status == 429 && waited < MAX_WAIT_TOLD => {
-                        waited += wait;
-                        told_to_wait.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        tokio::time::sleep(wait).await;
-                    }
-                    _ => break answer,
-                }
+
+    /// Whether `c` overlaps a window in which its instance was without its store.
+    fn in_window(&self, c: &Call) -> bool {
+        self.windows.iter().any(|(k, from, to)| *k == c.instance && c.started < *to && c.ended > *from)
+    }
+}
+
+/// Sessions of each caller on every instance, to read its jobs once the traffic has stopped.
+struct Readers {
+    /// By caller, then by instance.
+    sessions: Vec<Vec<Session>>,
+    /// How many polls a `429` told to wait.
+    told_to_wait: std::sync::atomic::AtomicUsize,
+}
+
+impl Readers {
+    /// Opens a session on every instance for each caller.
+    async fn open(rig: &Rig) -> Self {
+        let mut readers: Vec<Vec<Session>> = Vec::new();
+        for i in 0..CALLERS {
+            let mut of_caller = Vec::new();
+            for server in &rig.servers {
+                let mut session = Session::new(&rig.http, &server.url, &format!("soak-caller-{i:02}"));
+                session.open().await.expect("open");
+                of_caller.push(session);
+            }
+            readers.push(of_caller);
+        }
+        Self { sessions: readers, told_to_wait: std::sync::atomic::AtomicUsize::new(0) }
+    }
+
+    /// The status of job `id` of caller `owner` as `instance` shows it (or why there is none),
+    /// and what it says the job was charged.
+    async fn status_of(&self, owner: usize, instance: usize, id: String) -> (String, Option<u64>) {
+        let session = &self.sessions[owner][instance];
+        // The drain polls every pending job each second, faster than a caller's request
+        // limit refills (2/s): like an agent, the reader waits as long as it is told to.
+        let mut waited = Duration::ZERO;
+        let answer = loop {
+            let answer = match session.call("get_prediction", json!({"predict_id": id.clone()})).await {
+                Ok(answer) => answer,
+                Err(e) => return (format!("no answer ({e})"), None),
             };
-            if answer.status != 200 {
-                return (format!("HTTP {}", answer.status), None);
+            match answer.retry_after.map(Duration::from_secs) {
+                Some(wait) if answer.status == 429 && waited < MAX_WAIT_TOLD => {
+                    waited += wait;
+                    self.told_to_wait.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tokio::time::sleep(wait).await;
+                }
+                _ => break answer,
             }
-            let status = answer.structured()["status"].as_str().or_else(|| answer.code());
-            (status.map_or_else(|| answer.message.to_string(), str::to_owned), answer.structured()["charged"].as_u64())
+        };
+        if answer.status != 200 {
+            return (format!("HTTP {}", answer.status), None);
         }
-    };
-    let is_final = |status: &str| matches!(status, "succeeded" | "failed" | "canceled");
-    let mut pending = record.predictions.clone();
-    let drain_started = Instant::now();
-    let mut finals: BTreeMap<String, usize> = BTreeMap::new();
-    // What each final job was charged, once its price was settled.
-    let mut settled: BTreeMap<String, u64> = BTreeMap::new();
-    while !pending.is_empty() && drain_started.elapsed() < DRAIN {
-        let mut still = Vec::new();
-        for (owner, instance, id) in pending {
-            let (status, charged) = status_of(owner, instance, id.clone()).await;
-            // Final, with its settled price (it says `charged` once the settlement is in).
-            if is_final(&status) && charged.is_some() {
-                settled.extend(charged.map(|c| (id.clone(), c)));
-                *finals.entry(status).or_default() += 1;
+        let status = answer.structured()["status"].as_str().or_else(|| answer.code());
+        (status.map_or_else(|| answer.message.to_string(), str::to_owned), answer.structured()["charged"].as_u64())
+    }
+
+    /// How many in-flight slots the callers still hold (`rate_limit_status`), printing each.
+    async fn slots_held(&self) -> usize {
+        let mut slots_held = 0;
+        for (i, of_caller) in self.sessions.iter().enumerate() {
+            let status = of_caller[0].call("rate_limit_status", json!({})).await.expect("status");
+            for budget in status.structured()["budgets"].as_array().into_iter().flatten() {
+                if budget["scope"].as_str().is_some_and(|s| s.starts_with("in_flight:"))
+                    && budget["remaining"] != budget["limit"]
+                {
+                    slots_held += 1;
+                    println!("caller {i}: {budget}");
+                }
+            }
+        }
+        slots_held
+    }
+}
+
+/// Whether a job in `status` has reached the end of its life.
+fn is_final(status: &str) -> bool {
+    matches!(status, "succeeded" | "failed" | "canceled")
+}
+
+/// The drain, and the jobs and slots as the instances show them after it.
+struct Drained {
+    /// The predictions never final, as in [`Record::predictions`].
+    pending: Vec<(usize, usize, String)>,
+    /// How many jobs reached each final state.
+    finals: BTreeMap<String, usize>,
+    /// What each final job was charged, once its price was settled.
+    settled: BTreeMap<String, u64>,
+    drained_in: Duration,
+    /// How many of the drain's polls a `429` told to wait.
+    told_to_wait: usize,
+    /// The states, not final, the other instances still show the jobs in.
+    elsewhere: BTreeMap<String, usize>,
+    /// In-flight slots still held at the end.
+    slots_held: usize,
+}
+
+impl Drained {
+    /// Drain: every prediction in `record` asked about, of the instance that took it, until final
+    /// (or [`DRAIN`] has passed); then the same jobs on the other instances, and the slots held.
+    async fn drain(rig: &Rig, record: &Record) -> Self {
+        let readers = Readers::open(rig).await;
+        let mut pending = record.predictions.clone();
+        let drain_started = Instant::now();
+        let mut finals: BTreeMap<String, usize> = BTreeMap::new();
+        // What each final job was charged, once its price was settled.
+        let mut settled: BTreeMap<String, u64> = BTreeMap::new();
+        while !pending.is_empty() && drain_started.elapsed() < DRAIN {
+            let mut still = Vec::new();
+            for (owner, instance, id) in pending {
+                let (status, charged) = readers.status_of(owner, instance, id.clone()).await;
+                // Final, with its settled price (it says `charged` once the settlement is in).
+                if is_final(&status) && charged.is_some() {
+                    settled.extend(charged.map(|c| (id.clone(), c)));
+                    *finals.entry(status).or_default() += 1;
+                } else {
+                    still.push((owner, instance, id));
+                }
+            }
+            pending = still;
+            if !pending.is_empty() {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+        let drained_in = drain_started.elapsed();
+        // The same jobs as the other instances show them (from the snapshots their owners publish),
+        // once every job's last change has had the time to reach them.
+        tokio::time::sleep(PROPAGATION).await;
+        let mut elsewhere: BTreeMap<String, usize> = BTreeMap::new();
+        for (owner, instance, id) in &record.predictions {
+            for other in (0..INSTANCES).filter(|k| k != instance) {
+                let (status, _) = readers.status_of(*owner, other, id.clone()).await;
+                if !is_final(&status) {
+                    *elsewhere.entry(status).or_default() += 1;
+                }
+            }
+        }
+        let slots_held = readers.slots_held().await;
+        let told_to_wait = readers.told_to_wait.load(std::sync::atomic::Ordering::Relaxed);
+        Self { pending, finals, settled, drained_in, told_to_wait, elsewhere, slots_held }
+    }
+}
+
+/// What the instances' metrics and logs say once the drain is over.
+struct Instances {
+    /// Per instance: jobs in flight, account slots in use.
+    gauges: Vec<(f64, f64)>,
+    /// Settlements' tries Redis did not take (each tried again under its mark), and those given up.
+    settle_tries: f64,
+    settles_given_up: f64,
+    /// What the instances warned about, by kind (digits and ids left out), most frequent first.
+    warnings: Vec<(usize, String)>,
+    /// Panics of each instance, then of the mock upstream.
+    panics: Vec<usize>,
+}
+
+impl Instances {
+    /// Reads every instance's /metrics and log, and the mock upstream's panics.
+    async fn read(rig: &Rig) -> Self {
+        let mut gauges = Vec::new();
+        // Settlements' tries Redis did not take (each tried again under its mark), and those given up.
+        let (mut settle_tries, mut settles_given_up) = (0.0, 0.0);
+        for server in &rig.servers {
+            let metrics = server.metrics().await;
+            gauges.push((
+                metric_sum(&metrics, "mcp_ratelimit_jobs_in_flight"),
+                metric_sum(&metrics, "mcp_ratelimit_account_slots_in_use"),
+            ));
+            settle_tries += metric_sum(&metrics, "mcp_ratelimit_settlement_errors_total");
+            settles_given_up += metric_sum(&metrics, "mcp_ratelimit_settlements_given_up_total");
+        }
+        // What the instances warned about, by kind (digits and ids left out), most frequent first.
+        let mut warnings: BTreeMap<String, usize> = BTreeMap::new();
+        for server in &rig.servers {
+            for line in server.process.log().lines().filter(|l| l.contains("WARN")) {
+                let plain = without_colours(line);
+                let text = plain.split_once("WARN").map_or(plain.as_str(), |(_, rest)| rest).trim();
+                let text = text.split_once(": ").map_or(text, |(_, message)| message);
+                let kind: String = text.chars().filter(|c| !c.is_ascii_digit()).take(110).collect();
+                *warnings.entry(kind).or_default() += 1;
+            }
+        }
+        let mut warnings: Vec<(usize, String)> = warnings.into_iter().map(|(k, n)| (n, k)).collect();
+        warnings.sort_by_key(|w| std::cmp::Reverse(w.0));
+        let mut panics: Vec<usize> = rig.servers.iter().map(|s| s.process.panics()).collect();
+        panics.push(rig.upstream.process.panics());
+        Self { gauges, settle_tries, settles_given_up, warnings, panics }
+    }
+}
+
+/// What a call was charged in the end, if it was charged: a job's settled price (from
+/// `settled`), else what its result said. (A poll's result says what its job was charged: not
+/// the poll's price.) With the settled price, if there is one.
+fn charged_for(call: &Call, settled: &BTreeMap<String, u64>) -> Option<(u64, Option<u64>)> {
+    if !call.charged() || cost_of(call.tool) == 0 {
+        return None;
+    }
+    let started_job = matches!(call.tool, "generate_image" | "generate_image_to_video");
+    let settled_price = call.predict_id.as_ref().filter(|_| started_job).and_then(|id| settled.get(id)).copied();
+    // A refusal made before the guard (the breaker open) says no price: nothing was charged.
+    Some((settled_price.or(call.charged).unwrap_or(0), settled_price))
+}
+
+/// What each caller was charged against what its budget allows over its run.
+struct Budgets {
+    /// Per caller: units charged through Redis, units the fail-open tool got while its instance
+    /// was without its store, its first call's start and its last call's end.
+    per_caller: Vec<(u64, u64, Option<Instant>, Option<Instant>)>,
+    /// The busiest caller: its share of its budget, its index, its units, the units allowed.
+    worst: (f64, usize, u64, f64),
+    /// The callers charged above their budget, described.
+    over: Vec<String>,
+}
+
+impl Budgets {
+    /// Each caller's charges in `load`, jobs at their `settled` price; for each caller over its
+    /// budget, what it was charged, call by call, printed.
+    fn of(load: &Load, settled: &BTreeMap<String, u64>) -> Self {
+        let record = &load.record;
+        let mut per_caller = vec![(0u64, 0u64, None::<Instant>, None::<Instant>); CALLERS];
+        for call in &record.calls {
+            let entry = &mut per_caller[call.caller];
+            entry.2 = Some(entry.2.map_or(call.started, |t: Instant| t.min(call.started)));
+            entry.3 = Some(entry.3.map_or(call.ended, |t: Instant| t.max(call.ended)));
+            let Some((units, _)) = charged_for(call, settled) else {
+                continue;
+            };
+            if call.tool == "list_articles" && load.in_window(call) {
+                entry.1 += units;
             } else {
-                still.push((owner, instance, id));
+                entry.0 += units;
             }
         }
-        pending = still;
-        if !pending.is_empty() {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
-    }
-    let drained_in = drain_started.elapsed();
-    // The same jobs as the other instances show them (from the snapshots their owners publish),
-    // once every job's last change has had the time to reach them.
-    tokio::time::sleep(PROPAGATION).await;
-    let mut elsewhere: BTreeMap<String, usize> = BTreeMap::new();
-    for (owner, instance, id) in &record.predictions {
-        for other in (0..INSTANCES).filter(|k| k != instance) {
-            let (status, _) = status_of(*owner, other, id.clone()).await;
-            if !is_final(&status) {
-                *elsewhere.entry(status).or_default() += 1;
+        let mut worst = (0.0f64, 0usize, 0u64, 0.0f64);
+        let mut over = Vec::new();
+        for (i, (units, _, first, last)) in per_caller.iter().enumerate() {
+            let span = match (first, last) {
+                (Some(a), Some(b)) => b.duration_since(*a).as_secs_f64(),
+                _ => 0.0,
+            };
+            let allowed = BURST + REFILL_PER_SEC * span;
+            let share = *units as f64 / allowed;
+            if share > worst.0 {
+                worst = (share, i, *units, allowed);
+            }
+            if *units as f64 > allowed.floor() {
+                over.push(format!("caller {i}: {units} units admitted, {allowed:.0} allowed"));
+                // What it was charged, call by call, for whoever reads a failure.
+                for call in record.calls.iter().filter(|c| c.caller == i) {
+                    let Some((_, settled_price)) = charged_for(call, settled) else {
+                        continue;
+                    };
+                    println!(
+                        "    caller {i} at {:>7.3}s on {}: {} {} said {:?}, settled {:?}{}",
+                        call.started.saturating_duration_since(first.unwrap_or(call.started)).as_secs_f64(),
+                        call.instance,
+                        call.tool,
+                        call.outcome,
+                        call.charged,
+                        settled_price,
+                        if load.in_window(call) { " (store trouble)" } else { "" }
+                    );
+                }
             }
         }
+        Self { per_caller, worst, over }
     }
-    let mut slots_held = 0;
-    for (i, of_caller) in readers.iter().enumerate() {
-        let status = of_caller[0].call("rate_limit_status", json!({})).await.expect("status");
-        for budget in status.structured()["budgets"].as_array().into_iter().flatten() {
-            if budget["scope"].as_str().is_some_and(|s| s.starts_with("in_flight:"))
-                && budget["remaining"] != budget["limit"]
-            {
-                slots_held += 1;
-                println!("caller {i}: {budget}");
-            }
-        }
-    }
-    let mut gauges = Vec::new();
-    // Settlements' tries Redis did not take (each tried again under its mark), and those given up.
-    let (mut settle_tries, mut settles_given_up) = (0.0, 0.0);
-    for server in &servers {
-        let metrics = server.metrics().await;
-        gauges.push((
-            metric_sum(&metrics, "mcp_ratelimit_jobs_in_flight"),
-            metric_sum(&metrics, "mcp_ratelimit_account_slots_in_use"),
-        ));
-        settle_tries += metric_sum(&metrics, "mcp_ratelimit_settlement_errors_total");
-        settles_given_up += metric_sum(&metrics, "mcp_ratelimit_settlements_given_up_total");
-    }
-    // What the instances warned about, by kind (digits and ids left out), most frequent first.
-    let mut warnings: BTreeMap<String, usize> = BTreeMap::new();
-    for server in &servers {
-        for line in server.process.log().lines().filter(|l| l.contains("WARN")) {
-            let plain = without_colours(line);
-            let text = plain.split_once("WARN").map_or(plain.as_str(), |(_, rest)| rest).trim();
-            let text = text.split_once(": ").map_or(text, |(_, message)| message);
-            let kind: String = text.chars().filter(|c| !c.is_ascii_digit()).take(110).collect();
-            *warnings.entry(kind).or_default() += 1;
-        }
-    }
-    let mut warnings: Vec<(usize, String)> = warnings.into_iter().map(|(k, n)| (n, k)).collect();
-    warnings.sort_by_key(|w| std::cmp::Reverse(w.0));
-    let mut panics: Vec<usize> = servers.iter().map(|s| s.process.panics()).collect();
-    panics.push(upstream.process.panics());
+}
 
-    // The report.
-    let in_window =
-        |c: &Call| windows.iter().any(|(k, from, to)| *k == c.instance && c.started < *to && c.ended > *from);
-    let stale = stale_views(&record, &windows);
-    // What a call was charged in the end, if it was charged: a job's settled price, else what
-    // its result said. (A poll's result says what its job was charged: not the poll's price.)
-    let charged_for = |call: &Call| -> Option<(u64, Option<u64>)> {
-        if !call.charged() || cost_of(call.tool) == 0 {
-            return None;
-        }
-        let started_job = matches!(call.tool, "generate_image" | "generate_image_to_video");
-        let settled_price = call.predict_id.as_ref().filter(|_| started_job).and_then(|id| settled.get(id)).copied();
-        // A refusal made before the guard (the breaker open) says no price: nothing was charged.
-        Some((settled_price.or(call.charged).unwrap_or(0), settled_price))
-    };
-    let mut per_caller = vec![(0u64, 0u64, None::<Instant>, None::<Instant>); CALLERS];
-    for call in &record.calls {
-        let entry = &mut per_caller[call.caller];
-        entry.2 = Some(entry.2.map_or(call.started, |t: Instant| t.min(call.started)));
-        entry.3 = Some(entry.3.map_or(call.ended, |t: Instant| t.max(call.ended)));
-        let Some((units, _)) = charged_for(call) else {
-            continue;
-        };
-        if call.tool == "list_articles" && in_window(call) {
-            entry.1 += units;
-        } else {
-            entry.0 += units;
-        }
-    }
-    let mut worst = (0.0f64, 0usize, 0u64, 0.0f64);
-    let mut over = Vec::new();
-    for (i, (units, _, first, last)) in per_caller.iter().enumerate() {
-        let span = match (first, last) {
-            (Some(a), Some(b)) => b.duration_since(*a).as_secs_f64(),
-            _ => 0.0,
-        };
-        let allowed = BURST + REFILL_PER_SEC * span;
-        let share = *units as f64 / allowed;
-        if share > worst.0 {
-            worst = (share, i, *units, allowed);
-        }
-        if *units as f64 > allowed.floor() {
-            over.push(format!("caller {i}: {units} units admitted, {allowed:.0} allowed"));
-            // What it was charged, call by call, for whoever reads a failure.
-            for call in record.calls.iter().filter(|c| c.caller == i) {
-                let Some((_, settled_price)) = charged_for(call) else {
-                    continue;
-                };
-                println!(
-                    "    caller {i} at {:>7.3}s on {}: {} {} said {:?}, settled {:?}{}",
-                    call.started.saturating_duration_since(first.unwrap_or(call.started)).as_secs_f64(),
-                    call.instance,
-                    call.tool,
-                    call.outcome,
-                    call.charged,
-                    settled_price,
-                    if in_window(call) { " (store trouble)" } else { "" }
-                );
-            }
-        }
-    }
-    let offered: u64 = record.calls.iter().map(|c| cost_of(c.tool)).sum();
-    let caller_seconds: f64 = per_caller
-        .iter()
-        .filter_map(|(_, _, first, last)| Some(last.as_ref()?.duration_since(*first.as_ref()?).as_secs_f64()))
-        .sum();
-    let admitted: u64 = per_caller.iter().map(|c| c.0).sum();
-    let fail_open: u64 = per_caller.iter().map(|c| c.1).sum();
-    let mut codes: BTreeMap<&str, usize> = BTreeMap::new();
-    let mut per_tool: BTreeMap<(&str, &str), usize> = BTreeMap::new();
-    for call in &record.calls {
-        *codes.entry(call.outcome.as_str()).or_default() += 1;
-        if call.outcome != "served" {
-            *per_tool.entry((call.tool, call.outcome.as_str())).or_default() += 1;
-        }
-    }
-    let took: Vec<Duration> = record.calls.iter().map(|c| c.ended - c.started).collect();
-    let outside: Vec<Duration> = record.calls.iter().filter(|c| !in_window(c)).map(|c| c.ended - c.started).collect();
-    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-    let unanswered = codes.get("no answer").copied().unwrap_or(0);
-    println!(
-        "soak: {minutes} min (+{WARM_UP:?} warm-up), {INSTANCES} instances on one Redis, one mock upstream (5 % 429, 5 % 503), {CALLERS} callers"
-    );
-    println!(
-        "  traffic {traffic:.0?}; Redis killed {kills} time(s), down {REDIS_DOWN:?} each; instances without their store \
-         (errors or down, +{GRACE:?} grace) {store_trouble:.0} instance-seconds in all"
-    );
-    println!("  panics: {} (instances, then the mock: {panics:?})", panics.iter().sum::<usize>());
-    for (i, (start, end)) in rss_start.iter().zip(&rss_end).enumerate() {
-        let change = (*end as f64 / *start as f64 - 1.0) * 100.0;
-        println!("  RSS instance {i}: {start} KiB after the warm-up, {end} KiB at the end ({change:+.1} %)");
-    }
-    println!(
-        "  tool calls: {} ({:.1}/s); offered {offered} cost units = {:.2}x the callers' refill",
-        record.calls.len(),
-        record.calls.len() as f64 / traffic.as_secs_f64(),
-        offered as f64 / (REFILL_PER_SEC * caller_seconds)
-    );
-    println!(
-        "  admitted through Redis: {admitted} units; the busiest caller {} units of {:.0} its budget allows ({:.1} %); over budget: {}",
-        worst.2,
-        worst.3,
-        worst.0 * 100.0,
-        over.len()
-    );
-    println!(
-        "  settlements of prices: {settle_tries} tries Redis did not take, each tried again under its mark; given up: {settles_given_up}"
-    );
-    println!("  admitted by the insurance limiter while Redis was down (fail-open list_articles): {fail_open} units");
-    println!(
-        "  predictions: {} accepted; on the instance that took them, final {finals:?} after a drain of {drained_in:.1?}; never final: {}",
-        record.predictions.len(),
-        pending.len()
-    );
-    println!(
-        "  the drain's polls told to wait (429, Retry-After honoured): {}",
-        told_to_wait.load(std::sync::atomic::Ordering::Relaxed)
-    );
-    println!(
-        "  the same jobs as the other instances show them {PROPAGATION:?} after the drain, where not final (stale): {elsewhere:?}"
-    );
-    println!(
-        "  stale views during the traffic (another instance than the owner showing an older state than one seen {PROPAGATION:?} before, \
-         neither instance without its store): {} of {} such views{}",
-        stale.stale.len(),
-        stale.views,
-        stale.stale.first().map_or_else(String::new, |first| format!("; the first: {first}"))
-    );
-    println!(
-        "  in-flight slots still held at the end: {slots_held} (rate_limit_status); gauges jobs/account slots per instance: {gauges:?}"
-    );
-    println!("  outcomes: {codes:?}");
-    let unknown: Vec<&Call> = record.calls.iter().filter(|c| c.outcome == "invalid_arguments").collect();
-    let elsewhere_unknown = unknown.iter().filter(|c| c.job.is_some_and(|(k, _)| k != c.instance)).count();
-    let soon = unknown.iter().filter(|c| c.job.is_some_and(|(_, age)| age < Duration::from_secs(1))).count();
-    let in_outage = unknown.iter().filter(|c| in_window(c)).count();
-    println!(
-        "  polls and cancels answered \"no prediction with that predict_id\": {} ({elsewhere_unknown} on another instance \
-         than the one that took the job; {soon} within 1 s of its acceptance; {in_outage} while that instance lacked its store)",
-        unknown.len()
-    );
-    let mut timeline: Vec<String> = Vec::new();
-    for k in 0..INSTANCES {
-        let mut spans: Vec<(f64, f64)> = windows
+/// The traffic in figures: cost offered and admitted, outcomes, latencies.
+struct Tally<'a> {
+    /// Cost units the callers asked for.
+    offered: u64,
+    /// The callers' runs (first call to last), added up.
+    caller_seconds: f64,
+    /// Units charged through Redis, and units the fail-open tool got without it.
+    admitted: u64,
+    fail_open: u64,
+    /// Calls by outcome, and the calls not served by tool and outcome.
+    codes: BTreeMap<&'a str, usize>,
+    per_tool: BTreeMap<(&'a str, &'a str), usize>,
+    /// Every call's latency, and those of calls outside the fail-open windows.
+    took: Vec<Duration>,
+    outside: Vec<Duration>,
+}
+
+impl<'a> Tally<'a> {
+    /// The figures of `load`, with the callers' `budgets`.
+    fn of(load: &'a Load, budgets: &Budgets) -> Self {
+        let (record, per_caller) = (&load.record, &budgets.per_caller);
+        let offered: u64 = record.calls.iter().map(|c| cost_of(c.tool)).sum();
+        let caller_seconds: f64 = per_caller
             .iter()
-            .filter(|(i, _, _)| *i == k)
-            .map(|(_, a, b)| {
-                (
-                    a.saturating_duration_since(measured).as_secs_f64(),
-                    b.saturating_duration_since(measured).as_secs_f64(),
-                )
-            })
-            .collect();
-        spans.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let mut merged: Vec<(f64, f64)> = Vec::new();
-        for (a, b) in spans {
-            match merged.last_mut() {
-                Some(last) if a <= last.1 => last.1 = last.1.max(b),
-                _ => merged.push((a, b)),
+            .filter_map(|(_, _, first, last)| Some(last.as_ref()?.duration_since(*first.as_ref()?).as_secs_f64()))
+            .sum();
+        let admitted: u64 = per_caller.iter().map(|c| c.0).sum();
+        let fail_open: u64 = per_caller.iter().map(|c| c.1).sum();
+        let mut codes: BTreeMap<&str, usize> = BTreeMap::new();
+        let mut per_tool: BTreeMap<(&str, &str), usize> = BTreeMap::new();
+        for call in &record.calls {
+            *codes.entry(call.outcome.as_str()).or_default() += 1;
+            if call.outcome != "served" {
+                *per_tool.entry((call.tool, call.outcome.as_str())).or_default() += 1;
             }
         }
-        let text: Vec<String> = merged.iter().map(|(a, b)| format!("{a:.0}-{b:.0}")).collect();
-        timeline.push(format!("instance {k}: {}", text.join(" ")));
+        let took: Vec<Duration> = record.calls.iter().map(|c| c.ended - c.started).collect();
+        let outside: Vec<Duration> =
+            record.calls.iter().filter(|c| !load.in_window(c)).map(|c| c.ended - c.started).collect();
+        Self { offered, caller_seconds, admitted, fail_open, codes, per_tool, took, outside }
     }
-    println!("  without its store (s after the warm-up; kills at {:?}): {}", kill_times(run), timeline.join("; "));
-    println!("  refusals by tool: {per_tool:?}");
-    println!("  warnings logged by the instances, by kind:");
-    for (n, kind) in warnings.iter().take(12) {
-        println!("    {n:>6} {kind}");
-    }
-    println!(
-        "  latency of tool calls: p50 {:.1} ms, p99 {:.1} ms (outside Redis outages p50 {:.1} ms, p99 {:.1} ms)",
-        ms(quantile(&took, 0.5)),
-        ms(quantile(&took, 0.99)),
-        ms(quantile(&outside, 0.5)),
-        ms(quantile(&outside, 0.99))
-    );
 
-    assert_eq!(panics.iter().sum::<usize>(), 0, "panics: {}", servers[0].process.log());
-    assert_eq!(unanswered, 0, "calls without an answer");
-    assert!(over.is_empty(), "admitted above the budget: {over:?}");
-    assert_eq!(settles_given_up, 0.0, "settlements given up: Redis is never away for a minute here");
-    assert!(pending.is_empty(), "predictions never final: {pending:?}");
-    assert!(elsewhere.is_empty(), "final jobs another instance still shows otherwise: {elsewhere:?}");
-    assert!(stale.stale.is_empty(), "stale views during the traffic: {:?}", stale.stale);
-    assert_eq!(slots_held, 0, "in-flight slots held at the end");
-    assert!(gauges.iter().all(|(jobs, slots)| *jobs == 0.0 && *slots == 0.0), "{gauges:?}");
-    for (i, (start, end)) in rss_start.iter().zip(&rss_end).enumerate() {
-        assert!(*end as f64 <= *start as f64 * 1.10, "instance {i}: RSS {start} -> {end} KiB");
+    /// Calls without an answer.
+    fn unanswered(&self) -> usize {
+        self.codes.get("no answer").copied().unwrap_or(0)
+    }
+}
+
+/// Everything the soak saw, to print and to check.
+struct Report<'a> {
+    minutes: f64,
+    run: Duration,
+    rig: &'a Rig,
+    load: &'a Load,
+    drained: &'a Drained,
+    instances: Instances,
+    budgets: Budgets,
+    stale: Staleness,
+    tally: Tally<'a>,
+}
+
+impl Report<'_> {
+    /// Prints the run, panics, memory, cost offered and admitted, jobs, stale views, slots held,
+    /// outcomes and the polls that found no job.
+    fn print_figures(&self) {
+        let Self { minutes, load, drained, instances, budgets, stale, tally, .. } = self;
+        let Load { record, rss_start, rss_end, kills, traffic, store_trouble, .. } = load;
+        let Drained { pending, finals, drained_in, told_to_wait, elsewhere, slots_held, .. } = drained;
+        let Instances { gauges, settle_tries, settles_given_up, panics, .. } = instances;
+        let Tally { offered, caller_seconds, admitted, fail_open, codes, .. } = tally;
+        let worst = budgets.worst;
+        println!(
+            "soak: {minutes} min (+{WARM_UP:?} warm-up), {INSTANCES} instances on one Redis, one mock upstream (5 % 429, 5 % 503), {CALLERS} callers"
+        );
+        println!(
+            "  traffic {traffic:.0?}; Redis killed {kills} time(s), down {REDIS_DOWN:?} each; instances without their store \
+             (errors or down, +{GRACE:?} grace) {store_trouble:.0} instance-seconds in all"
+        );
+        println!("  panics: {} (instances, then the mock: {panics:?})", panics.iter().sum::<usize>());
+        for (i, (start, end)) in rss_start.iter().zip(rss_end).enumerate() {
+            let change = (*end as f64 / *start as f64 - 1.0) * 100.0;
+            println!("  RSS instance {i}: {start} KiB after the warm-up, {end} KiB at the end ({change:+.1} %)");
+        }
+        println!(
+            "  tool calls: {} ({:.1}/s); offered {offered} cost units = {:.2}x the callers' refill",
+            record.calls.len(),
+            record.calls.len() as f64 / traffic.as_secs_f64(),
+            *offered as f64 / (REFILL_PER_SEC * caller_seconds)
+        );
+        println!(
+            "  admitted through Redis: {admitted} units; the busiest caller {} units of {:.0} its budget allows ({:.1} %); over budget: {}",
+            worst.2,
+            worst.3,
+            worst.0 * 100.0,
+            budgets.over.len()
+        );
+        println!(
+            "  settlements of prices: {settle_tries} tries Redis did not take, each tried again under its mark; given up: {settles_given_up}"
+        );
+        println!(
+            "  admitted by the insurance limiter while Redis was down (fail-open list_articles): {fail_open} units"
+        );
+        println!(
+            "  predictions: {} accepted; on the instance that took them, final {finals:?} after a drain of {drained_in:.1?}; never final: {}",
+            record.predictions.len(),
+            pending.len()
+        );
+        println!("  the drain's polls told to wait (429, Retry-After honoured): {told_to_wait}");
+        println!(
+            "  the same jobs as the other instances show them {PROPAGATION:?} after the drain, where not final (stale): {elsewhere:?}"
+        );
+        println!(
+            "  stale views during the traffic (another instance than the owner showing an older state than one seen {PROPAGATION:?} before, \
+             neither instance without its store): {} of {} such views{}",
+            stale.stale.len(),
+            stale.views,
+            stale.stale.first().map_or_else(String::new, |first| format!("; the first: {first}"))
+        );
+        println!(
+            "  in-flight slots still held at the end: {slots_held} (rate_limit_status); gauges jobs/account slots per instance: {gauges:?}"
+        );
+        println!("  outcomes: {codes:?}");
+        let unknown: Vec<&Call> = record.calls.iter().filter(|c| c.outcome == "invalid_arguments").collect();
+        let elsewhere_unknown = unknown.iter().filter(|c| c.job.is_some_and(|(k, _)| k != c.instance)).count();
+        let soon = unknown.iter().filter(|c| c.job.is_some_and(|(_, age)| age < Duration::from_secs(1))).count();
+        let in_outage = unknown.iter().filter(|c| load.in_window(c)).count();
+        println!(
+            "  polls and cancels answered \"no prediction with that predict_id\": {} ({elsewhere_unknown} on another instance \
+             than the one that took the job; {soon} within 1 s of its acceptance; {in_outage} while that instance lacked its store)",
+            unknown.len()
+        );
+    }
+
+    /// Prints when each instance was without its store, the refusals by tool, the warnings the
+    /// instances logged and the latency of tool calls.
+    fn print_outages_and_latency(&self) {
+        let Self { run, load, instances, tally, .. } = self;
+        let Load { windows, measured, .. } = load;
+        let Tally { per_tool, took, outside, .. } = tally;
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        let mut timeline: Vec<String> = Vec::new();
+        for k in 0..INSTANCES {
+            let mut spans: Vec<(f64, f64)> = windows
+                .iter()
+                .filter(|(i, _, _)| *i == k)
+                .map(|(_, a, b)| {
+                    (
+                        a.saturating_duration_since(*measured).as_secs_f64(),
+                        b.saturating_duration_since(*measured).as_secs_f64(),
+                    )
+                })
+                .collect();
+            spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let mut merged: Vec<(f64, f64)> = Vec::new();
+            for (a, b) in spans {
+                match merged.last_mut() {
+                    Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                    _ => merged.push((a, b)),
+                }
+            }
+            let text: Vec<String> = merged.iter().map(|(a, b)| format!("{a:.0}-{b:.0}")).collect();
+            timeline.push(format!("instance {k}: {}", text.join(" ")));
+        }
+        println!("  without its store (s after the warm-up; kills at {:?}): {}", kill_times(*run), timeline.join("; "));
+        println!("  refusals by tool: {per_tool:?}");
+        println!("  warnings logged by the instances, by kind:");
+        for (n, kind) in instances.warnings.iter().take(12) {
+            println!("    {n:>6} {kind}");
+        }
+        println!(
+            "  latency of tool calls: p50 {:.1} ms, p99 {:.1} ms (outside Redis outages p50 {:.1} ms, p99 {:.1} ms)",
+            ms(quantile(took, 0.5)),
+            ms(quantile(took, 0.99)),
+            ms(quantile(outside, 0.5)),
+            ms(quantile(outside, 0.99))
+        );
+    }
+
+    /// Fails on any violated bound (the module's list).
+    fn check(&self) {
+        let Self { rig, load, drained, instances, budgets, stale, tally, .. } = self;
+        let Load { rss_start, rss_end, .. } = load;
+        let Drained { pending, elsewhere, slots_held, .. } = drained;
+        let Instances { gauges, settles_given_up, panics, .. } = instances;
+        let over = &budgets.over;
+        assert_eq!(panics.iter().sum::<usize>(), 0, "panics: {}", rig.servers[0].process.log());
+        assert_eq!(tally.unanswered(), 0, "calls without an answer");
+        assert!(over.is_empty(), "admitted above the budget: {over:?}");
+        assert_eq!(*settles_given_up, 0.0, "settlements given up: Redis is never away for a minute here");
+        assert!(pending.is_empty(), "predictions never final: {pending:?}");
+        assert!(elsewhere.is_empty(), "final jobs another instance still shows otherwise: {elsewhere:?}");
+        assert!(stale.stale.is_empty(), "stale views during the traffic: {:?}", stale.stale);
+        assert_eq!(*slots_held, 0, "in-flight slots held at the end");
+        assert!(gauges.iter().all(|(jobs, slots)| *jobs == 0.0 && *slots == 0.0), "{gauges:?}");
+        for (i, (start, end)) in rss_start.iter().zip(rss_end).enumerate() {
+            assert!(*end as f64 <= *start as f64 * 1.10, "instance {i}: RSS {start} -> {end} KiB");
+        }
     }
 }
 

@@ -28,7 +28,7 @@ const MS: Nanos = 1_000_000;
 const START: Nanos = 1_767_225_600_000 * MS;
 
 /// Where a limiter's state lives while the suite drives it.
-pub trait Backend {
+pub(crate) trait Backend {
     /// One key's state in this backend.
     type Key: Key;
 
@@ -44,7 +44,7 @@ pub trait Backend {
 }
 
 /// One key under one limiter.
-pub trait Key: Sized {
+pub(crate) trait Key: Sized {
     /// What [`Key::state`] reads: equal for two keys that hold the same state.
     type State: PartialEq + Debug;
 
@@ -119,7 +119,7 @@ fn run(backend: &impl Backend, limiter: &Limiter, calls: &[Arrival]) -> Vec<(Nan
 /// against a model sharing no code with it. A newly registered algorithm fails
 /// [`every_registered_algorithm_has_a_reference_model`] until it has one here (and the exhaustive
 /// matches below, such as [`wait_bound`], until it has its place in them).
-pub const REFERENCE_MODELS: &[(&str, &str)] = &[
+pub(crate) const REFERENCE_MODELS: &[(&str, &str)] = &[
     ("token_bucket", "token_bucket_matches_the_replay_model"),
     ("gcra", "gcra_and_leaky_bucket_decide_exactly_like_the_token_bucket"),
     ("fixed_window", "fixed_window_matches_a_count_per_window"),
@@ -145,7 +145,7 @@ fn refund_promise(limiter: &Limiter) -> &'static str {
 }
 
 /// Every algorithm the registry lists is checked against a reference model here.
-pub fn every_registered_algorithm_has_a_reference_model() {
+pub(crate) fn every_registered_algorithm_has_a_reference_model() {
     for algorithm in ALGORITHMS {
         assert!(
             REFERENCE_MODELS.iter().any(|(name, _)| name == algorithm),
@@ -214,7 +214,7 @@ impl BucketModel {
     }
 }
 
-pub fn token_bucket_matches_the_replay_model(backend: &impl Backend, cases: u32) {
+pub(crate) fn token_bucket_matches_the_replay_model(backend: &impl Backend, cases: u32) {
     let strategy = (1u64..30, window_ms(), arrivals(3_000 * MS, 30, backend.resolution()));
     check(cases, strategy, |(capacity, period_ms, calls)| {
         let bucket = TokenBucket::new(capacity, 1_000.0 / period_ms as f64);
@@ -230,7 +230,7 @@ pub fn token_bucket_matches_the_replay_model(backend: &impl Backend, cases: u32)
 
 /// GCRA and the leaky bucket (as a meter) are the token bucket in other clothes: the same
 /// parameters must give the same decision and the same wait, call for call.
-pub fn gcra_and_leaky_bucket_decide_exactly_like_the_token_bucket(backend: &impl Backend, cases: u32) {
+pub(crate) fn gcra_and_leaky_bucket_decide_exactly_like_the_token_bucket(backend: &impl Backend, cases: u32) {
     let strategy = (1u64..30, window_ms(), arrivals(3_000 * MS, 30, backend.resolution()));
     check(cases, strategy, |(capacity, period_ms, calls)| {
         let calls = capped(calls, capacity);
@@ -246,7 +246,7 @@ pub fn gcra_and_leaky_bucket_decide_exactly_like_the_token_bucket(backend: &impl
     });
 }
 
-pub fn fixed_window_matches_a_count_per_window(backend: &impl Backend, cases: u32) {
+pub(crate) fn fixed_window_matches_a_count_per_window(backend: &impl Backend, cases: u32) {
     let strategy = (1u64..30, window_ms(), arrivals(5_000 * MS, 30, backend.resolution()));
     check(cases, strategy, |(limit, window_ms, calls)| {
         let window = window_ms * MS;
@@ -267,7 +267,7 @@ pub fn fixed_window_matches_a_count_per_window(backend: &impl Backend, cases: u3
     });
 }
 
-pub fn sliding_log_matches_the_full_history(backend: &impl Backend, cases: u32) {
+pub(crate) fn sliding_log_matches_the_full_history(backend: &impl Backend, cases: u32) {
     let strategy = (1u64..30, window_ms(), arrivals(5_000 * MS, 30, backend.resolution()));
     check(cases, strategy, |(limit, window_ms, calls)| {
         let window = window_ms * MS;
@@ -298,7 +298,7 @@ pub fn sliding_log_matches_the_full_history(backend: &impl Backend, cases: u32) 
     });
 }
 
-pub fn sliding_window_matches_the_weighted_estimate(backend: &impl Backend, cases: u32) {
+pub(crate) fn sliding_window_matches_the_weighted_estimate(backend: &impl Backend, cases: u32) {
     let strategy = (1u64..30, window_ms(), arrivals(5_000 * MS, 30, backend.resolution()));
     check(cases, strategy, |(limit, window_ms, calls)| {
         let window = window_ms * MS;
@@ -324,7 +324,7 @@ pub fn sliding_window_matches_the_weighted_estimate(backend: &impl Backend, case
 /// A refusal charges nothing: it leaves the key's state exactly as a call of cost zero (a read)
 /// at the same instant would, and dropping every refused call from the input changes no
 /// decision of the calls that were admitted, field for field.
-pub fn refusals_never_charge(backend: &impl Backend, cases: u32) {
+pub(crate) fn refusals_never_charge(backend: &impl Backend, cases: u32) {
     let strategy = (
         prop::sample::select(registered(false)),
         1u64..20,
@@ -359,7 +359,7 @@ pub fn refusals_never_charge(backend: &impl Backend, cases: u32) {
 /// A refusal's wait is exact for the algorithms that can know it: at the first instant the
 /// backend's clock can express at or after the wait the same call passes, at the instant
 /// before (one nanosecond in memory, one microsecond on Redis) it is still refused.
-pub fn retry_after_is_exact(backend: &impl Backend, cases: u32) {
+pub(crate) fn retry_after_is_exact(backend: &impl Backend, cases: u32) {
     let resolution = backend.resolution();
     let strategy =
         (prop::sample::select(registered(true)), 1u64..20, window_ms(), arrivals(3_000 * MS, 20, resolution));
@@ -393,7 +393,7 @@ pub fn retry_after_is_exact(backend: &impl Backend, cases: u32) {
     });
 }
 
-pub fn concurrency_counts_slots_exactly(backend: &impl Backend, cases: u32) {
+pub(crate) fn concurrency_counts_slots_exactly(backend: &impl Backend, cases: u32) {
     let strategy = (1u64..10, prop::collection::vec((any::<bool>(), 0u64..5), 1..200));
     check(cases, strategy, |(max, ops)| {
         let mut key = backend.start(&Limiter::Concurrency(Concurrency::new(max)), START);
@@ -418,7 +418,7 @@ pub fn concurrency_counts_slots_exactly(backend: &impl Backend, cases: u32) {
 
 /// Documented bound of the sliding window counter: any span of one window holds at most twice
 /// the limit, whatever the arrival pattern.
-pub fn sliding_window_never_exceeds_twice_the_limit_in_any_window(backend: &impl Backend, cases: u32) {
+pub(crate) fn sliding_window_never_exceeds_twice_the_limit_in_any_window(backend: &impl Backend, cases: u32) {
     let strategy = (1u64..20, window_ms(), arrivals(2_000 * MS, 5, backend.resolution()));
     check(cases, strategy, |(limit, window_ms, calls)| {
         let window = window_ms * MS;
@@ -455,15 +455,15 @@ fn edge_burst(backend: &impl Backend, limiter: &Limiter, window: Nanos) -> u64 {
 
 const MINUTE: Nanos = 60_000 * MS;
 
-pub fn fixed_window_lets_twice_the_limit_through_across_an_edge(backend: &impl Backend) {
+pub(crate) fn fixed_window_lets_twice_the_limit_through_across_an_edge(backend: &impl Backend) {
     assert_eq!(edge_burst(backend, &Limiter::FixedWindow(FixedWindow::new(100, MINUTE)), MINUTE), 200);
 }
 
-pub fn sliding_log_never_lets_more_than_the_limit_through_an_edge(backend: &impl Backend) {
+pub(crate) fn sliding_log_never_lets_more_than_the_limit_through_an_edge(backend: &impl Backend) {
     assert_eq!(edge_burst(backend, &Limiter::SlidingLog(SlidingLog::new(100, MINUTE)), MINUTE), 100);
 }
 
-pub fn sliding_window_stays_within_its_documented_error_at_an_edge(backend: &impl Backend) {
+pub(crate) fn sliding_window_stays_within_its_documented_error_at_an_edge(backend: &impl Backend) {
     let admitted = edge_burst(backend, &Limiter::SlidingWindow(SlidingWindow::new(100, MINUTE)), MINUTE);
     assert!(admitted <= 101, "the previous window still weighs fully at the edge: {admitted}");
 }
@@ -525,7 +525,7 @@ fn wait_bound(limiter: &Limiter, largest_span: Nanos) -> Nanos {
 /// limit (the same call passes at `retry_after` and not one clock step sooner; the sliding
 /// window's estimate only needs to be enough) and within the algorithm's documented bound, and
 /// held in-flight slots count against a lowered cap until they are given back.
-pub fn changed_limits_keep_every_number_believable(backend: &impl Backend, cases: u32) {
+pub(crate) fn changed_limits_keep_every_number_believable(backend: &impl Backend, cases: u32) {
     let resolution = backend.resolution();
     let strategy = (prop::sample::select(registered(false)), 1u64..40, window_ms(), lives(resolution));
     check(cases, strategy, |(algorithm, capacity, span_ms, steps)| {
@@ -611,7 +611,7 @@ enum Rate {
 /// one is kept as the period nearest to a second ÷ rate, and decided exactly: each call's
 /// `allowed`, `remaining`, `retry_after` and `reset_after` are what a model of the bucket's level
 /// in 128-bit nanoseconds says, with arrivals a fraction or a few periods apart (up to a year).
-pub fn every_rate_is_decided_exactly_or_refused_naming_its_key(backend: &impl Backend, cases: u32) {
+pub(crate) fn every_rate_is_decided_exactly_or_refused_naming_its_key(backend: &impl Backend, cases: u32) {
     let resolution = backend.resolution();
     let burst = prop_oneof![1u64..=64, MAX_UNITS - 64..=MAX_UNITS, 1..=MAX_UNITS];
     let rate = prop_oneof![
@@ -660,8 +660,8 @@ pub fn every_rate_is_decided_exactly_or_refused_naming_its_key(backend: &impl Ba
         if limiter.span() > backend.longest_span() {
             return Ok(());
         }
-        let full = u128::from(burst) * u128::from(period);
-        let (mut level, mut now) = (full, START);
+        let mut model = ExactBucket::full(burst, period);
+        let mut now = START;
         let mut key = backend.start(&limiter, now);
         for (n, (quarters, nanos, size, pick)) in calls.into_iter().enumerate() {
             let gap = u64::try_from(u128::from(period) * u128::from(quarters) / 4).expect("within a year") + nanos;
@@ -672,22 +672,7 @@ pub fn every_rate_is_decided_exactly_or_refused_naming_its_key(backend: &impl Ba
                 2 => burst,
                 _ => pick % (burst + 1),
             };
-            // Refill since the previous call, never past full; then the call, if it fits.
-            level = (level + u128::from(gap - gap % resolution)).min(full);
-            let need = u128::from(cost) * u128::from(period);
-            let allowed = need <= level;
-            if allowed {
-                level -= need;
-            }
-            let ns = |v: u128| u64::try_from(v).expect("below a year");
-            let expected = Decision {
-                allowed,
-                limit: burst,
-                remaining: ns(level / u128::from(period)),
-                retry_after: if allowed { 0 } else { ns(need - level) },
-                reset_after: ns(full - level),
-                at: now,
-            };
+            let expected = model.call(gap - gap % resolution, cost, now);
             let d = key.acquire(now, cost);
             prop_assert_eq!(
                 d,
@@ -701,6 +686,43 @@ pub fn every_rate_is_decided_exactly_or_refused_naming_its_key(backend: &impl Ba
         }
         Ok(())
     });
+}
+
+/// Reference bucket for any rate: `burst` units of `period` ns each, its level kept in 128-bit
+/// nanoseconds.
+struct ExactBucket {
+    burst: u64,
+    period: u128,
+    full: u128,
+    level: u128,
+}
+
+impl ExactBucket {
+    /// A bucket of `burst` units of `period` ns, full.
+    fn full(burst: u64, period: Nanos) -> Self {
+        let full = u128::from(burst) * u128::from(period);
+        Self { burst, period: u128::from(period), full, level: full }
+    }
+
+    /// The decision the bucket expects at `now` for a call of `cost`, `refill` ns after the
+    /// previous one: refill since the previous call, never past full; then the call, if it fits.
+    fn call(&mut self, refill: Nanos, cost: u64, now: Nanos) -> Decision {
+        self.level = (self.level + u128::from(refill)).min(self.full);
+        let need = u128::from(cost) * self.period;
+        let allowed = need <= self.level;
+        if allowed {
+            self.level -= need;
+        }
+        let ns = |v: u128| u64::try_from(v).expect("below a year");
+        Decision {
+            allowed,
+            limit: self.burst,
+            remaining: ns(self.level / self.period),
+            retry_after: if allowed { 0 } else { ns(need - self.level) },
+            reset_after: ns(self.full - self.level),
+            at: now,
+        }
+    }
 }
 
 /// One step of a key whose calls are settled late.
@@ -756,6 +778,79 @@ impl Charged {
     }
 }
 
+/// Checks the decision `d` on a call of `cost` at `now`, described by `at`, against the refund
+/// promise of `limiter` (a rate algorithm of `capacity`), given the admitted `calls` before it:
+/// exactly what the fixed window's, sliding window's and sliding log's models decide, and for a
+/// bucket nothing past a replay of every admitted call at its price settled so far.
+fn admitted_as_promised(
+    limiter: &Limiter,
+    calls: &[Charged],
+    capacity: u64,
+    now: Nanos,
+    cost: u64,
+    d: &Decision,
+    at: &str,
+) -> Result<(), TestCaseError> {
+    let window = limiter.policy_window().unwrap_or(1);
+    match limiter {
+        Limiter::FixedWindow(_) => {
+            let k = now / window;
+            let count: u64 = calls
+                .iter()
+                .filter(|c| c.at / window == k)
+                .map(|c| c.cost - c.back_if(now, |when| when / window == k))
+                .sum();
+            prop_assert_eq!(d.allowed, count + cost <= capacity, "{}", at);
+        }
+        Limiter::SlidingWindow(_) => {
+            let k = now / window;
+            let count = |of: u64| -> u64 {
+                calls
+                    .iter()
+                    .filter(|c| c.at / window == of)
+                    .map(|c| c.cost - c.back_if(now, |when| when / window <= of + 1))
+                    .sum()
+            };
+            let (previous, current) = (if k == 0 { 0 } else { count(k - 1) }, count(k));
+            let elapsed = now - k * window;
+            let load =
+                u128::from(previous) * u128::from(window - elapsed) + u128::from(current + cost) * u128::from(window);
+            prop_assert_eq!(d.allowed, load <= u128::from(capacity) * u128::from(window), "{}", at);
+        }
+        Limiter::SlidingLog(_) => {
+            let logged: u64 = calls
+                .iter()
+                .filter(|c| c.at + window > now)
+                .map(|c| c.cost - c.back_if(now, |when| c.at + window > when))
+                .sum();
+            prop_assert_eq!(d.allowed, logged + cost <= capacity, "{}", at);
+        }
+        Limiter::TokenBucket(_) | Limiter::Gcra(_) | Limiter::LeakyBucket(_) => {
+            // A replay of every admitted call at its price settled so far.
+            let Shape::Rate { period } = limiter.shape() else { unreachable!("a bucket") };
+            let full = i128::from(capacity) * i128::from(period);
+            let (mut level, mut last) = (full, START);
+            for c in calls {
+                level = (level + i128::from(c.at - last)).min(full) - i128::from(c.price_at(now)) * i128::from(period);
+                last = c.at;
+                prop_assert!(level >= 0, "the replay refuses a call the key admitted: {}", at);
+            }
+            let level = (level + i128::from(now - last)).min(full);
+            if d.allowed {
+                let after = level - i128::from(cost) * i128::from(period);
+                prop_assert!(after >= 0, "admitted past the replay: {}", at);
+                prop_assert!(
+                    i128::from(d.remaining) <= after / i128::from(period),
+                    "more left than the replay: {}",
+                    at
+                );
+            }
+        }
+        Limiter::Concurrency(_) => unreachable!("rates only"),
+    }
+    Ok(())
+}
+
 /// Calls settled late — a price settled below its reservation after other calls, a window
 /// boundary or a whole window later — on every rate algorithm: no call is admitted that the
 /// algorithm's own promise, counting every price at what it was settled to so far, would refuse
@@ -767,7 +862,7 @@ impl Charged {
 /// restores exactly: the key then decides as one whose call had cost the settled price from the
 /// start (for a bucket, unless something was given back in the microsecond before the charge,
 /// which it counts as after: [`GIVEN_BACK_AHEAD`]).
-pub fn late_refunds_go_back_only_where_they_were_taken<B: Backend>(backend: &B, cases: u32) {
+pub(crate) fn late_refunds_go_back_only_where_they_were_taken<B: Backend>(backend: &B, cases: u32) {
     let resolution = backend.resolution();
     let strategy = (prop::sample::select(registered(true)), 1u64..20, window_ms(), late_lives(resolution));
     check(cases, strategy, |(algorithm, capacity, span_ms, steps)| {
@@ -817,64 +912,7 @@ pub fn late_refunds_go_back_only_where_they_were_taken<B: Backend>(backend: &B, 
                         now - START,
                         limiter.describe()
                     );
-                    let window = limiter.policy_window().unwrap_or(1);
-                    match &limiter {
-                        Limiter::FixedWindow(_) => {
-                            let k = now / window;
-                            let count: u64 = calls
-                                .iter()
-                                .filter(|c| c.at / window == k)
-                                .map(|c| c.cost - c.back_if(now, |when| when / window == k))
-                                .sum();
-                            prop_assert_eq!(d.allowed, count + cost <= capacity, "{}", at);
-                        }
-                        Limiter::SlidingWindow(_) => {
-                            let k = now / window;
-                            let count = |of: u64| -> u64 {
-                                calls
-                                    .iter()
-                                    .filter(|c| c.at / window == of)
-                                    .map(|c| c.cost - c.back_if(now, |when| when / window <= of + 1))
-                                    .sum()
-                            };
-                            let (previous, current) = (if k == 0 { 0 } else { count(k - 1) }, count(k));
-                            let elapsed = now - k * window;
-                            let load = u128::from(previous) * u128::from(window - elapsed)
-                                + u128::from(current + cost) * u128::from(window);
-                            prop_assert_eq!(d.allowed, load <= u128::from(capacity) * u128::from(window), "{}", at);
-                        }
-                        Limiter::SlidingLog(_) => {
-                            let logged: u64 = calls
-                                .iter()
-                                .filter(|c| c.at + window > now)
-                                .map(|c| c.cost - c.back_if(now, |when| c.at + window > when))
-                                .sum();
-                            prop_assert_eq!(d.allowed, logged + cost <= capacity, "{}", at);
-                        }
-                        Limiter::TokenBucket(_) | Limiter::Gcra(_) | Limiter::LeakyBucket(_) => {
-                            // A replay of every admitted call at its price settled so far.
-                            let Shape::Rate { period } = limiter.shape() else { unreachable!("a bucket") };
-                            let full = i128::from(capacity) * i128::from(period);
-                            let (mut level, mut last) = (full, START);
-                            for c in &calls {
-                                level = (level + i128::from(c.at - last)).min(full)
-                                    - i128::from(c.price_at(now)) * i128::from(period);
-                                last = c.at;
-                                prop_assert!(level >= 0, "the replay refuses a call the key admitted: {}", at);
-                            }
-                            let level = (level + i128::from(now - last)).min(full);
-                            if d.allowed {
-                                let after = level - i128::from(cost) * i128::from(period);
-                                prop_assert!(after >= 0, "admitted past the replay: {}", at);
-                                prop_assert!(
-                                    i128::from(d.remaining) <= after / i128::from(period),
-                                    "more left than the replay: {}",
-                                    at
-                                );
-                            }
-                        }
-                        Limiter::Concurrency(_) => unreachable!("rates only"),
-                    }
+                    admitted_as_promised(&limiter, &calls, capacity, now, cost, &d, &at)?;
                     if d.allowed && cost > 0 {
                         calls.push(Charged { at: now, cost, taken: d.taken(), settled: None });
                         let stamped = bucket && given_back_at.is_some_and(|at| now < at + GIVEN_BACK_AHEAD);

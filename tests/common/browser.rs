@@ -28,11 +28,11 @@ const INSTALL: &str = "this test drives headless Chromium: install Debian's pack
 const PATIENCE: Duration = Duration::from_secs(30);
 
 /// The window every page is laid out in.
-pub const WIDTH: u32 = 1280;
-pub const HEIGHT: u32 = 900;
+pub(crate) const WIDTH: u32 = 1280;
+pub(crate) const HEIGHT: u32 = 900;
 
 /// A running headless Chromium with one page open. Killed when dropped.
-pub struct Browser {
+pub(crate) struct Browser {
     child: tokio::process::Child,
     _profile: tempfile::TempDir,
     page: WebSocketStream<MaybeTlsStream<TcpStream>>,
@@ -51,7 +51,7 @@ fn chromium() -> PathBuf {
 
 impl Browser {
     /// Starts Chromium and connects to its first page.
-    pub async fn launch() -> Self {
+    pub(crate) async fn launch() -> Self {
         let binary = chromium();
         let profile = tempfile::tempdir().expect("a profile directory");
         let log = profile.path().join("chromium.log");
@@ -87,7 +87,7 @@ impl Browser {
     }
 
     /// Sends one protocol command and returns its result (panics on a protocol error).
-    pub async fn command(&mut self, method: &str, params: Value) -> Value {
+    pub(crate) async fn command(&mut self, method: &str, params: Value) -> Value {
         self.next_id += 1;
         let id = self.next_id;
         let message = json!({"id": id, "method": method, "params": params}).to_string();
@@ -112,7 +112,7 @@ impl Browser {
     }
 
     /// Opens `url` and waits until it has loaded.
-    pub async fn open(&mut self, url: &str) {
+    pub(crate) async fn open(&mut self, url: &str) {
         self.command("Page.enable", json!({})).await;
         let navigated = self.command("Page.navigate", json!({"url": url})).await;
         if let Some(problem) = navigated["errorText"].as_str() {
@@ -122,7 +122,7 @@ impl Browser {
     }
 
     /// The value of a JavaScript expression in the page (promises awaited).
-    pub async fn eval(&mut self, expression: &str) -> Value {
+    pub(crate) async fn eval(&mut self, expression: &str) -> Value {
         let answer = self
             .command("Runtime.evaluate", json!({"expression": expression, "returnByValue": true, "awaitPromise": true}))
             .await;
@@ -134,7 +134,7 @@ impl Browser {
 
     /// Waits a bounded real time (the page polls on the browser's own clock) until `expression`
     /// is true in the page.
-    pub async fn wait_for(&mut self, what: &str, expression: &str) {
+    pub(crate) async fn wait_for(&mut self, what: &str, expression: &str) {
         let give_up = tokio::time::Instant::now() + PATIENCE;
         while tokio::time::Instant::now() < give_up {
             if self.eval(expression).await == Value::Bool(true) {
@@ -147,7 +147,7 @@ impl Browser {
     }
 
     /// A PNG of the whole page (its full height) written to `path`.
-    pub async fn screenshot(&mut self, path: &Path) {
+    pub(crate) async fn screenshot(&mut self, path: &Path) {
         let height = self.eval("document.documentElement.scrollHeight").await.as_u64().unwrap_or(u64::from(HEIGHT));
         let metrics =
             json!({"width": WIDTH, "height": height.max(u64::from(HEIGHT)), "deviceScaleFactor": 1, "mobile": false});

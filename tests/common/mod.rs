@@ -13,21 +13,21 @@ use rmcp::{RoleClient, ServiceExt};
 use serde_json::Value;
 use tokio::net::TcpListener;
 
-pub type Client = RunningService<RoleClient, ()>;
+pub(crate) type Client = RunningService<RoleClient, ()>;
 
 /// For tests that exhaust a budget by repeating one identical call: loop detection would
 /// (rightly) stop such an agent first.
-pub const NO_LOOP_DETECTION: &str = "[loop_detection]\nenabled = false\n";
+pub(crate) const NO_LOOP_DETECTION: &str = "[loop_detection]\nenabled = false\n";
 
 /// For tests that exhaust a budget with searches that all find nothing: loop detection by
 /// answers (`no_progress`) would (rightly) stop such an agent first.
-pub const NO_PROGRESS_CHECK: &str = "[loop_detection]\nno_progress = 0\n";
+pub(crate) const NO_PROGRESS_CHECK: &str = "[loop_detection]\nno_progress = 0\n";
 
 /// For tests about budgets that start many jobs at once: the in-flight caps out of the way.
-pub const ROOMY_IN_FLIGHT: &str = "[limits.in_flight]\ncaller = 1000\ntenant = 1000\naddress = 1000\n";
+pub(crate) const ROOMY_IN_FLIGHT: &str = "[limits.in_flight]\ncaller = 1000\ntenant = 1000\naddress = 1000\n";
 
 /// A server started in-process on a free loopback port, on a manual clock.
-pub struct TestServer {
+pub(crate) struct TestServer {
     pub app: Arc<App>,
     pub clock: Arc<ManualClock>,
     pub addr: std::net::SocketAddr,
@@ -36,19 +36,25 @@ pub struct TestServer {
 
 impl TestServer {
     /// Starts a server with the defaults plus `toml`.
-    pub async fn start(toml: &str) -> Self {
+    pub(crate) async fn start(toml: &str) -> Self {
+        Self::start_on(toml, ManualClock::new()).await
+    }
+
+    /// Starts a server with the defaults plus `toml`, on `clock` (an OAuth test's clock starts
+    /// at the wall clock's time, which the tokens it checks are stamped with).
+    pub(crate) async fn start_on(toml: &str, clock: Arc<ManualClock>) -> Self {
         let config = Config::from_toml(toml, &mcp_ratelimit::mcp::tools::catalogue()).expect("test config is valid");
-        let clock = ManualClock::new();
-        let app = Arc::new(App::start(config, clock.clone()).await.expect("server starts"));
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
+        let config = config.serving_at(addr).expect("a loopback address names the audience");
+        let app = Arc::new(App::start(config, clock.clone()).await.expect("server starts"));
         let serving = app.clone();
         tokio::spawn(async move { serving.serve_http(listener).await });
         Self { app, clock, addr, url: format!("http://{addr}/mcp") }
     }
 
     /// An MCP client presenting `token` as a Bearer credential (or none).
-    pub async fn client(&self, token: Option<&str>) -> Client {
+    pub(crate) async fn client(&self, token: Option<&str>) -> Client {
         let mut config = StreamableHttpClientTransportConfig::with_uri(self.url.clone());
         if let Some(token) = token {
             config = config.auth_header(token);
@@ -57,13 +63,13 @@ impl TestServer {
     }
 
     /// The embedded mock upstream's usage counters.
-    pub async fn upstream_usage(&self) -> Value {
+    pub(crate) async fn upstream_usage(&self) -> Value {
         let url = format!("{}/v1/usage", self.app.upstream_url());
         reqwest::get(url).await.expect("usage").json().await.expect("usage json")
     }
 
     /// Every prediction submission the mock received: (clock reading in ns, status, key).
-    pub async fn submissions(&self) -> Vec<(u64, u16, String)> {
+    pub(crate) async fn submissions(&self) -> Vec<(u64, u16, String)> {
         let url = format!("{}/v1/submissions", self.app.upstream_url());
         let log: Value = reqwest::get(url).await.expect("submissions").json().await.expect("json");
         log["submissions"]
@@ -78,23 +84,23 @@ impl TestServer {
     }
 
     /// Changes the mock's chaos knobs while it runs (e.g. `{"rate_5xx": 1.0}` takes it down).
-    pub async fn chaos(&self, knobs: Value) {
+    pub(crate) async fn chaos(&self, knobs: Value) {
         let url = format!("{}/v1/chaos", self.app.upstream_url());
         let r = reqwest::Client::new().put(url).json(&knobs).send().await.expect("chaos");
         assert!(r.status().is_success(), "chaos change refused: {}", r.status());
     }
 
     /// `GET /metrics`.
-    pub async fn metrics(&self) -> String {
+    pub(crate) async fn metrics(&self) -> String {
         reqwest::get(format!("http://{}/metrics", self.addr)).await.expect("metrics").text().await.expect("text")
     }
 
     /// Moves the server's clock by whole milliseconds (exact, unlike a float of seconds).
-    pub fn advance_ms(&self, ms: u64) {
+    pub(crate) fn advance_ms(&self, ms: u64) {
         self.clock.advance(std::time::Duration::from_millis(ms));
     }
 
-    pub fn advance_secs(&self, secs: f64) {
+    pub(crate) fn advance_secs(&self, secs: f64) {
         self.clock.advance(std::time::Duration::from_secs_f64(secs));
     }
 }
@@ -106,14 +112,14 @@ impl Drop for TestServer {
 }
 
 /// A 2025-11-25 MCP client (the initialize handshake, a session) of the server at `url`.
-pub async fn client_of(url: &str) -> Client {
+pub(crate) async fn client_of(url: &str) -> Client {
     let transport = StreamableHttpClientTransport::from_config(StreamableHttpClientTransportConfig::with_uri(url));
     ().serve(transport).await.expect("client connects")
 }
 
 /// `mcp-ratelimit serve --config FILE` as its own process on a free port (it reloads on SIGHUP and
 /// on the file changing), once it answers `/health`; an MCP client of it presenting `key`; its port.
-pub async fn serve_file(file: &std::path::Path, key: &str) -> (tokio::process::Child, Client, u16) {
+pub(crate) async fn serve_file(file: &std::path::Path, key: &str) -> (tokio::process::Child, Client, u16) {
     let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
     let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-ratelimit"))
         .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--config"])
@@ -131,7 +137,7 @@ pub async fn serve_file(file: &std::path::Path, key: &str) -> (tokio::process::C
 
 /// Serves `server` (a library user's rmcp handler) on a free loopback port, as
 /// `examples/rmcp_server.rs` does: streamable HTTP at `/mcp` behind `limits`' HTTP layer. Its URL.
-pub async fn serve_library<S>(server: S, limits: &mcp_ratelimit::RateLimits) -> String
+pub(crate) async fn serve_library<S>(server: S, limits: &mcp_ratelimit::RateLimits) -> String
 where
     S: rmcp::ServerHandler + Clone + Send + Sync + 'static,
 {
@@ -151,13 +157,15 @@ where
 }
 
 /// One mock upstream for several instances (`upstream.url`), on a clock of the test's own.
-pub async fn shared_mock() -> (Arc<ManualClock>, mcp_ratelimit::mock_upstream::MockUpstream) {
+pub(crate) async fn shared_mock() -> (Arc<ManualClock>, mcp_ratelimit::mock_upstream::MockUpstream) {
     let defaults = Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults");
     shared_mock_running(defaults.mock_upstream.image_job_ms).await
 }
 
 /// [`shared_mock`], its image jobs running `image_job_ms` on its clock.
-pub async fn shared_mock_running(image_job_ms: u64) -> (Arc<ManualClock>, mcp_ratelimit::mock_upstream::MockUpstream) {
+pub(crate) async fn shared_mock_running(
+    image_job_ms: u64,
+) -> (Arc<ManualClock>, mcp_ratelimit::mock_upstream::MockUpstream) {
     let mock_clock = ManualClock::new();
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let defaults = Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults");
@@ -170,7 +178,7 @@ pub async fn shared_mock_running(image_job_ms: u64) -> (Arc<ManualClock>, mcp_ra
 }
 
 /// Calls `tool` with `args`; panics on a protocol error (refusals are results, not errors).
-pub async fn call(client: &Client, tool: &str, args: Value) -> CallToolResult {
+pub(crate) async fn call(client: &Client, tool: &str, args: Value) -> CallToolResult {
     let mut params = CallToolRequestParams::new(tool.to_owned());
     if let Value::Object(map) = args {
         params = params.with_arguments(map);
@@ -178,24 +186,24 @@ pub async fn call(client: &Client, tool: &str, args: Value) -> CallToolResult {
     client.call_tool(params).await.expect("tools/call answered")
 }
 
-pub fn is_error(r: &CallToolResult) -> bool {
+pub(crate) fn is_error(r: &CallToolResult) -> bool {
     r.is_error == Some(true)
 }
 
-pub fn structured(r: &CallToolResult) -> &Value {
+pub(crate) fn structured(r: &CallToolResult) -> &Value {
     r.structured_content.as_ref().expect("structuredContent present")
 }
 
-pub fn error_code(r: &CallToolResult) -> Option<&str> {
+pub(crate) fn error_code(r: &CallToolResult) -> Option<&str> {
     r.structured_content.as_ref()?.get("error")?.get("code")?.as_str()
 }
 
-pub fn text(r: &CallToolResult) -> String {
+pub(crate) fn text(r: &CallToolResult) -> String {
     r.content.iter().filter_map(|c| c.as_text().map(|t| t.text.clone())).collect::<Vec<_>>().join("\n")
 }
 
 /// The sum of every sample of `metric` in a Prometheus text exposition (all label sets).
-pub fn metric_sum(exposition: &str, metric: &str) -> f64 {
+pub(crate) fn metric_sum(exposition: &str, metric: &str) -> f64 {
     exposition
         .lines()
         .filter(|l| l.strip_prefix(metric).is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' ')))
@@ -205,7 +213,7 @@ pub fn metric_sum(exposition: &str, metric: &str) -> f64 {
 
 /// Waits, a bounded real time, for background work on the server (a job's poll, a queued
 /// submission) to reach the state `check` looks for. Time on the server's clock does not move.
-pub async fn eventually<F, Fut>(what: &str, mut check: F)
+pub(crate) async fn eventually<F, Fut>(what: &str, mut check: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -219,7 +227,7 @@ where
 
 /// Asks `attempt` every 10 ms until it gives a value, for at most `within` of real time (a
 /// process starting, restarting or answering; never a window of the server's clock).
-pub async fn eventually_some<T, F, Fut>(what: &str, within: std::time::Duration, mut attempt: F) -> T
+pub(crate) async fn eventually_some<T, F, Fut>(what: &str, within: std::time::Duration, mut attempt: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
@@ -236,12 +244,17 @@ where
 
 /// Lets background tasks that were woken run to their next wait, before asserting that
 /// something did *not* happen.
-pub async fn settle() {
+pub(crate) async fn settle() {
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
 }
 
 /// Calls `tool` until it is refused; returns how many calls passed.
-pub async fn spend_until_refused(client: &Client, tool: &str, args: Value, max: usize) -> (usize, CallToolResult) {
+pub(crate) async fn spend_until_refused(
+    client: &Client,
+    tool: &str,
+    args: Value,
+    max: usize,
+) -> (usize, CallToolResult) {
     for passed in 0..max {
         let r = call(client, tool, args.clone()).await;
         if is_error(&r) {
@@ -252,7 +265,7 @@ pub async fn spend_until_refused(client: &Client, tool: &str, args: Value, max: 
 }
 
 /// The budget in a `rate_limit_status` result whose scope starts with `prefix`.
-pub fn budget<'a>(status: &'a CallToolResult, prefix: &str) -> &'a Value {
+pub(crate) fn budget<'a>(status: &'a CallToolResult, prefix: &str) -> &'a Value {
     structured(status)["budgets"]
         .as_array()
         .and_then(|b| b.iter().find(|b| b["scope"].as_str().is_some_and(|s| s.starts_with(prefix))))
@@ -260,7 +273,7 @@ pub fn budget<'a>(status: &'a CallToolResult, prefix: &str) -> &'a Value {
 }
 
 /// A hand-driven MCP session over raw HTTP, for asserting status codes and headers.
-pub struct RawSession {
+pub(crate) struct RawSession {
     pub http: reqwest::Client,
     pub url: String,
     pub headers: Vec<(String, String)>,
@@ -268,7 +281,7 @@ pub struct RawSession {
 }
 
 impl RawSession {
-    pub fn new(url: &str, headers: &[(&str, &str)]) -> Self {
+    pub(crate) fn new(url: &str, headers: &[(&str, &str)]) -> Self {
         Self {
             http: reqwest::Client::new(),
             url: url.to_owned(),
@@ -278,7 +291,7 @@ impl RawSession {
     }
 
     /// POSTs a JSON-RPC body as an MCP client would, returning status, headers and body text.
-    pub async fn post_raw(&self, body: String, content_type: &str) -> (u16, reqwest::header::HeaderMap, String) {
+    pub(crate) async fn post_raw(&self, body: String, content_type: &str) -> (u16, reqwest::header::HeaderMap, String) {
         let mut request = self
             .http
             .post(&self.url)
@@ -297,12 +310,12 @@ impl RawSession {
         (status, headers, response.text().await.unwrap_or_default())
     }
 
-    pub async fn post(&self, body: Value) -> (u16, reqwest::header::HeaderMap, String) {
+    pub(crate) async fn post(&self, body: Value) -> (u16, reqwest::header::HeaderMap, String) {
         self.post_raw(body.to_string(), "application/json").await
     }
 
     /// initialize + notifications/initialized; returns the HTTP statuses of both.
-    pub async fn open(&mut self) -> (u16, u16) {
+    pub(crate) async fn open(&mut self) -> (u16, u16) {
         let init = serde_json::json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
             "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw-test", "version": "1"}}});
         let (status, headers, _) = self.post(init).await;
@@ -312,13 +325,13 @@ impl RawSession {
         (status, second)
     }
 
-    pub async fn ping(&self, id: u64) -> (u16, reqwest::header::HeaderMap, String) {
+    pub(crate) async fn ping(&self, id: u64) -> (u16, reqwest::header::HeaderMap, String) {
         self.post(serde_json::json!({"jsonrpc": "2.0", "id": id, "method": "ping"})).await
     }
 }
 
 /// The JSON-RPC message inside a response body that may be SSE (`data: {...}` lines) or JSON.
-pub fn jsonrpc_of(body: &str) -> Value {
+pub(crate) fn jsonrpc_of(body: &str) -> Value {
     let data = body.lines().filter_map(|l| l.strip_prefix("data:")).map(str::trim).find(|d| d.starts_with('{'));
     serde_json::from_str(data.unwrap_or(body)).unwrap_or(Value::Null)
 }
@@ -326,7 +339,7 @@ pub fn jsonrpc_of(body: &str) -> Value {
 /// Everything a `tracing` subscriber writes, kept for a test to read (install it with
 /// `with_writer(move || capture.clone())`; the subscriber is process-wide).
 #[derive(Clone, Default)]
-pub struct LogCapture(Arc<std::sync::Mutex<Vec<u8>>>);
+pub(crate) struct LogCapture(Arc<std::sync::Mutex<Vec<u8>>>);
 
 impl std::io::Write for LogCapture {
     fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
@@ -340,12 +353,12 @@ impl std::io::Write for LogCapture {
 
 impl LogCapture {
     /// All that was written so far.
-    pub fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned()
     }
 
     /// The lines written so far that contain `text`.
-    pub fn lines_with(&self, text: &str) -> Vec<String> {
+    pub(crate) fn lines_with(&self, text: &str) -> Vec<String> {
         self.text().lines().filter(|l| l.contains(text)).map(str::to_owned).collect()
     }
 }

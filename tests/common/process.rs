@@ -13,21 +13,21 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 /// The binary under test: the one `cargo test` built.
-pub const BINARY: &str = env!("CARGO_BIN_EXE_mcp-ratelimit");
+pub(crate) const BINARY: &str = env!("CARGO_BIN_EXE_mcp-ratelimit");
 
 /// The binary the processes run: `MCP_RATELIMIT_BIN` (e.g. a release build, for figures a
 /// deployment would see), else [`BINARY`].
-pub fn binary() -> String {
+pub(crate) fn binary() -> String {
     std::env::var("MCP_RATELIMIT_BIN").ok().filter(|b| !b.is_empty()).unwrap_or_else(|| BINARY.to_owned())
 }
 
 /// A free loopback port (bound and let go: another process may take it first, rarely).
-pub fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free loopback port").port()
 }
 
 /// Polls `check` every 20 ms until it holds, at most `limit`; panics naming `what` otherwise.
-pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut check: F)
+pub(crate) async fn wait_until<F, Fut>(what: &str, limit: Duration, mut check: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -40,7 +40,7 @@ where
 }
 
 /// Resident memory of a process in KiB (`VmRSS` in `/proc/<pid>/status`; Linux).
-pub fn rss_kib(pid: u32) -> Option<u64> {
+pub(crate) fn rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status
         .lines()
@@ -49,7 +49,7 @@ pub fn rss_kib(pid: u32) -> Option<u64> {
 }
 
 /// A process of the binary: its stderr goes to a file the test can read (panics, warnings).
-pub struct Process {
+pub(crate) struct Process {
     child: tokio::process::Child,
     log: PathBuf,
     _dir: tempfile::TempDir,
@@ -57,7 +57,7 @@ pub struct Process {
 
 impl Process {
     /// Runs `mcp-ratelimit <args> --config <file with toml>` with `env` set.
-    pub fn spawn(args: &[&str], toml: &str, env: &[(&str, String)]) -> Self {
+    pub(crate) fn spawn(args: &[&str], toml: &str, env: &[(&str, String)]) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let config = dir.path().join("config.toml");
         std::fs::write(&config, toml).expect("write the config");
@@ -80,38 +80,38 @@ impl Process {
     }
 
     /// The process id, while it runs.
-    pub fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.id().expect("the process runs")
     }
 
     /// Its resident memory in KiB.
-    pub fn rss_kib(&self) -> u64 {
+    pub(crate) fn rss_kib(&self) -> u64 {
         rss_kib(self.pid()).expect("VmRSS of a running process")
     }
 
     /// Everything it wrote to stderr so far.
-    pub fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// Panics it reported (a panicking task prints "panicked at").
-    pub fn panics(&self) -> usize {
+    pub(crate) fn panics(&self) -> usize {
         self.log().matches("panicked at").count()
     }
 
     /// Whether it has exited.
-    pub fn exited(&mut self) -> bool {
+    pub(crate) fn exited(&mut self) -> bool {
         !matches!(self.child.try_wait(), Ok(None))
     }
 
     /// Kills it outright.
-    pub async fn kill(&mut self) {
+    pub(crate) async fn kill(&mut self) {
         let _ = self.child.kill().await;
     }
 }
 
 /// A `serve` process on a free port.
-pub struct Server {
+pub(crate) struct Server {
     pub process: Process,
     /// `http://127.0.0.1:<port>`.
     pub base: String,
@@ -121,7 +121,7 @@ pub struct Server {
 
 impl Server {
     /// Starts `serve` with `toml` as its config file, and waits (bounded) for `/health`.
-    pub async fn start(toml: &str, env: &[(&str, String)]) -> Self {
+    pub(crate) async fn start(toml: &str, env: &[(&str, String)]) -> Self {
         let port = free_port();
         let listen = format!("127.0.0.1:{port}");
         let mut process = Process::spawn(&["serve", "--listen", &listen], toml, env);
@@ -138,14 +138,14 @@ impl Server {
     }
 
     /// `GET /metrics`.
-    pub async fn metrics(&self) -> String {
+    pub(crate) async fn metrics(&self) -> String {
         let response = reqwest::get(format!("{}/metrics", self.base)).await.expect("metrics");
         response.text().await.expect("metrics text")
     }
 }
 
 /// A `mock-upstream` process on a free port with `[mock_upstream]` knobs from `toml`.
-pub struct Upstream {
+pub(crate) struct Upstream {
     pub process: Process,
     /// Its base URL, for `upstream.url`.
     pub url: String,
@@ -153,7 +153,7 @@ pub struct Upstream {
 
 impl Upstream {
     /// Starts it and waits (bounded) until it answers.
-    pub async fn start(toml: &str) -> Self {
+    pub(crate) async fn start(toml: &str) -> Self {
         let port = free_port();
         let listen = format!("127.0.0.1:{port}");
         let process = Process::spawn(&["mock-upstream", "--listen", &listen], toml, &[]);
@@ -169,7 +169,7 @@ impl Upstream {
 
 /// One MCP session over raw HTTP (what any client sends), with a Bearer token.
 #[derive(Clone)]
-pub struct Session {
+pub(crate) struct Session {
     http: reqwest::Client,
     url: String,
     token: String,
@@ -180,7 +180,7 @@ pub struct Session {
 
 /// What a POST got back.
 #[derive(Debug)]
-pub struct Answer {
+pub(crate) struct Answer {
     pub status: u16,
     /// `Mcp-Session-Id` of the answer, if it carried one (an `initialize`'s).
     pub session_id: Option<String>,
@@ -192,24 +192,24 @@ pub struct Answer {
 
 impl Answer {
     /// The tool result's `structuredContent`, if any.
-    pub fn structured(&self) -> &Value {
+    pub(crate) fn structured(&self) -> &Value {
         &self.message["result"]["structuredContent"]
     }
 
     /// Whether the tool result is a refusal (`isError: true`).
-    pub fn is_error(&self) -> bool {
+    pub(crate) fn is_error(&self) -> bool {
         self.message["result"]["isError"] == true
     }
 
     /// The refusal's code (`rate_limited`, `busy`, …).
-    pub fn code(&self) -> Option<&str> {
+    pub(crate) fn code(&self) -> Option<&str> {
         self.structured()["error"]["code"].as_str()
     }
 }
 
 impl Session {
     /// A session for `token` against `url`, not yet opened; `http` may be shared.
-    pub fn new(http: &reqwest::Client, url: &str, token: &str) -> Self {
+    pub(crate) fn new(http: &reqwest::Client, url: &str, token: &str) -> Self {
         Self {
             http: http.clone(),
             url: url.to_owned(),
@@ -220,7 +220,7 @@ impl Session {
     }
 
     /// POSTs one JSON-RPC message; `Err` only when no HTTP answer came at all.
-    pub async fn post(&self, body: &Value) -> Result<Answer, reqwest::Error> {
+    pub(crate) async fn post(&self, body: &Value) -> Result<Answer, reqwest::Error> {
         let mut request = self
             .http
             .post(&self.url)
@@ -243,7 +243,7 @@ impl Session {
 
     /// `initialize` then `notifications/initialized`; returns the initialize's status (200 when
     /// a session was opened; then `id` is set).
-    pub async fn open(&mut self) -> Result<u16, reqwest::Error> {
+    pub(crate) async fn open(&mut self) -> Result<u16, reqwest::Error> {
         let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
             "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "harden", "version": "1"}}});
         let answer = self.post(&init).await?;
@@ -256,7 +256,7 @@ impl Session {
     }
 
     /// `tools/call`.
-    pub async fn call(&self, tool: &str, arguments: Value) -> Result<Answer, reqwest::Error> {
+    pub(crate) async fn call(&self, tool: &str, arguments: Value) -> Result<Answer, reqwest::Error> {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.post(&json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
             "params": {"name": tool, "arguments": arguments}}))
@@ -264,14 +264,14 @@ impl Session {
     }
 
     /// `ping`: the status tells whether the session still exists (404 once it is gone).
-    pub async fn ping(&self) -> Result<u16, reqwest::Error> {
+    pub(crate) async fn ping(&self) -> Result<u16, reqwest::Error> {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(self.post(&json!({"jsonrpc": "2.0", "id": id, "method": "ping"})).await?.status)
     }
 }
 
 /// The `q`-quantile (0.0-1.0) of `samples`, nearest rank.
-pub fn quantile(samples: &[Duration], q: f64) -> Duration {
+pub(crate) fn quantile(samples: &[Duration], q: f64) -> Duration {
     let mut sorted = samples.to_vec();
     sorted.sort();
     if sorted.is_empty() {

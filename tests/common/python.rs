@@ -16,14 +16,14 @@ fn installed(path: PathBuf) -> String {
 
 /// The protocol version a mode of the Python SDK negotiates with an rmcp 3.x server: `auto` (its
 /// default) speaks 2026-07-28, `legacy` the 2025-11-25 handshake.
-pub fn era_of(mode: &str) -> &'static str {
+pub(crate) fn era_of(mode: &str) -> &'static str {
     if mode == "auto" { "2026-07-28" } else { "2025-11-25" }
 }
 
 /// The Python SDK client walking `url` in `mode` (`auto` or `legacy`) through `steps` (see
 /// `mcp_walk.py`), with extra command-line `args` (`-H 'Name: value'`, `--log-level L`).
 /// What it answers: `{"protocol_version", "steps": [{"ok": …} | {"error", "message"}]}`.
-pub async fn walk(url: &str, mode: &str, steps: Value, args: &[&str]) -> Value {
+pub(crate) async fn walk(url: &str, mode: &str, steps: Value, args: &[&str]) -> Value {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let python = installed(root.join(".tools/python/bin/python"));
     let script = installed(root.join("tests/fixtures/mcp_walk.py"));
@@ -43,6 +43,6 @@ pub async fn walk(url: &str, mode: &str, steps: Value, args: &[&str]) -> Value {
 }
 
 /// Every step of a walk answered without an error the SDK raised.
-pub fn all_ok(walked: &Value) -> bool {
+pub(crate) fn all_ok(walked: &Value) -> bool {
     walked["steps"].as_array().is_some_and(|steps| steps.iter().all(|s| s.get("ok").is_some()))
 }

@@ -21,7 +21,7 @@ const INSTALL: &str = "these tests need Redis: install it (`apt-get install redi
 const STARTUP: Duration = Duration::from_secs(10);
 
 /// A Redis a test may use, and the prefix its keys must carry.
-pub struct TestRedis {
+pub(crate) struct TestRedis {
     /// Where to connect: `redis://127.0.0.1:<port>/` or `REDIS_URL`.
     pub url: String,
     prefix: String,
@@ -30,7 +30,7 @@ pub struct TestRedis {
 
 impl TestRedis {
     /// `REDIS_URL` when it is set, else a `redis-server` of this test's own.
-    pub fn start() -> Self {
+    pub(crate) fn start() -> Self {
         match std::env::var("REDIS_URL") {
             Ok(url) if !url.is_empty() => {
                 if let Err(e) = ping(&url) {
@@ -43,7 +43,7 @@ impl TestRedis {
     }
 
     /// A `redis-server` of this test's own, whatever `REDIS_URL` says.
-    pub fn private() -> Self {
+    pub(crate) fn private() -> Self {
         let mut last_error = String::new();
         // The free port is found by binding and letting go, so another process may take it
         // first: then the server exits and another port is tried.
@@ -64,14 +64,14 @@ impl TestRedis {
     }
 
     /// Kills the server (SIGKILL): connections break and the port stops answering.
-    pub fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         let server = self.server.as_mut().expect("only a private server can be killed");
         let _ = server.kill();
         let _ = server.wait();
     }
 
     /// Starts a killed server again on the same port, empty.
-    pub fn restart(&mut self) {
+    pub(crate) fn restart(&mut self) {
         let port = self.url.trim_end_matches('/').rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
         let mut child = spawn(port);
         if let Err(e) = wait_for_ping(&self.url, &mut child) {
@@ -81,7 +81,7 @@ impl TestRedis {
     }
 
     /// How many EVALSHA calls the server has run (`INFO commandstats`): one per decision.
-    pub fn evalsha_calls(&self) -> u64 {
+    pub(crate) fn evalsha_calls(&self) -> u64 {
         let info: String = redis::Client::open(self.url.as_str())
             .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(1)))
             .and_then(|mut c| redis::cmd("INFO").arg("commandstats").query(&mut c))
@@ -94,17 +94,17 @@ impl TestRedis {
     }
 
     /// `name` under this test's prefix.
-    pub fn key(&self, name: &str) -> String {
+    pub(crate) fn key(&self, name: &str) -> String {
         format!("{}{name}", self.prefix)
     }
 
     /// Freezes the server (SIGSTOP): connections stay open and nothing answers.
-    pub fn pause(&self) {
+    pub(crate) fn pause(&self) {
         self.signal("-STOP");
     }
 
     /// Lets a paused server run again (SIGCONT).
-    pub fn resume(&self) {
+    pub(crate) fn resume(&self) {
         self.signal("-CONT");
     }
 
@@ -186,7 +186,7 @@ fn wait_for_ping(url: &str, child: &mut Child) -> Result<(), String> {
 /// A `redis-server` of the test's own that speaks only TLS (`rediss://`), with a certificate for
 /// 127.0.0.1 signed by a CA made for this server alone (`ca_file`): nothing on the machine
 /// trusts it unless told to.
-pub struct TlsRedis {
+pub(crate) struct TlsRedis {
     /// `rediss://127.0.0.1:<port>/`.
     pub url: String,
     /// The PEM file of the CA that signed the server's certificate.
@@ -197,49 +197,10 @@ pub struct TlsRedis {
 
 impl TlsRedis {
     /// Makes a CA and a server certificate with `openssl`, and starts the server.
-    pub fn start() -> Self {
+    pub(crate) fn start() -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let path = |name: &str| dir.path().join(name).to_string_lossy().into_owned();
-        let openssl = |args: &[&str]| {
-            let out = Command::new("openssl").args(args).current_dir(dir.path()).output();
-            match out {
-                Ok(out) if out.status.success() => {}
-                Ok(out) => panic!("openssl {args:?} failed: {}", String::from_utf8_lossy(&out.stderr)),
-                Err(e) => panic!("cannot run openssl ({e}): install it (`apt-get install openssl`)"),
-            }
-        };
-        let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
-        openssl(
-            &[
-                &["req", "-x509"][..],
-                &ec,
-                &["-days", "2", "-subj", "/CN=mcp-ratelimit test CA", "-keyout", "ca.key", "-out", "ca.crt"],
-                &["-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign"],
-            ]
-            .concat(),
-        );
-        openssl(
-            &[&["req"][..], &ec, &["-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr"]].concat(),
-        );
-        std::fs::write(dir.path().join("server.ext"), "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
-            .expect("write the extensions file");
-        openssl(&[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            "server.ext",
-            "-out",
-            "server.crt",
-        ]);
+        make_certificates(dir.path());
         let ca_file = dir.path().join("ca.crt");
         let ca = std::fs::read(&ca_file).expect("the CA certificate");
         let mut last_error = String::new();
@@ -289,6 +250,49 @@ impl Drop for TlsRedis {
     }
 }
 
+/// Makes, in `dir`, a CA (`ca.key`, `ca.crt`) and a certificate for 127.0.0.1 it signed
+/// (`server.key`, `server.crt`), with `openssl`.
+fn make_certificates(dir: &std::path::Path) {
+    let openssl = |args: &[&str]| {
+        let out = Command::new("openssl").args(args).current_dir(dir).output();
+        match out {
+            Ok(out) if out.status.success() => {}
+            Ok(out) => panic!("openssl {args:?} failed: {}", String::from_utf8_lossy(&out.stderr)),
+            Err(e) => panic!("cannot run openssl ({e}): install it (`apt-get install openssl`)"),
+        }
+    };
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+    openssl(
+        &[
+            &["req", "-x509"][..],
+            &ec,
+            &["-days", "2", "-subj", "/CN=mcp-ratelimit test CA", "-keyout", "ca.key", "-out", "ca.crt"],
+            &["-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign"],
+        ]
+        .concat(),
+    );
+    openssl(&[&["req"][..], &ec, &["-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr"]].concat());
+    std::fs::write(dir.join("server.ext"), "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+        .expect("write the extensions file");
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "server.ext",
+        "-out",
+        "server.crt",
+    ]);
+}
+
 fn tls_ping(url: &str, ca: &[u8]) -> Result<(), String> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let certificates = redis::TlsCertificates { client_tls: None, root_cert: Some(ca.to_vec()) };
@@ -307,7 +311,7 @@ const INSTALL_CLUSTER: &str = "these tests need a Redis Cluster: install Redis (
 const CLUSTER_STARTUP: Duration = Duration::from_secs(30);
 
 /// A Redis Cluster a test may use, and the suffix its hash tags must carry.
-pub struct TestRedisCluster {
+pub(crate) struct TestRedisCluster {
     /// Where to connect: `redis+cluster://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3` or
     /// `REDIS_CLUSTER_URL`.
     pub url: String,
@@ -321,7 +325,7 @@ pub struct TestRedisCluster {
 
 impl TestRedisCluster {
     /// `REDIS_CLUSTER_URL` when it is set, else a cluster of this test's own.
-    pub fn start() -> Self {
+    pub(crate) fn start() -> Self {
         match std::env::var("REDIS_CLUSTER_URL") {
             Ok(url) if !url.is_empty() => {
                 let cluster = Self { seeds: seeds_of(&url), url, run: run(), servers: vec![], _dirs: vec![] };
@@ -336,7 +340,7 @@ impl TestRedisCluster {
 
     /// Three `redis-server --cluster-enabled yes` on free loopback ports, each in a temporary
     /// directory of its own, every slot assigned by `redis-cli --cluster create`.
-    pub fn private() -> Self {
+    pub(crate) fn private() -> Self {
         if let Err(e) = Command::new("redis-cli").arg("--version").output() {
             panic!("cannot run redis-cli ({e}); {INSTALL_CLUSTER}");
         }
@@ -410,12 +414,12 @@ impl TestRedisCluster {
 
     /// `{tag}name`, with this test's run in the tag: keys of one tag share a slot, and tests
     /// on a shared cluster never see each other's keys.
-    pub fn key(&self, tag: &str, name: &str) -> String {
+    pub(crate) fn key(&self, tag: &str, name: &str) -> String {
         format!("{{{tag}:{}}}{name}", self.run)
     }
 
     /// `redis://host:port/` of every primary, from `CLUSTER SLOTS`.
-    pub fn primaries(&self) -> Vec<String> {
+    pub(crate) fn primaries(&self) -> Vec<String> {
         let mut primaries: Vec<String> = self.slot_ranges().into_iter().map(|(_, _, node)| node).collect();
         primaries.sort();
         primaries.dedup();
@@ -423,7 +427,7 @@ impl TestRedisCluster {
     }
 
     /// `redis://host:port/` of the primary that holds `key`'s slot (`CLUSTER KEYSLOT`).
-    pub fn primary_of(&self, key: &str) -> String {
+    pub(crate) fn primary_of(&self, key: &str) -> String {
         let slot: u16 =
             redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(&mut connect(&self.seeds[0])).expect("KEYSLOT");
         let ranges = self.slot_ranges();
@@ -433,7 +437,7 @@ impl TestRedisCluster {
     }
 
     /// Whether the node at `node` (a `redis://` URL) holds `key`.
-    pub fn holds(node: &str, key: &str) -> bool {
+    pub(crate) fn holds(node: &str, key: &str) -> bool {
         // READONLY-free EXISTS: a primary answers for its own slots and MOVED for the others.
         matches!(redis::cmd("EXISTS").arg(key).query::<i64>(&mut connect(node)), Ok(1))
     }

@@ -12,11 +12,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 /// How long a lost segment is held: TCP's initial retransmission timeout (RFC 6298).
-pub const RETRANSMISSION: Duration = Duration::from_secs(1);
+pub(crate) const RETRANSMISSION: Duration = Duration::from_secs(1);
 
 /// What the relay does to every chunk it forwards, changed while it runs.
 #[derive(Default)]
-pub struct Impairment {
+pub(crate) struct Impairment {
     pub latency_ms: AtomicU64,
     /// Chunks lost, per thousand.
     pub loss_per_mille: AtomicU64,
@@ -24,7 +24,7 @@ pub struct Impairment {
 
 impl Impairment {
     /// A link that delays every chunk by `latency` each way, and loses none.
-    pub fn latency(latency: Duration) -> Arc<Self> {
+    pub(crate) fn latency(latency: Duration) -> Arc<Self> {
         let impairment = Arc::new(Self::default());
         impairment.latency_ms.store(latency.as_millis() as u64, Ordering::Relaxed);
         impairment
@@ -32,7 +32,7 @@ impl Impairment {
 }
 
 /// Starts a relay to `target` that impairs every connection as `impairment` says; its address.
-pub async fn start(target: SocketAddr, impairment: Arc<Impairment>) -> SocketAddr {
+pub(crate) async fn start(target: SocketAddr, impairment: Arc<Impairment>) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the relay");
     let addr = listener.local_addr().expect("relay address");
     tokio::spawn(async move {
@@ -54,7 +54,7 @@ pub async fn start(target: SocketAddr, impairment: Arc<Impairment>) -> SocketAdd
 }
 
 /// The address a `redis://host:port/` URL names.
-pub fn address_of(url: &str) -> SocketAddr {
+pub(crate) fn address_of(url: &str) -> SocketAddr {
     let rest = url.trim_start_matches("redis://").trim_end_matches('/');
     rest.parse().expect("a redis://127.0.0.1:PORT/ URL")
 }

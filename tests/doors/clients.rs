@@ -258,7 +258,7 @@ impl ServerHandler for Lookup {}
 #[derive(Clone, Default)]
 struct Gate(Arc<std::sync::atomic::AtomicBool>);
 
-impl mcp_ratelimit::mcp::limited::ToolRules for Gate {
+impl mcp_ratelimit::guard::Door for Gate {
     type Place = ();
 
     fn before_charging(&self, tool: &str, _caller: &mcp_ratelimit::identity::Caller) -> Result<(), Refusal> {

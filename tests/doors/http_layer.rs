@@ -255,3 +255,66 @@ async fn health_and_metrics_answer_only_this_servers_names_and_metrics_takes_its
         get(format!("http://{}/metrics", server.addr), vec![("authorization", format!("Bearer {KEY}"))]).await;
     assert_eq!(status, 200);
 }
+
+/// Each family of a Prometheus text exposition: its name, and whether it has a `# HELP` and a
+/// `# TYPE` line (the type's word), as `promtool check metrics` reads them.
+fn families_of(exposition: &str) -> std::collections::BTreeMap<String, (bool, Option<String>)> {
+    let mut families: std::collections::BTreeMap<String, (bool, Option<String>)> = Default::default();
+    for line in exposition.lines().filter(|l| !l.trim().is_empty()) {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let name = rest.split(' ').next().unwrap_or_default();
+            families.entry(name.to_owned()).or_default().0 = true;
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let mut words = rest.split(' ');
+            let name = words.next().unwrap_or_default();
+            families.entry(name.to_owned()).or_default().1 = words.next().map(str::to_owned);
+        } else if !line.starts_with('#') {
+            let name = line.split(['{', ' ']).next().unwrap_or_default();
+            families.entry(name.to_owned()).or_default();
+        }
+    }
+    families
+}
+
+/// `promtool check metrics` refuses a family without `# HELP`: every family the server emits has
+/// its `# HELP` and `# TYPE` (of the kind the code declares), and is one the code's list
+/// (`metrics::FAMILIES`) names, so a metric added without a row there cannot hide. The server is
+/// exercised first: served and refused calls, a loop, a job, connections counted.
+#[tokio::test]
+async fn every_metric_family_the_server_emits_has_help_and_type() {
+    use mcp_ratelimit::metrics::{FAMILIES, Kind};
+    let server = TestServer::start("").await;
+    let client = server.client(Some("metrics-walk")).await;
+    for n in 0..5 {
+        // The same call five times: four served, the fifth refused as a loop.
+        let r = call(&client, "list_articles", json!({"query": "agents"})).await;
+        assert_eq!(is_error(&r), n == 4, "{}", text(&r));
+    }
+    assert!(!is_error(&call(&client, "generate_image", json!({"prompt": "a lighthouse"})).await));
+    let exposition = server.metrics().await;
+    let families = families_of(&exposition);
+    for (name, (help, kind)) in &families {
+        let family = FAMILIES.iter().find(|f| f.name == name);
+        assert!(family.is_some(), "{name} is in /metrics but not in metrics::FAMILIES:\n{exposition}");
+        assert!(*help, "{name} has no # HELP line:\n{exposition}");
+        let declared = family.map(|f| if f.kind == Kind::Counter { "counter" } else { "gauge" });
+        assert_eq!(kind.as_deref(), declared, "{name}'s # TYPE:\n{exposition}");
+    }
+    // What this run must have made appear, the connection counters (registered when the listener
+    // starts, at 0) among them.
+    for name in [
+        "mcp_ratelimit_connections_refused_total",
+        "mcp_ratelimit_connections_timed_out_total",
+        "mcp_ratelimit_connections_open",
+        "mcp_ratelimit_decisions_total",
+        "mcp_ratelimit_rejections_total",
+        "mcp_ratelimit_loop_detections_total",
+        "mcp_ratelimit_upstream_requests_total",
+        "mcp_ratelimit_in_flight_calls",
+        "mcp_ratelimit_jobs_in_flight",
+        "mcp_ratelimit_store_up",
+    ] {
+        assert!(FAMILIES.iter().any(|f| f.name == name), "{name} is a family of the code's list");
+        assert!(families.contains_key(name), "{name} missing from /metrics:\n{exposition}");
+    }
+}

@@ -10,7 +10,8 @@ use http::{Request, StatusCode};
 use mcp_ratelimit::clock::ManualClock;
 use mcp_ratelimit::config::{Catalogue, LimitsConfig};
 use mcp_ratelimit::guard::Guard;
-use mcp_ratelimit::http::front_door::{AllowedHosts, FrontDoorLog, IdentifyLayer, rebinding_protection};
+use mcp_ratelimit::http::front_door::{AllowedHosts, FrontDoorLog, rebinding_protection};
+use mcp_ratelimit::http::identify::{Callers, IdentifyLayer};
 use mcp_ratelimit::http::limit::HttpLimitLayer;
 use mcp_ratelimit::identity::{Caller, Identifier};
 use mcp_ratelimit::metrics::Metrics;
@@ -66,8 +67,8 @@ async fn the_http_limit_needs_only_a_guard() {
 async fn identify_needs_only_an_identifier() {
     let config = config("[auth]\nrequired = true\n[[auth.keys]]\nkey = \"known-key\"\ntenant = \"acme\"\n");
     let identifier = Arc::new(ArcSwap::from_pointee(Identifier::new(&config)));
-    let identified =
-        IdentifyLayer::new(identifier, mcp_ratelimit::clock::SystemClock::shared()).layer(service_fn(echo_caller));
+    let identified = IdentifyLayer::new(Callers::new(identifier), mcp_ratelimit::clock::SystemClock::shared())
+        .layer(service_fn(echo_caller));
 
     let known = Request::post("/").header("authorization", "Bearer known-key").body(Body::empty()).expect("request");
     let response = identified.clone().oneshot(known).await.expect("infallible");

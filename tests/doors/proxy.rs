@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mcp_ratelimit::App;
-use mcp_ratelimit::clock::ManualClock;
+use mcp_ratelimit::clock::{Clock, ManualClock};
 use mcp_ratelimit::config::{Catalogue, Config};
 use mcp_ratelimit::proxy::{ChildEnv, Target};
 use rmcp::ServiceExt;
@@ -62,11 +62,17 @@ struct Proxy {
 
 impl Proxy {
     async fn start(toml: &str, target: Target) -> Self {
+        Self::start_on(toml, target, ManualClock::new()).await
+    }
+
+    /// [`Proxy::start`] on `clock` (an OAuth test's starts at the wall clock's time).
+    async fn start_on(toml: &str, target: Target, clock: Arc<ManualClock>) -> Self {
         let config = Config::from_toml(toml, &Catalogue::learned()).expect("test config is valid");
-        let clock = ManualClock::new();
-        let app = Arc::new(App::start_proxy(config, target, clock.clone()).await.expect("the proxy starts"));
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let url = format!("http://{}/mcp", listener.local_addr().expect("addr"));
+        let addr = listener.local_addr().expect("addr");
+        let config = config.serving_at(addr).expect("a loopback address names the audience");
+        let app = Arc::new(App::start_proxy(config, target, clock.clone()).await.expect("the proxy starts"));
+        let url = format!("http://{addr}/mcp");
         let serving = app.clone();
         tokio::spawn(async move { serving.serve_http(listener).await });
         Self { app, clock, url }
@@ -111,7 +117,7 @@ impl rmcp::ClientHandler for Asked {
         params: rmcp::model::CreateMessageRequestParams,
         _context: rmcp::service::RequestContext<rmcp::RoleClient>,
     ) -> Result<rmcp::model::CreateMessageResult, rmcp::ErrorData> {
-        self.0.lock().unwrap().push(serde_json::to_string(&params).unwrap_or_default());
+        self.0.lock().expect("a lock nobody panicked holding").push(serde_json::to_string(&params).unwrap_or_default());
         let answer = rmcp::model::SamplingMessage::assistant_text("sampled by the caller that asked");
         Ok(rmcp::model::CreateMessageResult::new(answer, "test-model".to_owned()))
     }
@@ -120,14 +126,14 @@ impl rmcp::ClientHandler for Asked {
         &self,
         _context: rmcp::service::RequestContext<rmcp::RoleClient>,
     ) -> Result<rmcp::model::ListRootsResult, rmcp::ErrorData> {
-        self.0.lock().unwrap().push("roots/list".to_owned());
+        self.0.lock().expect("a lock nobody panicked holding").push("roots/list".to_owned());
         Ok(rmcp::model::ListRootsResult::new(vec![rmcp::model::Root::new("file:///work/the-caller-that-asked")]))
     }
 }
 
 impl Asked {
     fn asked(&self) -> Vec<String> {
-        self.0.lock().unwrap().clone()
+        self.0.lock().expect("a lock nobody panicked holding").clone()
     }
 }
 
@@ -357,7 +363,7 @@ async fn the_proxied_servers_errors_pass_through_unchanged() {
     let through = call(&client, "fail", json!({"reason": "testing"})).await;
     let straight = call(&upstream, "fail", json!({"reason": "testing"})).await;
     assert_eq!(through.is_error, Some(true));
-    assert_eq!(serde_json::to_value(&through).unwrap(), serde_json::to_value(&straight).unwrap());
+    assert_eq!(serde_json::to_value(&through).expect("JSON"), serde_json::to_value(&straight).expect("JSON"));
 
     let missing = || ReadResourceRequestParams::new("fixture://nope");
     let through = client.read_resource(missing()).await.expect_err("no such resource");
@@ -450,6 +456,63 @@ async fn headers_from_config_reach_an_http_upstream_and_the_callers_key_never_do
         let seen = call(&client, "header", json!({"name": name})).await;
         assert_eq!(text_of(&seen), sent, "{name}");
     }
+}
+
+/// In front of an HTTP server with `[auth.oauth]` on: a caller's access token stays at the proxy
+/// (MCP forbids passing it through; only `[proxy.headers]` goes upstream), and the tenant its
+/// claims name is the scope of its upstream session, for the Python SDK of both eras too.
+#[tokio::test]
+async fn an_access_token_never_reaches_the_proxied_server_and_its_tenant_keeps_its_session() {
+    let provider = crate::oauth::Provider::start(json!({})).await;
+    let port = free_port();
+    let (python, args) = fastmcp(&["http", &port.to_string()]);
+    let _server = serve_http(&python, &args, port).await;
+    let headers = vec![(http::HeaderName::from_static("x-upstream-key"), http::HeaderValue::from_static("proxy-own"))];
+    let target = Target::Http { url: format!("http://127.0.0.1:{port}/mcp"), headers };
+    let toml = format!(
+        "[loop_detection]\nenabled = false\n[auth]\nrequired = true\n[auth.oauth]\nissuer = \"{}\"\n",
+        provider.issuer
+    );
+    let wall = || {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("now");
+        ManualClock::starting_at(u64::try_from(now.as_nanos()).expect("fits"))
+    };
+    let proxy = Proxy::start_on(&toml, target, wall()).await;
+    let alice = provider.mint(json!({"sub": "alice", "aud": proxy.url, "org_id": "acme"})).await;
+    let alice_client = proxy.client(Some(&alice)).await;
+    let seen = call(&alice_client, "header", json!({"name": "authorization"})).await;
+    assert_eq!(text_of(&seen), "", "the token stays at the proxy");
+    assert_eq!(text_of(&call(&alice_client, "header", json!({"name": "x-upstream-key"})).await), "proxy-own");
+    for mode in ["auto", "legacy"] {
+        let header = format!("Authorization: Bearer {alice}");
+        let steps = json!([{"op": "call", "tool": "header", "args": {"name": "authorization"}}]);
+        let walked = python::walk(&proxy.url, mode, steps, &["-H", &header]).await;
+        assert_eq!(walked["protocol_version"], python::era_of(mode), "{walked}");
+        assert_eq!(walked["steps"][0]["ok"]["text"], "", "{mode}: {walked}");
+    }
+
+    // In front of a stateful server over stdio (one child holds one tenant's state): the tenant a
+    // token names is the scope of its session.
+    let stdio = Proxy::start_on(&toml, command(fastmcp(&[])), wall()).await;
+    let token = |sub: &str, org: &str| provider.mint(json!({"sub": sub, "aud": stdio.url, "org_id": org}));
+    let (alice, anna, bob) = (token("alice", "acme").await, token("anna", "acme").await, token("bob", "globex").await);
+    let remembered = call(&stdio.client(Some(&alice)).await, "remember", json!({"value": "acme's note"})).await;
+    assert_eq!(text_of(&remembered), "remembered");
+    let recalled = call(&stdio.client(Some(&bob)).await, "recall", json!({})).await;
+    assert_eq!(text_of(&recalled), "", "globex reads nothing of acme's");
+    for mode in ["auto", "legacy"] {
+        for (token, expected) in [(&anna, "acme's note"), (&bob, "")] {
+            let header = format!("Authorization: Bearer {token}");
+            let steps = json!([{"op": "call", "tool": "recall", "args": {}}]);
+            let walked = python::walk(&stdio.url, mode, steps, &["-H", &header]).await;
+            assert_eq!(walked["protocol_version"], python::era_of(mode), "{walked}");
+            assert_eq!(walked["steps"][0]["ok"]["text"], expected, "{mode}: the tenant its token names: {walked}");
+        }
+    }
+    // A forged token is no caller of acme's: refused at the door, before anything is proxied.
+    let forged = provider.forge("other_key", json!({"sub": "alice", "aud": stdio.url, "org_id": "acme"})).await;
+    let config = StreamableHttpClientTransportConfig::with_uri(stdio.url.clone()).auth_header(forged);
+    assert!(().serve(StreamableHttpClientTransport::from_config(config)).await.is_err(), "refused at the door");
 }
 
 fn sha256_hex(key: &str) -> String {
@@ -568,7 +631,7 @@ impl rmcp::ClientHandler for Progress {
         params: rmcp::model::ProgressNotificationParam,
         _context: rmcp::service::NotificationContext<rmcp::RoleClient>,
     ) {
-        self.0.lock().unwrap().push(params);
+        self.0.lock().expect("a lock nobody panicked holding").push(params);
     }
 }
 
@@ -587,9 +650,9 @@ async fn a_calls_progress_reaches_the_session_that_made_it_and_no_other() {
     args.insert("n".to_owned(), json!(3));
     let done = caller.call_tool(CallToolRequestParams::new("count").with_arguments(args)).await.expect("answer");
     assert_eq!(text_of(&done), "counted 3");
-    let heard = heard.0.lock().unwrap().clone();
+    let heard = heard.0.lock().expect("a lock nobody panicked holding").clone();
     assert_eq!(heard.iter().map(|p| p.progress).collect::<Vec<_>>(), vec![1.0, 2.0, 3.0], "{heard:?}");
-    assert!(bystander.0.lock().unwrap().is_empty(), "another session hears none of it");
+    assert!(bystander.0.lock().expect("a lock nobody panicked holding").is_empty(), "another session hears none of it");
 }
 
 #[tokio::test]
@@ -1234,7 +1297,7 @@ impl rmcp::ServerHandler for Tasker {
         if !context.client_capabilities().is_some_and(|c| c.supports_tasks()) {
             return Ok(CallToolResult::success(vec![rmcp::model::ContentBlock::text(topic)]).into());
         }
-        let mut topics = self.topics.lock().unwrap();
+        let mut topics = self.topics.lock().expect("a lock nobody panicked holding");
         let id = format!("task-{}", topics.len() + 1);
         topics.insert(id.clone(), topic);
         let now = "2026-12-03T00:00:00Z";
@@ -1248,7 +1311,13 @@ impl rmcp::ServerHandler for Tasker {
         _context: rmcp::service::RequestContext<rmcp::RoleServer>,
     ) -> Result<rmcp::model::GetTaskResult, rmcp::ErrorData> {
         let unknown = || rmcp::ErrorData::invalid_params(format!("no task {}", request.task_id), None);
-        let topic = self.topics.lock().unwrap().get(&request.task_id).cloned().ok_or_else(unknown)?;
+        let topic = self
+            .topics
+            .lock()
+            .expect("a lock nobody panicked holding")
+            .get(&request.task_id)
+            .cloned()
+            .ok_or_else(unknown)?;
         self.asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         if self.working.load(std::sync::atomic::Ordering::SeqCst) {
             let now = "2026-12-03T00:00:01Z";
@@ -1273,7 +1342,7 @@ impl rmcp::ServerHandler for Tasker {
         request: rmcp::model::CancelTaskParams,
         _context: rmcp::service::RequestContext<rmcp::RoleServer>,
     ) -> Result<(), rmcp::ErrorData> {
-        self.cancelled.lock().unwrap().push(request.task_id);
+        self.cancelled.lock().expect("a lock nobody panicked holding").push(request.task_id);
         Ok(())
     }
 }
@@ -1370,7 +1439,10 @@ async fn a_task_through_the_proxy_is_its_callers_and_unknown_to_any_other() {
     assert!(unknown(&read), "another tenant reads nothing: {read:?}");
     let cancel = bob.cancel_task(rmcp::model::CancelTaskParams::new(id.clone())).await;
     assert!(unknown(&cancel), "nor cancels it: {cancel:?}");
-    assert!(upstream.cancelled.lock().unwrap().is_empty(), "the proxied server never heard of bob's cancel");
+    assert!(
+        upstream.cancelled.lock().expect("a lock nobody panicked holding").is_empty(),
+        "the proxied server never heard of bob's cancel"
+    );
     let guessed = bob.get_task(rmcp::model::GetTaskParams::new("task-1")).await;
     assert!(unknown(&guessed), "an id no call of bob's made is unknown as well: {guessed:?}");
 
@@ -1378,7 +1450,7 @@ async fn a_task_through_the_proxy_is_its_callers_and_unknown_to_any_other() {
     let rmcp::model::TaskPayload::Completed { result } = &own.task.payload else { panic!("completed: {own:?}") };
     assert_eq!(result["content"][0]["text"], "findings on \"acme's merger\"", "{result:?}");
     alice.cancel_task(rmcp::model::CancelTaskParams::new(id.clone())).await.expect("alice cancels her own");
-    assert_eq!(*upstream.cancelled.lock().unwrap(), vec![id]);
+    assert_eq!(*upstream.cancelled.lock().expect("a lock nobody panicked holding"), vec![id]);
 }
 
 /// A call of a `holds_slot` tool the proxied server answers with a task keeps its caller's slot
@@ -1572,6 +1644,13 @@ async fn each_session_its_own_child_and_a_flood_of_sessions_opens_what_its_budge
     assert_eq!(error["scope"], "proxy:max_children:unverified", "{walked}");
     let open = proxy.app.proxied().expect("a proxy").scopes().all().len() - 1;
     assert_eq!(open, 4, "never more than max_children");
+    // A session that could not be opened is refused by the one guarded call like any other call:
+    // each refusal on the dashboard under its tool and code (9 over the opening budget, 3 past the
+    // unverified callers' share of the children).
+    let seen = proxy.app.state().limits.guard().activity().snapshot(proxy.clock.now());
+    let pid = seen.tools.iter().find(|t| t.tool == "pid" && t.layer == "tool").expect("pid's refusals are seen");
+    let count = |code: &str| pid.codes.iter().find(|c| c.code == code).map_or(0, |c| c.refused);
+    assert_eq!((count("rate_limited"), count("busy")), (9, 3), "{:?}", pid.codes);
 }
 
 /// A client that keeps the log messages it hears: their text.
@@ -1587,13 +1666,13 @@ impl rmcp::ClientHandler for Logs {
     ) {
         let text =
             params.data.get("msg").and_then(Value::as_str).map_or_else(|| params.data.to_string(), str::to_owned);
-        self.0.lock().unwrap().push(text);
+        self.0.lock().expect("a lock nobody panicked holding").push(text);
     }
 }
 
 impl Logs {
     fn heard(&self) -> Vec<String> {
-        self.0.lock().unwrap().clone()
+        self.0.lock().expect("a lock nobody panicked holding").clone()
     }
 }
 
@@ -1754,6 +1833,78 @@ async fn a_callers_trace_context_reaches_the_proxied_server_from_its_http_header
     assert_eq!(seen.structured_content, Some(json!({"traceparent": own})));
 }
 
+/// A W3C `tracestate` of 512 bytes (two members a vendor may send), and one byte more.
+fn tracestates() -> (String, String) {
+    let most = format!("a={},b={}", "v".repeat(254), "w".repeat(253));
+    let over = format!("{most}w");
+    assert_eq!((most.len(), over.len()), (512, 513));
+    (most, over)
+}
+
+/// A `trace` call whose request `_meta` carries `traceparent` and, if given, `tracestate`.
+fn traced_call(traceparent: &str, tracestate: Option<&str>) -> CallToolRequestParams {
+    let mut meta = rmcp::model::RequestMetaObject::default();
+    meta.0.insert("traceparent".to_owned(), traceparent.into());
+    if let Some(state) = tracestate {
+        meta.0.insert("tracestate".to_owned(), state.into());
+    }
+    let mut request = CallToolRequestParams::new("trace");
+    request.meta = Some(meta);
+    request
+}
+
+/// A caller's `tracestate` reaches the proxied server (traces off: as the caller sent it) only
+/// when it is 1 to 512 bytes of printable ASCII, from its HTTP header or its own `_meta`; anything
+/// else is dropped and its `traceparent` still passes on.
+#[tokio::test]
+async fn a_callers_tracestate_reaches_the_proxied_server_only_if_1_to_512_printable_bytes() {
+    let proxy = Proxy::start("[loop_detection]\nenabled = false\n", command(fastmcp(&[]))).await;
+    let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let (most, over) = tracestates();
+    let trace = json!({"op": "call", "tool": "trace"});
+    for (state, heard) in
+        [(&most, json!({"traceparent": parent, "tracestate": most})), (&over, json!({"traceparent": parent}))]
+    {
+        let headers = [format!("traceparent: {parent}"), format!("tracestate: {state}")];
+        let walked = python::walk(&proxy.url, "legacy", json!([trace]), &["-H", &headers[0], "-H", &headers[1]]).await;
+        assert_eq!(walked["steps"][0]["ok"]["structured"], heard, "{} bytes in a header: {walked}", state.len());
+    }
+    let client = proxy.client(None).await;
+    let own = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00";
+    for state in [over.as_str(), "vendor=\u{1}", "vendor=caf\u{e9}"] {
+        let seen = client.call_tool(traced_call(own, Some(state))).await.expect("traced");
+        assert_eq!(seen.structured_content, Some(json!({"traceparent": own})), "{state:?} in _meta");
+    }
+    let seen = client.call_tool(traced_call(own, Some(&most))).await.expect("traced");
+    assert_eq!(seen.structured_content, Some(json!({"traceparent": own, "tracestate": most})));
+}
+
+/// `[telemetry]` on: the proxied server hears the proxy's span, whose `tracestate` is the caller's
+/// only when it was 1 to 512 bytes of printable ASCII; one byte more is neither continued nor
+/// passed on from the caller's `_meta`.
+#[tokio::test(flavor = "current_thread")]
+async fn with_traces_on_a_callers_tracestate_reaches_the_proxied_server_only_if_1_to_512_printable_bytes() {
+    use crate::otlp::{Receiver, subscribe};
+    let receiver = Receiver::start();
+    let toml = format!("[loop_detection]\nenabled = false\n[telemetry]\notlp_endpoint = \"{}\"\n", receiver.url);
+    let config = Config::from_toml(&toml, &Catalogue::learned()).expect("valid");
+    let telemetry = mcp_ratelimit::telemetry::Telemetry::start(&config.telemetry.expect("on")).expect("exporter");
+    let _traced = subscribe(&telemetry);
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let client = proxy.client(None).await;
+    let trace = "3df7651916cd43dd8448eb211c80319c";
+    let callers = format!("00-{trace}-b7ad6b7169203331-01");
+    let (most, over) = tracestates();
+    let seen = client.call_tool(traced_call(&callers, Some(&most))).await.expect("answered");
+    let heard = seen.structured_content.clone().unwrap_or_default();
+    assert!(heard["traceparent"].as_str().is_some_and(|p| p.contains(trace) && p != callers), "{heard}");
+    assert_eq!(heard["tracestate"], most, "512 bytes ride on the trace");
+    let seen = client.call_tool(traced_call(&callers, Some(&over))).await.expect("answered");
+    let heard = seen.structured_content.clone().unwrap_or_default();
+    assert!(heard["traceparent"].as_str().is_some_and(|p| p.contains(trace) && p != callers), "{heard}");
+    assert_eq!(heard.get("tracestate"), None, "513 bytes do not: {heard}");
+}
+
 /// `[telemetry]` on: the proxied server hears the trace of a call in `_meta` — not the caller's
 /// span but the proxy's own span of the call, a child in the caller's trace — over stdio and over
 /// HTTP, where it also hears it as the `traceparent` header; the receiver holds that span.
@@ -1866,7 +2017,7 @@ impl rmcp::ServerHandler for Changing {
     ) -> Result<rmcp::model::CallToolResponse, rmcp::ErrorData> {
         self.changed.store(true, std::sync::atomic::Ordering::SeqCst);
         self.told.notify_waiters();
-        let subscribers = self.subscribers.lock().unwrap().clone();
+        let subscribers = self.subscribers.lock().expect("a lock nobody panicked holding").clone();
         for (peer, uri) in subscribers {
             #[allow(deprecated)] // What a 2025-11-25 session is told.
             let _ = peer.notify_resource_updated(rmcp::model::ResourceUpdatedNotificationParam::new(uri)).await;
@@ -1880,7 +2031,7 @@ impl rmcp::ServerHandler for Changing {
         request: rmcp::model::SubscribeRequestParams,
         context: rmcp::service::RequestContext<rmcp::RoleServer>,
     ) -> Result<(), rmcp::ErrorData> {
-        self.subscribers.lock().unwrap().push((context.peer, request.uri));
+        self.subscribers.lock().expect("a lock nobody panicked holding").push((context.peer, request.uri));
         Ok(())
     }
 
@@ -1992,7 +2143,7 @@ impl rmcp::ClientHandler for Updates {
         params: rmcp::model::ResourceUpdatedNotificationParam,
         _context: rmcp::service::NotificationContext<rmcp::RoleClient>,
     ) {
-        self.0.lock().unwrap().push(params.uri);
+        self.0.lock().expect("a lock nobody panicked holding").push(params.uri);
     }
 }
 
@@ -2023,10 +2174,11 @@ async fn a_resource_update_reaches_the_callers_of_both_eras_that_subscribed_to_i
     let ServerNotification::ResourceUpdatedNotification(updated) = heard else { panic!("{heard:?}") };
     assert_eq!(updated.params.uri, thing);
     eventually("the 2025-11-25 session is told too", || async {
-        heard_by_legacy.0.lock().unwrap().as_slice() == [thing.to_owned()]
+        heard_by_legacy.0.lock().expect("a lock nobody panicked holding").as_slice() == [thing.to_owned()]
     })
     .await;
-    let asked_upstream: Vec<String> = server.subscribers.lock().unwrap().iter().map(|(_, uri)| uri.clone()).collect();
+    let asked_upstream: Vec<String> =
+        server.subscribers.lock().expect("a lock nobody panicked holding").iter().map(|(_, uri)| uri.clone()).collect();
     assert_eq!(asked_upstream, [thing, "test://never-changes"], "the server asked once per resource");
     legacy.cancel().await.expect("closed");
 }

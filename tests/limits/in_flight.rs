@@ -9,7 +9,7 @@ use mcp_ratelimit::clock::ManualClock;
 use mcp_ratelimit::config::LimitsConfig;
 use mcp_ratelimit::guard::{Admitted, Call, Called, Guard, Worked};
 use mcp_ratelimit::identity::Caller;
-use mcp_ratelimit::mcp::limited::{Plain, Tools};
+use mcp_ratelimit::mcp::limited::{Plain, ToolAnswer};
 use mcp_ratelimit::metrics::Metrics;
 use mcp_ratelimit::store::MemoryStore;
 use rmcp::model::{CallToolRequestParams, CallToolResponse, CallToolResult, ClientRequest, Request};
@@ -106,9 +106,11 @@ async fn a_dropped_admission_gives_its_slot_back_even_when_its_task_is_aborted()
         let mut held = None;
         let work = |admitted: Admitted<()>, _: &serde_json::Value| {
             held = admitted.admission.take();
-            std::future::ready(Worked::Answer(Ok(CallToolResponse::Complete(CallToolResult::success(vec![])))))
+            std::future::ready(Worked::Answer(ToolAnswer::new(Ok(CallToolResponse::Complete(
+                CallToolResult::success(vec![]),
+            )))))
         };
-        match guard.call(&Tools(&Plain), None, call, work).await {
+        match guard.call(&Plain, None, call, work).await {
             Called::Refused(refusal) => Err(refusal),
             _ => Ok(held.expect("the work took the admission")),
         }

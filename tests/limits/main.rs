@@ -9,6 +9,8 @@
 mod algorithm_suite;
 #[path = "../common/mod.rs"]
 mod common;
+#[path = "../common/oauth.rs"]
+mod oauth;
 #[path = "../common/python.rs"]
 mod python;
 #[path = "../common/redis.rs"]

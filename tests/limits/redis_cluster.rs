@@ -253,24 +253,78 @@ async fn callers_whose_tags_hash_to_different_nodes_are_each_decided_on_their_ow
     assert_ne!(cluster.primary_of(&cluster.key(&a, "caller")), cluster.primary_of(&cluster.key(&b, "caller")));
 }
 
+/// What each budget has left at [`EPOCH`], read at cost 0.
+async fn remaining_of(store: &RedisStore, budgets: &[(&str, &Limiter)]) -> Vec<u64> {
+    let checks: Vec<Check<'_>> =
+        budgets.iter().map(|&(key, limiter)| Check { key, limiter, cost: 0, shadow: false }).collect();
+    store.decide_at(&checks, EPOCH).await.expect("decides").iter().map(|d| d.remaining).collect()
+}
+
+/// A call's budgets on two slots (a caller's, and an OAuth client's shared across tenants, which
+/// has a tag of its own): decided as one, all or nothing across the nodes; settled under one mark
+/// that lands once on each; forgotten together. In-flight slots away from the call's own slot
+/// are refused with an error that says so, and charge nothing.
 #[tokio::test]
-async fn keys_spanning_slots_are_refused_with_a_clear_error_and_charge_nothing() {
+async fn a_call_spanning_slots_is_all_or_nothing_across_them() {
     let cluster = TestRedisCluster::start();
     let store = RedisStore::connect(&cluster.url, TIMEOUT).await.expect("connects");
     let (a, b) = tags_on_two_nodes(&cluster);
-    let (ka, kb) = (cluster.key(&a, "caller"), cluster.key(&b, "caller"));
-    let bucket = Limiter::TokenBucket(TokenBucket::new(10, 1.0 / 3_600.0));
-    let checks = [
-        Check { key: &ka, limiter: &bucket, cost: 1, shadow: false },
-        Check { key: &kb, limiter: &bucket, cost: 1, shadow: false },
+    let (home, away) = (cluster.key(&a, "caller"), cluster.key(&b, "client:app"));
+    let (roomy, tight) = (
+        Limiter::TokenBucket(TokenBucket::new(10, 1.0 / 3_600.0)),
+        Limiter::TokenBucket(TokenBucket::new(3, 1.0 / 3_600.0)),
+    );
+    let call = |cost| {
+        [
+            Check { key: &home, limiter: &roomy, cost, shadow: false },
+            Check { key: &away, limiter: &tight, cost, shadow: false },
+        ]
+    };
+    let admitted = store.decide_at(&call(2), EPOCH).await.expect("decided across two slots");
+    assert!(admitted.iter().all(|d| d.allowed), "{admitted:?}");
+    assert_eq!(remaining_of(&store, &[(&home, &roomy), (&away, &tight)]).await, [8, 1]);
+    // The away budget has 1 left: a call of 2 is refused there, and the home budget keeps its 8.
+    let refused = store.decide_at(&call(2), EPOCH).await.expect("decided");
+    assert_eq!(refused.iter().map(|d| d.allowed).collect::<Vec<_>>(), [true, false], "{refused:?}");
+    assert!(refused[1].retry_after > 0);
+    assert_eq!(
+        remaining_of(&store, &[(&home, &roomy), (&away, &tight)]).await,
+        [8, 1],
+        "a refused call charged nothing on either node"
+    );
+    // The home budget refuses (8 left, 9 asked) after the away one admitted: its charge is given
+    // back.
+    let heavy = [
+        Check { key: &home, limiter: &roomy, cost: 9, shadow: false },
+        Check { key: &away, limiter: &tight, cost: 1, shadow: false },
     ];
-    let e = store.decide(&checks).await.expect_err("two slots in one script");
+    let refused = store.decide_at(&heavy, EPOCH).await.expect("decided");
+    assert_eq!(refused.iter().map(|d| d.allowed).collect::<Vec<_>>(), [false, true], "{refused:?}");
+    assert_eq!(
+        remaining_of(&store, &[(&home, &roomy), (&away, &tight)]).await,
+        [8, 1],
+        "the away budget got its charge back"
+    );
+
+    // A settlement of both under one mark, sent twice (its answer lost): it lands once on each.
+    let mark = format!("{home}:settled:{:016x}", rand::random::<u64>());
+    let refund = [(home.as_str(), &roomy, Adjustment::Refund(1)), (away.as_str(), &tight, Adjustment::Refund(1))];
+    store.adjust(&refund, Some(&mark), Some(EPOCH)).await.expect("adjusted on two nodes");
+    store.adjust(&refund, Some(&mark), Some(EPOCH)).await.expect("sent again");
+    assert_eq!(remaining_of(&store, &[(&home, &roomy), (&away, &tight)]).await, [9, 2], "each budget refunded once");
+    assert_eq!(store.forget(&[&home, &away]).await.expect("forgotten on two nodes"), 2);
+    assert_eq!(remaining_of(&store, &[(&home, &roomy), (&away, &tight)]).await, [10, 3]);
+
+    // In-flight slots are held under a lease on the call's own slot: none away from it.
+    let slots = Limiter::Concurrency(Concurrency::new(2));
+    let apart = [
+        Check { key: &home, limiter: &roomy, cost: 1, shadow: false },
+        Check { key: &away, limiter: &slots, cost: 1, shadow: false },
+    ];
+    let e = store.decide_at(&apart, EPOCH).await.expect_err("slots on another slot");
     assert!(matches!(e, StoreError::KeysApart { .. }), "{e:?}");
     assert!(e.to_string().contains("hash tag"), "{e}");
-    for key in [&ka, &kb] {
-        let peek = store.decide(&[Check { key, limiter: &bucket, cost: 0, shadow: false }]).await.expect("decides");
-        assert_eq!(peek[0].remaining, 10, "{key} was charged by a refused call");
-    }
+    assert_eq!(remaining_of(&store, &[(&home, &roomy), (&away, &tight)]).await, [10, 3], "and nothing was charged");
 }
 
 #[tokio::test]
@@ -383,6 +437,48 @@ async fn three_instances_on_one_tagged_key_admit_exactly_the_burst() {
         admitted += instance.await.expect("instance finished");
     }
     assert_eq!(admitted, 500, "3 instances × 8 tasks × 100 calls on a burst of 500");
+}
+
+/// Two servers on the cluster, callers known by OAuth tokens: one client application's
+/// subjects, in two tenants (so two hash tags beside the client's own), share its budget
+/// across both servers; refused, they are charged nothing of their own; a settled price is
+/// given back on every node it was charged on.
+#[tokio::test]
+async fn an_oauth_clients_budget_spans_tenants_and_servers_on_the_cluster() {
+    let cluster = TestRedisCluster::start();
+    let provider = crate::oauth::Provider::start(json!({})).await;
+    let config = format!(
+        "{NO_LOOP_DETECTION}[store]\nbackend = \"redis\"\nredis_url = \"{}\"\ntimeout_ms = 2000\n\
+         [auth.oauth]\nissuer = \"{}\"\naudience = \"https://mcp.example.com/mcp\"\n\
+         [limits.client]\nalgorithm = \"token_bucket\"\nburst = 6\nrefill_per_sec = 0.001\n\
+         [tools.generate_image_to_video]\ncost = 5\n",
+        cluster.url, provider.issuer
+    );
+    let wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("now");
+    let wall = u64::try_from(wall.as_nanos()).expect("fits");
+    let servers = [
+        TestServer::start_on(&config, mcp_ratelimit::clock::ManualClock::starting_at(wall)).await,
+        TestServer::start_on(&config, mcp_ratelimit::clock::ManualClock::starting_at(wall)).await,
+    ];
+    let app = format!("app-{:08x}", rand::random::<u32>());
+    let mint = |sub: &str, org: &str| {
+        provider.mint(json!({"sub": sub, "aud": "https://mcp.example.com/mcp", "org_id": org, "client_id": app}))
+    };
+    let (alice, bob) = (mint("alice", "acme").await, mint("bob", "globex").await);
+    let clients = [servers[0].client(Some(&alice)).await, servers[1].client(Some(&bob)).await];
+    let mut admitted = 0;
+    for client in clients.iter().cycle().take(10) {
+        let answer = call(client, "list_articles", json!({})).await;
+        if !is_error(&answer) {
+            admitted += 1;
+        } else {
+            assert_eq!(structured(&answer)["error"]["scope"], format!("client:{app}"), "{answer:?}");
+        }
+    }
+    assert_eq!(admitted, 6, "one client's budget across two tenants and two servers");
+    let status = call(&clients[0], "rate_limit_status", json!({})).await;
+    assert_eq!(budget(&status, "caller:sub:")["remaining"], 57, "alice paid for her 3 calls only: {status:?}");
+    assert_eq!(budget(&status, "client:")["remaining"], 0);
 }
 
 /// A caller token no other test (or run, on a shared cluster) uses.

@@ -433,14 +433,6 @@ async fn sliding_window_weighs_counts_beyond_2_53_exactly() {
     assert!(!twins.decide(&[Check { key: &key, limiter: &limiter, cost: 1, shadow: false }], now).await[0].allowed);
 }
 
-/// The suite every backend must pass (the memory store runs it too), through `dyn Store` only.
-#[tokio::test]
-async fn the_redis_store_passes_the_backend_suite() {
-    let redis = TestRedis::private();
-    let store = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects to Redis");
-    mcp_ratelimit::store::suite::run(Arc::new(store), &redis.key("{suite}")).await;
-}
-
 #[tokio::test]
 async fn three_scopes_are_decided_in_one_script_call() {
     let redis = TestRedis::private();
@@ -855,29 +847,32 @@ fn a_loop_checked_in_the_decision_charges_nothing_and_a_refused_or_blocked_call_
     assert!(matches!(decide(&[]), Verdict::Looping { .. }), "the fifth recorded call");
 }
 
+/// The loop twins' window: a call repeated 5 times within it is a loop.
+const LOOP_WINDOW: Nanos = 60 * SEC;
+/// The loop twins' `no_progress`: the same answer this many times stops the tool.
+const NO_PROGRESS: u32 = 3;
+
 /// The Lua twin of the loop detector, calls and answers alike: random calls of two tools (one
 /// with two argument sets), each answered (or not) with one of two answers, under `no_progress`
 /// 3, checked and heard by both, with every refusal, pattern, wait and streak equal.
 #[test]
 fn the_loop_script_decides_like_the_loop_detector() {
-    use mcp_ratelimit::guard::loops::{LoopDetector, Pattern, Streaked, signature, tool_signature};
+    use mcp_ratelimit::guard::loops::{LoopDetector, signature, tool_signature};
     use mcp_ratelimit::store::redis::LoopAnswer;
     use mcp_ratelimit::store::{LoopAnswered, LoopCall};
     let redis = TestRedis::start();
     let runtime = runtime();
     let store = runtime.block_on(RedisStore::connect(&redis.url, TIMEOUT)).expect("connects to Redis");
-    const WINDOW: Nanos = 60 * SEC;
-    const NO_PROGRESS: u32 = 3;
     // Calls from a small alphabet (so repeats, A/B runs and streaks are common), now and then a
     // step of time, sometimes a whole window; an answer of two (or none heard).
-    let step = prop_oneof![8 => Just(0u64), 1 => Just(SEC), 1 => Just(WINDOW), 1 => Just(WINDOW - 1_000)];
+    let step = prop_oneof![8 => Just(0u64), 1 => Just(SEC), 1 => Just(LOOP_WINDOW), 1 => Just(LOOP_WINDOW - 1_000)];
     let answer = prop_oneof![3 => Just(Some(0u128)), 2 => Just(Some(1u128)), 1 => Just(None)];
     let strategy = prop::collection::vec((0..3u8, answer, step), 1..=40);
     let case = std::cell::Cell::new(0);
     let outcome = runner().run(&strategy, |calls| {
         case.set(case.get() + 1);
         let key = redis.key(&format!("loops:{}", case.get()));
-        let local = LoopDetector::new(5, WINDOW);
+        let local = LoopDetector::new(5, LOOP_WINDOW);
         let mut now = EPOCH;
         for (n, (letter, answer, dt)) in calls.into_iter().enumerate() {
             now += dt;
@@ -889,7 +884,7 @@ fn the_loop_script_decides_like_the_loop_detector() {
                 key: &key,
                 signature: signature(7, tool, &args),
                 tool_signature: tool_signature(7, tool),
-                window: WINDOW,
+                window: LOOP_WINDOW,
                 repeats: 5,
             };
             let expected = local.check("caller", tool, &args, now);
@@ -910,7 +905,7 @@ fn the_loop_script_decides_like_the_loop_detector() {
                     signature: call.signature,
                     tool_signature: call.tool_signature,
                     answer,
-                    window: WINDOW,
+                    window: LOOP_WINDOW,
                     repeats: 5,
                     no_progress: NO_PROGRESS,
                 };
@@ -925,22 +920,30 @@ fn the_loop_script_decides_like_the_loop_detector() {
     if let Err(e) = outcome {
         panic!("{e}");
     }
-    // And the patterns by name: the 5th of one call, the 9th of an A/B run, and a tool whose
-    // answer was the same three times (the arguments changing) stopped for every argument.
+    the_loop_script_names_each_pattern(&redis, &runtime, &store);
+}
+
+/// The patterns by name, as the loop script answers them: the 5th of one call, the 9th of an A/B
+/// run, and a tool whose answer was the same three times (the arguments changing) stopped for
+/// every argument.
+fn the_loop_script_names_each_pattern(redis: &TestRedis, runtime: &tokio::runtime::Runtime, store: &RedisStore) {
+    use mcp_ratelimit::guard::loops::{Pattern, Streaked, signature, tool_signature};
+    use mcp_ratelimit::store::redis::LoopAnswer;
+    use mcp_ratelimit::store::{LoopAnswered, LoopCall};
     let key = redis.key("loops:named");
     let call = |key: &str, letter: u8, now: Nanos| {
         let args = serde_json::json!({ "page": letter });
         let (signature, tool_signature) = (signature(7, "list_articles", &args), tool_signature(7, "list_articles"));
-        let call = LoopCall { key, signature, tool_signature, window: WINDOW, repeats: 5 };
+        let call = LoopCall { key, signature, tool_signature, window: LOOP_WINDOW, repeats: 5 };
         runtime.block_on(store.loop_check(call, Some(now))).expect("answers")
     };
     let answers: Vec<LoopAnswer> = [0u8, 0, 0, 0, 0].iter().map(|&l| call(&key, l, EPOCH)).collect();
     assert!(answers[..4].iter().all(|a| matches!(a, LoopAnswer::Recorded)));
-    assert_eq!(answers[4], LoopAnswer::Looping { retry_after: WINDOW, pattern: Pattern::Repeated });
+    assert_eq!(answers[4], LoopAnswer::Looping { retry_after: LOOP_WINDOW, pattern: Pattern::Repeated });
     let key = redis.key("loops:alternating");
     let answers: Vec<LoopAnswer> = (0..9u8).map(|i| call(&key, i % 2, EPOCH)).collect();
     assert!(answers[..8].iter().all(|a| matches!(a, LoopAnswer::Recorded)));
-    assert_eq!(answers[8], LoopAnswer::Looping { retry_after: WINDOW, pattern: Pattern::Oscillating });
+    assert_eq!(answers[8], LoopAnswer::Looping { retry_after: LOOP_WINDOW, pattern: Pattern::Oscillating });
     let key = redis.key("loops:no_progress");
     for page in 0..3u8 {
         assert_eq!(call(&key, page, EPOCH), LoopAnswer::Recorded);
@@ -950,17 +953,17 @@ fn the_loop_script_decides_like_the_loop_detector() {
             signature: signature(7, "list_articles", &args),
             tool_signature: tool_signature(7, "list_articles"),
             answer: 42,
-            window: WINDOW,
+            window: LOOP_WINDOW,
             repeats: 5,
             no_progress: NO_PROGRESS,
         };
         let streaked = runtime.block_on(store.loop_answered(answered, Some(EPOCH))).expect("hears");
-        let stopped_for = (page == 2).then_some(WINDOW);
+        let stopped_for = (page == 2).then_some(LOOP_WINDOW);
         assert_eq!(streaked, Streaked { same: u32::from(page) + 1, stopped_for });
     }
     assert_eq!(
         call(&key, 9, EPOCH + SEC),
-        LoopAnswer::Looping { retry_after: WINDOW - SEC, pattern: Pattern::NoProgress }
+        LoopAnswer::Looping { retry_after: LOOP_WINDOW - SEC, pattern: Pattern::NoProgress }
     );
 }
 

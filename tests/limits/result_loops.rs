@@ -81,16 +81,17 @@ async fn a_paraphrasing_agent_is_warned_then_stopped_within_no_progress_plus_one
                 let (is_error, text, structured, _) = answered(step);
                 assert!(!is_error, "{where_} {mode}: search {n} is answered: {text}");
                 assert_eq!(structured["articles"], json!([]), "{where_} {mode}: nothing found");
-                // Ours stays in the structured content its outputSchema admits; the warning is
-                // for the model, in the text.
+                // Ours keeps what the guard adds in the structured content its outputSchema
+                // admits (the SDK checked it), never in `_meta`.
                 assert!(structured.get("no_progress").is_none());
             }
-            let (_, text, _, meta) = answered(&steps[3]);
+            let (_, text, structured, meta) = answered(&steps[3]);
             assert!(text.contains("same answer 4 times in a row"), "{where_} {mode}: the nudge: {text}");
-            assert_eq!(meta["io.github.mcp-ratelimit/no_progress"]["same_answers"], 4, "{where_} {mode}");
-            let (_, text, _, meta) = answered(&steps[4]);
+            assert_eq!(structured["warnings"][0]["same_answers"], 4, "{where_} {mode}: {structured}");
+            assert!(meta.get("io.github.mcp-ratelimit/no_progress").is_none(), "{where_} {mode}: {meta}");
+            let (_, text, structured, _) = answered(&steps[4]);
             assert!(text.contains("now refused for the next 60 s"), "{where_} {mode}: the stop, said: {text}");
-            assert_eq!(meta["io.github.mcp-ratelimit/no_progress"]["refused_for_ms"], 60_000, "{where_} {mode}");
+            assert_eq!(structured["warnings"][0]["refused_for_ms"], 60_000, "{where_} {mode}: {structured}");
             for (n, step) in steps.iter().enumerate().skip(5) {
                 let (is_error, text, structured, _) = answered(step);
                 assert!(is_error, "{where_} {mode}: search {n} is refused: {text}");
@@ -126,6 +127,50 @@ async fn a_paraphrasing_agent_is_warned_then_stopped_within_no_progress_plus_one
         let usage = server.upstream_usage().await;
         assert_eq!(usage["articles_listed"], listed, "{where_}: {usage}");
     }
+}
+
+/// An agent that reads data, not prose, can obey the loop warning: the 4th and 5th identical
+/// answers of one of our tools carry it in their `structuredContent.warnings` (what the tool's
+/// `outputSchema` admits: the SDK checks every answer against it, in both eras), with the streak,
+/// the threshold and, from the stop, how long the tool is refused; the answers before carry none.
+#[tokio::test]
+async fn the_loop_warning_is_in_our_tools_structured_content_for_clients_of_both_eras() {
+    let server = TestServer::start(KEYS).await;
+    for (mode, key) in [("auto", "auto-key"), ("legacy", "legacy-key")] {
+        let auth = format!("Authorization: Bearer {key}");
+        let steps: Vec<Value> = (0..5)
+            .map(|n| json!({"op": "call", "tool": "list_articles", "args": {"query": paraphrase(n)}, "check_schema": true}))
+            .collect();
+        let walked = python::walk(&server.url, mode, Value::Array(steps), &["-H", &auth]).await;
+        assert_eq!(walked["protocol_version"], python::era_of(mode), "{walked}");
+        assert!(python::all_ok(&walked), "every answer valid for its outputSchema: {walked}");
+        let steps = walked["steps"].as_array().expect("steps");
+        for (n, step) in steps.iter().take(3).enumerate() {
+            let (_, _, structured, _) = answered(step);
+            assert!(structured.get("warnings").is_none(), "{mode}: answer {n} warns of nothing: {structured}");
+        }
+        let (_, _, nudged, _) = answered(&steps[3]);
+        assert_eq!(
+            nudged["warnings"],
+            json!([{"tool": "list_articles", "same_answers": 4, "no_progress": 5}]),
+            "{mode}: the nudge, as data: {nudged}"
+        );
+        let (_, _, stopped, _) = answered(&steps[4]);
+        assert_eq!(
+            stopped["warnings"],
+            json!([{"tool": "list_articles", "same_answers": 5, "no_progress": 5, "refused_for_ms": 60_000}]),
+            "{mode}: the stop, as data: {stopped}"
+        );
+    }
+    // rmcp's client (2025-11-25) reads the same.
+    let client = server.client(Some("rmcp-key")).await;
+    let answers = [0, 1, 2, 3].map(paraphrase);
+    let mut last = None;
+    for query in answers {
+        last = Some(call(&client, "list_articles", json!({"query": query})).await);
+    }
+    let nudged = last.expect("four calls");
+    assert_eq!(structured(&nudged)["warnings"][0]["same_answers"], 4, "{}", text(&nudged));
 }
 
 #[tokio::test]

@@ -1,9 +1,6 @@
-//! The one line every instance's waiting jobs stand in (`line.lua`), against a real Redis: the
-//! suite its memory twin passes too (`mcp_ratelimit_core::store::line_suite`: jobs go by their
-//! flows' turns whichever instance they wait on, only the instance whose job is next takes a slot,
-//! a job at the door never overtakes the line, a tier owed a reserved slot and a higher rank go
-//! first, a gap holds only its class, a job joining again keeps its place), and a dead instance's
-//! jobs stop holding the line.
+//! The one line every instance's waiting jobs stand in (`line.lua`), against a real Redis, beyond
+//! the suite it passes with its memory twin (`mcp_ratelimit_kernel::store::line_suite`, run in
+//! `crates/redis/tests/conformance.rs`): a dead instance's jobs stop holding the line.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,13 +22,6 @@ fn at(instance: &str) -> LineAt<'_> {
 }
 
 use mcp_ratelimit::store::line_suite::{job, went};
-
-#[tokio::test]
-async fn the_redis_line_passes_the_line_suite_the_memory_twin_passes() {
-    let redis = TestRedis::private();
-    let store: Arc<dyn Store> = line(&redis).await;
-    mcp_ratelimit::store::line_suite::run(store, "suite").await;
-}
 
 #[tokio::test]
 async fn a_dead_instances_jobs_stop_holding_the_line() {

@@ -785,6 +785,34 @@ async fn a_job_that_finishes_while_its_instance_cannot_reach_redis_is_published_
     );
 }
 
+/// Spawns a reader that, every 2 ms while `watching` holds, reads the job snapshots at `keys`
+/// straight from Redis; it ends with every (version, status) each snapshot went through, in order.
+fn watch_snapshots(
+    keys: Vec<String>,
+    watching: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    mut connection: redis::aio::MultiplexedConnection,
+) -> tokio::task::JoinHandle<Vec<Vec<(u64, String)>>> {
+    tokio::spawn(async move {
+        let mut seen: Vec<Vec<(u64, String)>> = vec![Vec::new(); keys.len()];
+        while watching.load(std::sync::atomic::Ordering::Relaxed) {
+            let values: Vec<Option<String>> =
+                redis::cmd("MGET").arg(&keys).query_async(&mut connection).await.expect("MGET");
+            for (k, value) in values.iter().enumerate() {
+                let Some(snapshot) = value.as_deref().and_then(|v| serde_json::from_str::<Value>(v).ok()) else {
+                    continue;
+                };
+                let version = snapshot["version"].as_u64().unwrap_or(0);
+                let status = snapshot["prediction"]["status"].as_str().unwrap_or("none").to_owned();
+                if seen[k].last() != Some(&(version, status.clone())) {
+                    seen[k].push((version, status));
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        seen
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_rapid_changes_reach_redis_in_order_across_an_outage_and_the_in_flight_set_follows() {
     const JOBS: usize = 20;
@@ -809,28 +837,7 @@ async fn many_rapid_changes_reach_redis_in_order_across_an_outage_and_the_in_fli
     let connection = reader.get_multiplexed_async_connection().await.expect("connects");
     let keys: Vec<String> = ids.iter().map(|id| format!("job:{{{id}}}")).collect();
     let watching = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let watcher = {
-        let (keys, watching, mut connection) = (keys.clone(), watching.clone(), connection.clone());
-        tokio::spawn(async move {
-            let mut seen: Vec<Vec<(u64, String)>> = vec![Vec::new(); keys.len()];
-            while watching.load(std::sync::atomic::Ordering::Relaxed) {
-                let values: Vec<Option<String>> =
-                    redis::cmd("MGET").arg(&keys).query_async(&mut connection).await.expect("MGET");
-                for (k, value) in values.iter().enumerate() {
-                    let Some(snapshot) = value.as_deref().and_then(|v| serde_json::from_str::<Value>(v).ok()) else {
-                        continue;
-                    };
-                    let version = snapshot["version"].as_u64().unwrap_or(0);
-                    let status = snapshot["prediction"]["status"].as_str().unwrap_or("none").to_owned();
-                    if seen[k].last() != Some(&(version, status.clone())) {
-                        seen[k].push((version, status));
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-            seen
-        })
-    };
+    let watcher = watch_snapshots(keys.clone(), watching.clone(), connection.clone());
     let members = || {
         let mut connection = connection.clone();
         async move {

@@ -3,7 +3,9 @@
 //! - each code block after an `<!-- include: PATH -->` marker is that file, byte for byte;
 //! - every relative link reaches a file that exists, and every `#anchor` a heading on its page;
 //! - the README puts a newcomer's path first and sends them to every page under `docs/`;
-//! - the README's config table names every key of `config.toml`, the compiled-in default.
+//! - the README's config table names every key of `config.toml`, the compiled-in default;
+//! - the README's walk-through of the guard's refusals, run as written against a server with the
+//!   default config, meets each refusal it promises at the call it says.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -198,4 +200,61 @@ fn the_readmes_config_table_names_every_key_of_the_default_config() {
     assert!(keys.len() > 60, "config.toml's keys were read: {keys:?}");
     let missing: Vec<&String> = keys.iter().filter(|key| !documented.iter().any(|p| names(p, key))).collect();
     assert!(missing.is_empty(), "keys of config.toml the README's config table does not name: {missing:?}");
+}
+
+/// The shell block after the README's `<!-- walked: tests/repo/readme.rs -->` marker.
+fn walked_block(readme: &str) -> &str {
+    let marker = "<!-- walked: tests/repo/readme.rs -->";
+    let rest = &readme[readme.find(marker).expect("the README marks its walk-through") + marker.len()..];
+    let code = rest.trim_start().strip_prefix("```sh\n").expect("a sh block follows the marker");
+    code.split_once("\n```\n").expect("the block closes").0
+}
+
+/// What the block's comments promise, in order: for each loop, the call that is refused and its
+/// code (`… the 5th is refused loop_detected …`), and the label its output lines carry (the
+/// `echo "search $n: …"` of the loop after the comment).
+fn promises(block: &str) -> Vec<(String, usize, String)> {
+    let mut found = Vec::new();
+    let mut promised: Option<(usize, String)> = None;
+    for line in block.lines().map(str::trim) {
+        if let Some(comment) = line.strip_prefix('#') {
+            let words: Vec<&str> = comment.split_whitespace().collect();
+            for at in words.windows(5) {
+                let nth = at[1].trim_end_matches(|c: char| c.is_ascii_alphabetic());
+                if at[0] == "the" && at[2] == "is" && at[3] == "refused" && nth.parse::<usize>().is_ok() {
+                    let code: String = at[4].chars().take_while(|c| c.is_ascii_lowercase() || *c == '_').collect();
+                    promised = nth.parse().ok().map(|n| (n, code));
+                }
+            }
+        } else if let (Some((n, code)), Some((_, echoed))) = (promised.take(), line.split_once("echo \"")) {
+            let label = echoed.split(" $n:").next().expect("a label before $n");
+            found.push((label.to_owned(), n, code));
+        }
+    }
+    found
+}
+
+/// README "Try it": the loop's refusal and the budget's, reached with the default config by the
+/// steps as written (the block run by bash, its URL the test server's, on the server's manual
+/// clock: no token comes back meanwhile), each at the call the README says, and not one call
+/// sooner.
+#[tokio::test]
+async fn the_readmes_walk_through_meets_each_refusal_it_promises_at_the_call_it_says() {
+    let readme = read(&root().join("README.md"));
+    let block = walked_block(&readme);
+    let promised = promises(block);
+    let codes: Vec<&str> = promised.iter().map(|(_, _, code)| code.as_str()).collect();
+    assert_eq!(codes, ["loop_detected", "rate_limited"], "the walk promises the loop's refusal and the budget's");
+    let server = crate::common::TestServer::start("").await;
+    assert_eq!(block.matches("http://127.0.0.1:3000/mcp").count(), 1, "the walk names make run's URL once");
+    let script = block.replace("http://127.0.0.1:3000/mcp", &server.url);
+    let out = tokio::process::Command::new("bash").arg("-c").arg(&script).output().await.expect("bash runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "the walk failed: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+    for (label, n, code) in &promised {
+        let said: Vec<&str> = stdout.lines().filter_map(|l| l.strip_prefix(&format!("{label} "))).collect();
+        let expected: Vec<String> =
+            (1..=*n).map(|k| if k < *n { format!("{k}: answered") } else { format!("{k}: refused {code}") }).collect();
+        assert_eq!(said, expected, "the README's {label}s:\n{stdout}");
+    }
 }

@@ -15,15 +15,7 @@ const WINDOW_NS: u64 = 10 * NANOS_PER_SEC;
 
 #[tokio::test]
 async fn a_burst_of_agents_against_a_flaky_upstream_costs_little_in_retries_and_leaks_no_slot() {
-    // Each agent has its own key and tenant: a burst of real customers, not one address
-    // rotating made-up keys (which the address budget would stop).
-    let mut config = "[upstream]\nvideo_queue_max = 100\nqueue_max = 200\n\
-                      [mock_upstream]\nrate_429 = 0.3\nretry_after_seconds = 1\nmax_concurrent_predictions = 1000\n"
-        .to_owned();
-    for i in 0..AGENTS {
-        config.push_str(&format!("[[auth.keys]]\nkey = \"agent-{i}\"\ntenant = \"t{i}\"\n"));
-    }
-    let server = TestServer::start(&config).await;
+    let server = TestServer::start(&config()).await;
     let mut clients = Vec::new();
     for i in 0..AGENTS {
         clients.push(server.client(Some(&format!("agent-{i}"))).await);
@@ -45,16 +37,7 @@ async fn a_burst_of_agents_against_a_flaky_upstream_costs_little_in_retries_and_
     assert_eq!(videos_accepted, AGENTS, "every video fits the queue");
     assert_eq!(images_accepted + images_429, AGENTS, "an image is accepted, or refused with the upstream's wait");
 
-    // Walk the clock in half-second steps, letting the server's background work run at each.
-    let mut elapsed_ns = 0;
-    loop {
-        server.advance_ms(500);
-        elapsed_ns += 500_000_000;
-        tokio::time::sleep(std::time::Duration::from_millis(15)).await;
-        if server.metrics().await.contains("mcp_ratelimit_jobs_in_flight 0") || elapsed_ns > 900 * NANOS_PER_SEC {
-            break;
-        }
-    }
+    walk_the_clock_until_no_job_is_in_flight(&server).await;
     assert!(server.metrics().await.contains("mcp_ratelimit_jobs_in_flight 0"), "every job ended");
 
     let log = server.submissions().await;
@@ -104,6 +87,33 @@ async fn a_burst_of_agents_against_a_flaky_upstream_costs_little_in_retries_and_
     for (i, client) in clients.iter().enumerate() {
         let status = call(client, "rate_limit_status", json!({})).await;
         assert_eq!(budget_of(&status), 5, "agent {i} has every in-flight slot back");
+    }
+}
+
+/// The server's config: a flaky mock upstream (30 % answered 429) and [`AGENTS`] keys. Each agent
+/// has its own key and tenant: a burst of real customers, not one address rotating made-up keys
+/// (which the address budget would stop).
+fn config() -> String {
+    let mut config = "[upstream]\nvideo_queue_max = 100\nqueue_max = 200\n\
+                      [mock_upstream]\nrate_429 = 0.3\nretry_after_seconds = 1\nmax_concurrent_predictions = 1000\n"
+        .to_owned();
+    for i in 0..AGENTS {
+        config.push_str(&format!("[[auth.keys]]\nkey = \"agent-{i}\"\ntenant = \"t{i}\"\n"));
+    }
+    config
+}
+
+/// Walks the clock in half-second steps, letting the server's background work run at each, until
+/// no job is in flight or 900 s have passed.
+async fn walk_the_clock_until_no_job_is_in_flight(server: &TestServer) {
+    let mut elapsed_ns = 0;
+    loop {
+        server.advance_ms(500);
+        elapsed_ns += 500_000_000;
+        tokio::time::sleep(std::time::Duration::from_millis(15)).await;
+        if server.metrics().await.contains("mcp_ratelimit_jobs_in_flight 0") || elapsed_ns > 900 * NANOS_PER_SEC {
+            break;
+        }
     }
 }
 

@@ -42,12 +42,22 @@ fn video(prompt: &str) -> Value {
 /// its config), its exporter,
 /// and the subscriber that feeds it, set for this thread while the guard lives.
 async fn traced(receiver: &Receiver, tier: &str, extra: &str) -> (TestServer, Telemetry, Subscribed) {
-    let toml =
-        format!("{}{extra}\n[telemetry]\notlp_endpoint = \"{}\"\nexport_interval_ms = 50\n", keys(tier), receiver.url);
+    exporting(receiver, tier, extra, "").await
+}
+
+/// [`traced`], with `more` keys of `[telemetry]`; the server's `/metrics` shows its exporter's
+/// queue, as `main` has it do.
+async fn exporting(receiver: &Receiver, tier: &str, extra: &str, more: &str) -> (TestServer, Telemetry, Subscribed) {
+    let toml = format!(
+        "{}{extra}\n[telemetry]\notlp_endpoint = \"{}\"\nexport_interval_ms = 50\n{more}",
+        keys(tier),
+        receiver.url
+    );
     let server = TestServer::start(&toml).await;
     let config = server.app.state().config.telemetry.clone().expect("[telemetry] is on");
     assert_eq!(config.traces_url.as_str(), format!("{}/v1/traces", receiver.url));
     let telemetry = Telemetry::start(&config).expect("the exporter starts");
+    server.app.state().watch_traces(telemetry.queue());
     let subscribed = subscribe(&telemetry);
     (server, telemetry, subscribed)
 }
@@ -276,4 +286,139 @@ async fn with_redis_killed_the_span_says_the_call_failed_open_or_was_refused_clo
         .unwrap_or_else(|| panic!("the paid call: {:#?}", names(&spans)));
     assert_eq!(attribute(refused, "ratelimit.outcome").as_deref(), Some("refused"));
     assert_eq!(attribute(refused, "ratelimit.code").as_deref(), Some("limiter_unavailable"));
+}
+
+/// `value` cut as a span holds what a caller chose: at most 128 bytes, at a character boundary.
+fn cut(value: &str) -> &str {
+    let mut end = value.len().min(128);
+    while !value.is_char_boundary(end) {
+        end -= 1;
+    }
+    &value[..end]
+}
+
+/// A collector that is away, and a caller sending huge JSON-RPC ids: the
+/// exporter's queue holds at most 2,048 spans (the rest dropped and counted) and the bytes of
+/// values cut to 128 bytes, as `/metrics` shows while nothing is answered; once the collector
+/// answers, the spans it gets hold every caller-chosen value cut, at a character boundary, and the
+/// queue is empty again. (Before: 100 pings with 4 MB ids took the server from 40 MB to 926 MB.)
+#[tokio::test(flavor = "current_thread")]
+async fn a_collector_that_never_answers_holds_the_trace_queue_to_its_bounds_and_huge_ids_are_cut() {
+    const PINGS: usize = 2100;
+    let receiver = Receiver::never_answering();
+    let roomy = "[limits.http]\nburst = 100000\nrefill_per_sec = 1000.0\n\
+                 [limits.method.other]\nburst = 100000\nrefill_per_sec = 1000.0\n";
+    let (server, telemetry, _traced) = exporting(&receiver, "default", roomy, "export_timeout_ms = 600000\n").await;
+    let auth = format!("Bearer {KEY}");
+    let mut session = RawSession::new(&server.url, &[("authorization", auth.as_str())]);
+    assert_eq!(session.open().await, (200, 202));
+    // Four pings whose ids are 4 MiB of three-byte characters: a span each.
+    let huge = |n: usize| format!("huge-{n}-{}", "€".repeat((4 << 20) / 3));
+    for n in 0..4 {
+        let (status, _, body) = session.post(json!({"jsonrpc": "2.0", "id": huge(n), "method": "ping"})).await;
+        assert_eq!(status, 200, "{}", cut(&body));
+    }
+    // More spans than the queue holds, while the collector answers nothing.
+    for n in 0..PINGS {
+        let id = format!("{n}-{}", "x".repeat(1000));
+        assert_eq!(session.post(json!({"jsonrpc": "2.0", "id": id, "method": "ping"})).await.0, 200);
+    }
+    let metrics = server.metrics().await;
+    let queued = metric_sum(&metrics, "mcp_ratelimit_trace_queue_bytes");
+    let dropped = metric_sum(&metrics, "mcp_ratelimit_trace_spans_dropped_total");
+    // A span per ping, 2,048 held: each a few hundred bytes, as its values are cut.
+    assert_eq!(dropped, (PINGS + 4 - 2048) as f64, "{metrics}");
+    assert!(queued > 0.0 && queued <= 2048.0 * 512.0, "{queued} bytes queued:\n{metrics}");
+    assert!(metrics.contains("# HELP mcp_ratelimit_trace_queue_bytes "), "{metrics}");
+    assert!(metrics.contains("# HELP mcp_ratelimit_trace_spans_dropped_total "), "{metrics}");
+
+    // The collector is back: what it gets holds every value a caller chose cut.
+    receiver.release();
+    let spans = receiver.wait_for(&telemetry, "the spans held", |spans| spans.len() >= 2048).await;
+    assert_eq!(spans.len(), 2048, "the queue's bound went through, the rest was dropped");
+    for n in 0..4 {
+        let id = huge(n);
+        let span = spans
+            .iter()
+            .find(|s| attribute(s, "mcp.request.id").is_some_and(|v| v.starts_with(&format!("huge-{n}-"))))
+            .unwrap_or_else(|| panic!("huge ping {n}"));
+        assert_eq!(attribute(span, "mcp.request.id").as_deref(), Some(cut(&id)), "cut at a character boundary");
+        assert_eq!(cut(&id).len(), 127, "`huge-N-` and 40 euros: the 41st would need byte 130");
+    }
+    for span in &spans {
+        for (key, value) in span.attributes.iter().map(|a| (&a.key, attribute(span, &a.key).unwrap_or_default())) {
+            assert!(value.len() <= 128, "{key} of {} holds {} bytes", span.name, value.len());
+        }
+    }
+    eventually("the queue is empty again", || async {
+        metric_sum(&server.metrics().await, "mcp_ratelimit_trace_queue_bytes") == 0.0
+    })
+    .await;
+}
+
+/// A caller's `tracestate` rides on its trace only when it is 1 to 512 bytes of printable ASCII
+/// (from `_meta` or from the header), and the paid API never hears it: only the `traceparent` of
+/// the server's own span of the request.
+#[tokio::test(flavor = "current_thread")]
+async fn a_callers_tracestate_is_kept_only_up_to_512_printable_bytes_and_never_reaches_the_paid_api() {
+    let receiver = Receiver::start();
+    let (server, telemetry, _traced) = traced(&receiver, "admin", "").await;
+    // Two members a vendor may send, 512 bytes together; one more byte is too many.
+    let most = format!("a={},b={}", "v".repeat(254), "w".repeat(253));
+    let over = format!("{most}w");
+    assert_eq!((most.len(), over.len()), (512, 513));
+    let client = server.client(Some(KEY)).await;
+    let traces = ["5bf92f3577b34da6a3ce929d0e0e4736", "6bf92f3577b34da6a3ce929d0e0e4736"];
+    for (trace, state) in traces.iter().zip([&most, &over]) {
+        let mut request = CallToolRequestParams::new("generate_image")
+            .with_arguments(json!({"prompt": "a lighthouse"}).as_object().cloned().expect("object"));
+        let mut meta = RequestMetaObject::default();
+        meta.0.insert("traceparent".to_owned(), format!("00-{trace}-{PARENT}-01").into());
+        meta.0.insert("tracestate".to_owned(), state.as_str().into());
+        request.meta = Some(meta);
+        let submitted = client.call_tool(request).await.expect("tools/call answered");
+        assert!(!is_error(&submitted), "{}", text(&submitted));
+    }
+    // The 2026-07-28 era, the context as W3C headers: one byte too many is dropped there too.
+    let third = "7bf92f3577b34da6a3ce929d0e0e4736";
+    let headers = [
+        format!("Authorization: Bearer {KEY}"),
+        format!("traceparent: 00-{third}-{PARENT}-01"),
+        format!("tracestate: {over}"),
+    ];
+    let steps = json!([{"op": "call", "tool": "list_articles", "args": {}}]);
+    let args = ["-H", headers[0].as_str(), "-H", headers[1].as_str(), "-H", headers[2].as_str()];
+    let walked = python::walk(&server.url, "auto", steps, &args).await;
+    assert!(python::all_ok(&walked), "{walked}");
+    let spans = receiver
+        .wait_for(&telemetry, "three calls and two submissions", |spans| {
+            let of = |trace: &str| spans.iter().filter(|s| hex(&s.trace_id) == trace).count();
+            of(traces[0]) >= 2 && of(traces[1]) >= 2 && of(third) >= 1
+        })
+        .await;
+    let called = |trace: &str| {
+        spans
+            .iter()
+            .find(|s| s.name == "tools/call" && hex(&s.trace_id) == trace)
+            .unwrap_or_else(|| panic!("the call of {trace}: {:#?}", names(&spans)))
+    };
+    let kept = called(traces[0]);
+    assert_eq!(hex(&kept.parent_span_id), PARENT);
+    assert_eq!(kept.trace_state, most, "512 bytes are continued");
+    for trace in [traces[1], third] {
+        let dropped = called(trace);
+        assert_eq!(hex(&dropped.parent_span_id), PARENT, "its traceparent is still continued");
+        assert_eq!(dropped.trace_state, "", "513 bytes are not");
+    }
+    // The paid API heard each submission's own span, and no tracestate at all.
+    let heard = submissions(&server).await;
+    assert_eq!(heard.len(), 2, "{heard:?}");
+    for (submission, trace) in heard.iter().zip(traces) {
+        let sent = spans
+            .iter()
+            .find(|s| s.name == "upstream.request" && hex(&s.trace_id) == trace)
+            .unwrap_or_else(|| panic!("the submission of {trace}: {:#?}", names(&spans)));
+        assert_eq!(submission["traceparent"], format!("00-{trace}-{}-01", hex(&sent.span_id)), "{heard:?}");
+        assert!(submission.get("tracestate").is_none(), "the caller's tracestate reached the paid API: {heard:?}");
+    }
 }

@@ -13,7 +13,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
-use metrics::{Counter, Gauge, Key, Label, Level, Metadata, Recorder, SharedString, Unit};
+use metrics::{Counter, Gauge, Key, Label, Level, Metadata, Recorder, SharedString};
 use metrics_exporter_prometheus::formatting::sanitize_label_value;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 use metrics_util::registry::{AtomicStorage, Registry};
@@ -100,6 +100,125 @@ pub const CONNECTIONS_REFUSED: &str = "mcp_ratelimit_connections_refused_total";
 /// presenting a whole request, `server.header_read_timeout_ms` after opening (silent, half a
 /// request, half an HTTP/2 preface). An idle kept-alive connection closed is not counted.
 pub const CONNECTIONS_TIMED_OUT: &str = "mcp_ratelimit_connections_timed_out_total";
+
+/// `mcp_ratelimit_token_validations_total{outcome}`: bearer tokens checked as OAuth access tokens
+/// (`[auth.oauth]`), by outcome: `valid`, or why not ([`TOKEN_OUTCOMES`]).
+pub const TOKEN_VALIDATIONS: &str = "mcp_ratelimit_token_validations_total";
+/// `mcp_ratelimit_jwks_fetches_total{outcome}`: fetches of the authorization server's signing keys
+/// (its metadata too, the first time), `ok` or `failed`.
+pub const JWKS_FETCHES: &str = "mcp_ratelimit_jwks_fetches_total";
+/// `mcp_ratelimit_token_introspections_total{outcome}`: RFC 7662 introspections of opaque tokens
+/// asked of the authorization server: `active`, `inactive` or `failed`.
+pub const TOKEN_INTROSPECTIONS: &str = "mcp_ratelimit_token_introspections_total";
+
+/// `mcp_ratelimit_trace_queue_bytes`: bytes of names and attribute values of the finished spans
+/// waiting for the OTLP collector (`[telemetry]`), queued or in a batch it has not answered: at
+/// most 8 MiB.
+pub const TRACE_QUEUE_BYTES: &str = "mcp_ratelimit_trace_queue_bytes";
+/// `mcp_ratelimit_trace_spans_dropped_total`: finished spans dropped because the exporter's queue
+/// was full (2,048 spans or 8 MiB): the collector is slow or away.
+pub const TRACE_SPANS_DROPPED: &str = "mcp_ratelimit_trace_spans_dropped_total";
+
+/// Every outcome of a token's validation, as `mcp_ratelimit_token_validations_total` labels it.
+pub const TOKEN_OUTCOMES: [&str; 14] = [
+    "valid",
+    "expired",
+    "not_yet_valid",
+    "bad_signature",
+    "wrong_audience",
+    "wrong_issuer",
+    "unknown_key",
+    "algorithm_not_allowed",
+    "malformed",
+    "no_subject",
+    "insufficient_scope",
+    "inactive",
+    "not_a_jwt",
+    "unavailable",
+];
+
+/// What kind of series a metric family is, as its `# TYPE` line says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Only ever goes up (kept in our own registry: see the module doc).
+    Counter,
+    /// Goes up and down, or is sampled from live state when `/metrics` is scraped.
+    Gauge,
+}
+
+/// One metric family the server can emit: its name, its kind and its `# HELP` text.
+#[derive(Debug, Clone, Copy)]
+pub struct Family {
+    /// The family's name, e.g. [`DECISIONS`].
+    pub name: &'static str,
+    /// Counter or gauge.
+    pub kind: Kind,
+    /// The `# HELP` text.
+    pub help: &'static str,
+}
+
+const fn counter(name: &'static str, help: &'static str) -> Family {
+    Family { name, kind: Kind::Counter, help }
+}
+
+const fn gauge(name: &'static str, help: &'static str) -> Family {
+    Family { name, kind: Kind::Gauge, help }
+}
+
+/// Every metric family the server can emit, each described once, here: [`Metrics::new`] gives
+/// each its `# HELP` from this table, so a name recorded without a row would have none (a test
+/// reads this file and fails on a `mcp_ratelimit_` name without one).
+pub const FAMILIES: &[Family] = &[
+    counter(DECISIONS, "Limit decisions by layer, tool (or method) and outcome."),
+    counter(REJECTIONS, "Refusals by layer, tool, code and client bucket (a 16-way hash)."),
+    counter(UPSTREAM, "Requests to the paid API by tool and outcome."),
+    counter(UPSTREAM_RETRIES, "Retries of server-owned upstream work by kind and reason."),
+    counter(UPSTREAM_SAVED, "Tool calls answered without an upstream request of their own, by tool and how."),
+    counter(
+        SETTLED_UNITS,
+        "Cost units refunded or charged when prices were settled from the usage the upstream reported.",
+    ),
+    counter(SETTLEMENT_ERRORS, "Tries of a price settlement the limiter store did not take."),
+    counter(
+        SETTLEMENTS_GIVEN_UP,
+        "Price settlements the limiter store did not take for a minute of tries (reservation kept).",
+    ),
+    counter(LOOP_DETECTIONS, "Tool calls refused because the caller repeated them in a loop."),
+    counter(STORE_ERRORS, "Decisions the limiter store could not make, by layer."),
+    counter(CONNECTIONS_REFUSED, "Connections refused as they were accepted, by listener and the cap that was full."),
+    counter(
+        CONNECTIONS_TIMED_OUT,
+        "Connections closed without ever presenting a whole request within server.header_read_timeout_ms.",
+    ),
+    counter(CONFIG_RELOADS, "Config reloads applied or refused."),
+    counter(TOKEN_VALIDATIONS, "Bearer tokens checked as OAuth access tokens, by outcome."),
+    counter(JWKS_FETCHES, "Fetches of the authorization server's signing keys (JWKS), by outcome (ok, failed)."),
+    counter(TOKEN_INTROSPECTIONS, "RFC 7662 introspections of opaque tokens, by outcome (active, inactive, failed)."),
+    counter(SHED, "Tool calls refused before any charge because the server itself was behind, by tier and unverified."),
+    counter(
+        TRACE_SPANS_DROPPED,
+        "Finished spans dropped because the exporter's queue was full (2048 spans or 8 MiB): the collector is slow or away.",
+    ),
+    gauge(IN_FLIGHT, "Admissions still held: tool calls running and jobs not yet final."),
+    gauge(QUEUE_DEPTH, "Jobs waiting for the upstream account, by flow bucket (a 16-way hash of the tenant)."),
+    gauge(ACCOUNT_SLOTS_IN_USE, "The upstream account's slots held by running jobs."),
+    gauge(ACCOUNT_TIER_SLOTS, "The account's slots reserved for a tier, and held by its jobs (of: reserved, in_use)."),
+    gauge(ACCOUNT_TIER_PLACES, "The queue's places reserved for a tier, and held by its jobs (of: reserved, waiting)."),
+    gauge(
+        UPSTREAM_CONCURRENCY_LIMIT,
+        "Slots toward the upstream handed out now: the static cap, or the adaptive limit learnt.",
+    ),
+    gauge(JOBS_IN_FLIGHT, "Accepted jobs (image and video predictions) not yet final."),
+    gauge(STORE_UP, "1 while the limiter store answers, 0 while it fails."),
+    gauge(BREAKER_STATE, "The upstream circuit breaker: 0 closed, 1 half-open, 2 open."),
+    gauge(CONNECTIONS_OPEN, "Connections a listener holds open, by listener."),
+    gauge(
+        TRACE_QUEUE_BYTES,
+        "Bytes of names and attribute values of the finished spans waiting for the OTLP collector (at most 8 MiB).",
+    ),
+    gauge(SHED_LEVEL, "How many of the lowest classes of callers the server refuses because it is behind."),
+    gauge(QUEUEING_DELAY, "The least queueing delay of the tool calls of the last shedding interval, in seconds."),
+];
 
 /// The connection counters of one listener, registered once, so accepting a connection only
 /// moves handles ([`Metrics::connections`]); [`ConnectionMetrics::none`] for a listener without
@@ -201,6 +320,8 @@ pub struct Metrics {
     help: HashMap<&'static str, &'static str>,
     /// `[layer][name] -> [allowed, refused]` for every known layer and name.
     decisions: [HashMap<String, [Counter; 2]>; 3],
+    /// One counter per [`TOKEN_OUTCOMES`], in its order: a token is checked on every request.
+    token_validations: Vec<Counter>,
     in_flight: Gauge,
 }
 
@@ -225,79 +346,16 @@ impl Metrics {
         let handle = recorder.handle();
         let counters = Registry::atomic();
         let mut help = HashMap::new();
-        let mut describe = |name: &'static str, _unit: Unit, text: &'static str| {
-            help.insert(name, text);
-        };
-        describe(DECISIONS, Unit::Count, "Limit decisions by layer, tool (or method) and outcome.");
-        describe(REJECTIONS, Unit::Count, "Refusals by layer, tool, code and client bucket (a 16-way hash).");
-        describe(UPSTREAM, Unit::Count, "Requests to the paid API by tool and outcome.");
-        describe(UPSTREAM_RETRIES, Unit::Count, "Retries of server-owned upstream work by kind and reason.");
-        describe(
-            UPSTREAM_SAVED,
-            Unit::Count,
-            "Tool calls answered without an upstream request of their own, by tool and how.",
-        );
-        describe(
-            SETTLED_UNITS,
-            Unit::Count,
-            "Cost units refunded or charged when prices were settled from the usage the upstream reported.",
-        );
-        describe(SETTLEMENT_ERRORS, Unit::Count, "Tries of a price settlement the limiter store did not take.");
-        describe(
-            SETTLEMENTS_GIVEN_UP,
-            Unit::Count,
-            "Price settlements the limiter store did not take for a minute of tries (reservation kept).",
-        );
-        describe(LOOP_DETECTIONS, Unit::Count, "Tool calls refused because the caller repeated them in a loop.");
-        describe(STORE_ERRORS, Unit::Count, "Decisions the limiter store could not make, by layer.");
-        describe(
-            CONNECTIONS_REFUSED,
-            Unit::Count,
-            "Connections refused as they were accepted, by listener and the cap that was full.",
-        );
-        describe(
-            CONNECTIONS_TIMED_OUT,
-            Unit::Count,
-            "Connections closed without ever presenting a whole request within server.header_read_timeout_ms.",
-        );
-        describe(CONFIG_RELOADS, Unit::Count, "Config reloads applied or refused.");
-        describe(
-            SHED,
-            Unit::Count,
-            "Tool calls refused before any charge because the server itself was behind, by tier and unverified.",
-        );
-        let gauge = |name: &'static str, help: &'static str| {
-            recorder.describe_gauge(name.into(), Some(Unit::Count), SharedString::const_str(help));
-        };
-        gauge(QUEUE_DEPTH, "Jobs waiting for the upstream account, by flow bucket (a 16-way hash of the tenant).");
-        gauge(ACCOUNT_SLOTS_IN_USE, "The upstream account's slots held by running jobs.");
-        gauge(
-            ACCOUNT_TIER_SLOTS,
-            "The account's slots reserved for a tier, and held by its jobs (of: reserved, in_use).",
-        );
-        gauge(
-            ACCOUNT_TIER_PLACES,
-            "The queue's places reserved for a tier, and held by its jobs (of: reserved, waiting).",
-        );
-        gauge(
-            UPSTREAM_CONCURRENCY_LIMIT,
-            "Slots toward the upstream handed out now: the static cap, or the adaptive limit learnt.",
-        );
-        gauge(JOBS_IN_FLIGHT, "Accepted jobs (image and video predictions) not yet final.");
-        gauge(STORE_UP, "1 while the limiter store answers, 0 while it fails.");
-        gauge(BREAKER_STATE, "The upstream circuit breaker: 0 closed, 1 half-open, 2 open.");
-        gauge(CONNECTIONS_OPEN, "Connections a listener holds open, by listener.");
-        gauge(SHED_LEVEL, "How many of the lowest classes of callers the server refuses because it is behind.");
-        recorder.describe_gauge(
-            QUEUEING_DELAY.into(),
-            Some(Unit::Seconds),
-            SharedString::const_str("The least queueing delay of the tool calls of the last shedding interval."),
-        );
-        recorder.describe_gauge(
-            IN_FLIGHT.into(),
-            Some(Unit::Count),
-            SharedString::const_str("Admissions still held: tool calls running and jobs not yet final."),
-        );
+        for family in FAMILIES {
+            match family.kind {
+                Kind::Counter => {
+                    help.insert(family.name, family.help);
+                }
+                Kind::Gauge => {
+                    recorder.describe_gauge(family.name.into(), None, SharedString::const_str(family.help));
+                }
+            }
+        }
         let register = |layer: Layer, names: &mut dyn Iterator<Item = &str>| -> HashMap<String, [Counter; 2]> {
             names
                 .map(|name| {
@@ -312,7 +370,32 @@ impl Metrics {
             register(Layer::Tool, &mut tools.names()),
         ];
         let in_flight = recorder.register_gauge(&Key::from_name(IN_FLIGHT), &META);
-        Self { recorder, handle, counters, help, decisions, in_flight }
+        let token_validations = TOKEN_OUTCOMES
+            .iter()
+            .map(|outcome| {
+                counter_in(&counters, &Key::from_parts(TOKEN_VALIDATIONS, vec![Label::new("outcome", *outcome)]))
+            })
+            .collect();
+        Self { recorder, handle, counters, help, decisions, token_validations, in_flight }
+    }
+
+    /// Records one bearer token checked as an OAuth access token: `outcome` is one of
+    /// [`TOKEN_OUTCOMES`] (another is counted as `malformed`).
+    pub fn token_validation(&self, outcome: &str) {
+        let at = |name: &str| TOKEN_OUTCOMES.iter().position(|o| *o == name);
+        if let Some(counter) = at(outcome).or_else(|| at("malformed")).and_then(|i| self.token_validations.get(i)) {
+            counter.increment(1);
+        }
+    }
+
+    /// Records one fetch of the authorization server's keys (or metadata).
+    pub fn jwks_fetch(&self, ok: bool) {
+        self.count(JWKS_FETCHES, vec![Label::new("outcome", if ok { "ok" } else { "failed" })]);
+    }
+
+    /// Records one introspection asked of the authorization server (`active`, `inactive`, `failed`).
+    pub fn token_introspection(&self, outcome: &'static str) {
+        self.count(TOKEN_INTROSPECTIONS, vec![Label::new("outcome", outcome)]);
     }
 
     fn counter(&self, key: &Key) -> Counter {
@@ -404,11 +487,10 @@ impl Metrics {
         };
         ConnectionMetrics {
             open: self.recorder.register_gauge(&key(CONNECTIONS_OPEN, None), &META),
-            refused_full: self.recorder.register_counter(&key(CONNECTIONS_REFUSED, Some("max_connections")), &META),
-            refused_address: self
-                .recorder
-                .register_counter(&key(CONNECTIONS_REFUSED, Some("max_connections_per_address")), &META),
-            timed_out: self.recorder.register_counter(&key(CONNECTIONS_TIMED_OUT, None), &META),
+            // In our registry, as every counter: the recorder's would render without a `# HELP`.
+            refused_full: self.counter(&key(CONNECTIONS_REFUSED, Some("max_connections"))),
+            refused_address: self.counter(&key(CONNECTIONS_REFUSED, Some("max_connections_per_address"))),
+            timed_out: self.counter(&key(CONNECTIONS_TIMED_OUT, None)),
         }
     }
 
@@ -432,6 +514,13 @@ impl Metrics {
     /// flight, breaker state): read where the state is, so it can never drift from it.
     pub fn sample(&self, name: &'static str, labels: Vec<Label>, value: f64) {
         self.recorder.register_gauge(&Key::from_parts(name, labels), &META).set(value);
+    }
+
+    /// Sets what the trace exporter's queue holds now (`bytes`) and has dropped since it started
+    /// (`dropped`, a count that only grows), read from it when `/metrics` is scraped.
+    pub fn trace_queue(&self, bytes: u64, dropped: u64) {
+        self.recorder.register_gauge(&Key::from_name(TRACE_QUEUE_BYTES), &META).set(bytes as f64);
+        self.counter(&Key::from_name(TRACE_SPANS_DROPPED)).absolute(dropped);
     }
 
     /// Moves the in-flight gauge by `delta`.
@@ -507,6 +596,26 @@ mod tests {
         ] {
             assert!(text.contains(line), "missing {line} in\n{text}");
         }
+    }
+
+    #[test]
+    fn every_family_named_in_this_file_is_described_once() {
+        let source = include_str!("metrics.rs");
+        let named: std::collections::BTreeSet<&str> = source
+            .match_indices("\"mcp_ratelimit_")
+            .map(|(at, _)| {
+                let rest = &source[at + 1..];
+                let end = rest.find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'));
+                &rest[..end.unwrap_or(rest.len())]
+            })
+            .filter(|name| name.len() > "mcp_ratelimit_".len())
+            .collect();
+        assert!(named.len() >= FAMILIES.len(), "the names were read: {named:?}");
+        for name in &named {
+            let rows = FAMILIES.iter().filter(|f| f.name == *name).count();
+            assert_eq!(rows, 1, "{name} needs exactly one row in FAMILIES, for its # HELP");
+        }
+        assert!(FAMILIES.iter().all(|f| !f.help.is_empty() && named.contains(f.name)));
     }
 
     #[test]

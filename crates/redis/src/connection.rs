@@ -7,7 +7,7 @@ use ::redis::cluster_async::ClusterConnection;
 use ::redis::{Client, FromRedisValue, RedisResult, Script, ScriptInvocation, TlsCertificates};
 use std::time::Duration;
 
-use mcp_ratelimit_core::store::StoreError;
+use mcp_ratelimit_kernel::store::StoreError;
 
 /// Where the store's Redis is, as `store.redis_url` says.
 pub(super) enum Target {
@@ -124,7 +124,7 @@ const SCHEMES: &[&str] = &["redis", "rediss"];
 /// The `host:port` of one node's URL, once its scheme is one of `schemes`, it names a host and
 /// its port is a real one.
 fn node_address(url: &str, schemes: &[&str]) -> Result<String, StoreError> {
-    let invalid = |why: String| super::invalid_url(format!("`{}`: {why}", mcp_ratelimit_core::redact::url(url)));
+    let invalid = |why: String| super::invalid_url(format!("`{}`: {why}", mcp_ratelimit_kernel::redact::url(url)));
     let parsed = url::Url::parse(url).map_err(|e| invalid(e.to_string()))?;
     if !schemes.contains(&parsed.scheme()) {
         let expected = schemes.iter().map(|s| format!("{s}://")).collect::<Vec<_>>().join(" or ");

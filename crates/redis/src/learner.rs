@@ -5,14 +5,14 @@
 use std::time::Duration;
 
 use super::{RedisStore, StoreError, bounded, micros};
-use mcp_ratelimit_core::clock::Nanos;
-use mcp_ratelimit_core::limit::Decision;
-use mcp_ratelimit_core::limit::adaptive::{Algorithm, Learner, Sample, Signal};
-use mcp_ratelimit_core::store::{Check, LearntAt, Lease, SharedLearner, SharedLimit, StoreFuture, Verdict};
+use mcp_ratelimit_kernel::clock::Nanos;
+use mcp_ratelimit_kernel::limit::Decision;
+use mcp_ratelimit_kernel::limit::adaptive::{Algorithm, Learner, Sample, Signal};
+use mcp_ratelimit_kernel::store::{Check, LearntAt, Lease, SharedLearner, SharedLimit, StoreFuture, Verdict};
 
 /// How long a learnt limit is kept past its last use (a claim, an answer, a read): an account
 /// left alone this long starts again from its ceiling, as a freshly started instance would.
-pub const LEARNT_TTL: Duration = Duration::from_secs(3600);
+pub(crate) const LEARNT_TTL: Duration = Duration::from_secs(3600);
 
 /// [`LEARNT_TTL`] in milliseconds, as the scripts take it.
 pub(super) fn learnt_ttl_ms() -> u64 {

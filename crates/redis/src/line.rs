@@ -3,13 +3,13 @@
 //! algorithm's twin to judge and take a job's slots and gap in the same step as its turn).
 
 use super::{GiveBack, RedisStore, StoreError, Unanswered, bounded, learner};
-use mcp_ratelimit_core::store::{
+use mcp_ratelimit_kernel::store::{
     JoinAt, LINE_ALIVE, LearntAt, LineAnswer, LineAt, LineClaim, LineEntry, LineWait, SharedLimit, SharedLine,
     StoreFuture,
 };
 
 /// The line script: the prelude, every algorithm, the learnt limits, then the entry point.
-pub(super) const LINE_SCRIPT: &str = mcp_ratelimit_core::limit::registry!(
+pub(super) const LINE_SCRIPT: &str = mcp_ratelimit_kernel::limit::registry!(
     with_every_algorithm,
     "adaptive.lua",
     "adaptive/aimd.lua",
@@ -66,7 +66,7 @@ impl RedisStore {
             match gap {
                 Some((_, limiter)) => {
                     gap_index += 1;
-                    let span = super::script_span(&mcp_ratelimit_core::store::Check {
+                    let span = super::script_span(&mcp_ratelimit_kernel::store::Check {
                         key: "",
                         limiter,
                         cost: 1,
@@ -94,6 +94,12 @@ impl RedisStore {
         let unanswered = Unanswered { release: Some((GiveBack::of(self), taken)), lease: claim.lease };
         let reply: Vec<String> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
         unanswered.answered();
+        self.claim_answer(&reply)
+    }
+
+    /// A claim's answer, as `line.lua` gives it: `1 job clock limit dropped`, or
+    /// `0 why wake complete dropped (job place)*`.
+    fn claim_answer(&self, reply: &[String]) -> Result<(LineAnswer, Vec<String>), StoreError> {
         let mut fields = reply.iter();
         let dropped = |field: Option<&String>| -> Vec<String> {
             field.map(|ids| ids.split(' ').filter(|id| !id.is_empty()).map(str::to_owned).collect()).unwrap_or_default()

@@ -1,5 +1,5 @@
 //! Channels every instance hears at once: a slot freed on one instance is heard by every other
-//! waiting for one ([`Broadcast::hear`](mcp_ratelimit_core::store::Broadcast::hear)). A
+//! waiting for one ([`Broadcast::hear`](mcp_ratelimit_kernel::store::Broadcast::hear)). A
 //! subscription takes a connection of its own (one that can do nothing else), kept open while
 //! anyone listens and opened again when it drops; meanwhile the listeners ask on their own
 //! schedule, so a lost message delays, never strands, what it announced.

@@ -1,10 +1,10 @@
--- loop_history.lua: the twin of crates/core/src/guard/loops.rs, a caller's recent calls kept in Redis so
+-- loop_history.lua: the twin of crates/core/src/guard/loops/, a caller's recent calls kept in Redis so
 -- that every instance sees the same history: a stuck agent repeating one call round-robin over
 -- three instances is stopped on its 5th call, not its 15th. decide.lua checks a call here in
 -- the same script as its budgets, so loop detection costs no round trip of its own; an answer is
 -- heard here (loop_answer.lua) once the call has one.
 --
--- The rules are those of loops.rs: the same signature `repeats` times in a row within the
+-- The rules are those of loops/: the same signature `repeats` times in a row within the
 -- window, or the `repeats`-th occurrence of a signature in a strict A/B/A/B alternation, is
 -- refused and stops that signature (both, for an alternation) until `window` has passed; the
 -- same answer from one tool `no_progress` times in a row stops the tool (its tool signature)

@@ -1,6 +1,6 @@
 -- prelude.lua: what every limiter script shares. Exact integer arithmetic on Lua's doubles,
 -- the clock, and how a key's state is written down. The scripts are assembled by
--- crates/redis/src/lib.rs: this prelude, one file per algorithm (named after its Rust twin in
+-- crates/redis/src/scripts.rs: this prelude, one file per algorithm (named after its Rust twin in
 -- crates/core/src/limit/), then an entry point (decide.lua or release.lua).
 --
 -- Exactness. Lua numbers are doubles, which hold integers exactly up to 2^53 (about 9.007e15).

@@ -4,15 +4,15 @@
 
 use std::time::Duration;
 
-use super::{Held, HeldLease, Lease, RedisStore, Renewed, StoreError};
-use mcp_ratelimit_core::clock::Nanos;
-use mcp_ratelimit_core::limit::{Adjustment, Decision, Limiter};
-use mcp_ratelimit_core::store::{
+use super::{HeldLease, HeldSlots, Lease, RedisStore, Renewed, StoreError};
+use mcp_ratelimit_kernel::clock::Nanos;
+use mcp_ratelimit_kernel::limit::{Adjustment, Decision, Limiter};
+use mcp_ratelimit_kernel::store::{
     Blocks, Broadcast, Budgets, Check, JobMirror, LoopCall, LoopHistory, Slots, Store, StoreFuture, Verdict,
 };
 
 impl RedisStore {
-    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+    fn held(&self) -> std::sync::MutexGuard<'_, HeldSlots> {
         // Entries are inserted and removed whole: a poisoned map is still consistent.
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -146,13 +146,13 @@ impl Store for RedisStore {
         Some(self)
     }
 
-    fn shared_line(self: std::sync::Arc<Self>) -> Option<std::sync::Arc<dyn mcp_ratelimit_core::store::SharedLine>> {
+    fn shared_line(self: std::sync::Arc<Self>) -> Option<std::sync::Arc<dyn mcp_ratelimit_kernel::store::SharedLine>> {
         Some(self)
     }
 
     fn shared_learner(
         self: std::sync::Arc<Self>,
-    ) -> Option<std::sync::Arc<dyn mcp_ratelimit_core::store::SharedLearner>> {
+    ) -> Option<std::sync::Arc<dyn mcp_ratelimit_kernel::store::SharedLearner>> {
         Some(self)
     }
 }
@@ -172,8 +172,8 @@ impl LoopHistory for RedisStore {
 
     fn answered<'a>(
         &'a self,
-        answer: mcp_ratelimit_core::store::LoopAnswered<'a>,
-    ) -> StoreFuture<'a, mcp_ratelimit_core::guard::loops::Streaked> {
+        answer: mcp_ratelimit_kernel::store::LoopAnswered<'a>,
+    ) -> StoreFuture<'a, mcp_ratelimit_kernel::store::Streaked> {
         Box::pin(async move { self.loop_answered(answer, None).await })
     }
 }

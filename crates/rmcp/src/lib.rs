@@ -13,6 +13,8 @@
 
 pub mod http;
 pub mod limited;
+#[cfg(feature = "oauth")]
+pub mod oauth;
 pub mod rate_limits;
 pub mod results;
 pub mod trace;

@@ -25,7 +25,7 @@ use std::future::Future;
 
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::tool::ToolCallContext;
-use rmcp::model::{CallToolRequestParams, CallToolResponse, CallToolResult, Extensions, JsonObject, Tool};
+use rmcp::model::{CallToolRequestParams, CallToolResponse, CallToolResult, JsonObject, Tool};
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer};
 use tracing::Instrument;
@@ -35,155 +35,53 @@ use crate::results;
 pub use crate::results::AddTo;
 use mcp_ratelimit_core::config::ToolPolicy;
 use mcp_ratelimit_core::guard::shed::Arrived;
-use mcp_ratelimit_core::guard::{Admitted, Call, Called, Door, Policy, Refusal, Reserved, Used, Worked};
+use mcp_ratelimit_core::guard::{
+    Admitted, Answer, Call, Called, Door, MethodGroup, Policy, Refusal, Reserved, TakeOnce, Used, Worked,
+};
 use mcp_ratelimit_core::identity::Caller;
 
 pub use crate::rate_limits::ToolAnswer;
 
-/// A door of MCP tools: what differs for them around the one guarded call ([`Door`]: checks,
-/// what is known before charging, loops, refusals explained, usage read), and what the rmcp side
-/// adds — whose answer it is (where what we add to it goes), what the work is handed, a last word
-/// on the response. Every method but [`ToolRules::before_charging`] has the library's default, so
-/// a door says only what differs, the way tower's `retry::Policy` says what to retry.
-pub trait ToolRules: Send + Sync {
-    /// What the door holds from before charging until its tool runs (a place in a queue).
-    type Place: Send + 'static;
+/// What rmcp answers a tool call with.
+pub type Response = Result<CallToolResponse, ErrorData>;
 
-    /// What is known before anything is charged — the upstream known down, its queue full — or
-    /// what the call holds until its tool runs.
-    fn before_charging(&self, tool: &str, caller: &Caller) -> Result<Self::Place, Refusal>;
+pub use mcp_ratelimit_core::guard::Plain;
 
-    /// The arguments as the limits see them, or why they are refused before anything is
-    /// charged. By default as they are.
-    fn check(&self, _tool: &str, args: &JsonObject) -> Result<serde_json::Value, Refusal> {
-        Ok(serde_json::Value::Object(args.clone()))
+/// A tool result as the one guarded call reads it: its usage report (our own tools':
+/// `structuredContent.usage.units`, else `_meta.usage.units`; a relayed one's `_meta` only), what
+/// it says for loops by answers, whether it may be kept, the refusal it carries (never a relayed
+/// one's), and the state a request for input resumes with.
+impl Answer for ToolAnswer {
+    fn used(&self) -> Used {
+        match (self.response(), self.is_relayed()) {
+            (Ok(CallToolResponse::Complete(done)), true) => {
+                results::usage_in_meta(done).map_or(Used::Unreported, Used::Reported)
+            }
+            (answer, false) => used_by(answer),
+            _ => Used::Unreported,
+        }
     }
 
-    /// Whether this call can never be a loop. By default none.
-    fn loop_exempt(&self, _tool: &str, _args: &serde_json::Value, _caller: &Caller) -> bool {
-        false
+    fn outcome(&self) -> Option<Cow<'_, serde_json::Value>> {
+        outcome_of(self.response())
     }
 
-    /// A refusal of the guard's, said better where the door knows more. By default as it is.
-    fn explain(&self, _tool: &str, refusal: Refusal, _caller: &Caller) -> Refusal {
-        refusal
+    fn keepable(&self) -> Option<u64> {
+        keepable(self.response())
     }
 
-    /// What an answer says its tool used: by default its usage report
-    /// (`structuredContent.usage.units`, else `_meta.usage.units`; see [`used_by`]).
-    fn used(&self, _tool: &str, answer: &ToolAnswer) -> Used {
-        used_by(answer)
+    fn refusal_in(&self) -> Option<Refusal> {
+        if self.is_relayed() { None } else { refusal_in(self.response()) }
     }
 
-    /// What an answer says, for loop detection to compare with the tool's last answers to the
-    /// caller: by default a complete result's (see [`outcome_of`]); a door returns `None` for a
-    /// tool whose answer is a receipt rather than a result (a job's id).
-    fn outcome<'a>(&self, _tool: &str, answer: &'a ToolAnswer) -> Option<Cow<'a, serde_json::Value>> {
-        outcome_of(answer)
-    }
-
-    /// Whether `tool` only reads (its `readOnlyHint`): its identical answers in a row are counted
-    /// under `[loop_detection] no_progress`. By default none is known to; [`LimitedRouter`] reads
-    /// its tools' annotations.
-    fn read_only(&self, _tool: &str) -> bool {
-        false
-    }
-
-    /// The refusal an answer carries when the tool itself refused (an upstream's 429, in our
-    /// refusals' shape), to record it like the others. By default read as our tools write it.
-    fn refusal_in(&self, answer: &ToolAnswer) -> Option<Refusal> {
-        refusal_in(answer)
-    }
-
-    /// Where what the guard adds to these tools' results goes: by default `_meta`, the result
-    /// left as it was; `structuredContent` for tools whose `outputSchema`s admit what we add.
-    fn add_to(&self) -> AddTo {
-        AddTo::Meta
-    }
-
-    /// Hands what the call held since before charging to the tool, through the request's
-    /// extensions. By default it is dropped here.
-    fn hand_over(&self, _place: Self::Place, _extensions: &mut Extensions) {}
-
-    /// The response as the caller gets it, last (a job's result as a task for a client that
-    /// speaks tasks; a task's caller recorded). By default as it is.
-    fn finish(&self, _caller: &Caller, _tool: &str, response: CallToolResponse, _asked: &Asked) -> ToolAnswer {
-        Ok(response)
-    }
-}
-
-/// What the caller said of itself when it asked, for [`ToolRules::finish`].
-#[derive(Debug, Clone, Copy)]
-pub struct Asked {
-    /// Its client declared MCP Tasks.
-    pub supports_tasks: bool,
-}
-
-/// A door of tools as the one guarded call ([`Guard::call`](mcp_ratelimit_core::guard::Guard::call)) sees
-/// it: `R`'s rules, for answers that are tool results. [`call_tool`] wraps its rules in it.
-#[derive(Debug)]
-pub struct Tools<'a, R>(pub &'a R);
-
-impl<R: ToolRules> Door for Tools<'_, R> {
-    type Answer = ToolAnswer;
-    type Place = R::Place;
-
-    fn check(&self, tool: &str, args: &JsonObject) -> Result<serde_json::Value, Refusal> {
-        self.0.check(tool, args)
-    }
-
-    fn before_charging(&self, tool: &str, caller: &Caller) -> Result<R::Place, Refusal> {
-        self.0.before_charging(tool, caller)
-    }
-
-    fn loop_exempt(&self, tool: &str, args: &serde_json::Value, caller: &Caller) -> bool {
-        self.0.loop_exempt(tool, args, caller)
-    }
-
-    fn explain(&self, tool: &str, refusal: Refusal, caller: &Caller) -> Refusal {
-        self.0.explain(tool, refusal, caller)
-    }
-
-    fn used(&self, tool: &str, answer: &ToolAnswer) -> Used {
-        self.0.used(tool, answer)
-    }
-
-    fn outcome<'a>(&self, tool: &str, answer: &'a ToolAnswer) -> Option<Cow<'a, serde_json::Value>> {
-        self.0.outcome(tool, answer)
-    }
-
-    fn reads_only(&self, tool: &str) -> bool {
-        self.0.read_only(tool)
-    }
-
-    fn keepable(answer: &ToolAnswer) -> Option<u64> {
-        keepable(answer)
-    }
-
-    fn refusal_in(&self, answer: &ToolAnswer) -> Option<Refusal> {
-        self.0.refusal_in(answer)
-    }
-
-    fn asks_input(answer: &ToolAnswer) -> Option<&str> {
-        asks_input(answer)
-    }
-}
-
-/// The library's rules: every default of [`ToolRules`], nothing known before charging.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Plain;
-
-impl ToolRules for Plain {
-    type Place = ();
-
-    fn before_charging(&self, _tool: &str, _caller: &Caller) -> Result<(), Refusal> {
-        Ok(())
+    fn asks_input(&self) -> Option<&str> {
+        asks_input(self.response())
     }
 }
 
 /// What an answer's usage report says its work used (`structuredContent.usage.units`, else
 /// `_meta.usage.units`); unreported for an error or a result without one.
-pub fn used_by(answer: &ToolAnswer) -> Used {
+pub fn used_by(answer: &Response) -> Used {
     match answer {
         Ok(CallToolResponse::Complete(done)) => used_in(done),
         _ => Used::Unreported,
@@ -194,7 +92,7 @@ pub fn used_by(answer: &ToolAnswer) -> Used {
 /// and is not an error, else whether it is an error and its content (`_meta` is never part of
 /// it). `None` for anything that is not a complete result (a task, a request for input, a
 /// JSON-RPC error).
-pub fn outcome_of(answer: &ToolAnswer) -> Option<Cow<'_, serde_json::Value>> {
+pub fn outcome_of(answer: &Response) -> Option<Cow<'_, serde_json::Value>> {
     let Ok(CallToolResponse::Complete(done)) = answer else { return None };
     match &done.structured_content {
         Some(structured) if done.is_error != Some(true) => Some(Cow::Borrowed(structured)),
@@ -206,7 +104,7 @@ pub fn outcome_of(answer: &ToolAnswer) -> Option<Cow<'_, serde_json::Value>> {
 }
 
 /// The size of a successful tool result that may be kept for identical calls (`cache_ttl_ms`).
-pub fn keepable(answer: &ToolAnswer) -> Option<u64> {
+pub fn keepable(answer: &Response) -> Option<u64> {
     match answer {
         Ok(CallToolResponse::Complete(done)) => results::keepable(done),
         _ => None,
@@ -215,7 +113,7 @@ pub fn keepable(answer: &ToolAnswer) -> Option<u64> {
 
 /// The `requestState` to resume with (empty when it gave none), if `answer` is MCP's
 /// `input_required`: the caller is asked for input and calls again with it.
-pub fn asks_input(answer: &ToolAnswer) -> Option<&str> {
+pub fn asks_input(answer: &Response) -> Option<&str> {
     match answer {
         Ok(CallToolResponse::InputRequired(input)) => Some(input.request_state.as_deref().unwrap_or_default()),
         _ => None,
@@ -233,105 +131,64 @@ pub fn resumes(request: &CallToolRequestParams) -> Option<&str> {
 }
 
 /// The refusal a tool result carries (an upstream's 429 our tools answered), if it is one.
-pub fn refusal_in(answer: &ToolAnswer) -> Option<Refusal> {
+pub fn refusal_in(answer: &Response) -> Option<Refusal> {
     match answer {
         Ok(CallToolResponse::Complete(done)) => results::refusal_in(done),
         _ => None,
     }
 }
 
-/// A door's rules for one call of a routed tool, with what the router's annotations say of it:
-/// whether it only reads.
-struct Routed<'a, D> {
-    door: &'a D,
-    read_only: bool,
-}
-
-impl<D: ToolRules> ToolRules for Routed<'_, D> {
-    type Place = D::Place;
-
-    fn before_charging(&self, tool: &str, caller: &Caller) -> Result<D::Place, Refusal> {
-        self.door.before_charging(tool, caller)
-    }
-
-    fn check(&self, tool: &str, args: &JsonObject) -> Result<serde_json::Value, Refusal> {
-        self.door.check(tool, args)
-    }
-
-    fn loop_exempt(&self, tool: &str, args: &serde_json::Value, caller: &Caller) -> bool {
-        self.door.loop_exempt(tool, args, caller)
-    }
-
-    fn explain(&self, tool: &str, refusal: Refusal, caller: &Caller) -> Refusal {
-        self.door.explain(tool, refusal, caller)
-    }
-
-    fn used(&self, tool: &str, answer: &ToolAnswer) -> Used {
-        self.door.used(tool, answer)
-    }
-
-    fn outcome<'a>(&self, tool: &str, answer: &'a ToolAnswer) -> Option<Cow<'a, serde_json::Value>> {
-        self.door.outcome(tool, answer)
-    }
-
-    /// What the door says, or else the tool's `readOnlyHint`.
-    fn read_only(&self, tool: &str) -> bool {
-        self.read_only || self.door.read_only(tool)
-    }
-
-    fn refusal_in(&self, answer: &ToolAnswer) -> Option<Refusal> {
-        self.door.refusal_in(answer)
-    }
-
-    fn add_to(&self) -> AddTo {
-        self.door.add_to()
-    }
-
-    fn hand_over(&self, place: D::Place, extensions: &mut Extensions) {
-        self.door.hand_over(place, extensions);
-    }
-
-    fn finish(&self, caller: &Caller, tool: &str, response: CallToolResponse, asked: &Asked) -> ToolAnswer {
-        self.door.finish(caller, tool, response, asked)
-    }
-}
-
-/// A `ToolRouter` whose every call is guarded by [`RateLimits`] under the door's rules `D`
-/// ([`Plain`] for a library's tools: see [`ToolRules`]); it has the methods `#[tool_handler(router = …)]` calls
+/// A `ToolRouter` whose every call is guarded by [`RateLimits`] at the door `D` ([`Plain`] for a
+/// library's tools: see [`Door`]); it has the methods `#[tool_handler(router = …)]` calls
 /// (`call`, `list_all`, `get`).
 #[derive(Debug)]
 pub struct LimitedRouter<S, D = Plain> {
     router: ToolRouter<S>,
     limits: RateLimits,
     door: D,
+    add_to: AddTo,
 }
 
 impl<S, D: Clone> Clone for LimitedRouter<S, D> {
     fn clone(&self) -> Self {
-        Self { router: self.router.clone(), limits: self.limits.clone(), door: self.door.clone() }
+        Self { router: self.router.clone(), limits: self.limits.clone(), door: self.door.clone(), add_to: self.add_to }
     }
 }
 
 impl<S: Clone + Send + Sync + 'static> LimitedRouter<S> {
     /// `router`, with every call guarded by `limits`.
     pub fn new(router: ToolRouter<S>, limits: RateLimits) -> Self {
-        Self { router, limits, door: Plain }
+        Self::with_door(router, limits, Plain)
     }
 }
 
-impl<S: Clone + Send + Sync + 'static, D: ToolRules> LimitedRouter<S, D> {
-    /// `router`, with every call guarded by `limits` under `door`'s rules.
+impl<S: Clone + Send + Sync + 'static, D: Door> LimitedRouter<S, D> {
+    /// `router`, with every call guarded by `limits` at `door`; what the guard adds to a result
+    /// goes in its `_meta`.
     pub fn with_door(router: ToolRouter<S>, limits: RateLimits, door: D) -> Self {
-        Self { router, limits, door }
+        Self { router, limits, door, add_to: AddTo::Meta }
+    }
+
+    /// The same router, what the guard adds to a result going where `add_to` says
+    /// (`structuredContent` for tools whose `outputSchema`s admit it).
+    #[must_use]
+    pub fn adding_to(mut self, add_to: AddTo) -> Self {
+        self.add_to = add_to;
+        self
     }
 
     /// Runs the call through the one guarded pipeline ([`call_tool`]): charged, run if it may (a
     /// tool that is cancelled is dropped at once), settled and reported; a refusal is the tool
     /// result an agent can act on. An unknown tool is the JSON-RPC error `-32602`, charged nothing.
-    pub async fn call(&self, context: ToolCallContext<'_, S>) -> Result<CallToolResponse, ErrorData> {
-        if self.router.get(context.name()).is_none() {
+    ///
+    /// The tool finds in its request's extensions who called ([`Caller`]), the call's admission
+    /// (`TakeOnce<Admission>`: a job takes it, and holds its in-flight slots until it is final)
+    /// and what the door held since before charging (`TakeOnce<D::Place>`).
+    pub async fn call(&self, context: ToolCallContext<'_, S>) -> Response {
+        let Some(routed) = self.router.get(context.name()) else {
             return Err(ErrorData::invalid_params(format!("unknown tool `{}`", context.name()), None));
-        }
+        };
+        let reads_only = routed.annotations.as_ref().and_then(|a| a.read_only_hint) == Some(true);
         let service = context.service.clone();
         let router = self.router.clone();
         let ToolCallContext { request_context, name, arguments, input_responses, request_state, .. } = context;
@@ -344,12 +201,15 @@ impl<S: Clone + Send + Sync + 'static, D: ToolRules> LimitedRouter<S, D> {
             let mut request_context = request_context.clone();
             request_context.extensions.insert(admitted.caller);
             request_context.extensions.insert(admitted.admission);
-            self.door.hand_over(admitted.place, &mut request_context.extensions);
-            async move { Worked::Answer(router.call(ToolCallContext::new(&service, request, request_context)).await) }
+            request_context.extensions.insert(TakeOnce::new(admitted.place));
+            async move {
+                Worked::Answer(ToolAnswer::new(
+                    router.call(ToolCallContext::new(&service, request, request_context)).await,
+                ))
+            }
         };
-        let read_only = self.router.get(&asked.name).and_then(|t| t.annotations.as_ref()?.read_only_hint);
-        let door = Routed { door: &self.door, read_only: read_only == Some(true) };
-        call_tool(&self.limits, &door, &asked, &request_context, work).await
+        let tool = Routed { add_to: self.add_to, reads_only };
+        call_tool(&self.limits, &self.door, tool, &asked, &request_context, work).await
     }
 
     /// Every tool, with its cost added to its description so a model sees prices before it calls.
@@ -363,28 +223,39 @@ impl<S: Clone + Send + Sync + 'static, D: ToolRules> LimitedRouter<S, D> {
     }
 }
 
-/// One call (`request`: its tool, its arguments, the round it resumes) through the one guarded pipeline (under `door`'s
-/// [`ToolRules`], run by
-/// [`Guard::call`](mcp_ratelimit_core::guard::Guard::call)), as an rmcp door makes it: the caller named from
-/// `context`, the call raced against `context`'s cancellation, `work` run when admitted (shared
-/// with identical calls where the tool allows), and what came of it turned into the response:
-/// a refusal as the tool result an agent can act on, an answer with what we add to it (reused,
-/// its price, warnings) where `door` says it goes. `Err` only for a JSON-RPC error: the caller
-/// cannot be named, the tool's own, a cancelled call.
+/// What the entry that routes a call knows of its tool: where what the guard adds to its result
+/// goes, and whether it only reads (its `readOnlyHint`: its identical answers in a row are counted
+/// under `[loop_detection] no_progress`).
+#[derive(Debug, Clone, Copy)]
+pub struct Routed {
+    /// Where what the guard adds goes.
+    pub add_to: AddTo,
+    /// The tool only reads.
+    pub reads_only: bool,
+}
+
+/// One call (`request`: its tool, its arguments, the round it resumes) through the one guarded
+/// pipeline at `door` (run by [`Guard::call`](mcp_ratelimit_core::guard::Guard::call)), as an rmcp
+/// door makes it: the caller named from `context`, the call raced against `context`'s
+/// cancellation, `work` run when admitted (shared with identical calls where the tool allows), and
+/// what came of it turned into the response: a refusal as the tool result an agent can act on, an
+/// answer with what we add to it (reused, its price, warnings) where `tool` says it goes. `Err`
+/// only for a JSON-RPC error: the caller cannot be named, the tool's own, a cancelled call.
 pub async fn call_tool<D, W, F>(
     limits: &RateLimits,
     door: &D,
+    tool: Routed,
     request: &CallToolRequestParams,
     context: &RequestContext<RoleServer>,
     work: W,
-) -> Result<CallToolResponse, ErrorData>
+) -> Response
 where
-    D: ToolRules,
+    D: Door,
     W: FnOnce(Admitted<D::Place>, &serde_json::Value) -> F,
     F: Future<Output = Worked<ToolAnswer>> + Send + 'static,
 {
     let span = crate::trace::call_span(request.name.as_ref(), context);
-    let answered = call_tool_in_span(limits, door, request, context, work).instrument(span.clone()).await;
+    let answered = call_tool_in_span(limits, door, tool, request, context, work).instrument(span.clone()).await;
     crate::trace::record_error(&span, &answered);
     answered
 }
@@ -393,57 +264,81 @@ where
 async fn call_tool_in_span<D, W, F>(
     limits: &RateLimits,
     door: &D,
+    routed: Routed,
     request: &CallToolRequestParams,
     context: &RequestContext<RoleServer>,
     work: W,
-) -> Result<CallToolResponse, ErrorData>
+) -> Response
 where
-    D: ToolRules,
+    D: Door,
     W: FnOnce(Admitted<D::Place>, &serde_json::Value) -> F,
     F: Future<Output = Worked<ToolAnswer>> + Send + 'static,
 {
     let caller = caller_of(limits, context)?;
-    let asked = Asked { supports_tasks: context.client_capabilities().is_some_and(|c| c.supports_tasks()) };
     let (tool, no_arguments) = (request.name.as_ref(), JsonObject::new());
     let arguments = request.arguments.as_ref().unwrap_or(&no_arguments);
-    let resumes = resumes(request);
     let arrived = context.extensions.get::<http::request::Parts>().and_then(|parts| parts.extensions.get::<Arrived>());
     let call = Call {
         tool,
         caller: &caller,
         args: arguments,
         cancelled: context.ct.clone(),
-        resumes,
+        resumes: resumes(request),
         arrived: arrived.map(|a| a.0),
+        reads_only: routed.reads_only,
     };
-    let add_to = door.add_to();
-    match limits.guard().call(&Tools(door), Some(limits.reuse()), call, work).await {
+    let add_to = routed.add_to;
+    match limits.guard().call(door, Some(limits.reuse()), call, work).await {
         Called::Refused(refusal) => Ok(results::tool_result(&refusal).into()),
         Called::RefusedAfter { refusal, settled } => {
             let done = results::tool_result(&refusal);
             Ok(settled.map_or(done.clone(), |settled| results::priced(done, settled, AddTo::StructuredContent)).into())
         }
-        Called::Answered { answer: Ok(CallToolResponse::Complete(done)), served, settled, warnings, no_progress } => {
-            let mut done = results::reused(done, served, add_to);
-            if let Some(settled) = settled {
-                // Another's answer is left as it was unless its own usage report moved the price.
-                if add_to == AddTo::StructuredContent || settled.charged != settled.reserved {
-                    done = results::priced(done, settled, add_to);
+        Called::Answered { answer, served, settled, warnings, no_progress } => match answer.into_response() {
+            Ok(CallToolResponse::Complete(done)) => {
+                let mut done = results::reused(done, served, add_to);
+                if let Some(settled) = settled {
+                    // Another's answer is left as it was unless its own usage report moved the price.
+                    if add_to == AddTo::StructuredContent || settled.charged != settled.reserved {
+                        done = results::priced(done, settled, add_to);
+                    }
                 }
+                if !warnings.is_empty() && done.is_error != Some(true) {
+                    done = results::with_warnings(done, &warnings, add_to);
+                }
+                if let Some(no_progress) = no_progress {
+                    done = results::with_no_progress(done, &no_progress, add_to);
+                }
+                Ok(CallToolResponse::Complete(done))
             }
-            if !warnings.is_empty() && done.is_error != Some(true) {
-                done = results::with_warnings(done, &warnings, add_to);
-            }
-            if let Some(no_progress) = no_progress {
-                done = results::with_no_progress(done, &no_progress);
-            }
-            door.finish(&caller, tool, CallToolResponse::Complete(done), &asked)
-        }
-        Called::Answered { answer: Ok(other), .. } => door.finish(&caller, tool, other, &asked),
-        Called::Answered { answer: Err(error), .. } => Err(error),
+            other => other,
+        },
         Called::Cancelled => Err(ErrorData::internal_error("the request was cancelled", None)),
         Called::Lost => Err(ErrorData::internal_error(mcp_ratelimit_core::guard::reuse::Lost.to_string(), None)),
     }
+}
+
+/// A request other than a tool call, as every handler serves it: in its span
+/// ([`crate::trace::traced`]), its caller charged to its per-method limit
+/// (`limits.method.tools_list` for `tools/list`, else `limits.method.other`; refused, the
+/// JSON-RPC error carrying the refusal's data, as there is no tool result to carry it), then
+/// `serve`d for that caller.
+pub async fn method<T, F>(
+    limits: &RateLimits,
+    method: &str,
+    context: &RequestContext<RoleServer>,
+    serve: impl FnOnce(Caller) -> F,
+) -> Result<T, ErrorData>
+where
+    F: Future<Output = Result<T, ErrorData>>,
+{
+    crate::trace::traced(method, context, async {
+        let caller = caller_of(limits, context)?;
+        let group = MethodGroup::of(method);
+        limits.guard().admit_method(&caller, group, method).await.map_err(|r| results::method_error(&r))?;
+        serve(caller).await
+    })
+    .await
 }
 
 /// `tools` with each one's cost under `policy` appended to its description ("Costs 5 tokens.",
@@ -496,8 +391,9 @@ pub async fn settled_as(done: CallToolResult, reservation: Reserved, used: Used,
 }
 
 /// The caller of an MCP request: the one the HTTP layer named, else one named here from the
-/// request's headers and address (401-like `invalid_request` when `auth.required` refuses it),
-/// else — over stdio, where there is no HTTP request — the local caller.
+/// request's headers and address (401-like `invalid_request` when `auth.required` refuses it;
+/// an access token, which only the HTTP layer verifies, counts as its address's unverified
+/// caller), else — over stdio, where there is no HTTP request — the local caller.
 pub fn caller_of(limits: &RateLimits, context: &RequestContext<RoleServer>) -> Result<Caller, ErrorData> {
     let Some(parts) = context.extensions.get::<http::request::Parts>() else {
         return Ok(limits.identifier().load().local());
@@ -510,5 +406,6 @@ pub fn caller_of(limits: &RateLimits, context: &RequestContext<RoleServer>) -> R
         .identifier()
         .load()
         .identify(&parts.headers, peer)
+        .map(mcp_ratelimit_core::identity::Identity::without_verifying)
         .map_err(|unauthorized| ErrorData::invalid_request(format!("Unauthorized: {unauthorized}."), None))
 }

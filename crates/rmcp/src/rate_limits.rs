@@ -48,7 +48,8 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tokio_util::sync::CancellationToken;
 
-use crate::http::front_door::IdentifyLayer;
+use crate::http::front_door::{CheckLayer, Checked};
+use crate::http::identify::{Callers, IdentifyLayer, RefuseInvalidTokens, refuse_invalid_tokens};
 use crate::http::limit::HttpLimitLayer;
 use mcp_ratelimit_core::clock::{SharedClock, SystemClock};
 use mcp_ratelimit_core::config::{Backend, Catalogue, ConfigError, LimitsConfig};
@@ -59,8 +60,42 @@ use mcp_ratelimit_core::metrics::Metrics;
 use mcp_ratelimit_core::store::{MemoryStore, Store, StoreError};
 
 /// What a tool answers through rmcp: its response (a result, a task, an input request), or a
-/// JSON-RPC error; what identical calls share ([`RateLimits::reuse`]).
-pub type ToolAnswer = Result<rmcp::model::CallToolResponse, rmcp::ErrorData>;
+/// JSON-RPC error; what identical calls share ([`RateLimits::reuse`]). How the one guarded call
+/// reads it is its [`Answer`](mcp_ratelimit_core::guard::Answer) (in [`crate::limited`]).
+#[derive(Debug, Clone)]
+pub struct ToolAnswer {
+    response: Result<rmcp::model::CallToolResponse, rmcp::ErrorData>,
+    relayed: bool,
+}
+
+impl ToolAnswer {
+    /// The answer of one of this server's own tools.
+    pub fn new(response: Result<rmcp::model::CallToolResponse, rmcp::ErrorData>) -> Self {
+        Self { response, relayed: false }
+    }
+
+    /// Another server's answer, relayed (the proxy's): its usage is believed only from its
+    /// `_meta` (its `structuredContent` may echo the caller's own arguments), and an `isError`
+    /// result is its own, never read as a refusal of ours.
+    pub fn relayed(response: Result<rmcp::model::CallToolResponse, rmcp::ErrorData>) -> Self {
+        Self { response, relayed: true }
+    }
+
+    /// The response.
+    pub fn response(&self) -> &Result<rmcp::model::CallToolResponse, rmcp::ErrorData> {
+        &self.response
+    }
+
+    /// Whether it is another server's ([`ToolAnswer::relayed`]).
+    pub fn is_relayed(&self) -> bool {
+        self.relayed
+    }
+
+    /// The response, as rmcp answers it.
+    pub fn into_response(self) -> Result<rmcp::model::CallToolResponse, rmcp::ErrorData> {
+        self.response
+    }
+}
 
 /// Why limits could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +112,33 @@ pub enum LimitsError {
     /// `store.backend` names a backend this build does not have.
     #[error("`store.backend`: \"{0}\" needs the feature `{0}` of mcp-ratelimit-rmcp")]
     NoBackend(&'static str),
+    /// `[auth.oauth]` is on in a build without the feature `oauth`.
+    #[error("`auth.oauth.issuer`: OAuth tokens need the feature `oauth` of mcp-ratelimit-rmcp")]
+    NoOAuth,
+    /// The access-token verifier could not be made.
+    #[cfg(feature = "oauth")]
+    #[error(transparent)]
+    OAuth(#[from] crate::oauth::VerifierError),
+}
+
+/// The verifier `config` asks for (none while `[auth.oauth]` is off), its keys fetched.
+#[cfg(feature = "oauth")]
+async fn token_verifier(
+    config: &LimitsConfig,
+    clock: &SharedClock,
+    metrics: &Arc<Metrics>,
+) -> Result<Option<Arc<crate::oauth::TokenVerifier>>, LimitsError> {
+    if !config.auth.oauth.enabled() {
+        return Ok(None);
+    }
+    if config.auth.oauth.audience.is_empty() {
+        // stdio has no use for tokens; over HTTP every token is refused 503 until it is set.
+        tracing::warn!(target: "mcp_ratelimit::rate_limits", "[auth.oauth] is on without an audience: access tokens are refused until auth.oauth.audience is set");
+        return Ok(None);
+    }
+    let verifier = crate::oauth::TokenVerifier::new(&config.auth.oauth, clock.clone(), metrics.clone())?;
+    verifier.start().await;
+    Ok(Some(Arc::new(verifier)))
 }
 
 /// The Redis store `config.store` names, connected.
@@ -105,7 +167,9 @@ pub struct RateLimits {
 #[derive(Debug)]
 struct Inner {
     guard: Arc<Guard>,
-    identifier: Arc<ArcSwap<Identifier>>,
+    callers: Callers,
+    /// `[auth.oauth]` as the verifier in force was made from (a reload keeps it while it is the same).
+    oauth: std::sync::Mutex<mcp_ratelimit_core::config::OAuthConfig>,
     metrics: Arc<Metrics>,
     catalogue: Catalogue,
     clock: SharedClock,
@@ -131,33 +195,22 @@ impl RateLimits {
     /// state where `store.backend` says (connecting to Redis when it says so), on `clock`.
     ///
     /// A config can be changed in code before it is used, and a call run through the one guarded
-    /// call ([`Guard::call`]) without MCP at all: a door says what differs for its tools, the work
-    /// is the tool (here on a manual clock, so the wait is exact):
+    /// call ([`Guard::call`]) without MCP at all: the door is [`Plain`](crate::guard::Plain) (it
+    /// adds nothing), the work is the tool, and its answer says nothing of its usage (here on a
+    /// manual clock, so the wait is exact):
     ///
     /// ```
     /// use mcp_ratelimit_rmcp::clock::ManualClock;
     /// use mcp_ratelimit_rmcp::config::{Catalogue, Limit, LimitsConfig};
-    /// use mcp_ratelimit_rmcp::guard::{Call, Called, Door, Refusal, Used, Worked};
-    /// use mcp_ratelimit_rmcp::identity::Caller;
+    /// use mcp_ratelimit_rmcp::guard::{Answer, Call, Called, Plain, Worked};
     /// use mcp_ratelimit_rmcp::limit::{Limiter, TokenBucket};
     /// use mcp_ratelimit_rmcp::RateLimits;
     ///
-    /// /// A search tool's door: nothing to refuse before charging, no usage reported.
-    /// struct Search;
+    /// /// A search's results: every method of `Answer` has a default.
+    /// #[derive(Debug, Clone, PartialEq)]
+    /// struct Results(String);
     ///
-    /// impl Door for Search {
-    ///     type Answer = String;
-    ///     type Place = ();
-    ///     fn before_charging(&self, _tool: &str, _caller: &Caller) -> Result<(), Refusal> {
-    ///         Ok(())
-    ///     }
-    ///     fn used(&self, _tool: &str, _answer: &String) -> Used {
-    ///         Used::Unreported
-    ///     }
-    ///     fn keepable(_answer: &String) -> Option<u64> {
-    ///         None
-    ///     }
-    /// }
+    /// impl Answer for Results {}
     ///
     /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
     /// let tools = Catalogue::new().tool("search");
@@ -172,9 +225,9 @@ impl RateLimits {
     ///     let mut args = serde_json::Map::new();
     ///     args.insert("q".into(), query.into());
     ///     let call = Call::new("search", &caller, &args);
-    ///     let work = |_, _: &serde_json::Value| async move { Worked::Answer(format!("results for {query}")) };
-    ///     match limits.guard().call(&Search, None, call, work).await {
-    ///         Called::Answered { answer, .. } => assert_eq!(answer, format!("results for {query}")),
+    ///     let work = |_, _: &serde_json::Value| async move { Worked::Answer(Results(format!("for {query}"))) };
+    ///     match limits.guard().call(&Plain, None, call, work).await {
+    ///         Called::Answered { answer, .. } => assert_eq!(answer, Results(format!("for {query}"))),
     ///         Called::Refused(refusal) => {
     ///             assert_eq!(query, "d");
     ///             assert_eq!(refusal.retry_after_ms, Some(2_000));
@@ -208,7 +261,20 @@ impl RateLimits {
             tokio::spawn(hear_operators_forever(guard.clone(), stop.clone()));
         }
         let identifier = Arc::new(ArcSwap::from_pointee(Identifier::new(config)));
-        let inner = Inner { guard, identifier, metrics, catalogue: tools, clock, reuse, stop };
+        #[cfg(feature = "oauth")]
+        let callers = Callers::with_tokens(
+            identifier,
+            Arc::new(arc_swap::ArcSwapOption::new(token_verifier(config, &clock, &metrics).await?)),
+        );
+        #[cfg(not(feature = "oauth"))]
+        let callers = match config.auth.oauth.enabled() {
+            true => return Err(LimitsError::NoOAuth),
+            false => Callers::new(identifier),
+        };
+        #[cfg(feature = "oauth")]
+        tokio::spawn(refresh_keys_forever(callers.tokens().clone(), stop.clone()));
+        let oauth = std::sync::Mutex::new(config.auth.oauth.clone());
+        let inner = Inner { guard, callers, oauth, metrics, catalogue: tools, clock, reuse, stop };
         Ok(Self { inner: Arc::new(inner) })
     }
 
@@ -220,7 +286,12 @@ impl RateLimits {
 
     /// Names callers from a request's headers and address (swapped whole by [`RateLimits::reload`]).
     pub fn identifier(&self) -> &Arc<ArcSwap<Identifier>> {
-        &self.inner.identifier
+        self.inner.callers.identifier()
+    }
+
+    /// Names callers: [`RateLimits::identifier`] and, with `[auth.oauth]`, the access tokens.
+    pub fn callers(&self) -> &Callers {
+        &self.inner.callers
     }
 
     /// What the limits decided, for a `/metrics` route ([`Metrics::render`]).
@@ -245,14 +316,49 @@ impl RateLimits {
     }
 
     /// Puts the limits, keys and tenants of `config` in force from the next decision on; usage
-    /// carries over (see [`Guard::reload`]).
+    /// carries over (see [`Guard::reload`]). A changed `[auth.oauth]` gets a new verifier, which
+    /// fetches the issuer's keys in the background; an unchanged one keeps its keys and the
+    /// tokens it verified.
     pub fn reload(&self, config: &LimitsConfig) {
-        if self.inner.identifier.load().ids() != &mcp_ratelimit_core::identity::CallerIds::of(config) {
+        if self.identifier().load().ids() != &mcp_ratelimit_core::identity::CallerIds::of(config) {
             // Every budget hangs on a caller id: new ids are new, full budgets.
             tracing::warn!(target: "mcp_ratelimit::rate_limits", "auth.id_secret changed: every key's caller id is new, so its budgets start afresh");
         }
         self.inner.guard.reload(config);
-        self.inner.identifier.store(Arc::new(Identifier::new(config)));
+        self.identifier().store(Arc::new(Identifier::new(config)));
+        let mut oauth = self.inner.oauth.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if *oauth != config.auth.oauth {
+            *oauth = config.auth.oauth.clone();
+            self.renew_tokens(config);
+        }
+    }
+
+    #[cfg(feature = "oauth")]
+    fn renew_tokens(&self, config: &LimitsConfig) {
+        let tokens = self.inner.callers.tokens().clone();
+        if !config.auth.oauth.enabled() {
+            tokens.store(None);
+            return;
+        }
+        match crate::oauth::TokenVerifier::new(&config.auth.oauth, self.inner.clock.clone(), self.inner.metrics.clone())
+        {
+            Ok(verifier) => {
+                let verifier = Arc::new(verifier);
+                tokens.store(Some(verifier.clone()));
+                tokio::spawn(async move { verifier.start().await });
+            }
+            Err(error) => {
+                tracing::error!(target: "mcp_ratelimit::rate_limits", %error, "[auth.oauth] changed but cannot be used: tokens are refused until it can");
+                tokens.store(None);
+            }
+        }
+    }
+
+    #[cfg(not(feature = "oauth"))]
+    fn renew_tokens(&self, config: &LimitsConfig) {
+        if config.auth.oauth.enabled() {
+            tracing::error!(target: "mcp_ratelimit::rate_limits", "{}", LimitsError::NoOAuth);
+        }
     }
 
     /// The tower layer for an axum app: names each caller ([`IdentifyLayer`]: its key's hash,
@@ -262,8 +368,9 @@ impl RateLimits {
     /// callers without a key are told apart by address.
     pub fn http_layer(&self) -> HttpLayer {
         HttpLayer {
-            identify: IdentifyLayer::new(self.inner.identifier.clone(), self.inner.clock.clone()),
+            identify: IdentifyLayer::new(self.inner.callers.clone(), self.inner.clock.clone()),
             limit: HttpLimitLayer::new(self.inner.guard.clone()),
+            refuse: refuse_invalid_tokens(),
         }
     }
 
@@ -273,11 +380,13 @@ impl RateLimits {
     }
 }
 
-/// [`IdentifyLayer`] around [`HttpLimitLayer`]: what [`RateLimits::http_layer`] gives.
+/// [`IdentifyLayer`] around [`HttpLimitLayer`] around the refusal of invalid access tokens
+/// (charged first as their address's unverified callers): what [`RateLimits::http_layer`] gives.
 #[derive(Debug, Clone)]
 pub struct HttpLayer {
     identify: IdentifyLayer,
     limit: HttpLimitLayer,
+    refuse: CheckLayer<RefuseInvalidTokens>,
 }
 
 impl HttpLayer {
@@ -288,10 +397,12 @@ impl HttpLayer {
 }
 
 impl<S> tower::Layer<S> for HttpLayer {
-    type Service = <IdentifyLayer as tower::Layer<<HttpLimitLayer as tower::Layer<S>>::Service>>::Service;
+    type Service = <IdentifyLayer as tower::Layer<
+        <HttpLimitLayer as tower::Layer<Checked<S, RefuseInvalidTokens>>>::Service,
+    >>::Service;
 
     fn layer(&self, inner: S) -> Self::Service {
-        self.identify.layer(self.limit.layer(inner))
+        self.identify.layer(self.limit.layer(self.refuse.layer(inner)))
     }
 }
 
@@ -313,6 +424,21 @@ async fn sweep_forever(
 }
 
 /// Renews the in-flight leases this instance holds in a shared store (at least every 10 ms).
+/// Every minute, the keys of the tokens in force fetched again once they are an hour old
+/// ([`crate::oauth::KEYS_KEPT`]).
+#[cfg(feature = "oauth")]
+async fn refresh_keys_forever(tokens: crate::http::identify::Tokens, stop: CancellationToken) {
+    mcp_ratelimit_core::clock::every(Duration::from_secs(60), stop, || {
+        let verifier = tokens.load_full();
+        async move {
+            if let Some(verifier) = verifier {
+                verifier.refresh_if_stale().await;
+            }
+        }
+    })
+    .await;
+}
+
 async fn renew_forever(guard: Arc<Guard>, every: Duration, stop: CancellationToken) {
     mcp_ratelimit_core::clock::every(every.max(Duration::from_millis(10)), stop, || async {
         if let Err(error) = guard.store().renew_leases().await {

@@ -66,14 +66,27 @@ pub fn with_warnings(mut done: CallToolResult, warnings: &[Warning], add_to: Add
 }
 
 /// A result whose tool keeps giving the caller the same answer, with the warning a model reads:
-/// a text block appended to its `content` (a model reads `content`, not `_meta`), and the same
-/// facts as `_meta["io.github.mcp-ratelimit/no_progress"]` for programs — for any result, ours or
-/// another server's: its `structuredContent` is left as it was, so it still validates against its
-/// `outputSchema`. The one change to another's `content` we make, because a warning no model
-/// reads is no warning.
-pub fn with_no_progress(mut done: CallToolResult, no_progress: &NoProgress) -> CallToolResult {
+/// a text block appended to its `content` (a model reads `content`), and the same facts for
+/// programs where `add_to` says: one of our own tools' answers as an entry of its
+/// `structuredContent.warnings` (beside the limits' [`with_warnings`], which its `outputSchema`
+/// admits), anyone else's as `_meta["io.github.mcp-ratelimit/no_progress"]`, its
+/// `structuredContent` left as it was so it still validates against its `outputSchema`. The
+/// text is the one change to another's `content` we make, because a warning no model reads is no
+/// warning.
+pub fn with_no_progress(mut done: CallToolResult, no_progress: &NoProgress, add_to: AddTo) -> CallToolResult {
     done.content.push(ContentBlock::text(no_progress.sentence()));
-    said(done, &[("no_progress", serde_json::json!(no_progress))], AddTo::Meta)
+    let warning = serde_json::json!(no_progress);
+    if add_to == AddTo::StructuredContent
+        && let Some(serde_json::Value::Object(structured)) = &mut done.structured_content
+    {
+        let warnings = structured.entry("warnings").or_insert_with(|| serde_json::Value::Array(Vec::new()));
+        if let serde_json::Value::Array(warnings) = warnings {
+            warnings.push(warning);
+            return done;
+        }
+        // Ours always say `warnings` as a list; anything else is not ours to add to.
+    }
+    said(done, &[("no_progress", warning)], AddTo::Meta)
 }
 
 /// The size of `done`'s JSON when it may be kept for identical calls (`cache_ttl_ms`): a

@@ -1,6 +1,9 @@
 //! The span of an MCP request, continuing the trace its caller sent: the W3C `traceparent` (and
 //! `tracestate`) of the request's `_meta` (MCP's place for it, SEP-414), else of its HTTP headers
-//! (what a client instrumented with OpenTelemetry sends). A `_meta` one wins.
+//! (what a client instrumented with OpenTelemetry sends). A `_meta` one wins. A `tracestate` is
+//! continued only if [`accepted_tracestate`](mcp_ratelimit_core::guard::trace::accepted_tracestate)
+//! (1 to 512 bytes of printable ASCII): the span keeps it, and every span of the trace under it.
+//! The request's id is cut to 128 bytes on its span, as every value a caller chose.
 //!
 //! The span is a `tracing` span of the core's trace target ([`TARGET`]), disabled — and free —
 //! unless a subscriber wants that target. A `tools/call`'s is the core's
@@ -15,7 +18,7 @@ use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer};
 use tracing::{Instrument, Span};
 
-use mcp_ratelimit_core::guard::trace::TARGET;
+use mcp_ratelimit_core::guard::trace::{Cut, TARGET};
 
 /// The span of one MCP request of `method` other than `tools/call`, continuing the trace `context`
 /// carries; disabled when no subscriber wants it or the request is not traced (no caller's trace
@@ -28,7 +31,7 @@ pub fn request_span(method: &str, context: &RequestContext<RoleServer>) -> Span 
         "otel.name" = method,
         "otel.kind" = "server",
         "mcp.method.name" = method,
-        "mcp.request.id" = tracing::field::display(&context.id),
+        "mcp.request.id" = tracing::field::display(Cut(&context.id)),
         "rpc.jsonrpc.error_code" = tracing::field::Empty,
     );
     parent.adopt(&span);
@@ -143,11 +146,14 @@ impl Carried<'_> {
 #[cfg(feature = "opentelemetry")]
 impl opentelemetry::propagation::Extractor for Carried<'_> {
     fn get(&self, key: &str) -> Option<&str> {
-        if self.in_meta() {
-            return self.0.meta.0.get(key).and_then(serde_json::Value::as_str);
-        }
-        let parts = self.0.extensions.get::<http::request::Parts>()?;
-        parts.headers.get(key).and_then(|value| value.to_str().ok())
+        let value = if self.in_meta() {
+            self.0.meta.0.get(key).and_then(serde_json::Value::as_str)
+        } else {
+            let parts = self.0.extensions.get::<http::request::Parts>()?;
+            parts.headers.get(key).and_then(|value| value.to_str().ok())
+        };
+        // A tracestate out of bounds is dropped, its traceparent kept.
+        value.filter(|value| key != "tracestate" || mcp_ratelimit_core::guard::trace::accepted_tracestate(value))
     }
 
     fn keys(&self) -> Vec<&str> {

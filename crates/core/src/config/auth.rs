@@ -1,4 +1,5 @@
-//! `[auth]` and `[tiers]`: who a caller is (its key, tenant and tier) and what a tier scales.
+//! `[auth]` and `[tiers]`: who a caller is (its key, tenant and tier, or the OAuth tokens of
+//! `[auth.oauth]`, checked in [`super::oauth`]) and what a tier scales.
 
 use std::collections::BTreeMap;
 
@@ -6,6 +7,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use super::limits::{Limit, RawScope};
+use super::oauth::{OAuthConfig, RawOAuth};
 use super::{ConfigError, invalid};
 use crate::redact::Secret;
 
@@ -21,6 +23,8 @@ pub struct AuthConfig {
     /// `auth.id_secret`, which keys caller ids (see [`CallerIds`](crate::identity::CallerIds));
     /// `None`: unkeyed ids.
     pub id_secret: Option<Secret>,
+    /// `[auth.oauth]`: callers known by OAuth access tokens (off while its issuer is empty).
+    pub oauth: OAuthConfig,
 }
 
 /// A configured API key: its SHA-256, and the tenant and tier it belongs to.
@@ -55,6 +59,7 @@ pub(super) struct RawAuth {
     id_secret: String,
     #[serde(default)]
     keys: Vec<RawKey>,
+    oauth: RawOAuth,
 }
 
 #[derive(Deserialize)]
@@ -69,12 +74,13 @@ pub(super) struct RawKey {
 
 impl std::fmt::Debug for RawAuth {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let Self { required, anonymous_tier, id_secret, keys } = self;
+        let Self { required, anonymous_tier, id_secret, keys, oauth } = self;
         f.debug_struct("RawAuth")
             .field("required", required)
             .field("anonymous_tier", anonymous_tier)
             .field("id_secret", &if id_secret.trim().is_empty() { "" } else { "<redacted>" })
             .field("keys", keys)
+            .field("oauth", oauth)
             .finish()
     }
 }
@@ -125,11 +131,15 @@ impl RawAuth {
             }
             keys.push(key);
         }
-        if self.required && keys.is_empty() {
-            return Err(invalid("auth.required", "is true but no `[[auth.keys]]` are configured: nobody could call"));
+        let oauth = self.oauth.validate()?;
+        if self.required && keys.is_empty() && !oauth.enabled() {
+            return Err(invalid(
+                "auth.required",
+                "is true but no `[[auth.keys]]` are configured and `[auth.oauth]` has no issuer: nobody could call",
+            ));
         }
         let id_secret = id_secret(&self.id_secret)?;
-        Ok(AuthConfig { required: self.required, anonymous_tier: self.anonymous_tier, keys, id_secret })
+        Ok(AuthConfig { required: self.required, anonymous_tier: self.anonymous_tier, keys, id_secret, oauth })
     }
 }
 

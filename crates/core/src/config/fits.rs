@@ -53,6 +53,7 @@ pub(super) fn spans_fit(
         ("limits.caller".into(), &limits.caller),
         ("limits.tenant".into(), &limits.tenant),
         ("limits.address".into(), &limits.address),
+        ("limits.client".into(), &limits.client),
     ];
     spans.extend(tools.iter().map(|(t, p)| (format!("tools.{t}.budget"), p.budget.as_slice())));
     spans.extend(tenants.iter().filter_map(|(t, o)| o.budget.as_deref().map(|b| (format!("tenants.{t}.budget"), b))));
@@ -124,6 +125,7 @@ pub(super) fn costs_fit(
     scope("limits.caller", &limits.caller, true);
     scope("limits.tenant", &limits.tenant, false);
     scope("limits.address", &limits.address, false);
+    scope("limits.client", &limits.client, false);
     for (tenant, own) in tenants {
         scope(&format!("tenants.{tenant}.budget"), own.budget.as_deref().unwrap_or_default(), false);
     }

@@ -1,5 +1,5 @@
 //! `[limits]`: the budgets of every scope a request passes — the HTTP layer, the method groups,
-//! the caller, its tenant and address, the in-flight caps — each one limit or a list of them,
+//! the caller, its tenant, address and OAuth client, the in-flight caps — each one limit or a list of them,
 //! each with its algorithm (read by the algorithm itself, see [`crate::limit::Params`]).
 
 use std::collections::BTreeMap;
@@ -81,6 +81,10 @@ pub struct Limits {
     /// The budget all unverified callers (no configured key) from one address share, charged
     /// each tool's cost: made-up keys cannot buy budget.
     pub address: Vec<Limit>,
+    /// The budget all subjects of one OAuth client application share (`[auth.oauth]`'s
+    /// `client_claim`), charged each tool's cost: one runaway agent app cannot spend every user's
+    /// budget. Callers known by a configured key or by their address have no client.
+    pub client: Vec<Limit>,
     /// Jobs (image and video predictions) one caller may have in flight at once.
     pub in_flight_caller: Limiter,
     /// Jobs all callers of one tenant may have in flight at once (a caller without a tenant is
@@ -100,6 +104,7 @@ pub(super) struct RawLimits {
     caller: RawScope,
     tenant: RawScope,
     address: RawScope,
+    client: RawScope,
     in_flight: RawInFlight,
 }
 
@@ -189,6 +194,7 @@ impl RawLimits {
             caller: self.caller.build("limits.caller")?,
             tenant: self.tenant.build("limits.tenant")?,
             address: self.address.build("limits.address")?,
+            client: self.client.build("limits.client")?,
             in_flight_caller: slots("limits.in_flight.caller", self.in_flight.caller)?,
             in_flight_tenant: slots("limits.in_flight.tenant", self.in_flight.tenant)?,
             in_flight_address: slots("limits.in_flight.address", self.in_flight.address)?,

@@ -13,6 +13,7 @@
 //! | `[tools.NAME]` (costs, own budgets, fail open or closed) and the checks that every cost fits | [`tools`] |
 //! | `[tools.NAME] cost` as a formula over the arguments, and `settle` | [`price`] |
 //! | `[auth]`, `[tiers]` | [`auth`] |
+//! | `[auth.oauth]` (callers known by OAuth tokens) | [`oauth`] |
 //! | `[spend_caps]`, `[tenants.NAME]` | [`spend`] |
 //! | `[store]`, `[loop_detection]` | [`store`] |
 //! | `[server]`'s keys that name callers behind a proxy | [`trust`] |
@@ -25,6 +26,7 @@
 pub mod auth;
 mod fits;
 pub mod limits;
+pub mod oauth;
 pub mod price;
 pub mod shed;
 pub mod spend;
@@ -40,6 +42,7 @@ use serde::de::DeserializeOwned;
 
 pub use auth::{ApiKey, AuthConfig};
 pub use limits::{Limit, Limits, METHOD_GROUPS, Mode};
+pub use oauth::OAuthConfig;
 pub use price::{Formula, Settle};
 pub use spend::{SpendCaps, TenantOverride};
 pub use store::{Backend, LoopDetectionConfig, StoreConfig};
@@ -281,8 +284,14 @@ pub const SECTIONS: [&str; 14] = [
 ];
 
 /// Keys whose environment override is a comma-separated list.
-const LIST_KEYS: [&str; 4] =
-    ["server.allowed_hosts", "server.allowed_origins", "server.trusted_proxies", "proxy.inherit_env"];
+const LIST_KEYS: [&str; 6] = [
+    "server.allowed_hosts",
+    "server.allowed_origins",
+    "server.trusted_proxies",
+    "proxy.inherit_env",
+    "auth.oauth.algorithms",
+    "auth.oauth.scopes_required",
+];
 
 /// The config file as read, layers merged, before any section is checked: the documented
 /// defaults, then the user's file, then `MCP_RL__SECTION__KEY` environment variables (last wins).

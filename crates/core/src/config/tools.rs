@@ -125,6 +125,32 @@ pub(super) struct RawTool {
     volatile_fields: Option<Vec<String>>,
 }
 
+/// An answer may be shared (`coalesce`, `cache_ttl_ms`) only when it is the same for everyone who
+/// asks the same.
+fn may_share(tool: &str, coalesce: Coalesce, cache_ttl_ms: u64, catalogue: &Catalogue) -> Result<(), ConfigError> {
+    let shares = if coalesce != Coalesce::Off {
+        Some("coalesce")
+    } else if cache_ttl_ms > 0 {
+        Some("cache_ttl_ms")
+    } else {
+        None
+    };
+    if let Some(name) = shares {
+        // A `holds_slot` tool may share: each waiting call holds its own slot until the answer.
+        let why = if catalogue.holds_slots(tool) {
+            Some("starts a job: each call is its own (a job has its own id)")
+        } else if catalogue.answers_for_the_caller(tool) {
+            Some("answers with the caller's own state (its jobs, its budgets), which no other caller may see")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(invalid(format!("tools.{tool}.{name}"), format!("`{tool}` {why}; leave it out")));
+        }
+    }
+    Ok(())
+}
+
 /// `[tools.*]`, checked against the server's `catalogue` (every tool there has a cost, and no
 /// other is priced — unless the catalogue is learnt at run time, whose tools come and go) and
 /// against the budgets each cost is drawn from, under every tier.
@@ -177,27 +203,7 @@ pub(super) fn validate_tools(
                 return Err(invalid(key, format!("0 (no cache) to {DAY_MS} (a day) milliseconds")));
             }
         };
-        // An answer may be shared only when it is the same for everyone who asks the same.
-        let shares = if coalesce != Coalesce::Off {
-            Some("coalesce")
-        } else if cache_ttl_ms > 0 {
-            Some("cache_ttl_ms")
-        } else {
-            None
-        };
-        if let Some(name) = shares {
-            // A `holds_slot` tool may share: each waiting call holds its own slot until the answer.
-            let why = if catalogue.holds_slots(&tool) {
-                Some("starts a job: each call is its own (a job has its own id)")
-            } else if catalogue.answers_for_the_caller(&tool) {
-                Some("answers with the caller's own state (its jobs, its budgets), which no other caller may see")
-            } else {
-                None
-            };
-            if let Some(why) = why {
-                return Err(invalid(format!("tools.{tool}.{name}"), format!("`{tool}` {why}; leave it out")));
-            }
-        }
+        may_share(&tool, coalesce, cache_ttl_ms, catalogue)?;
         let settle = spec.settle.unwrap_or(Settle::default_for(catalogue));
         if let Some(no_progress) = spec.no_progress {
             super::store::no_progress_is_valid(&format!("tools.{tool}.no_progress"), no_progress)?;

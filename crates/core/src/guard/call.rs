@@ -11,13 +11,14 @@
 //!                                                        the answer (loops by answers) ─► report
 //! ```
 //!
-//! A door supplies only what differs ([`Door`]): how arguments are checked, what is known before
-//! charging (and held until the work starts: a place in a queue), whether a call can be a loop, how
-//! a refusal is explained, what an answer says it used. The work itself is the door's too, handed
-//! what the call holds ([`Admitted`]): a job takes the admission (its in-flight slots) with it, any
-//! other work leaves it, and its slots go back when the work returns — or at once when the caller
-//! cancels: the work is raced against the cancellation and dropped, and every slot, lease and queue
-//! place it holds is owned by a guard that gives it back when dropped (see `upstream::queue`).
+//! A door supplies only what differs ([`Door`]): how arguments are checked (and whether a call can
+//! be a loop), what is known before charging (and held until the work starts: a place in a queue),
+//! how a refusal is explained; the answer says what its work used ([`Answer`]). The work itself is
+//! the door's too, handed what the call holds ([`Admitted`]): a job takes the admission (its
+//! in-flight slots) with it, any other work leaves it, and its slots go back when the work returns
+//! — or at once when the caller cancels: the work is raced against the cancellation and dropped,
+//! and every slot, lease and queue place it holds is owned by a guard that gives it back when
+//! dropped (see `upstream::queue`).
 //!
 //! A call that asks its caller for input (MCP's `input_required`) and is sent again with it is one
 //! call: the next round is neither charged again nor a loop ([`crate::guard::resume`]).
@@ -39,77 +40,105 @@ use tokio_util::sync::CancellationToken;
 
 use crate::guard::loops::NoProgress;
 use crate::guard::reuse::{Reuse, Served, Sharing};
-use crate::guard::shed::Shed;
 use crate::guard::trace;
-use crate::guard::{Admission, Guard, Refusal, Settled, ToolCall, Used, Warning};
+use crate::guard::{Admission, Guard, Refusal, Reserved, Settled, ToolCall, Used, Warning};
 use crate::identity::Caller;
 use crate::metrics::Layer;
 
-/// What a door decides around the one guarded call.
+/// What a door decides around the one guarded call: three questions, each with an answer that
+/// holds for most doors ([`Plain`] takes every default), the way tower's retry `Policy` says only
+/// what to retry. What the work answers is the [`Answer`]'s to say.
 pub trait Door: Send + Sync {
-    /// What the door's work answers (a tool result), shared by identical calls.
-    type Answer: Clone + Send + Sync + 'static;
     /// What the door holds from before charging until its work starts (a place in a queue).
     type Place: Send + 'static;
 
-    /// The arguments as the limits see them (loops compare them, formulas price them, identical
-    /// calls are found by them), or why they are refused before anything is charged. By default
-    /// they are taken as they are.
-    fn check(&self, _tool: &str, args: &Map<String, Value>) -> Result<Value, Refusal> {
-        Ok(Value::Object(args.clone()))
+    /// The call as the limits see it: its arguments (loops compare them, formulas price them,
+    /// identical calls are found by them) and what the door knows of it ([`Checked`]), or why it is
+    /// refused before anything is charged. By default the arguments as they are, nothing more.
+    fn check(&self, _tool: &str, args: &Map<String, Value>, _caller: &Caller) -> Result<Checked, Refusal> {
+        Ok(Checked::new(Value::Object(args.clone())))
     }
 
     /// What is known before anything is charged — the upstream known down, its queue full — or
     /// what the call holds until its work starts.
     fn before_charging(&self, tool: &str, caller: &Caller) -> Result<Self::Place, Refusal>;
 
-    /// Whether this call can never be a loop (polling a pending job at its hint). By default none.
-    fn loop_exempt(&self, _tool: &str, _args: &Value, _caller: &Caller) -> bool {
-        false
-    }
-
     /// A refusal of the guard's, said better where the door knows more (a job cap that is full,
     /// with the jobs holding it). By default as it is.
     fn explain(&self, _tool: &str, refusal: Refusal, _caller: &Caller) -> Refusal {
         refusal
     }
+}
 
-    /// What `answer` says, for loop detection to compare with the tool's last answers to the
-    /// same caller ([`crate::guard::progress`]): a tool result's structured content, else its
-    /// content. `None` for an answer that is not the work's result (a job's receipt, a task, a
-    /// request for input): such answers are never compared. By default none is.
-    fn outcome<'a>(&self, _tool: &str, _answer: &'a Self::Answer) -> Option<Cow<'a, Value>> {
+/// A call's arguments as the limits see them, and what its door knows of the call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checked {
+    /// The arguments.
+    pub args: Value,
+    /// The call can never be a loop (polling a pending job at its hint).
+    pub loop_exempt: bool,
+    /// Its answer is a receipt (a job's fresh id), not its work's result: never compared with the
+    /// tool's last answers (loops by answers).
+    pub receipt: bool,
+}
+
+impl Checked {
+    /// `args`, a call like any other.
+    pub fn new(args: Value) -> Self {
+        Self { args, loop_exempt: false, receipt: false }
+    }
+}
+
+/// The door with nothing of its own: arguments as they are, nothing known before charging,
+/// refusals as the guard says them. A library's tools, the simulator's agents.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Plain;
+
+impl Door for Plain {
+    type Place = ();
+
+    fn before_charging(&self, _tool: &str, _caller: &Caller) -> Result<(), Refusal> {
+        Ok(())
+    }
+}
+
+/// What a door's work answers, as the one guarded call reads it: shared by identical calls, so
+/// `Clone`. Implemented once for a tool result (`mcp-ratelimit-rmcp`'s `ToolAnswer`); every
+/// method's default says nothing, as `()` does.
+pub trait Answer: Clone + Send + Sync + 'static {
+    /// What it says its work used, to settle the call's price by. By default unreported: the
+    /// reservation stands.
+    fn used(&self) -> Used {
+        Used::Unreported
+    }
+
+    /// What it says, for loop detection to compare with the tool's last answers to the same
+    /// caller ([`crate::guard::progress`]): a tool result's structured content, else its content.
+    /// `None` for an answer that is not a result (a task, a request for input): never compared.
+    fn outcome(&self) -> Option<Cow<'_, Value>> {
         None
     }
 
-    /// Whether `tool` only reads (MCP's `readOnlyHint`): the same answer to a read again and again
-    /// is no progress (`[loop_detection] no_progress`), while the same acknowledgement of a write
-    /// is not (the write happened; a write repeated with the same arguments is still caught by
-    /// its arguments). A tool that says its own `no_progress` is counted either way. By default
-    /// none is known to.
-    fn reads_only(&self, _tool: &str) -> bool {
-        false
-    }
-
-    /// What `answer` says its work used, to settle the call's price by.
-    fn used(&self, tool: &str, answer: &Self::Answer) -> Used;
-
-    /// The size in bytes of `answer` if it may be kept for identical calls (a success), else `None`.
-    fn keepable(answer: &Self::Answer) -> Option<u64>;
-
-    /// The refusal an answer carries when the work itself refused (the upstream's 429), so it is
-    /// recorded like the others. By default none.
-    fn refusal_in(&self, _answer: &Self::Answer) -> Option<Refusal> {
+    /// Its size in bytes if it may be kept for identical calls (a success), else `None`.
+    fn keepable(&self) -> Option<u64> {
         None
     }
 
-    /// The state to resume with, if `answer` asks the caller for input and to call again with it
-    /// (MCP's `input_required`: its `requestState`, empty when it gave none); that next call is
-    /// then this one's continuation ([`crate::guard::resume`]). By default no answer does.
-    fn asks_input(_answer: &Self::Answer) -> Option<&str> {
+    /// The refusal it carries when the work itself refused (the upstream's 429), so it is
+    /// recorded like the others.
+    fn refusal_in(&self) -> Option<Refusal> {
+        None
+    }
+
+    /// The state to resume with, if it asks the caller for input and to call again with it (MCP's
+    /// `input_required`: its `requestState`, empty when it gave none); that next call is then this
+    /// one's continuation ([`crate::guard::resume`]).
+    fn asks_input(&self) -> Option<&str> {
         None
     }
 }
+
+impl Answer for () {}
 
 /// What an admitted call's work is handed: who asked, the admission (its in-flight slots; a job
 /// takes it and holds it until it is final), and what the door held since before charging.
@@ -186,12 +215,26 @@ pub struct Call<'a> {
     /// if the door can tell: its queueing delay says whether the server is behind
     /// ([`crate::guard::shed`]).
     pub arrived: Option<crate::clock::Nanos>,
+    /// The tool only reads (MCP's `readOnlyHint`): the same answer to a read again and again is no
+    /// progress (`[loop_detection] no_progress`), while the same acknowledgement of a write is not
+    /// (the write happened; a write repeated with the same arguments is still caught by its
+    /// arguments). A tool that says its own `no_progress` is counted either way.
+    pub reads_only: bool,
 }
 
 impl<'a> Call<'a> {
-    /// A call of `tool` by `caller` with `args`, never cancelled, resuming nothing.
+    /// A call of `tool` by `caller` with `args`, never cancelled, resuming nothing, not known to
+    /// only read.
     pub fn new(tool: &'a str, caller: &'a Caller, args: &'a Map<String, Value>) -> Self {
-        Self { tool, caller, args, cancelled: CancellationToken::new(), resumes: None, arrived: None }
+        Self {
+            tool,
+            caller,
+            args,
+            cancelled: CancellationToken::new(),
+            resumes: None,
+            arrived: None,
+            reads_only: false,
+        }
     }
 }
 
@@ -205,17 +248,18 @@ impl Guard {
     ///
     /// The call's caller and what it came to are recorded on the span current where it runs (a
     /// door's [`trace::call_span`]) when traces are on.
-    pub async fn call<D, W, F>(
+    pub async fn call<D, A, W, F>(
         &self,
         door: &D,
-        reuse: Option<&Arc<Reuse<Worked<D::Answer>>>>,
+        reuse: Option<&Arc<Reuse<Worked<A>>>>,
         call: Call<'_>,
         work: W,
-    ) -> Called<D::Answer>
+    ) -> Called<A>
     where
         D: Door,
+        A: Answer,
         W: FnOnce(Admitted<D::Place>, &Value) -> F,
-        F: Future<Output = Worked<D::Answer>> + Send + 'static,
+        F: Future<Output = Worked<A>> + Send + 'static,
     {
         let caller = call.caller;
         let called = self.called(door, reuse, call, work).await;
@@ -224,40 +268,30 @@ impl Guard {
     }
 
     /// [`Guard::call`], but for the trace.
-    async fn called<D, W, F>(
+    async fn called<D, A, W, F>(
         &self,
         door: &D,
-        reuse: Option<&Arc<Reuse<Worked<D::Answer>>>>,
+        reuse: Option<&Arc<Reuse<Worked<A>>>>,
         call: Call<'_>,
         work: W,
-    ) -> Called<D::Answer>
+    ) -> Called<A>
     where
         D: Door,
+        A: Answer,
         W: FnOnce(Admitted<D::Place>, &Value) -> F,
-        F: Future<Output = Worked<D::Answer>> + Send + 'static,
+        F: Future<Output = Worked<A>> + Send + 'static,
     {
-        let Call { tool, caller, args, cancelled, resumes, arrived } = call;
+        let Call { tool, caller, args, cancelled, resumes, arrived, reads_only } = call;
         let refused = |refusal: Refusal| {
             self.seen_refused(caller, tool, &refusal);
             Called::Refused(refusal)
         };
-        // First, while it costs nothing: a server that is behind refuses the lowest priority.
-        if let Some(shedder) = &self.shedder
-            && let Shed::Refuse { wait } = shedder.judge(caller, arrived, self.clock.now())
+        let (Checked { args, loop_exempt, receipt }, place) = match self.at_the_door(door, tool, args, caller, arrived)
         {
-            self.metrics.shed(caller);
-            return refused(Refusal::overloaded(tool, wait));
-        }
-        let args = match door.check(tool, args) {
-            Ok(args) => args,
-            Err(refusal) => return refused(refusal),
-        };
-        let place = match door.before_charging(tool, caller) {
-            Ok(place) => place,
+            Ok(at_the_door) => at_the_door,
             Err(refusal) => return refused(refusal),
         };
         let policy = self.policy();
-        let loop_exempt = door.loop_exempt(tool, &args, caller);
         // A round of a call answered "input required" is that call: its mark is taken once.
         let resumed = match resumes {
             Some(state) => self.take_resumed(caller, tool, &args, state).await,
@@ -282,7 +316,7 @@ impl Guard {
         let work = work(admitted, &args);
         let worked = async {
             match (sharing, reuse) {
-                (Some(sharing), Some(reuse)) => reuse.answer(tool, sharing, keepable::<D>, work).await.ok(),
+                (Some(sharing), Some(reuse)) => reuse.answer(tool, sharing, keepable::<A>, work).await.ok(),
                 _ => Some((work.await, Served::Asked)),
             }
         };
@@ -295,35 +329,74 @@ impl Guard {
         };
         // A job took the admission and settles its price when it is final; any other call's
         // price is settled here, as its slots go back.
-        let reservation = admission.take().and_then(|mut admission| admission.reserved());
+        let reserved = admission.take().and_then(|mut admission| admission.reserved());
+        // An answer that is the upstream's refusal (its 429) is for backoff to deal with, not an
+        // answer the caller keeps getting; a receipt is not the work's result.
+        let compared = !loop_exempt && !receipt && resumes.is_none();
+        let after = After { caller, tool, args: &args, reads_only, compared, warnings };
+        match worked {
+            None => Called::Lost,
+            Some((worked, served)) => self.after_work(after, worked, served, reserved).await,
+        }
+    }
+
+    /// What a call meets before anything is charged: a server that is behind refuses the lowest
+    /// priority first (while it costs nothing), then the door checks the call and takes its place.
+    fn at_the_door<D: Door>(
+        &self,
+        door: &D,
+        tool: &str,
+        args: &Map<String, Value>,
+        caller: &Caller,
+        arrived: Option<crate::clock::Nanos>,
+    ) -> Result<(Checked, D::Place), Refusal> {
+        if let Some(shedder) = &self.shedder
+            && let Some(wait) = shedder.judge(caller, arrived, self.clock.now())
+        {
+            self.metrics.shed(caller);
+            return Err(Refusal::overloaded(tool, wait));
+        }
+        let checked = door.check(tool, args, caller)?;
+        let place = door.before_charging(tool, caller)?;
+        Ok((checked, place))
+    }
+
+    /// A worked call's ending: its price settled (unless a job took it), a refusal in its answer
+    /// seen, a request for input marked for its next round, its answer compared with the ones
+    /// before it.
+    async fn after_work<A: Answer>(
+        &self,
+        after: After<'_>,
+        worked: Worked<A>,
+        served: Served,
+        reserved: Option<Reserved>,
+    ) -> Called<A> {
+        let After { caller, tool, args, reads_only, compared, warnings } = after;
         let settle = |used: Used| async move {
-            match reservation {
-                Some(reservation) => Some(reservation.settle_behind(used).await),
+            match reserved {
+                Some(reserved) => Some(reserved.settle_behind(used).await),
                 None => None,
             }
         };
         match worked {
-            None => Called::Lost,
-            Some((Worked::Answer(answer), served)) => {
-                let refused = door.refusal_in(&answer);
+            Worked::Answer(answer) => {
+                let refused = answer.refusal_in();
                 if let Some(refusal) = &refused {
                     self.seen_refused(caller, tool, refusal);
                 }
-                if let Some(state) = D::asks_input(&answer) {
-                    self.expect_resumed(caller, tool, &args, state).await;
+                if let Some(state) = answer.asks_input() {
+                    self.expect_resumed(caller, tool, args, state).await;
                 }
-                let settled = settle(door.used(tool, &answer)).await;
-                // An answer that is the upstream's refusal (its 429) is for backoff to deal with,
-                // not an answer the caller keeps getting.
-                let no_progress = match door.outcome(tool, &answer) {
-                    Some(said) if !loop_exempt && resumes.is_none() && refused.is_none() => {
-                        self.heard(caller, (tool, &args), &said, door.reads_only(tool)).await
+                let settled = settle(answer.used()).await;
+                let no_progress = match answer.outcome() {
+                    Some(said) if compared && refused.is_none() => {
+                        self.heard(caller, (tool, args), &said, reads_only).await
                     }
                     _ => None,
                 };
                 Called::Answered { answer, served, settled, warnings, no_progress }
             }
-            Some((Worked::Refused(refusal, used), _)) => {
+            Worked::Refused(refusal, used) => {
                 self.seen_refused(caller, tool, &refusal);
                 Called::RefusedAfter { refusal, settled: settle(used).await }
             }
@@ -336,10 +409,22 @@ impl Guard {
     }
 }
 
+/// What a call's ending needs to know of it.
+struct After<'a> {
+    caller: &'a Caller,
+    tool: &'a str,
+    args: &'a Value,
+    reads_only: bool,
+    /// Whether its answer is compared with the ones before it (not a loop-exempt call, a receipt,
+    /// or a round answering input requests).
+    compared: bool,
+    warnings: Vec<Warning>,
+}
+
 /// The size of a work's outcome that may be kept: an answer the door says may be.
-fn keepable<D: Door>(worked: &Worked<D::Answer>) -> Option<u64> {
+fn keepable<A: Answer>(worked: &Worked<A>) -> Option<u64> {
     match worked {
-        Worked::Answer(answer) => D::keepable(answer),
+        Worked::Answer(answer) => answer.keepable(),
         Worked::Refused(..) => None,
     }
 }

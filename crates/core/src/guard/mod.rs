@@ -56,7 +56,7 @@ use crate::identity::Caller;
 use crate::limit::{Decision, Limiter, Taken};
 use crate::metrics::{Layer, Metrics};
 use crate::store::{Check, Lease, SlotGuard, Store};
-pub use call::{Admitted, Call, Called, Door, TakeOnce, Worked};
+pub use call::{Admitted, Answer, Call, Called, Checked, Door, Plain, TakeOnce, Worked};
 pub use policy::{MethodGroup, Policy, TierLimits};
 pub use refusal::{Refusal, RefusalCode};
 pub use report::{BudgetStatus, Money, Warning};
@@ -393,8 +393,18 @@ impl Guard {
     }
 
     /// Charges one `method` request to its group's limit (`tools/call` is charged by
-    /// [`Guard::call`], together with the tool's budgets).
+    /// [`Guard::call`], together with the tool's budgets); a refusal is on the dashboard.
     pub async fn admit_method(&self, caller: &Caller, group: MethodGroup, method: &str) -> Result<(), Refusal> {
+        let admitted = self.charge_method(caller, group, method).await;
+        if let Err(refusal) = &admitted {
+            self.activity.refused(caller, refusal.seen(Layer::Method, method), self.clock.now());
+        }
+        admitted
+    }
+
+    /// [`Guard::admit_method`], leaving a refusal for whoever answers with it to record: a proxied
+    /// session opened for a tool call is refused by that call ([`Guard::call`] records it once).
+    pub async fn charge_method(&self, caller: &Caller, group: MethodGroup, method: &str) -> Result<(), Refusal> {
         let live = self.live.load_full();
         if !live.enabled {
             return Ok(());
@@ -412,7 +422,6 @@ impl Guard {
         self.report_refusal(caller, layer, "rate_limited", (name, d.retry_after));
         let refusal = Refusal::rate_limited(method, name.to_owned(), d.limit, d.remaining, d.retry_after);
         let refusal = if scopes.len() > 1 { refusal.naming_limit(planned.limit.limiter.describe()) } else { refusal };
-        self.activity.refused(caller, refusal.seen(Layer::Method, method), self.clock.now());
         Err(refusal)
     }
 
@@ -580,7 +589,7 @@ impl Guard {
     }
 
     /// Hears the answer `caller`'s call of `tool` with `args` got (`said`: what it says,
-    /// [`Door::outcome`]), for loop detection: an answer that changed makes the call's earlier
+    /// [`Answer::outcome`](call::Answer::outcome)), for loop detection: an answer that changed makes the call's earlier
     /// repetitions stop counting; the same answer again and again from one tool that `reads_only`
     /// (or says its own `no_progress`) stops it. Returns the warning the answer must carry, if it
     /// is one short of the stop or makes it.
@@ -608,12 +617,13 @@ impl Guard {
 
     /// The caller's budgets right now, without spending anything: the HTTP budget (when it
     /// applies), the `tools/call` method budget, the caller's and tenant's tool budgets, and
-    /// every tool's own budget.
-    pub async fn status(&self, caller: &Caller, over_http: bool) -> Option<Vec<BudgetStatus>> {
+    /// every tool's own budget. `tool` is the tool that asks (the reference server's
+    /// `rate_limit_status`), as the metrics name the read.
+    pub async fn status(&self, caller: &Caller, over_http: bool, tool: &str) -> Option<Vec<BudgetStatus>> {
         let under = |policy| status_scopes(policy, caller, over_http);
         // Cost 0 reads every level in one decision, without charging anything.
         let live = self.live.load_full();
-        let layer = (Layer::Tool, "rate_limit_status");
+        let layer = (Layer::Tool, tool);
         let decided = self.decide(&live, under, &[], Lease::new(), Fail::Open, layer).await?;
         Some(
             decided

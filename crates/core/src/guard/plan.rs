@@ -2,8 +2,8 @@
 //! what cost — the plan the store then decides all at once.
 //!
 //! A `POST /mcp` draws on the caller's HTTP limit (and its address's, for an unverified caller);
-//! a `tools/call` on its method limit, its tool budget, its tenant's, its address's, the spend
-//! cap, the tool's own budget and, for a job, the in-flight caps. `rate_limit_status` reads all of
+//! a `tools/call` on its method limit, its tool budget, its tenant's, its address's, its OAuth
+//! client's, the spend cap, the tool's own budget and, for a job, the in-flight caps. `rate_limit_status` reads all of
 //! them at cost 0. Nothing here touches a store.
 
 use crate::config::Limit;
@@ -84,6 +84,9 @@ pub fn tool_scopes<'p>(
         if let Some(address) = Scope::address(caller) {
             plan(&mut scopes, address, &policy.address, cost);
         }
+        if let Some(client) = Scope::client(caller) {
+            plan(&mut scopes, client, &policy.client, cost);
+        }
         if let Some(cap) = policy.spend_cap(caller.tenant()) {
             scopes.push(Planned { scope: Scope::spend(caller), limit: cap, cost, priced: false });
         }
@@ -128,6 +131,9 @@ pub fn status_scopes<'p>(policy: &'p Policy, caller: &Caller, over_http: bool) -
     if let Some(address) = Scope::address(caller) {
         plan(&mut peek, address, &policy.address, 0);
     }
+    if let Some(client) = Scope::client(caller) {
+        plan(&mut peek, client, &policy.client, 0);
+    }
     if let Some(cap) = policy.spend_cap(caller.tenant()) {
         peek.push(Planned { scope: Scope::spend(caller), limit: cap, cost: 0, priced: true });
     }
@@ -155,7 +161,7 @@ pub fn checks_of<'a>(scopes: &'a [Planned<'a>]) -> Vec<Check<'a>> {
 mod tests {
     use super::*;
     use crate::config::{Catalogue, LimitsConfig};
-    use crate::identity::Identifier;
+    use crate::identity::{Identifier, Identity};
 
     fn names(scopes: &[Planned<'_>]) -> Vec<String> {
         scopes.iter().map(|p| p.scope.name().to_owned()).collect()
@@ -173,13 +179,19 @@ mod tests {
         let (policy, identifier) = policy(2, "[[auth.keys]]\nkey = \"k\"\ntenant = \"acme\"\n");
         let mut headers = http::HeaderMap::new();
         headers.insert("x-api-key", "made-up".parse().expect("header"));
-        let made_up = identifier.identify(&headers, Some("203.0.113.7".parse().expect("ip"))).expect("caller");
+        let made_up = identifier
+            .identify(&headers, Some("203.0.113.7".parse().expect("ip")))
+            .map(Identity::without_verifying)
+            .expect("caller");
         let scopes = names(&tool_scopes(&policy, &made_up, "render", 5, true));
         for expected in ["address:ip:203.0.113.7", "in_flight:address:ip:203.0.113.7"] {
             assert!(scopes.iter().any(|s| s == expected), "{expected} in {scopes:?}");
         }
         headers.insert("x-api-key", "k".parse().expect("header"));
-        let keyed = identifier.identify(&headers, Some("203.0.113.7".parse().expect("ip"))).expect("caller");
+        let keyed = identifier
+            .identify(&headers, Some("203.0.113.7".parse().expect("ip")))
+            .map(Identity::without_verifying)
+            .expect("caller");
         let scopes = names(&tool_scopes(&policy, &keyed, "render", 5, true));
         assert!(scopes.iter().all(|s| !s.contains("address")), "{scopes:?}");
         assert!(scopes.iter().any(|s| s == "tenant:acme") && scopes.iter().any(|s| s == "in_flight:tenant:acme"));

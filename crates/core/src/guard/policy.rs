@@ -22,6 +22,15 @@ pub enum MethodGroup {
 }
 
 impl MethodGroup {
+    /// The group of a method other than a tool call: `tools/list`'s own, else the rest's.
+    pub fn of(method: &str) -> Self {
+        match method {
+            "tools/list" => MethodGroup::ToolsList,
+            "tools/call" => MethodGroup::ToolsCall,
+            _ => MethodGroup::Other,
+        }
+    }
+
     /// The method name as it appears in scopes and metrics.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -87,6 +96,8 @@ pub struct Policy {
     pub address: Vec<Limit>,
     /// The coarse HTTP limit unverified callers from one address share.
     pub address_http: Vec<Limit>,
+    /// The budget all subjects of one OAuth client share.
+    pub client: Vec<Limit>,
     /// Jobs one caller may have in flight.
     pub in_flight_caller: Limit,
     /// Jobs one tenant may have in flight.
@@ -137,6 +148,7 @@ impl Policy {
             tenant: l.tenant.clone(),
             address: l.address.clone(),
             address_http: l.address_http.clone(),
+            client: l.client.clone(),
             in_flight_caller: Limit::enforced(l.in_flight_caller.clone()),
             in_flight_tenant: Limit::enforced(l.in_flight_tenant.clone()),
             in_flight_address: Limit::enforced(l.in_flight_address.clone()),
@@ -176,6 +188,7 @@ impl Policy {
             tenant: scaled(&self.tenant, factor),
             address: scaled(&self.address, factor),
             address_http: scaled(&self.address_http, factor),
+            client: scaled(&self.client, factor),
             in_flight_caller: self.in_flight_caller.scaled(factor),
             in_flight_tenant: self.in_flight_tenant.scaled(factor),
             in_flight_address: self.in_flight_address.scaled(factor),

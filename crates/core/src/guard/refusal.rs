@@ -151,9 +151,16 @@ impl Refusal {
         }
     }
 
-    /// A busy refusal for a job tool, naming the caller's jobs in flight and when the first of
-    /// them is worth polling.
-    pub fn with_jobs_in_flight(mut self, tool: &str, jobs: Vec<String>, soonest_news: Option<Nanos>) -> Self {
+    /// A busy refusal for a job tool, naming the caller's jobs in flight, what to do about them
+    /// (`advice`, the door's: which tool polls them, which stops one), and when the first of them
+    /// is worth polling.
+    pub fn with_jobs_in_flight(
+        mut self,
+        tool: &str,
+        jobs: Vec<String>,
+        advice: &str,
+        soonest_news: Option<Nanos>,
+    ) -> Self {
         let limit = self.limit.unwrap_or_default();
         let whose = match self.scope.as_deref() {
             Some(scope) if scope.starts_with("in_flight:tenant:") => "your tenant",
@@ -165,10 +172,8 @@ impl Refusal {
         let yours = if jobs.is_empty() { String::new() } else { format!("Yours: {}. ", jobs.join(", ")) };
         let when = soonest_news
             .map_or_else(String::new, |wait| format!(" The first may have news in {}.", seconds(ceil_secs(wait))));
-        self.message = format!(
-            "Too many jobs in flight for {tool}: {whose} may run {limit} at once. {yours}Poll get_prediction for \
-             them (or stop one with cancel_prediction) before starting another.{when}"
-        );
+        self.message =
+            format!("Too many jobs in flight for {tool}: {whose} may run {limit} at once. {yours}{advice}{when}");
         self.retry_after_ms = soonest_news.map(|wait| ceil_ms(wait).max(1));
         self.details.get_or_insert_default().in_flight = jobs;
         self

@@ -8,6 +8,9 @@
 //! caller's tenant; for an unverified caller (no configured key) its address, which its address
 //! budget is shared by; otherwise the caller itself.
 //!
+//! One scope is shared across tenants: an OAuth client application's (`client:<id>`), which all
+//! subjects of one client draw on; it is tagged by its client.
+//!
 //! An unverified caller proves nothing about who it is (anyone can invent a key per request),
 //! so what a tenant's callers share, all unverified callers of one address share: the tool
 //! budgets (`address:<ip>:tool:<tool>`), the spend cap and the loop history are the address's,
@@ -74,6 +77,22 @@ impl Scope {
     /// The budget the unverified callers of the caller's address share, if it is unverified.
     pub fn address(caller: &Caller) -> Option<Self> {
         caller.unverified_from().map(|address| Self::new(caller, format_args!("address:{address}")))
+    }
+
+    /// The budget all subjects of the caller's OAuth client application share, if it came with a
+    /// token that names one. Unlike every other scope of a call it is not the caller's to tag: it
+    /// is shared across tenants, so it carries its client's own tag (`{o:<client>}`); a store
+    /// that needs one hash slot per script decides it on its own slot (see the Redis store).
+    pub fn client(caller: &Caller) -> Option<Self> {
+        use std::fmt::Write as _;
+        let client = caller.client()?;
+        let mut key = String::with_capacity(2 * client.len() + 12);
+        key.push_str("{o:");
+        key.push_str(client);
+        key.push('}');
+        let name_at = key.len();
+        let _ = write!(key, "client:{client}");
+        Some(Self { key, name_at })
     }
 
     /// The coarse HTTP budget all unverified callers of the caller's address share, if it is

@@ -50,18 +50,6 @@ struct Standing {
     begun: bool,
 }
 
-/// What the shedding says of a call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Shed {
-    /// It goes on.
-    Go,
-    /// It is refused: the server is behind and its class is among the lowest `level`.
-    Refuse {
-        /// How long at least before its class is served again.
-        wait: Nanos,
-    },
-}
-
 /// Where the server stands, as `/metrics` shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Overload {
@@ -113,8 +101,9 @@ impl Shedder {
     }
 
     /// Takes the queueing delay of a call of `caller` that `arrived` (`None`: its door cannot
-    /// tell) and was taken up `now`, and says whether it goes on.
-    pub fn judge(&self, caller: &Caller, arrived: Option<Nanos>, now: Nanos) -> Shed {
+    /// tell) and was taken up `now`, and says whether it goes on: `None`, or refused, with how
+    /// long at least before its class (among the lowest `level`) is served again.
+    pub fn judge(&self, caller: &Caller, arrived: Option<Nanos>, now: Nanos) -> Option<Nanos> {
         let class = self.class_of(caller);
         let mut s = self.standing.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if !s.begun {
@@ -127,12 +116,12 @@ impl Shedder {
             s.least = Some(s.least.map_or(delay, |least| least.min(delay)));
         }
         if class >= s.level {
-            return Shed::Go;
+            return None;
         }
         // One class comes back at the end of this interval, and one at the end of each after it.
         let behind = (s.level - class - 1) as u64;
         let left = s.started.saturating_add(self.interval).saturating_sub(now);
-        Shed::Refuse { wait: left.saturating_add(behind.saturating_mul(self.interval)).max(1) }
+        Some(left.saturating_add(behind.saturating_mul(self.interval)).max(1))
     }
 
     /// Ends the intervals that are over at `now`: the first by its least delay, the others (no
@@ -169,7 +158,7 @@ mod tests {
     use super::*;
     use crate::clock::NANOS_PER_MS;
     use crate::config::{Catalogue, LimitsConfig};
-    use crate::identity::Identifier;
+    use crate::identity::{Identifier, Identity};
 
     const MS: Nanos = NANOS_PER_MS;
 
@@ -188,14 +177,17 @@ mod tests {
             if let Some(key) = key {
                 headers.insert("x-api-key", key.parse().expect("header"));
             }
-            identifier.identify(&headers, Some("10.0.0.1".parse().expect("ip"))).expect("caller")
+            identifier
+                .identify(&headers, Some("10.0.0.1".parse().expect("ip")))
+                .map(Identity::without_verifying)
+                .expect("caller")
         };
         let shedder = Shedder::configured(&config).expect("on");
         (shedder, [named(Some("g")), named(None), named(Some("d")), named(Some("p"))])
     }
 
     fn goes(shedder: &Shedder, caller: &Caller, delay: Nanos, now: Nanos) -> bool {
-        shedder.judge(caller, Some(now - delay), now) == Shed::Go
+        shedder.judge(caller, Some(now - delay), now).is_none()
     }
 
     #[test]
@@ -256,10 +248,7 @@ mod tests {
         }
         // Level 3 from 13 s: guest is 3 classes below, unverified 2, plain 1.
         now += 250 * MS;
-        let wait = |c: &Caller, now: Nanos| match shedder.judge(c, Some(now), now) {
-            Shed::Refuse { wait } => wait,
-            Shed::Go => 0,
-        };
+        let wait = |c: &Caller, now: Nanos| shedder.judge(c, Some(now), now).unwrap_or(0);
         assert_eq!(wait(&plain, now), 750 * MS);
         assert_eq!(wait(&unverified, now), 1750 * MS);
         assert_eq!(wait(&guest, now), 2750 * MS);
@@ -292,11 +281,11 @@ mod tests {
         let (shedder, [guest, ..]) = setup("");
         let mut now = 10_000 * MS;
         for _ in 0..3 {
-            assert_eq!(shedder.judge(&guest, None, now), Shed::Go);
+            assert_eq!(shedder.judge(&guest, None, now), None);
             now += 1000 * MS;
         }
         // An arrival stamped after the call was taken up is no delay (a clock a proxy set ahead).
-        assert_eq!(shedder.judge(&guest, Some(now + 5000 * MS), now), Shed::Go);
+        assert_eq!(shedder.judge(&guest, Some(now + 5000 * MS), now), None);
         assert_eq!(shedder.overload(now + 1000 * MS).least_delay, 0);
     }
 

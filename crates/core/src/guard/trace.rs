@@ -22,9 +22,17 @@
 //! subscriber per group, not one per field, and each field once (an OpenTelemetry span keeps
 //! every value recorded, so a field recorded twice would be exported twice).
 //!
-//! What a span names of a caller is what every other report names: its id (a hash of its key,
-//! never the key: [`crate::identity`]), its tenant and tier.
+//! What a span names of a caller is what every other report names: its id (a hash of its key or
+//! of its token's issuer and subject, never the credential: [`crate::identity`]), how it proved
+//! it, its tenant, tier and OAuth client.
+//!
+//! A span holds no value at the size its sender chose: a JSON-RPC id, a tool name before it is
+//! checked, a tenant or client from a token's claims, a scope naming them are cut to
+//! [`MAX_ATTRIBUTE_BYTES`] where the span is made ([`cut`], [`Cut`]), on a character boundary. An
+//! exporter's queue bounds spans by count, not size: one session's pings with 4 MB ids once held
+//! 900 MB in it. A caller's W3C `tracestate` is continued only when [`accepted_tracestate`].
 
+use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use tracing::Span;
@@ -38,6 +46,68 @@ use crate::identity::Caller;
 /// The `tracing` target of every span the project exports as a trace (the request's here and in
 /// the rmcp glue, the upstream's in the server): what a subscriber filters on.
 pub const TARGET: &str = "mcp_ratelimit::trace";
+
+/// The most bytes of a value a span holds that its caller chose (or could have): a JSON-RPC id,
+/// a tool name before it is checked, a tenant, a client, a scope, a URL path.
+pub const MAX_ATTRIBUTE_BYTES: usize = 128;
+
+/// `value` cut to at most [`MAX_ATTRIBUTE_BYTES`] bytes, at a character boundary.
+pub fn cut(value: &str) -> &str {
+    let mut end = value.len().min(MAX_ATTRIBUTE_BYTES);
+    while !value.is_char_boundary(end) {
+        end -= 1;
+    }
+    &value[..end]
+}
+
+/// `T` written at most [`MAX_ATTRIBUTE_BYTES`] long, at a character boundary, and never formatted
+/// whole (a 4 MB JSON-RPC id stops being written at its 128th byte): for a span field recorded as
+/// `tracing::field::display`.
+#[derive(Debug, Clone, Copy)]
+pub struct Cut<T>(pub T);
+
+impl<T: fmt::Display> fmt::Display for Cut<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        /// Passes on what fits, then stops the writer with an error of its own.
+        struct UpTo<'a, 'b> {
+            out: &'a mut fmt::Formatter<'b>,
+            left: usize,
+            full: bool,
+        }
+        impl fmt::Write for UpTo<'_, '_> {
+            fn write_str(&mut self, text: &str) -> fmt::Result {
+                let mut end = text.len().min(self.left);
+                while !text.is_char_boundary(end) {
+                    end -= 1;
+                }
+                self.out.write_str(&text[..end])?;
+                self.left -= end;
+                if end < text.len() {
+                    self.full = true;
+                    return Err(fmt::Error);
+                }
+                Ok(())
+            }
+        }
+        let mut up_to = UpTo { out: f, left: MAX_ATTRIBUTE_BYTES, full: false };
+        match fmt::write(&mut up_to, format_args!("{}", self.0)) {
+            // Stopped here, because the rest would not fit: what fitted is written.
+            Err(_) if up_to.full => Ok(()),
+            written => written,
+        }
+    }
+}
+
+/// The most bytes of a caller's `tracestate` continued (W3C allows 32 members of 256 characters;
+/// a vendor's own rarely takes more than a few dozen).
+pub const MAX_TRACESTATE_BYTES: usize = 512;
+
+/// Whether a caller's W3C `tracestate` is continued: 1 to [`MAX_TRACESTATE_BYTES`] bytes of
+/// printable ASCII. Anything else is dropped (its `traceparent` still counts): it would ride on
+/// every span of the trace, and on every request the trace leads to.
+pub fn accepted_tracestate(value: &str) -> bool {
+    (1..=MAX_TRACESTATE_BYTES).contains(&value.len()) && value.bytes().all(|b| (0x20..0x7f).contains(&b))
+}
 
 /// The share of the traces this process starts that are kept, as `f64` bits: 1 (all) until
 /// [`sample_new_traces`] says otherwise.
@@ -81,13 +151,15 @@ pub fn call_span(tool: &str, request_id: Option<&dyn std::fmt::Display>) -> Span
         "otel.name" = "tools/call",
         "otel.kind" = "server",
         "mcp.method.name" = "tools/call",
-        "mcp.tool.name" = tool,
-        "mcp.request.id" = request_id.map(tracing::field::display),
+        "mcp.tool.name" = cut(tool),
+        "mcp.request.id" = request_id.map(|id| tracing::field::display(Cut(id))),
         "rpc.jsonrpc.error_code" = Empty,
         "ratelimit.layer" = "tool",
         "ratelimit.caller.id" = Empty,
         "ratelimit.caller.tenant" = Empty,
         "ratelimit.caller.tier" = Empty,
+        "ratelimit.caller.proof" = Empty,
+        "ratelimit.caller.client" = Empty,
         "ratelimit.outcome" = Empty,
         "ratelimit.code" = Empty,
         "ratelimit.scope" = Empty,
@@ -141,12 +213,14 @@ pub fn record<A>(caller: &Caller, called: &Called<A>) {
     };
     tracing::record_all!(
         span,
-        "ratelimit.caller.id" = caller.id(),
-        "ratelimit.caller.tier" = caller.tier(),
-        "ratelimit.caller.tenant" = caller.tenant(),
+        "ratelimit.caller.id" = cut(caller.id()),
+        "ratelimit.caller.tier" = cut(caller.tier()),
+        "ratelimit.caller.tenant" = caller.tenant().map(cut),
+        "ratelimit.caller.proof" = caller.proof().as_str(),
+        "ratelimit.caller.client" = caller.client().map(cut),
         "ratelimit.outcome" = outcome,
         "ratelimit.code" = refusal.map(|r| r.code.as_str()),
-        "ratelimit.scope" = refusal.and_then(|r| r.scope.as_deref()),
+        "ratelimit.scope" = refusal.and_then(|r| r.scope.as_deref()).map(cut),
         "ratelimit.limit" = refusal.and_then(|r| r.limit),
         "ratelimit.remaining" = refusal.and_then(|r| r.remaining),
         "ratelimit.retry_after_ms" = refusal.and_then(|r| r.retry_after_ms),
@@ -172,5 +246,32 @@ pub fn reserved(units: u64) {
 pub fn failed_open() {
     if let Some(span) = current() {
         tracing::record_all!(span, "ratelimit.fail_open" = true);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_value_is_cut_at_a_character_boundary_and_never_formatted_whole() {
+        assert_eq!(cut("short"), "short");
+        let euros = "€".repeat(100);
+        assert_eq!(cut(&euros), "€".repeat(42), "126 bytes: a 43rd would need 129");
+        assert_eq!(Cut(&euros).to_string(), "€".repeat(42));
+        assert_eq!(Cut(12_345_u64).to_string(), "12345");
+        let long = "x".repeat(4 << 20);
+        assert_eq!(Cut(&long).to_string().len(), MAX_ATTRIBUTE_BYTES);
+        // Written in pieces, the cut still lands at the boundary.
+        assert_eq!(Cut(format_args!("{}{}", "a".repeat(127), "€")).to_string(), "a".repeat(127));
+    }
+
+    #[test]
+    fn a_tracestate_is_accepted_from_one_to_512_printable_bytes() {
+        assert!(accepted_tracestate("vendor=opaque"));
+        assert!(accepted_tracestate(&"a".repeat(512)));
+        for refused in [String::new(), "a".repeat(513), "vendor=\u{1}".into(), "v=\u{e9}".into(), "v=\tx".into()] {
+            assert!(!accepted_tracestate(&refused), "{refused:?}");
+        }
     }
 }

@@ -1,17 +1,16 @@
 //! The checks that run on `/mcp` before any limit is charged or any JSON is parsed.
 //!
 //! Outside in: DNS-rebinding protection (a foreign `Host` or `Origin` gets 403 before anything
-//! else), then identity ([`IdentifyLayer`]: 401 when `auth.required` and the key is unknown),
-//! then the cheap header checks that can refuse an MCP request without reading it (413 on a
+//! else), then identity ([`crate::http::identify`]: 401 when `auth.required` and the key is
+//! unknown, or an access token does not verify), then the cheap header checks that can refuse an MCP request without reading it (413 on a
 //! declared body over the limit, 415 on a POST that is not JSON). A request refused here is never
 //! charged.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use arc_swap::ArcSwap;
-use axum::extract::{ConnectInfo, Request};
+use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, Method, StatusCode, header};
 use serde::Serialize;
@@ -20,7 +19,6 @@ use tower::{Layer, Service};
 
 use mcp_ratelimit_core::clock::SharedClock;
 use mcp_ratelimit_core::guard::report::RefusalLog;
-use mcp_ratelimit_core::guard::shed::Arrived;
 use mcp_ratelimit_core::identity::Identifier;
 
 /// The `Host` and `Origin` values a server answers to (`server.allowed_hosts`,
@@ -178,6 +176,13 @@ pub struct CheckLayer<C> {
     check: C,
 }
 
+impl<C> CheckLayer<C> {
+    /// The layer of `check`.
+    pub fn new(check: C) -> Self {
+        Self { check }
+    }
+}
+
 impl<S, C: Clone> Layer<S> for CheckLayer<C> {
     type Service = Checked<S, C>;
 
@@ -292,89 +297,6 @@ impl HeaderCheck for MetricsKey {
         let mut response = jsonrpc_error(StatusCode::UNAUTHORIZED, -32001, message, None);
         response.headers_mut().insert(header::WWW_AUTHENTICATE, http::HeaderValue::from_static("Bearer"));
         Some(response)
-    }
-}
-
-/// Names the caller of every request (a one-way hash of its key, else its address) and puts the
-/// [`Caller`](mcp_ratelimit_core::identity::Caller) into the request's extensions, for the limit behind it and the tools; answers 401
-/// when `auth.required` and the key is missing or unknown. The address comes from axum's
-/// `ConnectInfo<SocketAddr>` (serve with `into_make_service_with_connect_info`).
-///
-/// It also stamps when the request arrived ([`Arrived`], on `clock`; a trusted proxy's
-/// `X-Request-Start` if earlier), so the guard can tell how long calls queue in the server
-/// (`[server.shedding]`).
-#[derive(Clone)]
-pub struct IdentifyLayer {
-    identifier: Arc<ArcSwap<Identifier>>,
-    clock: SharedClock,
-}
-
-impl std::fmt::Debug for IdentifyLayer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IdentifyLayer").finish_non_exhaustive()
-    }
-}
-
-impl IdentifyLayer {
-    /// A layer naming callers with `identifier` (swapped whole by a config reload), stamping
-    /// arrivals on `clock` (the guard's).
-    pub fn new(identifier: Arc<ArcSwap<Identifier>>, clock: SharedClock) -> Self {
-        Self { identifier, clock }
-    }
-}
-
-impl<S> Layer<S> for IdentifyLayer {
-    type Service = Identified<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        Identified { inner, identifier: self.identifier.clone(), clock: self.clock.clone() }
-    }
-}
-
-/// The service [`IdentifyLayer`] produces.
-#[derive(Clone)]
-pub struct Identified<S> {
-    inner: S,
-    identifier: Arc<ArcSwap<Identifier>>,
-    clock: SharedClock,
-}
-
-impl<S> std::fmt::Debug for Identified<S> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Identified").finish_non_exhaustive()
-    }
-}
-
-impl<S> Service<Request> for Identified<S>
-where
-    S: Service<Request, Response = Response>,
-    S::Future: Send + 'static,
-{
-    type Response = Response;
-    type Error = S::Error;
-    type Future = futures::future::Either<S::Future, std::future::Ready<Result<Response, S::Error>>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, mut request: Request) -> Self::Future {
-        let peer = request.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0.ip());
-        let identifier = self.identifier.load();
-        match identifier.identify(request.headers(), peer) {
-            Ok(caller) => {
-                let arrived = identifier.arrived(request.headers(), peer, self.clock.now());
-                request.extensions_mut().insert(caller);
-                request.extensions_mut().insert(Arrived(arrived));
-                futures::future::Either::Left(self.inner.call(request))
-            }
-            Err(unauthorized) => {
-                let mut response =
-                    jsonrpc_error(StatusCode::UNAUTHORIZED, -32001, &format!("Unauthorized: {unauthorized}."), None);
-                response.headers_mut().insert(header::WWW_AUTHENTICATE, http::HeaderValue::from_static("Bearer"));
-                futures::future::Either::Right(std::future::ready(Ok(response)))
-            }
-        }
     }
 }
 

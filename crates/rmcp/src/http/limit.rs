@@ -32,7 +32,7 @@ use mcp_ratelimit_core::identity::Caller;
 /// for an unverified caller (`limits.address_http`).
 ///
 /// The caller must already be in the request's extensions ([`Caller`], put there by
-/// [`IdentifyLayer`](crate::http::front_door::IdentifyLayer) or your own layer): a request
+/// [`IdentifyLayer`](crate::http::identify::IdentifyLayer) or your own layer): a request
 /// without one is answered 500 rather than counted against a key everyone would share.
 #[derive(Debug, Clone)]
 pub struct HttpLimitLayer {

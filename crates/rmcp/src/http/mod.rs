@@ -1,7 +1,9 @@
 //! The HTTP pieces: tower layers any axum app can use.
 //!
-//! On `/mcp`, outside in: [`front_door`] (DNS-rebinding protection, identity and auth, header
-//! checks), then the coarse limit ([`limit::HttpLimitLayer`]), then the server's own (a body
+//! On `/mcp`, outside in: [`front_door`] (DNS-rebinding protection, header checks) with
+//! [`identify`] (who calls: keys, addresses, OAuth access tokens), then the coarse limit
+//! ([`limit::HttpLimitLayer`]) and the refusal of invalid tokens it charged
+//! ([`identify::refuse_invalid_tokens`]), then the server's own (a body
 //! deadline, session caps), then rmcp. Each layer takes only what it needs (the allowed hosts,
 //! the identifier, the guard), so it can be used, and tested, alone.
 //! Each is a tower layer of its own, not `axum::middleware::from_fn`, which boxes the stack
@@ -9,6 +11,7 @@
 //! DELETE) passes without an allocation.
 
 pub mod front_door;
+pub mod identify;
 pub mod limit;
 
 use std::future::Future;

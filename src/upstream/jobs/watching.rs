@@ -1,0 +1,191 @@
+//! Polling and settling: a started job's own task polls the upstream at the job's hint until it is
+//! final; each answer is recorded, and a final job gives back its slots and settles its price.
+
+use super::{Job, Jobs, lock_book, nanos};
+use crate::clock::Nanos;
+use crate::guard::{Reserved, Used};
+use crate::upstream::UpstreamError;
+use crate::upstream::api::{Prediction, PredictionStatus};
+use crate::upstream::backoff::Retry;
+use crate::upstream::queue::AccountSlot;
+
+impl Jobs {
+    /// Polls the upstream at the job's hint until the job is final.
+    pub(super) async fn watch(&self, id: &str) {
+        let mut failed = 0;
+        loop {
+            let Some((upstream_id, due)) = self.book().get(id).and_then(|j| {
+                let pending = !j.last.status.is_terminal();
+                j.upstream_id.clone().filter(|_| pending).map(|u| (u, j.next_poll_at))
+            }) else {
+                return;
+            };
+            self.clock.sleep_until(due).await;
+            let asked = self.clock.now();
+            let answer = self.upstream.get_prediction(&upstream_id).await;
+            self.metrics.upstream("get_prediction", UpstreamError::outcome_of(&answer));
+            match answer {
+                Ok(prediction) => {
+                    failed = 0;
+                    if self.update(id, prediction, asked) {
+                        return;
+                    }
+                }
+                Err(UpstreamError::CircuitOpen { retry_after }) => self.poll_again_in(id, retry_after),
+                Err(UpstreamError::NotFound) => {
+                    self.fail(id, "the upstream no longer knows this job".to_owned());
+                    return;
+                }
+                Err(error) => {
+                    failed += 1;
+                    let next = self.backoff_after(failed, &error);
+                    match next {
+                        Retry::After(delay) => {
+                            self.metrics.upstream_retry("poll", error.outcome());
+                            self.poll_again_in(id, nanos(delay));
+                        }
+                        Retry::GiveUp(why) => {
+                            self.fail(id, format!("lost track of the job: {why} (last answer: {error})"));
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Records the upstream's answer to a submission; the job holds `account` from now on.
+    pub(super) fn started(&self, id: &str, prediction: Prediction, account: AccountSlot) {
+        let upstream_id = prediction.id.clone();
+        if let Some(job) = self.book().get_mut(id) {
+            job.upstream_id = Some(upstream_id);
+            job.slots.push(Box::new(account));
+        }
+        self.update(id, prediction, self.clock.now());
+    }
+
+    /// Records what the upstream said about `id`, in answer to a question put at `asked`;
+    /// releases its slots when it is final. Returns whether it is final.
+    ///
+    /// The next poll is due a hint after the question, not after the answer: a slow answer does
+    /// not push the schedule back (nor does time that passed while it was on its way).
+    pub(super) fn update(&self, id: &str, mut prediction: Prediction, asked: Nanos) -> bool {
+        let now = self.clock.now();
+        let released;
+        let is_final;
+        let mut to_settle = None;
+        {
+            let mut book = self.book();
+            let Some(job) = book.get_mut(id) else { return true };
+            if job.last.status.is_terminal() {
+                return true;
+            }
+            prediction.id = id.to_owned();
+            job.next_poll_at = asked.saturating_add(self.hint(job.class));
+            job.updated_at = now;
+            is_final = prediction.status.is_terminal();
+            job.last = prediction;
+            released = if is_final { std::mem::take(&mut job.slots) } else { Vec::new() };
+            if is_final && let Some(reservation) = job.reservation.take() {
+                to_settle = Some((reservation, used_by(job)));
+            }
+            job.changed.send_modify(|v| *v += 1);
+        }
+        // Slots go back outside the book's lock: releasing takes the store's locks.
+        drop(released);
+        match to_settle {
+            // Published once settled: a final snapshot is never replaced, so it carries `charged`.
+            Some((reservation, used)) => self.settle_price(id, reservation, used),
+            None => self.publish(id),
+        }
+        is_final
+    }
+
+    /// Hands job `id` the price its call reserved, to settle when it is final (at once if it
+    /// already is); the units reserved, as the agent is shown them.
+    pub fn bill(&self, id: &str, reservation: Reserved) -> u64 {
+        let units = reservation.units();
+        let mut book = self.book();
+        let Some(job) = book.get_mut(id) else {
+            // Gone already (swept, or never kept): nobody says what it used.
+            drop(book);
+            self.settle_price(id, reservation, Used::Unreported);
+            return units;
+        };
+        job.reserved = Some(units);
+        if !job.last.status.is_terminal() {
+            job.reservation = Some(reservation);
+            drop(book);
+            // Its snapshot carries the reservation now, for another instance to give back if
+            // this one dies while it waits.
+            self.publish(id);
+            return units;
+        }
+        let used = used_by(job);
+        drop(book);
+        self.settle_price(id, reservation, used);
+        units
+    }
+
+    /// Settles a final job's price in a task of its own (it awaits the store), and only then says
+    /// what it was charged: what the store settled, or, when it could not, the reservation that
+    /// stands.
+    fn settle_price(&self, id: &str, reservation: Reserved, used: Used) {
+        let (book, id) = (self.book.clone(), id.to_owned());
+        let outbox = self.outbox.clone();
+        let publish = self.shared.is_some();
+        tokio::spawn(async move {
+            let settled = reservation.settle(used).await;
+            if let Some(job) = lock_book(&book).get_mut(&id) {
+                job.charged = Some(settled.charged);
+                job.changed.send_modify(|v| *v += 1);
+            }
+            if publish {
+                outbox.mark(&id);
+            }
+        });
+    }
+
+    fn poll_again_in(&self, id: &str, delay: Nanos) {
+        if let Some(job) = self.book().get_mut(id) {
+            job.next_poll_at = self.clock.now().saturating_add(delay);
+            job.changed.send_modify(|v| *v += 1);
+        }
+        self.publish(id);
+    }
+
+    /// Ends `id` with `status` on our own word (the upstream said nothing of it: canceled in
+    /// the queue, given up, expired).
+    pub(super) fn end(&self, id: &str, status: PredictionStatus, error: Option<String>) {
+        let Some(kind) = self.book().get(id).map(|j| j.last.kind) else { return };
+        let now = self.clock.now();
+        self.update(id, Prediction { id: id.to_owned(), kind, status, output: None, error, usage: None }, now);
+    }
+
+    pub(super) fn fail(&self, id: &str, reason: String) {
+        tracing::warn!(predict_id = id, reason, "job failed");
+        self.end(id, PredictionStatus::Failed, Some(reason));
+    }
+}
+
+/// What a final job's work came to, as far as its price goes: nothing if the upstream never
+/// took it (it never left our queue, or every submission was refused), the reservation if a
+/// submission went unanswered (the upstream may have started it), else what the upstream
+/// reports, if it does.
+fn used_by(job: &Job) -> Used {
+    match (&job.upstream_id, job.last.usage) {
+        (None, _) if job.may_have_run => Used::Unreported,
+        (None, _) => Used::Nothing,
+        (Some(_), Some(usage)) => Used::Reported(usage.units),
+        (Some(_), None) => Used::Unreported,
+    }
+}
+
+/// The span of a job's watch, from its submission to its final state, under the call that
+/// started it: the polls of the paid API are its children. Disabled, and free, when traces are off
+/// or the call was not traced.
+pub(super) fn watch_span() -> tracing::Span {
+    crate::telemetry::of_later_work(
+        || tracing::info_span!(target: crate::telemetry::TARGET, parent: None, "upstream.watch"),
+    )
+}
