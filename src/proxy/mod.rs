@@ -63,7 +63,7 @@ pub use server::ProxyServer;
 use crate::breaker::Breaker;
 use crate::clock::{NANOS_PER_MS, Nanos, SharedClock};
 use crate::config::Config;
-use crate::guard::{Admission, Admitted, Refusal, Used, Worked};
+use crate::guard::{Admitted, Held, Refusal, Used, Worked};
 use crate::identity::Caller;
 use crate::mcp::limited::ToolAnswer;
 use crate::rate_limits::RateLimits;
@@ -288,10 +288,10 @@ impl Proxied {
             // slots and its price until it is final, not until its handle came back. (Only those:
             // the in-flight caps bound how many places one caller's tasks can hold.)
             Ok(Forwarded::Task(task, slot)) if holds_slot => {
-                if let Some(admission) = admitted.admission.take() {
-                    let held = OpenTask { task: task.task.clone(), admission, slot, meta, upstream };
-                    tokio::spawn(self.clone().hold_until_final(held));
-                }
+                let mut held = Held::taking(&admitted.admission);
+                held.hold(slot);
+                let open = OpenTask { task: task.task.clone(), held, meta, upstream };
+                tokio::spawn(self.clone().hold_until_final(open));
                 Worked::Answer(ToolAnswer::relayed(Ok(CallToolResponse::Task(task))))
             }
             Ok(Forwarded::Task(task, _slot)) => Worked::Answer(ToolAnswer::relayed(Ok(CallToolResponse::Task(task)))),
@@ -522,13 +522,12 @@ enum Forwarded {
     Task(CreateTaskResult, AccountSlot),
 }
 
-/// What a task created through the proxy holds until it is final: its place among
-/// `proxy.max_in_flight`, its caller's admission (in-flight slots, the reserved price), and the
+/// A task created through the proxy, until it is final: what it holds (its caller's admission —
+/// in-flight slots, the reserved price — and its place among `proxy.max_in_flight`), and the
 /// caller's `_meta` its `tasks/get` goes with (the tasks extension it declared).
 struct OpenTask {
     task: Task,
-    admission: Admission,
-    slot: AccountSlot,
+    held: Held,
     meta: RequestMetaObject,
     /// The session it was made on, kept open meanwhile.
     upstream: Arc<Upstream>,
@@ -539,14 +538,14 @@ const TASK_POLL: Nanos = crate::clock::NANOS_PER_SEC;
 const TASK_POLL_AT_LEAST: Nanos = 100 * NANOS_PER_MS;
 
 impl Proxied {
-    /// Keeps what `held` holds until its task is final — completed, failed or cancelled, as the
+    /// Keeps what `open` holds until its task is final — completed, failed or cancelled, as the
     /// proxied server says when asked (`tasks/get`, at the task's `pollInterval`), or past its
     /// `ttl` (a day at most), or unknown to the server — then settles its price: to the
     /// `_meta.usage.units` a completed result reports where the tool settles by usage, else as
     /// reserved.
-    async fn hold_until_final(self: Arc<Self>, held: OpenTask) {
-        let OpenTask { task, mut admission, slot, meta, upstream } = held;
-        let _open = upstream.hold(&self.clock);
+    async fn hold_until_final(self: Arc<Self>, open: OpenTask) {
+        let OpenTask { task, held, meta, upstream } = open;
+        let kept_open = upstream.hold(&self.clock);
         let every =
             task.poll_interval_ms.map_or(TASK_POLL, |ms| ms.saturating_mul(NANOS_PER_MS)).max(TASK_POLL_AT_LEAST);
         let ttl = task.ttl_ms.map_or(tasks::LONGEST, |ms| ms.saturating_mul(NANOS_PER_MS)).min(tasks::LONGEST);
@@ -577,10 +576,10 @@ impl Proxied {
                 Ok(Ok(_) | Err(_)) | Err(_) => {}
             }
         };
-        drop(slot);
-        if let Some(reservation) = admission.reserved() {
-            reservation.settle_behind(used).await;
-        }
+        // Its slots (and the session) go back now; the price settles behind them.
+        let settling = held.finish(used);
+        drop(kept_open);
+        settling.await;
     }
 }
 

@@ -36,7 +36,7 @@ pub use crate::results::AddTo;
 use mcp_ratelimit_core::config::ToolPolicy;
 use mcp_ratelimit_core::guard::shed::Arrived;
 use mcp_ratelimit_core::guard::{
-    Admitted, Answer, Call, Called, Door, MethodGroup, Policy, Refusal, Reserved, TakeOnce, Used, Worked,
+    Admitted, Answer, Call, Called, Door, MethodGroup, Policy, Refusal, TakeOnce, Used, Worked,
 };
 use mcp_ratelimit_core::identity::Caller;
 
@@ -370,24 +370,6 @@ pub fn priced(tools: Vec<Tool>, policy: &Policy) -> Vec<Tool> {
 /// charged (see [`mcp_ratelimit_core::guard::settle`]).
 pub fn used_in(done: &CallToolResult) -> Used {
     results::usage_in(done).map_or(Used::Unreported, Used::Reported)
-}
-
-/// `done`, the answer to a call that reserved `reservation`, with the price settled from what it
-/// says was used ([`used_in`]) and said in it where `add_to` says.
-pub async fn settled(done: CallToolResult, reservation: Reserved, add_to: AddTo) -> CallToolResult {
-    let used = used_in(&done);
-    settled_as(done, reservation, used, add_to).await
-}
-
-/// `done` with the price `reservation` holds settled for work that came to `used` (what the door
-/// knows better than the answer: a call never sent did nothing), said as [`settled`] says it.
-pub async fn settled_as(done: CallToolResult, reservation: Reserved, used: Used, add_to: AddTo) -> CallToolResult {
-    let settled = reservation.settle_behind(used).await;
-    match add_to {
-        // Another's answer is left as it was unless its own usage report moved the price.
-        AddTo::Meta if settled.charged == settled.reserved => done,
-        add_to => results::priced(done, settled, add_to),
-    }
 }
 
 /// The caller of an MCP request: the one the HTTP layer named, else one named here from the

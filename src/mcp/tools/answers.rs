@@ -14,7 +14,7 @@ use crate::clock::{Nanos, ceil_ms, ceil_secs};
 use crate::guard::{Admitted, Refusal};
 use crate::identity::Caller;
 use crate::mcp::McpServer;
-use crate::mcp::{limited, results};
+use crate::mcp::results;
 use crate::upstream::UpstreamError;
 use crate::upstream::api::{ArticlePage, NewPrediction, PredictionKind, PredictionStatus};
 use crate::upstream::jobs::{JobView, Owner};
@@ -237,7 +237,7 @@ fn charged_words(reserved: Option<u64>, charged: Option<u64>) -> String {
     }
 }
 
-fn submitted(view: JobView, reserved: Option<u64>) -> Result<CallToolResult, ErrorData> {
+fn submitted(view: JobView) -> Result<CallToolResult, ErrorData> {
     let id = view.prediction.id.clone();
     let what = if view.prediction.kind == PredictionKind::Image { "Image" } else { "Video" };
     let hint = wait_secs(view.wait.unwrap_or(0));
@@ -252,7 +252,7 @@ fn submitted(view: JobView, reserved: Option<u64>) -> Result<CallToolResult, Err
             status: view.prediction.status,
             next_poll_in_seconds: hint,
             queue_position,
-            reserved,
+            reserved: view.reserved,
         },
     )
 }
@@ -270,7 +270,8 @@ impl McpServer {
     }
 
     /// Starts a job with what its call was admitted with: the caller, the admission (its
-    /// in-flight slots and price) and the queue place.
+    /// in-flight slots and price, which a job that starts holds until it is final) and the queue
+    /// place.
     pub(super) async fn start_job(
         &self,
         tool: &str,
@@ -279,27 +280,12 @@ impl McpServer {
     ) -> Result<CallToolResult, ErrorData> {
         let Admitted { caller, admission, place } = admitted;
         let place = place.ok_or_else(|| ErrorData::internal_error("a job ran without its queue place", None))?;
-        let mut admission =
-            admission.take().ok_or_else(|| ErrorData::internal_error("a job ran without its admission", None))?;
-        let reservation = admission.reserved();
-        let slots = Box::new(admission);
-        match self.own.jobs.start(&self.owner_of(&caller), tool, job, place, slots).await {
-            // The job settles its price when it is final.
-            Ok(view) => {
-                let reserved = reservation.map(|r| self.own.jobs.bill(&view.prediction.id, r));
-                submitted(view, reserved)
-            }
-            // Its one attempt failed: charged as the settlement rule says (a failed upstream call
-            // is still charged; see `guard::settle`).
-            Err(e) => {
-                let refusal = upstream_refusal(tool, e);
-                match reservation {
-                    Some(reservation) => {
-                        Ok(limited::settled(refusal, reservation, limited::AddTo::StructuredContent).await)
-                    }
-                    None => Ok(refusal),
-                }
-            }
+        match self.own.jobs.start(&self.owner_of(&caller), tool, job, place, &admission).await {
+            Ok(view) => submitted(view),
+            // Its one attempt failed: the admission is still its call's, settled by the guard from
+            // this answer as the rule says (a failed upstream call is still charged; see
+            // `guard::settle`).
+            Err(e) => Ok(upstream_refusal(tool, e)),
         }
     }
 }

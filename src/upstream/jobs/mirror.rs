@@ -62,10 +62,10 @@ impl Snapshot {
             reserved: job.reserved,
             charged: job.charged,
             handed: job
-                .reservation
+                .held
                 .as_ref()
                 .filter(|_| job.upstream_id.is_none() && !job.last.status.is_terminal())
-                .and_then(Reserved::handed),
+                .and_then(Held::handed),
             given_back: false,
         }
     }

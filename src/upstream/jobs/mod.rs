@@ -35,7 +35,6 @@
 //! and settling its price (`watching`), ending it early (`cancel`), what its owner sees of it
 //! (`view`), and the book as other instances see it (`mirror`).
 
-use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
@@ -44,7 +43,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
-use crate::guard::{Handed, Reserved};
+use crate::guard::{Handed, Held};
 use crate::metrics::Metrics;
 use crate::store::StoreError;
 use crate::store::{JobMirror, Store};
@@ -80,9 +79,6 @@ const CANCEL_CONFIRM: Duration = Duration::from_secs(3);
 const REPUBLISH_FIRST: Duration = Duration::from_millis(100);
 /// The longest the publisher waits between two tries: as often as the store breaker probes.
 const REPUBLISH_AT_MOST: Duration = Duration::from_secs(1);
-
-/// Whatever a job's admission holds (its in-flight slots); dropped when the job is final.
-pub type Slots = Box<dyn Any + Send + Sync>;
 
 /// A job waiting its turn in the queue, with what its submission needs.
 struct Queued {
@@ -162,10 +158,9 @@ struct Job {
     updated_at: Nanos,
     expires_at: Nanos,
     created: SystemTime,
-    /// The admission's slots and, once submitted, the account slot.
-    slots: Vec<Slots>,
-    /// The price the call that started it reserved, settled when the job is final.
-    reservation: Option<Reserved>,
+    /// What its call holds until it is final: the admission (in-flight slots, the reserved
+    /// price) and, once submitted, the account slot; `None` once final.
+    held: Option<Held>,
     /// A submission of it was sent and never answered (a timeout, a broken connection): the
     /// upstream may have started it, though it never said so.
     may_have_run: bool,

@@ -11,8 +11,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::watching::watch_span;
-use super::{Job, JobView, Jobs, Owner, Queued, Slots, nanos};
+use super::{Job, JobView, Jobs, Owner, Queued, nanos};
 use crate::clock::Nanos;
+use crate::guard::{Admission, Held, TakeOnce};
 use crate::upstream::UpstreamError;
 use crate::upstream::api::{NewPrediction, Prediction, PredictionKind, PredictionStatus};
 use crate::upstream::backoff::Retry;
@@ -36,21 +37,23 @@ fn new_id(prefix: &str) -> String {
 }
 
 impl Jobs {
-    /// Starts the job `job` that `tool` asked for, for `owner`, holding `slots` until it is final,
-    /// and returns at once. A job of a class without a gap that finds an account slot free is
-    /// submitted now, in one attempt (the agent gets any refusal with its wait); anything else
-    /// waits its turn in the place `place` holds (for a job of its class).
+    /// Starts the job `job` that `tool` asked for, for `owner`, and returns at once. A job of a
+    /// class without a gap that finds an account slot free is submitted now, in one attempt (the
+    /// agent gets any refusal with its wait); anything else waits its turn in the place `place`
+    /// holds (for a job of its class). A job that exists takes its call's `admission` (its
+    /// in-flight slots and price) and holds it until it is final; one that failed to start leaves
+    /// it to its call, which settles it as any answered call.
     pub async fn start(
         self: &Arc<Self>,
         owner: &Owner,
         tool: &str,
         job: NewPrediction,
         place: QueuePlace,
-        slots: Slots,
+        admission: &TakeOnce<Admission>,
     ) -> Result<JobView, UpstreamError> {
         let class = place.class();
         let place = match place.start_now(&owner.flowing()).await {
-            Ok(account) => return self.submit_now(owner, tool, class, job, slots, account).await,
+            Ok(account) => return self.submit_now(owner, tool, class, job, admission, account).await,
             Err(place) => place,
         };
         let prefix = self.queue.rules().classes.get(class).map_or("", |c| c.id_prefix);
@@ -64,7 +67,7 @@ impl Jobs {
             error: None,
             usage: None,
         };
-        self.insert(owner, class, None, waiting, vec![slots]);
+        self.insert(owner, class, None, waiting, Held::taking(admission));
         let turn = place.enqueue(&owner.flowing(), &id);
         self.spawn(id.clone(), Some(Queued { tool: tool.to_owned(), job, turn }));
         Ok(self.view_of(&id).unwrap_or_else(|| unreachable_view(&id, kind)))
@@ -76,7 +79,7 @@ impl Jobs {
         tool: &str,
         class: ClassId,
         job: NewPrediction,
-        slots: Slots,
+        admission: &TakeOnce<Admission>,
         account: AccountSlot,
     ) -> Result<JobView, UpstreamError> {
         let answer = self.upstream.create_prediction(&job, &new_id("k")).await;
@@ -84,12 +87,14 @@ impl Jobs {
         learn_from(&account, &answer).await;
         let prediction = answer?;
         let id = prediction.id.clone();
-        self.insert(owner, class, Some(id.clone()), prediction, vec![slots, Box::new(account)]);
+        let mut held = Held::taking(admission);
+        held.hold(account);
+        self.insert(owner, class, Some(id.clone()), prediction, held);
         self.spawn(id.clone(), None);
         Ok(self.view_of(&id).unwrap_or_else(|| unreachable_view(&id, job.kind)))
     }
 
-    fn insert(&self, owner: &Owner, class: ClassId, upstream_id: Option<String>, last: Prediction, slots: Vec<Slots>) {
+    fn insert(&self, owner: &Owner, class: ClassId, upstream_id: Option<String>, last: Prediction, held: Held) {
         let now = self.clock.now();
         let job = Job {
             owner: owner.clone(),
@@ -99,10 +104,9 @@ impl Jobs {
             updated_at: now,
             expires_at: now.saturating_add(self.rules.expiry),
             created: SystemTime::now(),
-            slots,
-            reservation: None,
             may_have_run: false,
-            reserved: None,
+            reserved: held.units(),
+            held: Some(held),
             charged: None,
             cancel: CancellationToken::new(),
             changed: watch::Sender::new(0),
@@ -171,7 +175,9 @@ impl Jobs {
                     && let Some(job) = self.book().get_mut(id)
                 {
                     // Given back by the instance that ended it: settled once, there.
-                    job.reservation = None;
+                    if let Some(held) = &mut job.held {
+                        held.settled_elsewhere();
+                    }
                     job.charged = Some(0);
                 }
                 self.fail(id, ended.reason);

@@ -1,9 +1,10 @@
 //! Polling and settling: a started job's own task polls the upstream at the job's hint until it is
-//! final; each answer is recorded, and a final job gives back its slots and settles its price.
+//! final; each answer is recorded, and a final job gives back its slots and settles its price
+//! ([`Held::finish`]).
 
 use super::{Job, Jobs, lock_book, nanos};
 use crate::clock::Nanos;
-use crate::guard::{Reserved, Used};
+use crate::guard::{Held, Used};
 use crate::upstream::UpstreamError;
 use crate::upstream::api::{Prediction, PredictionStatus};
 use crate::upstream::backoff::Retry;
@@ -54,12 +55,15 @@ impl Jobs {
         }
     }
 
-    /// Records the upstream's answer to a submission; the job holds `account` from now on.
+    /// Records the upstream's answer to a submission; the job holds `account` from now on (until
+    /// it is final: one that ended meanwhile gives it back at once).
     pub(super) fn started(&self, id: &str, prediction: Prediction, account: AccountSlot) {
         let upstream_id = prediction.id.clone();
         if let Some(job) = self.book().get_mut(id) {
             job.upstream_id = Some(upstream_id);
-            job.slots.push(Box::new(account));
+            if let Some(held) = &mut job.held {
+                held.hold(account);
+            }
         }
         self.update(id, prediction, self.clock.now());
     }
@@ -71,9 +75,8 @@ impl Jobs {
     /// not push the schedule back (nor does time that passed while it was on its way).
     pub(super) fn update(&self, id: &str, mut prediction: Prediction, asked: Nanos) -> bool {
         let now = self.clock.now();
-        let released;
         let is_final;
-        let mut to_settle = None;
+        let mut to_finish = None;
         {
             let mut book = self.book();
             let Some(job) = book.get_mut(id) else { return true };
@@ -85,58 +88,32 @@ impl Jobs {
             job.updated_at = now;
             is_final = prediction.status.is_terminal();
             job.last = prediction;
-            released = if is_final { std::mem::take(&mut job.slots) } else { Vec::new() };
-            if is_final && let Some(reservation) = job.reservation.take() {
-                to_settle = Some((reservation, used_by(job)));
+            if is_final {
+                to_finish = job.held.take().map(|held| (held, used_by(job)));
             }
             job.changed.send_modify(|v| *v += 1);
         }
-        // Slots go back outside the book's lock: releasing takes the store's locks.
-        drop(released);
-        match to_settle {
-            // Published once settled: a final snapshot is never replaced, so it carries `charged`.
-            Some((reservation, used)) => self.settle_price(id, reservation, used),
+        match to_finish {
+            // Outside the book's lock: giving slots back takes the store's locks.
+            Some((held, used)) => self.finish(id, held, used),
             None => self.publish(id),
         }
         is_final
     }
 
-    /// Hands job `id` the price its call reserved, to settle when it is final (at once if it
-    /// already is); the units reserved, as the agent is shown them.
-    pub fn bill(&self, id: &str, reservation: Reserved) -> u64 {
-        let units = reservation.units();
-        let mut book = self.book();
-        let Some(job) = book.get_mut(id) else {
-            // Gone already (swept, or never kept): nobody says what it used.
-            drop(book);
-            self.settle_price(id, reservation, Used::Unreported);
-            return units;
-        };
-        job.reserved = Some(units);
-        if !job.last.status.is_terminal() {
-            job.reservation = Some(reservation);
-            drop(book);
-            // Its snapshot carries the reservation now, for another instance to give back if
-            // this one dies while it waits.
-            self.publish(id);
-            return units;
-        }
-        let used = used_by(job);
-        drop(book);
-        self.settle_price(id, reservation, used);
-        units
-    }
-
-    /// Settles a final job's price in a task of its own (it awaits the store), and only then says
-    /// what it was charged: what the store settled, or, when it could not, the reservation that
-    /// stands.
-    fn settle_price(&self, id: &str, reservation: Reserved, used: Used) {
+    /// Ends what a final job held: its slots back now, its price settled in a task of its own (it
+    /// awaits the store), and only then said: what the store settled, or, when it could not, the
+    /// reservation that stands. Published once settled: a final snapshot is never replaced, so it
+    /// carries `charged`.
+    fn finish(&self, id: &str, held: Held, used: Used) {
+        let settling = held.finish(used);
         let (book, id) = (self.book.clone(), id.to_owned());
         let outbox = self.outbox.clone();
         let publish = self.shared.is_some();
         tokio::spawn(async move {
-            let settled = reservation.settle(used).await;
-            if let Some(job) = lock_book(&book).get_mut(&id) {
+            if let Some(settled) = settling.await
+                && let Some(job) = lock_book(&book).get_mut(&id)
+            {
                 job.charged = Some(settled.charged);
                 job.changed.send_modify(|v| *v += 1);
             }

@@ -61,7 +61,7 @@ pub use policy::{MethodGroup, Policy, TierLimits};
 pub use refusal::{Refusal, RefusalCode};
 pub use report::{BudgetStatus, Money, Warning};
 pub use scope::Scope;
-pub use settle::{Handed, Reserved, Settled, Used};
+pub use settle::{Handed, Held, Reserved, Settled, Used};
 
 /// What an admitted tool call holds while it runs: its in-flight slots (given back when it is
 /// dropped) and its place in the in-flight gauge.

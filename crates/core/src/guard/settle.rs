@@ -56,12 +56,15 @@
 //! dropped without being settled stands too: a door that does not settle charges what it
 //! reserved, as a fixed price always did.
 
+use std::any::Any;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::{Nanos, SharedClock};
 use crate::config::Settle;
 use crate::guard::refusal_memory::RefusalMemory;
+use crate::guard::{Admission, TakeOnce};
 use crate::limit::{Adjustment, Limiter, Shape, Taken};
 use crate::metrics::Metrics;
 use crate::store::Store;
@@ -153,6 +156,69 @@ pub struct Settled {
     /// Units it was charged in the end: its settled price (a budget that had less left gave
     /// what it had, and stands at empty).
     pub charged: u64,
+}
+
+/// What a call holds past its answer while its work goes on (a job, a proxied task): its
+/// admission — in-flight slots and reserved price — and the slots its door took for it (an
+/// account's). Work that outlives its answer ends one way, [`Held::finish`]: every slot back at
+/// once, then the price settled for what the work came to. (A call answered at once is settled by
+/// the guard as it answers: [`Guard::call`](super::Guard::call).)
+pub struct Held {
+    /// `None` for work started without an admission (never through the guard): it holds no
+    /// slot of the caller's and costs nothing.
+    admission: Option<Admission>,
+    slots: Vec<Box<dyn Any + Send + Sync>>,
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Held").field("units", &self.units()).field("slots", &self.slots.len()).finish()
+    }
+}
+
+impl Held {
+    /// The admission `admission` holds, taken for work that goes on past its answer (it is then
+    /// no longer the guard's to settle); nothing if another took it.
+    pub fn taking(admission: &TakeOnce<Admission>) -> Self {
+        Self { admission: admission.take(), slots: Vec::new() }
+    }
+
+    /// Holds `slot` too, until the work is final.
+    pub fn hold(&mut self, slot: impl Any + Send + Sync) {
+        self.slots.push(Box::new(slot));
+    }
+
+    /// Units reserved, if the call has a price still to settle.
+    pub fn units(&self) -> Option<u64> {
+        self.admission.as_ref()?.reserved.as_ref().map(Reserved::units)
+    }
+
+    /// The reservation written down for another instance to give back ([`Reserved::handed`]).
+    pub fn handed(&self) -> Option<Handed> {
+        self.admission.as_ref()?.reserved.as_ref().and_then(Reserved::handed)
+    }
+
+    /// Its price was given back elsewhere (by the instance that ended the job): nothing is left to
+    /// settle here.
+    pub fn settled_elsewhere(&mut self) {
+        if let Some(admission) = &mut self.admission {
+            admission.reserved = None;
+        }
+    }
+
+    /// The work is final, having come to `used`: every slot goes back now, as this is called; the
+    /// future settles the price, tried until the store takes it ([`Reserved::settle`]), and says
+    /// what was charged (`None`: the call had no price to settle).
+    pub fn finish(mut self, used: Used) -> impl Future<Output = Option<Settled>> + Send + 'static {
+        let reserved = self.admission.as_mut().and_then(|a| a.reserved.take());
+        drop(self);
+        async move {
+            match reserved {
+                Some(reserved) => Some(reserved.settle(used).await),
+                None => None,
+            }
+        }
+    }
 }
 
 /// The limiter each of a call's budgets was decided by, by key, under every limits put in force
