@@ -48,8 +48,8 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use rmcp::ErrorData;
 use rmcp::model::{
-    CallToolRequest, CallToolRequestParams, CallToolResponse, ClientRequest, CreateTaskResult, GetTaskParams,
-    GetTaskRequest, ProgressToken, RequestMetaObject, ServerResult, Task, TaskPayload, Tool,
+    CallToolRequest, CallToolRequestParams, CallToolResponse, ClientRequest, GetTaskParams, GetTaskRequest,
+    ProgressToken, RequestMetaObject, ServerResult, Task, TaskPayload, Tool,
 };
 use rmcp::service::{PeerRequestOptions, ServiceError};
 use tokio_util::sync::CancellationToken;
@@ -125,16 +125,23 @@ impl Behind for Proxied {
     }
 }
 
-/// Why a call did not get an answer from the proxied server.
-#[derive(Debug, Clone)]
-enum Unanswered {
-    /// The proxied server's own JSON-RPC error: passed through unchanged.
-    Error(ErrorData),
-    /// It could not be reached, or did not answer in time, after the call was sent.
-    Unavailable(Refusal),
-    /// The call was never sent (no turn in time, the breaker open, the server restarting): it
-    /// did no work, and its price is given back.
-    NotSent(Refusal),
+// A call the proxied server did not answer with a result, as the guarded call reads it:
+
+/// Its own JSON-RPC error, passed through unchanged.
+fn passed_through(error: ErrorData) -> Worked<ToolAnswer> {
+    Worked::Answer(ToolAnswer::relayed(Err(error)))
+}
+
+/// Not reached, or no answer in time, once the call was sent: refused, and the reservation stands
+/// (the work may have been done).
+fn unavailable_once_sent(refusal: Refusal) -> Worked<ToolAnswer> {
+    Worked::Refused(refusal, Used::Unreported)
+}
+
+/// Never sent (no turn in time, the breaker open, the server restarting): it did no work, and its
+/// price is given back.
+fn never_sent(refusal: Refusal) -> Worked<ToolAnswer> {
+    Worked::Refused(refusal, Used::Nothing)
 }
 
 impl Proxied {
@@ -287,23 +294,19 @@ impl Proxied {
             // A task of a `holds_slot` tool holds its place to the proxied server, its caller's
             // slots and its price until it is final, not until its handle came back. (Only those:
             // the in-flight caps bound how many places one caller's tasks can hold.)
-            Ok(Forwarded::Task(task, slot)) if holds_slot => {
+            Ok((CallToolResponse::Task(task), slot)) if holds_slot => {
                 let mut held = Held::taking(&admitted.admission);
                 held.hold(slot);
                 let open = OpenTask { task: task.task.clone(), held, meta, upstream };
                 tokio::spawn(self.clone().hold_until_final(open));
                 Worked::Answer(ToolAnswer::relayed(Ok(CallToolResponse::Task(task))))
             }
-            Ok(Forwarded::Task(task, _slot)) => Worked::Answer(ToolAnswer::relayed(Ok(CallToolResponse::Task(task)))),
-            Ok(Forwarded::Answer(CallToolResponse::Complete(done))) => {
+            Ok((CallToolResponse::Complete(done), _slot)) => {
                 let done = crate::mcp::results::without_ours(server::Complete::complete(done));
                 Worked::Answer(ToolAnswer::relayed(Ok(CallToolResponse::Complete(done))))
             }
-            Ok(Forwarded::Answer(other)) => Worked::Answer(ToolAnswer::relayed(Ok(other))),
-            Err(Unanswered::Error(error)) => Worked::Answer(ToolAnswer::relayed(Err(error))),
-            // Sent, and no answer: work may have been done, and the reservation stands.
-            Err(Unanswered::Unavailable(refusal)) => Worked::Refused(refusal, Used::Unreported),
-            Err(Unanswered::NotSent(refusal)) => Worked::Refused(refusal, Used::Nothing),
+            Ok((other, _slot)) => Worked::Answer(ToolAnswer::relayed(Ok(other))),
+            Err(unanswered) => unanswered,
         }
     }
 
@@ -318,17 +321,22 @@ impl Proxied {
     /// The call is a span of its own ([`proxied_span`]): its wait for a turn and its request to the
     /// proxied server, which hears that span's trace context in `_meta` (and, over HTTP, in a
     /// `traceparent` header: [`link`]) when traces are on.
-    async fn forward(&self, caller: &Caller, place: QueuePlace, outgoing: Outgoing) -> Result<Forwarded, Unanswered> {
+    async fn forward(
+        &self,
+        caller: &Caller,
+        place: QueuePlace,
+        outgoing: Outgoing,
+    ) -> Result<Answered, Worked<ToolAnswer>> {
         let span = proxied_span(&outgoing.request.name);
         // Boxed: the call's future is large, and a span around it would copy it on the stack.
         let forwarded = Box::pin(self.forward_in(caller, place, outgoing)).instrument(span.clone()).await;
         if !span.is_disabled() {
             let outcome = match &forwarded {
-                Ok(Forwarded::Answer(_)) => "answered",
-                Ok(Forwarded::Task(..)) => "task",
-                Err(Unanswered::Error(_)) => "error",
-                Err(Unanswered::Unavailable(_)) => "unavailable",
-                Err(Unanswered::NotSent(_)) => "not_sent",
+                Ok((CallToolResponse::Task(_), _)) => "task",
+                Ok(_) => "answered",
+                Err(Worked::Answer(_)) => "error",
+                Err(Worked::Refused(_, Used::Nothing)) => "not_sent",
+                Err(Worked::Refused(..)) => "unavailable",
             };
             span.record("proxy.outcome", outcome);
         }
@@ -341,7 +349,7 @@ impl Proxied {
         caller: &Caller,
         place: QueuePlace,
         outgoing: Outgoing,
-    ) -> Result<Forwarded, Unanswered> {
+    ) -> Result<Answered, Worked<ToolAnswer>> {
         let Outgoing { request, meta, progress, asker, upstream } = outgoing;
         // Its session stays open while it is in flight (a 2026-07-28 caller's has no other hold).
         let _in_flight = upstream.hold(&self.clock);
@@ -351,13 +359,14 @@ impl Proxied {
         // The proxied server's own time: what it took teaches the limit, the queue's wait does not.
         let deadline = started.saturating_add(self.timeout_nanos());
         let now = started;
-        let permit = self.breaker.permit(now).map_err(|open| {
-            Unanswered::NotSent(gate::unavailable(&tool, "the circuit breaker is open", open.retry_after))
-        })?;
+        let permit = self
+            .breaker
+            .permit(now)
+            .map_err(|open| never_sent(gate::unavailable(&tool, "the circuit breaker is open", open.retry_after)))?;
         let Some(peer) = upstream.link().peer() else {
             self.breaker.record(permit, false, now);
             let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
-            return Err(Unanswered::NotSent(gate::unavailable(&tool, "it is restarting", wait)));
+            return Err(never_sent(gate::unavailable(&tool, "it is restarting", wait)));
         };
         let answer = self.by(deadline, ask_upstream(&peer, request, meta, progress, &asker, &upstream)).await;
         let now = self.clock.now();
@@ -382,7 +391,7 @@ impl Proxied {
 
     /// The call's turn in the account's fair queue: at once when a slot is free and nobody waits,
     /// else in its flow's turn. No turn within the timeout: the call was never sent.
-    async fn turn_of(&self, caller: &Caller, place: QueuePlace, tool: &str) -> Result<AccountSlot, Unanswered> {
+    async fn turn_of(&self, caller: &Caller, place: QueuePlace, tool: &str) -> Result<AccountSlot, Worked<ToolAnswer>> {
         let queued_at = self.clock.now();
         let owner = Owner::of(caller, &self.limits.guard().policy(), self.queue.rules());
         let place = match place.start_now(&owner.flowing()).await {
@@ -398,13 +407,14 @@ impl Proxied {
                 // A place frees in about a call's time.
                 let waited = self.clock.now().saturating_sub(queued_at);
                 let wait = self.mean_call.load(Ordering::Relaxed).max(NANOS_PER_MS);
-                Err(Unanswered::NotSent(Refusal::never_sent(tool, waited, self.queue.slots(), wait)))
+                Err(never_sent(Refusal::never_sent(tool, waited, self.queue.slots(), wait)))
             }
         }
     }
 
     /// What the proxied server's answer (or its silence until the deadline, `None`) makes of the
     /// call, the breaker told whether it is up.
+    #[expect(clippy::result_large_err, reason = "the answer is as large either way, and moved once")]
     fn answered(
         &self,
         tool: &str,
@@ -412,23 +422,21 @@ impl Proxied {
         now: Nanos,
         answer: Option<Result<ServerResult, ServiceError>>,
         slot: AccountSlot,
-    ) -> Result<Forwarded, Unanswered> {
+    ) -> Result<Answered, Worked<ToolAnswer>> {
         match answer {
             None => {
                 self.breaker.record(permit, false, now);
                 let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
                 let detail = format!("it did not answer within {} ms", self.timeout.as_millis());
-                Err(Unanswered::Unavailable(gate::unavailable(tool, &detail, wait)))
+                Err(unavailable_once_sent(gate::unavailable(tool, &detail, wait)))
             }
             Some(Ok(result)) => {
                 self.breaker.record(permit, true, now);
                 match result {
-                    ServerResult::CallToolResult(done) => Ok(Forwarded::Answer(CallToolResponse::Complete(done))),
-                    ServerResult::CreateTaskResult(task) => Ok(Forwarded::Task(task, slot)),
-                    ServerResult::InputRequiredResult(input) => {
-                        Ok(Forwarded::Answer(CallToolResponse::InputRequired(input)))
-                    }
-                    _ => Err(Unanswered::Error(ErrorData::internal_error(
+                    ServerResult::CallToolResult(done) => Ok((CallToolResponse::Complete(done), slot)),
+                    ServerResult::CreateTaskResult(task) => Ok((CallToolResponse::Task(task), slot)),
+                    ServerResult::InputRequiredResult(input) => Ok((CallToolResponse::InputRequired(input), slot)),
+                    _ => Err(passed_through(ErrorData::internal_error(
                         "the proxied server answered tools/call with another kind of result",
                         None,
                     ))),
@@ -437,14 +445,14 @@ impl Proxied {
             Some(Err(ServiceError::McpError(error))) => {
                 // It answered: it is up, and its error is the caller's to read.
                 self.breaker.record(permit, true, now);
-                Err(Unanswered::Error(error))
+                Err(passed_through(error))
             }
             Some(Err(error)) => {
                 self.breaker.record(permit, false, now);
                 let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
                 // The transport's errors quote the URL, with any password in it.
                 let detail = crate::redact::url(&error.to_string());
-                Err(Unanswered::Unavailable(gate::unavailable(tool, &detail, wait)))
+                Err(unavailable_once_sent(gate::unavailable(tool, &detail, wait)))
             }
         }
     }
@@ -515,12 +523,9 @@ fn proxied_span(tool: &str) -> tracing::Span {
     })
 }
 
-/// What a sent call came back with: an answer, or a task that keeps the call's place to the
-/// proxied server until it is final.
-enum Forwarded {
-    Answer(CallToolResponse),
-    Task(CreateTaskResult, AccountSlot),
-}
+/// What a sent call came back with, and its place to the proxied server: given back with the
+/// answer, kept by a task until it is final.
+type Answered = (CallToolResponse, AccountSlot);
 
 /// A task created through the proxy, until it is final: what it holds (its caller's admission —
 /// in-flight slots, the reserved price — and its place among `proxy.max_in_flight`), and the
