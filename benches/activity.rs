@@ -15,13 +15,13 @@ use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use mcp_ratelimit::activity::{Activity, Refused, Sample};
-use mcp_ratelimit::clock::NANOS_PER_SEC;
+use mcp_ratelimit::clock::Nanos;
 use mcp_ratelimit::identity::Caller;
 use mcp_ratelimit::limit::{Decision, Limiter, TokenBucket};
 use mcp_ratelimit::metrics::Layer;
 
 fn decision(remaining: u64, limit: u64) -> Decision {
-    Decision { allowed: true, limit, remaining, retry_after: 0, reset_after: 0, at: 0 }
+    Decision { allowed: true, limit, remaining, retry_after: Nanos::ZERO, reset_after: Nanos::ZERO, at: Nanos::ZERO }
 }
 
 fn admitted(c: &mut Criterion) {
@@ -54,14 +54,14 @@ fn admitted(c: &mut Criterion) {
     c.bench_function("admitted_roomy", |b| {
         b.iter(|| {
             now += 1_000;
-            activity.admitted(black_box(&caller), roomy_levels(), now);
+            activity.admitted(black_box(&caller), roomy_levels(), Nanos::new(now));
         })
     });
     let low_levels = samples(low);
     c.bench_function("admitted_low", |b| {
         b.iter(|| {
             now += 1_000;
-            activity.admitted(black_box(&caller), low_levels(), now);
+            activity.admitted(black_box(&caller), low_levels(), Nanos::new(now));
         })
     });
 }
@@ -85,7 +85,7 @@ fn refused(c: &mut Criterion) {
                 retry_after_ms: Some(500),
                 message: "Too many requests: answered 429 before any JSON was read.",
             };
-            activity.refused(black_box(&caller), refused, now);
+            activity.refused(black_box(&caller), refused, Nanos::new(now));
         })
     });
     c.bench_function("refused_tool", |b| {
@@ -101,7 +101,7 @@ fn refused(c: &mut Criterion) {
                 retry_after_ms: Some(1000),
                 message: "Rate limit reached for list_articles. Wait 1 second before calling it again.",
             };
-            activity.refused(black_box(&caller), refused, now);
+            activity.refused(black_box(&caller), refused, Nanos::new(now));
         })
     });
 }
@@ -124,11 +124,11 @@ fn snapshot(c: &mut Criterion) {
                     retry_after_ms: Some(1000),
                     message: "Rate limit reached.",
                 };
-                activity.refused(&caller, refused, second * NANOS_PER_SEC);
+                activity.refused(&caller, refused, Nanos::from_secs(second));
             }
         }
     }
-    c.bench_function("snapshot", |b| b.iter(|| black_box(activity.snapshot(600 * NANOS_PER_SEC))));
+    c.bench_function("snapshot", |b| b.iter(|| black_box(activity.snapshot(Nanos::from_secs(600)))));
 }
 
 criterion_group!(benches, admitted, refused, snapshot);

@@ -51,7 +51,7 @@ use criterion::{BenchmarkGroup, BenchmarkId, Criterion, Throughput, criterion_gr
 use governor::middleware::NoOpMiddleware;
 use governor::state::keyed::DashMapStateStore;
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
-use mcp_ratelimit::clock::SystemClock;
+use mcp_ratelimit::clock::{Nanos, SystemClock};
 use mcp_ratelimit::limit::{
     Concurrency, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingLog, SlidingWindow, TokenBucket,
 };
@@ -75,9 +75,9 @@ fn limiter(algorithm: &str) -> Limiter {
     match algorithm {
         "token_bucket" => Limiter::TokenBucket(TokenBucket::new(BURST, RATE_PER_SEC)),
         "gcra" => Limiter::Gcra(Gcra::new(BURST, RATE_PER_SEC)),
-        "fixed_window" => Limiter::FixedWindow(FixedWindow::new(BURST, WINDOW_NANOS)),
-        "sliding_log" => Limiter::SlidingLog(SlidingLog::new(BURST, WINDOW_NANOS)),
-        "sliding_window" => Limiter::SlidingWindow(SlidingWindow::new(BURST, WINDOW_NANOS)),
+        "fixed_window" => Limiter::FixedWindow(FixedWindow::new(BURST, Nanos::new(WINDOW_NANOS))),
+        "sliding_log" => Limiter::SlidingLog(SlidingLog::new(BURST, Nanos::new(WINDOW_NANOS))),
+        "sliding_window" => Limiter::SlidingWindow(SlidingWindow::new(BURST, Nanos::new(WINDOW_NANOS))),
         "leaky_bucket" => Limiter::LeakyBucket(LeakyBucket::new(BURST, RATE_PER_SEC)),
         "concurrency" | "concurrency_1_held" => Limiter::Concurrency(Concurrency::new(BURST)),
         other => unreachable!("unknown algorithm {other}"),
@@ -157,9 +157,9 @@ fn governor_fake<const STEP: u64>() -> GovernorFake<STEP> {
 /// One decision of ours on the hot key at `now` (for concurrency: acquire, then release).
 #[inline(always)]
 fn ours_once(store: &MemoryStore, limiter: &Limiter, key: &str, now: u64) -> bool {
-    let decision = store.decide_one(&Check { key: black_box(key), limiter, cost: 1, shadow: false }, now);
+    let decision = store.decide_one(&Check { key: black_box(key), limiter, cost: 1, shadow: false }, Nanos::new(now));
     if limiter.holds_slots() && decision.allowed {
-        store.release_at(key, limiter, 1, now);
+        store.release_at(key, limiter, 1, Nanos::new(now));
     }
     decision.allowed
 }
@@ -297,8 +297,10 @@ fn hot_key(c: &mut Criterion) {
                 let limiter = limiter(algorithm);
                 if algorithm == "concurrency_1_held" {
                     // One slot stays taken, so the key's entry is never removed on release.
-                    let held = store
-                        .decide_one(&Check { key: HOT_KEY, limiter: &limiter, cost: 1, shadow: false }, tick::<0>());
+                    let held = store.decide_one(
+                        &Check { key: HOT_KEY, limiter: &limiter, cost: 1, shadow: false },
+                        Nanos::new(tick::<0>()),
+                    );
                     assert!(held.allowed);
                 }
                 let regime = (MemoryStore::new(), limiter.clone());
@@ -330,11 +332,11 @@ fn hot_key(c: &mut Criterion) {
                 let limiter = limiter(algorithm);
                 let regime = (MemoryStore::new(), limiter.clone());
                 print_regime(&format!("hot_key/{algorithm}/real_clock"), || {
-                    ours_once(&regime.0, &regime.1, HOT_KEY, clock.now())
+                    ours_once(&regime.0, &regime.1, HOT_KEY, clock.now().as_u64())
                 });
                 (MemoryStore::new(), limiter)
             });
-            b.iter(|| ours_once(store, limiter, HOT_KEY, clock.now()));
+            b.iter(|| ours_once(store, limiter, HOT_KEY, clock.now().as_u64()));
         });
     }
 
@@ -370,7 +372,7 @@ fn many_keys(c: &mut Criterion) {
                 for key in keys {
                     store.decide_one(
                         &Check { key, limiter: &limiter, cost: 1, shadow: false },
-                        tick::<STEP_ONE_THREAD>(),
+                        Nanos::new(tick::<STEP_ONE_THREAD>()),
                     );
                 }
                 assert_eq!(store.len(), keys.len(), "every key is pre-warmed");

@@ -57,7 +57,7 @@ impl Budgets {
             caller: Limiter::TokenBucket(TokenBucket::new(1_000_000, 1_000_000.0)),
             tenant: Limiter::TokenBucket(TokenBucket::new(1_000_000, 1_000_000.0)),
             // 1,000,000,000 calls a second.
-            tool: Limiter::FixedWindow(FixedWindow::new(1_000_000_000, 1_000_000_000)),
+            tool: Limiter::FixedWindow(FixedWindow::new(1_000_000_000, mcp_ratelimit::clock::Nanos::from_secs(1))),
         }
     }
 }

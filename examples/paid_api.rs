@@ -39,7 +39,7 @@ use std::time::{Duration, SystemTime};
 // The library (mcp-ratelimit-rmcp, which re-exports the core), and one helper of the server's.
 use mcp_ratelimit::upstream::backoff::parse_retry_after;
 use mcp_ratelimit_rmcp::breaker::Breaker;
-use mcp_ratelimit_rmcp::clock::{NANOS_PER_SEC, Nanos, SharedClock, ceil_ms};
+use mcp_ratelimit_rmcp::clock::{Nanos, SharedClock, ceil_ms};
 use mcp_ratelimit_rmcp::guard::{Door, Refusal};
 use mcp_ratelimit_rmcp::identity::Caller;
 use mcp_ratelimit_rmcp::results;
@@ -98,7 +98,7 @@ cost = 5
 
 /// Consecutive failures of the API that open its breaker, and for how long.
 const BREAKER_FAILURES: u32 = 3;
-const BREAKER_COOLDOWN: Nanos = 30 * NANOS_PER_SEC;
+const BREAKER_COOLDOWN: Nanos = Nanos::from_secs(30);
 /// The wait suggested after one failure, before the breaker has an opinion.
 const FAILURE_WAIT_MS: u64 = 5_000;
 

@@ -17,7 +17,7 @@ use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC, SharedClock};
+use crate::clock::{Nanos, SharedClock};
 use crate::config::Catalogue;
 use crate::config::Config;
 use crate::dashboard;
@@ -102,15 +102,14 @@ impl App {
         };
         let upstream_url = mock.as_ref().map_or_else(|| config.upstream.url.clone(), |m| m.url.clone());
         let up = &config.upstream;
-        let ms = |n: u64| n.saturating_mul(NANOS_PER_MS);
         let timeout = Duration::from_millis(up.timeout_ms);
         let breaker = gate::breaker(up);
         let upstream = Arc::new(Upstream::new(&upstream_url, up.credential(), timeout, breaker, clock.clone())?);
         let catalogue = crate::mcp::tools::catalogue();
         let stop = CancellationToken::new();
         let rules = JobRules {
-            turnover: up.image_poll_seconds.saturating_mul(NANOS_PER_SEC),
-            expiry: up.job_expiry_seconds.saturating_mul(NANOS_PER_SEC),
+            turnover: Nanos::from_secs(up.image_poll_seconds),
+            expiry: Nanos::from_secs(up.job_expiry_seconds),
             backoff: Backoff::new(up.max_attempts, Duration::from_millis(up.max_retry_after_ms)),
             refresh_wait: timeout.saturating_add(Duration::from_secs(1)),
         };
@@ -125,7 +124,11 @@ impl App {
             Jobs::new(
                 upstream.clone(),
                 queue,
-                RetryBudget::new(up.retry_budget_ratio, up.retry_budget_min_retries, ms(up.retry_budget_window_ms)),
+                RetryBudget::new(
+                    up.retry_budget_ratio,
+                    up.retry_budget_min_retries,
+                    Nanos::from_millis(up.retry_budget_window_ms),
+                ),
                 rules,
                 clock.clone(),
                 limits.metrics().clone(),

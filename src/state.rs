@@ -140,7 +140,7 @@ impl AppState {
             self.limits.metrics().trace_queue(traces.bytes(), traces.dropped());
         }
         if let Some(overload) = self.limits.guard().overload() {
-            let delay = overload.least_delay as f64 / crate::clock::NANOS_PER_SEC as f64;
+            let delay = overload.least_delay.as_secs_f64();
             self.limits.metrics().sample(QUEUEING_DELAY, Vec::new(), delay);
             self.limits.metrics().sample(SHED_LEVEL, Vec::new(), overload.level as f64);
         }

@@ -221,7 +221,7 @@ async fn slow_down(learning: &str) -> (Vec<(usize, usize)>, usize) {
             tokio::time::sleep(std::time::Duration::from_millis(4)).await;
         }
     });
-    let now_ms = || mcp_ratelimit::clock::Clock::now(&*server.clock) / 1_000_000;
+    let now_ms = || mcp_ratelimit::clock::Clock::now(&*server.clock).as_u64() / 1_000_000;
     let mut asked = 0;
     let mut seen = Vec::new();
     for (latency_ms, seconds) in LATENCIES {

@@ -9,6 +9,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
+use mcp_ratelimit::clock::Nanos;
 use mcp_ratelimit::limit::{Gcra, Limiter, TokenBucket};
 use mcp_ratelimit::store::{Check, MemoryStore};
 
@@ -51,7 +52,9 @@ fn a_million_callers_fit_in_128_bytes_each_and_sweep_gives_it_back() {
             key.clear();
             use std::fmt::Write;
             let _ = write!(key, "caller:tok:{i:016x}");
-            assert!(store.decide_one(&Check { key: &key, limiter: &limiter, cost: 1, shadow: false }, 0).allowed);
+            assert!(
+                store.decide_one(&Check { key: &key, limiter: &limiter, cost: 1, shadow: false }, Nanos::ZERO).allowed
+            );
         }
         assert_eq!(store.len(), CALLERS);
         let per_key = (live() - baseline) as f64 / CALLERS as f64;
@@ -59,7 +62,7 @@ fn a_million_callers_fit_in_128_bytes_each_and_sweep_gives_it_back() {
         assert!(per_key <= 128.0, "{}: {per_key:.1} bytes per key", limiter.algorithm());
 
         // One token's refill later every bucket is full again: indistinguishable from new.
-        assert_eq!(store.sweep_at(SEC), CALLERS);
+        assert_eq!(store.sweep_at(Nanos::new(SEC)), CALLERS);
         assert!(store.is_empty());
         let left = live() - baseline;
         println!("{}: {left} bytes left after the sweep", limiter.algorithm());

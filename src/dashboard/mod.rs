@@ -262,7 +262,7 @@ impl DashboardData {
             BreakerState::Open => "open",
         };
         Self {
-            now_ms: now / NANOS_PER_MS,
+            now_ms: now.as_u64() / NANOS_PER_MS,
             limits_enabled: app.limits.guard().enabled(),
             showing: viewer.describe(app),
             activity: recent,
@@ -292,7 +292,7 @@ impl DashboardData {
             saved: app.limits.reuse().saved(),
             breaker: BreakerNow {
                 state: breaker,
-                open_for_ms: app.behind.breaker().open_for(now).map(|n| n.div_ceil(NANOS_PER_MS)),
+                open_for_ms: app.behind.breaker().open_for(now).map(crate::clock::ceil_ms),
                 failures_to_open: upstream.breaker_failures,
             },
             store: StoreNow {

@@ -214,7 +214,7 @@ impl SessionCap {
             per_address: server.max_sessions_per_address,
             per_key: server.sessions_per_key(),
             per_tenant: server.sessions_per_tenant(),
-            idle: u64::try_from(server.session_idle_timeout.as_nanos()).unwrap_or(u64::MAX),
+            idle: Nanos::from(server.session_idle_timeout),
         };
         Self { sessions, caps, book: Arc::default(), log, clock, stop, reaping: std::sync::Once::new() }
     }
@@ -338,7 +338,7 @@ impl SessionCap {
             let wake = {
                 let book = self.book();
                 let oldest = book.open.values().filter(|r| r.under_way == 0).map(|r| r.last_message).min();
-                oldest.unwrap_or_else(|| self.clock.now()).saturating_add(self.caps.idle)
+                oldest.unwrap_or_else(|| self.clock.now()) + self.caps.idle
             };
             tokio::select! {
                 () = self.stop.cancelled() => return,
@@ -350,7 +350,7 @@ impl SessionCap {
                 let idle: Vec<Arc<str>> = book
                     .open
                     .iter()
-                    .filter(|(_, r)| r.under_way == 0 && r.last_message.saturating_add(self.caps.idle) <= now)
+                    .filter(|(_, r)| r.under_way == 0 && r.last_message + self.caps.idle <= now)
                     .map(|(id, _)| id.clone())
                     .collect();
                 for id in &idle {

@@ -22,7 +22,6 @@ use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler};
 use serde_json::{Map, Value};
 
-use crate::clock::NANOS_PER_MS;
 use crate::guard::{Admitted, Checked, Door, Refusal, RefusalCode, Worked};
 use crate::identity::Caller;
 use crate::mcp::limited::{AddTo, Response, Routed, ToolAnswer};
@@ -77,7 +76,7 @@ fn unknown_task(id: &str) -> ErrorData {
 /// failed job, as SEP-2663 has tool errors — or `cancelled`.
 fn task_of(view: JobView, ttl_ms: u64) -> Result<DetailedTask, ErrorData> {
     let created = chrono::DateTime::<chrono::Utc>::from(view.created).to_rfc3339();
-    let poll_ms = view.wait.map(|w| w.div_ceil(NANOS_PER_MS).max(1));
+    let poll_ms = view.wait.map(|w| crate::clock::ceil_ms(w).max(1));
     let status = view.prediction.status;
     let mut task =
         Task::new(view.prediction.id.clone(), TaskStatus::Working, created, rmcp::task_manager::current_timestamp())

@@ -41,7 +41,7 @@ use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::clock::{NANOS_PER_MS, Nanos, SharedClock};
+use crate::clock::{Nanos, SharedClock};
 use crate::config::MockUpstreamConfig;
 use crate::http::serve::{Deadlines, read_body_by_deadline, serve};
 use crate::metrics::ConnectionMetrics;
@@ -159,12 +159,12 @@ impl MockState {
             PredictionKind::Image => self.config.image_job_ms,
             PredictionKind::Video => self.config.video_job_ms,
         };
-        ms.saturating_mul(NANOS_PER_MS)
+        Nanos::from_millis(ms)
     }
 
     fn view(&self, id: &str, job: &Job, now: Nanos) -> Prediction {
         let duration = self.duration(job.kind);
-        let elapsed = now.saturating_sub(job.created_at);
+        let elapsed = now - job.created_at;
         let (status, output, error) = if job.canceled_at.is_some() {
             (PredictionStatus::Canceled, None, None)
         } else if elapsed < duration / 5 {
@@ -191,7 +191,7 @@ impl MockState {
     }
 
     fn running(&self, job: &Job, now: Nanos) -> bool {
-        job.canceled_at.is_none() && now.saturating_sub(job.created_at) < self.duration(job.kind)
+        job.canceled_at.is_none() && now - job.created_at < self.duration(job.kind)
     }
 }
 
@@ -311,7 +311,7 @@ async fn chaos(State(state): State<Arc<MockState>>, request: Request, next: Next
     if chaos.latency_ms > 0 {
         // On the shared clock, like job progress: a test walks a latency as it walks a job, and
         // the server measures it as its round-trip time.
-        state.clock.sleep_until(state.clock.now().saturating_add(chaos.latency_ms.saturating_mul(NANOS_PER_MS))).await;
+        state.clock.sleep_until(state.clock.now() + Nanos::from_millis(chaos.latency_ms)).await;
     }
     let roll: f64 = rand::rng().random();
     if roll < chaos.rate_429 {

@@ -61,7 +61,7 @@ pub use scopes::{Scopes, Upstream};
 pub use server::ProxyServer;
 
 use crate::breaker::Breaker;
-use crate::clock::{NANOS_PER_MS, Nanos, SharedClock};
+use crate::clock::{Nanos, SharedClock};
 use crate::config::Config;
 use crate::guard::{Admitted, Held, Refusal, Used, Worked};
 use crate::identity::Caller;
@@ -269,7 +269,7 @@ impl Proxied {
         let why = "it failed or is restarting, and the circuit breaker is open";
         gate::up(tool, self.breaker.open_for(self.clock.now()), why)?;
         // A place frees in about a call's time.
-        let frees_in = || self.mean_call.load(Ordering::Relaxed).max(NANOS_PER_MS);
+        let frees_in = || Nanos::new(self.mean_call.load(Ordering::Relaxed)).max(Nanos::from_millis(1));
         gate::place(tool, caller, &self.queue, JobClasses::ONLY, frees_in)
     }
 
@@ -357,7 +357,7 @@ impl Proxied {
         let slot = self.turn_of(caller, place, &tool).await?;
         let started = self.clock.now();
         // The proxied server's own time: what it took teaches the limit, the queue's wait does not.
-        let deadline = started.saturating_add(self.timeout_nanos());
+        let deadline = started + self.timeout_nanos();
         let now = started;
         let permit = self
             .breaker
@@ -365,14 +365,15 @@ impl Proxied {
             .map_err(|open| never_sent(gate::unavailable(&tool, "the circuit breaker is open", open.retry_after)))?;
         let Some(peer) = upstream.link().peer() else {
             self.breaker.record(permit, false, now);
-            let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
+            let wait = self.breaker.open_for(now).unwrap_or(Nanos::from_secs(1));
             return Err(never_sent(gate::unavailable(&tool, "it is restarting", wait)));
         };
         let answer = self.by(deadline, ask_upstream(&peer, request, meta, progress, &asker, &upstream)).await;
         let now = self.clock.now();
-        let took = now.saturating_sub(started);
-        let mean = self.mean_call.load(Ordering::Relaxed);
-        self.mean_call.store(if mean == 0 { took } else { mean - mean / 8 + took / 8 }, Ordering::Relaxed);
+        let took = now - started;
+        let mean = Nanos::new(self.mean_call.load(Ordering::Relaxed));
+        let mean = if mean == Nanos::ZERO { took } else { mean - mean / 8 + took / 8 };
+        self.mean_call.store(mean.as_u64(), Ordering::Relaxed);
         match &answer {
             // A slow call may be slow for its own arguments: an unverified caller, who can send
             // any, must not shrink the limit every caller shares (see `Signal::TimedOut`).
@@ -386,7 +387,7 @@ impl Proxied {
 
     /// The call's timeout on the server's one clock, like every other wait: a test walks past it.
     fn timeout_nanos(&self) -> Nanos {
-        u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX)
+        Nanos::from(self.timeout)
     }
 
     /// The call's turn in the account's fair queue: at once when a slot is free and nobody waits,
@@ -401,12 +402,12 @@ impl Proxied {
         let id = format!("call-{}", self.calls.fetch_add(1, Ordering::Relaxed));
         let turn = place.enqueue(&owner.flowing(), &id);
         // Dropped here when the time is up, the turn takes the call out of the line.
-        match self.by(queued_at.saturating_add(self.timeout_nanos()), turn).await {
+        match self.by(queued_at + self.timeout_nanos(), turn).await {
             Some(Ok(slot)) => Ok(slot),
             Some(Err(_)) | None => {
                 // A place frees in about a call's time.
-                let waited = self.clock.now().saturating_sub(queued_at);
-                let wait = self.mean_call.load(Ordering::Relaxed).max(NANOS_PER_MS);
+                let waited = self.clock.now() - queued_at;
+                let wait = Nanos::new(self.mean_call.load(Ordering::Relaxed)).max(Nanos::from_millis(1));
                 Err(never_sent(Refusal::never_sent(tool, waited, self.queue.slots(), wait)))
             }
         }
@@ -426,7 +427,7 @@ impl Proxied {
         match answer {
             None => {
                 self.breaker.record(permit, false, now);
-                let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
+                let wait = self.breaker.open_for(now).unwrap_or(Nanos::from_secs(1));
                 let detail = format!("it did not answer within {} ms", self.timeout.as_millis());
                 Err(unavailable_once_sent(gate::unavailable(tool, &detail, wait)))
             }
@@ -449,7 +450,7 @@ impl Proxied {
             }
             Some(Err(error)) => {
                 self.breaker.record(permit, false, now);
-                let wait = self.breaker.open_for(now).unwrap_or(NANOS_PER_MS * 1000);
+                let wait = self.breaker.open_for(now).unwrap_or(Nanos::from_secs(1));
                 // The transport's errors quote the URL, with any password in it.
                 let detail = crate::redact::url(&error.to_string());
                 Err(unavailable_once_sent(gate::unavailable(tool, &detail, wait)))
@@ -539,8 +540,8 @@ struct OpenTask {
 }
 
 /// How often a task is asked after when it does not say (`pollInterval`), and the least.
-const TASK_POLL: Nanos = crate::clock::NANOS_PER_SEC;
-const TASK_POLL_AT_LEAST: Nanos = 100 * NANOS_PER_MS;
+const TASK_POLL: Nanos = Nanos::from_secs(1);
+const TASK_POLL_AT_LEAST: Nanos = Nanos::from_millis(100);
 
 impl Proxied {
     /// Keeps what `open` holds until its task is final — completed, failed or cancelled, as the
@@ -551,12 +552,11 @@ impl Proxied {
     async fn hold_until_final(self: Arc<Self>, open: OpenTask) {
         let OpenTask { task, held, meta, upstream } = open;
         let kept_open = upstream.hold(&self.clock);
-        let every =
-            task.poll_interval_ms.map_or(TASK_POLL, |ms| ms.saturating_mul(NANOS_PER_MS)).max(TASK_POLL_AT_LEAST);
-        let ttl = task.ttl_ms.map_or(tasks::LONGEST, |ms| ms.saturating_mul(NANOS_PER_MS)).min(tasks::LONGEST);
-        let until = self.clock.now().saturating_add(ttl);
+        let every = task.poll_interval_ms.map_or(TASK_POLL, Nanos::from_millis).max(TASK_POLL_AT_LEAST);
+        let ttl = task.ttl_ms.map_or(tasks::LONGEST, Nanos::from_millis).min(tasks::LONGEST);
+        let until = self.clock.now() + ttl;
         let used = loop {
-            self.clock.sleep_until(self.clock.now().saturating_add(every).min(until)).await;
+            self.clock.sleep_until((self.clock.now() + every).min(until)).await;
             if self.clock.now() >= until {
                 break Used::Unreported;
             }

@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use super::link::{Link, LinkError, Target};
 use super::relay::{Downstream, Relay};
 use crate::breaker::Breaker;
-use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
+use crate::clock::{Nanos, SharedClock};
 use crate::config::{ProxyConfig, UpstreamSessions};
 use crate::guard::{MethodGroup, Refusal};
 use crate::identity::Caller;
@@ -95,7 +95,7 @@ impl Upstream {
     }
 
     fn idle_since(&self) -> Option<Nanos> {
-        (self.held.load(Ordering::Acquire) == 0).then(|| self.used.load(Ordering::Acquire))
+        (self.held.load(Ordering::Acquire) == 0).then(|| Nanos::new(self.used.load(Ordering::Acquire)))
     }
 }
 
@@ -117,7 +117,7 @@ pub struct Hold {
 
 impl Drop for Hold {
     fn drop(&mut self) {
-        self.upstream.used.store(self.clock.now(), Ordering::Release);
+        self.upstream.used.store(self.clock.now().as_u64(), Ordering::Release);
         self.upstream.held.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -196,7 +196,7 @@ impl Scopes {
             scoped: Mutex::new(HashMap::new()),
             max: config.max_children,
             unverified_max: unverified_max.min(config.max_children),
-            idle: config.upstream_idle_seconds.saturating_mul(NANOS_PER_SEC),
+            idle: Nanos::from_secs(config.upstream_idle_seconds),
             start,
             sessions: AtomicU64::new(0),
             adopter: std::sync::OnceLock::new(),
@@ -338,7 +338,7 @@ impl Scopes {
 
     /// How often idle sessions are looked for: a quarter of the idle time, 1 to 30 seconds.
     fn close_every(&self) -> Nanos {
-        (self.idle / 4).clamp(NANOS_PER_SEC, 30 * NANOS_PER_SEC)
+        (self.idle / 4).clamp(Nanos::from_secs(1), Nanos::from_secs(30))
     }
 
     /// Closes every scope's session idle for `proxy.upstream_idle_seconds`, until stopped.
@@ -347,14 +347,14 @@ impl Scopes {
         loop {
             let clock = &self.start.clock;
             tokio::select! {
-                () = clock.sleep_until(clock.now().saturating_add(every)) => {}
+                () = clock.sleep_until(clock.now() + every) => {}
                 () = self.start.stop.cancelled() => return,
             }
             let now = clock.now();
             let mut slots = self.slots();
             slots.retain(|_, place| {
                 let Some(upstream) = place.slot.get() else { return true };
-                let stale = upstream.idle_since().is_some_and(|since| now.saturating_sub(since) >= self.idle);
+                let stale = upstream.idle_since().is_some_and(|since| now - since >= self.idle);
                 if stale {
                     upstream.stop.cancel();
                 }
@@ -386,7 +386,7 @@ impl Start {
             link,
             downstream,
             stop,
-            used: AtomicU64::new(self.clock.now()),
+            used: AtomicU64::new(self.clock.now().as_u64()),
             held: AtomicUsize::new(0),
         }))
     }
@@ -395,4 +395,4 @@ impl Start {
 /// A scope's own breaker (its session's reconnections): one tenant's crashing child does not
 /// open the breaker every caller's calls are checked against.
 const SCOPE_BREAKER_FAILURES: u32 = 5;
-const SCOPE_BREAKER_COOLDOWN: Nanos = 5 * NANOS_PER_SEC;
+const SCOPE_BREAKER_COOLDOWN: Nanos = Nanos::from_secs(5);

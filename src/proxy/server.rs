@@ -155,7 +155,7 @@ impl ProxyServer {
     /// `upstream_unavailable` for `what`, with the breaker's time left as the wait (a second when
     /// it is closed).
     fn unavailable_refusal(&self, what: &str, detail: &str) -> Refusal {
-        let wait = self.proxied.breaker.open_for(self.proxied.clock.now()).unwrap_or(crate::clock::NANOS_PER_SEC);
+        let wait = self.proxied.breaker.open_for(self.proxied.clock.now()).unwrap_or(crate::clock::Nanos::from_secs(1));
         gate::unavailable(what, detail, wait)
     }
 

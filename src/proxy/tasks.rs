@@ -13,12 +13,12 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC, Nanos, SharedClock};
+use crate::clock::{Nanos, SharedClock};
 
 /// The most tasks whose owners are remembered at once.
 pub const MAX_TASKS: usize = 10_000;
 /// The longest a task's owner is remembered: a day.
-pub const LONGEST: Nanos = 24 * 3600 * NANOS_PER_SEC;
+pub const LONGEST: Nanos = Nanos::from_secs(24 * 3600);
 
 /// Tasks created through the proxy, by id: their owner and when they are forgotten.
 pub struct Owners {
@@ -58,8 +58,8 @@ impl Owners {
     /// each of them).
     pub fn record(&self, id: &str, ttl_ms: Option<u64>, caller: &str) {
         let now = self.clock.now();
-        let life = ttl_ms.map_or(LONGEST, |ms| ms.saturating_mul(NANOS_PER_MS).min(LONGEST));
-        let until = now.saturating_add(life);
+        let life = ttl_ms.map_or(LONGEST, |ms| Nanos::from_millis(ms).min(LONGEST));
+        let until = now + life;
         let mut tasks = self.tasks();
         if let Some(task) = tasks.get_mut(id) {
             if task.callers.len() < MAX_SHARERS && !task.callers.iter().any(|c| c == caller) {
@@ -157,7 +157,7 @@ mod tests {
         assert!(!owners.is_owned_by("short", "tok:a"), "the soonest to expire made room");
         assert!(owners.is_owned_by("t0", "tok:a") && owners.is_owned_by(&format!("t{}", MAX_TASKS - 1), "tok:a"));
         owners.record("u", Some(u64::MAX), "tok:a");
-        clock.advance(std::time::Duration::from_nanos(LONGEST));
+        clock.advance(LONGEST.to_duration());
         assert!(!owners.is_owned_by("u", "tok:a"), "a ttl past a day is a day");
     }
 

@@ -30,7 +30,7 @@ use serde::Serialize;
 use tokio::sync::oneshot::error::TryRecvError;
 use tokio_util::sync::CancellationToken;
 
-use crate::clock::{Clock, ManualClock, NANOS_PER_MS, NANOS_PER_SEC, Nanos};
+use crate::clock::{Clock, ManualClock, NANOS_PER_MS, NANOS_PER_SEC, Nanos, ceil_secs};
 use crate::config::{AdaptiveConfig, Config, UpstreamConfig};
 use crate::simulate::shapes::secs;
 use crate::simulate::{SimulateError, settle, span, trimmed};
@@ -45,16 +45,16 @@ const LEARNERS: &[&str] = crate::upstream::adaptive::ALGORITHMS;
 /// The account's capacity in each phase, in tenths of the ceiling, and how long it lasts in seconds.
 const PHASES: [(usize, u64); 3] = [(10, 15), (4, 30), (8, 30)];
 /// How long the upstream runs a job.
-const JOB: Nanos = NANOS_PER_SEC;
+const JOB: Nanos = Nanos::from_secs(1);
 /// How long the upstream takes to answer a submission.
-const ANSWER: Nanos = 100 * NANOS_PER_MS;
+const ANSWER: Nanos = Nanos::from_millis(100);
 /// The upstream's `Retry-After` on a 429.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// Jobs the agent keeps pending, per slot of the ceiling: always more than the account runs.
 const PENDING_PER_SLOT: usize = 2;
 /// The agent's turn: after a round of calls it asks again no sooner (so an instant always ends,
 /// even with an upstream that answers in no time and a retry budget of none).
-const AGENT_TURN: Nanos = 100 * NANOS_PER_MS;
+const AGENT_TURN: Nanos = Nanos::from_millis(100);
 /// The agent's flow in the fair queue (its tenant).
 const FLOW: Flowing<'static> = Flowing { name: "tenant:simulated", quantum: 1.0, standing: Standing::PLAIN };
 
@@ -71,11 +71,11 @@ pub struct CapacityPhase {
 
 impl CapacityPhase {
     fn from(&self) -> Nanos {
-        self.from_ms.saturating_mul(NANOS_PER_MS)
+        Nanos::from_millis(self.from_ms)
     }
 
     fn to(&self) -> Nanos {
-        self.to_ms.saturating_mul(NANOS_PER_MS)
+        Nanos::from_millis(self.to_ms)
     }
 
     fn contains(&self, at: Nanos) -> bool {
@@ -84,7 +84,7 @@ impl CapacityPhase {
 
     /// Jobs the capacity lets the upstream take over `span` nanoseconds of the phase.
     fn allows(&self, span: Nanos) -> f64 {
-        self.capacity as f64 * span as f64 / JOB as f64
+        self.capacity as f64 * span.as_u64() as f64 / JOB.as_u64() as f64
     }
 }
 
@@ -224,7 +224,7 @@ impl Account<'_> {
         self.running_until.retain(|end| *end > at);
         let room = self.running_until.len() < self.capacity_at(at);
         if room {
-            self.running_until.push(at.saturating_add(JOB));
+            self.running_until.push(at + JOB);
         }
         room
     }
@@ -316,7 +316,7 @@ impl Setup<'_> {
         let queue = Arc::new(FairQueue::new(rules, clock.clone()).adaptive(adaptive));
         let stop = CancellationToken::new();
         tokio::spawn(queue.clone().dispatch(stop.clone()));
-        let window = up.retry_budget_window_ms.saturating_mul(NANOS_PER_MS);
+        let window = Nanos::from_millis(up.retry_budget_window_ms);
         let mut replay = Replay {
             clock: clock.clone(),
             queue: queue.clone(),
@@ -328,15 +328,15 @@ impl Setup<'_> {
             running: Vec::new(),
             account: Account { phases: &self.phases, running_until: Vec::new() },
             pending_wanted: self.ceiling.saturating_mul(PENDING_PER_SLOT),
-            agent_ready_at: 0,
-            record: Record { limit_changes: vec![(0, queue.slots())], ..Record::default() },
+            agent_ready_at: Nanos::ZERO,
+            record: Record { limit_changes: vec![(Nanos::ZERO, queue.slots())], ..Record::default() },
         };
-        let horizon = self.phases.last().map_or(0, CapacityPhase::to);
+        let horizon = self.phases.last().map_or(Nanos::ZERO, CapacityPhase::to);
         loop {
             replay.instant().await;
             let now = clock.now();
             match replay.next_instant(now) {
-                Some(next) if next < horizon => clock.advance(Duration::from_nanos(next - now)),
+                Some(next) if next < horizon => clock.advance((next - now).to_duration()),
                 _ => break,
             }
         }
@@ -430,13 +430,13 @@ impl Replay<'_> {
         slot.overloaded().await;
         drop(slot);
         if !queued {
-            self.agent_ready_at = self.agent_ready_at.max(now.saturating_add(nanos(RETRY_AFTER)));
+            self.agent_ready_at = self.agent_ready_at.max(now + Nanos::from(RETRY_AFTER));
             return;
         }
         job.refused = job.refused.saturating_add(1);
         match self.backoff.after_failure(job.refused, Some(RETRY_AFTER), &mut self.rng) {
             Retry::After(delay) if self.retry_budget.try_retry(now) => {
-                let not_before = now.saturating_add(nanos(delay));
+                let not_before = now + Nanos::from(delay);
                 let turn = self.queue.requeue_front(&FLOW, &job.id(), JobClasses::ONLY, not_before);
                 self.waiting.insert(job.number, Waiting { turn, job, not_before });
             }
@@ -451,7 +451,7 @@ impl Replay<'_> {
             return;
         }
         if self.pending() < self.pending_wanted {
-            self.agent_ready_at = now.saturating_add(AGENT_TURN);
+            self.agent_ready_at = now + AGENT_TURN;
         }
         while self.pending() < self.pending_wanted {
             // A full queue refuses the call (`busy`): the agent asks again at its next turn.
@@ -462,7 +462,7 @@ impl Replay<'_> {
                 Ok(slot) => self.submit(job, slot, false, now),
                 Err(place) => {
                     let turn = place.enqueue(&FLOW, &job.id());
-                    self.waiting.insert(job.number, Waiting { turn, job, not_before: 0 });
+                    self.waiting.insert(job.number, Waiting { turn, job, not_before: Nanos::ZERO });
                 }
             }
         }
@@ -470,12 +470,12 @@ impl Replay<'_> {
 
     /// Sends `job` to the upstream on `slot`; its answer arrives [`ANSWER`] later.
     fn submit(&mut self, job: Job, slot: AccountSlot, queued: bool, now: Nanos) {
-        let runs_until = self.account.takes(now).then(|| now.saturating_add(JOB));
+        let runs_until = self.account.takes(now).then(|| now + JOB);
         match runs_until {
             Some(_) => self.record.accepted_at.push(now),
             None => self.record.refused_at.push(now),
         }
-        self.answering.push(Answering { at: now.saturating_add(ANSWER), runs_until, slot, job, queued });
+        self.answering.push(Answering { at: now + ANSWER, runs_until, slot, job, queued });
     }
 }
 
@@ -508,17 +508,19 @@ impl Record {
                 accepted,
                 failed: within(&self.failed_at, from, to),
                 throughput: accepted as f64 / phase.allows(to - from),
-                followed_after_ms: followed.map(|at| (at - from) / NANOS_PER_MS),
+                followed_after_ms: followed.map(|at| (at - from).as_u64() / NANOS_PER_MS),
                 throughput_once_followed: once
                     .map(|since| within(&self.accepted_at, since, to) as f64 / phase.allows(to - since)),
                 limit_once_followed: limit_once,
             });
         }
         let allowed: f64 = phases.iter().map(|p| p.allows(p.to() - p.from())).sum();
-        let horizon_secs = phases.last().map_or(0, |p| p.to().div_ceil(NANOS_PER_SEC));
+        let horizon_secs = phases.last().map_or(0, |p| ceil_secs(p.to()));
         let mut refused_per_second = vec![0u32; usize::try_from(horizon_secs).unwrap_or(0)];
         for at in &self.refused_at {
-            if let Some(count) = usize::try_from(at / NANOS_PER_SEC).ok().and_then(|s| refused_per_second.get_mut(s)) {
+            if let Some(count) =
+                usize::try_from(at.as_u64() / NANOS_PER_SEC).ok().and_then(|s| refused_per_second.get_mut(s))
+            {
                 *count = count.saturating_add(1);
             }
         }
@@ -530,15 +532,10 @@ impl Record {
             failed: self.failed_at.len() as u64,
             throughput: self.accepted_at.len() as f64 / allowed.max(1.0),
             calls: self.calls,
-            limit_changes: self.limit_changes.iter().map(|(at, l)| (at / NANOS_PER_MS, *l)).collect(),
+            limit_changes: self.limit_changes.iter().map(|(at, l)| (at.as_u64() / NANOS_PER_MS, *l)).collect(),
             refused_per_second,
         }
     }
-}
-
-/// `d` on the clock's scale.
-fn nanos(d: Duration) -> Nanos {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 impl CapacityDrop {
@@ -551,7 +548,7 @@ impl CapacityDrop {
             "  the upstream runs a job {} and answers a submission in {}; over its capacity: 429, Retry-After: {}",
             secs(JOB),
             secs(ANSWER),
-            secs(nanos(RETRY_AFTER))
+            secs(Nanos::from(RETRY_AFTER))
         );
         let _ = writeln!(
             out,
@@ -575,7 +572,7 @@ impl CapacityDrop {
             for phase in &run.phases {
                 let followed = match phase.followed_after_ms {
                     Some(0) => "at once".to_owned(),
-                    Some(ms) => secs(ms.saturating_mul(NANOS_PER_MS)),
+                    Some(ms) => secs(Nanos::from_millis(ms)),
                     None => "never".to_owned(),
                 };
                 let then = phase.limit_once_followed.map_or("-".to_owned(), |(low, high)| format!("{low}..{high}"));

@@ -18,7 +18,6 @@
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -37,7 +36,7 @@ const TOOL: &str = "list_articles";
 /// Agents in all, shared equally by the tenants.
 const AGENTS: usize = 10;
 /// How long the upstream takes to answer a read.
-const READ_TAKES: Nanos = 500 * NANOS_PER_MS;
+const READ_TAKES: Nanos = Nanos::from_millis(500);
 /// How long a kept answer serves, where one is kept.
 const CACHE_TTL_MS: u64 = 5_000;
 /// When the agents call (milliseconds from the start), and how many identical calls each makes
@@ -196,7 +195,7 @@ async fn replay(config: &Config, policy: ToolPolicy, tenants: usize) -> AskRun {
     let mut requests_per_round = Vec::with_capacity(ROUNDS.len());
     for (at_ms, times) in ROUNDS {
         let before = reads.asked.load(Ordering::SeqCst);
-        walk(&clock, &reads, at_ms.saturating_mul(NANOS_PER_MS), progress).await;
+        walk(&clock, &reads, Nanos::from_millis(at_ms), progress).await;
         for (index, caller) in agents.iter().enumerate() {
             for _ in 0..times {
                 calls = calls.saturating_add(1);
@@ -259,7 +258,7 @@ impl Answer for Read {
 /// A read: one upstream request, answered [`READ_TAKES`] later on the clock.
 async fn read(reads: Arc<Reads>, clock: Arc<ManualClock>) -> Read {
     reads.asked.fetch_add(1, Ordering::SeqCst);
-    let at = clock.now().saturating_add(READ_TAKES);
+    let at = clock.now() + READ_TAKES;
     reads.answers_at.lock().unwrap_or_else(|p| p.into_inner()).push(at);
     clock.sleep_until(at).await;
     Read
@@ -269,11 +268,11 @@ async fn read(reads: Arc<Reads>, clock: Arc<ManualClock>) -> Read {
 /// wakes run.
 async fn walk<P: PartialEq>(clock: &ManualClock, reads: &Reads, until: Nanos, progress: impl Fn() -> P) {
     while let Some(next) = reads.next_answer(clock.now()).filter(|at| *at <= until) {
-        clock.advance(Duration::from_nanos(next - clock.now()));
+        clock.advance((next - clock.now()).to_duration());
         settle(&progress).await;
     }
     if until != Nanos::MAX && until > clock.now() {
-        clock.advance(Duration::from_nanos(until - clock.now()));
+        clock.advance((until - clock.now()).to_duration());
         settle(&progress).await;
     }
 }
@@ -286,7 +285,7 @@ impl IdenticalAsks {
 
     /// The table: one row per setting and split into tenants.
     pub(crate) fn write_text(&self, out: &mut String) {
-        let last = ROUNDS.last().map_or(0, |(at, _)| *at).saturating_add(READ_TAKES / NANOS_PER_MS);
+        let last = ROUNDS.last().map_or(0, |(at, _)| *at).saturating_add(READ_TAKES.as_u64() / NANOS_PER_MS);
         let _ = writeln!(out);
         let _ = writeln!(out, "identical_asks ({}): {}", span(last), self.description);
         let _ = writeln!(

@@ -24,13 +24,12 @@
 
 use std::fmt::Write as _;
 use std::sync::Arc;
-use std::time::Duration;
 
 use serde::Serialize;
 use tokio::sync::oneshot::error::TryRecvError;
 use tokio_util::sync::CancellationToken;
 
-use crate::clock::{Clock, ManualClock, NANOS_PER_MS, NANOS_PER_SEC, Nanos, SharedClock};
+use crate::clock::{Clock, ManualClock, NANOS_PER_MS, Nanos, SharedClock};
 use crate::metrics::Metrics;
 use crate::simulate::{SimulateError, settle};
 use crate::store::{SharedMemory, Store};
@@ -40,17 +39,17 @@ use crate::upstream::queue::{AccountSlot, FairQueue, Flowing, QueueRules, TierRu
 /// The account's slots.
 const SLOTS: usize = 4;
 /// How long a job runs upstream.
-const JOB: Nanos = NANOS_PER_SEC;
+const JOB: Nanos = Nanos::from_secs(1);
 /// How far the clock moves at a time.
-const STEP: Nanos = 10 * NANOS_PER_MS;
+const STEP: Nanos = Nanos::from_millis(10);
 /// The instances.
 const INSTANCES: usize = 3;
 /// The places of each instance's queue: more than any scenario waits.
 const PLACES: usize = 100;
 /// How long a scenario runs at most.
-const HORIZON: Nanos = 60 * NANOS_PER_SEC;
+const HORIZON: Nanos = Nanos::from_secs(60);
 /// The span the account's use is counted over for `started_in_6s`.
-const FIRST: Nanos = 6 * NANOS_PER_SEC;
+const FIRST: Nanos = Nanos::from_secs(6);
 
 /// One way the instances share the account.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -232,7 +231,7 @@ impl Tally {
     /// A job starts `now` in `slot`, having waited `waited` if it is watched.
     fn started(&mut self, now: Nanos, slot: AccountSlot, waited: Option<Nanos>) {
         self.started += 1;
-        self.running.push((now.saturating_add(JOB), slot));
+        self.running.push((now + JOB, slot));
         if let Some(waited) = waited {
             self.watched_wait = Some(self.watched_wait.map_or(waited, |w| w.max(waited)));
         }
@@ -291,7 +290,7 @@ async fn replay(scenario: &Scenario, sharing: Sharing) -> InstancesRun {
         tally.running.retain(|(until, _)| *until > now);
         settle(|| progress(&queues)).await;
         // Calls that arrive now: a job goes at once if it may, else it waits its turn.
-        while let Some(batch) = batches.first().copied().filter(|b| b.at_ms * NANOS_PER_MS <= now) {
+        while let Some(batch) = batches.first().copied().filter(|b| Nanos::from_millis(b.at_ms) <= now) {
             batches.remove(0);
             let queue = &queues[batch.instance];
             let standing = queue.rules().standing(batch.tier, false);
@@ -300,7 +299,7 @@ async fn replay(scenario: &Scenario, sharing: Sharing) -> InstancesRun {
                 next_id += 1;
                 let Ok(place) = queue.reserve(JobClasses::ONLY, standing) else { continue };
                 match place.start_now(&flow).await {
-                    Ok(slot) => tally.started(now, slot, batch.watched.then_some(0)),
+                    Ok(slot) => tally.started(now, slot, batch.watched.then_some(Nanos::ZERO)),
                     Err(place) => {
                         let turn = place.enqueue(&flow, &format!("{}-{next_id}", batch.tenant));
                         pending.push(Pending { submitted: now, watched: batch.watched, turn });
@@ -312,7 +311,7 @@ async fn replay(scenario: &Scenario, sharing: Sharing) -> InstancesRun {
         // Turns that came: those jobs start now.
         pending.retain_mut(|job| match job.turn.try_recv() {
             Ok(slot) => {
-                tally.started(now, slot, job.watched.then(|| now.saturating_sub(job.submitted)));
+                tally.started(now, slot, job.watched.then(|| now - job.submitted));
                 false
             }
             Err(TryRecvError::Empty) => true,
@@ -320,13 +319,13 @@ async fn replay(scenario: &Scenario, sharing: Sharing) -> InstancesRun {
         });
         most = most.max(tally.running.len());
         if !pending.is_empty() {
-            offered += (SLOTS as u128) * u128::from(STEP);
-            used += (tally.running.len().min(SLOTS) as u128) * u128::from(STEP);
+            offered += (SLOTS as u128) * u128::from(STEP.as_u64());
+            used += (tally.running.len().min(SLOTS) as u128) * u128::from(STEP.as_u64());
         }
         if (tally.started >= total && batches.is_empty()) || now >= HORIZON {
             break;
         }
-        clock.advance(Duration::from_nanos(STEP));
+        clock.advance(STEP.to_duration());
     }
     stop.cancel();
     InstancesRun {
@@ -335,8 +334,8 @@ async fn replay(scenario: &Scenario, sharing: Sharing) -> InstancesRun {
         utilization: if offered == 0 { 1.0 } else { used as f64 / offered as f64 },
         started_in_6s: tally.started_in_6s,
         most_at_once: most,
-        watched_wait_ms: tally.watched_wait.map(|w| w / NANOS_PER_MS),
-        last_start_ms: tally.last_start / NANOS_PER_MS,
+        watched_wait_ms: tally.watched_wait.map(|w| w.as_u64() / NANOS_PER_MS),
+        last_start_ms: tally.last_start.as_u64() / NANOS_PER_MS,
     }
 }
 

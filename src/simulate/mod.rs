@@ -41,7 +41,6 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use crate::clock::{Clock, ManualClock, NANOS_PER_MS, NANOS_PER_SEC, Nanos, SharedClock};
 use crate::config::Config;
@@ -252,8 +251,8 @@ fn budget_shapes(config: &Config, plan: &Plan, algorithms: &[&'static str]) -> R
         let mut report = ShapeReport {
             shape: shape.name(),
             description: shape.describe(&binding),
-            horizon_ms: horizon / NANOS_PER_MS,
-            bucket_ms: bucket_for(horizon) / NANOS_PER_MS,
+            horizon_ms: horizon.as_u64() / NANOS_PER_MS,
+            bucket_ms: bucket_for(horizon).as_u64() / NANOS_PER_MS,
             runs: Vec::new(),
             not_simulated: Vec::new(),
             chart: None,
@@ -374,7 +373,7 @@ fn with_algorithm(config: &Config, tool: &str, algorithm: &str) -> Result<Config
 fn reshaped(limiter: &Limiter, algorithm: &str) -> Result<Limiter, &'static str> {
     let Some(span) = limiter.policy_window() else { return Ok(limiter.clone()) };
     let capacity = limiter.capacity();
-    let rate = capacity as f64 * NANOS_PER_SEC as f64 / span as f64;
+    let rate = capacity as f64 * NANOS_PER_SEC as f64 / span.as_u64() as f64;
     // A bucket refills the whole capacity over the span; a window counts it per span.
     [limit::Shape::Rate { period: period_of(rate) }, limit::Shape::Window { window: span }]
         .into_iter()
@@ -386,15 +385,15 @@ fn reshaped(limiter: &Limiter, algorithm: &str) -> Result<Limiter, &'static str>
 /// jobs take `video_job_ms`, every other `image_job_ms`).
 fn job_duration(config: &Config, class: ClassId) -> Nanos {
     let ms = if class == VIDEO { config.mock_upstream.video_job_ms } else { config.mock_upstream.image_job_ms };
-    ms.saturating_mul(NANOS_PER_MS)
+    Nanos::from_millis(ms)
 }
 
 /// A chart bucket of a round length giving at most about 200 points over `horizon`.
 fn bucket_for(horizon: Nanos) -> Nanos {
     const ROUND_SECS: [u64; 13] = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600];
-    let wanted = horizon.div_ceil(200);
-    let secs = ROUND_SECS.into_iter().find(|s| s * NANOS_PER_SEC >= wanted).unwrap_or(3600);
-    secs * NANOS_PER_SEC
+    let wanted = Nanos::new(horizon.as_u64().div_ceil(200));
+    let secs = ROUND_SECS.into_iter().find(|s| Nanos::from_secs(*s) >= wanted).unwrap_or(3600);
+    Nanos::from_secs(secs)
 }
 
 /// What one run needs besides the shape.
@@ -421,7 +420,7 @@ impl Replay<'_> {
         let mut agent = shape.agent(budget, self.seed);
         let mut jobs = VecDeque::new();
         while let Some(at) = agent.next_call().filter(|at| *at < horizon) {
-            clock.advance(Duration::from_nanos(at.saturating_sub(clock.now())));
+            clock.advance((at - clock.now()).to_duration());
             while jobs.front().is_some_and(|(done, _)| *done <= at) {
                 jobs.pop_front();
             }
@@ -439,12 +438,12 @@ impl Replay<'_> {
             };
             let answer = match guard.call(&Plain, None, call, work).await {
                 Called::Refused(refusal) => {
-                    Outcome::Refused { retry_after: refusal.retry_after_ms.map(|ms| ms * NANOS_PER_MS) }
+                    Outcome::Refused { retry_after: refusal.retry_after_ms.map(Nanos::from_millis) }
                 }
                 _ => Outcome::Admitted,
             };
             if let (Some(lasts), Some(admission)) = (self.job, job) {
-                jobs.push_back((at.saturating_add(lasts), admission));
+                jobs.push_back((at + lasts, admission));
             }
             tally.record(at, answer);
             agent.answered(at, answer);
@@ -509,8 +508,8 @@ impl Tally {
             refused: self.refused,
             wasted: self.wasted,
             spend: allowed * cost,
-            peak_per_second: peak(&self.admitted_at, NANOS_PER_SEC),
-            peak_per_minute: peak(&self.admitted_at, 60 * NANOS_PER_SEC),
+            peak_per_second: peak(&self.admitted_at, Nanos::from_secs(1)),
+            peak_per_minute: peak(&self.admitted_at, Nanos::from_secs(60)),
             admitted_per_bucket: self.admitted_per_bucket,
             refused_per_bucket: self.refused_per_bucket,
         }
@@ -571,10 +570,10 @@ mod tests {
 
     #[test]
     fn peak_counts_the_fullest_span() {
-        let s = NANOS_PER_SEC;
+        let s = Nanos::from_secs(1);
         assert_eq!(peak(&[], s), 0);
-        assert_eq!(peak(&[0, s / 2, s - 1, s, 3 * s], s), 3, "[0, 1 s) holds three");
-        assert_eq!(peak(&[5, 5, 5], s), 3);
+        assert_eq!(peak(&[Nanos::ZERO, s / 2, s - Nanos::new(1), s, 3 * s], s), 3, "[0, 1 s) holds three");
+        assert_eq!(peak(&[Nanos::new(5); 3], s), 3);
     }
 
     #[test]
@@ -596,7 +595,7 @@ mod tests {
         for algorithm in ALGORITHMS.iter().filter(|a| **a != "concurrency") {
             let other = reshaped(&bucket, algorithm).expect("a rate algorithm");
             assert_eq!((other.algorithm(), other.capacity()), (*algorithm, 60));
-            assert_eq!(other.policy_window(), Some(60 * NANOS_PER_SEC), "{algorithm}");
+            assert_eq!(other.policy_window(), Some(Nanos::from_secs(60)), "{algorithm}");
             assert_eq!(reshaped(&other, "token_bucket").expect("back"), bucket, "{algorithm} and back");
         }
         assert_eq!(reshaped(&bucket, "concurrency"), Err(NOT_A_RATE));

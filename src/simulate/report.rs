@@ -45,15 +45,15 @@ impl Budget {
                 let units = units.max(1);
                 // Time the scope takes to give back one call's units.
                 let call_period =
-                    u64::try_from(u128::from(window) * u128::from(units) / u128::from(limiter.capacity()))
-                        .unwrap_or(u64::MAX)
-                        .max(1);
+                    u64::try_from(u128::from(window.as_u64()) * u128::from(units) / u128::from(limiter.capacity()))
+                        .map_or(Nanos::MAX, Nanos::new)
+                        .max(Nanos::new(1));
                 Some(Budget {
                     scope: scope.to_owned(),
                     units_per_call: units,
                     burst_calls: (limiter.capacity() / units).max(1),
-                    calls_per_sec: NANOS_PER_SEC as f64 / call_period as f64,
-                    window_ms: window / NANOS_PER_MS,
+                    calls_per_sec: NANOS_PER_SEC as f64 / call_period.as_u64() as f64,
+                    window_ms: window.as_u64() / NANOS_PER_MS,
                     window,
                     call_period,
                 })
@@ -63,7 +63,7 @@ impl Budget {
 
     /// The window in nanoseconds.
     pub(crate) fn window(&self) -> Nanos {
-        self.window.max(1)
+        self.window.max(Nanos::new(1))
     }
 
     /// Nanoseconds the budget takes to give back one call.

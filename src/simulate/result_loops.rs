@@ -23,12 +23,11 @@
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
-use std::time::Duration;
 
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::clock::{Clock, ManualClock, NANOS_PER_MS, NANOS_PER_SEC, Nanos};
+use crate::clock::{Clock, ManualClock, NANOS_PER_MS, Nanos};
 use crate::config::Config;
 use crate::guard::{Answer, Call, Called, Plain, RefusalCode, Worked};
 use crate::identity::Caller;
@@ -36,13 +35,13 @@ use crate::simulate::SimulateError;
 use crate::simulate::shapes::secs;
 
 /// One turn of the agent: a model round trip, then a call.
-const TURN: Nanos = 2 * NANOS_PER_SEC;
+const TURN: Nanos = Nanos::from_secs(2);
 /// How long the searcher searches.
-const SEARCH_FOR: Nanos = 600 * NANOS_PER_SEC;
+const SEARCH_FOR: Nanos = Nanos::from_secs(600);
 /// When the polled job succeeds.
-const JOB_DONE: Nanos = 120 * NANOS_PER_SEC;
+const JOB_DONE: Nanos = Nanos::from_secs(120);
 /// How long the poller polls at most.
-const POLL_FOR: Nanos = 600 * NANOS_PER_SEC;
+const POLL_FOR: Nanos = Nanos::from_secs(600);
 /// The `no_progress` used where the config has 0.
 const DEFAULT_NO_PROGRESS: u32 = 5;
 
@@ -157,8 +156,8 @@ impl Agent {
             }
             Agent::Poller => json!({
                 "status": "processing",
-                "progress": at.saturating_mul(100) / JOB_DONE,
-                "timestamp": at / NANOS_PER_MS,
+                "progress": at * 100 / JOB_DONE,
+                "timestamp": at.as_u64() / NANOS_PER_MS,
             }),
         }
     }
@@ -193,9 +192,9 @@ async fn replay(config: &Config, caller: &Caller, setting: Setting, agent: Agent
         result_seen_ms: None,
         refused_while_moving: 0,
     };
-    let mut at: Nanos = 0;
+    let mut at = Nanos::ZERO;
     while at < agent.horizon() {
-        clock.advance(Duration::from_nanos(at.saturating_sub(clock.now())));
+        clock.advance((at - clock.now()).to_duration());
         run.calls += 1;
         let args = agent.args(run.calls);
         let answer = Heard { answer: agent.answer(run.answered + 1, at), heard };
@@ -207,10 +206,10 @@ async fn replay(config: &Config, caller: &Caller, setting: Setting, agent: Agent
                 run.answered += 1;
                 run.warned += u64::from(no_progress.is_some());
                 if answer.answer["status"] == "succeeded" {
-                    run.result_seen_ms = Some(at / NANOS_PER_MS);
+                    run.result_seen_ms = Some(at.as_u64() / NANOS_PER_MS);
                     break;
                 }
-                at = at.saturating_add(TURN);
+                at += TURN;
             }
             Called::Refused(refusal) if refusal.code == RefusalCode::LoopDetected => {
                 run.refused += 1;
@@ -218,15 +217,15 @@ async fn replay(config: &Config, caller: &Caller, setting: Setting, agent: Agent
                 if agent == Agent::Poller && at < JOB_DONE {
                     run.refused_while_moving += 1;
                 }
-                let wait = refusal.retry_after_ms.map_or(TURN, |ms| ms.saturating_mul(NANOS_PER_MS));
-                at = at.saturating_add(wait.max(TURN));
+                let wait = refusal.retry_after_ms.map_or(TURN, Nanos::from_millis);
+                at += wait.max(TURN);
             }
             Called::Refused(refusal) => {
                 // Another limit (a budget): waited out, not a loop.
-                let wait = refusal.retry_after_ms.map_or(TURN, |ms| ms.saturating_mul(NANOS_PER_MS));
-                at = at.saturating_add(wait.max(TURN));
+                let wait = refusal.retry_after_ms.map_or(TURN, Nanos::from_millis);
+                at += wait.max(TURN);
             }
-            _ => at = at.saturating_add(TURN),
+            _ => at += TURN,
         }
     }
     run
@@ -253,7 +252,7 @@ impl ResultLoops {
 
     /// The tables: one per shape, a row per setting.
     pub(crate) fn write_text(&self, out: &mut String) {
-        let window = secs(self.window_ms.saturating_mul(NANOS_PER_MS));
+        let window = secs(Nanos::from_millis(self.window_ms));
         if let Some(runs) = &self.paraphrasing_searcher {
             let _ = writeln!(out);
             let _ = writeln!(
@@ -299,7 +298,7 @@ impl ResultLoops {
                 "setting", "polls", "refused", "refused while moving", "result seen at"
             );
             for run in runs {
-                let seen = run.result_seen_ms.map_or("never".to_owned(), |ms| secs(ms.saturating_mul(NANOS_PER_MS)));
+                let seen = run.result_seen_ms.map_or("never".to_owned(), |ms| secs(Nanos::from_millis(ms)));
                 let _ = writeln!(
                     out,
                     "  {:<32} {:>6} {:>8} {:>20} {:>14}",

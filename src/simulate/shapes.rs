@@ -14,7 +14,7 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC, Nanos};
+use crate::clock::{NANOS_PER_MS, Nanos};
 use crate::simulate::Budget;
 
 /// One agent behaviour to replay.
@@ -57,8 +57,8 @@ pub const SHAPES: [Shape; 8] = [
     Shape::EdgeAttack,
 ];
 
-const MINUTE: Nanos = 60 * NANOS_PER_SEC;
-const HOUR: Nanos = 60 * MINUTE;
+const MINUTE: Nanos = Nanos::from_secs(60);
+const HOUR: Nanos = Nanos::from_secs(3_600);
 
 /// How an answer reached the agent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,19 +103,19 @@ impl Agent {
         let Agent::Reactive { next, turn, reaction, rng } = self else { return };
         let wait = match (answer, *reaction) {
             (Outcome::Admitted, _) => jittered(rng, *turn),
-            (Outcome::Refused { .. }, Reaction::RetryAtOnce) => rng.random_range(30..=70) * NANOS_PER_MS,
+            (Outcome::Refused { .. }, Reaction::RetryAtOnce) => Nanos::from_millis(rng.random_range(30..=70)),
             (Outcome::Refused { retry_after }, Reaction::WaitRetryAfter) => retry_after.unwrap_or(*turn),
-            (Outcome::Refused { .. }, Reaction::Reconnect) => rng.random_range(200..=400) * NANOS_PER_MS,
+            (Outcome::Refused { .. }, Reaction::Reconnect) => Nanos::from_millis(rng.random_range(200..=400)),
         };
         // Time moves on after every call, even after a refusal that named no wait.
-        *next = at.saturating_add(wait.max(NANOS_PER_MS));
+        *next = at + wait.max(Nanos::from_millis(1));
     }
 }
 
 /// `around` ±10 %.
 fn jittered(rng: &mut StdRng, around: Nanos) -> Nanos {
     let tenth = around / 10;
-    rng.random_range(around - tenth..=around + tenth)
+    Nanos::new(rng.random_range((around - tenth).as_u64()..=(around + tenth).as_u64()))
 }
 
 impl Shape {
@@ -145,7 +145,7 @@ impl Shape {
         match self {
             Shape::RunawayLoop => 8 * HOUR,
             Shape::EdgeAttack => 5 * window + window / 2,
-            _ => window.saturating_mul(10).clamp(10 * MINUTE, 2 * HOUR),
+            _ => (window * 10).clamp(10 * MINUTE, 2 * HOUR),
         }
     }
 
@@ -178,25 +178,26 @@ impl Shape {
     /// The agent, drawing its randomness from `seed`.
     pub(crate) fn agent(self, budget: &Budget, seed: u64) -> Agent {
         let mut rng = StdRng::seed_from_u64(seed);
-        let reactive = |reaction, rng| Agent::Reactive { next: 0, turn: turn(budget), reaction, rng: Box::new(rng) };
+        let reactive =
+            |reaction, rng| Agent::Reactive { next: Nanos::ZERO, turn: turn(budget), reaction, rng: Box::new(rng) };
         let horizon = self.horizon(budget);
         let steady_from = |start: Nanos| (0..).map(move |k| start + k * steady_gap(budget));
         let schedule: Vec<Nanos> = match self {
             Shape::RetryStorm => return reactive(Reaction::RetryAtOnce, rng),
             Shape::Obedient => return reactive(Reaction::WaitRetryAfter, rng),
             Shape::ReconnectToReset => return reactive(Reaction::Reconnect, rng),
-            Shape::Steady => steady_from(0).take_while(|t| *t < horizon).collect(),
-            Shape::BurstThenSteady => std::iter::repeat_n(0, 2 * budget.burst_calls as usize)
+            Shape::Steady => steady_from(Nanos::ZERO).take_while(|t| *t < horizon).collect(),
+            Shape::BurstThenSteady => std::iter::repeat_n(Nanos::ZERO, 2 * budget.burst_calls as usize)
                 .chain(steady_from(steady_gap(budget)).take_while(|t| *t < horizon))
                 .collect(),
             Shape::FanOut => {
-                let every = (budget.window() / 3).max(1);
-                let spread = (500 * NANOS_PER_MS).min(every / 2).max(1);
+                let every = (budget.window() / 3).max(Nanos::new(1));
+                let spread = Nanos::from_millis(500).min(every / 2).max(Nanos::new(1));
                 let mut at: Vec<Nanos> = (0..)
                     .map(|k| k * every)
                     .take_while(|t| *t < horizon)
                     .flat_map(|start| (0..fan_width(budget)).map(move |_| start))
-                    .map(|start| start + rng.random_range(0..spread))
+                    .map(|start| start + Nanos::new(rng.random_range(0..spread.as_u64())))
                     .collect();
                 at.sort_unstable();
                 at
@@ -218,12 +219,12 @@ impl Shape {
 /// One agent turn: half the time the budget takes to give back one call (never under 100 ms,
 /// so even a huge budget is simulated with a plausible agent, not a busy loop).
 fn turn(budget: &Budget) -> Nanos {
-    (budget.call_period() / 2).max(100 * NANOS_PER_MS)
+    (budget.call_period() / 2).max(Nanos::from_millis(100))
 }
 
 /// The steady agent's gap between calls: 80 % of the sustained rate.
 fn steady_gap(budget: &Budget) -> Nanos {
-    budget.call_period().saturating_mul(5) / 4
+    budget.call_period() * 5 / 4
 }
 
 /// Calls in one fan-out: half a burst.
@@ -233,15 +234,15 @@ fn fan_width(budget: &Budget) -> u64 {
 
 /// How long before an edge the attack's first burst lands: 100 ms, or a tenth of a short window.
 fn edge_lead(budget: &Budget) -> Nanos {
-    (100 * NANOS_PER_MS).min(budget.window() / 10)
+    Nanos::from_millis(100).min(budget.window() / 10)
 }
 
 /// A duration as people say it: `2.5 s`, `20 s`, `100 ms`.
 pub(crate) fn secs(nanos: Nanos) -> String {
-    if nanos < NANOS_PER_SEC {
-        return format!("{} ms", nanos / NANOS_PER_MS);
+    if nanos < Nanos::from_secs(1) {
+        return format!("{} ms", nanos.as_u64() / NANOS_PER_MS);
     }
-    let tenths = (nanos + NANOS_PER_SEC / 20) / (NANOS_PER_SEC / 10);
+    let tenths = (nanos + Nanos::from_millis(50)) / Nanos::from_millis(100);
     if tenths.is_multiple_of(10) { format!("{} s", tenths / 10) } else { format!("{}.{} s", tenths / 10, tenths % 10) }
 }
 
@@ -256,7 +257,7 @@ mod tests {
         }
         assert_eq!(Shape::from_name("stampede"), None);
         assert_eq!(
-            (secs(2_500 * NANOS_PER_MS), secs(20 * NANOS_PER_SEC), secs(100 * NANOS_PER_MS)),
+            (secs(Nanos::from_millis(2_500)), secs(Nanos::from_secs(20)), secs(Nanos::from_millis(100))),
             ("2.5 s".to_owned(), "20 s".to_owned(), "100 ms".to_owned())
         );
     }

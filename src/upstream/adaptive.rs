@@ -76,7 +76,7 @@ impl AdaptiveLimit {
     /// Learns from a slot taken at `taken_at` that said `signal` at `now` (its round-trip time is
     /// the difference), while `others` more slots were in use.
     pub fn learn(&self, signal: Signal, taken_at: Nanos, others: usize, now: Nanos) {
-        let sample = Sample { signal, rtt: now.saturating_sub(taken_at), others, taken_at, now };
+        let sample = Sample { signal, rtt: now - taken_at, others, taken_at, now };
         self.learner.learn(&mut self.learnt(), &sample);
     }
 }
@@ -108,12 +108,17 @@ mod tests {
         assert_eq!(limit.learner().algorithm(), &Algorithm::Gradient2(ours));
         // Answers 100 ms each while the limit is in use: steady latency, it stays at the ceiling.
         for at in 0..50u64 {
-            limit.learn(Signal::Accepted, at * 1_000_000_000, 9, at * 1_000_000_000 + 100_000_000);
+            limit.learn(
+                Signal::Accepted,
+                Nanos::new(at * 1_000_000_000),
+                9,
+                Nanos::new(at * 1_000_000_000 + 100_000_000),
+            );
         }
         assert_eq!(limit.current(), 10);
         // A 429 cuts it as AIMD's does; a slot taken before the cut cannot cut it again.
-        limit.learn(Signal::Overloaded, 60_000_000_000, 6, 60_100_000_000);
-        limit.learn(Signal::Overloaded, 59_000_000_000, 2, 60_200_000_000);
+        limit.learn(Signal::Overloaded, Nanos::new(60_000_000_000), 6, Nanos::new(60_100_000_000));
+        limit.learn(Signal::Overloaded, Nanos::new(59_000_000_000), 2, Nanos::new(60_200_000_000));
         assert_eq!(limit.current(), 6);
     }
 
@@ -122,28 +127,28 @@ mod tests {
         let limit = AdaptiveLimit::aimd(1, 10, 0.9);
         assert_eq!(limit.current(), 10, "starts at the ceiling");
         // A 429 while 6 other slots ran: 6 was already too many... at most 6.
-        limit.learn(Signal::Overloaded, 5, 6, 10);
+        limit.learn(Signal::Overloaded, Nanos::new(5), 6, Nanos::new(10));
         assert_eq!(limit.current(), 6);
         // A slot taken before that cut says nothing new.
-        limit.learn(Signal::Overloaded, 9, 2, 11);
+        limit.learn(Signal::Overloaded, Nanos::new(9), 2, Nanos::new(11));
         assert_eq!(limit.current(), 6);
-        limit.learn(Signal::Overloaded, 12, 6, 13);
+        limit.learn(Signal::Overloaded, Nanos::new(12), 6, Nanos::new(13));
         assert_eq!(limit.current(), 5, "6 × 0.9 = 5.4");
         // Six successes at the limit: +1/limit each, one slot more.
         for _ in 0..6 {
-            limit.learn(Signal::Accepted, 14, 4, 15);
+            limit.learn(Signal::Accepted, Nanos::new(14), 4, Nanos::new(15));
         }
         assert_eq!(limit.current(), 6);
         // Idle (little in use): no growth.
         for _ in 0..100 {
-            limit.learn(Signal::Accepted, 16, 0, 17);
+            limit.learn(Signal::Accepted, Nanos::new(16), 0, Nanos::new(17));
         }
         assert_eq!(limit.current(), 6);
         for _ in 0..1000 {
-            limit.learn(Signal::Accepted, 16, 9, 17);
+            limit.learn(Signal::Accepted, Nanos::new(16), 9, Nanos::new(17));
         }
         assert_eq!(limit.current(), 10, "never above the ceiling");
-        limit.learn(Signal::Overloaded, 20, 0, 21);
+        limit.learn(Signal::Overloaded, Nanos::new(20), 0, Nanos::new(21));
         assert_eq!(limit.current(), 1, "never below min");
     }
 }

@@ -109,11 +109,10 @@ impl fmt::Display for GiveUp {
             Self::Exhausted { attempts: 1 } => f.write_str("gave up after 1 attempt"),
             Self::Exhausted { attempts } => write!(f, "gave up after {attempts} attempts"),
             Self::RetryAfterTooLong { retry_after } => {
-                let nanos = u64::try_from(retry_after.as_nanos()).unwrap_or(u64::MAX);
                 write!(
                     f,
                     "the upstream asked us to wait {} s, more than upstream.max_retry_after_ms allows",
-                    ceil_secs(nanos)
+                    ceil_secs(Nanos::from(*retry_after))
                 )
             }
         }
@@ -159,15 +158,15 @@ impl Backoff {
         }
         let nominal = nominal_nanos(failed_attempts);
         let factor = rng.random_range(1.0 - JITTER..=1.0 + JITTER);
-        let jittered = Duration::from_nanos((nominal as f64 * factor).round() as u64).clamp(BASE, CAP);
+        let jittered = Duration::from_nanos((nominal.as_u64() as f64 * factor).round() as u64).clamp(BASE, CAP);
         Retry::After(jittered.max(retry_after.unwrap_or(Duration::ZERO)))
     }
 }
 
 /// `min(CAP, BASE × 2^(n−1))` in nanoseconds, without overflow for any `n >= 1`.
 fn nominal_nanos(failed_attempts: u32) -> Nanos {
-    let (base, cap) = (BASE.as_nanos() as Nanos, CAP.as_nanos() as Nanos);
-    1u64.checked_shl(failed_attempts.saturating_sub(1)).and_then(|m| base.checked_mul(m)).map_or(cap, |n| n.min(cap))
+    let (base, cap) = (Nanos::from(BASE), Nanos::from(CAP));
+    1u64.checked_shl(failed_attempts.saturating_sub(1)).map_or(cap, |m| (base * m).min(cap))
 }
 
 /// How many sub-buckets the sliding window is kept in.
@@ -200,7 +199,7 @@ impl RetryBudget {
     /// seen in the last `window` nanoseconds. A negative or non-finite ratio counts as 0.
     pub fn new(ratio: f64, min_retries: u32, window: Nanos) -> Self {
         let ratio = if ratio.is_finite() { ratio.max(0.0) } else { 0.0 };
-        let slot_len = (window / SLOTS as u64).max(1);
+        let slot_len = (window / SLOTS as u64).max(Nanos::new(1));
         Self { ratio, min_retries, slot_len, slots: Mutex::new([StepCounts::default(); SLOTS]) }
     }
 
@@ -243,7 +242,8 @@ impl RetryBudget {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::{NANOS_PER_MS as MS, NANOS_PER_SEC as SEC};
+    const MS: Nanos = Nanos::from_millis(1);
+    const SEC: Nanos = Nanos::from_secs(1);
     use proptest::prelude::*;
     use rand::SeedableRng;
     use rand::rngs::StdRng;
@@ -386,9 +386,9 @@ mod tests {
     fn the_budget_comes_back_after_the_window() {
         let budget = RetryBudget::new(0.2, 0, 10 * SEC);
         for _ in 0..10 {
-            budget.record_request(0);
+            budget.record_request(Nanos::ZERO);
         }
-        assert!(budget.try_retry(0));
+        assert!(budget.try_retry(Nanos::ZERO));
         assert!(budget.try_retry(SEC));
         assert!(!budget.try_retry(2 * SEC));
         // Within the window (up to one 1 s step short of it) the spent budget stays spent.
@@ -405,9 +405,9 @@ mod tests {
     #[test]
     fn with_no_requests_only_the_minimum_passes() {
         let budget = RetryBudget::new(0.2, 2, 10 * SEC);
-        assert!(budget.try_retry(0));
-        assert!(budget.try_retry(0));
-        assert!(!budget.try_retry(0));
-        assert!(!RetryBudget::new(f64::NAN, 0, 10 * SEC).try_retry(0));
+        assert!(budget.try_retry(Nanos::ZERO));
+        assert!(budget.try_retry(Nanos::ZERO));
+        assert!(!budget.try_retry(Nanos::ZERO));
+        assert!(!RetryBudget::new(f64::NAN, 0, 10 * SEC).try_retry(Nanos::ZERO));
     }
 }

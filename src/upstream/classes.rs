@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC, Nanos};
+use crate::clock::Nanos;
 use crate::config::UpstreamConfig;
 
 /// One class of job, as the queue and the job book treat it.
@@ -32,7 +32,7 @@ pub struct JobClass {
 impl JobClass {
     /// A class named `name` that is neither spaced nor counted apart from the others.
     pub fn plain(name: &'static str) -> Self {
-        Self { name, id_prefix: "", poll_hint: 0, min_gap: None, queue_max: None }
+        Self { name, id_prefix: "", poll_hint: Nanos::ZERO, min_gap: None, queue_max: None }
     }
 }
 
@@ -76,14 +76,13 @@ impl JobClasses {
     /// and [`VIDEO`] (polled every `video_poll_seconds`, one submission per `video_min_gap_ms`,
     /// at most `video_queue_max` waiting).
     pub fn from_config(up: &UpstreamConfig) -> Self {
-        let secs = |n: u64| n.saturating_mul(NANOS_PER_SEC);
         // In the order of their ids.
         Self::new(vec![
-            JobClass { id_prefix: "i", poll_hint: secs(up.image_poll_seconds), ..JobClass::plain("image") },
+            JobClass { id_prefix: "i", poll_hint: Nanos::from_secs(up.image_poll_seconds), ..JobClass::plain("image") },
             JobClass {
                 id_prefix: "v",
-                poll_hint: secs(up.video_poll_seconds),
-                min_gap: Some(up.video_min_gap_ms.saturating_mul(NANOS_PER_MS)),
+                poll_hint: Nanos::from_secs(up.video_poll_seconds),
+                min_gap: Some(Nanos::from_millis(up.video_min_gap_ms)),
                 queue_max: Some(up.video_queue_max),
                 ..JobClass::plain("video")
             },
@@ -123,10 +122,10 @@ mod tests {
         let classes = JobClasses::from_config(up);
         let (image, video) = (classes.get(IMAGE).expect("image"), classes.get(VIDEO).expect("video"));
         assert_eq!((image.name, video.name), ("image", "video"));
-        assert_eq!(image.poll_hint, up.image_poll_seconds * NANOS_PER_SEC);
+        assert_eq!(image.poll_hint, Nanos::from_secs(up.image_poll_seconds));
         assert_eq!((image.min_gap, image.queue_max), (None, None));
-        assert_eq!(video.poll_hint, up.video_poll_seconds * NANOS_PER_SEC);
-        assert_eq!(video.min_gap, Some(up.video_min_gap_ms * NANOS_PER_MS));
+        assert_eq!(video.poll_hint, Nanos::from_secs(up.video_poll_seconds));
+        assert_eq!(video.min_gap, Some(Nanos::from_millis(up.video_min_gap_ms)));
         assert_eq!(video.queue_max, Some(up.video_queue_max));
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 use crate::breaker::Breaker;
-use crate::clock::{NANOS_PER_MS, Nanos, SharedClock, ceil_ms};
+use crate::clock::{Nanos, SharedClock, ceil_ms};
 use crate::config::UpstreamConfig;
 use crate::guard::Refusal;
 use crate::identity::Caller;
@@ -21,7 +21,7 @@ use crate::upstream::queue::{FairQueue, QueueFull, QueuePlace, QueueRules};
 /// The upstream's circuit breaker, as `[upstream]` configures it: `breaker_failures` failures in a
 /// row open it for `breaker_cooldown_ms`.
 pub fn breaker(up: &UpstreamConfig) -> Breaker {
-    Breaker::new(up.breaker_failures, up.breaker_cooldown_ms.saturating_mul(NANOS_PER_MS))
+    Breaker::new(up.breaker_failures, Nanos::from_millis(up.breaker_cooldown_ms))
 }
 
 /// The account's fair queue under `rules`, its slots learnt as `adaptive` says, kept in the

@@ -21,11 +21,11 @@ use mcp_ratelimit::limit::{
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
-const MS: Nanos = 1_000_000;
+const MS: u64 = 1_000_000;
 
 /// Where every run starts: 2026-01-01T00:00:00Z in epoch nanoseconds, a clock reading Redis's
 /// scripts can take (they read epoch microseconds).
-const START: Nanos = 1_767_225_600_000 * MS;
+const START: u64 = 1_767_225_600_000 * MS;
 
 /// Where a limiter's state lives while the suite drives it.
 pub(crate) trait Backend {
@@ -33,14 +33,14 @@ pub(crate) trait Backend {
     type Key: Key;
 
     /// The finest step this backend's clock takes: every arrival falls on a multiple of it.
-    fn resolution(&self) -> Nanos;
+    fn resolution(&self) -> u64;
 
     /// A key never seen before, decided by `limiter`, first seen at `now`.
-    fn start(&self, limiter: &Limiter, now: Nanos) -> Self::Key;
+    fn start(&self, limiter: &Limiter, now: u64) -> Self::Key;
 
     /// The longest bucket (burst × period) or window this backend decides (config refuses
     /// longer ones for it).
-    fn longest_span(&self) -> Nanos;
+    fn longest_span(&self) -> u64;
 }
 
 /// One key under one limiter.
@@ -49,7 +49,7 @@ pub(crate) trait Key: Sized {
     type State: PartialEq + Debug;
 
     /// Decides a call of `cost` units at `now` (a multiple of [`Backend::resolution`]).
-    fn acquire(&mut self, now: Nanos, cost: u64) -> Decision;
+    fn acquire(&mut self, now: u64, cost: u64) -> Decision;
 
     /// An independent copy of this key as it stands: what happens to one never touches the other.
     fn fork(&self) -> Self;
@@ -59,7 +59,7 @@ pub(crate) trait Key: Sized {
 
     /// Gives back, at `now`, `units` of the charge `taken` (a settled price below its
     /// reservation: `Adjustment::Return`).
-    fn give_back(&mut self, now: Nanos, units: u64, taken: Taken);
+    fn give_back(&mut self, now: u64, units: u64, taken: Taken);
 
     /// From now on this key is decided by `limiter` (the same algorithm with other numbers), on
     /// the state it holds: what a reload, a tier change or an insurance share does to a key.
@@ -72,12 +72,12 @@ pub(crate) trait Key: Sized {
 /// One call: time since the previous call, and its cost.
 #[derive(Debug, Clone, Copy)]
 struct Arrival {
-    gap: Nanos,
+    gap: u64,
     cost: u64,
 }
 
 /// Calls whose gaps fall on multiples of `resolution`.
-fn arrivals(max_gap: Nanos, max_cost: u64, resolution: Nanos) -> impl Strategy<Value = Vec<Arrival>> {
+fn arrivals(max_gap: u64, max_cost: u64, resolution: u64) -> impl Strategy<Value = Vec<Arrival>> {
     // Mostly bursts (gap 0), sometimes short or long pauses, and often whole multiples of
     // 250 ms so that calls land exactly on window edges and refill boundaries.
     let gap = prop_oneof![
@@ -103,7 +103,7 @@ fn window_ms() -> impl Strategy<Value = u64> {
 }
 
 /// Runs a limiter over arrivals on a new key, returning each call's time, cost and decision.
-fn run(backend: &impl Backend, limiter: &Limiter, calls: &[Arrival]) -> Vec<(Nanos, u64, Decision)> {
+fn run(backend: &impl Backend, limiter: &Limiter, calls: &[Arrival]) -> Vec<(u64, u64, Decision)> {
     let mut now = START;
     let mut key = backend.start(limiter, now);
     calls
@@ -163,7 +163,11 @@ fn registered(rates_only: bool) -> Vec<&'static str> {
 /// The registered algorithm `name` with `capacity` units and `span_ms` as its refill period (a
 /// bucket refills one unit per `span_ms`) or its window.
 fn limiter(name: &str, capacity: u64, span_ms: u64) -> Limiter {
-    let shapes = [Shape::Rate { period: span_ms * MS }, Shape::Window { window: span_ms * MS }, Shape::Slots];
+    let shapes = [
+        Shape::Rate { period: Nanos::new(span_ms * MS) },
+        Shape::Window { window: Nanos::new(span_ms * MS) },
+        Shape::Slots,
+    ];
     shapes
         .into_iter()
         .find_map(|shape| Limiter::with_shape(name, capacity, shape))
@@ -184,12 +188,12 @@ fn check<S: Strategy>(cases: u32, strategy: S, test: impl Fn(S::Value) -> Result
 /// Reference token bucket: replays every admitted call from the start to get the level.
 struct BucketModel {
     capacity: u64,
-    period: Nanos,
-    admitted: Vec<(Nanos, u64)>,
+    period: u64,
+    admitted: Vec<(u64, u64)>,
 }
 
 impl BucketModel {
-    fn level(&self, now: Nanos) -> u64 {
+    fn level(&self, now: u64) -> u64 {
         let full = self.capacity * self.period;
         let mut level = full;
         let mut last = 0;
@@ -200,7 +204,7 @@ impl BucketModel {
         (level + (now - last)).min(full)
     }
 
-    fn call(&mut self, now: Nanos, cost: u64) -> (bool, Nanos) {
+    fn call(&mut self, now: u64, cost: u64) -> (bool, u64) {
         let level = self.level(now);
         let need = cost * self.period;
         if need <= level {
@@ -218,11 +222,11 @@ pub(crate) fn token_bucket_matches_the_replay_model(backend: &impl Backend, case
     let strategy = (1u64..30, window_ms(), arrivals(3_000 * MS, 30, backend.resolution()));
     check(cases, strategy, |(capacity, period_ms, calls)| {
         let bucket = TokenBucket::new(capacity, 1_000.0 / period_ms as f64);
-        let mut model = BucketModel { capacity, period: bucket.period(), admitted: vec![] };
+        let mut model = BucketModel { capacity, period: bucket.period().as_u64(), admitted: vec![] };
         for (now, cost, d) in run(backend, &Limiter::TokenBucket(bucket), &capped(calls, capacity)) {
             let (allowed, wait) = model.call(now, cost);
             prop_assert_eq!(d.allowed, allowed, "at {} cost {}", now, cost);
-            prop_assert_eq!(d.retry_after, wait);
+            prop_assert_eq!(d.retry_after.as_u64(), wait);
         }
         Ok(())
     });
@@ -250,8 +254,8 @@ pub(crate) fn fixed_window_matches_a_count_per_window(backend: &impl Backend, ca
     let strategy = (1u64..30, window_ms(), arrivals(5_000 * MS, 30, backend.resolution()));
     check(cases, strategy, |(limit, window_ms, calls)| {
         let window = window_ms * MS;
-        let mut counts: HashMap<Nanos, u64> = HashMap::new();
-        let limiter = Limiter::FixedWindow(FixedWindow::new(limit, window));
+        let mut counts: HashMap<u64, u64> = HashMap::new();
+        let limiter = Limiter::FixedWindow(FixedWindow::new(limit, Nanos::new(window)));
         for (now, cost, d) in run(backend, &limiter, &capped(calls, limit)) {
             let count = counts.entry(now / window).or_default();
             let allowed = *count + cost <= limit;
@@ -260,7 +264,7 @@ pub(crate) fn fixed_window_matches_a_count_per_window(backend: &impl Backend, ca
             }
             prop_assert_eq!(d.allowed, allowed);
             if !allowed {
-                prop_assert_eq!(d.retry_after, (now / window + 1) * window - now);
+                prop_assert_eq!(d.retry_after.as_u64(), (now / window + 1) * window - now);
             }
         }
         Ok(())
@@ -271,11 +275,10 @@ pub(crate) fn sliding_log_matches_the_full_history(backend: &impl Backend, cases
     let strategy = (1u64..30, window_ms(), arrivals(5_000 * MS, 30, backend.resolution()));
     check(cases, strategy, |(limit, window_ms, calls)| {
         let window = window_ms * MS;
-        let mut admitted: Vec<(Nanos, u64)> = vec![];
-        let in_window = |log: &[(Nanos, u64)], t: Nanos| -> u64 {
-            log.iter().filter(|(at, _)| at + window > t).map(|(_, c)| c).sum()
-        };
-        let limiter = Limiter::SlidingLog(SlidingLog::new(limit, window));
+        let mut admitted: Vec<(u64, u64)> = vec![];
+        let in_window =
+            |log: &[(u64, u64)], t: u64| -> u64 { log.iter().filter(|(at, _)| at + window > t).map(|(_, c)| c).sum() };
+        let limiter = Limiter::SlidingLog(SlidingLog::new(limit, Nanos::new(window)));
         for (now, cost, d) in run(backend, &limiter, &capped(calls, limit)) {
             let allowed = in_window(&admitted, now) + cost <= limit;
             prop_assert_eq!(d.allowed, allowed, "at {} cost {}", now, cost);
@@ -291,7 +294,7 @@ pub(crate) fn sliding_log_matches_the_full_history(backend: &impl Backend, cases
                     .filter(|&t| t > now && in_window(&admitted, t) + cost <= limit)
                     .min()
                     .map(|t| t - now);
-                prop_assert_eq!(Some(d.retry_after), wait);
+                prop_assert_eq!(Some(d.retry_after.as_u64()), wait);
             }
         }
         Ok(())
@@ -302,8 +305,8 @@ pub(crate) fn sliding_window_matches_the_weighted_estimate(backend: &impl Backen
     let strategy = (1u64..30, window_ms(), arrivals(5_000 * MS, 30, backend.resolution()));
     check(cases, strategy, |(limit, window_ms, calls)| {
         let window = window_ms * MS;
-        let mut counts: HashMap<Nanos, u64> = HashMap::new();
-        let limiter = Limiter::SlidingWindow(SlidingWindow::new(limit, window));
+        let mut counts: HashMap<u64, u64> = HashMap::new();
+        let limiter = Limiter::SlidingWindow(SlidingWindow::new(limit, Nanos::new(window)));
         for (now, cost, d) in run(backend, &limiter, &capped(calls, limit)) {
             let k = now / window;
             let elapsed = now - k * window;
@@ -373,18 +376,18 @@ pub(crate) fn retry_after_is_exact(backend: &impl Backend, cases: u32) {
             now += a.gap;
             let d = key.acquire(now, a.cost);
             if !d.allowed {
-                let at = (now + d.retry_after).div_ceil(resolution) * resolution;
+                let at = (now + d.retry_after.as_u64()).div_ceil(resolution) * resolution;
                 prop_assert!(
                     key.fork().acquire(at, a.cost).allowed,
                     "not admitted {} ns after its retry_after {}",
-                    at - now - d.retry_after,
-                    d.retry_after
+                    at - now - d.retry_after.as_u64(),
+                    d.retry_after.as_u64()
                 );
                 if exact {
                     prop_assert!(
                         !key.fork().acquire(at - resolution, a.cost).allowed,
                         "admitted before its retry_after {}",
-                        d.retry_after
+                        d.retry_after.as_u64()
                     );
                 }
             }
@@ -422,8 +425,8 @@ pub(crate) fn sliding_window_never_exceeds_twice_the_limit_in_any_window(backend
     let strategy = (1u64..20, window_ms(), arrivals(2_000 * MS, 5, backend.resolution()));
     check(cases, strategy, |(limit, window_ms, calls)| {
         let window = window_ms * MS;
-        let limiter = Limiter::SlidingWindow(SlidingWindow::new(limit, window));
-        let admitted: Vec<(Nanos, u64)> = run(backend, &limiter, &capped(calls, limit))
+        let limiter = Limiter::SlidingWindow(SlidingWindow::new(limit, Nanos::new(window)));
+        let admitted: Vec<(u64, u64)> = run(backend, &limiter, &capped(calls, limit))
             .into_iter()
             .filter(|(_, _, d)| d.allowed)
             .map(|(t, c, _)| (t, c))
@@ -439,7 +442,7 @@ pub(crate) fn sliding_window_never_exceeds_twice_the_limit_in_any_window(backend
 
 /// The window-edge attack: `limit` calls at the last instant the backend can express before a
 /// window boundary, `limit` at the boundary; returns how many were admitted.
-fn edge_burst(backend: &impl Backend, limiter: &Limiter, window: Nanos) -> u64 {
+fn edge_burst(backend: &impl Backend, limiter: &Limiter, window: u64) -> u64 {
     let edge = (START / window + 10) * window;
     let mut key = backend.start(limiter, START);
     let mut admitted = 0;
@@ -453,18 +456,18 @@ fn edge_burst(backend: &impl Backend, limiter: &Limiter, window: Nanos) -> u64 {
     admitted
 }
 
-const MINUTE: Nanos = 60_000 * MS;
+const MINUTE: u64 = 60_000 * MS;
 
 pub(crate) fn fixed_window_lets_twice_the_limit_through_across_an_edge(backend: &impl Backend) {
-    assert_eq!(edge_burst(backend, &Limiter::FixedWindow(FixedWindow::new(100, MINUTE)), MINUTE), 200);
+    assert_eq!(edge_burst(backend, &Limiter::FixedWindow(FixedWindow::new(100, Nanos::new(MINUTE))), MINUTE), 200);
 }
 
 pub(crate) fn sliding_log_never_lets_more_than_the_limit_through_an_edge(backend: &impl Backend) {
-    assert_eq!(edge_burst(backend, &Limiter::SlidingLog(SlidingLog::new(100, MINUTE)), MINUTE), 100);
+    assert_eq!(edge_burst(backend, &Limiter::SlidingLog(SlidingLog::new(100, Nanos::new(MINUTE))), MINUTE), 100);
 }
 
 pub(crate) fn sliding_window_stays_within_its_documented_error_at_an_edge(backend: &impl Backend) {
-    let admitted = edge_burst(backend, &Limiter::SlidingWindow(SlidingWindow::new(100, MINUTE)), MINUTE);
+    let admitted = edge_burst(backend, &Limiter::SlidingWindow(SlidingWindow::new(100, Nanos::new(MINUTE))), MINUTE);
     assert!(admitted <= 101, "the previous window still weighs fully at the edge: {admitted}");
 }
 
@@ -474,7 +477,7 @@ enum Life {
     /// A call `gap` after the previous step; its cost is `cost` modulo the current capacity + 1,
     /// so always within the limit in force (the [`mcp_ratelimit::limit::Algorithm`]
     /// precondition, which config validation keeps for every scaled limit).
-    Call { gap: Nanos, cost: u64 },
+    Call { gap: u64, cost: u64 },
     /// The latest admitted call still holding in-flight slots ends (a no-op for rate algorithms).
     Release,
     /// The limit changes, the algorithm stays: new numbers (capacity lowered or raised, a new
@@ -485,7 +488,7 @@ enum Life {
     Scale(f64),
 }
 
-fn lives(resolution: Nanos) -> impl Strategy<Value = Vec<Life>> {
+fn lives(resolution: u64) -> impl Strategy<Value = Vec<Life>> {
     let gap = prop_oneof![
         4 => Just(0u64),
         2 => 0..1_000 * MS,
@@ -508,12 +511,12 @@ fn lives(resolution: Nanos) -> impl Strategy<Value = Vec<Life>> {
 /// end at most), and for the two that keep a debt (GCRA's schedule, the leaky bucket's water)
 /// the largest span (burst × period) of any limit the key has had, since a debt taken on under a
 /// larger limit is still owed.
-fn wait_bound(limiter: &Limiter, largest_span: Nanos) -> Nanos {
+fn wait_bound(limiter: &Limiter, largest_span: u64) -> u64 {
     match limiter {
-        Limiter::Gcra(_) | Limiter::LeakyBucket(_) => largest_span.max(limiter.span()),
-        Limiter::SlidingWindow(a) => 2 * a.window(),
+        Limiter::Gcra(_) | Limiter::LeakyBucket(_) => largest_span.max(limiter.span().as_u64()),
+        Limiter::SlidingWindow(a) => 2 * a.window().as_u64(),
         Limiter::TokenBucket(_) | Limiter::FixedWindow(_) | Limiter::SlidingLog(_) | Limiter::Concurrency(_) => {
-            limiter.span()
+            limiter.span().as_u64()
         }
     }
 }
@@ -530,7 +533,7 @@ pub(crate) fn changed_limits_keep_every_number_believable(backend: &impl Backend
     let strategy = (prop::sample::select(registered(false)), 1u64..40, window_ms(), lives(resolution));
     check(cases, strategy, |(algorithm, capacity, span_ms, steps)| {
         let mut limiter = limiter(algorithm, capacity, span_ms);
-        let mut largest_span = limiter.span();
+        let mut largest_span = limiter.span().as_u64();
         let mut key = backend.start(&limiter, START);
         let mut now = START;
         let mut held: Vec<u64> = vec![];
@@ -548,13 +551,13 @@ pub(crate) fn changed_limits_keep_every_number_believable(backend: &impl Backend
                 }
                 Life::Renumber { capacity, span_ms } => {
                     limiter = self::limiter(algorithm, capacity, span_ms);
-                    largest_span = largest_span.max(limiter.span());
+                    largest_span = largest_span.max(limiter.span().as_u64());
                     key.relimit(&limiter);
                     continue;
                 }
                 Life::Scale(factor) => {
                     limiter = limiter.scaled(factor);
-                    largest_span = largest_span.max(limiter.span());
+                    largest_span = largest_span.max(limiter.span().as_u64());
                     key.relimit(&limiter);
                     continue;
                 }
@@ -564,9 +567,14 @@ pub(crate) fn changed_limits_keep_every_number_believable(backend: &impl Backend
             let at = format!("step {n}, at {now} cost {cost} under {}: {d:?}", limiter.describe());
             prop_assert_eq!(d.limit, capacity, "{}", at);
             prop_assert!(d.remaining <= d.limit, "{}", at);
-            prop_assert!(!d.allowed || d.retry_after == 0, "{}", at);
+            prop_assert!(!d.allowed || d.retry_after == Nanos::ZERO, "{}", at);
             let bound = wait_bound(&limiter, largest_span);
-            prop_assert!(d.retry_after <= bound && d.reset_after <= bound, "{} (bound {} ns)", at, bound);
+            prop_assert!(
+                d.retry_after.as_u64() <= bound && d.reset_after.as_u64() <= bound,
+                "{} (bound {} ns)",
+                at,
+                bound
+            );
             if limiter.holds_slots() {
                 let in_flight: u64 = held.iter().sum();
                 prop_assert_eq!(d.allowed, in_flight + cost <= capacity, "{}", at);
@@ -582,7 +590,7 @@ pub(crate) fn changed_limits_keep_every_number_believable(backend: &impl Backend
                 prop_assert!(!key.fork().acquire(now, d.remaining + 1).allowed, "one past `remaining` passes: {}", at);
             }
             if !d.allowed && !limiter.holds_slots() {
-                let then = (now + d.retry_after).div_ceil(resolution) * resolution;
+                let then = (now + d.retry_after.as_u64()).div_ceil(resolution) * resolution;
                 prop_assert!(key.fork().acquire(then, cost).allowed, "not admitted at its retry_after: {}", at);
                 if !matches!(limiter, Limiter::SlidingWindow(_)) {
                     prop_assert!(
@@ -631,7 +639,7 @@ pub(crate) fn every_rate_is_decided_exactly_or_refused_naming_its_key(backend: &
     check(cases, (algorithm, burst, rate, calls), |((algorithm, param), burst, rate, calls)| {
         let per_sec = match rate {
             Rate::PerSec(r) => r,
-            Rate::NearTheSlowest(f) => burst as f64 * 1e9 / LONGEST_SPAN as f64 * f,
+            Rate::NearTheSlowest(f) => burst as f64 * 1e9 / LONGEST_SPAN.as_u64() as f64 * f,
         };
         let values = std::collections::BTreeMap::from([
             ("burst".to_owned(), Value::Int(burst as i64)),
@@ -642,7 +650,7 @@ pub(crate) fn every_rate_is_decided_exactly_or_refused_naming_its_key(backend: &
         // The model: the nearest nanosecond to a second ÷ rate, and the whole bucket in 128 bits.
         let period = (1e9 / per_sec).round();
         let span = (period <= u64::MAX as f64).then(|| u128::from(burst) * period as u128);
-        let keepable = per_sec <= 1e9 && span.is_some_and(|span| span <= u128::from(LONGEST_SPAN));
+        let keepable = per_sec <= 1e9 && span.is_some_and(|span| span <= u128::from(LONGEST_SPAN.as_u64()));
         let limiter = match (keepable, built) {
             (true, Ok(limiter)) => limiter,
             (false, Err(e)) => {
@@ -655,9 +663,9 @@ pub(crate) fn every_rate_is_decided_exactly_or_refused_naming_its_key(backend: &
             }
         };
         let period = period as u64;
-        prop_assert_eq!(limiter.shape(), Shape::Rate { period });
-        prop_assert_eq!((limiter.capacity(), limiter.span()), (burst, burst * period));
-        if limiter.span() > backend.longest_span() {
+        prop_assert_eq!(limiter.shape(), Shape::Rate { period: Nanos::new(period) });
+        prop_assert_eq!((limiter.capacity(), limiter.span().as_u64()), (burst, burst * period));
+        if limiter.span().as_u64() > backend.longest_span() {
             return Ok(());
         }
         let mut model = ExactBucket::full(burst, period);
@@ -699,14 +707,14 @@ struct ExactBucket {
 
 impl ExactBucket {
     /// A bucket of `burst` units of `period` ns, full.
-    fn full(burst: u64, period: Nanos) -> Self {
+    fn full(burst: u64, period: u64) -> Self {
         let full = u128::from(burst) * u128::from(period);
         Self { burst, period: u128::from(period), full, level: full }
     }
 
     /// The decision the bucket expects at `now` for a call of `cost`, `refill` ns after the
     /// previous one: refill since the previous call, never past full; then the call, if it fits.
-    fn call(&mut self, refill: Nanos, cost: u64, now: Nanos) -> Decision {
+    fn call(&mut self, refill: u64, cost: u64, now: u64) -> Decision {
         self.level = (self.level + u128::from(refill)).min(self.full);
         let need = u128::from(cost) * self.period;
         let allowed = need <= self.level;
@@ -718,9 +726,9 @@ impl ExactBucket {
             allowed,
             limit: self.burst,
             remaining: ns(self.level / self.period),
-            retry_after: if allowed { 0 } else { ns(need - self.level) },
-            reset_after: ns(self.full - self.level),
-            at: now,
+            retry_after: Nanos::new(if allowed { 0 } else { ns(need - self.level) }),
+            reset_after: Nanos::new(ns(self.full - self.level)),
+            at: Nanos::new(now),
         }
     }
 }
@@ -729,13 +737,13 @@ impl ExactBucket {
 #[derive(Debug, Clone, Copy)]
 enum Late {
     /// A call `gap` after the previous step, of `cost` (within the capacity).
-    Call { gap: Nanos, cost: u64 },
+    Call { gap: u64, cost: u64 },
     /// `gap` later, the `of`th admitted call not yet settled (modulo their number) is settled
     /// `units` below its cost (at least one unit, at most its cost).
-    Settle { gap: Nanos, of: usize, units: u64 },
+    Settle { gap: u64, of: usize, units: u64 },
 }
 
-fn late_lives(resolution: Nanos) -> impl Strategy<Value = Vec<Late>> {
+fn late_lives(resolution: u64) -> impl Strategy<Value = Vec<Late>> {
     let gap = prop_oneof![
         3 => Just(0u64),
         2 => 0..1_000 * MS,
@@ -753,16 +761,16 @@ fn late_lives(resolution: Nanos) -> impl Strategy<Value = Vec<Late>> {
 /// An admitted call, as the models see it.
 #[derive(Debug, Clone)]
 struct Charged {
-    at: Nanos,
+    at: u64,
     cost: u64,
     taken: Taken,
     /// Settled: when, and how many units were given back.
-    settled: Option<(Nanos, u64)>,
+    settled: Option<(u64, u64)>,
 }
 
 impl Charged {
     /// What the call costs as of `now`: its price once settled at or before `now`.
-    fn price_at(&self, now: Nanos) -> u64 {
+    fn price_at(&self, now: u64) -> u64 {
         match self.settled {
             Some((when, units)) if when <= now => self.cost - units,
             _ => self.cost,
@@ -770,7 +778,7 @@ impl Charged {
     }
 
     /// Units given back at or before `now`, if they were given while `counts(when)` held.
-    fn back_if(&self, now: Nanos, counts: impl Fn(Nanos) -> bool) -> u64 {
+    fn back_if(&self, now: u64, counts: impl Fn(u64) -> bool) -> u64 {
         match self.settled {
             Some((when, units)) if when <= now && counts(when) => units,
             _ => 0,
@@ -786,12 +794,12 @@ fn admitted_as_promised(
     limiter: &Limiter,
     calls: &[Charged],
     capacity: u64,
-    now: Nanos,
+    now: u64,
     cost: u64,
     d: &Decision,
     at: &str,
 ) -> Result<(), TestCaseError> {
-    let window = limiter.policy_window().unwrap_or(1);
+    let window = limiter.policy_window().map_or(1, Nanos::as_u64);
     match limiter {
         Limiter::FixedWindow(_) => {
             let k = now / window;
@@ -828,6 +836,7 @@ fn admitted_as_promised(
         Limiter::TokenBucket(_) | Limiter::Gcra(_) | Limiter::LeakyBucket(_) => {
             // A replay of every admitted call at its price settled so far.
             let Shape::Rate { period } = limiter.shape() else { unreachable!("a bucket") };
+            let period = period.as_u64();
             let full = i128::from(capacity) * i128::from(period);
             let (mut level, mut last) = (full, START);
             for c in calls {
@@ -874,7 +883,7 @@ pub(crate) fn late_refunds_go_back_only_where_they_were_taken<B: Backend>(backen
         // The key just before the latest admitted charge, while nothing has happened since it.
         let mut quiet: Option<(usize, B::Key)> = None;
         let bucket = matches!(limiter.shape(), Shape::Rate { .. });
-        let mut given_back_at: Option<Nanos> = None;
+        let mut given_back_at: Option<u64> = None;
         for (n, step) in steps.into_iter().enumerate() {
             match step {
                 Late::Settle { gap, of, units } => {
@@ -915,7 +924,7 @@ pub(crate) fn late_refunds_go_back_only_where_they_were_taken<B: Backend>(backen
                     admitted_as_promised(&limiter, &calls, capacity, now, cost, &d, &at)?;
                     if d.allowed && cost > 0 {
                         calls.push(Charged { at: now, cost, taken: d.taken(), settled: None });
-                        let stamped = bucket && given_back_at.is_some_and(|at| now < at + GIVEN_BACK_AHEAD);
+                        let stamped = bucket && given_back_at.is_some_and(|at| now < at + GIVEN_BACK_AHEAD.as_u64());
                         quiet = (!stamped).then(|| (calls.len() - 1, before));
                     }
                 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use crate::common::*;
 use crate::oauth::Provider;
 use crate::python;
-use mcp_ratelimit::clock::ManualClock;
+use mcp_ratelimit::clock::{ManualClock, Nanos};
 use serde_json::{Value, json};
 
 const METRICS_KEY: &str = "metrics-key-of-the-oauth-tests";
@@ -17,7 +17,7 @@ const METRICS_KEY: &str = "metrics-key-of-the-oauth-tests";
 /// A manual clock at the wall clock's time: tokens carry Unix times.
 fn wall_clock() -> Arc<ManualClock> {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970");
-    ManualClock::starting_at(u64::try_from(now.as_nanos()).expect("fits"))
+    ManualClock::starting_at(Nanos::new(u64::try_from(now.as_nanos()).expect("fits")))
 }
 
 /// A server that requires a credential and takes tokens of `provider`, with `extra` config.

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mcp_ratelimit::App;
-use mcp_ratelimit::clock::{Clock, ManualClock};
+use mcp_ratelimit::clock::{Clock, ManualClock, Nanos};
 use mcp_ratelimit::config::{Catalogue, Config};
 use mcp_ratelimit::proxy::{ChildEnv, Target};
 use rmcp::ServiceExt;
@@ -475,7 +475,7 @@ async fn an_access_token_never_reaches_the_proxied_server_and_its_tenant_keeps_i
     );
     let wall = || {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("now");
-        ManualClock::starting_at(u64::try_from(now.as_nanos()).expect("fits"))
+        ManualClock::starting_at(Nanos::new(u64::try_from(now.as_nanos()).expect("fits")))
     };
     let proxy = Proxy::start_on(&toml, target, wall()).await;
     let alice = provider.mint(json!({"sub": "alice", "aud": proxy.url, "org_id": "acme"})).await;

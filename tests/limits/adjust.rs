@@ -22,14 +22,13 @@ use mcp_ratelimit::store::{Check, MemoryStore};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
-const MS: Nanos = 1_000_000;
-const SEC: Nanos = 1_000_000_000;
+const SEC: Nanos = Nanos::from_secs(1);
 /// 2026-01-01T00:00:00Z: a realistic epoch reading, a multiple of every whole-second window.
-const EPOCH: Nanos = 1_767_225_600 * SEC;
+const EPOCH: Nanos = Nanos::from_secs(1_767_225_600);
 const TIMEOUT: Duration = Duration::from_secs(5);
 /// A key closer than this to its `forget_at` may expire in Redis's real time while the test's
 /// clock stands still: the next step then moves on to `forget_at` (see redis_store.rs beside).
-const MARGIN: Nanos = 200 * MS;
+const MARGIN: Nanos = Nanos::from_millis(200);
 
 fn limiters() -> Vec<Limiter> {
     vec![
@@ -91,14 +90,14 @@ fn an_adjustment_never_lifts_a_budget_past_its_capacity_nor_below_empty_and_move
         for step in &steps {
             match *step {
                 Step::Spend { gap_us, cost } => {
-                    now += gap_us * 1_000;
+                    now += Nanos::new(gap_us * 1_000);
                     let d = limiter.acquire(&mut state, now, cost);
                     if d.allowed && cost > 0 {
                         spent.push((cost, d));
                     }
                 }
                 Step::Settle { gap_us, of, units } => {
-                    now += gap_us * 1_000;
+                    now += Nanos::new(gap_us * 1_000);
                     let Some(by) = settling(&spent, of, units) else { continue };
                     let before = remaining(limiter, &mut state, now);
                     limiter.adjust(&mut state, now, by);
@@ -111,7 +110,7 @@ fn an_adjustment_never_lifts_a_budget_past_its_capacity_nor_below_empty_and_move
                     );
                 }
                 Step::Adjust { gap_us, by } => {
-                    now += gap_us * 1_000;
+                    now += Nanos::new(gap_us * 1_000);
                     let before = remaining(limiter, &mut state, now);
                     limiter.adjust(&mut state, now, by);
                     let after = remaining(limiter, &mut state, now);
@@ -167,7 +166,7 @@ fn adjust_lua_leaves_redis_as_the_rust_adjustment_leaves_memory() {
         let key = redis.key(&format!("adjust:{}:{}", limiter.algorithm(), case.get()));
         let memory = MemoryStore::new();
         let mut now = EPOCH;
-        let mut not_before = 0;
+        let mut not_before = Nanos::ZERO;
         let mut spent = vec![];
         for (n, step) in steps.iter().enumerate() {
             let adjusted = |by: Adjustment, now: Nanos| {
@@ -179,7 +178,7 @@ fn adjust_lua_leaves_redis_as_the_rust_adjustment_leaves_memory() {
             };
             let (gap_us, expected, got) = match *step {
                 Step::Spend { gap_us, cost } => {
-                    now = (now + gap_us * 1_000).max(not_before);
+                    now = (now + Nanos::new(gap_us * 1_000)).max(not_before);
                     let check = Check { key: &key, limiter, cost, shadow: false };
                     let got = runtime.block_on(store.decide_at(&[check], now)).map(|mut d| d.pop());
                     let expected = memory.decide_one(&check, now);
@@ -189,13 +188,13 @@ fn adjust_lua_leaves_redis_as_the_rust_adjustment_leaves_memory() {
                     (gap_us, Some(expected), got.map_err(|e| TestCaseError::fail(e.to_string()))?)
                 }
                 Step::Adjust { gap_us, by } => {
-                    now = (now + gap_us * 1_000).max(not_before);
+                    now = (now + Nanos::new(gap_us * 1_000)).max(not_before);
                     let (expected, got) = adjusted(by, now)?;
                     (gap_us, expected, got)
                 }
                 Step::Settle { gap_us, of, units } => {
                     let Some(by) = settling(&spent, of, units) else { continue };
-                    now = (now + gap_us * 1_000).max(not_before);
+                    now = (now + Nanos::new(gap_us * 1_000)).max(not_before);
                     let (expected, got) = adjusted(by, now)?;
                     (gap_us, expected, got)
                 }
@@ -205,7 +204,8 @@ fn adjust_lua_leaves_redis_as_the_rust_adjustment_leaves_memory() {
             let read = memory.decide_one(&Check { key: &key, limiter, cost: 0, shadow: false }, now);
             // (A bucket that gave back is stamped a microsecond ahead: forgotten that much later.)
             let full_at = now + read.reset_after + GIVEN_BACK_AHEAD;
-            not_before = if full_at - now < MARGIN { full_at.div_ceil(1_000) * 1_000 } else { 0 };
+            not_before =
+                if full_at - now < MARGIN { Nanos::new(full_at.as_u64().div_ceil(1_000) * 1_000) } else { Nanos::ZERO };
         }
         Ok(())
     });

@@ -21,24 +21,24 @@ struct MemoryKey {
 impl Backend for Memory {
     type Key = MemoryKey;
 
-    fn longest_span(&self) -> Nanos {
-        mcp_ratelimit::limit::params::LONGEST_SPAN
+    fn longest_span(&self) -> u64 {
+        mcp_ratelimit::limit::params::LONGEST_SPAN.as_u64()
     }
 
-    fn resolution(&self) -> Nanos {
+    fn resolution(&self) -> u64 {
         1
     }
 
-    fn start(&self, limiter: &Limiter, now: Nanos) -> MemoryKey {
-        MemoryKey { limiter: limiter.clone(), state: limiter.fresh(now) }
+    fn start(&self, limiter: &Limiter, now: u64) -> MemoryKey {
+        MemoryKey { limiter: limiter.clone(), state: limiter.fresh(Nanos::new(now)) }
     }
 }
 
 impl Key for MemoryKey {
     type State = LimiterState;
 
-    fn acquire(&mut self, now: Nanos, cost: u64) -> Decision {
-        self.limiter.acquire(&mut self.state, now, cost)
+    fn acquire(&mut self, now: u64, cost: u64) -> Decision {
+        self.limiter.acquire(&mut self.state, Nanos::new(now), cost)
     }
 
     fn fork(&self) -> Self {
@@ -49,8 +49,8 @@ impl Key for MemoryKey {
         self.limiter.release(&mut self.state, cost);
     }
 
-    fn give_back(&mut self, now: Nanos, units: u64, taken: Taken) {
-        self.limiter.adjust(&mut self.state, now, Adjustment::Return { units, taken });
+    fn give_back(&mut self, now: u64, units: u64, taken: Taken) {
+        self.limiter.adjust(&mut self.state, Nanos::new(now), Adjustment::Return { units, taken });
     }
 
     fn relimit(&mut self, limiter: &Limiter) {

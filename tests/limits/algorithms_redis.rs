@@ -84,15 +84,15 @@ struct RedisKey {
 impl Backend for Redis {
     type Key = RedisKey;
 
-    fn longest_span(&self) -> Nanos {
+    fn longest_span(&self) -> u64 {
         1 << 52
     }
 
-    fn resolution(&self) -> Nanos {
+    fn resolution(&self) -> u64 {
         1_000
     }
 
-    fn start(&self, limiter: &Limiter, _now: Nanos) -> RedisKey {
+    fn start(&self, limiter: &Limiter, _now: u64) -> RedisKey {
         // A key Redis has never seen is fresh at any time.
         let key = self.0.new_key(limiter);
         RedisKey { redis: self.0.clone(), key, limiter: limiter.clone(), value: None, held: vec![] }
@@ -116,12 +116,12 @@ impl Key for RedisKey {
     /// only be sent once the decision is back, and on a loaded machine that takes longer than a
     /// millisecond now and then: a charged key that expired meanwhile is put back as it was
     /// before the call, and the call decided again, which must give the same decision.
-    fn acquire(&mut self, now: Nanos, cost: u64) -> Decision {
+    fn acquire(&mut self, now: u64, cost: u64) -> Decision {
         let redis = &*self.redis;
         let lease = Lease::new();
         // In-flight slots have no clock, but their leases run on Redis's own, which the release
         // script reads: they are taken on it too (a lease lasts 30 s, far longer than a case).
-        let at = (!self.limiter.holds_slots()).then_some(now);
+        let at = (!self.limiter.holds_slots()).then_some(Nanos::new(now));
         let mut first: Option<Decision> = None;
         for _ in 0..ATTEMPTS {
             let check = Check { key: &self.key, limiter: &self.limiter, cost, shadow: false };
@@ -131,7 +131,7 @@ impl Key for RedisKey {
             };
             // Slots were decided on Redis's own clock; the suite's is the one its properties
             // speak of.
-            decision.at = now;
+            decision.at = Nanos::new(now);
             assert_eq!(*first.get_or_insert(decision), decision, "{}: the same call decided twice", self.key);
             let mut pinned = redis::pipe();
             pinned.cmd("PERSIST").arg(&self.key).cmd("GET").arg(&self.key);
@@ -179,15 +179,18 @@ impl Key for RedisKey {
 
     /// As `acquire`: the key loses its TTL after the script, and a state that expired in real
     /// time before that is put back and the settlement sent again.
-    fn give_back(&mut self, now: Nanos, units: u64, taken: Taken) {
+    fn give_back(&mut self, now: u64, units: u64, taken: Taken) {
         let redis = &*self.redis;
         let by = Adjustment::Return { units, taken };
         for _ in 0..ATTEMPTS {
-            let level =
-                match redis.runtime.block_on(redis.store.adjust(&[(&self.key, &self.limiter, by)], None, Some(now))) {
-                    Ok(level) => level,
-                    Err(e) => panic!("give back on {}: {e}", self.key),
-                };
+            let level = match redis.runtime.block_on(redis.store.adjust(
+                &[(&self.key, &self.limiter, by)],
+                None,
+                Some(Nanos::new(now)),
+            )) {
+                Ok(level) => level,
+                Err(e) => panic!("give back on {}: {e}", self.key),
+            };
             let mut pinned = redis::pipe();
             pinned.cmd("PERSIST").arg(&self.key).cmd("GET").arg(&self.key);
             let mut admin = redis.admin.clone();
@@ -195,7 +198,7 @@ impl Key for RedisKey {
                 redis.runtime.block_on(pinned.query_async(&mut admin)).expect("PERSIST and GET");
             // A state still short of full is written with a TTL, which PERSIST finds unless it ran
             // out (a full one is deleted: nothing to find).
-            let short_of_full = level.first().is_some_and(|d| d.reset_after > 0);
+            let short_of_full = level.first().is_some_and(|d| d.reset_after > Nanos::ZERO);
             if short_of_full && persisted == 0 {
                 let mut restore = redis::cmd(if self.value.is_some() { "SET" } else { "DEL" });
                 restore.arg(&self.key).arg(&self.value);

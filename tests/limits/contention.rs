@@ -4,6 +4,7 @@
 
 use std::sync::Barrier;
 
+use mcp_ratelimit::clock::Nanos;
 use mcp_ratelimit::limit::{
     Concurrency, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingLog, SlidingWindow, TokenBucket,
 };
@@ -22,7 +23,8 @@ fn hammer(store: &MemoryStore, limiter: &Limiter, now: u64, cost: u64) -> u64 {
                 s.spawn(|| {
                     start.wait();
                     let check = Check { key: "caller:tok:hot", limiter, cost, shadow: false };
-                    (0..CALLS_PER_THREAD).filter(|_| store.decide_one(&check, now).allowed).count() as u64 * cost
+                    (0..CALLS_PER_THREAD).filter(|_| store.decide_one(&check, Nanos::new(now)).allowed).count() as u64
+                        * cost
                 })
             })
             .collect();
@@ -67,18 +69,18 @@ fn costs_are_all_or_nothing_under_contention() {
 
 #[test]
 fn fixed_window_admits_exactly_under_contention() {
-    exact_per_phase(Limiter::FixedWindow(FixedWindow::new(1_000, 60 * SEC)), 1, 60 * SEC, 1_000);
+    exact_per_phase(Limiter::FixedWindow(FixedWindow::new(1_000, Nanos::new(60 * SEC))), 1, 60 * SEC, 1_000);
 }
 
 #[test]
 fn sliding_log_admits_exactly_under_contention() {
-    exact_per_phase(Limiter::SlidingLog(SlidingLog::new(500, 10 * SEC)), 1, 10 * SEC, 500);
+    exact_per_phase(Limiter::SlidingLog(SlidingLog::new(500, Nanos::new(10 * SEC))), 1, 10 * SEC, 500);
 }
 
 #[test]
 fn sliding_window_admits_exactly_under_contention() {
     // Two windows later the previous count no longer weighs: a full limit each phase.
-    exact_per_phase(Limiter::SlidingWindow(SlidingWindow::new(1_000, 10 * SEC)), 1, 20 * SEC, 1_000);
+    exact_per_phase(Limiter::SlidingWindow(SlidingWindow::new(1_000, Nanos::new(10 * SEC))), 1, 20 * SEC, 1_000);
 }
 
 #[test]
@@ -86,6 +88,6 @@ fn concurrency_hands_out_exactly_its_slots_under_contention() {
     let store = MemoryStore::new();
     let limiter = Limiter::Concurrency(Concurrency::new(64));
     assert_eq!(hammer(&store, &limiter, 0, 1), 64);
-    store.release_at("caller:tok:hot", &limiter, 64, 0);
+    store.release_at("caller:tok:hot", &limiter, 64, Nanos::ZERO);
     assert_eq!(hammer(&store, &limiter, 0, 2), 64, "released slots are all there again");
 }

@@ -370,7 +370,7 @@ async fn a_video_settled_in_the_next_window_gives_that_window_nothing() {
         TestServer::start(&config("").replace("[limits.caller]\nburst = 100\nrefill_per_sec = 0.001\n", windowed))
             .await;
     let agent = server.client(Some(KEY)).await;
-    let now_ms = || mcp_ratelimit::clock::Clock::now(&*server.clock) / 1_000_000;
+    let now_ms = || mcp_ratelimit::clock::Clock::now(&*server.clock).as_u64() / 1_000_000;
     server.advance_ms(8_200);
     let accepted = call(&agent, "generate_image_to_video", video(10)).await;
     assert_eq!(structured(&accepted)["reserved"], 30, "{}", text(&accepted));

@@ -25,12 +25,11 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
 use serde_json::json;
 
-const MS: Nanos = 1_000_000;
-const SEC: Nanos = 1_000_000_000;
+const SEC: Nanos = Nanos::from_secs(1);
 /// 2026-01-01T00:00:00Z.
-const EPOCH: Nanos = 1_767_225_600 * SEC;
+const EPOCH: Nanos = Nanos::from_secs(1_767_225_600);
 /// The grain of parity runs' clocks and spans (see the module doc).
-const STEP: Nanos = 250 * MS;
+const STEP: Nanos = Nanos::from_millis(250);
 /// Generous: a loaded CI machine must not turn a slow answer into a failure.
 const TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -286,7 +285,7 @@ async fn a_call_spanning_slots_is_all_or_nothing_across_them() {
     // The away budget has 1 left: a call of 2 is refused there, and the home budget keeps its 8.
     let refused = store.decide_at(&call(2), EPOCH).await.expect("decided");
     assert_eq!(refused.iter().map(|d| d.allowed).collect::<Vec<_>>(), [true, false], "{refused:?}");
-    assert!(refused[1].retry_after > 0);
+    assert!(refused[1].retry_after > Nanos::ZERO);
     assert_eq!(
         remaining_of(&store, &[(&home, &roomy), (&away, &tight)]).await,
         [8, 1],
@@ -356,7 +355,7 @@ async fn leases_of_callers_on_different_nodes_are_renewed_together() {
         .duration_since(std::time::UNIX_EPOCH)
         .expect("after 1970")
         .saturating_sub(Duration::from_secs(1));
-    let second_ago: Nanos = u64::try_from(second_ago.as_micros()).expect("fits") * 1_000;
+    let second_ago: Nanos = Nanos::new(u64::try_from(second_ago.as_micros()).expect("fits") * 1_000);
     let (la, lb) = (Lease::new(), Lease::new());
     for (key, lease) in [(&ka, la), (&kb, lb)] {
         let check = [Check { key, limiter: &slots, cost: 2, shadow: false }];
@@ -457,8 +456,8 @@ async fn an_oauth_clients_budget_spans_tenants_and_servers_on_the_cluster() {
     let wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("now");
     let wall = u64::try_from(wall.as_nanos()).expect("fits");
     let servers = [
-        TestServer::start_on(&config, mcp_ratelimit::clock::ManualClock::starting_at(wall)).await,
-        TestServer::start_on(&config, mcp_ratelimit::clock::ManualClock::starting_at(wall)).await,
+        TestServer::start_on(&config, mcp_ratelimit::clock::ManualClock::starting_at(Nanos::new(wall))).await,
+        TestServer::start_on(&config, mcp_ratelimit::clock::ManualClock::starting_at(Nanos::new(wall))).await,
     ];
     let app = format!("app-{:08x}", rand::random::<u32>());
     let mint = |sub: &str, org: &str| {

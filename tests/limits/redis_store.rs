@@ -26,15 +26,15 @@ use mcp_ratelimit::store::{Lease, StoreError};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
-const MS: Nanos = 1_000_000;
-const SEC: Nanos = 1_000_000_000;
-const DAY: Nanos = 86_400 * SEC;
+const MS: Nanos = Nanos::from_millis(1);
+const SEC: Nanos = Nanos::from_secs(1);
+const DAY: Nanos = Nanos::from_secs(86_400);
 /// 2026-01-01T00:00:00Z: a realistic epoch reading, a multiple of every whole-second window.
-const EPOCH: Nanos = 1_767_225_600 * SEC;
+const EPOCH: Nanos = Nanos::from_secs(1_767_225_600);
 /// Generous: a loaded CI machine must not turn a slow answer into a failure.
 const TIMEOUT: Duration = Duration::from_secs(5);
 /// How close to its `forget_at` a key may be revisited by a parity run (see the module doc).
-const MARGIN: Nanos = 200 * MS;
+const MARGIN: Nanos = Nanos::from_millis(200);
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a tokio runtime")
@@ -75,15 +75,15 @@ enum Step {
 /// costs from 0 to the capacity, so often above what remains; and now and then the limit
 /// changes under the key.
 fn steps(span: Nanos, capacity: u64) -> impl Strategy<Value = Vec<Step>> {
-    let span_us = span / 1_000;
+    let span_us = span.as_u64() / 1_000;
     let gap = prop_oneof![
         5 => Just(0u64),
         2 => Just(span_us),
-        1 => Just(span.div_ceil(1_000)),
+        1 => Just(span.as_u64().div_ceil(1_000)),
         1 => (2..=4u64).prop_map(move |k| k * span_us),
         4 => 1..span_us.max(2),
         1 => 0..span_us.saturating_mul(20).max(1),
-        1 => Just(200 * DAY / 1_000),
+        1 => Just((200 * DAY / 1_000).as_u64()),
     ];
     let step = prop_oneof![
         12 => (gap, 0..=capacity).prop_map(|(gap_us, cost)| Step::Call { gap_us, cost }),
@@ -105,7 +105,7 @@ fn decides_like_its_rust_twin(limiters: Vec<Limiter>) {
         move |i| {
             let span = span_of(&limiters[i]);
             // Start on a window edge, or anywhere within the first span.
-            let phase_us = prop_oneof![Just(0u64), 0..(span / 1_000).max(1)];
+            let phase_us = prop_oneof![Just(0u64), 0..(span.as_u64() / 1_000).max(1)];
             (Just(i), phase_us, steps(span, limiters[i].capacity()))
         }
     });
@@ -115,7 +115,7 @@ fn decides_like_its_rust_twin(limiters: Vec<Limiter>) {
         case.set(case.get() + 1);
         let key = redis.key(&format!("{}:{}", limiter.algorithm(), case.get()));
         let span = span_of(&limiter);
-        let mut now = (EPOCH - EPOCH % span).div_ceil(1_000) * 1_000 + phase_us * 1_000;
+        let mut now = Nanos::new((EPOCH - EPOCH % span).as_u64().div_ceil(1_000) * 1_000 + phase_us * 1_000);
         // None until a call charges it, as in Redis (and `MemoryStore`): a key never written is
         // fresh under whichever limiter decides it first.
         let mut state: Option<LimiterState> = None;
@@ -132,13 +132,13 @@ fn decides_like_its_rust_twin(limiters: Vec<Limiter>) {
                 Step::Scale(factor) => {
                     let scaled = limiter.scaled(factor);
                     // Only limits the Redis store decides exactly (config validation's rule).
-                    if scaled.span() <= 1 << 52 {
+                    if scaled.span() <= Nanos::new(1 << 52) {
                         limiter = scaled;
                     }
                     continue;
                 }
             };
-            now += gap_us * 1_000;
+            now += Nanos::from_micros(gap_us);
             if let Some((forget_at, writer)) = soon.take() {
                 now = now.max(forget_at);
                 // As good as fresh under the limiter that wrote it, but not necessarily under
@@ -160,7 +160,7 @@ fn decides_like_its_rust_twin(limiters: Vec<Limiter>) {
                 "call {} of {} at {} ns (+{} µs), cost {}",
                 n,
                 limiter.describe(),
-                now,
+                now.as_u64(),
                 gap_us,
                 cost
             );
@@ -168,7 +168,7 @@ fn decides_like_its_rust_twin(limiters: Vec<Limiter>) {
                 let forget_at = limiter.forget_at(&mut next, now);
                 state = Some(next);
                 soon = (forget_at > now && forget_at - now < MARGIN)
-                    .then(|| (forget_at.div_ceil(1_000) * 1_000, limiter.clone()));
+                    .then(|| (Nanos::new(forget_at.as_u64().div_ceil(1_000) * 1_000), limiter.clone()));
             }
         }
         Ok(())
@@ -213,7 +213,7 @@ fn fixed_window_script_decides_like_fixed_window_rs() {
     decides_like_its_rust_twin(vec![
         Limiter::FixedWindow(FixedWindow::new(3, SEC)),
         Limiter::FixedWindow(FixedWindow::new(10, 2_500 * MS)),
-        Limiter::FixedWindow(FixedWindow::new(4, SEC - 1)),
+        Limiter::FixedWindow(FixedWindow::new(4, SEC - Nanos::new(1))),
         Limiter::FixedWindow(FixedWindow::new(20, 30 * DAY)),
     ]);
 }
@@ -223,7 +223,7 @@ fn sliding_log_script_decides_like_sliding_log_rs() {
     decides_like_its_rust_twin(vec![
         Limiter::SlidingLog(SlidingLog::new(3, SEC)),
         Limiter::SlidingLog(SlidingLog::new(6, 2_500 * MS)),
-        Limiter::SlidingLog(SlidingLog::new(4, SEC - 1)),
+        Limiter::SlidingLog(SlidingLog::new(4, SEC - Nanos::new(1))),
         Limiter::SlidingLog(SlidingLog::new(8, 30 * DAY)),
     ]);
 }
@@ -233,7 +233,7 @@ fn sliding_window_script_decides_like_sliding_window_rs() {
     decides_like_its_rust_twin(vec![
         Limiter::SlidingWindow(SlidingWindow::new(3, SEC)),
         Limiter::SlidingWindow(SlidingWindow::new(10, 2_500 * MS)),
-        Limiter::SlidingWindow(SlidingWindow::new(7, SEC - 1)),
+        Limiter::SlidingWindow(SlidingWindow::new(7, SEC - Nanos::new(1))),
         // Counts times windows far beyond 2^53.
         Limiter::SlidingWindow(SlidingWindow::new(1_000, 30 * DAY)),
         Limiter::SlidingWindow(SlidingWindow::new(4_000_000_000, 7 * DAY)),
@@ -426,7 +426,7 @@ async fn sliding_window_weighs_counts_beyond_2_53_exactly() {
     );
     // 3.024 ms into the next window the previous 4e9 weigh exactly 3_999_999_980; their product
     // with the window (about 2^81) is far past 2^53, and a double rounds the weight up to ..._981.
-    let now = edge + 3_024_000;
+    let now = edge + Nanos::new(3_024_000);
     let peek = twins.decide(&[Check { key: &key, limiter: &limiter, cost: 0, shadow: false }], now).await;
     assert_eq!(peek[0].remaining, 20);
     assert!(twins.decide(&[Check { key: &key, limiter: &limiter, cost: 20, shadow: false }], now).await[0].allowed);
@@ -517,18 +517,18 @@ async fn written_keys_expire_at_forget_at_rounded_up_to_the_millisecond() {
         .expect("admin connection");
     // Not on a window edge, and every forget_at a fraction of a millisecond away, so rounding
     // down instead of up would show.
-    let now = EPOCH + 123_457_000;
+    let now = EPOCH + Nanos::new(123_457_000);
     for (limiter, cost) in [
         (Limiter::TokenBucket(TokenBucket::new(10, 3.0)), 4),
         (Limiter::Gcra(Gcra::new(10, 3.0)), 2),
         (Limiter::LeakyBucket(LeakyBucket::new(4, 3.0)), 1),
         (Limiter::FixedWindow(FixedWindow::new(5, 60 * SEC)), 1),
-        (Limiter::SlidingLog(SlidingLog::new(5, 10 * SEC + 1_000)), 2),
+        (Limiter::SlidingLog(SlidingLog::new(5, 10 * SEC + Nanos::new(1_000))), 2),
         (Limiter::SlidingWindow(SlidingWindow::new(5, 10 * SEC)), 3),
     ] {
         let mut state: LimiterState = limiter.fresh(now);
         assert!(limiter.acquire(&mut state, now, cost).allowed);
-        let expected_ms = (limiter.forget_at(&mut state, now) - now).div_ceil(MS);
+        let expected_ms = (limiter.forget_at(&mut state, now) - now).as_u64().div_ceil(1_000_000);
         // The TTL is the key's absolute expiry less the instant Redis set it, which lies between
         // two TIME readings: exact once both fall in one millisecond.
         let mut exact = false;
@@ -694,7 +694,7 @@ async fn a_clock_reading_finer_than_a_microsecond_is_refused() {
     let key = redis.key("k");
     let bucket = Limiter::TokenBucket(TokenBucket::new(10, 1.0));
     let e = store
-        .decide_at(&[Check { key: &key, limiter: &bucket, cost: 1, shadow: false }], EPOCH + 1)
+        .decide_at(&[Check { key: &key, limiter: &bucket, cost: 1, shadow: false }], EPOCH + Nanos::new(1))
         .await
         .expect_err("1 ns");
     assert!(matches!(e, StoreError::OutOfRange(_)), "{e:?}");
@@ -709,8 +709,8 @@ async fn an_unrenewed_lease_runs_out_and_frees_its_slots_and_a_renewed_one_does_
     let slots = Limiter::Concurrency(Concurrency::new(2));
     let (crashed, alive) = (redis.key("crashed"), redis.key("alive"));
     // Both taken half a lease ago, on the script's clock: they run out half a lease from now.
-    let now = redis_time_us(&mut admin).await * 1_000;
-    let half = LEASE.as_nanos() as Nanos / 2;
+    let now = Nanos::from_micros(redis_time_us(&mut admin).await);
+    let half = Nanos::from(LEASE) / 2;
     for key in [&crashed, &alive] {
         let held = store
             .decide_leased(&[Check { key, limiter: &slots, cost: 2, shadow: false }], Lease::new(), Some(now - half))
@@ -848,7 +848,7 @@ fn a_loop_checked_in_the_decision_charges_nothing_and_a_refused_or_blocked_call_
 }
 
 /// The loop twins' window: a call repeated 5 times within it is a loop.
-const LOOP_WINDOW: Nanos = 60 * SEC;
+const LOOP_WINDOW: Nanos = Nanos::from_secs(60);
 /// The loop twins' `no_progress`: the same answer this many times stops the tool.
 const NO_PROGRESS: u32 = 3;
 
@@ -865,7 +865,7 @@ fn the_loop_script_decides_like_the_loop_detector() {
     let store = runtime.block_on(RedisStore::connect(&redis.url, TIMEOUT)).expect("connects to Redis");
     // Calls from a small alphabet (so repeats, A/B runs and streaks are common), now and then a
     // step of time, sometimes a whole window; an answer of two (or none heard).
-    let step = prop_oneof![8 => Just(0u64), 1 => Just(SEC), 1 => Just(LOOP_WINDOW), 1 => Just(LOOP_WINDOW - 1_000)];
+    let step = prop_oneof![8 => Just(Nanos::ZERO), 1 => Just(SEC), 1 => Just(LOOP_WINDOW), 1 => Just(LOOP_WINDOW - Nanos::new(1_000))];
     let answer = prop_oneof![3 => Just(Some(0u128)), 2 => Just(Some(1u128)), 1 => Just(None)];
     let strategy = prop::collection::vec((0..3u8, answer, step), 1..=40);
     let case = std::cell::Cell::new(0);
@@ -981,7 +981,7 @@ fn learners() -> impl Strategy<Value = Learner> {
 /// Answers and overloads: round-trip times from nothing to seconds (any nanosecond), any number
 /// of others in use, steps of whole microseconds, and slots taken before the last cut.
 fn samples() -> impl Strategy<Value = Vec<(Signal, Nanos, usize, u64, u64)>> {
-    let rtt = prop_oneof![1 => Just(0u64), 6 => 1..2 * SEC, 2 => Just(100 * MS), 1 => Just(300 * MS)];
+    let rtt = prop_oneof![1 => Just(Nanos::ZERO), 6 => (1..2_000_000_000u64).prop_map(Nanos::new), 2 => Just(100 * MS), 1 => Just(300 * MS)];
     let signal = prop_oneof![17 => Just(Signal::Accepted), 2 => Just(Signal::Overloaded), 1 => Just(Signal::TimedOut)];
     let sample = (signal, rtt, prop_oneof![1 => Just(0usize), 4 => 0usize..40], 0u64..3_000_000, 0u64..5_000_000);
     prop::collection::vec(sample, 1..=120)
@@ -1001,9 +1001,9 @@ fn learnt_limits_learn_exactly_like_their_rust_twins() {
         let mut learnt = learner.fresh();
         let mut now = EPOCH;
         for (n, (signal, rtt, others, gap_us, back_us)) in samples.into_iter().enumerate() {
-            now += gap_us * 1_000;
+            now += Nanos::from_micros(gap_us);
             // Now and then a slot taken before the last cut: its overload must change nothing.
-            let taken_at = now - back_us.min(now / 1_000 - EPOCH / 1_000) * 1_000;
+            let taken_at = now - Nanos::from_micros(back_us.min((now - EPOCH).as_u64() / 1_000));
             let sample = Sample { signal, rtt, others, taken_at, now };
             learner.learn(&mut learnt, &sample);
             let (got, limit) = runtime
@@ -1060,7 +1060,7 @@ async fn slots_are_claimed_under_the_learnt_limit_in_the_same_script_and_its_key
     assert!(seventh.is_some(), "seven of ten");
     let taken_at = limit.at;
     let learnt = store
-        .learn_sample(at, &Sample { signal: Signal::Overloaded, rtt: 0, others: 6, taken_at, now: taken_at })
+        .learn_sample(at, &Sample { signal: Signal::Overloaded, rtt: Nanos::ZERO, others: 6, taken_at, now: taken_at })
         .await
         .expect("learns");
     assert_eq!((learnt.0.current, learnt.1), (6, 6.0));

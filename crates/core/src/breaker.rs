@@ -16,7 +16,7 @@
 
 use std::sync::Mutex;
 
-use crate::clock::{NANOS_PER_MS, NANOS_PER_SEC, Nanos};
+use crate::clock::Nanos;
 
 /// The breaker of one upstream.
 #[derive(Debug)]
@@ -71,7 +71,7 @@ impl Breaker {
     pub fn new(failures_to_open: u32, cooldown: Nanos) -> Self {
         Self {
             failures_to_open: failures_to_open.max(1),
-            cooldown: cooldown.max(1),
+            cooldown: cooldown.max(Nanos::new(1)),
             phase: Mutex::new(Phase::Closed { failures: 0 }),
         }
     }
@@ -82,10 +82,10 @@ impl Breaker {
         match *phase {
             Phase::Closed { .. } => Ok(Permit::Normal),
             Phase::Open { until } if now < until => Err(refusal(until - now)),
-            Phase::HalfOpen { since } if now.saturating_sub(since) < self.cooldown => {
+            Phase::HalfOpen { since } if now - since < self.cooldown => {
                 // Its outcome is due any moment; if it never comes, the probe counts as lost
                 // a cool-down after it left, and then a new one may go.
-                Err(refusal((since.saturating_add(self.cooldown) - now).min(NANOS_PER_SEC)))
+                Err(refusal((since + self.cooldown - now).min(Nanos::from_secs(1))))
             }
             // The cool-down is over, or the last probe was lost: this call is the probe.
             Phase::Open { .. } | Phase::HalfOpen { .. } => {
@@ -145,23 +145,24 @@ impl Breaker {
     }
 
     fn open(&self, now: Nanos) -> Phase {
-        Phase::Open { until: now.saturating_add(self.cooldown) }
+        Phase::Open { until: now + self.cooldown }
     }
 }
 
 /// A refusal saying to come back in `wait`, but never sooner than 1 ms: a `retry_after_ms` of
 /// 0 would invite an agent to spin.
 fn refusal(wait: Nanos) -> Open {
-    Open { retry_after: wait.max(NANOS_PER_MS) }
+    Open { retry_after: wait.max(Nanos::from_millis(1)) }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::{NANOS_PER_MS as MS, NANOS_PER_SEC as SEC};
+    const MS: Nanos = Nanos::from_millis(1);
+    const SEC: Nanos = Nanos::from_secs(1);
     use std::sync::{Arc, Barrier};
 
-    const COOLDOWN: Nanos = 30 * SEC;
+    const COOLDOWN: Nanos = Nanos::from_secs(30);
 
     fn fail(b: &Breaker, times: u32, now: Nanos) {
         for _ in 0..times {
@@ -173,10 +174,10 @@ mod tests {
     #[test]
     fn opens_after_exactly_n_consecutive_failures() {
         let b = Breaker::new(5, COOLDOWN);
-        fail(&b, 4, 0);
-        b.record(Permit::Normal, true, 0);
-        fail(&b, 4, 0);
-        assert_eq!(b.state(0), BreakerState::Closed);
+        fail(&b, 4, Nanos::ZERO);
+        b.record(Permit::Normal, true, Nanos::ZERO);
+        fail(&b, 4, Nanos::ZERO);
+        assert_eq!(b.state(Nanos::ZERO), BreakerState::Closed);
         fail(&b, 1, SEC);
         assert_eq!(b.state(SEC), BreakerState::Open);
         assert_eq!(b.permit(SEC), Err(Open { retry_after: COOLDOWN }));
@@ -190,14 +191,14 @@ mod tests {
         assert_eq!(b.permit(11 * SEC), Err(Open { retry_after: 29 * SEC }));
         assert_eq!(b.permit(39 * SEC + 250 * MS), Err(Open { retry_after: 750 * MS }));
         // Never under 1 ms, so no one is told to retry in 0 ms.
-        assert_eq!(b.permit(40 * SEC - 1), Err(Open { retry_after: MS }));
+        assert_eq!(b.permit(40 * SEC - Nanos::new(1)), Err(Open { retry_after: MS }));
         assert_eq!(b.permit(40 * SEC), Ok(Permit::Probe));
     }
 
     #[test]
     fn lets_one_probe_through_and_a_good_one_closes() {
         let b = Breaker::new(2, COOLDOWN);
-        fail(&b, 2, 0);
+        fail(&b, 2, Nanos::ZERO);
         assert_eq!(b.state(COOLDOWN), BreakerState::HalfOpen);
         assert_eq!(b.permit(COOLDOWN), Ok(Permit::Probe));
         for t in [COOLDOWN, COOLDOWN + 5 * SEC] {
@@ -215,19 +216,19 @@ mod tests {
     #[test]
     fn a_bad_probe_reopens_for_a_full_cooldown() {
         let b = Breaker::new(1, COOLDOWN);
-        fail(&b, 1, 0);
+        fail(&b, 1, Nanos::ZERO);
         assert_eq!(b.permit(COOLDOWN + SEC), Ok(Permit::Probe));
         b.record(Permit::Probe, false, COOLDOWN + 3 * SEC);
         assert_eq!(b.state(COOLDOWN + 3 * SEC), BreakerState::Open);
         assert_eq!(b.permit(COOLDOWN + 3 * SEC), Err(Open { retry_after: COOLDOWN }));
-        assert_eq!(b.permit(2 * COOLDOWN + 3 * SEC - 1), Err(Open { retry_after: MS }));
+        assert_eq!(b.permit(2 * COOLDOWN + 3 * SEC - Nanos::new(1)), Err(Open { retry_after: MS }));
         assert_eq!(b.permit(2 * COOLDOWN + 3 * SEC), Ok(Permit::Probe));
     }
 
     #[test]
     fn an_abandoned_probe_does_not_wedge_the_breaker() {
         let b = Breaker::new(1, COOLDOWN);
-        fail(&b, 1, 0);
+        fail(&b, 1, Nanos::ZERO);
         assert_eq!(b.permit(COOLDOWN), Ok(Permit::Probe));
         // Its outcome never comes. Near the end, the wait offered is what is left of it.
         assert_eq!(b.permit(2 * COOLDOWN - 200 * MS), Err(Open { retry_after: 200 * MS }));
@@ -240,7 +241,7 @@ mod tests {
     #[test]
     fn late_outcomes_of_normal_calls_do_not_move_an_open_breaker() {
         let b = Breaker::new(1, COOLDOWN);
-        fail(&b, 1, 0);
+        fail(&b, 1, Nanos::ZERO);
         b.record(Permit::Normal, true, SEC);
         assert_eq!(b.state(SEC), BreakerState::Open);
         assert_eq!(b.permit(COOLDOWN), Ok(Permit::Probe));
@@ -252,7 +253,7 @@ mod tests {
     fn eight_threads_after_the_cooldown_get_exactly_one_probe() {
         for _ in 0..50 {
             let b = Arc::new(Breaker::new(1, COOLDOWN));
-            fail(&b, 1, 0);
+            fail(&b, 1, Nanos::ZERO);
             let barrier = Arc::new(Barrier::new(8));
             let threads: Vec<_> = (0..8)
                 .map(|_| {

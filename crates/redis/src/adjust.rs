@@ -76,11 +76,11 @@ impl RedisStore {
             invocation.key(key).arg(limiter.algorithm()).arg(limiter.capacity()).arg(span);
             // A charge's instant was a reading of the script's clock: whole microseconds.
             let (how, units, (taken_us, reset_after)) = match by {
-                Adjustment::Refund(units) => ("refund", units, (0, 0)),
-                Adjustment::Charge(units) => ("charge", units, (0, 0)),
+                Adjustment::Refund(units) => ("refund", units, (0, Nanos::ZERO)),
+                Adjustment::Charge(units) => ("charge", units, (0, Nanos::ZERO)),
                 Adjustment::Return { units, taken } => ("return", units, (micros(taken.at)?, taken.reset_after)),
             };
-            invocation.arg(how).arg(units).arg(taken_us).arg(reset_after.min(MAX_SPAN));
+            invocation.arg(how).arg(units).arg(taken_us).arg(reset_after.min(MAX_SPAN).as_u64());
         }
         if let Some(mark) = once {
             invocation.key(mark);

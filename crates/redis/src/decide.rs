@@ -253,7 +253,7 @@ impl RedisStore {
             })
             .collect();
         // At the decision's clock reading when it was given one (a test's), else Redis's.
-        if let Err(error) = self.adjust(&budgets, None, now_us.map(|us| us.saturating_mul(1_000))).await {
+        if let Err(error) = self.adjust(&budgets, None, now_us.map(Nanos::from_micros)).await {
             tracing::warn!(%error, "could not give back a refused call's charge on another hash slot");
         }
     }
@@ -286,7 +286,7 @@ impl RedisStore {
             Some(call) => {
                 let (signature, tool) = (hex(call.signature), hex(call.tool_signature));
                 let said = |h: &[u8; 32]| String::from_utf8_lossy(h).into_owned();
-                invocation.arg(call.window.div_ceil(1_000)).arg(call.repeats).arg(format!(
+                invocation.arg(call.window.as_u64().div_ceil(1_000)).arg(call.repeats).arg(format!(
                     "{} {}",
                     said(&signature),
                     said(&tool)
@@ -315,13 +315,13 @@ impl RedisStore {
         }
         let mut reply: Vec<i64> = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
         if let [-2, retry_after_us, pattern] = reply[..] {
-            let retry_after = u64::try_from(retry_after_us).unwrap_or(0).saturating_mul(1_000);
+            let retry_after = Nanos::from_micros(u64::try_from(retry_after_us).unwrap_or(0));
             return Ok((Verdict::Looping { retry_after, pattern: Pattern::from_code(pattern) }, None));
         }
         if let [-1, place, left_ms] = reply[..] {
             let index = usize::try_from(place - 1).ok().filter(|i| *i < blocks.len());
             let index = index.ok_or_else(|| self.malformed(format!("block reply {reply:?}")))?;
-            let left = u64::try_from(left_ms).unwrap_or(0).saturating_mul(mcp_ratelimit_kernel::clock::NANOS_PER_MS);
+            let left = Nanos::from_millis(u64::try_from(left_ms).unwrap_or(0));
             return Ok((Verdict::Blocked { index, left }, None));
         }
         // Last, the script's clock: when every charge of the call landed.
@@ -344,7 +344,7 @@ impl RedisStore {
     pub(super) fn clock_of(&self, now_us: Option<i64>) -> Result<Nanos, StoreError> {
         let now_us = now_us.ok_or_else(|| self.malformed("a reply without the script's clock".into()))?;
         let now_us = u64::try_from(now_us).map_err(|_| self.malformed(format!("clock reading {now_us}")))?;
-        Ok(now_us.saturating_mul(1_000))
+        Ok(Nanos::from_micros(now_us))
     }
 
     /// Reads the script's reply: [`REPLY_FIELDS`] integers per check, decided `at`.
@@ -361,8 +361,8 @@ impl RedisStore {
                     allowed: d[0] == 1,
                     limit: unsigned(d[1])?,
                     remaining: unsigned(d[2])?,
-                    retry_after: unsigned(d[3])?,
-                    reset_after: unsigned(d[4])?,
+                    retry_after: Nanos::new(unsigned(d[3])?),
+                    reset_after: Nanos::new(unsigned(d[4])?),
                     at,
                 })
             })

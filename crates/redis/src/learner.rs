@@ -90,12 +90,12 @@ impl RedisStore {
             Some(Signal::TimedOut) => "2",
             None => "",
         });
-        invocation.arg(rtt).arg(taken_us).arg(others.map_or_else(String::new, |n| n.to_string()));
+        invocation.arg(rtt.as_u64()).arg(taken_us).arg(others.map_or_else(String::new, |n| n.to_string()));
         let (current, limit, now_us): (i64, String, i64) =
             bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
         let limit = limit.parse::<f64>().map_err(|_| self.malformed(format!("learn.lua answered limit {limit:?}")))?;
         let unsigned = |v: i64| u64::try_from(v).map_err(|_| self.malformed(format!("negative value {v}")));
-        Ok((SharedLimit { current: unsigned(current)?, at: unsigned(now_us)?.saturating_mul(1_000) }, limit))
+        Ok((SharedLimit { current: unsigned(current)?, at: Nanos::from_micros(unsigned(now_us)?) }, limit))
     }
 }
 
@@ -118,11 +118,11 @@ impl SharedLearner for RedisStore {
         taken_at: Nanos,
     ) -> StoreFuture<'a, SharedLimit> {
         // `taken_at` is a reading of the scripts' own clock: whole microseconds.
-        let taken_us = taken_at / 1_000;
+        let taken_us = taken_at.as_u64() / 1_000;
         Box::pin(async move { Ok(self.run_learn(at, Some(signal), rtt, taken_us, None, None).await?.0) })
     }
 
     fn learnt<'a>(&'a self, at: LearntAt<'a>) -> StoreFuture<'a, SharedLimit> {
-        Box::pin(async move { Ok(self.run_learn(at, None, 0, 0, None, None).await?.0) })
+        Box::pin(async move { Ok(self.run_learn(at, None, Nanos::ZERO, 0, None, None).await?.0) })
     }
 }

@@ -3,6 +3,7 @@
 //! algorithm's twin to judge and take a job's slots and gap in the same step as its turn).
 
 use super::{GiveBack, RedisStore, StoreError, Unanswered, bounded, learner};
+use mcp_ratelimit_kernel::clock::Nanos;
 use mcp_ratelimit_kernel::store::{
     JoinAt, LINE_ALIVE, LearntAt, LineAnswer, LineAt, LineClaim, LineEntry, LineWait, SharedLimit, SharedLine,
     StoreFuture,
@@ -109,7 +110,7 @@ impl RedisStore {
                 let job = fields.next().cloned().ok_or_else(|| self.malformed("a claim without its job".into()))?;
                 let now_us: u64 = self.number("a clock", fields.next())?;
                 let current: i64 = self.number("a limit", fields.next())?;
-                let at = now_us.saturating_mul(1_000);
+                let at = Nanos::from_micros(now_us);
                 let limit = u64::try_from(current).ok().map(|current| SharedLimit { current, at });
                 Ok((LineAnswer::Go { job, at, limit }, dropped(fields.next())))
             }
@@ -126,7 +127,7 @@ impl RedisStore {
                 while let Some(job) = fields.next() {
                     mine.push((job.clone(), self.number("a place", fields.next())?));
                 }
-                Ok((LineAnswer::Wait { why, wake: u64::try_from(wake).ok(), mine, complete }, dropped))
+                Ok((LineAnswer::Wait { why, wake: u64::try_from(wake).ok().map(Nanos::new), mine, complete }, dropped))
             }
             other => Err(self.malformed(format!("line.lua answered {other:?}"))),
         }

@@ -30,7 +30,7 @@ impl RedisStore {
         let now_us = now.map(micros).transpose()?;
         let mut invocation = self.loop_answer.key(heard.key);
         invocation.arg(now_us.map_or_else(String::new, |us| us.to_string()));
-        invocation.arg(heard.window.div_ceil(1_000)).arg(heard.repeats.max(2));
+        invocation.arg(heard.window.as_u64().div_ceil(1_000)).arg(heard.repeats.max(2));
         let (signature, tool, answer) = (hex(heard.signature), hex(heard.tool_signature), hex(heard.answer));
         let said = |h: &[u8; 32]| String::from_utf8_lossy(h).into_owned();
         invocation.arg(format!("{} {} {} {}", said(&signature), said(&tool), said(&answer), heard.no_progress));
@@ -39,7 +39,7 @@ impl RedisStore {
             [same, stopped_for_us] => Ok(Streaked {
                 same: u32::try_from(same).unwrap_or(u32::MAX).max(1),
                 stopped_for: (stopped_for_us > 0)
-                    .then(|| u64::try_from(stopped_for_us).unwrap_or(0).saturating_mul(1_000)),
+                    .then(|| Nanos::from_micros(u64::try_from(stopped_for_us).unwrap_or(0))),
             }),
             _ => Err(self.malformed(format!("loop_answer.lua answered {reply:?}"))),
         }

@@ -98,10 +98,7 @@ impl RedisStore {
         let mut command = ::redis::cmd("PTTL");
         command.arg(key);
         let left: i64 = bounded(&self.address, self.timeout, self.connection.query(&command)).await?;
-        Ok(u64::try_from(left)
-            .ok()
-            .filter(|ms| *ms > 0)
-            .map(|ms| ms.saturating_mul(mcp_ratelimit_kernel::clock::NANOS_PER_MS)))
+        Ok(u64::try_from(left).ok().filter(|ms| *ms > 0).map(Nanos::from_millis))
     }
 
     /// Adds one to the counter at `key` and returns it (a signal every instance can watch).

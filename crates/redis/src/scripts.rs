@@ -47,7 +47,7 @@ pub(super) const LOOP_ANSWER_SCRIPT: &str =
 
 /// The longest bucket (capacity × period) or window, in ns, the scripts decide exactly: two of
 /// them added still fit in the 53 bits of a Lua number's integer range.
-pub(super) const MAX_SPAN: Nanos = 1 << 52;
+pub(super) const MAX_SPAN: Nanos = Nanos::new(1 << 52);
 
 /// Integers the scripts hold exactly (a clock reading in microseconds must stay below).
 pub(super) const MAX_EXACT: u64 = 1 << 53;
@@ -65,6 +65,7 @@ pub(super) fn hex(signature: u128) -> [u8; 32] {
 
 /// A clock reading in whole epoch microseconds below 2^53, as the scripts read time.
 pub(super) fn micros(now: Nanos) -> Result<u64, StoreError> {
+    let now = now.as_u64();
     if !now.is_multiple_of(1_000) || now / 1_000 >= MAX_EXACT {
         return Err(StoreError::OutOfRange(format!(
             "clock reading {now} ns: the Redis store reads time in whole microseconds below 2^53"
@@ -77,8 +78,8 @@ pub(super) fn micros(now: Nanos) -> Result<u64, StoreError> {
 pub(super) const REPLY_FIELDS: usize = 5;
 
 /// The span the scripts take for a check's limiter (a bucket's period, a window's length, 0 for
-/// in-flight slots), once the check is known to be decidable exactly.
-pub(super) fn script_span(check: &Check<'_>) -> Result<Nanos, StoreError> {
+/// in-flight slots), in nanoseconds, once the check is known to be decidable exactly.
+pub(super) fn script_span(check: &Check<'_>) -> Result<u64, StoreError> {
     let limiter = check.limiter;
     let capacity = limiter.capacity();
     let out_of_range =
@@ -86,15 +87,15 @@ pub(super) fn script_span(check: &Check<'_>) -> Result<Nanos, StoreError> {
     if check.cost > capacity {
         return Err(out_of_range(format!("cost {} is above its capacity {capacity}", check.cost)));
     }
-    if capacity > MAX_SPAN || limiter.policy_window().unwrap_or(0) > MAX_SPAN {
+    if capacity > MAX_SPAN.as_u64() || limiter.policy_window().unwrap_or(Nanos::ZERO) > MAX_SPAN {
         return Err(out_of_range(format!(
             "its bucket or window exceeds {} days, the most the Redis store decides exactly",
-            MAX_SPAN / (86_400 * mcp_ratelimit_kernel::clock::NANOS_PER_SEC)
+            MAX_SPAN.as_u64() / (86_400 * mcp_ratelimit_kernel::clock::NANOS_PER_SEC)
         )));
     }
     Ok(match limiter.shape() {
-        Shape::Rate { period } => period,
-        Shape::Window { window } => window,
+        Shape::Rate { period } => period.as_u64(),
+        Shape::Window { window } => window.as_u64(),
         Shape::Slots => 0,
     })
 }

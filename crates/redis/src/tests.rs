@@ -1,6 +1,7 @@
 //! The store's own unit tests: what is refused before anything is sent, the URLs it takes, and
 //! a script for every algorithm. (The tests against a live Redis are in `tests/limits/`.)
 
+use mcp_ratelimit_kernel::clock::Nanos;
 use mcp_ratelimit_kernel::limit::{FixedWindow, Limiter, TokenBucket};
 use mcp_ratelimit_kernel::store::Check;
 
@@ -10,7 +11,10 @@ use crate::scripts::{DECIDE_SCRIPT, LEARN_SCRIPT, script_span};
 
 #[test]
 fn checks_beyond_exact_integers_are_refused_before_sending() {
-    let year = Limiter::FixedWindow(FixedWindow::new(10, 365 * 86_400 * mcp_ratelimit_kernel::clock::NANOS_PER_SEC));
+    let year = Limiter::FixedWindow(FixedWindow::new(
+        10,
+        Nanos::new(365 * 86_400 * mcp_ratelimit_kernel::clock::NANOS_PER_SEC),
+    ));
     let e =
         script_span(&Check { key: "k", limiter: &year, cost: 1, shadow: false }).expect_err("a year is beyond 2^52 ns");
     assert!(e.to_string().contains("52 days"), "{e}");

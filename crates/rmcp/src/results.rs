@@ -166,7 +166,13 @@ mod tests {
     #[test]
     fn a_result_gives_back_the_refusal_it_carries() {
         let busy = Refusal::busy("generate_image", "in_flight:caller:x".into(), 5);
-        let rate = Refusal::rate_limited("list_articles", "caller:x".into(), 60, 0, 1_000_000_000);
+        let rate = Refusal::rate_limited(
+            "list_articles",
+            "caller:x".into(),
+            60,
+            0,
+            mcp_ratelimit_core::clock::Nanos::from_secs(1),
+        );
         for refusal in [busy, rate] {
             let result = tool_result(&refusal);
             assert_eq!(result.is_error, Some(true));

@@ -207,7 +207,7 @@ pub(crate) fn report(view: JobView) -> Result<CallToolResult, ErrorData> {
             format!(
                 "Prediction {id} is {}{place}. Call get_prediction again in {} seconds.",
                 status_word(status),
-                wait_secs(wait.unwrap_or(0))
+                wait_secs(wait.unwrap_or(Nanos::ZERO))
             )
         }
     };
@@ -220,7 +220,7 @@ pub(crate) fn report(view: JobView) -> Result<CallToolResult, ErrorData> {
             status: prediction.status,
             output: prediction.output,
             error: prediction.error,
-            next_poll_in_seconds: pending.then(|| wait_secs(wait.unwrap_or(0))),
+            next_poll_in_seconds: pending.then(|| wait_secs(wait.unwrap_or(Nanos::ZERO))),
             queue_position,
             reserved,
             charged,
@@ -240,7 +240,7 @@ fn charged_words(reserved: Option<u64>, charged: Option<u64>) -> String {
 fn submitted(view: JobView) -> Result<CallToolResult, ErrorData> {
     let id = view.prediction.id.clone();
     let what = if view.prediction.kind == PredictionKind::Image { "Image" } else { "Video" };
-    let hint = wait_secs(view.wait.unwrap_or(0));
+    let hint = wait_secs(view.wait.unwrap_or(Nanos::ZERO));
     let queue_position = view.queue_ahead.map(|ahead| ahead + 1);
     let place = queue_position
         .map(|p| format!(" It is {} in the queue for submission to the upstream.", ordinal(p)))

@@ -175,7 +175,7 @@ impl McpServer {
             .pending_of(caller.id())
             .into_iter()
             .map(|v| JobInFlight {
-                next_poll_in_seconds: wait_secs(v.wait.unwrap_or(0)),
+                next_poll_in_seconds: wait_secs(v.wait.unwrap_or(crate::clock::Nanos::ZERO)),
                 queue_position: v.queue_ahead.map(|ahead| ahead + 1),
                 predict_id: v.prediction.id,
                 kind: v.prediction.kind,
@@ -201,7 +201,7 @@ impl McpServer {
             max_waiting: rules.max_waiting,
             videos_waiting: occupancy.waiting_of(VIDEO),
             max_videos_waiting: videos.and_then(|c| c.queue_max).unwrap_or(0),
-            video_min_gap_ms: videos.and_then(|c| c.min_gap).unwrap_or(0) / crate::clock::NANOS_PER_MS,
+            video_min_gap_ms: videos.and_then(|c| c.min_gap).unwrap_or_default().as_u64() / crate::clock::NANOS_PER_MS,
             unverified_share: caller.unverified_from().map(|_| UnverifiedShare {
                 in_flight: occupancy.unverified_in_flight,
                 max_in_flight: rules.unverified_slots,

@@ -13,7 +13,7 @@ impl Jobs {
         let upstream_id = self.book().get(id).filter(|j| !j.last.status.is_terminal()).map(|j| j.upstream_id.clone());
         let Some(upstream_id) = upstream_id else { return };
         self.queue.remove(id);
-        let secs = self.rules.expiry / NANOS_PER_SEC;
+        let secs = self.rules.expiry.as_u64() / NANOS_PER_SEC;
         self.fail(id, format!("the job did not finish within {secs} seconds and was given up"));
         if let Some(upstream_id) = upstream_id {
             let answer = self.upstream.cancel_prediction(&upstream_id).await;

@@ -54,8 +54,7 @@ impl Snapshot {
             tenant: job.owner.tenant.clone(),
             prediction: job.last.clone(),
             upstream_id: job.upstream_id.clone(),
-            next_poll_unix_ms: unix_ms(SystemTime::now())
-                .saturating_add(job.next_poll_at.saturating_sub(now) / 1_000_000),
+            next_poll_unix_ms: unix_ms(SystemTime::now()).saturating_add((job.next_poll_at - now).as_u64() / 1_000_000),
             created_unix_ms: unix_ms(job.created),
             version: job.published,
             is_final: job.last.status.is_terminal(),
@@ -197,7 +196,7 @@ impl Publisher {
 
 /// How long snapshots and the set of jobs in flight are kept after their last write.
 pub(super) fn keep() -> Duration {
-    Duration::from_nanos(KEEP_FOR)
+    KEEP_FOR.to_duration()
 }
 
 pub(super) fn snapshot_key(id: &str) -> String {
@@ -247,7 +246,7 @@ impl Jobs {
 
     pub(super) fn view_of_snapshot(snapshot: Snapshot) -> JobView {
         let pending = !snapshot.prediction.status.is_terminal();
-        let wait = snapshot.next_poll_unix_ms.saturating_sub(unix_ms(SystemTime::now())).saturating_mul(1_000_000);
+        let wait = Nanos::from_millis(snapshot.next_poll_unix_ms.saturating_sub(unix_ms(SystemTime::now())));
         JobView {
             prediction: snapshot.prediction,
             wait: pending.then_some(wait),
@@ -380,7 +379,7 @@ impl Jobs {
         let unreachable =
             |e: crate::store::StoreError| UpstreamError::Unavailable(format!("cannot ask for the cancel: {e}"));
         let Some(redis) = &self.shared else { return Ok(None) };
-        redis.set_add(CANCEL_REQUESTS_KEY, id, Duration::from_nanos(KEEP_FOR)).await.map_err(unreachable)?;
+        redis.set_add(CANCEL_REQUESTS_KEY, id, KEEP_FOR.to_duration()).await.map_err(unreachable)?;
         let asked = std::time::Instant::now();
         loop {
             tokio::time::sleep(CANCEL_REQUESTS_EVERY / 4).await;

@@ -42,7 +42,7 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
+use crate::clock::{Nanos, SharedClock};
 use crate::guard::{Handed, Held};
 use crate::metrics::Metrics;
 use crate::store::StoreError;
@@ -63,7 +63,7 @@ use mirror::{Outbox, unix_ms};
 
 /// Final jobs are remembered this long after their last change, so a late poll still reads
 /// the result (and re-reading it stays free).
-const KEEP_FOR: Nanos = 3_600 * NANOS_PER_SEC;
+const KEEP_FOR: Nanos = Nanos::from_secs(3_600);
 /// The set of `predict_id`s of jobs not yet final on any instance, so an operator on one
 /// instance can list the others' (their snapshots say the rest).
 const IN_FLIGHT_KEY: &str = "{upstream}job:in_flight";
@@ -230,7 +230,7 @@ pub struct Jobs {
 type Book = HashMap<String, Job>;
 
 /// How long a job of another instance found pending stays known as such without another poll.
-const PENDING_ELSEWHERE_FOR: Nanos = 600 * NANOS_PER_SEC;
+const PENDING_ELSEWHERE_FOR: Nanos = Nanos::from_secs(600);
 
 /// The most jobs of other instances remembered as pending: past it, new ones are not (their
 /// polls count towards a loop, as before).
@@ -239,10 +239,6 @@ const PENDING_ELSEWHERE_MAX: usize = 10_000;
 fn lock_book(book: &Mutex<Book>) -> MutexGuard<'_, Book> {
     // Jobs are replaced field by field under the lock, never left half-written.
     book.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn nanos(d: Duration) -> Nanos {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 impl Jobs {
@@ -302,7 +298,7 @@ impl Jobs {
         let now = self.clock.now();
         let mut book = self.book();
         let before = book.len();
-        book.retain(|_, j| !j.last.status.is_terminal() || now.saturating_sub(j.updated_at) < KEEP_FOR);
+        book.retain(|_, j| !j.last.status.is_terminal() || now - j.updated_at < KEEP_FOR);
         before - book.len()
     }
 }

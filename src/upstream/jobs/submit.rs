@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::watching::watch_span;
-use super::{Job, JobView, Jobs, Owner, Queued, nanos};
+use super::{Job, JobView, Jobs, Owner, Queued};
 use crate::clock::Nanos;
 use crate::guard::{Admission, Held, TakeOnce};
 use crate::upstream::UpstreamError;
@@ -100,9 +100,9 @@ impl Jobs {
             owner: owner.clone(),
             class,
             upstream_id,
-            next_poll_at: now.saturating_add(self.hint(class)),
+            next_poll_at: now + self.hint(class),
             updated_at: now,
-            expires_at: now.saturating_add(self.rules.expiry),
+            expires_at: now + self.rules.expiry,
             created: SystemTime::now(),
             may_have_run: false,
             reserved: held.units(),
@@ -163,7 +163,7 @@ impl Jobs {
             let Ok(account) = turn.await else { return false };
             let span = tracing::Span::current();
             if !span.is_disabled() {
-                let waited_ms = self.clock.now().saturating_sub(queued_at) / crate::clock::NANOS_PER_MS;
+                let waited_ms = (self.clock.now() - queued_at).as_u64() / crate::clock::NANOS_PER_MS;
                 span.record("upstream.queue.waited_ms", waited_ms);
                 span.record("upstream.queue.tries", u32::saturating_add(failed, 1));
             }
@@ -200,7 +200,7 @@ impl Jobs {
                 Err(UpstreamError::CircuitOpen { retry_after }) => {
                     // Nothing was sent: wait out the cool-down without spending an attempt.
                     drop(account);
-                    turn = retry_at(now.saturating_add(retry_after));
+                    turn = retry_at(now + retry_after);
                 }
                 Err(error) if error.is_transient() => {
                     // Nothing runs upstream while we back off: the slot goes to the next job.
@@ -215,7 +215,7 @@ impl Jobs {
                     match next {
                         Retry::After(delay) if self.retry_budget.try_retry(now) => {
                             self.metrics.upstream_retry("submission", error.outcome());
-                            turn = retry_at(now.saturating_add(nanos(delay)));
+                            turn = retry_at(now + Nanos::from(delay));
                         }
                         Retry::After(_) => {
                             self.fail(id, format!("the upstream failed ({error}) and the retry budget is spent"));

@@ -25,9 +25,9 @@ impl Jobs {
         let class = job.class;
         let wait = pending.then(|| match (&job.upstream_id, queued) {
             // Not submitted yet: the time in the queue, then the first useful poll.
-            (None, Some(place)) => self.queue_wait(&book, class, place, now).saturating_add(self.hint(class)),
+            (None, Some(place)) => self.queue_wait(&book, class, place, now) + self.hint(class),
             (None, None) => self.hint(class),
-            (Some(_), _) => job.next_poll_at.saturating_sub(now),
+            (Some(_), _) => job.next_poll_at - now,
         });
         Some(JobView {
             prediction: job.last.clone(),
@@ -44,7 +44,7 @@ impl Jobs {
     fn turnover(book: &HashMap<String, Job>, now: Nanos) -> Option<Nanos> {
         book.values()
             .filter(|j| j.upstream_id.is_some() && !j.last.status.is_terminal())
-            .map(|j| j.next_poll_at.saturating_sub(now))
+            .map(|j| j.next_poll_at - now)
             .min()
     }
 
@@ -56,18 +56,18 @@ impl Jobs {
         let rules = self.queue.rules();
         let gaps = match rules.classes.get(class).and_then(|c| c.min_gap) {
             Some(gap) => {
-                let gap_left = self.queue.next_at(class).saturating_sub(now);
-                gap_left.saturating_add(gap.saturating_mul(place.alike_ahead as u64))
+                let gap_left = self.queue.next_at(class) - now;
+                gap_left + gap * place.alike_ahead as u64
             }
-            None => 0,
+            None => Nanos::ZERO,
         };
         let free = rules.max_in_flight.saturating_sub(self.queue.occupancy().in_flight);
         let account = if place.ahead < free {
-            0
+            Nanos::ZERO
         } else {
             let rounds = ((place.ahead - free) / rules.max_in_flight.max(1)) as u64;
             let first = Self::turnover(book, now).unwrap_or(self.rules.turnover);
-            first.saturating_add(self.rules.turnover.saturating_mul(rounds))
+            first + self.rules.turnover * rounds
         };
         gaps.max(account)
     }
@@ -78,8 +78,9 @@ impl Jobs {
     pub(crate) fn place_frees_in(&self) -> Nanos {
         let now = self.clock.now();
         let account_full = self.queue.occupancy().in_flight >= self.queue.slots();
-        let turnover = if account_full { Self::turnover(&self.book(), now).unwrap_or(self.rules.turnover) } else { 0 };
-        turnover.max(self.queue.gaps_left(now)).max(1)
+        let turnover =
+            if account_full { Self::turnover(&self.book(), now).unwrap_or(self.rules.turnover) } else { Nanos::ZERO };
+        turnover.max(self.queue.gaps_left(now)).max(Nanos::new(1))
     }
 
     /// An agent's poll: the job as it stands, never a request to the upstream. When the
@@ -140,7 +141,7 @@ impl Jobs {
             elsewhere.retain(|_, until| now < *until);
         }
         if elsewhere.len() < PENDING_ELSEWHERE_MAX || elsewhere.contains_key(&key) {
-            elsewhere.insert(key, now.saturating_add(PENDING_ELSEWHERE_FOR));
+            elsewhere.insert(key, now + PENDING_ELSEWHERE_FOR);
         }
     }
 

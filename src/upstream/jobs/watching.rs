@@ -2,7 +2,7 @@
 //! final; each answer is recorded, and a final job gives back its slots and settles its price
 //! ([`Held::finish`]).
 
-use super::{Job, Jobs, lock_book, nanos};
+use super::{Job, Jobs, lock_book};
 use crate::clock::Nanos;
 use crate::guard::{Held, Used};
 use crate::upstream::UpstreamError;
@@ -43,7 +43,7 @@ impl Jobs {
                     match next {
                         Retry::After(delay) => {
                             self.metrics.upstream_retry("poll", error.outcome());
-                            self.poll_again_in(id, nanos(delay));
+                            self.poll_again_in(id, Nanos::from(delay));
                         }
                         Retry::GiveUp(why) => {
                             self.fail(id, format!("lost track of the job: {why} (last answer: {error})"));
@@ -84,7 +84,7 @@ impl Jobs {
                 return true;
             }
             prediction.id = id.to_owned();
-            job.next_poll_at = asked.saturating_add(self.hint(job.class));
+            job.next_poll_at = asked + self.hint(job.class);
             job.updated_at = now;
             is_final = prediction.status.is_terminal();
             job.last = prediction;
@@ -125,7 +125,7 @@ impl Jobs {
 
     fn poll_again_in(&self, id: &str, delay: Nanos) {
         if let Some(job) = self.book().get_mut(id) {
-            job.next_poll_at = self.clock.now().saturating_add(delay);
+            job.next_poll_at = self.clock.now() + delay;
             job.changed.send_modify(|v| *v += 1);
         }
         self.publish(id);

@@ -93,7 +93,7 @@ impl QueuePlace {
             Claim::Wait(wait, blocker) => {
                 let mut state = queue.state();
                 counted.give_back(&mut state);
-                let until = queue.clock.now().saturating_add(wait);
+                let until = queue.clock.now() + wait;
                 match blocker {
                     Blocker::UnverifiedShare => state.unverified_full_until = until,
                     Blocker::Account | Blocker::Gap => state.account_full_until = until,
@@ -111,7 +111,7 @@ impl QueuePlace {
         let mut state = self.queue.state();
         self.release_place(&mut state);
         let quantum = flow.quantum.clamp(0.01, 1000.0);
-        let job = Waiting::new(id, self.class, self.standing, 0, turn);
+        let job = Waiting::new(id, self.class, self.standing, crate::clock::Nanos::ZERO, turn);
         state.push(flow.name, quantum, job, false);
         drop(state);
         self.queue.changed.notify_waiters();

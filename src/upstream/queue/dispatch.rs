@@ -64,7 +64,7 @@ impl FairQueue {
                     if listening {
                         // Another instance freed a slot: what it said full may not be any more.
                         let mut state = self.state();
-                        (state.account_full_until, state.unverified_full_until) = (0, 0);
+                        (state.account_full_until, state.unverified_full_until) = (Nanos::ZERO, Nanos::ZERO);
                     } else {
                         freed = None;
                     }
@@ -90,7 +90,7 @@ impl FairQueue {
                     }
                     let counted = Counted::take(self, &mut state, job.standing);
                     if let Some(gap) = self.class(job.class).and_then(|c| c.min_gap) {
-                        state.set_next_at(job.class, now.saturating_add(gap));
+                        state.set_next_at(job.class, now + gap);
                     }
                     (Some((job, counted)), None)
                 }
@@ -105,7 +105,7 @@ impl FairQueue {
                     // this class within its gap: back to the front, until the store says.
                     let mut state = self.state();
                     counted.give_back(&mut state);
-                    let until = self.clock.now().saturating_add(wait);
+                    let until = self.clock.now() + wait;
                     match blocker {
                         Blocker::Account => state.account_full_until = until,
                         Blocker::UnverifiedShare => state.unverified_full_until = until,

@@ -224,9 +224,9 @@ impl FairQueue {
             Ok(LineAnswer::Wait { wake, mine, complete, .. }) => {
                 self.state().heard_places(&mine, complete);
                 // A slot freed anywhere is heard at once; the retry covers a message lost.
-                let wait = wake.map_or(ACCOUNT_RETRY, |w| w.clamp(1, ACCOUNT_RETRY));
+                let wait = wake.map_or(ACCOUNT_RETRY, |w| w.clamp(Nanos::new(1), ACCOUNT_RETRY));
                 let local = self.state().next_wake(&self.rules_now(), now);
-                let at = now.saturating_add(wait);
+                let at = now + wait;
                 LineStep::Wait(Some(local.map_or(at, |l| l.min(at))))
             }
             Err(error) => {

@@ -57,7 +57,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::{Notify, oneshot};
 
-use crate::clock::{NANOS_PER_SEC, Nanos, SharedClock};
+use crate::clock::{Nanos, SharedClock};
 use crate::limit::Limiter;
 use crate::metrics::Metrics;
 use crate::store::{SharedLearner, SharedLine, SlotGuard, Store};
@@ -78,7 +78,7 @@ pub use tiers::{Standing, TierRule};
 /// How long an instance waits before asking again for an account slot another instance holds,
 /// unless it hears first that one was freed (a message can be lost: a subscription that dropped),
 /// and before asking a store that failed again.
-const ACCOUNT_RETRY: Nanos = NANOS_PER_SEC;
+const ACCOUNT_RETRY: Nanos = Nanos::from_secs(1);
 
 /// The account, its unverified share and the classes' gaps in a shared store.
 struct Shared {

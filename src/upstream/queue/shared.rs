@@ -16,7 +16,7 @@ use crate::upstream::classes::ClassId;
 impl Shared {
     /// Whether the store failed less than [`ACCOUNT_RETRY`] ago.
     pub(super) fn down(&self, now: Nanos) -> bool {
-        now < self.down_until.load(Ordering::Relaxed)
+        now < Nanos::new(self.down_until.load(Ordering::Relaxed))
     }
 
     /// The store could not answer `what`: logged, counted, and not asked again for a while.
@@ -24,7 +24,7 @@ impl Shared {
         tracing::warn!(%error, "cannot {what} in the shared store; limiting locally for a second");
         self.metrics.account_store_error();
         self.learnt.store(0, Ordering::Relaxed);
-        self.down_until.store(now.saturating_add(ACCOUNT_RETRY), Ordering::Relaxed);
+        self.down_until.store((now + ACCOUNT_RETRY).as_u64(), Ordering::Relaxed);
     }
 
     /// The guard of one slot taken on `key` under `lease`: renewed while held, and given back
@@ -52,7 +52,7 @@ impl FairQueue {
             && let Some((learner, at)) = self.learnt_at(shared)
             && !shared.down(now)
         {
-            match learner.learn(at, signal, now.saturating_sub(slot.taken_at), taken_at).await {
+            match learner.learn(at, signal, now - slot.taken_at, taken_at).await {
                 Ok(limit) => shared.heard(limit),
                 Err(error) => shared.failed(&error, "learn the account's limit", self.clock.now()),
             }
@@ -102,8 +102,8 @@ impl FairQueue {
                 .classes
                 .iter()
                 .map(|(_, class)| {
-                    let gap = class.min_gap.filter(|gap| *gap > 0)?;
-                    let limiter = Limiter::Gcra(Gcra::new(1, NANOS_PER_SEC as f64 / gap as f64));
+                    let gap = class.min_gap.filter(|gap| *gap > Nanos::ZERO)?;
+                    let limiter = Limiter::Gcra(Gcra::new(1, NANOS_PER_SEC as f64 / gap.as_u64() as f64));
                     Some((format!("{{{name}}}{}_gap", class.name), limiter))
                 })
                 .collect();
@@ -173,10 +173,10 @@ impl FairQueue {
             Ok((decisions, _)) => {
                 // The slots first: a gap passes by itself, a slot only when another job ends.
                 let refused = |b: Blocker| blockers.iter().zip(&decisions).find(|(x, d)| **x == b && !d.allowed);
-                let gap = refused(Blocker::Gap).map_or(0, |(_, d)| d.retry_after);
+                let gap = refused(Blocker::Gap).map_or(Nanos::ZERO, |(_, d)| d.retry_after);
                 match [Blocker::Account, Blocker::UnverifiedShare].into_iter().find(|b| refused(*b).is_some()) {
                     Some(slots) => Claim::Wait(gap.max(ACCOUNT_RETRY), slots),
-                    None => Claim::Wait(gap.max(1), Blocker::Gap),
+                    None => Claim::Wait(gap.max(Nanos::new(1)), Blocker::Gap),
                 }
             }
             Err(error) => {

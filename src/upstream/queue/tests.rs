@@ -7,11 +7,11 @@ use tokio_util::sync::CancellationToken;
 
 use super::round_robin::Waiting;
 use super::*;
-use crate::clock::{ManualClock, NANOS_PER_SEC};
+use crate::clock::ManualClock;
 use crate::store::{Blocks, Broadcast, Budgets, Check, Lease, Slots, StoreFuture, Verdict};
 use crate::upstream::classes::{IMAGE, VIDEO};
 
-const GAP: Nanos = 2 * NANOS_PER_SEC;
+const GAP: Nanos = Nanos::from_secs(2);
 
 /// Images, and videos spaced by `gap` of which `videos` may wait: numbered as [`IMAGE`] and
 /// [`VIDEO`].
@@ -76,14 +76,14 @@ async fn videos_are_spaced_by_the_gap_and_images_pass_them_meanwhile() {
     let image = image.start_now(&flow("door")).await.expect_err("someone is waiting: no overtaking at the door");
     let mut image = image.enqueue(&flow("b"), "i1");
     assert!(granted(&mut image).await.is_some(), "an image needs no gap");
-    clock.advance(Duration::from_nanos(GAP));
+    clock.advance(GAP.to_duration());
     assert!(granted(&mut v2).await.is_some());
 }
 
 #[tokio::test]
 async fn a_third_class_is_spaced_and_held_to_its_places_as_its_data_says() {
     let clock = ManualClock::new();
-    let audio = JobClass { min_gap: Some(3 * NANOS_PER_SEC), queue_max: Some(2), ..JobClass::plain("audio") };
+    let audio = JobClass { min_gap: Some(Nanos::from_secs(3)), queue_max: Some(2), ..JobClass::plain("audio") };
     let mut all: Vec<JobClass> = classes(GAP, 100).iter().map(|(_, c)| c.clone()).collect();
     all.push(audio);
     let classes = JobClasses::new(all);
@@ -99,7 +99,7 @@ async fn a_third_class_is_spaced_and_held_to_its_places_as_its_data_says() {
     let _a1 = granted(&mut a1).await.expect("the first goes at once");
     let mut v1 = q.reserve(VIDEO, Standing::PLAIN).expect("room").enqueue(&flow("b"), "v1");
     assert!(granted(&mut v1).await.is_some(), "a video waits for its own gap, not audio's");
-    clock.advance(Duration::from_nanos(GAP));
+    clock.advance(GAP.to_duration());
     assert!(granted(&mut a2).await.is_none(), "audio's gap is longer than video's");
     clock.advance(Duration::from_secs(1));
     assert!(granted(&mut a2).await.is_some());
@@ -203,7 +203,7 @@ async fn a_job_whose_turn_is_dropped_leaves_the_line_at_once_and_only_that_entry
     let slot = granted(&mut second).await.expect("the freed slot goes to the one still waiting");
     drop(slot);
     // A turn that got its slot has nothing to take out: the next job under that id stays.
-    let mut retried = q.requeue_front(&flow("b"), "b0", IMAGE, 0);
+    let mut retried = q.requeue_front(&flow("b"), "b0", IMAGE, Nanos::ZERO);
     drop(second);
     assert!(granted(&mut retried).await.is_some(), "a retry under the same id is not taken out");
 }
@@ -326,7 +326,7 @@ fn a_removed_job_leaves_the_line_and_weights_give_a_heavier_flow_more_turns() {
     let mut state = State::new(&QueueRules::new(100, 100, classes(GAP, 100)));
     let push = |state: &mut State, flow: &str, q: f64, id: &str| {
         let (turn, _) = oneshot::channel();
-        let job = Waiting::new(id, IMAGE, Standing::PLAIN, 0, turn);
+        let job = Waiting::new(id, IMAGE, Standing::PLAIN, Nanos::ZERO, turn);
         state.push(flow, q, job, false);
     };
     for i in 0..8 {
@@ -334,7 +334,9 @@ fn a_removed_job_leaves_the_line_and_weights_give_a_heavier_flow_more_turns() {
         push(&mut state, "light", 1.0, &format!("l{i}"));
     }
     assert!(state.remove("l7"));
-    let served: Vec<String> =
-        (0..8).filter_map(|_| state.pick(&QueueRules::new(100, 100, classes(GAP, 100)), 0)).map(|w| w.id).collect();
+    let served: Vec<String> = (0..8)
+        .filter_map(|_| state.pick(&QueueRules::new(100, 100, classes(GAP, 100)), Nanos::ZERO))
+        .map(|w| w.id)
+        .collect();
     assert_eq!(served.iter().filter(|id| id.starts_with('h')).count(), 6, "3:1 by weight: {served:?}");
 }

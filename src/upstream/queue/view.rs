@@ -55,7 +55,7 @@ impl FairQueue {
         let state = self.state();
         let waiting = state.waiting_per_class();
         let per_class = state.classes.iter().zip(waiting);
-        per_class.filter(|(_, waiting)| *waiting > 0).map(|(of, _)| of.next_at.saturating_sub(now)).max().unwrap_or(0)
+        per_class.filter(|(_, waiting)| *waiting > 0).map(|(of, _)| of.next_at - now).max().unwrap_or(Nanos::ZERO)
     }
 
     /// What the queue holds now.

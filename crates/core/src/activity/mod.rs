@@ -28,7 +28,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::clock::{NANOS_PER_SEC, Nanos};
+use crate::clock::Nanos;
 use crate::identity::Caller;
 use crate::limit::{Decision, Limiter};
 use crate::metrics::Layer;
@@ -43,7 +43,7 @@ use recent::Recent;
 pub use snapshot::{CodeCount, LatestRefusal, ScopeLevel, Snapshot, ToolRefusals};
 
 /// The width of one bucket of the refusal counts.
-pub const BUCKET: Nanos = 10 * NANOS_PER_SEC;
+pub const BUCKET: Nanos = Nanos::from_secs(10);
 /// Buckets kept: the window the dashboard shows is `BUCKETS × BUCKET` (ten minutes).
 pub const BUCKETS: usize = 60;
 /// Latest refusals kept in full.

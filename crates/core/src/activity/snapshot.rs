@@ -22,8 +22,8 @@ impl Activity {
     pub fn snapshot_for(&self, now: Nanos, audience: Audience<'_>) -> Snapshot {
         let bucket = now / BUCKET;
         let window = BUCKET * BUCKETS as u64;
-        let recent_enough = |at: Nanos| now.saturating_sub(at) < window;
-        let ago_ms = |at: Nanos| now.saturating_sub(at) / NANOS_PER_MS;
+        let recent_enough = |at: Nanos| now - at < window;
+        let ago_ms = |at: Nanos| (now - at).as_u64() / NANOS_PER_MS;
         let mut recent = self.recent();
         let tools = recent.tools_refused(bucket);
         // Consecutive refusals of the same caller by the same scope for the same reason are one
@@ -78,8 +78,8 @@ impl Activity {
             })
             .collect();
         Snapshot {
-            window_s: window / NANOS_PER_SEC,
-            bucket_s: BUCKET / NANOS_PER_SEC,
+            window_s: window.as_u64() / NANOS_PER_SEC,
+            bucket_s: BUCKET.as_u64() / NANOS_PER_SEC,
             admitted_total: self.admitted.load(Ordering::Relaxed),
             refused_total: self.refused.load(Ordering::Relaxed),
             refused_in_window: tools.iter().map(|t| t.refused).sum(),

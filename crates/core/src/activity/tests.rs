@@ -2,7 +2,7 @@
 //! apart, and callers stored only hashed, in bounded memory.
 
 use super::{Activity, Audience, BUCKETS, LATEST, MAX_SCOPES, Refused, SAMPLE_EVERY, Sample, Snapshot};
-use crate::clock::NANOS_PER_SEC;
+use crate::clock::Nanos;
 use crate::identity::Caller;
 use crate::limit::Decision;
 use crate::metrics::Layer;
@@ -37,12 +37,12 @@ fn identical_refusals_in_a_row_are_one_row_with_their_count() {
     let activity = Activity::new();
     let (one, other) = (Caller::from_token("one"), Caller::from_token("other"));
     for at in 0..12 {
-        activity.refused(&one, refused("POST /mcp", "http:x", "wait"), at * NANOS_PER_SEC);
+        activity.refused(&one, refused("POST /mcp", "http:x", "wait"), Nanos::from_secs(at));
     }
-    activity.refused(&other, refused("POST /mcp", "http:y", "wait"), 12 * NANOS_PER_SEC);
-    activity.refused(&one, refused("POST /mcp", "http:x", "wait 2"), 13 * NANOS_PER_SEC);
-    activity.refused(&one, refused("list_articles", "caller:x", "wait"), 14 * NANOS_PER_SEC);
-    let latest = activity.snapshot(14 * NANOS_PER_SEC).latest;
+    activity.refused(&other, refused("POST /mcp", "http:y", "wait"), Nanos::from_secs(12));
+    activity.refused(&one, refused("POST /mcp", "http:x", "wait 2"), Nanos::from_secs(13));
+    activity.refused(&one, refused("list_articles", "caller:x", "wait"), Nanos::from_secs(14));
+    let latest = activity.snapshot(Nanos::from_secs(14)).latest;
     let rows: Vec<(&str, u32, u64)> = latest.iter().map(|r| (r.tool.as_str(), r.count, r.ago_ms)).collect();
     // Newest first; another caller between two runs keeps them apart; a changed wait does not.
     assert_eq!(
@@ -56,23 +56,23 @@ fn counts_land_in_their_bucket_and_leave_the_window_after_ten_minutes() {
     let activity = Activity::new();
     let caller = Caller::from_token("agent");
     for at in [0, 1, 2] {
-        activity.refused(&caller, refused("list_articles", "caller:x", "wait"), at * NANOS_PER_SEC);
+        activity.refused(&caller, refused("list_articles", "caller:x", "wait"), Nanos::from_secs(at));
     }
-    activity.refused(&caller, refused("list_articles", "caller:x", "wait"), 15 * NANOS_PER_SEC);
-    let snap = activity.snapshot(15 * NANOS_PER_SEC);
+    activity.refused(&caller, refused("list_articles", "caller:x", "wait"), Nanos::from_secs(15));
+    let snap = activity.snapshot(Nanos::from_secs(15));
     let tool = &snap.tools[0];
     assert_eq!((tool.refused, snap.refused_in_window, snap.refused_total), (4, 4, 4));
     assert_eq!(&tool.per_bucket[BUCKETS - 2..], &[3, 1]);
     // 590 s later the first bucket has left the window; the second is its oldest.
-    let snap = activity.snapshot(15 * NANOS_PER_SEC + 590 * NANOS_PER_SEC);
+    let snap = activity.snapshot(Nanos::from_secs(15 + 590));
     assert_eq!(snap.tools[0].per_bucket[0], 1);
     assert_eq!(snap.tools[0].refused, 1);
-    let snap = activity.snapshot(20 * 60 * NANOS_PER_SEC);
+    let snap = activity.snapshot(Nanos::from_secs(20 * 60));
     assert!(snap.tools.is_empty() && snap.latest.is_empty() && snap.scopes.is_empty(), "{snap:?}");
     assert_eq!(snap.refused_total, 4, "the total counts since start");
     // A lap later the ring's slots are reused from zero.
-    activity.refused(&caller, refused("list_articles", "caller:x", "wait"), 20 * 60 * NANOS_PER_SEC);
-    assert_eq!(activity.snapshot(20 * 60 * NANOS_PER_SEC).tools[0].per_bucket.iter().sum::<u32>(), 1);
+    activity.refused(&caller, refused("list_articles", "caller:x", "wait"), Nanos::from_secs(20 * 60));
+    assert_eq!(activity.snapshot(Nanos::from_secs(20 * 60)).tools[0].per_bucket.iter().sum::<u32>(), 1);
 }
 
 #[test]
@@ -90,16 +90,23 @@ fn an_audience_of_one_key_sees_its_tenants_rows_or_its_own() {
     let (acme, acme_too, globex) = (key("a", Some("acme")), key("b", Some("acme")), key("g", Some("globex")));
     let (carol, dave) = (key("c", None), key("d", None));
     let activity = Activity::new();
-    let d = Decision { allowed: true, limit: 60, remaining: 1, retry_after: 0, reset_after: 0, at: 0 };
+    let d = Decision {
+        allowed: true,
+        limit: 60,
+        remaining: 1,
+        retry_after: Nanos::ZERO,
+        reset_after: Nanos::ZERO,
+        at: Nanos::ZERO,
+    };
     for caller in [&acme, &acme_too, &globex, &carol, &dave] {
         let own = format!("caller:{}", caller.id());
-        activity.refused(caller, refused("list_articles", &own, "wait"), 0);
+        activity.refused(caller, refused("list_articles", &own, "wait"), Nanos::ZERO);
         let shared = format!("tenant:{}", caller.tenant().unwrap_or("-"));
-        activity.admitted(caller, [sample(shared.as_str(), &d)].into_iter(), 0);
+        activity.admitted(caller, [sample(shared.as_str(), &d)].into_iter(), Nanos::ZERO);
     }
-    let everyone = activity.snapshot(0);
+    let everyone = activity.snapshot(Nanos::ZERO);
     assert_eq!((everyone.latest.len(), everyone.scopes.len()), (5, 8));
-    let seen = |viewer: &Caller| activity.snapshot_for(0, Audience::Of(viewer));
+    let seen = |viewer: &Caller| activity.snapshot_for(Nanos::ZERO, Audience::Of(viewer));
     let of_acme = seen(&acme_too);
     assert_eq!(of_acme.latest.len(), 2, "both acme callers' refusals");
     assert!(of_acme.latest.iter().all(|r| r.tenant.as_deref() == Some("acme")));
@@ -122,11 +129,18 @@ fn callers_and_addresses_are_stored_only_hashed() {
     let caller = Caller::from_token("sk-secret");
     let scope = format!("caller:{}", caller.id());
     let message = format!("refused for {}", caller.id());
-    activity.refused(&caller, refused("generate_image", &scope, &message), 0);
-    let d = Decision { allowed: true, limit: 60, remaining: 1, retry_after: 0, reset_after: 0, at: 0 };
+    activity.refused(&caller, refused("generate_image", &scope, &message), Nanos::ZERO);
+    let d = Decision {
+        allowed: true,
+        limit: 60,
+        remaining: 1,
+        retry_after: Nanos::ZERO,
+        reset_after: Nanos::ZERO,
+        at: Nanos::ZERO,
+    };
     let method = format!("method:tools/call:{}", caller.id());
-    activity.admitted(&caller, [sample(method.as_str(), &d)].into_iter(), 0);
-    let json = serde_json::to_string(&activity.snapshot(0)).expect("json");
+    activity.admitted(&caller, [sample(method.as_str(), &d)].into_iter(), Nanos::ZERO);
+    let json = serde_json::to_string(&activity.snapshot(Nanos::ZERO)).expect("json");
     assert!(!json.contains(caller.id()) && !json.contains(&caller.id()[4..]), "{json}");
     let hashed = activity.hashed(caller.id());
     assert!(json.contains(&format!("caller:{hashed}")) && json.contains(&format!("method:tools/call:{hashed}")));
@@ -157,15 +171,22 @@ fn an_unverified_callers_id_and_address_are_both_hashed_wherever_they_appear() {
 fn levels_are_sampled_now_and_then_and_whenever_a_scope_runs_low() {
     let activity = Activity::new();
     let caller = Caller::from_token("agent");
-    let roomy = Decision { allowed: true, limit: 100, remaining: 90, retry_after: 0, reset_after: 0, at: 0 };
+    let roomy = Decision {
+        allowed: true,
+        limit: 100,
+        remaining: 90,
+        retry_after: Nanos::ZERO,
+        reset_after: Nanos::ZERO,
+        at: Nanos::ZERO,
+    };
     for _ in 1..SAMPLE_EVERY * 2 {
-        activity.admitted(&caller, [sample("tenant:roomy", &roomy)].into_iter(), 0);
+        activity.admitted(&caller, [sample("tenant:roomy", &roomy)].into_iter(), Nanos::ZERO);
     }
     let low = Decision { remaining: 20, ..roomy };
-    activity.admitted(&caller, [sample("tenant:low", &low)].into_iter(), 0);
+    activity.admitted(&caller, [sample("tenant:low", &low)].into_iter(), Nanos::ZERO);
     // A loop stop is a refusal, not a budget with a level.
-    activity.refused(&caller, refused("list_articles", "loop:list_articles", "loop"), 0);
-    let snap = activity.snapshot(0);
+    activity.refused(&caller, refused("list_articles", "loop:list_articles", "loop"), Nanos::ZERO);
+    let snap = activity.snapshot(Nanos::ZERO);
     assert_eq!(snap.latest[0].scope.as_deref(), Some("loop:list_articles"));
     assert_eq!(snap.admitted_total, SAMPLE_EVERY * 2);
     let level = |name: &str| snap.scopes.iter().find(|s| s.scope == name).map(|s| s.remaining);
@@ -182,14 +203,21 @@ fn a_level_is_read_again_from_where_its_last_call_found_it_until_the_limits_chan
     let caller = Caller::from_token("agent");
     let slots = Limiter::Concurrency(Concurrency::new(5));
     let key = format!("in_flight:caller:{}", caller.id());
-    let held = Decision { allowed: true, limit: 5, remaining: 4, retry_after: 0, reset_after: 0, at: 0 };
+    let held = Decision {
+        allowed: true,
+        limit: 5,
+        remaining: 4,
+        retry_after: Nanos::ZERO,
+        reset_after: Nanos::ZERO,
+        at: Nanos::ZERO,
+    };
     let sample = Sample { name: &key, decision: &held, source: Some((&key, &slots)) };
-    activity.admitted(&caller, [sample].into_iter(), 0);
+    activity.admitted(&caller, [sample].into_iter(), Nanos::ZERO);
     let source = |snap: Snapshot| snap.scopes[0].source.clone().map(|s| (s.key.to_string(), s.limiter));
-    assert_eq!(source(activity.snapshot(0)), Some((key.clone(), slots.clone())), "the raw key, never shown");
-    assert!(!serde_json::to_string(&activity.snapshot(0)).expect("JSON").contains(caller.id()));
+    assert_eq!(source(activity.snapshot(Nanos::ZERO)), Some((key.clone(), slots.clone())), "the raw key, never shown");
+    assert!(!serde_json::to_string(&activity.snapshot(Nanos::ZERO)).expect("JSON").contains(caller.id()));
     activity.limits_changed();
-    assert_eq!(source(activity.snapshot(0)), None, "the old limiter would read the old limit");
+    assert_eq!(source(activity.snapshot(Nanos::ZERO)), None, "the old limiter would read the old limit");
 }
 
 #[test]
@@ -198,7 +226,7 @@ fn memory_stays_bounded_by_the_latest_and_the_scope_caps() {
     for i in 0..(MAX_SCOPES * 2) {
         let caller = Caller::from_token(&format!("agent-{i}"));
         let scope = format!("caller:{}", caller.id());
-        activity.refused(&caller, refused("list_articles", &scope, "wait"), i as u64);
+        activity.refused(&caller, refused("list_articles", &scope, "wait"), Nanos::new(i as u64));
     }
     let recent = activity.recent();
     assert_eq!((recent.latest.len(), recent.scopes.len()), (LATEST, MAX_SCOPES));

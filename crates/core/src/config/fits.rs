@@ -132,7 +132,7 @@ pub(super) fn costs_fit(
     for (i, key) in keys.iter().enumerate() {
         scope(&format!("auth.keys[{i}].caller"), key.caller.as_deref().unwrap_or_default(), false);
     }
-    let cap = |units: u64| Limiter::FixedWindow(FixedWindow::new(units, DAY_MS * 1_000_000));
+    let cap = |units: u64| Limiter::FixedWindow(FixedWindow::new(units, Nanos::from_millis(DAY_MS)));
     drawn.extend(spend_caps.daily_units.map(|units| ("spend_caps.daily_units".to_owned(), cap(units), false)));
     for (tenant, own) in tenants {
         if let Some(units) = own.daily_spend_units {

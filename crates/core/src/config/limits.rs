@@ -55,7 +55,7 @@ impl Limit {
 
 /// Windows at least this long warn at 80 % used unless told otherwise: short windows refill
 /// before a warning could help an agent plan.
-const WARN_BY_DEFAULT_FROM: u64 = 3_600 * 1_000_000_000;
+const WARN_BY_DEFAULT_FROM: crate::clock::Nanos = crate::clock::Nanos::from_secs(3_600);
 
 /// The budgets of every scope a request passes, outside in. Every scope but the in-flight caps
 /// has one or more limits.

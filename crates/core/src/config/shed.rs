@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 
 use super::{ConfigError, invalid};
-use crate::clock::{NANOS_PER_MS, Nanos};
+use crate::clock::Nanos;
 
 /// The longest `target_ms` and `interval_ms` accepted: a server a minute behind is down, not
 /// overloaded.
@@ -32,7 +32,12 @@ pub struct Shedding {
 
 impl Default for Shedding {
     fn default() -> Self {
-        Self { enabled: true, target: 100 * NANOS_PER_MS, interval: 1000 * NANOS_PER_MS, ranks: BTreeMap::new() }
+        Self {
+            enabled: true,
+            target: Nanos::from_millis(100),
+            interval: Nanos::from_millis(1000),
+            ranks: BTreeMap::new(),
+        }
     }
 }
 
@@ -57,8 +62,8 @@ impl RawShedding {
         }
         Ok(Shedding {
             enabled: self.enabled,
-            target: self.target_ms.saturating_mul(NANOS_PER_MS),
-            interval: self.interval_ms.saturating_mul(NANOS_PER_MS),
+            target: Nanos::from_millis(self.target_ms),
+            interval: Nanos::from_millis(self.interval_ms),
             ranks,
         })
     }

@@ -123,7 +123,7 @@ impl StoreConfig {
 
 /// The most a window, or a bucket's burst × refill time, may span on Redis: the Lua twins
 /// compute in doubles, exact to the nanosecond over at most 2^52 ns (52 days).
-pub(super) const REDIS_SPAN: u64 = 1 << 52;
+pub(super) const REDIS_SPAN: crate::clock::Nanos = crate::clock::Nanos::new(1 << 52);
 
 impl LoopDetectionConfig {
     /// The section, checked: a window above zero and within a day, at least two repeats.

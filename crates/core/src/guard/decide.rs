@@ -18,7 +18,7 @@ use crate::metrics::Layer;
 use crate::store::{Check, Lease, LoopCall, LoopHistory, Store, StoreError, Verdict};
 
 /// How long a failing shared store is skipped before one decision probes it again.
-pub(super) const STORE_PROBE_EVERY: Nanos = crate::clock::NANOS_PER_SEC;
+pub(super) const STORE_PROBE_EVERY: Nanos = Nanos::from_secs(1);
 
 /// The limiter that decides while a shared store cannot: the same limits divided by
 /// `store.expected_instances`, in this instance's memory, so N instances deciding alone hand out

@@ -232,7 +232,7 @@ impl Guard {
     /// limiter for when it cannot decide with [`Guard::insured_by`]).
     pub fn new(store: Arc<dyn Store>, clock: SharedClock, config: &LimitsConfig, metrics: Arc<Metrics>) -> Self {
         let detection = &config.loop_detection;
-        let window = detection.window_ms.saturating_mul(crate::clock::NANOS_PER_MS);
+        let window = crate::clock::Nanos::from_millis(detection.window_ms);
         let loops = detection.enabled.then(|| {
             Loops::new(detection.repeats, window, store.clone().loop_history())
                 .comparing(detection.no_progress, detection.volatile_fields.clone())

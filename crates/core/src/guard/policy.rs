@@ -82,7 +82,7 @@ fn scaled(limits: &[Limit], factor: f64) -> Vec<Limit> {
 }
 
 /// A day, the window of spend caps: a fixed window of a day is the UTC calendar day.
-const DAY: crate::clock::Nanos = 86_400 * crate::clock::NANOS_PER_SEC;
+const DAY: crate::clock::Nanos = crate::clock::Nanos::from_secs(86_400);
 
 /// Every limit, by scope and tier, with the per-key and per-tenant overrides.
 #[derive(Debug, Clone)]

@@ -495,7 +495,7 @@ mod tests {
 
     #[test]
     fn wait_is_rounded_up_to_whole_seconds() {
-        let r = Refusal::rate_limited("generate_image", "caller:x".into(), 60, 0, 11_800_000_000);
+        let r = Refusal::rate_limited("generate_image", "caller:x".into(), 60, 0, Nanos::new(11_800_000_000));
         assert_eq!(r.message, "Rate limit reached for generate_image. Wait 12 seconds before calling it again.");
         assert_eq!(r.retry_after_ms, Some(11_800));
         let v = r.to_json();
@@ -507,7 +507,7 @@ mod tests {
     #[test]
     fn the_json_gives_back_the_refusal_it_carries() {
         let busy = Refusal::busy("generate_image", "in_flight:caller:x".into(), 5);
-        let rate = Refusal::rate_limited("list_articles", "caller:x".into(), 60, 0, 1_000_000_000);
+        let rate = Refusal::rate_limited("list_articles", "caller:x".into(), 60, 0, Nanos::new(1_000_000_000));
         let named = rate.clone().naming_limit("token_bucket burst 60".into());
         let bad = Refusal::invalid_arguments("generate_image", "prompt too long");
         for refusal in [busy, rate, named, bad] {

@@ -60,12 +60,19 @@ impl RefusalMemory {
                             limit: refused.limit,
                             remaining: refused.remaining,
                             retry_after: refused.until - now,
-                            reset_after: refused.full_at.saturating_sub(now),
+                            reset_after: refused.full_at - now,
                             at: now,
                         }
                     } else {
                         let limit = c.limiter.capacity();
-                        Decision { allowed: true, limit, remaining: 0, retry_after: 0, reset_after: 0, at: now }
+                        Decision {
+                            allowed: true,
+                            limit,
+                            remaining: 0,
+                            retry_after: Nanos::ZERO,
+                            reset_after: Nanos::ZERO,
+                            at: now,
+                        }
                     }
                 })
                 .collect(),
@@ -76,15 +83,15 @@ impl RefusalMemory {
     pub fn remember(&self, checks: &[Check<'_>], decisions: &[Decision], now: Nanos) {
         let mut entries = self.entries();
         for (c, d) in checks.iter().zip(decisions) {
-            if d.allowed || c.shadow || c.limiter.holds_slots() || c.cost == 0 || d.retry_after == 0 {
+            if d.allowed || c.shadow || c.limiter.holds_slots() || c.cost == 0 || d.retry_after == Nanos::ZERO {
                 continue;
             }
             if entries.len() >= MAX_ENTRIES && !entries.contains_key(c.key) {
                 continue;
             }
             let refused = Refused {
-                until: now.saturating_add(d.retry_after),
-                full_at: now.saturating_add(d.reset_after),
+                until: now + d.retry_after,
+                full_at: now + d.reset_after,
                 cost: c.cost,
                 limit: d.limit,
                 remaining: d.remaining,
@@ -136,17 +143,26 @@ mod tests {
         let memory = RefusalMemory::default();
         let bucket = Limiter::TokenBucket(TokenBucket::new(60, 1.0));
         let on = |key, limiter, cost| [Check { key, limiter, cost, shadow: false }];
-        let refused =
-            Decision { allowed: false, limit: 60, remaining: 2, retry_after: 3_000, reset_after: 58_000, at: 0 };
-        memory.remember(&on("k", &bucket, 5), &[refused], 1_000);
-        assert!(memory.recall(&on("k", &bucket, 4), 1_000).is_none(), "a cheaper call may pass: ask the store");
-        let again = memory.recall(&on("k", &bucket, 5), 2_000).expect("refused locally");
-        assert_eq!((again[0].allowed, again[0].retry_after), (false, 2_000));
-        assert!(memory.recall(&on("k", &bucket, 5), 4_000).is_none(), "run out: ask the store");
+        let refused = Decision {
+            allowed: false,
+            limit: 60,
+            remaining: 2,
+            retry_after: Nanos::new(3_000),
+            reset_after: Nanos::new(58_000),
+            at: Nanos::ZERO,
+        };
+        memory.remember(&on("k", &bucket, 5), &[refused], Nanos::new(1_000));
+        assert!(
+            memory.recall(&on("k", &bucket, 4), Nanos::new(1_000)).is_none(),
+            "a cheaper call may pass: ask the store"
+        );
+        let again = memory.recall(&on("k", &bucket, 5), Nanos::new(2_000)).expect("refused locally");
+        assert_eq!((again[0].allowed, again[0].retry_after), (false, Nanos::new(2_000)));
+        assert!(memory.recall(&on("k", &bucket, 5), Nanos::new(4_000)).is_none(), "run out: ask the store");
 
         let slots = Limiter::Concurrency(Concurrency::new(1));
-        memory.remember(&on("s", &slots, 1), &[refused], 0);
-        assert!(memory.recall(&on("s", &slots, 1), 0).is_none(), "a slot may come back at any moment");
-        assert_eq!(memory.sweep(10_000), 1);
+        memory.remember(&on("s", &slots, 1), &[refused], Nanos::ZERO);
+        assert!(memory.recall(&on("s", &slots, 1), Nanos::ZERO).is_none(), "a slot may come back at any moment");
+        assert_eq!(memory.sweep(Nanos::new(10_000)), 1);
     }
 }

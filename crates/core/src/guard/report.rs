@@ -8,7 +8,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::clock::{NANOS_PER_SEC, Nanos, ceil_ms};
+use crate::clock::{Nanos, ceil_ms};
 use crate::config::Limit;
 use crate::guard::plan::Planned;
 use crate::guard::policy::Policy;
@@ -166,7 +166,7 @@ pub fn refused_by<'a, 'p>(
 /// Lines a caller bucket may write at once.
 const LOG_BURST: u64 = 10;
 /// Then one line per this long, per bucket.
-const LOG_EVERY: Nanos = NANOS_PER_SEC;
+const LOG_EVERY: Nanos = Nanos::from_secs(1);
 
 /// How many refusal log lines each of the 16 caller buckets may write: a burst of
 /// ten, then one a second (a GCRA per bucket, on the guard's clock, lock-free). What it
@@ -184,17 +184,17 @@ impl RefusalLog {
     /// bucket's refusals were left out of the log since its last line.
     pub fn admit(&self, bucket: u8, now: Nanos) -> Option<u64> {
         let b = usize::from(bucket & 0x0f);
-        let tolerance = LOG_EVERY.saturating_mul(LOG_BURST);
-        let mut due = self.due[b].load(Ordering::Relaxed);
+        let tolerance = LOG_EVERY * LOG_BURST;
+        let mut due = Nanos::new(self.due[b].load(Ordering::Relaxed));
         loop {
-            let next = due.max(now).saturating_add(LOG_EVERY);
-            if next.saturating_sub(now) > tolerance {
+            let next = due.max(now) + LOG_EVERY;
+            if next - now > tolerance {
                 self.left_out[b].fetch_add(1, Ordering::Relaxed);
                 return None;
             }
-            match self.due[b].compare_exchange_weak(due, next, Ordering::Relaxed, Ordering::Relaxed) {
+            match self.due[b].compare_exchange_weak(due.as_u64(), next.as_u64(), Ordering::Relaxed, Ordering::Relaxed) {
                 Ok(_) => return Some(self.left_out[b].swap(0, Ordering::Relaxed)),
-                Err(seen) => due = seen,
+                Err(seen) => due = Nanos::new(seen),
             }
         }
     }
@@ -207,11 +207,11 @@ mod tests {
     #[test]
     fn a_refusal_storm_writes_a_burst_then_a_line_a_second_each_counting_what_it_left_out() {
         let log = RefusalLog::default();
-        let logged: Vec<u64> = (0..100).filter_map(|_| log.admit(3, 0)).collect();
+        let logged: Vec<u64> = (0..100).filter_map(|_| log.admit(3, Nanos::ZERO)).collect();
         assert_eq!(logged.len() as u64, LOG_BURST, "a burst of lines at once");
         assert!(logged.iter().all(|n| *n == 0), "nothing was left out before them");
         assert_eq!(log.admit(3, LOG_EVERY / 2), None, "half a second later: still held back");
         assert_eq!(log.admit(3, LOG_EVERY), Some(91), "a second later: one line, for the 91 left out");
-        assert_eq!(log.admit(4, 0), Some(0), "another bucket has its own");
+        assert_eq!(log.admit(4, Nanos::ZERO), Some(0), "another bucket has its own");
     }
 }

@@ -31,7 +31,7 @@ use futures::future::{BoxFuture, Shared};
 use sha2::{Digest, Sha256};
 use tracing::Instrument;
 
-use crate::clock::{NANOS_PER_MS, Nanos, SharedClock};
+use crate::clock::{Nanos, SharedClock};
 use crate::config::{Coalesce, ToolPolicy};
 use crate::identity::Caller;
 use crate::metrics::Metrics;
@@ -88,9 +88,9 @@ impl Sharing {
     /// How `caller`'s call of `tool` with `args` may share its answer under `policy`, or `None`
     /// when it may not at all (`coalesce = "off"` and no cache).
     pub fn of(policy: &ToolPolicy, caller: &Caller, tool: &str, args: &serde_json::Value) -> Option<Self> {
-        let ttl = policy.cache_ttl_ms.saturating_mul(NANOS_PER_MS);
+        let ttl = Nanos::from_millis(policy.cache_ttl_ms);
         let scope = match (policy.coalesce, caller.tenant()) {
-            (Coalesce::Off, _) if ttl == 0 => return None,
+            (Coalesce::Off, _) if ttl == Nanos::ZERO => return None,
             (Coalesce::Tenant, Some(tenant)) => format!("tenant:{tenant}"),
             // A caller without a tenant is its own; with `off`, a cache is the caller's own.
             (Coalesce::Tenant | Coalesce::Caller | Coalesce::Off, _) => format!("caller:{}", caller.id()),
@@ -216,11 +216,11 @@ impl<T: Clone + Send + Sync + 'static> Reuse<T> {
     {
         let (waiting, served) = {
             let mut state = self.lock();
-            if sharing.ttl > 0 {
+            if sharing.ttl > Nanos::ZERO {
                 let now = self.clock.now();
                 // The TTL in force now, too: a reload that shortens it applies to what is kept.
                 match state.kept.get(&sharing.key) {
-                    Some(kept) if kept.until.min(kept.at.saturating_add(sharing.ttl)) > now => {
+                    Some(kept) if kept.until.min(kept.at + sharing.ttl) > now => {
                         let answer = kept.answer.clone();
                         drop(state);
                         self.count(tool, Served::Cached);
@@ -271,7 +271,7 @@ impl<T: Clone + Send + Sync + 'static> Reuse<T> {
     /// Keeps `answer` for `sharing.ttl` if `keep` says it may be kept, making room within the
     /// bounds (the oldest first).
     fn keep(&self, sharing: Sharing, answer: &T, keep: fn(&T) -> Option<u64>) {
-        if sharing.ttl == 0 {
+        if sharing.ttl == Nanos::ZERO {
             return;
         }
         let Some(bytes) = keep(answer) else { return };
@@ -279,7 +279,7 @@ impl<T: Clone + Send + Sync + 'static> Reuse<T> {
             return;
         }
         let at = self.clock.now();
-        let until = at.saturating_add(sharing.ttl);
+        let until = at + sharing.ttl;
         let mut state = self.lock();
         state.forget(&sharing.key);
         state.seq = state.seq.wrapping_add(1);

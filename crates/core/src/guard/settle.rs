@@ -418,11 +418,10 @@ impl Reserved {
     /// met by every settlement at once), until the store takes it or [`TRIES_FOR`] has passed;
     /// whether it landed.
     async fn keep_trying(&self, adjusting: &Adjusting, mark: &str) -> bool {
-        let nanos = |d: Duration| Nanos::try_from(d.as_nanos()).unwrap_or(Nanos::MAX);
-        let until = self.clock.now().saturating_add(nanos(TRIES_FOR));
+        let until = self.clock.now() + Nanos::from(TRIES_FOR);
         let mut pause = FIRST_PAUSE;
         loop {
-            let next = self.clock.now().saturating_add(nanos(pause.mul_f64(rand::random_range(0.5..1.0))));
+            let next = self.clock.now() + Nanos::from(pause.mul_f64(rand::random_range(0.5..1.0)));
             if next >= until {
                 break;
             }
@@ -435,5 +434,18 @@ impl Reserved {
         self.metrics.settlement_given_up(&self.tool);
         tracing::warn!(target: "mcp_ratelimit::guard::settle", tool = %self.tool, reserved = self.units, "could not settle a price: the reservation stands");
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_handed_reservation_keeps_its_times_as_bare_nanoseconds_on_the_wire() {
+        let written = r#"{"key":"k","algorithm":"gcra","capacity":5,"period":200000000,"at":1767225600000000000,"reset_after":400000000}"#;
+        let budget: HandedBudget = serde_json::from_str(written).expect("a budget as written before Nanos was a type");
+        assert_eq!((budget.period, budget.at), (Some(Nanos::from_millis(200)), Nanos::from_secs(1_767_225_600)));
+        assert_eq!(serde_json::to_string(&budget).expect("serializes"), written);
     }
 }

@@ -88,7 +88,7 @@ impl Shedder {
         classes.dedup();
         Some(Self {
             target: shedding.target,
-            interval: shedding.interval.max(1),
+            interval: shedding.interval.max(Nanos::new(1)),
             ranks: shedding.ranks.clone(),
             classes,
             standing: Mutex::new(Standing::default()),
@@ -112,7 +112,7 @@ impl Shedder {
         }
         self.roll(&mut s, now);
         if let Some(arrived) = arrived {
-            let delay = now.saturating_sub(arrived);
+            let delay = now - arrived;
             s.least = Some(s.least.map_or(delay, |least| least.min(delay)));
         }
         if class >= s.level {
@@ -120,14 +120,14 @@ impl Shedder {
         }
         // One class comes back at the end of this interval, and one at the end of each after it.
         let behind = (s.level - class - 1) as u64;
-        let left = s.started.saturating_add(self.interval).saturating_sub(now);
-        Some(left.saturating_add(behind.saturating_mul(self.interval)).max(1))
+        let left = s.started + self.interval - now;
+        Some((left + self.interval * behind).max(Nanos::new(1)))
     }
 
     /// Ends the intervals that are over at `now`: the first by its least delay, the others (no
     /// call came in them) as on time.
     fn roll(&self, s: &mut Standing, now: Nanos) {
-        let elapsed = now.saturating_sub(s.started) / self.interval;
+        let elapsed = (now - s.started) / self.interval;
         if elapsed == 0 {
             return;
         }
@@ -137,10 +137,10 @@ impl Shedder {
             Some(least) if least > self.target => (s.level + 1).min(most),
             _ => s.level.saturating_sub(1),
         };
-        s.last_least = if elapsed == 1 { least.unwrap_or(0) } else { 0 };
+        s.last_least = if elapsed == 1 { least.unwrap_or(Nanos::ZERO) } else { Nanos::ZERO };
         let quiet = usize::try_from(elapsed - 1).unwrap_or(usize::MAX);
         s.level = s.level.saturating_sub(quiet);
-        s.started = s.started.saturating_add(elapsed.saturating_mul(self.interval));
+        s.started += self.interval * elapsed;
     }
 
     /// Where the server stands at `now`.
@@ -156,11 +156,10 @@ impl Shedder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::NANOS_PER_MS;
     use crate::config::{Catalogue, LimitsConfig};
     use crate::identity::{Identifier, Identity};
 
-    const MS: Nanos = NANOS_PER_MS;
+    const MS: Nanos = Nanos::from_millis(1);
 
     /// A shedder of target 100 ms and interval 1 s, with `pro` ranked 1 and `guest` -1; callers
     /// of each tier, and an unverified one (of the default tier, rank 0).
@@ -234,7 +233,7 @@ mod tests {
         for ((interval, refused), expected) in refused_after.iter().zip(expected) {
             assert_eq!(refused, &expected, "interval {interval}");
         }
-        let overload = shedder.overload(now - 1);
+        let overload = shedder.overload(now - Nanos::new(1));
         assert_eq!((overload.level, overload.least_delay), (3, 300 * MS));
     }
 
@@ -248,18 +247,18 @@ mod tests {
         }
         // Level 3 from 13 s: guest is 3 classes below, unverified 2, plain 1.
         now += 250 * MS;
-        let wait = |c: &Caller, now: Nanos| shedder.judge(c, Some(now), now).unwrap_or(0);
+        let wait = |c: &Caller, now: Nanos| shedder.judge(c, Some(now), now).unwrap_or(Nanos::ZERO);
         assert_eq!(wait(&plain, now), 750 * MS);
         assert_eq!(wait(&unverified, now), 1750 * MS);
         assert_eq!(wait(&guest, now), 2750 * MS);
         // Calls keep coming on time: each is served once its wait is over, not a moment before.
         for (caller, told) in [(&plain, 750 * MS), (&unverified, 1750 * MS), (&guest, 2750 * MS)] {
-            let mut at = now + 1;
+            let mut at = now + Nanos::new(1);
             while at < now + told {
-                assert_ne!(wait(caller, at), 0, "served early at {at}");
+                assert_ne!(wait(caller, at), Nanos::ZERO, "served early at {at:?}");
                 at += 100 * MS;
             }
-            assert_eq!(wait(caller, now + told), 0, "served when told");
+            assert_eq!(wait(caller, now + told), Nanos::ZERO, "served when told");
         }
     }
 
@@ -286,7 +285,7 @@ mod tests {
         }
         // An arrival stamped after the call was taken up is no delay (a clock a proxy set ahead).
         assert_eq!(shedder.judge(&guest, Some(now + 5000 * MS), now), None);
-        assert_eq!(shedder.overload(now + 1000 * MS).least_delay, 0);
+        assert_eq!(shedder.overload(now + 1000 * MS).least_delay, Nanos::ZERO);
     }
 
     #[test]

@@ -83,7 +83,7 @@ fn request_start(value: &str) -> Option<Nanos> {
         1.0
     };
     let nanos = reading * per_unit;
-    (nanos < u64::MAX as f64).then_some(nanos as Nanos)
+    (nanos < u64::MAX as f64).then_some(Nanos::new(nanos as u64))
 }
 
 /// The address `ip` counts as wherever callers are counted per address: an IPv4 address as it

@@ -98,7 +98,7 @@ fn an_operator_names_callers_as_the_server_shows_them() {
 
 #[test]
 fn a_request_start_stamp_counts_only_from_a_trusted_proxy_and_never_after_now() {
-    let now: Nanos = 1_700_000_000_500_000_000;
+    let now: Nanos = Nanos::new(1_700_000_000_500_000_000);
     let stamped = |value: &str| headers(&[("x-request-start", value)]);
     let off = identifier("");
     assert_eq!(off.arrived(&stamped("t=1700000000.2"), ip("127.0.0.1"), now), now, "trust_proxy off");
@@ -107,9 +107,9 @@ fn a_request_start_stamp_counts_only_from_a_trusted_proxy_and_never_after_now() 
     assert_eq!(on.arrived(&stamped("t=1700000000.2"), None, now), now);
     let from_proxy = |value: &str| on.arrived(&stamped(value), ip("10.1.2.3"), now);
     // nginx's `t=${msec}` (seconds), Heroku's milliseconds, HAProxy's and Apache's microseconds.
-    assert_eq!(from_proxy("t=1700000000.200"), 1_700_000_000_200_000_000);
-    assert_eq!(from_proxy("1700000000300"), 1_700_000_000_300_000_000);
-    assert_eq!(from_proxy("t=1700000000400000"), 1_700_000_000_400_000_000);
+    assert_eq!(from_proxy("t=1700000000.200"), Nanos::new(1_700_000_000_200_000_000));
+    assert_eq!(from_proxy("1700000000300"), Nanos::new(1_700_000_000_300_000_000));
+    assert_eq!(from_proxy("t=1700000000400000"), Nanos::new(1_700_000_000_400_000_000));
     for never_later in ["t=1800000000", "t=1e300", "NaN", "t=-5", "inf", "t=", "soon", "t=1700000000.2.1"] {
         assert_eq!(from_proxy(never_later), now, "{never_later}");
     }

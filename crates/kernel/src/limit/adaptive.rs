@@ -143,7 +143,7 @@ impl Learner {
 
     /// What it knows before its first sample: the limit at `max`.
     pub fn fresh(&self) -> Learnt {
-        Learnt { limit: self.max as f64, cut_at: 0, long_rtt: 0.0, samples: 0 }
+        Learnt { limit: self.max as f64, cut_at: Nanos::ZERO, long_rtt: 0.0, samples: 0 }
     }
 
     /// The whole slots `learnt` hands out: its limit's floor, within `min` and `max`.
@@ -180,7 +180,8 @@ impl Learner {
 mod tests {
     use super::*;
 
-    fn sample(signal: Signal, taken_at: Nanos, others: usize, now: Nanos) -> Sample {
+    fn sample(signal: Signal, taken_at: u64, others: usize, now: u64) -> Sample {
+        let (taken_at, now) = (Nanos::new(taken_at), Nanos::new(now));
         Sample { signal, rtt: now - taken_at, others, taken_at, now }
     }
 
@@ -208,7 +209,7 @@ mod tests {
         let learner = Learner::new(1, 16, 0.9, Algorithm::Aimd);
         let mut learnt = learner.fresh();
         learner.learn(&mut learnt, &sample(Signal::TimedOut, 0, 0, 3));
-        assert_eq!((learner.current(&learnt), learnt.cut_at), (16, 0), "one slow call alone says nothing");
+        assert_eq!((learner.current(&learnt), learnt.cut_at), (16, Nanos::ZERO), "one slow call alone says nothing");
         learner.learn(&mut learnt, &sample(Signal::TimedOut, 4, 2, 9));
         assert_eq!(learner.current(&learnt), 14, "a time-out while 2 others ran: 16 × 0.9, never down to 2");
         learner.learn(&mut learnt, &sample(Signal::TimedOut, 7, 5, 10));

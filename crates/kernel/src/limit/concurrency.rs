@@ -75,11 +75,11 @@ impl Algorithm for Concurrency {
         }
         // Saturating: slots taken under a larger cap may exceed this one.
         let remaining = self.max.saturating_sub(state.in_flight);
-        Decision { allowed, limit: self.max, remaining, retry_after: 0, reset_after: 0, at: now }
+        Decision { allowed, limit: self.max, remaining, retry_after: Nanos::ZERO, reset_after: Nanos::ZERO, at: now }
     }
 
     fn forget_at(&self, state: &State) -> Nanos {
-        if state.in_flight == 0 { 0 } else { Nanos::MAX }
+        if state.in_flight == 0 { Nanos::ZERO } else { Nanos::MAX }
     }
 
     fn capacity(&self) -> u64 {
@@ -104,14 +104,14 @@ mod tests {
     #[test]
     fn a_cap_lowered_under_held_slots_leaves_none_until_they_are_given_back() {
         let before = Concurrency::new(5);
-        let mut s = before.fresh(0);
-        assert!(before.acquire(&mut s, 0, 3).allowed);
+        let mut s = before.fresh(Nanos::ZERO);
+        assert!(before.acquire(&mut s, Nanos::ZERO, 3).allowed);
         let after = Concurrency::new(1);
-        let d = after.acquire(&mut s, 0, 1);
+        let d = after.acquire(&mut s, Nanos::ZERO, 1);
         assert_eq!((d.allowed, d.limit, d.remaining), (false, 1, 0));
         after.release(&mut s, 2);
-        assert_eq!(after.acquire(&mut s, 0, 0).remaining, 0, "one slot still held: the whole new cap");
+        assert_eq!(after.acquire(&mut s, Nanos::ZERO, 0).remaining, 0, "one slot still held: the whole new cap");
         after.release(&mut s, 1);
-        assert!(after.acquire(&mut s, 0, 1).allowed);
+        assert!(after.acquire(&mut s, Nanos::ZERO, 1).allowed);
     }
 }

@@ -42,7 +42,7 @@ pub struct State {
 impl FixedWindow {
     /// `limit` units per `window` nanoseconds.
     pub fn new(limit: u64, window: Nanos) -> Self {
-        Self { limit: limit.max(1), window: window.max(1) }
+        Self { limit: limit.max(1), window: window.max(Nanos::new(1)) }
     }
 
     /// The window length in nanoseconds.
@@ -73,7 +73,7 @@ impl Algorithm for FixedWindow {
     }
 
     fn describe(&self) -> String {
-        format!("{} per {} ms window", self.limit, self.window / 1_000_000)
+        format!("{} per {} ms window", self.limit, self.window.as_u64() / 1_000_000)
     }
 
     fn fresh(&self, now: Nanos) -> State {
@@ -83,7 +83,7 @@ impl Algorithm for FixedWindow {
     fn acquire(&self, state: &mut State, now: Nanos, cost: u64) -> Decision {
         let start = now - now % self.window;
         let count = if state.start == start { state.count } else { 0 };
-        let end = start.saturating_add(self.window);
+        let end = start + self.window;
         let allowed = count.saturating_add(cost) <= self.limit;
         let count = if allowed { count.saturating_add(cost) } else { count };
         if allowed && cost > 0 {
@@ -94,14 +94,14 @@ impl Algorithm for FixedWindow {
             limit: self.limit,
             // Saturating: a count taken under a larger limit may exceed this one.
             remaining: self.limit.saturating_sub(count),
-            retry_after: if allowed { 0 } else { end - now },
-            reset_after: if count == 0 { 0 } else { end - now },
+            retry_after: if allowed { Nanos::ZERO } else { end - now },
+            reset_after: if count == 0 { Nanos::ZERO } else { end - now },
             at: now,
         }
     }
 
     fn forget_at(&self, state: &State) -> Nanos {
-        if state.count == 0 { 0 } else { state.start.saturating_add(self.window) }
+        if state.count == 0 { Nanos::ZERO } else { state.start + self.window }
     }
 
     fn capacity(&self) -> u64 {
@@ -130,7 +130,7 @@ impl Algorithm for FixedWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::NANOS_PER_SEC as SEC;
+    const SEC: Nanos = Nanos::from_secs(1);
 
     #[test]
     fn counts_reset_at_the_aligned_edge() {
@@ -147,7 +147,7 @@ mod tests {
     #[test]
     fn a_limit_lowered_under_the_count_leaves_nothing_until_the_window_ends() {
         let before = FixedWindow::new(100, 60 * SEC);
-        let mut s = before.fresh(0);
+        let mut s = before.fresh(Nanos::ZERO);
         assert!(before.acquire(&mut s, SEC, 50).allowed);
         let after = FixedWindow::new(40, 60 * SEC);
         let d = after.acquire(&mut s, 2 * SEC, 1);

@@ -57,8 +57,8 @@ impl Gcra {
         self.period
     }
 
-    fn tolerance(&self) -> u64 {
-        self.burst.saturating_mul(self.period)
+    fn tolerance(&self) -> Nanos {
+        self.period * self.burst
     }
 }
 
@@ -89,13 +89,13 @@ impl Algorithm for Gcra {
     }
 
     fn fresh(&self, now: Nanos) -> State {
-        State { tat: 0, given_back_at: now }
+        State { tat: Nanos::ZERO, given_back_at: now }
     }
 
     fn acquire(&self, state: &mut State, now: Nanos, cost: u64) -> Decision {
         let tolerance = self.tolerance();
         let start = state.tat.max(now);
-        let new_tat = start.saturating_add(cost.saturating_mul(self.period));
+        let new_tat = start + self.period * cost;
         let debt = new_tat - now;
         if debt <= tolerance {
             if cost > 0 {
@@ -105,7 +105,7 @@ impl Algorithm for Gcra {
                 allowed: true,
                 limit: self.burst,
                 remaining: (tolerance - debt) / self.period,
-                retry_after: 0,
+                retry_after: Nanos::ZERO,
                 reset_after: debt,
                 at: now,
             }
@@ -114,7 +114,7 @@ impl Algorithm for Gcra {
             Decision {
                 allowed: false,
                 limit: self.burst,
-                remaining: tolerance.saturating_sub(held) / self.period,
+                remaining: (tolerance - held) / self.period,
                 retry_after: debt - tolerance,
                 reset_after: held,
                 at: now,
@@ -132,7 +132,7 @@ impl Algorithm for Gcra {
 
     /// Moves TAT back by `units` periods, never before `now` (which already means full).
     fn refund(&self, state: &mut State, now: Nanos, units: u64) {
-        move_back(state, now, units.min(self.burst).saturating_mul(self.period));
+        move_back(state, now, self.period * units.min(self.burst));
     }
 
     /// Moves TAT back by what the last `units` of the charge still owe (`owed`), never before
@@ -140,8 +140,8 @@ impl Algorithm for Gcra {
     /// moved, and the charge's units with it, by more than one timestamp can tell). Later charges
     /// do not matter: they only book after it.
     fn give_back(&self, state: &mut State, now: Nanos, units: u64, taken: Taken) {
-        let back = owed(units.min(self.burst).saturating_mul(self.period), taken, now);
-        if state.given_back_at <= taken.at && back > 0 {
+        let back = owed(self.period * units.min(self.burst), taken, now);
+        if state.given_back_at <= taken.at && back > Nanos::ZERO {
             move_back(state, now, back);
         }
     }
@@ -150,22 +150,22 @@ impl Algorithm for Gcra {
 /// TAT moved back by `back` at `now`, never before `now`, stamped as a give-back.
 fn move_back(state: &mut State, now: Nanos, back: Nanos) {
     if state.tat > now {
-        state.tat = state.tat.saturating_sub(back).max(now);
-        state.given_back_at = now.saturating_add(GIVEN_BACK_AHEAD).max(state.given_back_at);
+        state.tat = (state.tat - back).max(now);
+        state.given_back_at = (now + GIVEN_BACK_AHEAD).max(state.given_back_at);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::NANOS_PER_SEC as SEC;
+    const SEC: Nanos = Nanos::from_secs(1);
 
     #[test]
     fn burst_then_one_per_period() {
         let g = Gcra::new(3, 1.0);
-        let mut s = g.fresh(0);
-        assert!((0..3).all(|_| g.acquire(&mut s, 0, 1).allowed));
-        let d = g.acquire(&mut s, 0, 1);
+        let mut s = g.fresh(Nanos::ZERO);
+        assert!((0..3).all(|_| g.acquire(&mut s, Nanos::ZERO, 1).allowed));
+        let d = g.acquire(&mut s, Nanos::ZERO, 1);
         assert!(!d.allowed);
         assert_eq!(d.retry_after, SEC);
         assert_eq!(d.reset_after, 3 * SEC);
@@ -176,9 +176,9 @@ mod tests {
     #[test]
     fn costs_wait_for_their_own_size() {
         let g = Gcra::new(10, 2.0);
-        let mut s = g.fresh(0);
-        assert!(g.acquire(&mut s, 0, 8).allowed);
-        let d = g.acquire(&mut s, 0, 5);
+        let mut s = g.fresh(Nanos::ZERO);
+        assert!(g.acquire(&mut s, Nanos::ZERO, 8).allowed);
+        let d = g.acquire(&mut s, Nanos::ZERO, 5);
         assert!(!d.allowed);
         assert_eq!(d.remaining, 2);
         assert_eq!(d.retry_after, 3 * SEC / 2);
@@ -187,14 +187,14 @@ mod tests {
     #[test]
     fn a_schedule_booked_under_a_larger_burst_is_still_owed_exactly() {
         let before = Gcra::new(100, 1.0);
-        let mut s = before.fresh(0);
-        assert!(before.acquire(&mut s, 0, 50).allowed);
+        let mut s = before.fresh(Nanos::ZERO);
+        assert!(before.acquire(&mut s, Nanos::ZERO, 50).allowed);
         // TAT is 50 s ahead; the new burst tolerates 40 s.
         let after = Gcra::new(40, 1.0);
-        let d = after.acquire(&mut s, 0, 1);
+        let d = after.acquire(&mut s, Nanos::ZERO, 1);
         assert_eq!((d.allowed, d.limit, d.remaining), (false, 40, 0));
         assert_eq!((d.retry_after, d.reset_after), (11 * SEC, 50 * SEC));
-        assert!(!after.acquire(&mut s, 11 * SEC - 1, 1).allowed);
+        assert!(!after.acquire(&mut s, 11 * SEC - Nanos::new(1), 1).allowed);
         assert!(after.acquire(&mut s, 11 * SEC, 1).allowed);
     }
 }

@@ -37,7 +37,7 @@ pub struct LeakyBucket {
 /// How full the bucket was (in ns of draining) when last seen, and when that was.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct State {
-    water: u64,
+    water: Nanos,
     updated_at: Nanos,
 }
 
@@ -80,13 +80,13 @@ impl Algorithm for LeakyBucket {
     }
 
     fn fresh(&self, now: Nanos) -> State {
-        State { water: 0, updated_at: now }
+        State { water: Nanos::ZERO, updated_at: now }
     }
 
     fn acquire(&self, state: &mut State, now: Nanos, cost: u64) -> Decision {
-        let brim = self.capacity.saturating_mul(self.period);
-        let water = state.water.saturating_sub(now.saturating_sub(state.updated_at));
-        let poured = water.saturating_add(cost.saturating_mul(self.period));
+        let brim = self.period * self.capacity;
+        let water = state.water - (now - state.updated_at);
+        let poured = water + self.period * cost;
         let allowed = poured <= brim;
         let water = if allowed { poured } else { water };
         if allowed && cost > 0 {
@@ -96,15 +96,15 @@ impl Algorithm for LeakyBucket {
             allowed,
             limit: self.capacity,
             // Saturating: water poured under a larger brim may stand above this one.
-            remaining: brim.saturating_sub(water) / self.period,
-            retry_after: if allowed { 0 } else { poured - brim },
+            remaining: (brim - water) / self.period,
+            retry_after: if allowed { Nanos::ZERO } else { poured - brim },
             reset_after: water,
             at: now,
         }
     }
 
     fn forget_at(&self, state: &State) -> Nanos {
-        state.updated_at.saturating_add(state.water)
+        state.updated_at + state.water
     }
 
     fn capacity(&self) -> u64 {
@@ -113,14 +113,14 @@ impl Algorithm for LeakyBucket {
 
     /// Takes `units` of water out, never below empty.
     fn refund(&self, state: &mut State, now: Nanos, units: u64) {
-        take_out(state, now, units.min(self.capacity).saturating_mul(self.period));
+        take_out(state, now, self.period * units.min(self.capacity));
     }
 
     /// Takes out the water the last `units` of the charge have not drained yet (`owed`);
     /// nothing when the key was written since the charge (as the token bucket).
     fn give_back(&self, state: &mut State, now: Nanos, units: u64, taken: Taken) {
-        let back = owed(units.min(self.capacity).saturating_mul(self.period), taken, now);
-        if state.updated_at <= taken.at && back > 0 {
+        let back = owed(self.period * units.min(self.capacity), taken, now);
+        if state.updated_at <= taken.at && back > Nanos::ZERO {
             take_out(state, now, back);
         }
     }
@@ -128,22 +128,22 @@ impl Algorithm for LeakyBucket {
 
 /// `back` ns of water out at `now`, never below empty, stamped as a give-back.
 fn take_out(state: &mut State, now: Nanos, back: Nanos) {
-    let water = state.water.saturating_sub(now.saturating_sub(state.updated_at));
-    let stamp = now.saturating_add(GIVEN_BACK_AHEAD).max(state.updated_at);
-    *state = State { water: water.saturating_sub(back), updated_at: stamp };
+    let water = state.water - (now - state.updated_at);
+    let stamp = (now + GIVEN_BACK_AHEAD).max(state.updated_at);
+    *state = State { water: water - back, updated_at: stamp };
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::NANOS_PER_SEC as SEC;
+    const SEC: Nanos = Nanos::from_secs(1);
 
     #[test]
     fn overflow_is_refused_until_enough_has_drained() {
         let b = LeakyBucket::new(4, 2.0);
-        let mut s = b.fresh(0);
-        assert!(b.acquire(&mut s, 0, 3).allowed);
-        let d = b.acquire(&mut s, 0, 2);
+        let mut s = b.fresh(Nanos::ZERO);
+        assert!(b.acquire(&mut s, Nanos::ZERO, 3).allowed);
+        let d = b.acquire(&mut s, Nanos::ZERO, 2);
         assert!(!d.allowed);
         assert_eq!(d.retry_after, SEC / 2);
         assert!(b.acquire(&mut s, SEC / 2, 2).allowed);
@@ -152,15 +152,15 @@ mod tests {
     #[test]
     fn water_above_a_lowered_brim_drains_to_an_exact_wait() {
         let before = LeakyBucket::new(10, 1.0);
-        let mut s = before.fresh(0);
-        assert!(before.acquire(&mut s, 0, 8).allowed);
+        let mut s = before.fresh(Nanos::ZERO);
+        assert!(before.acquire(&mut s, Nanos::ZERO, 8).allowed);
         // 8 s of water; the new brim holds 2 units of half a second: 1 s.
         let after = LeakyBucket::new(2, 2.0);
-        let d = after.acquire(&mut s, 0, 1);
+        let d = after.acquire(&mut s, Nanos::ZERO, 1);
         assert_eq!((d.allowed, d.limit, d.remaining), (false, 2, 0));
         assert_eq!(d.retry_after, 15 * SEC / 2, "down to the brim less one unit: 8 s - 0.5 s");
         assert_eq!(d.reset_after, 8 * SEC);
-        assert!(!after.acquire(&mut s, d.retry_after - 1, 1).allowed);
+        assert!(!after.acquire(&mut s, d.retry_after - Nanos::new(1), 1).allowed);
         assert!(after.acquire(&mut s, d.retry_after, 1).allowed);
     }
 }

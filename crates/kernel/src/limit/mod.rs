@@ -392,7 +392,9 @@ impl Limiter {
         let shape = match self.shape() {
             // The period itself divided (a float cast saturates: a factor near zero is a period
             // that never ends, not one of a nanosecond).
-            Shape::Rate { period } => Shape::Rate { period: (period as f64 / factor).round() as u64 },
+            Shape::Rate { period } => {
+                Shape::Rate { period: Nanos::new((period.as_u64() as f64 / factor).round() as u64) }
+            }
             other => other,
         };
         Limiter::with_shape(self.algorithm(), capacity, shape).unwrap_or_else(|| self.clone())
@@ -402,7 +404,7 @@ impl Limiter {
     /// the time to refill from empty for buckets, none for in-flight slots.
     pub fn policy_window(&self) -> Option<Nanos> {
         match self.shape() {
-            Shape::Rate { period } => Some(self.capacity().saturating_mul(period)),
+            Shape::Rate { period } => Some(period * self.capacity()),
             Shape::Window { window } => Some(window),
             Shape::Slots => None,
         }
@@ -411,7 +413,7 @@ impl Limiter {
     /// The longest stretch of time the state remembers: a full bucket's refill time, or the
     /// window (zero for in-flight slots).
     pub fn span(&self) -> Nanos {
-        self.policy_window().unwrap_or(0)
+        self.policy_window().unwrap_or(Nanos::ZERO)
     }
 
     /// Whether admitted units must be given back with [`Limiter::release`] (in-flight slots).
@@ -460,7 +462,7 @@ impl Limiter {
     /// algorithm left).
     pub fn release(&self, state: &mut LimiterState, cost: u64) {
         if self.holds_slots() {
-            self.with_state(state, 0, Release(cost));
+            self.with_state(state, Nanos::ZERO, Release(cost));
         }
     }
 
@@ -472,7 +474,7 @@ impl Limiter {
                 format!("{} tokens, refilled at {} per second", self.capacity(), self.rate_per_sec())
             }
             Shape::Window { window } => {
-                format!("{} tokens per {}-second window", self.capacity(), window / 1_000_000_000)
+                format!("{} tokens per {}-second window", self.capacity(), window.as_u64() / 1_000_000_000)
             }
             Shape::Slots => format!("{} at once", self.capacity()),
         }
@@ -482,7 +484,7 @@ impl Limiter {
     pub fn rate_per_sec(&self) -> f64 {
         match self.shape() {
             Shape::Rate { period } => per_sec(period),
-            Shape::Window { window } => self.capacity() as f64 / (window as f64 / 1e9),
+            Shape::Window { window } => self.capacity() as f64 / window.as_secs_f64(),
             Shape::Slots => 0.0,
         }
     }
@@ -501,7 +503,7 @@ pub fn is_param(name: &str) -> Result<(), String> {
 }
 
 pub(crate) fn per_sec(period: Nanos) -> f64 {
-    crate::clock::NANOS_PER_SEC as f64 / period as f64
+    crate::clock::NANOS_PER_SEC as f64 / period.as_u64() as f64
 }
 
 /// How much of `most` nanoseconds of a bucket's charge `taken` are still owed at `now`: a bucket
@@ -514,7 +516,7 @@ pub(crate) fn per_sec(period: Nanos) -> f64 {
 /// give-back moves the debt charged before it earlier, so a bucket remembers when it last gave
 /// back ([`GIVEN_BACK_AHEAD`]) and gives nothing to a charge older than that.
 pub(crate) fn owed(most: Nanos, taken: Taken, now: Nanos) -> Nanos {
-    most.min(taken.at.saturating_add(taken.reset_after).saturating_sub(now))
+    most.min(taken.at + taken.reset_after - now)
 }
 
 /// How far ahead of its instant a bucket stamps a give-back (or an operator's refund): one
@@ -523,7 +525,7 @@ pub(crate) fn owed(most: Nanos, taken: Taken, now: Nanos) -> Nanos {
 /// given more back than its own units still owe after the debt moved. (A token bucket and a
 /// leaky bucket stamp their `updated_at`, and refill or drain from there: a give-back costs them at
 /// most a microsecond of refill.)
-pub const GIVEN_BACK_AHEAD: Nanos = 1_000;
+pub const GIVEN_BACK_AHEAD: Nanos = Nanos::new(1_000);
 
 /// Nanoseconds per unit for a rate in units per second, rounded to the nearest nanosecond: at
 /// least one, and for a rate too slow for 64 bits of nanoseconds (or none at all) the longest
@@ -533,7 +535,7 @@ pub fn period_of(rate_per_sec: f64) -> Nanos {
         return Nanos::MAX;
     }
     // A float cast saturates: an infinite period is the longest.
-    ((crate::clock::NANOS_PER_SEC as f64 / rate_per_sec).round() as u64).max(1)
+    Nanos::new(((crate::clock::NANOS_PER_SEC as f64 / rate_per_sec).round() as u64).max(1))
 }
 
 /// A bucket's period for `capacity` units: at least a nanosecond, and short enough that the whole
@@ -541,7 +543,7 @@ pub fn period_of(rate_per_sec: f64) -> Nanos {
 /// ever saturates. Config keeps every bucket it reads far within ([`params::LONGEST_SPAN`]);
 /// only a share scaled down without limit (a tier, an insurance share) comes near this one.
 pub(crate) fn bucket_period(capacity: u64, period: Nanos) -> Nanos {
-    period.clamp(1, Nanos::MAX / capacity.max(1))
+    period.clamp(Nanos::new(1), Nanos::MAX / capacity.max(1))
 }
 
 #[cfg(test)]
@@ -552,13 +554,13 @@ mod tests {
     fn a_rate_too_slow_for_64_bits_is_the_longest_period_never_the_shortest() {
         assert_eq!(period_of(1e-300), Nanos::MAX);
         assert_eq!((period_of(0.0), period_of(-1.0), period_of(f64::NAN)), (Nanos::MAX, Nanos::MAX, Nanos::MAX));
-        assert_eq!((period_of(1e12), period_of(1.0)), (1, 1_000_000_000));
+        assert_eq!((period_of(1e12), period_of(1.0)), (Nanos::new(1), Nanos::from_secs(1)));
         // A whole bucket stays a number of nanoseconds: nothing saturates to a wrong level.
         let bucket = TokenBucket::new(300, 1e-300);
         assert_eq!(bucket.period(), Nanos::MAX / 300);
         let limiter = Limiter::TokenBucket(bucket);
-        let mut state = limiter.fresh(0);
-        let d = limiter.acquire(&mut state, 0, 1);
+        let mut state = limiter.fresh(Nanos::ZERO);
+        let d = limiter.acquire(&mut state, Nanos::ZERO, 1);
         assert_eq!((d.allowed, d.remaining, d.reset_after), (true, 299, Nanos::MAX / 300));
         // A tier near zero stretches the period to the longest, not down to a nanosecond.
         let scaled = Limiter::TokenBucket(TokenBucket::new(10, 1.0)).scaled(1e-300);

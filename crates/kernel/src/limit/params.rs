@@ -21,7 +21,7 @@ pub const MAX_RATE: f64 = 1e9;
 /// of nanoseconds with room to spare, so its levels and waits are exact; a rate too slow for it
 /// is refused, naming its key, rather than kept approximately (it would be a typo, or a budget
 /// that never comes back).
-pub const LONGEST_SPAN: Nanos = MAX_WINDOW_MS * 1_000_000;
+pub const LONGEST_SPAN: Nanos = Nanos::from_millis(MAX_WINDOW_MS);
 
 /// One parameter's value as written.
 #[derive(Debug, Clone, PartialEq, serde::Deserialize)]
@@ -103,13 +103,14 @@ impl<'a> Params<'a> {
         let capacity = self.units(burst)?;
         let per_sec = self.rate(rate)?;
         let period = (NANOS_PER_SEC as f64 / per_sec).round();
+        let longest = LONGEST_SPAN.as_u64();
         // Both sides are whole numbers of nanoseconds: the period (an integral double, exact as an
         // integer once it is below the bound) times the burst, without wrapping.
-        let span = (period <= LONGEST_SPAN as f64).then(|| capacity.checked_mul(period as u64)).flatten();
+        let span = (period <= longest as f64).then(|| capacity.checked_mul(period as u64)).flatten();
         match span {
-            Some(span) if span <= LONGEST_SPAN => Ok((capacity, period as u64)),
+            Some(span) if span <= longest => Ok((capacity, Nanos::new(period as u64))),
             _ => {
-                let year = LONGEST_SPAN / NANOS_PER_SEC;
+                let year = longest / NANOS_PER_SEC;
                 // The slowest rate there is for this burst, rounded up to four digits.
                 let slowest = capacity as f64 / year as f64;
                 let unit = 10f64.powi(slowest.log10().floor() as i32 - 3);
@@ -130,7 +131,7 @@ impl<'a> Params<'a> {
     /// A window in milliseconds (from 1 to [`MAX_WINDOW_MS`]), as nanoseconds.
     pub fn window(&self, name: &str) -> Result<Nanos, ParamError> {
         match self.value(name)? {
-            Value::Int(ms) if (1..=MAX_WINDOW_MS as i64).contains(ms) => Ok(*ms as u64 * 1_000_000),
+            Value::Int(ms) if (1..=MAX_WINDOW_MS as i64).contains(ms) => Ok(Nanos::from_millis(*ms as u64)),
             Value::Int(ms) => Err(self.error(name, format!("must be between 1 and {MAX_WINDOW_MS} (got {ms})"))),
             other => Err(self.error(name, format!("must be whole milliseconds (got {other})"))),
         }

@@ -42,7 +42,7 @@ pub struct State {
 impl SlidingLog {
     /// At most `limit` units in any `window` nanoseconds.
     pub fn new(limit: u64, window: Nanos) -> Self {
-        Self { limit: limit.max(1), window: window.max(1) }
+        Self { limit: limit.max(1), window: window.max(Nanos::new(1)) }
     }
 
     /// The window length in nanoseconds.
@@ -53,7 +53,7 @@ impl SlidingLog {
     /// Drops entries that no longer count at `now` (those at or before `now - window`).
     fn expire(&self, state: &mut State, now: Nanos) {
         while let Some(&(at, units)) = state.entries.front() {
-            if at.saturating_add(self.window) > now {
+            if at + self.window > now {
                 break;
             }
             state.entries.pop_front();
@@ -84,7 +84,7 @@ impl Algorithm for SlidingLog {
     }
 
     fn describe(&self) -> String {
-        format!("{} per sliding {} ms", self.limit, self.window / 1_000_000)
+        format!("{} per sliding {} ms", self.limit, self.window.as_u64() / 1_000_000)
     }
 
     fn fresh(&self, _now: Nanos) -> State {
@@ -102,7 +102,7 @@ impl Algorithm for SlidingLog {
             state.total = state.total.saturating_add(cost);
         }
         let retry_after = if allowed {
-            0
+            Nanos::ZERO
         } else {
             // Walk the oldest entries until enough units would have aged out; the log may hold
             // more than a lowered limit, so only what is left after them counts.
@@ -110,21 +110,21 @@ impl Algorithm for SlidingLog {
             let mut wait = self.window;
             for &(at, units) in &state.entries {
                 freed = freed.saturating_add(units);
-                wait = at.saturating_add(self.window).saturating_sub(now);
+                wait = at + self.window - now;
                 if state.total.saturating_sub(freed).saturating_add(cost) <= self.limit {
                     break;
                 }
             }
             wait
         };
-        let reset_after = state.entries.back().map_or(0, |&(at, _)| at.saturating_add(self.window).saturating_sub(now));
+        let reset_after = state.entries.back().map_or(Nanos::ZERO, |&(at, _)| at + self.window - now);
         // Saturating: a log kept under a larger limit may hold more than this one.
         let remaining = self.limit.saturating_sub(state.total);
         Decision { allowed, limit: self.limit, remaining, retry_after, reset_after, at: now }
     }
 
     fn forget_at(&self, state: &State) -> Nanos {
-        state.entries.back().map_or(0, |&(at, _)| at.saturating_add(self.window))
+        state.entries.back().map_or(Nanos::ZERO, |&(at, _)| at + self.window)
     }
 
     fn capacity(&self) -> u64 {
@@ -165,13 +165,13 @@ impl Algorithm for SlidingLog {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::NANOS_PER_SEC as SEC;
+    const SEC: Nanos = Nanos::from_secs(1);
 
     #[test]
     fn waits_for_the_oldest_entries_to_age_out() {
         let l = SlidingLog::new(3, 10 * SEC);
-        let mut s = l.fresh(0);
-        assert!(l.acquire(&mut s, 0, 1).allowed);
+        let mut s = l.fresh(Nanos::ZERO);
+        assert!(l.acquire(&mut s, Nanos::ZERO, 1).allowed);
         assert!(l.acquire(&mut s, 2 * SEC, 1).allowed);
         assert!(l.acquire(&mut s, 4 * SEC, 1).allowed);
         let d = l.acquire(&mut s, 5 * SEC, 2);
@@ -184,7 +184,7 @@ mod tests {
     #[test]
     fn a_limit_lowered_under_the_log_waits_exactly_for_enough_entries_to_age_out() {
         let before = SlidingLog::new(10, 10 * SEC);
-        let mut s = before.fresh(0);
+        let mut s = before.fresh(Nanos::ZERO);
         for t in 0..4 {
             assert!(before.acquire(&mut s, t * SEC, 2).allowed);
         }
@@ -193,7 +193,7 @@ mod tests {
         let d = after.acquire(&mut s, 5 * SEC, 1);
         assert_eq!((d.allowed, d.remaining), (false, 0));
         assert_eq!(d.retry_after, 7 * SEC, "the entry at 2 s leaves at 12 s");
-        assert!(!after.acquire(&mut s, 12 * SEC - 1, 1).allowed);
+        assert!(!after.acquire(&mut s, 12 * SEC - Nanos::new(1), 1).allowed);
         assert!(after.acquire(&mut s, 12 * SEC, 1).allowed);
     }
 }

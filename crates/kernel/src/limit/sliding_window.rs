@@ -45,7 +45,7 @@ pub struct State {
 impl SlidingWindow {
     /// About `limit` units per sliding `window` nanoseconds.
     pub fn new(limit: u64, window: Nanos) -> Self {
-        Self { limit: limit.clamp(1, u64::from(u32::MAX)), window: window.max(1) }
+        Self { limit: limit.clamp(1, u64::from(u32::MAX)), window: window.max(Nanos::new(1)) }
     }
 
     /// The window length in nanoseconds.
@@ -58,7 +58,7 @@ impl SlidingWindow {
         let start = now - now % self.window;
         if start == state.start {
             *state
-        } else if start == state.start.saturating_add(self.window) {
+        } else if start == state.start + self.window {
             State { start, previous: state.current, current: 0 }
         } else {
             State { start, previous: 0, current: 0 }
@@ -67,20 +67,20 @@ impl SlidingWindow {
 
     /// `weighted(previous) + current + cost`, scaled by `window` to stay in integers.
     fn scaled_load(&self, s: &State, now: Nanos, cost: u64) -> u128 {
-        let elapsed = u128::from(now - s.start);
-        let window = u128::from(self.window);
+        let elapsed = u128::from((now - s.start).as_u64());
+        let window = u128::from(self.window.as_u64());
         u128::from(s.previous) * (window - elapsed) + (u128::from(s.current) + u128::from(cost)) * window
     }
 
     /// Time from `now` until `current + cost` fits beside the decaying previous count.
     fn wait(&self, s: &State, now: Nanos, cost: u64) -> Nanos {
-        let window = u128::from(self.window);
+        let window = u128::from(self.window.as_u64());
         let limit = u128::from(self.limit);
         let (prev, cur, start) = if u64::from(s.current).saturating_add(cost) <= self.limit {
-            (u128::from(s.previous), u128::from(s.current), u128::from(s.start))
+            (u128::from(s.previous), u128::from(s.current), u128::from(s.start.as_u64()))
         } else {
             // Not in this window: in the next one, this window's count becomes "previous".
-            (u128::from(s.current), 0, u128::from(s.start) + window)
+            (u128::from(s.current), 0, u128::from(s.start.as_u64()) + window)
         };
         // Need prev × (window − e) ≤ (limit − cur − cost) × window, i.e.
         // e ≥ window − ⌊(limit − cur − cost) × window / prev⌋.
@@ -89,7 +89,7 @@ impl SlidingWindow {
         let room = limit.saturating_sub(cur + u128::from(cost)) * window;
         let elapsed = room.checked_div(prev).map_or(0, |share| window.saturating_sub(share));
         let at = start + elapsed;
-        u64::try_from(at.saturating_sub(u128::from(now))).unwrap_or(u64::MAX).max(1)
+        Nanos::new(u64::try_from(at.saturating_sub(u128::from(now.as_u64()))).unwrap_or(u64::MAX).max(1))
     }
 }
 
@@ -115,7 +115,7 @@ impl Algorithm for SlidingWindow {
     }
 
     fn describe(&self) -> String {
-        format!("{} per ~sliding {} ms", self.limit, self.window / 1_000_000)
+        format!("{} per ~sliding {} ms", self.limit, self.window.as_u64() / 1_000_000)
     }
 
     fn fresh(&self, now: Nanos) -> State {
@@ -124,7 +124,7 @@ impl Algorithm for SlidingWindow {
 
     fn acquire(&self, state: &mut State, now: Nanos, cost: u64) -> Decision {
         let s = self.roll(state, now);
-        let window = u128::from(self.window);
+        let window = u128::from(self.window.as_u64());
         let allowed = self.scaled_load(&s, now, cost) <= u128::from(self.limit) * window;
         // Allowed means current + cost ≤ limit ≤ u32::MAX, so the sum fits.
         let s = if allowed {
@@ -138,9 +138,9 @@ impl Algorithm for SlidingWindow {
         let used = self.scaled_load(&s, now, 0).div_ceil(window);
         let used = u64::try_from(used).unwrap_or(u64::MAX);
         let full_at = if s.current > 0 {
-            s.start.saturating_add(self.window.saturating_mul(2))
+            s.start + self.window * 2
         } else if s.previous > 0 {
-            s.start.saturating_add(self.window)
+            s.start + self.window
         } else {
             now
         };
@@ -148,19 +148,19 @@ impl Algorithm for SlidingWindow {
             allowed,
             limit: self.limit,
             remaining: self.limit.saturating_sub(used),
-            retry_after: if allowed { 0 } else { self.wait(&s, now, cost) },
-            reset_after: full_at.saturating_sub(now),
+            retry_after: if allowed { Nanos::ZERO } else { self.wait(&s, now, cost) },
+            reset_after: full_at - now,
             at: now,
         }
     }
 
     fn forget_at(&self, state: &State) -> Nanos {
         if state.current > 0 {
-            state.start.saturating_add(self.window.saturating_mul(2))
+            state.start + self.window * 2
         } else if state.previous > 0 {
-            state.start.saturating_add(self.window)
+            state.start + self.window
         } else {
-            0
+            Nanos::ZERO
         }
     }
 
@@ -185,7 +185,7 @@ impl Algorithm for SlidingWindow {
         let units = u32::try_from(units).unwrap_or(u32::MAX);
         *state = if charged_in == s.start {
             State { current: s.current.saturating_sub(units), ..s }
-        } else if charged_in.saturating_add(self.window) == s.start {
+        } else if charged_in + self.window == s.start {
             State { previous: s.previous.saturating_sub(units), ..s }
         } else {
             s
@@ -196,12 +196,12 @@ impl Algorithm for SlidingWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::NANOS_PER_SEC as SEC;
+    const SEC: Nanos = Nanos::from_secs(1);
 
     #[test]
     fn previous_window_weighs_in_and_decays() {
         let w = SlidingWindow::new(10, 10 * SEC);
-        let mut s = w.fresh(0);
+        let mut s = w.fresh(Nanos::ZERO);
         assert!(w.acquire(&mut s, 9 * SEC, 10).allowed);
         // 1 s into the next window the previous 10 still weigh 9.
         let d = w.acquire(&mut s, 11 * SEC, 2);
@@ -213,7 +213,7 @@ mod tests {
     #[test]
     fn counts_above_a_lowered_limit_leave_nothing_and_a_finite_wait() {
         let before = SlidingWindow::new(100, 10 * SEC);
-        let mut s = before.fresh(0);
+        let mut s = before.fresh(Nanos::ZERO);
         assert!(before.acquire(&mut s, SEC, 80).allowed);
         let after = SlidingWindow::new(20, 10 * SEC);
         let d = after.acquire(&mut s, 2 * SEC, 5);
@@ -227,10 +227,10 @@ mod tests {
     fn a_cost_above_the_limit_is_refused_without_wrapping() {
         // Config validation refuses such a cost; a limiter handed one anyway must not panic.
         let w = SlidingWindow::new(3, 10 * SEC);
-        let mut s = w.fresh(0);
-        assert!(w.acquire(&mut s, 0, 2).allowed);
+        let mut s = w.fresh(Nanos::ZERO);
+        assert!(w.acquire(&mut s, Nanos::ZERO, 2).allowed);
         let d = w.acquire(&mut s, SEC, 5);
         assert!(!d.allowed);
-        assert!(d.retry_after > 0 && d.retry_after <= 20 * SEC, "{d:?}");
+        assert!(d.retry_after > Nanos::ZERO && d.retry_after <= 20 * SEC, "{d:?}");
     }
 }

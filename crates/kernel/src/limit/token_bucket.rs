@@ -48,7 +48,7 @@ pub struct TokenBucket {
 /// give-back, [`GIVEN_BACK_AHEAD`] later: see `owed`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct State {
-    level: u64,
+    level: Nanos,
     updated_at: Nanos,
 }
 
@@ -63,16 +63,16 @@ impl TokenBucket {
         self.period
     }
 
-    fn full(&self) -> u64 {
-        self.capacity.saturating_mul(self.period)
+    fn full(&self) -> Nanos {
+        self.period * self.capacity
     }
 
     /// `back` ns of refill into the level at `now`, never past full, stamped as a give-back.
     fn put_back(&self, state: &mut State, now: Nanos, back: Nanos) {
         let full = self.full();
-        let level = state.level.saturating_add(now.saturating_sub(state.updated_at)).min(full);
-        let stamp = now.saturating_add(GIVEN_BACK_AHEAD).max(state.updated_at);
-        *state = State { level: level.saturating_add(back).min(full), updated_at: stamp };
+        let level = (state.level + (now - state.updated_at)).min(full);
+        let stamp = (now + GIVEN_BACK_AHEAD).max(state.updated_at);
+        *state = State { level: (level + back).min(full), updated_at: stamp };
     }
 }
 
@@ -108,8 +108,8 @@ impl Algorithm for TokenBucket {
 
     fn acquire(&self, state: &mut State, now: Nanos, cost: u64) -> Decision {
         let full = self.full();
-        let level = state.level.saturating_add(now.saturating_sub(state.updated_at)).min(full);
-        let need = cost.saturating_mul(self.period);
+        let level = (state.level + (now - state.updated_at)).min(full);
+        let need = self.period * cost;
         let allowed = need <= level;
         let level = if allowed { level - need } else { level };
         if allowed && cost > 0 {
@@ -119,14 +119,14 @@ impl Algorithm for TokenBucket {
             allowed,
             limit: self.capacity,
             remaining: level / self.period,
-            retry_after: if allowed { 0 } else { need - level },
+            retry_after: if allowed { Nanos::ZERO } else { need - level },
             reset_after: full - level,
             at: now,
         }
     }
 
     fn forget_at(&self, state: &State) -> Nanos {
-        state.updated_at.saturating_add(self.full().saturating_sub(state.level))
+        state.updated_at + (self.full() - state.level)
     }
 
     fn capacity(&self) -> u64 {
@@ -134,15 +134,15 @@ impl Algorithm for TokenBucket {
     }
 
     fn refund(&self, state: &mut State, now: Nanos, units: u64) {
-        self.put_back(state, now, units.min(self.capacity).saturating_mul(self.period));
+        self.put_back(state, now, self.period * units.min(self.capacity));
     }
 
     /// The refill the last `units` of the charge still owe (`owed`), back into the level,
     /// never past full; nothing when the key was written since the charge (another call charged,
     /// or something given back: where its units sit then is more than one level can tell).
     fn give_back(&self, state: &mut State, now: Nanos, units: u64, taken: Taken) {
-        let back = owed(units.min(self.capacity).saturating_mul(self.period), taken, now);
-        if state.updated_at <= taken.at && back > 0 {
+        let back = owed(self.period * units.min(self.capacity), taken, now);
+        if state.updated_at <= taken.at && back > Nanos::ZERO {
             self.put_back(state, now, back);
         }
     }
@@ -151,18 +151,18 @@ impl Algorithm for TokenBucket {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::NANOS_PER_SEC as SEC;
+    const SEC: Nanos = Nanos::from_secs(1);
 
     #[test]
     fn burst_then_refused_with_exact_wait() {
         let b = TokenBucket::new(60, 1.0);
-        let mut s = b.fresh(0);
+        let mut s = b.fresh(Nanos::ZERO);
         for i in 0..60 {
-            let d = b.acquire(&mut s, 0, 1);
+            let d = b.acquire(&mut s, Nanos::ZERO, 1);
             assert!(d.allowed, "call {i} should pass");
             assert_eq!(d.remaining, 59 - i);
         }
-        let d = b.acquire(&mut s, 0, 1);
+        let d = b.acquire(&mut s, Nanos::ZERO, 1);
         assert!(!d.allowed);
         assert_eq!(d.retry_after, SEC);
         assert_eq!(d.reset_after, 60 * SEC);
@@ -172,9 +172,9 @@ mod tests {
     #[test]
     fn refusal_charges_nothing_and_waits_for_its_own_cost() {
         let b = TokenBucket::new(60, 1.0);
-        let mut s = b.fresh(0);
-        b.acquire(&mut s, 0, 58);
-        let d = b.acquire(&mut s, 0, 20);
+        let mut s = b.fresh(Nanos::ZERO);
+        b.acquire(&mut s, Nanos::ZERO, 58);
+        let d = b.acquire(&mut s, Nanos::ZERO, 20);
         assert!(!d.allowed);
         assert_eq!(d.remaining, 2);
         assert_eq!(d.retry_after, 18 * SEC);
@@ -192,12 +192,12 @@ mod tests {
     #[test]
     fn a_refund_gives_tokens_back_up_to_the_burst() {
         let b = TokenBucket::new(10, 1.0);
-        let mut s = b.fresh(0);
-        b.acquire(&mut s, 0, 10);
-        b.refund(&mut s, 0, 4);
-        assert_eq!(b.acquire(&mut s, 0, 0).remaining, 4);
-        b.refund(&mut s, 0, 1_000);
-        assert_eq!(b.acquire(&mut s, 0, 0).remaining, 10, "never beyond the burst");
+        let mut s = b.fresh(Nanos::ZERO);
+        b.acquire(&mut s, Nanos::ZERO, 10);
+        b.refund(&mut s, Nanos::ZERO, 4);
+        assert_eq!(b.acquire(&mut s, Nanos::ZERO, 0).remaining, 4);
+        b.refund(&mut s, Nanos::ZERO, 1_000);
+        assert_eq!(b.acquire(&mut s, Nanos::ZERO, 0).remaining, 10, "never beyond the burst");
         assert_eq!(b.forget_at(&s), GIVEN_BACK_AHEAD, "full again: as good as fresh once its stamp is past");
     }
 
@@ -205,18 +205,18 @@ mod tests {
     fn fractional_rates_have_exact_periods() {
         let b = TokenBucket::new(5, 0.5);
         assert_eq!(b.period(), 2 * SEC);
-        let mut s = b.fresh(0);
-        b.acquire(&mut s, 0, 5);
-        assert_eq!(b.acquire(&mut s, 0, 1).retry_after, 2 * SEC);
+        let mut s = b.fresh(Nanos::ZERO);
+        b.acquire(&mut s, Nanos::ZERO, 5);
+        assert_eq!(b.acquire(&mut s, Nanos::ZERO, 1).retry_after, 2 * SEC);
     }
 
     #[test]
     fn a_lowered_burst_caps_the_saved_level() {
         let before = TokenBucket::new(100, 1.0);
-        let mut s = before.fresh(0);
-        assert!(before.acquire(&mut s, 0, 50).allowed);
+        let mut s = before.fresh(Nanos::ZERO);
+        assert!(before.acquire(&mut s, Nanos::ZERO, 50).allowed);
         let after = TokenBucket::new(40, 1.0);
-        let d = after.acquire(&mut s, 0, 0);
-        assert_eq!((d.limit, d.remaining, d.reset_after), (40, 40, 0), "50 saved, at most 40 kept");
+        let d = after.acquire(&mut s, Nanos::ZERO, 0);
+        assert_eq!((d.limit, d.remaining, d.reset_after), (40, 40, Nanos::ZERO), "50 saved, at most 40 kept");
     }
 }

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{JoinAt, Lease, LineAnswer, LineAt, LineClaim, LineEntry, LineWait, SharedLine, Store};
+use crate::clock::Nanos;
 use crate::limit::{Concurrency, Gcra, Limiter};
 
 /// Runs every check on `store`'s line, each in a line of its own named `prefix` and a number
@@ -173,7 +174,7 @@ async fn a_gap_holds_only_its_class_and_says_when_it_passes(line: &Arc<dyn Share
     let answer = claim_here().await;
     let LineAnswer::Wait { why, wake, .. } = answer else { panic!("v1 waits: {answer:?}") };
     assert_eq!(why, LineWait::Nothing);
-    assert!(wake.is_some_and(|ns| ns > 50_000_000_000), "about a minute: {wake:?}");
+    assert!(wake.is_some_and(|ns| ns > Nanos::from_secs(50)), "about a minute: {wake:?}");
 }
 
 async fn a_job_joining_again_keeps_its_place_and_one_that_left_is_gone(line: &Arc<dyn SharedLine>, name: &str) {

@@ -345,8 +345,7 @@ impl Slots for MemoryStore {
 
 impl Blocks for MemoryStore {
     fn block<'a>(&'a self, key: &'a str, duration: Duration) -> StoreFuture<'a, ()> {
-        let nanos = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
-        self.block_until(key, self.clock.now().saturating_add(nanos));
+        self.block_until(key, self.clock.now() + Nanos::from(duration));
         ready(Ok(()))
     }
 
@@ -376,7 +375,7 @@ mod tests {
     use super::*;
     use crate::limit::{Concurrency, TokenBucket};
 
-    const SEC: Nanos = 1_000_000_000;
+    const SEC: Nanos = Nanos::from_secs(1);
 
     /// The suite every backend must pass ([`crate::store::suite`]).
     #[tokio::test]
@@ -394,8 +393,8 @@ mod tests {
     fn sweep_forgets_only_full_buckets() {
         let store = MemoryStore::new();
         let l = Limiter::TokenBucket(TokenBucket::new(10, 1.0));
-        store.decide_at(&[Check { key: "a", limiter: &l, cost: 1, shadow: false }], 0);
-        store.decide_at(&[Check { key: "b", limiter: &l, cost: 10, shadow: false }], 0);
+        store.decide_at(&[Check { key: "a", limiter: &l, cost: 1, shadow: false }], Nanos::ZERO);
+        store.decide_at(&[Check { key: "b", limiter: &l, cost: 10, shadow: false }], Nanos::ZERO);
         assert_eq!(store.sweep_at(SEC), 1);
         assert_eq!(store.len(), 1);
         assert_eq!(store.sweep_at(10 * SEC), 1);
@@ -406,11 +405,11 @@ mod tests {
     fn released_slots_are_swept_once_idle() {
         let store = MemoryStore::new();
         let l = Limiter::Concurrency(Concurrency::new(2));
-        assert!(store.decide_at(&[Check { key: "c", limiter: &l, cost: 2, shadow: false }], 0)[0].allowed);
-        assert!(!store.decide_at(&[Check { key: "c", limiter: &l, cost: 1, shadow: false }], 0)[0].allowed);
-        assert_eq!(store.sweep_at(u64::MAX - 1), 0, "held slots are never swept");
-        store.release_at("c", &l, 2, 0);
-        assert_eq!(store.sweep_at(0), 1, "an idle slot entry is swept");
+        assert!(store.decide_at(&[Check { key: "c", limiter: &l, cost: 2, shadow: false }], Nanos::ZERO)[0].allowed);
+        assert!(!store.decide_at(&[Check { key: "c", limiter: &l, cost: 1, shadow: false }], Nanos::ZERO)[0].allowed);
+        assert_eq!(store.sweep_at(Nanos::new(u64::MAX - 1)), 0, "held slots are never swept");
+        store.release_at("c", &l, 2, Nanos::ZERO);
+        assert_eq!(store.sweep_at(Nanos::ZERO), 1, "an idle slot entry is swept");
         assert!(store.is_empty());
     }
 }

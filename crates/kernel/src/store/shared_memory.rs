@@ -85,9 +85,8 @@ struct Line {
 
 impl Line {
     fn mark_alive(&mut self, instance: &str, now: Nanos) {
-        let alive = u64::try_from(LINE_ALIVE.as_nanos()).unwrap_or(u64::MAX);
         self.alive.retain(|_, until| *until > now);
-        self.alive.insert(instance.to_owned(), now.saturating_add(alive));
+        self.alive.insert(instance.to_owned(), now + Nanos::from(LINE_ALIVE));
     }
 
     fn is_alive(&self, instance: &str, now: Nanos) -> bool {
@@ -316,9 +315,11 @@ impl<'a> Judge<'a> {
         if entry.unverified && self.share_in_use >= self.share {
             return None;
         }
-        let Some((key, limiter)) = self.claim.gaps.get(entry.class).copied().flatten() else { return Some(0) };
+        let Some((key, limiter)) = self.claim.gaps.get(entry.class).copied().flatten() else {
+            return Some(Nanos::ZERO);
+        };
         let decision = self.memory.peek_at(&Check { key, limiter, cost: 1, shadow: false }, self.now);
-        Some(if decision.allowed { 0 } else { decision.retry_after.max(1) })
+        Some(if decision.allowed { Nanos::ZERO } else { decision.retry_after.max(Nanos::new(1)) })
     }
 
     /// Whether `entry`'s tier is owed a reserved slot.
@@ -334,7 +335,7 @@ impl<'a> Judge<'a> {
         let mut wake: Option<Nanos> = None;
         for (i, next) in considered.iter().enumerate() {
             match self.wait_of(&next.waiting.entry) {
-                Some(0) => {
+                Some(Nanos::ZERO) => {
                     if self.owed(&next.waiting.entry) && first_owed.is_none() {
                         first_owed = Some(i);
                     }
@@ -525,6 +526,6 @@ mod tests {
         store.clone().release_telling("{t}account", &slot, 1, lease, "{t}freed");
         assert!(a.has_changed().expect("open") && b.has_changed().expect("open"));
         assert_eq!((*a.borrow_and_update(), *b.borrow_and_update()), (1, 1));
-        assert_eq!(store.memory.slots_in_use_at("{t}account", 0), 0);
+        assert_eq!(store.memory.slots_in_use_at("{t}account", Nanos::ZERO), 0);
     }
 }

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Check, Lease, Store, Verdict};
+use crate::clock::Nanos;
 use crate::limit::{Adjustment, Concurrency, Limiter, TokenBucket};
 
 /// Runs every check of the suite on `store`, each under its own keys beginning with `prefix`
@@ -70,7 +71,7 @@ pub async fn a_refusal_in_one_scope_charges_none(store: &Arc<dyn Store>, prefix:
     assert!(decided(store, &checks).await.iter().all(|d| d.allowed), "both scopes have room");
     let second = decided(store, &checks).await;
     assert!(second[0].allowed && !second[1].allowed, "the tenant's scope is empty: {second:?}");
-    assert!(second[1].retry_after > 0, "a refusal says how long to wait: {second:?}");
+    assert!(second[1].retry_after > Nanos::ZERO, "a refusal says how long to wait: {second:?}");
     assert_eq!(remaining(store, &caller, &roomy).await, 95, "the refused call charged the caller");
     assert_eq!(remaining(store, &tenant, &tight).await, 0);
 }
@@ -133,13 +134,16 @@ pub async fn a_block_stops_calls_until_lifted(store: &Arc<dyn Store>, prefix: &s
     store.block(&block, Duration::from_secs(60)).await.expect("sets a block");
     match store.decide(&check, &[&block], Lease::new()).await {
         Ok(Verdict::Blocked { index: 0, left }) => {
-            assert!(left > 0 && left <= 60_000_000_000, "the block holds for at most its minute: {left}")
+            assert!(
+                left > Nanos::ZERO && left <= Nanos::from_secs(60),
+                "the block holds for at most its minute: {left:?}"
+            )
         }
         other => panic!("a block in force must stop the call: {other:?}"),
     }
     assert_eq!(remaining(store, &key, &limiter).await, 10, "a blocked call is charged nothing");
     let left = store.block_left(&block).await.expect("reads a block");
-    assert!(left.is_some_and(|left| left <= 60_000_000_000), "{left:?}");
+    assert!(left.is_some_and(|left| left <= Nanos::from_secs(60)), "{left:?}");
     assert!(store.unblock(&block).await.expect("lifts"), "the block was in force");
     assert!(!store.unblock(&block).await.expect("lifts"), "and is no longer");
     assert_eq!(store.block_left(&block).await.expect("reads"), None);

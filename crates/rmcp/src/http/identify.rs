@@ -245,7 +245,7 @@ fn named(
         message: format!("Unauthorized: {rejected}."),
         challenge: verifier.resource().challenge(Some(&rejected)),
         retry_after: match rejected {
-            Rejected::Unavailable(wait) => Some(wait.div_ceil(mcp_ratelimit_core::clock::NANOS_PER_SEC)),
+            Rejected::Unavailable(wait) => Some(mcp_ratelimit_core::clock::ceil_secs(wait)),
             _ => None,
         },
     };

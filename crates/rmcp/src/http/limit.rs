@@ -139,7 +139,7 @@ where
             // request's arrival moves on by it, so a slow store does not read as being behind
             // (`[server.shedding]`).
             if let Some(arrived) = request.extensions_mut().get_mut::<Arrived>() {
-                arrived.0 = arrived.0.saturating_add(guard.clock().now().saturating_sub(deciding));
+                arrived.0 += guard.clock().now() - deciding;
             }
             let Some(decision) = decided else {
                 // The store could not decide: the finer limits behind this layer still apply.

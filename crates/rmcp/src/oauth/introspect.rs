@@ -10,7 +10,7 @@ use std::sync::Arc;
 use serde_json::{Map, Value};
 use tokio::sync::Semaphore;
 
-use mcp_ratelimit_core::clock::{NANOS_PER_SEC, Nanos};
+use mcp_ratelimit_core::clock::Nanos;
 use mcp_ratelimit_core::config::OAuthConfig;
 use mcp_ratelimit_core::metrics::Metrics;
 use mcp_ratelimit_core::redact::Secret;
@@ -21,9 +21,9 @@ use super::{Rejected, TokenVerifier, Verified, has_scopes, seconds};
 /// Answers kept at most (active and inactive together).
 const KEPT: usize = 10_000;
 /// How long an active answer without `exp` is believed.
-const NO_EXP_BELIEVED: Nanos = 60 * NANOS_PER_SEC;
+const NO_EXP_BELIEVED: Nanos = Nanos::from_secs(60);
 /// How long an inactive answer is believed.
-const INACTIVE_BELIEVED: Nanos = 30 * NANOS_PER_SEC;
+const INACTIVE_BELIEVED: Nanos = Nanos::from_secs(30);
 /// Introspections in flight at most, all tokens together.
 const IN_FLIGHT: usize = 32;
 
@@ -67,7 +67,7 @@ impl Introspection {
             return Err(rejected);
         }
         let Ok(_permit) = self.in_flight.try_acquire() else {
-            return Err(Rejected::Unavailable(NANOS_PER_SEC));
+            return Err(Rejected::Unavailable(Nanos::from_secs(1)));
         };
         let form = [("token", token), ("token_type_hint", "access_token")];
         let credentials = (self.client_id.as_str(), self.secret.as_ref().map(Secret::expose));
@@ -76,7 +76,7 @@ impl Introspection {
             Ok(_) | Err(_) => {
                 self.metrics.token_introspection("failed");
                 tracing::warn!(target: "mcp_ratelimit::oauth", endpoint = %self.endpoint, "token introspection failed");
-                return Err(Rejected::Unavailable(NANOS_PER_SEC));
+                return Err(Rejected::Unavailable(Nanos::from_secs(1)));
             }
         };
         let active = answer.get("active").and_then(Value::as_bool) == Some(true);
@@ -87,7 +87,7 @@ impl Introspection {
                 Ok(verified)
             }
             Err(rejected) => {
-                self.refused.insert(*digest, (rejected, now.saturating_add(INACTIVE_BELIEVED)));
+                self.refused.insert(*digest, (rejected, now + INACTIVE_BELIEVED));
                 Err(rejected)
             }
         }
@@ -123,8 +123,8 @@ fn believe(
         None => None,
     };
     let believed_until = match expires_at {
-        Some(exp) => exp.saturating_mul(NANOS_PER_SEC),
-        None => now.saturating_add(NO_EXP_BELIEVED),
+        Some(exp) => Nanos::from_secs(exp),
+        None => now + NO_EXP_BELIEVED,
     };
     if answer.get("sub").and_then(Value::as_str).is_none_or(str::is_empty) {
         return Err(Rejected::NoSubject);
@@ -133,7 +133,7 @@ fn believe(
         expires_at,
         not_before: None,
         kid: None,
-        believed_until: Some(believed_until.min(now.saturating_add(NO_EXP_BELIEVED.saturating_mul(60)))),
+        believed_until: Some(believed_until.min(now + NO_EXP_BELIEVED * 60)),
         scopes_ok: has_scopes(&answer, &verifier.scopes_required),
         claims: answer,
     }))

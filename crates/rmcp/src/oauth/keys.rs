@@ -15,7 +15,7 @@ use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, PublicKeyUse};
 use jsonwebtoken::{Algorithm, DecodingKey};
 use serde_json::Value;
 
-use mcp_ratelimit_core::clock::{NANOS_PER_SEC, Nanos, SharedClock};
+use mcp_ratelimit_core::clock::{Nanos, SharedClock};
 use mcp_ratelimit_core::metrics::Metrics;
 
 use super::fetch::{Fetch, FetchError};
@@ -148,7 +148,7 @@ impl Keys {
             set: ArcSwap::from_pointee(KeySet::default()),
             last_fetch: std::sync::Mutex::new(None),
             fetching: tokio::sync::Mutex::new(()),
-            min_gap: min_gap_seconds.saturating_mul(NANOS_PER_SEC),
+            min_gap: Nanos::from_secs(min_gap_seconds),
             clock,
             metrics,
         }
@@ -163,13 +163,13 @@ impl Keys {
     pub(super) fn wait_to_fetch(&self) -> Nanos {
         let now = self.clock.now();
         let last = *self.last_fetch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        last.map_or(0, |at| at.saturating_add(self.min_gap).saturating_sub(now))
+        last.map_or(Nanos::ZERO, |at| at + self.min_gap - now)
     }
 
     /// How long ago the last fetch started (on the app's clock); `None` before the first.
     pub(super) fn age(&self) -> Option<Nanos> {
         let last = *self.last_fetch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        last.map(|at| self.clock.now().saturating_sub(at))
+        last.map(|at| self.clock.now() - at)
     }
 
     /// Fetches the keys now, whatever the last fetch (at start-up).
@@ -187,7 +187,7 @@ impl Keys {
             return Ok(set);
         }
         let wait = self.wait_to_fetch();
-        if wait > 0 {
+        if wait > Nanos::ZERO {
             // Fetched moments ago (perhaps while this request waited): an empty set means the
             // provider could not be reached, else the key is not one of its.
             return if set.len() == 0 { Err(NoKey::Unavailable(wait)) } else { Err(NoKey::Unknown) };

@@ -232,7 +232,7 @@ impl TokenVerifier {
     /// authorization server withdrew (rotated out, or compromised) is trusted no longer than that,
     /// though no token names a key it lacks. The server calls it every minute.
     pub async fn refresh_if_stale(&self) {
-        if self.keys.age().is_none_or(|age| age >= KEYS_KEPT.as_nanos() as Nanos) {
+        if self.keys.age().is_none_or(|age| age >= Nanos::from(KEYS_KEPT)) {
             let _ = self.keys.fetch_now(&self.fetch).await;
         }
     }
@@ -298,7 +298,7 @@ impl TokenVerifier {
             Some(key) => Checked::Now(self.verify_with(token, digest, header.alg, kid, &key.decoding)),
             // A key of its kid that cannot verify its algorithm: no fetch would change that.
             None if set.has(kid) => Checked::Now(Err(Rejected::UnknownKey)),
-            None if self.keys.wait_to_fetch() == 0 => Checked::Later,
+            None if self.keys.wait_to_fetch() == Nanos::ZERO => Checked::Later,
             None if set.len() == 0 => Checked::Now(Err(Rejected::Unavailable(self.keys.wait_to_fetch()))),
             None => Checked::Now(Err(Rejected::UnknownKey)),
         }
@@ -361,7 +361,7 @@ impl TokenVerifier {
 
     /// `verified` if the app's clock is within its `nbf` and `exp` (each with the leeway).
     fn in_time(&self, verified: Arc<Verified>) -> Result<Arc<Verified>, Rejected> {
-        let now = self.clock.now() / NANOS_PER_SEC;
+        let now = self.clock.now().as_u64() / NANOS_PER_SEC;
         if verified.expires_at.is_some_and(|exp| now >= exp.saturating_add(self.leeway)) {
             return Err(Rejected::Expired);
         }

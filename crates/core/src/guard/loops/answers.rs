@@ -78,7 +78,7 @@ impl LoopDetector {
         if no_progress < 2 {
             return Streaked { same: 1, stopped_for: None };
         }
-        history.streaks.retain(|s| now.saturating_sub(s.at) < self.window);
+        history.streaks.retain(|s| now - s.at < self.window);
         let same = match history.streaks.iter().position(|s| s.tool == stopping_tool) {
             Some(i) => {
                 let streak = &mut history.streaks[i];

@@ -22,7 +22,12 @@ pub struct LoopDetector {
 impl LoopDetector {
     /// Refuses the `repeats`-th (at least 2nd) repetition within `window` nanoseconds.
     pub fn new(repeats: u32, window: Nanos) -> Self {
-        Self { repeats: repeats.max(2), window: window.max(1), seed: rand::random(), state: Mutex::default() }
+        Self {
+            repeats: repeats.max(2),
+            window: window.max(Nanos::new(1)),
+            seed: rand::random(),
+            state: Mutex::default(),
+        }
     }
 
     /// The window within which repetitions count, and for which a loop stays stopped.
@@ -90,7 +95,7 @@ impl LoopDetector {
         state.callers.retain(|_, h| {
             h.calls.iter().any(|c| self.live(c, now))
                 || h.stops.iter().any(|s| s.until > now)
-                || h.streaks.iter().any(|s| now.saturating_sub(s.at) < self.window)
+                || h.streaks.iter().any(|s| now - s.at < self.window)
         });
         before - state.callers.len()
     }
@@ -102,7 +107,7 @@ impl LoopDetector {
     /// Whether `call` is still inside the window at `now`. A call stamped a hair after `now`
     /// (another thread read the clock later) is live.
     fn live(&self, call: &Call, now: Nanos) -> bool {
-        now.saturating_sub(call.at) < self.window
+        now - call.at < self.window
     }
 
     fn looping(&self, retry_after: Nanos, pattern: Pattern) -> Looping {
@@ -116,7 +121,7 @@ impl LoopDetector {
         {
             history.stops.swap_remove(soonest);
         }
-        history.stops.push(Stop { signature, until: now.saturating_add(self.window), pattern });
+        history.stops.push(Stop { signature, until: now + self.window, pattern });
     }
 
     pub(super) fn signature(&self, tool: &str, args: &Value) -> u128 {

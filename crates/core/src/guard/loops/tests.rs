@@ -8,10 +8,11 @@ use serde_json::{Value, json};
 use super::history::MAX_STOPS;
 use super::signature::push_canonical;
 use super::{LoopDetector, Looping, NoProgress, Pattern, Streaked};
-use crate::clock::NANOS_PER_SEC as SEC;
 use crate::clock::Nanos;
 
-const WINDOW: Nanos = 60 * SEC;
+const SEC: Nanos = Nanos::from_secs(1);
+
+const WINDOW: Nanos = Nanos::from_secs(60);
 
 fn detector() -> LoopDetector {
     LoopDetector::new(5, WINDOW)
@@ -41,15 +42,15 @@ fn the_fifth_identical_call_is_refused_until_the_window_passes() {
 fn a_changed_argument_or_another_tool_is_another_call() {
     let d = detector();
     for t in 0..4 {
-        assert!(d.check("alice", "generate", &json!({"prompt": "a cat"}), t).is_ok());
+        assert!(d.check("alice", "generate", &json!({"prompt": "a cat"}), Nanos::new(t)).is_ok());
     }
-    assert!(d.check("alice", "generate", &json!({"prompt": "a cat!"}), 4).is_ok());
-    assert!(d.check("alice", "generate", &json!({"prompt": "a cat"}), 5).is_ok());
+    assert!(d.check("alice", "generate", &json!({"prompt": "a cat!"}), Nanos::new(4)).is_ok());
+    assert!(d.check("alice", "generate", &json!({"prompt": "a cat"}), Nanos::new(5)).is_ok());
     let d = detector();
     for t in 0..4 {
-        assert!(d.check("alice", "generate", &json!({}), t).is_ok());
+        assert!(d.check("alice", "generate", &json!({}), Nanos::new(t)).is_ok());
     }
-    assert!(d.check("alice", "status", &json!({}), 4).is_ok());
+    assert!(d.check("alice", "status", &json!({}), Nanos::new(4)).is_ok());
 }
 
 #[test]
@@ -57,9 +58,9 @@ fn key_order_does_not_matter() {
     let d = detector();
     for t in 0..4 {
         let args = if t % 2 == 0 { json!({"a": 1, "b": 2}) } else { json!({"b": 2, "a": 1}) };
-        assert!(d.check("alice", "generate", &args, t).is_ok());
+        assert!(d.check("alice", "generate", &args, Nanos::new(t)).is_ok());
     }
-    assert!(d.check("alice", "generate", &json!({"b": 2, "a": 1}), 4).is_err());
+    assert!(d.check("alice", "generate", &json!({"b": 2, "a": 1}), Nanos::new(4)).is_err());
     assert_eq!(
         canonical(&json!({"z": [3, {"y": null, "x": "q\"\n"}], "a": {"c": true, "b": 1.5}})),
         r#"{"a":{"b":1.5,"c":true},"z":[3,{"x":"q\"\u000a","y":null}]}"#
@@ -86,7 +87,7 @@ fn a_break_in_the_alternation_resets_it() {
     let d = detector();
     let (a, b, c) = (json!({"id": "a"}), json!({"id": "b"}), json!({"id": "c"}));
     for (t, args) in [&a, &b, &a, &b, &a, &b, &a, &b, &b, &a, &b, &a, &b, &c, &a, &b, &a].into_iter().enumerate() {
-        assert!(d.check("alice", "poll", args, t as Nanos).is_ok(), "call {t}");
+        assert!(d.check("alice", "poll", args, Nanos::new(t as u64)).is_ok(), "call {t}");
     }
 }
 
@@ -96,7 +97,7 @@ fn a_a_b_is_neither_a_run_nor_an_alternation() {
     let (a, b) = (json!({"id": "a"}), json!({"id": "b"}));
     for t in 0..30 {
         let args = if t % 3 == 2 { &b } else { &a };
-        assert!(d.check("alice", "poll", args, t).is_ok(), "call {t}");
+        assert!(d.check("alice", "poll", args, Nanos::new(t)).is_ok(), "call {t}");
     }
 }
 
@@ -119,39 +120,39 @@ fn calls_further_apart_than_the_window_never_trip() {
 fn callers_are_independent() {
     let d = detector();
     for t in 0..4 {
-        assert!(d.check("alice", "generate", &json!({}), t).is_ok());
-        assert!(d.check("bob", "generate", &json!({}), t).is_ok());
+        assert!(d.check("alice", "generate", &json!({}), Nanos::new(t)).is_ok());
+        assert!(d.check("bob", "generate", &json!({}), Nanos::new(t)).is_ok());
     }
-    assert!(d.check("alice", "generate", &json!({}), 4).is_err());
-    assert!(d.check("carol", "generate", &json!({}), 4).is_ok());
-    assert!(d.check("bob", "generate", &json!({}), 4).is_err());
+    assert!(d.check("alice", "generate", &json!({}), Nanos::new(4)).is_err());
+    assert!(d.check("carol", "generate", &json!({}), Nanos::new(4)).is_ok());
+    assert!(d.check("bob", "generate", &json!({}), Nanos::new(4)).is_err());
 }
 
 #[test]
 fn a_forgotten_call_does_not_count() {
     let d = detector();
     for t in 0..3 {
-        assert!(d.check("alice", "generate", &json!({}), t).is_ok());
+        assert!(d.check("alice", "generate", &json!({}), Nanos::new(t)).is_ok());
     }
-    let Ok(taken_back) = d.check("alice", "generate", &json!({}), 3) else { panic!("4th call refused") };
+    let Ok(taken_back) = d.check("alice", "generate", &json!({}), Nanos::new(3)) else { panic!("4th call refused") };
     d.forget("alice", taken_back);
     d.forget("alice", taken_back);
     d.forget("nobody", taken_back);
-    assert!(d.check("alice", "generate", &json!({}), 4).is_ok());
-    assert!(d.check("alice", "generate", &json!({}), 5).is_err());
+    assert!(d.check("alice", "generate", &json!({}), Nanos::new(4)).is_ok());
+    assert!(d.check("alice", "generate", &json!({}), Nanos::new(5)).is_err());
 }
 
 #[test]
 fn sweep_frees_idle_callers() {
     let d = detector();
-    assert!(d.check("idle", "generate", &json!({}), 0).is_ok());
+    assert!(d.check("idle", "generate", &json!({}), Nanos::ZERO).is_ok());
     assert!(d.check("busy", "generate", &json!({}), WINDOW).is_ok());
     for t in 0..5 {
         let _ = d.check("stopped", "generate", &json!({}), t * SEC);
     }
     assert_eq!(d.sweep(WINDOW), 1);
     // "stopped" has nothing in the window by now but its stop runs until 4 s + WINDOW.
-    assert_eq!(d.sweep(WINDOW + 4 * SEC - 1), 0);
+    assert_eq!(d.sweep(WINDOW + 4 * SEC - Nanos::new(1)), 0);
     assert_eq!(d.sweep(2 * WINDOW), 2);
     assert_eq!(d.window(), WINDOW);
 }
@@ -178,8 +179,8 @@ fn stops_per_caller_are_bounded() {
     let d = LoopDetector::new(2, WINDOW);
     for n in 0..100u64 {
         let args = json!({ "n": n });
-        assert!(d.check("alice", "generate", &args, n).is_ok());
-        assert!(d.check("alice", "generate", &args, n).is_err());
+        assert!(d.check("alice", "generate", &args, Nanos::new(n)).is_ok());
+        assert!(d.check("alice", "generate", &args, Nanos::new(n)).is_err());
     }
     let state = d.lock();
     let alice = state.callers.get("alice").map(|h| (h.calls.len(), h.stops.len()));
@@ -196,7 +197,7 @@ fn ask(d: &LoopDetector, args: &Value, answer: u128, at: Nanos) -> Result<Streak
 fn the_same_answer_five_times_stops_the_tool_whatever_the_arguments() {
     let d = detector();
     for n in 0..5u32 {
-        let streaked = ask(&d, &json!({ "query": format!("zebras, take {n}") }), 7, Nanos::from(n) * SEC);
+        let streaked = ask(&d, &json!({ "query": format!("zebras, take {n}") }), 7, u64::from(n) * SEC);
         let stopped_for = (n == 4).then_some(WINDOW);
         assert_eq!(streaked, Ok(Streaked { same: n + 1, stopped_for }), "answer {n}");
     }
@@ -213,20 +214,20 @@ fn an_answer_that_changed_is_never_a_loop() {
     let d = detector();
     let poll = json!({"job": "j1"});
     for n in 0..50u32 {
-        let streaked = ask(&d, &poll, u128::from(n), Nanos::from(n) * SEC / 10);
+        let streaked = ask(&d, &poll, u128::from(n), u64::from(n) * SEC / 10);
         assert_eq!(streaked, Ok(Streaked { same: 1, stopped_for: None }), "poll {n}");
     }
     // Moving every other time is progress too: a run never reaches five unanswered repeats.
     let d = detector();
     for n in 0..50u32 {
-        assert!(ask(&d, &poll, u128::from(n / 2), Nanos::from(n)).is_ok(), "poll {n}");
+        assert!(ask(&d, &poll, u128::from(n / 2), Nanos::new(u64::from(n))).is_ok(), "poll {n}");
     }
     // But the same answer again and again to the same call is the old loop, at the fifth.
     let d = detector();
     for n in 0..4 {
-        assert!(ask(&d, &poll, 1, n).is_ok());
+        assert!(ask(&d, &poll, 1, Nanos::new(n)).is_ok());
     }
-    assert_eq!(d.check("alice", "search", &poll, 4).map_err(|l| l.pattern), Err(Pattern::Repeated));
+    assert_eq!(d.check("alice", "search", &poll, Nanos::new(4)).map_err(|l| l.pattern), Err(Pattern::Repeated));
 }
 
 #[test]
@@ -235,8 +236,8 @@ fn an_alternation_whose_answers_move_is_not_an_oscillation() {
     let (a, b) = (json!({"page": 1}), json!({"page": 2}));
     for n in 0..40u32 {
         let (args, answer) = if n % 2 == 0 { (&a, u128::from(n)) } else { (&b, 1_000) };
-        assert!(d.check("alice", "poll", args, Nanos::from(n)).is_ok(), "call {n}");
-        d.answered("alice", ("poll", args), answer, 0, Nanos::from(n));
+        assert!(d.check("alice", "poll", args, Nanos::new(u64::from(n))).is_ok(), "call {n}");
+        d.answered("alice", ("poll", args), answer, 0, Nanos::new(u64::from(n)));
     }
 }
 
@@ -244,9 +245,9 @@ fn an_alternation_whose_answers_move_is_not_an_oscillation() {
 fn without_no_progress_answers_only_break_runs() {
     let d = detector();
     for n in 0..20u64 {
-        assert!(d.check("alice", "search", &json!({ "q": n }), n).is_ok());
+        assert!(d.check("alice", "search", &json!({ "q": n }), Nanos::new(n)).is_ok());
         assert_eq!(
-            d.answered("alice", ("search", &json!({ "q": n })), 7, 0, n),
+            d.answered("alice", ("search", &json!({ "q": n })), 7, 0, Nanos::new(n)),
             Streaked { same: 1, stopped_for: None }
         );
     }

@@ -27,9 +27,10 @@ pub(super) fn answered(learnt: &mut Learnt, sample: &Sample) {
 mod tests {
     use super::super::{Algorithm, Learner, Signal};
     use super::*;
+    use crate::clock::Nanos;
 
     fn answer(others: usize) -> Sample {
-        Sample { signal: Signal::Accepted, rtt: 0, others, taken_at: 16, now: 17 }
+        Sample { signal: Signal::Accepted, rtt: Nanos::ZERO, others, taken_at: Nanos::new(16), now: Nanos::new(17) }
     }
 
     #[test]

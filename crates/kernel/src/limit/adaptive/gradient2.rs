@@ -54,7 +54,7 @@ impl Gradient2 {
     /// An answer that took `sample.rtt`: the long-term RTT moves, and the limit with the gradient
     /// unless the limit is app-limited.
     pub(super) fn answered(&self, learnt: &mut Learnt, sample: &Sample) {
-        let rtt = sample.rtt as f64;
+        let rtt = sample.rtt.as_u64() as f64;
         // An answer that took no measurable time (a clock that did not move, as a manual one
         // between its steps) says nothing of latency: the long-term RTT is left alone, and the
         // gradient is 1, no queue.
@@ -87,7 +87,7 @@ impl Gradient2 {
 mod tests {
     use super::super::{Algorithm, Learner, Signal};
     use super::*;
-    use crate::clock::NANOS_PER_MS;
+    use crate::clock::{NANOS_PER_MS, Nanos};
 
     const NETFLIX: Gradient2 = Gradient2 { tolerance: 1.5, smoothing: 0.2, long_window: 600, queue_size: 4 };
 
@@ -96,7 +96,13 @@ mod tests {
     }
 
     fn answer(rtt_ms: u64, others: usize) -> Sample {
-        Sample { signal: Signal::Accepted, rtt: rtt_ms * NANOS_PER_MS, others, taken_at: 0, now: rtt_ms * NANOS_PER_MS }
+        Sample {
+            signal: Signal::Accepted,
+            rtt: Nanos::from_millis(rtt_ms),
+            others,
+            taken_at: Nanos::ZERO,
+            now: Nanos::from_millis(rtt_ms),
+        }
     }
 
     #[test]
@@ -157,7 +163,8 @@ mod tests {
     #[test]
     fn a_long_rtt_far_above_the_answers_decays_as_netflix_does() {
         let learner = learner(1, 40);
-        let mut learnt = Learnt { limit: 10.0, long_rtt: 1000.0 * NANOS_PER_MS as f64, samples: WARM_UP, cut_at: 0 };
+        let mut learnt =
+            Learnt { limit: 10.0, long_rtt: 1000.0 * NANOS_PER_MS as f64, samples: WARM_UP, cut_at: Nanos::ZERO };
         learner.learn(&mut learnt, &answer(100, 0));
         let averaged = 1000.0 * (1.0 - 2.0 / 601.0) + 100.0 * (2.0 / 601.0);
         assert!((learnt.long_rtt / NANOS_PER_MS as f64 - averaged * 0.95).abs() < 1e-6, "{}", learnt.long_rtt);
@@ -166,7 +173,7 @@ mod tests {
     #[test]
     fn an_answer_without_measurable_time_shows_no_queue_and_leaves_the_long_rtt_alone() {
         let learner = learner(1, 10);
-        let mut learnt = Learnt { limit: 4.0, long_rtt: 250.0, samples: 3, cut_at: 0 };
+        let mut learnt = Learnt { limit: 4.0, long_rtt: 250.0, samples: 3, cut_at: Nanos::ZERO };
         learner.learn(&mut learnt, &answer(0, 3));
         assert!((learnt.limit - 4.8).abs() < 1e-9, "gradient 1: + 0.2 × 4: {}", learnt.limit);
         assert_eq!((learnt.long_rtt, learnt.samples), (250.0, 3));
@@ -188,8 +195,8 @@ mod tests {
             let mut learnt = learner.fresh();
             for (now, (rtt_ms, others, overload)) in steps.into_iter().enumerate() {
                 let signal = if overload { Signal::Overloaded } else { Signal::Accepted };
-                let now = now as u64 * NANOS_PER_MS;
-                let sample = Sample { signal, rtt: rtt_ms * NANOS_PER_MS, others, taken_at: now, now };
+                let now = Nanos::from_millis(now as u64);
+                let sample = Sample { signal, rtt: Nanos::from_millis(rtt_ms), others, taken_at: now, now };
                 learner.learn(&mut learnt, &sample);
                 proptest::prop_assert!(learnt.limit >= min as f64 && learnt.limit <= (min + span) as f64, "{learnt:?}");
                 let current = learner.current(&learnt);
