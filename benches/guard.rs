@@ -77,9 +77,9 @@ fn served_call(c: &mut Criterion) {
                         .identify(&headers, peer)
                         .map(Identity::without_verifying)
                         .expect("a caller");
-                    if let Some(decision) = limits.guard().admit_http(&caller).await {
-                        assert!(decision.decision.allowed, "the generous HTTP limit refused");
-                        black_box(rate_limit_headers(&decision));
+                    if let Some((decision, policy)) = limits.guard().admit_http(&caller).await {
+                        assert!(decision.allowed, "the generous HTTP limit refused");
+                        black_box(rate_limit_headers(&decision, &policy));
                     }
                     let args = args.as_object().expect("an object");
                     let mut call = Call::new("list_articles", &caller, args);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tokio::sync::oneshot;
 
 use super::round_robin::{State, Waiting};
-use super::{AccountSlot, Blocker, Claim, Counted, FairQueue, Flowing, QueueFull, QueuePlace, Standing, Turn, tiers};
+use super::{AccountSlot, Blocker, Counted, FairQueue, Flowing, QueueFull, QueuePlace, Standing, Turn, tiers};
 use crate::store::Lease;
 use crate::upstream::classes::ClassId;
 
@@ -84,13 +84,13 @@ impl QueuePlace {
             }
         }
         match queue.claim(self.class, self.standing.unverified).await {
-            Claim::Go(leases, shared_at) => {
+            Ok((leases, shared_at)) => {
                 self.release_place(&mut queue.state());
                 self.used = true;
                 let taken_at = queue.clock.now();
                 Ok(AccountSlot { counted, taken_at, shared_at, _leases: leases })
             }
-            Claim::Wait(wait, blocker) => {
+            Err((wait, blocker)) => {
                 let mut state = queue.state();
                 counted.give_back(&mut state);
                 let until = queue.clock.now() + wait;

@@ -8,7 +8,7 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use super::round_robin::Waiting;
-use super::{AccountSlot, Blocker, Claim, Counted, FairQueue, Flowing, Turn, line};
+use super::{AccountSlot, Blocker, Counted, FairQueue, Flowing, Turn, line};
 use crate::clock::Nanos;
 use crate::upstream::classes::ClassId;
 
@@ -99,8 +99,8 @@ impl FairQueue {
         };
         if let Some((job, counted)) = picked {
             let (leases, shared_at) = match self.claim(job.class, job.standing.unverified).await {
-                Claim::Go(leases, shared_at) => (leases, shared_at),
-                Claim::Wait(wait, blocker) => {
+                Ok(claimed) => claimed,
+                Err((wait, blocker)) => {
                     // Another instance holds the slots (or the share), or submitted a job of
                     // this class within its gap: back to the front, until the store says.
                     let mut state = self.state();

@@ -133,15 +133,6 @@ enum Blocker {
     Gap,
 }
 
-/// What the shared store said to a job about to leave.
-enum Claim {
-    /// Go, holding these leases (none without a shared store, or when it cannot answer), taken
-    /// at this reading of the store's clock when claimed under the shared learnt limit.
-    Go(Vec<SlotGuard>, Option<Nanos>),
-    /// Not yet, for this long.
-    Wait(Nanos, Blocker),
-}
-
 /// How the queue is sized and paced.
 #[derive(Debug, Clone)]
 pub struct QueueRules {

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use super::{ACCOUNT_RETRY, AccountSlot, Blocker, Claim, FairQueue, Shared};
+use super::{ACCOUNT_RETRY, AccountSlot, Blocker, FairQueue, Shared};
 use crate::clock::{NANOS_PER_SEC, Nanos};
 use crate::limit::{Concurrency, Gcra, Limiter};
 use crate::metrics::Metrics;
@@ -138,11 +138,19 @@ impl FairQueue {
     /// share, and for a job of a class with a gap the gap, in one decision — under the shared
     /// learnt limit, with an adaptive one. A store that cannot answer leaves the local cap (or
     /// learnt limit), share and spacing in charge.
-    pub(super) async fn claim(&self, class: ClassId, unverified: bool) -> Claim {
-        let Some(shared) = &self.shared else { return Claim::Go(Vec::new(), None) };
+    ///
+    /// The job may go holding these leases (none without a shared store, or when it cannot
+    /// answer), taken at this reading of the store's clock when claimed under the shared learnt
+    /// limit; or not yet, for this long, for this reason.
+    pub(super) async fn claim(
+        &self,
+        class: ClassId,
+        unverified: bool,
+    ) -> Result<(Vec<SlotGuard>, Option<Nanos>), (Nanos, Blocker)> {
+        let Some(shared) = &self.shared else { return Ok((Vec::new(), None)) };
         let now = self.clock.now();
         if shared.down(now) {
-            return Claim::Go(Vec::new(), None);
+            return Ok((Vec::new(), None));
         }
         let mut checks = vec![Check { key: &shared.account_key, limiter: &shared.account, cost: 1, shadow: false }];
         let mut blockers = vec![Blocker::Account];
@@ -168,20 +176,20 @@ impl FairQueue {
                 if unverified {
                     leases.push(shared.slot(&shared.unverified_key, &shared.unverified, lease));
                 }
-                Claim::Go(leases, taken_at)
+                Ok((leases, taken_at))
             }
             Ok((decisions, _)) => {
                 // The slots first: a gap passes by itself, a slot only when another job ends.
                 let refused = |b: Blocker| blockers.iter().zip(&decisions).find(|(x, d)| **x == b && !d.allowed);
                 let gap = refused(Blocker::Gap).map_or(Nanos::ZERO, |(_, d)| d.retry_after);
                 match [Blocker::Account, Blocker::UnverifiedShare].into_iter().find(|b| refused(*b).is_some()) {
-                    Some(slots) => Claim::Wait(gap.max(ACCOUNT_RETRY), slots),
-                    None => Claim::Wait(gap.max(Nanos::new(1)), Blocker::Gap),
+                    Some(slots) => Err((gap.max(ACCOUNT_RETRY), slots)),
+                    None => Err((gap.max(Nanos::new(1)), Blocker::Gap)),
                 }
             }
             Err(error) => {
                 shared.failed(&error, "claim the upstream account", now);
-                Claim::Go(Vec::new(), None)
+                Ok((Vec::new(), None))
             }
         }
     }

@@ -33,25 +33,28 @@ pub(super) struct Insurance {
     pub(super) refused: Arc<RefusalMemory>,
 }
 
-/// What a plan came to.
-pub(super) struct Decided<'s> {
+/// The store's [`Verdict`] on a plan, with the plan and the store that holds any slots taken.
+pub(super) struct VerdictOn<'s> {
     /// The limits decided (under the insurance limiter's policy, if it decided).
     pub(super) scopes: Vec<Planned<'s>>,
-    /// One decision per scope (none when a block or a loop stopped it).
-    pub(super) decisions: Vec<Decision>,
     /// The store that holds any slots taken.
     pub(super) store: &'s Arc<dyn Store>,
-    /// The operator block that stopped the call, if one did: which of those asked about, and
-    /// the time left. Then nothing was decided or charged.
-    pub(super) blocked: Option<(usize, Nanos)>,
-    /// The loop the shared history found the call in, if it did: the time left, and whether
-    /// it was an A/B alternation. Then nothing was decided or charged.
-    pub(super) looping: Option<(Nanos, crate::guard::loops::Pattern)>,
+    /// What it said: one decision per scope, or the block or loop that stopped the call before
+    /// anything was decided or charged.
+    pub(super) verdict: Verdict,
 }
 
-impl<'s> Decided<'s> {
-    fn of(scopes: Vec<Planned<'s>>, decisions: Vec<Decision>, store: &'s Arc<dyn Store>) -> Self {
-        Self { scopes, decisions, store, blocked: None, looping: None }
+impl<'s> VerdictOn<'s> {
+    fn decided(scopes: Vec<Planned<'s>>, decisions: Vec<Decision>, store: &'s Arc<dyn Store>) -> Self {
+        Self { scopes, store, verdict: Verdict::Decided(decisions) }
+    }
+
+    /// One decision per scope; none when a block or a loop stopped the call.
+    pub(super) fn decisions(&self) -> &[Decision] {
+        match &self.verdict {
+            Verdict::Decided(decisions) => decisions,
+            Verdict::Blocked { .. } | Verdict::Looping { .. } => &[],
+        }
     }
 }
 
@@ -100,7 +103,7 @@ impl Guard {
         lease: Lease,
         fail: Fail,
         layer: (Layer, &str),
-    ) -> Option<Decided<'s>>
+    ) -> Option<VerdictOn<'s>>
     where
         F: Fn(&'s Policy) -> Vec<Planned<'s>>,
     {
@@ -122,7 +125,7 @@ impl Guard {
         lease: Lease,
         looped: Option<(&dyn LoopHistory, LoopCall<'_>)>,
         layer: (Layer, &str),
-    ) -> Option<Decided<'s>>
+    ) -> Option<VerdictOn<'s>>
     where
         F: Fn(&'s Policy) -> Vec<Planned<'s>>,
     {
@@ -132,19 +135,13 @@ impl Guard {
         if let Some(insurance) = &self.insurance
             && let Some(decisions) = insurance.refused.recall(&checks, now)
         {
-            return Some(Decided::of(scopes, decisions, &self.store));
+            return Some(VerdictOn::decided(scopes, decisions, &self.store));
         }
         let verdict = self.decide_shared(&checks, blocks, lease, looped, layer).await?;
         if let (Verdict::Decided(decisions), Some(insurance)) = (&verdict, &self.insurance) {
             insurance.refused.remember(&checks, decisions, now);
         }
-        let mut decided = Decided::of(scopes, Vec::new(), &self.store);
-        match verdict {
-            Verdict::Decided(decisions) => decided.decisions = decisions,
-            Verdict::Blocked { index, left } => decided.blocked = Some((index, left)),
-            Verdict::Looping { retry_after, pattern } => decided.looping = Some((retry_after, pattern)),
-        }
-        Some(decided)
+        Some(VerdictOn { scopes, store: &self.store, verdict })
     }
 
     /// The plan `scopes_under` makes of the insurance limiter's share of the limits, decided
@@ -155,7 +152,7 @@ impl Guard {
         scopes_under: &F,
         lease: Lease,
         fail: Fail,
-    ) -> Option<Decided<'s>>
+    ) -> Option<VerdictOn<'s>>
     where
         F: Fn(&'s Policy) -> Vec<Planned<'s>>,
     {
@@ -163,6 +160,6 @@ impl Guard {
         let scopes = scopes_under(live.insurance.as_ref()?);
         let decisions = insurance.store.decide_all(&checks_of(&scopes), lease).await.ok()?;
         super::trace::failed_open();
-        Some(Decided::of(scopes, decisions, &insurance.store))
+        Some(VerdictOn::decided(scopes, decisions, &insurance.store))
     }
 }

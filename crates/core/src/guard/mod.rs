@@ -55,7 +55,7 @@ use crate::guard::report::{RefusalLog, budget_status, refused_by, warnings_of};
 use crate::identity::Caller;
 use crate::limit::{Decision, Limiter, Taken};
 use crate::metrics::{Layer, Metrics};
-use crate::store::{Check, Lease, SlotGuard, Store};
+use crate::store::{Check, Lease, SlotGuard, Store, Verdict};
 pub use call::{Admitted, Answer, Call, Called, Checked, Door, Plain, TakeOnce, Worked};
 pub use policy::{MethodGroup, Policy, TierLimits};
 pub use refusal::{Refusal, RefusalCode};
@@ -113,17 +113,14 @@ impl Drop for Admission {
     }
 }
 
-/// The coarse HTTP decision, with what the RateLimit headers need.
+/// The limit the RateLimit headers describe: the one whose decision they give.
 #[derive(Debug, Clone)]
-pub struct HttpDecision {
-    /// The decision of the limit the headers speak of: the one that refused, else the enforced
-    /// one with least left.
-    pub decision: Decision,
-    /// The limiter that took it (for the policy header).
+pub struct RatePolicy {
+    /// Its limiter (its quota and window).
     pub limiter: Limiter,
-    /// The policy's name in the headers: `http` (the caller's own limit) or `address_http` (the
-    /// limit its address shares, for an unverified caller).
-    pub policy: &'static str,
+    /// Its name in the headers: `http` (the caller's own limit) or `address_http` (the limit its
+    /// address shares, for an unverified caller).
+    pub name: &'static str,
 }
 
 /// A tool call as the guard sees it.
@@ -348,10 +345,12 @@ impl Guard {
         }
     }
 
-    /// Charges one `POST /mcp` to the caller's coarse HTTP budget. `None` only if nobody could
-    /// decide: the coarse layer protects the server, so it then lets the request on to the finer
-    /// limits behind it rather than refusing everyone.
-    pub async fn admit_http(&self, caller: &Caller) -> Option<HttpDecision> {
+    /// Charges one `POST /mcp` to the caller's coarse HTTP budget: the decision the RateLimit
+    /// headers give (of the limit that refused, else of the enforced one with least left;
+    /// `allowed` if every limit admitted it) and that limit. `None` only if nobody could decide:
+    /// the coarse layer protects the server, so it then lets the request on to the finer limits
+    /// behind it rather than refusing everyone.
+    pub async fn admit_http(&self, caller: &Caller) -> Option<(Decision, RatePolicy)> {
         let under = |p| {
             let mut scopes = Vec::with_capacity(2);
             http_scopes(p, caller, 1, &mut scopes);
@@ -360,7 +359,7 @@ impl Guard {
         let live = self.live.load_full();
         let layer = (Layer::Http, "POST /mcp");
         let decided = self.decide(&live, under, &[], Lease::new(), Fail::Open, layer).await?;
-        let (scopes, decisions) = (&decided.scopes, &decided.decisions);
+        let (scopes, decisions) = (&decided.scopes, decided.decisions());
         let refused = refused_by(scopes, decisions, (&self.metrics, &self.refusal_log), layer, self.at(caller));
         self.metrics.decision(Layer::Http, "POST /mcp", refused.is_none());
         // The headers speak of the limit that refused, else of the enforced one with least left.
@@ -387,9 +386,9 @@ impl Guard {
                 .min_by_key(|(_, d)| d.remaining)
                 .or_else(|| scopes.iter().zip(decisions).next())?,
         };
-        let policy = if planned.scope.name().starts_with("address_http:") { "address_http" } else { "http" };
+        let name = if planned.scope.name().starts_with("address_http:") { "address_http" } else { "http" };
         let decision = Decision { allowed: refused.is_none(), ..*decision };
-        Some(HttpDecision { decision, limiter: planned.limit.limiter.clone(), policy })
+        Some((decision, RatePolicy { limiter: planned.limit.limiter.clone(), name }))
     }
 
     /// Charges one `method` request to its group's limit (`tools/call` is charged by
@@ -414,7 +413,7 @@ impl Guard {
         let Some(decided) = self.decide(&live, under, &[], Lease::new(), Fail::Open, layer).await else {
             return Err(Refusal::limiter_unavailable(method, STORE_RETRY_MS));
         };
-        let (scopes, decisions) = (&decided.scopes, &decided.decisions);
+        let (scopes, decisions) = (&decided.scopes, decided.decisions());
         let refused = refused_by(scopes, decisions, (&self.metrics, &self.refusal_log), layer, self.at(caller));
         self.metrics.decision(Layer::Method, group.as_str(), refused.is_none());
         let Some((planned, d)) = refused else { return Ok(()) };
@@ -503,13 +502,17 @@ impl Guard {
                 insured.ok_or_else(|| Refusal::limiter_unavailable(tool, STORE_RETRY_MS))?
             }
         };
-        if let (Some((retry_after, pattern)), Some(loops)) = (decided.looping, &self.loops) {
-            return Err(self.refuse_loop(caller, tool, Looping { retry_after, repeats: loops.repeats(), pattern }));
+        match decided.verdict {
+            Verdict::Looping { retry_after, pattern } => {
+                let repeats = self.loops.as_ref().map_or(0, Loops::repeats);
+                return Err(self.refuse_loop(caller, tool, Looping { retry_after, repeats, pattern }));
+            }
+            Verdict::Blocked { index, left } => {
+                return Err(self.refuse_blocked(caller, tool, blocks.get(index).map_or("block", Scope::name), left));
+            }
+            Verdict::Decided(_) => {}
         }
-        if let Some((index, left)) = decided.blocked {
-            return Err(self.refuse_blocked(caller, tool, blocks.get(index).map_or("block", Scope::name), left));
-        }
-        let (scopes, decisions) = (&decided.scopes, &decided.decisions);
+        let (scopes, decisions) = (&decided.scopes, decided.decisions());
         // The call passes only when every enforced limit admits it, so the wait is the longest.
         let refused = refused_by(scopes, decisions, (&self.metrics, &self.refusal_log), layer, self.at(caller));
         self.metrics.decision(Layer::Tool, tool, refused.is_none());
@@ -548,12 +551,12 @@ impl Guard {
         live: &LimitsInForce,
         caller: &Caller,
         call: &ToolCall<'_>,
-        decided: &decide::Decided<'_>,
+        decided: &decide::VerdictOn<'_>,
     ) -> Option<Reserved> {
         let budgets: Vec<(String, Limiter, Taken)> = decided
             .scopes
             .iter()
-            .zip(&decided.decisions)
+            .zip(decided.decisions())
             .filter(|(p, d)| p.priced && p.cost > 0 && d.allowed && !p.limit.limiter.holds_slots())
             .map(|(p, d)| (p.scope.key().to_owned(), p.limit.limiter.clone(), d.taken()))
             .collect();
@@ -629,7 +632,7 @@ impl Guard {
             decided
                 .scopes
                 .iter()
-                .zip(&decided.decisions)
+                .zip(decided.decisions())
                 .map(|(p, d)| budget_status(&live.policy, &p.scope, p.limit, d))
                 .collect(),
         )

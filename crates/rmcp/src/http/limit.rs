@@ -25,8 +25,9 @@ use tower::{Layer, Service};
 use crate::http::front_door::{jsonrpc_error, jsonrpc_error_with};
 use mcp_ratelimit_core::clock::{ceil_ms, ceil_secs};
 use mcp_ratelimit_core::guard::shed::Arrived;
-use mcp_ratelimit_core::guard::{Guard, HttpDecision};
+use mcp_ratelimit_core::guard::{Guard, RatePolicy};
 use mcp_ratelimit_core::identity::Caller;
+use mcp_ratelimit_core::limit::Decision;
 
 /// Wraps a service with the coarse HTTP limit (`limits.http`) of each caller, and of its address
 /// for an unverified caller (`limits.address_http`).
@@ -69,24 +70,24 @@ pub struct HttpLimit<S> {
     every_method: bool,
 }
 
-/// The RateLimit header fields for one decision.
-pub fn rate_limit_headers(d: &HttpDecision) -> HeaderMap {
+/// The RateLimit header fields for `d`, a decision of the limit `policy`.
+pub fn rate_limit_headers(d: &Decision, policy: &RatePolicy) -> HeaderMap {
     let mut headers = HeaderMap::with_capacity(3);
     let mut set = |name: &'static str, value: String| {
         if let Ok(value) = HeaderValue::from_str(&value) {
             headers.insert(HeaderName::from_static(name), value);
         }
     };
-    let window = d.limiter.policy_window().map(|w| format!(";w={}", ceil_secs(w).max(1))).unwrap_or_default();
-    let policy = d.policy;
-    set("ratelimit-policy", format!("\"{policy}\";q={}{window}", d.decision.limit));
-    set("ratelimit", format!("\"{policy}\";r={};t={}", d.decision.remaining, ceil_secs(d.decision.reset_after)));
-    set("ratelimit-remaining", d.decision.remaining.to_string());
+    let window = policy.limiter.policy_window().map(|w| format!(";w={}", ceil_secs(w).max(1))).unwrap_or_default();
+    let name = policy.name;
+    set("ratelimit-policy", format!("\"{name}\";q={}{window}", d.limit));
+    set("ratelimit", format!("\"{name}\";r={};t={}", d.remaining, ceil_secs(d.reset_after)));
+    set("ratelimit-remaining", d.remaining.to_string());
     headers
 }
 
-fn too_many_requests(d: &HttpDecision) -> Response {
-    let retry_after_ms = ceil_ms(d.decision.retry_after).max(1);
+fn too_many_requests(d: &Decision, policy: &RatePolicy) -> Response {
+    let retry_after_ms = ceil_ms(d.retry_after).max(1);
     #[derive(serde::Serialize)]
     struct Data {
         retry_after_ms: u64,
@@ -98,8 +99,8 @@ fn too_many_requests(d: &HttpDecision) -> Response {
         Some(&Data { retry_after_ms }),
     );
     let headers = response.headers_mut();
-    headers.extend(rate_limit_headers(d));
-    headers.insert(header::RETRY_AFTER, HeaderValue::from(ceil_secs(d.decision.retry_after).max(1)));
+    headers.extend(rate_limit_headers(d, policy));
+    headers.insert(header::RETRY_AFTER, HeaderValue::from(ceil_secs(d.retry_after).max(1)));
     response
 }
 
@@ -141,14 +142,14 @@ where
             if let Some(arrived) = request.extensions_mut().get_mut::<Arrived>() {
                 arrived.0 += guard.clock().now() - deciding;
             }
-            let Some(decision) = decided else {
+            let Some((decision, policy)) = decided else {
                 // The store could not decide: the finer limits behind this layer still apply.
                 return inner.call(request).await;
             };
-            if !decision.decision.allowed {
-                return Ok(too_many_requests(&decision));
+            if !decision.allowed {
+                return Ok(too_many_requests(&decision, &policy));
             }
-            let headers = rate_limit_headers(&decision);
+            let headers = rate_limit_headers(&decision, &policy);
             let mut response = inner.call(request).await?;
             response.headers_mut().extend(headers);
             Ok(response)
