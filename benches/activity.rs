@@ -14,11 +14,11 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use mcp_ratelimit::activity::{Activity, Refused, Sample};
 use mcp_ratelimit::clock::Nanos;
 use mcp_ratelimit::identity::Caller;
 use mcp_ratelimit::limit::{Decision, Limiter, TokenBucket};
-use mcp_ratelimit::metrics::Layer;
+use mcp_ratelimit::ops::activity::{Activity, Refused, Sample};
+use mcp_ratelimit::ops::metrics::Layer;
 
 fn decision(remaining: u64, limit: u64) -> Decision {
     Decision { allowed: true, limit, remaining, retry_after: Nanos::ZERO, reset_after: Nanos::ZERO, at: Nanos::ZERO }

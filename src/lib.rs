@@ -5,8 +5,9 @@
 //! public face):
 //! - `mcp-ratelimit-core` (`crates/core`): the limiting core, which knows nothing of MCP, HTTP or
 //!   Redis: [`clock`], [`limit`] (the algorithms), [`store`] (the traits and the memory store),
-//!   [`guard`] (the one guarded call), [`identity`], [`config`]'s limits sections, [`metrics`],
-//!   [`activity`], [`breaker`], [`redact`];
+//!   [`guard`] (the one guarded call), [`identity`], [`config`]'s limits sections, [`breaker`],
+//!   [`redact`], and apart from the pipeline [`ops`] (metrics, the dashboard's activity) and
+//!   [`operator`] (what the admin API may do to budgets);
 //! - `mcp-ratelimit-redis` (`crates/redis`): the Redis store and its Lua ([`store::redis`]);
 //! - `mcp-ratelimit-rmcp` (`crates/rmcp`): what an rmcp server depends on: [`RateLimits`], the
 //!   guarded router ([`mcp::limited`], [`mcp::results`]) and the tower layers ([`http`]);
@@ -34,7 +35,7 @@ pub mod state;
 pub mod telemetry;
 pub mod upstream;
 
-pub use mcp_ratelimit_core::{activity, breaker, clock, guard, identity, limit, metrics, redact};
+pub use mcp_ratelimit_core::{breaker, clock, guard, identity, limit, operator, ops, redact};
 pub use mcp_ratelimit_rmcp::{oauth, rate_limits};
 
 /// Where limiter state lives: the core's traits and memory store, and the Redis store.

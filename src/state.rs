@@ -100,7 +100,7 @@ impl AppState {
     /// as [`FairQueue::refresh_learnt`] last read it: see [`AppState::refresh_gauges`]).
     pub fn sample_gauges(&self) {
         use crate::breaker::BreakerState;
-        use crate::metrics::{
+        use crate::ops::metrics::{
             ACCOUNT_SLOTS_IN_USE, ACCOUNT_TIER_PLACES, ACCOUNT_TIER_SLOTS, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH,
             QUEUEING_DELAY, SHED_LEVEL, STORE_UP, UPSTREAM_CONCURRENCY_LIMIT,
         };

@@ -10,7 +10,7 @@ use mcp_ratelimit::clock::ManualClock;
 use mcp_ratelimit::guard::{Call, Called, Guard, Plain, Worked};
 use mcp_ratelimit::identity::Caller;
 use mcp_ratelimit::mcp::tools::{catalogue, validate_arguments};
-use mcp_ratelimit::metrics::Metrics;
+use mcp_ratelimit::ops::metrics::Metrics;
 use mcp_ratelimit::store::MemoryStore;
 use mcp_ratelimit::Config;
 

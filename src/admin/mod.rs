@@ -10,7 +10,7 @@
 //! `GET /admin/openapi.json`) inspect a caller's or tenant's budgets, reset them, refund units,
 //! block a caller or tenant for a while, and list and cancel jobs in flight. They act on the
 //! guard's store and the job book, so over Redis they act for every instance at once (see
-//! [`crate::guard::operator`]). Callers are named as the server shows them (`tok:…`, `ip:…`),
+//! [`crate::operator`]). Callers are named as the server shows them (`tok:…`, `ip:…`),
 //! never by a key: `GET /admin/keys` gives each configured key's caller id.
 //!
 //! Every action is logged (`admin action`, with the target and amount, never a key).

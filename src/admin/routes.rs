@@ -13,7 +13,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 
-use crate::guard::operator::{OperatorError, Target};
+use crate::operator::{OperatorError, Target};
 use crate::state::AppState;
 
 /// The longest block: 30 days.

@@ -5,7 +5,7 @@
 //! step, no CDN, nothing fetched from anywhere but this server, so it works with no network. It
 //! shows which tool is refused, for whom (a hashed caller and its bucket) and why, the busiest
 //! budgets with their level, the jobs in flight per tenant, the upstream account's queue, the
-//! circuit breaker and the limiter store. The data comes from [`Activity`](crate::activity) (the
+//! circuit breaker and the limiter store. The data comes from [`Activity`](crate::ops::activity) (the
 //! last ten minutes of refusals and sampled levels) and from live state read when it is asked
 //! for, like the gauges of `/metrics`.
 //!
@@ -33,13 +33,13 @@ use axum::routing::get;
 use http::{HeaderMap, HeaderValue, header};
 use serde::Serialize;
 
-use crate::activity::{Audience, Snapshot};
 use crate::breaker::BreakerState;
 use crate::clock::NANOS_PER_MS;
 use crate::config::Backend;
 use crate::guard::reuse::Saved;
 use crate::http::identify::Denied;
 use crate::identity::Caller;
+use crate::ops::activity::{Audience, Snapshot};
 use crate::state::AppState;
 
 const PAGE: &str = include_str!("dashboard.html");

@@ -66,7 +66,7 @@ use crate::config::server::ConnectionCaps;
 use crate::http::front_door::jsonrpc_error;
 use crate::http::{Step, StepLayer};
 use crate::identity::address_group;
-use crate::metrics::ConnectionMetrics;
+use crate::ops::metrics::ConnectionMetrics;
 
 /// How long a stop waits for open connections (SSE streams end with the stop token).
 const DRAIN: Duration = Duration::from_secs(5);

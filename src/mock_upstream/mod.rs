@@ -44,7 +44,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::{Nanos, SharedClock};
 use crate::config::MockUpstreamConfig;
 use crate::http::serve::{Deadlines, read_body_by_deadline, serve};
-use crate::metrics::ConnectionMetrics;
+use crate::ops::metrics::ConnectionMetrics;
 use crate::upstream::api::{
     Article, ArticlePage, DEFAULT_VIDEO_SECONDS, NewArticle, NewPrediction, Prediction, PredictionKind,
     PredictionStatus, SavedArticle, Usage,

@@ -27,7 +27,7 @@ use crate::config::{ApiKey, Coalesce, Config, ToolPolicy};
 use crate::guard::reuse::Reuse;
 use crate::guard::{Answer, Call, Called, Plain, Worked};
 use crate::identity::{Caller, CallerIds};
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use crate::simulate::shapes::secs;
 use crate::simulate::{SimulateError, settle, span};
 

@@ -30,7 +30,7 @@ use tokio::sync::oneshot::error::TryRecvError;
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::{Clock, ManualClock, NANOS_PER_MS, Nanos, SharedClock};
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use crate::simulate::{SimulateError, settle};
 use crate::store::{SharedMemory, Store};
 use crate::upstream::classes::JobClasses;

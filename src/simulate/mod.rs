@@ -48,7 +48,7 @@ use crate::guard::{Admitted, Call, Called, Guard, Plain, Worked};
 use crate::identity::{Caller, CallerIds, Identifier, Identity};
 use crate::limit::{self, ALGORITHMS, Limiter, period_of};
 use crate::mcp::tools::{job_class, starts_job};
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use crate::store::MemoryStore;
 use crate::upstream::classes::{ClassId, VIDEO};
 pub use report::{Budget, Budgets, Report, Run, ScopeLine, ShapeReport, Skipped};

@@ -282,7 +282,7 @@ fn families_of(exposition: &str) -> std::collections::BTreeMap<String, (bool, Op
 /// exercised first: served and refused calls, a loop, a job, connections counted.
 #[tokio::test]
 async fn every_metric_family_the_server_emits_has_help_and_type() {
-    use mcp_ratelimit::metrics::{FAMILIES, Kind};
+    use mcp_ratelimit::ops::metrics::{FAMILIES, Kind};
     let server = TestServer::start("").await;
     let client = server.client(Some("metrics-walk")).await;
     for n in 0..5 {

@@ -14,7 +14,7 @@ use mcp_ratelimit::http::front_door::{AllowedHosts, FrontDoorLog, rebinding_prot
 use mcp_ratelimit::http::identify::{Callers, IdentifyLayer};
 use mcp_ratelimit::http::limit::HttpLimitLayer;
 use mcp_ratelimit::identity::{Caller, Identifier};
-use mcp_ratelimit::metrics::Metrics;
+use mcp_ratelimit::ops::metrics::Metrics;
 use mcp_ratelimit::store::MemoryStore;
 use tower::{Layer, ServiceExt, service_fn};
 

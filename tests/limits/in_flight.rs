@@ -10,7 +10,7 @@ use mcp_ratelimit::config::LimitsConfig;
 use mcp_ratelimit::guard::{Admitted, Call, Called, Guard, Worked};
 use mcp_ratelimit::identity::Caller;
 use mcp_ratelimit::mcp::limited::{Plain, ToolAnswer};
-use mcp_ratelimit::metrics::Metrics;
+use mcp_ratelimit::ops::metrics::Metrics;
 use mcp_ratelimit::store::MemoryStore;
 use rmcp::model::{CallToolRequestParams, CallToolResponse, CallToolResult, ClientRequest, Request};
 use rmcp::service::PeerRequestOptions;

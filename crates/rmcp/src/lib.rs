@@ -19,7 +19,7 @@ pub mod rate_limits;
 pub mod results;
 pub mod trace;
 
-pub use mcp_ratelimit_core::{activity, breaker, clock, config, guard, identity, limit, metrics, redact, store};
+pub use mcp_ratelimit_core::{breaker, clock, config, guard, identity, limit, operator, ops, redact, store};
 /// The Redis store (the crate `mcp-ratelimit-redis`).
 #[cfg(feature = "redis")]
 pub use mcp_ratelimit_redis as redis;

@@ -367,7 +367,7 @@ pub fn priced(tools: Vec<Tool>, policy: &Policy) -> Vec<Tool> {
 
 /// What the work behind `done` came to, as far as its price goes: the units it reports, else
 /// unreported — an upstream's refusal or failure included: a failed upstream call is still
-/// charged (see [`mcp_ratelimit_core::guard::settle`]).
+/// charged (see [`mcp_ratelimit_core::guard::after::settle`]).
 pub fn used_in(done: &CallToolResult) -> Used {
     results::usage_in(done).map_or(Used::Unreported, Used::Reported)
 }

@@ -56,7 +56,7 @@ use mcp_ratelimit_core::config::{Backend, Catalogue, ConfigError, LimitsConfig};
 use mcp_ratelimit_core::guard::reuse::Reuse;
 use mcp_ratelimit_core::guard::{Guard, Worked};
 use mcp_ratelimit_core::identity::Identifier;
-use mcp_ratelimit_core::metrics::Metrics;
+use mcp_ratelimit_core::ops::metrics::Metrics;
 use mcp_ratelimit_core::store::{MemoryStore, Store, StoreError};
 
 /// What a tool answers through rmcp: its response (a result, a task, an input request), or a
@@ -449,10 +449,10 @@ async fn renew_forever(guard: Arc<Guard>, every: Duration, stop: CancellationTok
 }
 
 /// Forgets this instance's remembered refusals when an operator gave budget back through any
-/// instance's admin API (see `guard::operator`).
+/// instance's admin API (see `operator`).
 async fn hear_operators_forever(guard: Arc<Guard>, stop: CancellationToken) {
     let seen = std::sync::atomic::AtomicU64::new(0);
-    mcp_ratelimit_core::clock::every(mcp_ratelimit_core::guard::operator::HEAR_OPERATORS_EVERY, stop, || async {
+    mcp_ratelimit_core::clock::every(mcp_ratelimit_core::operator::HEAR_OPERATORS_EVERY, stop, || async {
         match guard.hear_operators(seen.load(std::sync::atomic::Ordering::Relaxed)).await {
             Ok(now) => seen.store(now, std::sync::atomic::Ordering::Relaxed),
             Err(error) => tracing::debug!(target: "mcp_ratelimit::rate_limits", %error, "could not read the operators' refunds and resets"),

@@ -284,7 +284,7 @@ impl McpServer {
             Ok(view) => submitted(view),
             // Its one attempt failed: the admission is still its call's, settled by the guard from
             // this answer as the rule says (a failed upstream call is still charged; see
-            // `guard::settle`).
+            // `guard::after::settle`).
             Err(e) => Ok(upstream_refusal(tool, e)),
         }
     }

@@ -44,7 +44,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clock::{Nanos, SharedClock};
 use crate::guard::{Handed, Held};
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use crate::store::StoreError;
 use crate::store::{JobMirror, Store};
 use crate::upstream::api::{NewPrediction, Prediction, PredictionKind, PredictionStatus};
@@ -194,7 +194,7 @@ pub struct JobView {
     pub created: SystemTime,
     /// Units its call reserved, if it had a price.
     pub reserved: Option<u64>,
-    /// Units it was charged, once final and settled (see [`crate::guard::settle`]).
+    /// Units it was charged, once final and settled (see [`crate::guard::after::settle`]).
     pub charged: Option<u64>,
 }
 

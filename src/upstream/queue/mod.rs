@@ -59,7 +59,7 @@ use tokio::sync::{Notify, oneshot};
 
 use crate::clock::{Nanos, SharedClock};
 use crate::limit::Limiter;
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use crate::store::{SharedLearner, SharedLine, SlotGuard, Store};
 use crate::upstream::adaptive::{AdaptiveLimit, Signal};
 use crate::upstream::classes::{ClassId, JobClass, JobClasses};

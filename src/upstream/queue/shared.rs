@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use super::{ACCOUNT_RETRY, AccountSlot, Blocker, FairQueue, Shared};
 use crate::clock::{NANOS_PER_SEC, Nanos};
 use crate::limit::{Concurrency, Gcra, Limiter};
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use crate::store::{Check, LearntAt, Lease, SharedLearner, SharedLimit, SlotGuard, Store, StoreError};
 use crate::upstream::adaptive::Signal;
 use crate::upstream::classes::ClassId;

@@ -21,11 +21,11 @@
 //! dropped (see `upstream::queue`).
 //!
 //! A call that asks its caller for input (MCP's `input_required`) and is sent again with it is one
-//! call: the next round is neither charged again nor a loop ([`crate::guard::resume`]).
+//! call: the next round is neither charged again nor a loop ([`crate::guard::after::resume`]).
 //!
 //! Identical calls may share one piece of work (`[tools.NAME] coalesce`, `cache_ttl_ms`: see
 //! [`crate::guard::reuse`]); each caller is still admitted and charged on its own. A priced call's
-//! reservation is settled from what the answer says it used ([`crate::guard::settle`]). Every
+//! reservation is settled from what the answer says it used ([`crate::guard::after::settle`]). Every
 //! refusal, whoever made it, is recorded for the dashboard on its way out.
 //!
 //! Nothing here knows MCP: the answer is the door's own type; the rmcp glue turns what comes out
@@ -43,7 +43,7 @@ use crate::guard::reuse::{Reuse, Served, Sharing};
 use crate::guard::trace;
 use crate::guard::{Admission, Guard, Refusal, Reserved, Settled, ToolCall, Used, Warning};
 use crate::identity::Caller;
-use crate::metrics::Layer;
+use crate::ops::metrics::Layer;
 
 /// What a door decides around the one guarded call: three questions, each with an answer that
 /// holds for most doors ([`Plain`] takes every default), the way tower's retry `Policy` says only
@@ -113,7 +113,7 @@ pub trait Answer: Clone + Send + Sync + 'static {
     }
 
     /// What it says, for loop detection to compare with the tool's last answers to the same
-    /// caller ([`crate::guard::progress`]): a tool result's structured content, else its content.
+    /// caller ([`crate::guard::after::progress`]): a tool result's structured content, else its content.
     /// `None` for an answer that is not a result (a task, a request for input): never compared.
     fn outcome(&self) -> Option<Cow<'_, Value>> {
         None
@@ -132,7 +132,7 @@ pub trait Answer: Clone + Send + Sync + 'static {
 
     /// The state to resume with, if it asks the caller for input and to call again with it (MCP's
     /// `input_required`: its `requestState`, empty when it gave none); that next call is then this
-    /// one's continuation ([`crate::guard::resume`]).
+    /// one's continuation ([`crate::guard::after::resume`]).
     fn asks_input(&self) -> Option<&str> {
         None
     }
@@ -209,7 +209,7 @@ pub struct Call<'a> {
     pub cancelled: CancellationToken,
     /// The state this call says it resumes an earlier round with (MCP's `requestState`, empty
     /// when it sends `inputResponses` without one), or `None` for a call of its own. Believed only
-    /// where the guard kept a mark for it ([`crate::guard::resume`]).
+    /// where the guard kept a mark for it ([`crate::guard::after::resume`]).
     pub resumes: Option<&'a str>,
     /// When its request arrived on the guard's clock ([`Arrived`](crate::guard::shed::Arrived)),
     /// if the door can tell: its queueing delay says whether the server is behind

@@ -5,38 +5,35 @@
 //! [`Guard::call`] (`tools/call`: the one guarded call every door runs — the library's router,
 //! the reference server, the proxy, the simulator — in [`call`]; no tool can skip it, and it is
 //! the only caller of the guard's `admit`). Each passes the same stages, each in a file of its
-//! own, composed here:
+//! own, composed here; the admission's in [`admit`], what follows the work in [`after`]:
 //!
-//! 1. **plan** ([`plan`]): the limits the request draws on, under which scope, at what cost;
+//! 1. **plan** ([`admit::plan`]): the limits the request draws on, under which scope, at what cost;
 //! 2. **loops** ([`loops`], tool calls only): the same call repeated is refused before anything
 //!    is charged;
-//! 3. **decide** (`decide.rs`): every planned limit **atomically** — all pass and are charged, or
-//!    none is — on the store, or on the insurance limiter while a shared store cannot decide;
-//! 4. **report** ([`report`]): which limit refused and how long to wait, the warnings an
+//! 3. **decide** (`admit/decide.rs`): every planned limit **atomically** — all pass and are
+//!    charged, or none is — on the store, or on the insurance limiter while a shared store cannot
+//!    decide;
+//! 4. **report** ([`admit::report`]): which limit refused and how long to wait, the warnings an
 //!    admitted call carries, metrics, the dashboard's activity and the (rate-limited) log;
-//! 5. **settle** ([`settle`], after the call): the price the call reserved made what the upstream
-//!    says it used, by the door that has the answer ([`Admission::reserved`]);
-//! 6. **hear** ([`progress`], [`loops`], after the call): what the answer says, so that a call
-//!    whose answer moved stops counting towards a loop, and a read that keeps giving the same
+//! 5. **settle** ([`after::settle`], after the call): the price the call reserved made what the
+//!    upstream says it used, as the call answers, or when work that outlives it is final
+//!    ([`Held`]);
+//! 6. **hear** ([`after::progress`], [`loops`], after the call): what the answer says, so that a
+//!    call whose answer moved stops counting towards a loop, and a read that keeps giving the same
 //!    answer is warned, then stopped (`[loop_detection] no_progress`).
 //!
 //! A forker who wants no loop detection removes stage 2 (the `loops` field and its two calls in
 //! `Guard::admit`); one who wants another store hands [`Guard::new`] another [`Store`].
 
+pub mod admit;
+pub mod after;
 pub mod call;
-mod decide;
 pub mod loops;
-pub mod operator;
-pub mod plan;
 pub mod policy;
-pub mod progress;
 pub mod refusal;
 pub mod refusal_memory;
-pub mod report;
-pub mod resume;
 pub mod reuse;
 pub mod scope;
-pub mod settle;
 pub mod shed;
 pub mod trace;
 
@@ -45,23 +42,23 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use arc_swap::ArcSwap;
 
-use crate::activity::{Activity, Refused, Sample, ScopeLevel};
 use crate::clock::{Nanos, SharedClock, ceil_ms};
 use crate::config::{Fail, Limit, LimitsConfig, Settle};
-use crate::guard::decide::Insurance;
+use crate::guard::admit::decide::Insurance;
+use crate::guard::admit::plan::{Planned, http_scopes, method_scopes, resumed_scopes, status_scopes, tool_scopes};
+use crate::guard::admit::report::{RefusalLog, budget_status, refused_by, warnings_of};
 use crate::guard::loops::{Looping, Loops, NoProgress, Pattern, Recorded, SharedLoopCall};
-use crate::guard::plan::{Planned, http_scopes, method_scopes, resumed_scopes, status_scopes, tool_scopes};
-use crate::guard::report::{RefusalLog, budget_status, refused_by, warnings_of};
 use crate::identity::Caller;
 use crate::limit::{Decision, Limiter, Taken};
-use crate::metrics::{Layer, Metrics};
+use crate::ops::activity::{Activity, Refused, Sample, ScopeLevel};
+use crate::ops::metrics::{Layer, Metrics};
 use crate::store::{Check, Lease, SlotGuard, Store, Verdict};
+pub use admit::report::{BudgetStatus, Money, Warning};
+pub use after::settle::{Handed, Held, Reserved, Settled, Used};
 pub use call::{Admitted, Answer, Call, Called, Checked, Door, Plain, TakeOnce, Worked};
 pub use policy::{MethodGroup, Policy, TierLimits};
 pub use refusal::{Refusal, RefusalCode};
-pub use report::{BudgetStatus, Money, Warning};
 pub use scope::Scope;
-pub use settle::{Handed, Held, Reserved, Settled, Used};
 
 /// What an admitted tool call holds while it runs: its in-flight slots (given back when it is
 /// dropped) and its place in the in-flight gauge.
@@ -136,7 +133,7 @@ pub struct ToolCall<'a> {
     /// Whether the call can never be a loop (a poll of a pending job, which the job book
     /// answers with its wait).
     pub loop_exempt: bool,
-    /// Whether the call resumes one answered "input required" ([`resume`]): then it is charged
+    /// Whether the call resumes one answered "input required" ([`after::resume`]): then it is charged
     /// neither its price nor its tool's budget again (it is still a request, and a `holds_slot`
     /// tool still takes its slot), and it is never a loop.
     pub resumed: bool,
@@ -267,7 +264,7 @@ impl Guard {
     pub fn insured_by(mut self, local: Arc<dyn Store>, config: &LimitsConfig) -> Self {
         self.insurance = Some(Insurance {
             store: local,
-            shared_down: crate::breaker::Breaker::new(1, decide::STORE_PROBE_EVERY),
+            shared_down: crate::breaker::Breaker::new(1, admit::decide::STORE_PROBE_EVERY),
             refused: Arc::default(),
         });
         self.generations.put_in_force(&self.live, |generation| LimitsInForce::new(config, true, generation));
@@ -432,6 +429,20 @@ impl Guard {
             .map_err(|looping| self.refuse_loop(caller, call.tool, looping))
     }
 
+    /// The refusal of a call an operator's block stopped, counted and logged like any other.
+    fn refuse_blocked(&self, caller: &Caller, tool: &str, scope: &str, left: Nanos) -> Refusal {
+        let refusal = Refusal::blocked(tool, scope.to_owned(), left);
+        self.metrics.decision(Layer::Tool, tool, false);
+        self.report_refusal(caller, (Layer::Tool, tool), refusal.code.as_str(), (scope, left));
+        refusal
+    }
+
+    /// The shared store's refusals this instance remembers (to answer them without a round
+    /// trip), for an operator who gives budget back to make it forget them.
+    pub(crate) fn remembered_refusals(&self) -> Option<&refusal_memory::RefusalMemory> {
+        self.insurance.as_ref().map(|insurance| &*insurance.refused)
+    }
+
     /// The refusal of a call found in a loop, counted and reported.
     fn refuse_loop(&self, caller: &Caller, tool: &str, mut looping: Looping) -> Refusal {
         if let (Pattern::NoProgress, Some(loops)) = (looping.pattern, &self.loops) {
@@ -551,7 +562,7 @@ impl Guard {
         live: &LimitsInForce,
         caller: &Caller,
         call: &ToolCall<'_>,
-        decided: &decide::VerdictOn<'_>,
+        decided: &admit::decide::VerdictOn<'_>,
     ) -> Option<Reserved> {
         let budgets: Vec<(String, Limiter, Taken)> = decided
             .scopes
@@ -573,7 +584,7 @@ impl Guard {
         // force since (a reload each).
         let (generations, charged_under) = (self.generations.clone(), live.generation);
         let (caller, tool_name) = (caller.clone(), tool.to_owned());
-        let in_force: settle::InForce = Box::new(move || {
+        let in_force: after::settle::InForce = Box::new(move || {
             let since = generations.since(charged_under)?;
             let plan = |limits: &LimitsInForce| {
                 let policy = if shared { Some(&*limits.policy) } else { limits.insurance.as_ref() };

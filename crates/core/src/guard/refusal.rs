@@ -7,10 +7,10 @@
 
 use serde_json::{Map, Value, json};
 
-use crate::activity::Refused;
 use crate::clock::{Nanos, ceil_ms, ceil_secs};
 use crate::guard::loops::{Looping, Pattern};
-use crate::metrics::Layer;
+use crate::ops::activity::Refused;
+use crate::ops::metrics::Layer;
 
 /// Why a call was refused; the `code` field of the structured error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -34,7 +34,7 @@ use tracing::Instrument;
 use crate::clock::{Nanos, SharedClock};
 use crate::config::{Coalesce, ToolPolicy};
 use crate::identity::Caller;
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 
 /// Identifies identical calls in one scope.
 pub type Key = [u8; 32];

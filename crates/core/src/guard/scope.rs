@@ -140,7 +140,7 @@ impl Scope {
     }
 
     /// The mark that lets the caller resume one call answered "input required" (`digest` names
-    /// the call and its state; see [`crate::guard::resume`]).
+    /// the call and its state; see [`crate::guard::after::resume`]).
     pub fn resume(caller: &Caller, digest: &str) -> Self {
         Self::new(caller, format_args!("resume:{}:{digest}", caller.id()))
     }

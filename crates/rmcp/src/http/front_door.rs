@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 use tower::{Layer, Service};
 
 use mcp_ratelimit_core::clock::SharedClock;
-use mcp_ratelimit_core::guard::report::RefusalLog;
+use mcp_ratelimit_core::guard::admit::report::RefusalLog;
 use mcp_ratelimit_core::identity::Identifier;
 
 /// The `Host` and `Origin` values a server answers to (`server.allowed_hosts`,

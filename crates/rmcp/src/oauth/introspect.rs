@@ -12,7 +12,7 @@ use tokio::sync::Semaphore;
 
 use mcp_ratelimit_core::clock::Nanos;
 use mcp_ratelimit_core::config::OAuthConfig;
-use mcp_ratelimit_core::metrics::Metrics;
+use mcp_ratelimit_core::ops::metrics::Metrics;
 use mcp_ratelimit_core::redact::Secret;
 
 use super::fetch::Fetch;

@@ -16,7 +16,7 @@ use jsonwebtoken::{Algorithm, DecodingKey};
 use serde_json::Value;
 
 use mcp_ratelimit_core::clock::{Nanos, SharedClock};
-use mcp_ratelimit_core::metrics::Metrics;
+use mcp_ratelimit_core::ops::metrics::Metrics;
 
 use super::fetch::{Fetch, FetchError};
 

@@ -30,7 +30,7 @@ use serde_json::{Map, Value};
 
 use mcp_ratelimit_core::clock::{NANOS_PER_SEC, Nanos, SharedClock};
 use mcp_ratelimit_core::config::OAuthConfig;
-use mcp_ratelimit_core::metrics::Metrics;
+use mcp_ratelimit_core::ops::metrics::Metrics;
 
 pub use resource::{ProtectedResource, metadata_routes};
 

@@ -57,7 +57,7 @@ impl NoProgress {
 }
 
 impl LoopDetector {
-    /// Records the answer (its hash, [`crate::guard::progress::answer_hash`]) that `caller`'s
+    /// Records the answer (its hash, [`crate::guard::after::progress::answer_hash`]) that `caller`'s
     /// call of `tool` with `args` got at `now`. An answer other than the last one that signature
     /// got makes its earlier calls stop counting towards a loop. With `no_progress` (0: off), the
     /// tool's answers are counted too, whatever the arguments: the `no_progress`-th identical one

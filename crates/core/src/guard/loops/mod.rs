@@ -3,7 +3,7 @@
 //!
 //! Each caller (a caller id, never a raw credential) has a short history of its recent calls,
 //! across sessions, as signatures of the tool name and its canonicalised arguments, and of the
-//! answers they got (hashed by [`crate::guard::progress`], volatile fields left out). Three
+//! answers they got (hashed by [`crate::guard::after::progress`], volatile fields left out). Three
 //! patterns are refused, with `repeats` (default 5), `no_progress` (default 5) and `window`
 //! (default 60 s):
 //!

@@ -8,7 +8,7 @@ use serde_json::Value;
 use super::{LoopDetector, Looping, Recorded, Streaked, signature, tool_signature};
 use crate::clock::Nanos;
 use crate::guard::ToolCall;
-use crate::guard::progress::answer_hash;
+use crate::guard::after::progress::answer_hash;
 use crate::guard::scope::{Scope, loop_owner};
 use crate::identity::Caller;
 use crate::store::{LoopAnswered, LoopCall, LoopHistory};

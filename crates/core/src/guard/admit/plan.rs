@@ -103,7 +103,7 @@ pub fn tool_scopes<'p>(
     scopes
 }
 
-/// The scopes a call that resumes one answered "input required" draws on ([`crate::guard::resume`]):
+/// The scopes a call that resumes one answered "input required" draws on ([`crate::guard::after::resume`]):
 /// its method limit (it is a request), and for a `holds_slot` tool the in-flight caps while it
 /// runs; not its price, which the first round paid, nor its tool's budget (it is the same call).
 pub fn resumed_scopes<'p>(policy: &'p Policy, caller: &Caller, starts_job: bool) -> Vec<Planned<'p>> {

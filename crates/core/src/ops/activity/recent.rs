@@ -8,7 +8,7 @@ use super::snapshot::{CodeCount, ToolRefusals};
 use super::{BUCKETS, MAX_SCOPES, Source};
 use crate::clock::Nanos;
 use crate::identity::Caller;
-use crate::metrics::Layer;
+use crate::ops::metrics::Layer;
 
 /// Refusal counts of one tool, one code, per bucket.
 #[derive(Debug, Clone)]

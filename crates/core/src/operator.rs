@@ -16,15 +16,14 @@
 //! In-flight caps are shown but never reset or refunded here: their slots belong to running
 //! jobs, which give them back when they end; cancel a job to free its slot.
 
-use crate::clock::{Nanos, ceil_ms};
+use crate::clock::ceil_ms;
 use crate::config::Limit;
-use crate::guard::plan::{Planned, plan, status_scopes};
+use crate::guard::admit::plan::{Planned, plan, status_scopes};
+use crate::guard::admit::report::budget_status;
 use crate::guard::policy::MethodGroup;
-use crate::guard::report::budget_status;
-use crate::guard::{BudgetStatus, Guard, Refusal, Scope};
+use crate::guard::{BudgetStatus, Guard, Scope};
 use crate::identity::Caller;
 use crate::limit::Adjustment;
-use crate::metrics::Layer;
 use crate::store::{Check, Lease, StoreError};
 
 /// The counter every instance watches to hear that an operator gave budget back.
@@ -183,14 +182,6 @@ fn tool_budgets<'p>(policy: &'p crate::guard::Policy, caller: &Caller, out: &mut
 }
 
 impl Guard {
-    /// The refusal of a call an operator's block stopped, counted and logged like any other.
-    pub(super) fn refuse_blocked(&self, caller: &Caller, tool: &str, scope: &str, left: Nanos) -> Refusal {
-        let refusal = Refusal::blocked(tool, scope.to_owned(), left);
-        self.metrics.decision(Layer::Tool, tool, false);
-        self.report_refusal(caller, (Layer::Tool, tool), refusal.code.as_str(), (scope, left));
-        refusal
-    }
-
     /// The budgets of `target` right now, without spending anything: for a caller every scope it
     /// draws on, as `rate_limit_status` shows them; for a tenant its own. Read from the store
     /// itself (never the insurance limiter): an operator must see the shared truth or an error.
@@ -206,7 +197,7 @@ impl Guard {
             .iter()
             .map(|(scope, limit)| Check { key: scope.key(), limiter: &limit.limiter, cost: 0, shadow: false })
             .collect();
-        let decisions = self.store.decide_all(&checks, Lease::new()).await?;
+        let decisions = self.store().decide_all(&checks, Lease::new()).await?;
         Ok(scopes.iter().zip(&decisions).map(|((scope, limit), d)| budget_status(&policy, scope, limit, d)).collect())
     }
 
@@ -214,7 +205,7 @@ impl Guard {
     pub async fn blocks(&self, target: &Target) -> Result<Vec<BlockStatus>, OperatorError> {
         let mut blocks = Vec::new();
         for scope in target.blocks_on() {
-            if let Some(left) = self.store.block_left(scope.key()).await? {
+            if let Some(left) = self.store().block_left(scope.key()).await? {
                 blocks.push(BlockStatus { scope: scope.name().to_owned(), left_ms: ceil_ms(left) });
             }
         }
@@ -227,10 +218,10 @@ impl Guard {
         let policy = self.policy();
         let scopes = target.rate_scopes(&policy, scope)?;
         let keys: Vec<&str> = scopes.iter().map(|(scope, _)| scope.key()).collect();
-        self.store.forget(&keys).await?;
+        self.store().forget(&keys).await?;
         self.forgive().await;
         let names: Vec<String> = scopes.iter().map(|(scope, _)| scope.name().to_owned()).collect();
-        tracing::info!(target: "mcp_ratelimit::guard::operator", action = "reset", target = %target.label(), scopes = %names.join(","), "admin action");
+        tracing::info!(target: "mcp_ratelimit::operator", action = "reset", target = %target.label(), scopes = %names.join(","), "admin action");
         Ok(names)
     }
 
@@ -251,13 +242,13 @@ impl Guard {
         let Some((scope, limit)) = scopes.first() else {
             return Err(OperatorError::Invalid { field: "scope", message: "no such budget".into() });
         };
-        let adjusted = self.store.adjust(&[(scope.key(), &limit.limiter, Adjustment::Refund(units))], None).await?;
+        let adjusted = self.store().adjust(&[(scope.key(), &limit.limiter, Adjustment::Refund(units))], None).await?;
         let decision = adjusted.first().copied().ok_or_else(|| OperatorError::Invalid {
             field: "units",
             message: "the limiter store answered without the budget's level; try again".into(),
         })?;
         self.forgive().await;
-        tracing::info!(target: "mcp_ratelimit::guard::operator", action = "refund", target = %target.label(), scope = scope.name(), units, "admin action");
+        tracing::info!(target: "mcp_ratelimit::operator", action = "refund", target = %target.label(), scope = scope.name(), units, "admin action");
         Ok(budget_status(&policy, scope, limit, &decision))
     }
 
@@ -268,29 +259,29 @@ impl Guard {
             field: "tenant",
             message: format!("{} has no tenant to block", target.label()),
         })?;
-        self.store.block(scope.key(), duration).await?;
+        self.store().block(scope.key(), duration).await?;
         let left_ms = u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
-        tracing::info!(target: "mcp_ratelimit::guard::operator", action = "block", target = %target.label(), duration_ms = left_ms, "admin action");
+        tracing::info!(target: "mcp_ratelimit::operator", action = "block", target = %target.label(), duration_ms = left_ms, "admin action");
         Ok(BlockStatus { scope: scope.name().to_owned(), left_ms })
     }
 
     /// Lifts the block on `target`; whether one was in force.
     pub async fn unblock(&self, target: &Target) -> Result<bool, OperatorError> {
         let Some(scope) = target.block_scope() else { return Ok(false) };
-        let lifted = self.store.unblock(scope.key()).await?;
-        tracing::info!(target: "mcp_ratelimit::guard::operator", action = "unblock", target = %target.label(), lifted, "admin action");
+        let lifted = self.store().unblock(scope.key()).await?;
+        tracing::info!(target: "mcp_ratelimit::operator", action = "unblock", target = %target.label(), lifted, "admin action");
         Ok(lifted)
     }
 
     /// Tells every instance that budget was given back: this one forgets its remembered refusals
     /// now, the others when they next look ([`Guard::hear_operators`]).
     async fn forgive(&self) {
-        let Some(insurance) = &self.insurance else { return };
-        insurance.refused.clear();
-        if self.store.is_shared()
-            && let Err(error) = self.store.bump(FORGIVEN_KEY).await
+        let Some(refused) = self.remembered_refusals() else { return };
+        refused.clear();
+        if self.store().is_shared()
+            && let Err(error) = self.store().bump(FORGIVEN_KEY).await
         {
-            tracing::warn!(target: "mcp_ratelimit::guard::operator", %error, "could not tell the other instances about an operator's refund or reset");
+            tracing::warn!(target: "mcp_ratelimit::operator", %error, "could not tell the other instances about an operator's refund or reset");
         }
     }
 
@@ -298,13 +289,13 @@ impl Guard {
     /// `Guard::forgive` bumps); returns the counter now. Asks the store only while refusals
     /// are remembered: otherwise there is nothing to forget.
     pub async fn hear_operators(&self, seen: u64) -> Result<u64, StoreError> {
-        let Some(insurance) = self.insurance.as_ref().filter(|_| self.store.is_shared()) else { return Ok(seen) };
-        if insurance.refused.is_empty() {
+        let Some(refused) = self.remembered_refusals().filter(|_| self.store().is_shared()) else { return Ok(seen) };
+        if refused.is_empty() {
             return Ok(seen);
         }
-        let now = self.store.counter(FORGIVEN_KEY).await?;
+        let now = self.store().counter(FORGIVEN_KEY).await?;
         if now != seen {
-            insurance.refused.clear();
+            refused.clear();
         }
         Ok(now)
     }

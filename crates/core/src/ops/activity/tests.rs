@@ -5,7 +5,7 @@ use super::{Activity, Audience, BUCKETS, LATEST, MAX_SCOPES, Refused, SAMPLE_EVE
 use crate::clock::Nanos;
 use crate::identity::Caller;
 use crate::limit::Decision;
-use crate::metrics::Layer;
+use crate::ops::metrics::Layer;
 
 fn sample<'a>(name: &'a str, decision: &'a Decision) -> Sample<'a> {
     Sample { name, decision, source: None }

@@ -10,11 +10,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::clock::{Nanos, ceil_ms};
 use crate::config::Limit;
-use crate::guard::plan::Planned;
+use crate::guard::admit::plan::Planned;
 use crate::guard::policy::Policy;
 use crate::guard::scope::Scope;
 use crate::limit::Decision;
-use crate::metrics::{Layer, Metrics};
+use crate::ops::metrics::{Layer, Metrics};
 
 /// One budget as a caller sees it in `rate_limit_status`.
 #[derive(Debug, Clone, serde::Serialize, schemars::JsonSchema)]
@@ -146,7 +146,7 @@ pub fn refused_by<'a, 'p>(
             metrics.shadow_refusal(layer, what);
             if let Some(left_out) = log.admit(bucket, now) {
                 tracing::info!(
-                    target: "mcp_ratelimit::guard::report", layer = layer.as_str(),
+                    target: "mcp_ratelimit::guard::admit::report", layer = layer.as_str(),
                     what,
                     scope = p.scope.name(),
                     retry_after_ms = ceil_ms(d.retry_after),

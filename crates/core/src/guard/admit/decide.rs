@@ -9,39 +9,39 @@ use std::sync::atomic::Ordering;
 use crate::breaker::Breaker;
 use crate::clock::Nanos;
 use crate::config::Fail;
-use crate::guard::plan::{Planned, checks_of};
+use crate::guard::admit::plan::{Planned, checks_of};
 use crate::guard::policy::Policy;
 use crate::guard::refusal_memory::RefusalMemory;
 use crate::guard::{Guard, LimitsInForce};
 use crate::limit::Decision;
-use crate::metrics::Layer;
+use crate::ops::metrics::Layer;
 use crate::store::{Check, Lease, LoopCall, LoopHistory, Store, StoreError, Verdict};
 
 /// How long a failing shared store is skipped before one decision probes it again.
-pub(super) const STORE_PROBE_EVERY: Nanos = Nanos::from_secs(1);
+pub(in crate::guard) const STORE_PROBE_EVERY: Nanos = Nanos::from_secs(1);
 
 /// The limiter that decides while a shared store cannot: the same limits divided by
 /// `store.expected_instances`, in this instance's memory, so N instances deciding alone hand out
 /// about one budget between them instead of N.
 #[derive(Debug)]
-pub(super) struct Insurance {
-    pub(super) store: Arc<dyn Store>,
+pub(in crate::guard) struct Insurance {
+    pub(in crate::guard) store: Arc<dyn Store>,
     /// Open while the shared store is failing: decisions skip it (no timeout to wait out on
     /// every call) until one probe a second finds it back.
-    pub(super) shared_down: Breaker,
+    pub(in crate::guard) shared_down: Breaker,
     /// The shared store's refusals still in force, answered here without a round trip.
-    pub(super) refused: Arc<RefusalMemory>,
+    pub(in crate::guard) refused: Arc<RefusalMemory>,
 }
 
 /// The store's [`Verdict`] on a plan, with the plan and the store that holds any slots taken.
-pub(super) struct VerdictOn<'s> {
+pub(in crate::guard) struct VerdictOn<'s> {
     /// The limits decided (under the insurance limiter's policy, if it decided).
-    pub(super) scopes: Vec<Planned<'s>>,
+    pub(in crate::guard) scopes: Vec<Planned<'s>>,
     /// The store that holds any slots taken.
-    pub(super) store: &'s Arc<dyn Store>,
+    pub(in crate::guard) store: &'s Arc<dyn Store>,
     /// What it said: one decision per scope, or the block or loop that stopped the call before
     /// anything was decided or charged.
-    pub(super) verdict: Verdict,
+    pub(in crate::guard) verdict: Verdict,
 }
 
 impl<'s> VerdictOn<'s> {
@@ -50,7 +50,7 @@ impl<'s> VerdictOn<'s> {
     }
 
     /// One decision per scope; none when a block or a loop stopped the call.
-    pub(super) fn decisions(&self) -> &[Decision] {
+    pub(in crate::guard) fn decisions(&self) -> &[Decision] {
         match &self.verdict {
             Verdict::Decided(decisions) => decisions,
             Verdict::Blocked { .. } | Verdict::Looping { .. } => &[],
@@ -60,9 +60,9 @@ impl<'s> VerdictOn<'s> {
 
 impl Guard {
     /// Logs and counts a store that could not decide.
-    pub(super) fn store_failed(&self, layer: Layer, what: &str, error: &StoreError) {
+    pub(in crate::guard) fn store_failed(&self, layer: Layer, what: &str, error: &StoreError) {
         self.metrics.store_error(layer);
-        tracing::warn!(target: "mcp_ratelimit::guard::decide", layer = layer.as_str(), what, %error, "limiter store failed");
+        tracing::warn!(target: "mcp_ratelimit::guard::admit::decide", layer = layer.as_str(), what, %error, "limiter store failed");
     }
 
     /// Decides `checks` on the store, unless a shared store is known to be down, after checking
@@ -95,7 +95,7 @@ impl Guard {
     /// cannot decide and the call may `fail` open, on the insurance limiter (under its own
     /// share of the limits). `blocks` are operator blocks read with the decision; they live in
     /// the shared store, so the insurance limiter cannot see them.
-    pub(super) async fn decide<'s, F>(
+    pub(in crate::guard) async fn decide<'s, F>(
         &'s self,
         live: &'s LimitsInForce,
         scopes_under: F,
@@ -117,7 +117,7 @@ impl Guard {
     /// history in the same step when given: `None` when the store could not decide. The memory
     /// of the shared store's refusals answers a plan it knows to be refused still, without a
     /// round trip (and without a loop check: the call is refused, and charged nothing, anyway).
-    pub(super) async fn decide_on_store<'s, F>(
+    pub(in crate::guard) async fn decide_on_store<'s, F>(
         &'s self,
         live: &'s LimitsInForce,
         scopes_under: &F,
@@ -146,7 +146,7 @@ impl Guard {
 
     /// The plan `scopes_under` makes of the insurance limiter's share of the limits, decided
     /// there, when the call may `fail` open: what decides while the shared store cannot.
-    pub(super) async fn decide_insured<'s, F>(
+    pub(in crate::guard) async fn decide_insured<'s, F>(
         &'s self,
         live: &'s LimitsInForce,
         scopes_under: &F,
@@ -159,7 +159,7 @@ impl Guard {
         let insurance = self.insurance.as_ref().filter(|_| fail == Fail::Open)?;
         let scopes = scopes_under(live.insurance.as_ref()?);
         let decisions = insurance.store.decide_all(&checks_of(&scopes), lease).await.ok()?;
-        super::trace::failed_open();
+        crate::guard::trace::failed_open();
         Some(VerdictOn::decided(scopes, decisions, &insurance.store))
     }
 }

@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex};
 use crate::clock::Nanos;
 use crate::identity::Caller;
 use crate::limit::{Decision, Limiter};
-use crate::metrics::Layer;
+use crate::ops::metrics::Layer;
 
 mod recent;
 mod record;

@@ -2,7 +2,7 @@
 //!
 //! A fixed price over- or under-charges whenever the work depends on the arguments or on what
 //! the upstream actually did (a video cut shorter than asked, tokens an answer did not need).
-//! So the guard's admission ([`Guard::call`](super::Guard::call)) *reserves* the call's price — its `[tools.NAME] cost`,
+//! So the guard's admission ([`Guard::call`](crate::guard::Guard::call)) *reserves* the call's price — its `[tools.NAME] cost`,
 //! or that cost's formula over the arguments — in every budget counted in cost units (the
 //! caller's, its tenant's, its address's, the spend cap), atomically with everything else, and
 //! hands the reservation out as a [`Reserved`]. When the answer is in, the door that asked
@@ -66,7 +66,7 @@ use crate::config::Settle;
 use crate::guard::refusal_memory::RefusalMemory;
 use crate::guard::{Admission, TakeOnce};
 use crate::limit::{Adjustment, Limiter, Shape, Taken};
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use crate::store::Store;
 
 /// How long a settlement the store does not take is tried again: past a Redis restart or a
@@ -162,7 +162,7 @@ pub struct Settled {
 /// admission — in-flight slots and reserved price — and the slots its door took for it (an
 /// account's). Work that outlives its answer ends one way, [`Held::finish`]: every slot back at
 /// once, then the price settled for what the work came to. (A call answered at once is settled by
-/// the guard as it answers: [`Guard::call`](super::Guard::call).)
+/// the guard as it answers: [`Guard::call`](crate::guard::Guard::call).)
 pub struct Held {
     /// `None` for work started without an admission (never through the guard): it holds no
     /// slot of the caller's and costs nothing.
@@ -260,7 +260,7 @@ impl std::fmt::Debug for Reserved {
 impl Reserved {
     /// A reservation of `units` for a call of `tool`, taken in `budgets` on `store`; tries
     /// again are paced by `clock`.
-    pub(super) fn new(
+    pub(in crate::guard) fn new(
         (tool, units, settle): (&str, u64, Settle),
         (store, clock): (Arc<dyn Store>, SharedClock),
         (budgets, in_force): (Vec<(String, Limiter, Taken)>, InForce),
@@ -408,7 +408,7 @@ impl Reserved {
             }
             Err(error) => {
                 self.metrics.settlement_error(&self.tool);
-                tracing::debug!(target: "mcp_ratelimit::guard::settle", tool = %self.tool, reserved = self.units, %error, "could not settle a price yet: trying again");
+                tracing::debug!(target: "mcp_ratelimit::guard::after::settle", tool = %self.tool, reserved = self.units, %error, "could not settle a price yet: trying again");
                 false
             }
         }
@@ -432,7 +432,7 @@ impl Reserved {
             pause = (pause * 2).min(LONGEST_PAUSE);
         }
         self.metrics.settlement_given_up(&self.tool);
-        tracing::warn!(target: "mcp_ratelimit::guard::settle", tool = %self.tool, reserved = self.units, "could not settle a price: the reservation stands");
+        tracing::warn!(target: "mcp_ratelimit::guard::after::settle", tool = %self.tool, reserved = self.units, "could not settle a price: the reservation stands");
         false
     }
 }
