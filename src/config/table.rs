@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 
 use super::Config;
-use super::limits::Limit;
+use super::Limit;
 
 impl Config {
     /// The effective limits as a table for `check-config`.

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 
 use serde::Deserialize;
 
-use super::limits::DAY_MS;
+use super::DAY_MS;
 use super::{ConfigError, invalid};
 use crate::limit::adaptive::ALGORITHMS;
 use crate::redact::Secret;

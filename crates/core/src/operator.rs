@@ -18,9 +18,9 @@
 
 use crate::clock::ceil_ms;
 use crate::config::Limit;
+use crate::guard::MethodGroup;
 use crate::guard::admit::plan::{Planned, plan, status_scopes};
 use crate::guard::admit::report::budget_status;
-use crate::guard::policy::MethodGroup;
 use crate::guard::{BudgetStatus, Guard, Scope};
 use crate::identity::Caller;
 use crate::limit::Adjustment;

@@ -9,30 +9,30 @@
 //!
 //! | section | file |
 //! | --- | --- |
-//! | `[limits]` (every scope's limits, the in-flight caps) | [`limits`] |
-//! | `[tools.NAME]` (costs, own budgets, fail open or closed) and the checks that every cost fits | [`tools`] |
-//! | `[tools.NAME] cost` as a formula over the arguments, and `settle` | [`price`] |
-//! | `[auth]`, `[tiers]` | [`auth`] |
-//! | `[auth.oauth]` (callers known by OAuth tokens) | [`oauth`] |
-//! | `[spend_caps]`, `[tenants.NAME]` | [`spend`] |
-//! | `[store]`, `[loop_detection]` | [`store`] |
-//! | `[server]`'s keys that name callers behind a proxy | [`trust`] |
+//! | `[limits]` (every scope's limits, the in-flight caps) | `limits.rs` |
+//! | `[tools.NAME]` (costs, own budgets, fail open or closed) and the checks that every cost fits | `tools.rs` |
+//! | `[tools.NAME] cost` as a formula over the arguments, and `settle` | `price.rs` |
+//! | `[auth]`, `[tiers]` | `auth.rs` |
+//! | `[auth.oauth]` (callers known by OAuth tokens) | `oauth.rs` |
+//! | `[spend_caps]`, `[tenants.NAME]` | `spend.rs` |
+//! | `[store]`, `[loop_detection]` | `store.rs` |
+//! | `[server]`'s keys that name callers behind a proxy | `trust.rs` |
 //! | the checks across sections (costs that fit every budget, caps that cover them, spans a store decides exactly) | `fits.rs` |
 //!
 //! [`Document`] reads the layers; [`LimitsConfig::from_document`] checks the limits' sections in
 //! turn. A server reads its own sections (`[server]`, `[upstream]`, `[admin]`, …) from the same
 //! [`Document`]: the reference server's `Config` does.
 
-pub mod auth;
+mod auth;
 mod fits;
-pub mod limits;
-pub mod oauth;
+mod limits;
+mod oauth;
 pub mod price;
-pub mod shed;
-pub mod spend;
-pub mod store;
-pub mod tools;
-pub mod trust;
+mod shed;
+mod spend;
+mod store;
+mod tools;
+mod trust;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -41,7 +41,7 @@ use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
 pub use auth::{ApiKey, AuthConfig};
-pub use limits::{Limit, Limits, METHOD_GROUPS, Mode};
+pub use limits::{DAY_MS, Limit, Limits, METHOD_GROUPS, Mode};
 pub use oauth::OAuthConfig;
 pub use price::{Formula, Settle};
 pub use spend::{SpendCaps, TenantOverride};

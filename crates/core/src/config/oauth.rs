@@ -11,7 +11,8 @@ use crate::redact::Secret;
 
 /// The signature algorithms a token may use: asymmetric only. A resource server that verified
 /// HS256 would hold the secret that signs tokens, and `none` signs nothing.
-pub const ALGORITHMS: [&str; 9] = ["RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "EdDSA"];
+pub(super) const ALGORITHMS: [&str; 9] =
+    ["RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "EdDSA"];
 
 /// The most clock skew allowed on `exp` and `nbf`.
 const MAX_LEEWAY_SECONDS: u64 = 300;
@@ -29,7 +30,7 @@ pub struct OAuthConfig {
     pub audience: String,
     /// Where the signing keys are; empty: from the issuer's metadata.
     pub jwks_uri: String,
-    /// The signature algorithms accepted (of [`ALGORITHMS`]).
+    /// The signature algorithms accepted (asymmetric ones only: `none` and HS* are refused).
     pub algorithms: Vec<String>,
     /// Clock skew allowed on `exp` and `nbf`, in seconds.
     pub leeway_seconds: u64,

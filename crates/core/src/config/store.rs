@@ -146,7 +146,7 @@ impl LoopDetectionConfig {
 }
 
 /// The most answers a `no_progress` rule may wait for: a caller's history keeps that many.
-pub const MAX_NO_PROGRESS: u32 = 1_000;
+pub(super) const MAX_NO_PROGRESS: u32 = 1_000;
 
 /// A `no_progress` (`key`) of 0 (off) or 2 to [`MAX_NO_PROGRESS`]: one answer is never a streak.
 pub(super) fn no_progress_is_valid(key: &str, no_progress: u32) -> Result<(), ConfigError> {

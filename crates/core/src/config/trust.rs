@@ -29,7 +29,7 @@ impl Default for ProxyTrust {
 }
 
 /// `server.ipv6_prefix` unless set: the /64 an ISP or a cloud gives one host.
-pub const DEFAULT_IPV6_PREFIX: u8 = 64;
+pub(super) const DEFAULT_IPV6_PREFIX: u8 = 64;
 
 /// The three keys as written (the rest of `[server]` is the server's to read and check).
 #[derive(Debug, Deserialize)]

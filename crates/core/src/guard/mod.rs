@@ -29,11 +29,11 @@ pub mod admit;
 pub mod after;
 pub mod call;
 pub mod loops;
-pub mod policy;
-pub mod refusal;
-pub mod refusal_memory;
+mod policy;
+mod refusal;
+mod refusal_memory;
 pub mod reuse;
-pub mod scope;
+mod scope;
 pub mod shed;
 pub mod trace;
 

@@ -28,7 +28,7 @@ struct Refused {
 
 /// Refusals of the shared store still in force, by scope key.
 #[derive(Debug, Default)]
-pub struct RefusalMemory {
+pub(crate) struct RefusalMemory {
     refused: Mutex<HashMap<String, Refused>>,
 }
 
@@ -40,7 +40,7 @@ impl RefusalMemory {
     /// The decisions for `scopes` at `now` if one of them is still refused for at least its cost:
     /// that scope refused with the time left, the others marked allowed (they were not asked and
     /// charge nothing). `None`: the store must decide.
-    pub fn recall(&self, checks: &[Check<'_>], now: Nanos) -> Option<Vec<Decision>> {
+    pub(crate) fn recall(&self, checks: &[Check<'_>], now: Nanos) -> Option<Vec<Decision>> {
         let entries = self.entries();
         let hit = checks.iter().position(|c| {
             !c.limiter.holds_slots()
@@ -80,7 +80,7 @@ impl RefusalMemory {
     }
 
     /// Remembers what the store refused among `decisions` for `checks`, decided at `now`.
-    pub fn remember(&self, checks: &[Check<'_>], decisions: &[Decision], now: Nanos) {
+    pub(crate) fn remember(&self, checks: &[Check<'_>], decisions: &[Decision], now: Nanos) {
         let mut entries = self.entries();
         for (c, d) in checks.iter().zip(decisions) {
             if d.allowed || c.shadow || c.limiter.holds_slots() || c.cost == 0 || d.retry_after == Nanos::ZERO {
@@ -103,13 +103,13 @@ impl RefusalMemory {
     /// Forgets every refusal: the limits they were made under changed (a reload), or an operator
     /// gave budget back (a reset or refund through the admin API), which this memory's one
     /// assumption — only time makes room — no longer covers.
-    pub fn clear(&self) {
+    pub(crate) fn clear(&self) {
         self.entries().clear();
     }
 
     /// Forgets the refusals of `keys`: budget came back to them other than by time (a call's price
     /// settled below what it reserved).
-    pub fn forget<'k>(&self, keys: impl IntoIterator<Item = &'k str>) {
+    pub(crate) fn forget<'k>(&self, keys: impl IntoIterator<Item = &'k str>) {
         let mut entries = self.entries();
         if entries.is_empty() {
             return;
@@ -120,12 +120,12 @@ impl RefusalMemory {
     }
 
     /// Whether any refusal is remembered.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.entries().is_empty()
     }
 
     /// Forgets refusals that have run out; returns how many went.
-    pub fn sweep(&self, now: Nanos) -> usize {
+    pub(crate) fn sweep(&self, now: Nanos) -> usize {
         let mut entries = self.entries();
         let before = entries.len();
         entries.retain(|_, r| r.until > now);

@@ -179,7 +179,7 @@ impl Scope {
 
 /// Whose call history loop detection keeps for `caller`: its own, or for an unverified caller
 /// its address's, so a stuck agent that invents a key per call is still seen repeating itself.
-pub fn loop_owner(caller: &Caller) -> &str {
+pub(super) fn loop_owner(caller: &Caller) -> &str {
     caller.unverified_from().unwrap_or(caller.id())
 }
 

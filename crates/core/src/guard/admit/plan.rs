@@ -28,7 +28,7 @@ pub struct Planned<'p> {
 
 /// Adds `scope`'s `limits` at `cost`: the first under the scope itself, each other one under the
 /// scope with its suffix.
-pub fn plan<'p>(out: &mut Vec<Planned<'p>>, scope: Scope, limits: &'p [Limit], cost: u64) {
+pub(crate) fn plan<'p>(out: &mut Vec<Planned<'p>>, scope: Scope, limits: &'p [Limit], cost: u64) {
     for limit in limits {
         let scope = if limit.suffix.is_empty() { scope.clone() } else { scope.for_limit(&limit.suffix) };
         out.push(Planned { scope, limit, cost, priced: false });
@@ -37,7 +37,7 @@ pub fn plan<'p>(out: &mut Vec<Planned<'p>>, scope: Scope, limits: &'p [Limit], c
 
 /// The in-flight caps a job holds: the caller's, its tenant's, and for an unverified caller its
 /// address's.
-pub fn in_flight_scopes<'p>(policy: &'p Policy, caller: &Caller, cost: u64, out: &mut Vec<Planned<'p>>) {
+pub(crate) fn in_flight_scopes<'p>(policy: &'p Policy, caller: &Caller, cost: u64, out: &mut Vec<Planned<'p>>) {
     out.push(Planned { scope: Scope::in_flight_caller(caller), limit: &policy.in_flight_caller, cost, priced: false });
     if let Some(scope) = Scope::in_flight_tenant(caller) {
         out.push(Planned { scope, limit: &policy.in_flight_tenant, cost, priced: false });
@@ -49,7 +49,7 @@ pub fn in_flight_scopes<'p>(policy: &'p Policy, caller: &Caller, cost: u64, out:
 
 /// The coarse HTTP scopes of one request: the caller's, and for an unverified caller its
 /// address's.
-pub fn http_scopes<'p>(policy: &'p Policy, caller: &Caller, cost: u64, out: &mut Vec<Planned<'p>>) {
+pub(crate) fn http_scopes<'p>(policy: &'p Policy, caller: &Caller, cost: u64, out: &mut Vec<Planned<'p>>) {
     plan(out, Scope::http(caller), &policy.for_caller(caller).http, cost);
     if let Some(address) = Scope::address_http(caller) {
         plan(out, address, &policy.address_http, cost);
@@ -57,7 +57,7 @@ pub fn http_scopes<'p>(policy: &'p Policy, caller: &Caller, cost: u64, out: &mut
 }
 
 /// The scope of one JSON-RPC method group for `caller` (`tools/list`, `ping` …).
-pub fn method_scopes<'p>(policy: &'p Policy, caller: &Caller, group: MethodGroup) -> Vec<Planned<'p>> {
+pub(crate) fn method_scopes<'p>(policy: &'p Policy, caller: &Caller, group: MethodGroup) -> Vec<Planned<'p>> {
     let mut scopes = Vec::with_capacity(1);
     plan(&mut scopes, Scope::method(caller, group), policy.for_caller(caller).method(group), 1);
     scopes
@@ -65,7 +65,7 @@ pub fn method_scopes<'p>(policy: &'p Policy, caller: &Caller, group: MethodGroup
 
 /// The scopes a call of `tool` by `caller` that costs `cost` (its price: [`Policy::price_of`])
 /// draws on under `policy`, with their limits and costs.
-pub fn tool_scopes<'p>(
+pub(crate) fn tool_scopes<'p>(
     policy: &'p Policy,
     caller: &Caller,
     tool: &str,
@@ -106,7 +106,7 @@ pub fn tool_scopes<'p>(
 /// The scopes a call that resumes one answered "input required" draws on ([`crate::guard::after::resume`]):
 /// its method limit (it is a request), and for a `holds_slot` tool the in-flight caps while it
 /// runs; not its price, which the first round paid, nor its tool's budget (it is the same call).
-pub fn resumed_scopes<'p>(policy: &'p Policy, caller: &Caller, starts_job: bool) -> Vec<Planned<'p>> {
+pub(crate) fn resumed_scopes<'p>(policy: &'p Policy, caller: &Caller, starts_job: bool) -> Vec<Planned<'p>> {
     let mut scopes = Vec::with_capacity(4);
     plan(&mut scopes, Scope::method(caller, MethodGroup::ToolsCall), &policy.for_caller(caller).tools_call, 1);
     if starts_job {
@@ -117,7 +117,7 @@ pub fn resumed_scopes<'p>(policy: &'p Policy, caller: &Caller, starts_job: bool)
 
 /// What `rate_limit_status` reads for `caller` (every limit, at cost 0), plus the HTTP scopes
 /// when the caller comes over HTTP.
-pub fn status_scopes<'p>(policy: &'p Policy, caller: &Caller, over_http: bool) -> Vec<Planned<'p>> {
+pub(crate) fn status_scopes<'p>(policy: &'p Policy, caller: &Caller, over_http: bool) -> Vec<Planned<'p>> {
     let tier = policy.for_caller(caller);
     let mut peek = Vec::with_capacity(12);
     if over_http {
@@ -145,7 +145,7 @@ pub fn status_scopes<'p>(policy: &'p Policy, caller: &Caller, over_http: bool) -
 }
 
 /// The checks a store decides for `scopes`.
-pub fn checks_of<'a>(scopes: &'a [Planned<'a>]) -> Vec<Check<'a>> {
+pub(crate) fn checks_of<'a>(scopes: &'a [Planned<'a>]) -> Vec<Check<'a>> {
     scopes
         .iter()
         .map(|p| Check {
