@@ -85,10 +85,11 @@ pub struct Declaration {
 }
 
 /// A tool's method, as its declaration calls it.
-pub type Work = for<'a> fn(&'a McpServer, Admitted<Option<QueuePlace>>, serde_json::Value) -> Answer<'a>;
+pub type Work = for<'a> fn(&'a McpServer, Admitted<Option<QueuePlace>>, serde_json::Value) -> Working<'a>;
 
-/// What a tool's method answers, in time.
-pub type Answer<'a> = Pin<Box<dyn Future<Output = Result<CallToolResult, ErrorData>> + Send + 'a>>;
+/// A tool's method at work: what it answers, in time (its answer as the guard reads it is core's
+/// `Answer`, a tool result).
+pub type Working<'a> = Pin<Box<dyn Future<Output = Result<CallToolResult, ErrorData>> + Send + 'a>>;
 
 impl std::fmt::Debug for Declaration {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
