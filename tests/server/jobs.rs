@@ -105,6 +105,31 @@ async fn a_job_nobody_polls_gives_its_slot_back_when_it_ends() {
     assert!(!is_error(&call(&client, "generate_image", image("room again")).await));
 }
 
+/// The mock's counter `name` (`requests` arrive before its gate, `polls` are answered).
+async fn upstream_count(server: &TestServer, name: &str) -> u64 {
+    server.upstream_usage().await[name].as_u64().expect("a count")
+}
+
+#[tokio::test]
+async fn a_slow_answer_to_a_poll_does_not_push_the_next_poll_back() {
+    let server = TestServer::start(ACME).await;
+    let client = server.client(Some("acme-one")).await;
+    assert!(!is_error(&call(&client, "generate_image", image("a lighthouse")).await));
+    // Its first poll is due at 2 s (`image_poll_seconds`): asked then, and held at the mock's gate
+    // while 1.5 s pass.
+    server.chaos(json!({"hold": true})).await;
+    let arrived = upstream_count(&server, "requests").await;
+    server.advance_ms(2_000);
+    eventually("the first poll reaches the gate", || async { upstream_count(&server, "requests").await > arrived })
+        .await;
+    server.advance_ms(1_500);
+    server.chaos(json!({"hold": false})).await;
+    eventually("the first poll is answered", || async { upstream_count(&server, "polls").await == 1 }).await;
+    // The next is due 2 s after the first was asked (at 4 s), not after its answer (5.5 s).
+    server.advance_ms(500);
+    eventually("the second poll goes at 4 s", || async { upstream_count(&server, "polls").await == 2 }).await;
+}
+
 #[tokio::test]
 async fn a_failed_job_gives_its_slot_back_and_says_why() {
     let server = TestServer::start(&format!("{ACME}\n[limits.in_flight]\ncaller = 1\ntenant = 1\n")).await;
