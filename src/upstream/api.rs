@@ -17,7 +17,7 @@ pub struct Article {
 }
 
 /// What the paid API billed for a request, as it reports it on its answer (a prediction's once
-/// it is final): the price a call is settled to ([`crate::guard::Reserved::settle`]).
+/// it is final): the price a call is settled to ([`crate::guard::Held::finish`] for a job).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Usage {
     /// Units billed, in the units `[tools.*] cost` counts.

@@ -429,9 +429,10 @@ fn keepable<A: Answer>(worked: &Worked<A>) -> Option<u64> {
     }
 }
 
-/// A value handed from the pipeline to the work (through rmcp's request extensions, which carry
-/// only `Clone` values): whoever takes it first owns it — a job tool takes its call's
-/// [`Admission`] to hold until the job is final.
+/// A value the pipeline shares with the work: whoever takes it first owns it. A job (or a proxied
+/// task) takes its call's [`Admission`] once it exists, to hold until it is final
+/// ([`Held::taking`](crate::guard::Held::taking)); what nobody took the guard settles when the
+/// work returns.
 #[derive(Debug)]
 pub struct TakeOnce<T>(Arc<Mutex<Option<T>>>);
 

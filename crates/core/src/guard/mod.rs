@@ -91,10 +91,10 @@ impl Admission {
         self
     }
 
-    /// The price this call reserved, for the door that gets its answer to settle
-    /// ([`Reserved::settle`]); `None` for a call that costs nothing, or once taken. Left here
+    /// The price this call reserved, for the guard to settle when the call answers or its work
+    /// is final ([`Held::finish`]); `None` for a call that costs nothing, or once taken. Left here
     /// unsettled, the reservation stands.
-    pub fn reserved(&mut self) -> Option<Reserved> {
+    pub(crate) fn reserved(&mut self) -> Option<Reserved> {
         self.reserved.take()
     }
 

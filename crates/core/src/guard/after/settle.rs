@@ -5,8 +5,9 @@
 //! So the guard's admission ([`Guard::call`](crate::guard::Guard::call)) *reserves* the call's price — its `[tools.NAME] cost`,
 //! or that cost's formula over the arguments — in every budget counted in cost units (the
 //! caller's, its tenant's, its address's, the spend cap), atomically with everything else, and
-//! hands the reservation out as a [`Reserved`]. When the answer is in, the door that asked
-//! settles it ([`Reserved::settle`]) by one rule, [`Reserved::charge_for`]:
+//! keeps the reservation as a [`Reserved`]. No door settles it: the guard does, by one rule,
+//! [`Reserved::charge_for`], when the call answers, or, for work that outlives its answer (a job,
+//! a proxied task), when that work is final ([`Held::finish`]):
 //!
 //! | the answer | charged |
 //! | --- | --- |
@@ -47,8 +48,8 @@
 //! been applied all the same — Redis ran the script, the answer came too late — so every try
 //! carries the settlement's mark, set in the same script, and a try that finds its mark set
 //! changes nothing: applied exactly once however often it is sent. A job waits for its
-//! settlement to land before it says what it was charged ([`Reserved::settle`]); a call answered
-//! at once says the settled price while the tries go on behind it ([`Reserved::settle_behind`]).
+//! settlement to land before it says what it was charged ([`Held::finish`]); a call answered
+//! at once says the settled price while the tries go on behind it.
 //! A settlement given up on after a minute is logged and counted
 //! (`mcp_ratelimit_settlements_given_up_total`), and the reservation stands: the job says so;
 //! an answer already given said the settled price (after a lost answer nobody can know which
@@ -207,7 +208,7 @@ impl Held {
     }
 
     /// The work is final, having come to `used`: every slot goes back now, as this is called; the
-    /// future settles the price, tried until the store takes it ([`Reserved::settle`]), and says
+    /// future settles the price, tried until the store takes it (for up to [`TRIES_FOR`]), and says
     /// what was charged (`None`: the call had no price to settle).
     pub fn finish(mut self, used: Used) -> impl Future<Output = Option<Settled>> + Send + 'static {
         let reserved = self.admission.as_mut().and_then(|a| a.reserved.take());
@@ -320,7 +321,7 @@ impl Reserved {
     /// charged on top, in every budget that took it, tried until the store takes it. Returns
     /// what was reserved and charged: the settled price once the store took it; when it would
     /// not take it for [`TRIES_FOR`], the reservation, which then stands.
-    pub async fn settle(self, used: Used) -> Settled {
+    pub(crate) async fn settle(self, used: Used) -> Settled {
         let (settled, adjusting) = self.settling(used);
         let Some(adjusting) = adjusting else { return settled };
         let mark = self.mark(&adjusting);
@@ -334,7 +335,7 @@ impl Reserved {
     /// The same for an answer that cannot wait for a store that does not answer: one try, and
     /// if the store does not take it, the same tries go on behind the answer, which says the
     /// settled price they are making.
-    pub async fn settle_behind(self, used: Used) -> Settled {
+    pub(crate) async fn settle_behind(self, used: Used) -> Settled {
         let (settled, adjusting) = self.settling(used);
         let Some(adjusting) = adjusting else { return settled };
         let mark = self.mark(&adjusting);
