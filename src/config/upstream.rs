@@ -15,6 +15,9 @@ use crate::redact::Secret;
 /// The same in seconds.
 const DAY_SECONDS: u64 = 86_400;
 
+/// The route on `server.listen` that takes the paid API's webhooks.
+pub const WEBHOOK_PATH: &str = "/webhooks/upstream";
+
 /// `[upstream]`.
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -75,6 +78,10 @@ pub struct UpstreamConfig {
     /// tier not named ranks 0).
     #[serde(default)]
     pub priority: BTreeMap<String, i64>,
+    /// The URL the paid API is asked to call when a job ends (`…/webhooks/upstream`); empty: off.
+    pub webhook_url: String,
+    /// The `whsec_` secret its webhooks are signed with. Never printed.
+    pub webhook_secret: Secret,
 }
 
 /// `[upstream.adaptive]`, `[proxy.adaptive]`: the slots toward the upstream learnt from its
@@ -209,6 +216,8 @@ impl std::fmt::Debug for UpstreamConfig {
             .field("adaptive", &self.adaptive)
             .field("reserved", &self.reserved)
             .field("priority", &self.priority)
+            .field("webhook_url", &crate::redact::url(&self.webhook_url))
+            .field("webhook_secret", &self.webhook_secret)
             .finish()
     }
 }
@@ -238,6 +247,9 @@ pub struct MockUpstreamConfig {
     /// A key every `/v1` request must carry, as `Authorization: Bearer <key>` or `X-Api-Key: <key>`
     /// (empty: none asked); anything else is answered 401. Never printed.
     pub api_key: Secret,
+    /// The `whsec_` secret it signs the webhooks it sends with (empty: it sends none). Never
+    /// printed.
+    pub webhook_secret: Secret,
 }
 
 /// A fraction from 0 to 1 at `key`.
@@ -317,6 +329,7 @@ impl UpstreamConfig {
                 return Err(invalid(key, format!("{value} is more than {what} ({most})")));
             }
         }
+        self.validate_webhooks()?;
         self.adaptive.validate("upstream.adaptive", self.max_in_flight)?;
         fraction("upstream.unverified_share", self.unverified_share)?;
         fraction("upstream.retry_budget_ratio", self.retry_budget_ratio)?;
@@ -332,6 +345,34 @@ impl UpstreamConfig {
             ));
         }
         Ok(())
+    }
+
+    /// `webhook_url` and `webhook_secret`: both or neither, the URL an http(s) one ending in
+    /// `/webhooks/upstream`, the secret a `whsec_` one.
+    fn validate_webhooks(&self) -> Result<(), ConfigError> {
+        if !self.webhook_secret.is_empty() {
+            crate::upstream::webhook::WebhookKey::parse(self.webhook_secret.expose())
+                .map_err(|why| invalid("upstream.webhook_secret", why))?;
+        }
+        if self.webhook_url.is_empty() {
+            return Ok(());
+        }
+        if self.webhook_secret.is_empty() {
+            return Err(invalid(
+                "upstream.webhook_secret",
+                "is needed with upstream.webhook_url: webhooks are taken only signed",
+            ));
+        }
+        match reqwest::Url::parse(&self.webhook_url) {
+            Ok(u) if !matches!(u.scheme(), "http" | "https") => {
+                Err(invalid("upstream.webhook_url", format!("scheme `{}` is not http or https", u.scheme())))
+            }
+            Ok(u) if !u.path().ends_with(WEBHOOK_PATH) => {
+                Err(invalid("upstream.webhook_url", format!("must end in {WEBHOOK_PATH}, the route that takes them")))
+            }
+            Ok(_) => Ok(()),
+            Err(e) => Err(invalid("upstream.webhook_url", format!("not a URL: {e}"))),
+        }
     }
 
     /// `[upstream.reserved]` and `[upstream.priority]` checked against `[tiers]`: every tier
@@ -367,6 +408,10 @@ impl MockUpstreamConfig {
         if !(1..=3600).contains(&self.max_video_seconds) {
             let got = self.max_video_seconds;
             return Err(invalid("mock_upstream.max_video_seconds", format!("1 to 3600 seconds (got {got})")));
+        }
+        if !self.webhook_secret.is_empty() {
+            crate::upstream::webhook::WebhookKey::parse(self.webhook_secret.expose())
+                .map_err(|why| invalid("mock_upstream.webhook_secret", why))?;
         }
         fraction("mock_upstream.rate_429", self.rate_429)?;
         fraction("mock_upstream.rate_5xx", self.rate_5xx)

@@ -47,7 +47,7 @@ use crate::http::serve::{Deadlines, read_body_by_deadline, serve};
 use crate::ops::metrics::ConnectionMetrics;
 use crate::upstream::api::{
     Article, ArticlePage, DEFAULT_VIDEO_SECONDS, NewArticle, NewPrediction, Prediction, PredictionKind,
-    PredictionStatus, SavedArticle, Usage,
+    PredictionMetrics, PredictionStatus, SavedArticle, Usage,
 };
 
 /// Units billed for a page of articles.
@@ -178,7 +178,10 @@ impl MockState {
             (PredictionStatus::Succeeded, Some(format!("https://files.mock-upstream.invalid/{id}.{ext}")), None)
         };
         let usage = status.is_terminal().then(|| Usage { units: Self::bill(job, status) });
-        Prediction { id: id.to_owned(), kind: job.kind, status, output, error, usage }
+        // As Replicate reports it: how long a job that ran to its end ran.
+        let metrics = (status == PredictionStatus::Succeeded)
+            .then(|| PredictionMetrics { predict_time: Some(duration.as_secs_f64()) });
+        Prediction { id: id.to_owned(), kind: job.kind, status, output, error, usage, metrics }
     }
 
     /// What `job` is billed once it ends `status`: only a delivered result costs.

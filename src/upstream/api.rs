@@ -60,10 +60,11 @@ pub struct SavedArticle {
 
 /// What kind of job a prediction is, as the paid API's wire says it. The queue and the job book
 /// know jobs by their class instead ([`crate::upstream::classes`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum PredictionKind {
     /// Text to image.
+    #[default]
     Image,
     /// Image to video.
     Video,
@@ -73,7 +74,7 @@ pub enum PredictionKind {
 pub const DEFAULT_VIDEO_SECONDS: u32 = 5;
 
 /// Body of `POST /v1/predictions`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct NewPrediction {
     /// Image or video.
     pub kind: PredictionKind,
@@ -85,7 +86,17 @@ pub struct NewPrediction {
     /// The clip's length asked for, for video jobs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seconds: Option<u32>,
+    /// Where the API should POST the prediction when it ends (Replicate's `webhook`), signed the
+    /// Standard Webhooks way ([`crate::upstream::webhook`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<String>,
+    /// Which of its events to send there: `["completed"]`, the final state only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook_events_filter: Option<Vec<String>>,
 }
+
+/// The one webhook event the server asks for: the job is final.
+pub const COMPLETED: &str = "completed";
 
 /// Where a prediction is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -128,4 +139,25 @@ pub struct Prediction {
     /// What the upstream billed for it, once final.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// How long it ran, as the API measured it, once it succeeded (Replicate's `metrics`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<PredictionMetrics>,
+}
+
+/// What the API measured of a prediction (Replicate's `metrics`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PredictionMetrics {
+    /// Seconds it ran, from start to its final state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predict_time: Option<f64>,
+}
+
+impl Prediction {
+    /// How long it ran as the API says, if it says (a time that is not a finite, positive
+    /// number of seconds up to a week says nothing).
+    pub fn ran_for(&self) -> Option<crate::clock::Nanos> {
+        let seconds = self.metrics?.predict_time?;
+        (seconds.is_finite() && seconds > 0.0 && seconds <= 7.0 * 86_400.0)
+            .then(|| crate::clock::Nanos::from_secs_f64(seconds))
+    }
 }

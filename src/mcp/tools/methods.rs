@@ -70,7 +70,7 @@ impl McpServer {
         Parameters(args): Parameters<GenerateImageArgs>,
         admitted: Admitted<Option<QueuePlace>>,
     ) -> Result<CallToolResult, ErrorData> {
-        let job = NewPrediction { kind: PredictionKind::Image, prompt: args.prompt, image_url: None, seconds: None };
+        let job = NewPrediction { kind: PredictionKind::Image, prompt: args.prompt, ..NewPrediction::default() };
         self.start_job("generate_image", job, admitted).await
     }
 
@@ -93,6 +93,7 @@ impl McpServer {
             prompt: args.prompt,
             image_url: Some(args.image_url),
             seconds: Some(args.seconds),
+            ..NewPrediction::default()
         };
         self.start_job("generate_image_to_video", job, admitted).await
     }

@@ -66,6 +66,7 @@ impl Jobs {
             output: None,
             error: None,
             usage: None,
+            metrics: None,
         };
         self.insert(owner, class, None, waiting, Held::taking(admission));
         let turn = place.enqueue(&owner.flowing(), &id);
@@ -246,6 +247,7 @@ fn unreachable_view(id: &str, kind: PredictionKind) -> JobView {
             output: None,
             error: Some("the job was lost".to_owned()),
             usage: None,
+            metrics: None,
         },
         wait: None,
         queue_ahead: None,

@@ -136,7 +136,11 @@ impl Jobs {
     pub(super) fn end(&self, id: &str, status: PredictionStatus, error: Option<String>) {
         let Some(kind) = self.book().get(id).map(|j| j.last.kind) else { return };
         let now = self.clock.now();
-        self.update(id, Prediction { id: id.to_owned(), kind, status, output: None, error, usage: None }, now);
+        self.update(
+            id,
+            Prediction { id: id.to_owned(), kind, status, output: None, error, usage: None, metrics: None },
+            now,
+        );
     }
 
     pub(super) fn fail(&self, id: &str, reason: String) {
