@@ -7,10 +7,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::routing::get;
+use axum::extract::{Query, State};
+use axum::response::IntoResponse as _;
+use axum::routing::{get, post};
 use axum::{Json, Router};
-use http::header;
+use http::{HeaderMap, header};
 use rmcp::ServiceExt;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use serde_json::json;
@@ -108,7 +109,7 @@ impl App {
         let catalogue = crate::mcp::tools::catalogue();
         let stop = CancellationToken::new();
         let rules = JobRules {
-            turnover: Nanos::from_secs(up.image_poll_seconds),
+            webhooks: up.webhooks(),
             expiry: Nanos::from_secs(up.job_expiry_seconds),
             backoff: Backoff::new(up.max_attempts, Duration::from_millis(up.max_retry_after_ms)),
             refresh_wait: timeout.saturating_add(Duration::from_secs(1)),
@@ -137,6 +138,7 @@ impl App {
             .published_in(store.clone()),
         );
         jobs.end_orphans_of_dead_instances();
+        jobs.hear_ended_elsewhere();
         let own = Arc::new(PaidApi { upstream, jobs });
         let state = Arc::new(AppState { limits, behind: own.clone(), clock, config, traces: Default::default() });
         tokio::spawn(sweep_forever(own.clone(), state.config.limiting.store.sweep_interval_ms, stop.clone()));
@@ -197,8 +199,16 @@ impl App {
         let stop = self.stop.child_token();
         let cap = sessions::SessionCap::new(session_manager.clone(), server, log.clone(), app.clock.clone(), stop);
         let cap = Arc::new(cap);
+        let mut webhooks = Router::new();
         let mcp = match &self.serving {
             Serving::Tools(own) => {
+                if app.config.upstream.webhooks().is_some() {
+                    // Signed by the paid API, not a browser's: no rebinding check (its Host is
+                    // whatever public name the API was given), the body deadline as everywhere.
+                    let taken = post(take_webhook).with_state(own.clone());
+                    let deadline = serve::read_body_by_deadline(serve::BodyDeadline::of(server));
+                    webhooks = webhooks.route(crate::config::WEBHOOK_PATH, taken.layer(deadline));
+                }
                 let (app, own) = (app.clone(), own.clone());
                 mcp_at(move || McpServer::new(app.clone(), own.clone(), Transport::Http), session_manager, config)
             }
@@ -233,7 +243,7 @@ impl App {
             .layer(identify::refuse_invalid_tokens())
             .layer(serve::read_body_by_deadline(serve::BodyDeadline::of(server)))
             .layer(sessions::cap(cap));
-        mcp.layer(front_door).merge(dashboard).merge(open).with_state(app.clone())
+        mcp.layer(front_door).merge(dashboard).merge(open).with_state(app.clone()).merge(webhooks)
     }
 
     /// Serves HTTP on `listener` until [`App::stop`] is called, holding connections to the
@@ -317,6 +327,27 @@ async fn answer_cancel_requests_forever(own: Arc<PaidApi>, stop: CancellationTok
         }
     })
     .await;
+}
+
+/// The `job` a webhook's URL names (`?job=<predict_id>`), for a job queued under an id of ours.
+#[derive(Debug, serde::Deserialize)]
+struct WebhookQuery {
+    job: Option<String>,
+}
+
+/// `POST /webhooks/upstream`: a job's end, pushed by the paid API ([`crate::upstream::jobs`]).
+async fn take_webhook(
+    State(own): State<Arc<PaidApi>>,
+    Query(query): Query<WebhookQuery>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> axum::response::Response {
+    use crate::upstream::jobs::{Pushed, WEBHOOK_BODY_MAX};
+    let answer = match axum::body::to_bytes(body, WEBHOOK_BODY_MAX).await {
+        Ok(body) => own.jobs.take_webhook(Pushed { headers: &headers, body: &body, job: query.job.as_deref() }).await,
+        Err(_) => own.jobs.webhook_too_large(),
+    };
+    (answer.status, Json(json!({ "outcome": answer.outcome, "message": answer.message }))).into_response()
 }
 
 /// Forgets final jobs nobody asked about for long.

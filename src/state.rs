@@ -101,8 +101,9 @@ impl AppState {
     pub fn sample_gauges(&self) {
         use crate::breaker::BreakerState;
         use crate::ops::metrics::{
-            ACCOUNT_SLOTS_IN_USE, ACCOUNT_TIER_PLACES, ACCOUNT_TIER_SLOTS, BREAKER_STATE, JOBS_IN_FLIGHT, QUEUE_DEPTH,
-            QUEUEING_DELAY, SHED_LEVEL, STORE_UP, UPSTREAM_CONCURRENCY_LIMIT,
+            ACCOUNT_SLOTS, ACCOUNT_SLOTS_IN_USE, ACCOUNT_TIER_PLACES, ACCOUNT_TIER_SLOTS, BREAKER_STATE,
+            EXPECTED_JOB_SECONDS, JOBS_IN_FLIGHT, QUEUE_DEPTH, QUEUEING_DELAY, SHED_LEVEL, STORE_UP,
+            UPSTREAM_CONCURRENCY_LIMIT,
         };
         let occupancy = self.behind.occupancy();
         // Per flow bucket (a 16-way hash of the tenant or caller, never its name); every bucket
@@ -129,6 +130,19 @@ impl AppState {
         self.limits.metrics().sample(UPSTREAM_CONCURRENCY_LIMIT, Vec::new(), self.behind.slots() as f64);
         let jobs = self.behind.jobs().map_or(0, |jobs| jobs.in_flight());
         self.limits.metrics().sample(JOBS_IN_FLIGHT, Vec::new(), jobs as f64);
+        if let Some(jobs) = self.behind.jobs() {
+            let held = jobs.held_slots();
+            let free = self.behind.slots().saturating_sub(occupancy.in_flight);
+            for (state, slots) in [("busy", held.busy), ("held_idle", held.held_idle), ("free", free)] {
+                let label = metrics::Label::new("state", state);
+                self.limits.metrics().sample(ACCOUNT_SLOTS, vec![label], slots as f64);
+            }
+            for (class, learnt) in jobs.queue().rules().classes.iter() {
+                let label = metrics::Label::new("class", learnt.name);
+                let expected = jobs.cadence().expected(class).as_secs_f64();
+                self.limits.metrics().sample(EXPECTED_JOB_SECONDS, vec![label], expected);
+            }
+        }
         let breaker = match self.behind.breaker().state(self.clock.now()) {
             BreakerState::Closed => 0.0,
             BreakerState::HalfOpen => 1.0,

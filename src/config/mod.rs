@@ -31,7 +31,7 @@ pub use mcp_ratelimit_core::config::*;
 pub use proxy::{ProxyConfig, UpstreamProtocol, UpstreamSessions};
 pub use server::{AdminConfig, ServerConfig};
 pub use telemetry::TelemetryConfig;
-pub use upstream::{AdaptiveConfig, MockUpstreamConfig, UpstreamConfig};
+pub use upstream::{AdaptiveConfig, MockUpstreamConfig, UpstreamConfig, WEBHOOK_PATH};
 
 /// The validated configuration the server runs on: the limits' own ([`LimitsConfig`], all a
 /// library user needs), and the server's listeners, paid API and mock around them.

@@ -347,6 +347,19 @@ impl UpstreamConfig {
         Ok(())
     }
 
+    /// Where the paid API is asked to send its webhooks, and the key they are signed with, when
+    /// `webhook_url` is set (validation saw both readable).
+    pub fn webhooks(&self) -> Option<(reqwest::Url, crate::upstream::webhook::WebhookKey)> {
+        let url = reqwest::Url::parse(&self.webhook_url).ok()?;
+        Some((url, self.webhook_key()?))
+    }
+
+    /// The key webhooks are signed with, when `webhook_secret` is set: the route takes webhooks
+    /// with it even when the server does not ask for them (an account-wide webhook).
+    pub fn webhook_key(&self) -> Option<crate::upstream::webhook::WebhookKey> {
+        crate::upstream::webhook::WebhookKey::parse(self.webhook_secret.expose()).ok()
+    }
+
     /// `webhook_url` and `webhook_secret`: both or neither, the URL an http(s) one ending in
     /// `/webhooks/upstream`, the secret a `whsec_` one.
     fn validate_webhooks(&self) -> Result<(), ConfigError> {

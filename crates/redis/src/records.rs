@@ -48,6 +48,29 @@ impl RedisStore {
         Ok(())
     }
 
+    /// Adds `member` to the set at `key` (kept `ttl` past its latest addition) and publishes the
+    /// set's name on `channel`, in one script: whoever hears it finds the member there.
+    pub async fn announce(&self, key: &str, member: &str, ttl: Duration, channel: &str) -> Result<(), StoreError> {
+        let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let mut script = ::redis::cmd("EVAL");
+        script.arg(
+            "redis.call('SADD', KEYS[1], ARGV[1]) redis.call('PEXPIRE', KEYS[1], ARGV[2]) \
+             return redis.call('PUBLISH', ARGV[3], KEYS[1])",
+        );
+        script.arg(1).arg(key).arg(member).arg(ms).arg(channel);
+        let _: i64 = bounded(&self.address, self.timeout, self.connection.query(&script)).await?;
+        Ok(())
+    }
+
+    /// Sets `key` for `ttl` unless it is set (`SET NX PX`): whether it was not.
+    pub async fn claim(&self, key: &str, ttl: Duration) -> Result<bool, StoreError> {
+        let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let mut command = ::redis::cmd("SET");
+        command.arg(key).arg(1).arg("NX").arg("PX").arg(ms);
+        let set: Option<String> = bounded(&self.address, self.timeout, self.connection.query(&command)).await?;
+        Ok(set.is_some())
+    }
+
     /// The members of the set at `key` (none when it is gone).
     pub async fn set_members(&self, key: &str) -> Result<Vec<String>, StoreError> {
         let mut command = ::redis::cmd("SMEMBERS");

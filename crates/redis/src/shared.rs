@@ -198,4 +198,12 @@ impl JobMirror for RedisStore {
     fn set_remove<'a>(&'a self, key: &'a str, members: &'a [String]) -> StoreFuture<'a, ()> {
         Box::pin(async move { RedisStore::set_remove(self, key, members).await })
     }
+
+    fn announce<'a>(&'a self, key: &'a str, member: &'a str, ttl: Duration, channel: &'a str) -> StoreFuture<'a, ()> {
+        Box::pin(async move { RedisStore::announce(self, key, member, ttl, channel).await })
+    }
+
+    fn claim<'a>(&'a self, key: &'a str, ttl: Duration) -> StoreFuture<'a, bool> {
+        Box::pin(async move { RedisStore::claim(self, key, ttl).await })
+    }
 }

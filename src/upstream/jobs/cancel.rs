@@ -1,6 +1,7 @@
 //! Ending a job before the upstream does: its owner's cancel (upstream too, or out of the queue
 //! while it waits) and its expiry.
 
+use super::watching::Heard;
 use super::{JobView, Jobs};
 use crate::clock::NANOS_PER_SEC;
 use crate::upstream::UpstreamError;
@@ -48,7 +49,7 @@ impl Jobs {
                 match answer {
                     // Finished before the cancel arrived: keep the real outcome.
                     Ok(prediction) if prediction.status.is_terminal() => {
-                        self.update(id, prediction, asked);
+                        self.update(id, prediction, asked, Heard::Polled);
                     }
                     Ok(_) | Err(UpstreamError::NotFound) => self.end(id, PredictionStatus::Canceled, None),
                     Err(error) => return Err(error),

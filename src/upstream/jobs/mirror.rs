@@ -15,23 +15,23 @@ use super::*;
 /// A job as published for the other instances.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub(super) struct Snapshot {
-    owner: String,
+    pub(super) owner: String,
     /// The owner's tenant (absent in snapshots of older versions).
     #[serde(default)]
     tenant: Option<String>,
-    prediction: Prediction,
-    upstream_id: Option<String>,
+    pub(super) prediction: Prediction,
+    pub(super) upstream_id: Option<String>,
     /// Wall-clock milliseconds since the epoch (instances share no other clock).
     next_poll_unix_ms: u64,
     created_unix_ms: u64,
     /// How many snapshots of the job its owner has made, this one included: `record.lua` never
     /// lets a snapshot replace one of a higher version (0 in snapshots of older versions).
     #[serde(default)]
-    version: u64,
+    pub(super) version: u64,
     /// Whether the job is final: `record.lua` never replaces a final snapshot, so another
     /// instance's cancel is not undone by the owner's next write (absent in older snapshots).
     #[serde(default, rename = "final")]
-    is_final: bool,
+    pub(super) is_final: bool,
     /// Units its call reserved, and charged once settled (absent in older snapshots).
     #[serde(default)]
     reserved: Option<u64>,
@@ -44,6 +44,10 @@ pub(super) struct Snapshot {
     /// Ended by another instance, which gave its price back: its owner must not settle it again.
     #[serde(default)]
     given_back: bool,
+    /// Made final by another instance that heard the job's webhook: its owner settles it and
+    /// replaces this with its own final snapshot, `charged` filled in (`record.lua` lets it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(super) unsettled: bool,
 }
 
 impl Snapshot {
@@ -66,6 +70,7 @@ impl Snapshot {
                 .filter(|_| job.upstream_id.is_none() && !job.last.status.is_terminal())
                 .and_then(Held::handed),
             given_back: false,
+            unsettled: false,
         }
     }
 }
@@ -194,6 +199,39 @@ impl Publisher {
     }
 }
 
+/// Where what the [`Cadence`] learnt is kept for every instance, and for the next start.
+const CADENCE_KEY: &str = "{upstream}job:durations";
+/// How often an instance writes what it learnt, when it learnt something (wall clock).
+const CADENCE_EVERY: Duration = Duration::from_secs(5);
+/// How long what was learnt is kept after its last write.
+const CADENCE_KEPT: Duration = Duration::from_secs(7 * 86_400);
+
+/// Starts `cadence` from what the instances learnt before (in `redis`), then writes what it
+/// learns every [`CADENCE_EVERY`] until `stop`: the last writer's durations are what a restarted
+/// instance starts from.
+async fn share_cadence(cadence: Arc<Cadence>, redis: Arc<dyn JobMirror>, stop: CancellationToken) {
+    match redis.get(CADENCE_KEY).await {
+        Ok(Some(raw)) => match serde_json::from_str::<cadence::Learnings>(&raw) {
+            Ok(learnt) => cadence.start_from(&learnt),
+            Err(error) => {
+                tracing::warn!(%error, "what was learnt of job lengths cannot be read; starting from the hints")
+            }
+        },
+        Ok(None) => {}
+        Err(error) => tracing::warn!(%error, "cannot read what was learnt of job lengths; starting from the hints"),
+    }
+    let keep = || async {
+        let Some(learnt) = cadence.learnt() else { return };
+        let Ok(value) = serde_json::to_string(&learnt) else { return };
+        if let Err(error) = redis.put_record(CADENCE_KEY, &value, 0, CADENCE_KEPT).await {
+            tracing::debug!(%error, "could not keep what was learnt of job lengths");
+        }
+    };
+    crate::clock::every(CADENCE_EVERY, stop, keep).await;
+    // Stopping: what was learnt since the last write is kept for the next start.
+    keep().await;
+}
+
 /// How long snapshots and the set of jobs in flight are kept after their last write.
 pub(super) fn keep() -> Duration {
     KEEP_FOR.to_duration()
@@ -224,6 +262,7 @@ impl Jobs {
             clock: self.clock.clone(),
         };
         runtime.spawn(publisher.run(self.stop.clone()));
+        runtime.spawn(share_cadence(self.cadence.clone(), redis.clone(), self.stop.clone()));
         self.shared = Some(redis);
         self.settle_in = Some(store);
         self

@@ -53,13 +53,18 @@ use crate::upstream::classes::ClassId;
 use crate::upstream::queue::{FairQueue, Flowing, QueueRules, Standing, Turn};
 use crate::upstream::{Upstream, UpstreamError};
 
+pub mod cadence;
 mod cancel;
 mod mirror;
 mod submit;
 mod view;
 mod watching;
+mod webhooks;
 
+use cadence::Cadence;
 use mirror::{Outbox, unix_ms};
+pub use view::HeldSlots;
+pub use webhooks::{BODY_MAX as WEBHOOK_BODY_MAX, Pushed, WebhookAnswer};
 
 /// Final jobs are remembered this long after their last change, so a late poll still reads
 /// the result (and re-reading it stays free).
@@ -131,13 +136,13 @@ impl Owner {
     }
 }
 
-/// The fixed parameters of job handling, from `[upstream]` (each class's poll hint is the
-/// class's: [`crate::upstream::classes::JobClass::poll_hint`]).
+/// The fixed parameters of job handling, from `[upstream]` (each class's poll hint, where its
+/// [`Cadence`] starts, is the class's: [`crate::upstream::classes::JobClass::poll_hint`]).
 #[derive(Debug, Clone)]
 pub struct JobRules {
-    /// How soon an account slot may free up when no running job says when: the unit of a queue
-    /// wait's estimate (the image poll hint).
-    pub turnover: Nanos,
+    /// Where the paid API is asked to send a webhook when a job ends (`upstream.webhook_url`),
+    /// with the key its webhooks are signed with; `None`: ends are learnt by polls only.
+    pub webhooks: Option<(reqwest::Url, crate::upstream::webhook::WebhookKey)>,
     /// A job still pending this long after acceptance is failed.
     pub expiry: Nanos,
     /// Retries of server-owned requests.
@@ -154,6 +159,12 @@ struct Job {
     upstream_id: Option<String>,
     /// The last state, with `id` = the `predict_id` agents see.
     last: Prediction,
+    /// When its submission was sent (on the book's clock), once the upstream took it.
+    submitted_at: Option<Nanos>,
+    /// When it is expected to be final ([`Cadence::expected`] after its submission).
+    expected_at: Nanos,
+    /// How long after its submission the last poll that found it running was asked.
+    seen_running_at: Option<Nanos>,
     next_poll_at: Nanos,
     updated_at: Nanos,
     expires_at: Nanos,
@@ -173,6 +184,14 @@ struct Job {
     published: u64,
     /// Whether the shared set of jobs in flight is known to hold it.
     indexed: bool,
+}
+
+impl Job {
+    /// When the server expects to hear next of this running job: its expected end, or once that
+    /// has passed, its next poll.
+    fn news_at(&self, now: Nanos) -> Nanos {
+        if self.expected_at > now { self.expected_at.min(self.next_poll_at) } else { self.next_poll_at }
+    }
 }
 
 impl std::fmt::Debug for Job {
@@ -214,6 +233,8 @@ pub struct Jobs {
     queue: Arc<FairQueue>,
     retry_budget: RetryBudget,
     rules: JobRules,
+    /// How long each class's jobs take, as seen: when to poll them.
+    cadence: Arc<Cadence>,
     book: Arc<Mutex<Book>>,
     stop: CancellationToken,
     /// Where snapshots of the book are published for the other instances.
@@ -222,6 +243,8 @@ pub struct Jobs {
     settle_in: Option<Arc<dyn Store>>,
     /// The jobs whose snapshot Redis does not have yet.
     outbox: Arc<Outbox>,
+    /// The ids of the webhooks taken, without a shared store (with one, they are kept there).
+    seen_ids: webhooks::SeenIds,
     /// Jobs of other instances an agent polled here and found pending, (owner, id) → until when
     /// (on the book's clock) their polls are not a loop, as a local job's are not.
     pending_elsewhere: Mutex<HashMap<(String, String), Nanos>>,
@@ -255,6 +278,7 @@ impl Jobs {
         let book = Arc::new(Mutex::new(HashMap::new()));
         let outbox = Arc::default();
         let pending_elsewhere = Mutex::default();
+        let cadence = Arc::new(Cadence::new(&queue.rules().classes, rules.webhooks.is_some()));
         Self {
             upstream,
             clock,
@@ -262,11 +286,13 @@ impl Jobs {
             queue,
             retry_budget,
             rules,
+            cadence,
             book,
             stop,
             shared: None,
             settle_in: None,
             outbox,
+            seen_ids: webhooks::SeenIds::default(),
             pending_elsewhere,
         }
     }
@@ -275,9 +301,30 @@ impl Jobs {
         lock_book(&self.book)
     }
 
-    /// How long after a change a job of `class` is worth polling.
-    fn hint(&self, class: ClassId) -> Nanos {
-        self.queue.rules().classes.get(class).map_or(self.rules.turnover, |c| c.poll_hint)
+    /// How long each class's jobs take, as learnt.
+    pub fn cadence(&self) -> &Cadence {
+        &self.cadence
+    }
+
+    /// How soon an account slot may free up when no running job says when: the shortest
+    /// expected length of any class's jobs.
+    fn typical_turnover(&self) -> Nanos {
+        let classes = &self.queue.rules().classes;
+        classes.iter().map(|(class, _)| self.cadence.expected(class)).min().unwrap_or(Nanos::from_secs(1))
+    }
+
+    /// `job` as submitted: asking for a webhook when they are on, addressed to `id` when the
+    /// upstream will name the job otherwise (a job queued under a `predict_id` of ours).
+    fn with_webhook(&self, mut job: NewPrediction, id: Option<&str>) -> NewPrediction {
+        if let Some((url, _)) = &self.rules.webhooks {
+            let mut url = url.clone();
+            if let Some(id) = id {
+                url.query_pairs_mut().append_pair("job", id);
+            }
+            job.webhook = Some(url.into());
+            job.webhook_events_filter = Some(vec![crate::upstream::api::COMPLETED.to_owned()]);
+        }
+        job
     }
 
     /// The queue in front of the upstream account.

@@ -10,7 +10,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::watching::watch_span;
+use super::watching::{Heard, watch_span};
 use super::{Job, JobView, Jobs, Owner, Queued};
 use crate::clock::Nanos;
 use crate::guard::{Admission, Held, TakeOnce};
@@ -83,6 +83,10 @@ impl Jobs {
         admission: &TakeOnce<Admission>,
         account: AccountSlot,
     ) -> Result<JobView, UpstreamError> {
+        let kind = job.kind;
+        // The upstream names the job: its webhook finds it by that name.
+        let job = self.with_webhook(job, None);
+        let sent = self.clock.now();
         let answer = self.upstream.create_prediction(&job, &new_id("k")).await;
         self.metrics.upstream(tool, UpstreamError::outcome_of(&answer));
         learn_from(&account, &answer).await;
@@ -90,18 +94,36 @@ impl Jobs {
         let id = prediction.id.clone();
         let mut held = Held::taking(admission);
         held.hold(account);
-        self.insert(owner, class, Some(id.clone()), prediction, held);
+        // Booked as just started, then told the answer: a job final already (it took no time)
+        // gives its slots back at once, as one that ends later does.
+        let booked = Prediction {
+            status: PredictionStatus::Starting,
+            output: None,
+            error: None,
+            usage: None,
+            metrics: None,
+            ..prediction.clone()
+        };
+        self.insert(owner, class, Some((id.clone(), sent)), booked, held);
+        self.update(&id, prediction, sent, Heard::Submitted);
         self.spawn(id.clone(), None);
-        Ok(self.view_of(&id).unwrap_or_else(|| unreachable_view(&id, job.kind)))
+        Ok(self.view_of(&id).unwrap_or_else(|| unreachable_view(&id, kind)))
     }
 
-    fn insert(&self, owner: &Owner, class: ClassId, upstream_id: Option<String>, last: Prediction, held: Held) {
+    /// Books a job: waiting in the queue, or `submitted` (the upstream's name for it, and when its
+    /// submission was sent).
+    fn insert(&self, owner: &Owner, class: ClassId, submitted: Option<(String, Nanos)>, last: Prediction, held: Held) {
         let now = self.clock.now();
+        let (upstream_id, submitted_at) = submitted.unzip();
+        let from = submitted_at.unwrap_or(now);
         let job = Job {
             owner: owner.clone(),
             class,
             upstream_id,
-            next_poll_at: now + self.hint(class),
+            submitted_at,
+            expected_at: from + self.cadence.expected(class),
+            seen_running_at: None,
+            next_poll_at: from + self.cadence.first_poll(class),
             updated_at: now,
             expires_at: now + self.rules.expiry,
             created: SystemTime::now(),
@@ -154,6 +176,7 @@ impl Jobs {
     /// Submits a queued job when its turn comes; `false` if it ended instead.
     async fn submit_queued(&self, id: &str, queued: Queued) -> bool {
         let Queued { tool, job, mut turn } = queued;
+        let job = self.with_webhook(job, Some(id));
         let Some((owner, class)) = self.book().get(id).map(|j| (j.owner.clone(), j.class)) else { return false };
         let queued_at = self.clock.now();
         let retry_at = |not_before: Nanos| self.queue.requeue_front(&owner.flowing(), id, class, not_before);
@@ -184,6 +207,7 @@ impl Jobs {
                 self.fail(id, ended.reason);
                 return false;
             }
+            let sent_at = self.clock.now();
             let answer = self.upstream.create_prediction(&job, id).await;
             self.metrics.upstream(&tool, UpstreamError::outcome_of(&answer));
             learn_from(&account, &answer).await;
@@ -195,7 +219,7 @@ impl Jobs {
             }
             match answer {
                 Ok(prediction) => {
-                    self.started(id, prediction, account);
+                    self.started(id, prediction, account, sent_at);
                     return true;
                 }
                 Err(UpstreamError::CircuitOpen { retry_after }) => {

@@ -25,9 +25,9 @@ impl Jobs {
         let class = job.class;
         let wait = pending.then(|| match (&job.upstream_id, queued) {
             // Not submitted yet: the time in the queue, then the first useful poll.
-            (None, Some(place)) => self.queue_wait(&book, class, place, now) + self.hint(class),
-            (None, None) => self.hint(class),
-            (Some(_), _) => job.next_poll_at - now,
+            (None, Some(place)) => self.queue_wait(&book, class, place, now) + self.cadence.expected(class),
+            (None, None) => self.cadence.expected(class),
+            (Some(_), _) => job.news_at(now) - now,
         });
         Some(JobView {
             prediction: job.last.clone(),
@@ -44,7 +44,7 @@ impl Jobs {
     fn turnover(book: &HashMap<String, Job>, now: Nanos) -> Option<Nanos> {
         book.values()
             .filter(|j| j.upstream_id.is_some() && !j.last.status.is_terminal())
-            .map(|j| j.next_poll_at - now)
+            .map(|j| j.news_at(now) - now)
             .min()
     }
 
@@ -66,8 +66,8 @@ impl Jobs {
             Nanos::ZERO
         } else {
             let rounds = ((place.ahead - free) / rules.max_in_flight.max(1)) as u64;
-            let first = Self::turnover(book, now).unwrap_or(self.rules.turnover);
-            first + self.rules.turnover * rounds
+            let first = Self::turnover(book, now).unwrap_or_else(|| self.typical_turnover());
+            first + self.typical_turnover() * rounds
         };
         gaps.max(account)
     }
@@ -78,8 +78,11 @@ impl Jobs {
     pub(crate) fn place_frees_in(&self) -> Nanos {
         let now = self.clock.now();
         let account_full = self.queue.occupancy().in_flight >= self.queue.slots();
-        let turnover =
-            if account_full { Self::turnover(&self.book(), now).unwrap_or(self.rules.turnover) } else { Nanos::ZERO };
+        let turnover = if account_full {
+            Self::turnover(&self.book(), now).unwrap_or_else(|| self.typical_turnover())
+        } else {
+            Nanos::ZERO
+        };
         turnover.max(self.queue.gaps_left(now)).max(Nanos::new(1))
     }
 
@@ -190,8 +193,28 @@ impl Jobs {
             .collect()
     }
 
+    /// The account's slots this instance's running jobs hold: `busy` before their expected end,
+    /// and `held_idle` past it (not yet known final: most likely ended, the server yet to learn it).
+    pub fn held_slots(&self) -> HeldSlots {
+        let now = self.clock.now();
+        let book = self.book();
+        let running = book.values().filter(|j| j.upstream_id.is_some() && !j.last.status.is_terminal());
+        let (busy, held_idle) = running
+            .fold((0, 0), |(busy, idle), j| if now < j.expected_at { (busy + 1, idle) } else { (busy, idle + 1) });
+        HeldSlots { busy, held_idle }
+    }
+
     /// Jobs not final yet.
     pub fn in_flight(&self) -> usize {
         self.book().values().filter(|j| !j.last.status.is_terminal()).count()
     }
+}
+
+/// The account's slots this instance's running jobs hold ([`Jobs::held_slots`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct HeldSlots {
+    /// Held by jobs before their expected end.
+    pub busy: usize,
+    /// Held by jobs past their expected end, not yet known final.
+    pub held_idle: usize,
 }

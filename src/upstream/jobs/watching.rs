@@ -28,7 +28,7 @@ impl Jobs {
             match answer {
                 Ok(prediction) => {
                     failed = 0;
-                    if self.update(id, prediction, asked) {
+                    if self.update(id, prediction, asked, Heard::Polled) {
                         return;
                     }
                 }
@@ -55,9 +55,9 @@ impl Jobs {
         }
     }
 
-    /// Records the upstream's answer to a submission; the job holds `account` from now on (until
-    /// it is final: one that ended meanwhile gives it back at once).
-    pub(super) fn started(&self, id: &str, prediction: Prediction, account: AccountSlot) {
+    /// Records the upstream's answer to a submission sent at `sent`; the job holds `account` from
+    /// now on (until it is final: one that ended meanwhile gives it back at once).
+    pub(super) fn started(&self, id: &str, prediction: Prediction, account: AccountSlot, sent: Nanos) {
         let upstream_id = prediction.id.clone();
         if let Some(job) = self.book().get_mut(id) {
             job.upstream_id = Some(upstream_id);
@@ -65,15 +65,18 @@ impl Jobs {
                 held.hold(account);
             }
         }
-        self.update(id, prediction, self.clock.now());
+        self.update(id, prediction, sent, Heard::Submitted);
     }
 
-    /// Records what the upstream said about `id`, in answer to a question put at `asked`;
-    /// releases its slots when it is final. Returns whether it is final.
+    /// Records what the upstream said about `id` (`heard` says how: the answer to its
+    /// submission or to a poll put at `asked`, or its webhook, arrived at `asked`); releases its
+    /// slots when it is final. Returns whether it is final.
     ///
-    /// The next poll is due a hint after the question, not after the answer: a slow answer does
-    /// not push the schedule back (nor does time that passed while it was on its way).
-    pub(super) fn update(&self, id: &str, mut prediction: Prediction, asked: Nanos) -> bool {
+    /// The next poll is timed from the question, not the answer: a slow answer does not push the
+    /// schedule back (nor does time that passed while it was on its way). It is due at the job's
+    /// expected end after its submission, then a tenth of its age after each poll that found it
+    /// running ([`Cadence`](super::cadence::Cadence)); what a succeeded job took is learnt.
+    pub(super) fn update(&self, id: &str, mut prediction: Prediction, asked: Nanos, heard: Heard) -> bool {
         let now = self.clock.now();
         let is_final;
         let mut to_finish = None;
@@ -84,9 +87,9 @@ impl Jobs {
                 return true;
             }
             prediction.id = id.to_owned();
-            job.next_poll_at = asked + self.hint(job.class);
-            job.updated_at = now;
             is_final = prediction.status.is_terminal();
+            self.schedule(job, &prediction, asked, heard);
+            job.updated_at = now;
             job.last = prediction;
             if is_final {
                 to_finish = job.held.take().map(|held| (held, used_by(job)));
@@ -99,6 +102,44 @@ impl Jobs {
             None => self.publish(id),
         }
         is_final
+    }
+
+    /// Times `job`'s next poll from what was `heard` of it at `asked` (`now` becomes `prediction`);
+    /// learns how long it took once it succeeded, and how long its slot was held after its end.
+    fn schedule(&self, job: &mut Job, now: &Prediction, asked: Nanos, heard: Heard) {
+        let class = job.class;
+        if heard == Heard::Submitted || job.submitted_at.is_none() {
+            job.submitted_at = Some(asked);
+            job.expected_at = asked + self.cadence.expected(class);
+            job.next_poll_at = asked + self.cadence.first_poll(class);
+            return;
+        }
+        let Some(sent) = job.submitted_at else { return };
+        let age = asked - sent;
+        if !now.status.is_terminal() {
+            if heard == Heard::Polled {
+                job.seen_running_at = Some(age);
+                job.next_poll_at = asked + self.cadence.next_poll(class, age);
+            }
+            return;
+        }
+        if now.status != PredictionStatus::Succeeded {
+            return;
+        }
+        let reported = now.ran_for();
+        if let Some(ran) = reported {
+            self.metrics.idle_held((age - ran).as_u64() / crate::clock::NANOS_PER_MS);
+        }
+        // What it took: as the API says; else when its webhook came; else the middle of the last
+        // poll that found it running (or four fifths of the way, when none did) and this one.
+        let took = reported.or(match heard {
+            Heard::Pushed => Some(age),
+            Heard::Polled => Some((job.seen_running_at.unwrap_or(age * 4 / 5) + age) / 2),
+            Heard::Submitted | Heard::Ours => None,
+        });
+        if let Some(took) = took {
+            self.cadence.learn(class, took);
+        }
     }
 
     /// Ends what a final job held: its slots back now, its price settled in a task of its own (it
@@ -136,17 +177,27 @@ impl Jobs {
     pub(super) fn end(&self, id: &str, status: PredictionStatus, error: Option<String>) {
         let Some(kind) = self.book().get(id).map(|j| j.last.kind) else { return };
         let now = self.clock.now();
-        self.update(
-            id,
-            Prediction { id: id.to_owned(), kind, status, output: None, error, usage: None, metrics: None },
-            now,
-        );
+        let ended = Prediction { id: id.to_owned(), kind, status, output: None, error, usage: None, metrics: None };
+        self.update(id, ended, now, Heard::Ours);
     }
 
     pub(super) fn fail(&self, id: &str, reason: String) {
         tracing::warn!(predict_id = id, reason, "job failed");
         self.end(id, PredictionStatus::Failed, Some(reason));
     }
+}
+
+/// How the server heard of a job's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Heard {
+    /// The upstream's answer to its submission.
+    Submitted,
+    /// The upstream's answer to a poll (ours, or a cancel).
+    Polled,
+    /// Its webhook (here, or on another instance that published it).
+    Pushed,
+    /// Our own word: canceled in the queue, given up, expired.
+    Ours,
 }
 
 /// What a final job's work came to, as far as its price goes: nothing if the upstream never

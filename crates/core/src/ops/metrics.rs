@@ -119,6 +119,24 @@ pub const TRACE_QUEUE_BYTES: &str = "mcp_ratelimit_trace_queue_bytes";
 /// was full (2,048 spans or 8 MiB): the collector is slow or away.
 pub const TRACE_SPANS_DROPPED: &str = "mcp_ratelimit_trace_spans_dropped_total";
 
+/// `mcp_ratelimit_upstream_webhooks_total{outcome}`: webhooks the paid API sent to
+/// `POST /webhooks/upstream`: `taken`, or why refused ([`WEBHOOK_OUTCOMES`]).
+pub const WEBHOOKS: &str = "mcp_ratelimit_upstream_webhooks_total";
+/// `mcp_ratelimit_account_slots{state}`: the account's slots this instance's running jobs hold,
+/// `busy` (before their expected end) and `held_idle` (past it, not yet known final: most likely
+/// ended and waiting for the server to learn it), and the account's `free` slots.
+pub const ACCOUNT_SLOTS: &str = "mcp_ratelimit_account_slots";
+/// `mcp_ratelimit_account_idle_held_milliseconds_total`: time the account's slots were held by
+/// jobs that had already ended (the API's `predict_time` says when), before the server learnt it.
+pub const ACCOUNT_IDLE_HELD: &str = "mcp_ratelimit_account_idle_held_milliseconds_total";
+/// `mcp_ratelimit_upstream_expected_job_seconds{class}`: how long after its submission a job of
+/// the class is expected to be final, as learnt from the jobs seen (its first poll's time).
+pub const EXPECTED_JOB_SECONDS: &str = "mcp_ratelimit_upstream_expected_job_seconds";
+
+/// Every outcome of a webhook, as `mcp_ratelimit_upstream_webhooks_total` labels it.
+pub const WEBHOOK_OUTCOMES: [&str; 8] =
+    ["taken", "bad_signature", "stale", "replayed", "unknown_job", "too_large", "unreadable", "unavailable"];
+
 /// Every outcome of a token's validation, as `mcp_ratelimit_token_validations_total` labels it.
 pub const TOKEN_OUTCOMES: [&str; 14] = [
     "valid",
@@ -194,6 +212,11 @@ pub const FAMILIES: &[Family] = &[
     counter(TOKEN_VALIDATIONS, "Bearer tokens checked as OAuth access tokens, by outcome."),
     counter(JWKS_FETCHES, "Fetches of the authorization server's signing keys (JWKS), by outcome (ok, failed)."),
     counter(TOKEN_INTROSPECTIONS, "RFC 7662 introspections of opaque tokens, by outcome (active, inactive, failed)."),
+    counter(WEBHOOKS, "Webhooks the paid API sent to /webhooks/upstream, by outcome (taken, or why refused)."),
+    counter(
+        ACCOUNT_IDLE_HELD,
+        "Milliseconds the account's slots were held by jobs already ended upstream, before the server learnt it.",
+    ),
     counter(SHED, "Tool calls refused before any charge because the server itself was behind, by tier and unverified."),
     counter(
         TRACE_SPANS_DROPPED,
@@ -202,6 +225,11 @@ pub const FAMILIES: &[Family] = &[
     gauge(IN_FLIGHT, "Admissions still held: tool calls running and jobs not yet final."),
     gauge(QUEUE_DEPTH, "Jobs waiting for the upstream account, by flow bucket (a 16-way hash of the tenant)."),
     gauge(ACCOUNT_SLOTS_IN_USE, "The upstream account's slots held by running jobs."),
+    gauge(
+        ACCOUNT_SLOTS,
+        "The account's slots: busy, held_idle (past the job's expected end, not yet known final), free.",
+    ),
+    gauge(EXPECTED_JOB_SECONDS, "How long after its submission a job of the class is expected to be final, as learnt."),
     gauge(ACCOUNT_TIER_SLOTS, "The account's slots reserved for a tier, and held by its jobs (of: reserved, in_use)."),
     gauge(ACCOUNT_TIER_PLACES, "The queue's places reserved for a tier, and held by its jobs (of: reserved, waiting)."),
     gauge(
@@ -460,6 +488,16 @@ impl Metrics {
     /// Records one settlement given up on: its reservation stands.
     pub fn settlement_given_up(&self, tool: &str) {
         self.count(SETTLEMENTS_GIVEN_UP, vec![Label::new("tool", tool.to_owned())]);
+    }
+
+    /// Records one webhook at `/webhooks/upstream`: `outcome` is one of [`WEBHOOK_OUTCOMES`].
+    pub fn webhook(&self, outcome: &'static str) {
+        self.count(WEBHOOKS, vec![Label::new("outcome", outcome)]);
+    }
+
+    /// Records `ms` milliseconds an account slot was held by a job that had already ended.
+    pub fn idle_held(&self, ms: u64) {
+        self.counter(&Key::from_name(ACCOUNT_IDLE_HELD)).increment(ms);
     }
 
     /// Records one retry of server-owned upstream work (`submission` or `poll`).

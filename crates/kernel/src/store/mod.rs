@@ -443,6 +443,14 @@ pub trait JobMirror: Send + Sync + std::fmt::Debug {
 
     /// Removes `members` from the set at `key`.
     fn set_remove<'a>(&'a self, key: &'a str, members: &'a [String]) -> StoreFuture<'a, ()>;
+
+    /// Adds `member` to the set at `key` (kept `ttl` past its latest addition) and says so on
+    /// `channel`, in one step: every instance that [hears](Broadcast::hear) it looks at the set.
+    fn announce<'a>(&'a self, key: &'a str, member: &'a str, ttl: Duration, channel: &'a str) -> StoreFuture<'a, ()>;
+
+    /// Sets `key` for `ttl` unless it is set: whether it was not (of two instances claiming it at
+    /// once, one is told yes). A webhook's id, taken once by any instance.
+    fn claim<'a>(&'a self, key: &'a str, ttl: Duration) -> StoreFuture<'a, bool>;
 }
 
 /// A learnt concurrency limit in a shared store: where its state is kept, the in-flight slots it
