@@ -42,10 +42,12 @@ impl TestServer {
 
     /// Starts a server with the defaults plus `toml`, on `clock` (an OAuth test's clock starts
     /// at the wall clock's time, which the tokens it checks are stamped with).
+    /// `{addr}` in `toml` becomes the server's own address (a webhook URL that names it).
     pub(crate) async fn start_on(toml: &str, clock: Arc<ManualClock>) -> Self {
-        let config = Config::from_toml(toml, &mcp_ratelimit::mcp::tools::catalogue()).expect("test config is valid");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
+        let toml = toml.replace("{addr}", &addr.to_string());
+        let config = Config::from_toml(&toml, &mcp_ratelimit::mcp::tools::catalogue()).expect("test config is valid");
         let config = config.serving_at(addr).expect("a loopback address names the audience");
         let app = Arc::new(App::start(config, clock.clone()).await.expect("server starts"));
         let serving = app.clone();
@@ -166,11 +168,20 @@ pub(crate) async fn shared_mock() -> (Arc<ManualClock>, mcp_ratelimit::mock_upst
 pub(crate) async fn shared_mock_running(
     image_job_ms: u64,
 ) -> (Arc<ManualClock>, mcp_ratelimit::mock_upstream::MockUpstream) {
+    shared_mock_signing(image_job_ms, "").await
+}
+
+/// [`shared_mock_running`], sending webhooks signed with `webhook_secret` (empty: none).
+pub(crate) async fn shared_mock_signing(
+    image_job_ms: u64,
+    webhook_secret: &str,
+) -> (Arc<ManualClock>, mcp_ratelimit::mock_upstream::MockUpstream) {
     let mock_clock = ManualClock::new();
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let defaults = Config::defaults(&mcp_ratelimit::mcp::tools::catalogue()).expect("defaults");
     let deadlines = mcp_ratelimit::http::serve::Deadlines::of(&defaults.server);
-    let config = mcp_ratelimit::config::MockUpstreamConfig { image_job_ms, ..defaults.mock_upstream };
+    let webhook_secret = mcp_ratelimit::redact::Secret::new(webhook_secret.to_owned());
+    let config = mcp_ratelimit::config::MockUpstreamConfig { image_job_ms, webhook_secret, ..defaults.mock_upstream };
     let mock = mcp_ratelimit::mock_upstream::MockUpstream::start(config, deadlines, mock_clock.clone(), listener)
         .await
         .expect("mock");

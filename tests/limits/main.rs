@@ -23,6 +23,7 @@ mod algorithms_redis;
 mod budget_http;
 mod contention;
 mod in_flight;
+mod job_ends;
 mod lowered_limits;
 mod operate;
 mod pricing;

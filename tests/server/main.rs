@@ -25,3 +25,4 @@ mod loops;
 mod reuse;
 mod telemetry;
 mod upstream;
+mod webhooks;

@@ -63,7 +63,7 @@ impl RedisStore {
     }
 
     /// Sets `key` for `ttl` unless it is set (`SET NX PX`): whether it was not.
-    pub async fn claim(&self, key: &str, ttl: Duration) -> Result<bool, StoreError> {
+    pub async fn take_once(&self, key: &str, ttl: Duration) -> Result<bool, StoreError> {
         let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
         let mut command = ::redis::cmd("SET");
         command.arg(key).arg(1).arg("NX").arg("PX").arg(ms);

@@ -203,7 +203,7 @@ impl JobMirror for RedisStore {
         Box::pin(async move { RedisStore::announce(self, key, member, ttl, channel).await })
     }
 
-    fn claim<'a>(&'a self, key: &'a str, ttl: Duration) -> StoreFuture<'a, bool> {
-        Box::pin(async move { RedisStore::claim(self, key, ttl).await })
+    fn take_once<'a>(&'a self, key: &'a str, ttl: Duration) -> StoreFuture<'a, bool> {
+        Box::pin(async move { RedisStore::take_once(self, key, ttl).await })
     }
 }

@@ -200,7 +200,7 @@ impl Jobs {
     async fn first_sight(&self, id: &str) -> Result<bool, String> {
         if let Some(shared) = &self.shared {
             return shared
-                .claim(&format!("{{upstream}}webhook:{id}"), SEEN_FOR)
+                .take_once(&format!("{{upstream}}webhook:{id}"), SEEN_FOR)
                 .await
                 .map_err(|e| format!("cannot check the webhook-id: {e}; send it again"));
         }

@@ -450,7 +450,7 @@ pub trait JobMirror: Send + Sync + std::fmt::Debug {
 
     /// Sets `key` for `ttl` unless it is set: whether it was not (of two instances claiming it at
     /// once, one is told yes). A webhook's id, taken once by any instance.
-    fn claim<'a>(&'a self, key: &'a str, ttl: Duration) -> StoreFuture<'a, bool>;
+    fn take_once<'a>(&'a self, key: &'a str, ttl: Duration) -> StoreFuture<'a, bool>;
 }
 
 /// A learnt concurrency limit in a shared store: where its state is kept, the in-flight slots it
