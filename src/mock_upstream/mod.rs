@@ -14,16 +14,32 @@
 //! rendered: a call priced by what it asked for then settles to less.
 //! A submission carrying an `Idempotency-Key` it has seen returns the job it already made.
 //!
+//! It sends webhooks as Replicate, fal and OpenAI's video API do (`webhooks.rs`): a submission
+//! naming a `webhook` URL (and a `webhook_events_filter` that is absent or names `completed`) gets
+//! its final prediction, the JSON `GET /v1/predictions/{id}` then answers, POSTed there once the
+//! job ends on the mock's clock or is canceled, signed the Standard Webhooks way with
+//! `mock_upstream.webhook_secret` (empty: none sent), and retried while not answered 2xx: 6
+//! attempts at most, 1, 2, 4, 8 and 16 s apart on the mock's clock. An idempotent resubmission
+//! starts no second sender.
+//!
 //! For tests and experiments (never limited, never subject to chaos):
-//! - `GET /v1/usage`: what it was asked to do — the bill an agent ran up;
+//! - `GET /v1/usage`: what it was asked to do — the bill an agent ran up — and the webhooks it
+//!   sent (`webhooks_sent`: attempts answered 2xx; `webhooks_failed`: attempts not answered 2xx;
+//!   `webhooks_given_up`: messages whose 6 attempts all failed; `webhooks_dropped`: jobs past the
+//!   10,000 senders it holds, reported by none; `webhooks_withheld`: messages chaos kept back);
 //! - `GET /v1/submissions`: every `POST /v1/predictions` it received, with the clock reading
 //!   and the status it answered (to prove spacing and backoff), and the W3C `traceparent` and
 //!   `tracestate` it carried (to prove which trace reaches the paid API);
+//! - `GET /v1/webhooks`: every webhook attempt, oldest first (`prediction_id`, `webhook_id`, `url`,
+//!   `attempt` from 1, `status`: the HTTP status or `null` when no answer came, `at_ns`: the
+//!   clock reading), to prove what was sent, when, and that a retry kept its id;
 //! - `PUT /v1/chaos`: change the chaos knobs while running (`rate_429`, `rate_5xx`,
 //!   `retry_after_seconds`, `latency_ms`, `max_concurrent_predictions`), e.g. to take the API down
-//!   and bring it back, or to change the account's capacity under a running server; and
+//!   and bring it back, or to change the account's capacity under a running server;
 //!   `hold`: while `true`, every request waits at a gate until it is `false` again, so a test can
-//!   keep calls in flight for as long as it needs without waiting on the wall clock.
+//!   keep calls in flight for as long as it needs without waiting on the wall clock; and
+//!   `webhooks`: while `false`, jobs end but no webhook leaves (a retry due then is not made), to
+//!   show the server's background polls are the safety net for lost webhooks (`true` at start).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,6 +78,8 @@ pub fn video_price(seconds: u32) -> u64 {
     20 + 2 * u64::from(seconds.saturating_sub(5))
 }
 
+mod webhooks;
+
 const SEEDED_ARTICLES: usize = 120;
 const MAX_ARTICLES: usize = 10_000;
 const MAX_JOBS: usize = 100_000;
@@ -74,6 +92,9 @@ struct Job {
     seconds: u32,
     created_at: Nanos,
     canceled_at: Option<Nanos>,
+    /// For a job whose webhook sender runs: fired when the job is canceled, so the sender sends
+    /// the canceled prediction at once, and nothing at the job's planned end.
+    ends_early: Option<CancellationToken>,
 }
 
 /// The knobs `PUT /v1/chaos` may change while the mock runs.
@@ -86,6 +107,8 @@ struct Chaos {
     /// Predictions it runs at once before it answers 429: the account's capacity, which a
     /// provider may change under a running server.
     max_concurrent_predictions: usize,
+    /// Whether webhooks are sent: `false` loses every one, as a broken delivery would.
+    webhooks: bool,
 }
 
 /// Body of `PUT /v1/chaos`: the knobs to change; absent ones stay.
@@ -98,6 +121,7 @@ struct ChaosChange {
     retry_after_seconds: Option<u64>,
     rate_5xx: Option<f64>,
     max_concurrent_predictions: Option<usize>,
+    webhooks: Option<bool>,
 }
 
 /// One `POST /v1/predictions` as received.
@@ -133,6 +157,9 @@ struct MockState {
     submissions: Mutex<Vec<Submission>>,
     next_article: std::sync::atomic::AtomicU64,
     usage: Counters,
+    webhooks: webhooks::Webhooks,
+    /// Cancelled when the mock stops: its webhook senders stop with it.
+    stop: CancellationToken,
 }
 
 /// What the mock has been asked to do: the bill an agent ran up, and how hard it was hit.
@@ -196,6 +223,19 @@ impl MockState {
     fn running(&self, job: &Job, now: Nanos) -> bool {
         job.canceled_at.is_none() && now - job.created_at < self.duration(job.kind)
     }
+
+    /// Job `id` as `GET /v1/predictions/{id}` shows it now, if it is final (what its webhook sends).
+    fn final_view(&self, id: &str) -> Option<Prediction> {
+        let now = self.clock.now();
+        let jobs = lock(&self.jobs);
+        let view = self.view(id, jobs.get(id)?, now);
+        view.status.is_terminal().then_some(view)
+    }
+
+    /// Whether chaos lets webhooks leave.
+    fn webhooks_on(&self) -> bool {
+        lock(&self.chaos).webhooks
+    }
 }
 
 /// An article as the mock keeps it: with its title lowercased once, for the searches.
@@ -211,8 +251,13 @@ impl From<Article> for Stored {
     }
 }
 
-/// The mock API's routes, ready to serve.
+/// The mock API's routes, ready to serve (its webhook senders run until their jobs are final).
 pub fn router(config: MockUpstreamConfig, clock: SharedClock) -> Router {
+    routes(config, clock, CancellationToken::new())
+}
+
+/// [`router`], its webhook senders stopping when `stop` is cancelled.
+fn routes(config: MockUpstreamConfig, clock: SharedClock, stop: CancellationToken) -> Router {
     let articles = (0..SEEDED_ARTICLES)
         .map(|i| Article {
             id: format!("a{i}"),
@@ -227,8 +272,11 @@ pub fn router(config: MockUpstreamConfig, clock: SharedClock) -> Router {
         retry_after_seconds: config.retry_after_seconds,
         rate_5xx: config.rate_5xx,
         max_concurrent_predictions: config.max_concurrent_predictions,
+        webhooks: true,
     };
     let state = Arc::new(MockState {
+        webhooks: webhooks::Webhooks::new(&config.webhook_secret),
+        stop,
         config,
         chaos: Mutex::new(knobs),
         gate: tokio::sync::watch::Sender::new(false),
@@ -249,6 +297,7 @@ pub fn router(config: MockUpstreamConfig, clock: SharedClock) -> Router {
         .layer(middleware::from_fn_with_state(state.clone(), log_submissions))
         .route("/v1/usage", get(usage))
         .route("/v1/submissions", get(submissions))
+        .route("/v1/webhooks", get(webhooks::list))
         .route("/v1/chaos", axum::routing::put(change_chaos))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .with_state(state)
@@ -276,7 +325,7 @@ impl MockUpstream {
         let url = format!("http://{}", listener.local_addr()?);
         let stop = CancellationToken::new();
         let body = deadlines.body.answered_plainly();
-        let app = router(config, clock).layer(read_body_by_deadline(body));
+        let app = routes(config, clock, stop.clone()).layer(read_body_by_deadline(body));
         tokio::spawn(serve(listener, app, deadlines, ConnectionMetrics::none(), stop.clone()));
         Ok(Self { url, stop })
     }
@@ -379,6 +428,7 @@ async fn change_chaos(State(state): State<Arc<MockState>>, Json(change): Json<Ch
     chaos.retry_after_seconds = change.retry_after_seconds.unwrap_or(chaos.retry_after_seconds);
     chaos.rate_5xx = change.rate_5xx.unwrap_or(chaos.rate_5xx);
     chaos.max_concurrent_predictions = change.max_concurrent_predictions.unwrap_or(chaos.max_concurrent_predictions);
+    chaos.webhooks = change.webhooks.unwrap_or(chaos.webhooks);
     let mut answer = json!(*chaos);
     answer["hold"] = json!(*state.gate.borrow());
     Json(answer).into_response()
@@ -433,6 +483,9 @@ async fn create_prediction(
     headers: axum::http::HeaderMap,
     Json(new): Json<NewPrediction>,
 ) -> Response {
+    if let Some(why) = webhooks::refusal(&new) {
+        return (StatusCode::UNPROCESSABLE_ENTITY, Json(json!({"error": why}))).into_response();
+    }
     let now = state.clock.now();
     let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).map(str::to_owned);
     let mut jobs = lock(&state.jobs);
@@ -458,7 +511,13 @@ async fn create_prediction(
     let id = format!("p_{:016x}{:04x}", rand::rng().random::<u64>(), rand::rng().random::<u16>());
     let asked = new.seconds.unwrap_or(DEFAULT_VIDEO_SECONDS);
     let seconds = asked.min(u32::try_from(state.config.max_video_seconds).unwrap_or(u32::MAX));
-    let job = Job { kind: new.kind, prompt: new.prompt, seconds, created_at: now, canceled_at: None };
+    let webhook = webhooks::wanted(&state.webhooks, &new).map(str::to_owned);
+    let ends_early = webhook.is_some().then(CancellationToken::new);
+    let job = Job { kind: new.kind, prompt: new.prompt, seconds, created_at: now, canceled_at: None, ends_early };
+    if let (Some(url), Some(ends_early)) = (webhook, &job.ends_early) {
+        let end = now + state.duration(job.kind);
+        webhooks::start(&state, id.clone(), url, end, ends_early.clone());
+    }
     let view = state.view(&id, &job, now);
     if let Some(key) = key {
         seen.insert(key, id.clone());
@@ -485,6 +544,10 @@ async fn cancel_prediction(State(state): State<Arc<MockState>>, Path(id): Path<S
         Some(job) => {
             if state.running(job, now) {
                 job.canceled_at = Some(now);
+                // After the mark: its webhook sender, woken, reads the job as canceled.
+                if let Some(ends_early) = &job.ends_early {
+                    ends_early.cancel();
+                }
             }
             Json(state.view(&id, job, now)).into_response()
         }
@@ -500,7 +563,7 @@ async fn usage(State(state): State<Arc<MockState>>) -> Json<serde_json::Value> {
     let jobs: u64 =
         lock(&state.jobs).iter().filter_map(|(id, job)| state.view(id, job, now).usage).map(|u| u.units).sum();
     let units_billed = read(&u.articles_listed) * LIST_PRICE + read(&u.articles_saved) * SAVE_PRICE + jobs;
-    Json(json!({
+    let mut answer = json!({
         "units_billed": units_billed,
         "requests": read(&u.requests),
         "articles_listed": read(&u.articles_listed),
@@ -511,5 +574,9 @@ async fn usage(State(state): State<Arc<MockState>>) -> Json<serde_json::Value> {
         "refused_429": read(&u.refused_429),
         "refused_5xx": read(&u.refused_5xx),
         "refused_401": read(&u.refused_401),
-    }))
+    });
+    for (name, count) in state.webhooks.usage() {
+        answer[name] = json!(count);
+    }
+    Json(answer)
 }

@@ -22,6 +22,7 @@ mod dashboard;
 mod dashboard_auth;
 mod jobs;
 mod loops;
+mod mock_webhooks;
 mod reuse;
 mod telemetry;
 mod upstream;
