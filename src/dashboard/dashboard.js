@@ -175,6 +175,9 @@ function renderJobs(jobs) {
   meter($("account-meter"), jobs.account_in_use, jobs.account_max, fullness(jobs.account_in_use, jobs.account_max));
   const learnt = jobs.account_max !== jobs.account_ceiling ? ` (learnt; ceiling ${jobs.account_ceiling})` : "";
   $("account-text").textContent = `${jobs.account_in_use} of ${jobs.account_max} in use${learnt}`;
+  const ends = jobs.webhooks ? "ends by webhook" : "ends by poll";
+  $("account-split").textContent =
+    `${jobs.account_busy} busy · ${jobs.account_held_idle} idle but held · ${jobs.account_free} free (${ends})`;
   meter($("queue-meter"), jobs.queue_waiting, jobs.queue_max, fullness(jobs.queue_waiting, jobs.queue_max));
   $("queue-text").textContent = `${jobs.queue_waiting} of ${jobs.queue_max} waiting`;
   meter($("video-meter"), jobs.videos_waiting, jobs.videos_max, fullness(jobs.videos_waiting, jobs.videos_max));

@@ -173,6 +173,14 @@ struct JobsNow {
     account_max: usize,
     /// The static cap: `account_max` is learnt when it differs (`[upstream.adaptive]`).
     account_ceiling: usize,
+    /// This instance's jobs' slots: `busy` before their expected end, `held_idle` past it and not
+    /// yet known final (most likely ended, the server yet to learn it); and the account's free
+    /// slots.
+    account_busy: usize,
+    account_held_idle: usize,
+    account_free: usize,
+    /// Whether job ends come by webhook (`upstream.webhook_url`), else by polls only.
+    webhooks: bool,
     /// Jobs waiting for an account slot, and the most that may.
     queue_waiting: usize,
     queue_max: usize,
@@ -255,6 +263,7 @@ impl DashboardData {
             per_owner.into_iter().map(|(owner, (running, waiting))| OwnerJobs { owner, running, waiting }).collect();
         per_owner.sort_by_key(|o| std::cmp::Reverse(o.running + o.waiting));
         let occupancy = app.behind.occupancy();
+        let held = app.behind.jobs().map(|jobs| jobs.held_slots()).unwrap_or_default();
         let upstream = &app.config.upstream;
         let breaker = match app.behind.breaker().state(now) {
             BreakerState::Closed => "closed",
@@ -272,6 +281,10 @@ impl DashboardData {
                 account_in_use: occupancy.in_flight,
                 account_max: app.behind.slots(),
                 account_ceiling: app.behind.ceiling(),
+                account_busy: held.busy,
+                account_held_idle: held.held_idle,
+                account_free: app.behind.slots().saturating_sub(occupancy.in_flight),
+                webhooks: upstream.webhooks().is_some(),
                 queue_waiting: occupancy.waiting,
                 queue_max: upstream.queue_max,
                 videos_waiting: occupancy.waiting_of(crate::upstream::classes::VIDEO),

@@ -17,7 +17,8 @@ fn config(redis: &TestRedis, mock: &str, webhooks_to: &str) -> String {
         "[store]\nbackend = \"redis\"\nredis_url = \"{}\"\ntimeout_ms = 200\n\
          [upstream]\nurl = \"{mock}\"\nmax_in_flight = 1\n\
          webhook_url = \"http://{webhooks_to}/webhooks/upstream\"\nwebhook_secret = \"{SECRET}\"\n\
-         [limits.caller]\nburst = 1000\nrefill_per_sec = 0.001\n[loop_detection]\nenabled = false\n{ROOMY_IN_FLIGHT}",
+         [limits.caller]\nburst = 1000\nrefill_per_sec = 0.001\n[loop_detection]\nenabled = false\n{ROOMY_IN_FLIGHT}\n\
+         [[auth.keys]]\nkey = \"agent-on-b\"\ntenant = \"acme\"\n",
         redis.url
     )
 }

@@ -327,6 +327,13 @@ async fn refusals_show_per_tool_code_and_level_for_ten_minutes() {
     let jobs = &data(&server).await["jobs"];
     assert_eq!(jobs["per_owner"], json!([{"owner": "tenant globex", "running": 2, "waiting": 0}]), "{jobs}");
     assert_eq!((jobs["in_flight"].as_u64(), jobs["account_in_use"].as_u64()), (Some(2), Some(2)));
+    let split =
+        |jobs: &Value| [&jobs["account_busy"], &jobs["account_held_idle"], &jobs["account_free"]].map(Value::as_u64);
+    assert_eq!(split(jobs), [Some(2), Some(0), Some(8)], "before their expected end (the 2 s hint): busy");
+    // Past it (they run 6 s), not yet known final: held, most likely idle.
+    server.advance_secs(2.5);
+    let jobs = &data(&server).await["jobs"];
+    assert_eq!(split(jobs), [Some(0), Some(2), Some(8)], "{jobs}");
 
     // Ten minutes later the refusal has left the window; the total keeps it.
     server.advance_secs(600.0);
@@ -345,10 +352,13 @@ async fn a_browser_sees_the_learnt_account_limit_under_its_ceiling_and_the_upstr
     let account = "document.getElementById('account-text').textContent";
     let saved = "document.getElementById('saved-total').textContent";
     let saved_note = "document.getElementById('saved-note').textContent";
+    let split = "document.getElementById('account-split').textContent";
     browser
         .wait_for(
             "nothing saved yet, and the limit at its ceiling says nothing of learning",
-            &format!("{saved} === '0' && {account} === '0 of 10 in use'"),
+            &format!(
+                "{saved} === '0' && {account} === '0 of 10 in use' && {split} === '0 busy · 0 idle but held · 10 free (ends by poll)'"
+            ),
         )
         .await;
 

@@ -211,7 +211,7 @@ impl Jobs {
 }
 
 /// The account's slots this instance's running jobs hold ([`Jobs::held_slots`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct HeldSlots {
     /// Held by jobs before their expected end.
     pub busy: usize,
