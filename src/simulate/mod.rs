@@ -18,10 +18,11 @@
 //! identical calls long before any budget) stays on and never fires: the simulator is about the
 //! budgets. The coarse HTTP limit in front of `/mcp` is a different layer and is not replayed.
 //!
-//! Five [`UpstreamShape`]s replay what budgets alone do not show, each with its own model and
+//! Six [`UpstreamShape`]s replay what budgets alone do not show, each with its own model and
 //! table: the account's capacity dropping under a busy agent, the static cap against each adaptive
 //! learner ([`capacity_drop`]); many agents asking the same paid read, with and without coalescing
-//! and a cache ([`identical_asks`]); three instances sharing one account ([`many_instances`]); and
+//! and a cache ([`identical_asks`]); how soon a job's slot comes back, by a fixed poll, the learnt
+//! cadence or webhooks ([`job_endings`]); three instances sharing one account ([`many_instances`]); and
 //! two agents whose answers decide whether they loop — one paraphrasing a search that stays empty,
 //! one polling a job that moves ([`result_loops`]). They run the server's own queue, learner,
 //! answer sharing and loop detection on a current-thread runtime over a [`ManualClock`], so they
@@ -30,6 +31,7 @@
 pub mod capacity_drop;
 pub mod chart;
 pub mod identical_asks;
+pub mod job_endings;
 pub mod many_instances;
 mod report;
 pub mod result_loops;
@@ -69,6 +71,9 @@ pub enum UpstreamShape {
     /// Many agents ask the same paid read at once and again: coalescing and reuse against neither
     /// ([`identical_asks`]).
     IdenticalAsks,
+    /// An account's slots held until the server learns each job ended: a fixed poll, the learnt
+    /// cadence and webhooks ([`job_endings`]).
+    JobEndings,
     /// Three instances share one account through one store: one line against a queue each
     /// ([`many_instances`]).
     ManyInstances,
@@ -81,9 +86,10 @@ pub enum UpstreamShape {
 }
 
 /// Every upstream shape, in the order they are run and printed (after the budget shapes).
-pub const UPSTREAM_SHAPES: [UpstreamShape; 5] = [
+pub const UPSTREAM_SHAPES: [UpstreamShape; 6] = [
     UpstreamShape::CapacityDrop,
     UpstreamShape::IdenticalAsks,
+    UpstreamShape::JobEndings,
     UpstreamShape::ManyInstances,
     UpstreamShape::ParaphrasingSearcher,
     UpstreamShape::PollingWithProgress,
@@ -95,6 +101,7 @@ impl UpstreamShape {
         match self {
             UpstreamShape::CapacityDrop => "capacity_drop",
             UpstreamShape::IdenticalAsks => "identical_asks",
+            UpstreamShape::JobEndings => "job_endings",
             UpstreamShape::ManyInstances => "many_instances",
             UpstreamShape::ParaphrasingSearcher => "paraphrasing_searcher",
             UpstreamShape::PollingWithProgress => "polling_with_progress",
@@ -173,13 +180,22 @@ pub enum SimulateError {
     /// The runtime an upstream shape's tasks run on could not be started.
     #[error("cannot start the runtime the upstream shapes run on: {0}")]
     Runtime(String),
+    /// An upstream shape's model broke a rule it keeps (a fault in the model, or in the server's
+    /// part it runs): its numbers would be wrong, so none are printed.
+    #[error("the {shape} model broke its own rule: {rule}")]
+    Model {
+        /// The upstream shape.
+        shape: &'static str,
+        /// What went wrong.
+        rule: String,
+    },
 }
 
 impl SimulateError {
     /// Whether the command line asked for something that cannot be (exit code 2), rather than
     /// the simulation failing to run or to write its output.
     pub fn is_usage(&self) -> bool {
-        !matches!(self, SimulateError::Chart { .. } | SimulateError::Runtime(_))
+        !matches!(self, SimulateError::Chart { .. } | SimulateError::Runtime(_) | SimulateError::Model { .. })
     }
 }
 
@@ -203,10 +219,11 @@ pub fn run(config: &Config, plan: &Plan) -> Result<Report, SimulateError> {
     let capacity_drop =
         wants(UpstreamShape::CapacityDrop).then(|| capacity_drop::run(config, plan.seed)).transpose()?;
     let identical_asks = wants(UpstreamShape::IdenticalAsks).then(|| identical_asks::run(config)).transpose()?;
+    let job_endings = wants(UpstreamShape::JobEndings).then(|| job_endings::run(config, plan.seed)).transpose()?;
     let many_instances = wants(UpstreamShape::ManyInstances).then(many_instances::run).transpose()?;
     let (searcher, poller) = (wants(UpstreamShape::ParaphrasingSearcher), wants(UpstreamShape::PollingWithProgress));
     let result_loops = (searcher || poller).then(|| result_loops::run(config, searcher, poller)).transpose()?;
-    Ok(Report { seed: plan.seed, budgets, capacity_drop, identical_asks, many_instances, result_loops })
+    Ok(Report { seed: plan.seed, budgets, capacity_drop, identical_asks, job_endings, many_instances, result_loops })
 }
 
 /// Replays every budget shape of `plan` against each of `algorithms`.

@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use super::capacity_drop::CapacityDrop;
 use super::identical_asks::IdenticalAsks;
+use super::job_endings::JobEndings;
 use super::many_instances::ManyInstances;
 use super::result_loops::ResultLoops;
 use super::{SimulateError, UpstreamShape, chart};
@@ -153,6 +154,9 @@ pub struct Report {
     /// `identical_asks`, if it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub identical_asks: Option<IdenticalAsks>,
+    /// `job_endings`, if it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub job_endings: Option<JobEndings>,
     /// `many_instances`, if it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub many_instances: Option<ManyInstances>,
@@ -196,6 +200,9 @@ impl Report {
         if let Some(asks) = &self.identical_asks {
             asks.write_text(&mut out);
         }
+        if let Some(endings) = &self.job_endings {
+            endings.write_text(&mut out);
+        }
         if let Some(instances) = &self.many_instances {
             instances.write_text(&mut out);
         }
@@ -221,6 +228,7 @@ impl Report {
         budgets
             + drop
             + self.identical_asks.as_ref().map_or(0, IdenticalAsks::calls)
+            + self.job_endings.as_ref().map_or(0, JobEndings::calls)
             + self.many_instances.as_ref().map_or(0, ManyInstances::calls)
             + self.result_loops.as_ref().map_or(0, ResultLoops::calls)
     }

@@ -4,7 +4,9 @@
 //! and through no other, the obedient agent wasting nothing, one seed printing one output, charts
 //! that parse, and bad input refused with exit code 2. And the upstream shapes: a learnt account
 //! limit following the account's capacity down and up with a fraction of the static cap's 429s,
-//! and identical asks costing exactly the upstream requests their coalescing and cache allow.
+//! identical asks costing exactly the upstream requests their coalescing and cache allow, and an
+//! account kept busy when a job's slot comes back as the server learns its end (the learnt cadence,
+//! webhooks) rather than at a fixed poll.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -281,6 +283,50 @@ fn identical_asks_cost_exactly_the_requests_coalescing_and_the_cache_leave_and_e
         assert_eq!(requests("off", 5000, tenants), [20, 0, 10], "off and a cache, {tenants} tenants");
         assert_eq!(requests("tenant", 5000, tenants), [tenants, 0, tenants], "tenant and a cache, {tenants} tenants");
     }
+}
+
+#[test]
+fn a_slot_comes_back_soon_after_its_job_ends_with_the_learnt_cadence_or_webhooks_and_never_over_four() {
+    let report = report(&["--shape", "job_endings"]);
+    let runs = report["job_endings"]["runs"].as_array().expect("runs");
+    let run = |scenario: &str, strategy: &str| {
+        runs.iter()
+            .find(|r| r["scenario"] == scenario && r["strategy"] == strategy)
+            .unwrap_or_else(|| panic!("{scenario}, {strategy} ran"))
+    };
+    let figure = |run: &Value, field: &str| run[field].as_f64().unwrap_or_else(|| panic!("{field} in {run}"));
+    assert_eq!(runs.len(), 6, "two scenarios, three strategies");
+    for run in runs {
+        // Never over the account, and filled: 40 jobs wait for its 4 slots.
+        assert_eq!(number(run, "most_at_once"), 4, "{run}");
+    }
+    let (fixed, learnt, pushed) =
+        (run("steady", "fixed poll"), run("steady", "learnt cadence"), run("steady", "webhooks"));
+    // Without webhooks, once the first jobs' ends taught the cadence: ≥ 20 of 24 busy slot-seconds
+    // from 4 s to 10 s, at most 4 polls a job.
+    assert!(figure(learnt, "busy_4_to_10s") >= 20.0, "{learnt}");
+    assert!(figure(learnt, "polls_per_job") <= 4.0, "{learnt}");
+    // With webhooks: ≥ 22 of 24 in the first 6 s.
+    assert!(figure(pushed, "busy_first_6s") >= 22.0, "{pushed}");
+    // The fixed poll holds each one-second job its 2 s: about 12 of 24, half of what is held idle.
+    for span in ["busy_first_6s", "busy_4_to_10s"] {
+        assert!(figure(fixed, span) <= 13.0, "{span}: {fixed}");
+    }
+    assert!(figure(fixed, "idle_held") >= 0.45, "{fixed}");
+    // Webhooks leave the least idle and end the work first, whatever the lengths.
+    for scenario in ["steady", "varied"] {
+        let pushed = run(scenario, "webhooks");
+        for polled in [run(scenario, "fixed poll"), run(scenario, "learnt cadence")] {
+            assert!(figure(pushed, "idle_held") < figure(polled, "idle_held"), "{pushed} against {polled}");
+            assert!(number(pushed, "last_end_ms") < number(polled, "last_end_ms"), "{pushed} against {polled}");
+        }
+    }
+    let out = tempfile::tempdir().expect("temp dir");
+    let output = simulate(out.path(), &["--shape", "job_endings"]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("job_endings: an account of 4 slots"), "{stdout}");
+    assert!(stdout.contains("  steady    learnt cadence  ") && stdout.contains("  varied    webhooks  "), "{stdout}");
 }
 
 #[test]

@@ -114,7 +114,7 @@ impl Cadence {
 
     /// How long after a poll that found a job of `class` still running, `age` after its
     /// submission, it is polled again: a tenth of its age, at least a tenth of the expected
-    /// length (and [`LEAST_STEP`]). Before anything is learnt, the configured hint.
+    /// length (and 50 ms). Before anything is learnt, the configured hint.
     pub fn next_poll(&self, class: ClassId, age: Nanos) -> Nanos {
         let Some(learnt) = self.class(class) else { return LEAST_STEP };
         if learnt.expected.is_none() {
