@@ -3,27 +3,31 @@
 //! A job holds one of the account's slots until the server *learns* that it ended, so every moment
 //! between its end and the poll that sees it is a slot paid for and left idle. A fixed cadence (a
 //! poll every `image_poll_seconds`) leaves half an interval idle on average; polling faster costs
-//! polls of the paid API. Instead each class (image, video, …) keeps the durations its recent jobs
-//! were seen to take, and a job is polled:
+//! polls of the paid API. Instead each class (image, video, …) keeps the lengths its recent jobs
+//! were seen to take, and polls a job at the **marks** those lengths set: their sixths (the
+//! lengths a sixth, two sixths, … all of them do not pass), a fiftieth later each, marks closer
+//! than a tenth of themselves merged. Then:
 //!
-//! - first at the **expected end**: the upper quartile of those durations, and a twentieth more —
-//!   so most jobs are final at their first poll, one poll each;
-//! - then, while it is not final, every **tenth of its age** — so a job is seen final within about
-//!   a tenth of its length after it ends, and one that runs far past the typical length costs a
-//!   poll per 10 % of its age, not one per fixed step.
+//! - jobs of one length (a model that always takes 1 s) have one mark: each is polled once, a
+//!   fiftieth past its end;
+//! - jobs of spread lengths are polled where their ends are likely, at most six times up to the
+//!   longest seen (about three and a half on average for lengths spread evenly);
+//! - a job past the longest is polled every **tenth of its age**, so it is seen final within about
+//!   a tenth of its length, and one that runs far long costs a poll per 10 % of its age.
 //!
 //! With webhooks on ([`Cadence::webhooks`]), the end is pushed to the server the moment it happens,
-//! and the first background poll waits until **twice** the expected end: it is only the safety
-//! net for a webhook that was lost.
+//! and the first background poll waits until **twice** the longest length seen: it is only the
+//! safety net for a webhook that was lost.
 //!
-//! A duration is learnt from what the API says of a job that succeeded (`metrics.predict_time`,
-//! as Replicate reports it), else from when its webhook came, else from the polls that bracket its
-//! end (the middle of the last poll that found it running and the one that found it final). What
-//! is kept is bounded ([`KEPT`] durations per class, each within a week), starts from the class's
-//! configured hint before the first job ends, and is shared through Redis when one is configured,
-//! so a restarted instance starts from what the others learnt ([`Cadence::learnt`]).
+//! A length is learnt from when the job's webhook came, else from the polls that bracket its end:
+//! what the API says it ran (`metrics.predict_time`, as Replicate reports it) if it ran at least as
+//! long as the last poll that found it running (a time the API measures leaves out its own queue),
+//! else the middle of that poll and the one that found it final. What is kept is bounded ([`KEPT`]
+//! lengths per class, each within a week), starts from the class's configured hint before the
+//! first job ends, and is shared through Redis when one is configured, so a restarted instance
+//! starts from what the others learnt ([`Cadence::learnt`]).
 //!
-//! The agents' hints (`next_poll_in_seconds`, `pollIntervalMs`) follow the same estimate.
+//! The agents' hints (`next_poll_in_seconds`, `pollIntervalMs`) follow the same marks.
 
 use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard};
@@ -31,13 +35,16 @@ use std::sync::{Mutex, MutexGuard};
 use crate::clock::Nanos;
 use crate::upstream::classes::{ClassId, JobClasses};
 
-/// Durations kept per class: the most recent ones.
+/// Lengths kept per class: the most recent ones.
 pub const KEPT: usize = 64;
+
+/// The marks a class's lengths are cut into.
+const MARKS: usize = 6;
 
 /// The least time between two polls of one job.
 const LEAST_STEP: Nanos = Nanos::from_millis(50);
 
-/// The longest duration taken as learnt: a job this long has expired anyway.
+/// The longest length taken as learnt: a job this long has expired anyway.
 const LONGEST: Nanos = Nanos::from_secs(7 * 86_400);
 
 /// How long the jobs of each class take, as seen; see the module.
@@ -48,13 +55,14 @@ pub struct Cadence {
     webhooks: bool,
 }
 
-/// One class's recent durations, and the hint it starts from.
+/// One class's recent lengths, and the hint it starts from.
 #[derive(Debug)]
 struct Learnt {
     hint: Nanos,
     recent: VecDeque<Nanos>,
-    /// The upper quartile of `recent`, kept current as it changes.
-    expected: Option<Nanos>,
+    /// When a job is polled, after its submission: the marks `recent` sets, ascending (empty
+    /// while nothing is learnt).
+    marks: Vec<Nanos>,
     /// Learnt something since [`Cadence::learnt`] was last read.
     changed: bool,
 }
@@ -67,10 +75,28 @@ impl Learnt {
         self.recent.push_back(took.clamp(Nanos::new(1), LONGEST));
         let mut sorted: Vec<Nanos> = self.recent.iter().copied().collect();
         sorted.sort_unstable();
-        // The upper quartile: the smallest duration at least three in four of them do not pass.
-        let at = (sorted.len() * 3).div_ceil(4).saturating_sub(1);
-        self.expected = sorted.get(at).copied();
+        self.marks.clear();
+        for sixth in 1..=MARKS {
+            // The smallest length at least `sixth` sixths of them do not pass, a fiftieth later.
+            let at = (sorted.len() * sixth).div_ceil(MARKS).saturating_sub(1);
+            let Some(&length) = sorted.get(at) else { continue };
+            let mark = (length + length / 50).max(LEAST_STEP);
+            match self.marks.last() {
+                // Closer than a tenth of itself to the one before: one poll for both, the later.
+                Some(&last) if mark - last < mark / 10 => {
+                    if let Some(last) = self.marks.last_mut() {
+                        *last = mark;
+                    }
+                }
+                _ => self.marks.push(mark),
+            }
+        }
         self.changed = true;
+    }
+
+    /// The last mark: by then the jobs seen had all ended.
+    fn longest(&self) -> Nanos {
+        self.marks.last().copied().unwrap_or(self.hint).max(LEAST_STEP)
     }
 }
 
@@ -78,7 +104,7 @@ impl Cadence {
     /// Nothing learnt yet: every class's jobs are polled at its configured hint until one ends.
     /// With `webhooks`, the end is expected by webhook and the first poll waits twice as long.
     pub fn new(classes: &JobClasses, webhooks: bool) -> Self {
-        let learnt = |hint| Mutex::new(Learnt { hint, recent: VecDeque::new(), expected: None, changed: false });
+        let learnt = |hint| Mutex::new(Learnt { hint, recent: VecDeque::new(), marks: Vec::new(), changed: false });
         Self {
             classes: classes.iter().map(|(_, class)| learnt(class.poll_hint)).collect(),
             names: classes.iter().map(|(_, class)| class.name).collect(),
@@ -87,7 +113,7 @@ impl Cadence {
     }
 
     fn class(&self, class: ClassId) -> Option<MutexGuard<'_, Learnt>> {
-        // A class's durations are changed in one push: a panic cannot leave them half-written.
+        // A class's lengths are changed in one push: a panic cannot leave them half-written.
         self.classes.get(class.index()).map(|learnt| learnt.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
@@ -96,32 +122,36 @@ impl Cadence {
         self.webhooks
     }
 
-    /// How long after its submission a job of `class` is expected to be final: a twentieth past
-    /// the upper quartile of the durations seen, or the configured hint before any was.
+    /// How long after its submission a job of `class` is expected to be final: the last mark
+    /// (every job seen had ended by then, a fiftieth after), or the configured hint before any
+    /// job ended. A job running past it is most likely idle, the server yet to learn it.
     pub fn expected(&self, class: ClassId) -> Nanos {
-        self.class(class).map_or(LEAST_STEP, |learnt| match learnt.expected {
-            Some(took) => (took + took / 20).max(LEAST_STEP),
-            None => learnt.hint.max(LEAST_STEP),
-        })
+        self.class(class).map_or(LEAST_STEP, |learnt| learnt.longest())
     }
 
-    /// How long after its submission a job of `class` is first polled: at its expected end, or
-    /// twice that when a webhook is expected first.
+    /// How long after its submission a job of `class` is first polled: at the first mark (the
+    /// hint before anything is learnt), or with webhooks at twice the expected end.
     pub fn first_poll(&self, class: ClassId) -> Nanos {
-        let expected = self.expected(class);
-        if self.webhooks { expected * 2 } else { expected }
+        let Some(learnt) = self.class(class) else { return LEAST_STEP };
+        if self.webhooks {
+            return learnt.longest() * 2;
+        }
+        learnt.marks.first().copied().unwrap_or(learnt.hint).max(LEAST_STEP)
     }
 
     /// How long after a poll that found a job of `class` still running, `age` after its
-    /// submission, it is polled again: a tenth of its age, at least a tenth of the expected
-    /// length (and 50 ms). Before anything is learnt, the configured hint.
+    /// submission, it is polled again: at the next mark at least a tenth of its age later, past
+    /// the last mark a tenth of its age (never within 50 ms). Before anything is learnt, the hint.
     pub fn next_poll(&self, class: ClassId, age: Nanos) -> Nanos {
         let Some(learnt) = self.class(class) else { return LEAST_STEP };
-        if learnt.expected.is_none() {
+        if learnt.marks.is_empty() {
             return learnt.hint.max(LEAST_STEP);
         }
-        drop(learnt);
-        (age.max(self.expected(class)) / 10).max(LEAST_STEP)
+        let step = (age / 10).max(LEAST_STEP);
+        match learnt.marks.iter().find(|&&mark| mark >= age + step) {
+            Some(&mark) => mark - age,
+            None => step,
+        }
     }
 
     /// Learns that a job of `class` took `took`.
@@ -146,7 +176,7 @@ impl Cadence {
     }
 
     /// Starts from `learnings` (another instance's, or this one's before a restart): each class
-    /// named there learns its durations, oldest first, before what this instance saw itself.
+    /// named there learns its lengths, oldest first, before what this instance saw itself.
     pub fn start_from(&self, learnings: &Learnings) {
         for (name, learnt) in self.names.iter().zip(&self.classes) {
             let Some(durations) = learnings.classes.get(*name) else { continue };
@@ -164,10 +194,10 @@ impl Cadence {
     }
 }
 
-/// What [`Cadence`] learnt, as kept in a shared store: class name → recent durations in ms.
+/// What [`Cadence`] learnt, as kept in a shared store: class name → recent lengths in ms.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Learnings {
-    /// Class name → its recent durations in milliseconds, oldest first.
+    /// Class name → its recent lengths in milliseconds, oldest first.
     pub classes: std::collections::BTreeMap<String, Vec<u64>>,
 }
 
@@ -192,23 +222,48 @@ mod tests {
     }
 
     #[test]
-    fn once_jobs_end_the_first_poll_is_just_past_the_upper_quartile_then_a_tenth_of_the_age() {
+    fn jobs_of_one_length_are_polled_once_a_fiftieth_past_it_then_a_tenth_of_their_age() {
         let cadence = Cadence::new(&classes(), false);
-        for ms in [800, 900, 1_000, 1_000] {
-            cadence.learn(IMAGE, Nanos::from_millis(ms));
+        for _ in 0..4 {
+            cadence.learn(IMAGE, Nanos::from_secs(1));
         }
-        assert_eq!(cadence.first_poll(IMAGE), Nanos::from_millis(945), "900 ms and a twentieth");
-        assert_eq!(cadence.next_poll(IMAGE, Nanos::from_millis(945)), Nanos::from_micros(94_500));
+        assert_eq!(cadence.first_poll(IMAGE), Nanos::from_millis(1_020));
+        assert_eq!(cadence.expected(IMAGE), Nanos::from_millis(1_020));
+        assert_eq!(cadence.next_poll(IMAGE, Nanos::from_millis(1_020)), Nanos::from_millis(102));
         assert_eq!(cadence.next_poll(IMAGE, Nanos::from_secs(5)), Nanos::from_millis(500), "a tenth of its age");
         assert_eq!(cadence.first_poll(VIDEO), Nanos::from_secs(10), "the other class learnt nothing");
     }
 
     #[test]
+    fn spread_lengths_are_polled_at_their_sixths_and_close_marks_merge() {
+        let cadence = Cadence::new(&classes(), false);
+        for s in 1..=6 {
+            cadence.learn(IMAGE, Nanos::from_secs(s * 10));
+        }
+        let marks: Vec<u64> = (0..6)
+            .scan(Nanos::ZERO, |age, _| {
+                let next =
+                    if *age == Nanos::ZERO { cadence.first_poll(IMAGE) } else { *age + cadence.next_poll(IMAGE, *age) };
+                *age = next;
+                Some(next.as_u64() / 1_000_000)
+            })
+            .collect();
+        assert_eq!(marks, [10_200, 20_400, 30_600, 40_800, 51_000, 61_200], "each sixth, a fiftieth later");
+        let close = Cadence::new(&classes(), false);
+        for ms in [1_000, 1_010, 1_020, 1_030, 1_040, 1_050] {
+            close.learn(IMAGE, Nanos::from_millis(ms));
+        }
+        assert_eq!(close.first_poll(IMAGE), Nanos::from_millis(1_071), "one mark for lengths within a tenth");
+        assert_eq!(close.next_poll(IMAGE, Nanos::from_millis(1_071)), Nanos::from_micros(107_100));
+    }
+
+    #[test]
     fn with_webhooks_the_first_poll_waits_twice_the_expected_end() {
         let cadence = Cadence::new(&classes(), true);
+        assert_eq!(cadence.first_poll(IMAGE), Nanos::from_secs(4), "twice the hint before anything is learnt");
         cadence.learn(IMAGE, Nanos::from_secs(1));
-        assert_eq!(cadence.expected(IMAGE), Nanos::from_millis(1_050));
-        assert_eq!(cadence.first_poll(IMAGE), Nanos::from_millis(2_100));
+        assert_eq!(cadence.expected(IMAGE), Nanos::from_millis(1_020));
+        assert_eq!(cadence.first_poll(IMAGE), Nanos::from_millis(2_040));
     }
 
     #[test]
@@ -220,7 +275,7 @@ mod tests {
         for _ in 0..KEPT {
             cadence.learn(IMAGE, Nanos::from_secs(1));
         }
-        assert_eq!(cadence.expected(IMAGE), Nanos::from_millis(1_050));
+        assert_eq!(cadence.expected(IMAGE), Nanos::from_millis(1_020));
         let learnt = cadence.learnt().expect("changed");
         assert_eq!(learnt.classes["image"].len(), KEPT);
         assert_eq!(cadence.learnt(), None, "nothing new since");
@@ -237,11 +292,11 @@ mod tests {
         let learnt = before.learnt().expect("changed");
         let after = Cadence::new(&classes(), false);
         after.start_from(&learnt);
-        assert_eq!(after.expected(VIDEO), Nanos::from_millis(31_500));
+        assert_eq!(after.expected(VIDEO), Nanos::from_millis(30_600));
         assert_eq!(after.first_poll(IMAGE), Nanos::from_secs(2));
         assert_eq!(after.learnt(), None, "what it started from is not new");
         let odd = Learnings { classes: [("nope".to_owned(), vec![1, 2])].into() };
         after.start_from(&odd);
-        assert_eq!(after.expected(VIDEO), Nanos::from_millis(31_500));
+        assert_eq!(after.expected(VIDEO), Nanos::from_millis(30_600));
     }
 }

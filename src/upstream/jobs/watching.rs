@@ -130,13 +130,20 @@ impl Jobs {
         if let Some(ran) = reported {
             self.metrics.idle_held((age - ran).as_u64() / crate::clock::NANOS_PER_MS);
         }
-        // What it took: as the API says; else when its webhook came; else the middle of the last
-        // poll that found it running (or four fifths of the way, when none did) and this one.
-        let took = reported.or(match heard {
+        // What it took, from its submission: when its webhook came; else what the API says it ran,
+        // unless a poll saw it running longer than that (the API's time leaves out its own queue);
+        // else the middle of the last poll that found it running (or four fifths of the way, when
+        // none did) and this one.
+        let seen_running = job.seen_running_at;
+        let took = match heard {
             Heard::Pushed => Some(age),
-            Heard::Polled => Some((job.seen_running_at.unwrap_or(age * 4 / 5) + age) / 2),
+            Heard::Polled => Some(match (reported, seen_running) {
+                (Some(ran), Some(seen)) if ran < seen => (seen + age) / 2,
+                (Some(ran), _) => ran.min(age),
+                (None, seen) => (seen.unwrap_or(age * 4 / 5) + age) / 2,
+            }),
             Heard::Submitted | Heard::Ours => None,
-        });
+        };
         if let Some(took) = took {
             self.cadence.learn(class, took);
         }
