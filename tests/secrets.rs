@@ -64,6 +64,8 @@ const ADMIN_KEY: &str = "admin-NEVER-PRINTED-5e2b90d1";
 const ID_SECRET: &str = "idsecret-NEVER-PRINTED-77d0";
 const API_KEY: &str = "apikey-NEVER-PRINTED-c4d2";
 const UPSTREAM_PASSWORD: &str = "upstream-pw-NEVER-PRINTED-c4";
+/// A Standard Webhooks secret: its key is the bytes of "NEVER-PRINTED-webhook-key".
+const WEBHOOK_SECRET: &str = "whsec_TkVWRVItUFJJTlRFRC13ZWJob29rLWtleQ==";
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -73,8 +75,9 @@ fn hex(bytes: &[u8]) -> String {
 fn secret_config(backend: &str, upstream: &str) -> String {
     format!(
         "[store]\nbackend = \"{backend}\"\nredis_url = \"redis://:{REDIS_PASSWORD}@127.0.0.1:6399/0\"\n\
-         [upstream]\nurl = \"{upstream}\"\napi_key = \"{API_KEY}\"\n\
-         [mock_upstream]\napi_key = \"{API_KEY}\"\n\
+         [upstream]\nurl = \"{upstream}\"\napi_key = \"{API_KEY}\"\nwebhook_secret = \"{WEBHOOK_SECRET}\"\n\
+         webhook_url = \"https://hook:{UPSTREAM_PASSWORD}@mcp.example.com/webhooks/upstream\"\n\
+         [mock_upstream]\napi_key = \"{API_KEY}\"\nwebhook_secret = \"{WEBHOOK_SECRET}\"\n\
          [admin]\nkey = \"{ADMIN_KEY}\"\n\
          [auth]\nid_secret = \"{ID_SECRET}\"\n\
          [[auth.keys]]\nkey = \"{PLAIN_KEY}\"\ntenant = \"acme\"\n\
@@ -86,10 +89,22 @@ fn secret_config(backend: &str, upstream: &str) -> String {
 /// Every secret of [`secret_config`], and the forms that would give one away: the keys' and the
 /// admin key's SHA-256, in hex and as Debug prints a byte array.
 fn secrets() -> Vec<String> {
-    let mut all: Vec<String> =
-        [REDIS_PASSWORD, PLAIN_KEY, HASHED_KEY, ADMIN_KEY, ID_SECRET, UPSTREAM_PASSWORD, API_KEY, "NEVER-PRINTED"]
-            .map(str::to_owned)
-            .into();
+    let mut all: Vec<String> = [
+        REDIS_PASSWORD,
+        PLAIN_KEY,
+        HASHED_KEY,
+        ADMIN_KEY,
+        ID_SECRET,
+        UPSTREAM_PASSWORD,
+        API_KEY,
+        WEBHOOK_SECRET,
+        "NEVER-PRINTED",
+    ]
+    .map(str::to_owned)
+    .into();
+    // The webhook key's base64 without its prefix, and its bytes as Debug prints them.
+    all.push(WEBHOOK_SECRET.trim_start_matches("whsec_").to_owned());
+    all.push(format!("{:?}", b"NEVER-PRINTED-webhook-key"));
     for key in [PLAIN_KEY, HASHED_KEY, ADMIN_KEY] {
         let digest: [u8; 32] = Sha256::digest(key).into();
         all.push(hex(&digest));

@@ -380,3 +380,35 @@ fn telemetry_is_off_unless_an_endpoint_is_set_and_each_bad_value_is_named() {
     // The password of a refused URL is not repeated in the error.
     assert!(!err("[telemetry]\notlp_endpoint = \"http://user:hunter2@c:4318\"\n").contains("hunter2"));
 }
+
+#[test]
+fn webhook_keys_are_checked_and_their_errors_name_the_key_never_the_secret() {
+    let tools = Catalogue::learned();
+    let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    let url = "https://mcp.example.com/webhooks/upstream";
+    for (toml, key) in [
+        (format!("[upstream]\nwebhook_url = \"{url}\"\n"), "upstream.webhook_secret"),
+        (format!("[upstream]\nwebhook_secret = \"MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\n"), "upstream.webhook_secret"),
+        (format!("[upstream]\nwebhook_secret = \"whsec_!!not-base64!!\"\n"), "upstream.webhook_secret"),
+        (
+            format!("[upstream]\nwebhook_secret = \"{secret}\"\nwebhook_url = \"ftp://x/webhooks/upstream\"\n"),
+            "upstream.webhook_url",
+        ),
+        (
+            format!("[upstream]\nwebhook_secret = \"{secret}\"\nwebhook_url = \"https://x/hooks\"\n"),
+            "upstream.webhook_url",
+        ),
+        (format!("[upstream]\nwebhook_secret = \"{secret}\"\nwebhook_url = \"{url}?job=1\"\n"), "upstream.webhook_url"),
+        ("[mock_upstream]\nwebhook_secret = \"whsec_AAAA\"\n".to_owned(), "mock_upstream.webhook_secret"),
+    ] {
+        let error = Config::from_toml(&toml, &tools).expect_err(&toml).to_string();
+        assert!(error.contains(&format!("`{key}`")), "{toml}: {error}");
+        assert!(!error.contains("MfKQ9r8"), "the secret is never repeated: {error}");
+    }
+    let config =
+        Config::from_toml(&format!("[upstream]\nwebhook_url = \"{url}\"\nwebhook_secret = \"{secret}\"\n"), &tools)
+            .expect("valid");
+    let target = config.upstream.webhooks().expect("on");
+    assert_eq!(target.url.as_str(), url);
+    assert!(Config::defaults(&tools).expect("defaults").upstream.webhooks().is_none(), "off by default");
+}

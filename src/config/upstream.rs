@@ -349,15 +349,10 @@ impl UpstreamConfig {
 
     /// Where the paid API is asked to send its webhooks, and the key they are signed with, when
     /// `webhook_url` is set (validation saw both readable).
-    pub fn webhooks(&self) -> Option<(reqwest::Url, crate::upstream::webhook::WebhookKey)> {
+    pub fn webhooks(&self) -> Option<crate::upstream::webhook::WebhookTarget> {
         let url = reqwest::Url::parse(&self.webhook_url).ok()?;
-        Some((url, self.webhook_key()?))
-    }
-
-    /// The key webhooks are signed with, when `webhook_secret` is set: the route takes webhooks
-    /// with it even when the server does not ask for them (an account-wide webhook).
-    pub fn webhook_key(&self) -> Option<crate::upstream::webhook::WebhookKey> {
-        crate::upstream::webhook::WebhookKey::parse(self.webhook_secret.expose()).ok()
+        let key = crate::upstream::webhook::WebhookKey::parse(self.webhook_secret.expose()).ok()?;
+        Some(crate::upstream::webhook::WebhookTarget { url, key })
     }
 
     /// `webhook_url` and `webhook_secret`: both or neither, the URL an http(s) one ending in
@@ -382,6 +377,9 @@ impl UpstreamConfig {
             }
             Ok(u) if !u.path().ends_with(WEBHOOK_PATH) => {
                 Err(invalid("upstream.webhook_url", format!("must end in {WEBHOOK_PATH}, the route that takes them")))
+            }
+            Ok(u) if u.query().is_some() || u.fragment().is_some() => {
+                Err(invalid("upstream.webhook_url", "must carry no query or fragment (the server adds `?job=`)"))
             }
             Ok(_) => Ok(()),
             Err(e) => Err(invalid("upstream.webhook_url", format!("not a URL: {e}"))),

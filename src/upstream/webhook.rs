@@ -92,6 +92,26 @@ impl WebhookKey {
     }
 }
 
+/// Where the paid API is asked to send its webhooks, and the key they are signed with
+/// (`upstream.webhook_url`, `upstream.webhook_secret`). Its `Debug` shows neither the URL's
+/// password nor the key.
+#[derive(Clone)]
+pub struct WebhookTarget {
+    /// This server's `/webhooks/upstream`, as the paid API reaches it.
+    pub url: reqwest::Url,
+    /// The key its webhooks are signed with.
+    pub key: WebhookKey,
+}
+
+impl std::fmt::Debug for WebhookTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WebhookTarget")
+            .field("url", &crate::redact::url(self.url.as_str()))
+            .field("key", &self.key)
+            .finish()
+    }
+}
+
 /// Why a webhook was not taken as the paid API's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Unverified {

@@ -48,17 +48,39 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Adds `member` to the set at `key` (kept `ttl` past its latest addition) and publishes the
-    /// set's name on `channel`, in one script: whoever hears it finds the member there.
-    pub async fn announce(&self, key: &str, member: &str, ttl: Duration, channel: &str) -> Result<(), StoreError> {
-        let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+    /// Announces `member` at `key` (a sorted set, by Redis's clock), drops the announcements older
+    /// than `keep`, and publishes the key's name on `channel`, in one script: whoever hears it finds
+    /// the member there, and the key never holds more than `keep` of announcements.
+    pub async fn announce(&self, key: &str, member: &str, keep: Duration, channel: &str) -> Result<(), StoreError> {
+        let ms = u64::try_from(keep.as_millis()).unwrap_or(u64::MAX).max(1);
         let mut script = ::redis::cmd("EVAL");
         script.arg(
-            "redis.call('SADD', KEYS[1], ARGV[1]) redis.call('PEXPIRE', KEYS[1], ARGV[2]) \
+            "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) \
+             redis.call('ZADD', KEYS[1], now, ARGV[1]) \
+             redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2])) \
+             redis.call('PEXPIRE', KEYS[1], ARGV[2]) \
              return redis.call('PUBLISH', ARGV[3], KEYS[1])",
         );
         script.arg(1).arg(key).arg(member).arg(ms).arg(channel);
         let _: i64 = bounded(&self.address, self.timeout, self.connection.query(&script)).await?;
+        Ok(())
+    }
+
+    /// What [`RedisStore::announce`] left at `key`, oldest first.
+    pub async fn announced(&self, key: &str) -> Result<Vec<String>, StoreError> {
+        let mut command = ::redis::cmd("ZRANGE");
+        command.arg(key).arg(0).arg(-1);
+        bounded(&self.address, self.timeout, self.connection.query(&command)).await
+    }
+
+    /// Takes `members` out of the announcements at `key`.
+    pub async fn withdraw(&self, key: &str, members: &[String]) -> Result<(), StoreError> {
+        if members.is_empty() {
+            return Ok(());
+        }
+        let mut command = ::redis::cmd("ZREM");
+        command.arg(key).arg(members);
+        let _: i64 = bounded(&self.address, self.timeout, self.connection.query(&command)).await?;
         Ok(())
     }
 

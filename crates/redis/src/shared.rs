@@ -199,8 +199,16 @@ impl JobMirror for RedisStore {
         Box::pin(async move { RedisStore::set_remove(self, key, members).await })
     }
 
-    fn announce<'a>(&'a self, key: &'a str, member: &'a str, ttl: Duration, channel: &'a str) -> StoreFuture<'a, ()> {
-        Box::pin(async move { RedisStore::announce(self, key, member, ttl, channel).await })
+    fn announce<'a>(&'a self, key: &'a str, member: &'a str, keep: Duration, channel: &'a str) -> StoreFuture<'a, ()> {
+        Box::pin(async move { RedisStore::announce(self, key, member, keep, channel).await })
+    }
+
+    fn announced<'a>(&'a self, key: &'a str) -> StoreFuture<'a, Vec<String>> {
+        Box::pin(async move { RedisStore::announced(self, key).await })
+    }
+
+    fn withdraw<'a>(&'a self, key: &'a str, members: &'a [String]) -> StoreFuture<'a, ()> {
+        Box::pin(async move { RedisStore::withdraw(self, key, members).await })
     }
 
     fn take_once<'a>(&'a self, key: &'a str, ttl: Duration) -> StoreFuture<'a, bool> {

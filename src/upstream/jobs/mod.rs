@@ -142,7 +142,7 @@ impl Owner {
 pub struct JobRules {
     /// Where the paid API is asked to send a webhook when a job ends (`upstream.webhook_url`),
     /// with the key its webhooks are signed with; `None`: ends are learnt by polls only.
-    pub webhooks: Option<(reqwest::Url, crate::upstream::webhook::WebhookKey)>,
+    pub webhooks: Option<crate::upstream::webhook::WebhookTarget>,
     /// A job still pending this long after acceptance is failed.
     pub expiry: Nanos,
     /// Retries of server-owned requests.
@@ -316,8 +316,8 @@ impl Jobs {
     /// `job` as submitted: asking for a webhook when they are on, addressed to `id` when the
     /// upstream will name the job otherwise (a job queued under a `predict_id` of ours).
     fn with_webhook(&self, mut job: NewPrediction, id: Option<&str>) -> NewPrediction {
-        if let Some((url, _)) = &self.rules.webhooks {
-            let mut url = url.clone();
+        if let Some(target) = &self.rules.webhooks {
+            let mut url = target.url.clone();
             if let Some(id) = id {
                 url.query_pairs_mut().append_pair("job", id);
             }

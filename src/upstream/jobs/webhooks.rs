@@ -43,8 +43,13 @@ pub(super) const SEEN_FOR: Duration = Duration::from_secs(900);
 /// refused `503` (the sender tries again) until old ids expire.
 const SEEN_MAX: usize = 100_000;
 
-/// The set of jobs another instance made final from their webhook, for their owners to end.
+/// The jobs another instance made final from their webhook, for their owners to end (a sorted
+/// set of the last [`ENDED_KEPT`]).
 const ENDED_KEY: &str = "{upstream}job:ended";
+
+/// How long a job's end stays announced: its owner, alive, hears it within milliseconds; one that
+/// missed it (its subscription was down) or is dead learns it at its next poll, or never needs to.
+const ENDED_KEPT: Duration = Duration::from_secs(60);
 
 /// Where a job made final elsewhere is announced (its owner hears it at once).
 const ENDED_CHANNEL: &str = "{upstream}job:ended";
@@ -117,8 +122,9 @@ impl Jobs {
     pub async fn take_webhook(&self, pushed: Pushed<'_>) -> WebhookAnswer {
         let answer = self.judge_webhook(pushed).await;
         self.metrics.webhook(answer.outcome);
+        // Anyone may post here: refusals are counted, and logged only at debug (no log flood).
         if answer.status.is_client_error() {
-            tracing::warn!(outcome = answer.outcome, reason = %answer.message, "a webhook was refused");
+            tracing::debug!(outcome = answer.outcome, reason = %answer.message, "a webhook was refused");
         }
         answer
     }
@@ -132,7 +138,7 @@ impl Jobs {
     }
 
     async fn judge_webhook(&self, pushed: Pushed<'_>) -> WebhookAnswer {
-        let Some((_, key)) = &self.rules.webhooks else {
+        let Some(crate::upstream::webhook::WebhookTarget { key, .. }) = &self.rules.webhooks else {
             return answer(StatusCode::NOT_FOUND, "unknown_job", "this server does not take webhooks");
         };
         if pushed.body.len() > BODY_MAX {
@@ -227,7 +233,7 @@ impl Jobs {
             Ok(false) => return taken("the job was final already"),
             Err(e) => return unavailable(e),
         }
-        match shared.announce(ENDED_KEY, predict_id, keep(), ENDED_CHANNEL).await {
+        match shared.announce(ENDED_KEY, predict_id, ENDED_KEPT, ENDED_CHANNEL).await {
             Ok(()) => taken("the job is final; its instance is told"),
             // Published final: its owner's next poll of the upstream ends it anyway.
             Err(e) => {
@@ -264,7 +270,7 @@ impl Jobs {
         if self.in_flight() == 0 {
             return Ok(0);
         }
-        let announced = shared.set_members(ENDED_KEY).await?;
+        let announced = shared.announced(ENDED_KEY).await?;
         let mine: Vec<String> = {
             let book = self.book();
             announced.into_iter().filter(|id| book.contains_key(id)).collect()
@@ -277,7 +283,7 @@ impl Jobs {
                 self.update(id, snapshot.prediction, self.clock.now(), Heard::Pushed);
             }
         }
-        shared.set_remove(ENDED_KEY, &mine).await?;
+        shared.withdraw(ENDED_KEY, &mine).await?;
         Ok(mine.len())
     }
 }

@@ -444,9 +444,16 @@ pub trait JobMirror: Send + Sync + std::fmt::Debug {
     /// Removes `members` from the set at `key`.
     fn set_remove<'a>(&'a self, key: &'a str, members: &'a [String]) -> StoreFuture<'a, ()>;
 
-    /// Adds `member` to the set at `key` (kept `ttl` past its latest addition) and says so on
-    /// `channel`, in one step: every instance that [hears](Broadcast::hear) it looks at the set.
-    fn announce<'a>(&'a self, key: &'a str, member: &'a str, ttl: Duration, channel: &'a str) -> StoreFuture<'a, ()>;
+    /// Announces `member` at `key` and says so on `channel`, in one step: every instance that
+    /// [hears](Broadcast::hear) it reads [`JobMirror::announced`]. An announcement is kept `keep`
+    /// (older ones are dropped as a new one comes, so the key holds at most `keep` of them).
+    fn announce<'a>(&'a self, key: &'a str, member: &'a str, keep: Duration, channel: &'a str) -> StoreFuture<'a, ()>;
+
+    /// What is announced at `key`, oldest first.
+    fn announced<'a>(&'a self, key: &'a str) -> StoreFuture<'a, Vec<String>>;
+
+    /// Takes `members` out of the announcements at `key` (their instance heard them).
+    fn withdraw<'a>(&'a self, key: &'a str, members: &'a [String]) -> StoreFuture<'a, ()>;
 
     /// Sets `key` for `ttl` unless it is set: whether it was not (of two instances claiming it at
     /// once, one is told yes). A webhook's id, taken once by any instance.
