@@ -256,3 +256,19 @@ async fn tasks_cancel_cancels_the_job_and_frees_its_slot() {
     assert_eq!(server.upstream_usage().await["cancels"], 1);
     assert!(!is_error(&call(&plain, "generate_image", image("free again")).await), "the slot came back");
 }
+
+#[tokio::test]
+async fn a_job_final_at_its_submission_gives_its_slot_back_at_once() {
+    // An API that answers some submissions already final (a cached render): the job took no time.
+    let server = TestServer::start(&format!(
+        "{ACME}\n[limits.in_flight]\ncaller = 1\ntenant = 1\n[mock_upstream]\nimage_job_ms = 0\n"
+    ))
+    .await;
+    let client = server.client(Some("acme-one")).await;
+    let first = call(&client, "generate_image", image("instant")).await;
+    assert!(!is_error(&first), "{}", text(&first));
+    assert_eq!(structured(&first)["status"], "succeeded", "{}", text(&first));
+    // No clock moved and nobody polled: the slot is free for the next.
+    let second = call(&client, "generate_image", image("instant too")).await;
+    assert!(!is_error(&second), "the slot came back with the answer: {}", text(&second));
+}
