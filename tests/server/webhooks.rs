@@ -157,3 +157,28 @@ async fn without_webhooks_polls_follow_the_job_length_learnt_and_agents_are_told
     let metrics = server.metrics().await;
     assert!(metrics.contains("mcp_ratelimit_upstream_expected_job_seconds{class=\"image\"} 5.1"), "{metrics}");
 }
+
+#[tokio::test]
+async fn clients_of_both_eras_see_a_job_their_webhook_ended_succeeded_and_charged() {
+    let server = TestServer::start(&with_webhooks("")).await;
+    let auth = ["-H", "Authorization: Bearer acme-one"];
+    for mode in ["auto", "legacy"] {
+        let submit = json!([{"op": "call", "tool": "generate_image", "args": {"prompt": format!("a fox, {mode}")}}]);
+        let walked = crate::python::walk(&server.url, mode, submit, &auth).await;
+        assert_eq!(walked["protocol_version"], crate::python::era_of(mode), "{walked}");
+        assert!(crate::python::all_ok(&walked), "{walked}");
+        let id = walked["steps"][0]["ok"]["structured"]["predict_id"].as_str().expect("an id").to_owned();
+        let polls = usage(&server, "polls").await;
+        server.advance_ms(1_000);
+        eventually("its webhook is taken", || async {
+            server.upstream_usage().await["webhooks_sent"].as_u64() == Some(if mode == "auto" { 1 } else { 2 })
+        })
+        .await;
+        let read = json!([{"op": "call", "tool": "get_prediction", "args": {"predict_id": id}, "check_schema": true}]);
+        let walked = crate::python::walk(&server.url, mode, read, &auth).await;
+        assert!(crate::python::all_ok(&walked), "{walked}");
+        let job = &walked["steps"][0]["ok"]["structured"];
+        assert_eq!((job["status"].as_str(), job["charged"].as_u64()), (Some("succeeded"), Some(5)), "{walked}");
+        assert_eq!(usage(&server, "polls").await, polls, "ended by its webhook, not a poll");
+    }
+}
