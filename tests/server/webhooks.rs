@@ -71,6 +71,14 @@ async fn a_signed_webhook_ends_the_job_at_once_and_the_waiting_job_goes_without_
     assert_eq!(status(&client, &second).await["status"], "starting");
     let metrics = server.metrics().await;
     assert_eq!(metric_sum(&metrics, "mcp_ratelimit_upstream_webhooks_total{outcome=\"taken\"}"), 1.0);
+    // The owl ends at 2 s, by its webhook too; then past the time both safety-net polls were due
+    // (the fox's at 4 s, the owl's at 3.04 s): a job its webhook ended is never polled.
+    server.advance_ms(1_000);
+    eventually("the owl ends by its webhook", || async { status(&client, &second).await["status"] == "succeeded" })
+        .await;
+    server.advance_ms(2_500);
+    settle().await;
+    assert_eq!(usage(&server, "polls").await, 0, "both were final: no poll");
 }
 
 #[tokio::test]

@@ -2,9 +2,10 @@
 //!
 //! A job holds the caller's in-flight slots (whatever its admission took: the per-caller and
 //! per-tenant job caps) from acceptance until it is `succeeded`, `failed` or `canceled`, or
-//! expires. The server learns that by **polling the upstream itself**, in a background task per
-//! job, at the job's own hint — not only when an agent polls — so a job its agent forgot still
-//! gives its slot back. An agent's `get_prediction` never reaches the upstream: it is answered
+//! expires. The server learns that from the paid API's **webhook**, the moment the job ends
+//! (`webhooks`), and by **polling the upstream itself**, in a background task per job, timed by the
+//! lengths the jobs of its class were seen to take (`cadence`) — not only when an agent polls — so
+//! a job its agent forgot, or whose webhook was lost, still gives its slot back. An agent's `get_prediction` never reaches the upstream: it is answered
 //! from the book, and a poll that arrives while the background poll it was told to wait for is
 //! still in flight waits for that answer instead of making a second request.
 //!
@@ -32,8 +33,9 @@
 //! cannot start (and bill) a second job.
 //!
 //! The types are here; the rest is cut along a job's life: submitting it (`submit`), polling it
-//! and settling its price (`watching`), ending it early (`cancel`), what its owner sees of it
-//! (`view`), and the book as other instances see it (`mirror`).
+//! and settling its price (`watching`) at the times `cadence` says, its end pushed by a webhook
+//! (`webhooks`), ending it early (`cancel`), what its owner sees of it (`view`), and the book as
+//! other instances see it (`mirror`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -11,17 +11,23 @@ use crate::upstream::backoff::Retry;
 use crate::upstream::queue::AccountSlot;
 
 impl Jobs {
-    /// Polls the upstream at the job's hint until the job is final.
+    /// Polls the upstream when the job's schedule says until the job is final. A job that changed
+    /// while its poll was waiting (its webhook ended it, another poll moved it on) is looked at
+    /// again first: a job already final is never polled.
     pub(super) async fn watch(&self, id: &str) {
         let mut failed = 0;
         loop {
-            let Some((upstream_id, due)) = self.book().get(id).and_then(|j| {
+            let Some((upstream_id, due, mut changed)) = self.book().get(id).and_then(|j| {
                 let pending = !j.last.status.is_terminal();
-                j.upstream_id.clone().filter(|_| pending).map(|u| (u, j.next_poll_at))
+                j.upstream_id.clone().filter(|_| pending).map(|u| (u, j.next_poll_at, j.changed.subscribe()))
             }) else {
                 return;
             };
-            self.clock.sleep_until(due).await;
+            tokio::select! {
+                () = self.clock.sleep_until(due) => {}
+                // Changed meanwhile: read it again (the sender lives as long as the job).
+                _ = changed.changed() => continue,
+            }
             let asked = self.clock.now();
             let answer = self.upstream.get_prediction(&upstream_id).await;
             self.metrics.upstream("get_prediction", UpstreamError::outcome_of(&answer));
@@ -73,8 +79,8 @@ impl Jobs {
     /// slots when it is final. Returns whether it is final.
     ///
     /// The next poll is timed from the question, not the answer: a slow answer does not push the
-    /// schedule back (nor does time that passed while it was on its way). It is due at the job's
-    /// expected end after its submission, then a tenth of its age after each poll that found it
+    /// schedule back (nor does time that passed while it was on its way). It is due at the marks
+    /// the lengths learnt for its class set, then a tenth of its age after each poll that found it
     /// running ([`Cadence`](super::cadence::Cadence)); what a succeeded job took is learnt.
     pub(super) fn update(&self, id: &str, mut prediction: Prediction, asked: Nanos, heard: Heard) -> bool {
         let now = self.clock.now();
@@ -108,7 +114,7 @@ impl Jobs {
     /// learns how long it took once it succeeded, and how long its slot was held after its end.
     fn schedule(&self, job: &mut Job, now: &Prediction, asked: Nanos, heard: Heard) {
         let class = job.class;
-        if heard == Heard::Submitted || job.submitted_at.is_none() {
+        if heard == Heard::Submitted {
             job.submitted_at = Some(asked);
             job.expected_at = asked + self.cadence.expected(class);
             job.next_poll_at = asked + self.cadence.first_poll(class);
