@@ -388,8 +388,8 @@ fn webhook_keys_are_checked_and_their_errors_name_the_key_never_the_secret() {
     let url = "https://mcp.example.com/webhooks/upstream";
     for (toml, key) in [
         (format!("[upstream]\nwebhook_url = \"{url}\"\n"), "upstream.webhook_secret"),
-        (format!("[upstream]\nwebhook_secret = \"MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\n"), "upstream.webhook_secret"),
-        (format!("[upstream]\nwebhook_secret = \"whsec_!!not-base64!!\"\n"), "upstream.webhook_secret"),
+        ("[upstream]\nwebhook_secret = \"MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\n".to_owned(), "upstream.webhook_secret"),
+        ("[upstream]\nwebhook_secret = \"whsec_!!not-base64!!\"\n".to_owned(), "upstream.webhook_secret"),
         (
             format!("[upstream]\nwebhook_secret = \"{secret}\"\nwebhook_url = \"ftp://x/webhooks/upstream\"\n"),
             "upstream.webhook_url",

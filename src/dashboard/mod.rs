@@ -39,7 +39,7 @@ use crate::config::Backend;
 use crate::guard::reuse::Saved;
 use crate::http::identify::Denied;
 use crate::identity::Caller;
-use crate::ops::activity::{Audience, Snapshot};
+use crate::ops::activity::{Activity, Audience, Snapshot};
 use crate::state::AppState;
 
 const PAGE: &str = include_str!("dashboard.html");
@@ -231,16 +231,9 @@ struct StoreNow {
     up: bool,
 }
 
-impl DashboardData {
-    async fn read(app: &AppState, viewer: &Viewer) -> Self {
-        let now = app.clock.now();
-        let guard = app.limits.guard();
-        let activity = guard.activity();
-        let audience = viewer.audience();
-        let mut recent = activity.snapshot_for(now, audience);
-        guard.current_levels(&mut recent.scopes).await;
-        // The account's learnt limit as every instance shares it, not as this one last heard.
-        app.behind.queue().refresh_learnt().await;
+impl JobsNow {
+    /// The jobs and the account as `audience` may see them (a caller without a tenant by its hash).
+    fn read(app: &AppState, audience: &Audience<'_>, activity: &Activity) -> Self {
         let mut per_owner: BTreeMap<String, (usize, usize)> = BTreeMap::new();
         let pending = app.behind.jobs().map(|jobs| jobs.pending_owners()).unwrap_or_default();
         let in_flight = pending.len();
@@ -265,6 +258,47 @@ impl DashboardData {
         let occupancy = app.behind.occupancy();
         let held = app.behind.jobs().map(|jobs| jobs.held_slots()).unwrap_or_default();
         let upstream = &app.config.upstream;
+        JobsNow {
+            in_flight,
+            per_owner,
+            account_in_use: occupancy.in_flight,
+            account_max: app.behind.slots(),
+            account_ceiling: app.behind.ceiling(),
+            account_busy: held.busy,
+            account_held_idle: held.held_idle,
+            account_free: app.behind.slots().saturating_sub(occupancy.in_flight),
+            webhooks: upstream.webhooks().is_some(),
+            queue_waiting: occupancy.waiting,
+            queue_max: upstream.queue_max,
+            videos_waiting: occupancy.waiting_of(crate::upstream::classes::VIDEO),
+            videos_max: upstream.video_queue_max,
+            tiers: occupancy
+                .per_tier
+                .iter()
+                .map(|t| TierNow {
+                    tier: t.tier.clone(),
+                    rank: t.rank,
+                    in_use: t.in_flight,
+                    reserved_slots: t.reserved_slots,
+                    waiting: t.waiting,
+                    reserved_places: t.reserved_places,
+                })
+                .collect(),
+        }
+    }
+}
+
+impl DashboardData {
+    async fn read(app: &AppState, viewer: &Viewer) -> Self {
+        let now = app.clock.now();
+        let guard = app.limits.guard();
+        let activity = guard.activity();
+        let audience = viewer.audience();
+        let mut recent = activity.snapshot_for(now, audience);
+        guard.current_levels(&mut recent.scopes).await;
+        // The account's learnt limit as every instance shares it, not as this one last heard.
+        app.behind.queue().refresh_learnt().await;
+        let upstream = &app.config.upstream;
         let breaker = match app.behind.breaker().state(now) {
             BreakerState::Closed => "closed",
             BreakerState::HalfOpen => "half_open",
@@ -275,33 +309,7 @@ impl DashboardData {
             limits_enabled: app.limits.guard().enabled(),
             showing: viewer.describe(app),
             activity: recent,
-            jobs: JobsNow {
-                in_flight,
-                per_owner,
-                account_in_use: occupancy.in_flight,
-                account_max: app.behind.slots(),
-                account_ceiling: app.behind.ceiling(),
-                account_busy: held.busy,
-                account_held_idle: held.held_idle,
-                account_free: app.behind.slots().saturating_sub(occupancy.in_flight),
-                webhooks: upstream.webhooks().is_some(),
-                queue_waiting: occupancy.waiting,
-                queue_max: upstream.queue_max,
-                videos_waiting: occupancy.waiting_of(crate::upstream::classes::VIDEO),
-                videos_max: upstream.video_queue_max,
-                tiers: occupancy
-                    .per_tier
-                    .iter()
-                    .map(|t| TierNow {
-                        tier: t.tier.clone(),
-                        rank: t.rank,
-                        in_use: t.in_flight,
-                        reserved_slots: t.reserved_slots,
-                        waiting: t.waiting,
-                        reserved_places: t.reserved_places,
-                    })
-                    .collect(),
-            },
+            jobs: JobsNow::read(app, &audience, activity),
             saved: app.limits.reuse().saved(),
             breaker: BreakerNow {
                 state: breaker,
