@@ -34,6 +34,7 @@ pub mod simulate;
 pub mod state;
 pub mod telemetry;
 pub mod upstream;
+pub mod webhook;
 
 pub use mcp_ratelimit_core::{breaker, clock, guard, identity, limit, operator, ops, redact};
 pub use mcp_ratelimit_rmcp::{oauth, rate_limits};

@@ -349,17 +349,17 @@ impl UpstreamConfig {
 
     /// Where the paid API is asked to send its webhooks, and the key they are signed with, when
     /// `webhook_url` is set (validation saw both readable).
-    pub fn webhooks(&self) -> Option<crate::upstream::webhook::WebhookTarget> {
+    pub fn webhooks(&self) -> Option<crate::webhook::WebhookTarget> {
         let url = reqwest::Url::parse(&self.webhook_url).ok()?;
-        let key = crate::upstream::webhook::WebhookKey::parse(self.webhook_secret.expose()).ok()?;
-        Some(crate::upstream::webhook::WebhookTarget { url, key })
+        let key = crate::webhook::WebhookKey::parse(self.webhook_secret.expose()).ok()?;
+        Some(crate::webhook::WebhookTarget { url, key })
     }
 
     /// `webhook_url` and `webhook_secret`: both or neither, the URL an http(s) one ending in
     /// `/webhooks/upstream`, the secret a `whsec_` one.
     fn validate_webhooks(&self) -> Result<(), ConfigError> {
         if !self.webhook_secret.is_empty() {
-            crate::upstream::webhook::WebhookKey::parse(self.webhook_secret.expose())
+            crate::webhook::WebhookKey::parse(self.webhook_secret.expose())
                 .map_err(|why| invalid("upstream.webhook_secret", why))?;
         }
         if self.webhook_url.is_empty() {
@@ -421,7 +421,7 @@ impl MockUpstreamConfig {
             return Err(invalid("mock_upstream.max_video_seconds", format!("1 to 3600 seconds (got {got})")));
         }
         if !self.webhook_secret.is_empty() {
-            crate::upstream::webhook::WebhookKey::parse(self.webhook_secret.expose())
+            crate::webhook::WebhookKey::parse(self.webhook_secret.expose())
                 .map_err(|why| invalid("mock_upstream.webhook_secret", why))?;
         }
         fraction("mock_upstream.rate_429", self.rate_429)?;

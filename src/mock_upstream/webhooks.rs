@@ -1,5 +1,5 @@
 //! The mock's webhooks: when a job that asked for one ends, its final prediction is POSTed to the
-//! submission's `webhook` URL, signed the Standard Webhooks way ([`crate::upstream::webhook`]), as
+//! submission's `webhook` URL, signed the Standard Webhooks way ([`crate::webhook`]), as
 //! Replicate, fal and OpenAI's video API do, and retried with backoff until answered 2xx.
 //!
 //! One sender per job, started when the job is made: it waits on the mock's clock for the job's
@@ -22,7 +22,7 @@ use super::{MockState, bump, lock};
 use crate::clock::Nanos;
 use crate::redact::Secret;
 use crate::upstream::api::{COMPLETED, NewPrediction};
-use crate::upstream::webhook::WebhookKey;
+use crate::webhook::WebhookKey;
 
 /// Most attempts at one message, the first included.
 const MAX_ATTEMPTS: u32 = 6;

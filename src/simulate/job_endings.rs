@@ -456,11 +456,11 @@ mod tests {
 
     #[test]
     fn the_learnt_cadence_polls_once_at_the_expected_end_and_webhooks_free_a_slot_twenty_ms_after() {
-        // The first four are polled at the hint (2 s); then every job at 1.02 s, found ended.
+        // The first four are polled at the hint (2 s); then every job at 1 s, as it ends.
         let learnt = steady(Strategy::LearntCadence);
-        assert_eq!((learnt.polls_per_job, learnt.last_end_ms, learnt.most_at_once), (1.0, 11_160, 4), "{learnt:?}");
-        // Started at 3.02 s (ends at 4.02), 4.04, 5.06, ..., 9.14 (0.86 s before 10 s): 0.08 + 20 + 3.44.
-        assert!((learnt.busy_4_to_10s - 23.52).abs() < 1e-9, "{learnt:?}");
+        assert_eq!((learnt.polls_per_job, learnt.last_end_ms, learnt.most_at_once), (1.0, 11_000, 4), "{learnt:?}");
+        // Started at 3, 4, 5, ..., 10 s: the account busy all through 4-10 s.
+        assert!((learnt.busy_4_to_10s - 24.0).abs() < 1e-9, "{learnt:?}");
         // A batch every 1.02 s, no poll ever needed: 0 to 5.10 s, the last 0.9 s inside 6 s.
         let pushed = steady(Strategy::Webhooks);
         assert_eq!((pushed.polls_per_job, pushed.last_end_ms, pushed.most_at_once), (0.0, 10_180, 4), "{pushed:?}");

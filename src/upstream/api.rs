@@ -87,7 +87,7 @@ pub struct NewPrediction {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seconds: Option<u32>,
     /// Where the API should POST the prediction when it ends (Replicate's `webhook`), signed the
-    /// Standard Webhooks way ([`crate::upstream::webhook`]).
+    /// Standard Webhooks way ([`crate::webhook`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub webhook: Option<String>,
     /// Which of its events to send there: `["completed"]`, the final state only.

@@ -16,7 +16,6 @@ pub mod classes;
 pub mod gate;
 pub mod jobs;
 pub mod queue;
-pub mod webhook;
 
 use std::time::{Duration, SystemTime};
 

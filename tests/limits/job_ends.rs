@@ -103,7 +103,7 @@ async fn a_restarted_instance_polls_at_the_job_length_the_instances_learnt() {
     let id = image(&agent, "another fox").await;
     eventually("the new instance starts from what was learnt", || async {
         let r = call(&agent, "get_prediction", json!({ "predict_id": id })).await;
-        structured(&r)["next_poll_in_seconds"] == 6
+        structured(&r)["next_poll_in_seconds"] == 5
     })
     .await;
 }

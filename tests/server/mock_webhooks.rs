@@ -13,7 +13,7 @@ use mcp_ratelimit::clock::ManualClock;
 use mcp_ratelimit::config::{Config, MockUpstreamConfig};
 use mcp_ratelimit::mock_upstream::{IMAGE_PRICE, MockUpstream};
 use mcp_ratelimit::redact::Secret;
-use mcp_ratelimit::upstream::webhook::WebhookKey;
+use mcp_ratelimit::webhook::WebhookKey;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 

@@ -5,11 +5,12 @@
 //! poll every `image_poll_seconds`) leaves half an interval idle on average; polling faster costs
 //! polls of the paid API. Instead each class (image, video, …) keeps the lengths its recent jobs
 //! were seen to take, and polls a job at the **marks** those lengths set: their sixths (the
-//! lengths a sixth, two sixths, … all of them do not pass), a fiftieth later each, marks closer
-//! than a tenth of themselves merged. Then:
+//! lengths a sixth, two sixths, … all of them do not pass), marks closer than a tenth of
+//! themselves merged, counted from when the answer to its submission arrived (the upstream had
+//! started it by then). Then:
 //!
-//! - jobs of one length (a model that always takes 1 s) have one mark: each is polled once, a
-//!   fiftieth past its end;
+//! - jobs of one length (a model that always takes 1 s) have one mark: each is polled once, as it
+//!   ends;
 //! - jobs of spread lengths are polled where their ends are likely, at most six times up to the
 //!   longest seen (about three and a half on average for lengths spread evenly);
 //! - a job past the longest is polled every **tenth of its age**, so it is seen final within about
@@ -77,10 +78,10 @@ impl Learnt {
         sorted.sort_unstable();
         self.marks.clear();
         for sixth in 1..=MARKS {
-            // The smallest length at least `sixth` sixths of them do not pass, a fiftieth later.
+            // The smallest length at least `sixth` sixths of them do not pass.
             let at = (sorted.len() * sixth).div_ceil(MARKS).saturating_sub(1);
             let Some(&length) = sorted.get(at) else { continue };
-            let mark = (length + length / 50).max(LEAST_STEP);
+            let mark = length.max(LEAST_STEP);
             match self.marks.last() {
                 // Closer than a tenth of itself to the one before: one poll for both, the later.
                 Some(&last) if mark - last < mark / 10 => {
@@ -123,8 +124,7 @@ impl Cadence {
     }
 
     /// How long after its submission a job of `class` is expected to be final: the last mark
-    /// (every job seen had ended by then, a fiftieth after), or the configured hint before any
-    /// job ended. A job running past it is most likely idle, the server yet to learn it.
+    /// (every job seen had ended by then), or the configured hint before any job ended. A job running past it is most likely idle, the server yet to learn it.
     pub fn expected(&self, class: ClassId) -> Nanos {
         self.class(class).map_or(LEAST_STEP, |learnt| learnt.longest())
     }
@@ -222,14 +222,14 @@ mod tests {
     }
 
     #[test]
-    fn jobs_of_one_length_are_polled_once_a_fiftieth_past_it_then_a_tenth_of_their_age() {
+    fn jobs_of_one_length_are_polled_once_as_they_end_then_a_tenth_of_their_age() {
         let cadence = Cadence::new(&classes(), false);
         for _ in 0..4 {
             cadence.learn(IMAGE, Nanos::from_secs(1));
         }
-        assert_eq!(cadence.first_poll(IMAGE), Nanos::from_millis(1_020));
-        assert_eq!(cadence.expected(IMAGE), Nanos::from_millis(1_020));
-        assert_eq!(cadence.next_poll(IMAGE, Nanos::from_millis(1_020)), Nanos::from_millis(102));
+        assert_eq!(cadence.first_poll(IMAGE), Nanos::from_secs(1));
+        assert_eq!(cadence.expected(IMAGE), Nanos::from_secs(1));
+        assert_eq!(cadence.next_poll(IMAGE, Nanos::from_secs(1)), Nanos::from_millis(100));
         assert_eq!(cadence.next_poll(IMAGE, Nanos::from_secs(5)), Nanos::from_millis(500), "a tenth of its age");
         assert_eq!(cadence.first_poll(VIDEO), Nanos::from_secs(10), "the other class learnt nothing");
     }
@@ -248,13 +248,13 @@ mod tests {
                 Some(next.as_u64() / 1_000_000)
             })
             .collect();
-        assert_eq!(marks, [10_200, 20_400, 30_600, 40_800, 51_000, 61_200], "each sixth, a fiftieth later");
+        assert_eq!(marks, [10_000, 20_000, 30_000, 40_000, 50_000, 60_000], "each sixth");
         let close = Cadence::new(&classes(), false);
         for ms in [1_000, 1_010, 1_020, 1_030, 1_040, 1_050] {
             close.learn(IMAGE, Nanos::from_millis(ms));
         }
-        assert_eq!(close.first_poll(IMAGE), Nanos::from_millis(1_071), "one mark for lengths within a tenth");
-        assert_eq!(close.next_poll(IMAGE, Nanos::from_millis(1_071)), Nanos::from_micros(107_100));
+        assert_eq!(close.first_poll(IMAGE), Nanos::from_millis(1_050), "one mark for lengths within a tenth");
+        assert_eq!(close.next_poll(IMAGE, Nanos::from_millis(1_050)), Nanos::from_millis(105));
     }
 
     #[test]
@@ -262,8 +262,8 @@ mod tests {
         let cadence = Cadence::new(&classes(), true);
         assert_eq!(cadence.first_poll(IMAGE), Nanos::from_secs(4), "twice the hint before anything is learnt");
         cadence.learn(IMAGE, Nanos::from_secs(1));
-        assert_eq!(cadence.expected(IMAGE), Nanos::from_millis(1_020));
-        assert_eq!(cadence.first_poll(IMAGE), Nanos::from_millis(2_040));
+        assert_eq!(cadence.expected(IMAGE), Nanos::from_secs(1));
+        assert_eq!(cadence.first_poll(IMAGE), Nanos::from_secs(2));
     }
 
     #[test]
@@ -275,7 +275,7 @@ mod tests {
         for _ in 0..KEPT {
             cadence.learn(IMAGE, Nanos::from_secs(1));
         }
-        assert_eq!(cadence.expected(IMAGE), Nanos::from_millis(1_020));
+        assert_eq!(cadence.expected(IMAGE), Nanos::from_secs(1));
         let learnt = cadence.learnt().expect("changed");
         assert_eq!(learnt.classes["image"].len(), KEPT);
         assert_eq!(cadence.learnt(), None, "nothing new since");
@@ -292,11 +292,11 @@ mod tests {
         let learnt = before.learnt().expect("changed");
         let after = Cadence::new(&classes(), false);
         after.start_from(&learnt);
-        assert_eq!(after.expected(VIDEO), Nanos::from_millis(30_600));
+        assert_eq!(after.expected(VIDEO), Nanos::from_secs(30));
         assert_eq!(after.first_poll(IMAGE), Nanos::from_secs(2));
         assert_eq!(after.learnt(), None, "what it started from is not new");
         let odd = Learnings { classes: [("nope".to_owned(), vec![1, 2])].into() };
         after.start_from(&odd);
-        assert_eq!(after.expected(VIDEO), Nanos::from_millis(30_600));
+        assert_eq!(after.expected(VIDEO), Nanos::from_secs(30));
     }
 }

@@ -144,7 +144,7 @@ impl Owner {
 pub struct JobRules {
     /// Where the paid API is asked to send a webhook when a job ends (`upstream.webhook_url`),
     /// with the key its webhooks are signed with; `None`: ends are learnt by polls only.
-    pub webhooks: Option<crate::upstream::webhook::WebhookTarget>,
+    pub webhooks: Option<crate::webhook::WebhookTarget>,
     /// A job still pending this long after acceptance is failed.
     pub expiry: Nanos,
     /// Retries of server-owned requests.

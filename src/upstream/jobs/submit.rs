@@ -86,7 +86,6 @@ impl Jobs {
         let kind = job.kind;
         // The upstream names the job: its webhook finds it by that name.
         let job = self.with_webhook(job, None);
-        let sent = self.clock.now();
         let answer = self.upstream.create_prediction(&job, &new_id("k")).await;
         self.metrics.upstream(tool, UpstreamError::outcome_of(&answer));
         learn_from(&account, &answer).await;
@@ -104,26 +103,25 @@ impl Jobs {
             metrics: None,
             ..prediction.clone()
         };
-        self.insert(owner, class, Some((id.clone(), sent)), booked, held);
-        self.update(&id, prediction, sent, Heard::Submitted);
+        self.insert(owner, class, Some(id.clone()), booked, held);
+        self.update(&id, prediction, self.clock.now(), Heard::Submitted);
         self.spawn(id.clone(), None);
         Ok(self.view_of(&id).unwrap_or_else(|| unreachable_view(&id, kind)))
     }
 
-    /// Books a job: waiting in the queue, or `submitted` (the upstream's name for it, and when its
-    /// submission was sent).
-    fn insert(&self, owner: &Owner, class: ClassId, submitted: Option<(String, Nanos)>, last: Prediction, held: Held) {
+    /// Books a job: waiting in the queue, or started under `upstream_id` (the upstream's name for
+    /// it), its submission answered now.
+    fn insert(&self, owner: &Owner, class: ClassId, upstream_id: Option<String>, last: Prediction, held: Held) {
         let now = self.clock.now();
-        let (upstream_id, submitted_at) = submitted.unzip();
-        let from = submitted_at.unwrap_or(now);
+        let submitted_at = upstream_id.as_ref().map(|_| now);
         let job = Job {
             owner: owner.clone(),
             class,
             upstream_id,
             submitted_at,
-            expected_at: from + self.cadence.expected(class),
+            expected_at: now + self.cadence.expected(class),
             seen_running_at: None,
-            next_poll_at: from + self.cadence.first_poll(class),
+            next_poll_at: now + self.cadence.first_poll(class),
             updated_at: now,
             expires_at: now + self.rules.expiry,
             created: SystemTime::now(),
@@ -207,7 +205,6 @@ impl Jobs {
                 self.fail(id, ended.reason);
                 return false;
             }
-            let sent_at = self.clock.now();
             let answer = self.upstream.create_prediction(&job, id).await;
             self.metrics.upstream(&tool, UpstreamError::outcome_of(&answer));
             learn_from(&account, &answer).await;
@@ -219,7 +216,7 @@ impl Jobs {
             }
             match answer {
                 Ok(prediction) => {
-                    self.started(id, prediction, account, sent_at);
+                    self.started(id, prediction, account);
                     return true;
                 }
                 Err(UpstreamError::CircuitOpen { retry_after }) => {

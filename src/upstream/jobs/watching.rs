@@ -61,9 +61,9 @@ impl Jobs {
         }
     }
 
-    /// Records the upstream's answer to a submission sent at `sent`; the job holds `account` from
+    /// Records the upstream's answer to a submission, just arrived; the job holds `account` from
     /// now on (until it is final: one that ended meanwhile gives it back at once).
-    pub(super) fn started(&self, id: &str, prediction: Prediction, account: AccountSlot, sent: Nanos) {
+    pub(super) fn started(&self, id: &str, prediction: Prediction, account: AccountSlot) {
         let upstream_id = prediction.id.clone();
         if let Some(job) = self.book().get_mut(id) {
             job.upstream_id = Some(upstream_id);
@@ -71,12 +71,12 @@ impl Jobs {
                 held.hold(account);
             }
         }
-        self.update(id, prediction, sent, Heard::Submitted);
+        self.update(id, prediction, self.clock.now(), Heard::Submitted);
     }
 
-    /// Records what the upstream said about `id` (`heard` says how: the answer to its
-    /// submission or to a poll put at `asked`, or its webhook, arrived at `asked`); releases its
-    /// slots when it is final. Returns whether it is final.
+    /// Records what the upstream said about `id` (`heard` says how: the answer to its submission,
+    /// arrived at `asked`; the answer to a poll put at `asked`; or its webhook, arrived at `asked`);
+    /// releases its slots when it is final. Returns whether it is final.
     ///
     /// The next poll is timed from the question, not the answer: a slow answer does not push the
     /// schedule back (nor does time that passed while it was on its way). It is due at the marks
@@ -112,6 +112,10 @@ impl Jobs {
 
     /// Times `job`'s next poll from what was `heard` of it at `asked` (`now` becomes `prediction`);
     /// learns how long it took once it succeeded, and how long its slot was held after its end.
+    ///
+    /// A job's age counts from when the answer to its submission arrived: the upstream had started
+    /// it by then, so a job polled its length after that has ended (no margin to guess, however
+    /// far the upstream is).
     fn schedule(&self, job: &mut Job, now: &Prediction, asked: Nanos, heard: Heard) {
         let class = job.class;
         if heard == Heard::Submitted {

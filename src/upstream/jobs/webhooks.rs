@@ -138,7 +138,7 @@ impl Jobs {
     }
 
     async fn judge_webhook(&self, pushed: Pushed<'_>) -> WebhookAnswer {
-        let Some(crate::upstream::webhook::WebhookTarget { key, .. }) = &self.rules.webhooks else {
+        let Some(crate::webhook::WebhookTarget { key, .. }) = &self.rules.webhooks else {
             return answer(StatusCode::NOT_FOUND, "unknown_job", "this server does not take webhooks");
         };
         if pushed.body.len() > BODY_MAX {
