@@ -176,6 +176,7 @@ function renderJobs(jobs) {
   const learnt = jobs.account_max !== jobs.account_ceiling ? ` (learnt; ceiling ${jobs.account_ceiling})` : "";
   $("account-text").textContent = `${jobs.account_in_use} of ${jobs.account_max} in use${learnt}`;
   const ends = jobs.webhooks ? "ends by webhook" : "ends by poll";
+  $("account-split").hidden = jobs.webhooks === null;
   $("account-split").textContent =
     `${jobs.account_busy} busy · ${jobs.account_held_idle} idle but held · ${jobs.account_free} free (${ends})`;
   meter($("queue-meter"), jobs.queue_waiting, jobs.queue_max, fullness(jobs.queue_waiting, jobs.queue_max));

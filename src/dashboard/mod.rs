@@ -179,8 +179,9 @@ struct JobsNow {
     account_busy: usize,
     account_held_idle: usize,
     account_free: usize,
-    /// Whether job ends come by webhook (`upstream.webhook_url`), else by polls only.
-    webhooks: bool,
+    /// Whether job ends come by webhook (`upstream.webhook_url`), else by polls only; `None` in
+    /// front of a proxied server (no jobs of ours).
+    webhooks: Option<bool>,
     /// Jobs waiting for an account slot, and the most that may.
     queue_waiting: usize,
     queue_max: usize,
@@ -267,7 +268,7 @@ impl JobsNow {
             account_busy: held.busy,
             account_held_idle: held.held_idle,
             account_free: app.behind.slots().saturating_sub(occupancy.in_flight),
-            webhooks: upstream.webhooks().is_some(),
+            webhooks: app.behind.jobs().map(|_| upstream.webhooks().is_some()),
             queue_waiting: occupancy.waiting,
             queue_max: upstream.queue_max,
             videos_waiting: occupancy.waiting_of(crate::upstream::classes::VIDEO),
