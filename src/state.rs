@@ -131,9 +131,8 @@ impl AppState {
         let jobs = self.behind.jobs().map_or(0, |jobs| jobs.in_flight());
         self.limits.metrics().sample(JOBS_IN_FLIGHT, Vec::new(), jobs as f64);
         if let Some(jobs) = self.behind.jobs() {
-            let held = jobs.held_slots();
-            let free = self.behind.slots().saturating_sub(occupancy.in_flight);
-            for (state, slots) in [("busy", held.busy), ("held_idle", held.held_idle), ("free", free)] {
+            let slots = jobs.account_slots();
+            for (state, slots) in [("busy", slots.busy), ("held_idle", slots.held_idle), ("free", slots.free)] {
                 let label = metrics::Label::new("state", state);
                 self.limits.metrics().sample(ACCOUNT_SLOTS, vec![label], slots as f64);
             }

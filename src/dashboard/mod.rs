@@ -257,7 +257,8 @@ impl JobsNow {
             per_owner.into_iter().map(|(owner, (running, waiting))| OwnerJobs { owner, running, waiting }).collect();
         per_owner.sort_by_key(|o| std::cmp::Reverse(o.running + o.waiting));
         let occupancy = app.behind.occupancy();
-        let held = app.behind.jobs().map(|jobs| jobs.held_slots()).unwrap_or_default();
+        let jobs = app.behind.jobs();
+        let slots = jobs.map(|jobs| jobs.account_slots());
         let upstream = &app.config.upstream;
         JobsNow {
             in_flight,
@@ -265,10 +266,10 @@ impl JobsNow {
             account_in_use: occupancy.in_flight,
             account_max: app.behind.slots(),
             account_ceiling: app.behind.ceiling(),
-            account_busy: held.busy,
-            account_held_idle: held.held_idle,
-            account_free: app.behind.slots().saturating_sub(occupancy.in_flight),
-            webhooks: app.behind.jobs().map(|_| upstream.webhooks().is_some()),
+            account_busy: slots.map_or(0, |s| s.busy),
+            account_held_idle: slots.map_or(0, |s| s.held_idle),
+            account_free: slots.map_or_else(|| app.behind.slots().saturating_sub(occupancy.in_flight), |s| s.free),
+            webhooks: jobs.map(|jobs| jobs.cadence().webhooks()),
             queue_waiting: occupancy.waiting,
             queue_max: upstream.queue_max,
             videos_waiting: occupancy.waiting_of(crate::upstream::classes::VIDEO),

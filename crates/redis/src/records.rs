@@ -75,10 +75,16 @@ impl RedisStore {
 
     /// Takes `members` out of the announcements at `key`.
     pub async fn withdraw(&self, key: &str, members: &[String]) -> Result<(), StoreError> {
+        self.remove_members("ZREM", key, members).await
+    }
+
+    /// Removes `members` from the set or sorted set at `key` with `command` (`SREM`, `ZREM`); one
+    /// round trip, none for no members.
+    async fn remove_members(&self, command: &str, key: &str, members: &[String]) -> Result<(), StoreError> {
         if members.is_empty() {
             return Ok(());
         }
-        let mut command = ::redis::cmd("ZREM");
+        let mut command = ::redis::cmd(command);
         command.arg(key).arg(members);
         let _: i64 = bounded(&self.address, self.timeout, self.connection.query(&command)).await?;
         Ok(())
@@ -102,13 +108,7 @@ impl RedisStore {
 
     /// Removes `members` from the set at `key`.
     pub async fn set_remove(&self, key: &str, members: &[String]) -> Result<(), StoreError> {
-        if members.is_empty() {
-            return Ok(());
-        }
-        let mut command = ::redis::cmd("SREM");
-        command.arg(key).arg(members);
-        let _: i64 = bounded(&self.address, self.timeout, self.connection.query(&command)).await?;
-        Ok(())
+        self.remove_members("SREM", key, members).await
     }
 
     /// Deletes `keys` (one `DEL`: on a cluster they must share a hash tag); returns how many were

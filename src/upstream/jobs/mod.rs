@@ -65,7 +65,7 @@ mod webhooks;
 
 use cadence::Cadence;
 use mirror::{Outbox, unix_ms};
-pub use view::HeldSlots;
+pub use view::AccountSlots;
 pub use webhooks::{BODY_MAX as WEBHOOK_BODY_MAX, Pushed, WebhookAnswer};
 
 /// Final jobs are remembered this long after their last change, so a late poll still reads

@@ -193,15 +193,17 @@ impl Jobs {
             .collect()
     }
 
-    /// The account's slots this instance's running jobs hold: `busy` before their expected end,
-    /// and `held_idle` past it (not yet known final: most likely ended, the server yet to learn it).
-    pub fn held_slots(&self) -> HeldSlots {
+    /// The account's slots: those this instance's running jobs hold, `busy` before their expected
+    /// end and `held_idle` past it (not yet known final: most likely ended, the server yet to learn
+    /// it), and the account's `free` ones.
+    pub fn account_slots(&self) -> AccountSlots {
         let now = self.clock.now();
+        let free = self.queue.slots().saturating_sub(self.queue.occupancy().in_flight);
         let book = self.book();
         let running = book.values().filter(|j| j.upstream_id.is_some() && !j.last.status.is_terminal());
         let (busy, held_idle) = running
             .fold((0, 0), |(busy, idle), j| if now < j.expected_at { (busy + 1, idle) } else { (busy, idle + 1) });
-        HeldSlots { busy, held_idle }
+        AccountSlots { busy, held_idle, free }
     }
 
     /// Jobs not final yet.
@@ -210,11 +212,13 @@ impl Jobs {
     }
 }
 
-/// The account's slots this instance's running jobs hold ([`Jobs::held_slots`]).
+/// The account's slots as [`Jobs::account_slots`] splits them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct HeldSlots {
-    /// Held by jobs before their expected end.
+pub struct AccountSlots {
+    /// Held by this instance's jobs before their expected end.
     pub busy: usize,
-    /// Held by jobs past their expected end, not yet known final.
+    /// Held by this instance's jobs past their expected end, not yet known final.
     pub held_idle: usize,
+    /// Free for the next job (the account's, every instance's jobs counted).
+    pub free: usize,
 }
