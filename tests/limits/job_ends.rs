@@ -80,10 +80,11 @@ async fn a_restarted_instance_polls_at_the_job_length_the_instances_learnt() {
     let first = TestServer::start(&no_webhooks(&redis)).await;
     let agent = first.client(Some("learner")).await;
     let id = image(&agent, "a slow fox").await;
-    for _ in 0..3 {
+    // Polled at the 2 s hint (nothing learnt yet): running at 2 and 4 s, final at 6 s.
+    for polls in 1..=3 {
         mock_clock.advance(Duration::from_millis(2_000));
         first.advance_ms(2_000);
-        settle().await;
+        eventually("a poll at the hint", || async { mock_usage(&mock.url).await["polls"] == polls }).await;
     }
     eventually("the fox is polled final", || async {
         let r = call(&agent, "get_prediction", json!({ "predict_id": id })).await;
