@@ -187,6 +187,13 @@ mod tests {
         let mut missing = headers(ID, &at, SIGNATURE);
         missing.remove("webhook-signature");
         assert_eq!(refused(missing, BODY, AT), Some(Unverified::Missing("webhook-signature")));
+        let long = "m".repeat(MAX_ID_LEN + 1);
+        let signed_long = key.sign(&long, AT, BODY);
+        assert_eq!(
+            refused(headers(&long, &at, &signed_long), BODY, AT),
+            Some(Unverified::Malformed("webhook-id is too long")),
+            "signed, but too long an id to keep"
+        );
         let other = WebhookKey::parse("whsec_AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA").expect("a secret");
         assert_eq!(other.verify(&headers(ID, &at, SIGNATURE), BODY, AT).err(), Some(Unverified::BadSignature));
     }

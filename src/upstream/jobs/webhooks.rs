@@ -287,3 +287,23 @@ impl Jobs {
         Ok(mine.len())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ids_kept_without_a_shared_store_are_bounded_and_a_full_set_makes_room_as_they_expire() {
+        let seen = SeenIds::default();
+        let (now, until) = (Nanos::ZERO, Nanos::from(SEEN_FOR));
+        for i in 0..SEEN_MAX {
+            assert_eq!(seen.first_sight(&format!("msg_{i}"), now, until), Some(true));
+        }
+        assert_eq!(seen.first_sight("msg_0", now, until), Some(false), "a replay is told apart");
+        assert_eq!(seen.first_sight("msg_new", now, until), None, "full of ids still kept: refused, not grown");
+        assert_eq!(seen.0.lock().map(|s| s.len()).unwrap_or_default(), SEEN_MAX);
+        let later = until + Nanos::new(1);
+        assert_eq!(seen.first_sight("msg_new", later, later + until), Some(true), "the expired ones made room");
+        assert_eq!(seen.0.lock().map(|s| s.len()).unwrap_or_default(), 1);
+    }
+}
