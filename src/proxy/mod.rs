@@ -487,7 +487,8 @@ async fn ask_upstream(
     let handle = peer.send_cancellable_request(request, options).await?;
     let _route = progress
         .map(|(session, token)| upstream.downstream().route_progress(handle.progress_token.clone(), session, token));
-    let (_asks_route, mut asks) = upstream.downstream().route_asks(handle.id.clone());
+    let (_asks_route, mut asks) =
+        upstream.downstream().route_asks(handle.id.clone(), asker.session, asker.capabilities.clone());
     let id = handle.id.clone();
     // Dropped before the answer (the caller cancelled, or the timeout): the proxied
     // server is told to stop.
@@ -601,9 +602,11 @@ pub(crate) struct Outgoing {
 }
 
 /// The caller of a call, as the proxied server's requests reach it: its session (or stateless
-/// request), and the capabilities its client declared.
+/// request), its number among the sessions on its session to the proxied server (`None`: a
+/// 2026-07-28 request, which has none), and the capabilities its client declared.
 pub(crate) struct Asker {
     pub(crate) peer: rmcp::service::Peer<rmcp::RoleServer>,
+    pub(crate) session: Option<u64>,
     pub(crate) capabilities: Option<rmcp::model::ClientCapabilities>,
 }
 

@@ -11,10 +11,14 @@
 //! is waiting for the server's answer ([`Downstream::route_asks`]), which asks its own caller
 //! ([`Ask`]) and hands the answer back. Which call a request belongs to is the HTTP response stream
 //! it arrived on (rmcp's [`InboundStreamOrigin`]: a 2025-11-25 server sends a call's requests on
-//! that call's stream). A request on no call's stream — over stdio, where there are no streams, or
-//! one the server sends on its own — is refused: the proxy cannot tell whose it is, and answering
-//! for one caller what another asked would leak; except on a session that serves one downstream
-//! session (`upstream_sessions = "session"`), where everything it asks is that session's.
+//! that call's stream). A request on no call's stream — every request of a stdio child, where
+//! there are no streams, or one the server sends on its own — goes to the one downstream session
+//! that can be its asker ([`Downstream::off_stream`]): the only call in flight on this session to
+//! the proxied server whose caller declared the capability it needs, else the only downstream
+//! session on it. With more than one candidate it is refused: the proxy cannot tell whose it is,
+//! and answering for one caller what another asked would leak. Every candidate is of the one scope
+//! whose session this is (`proxy.upstream_sessions`: a tenant's callers, one address's unverified
+//! callers, or one downstream session), so an answer never crosses a tenant.
 //!
 //! **Log levels.** The proxied server has one level, for its one client (the proxy); each session
 //! has its own. A session's `logging/setLevel` is recorded for it alone, and the proxied server's
@@ -54,9 +58,6 @@ pub struct Downstream {
     /// Rung when the proxied server's tools changed (or it came back): the list is fetched again
     /// (one bell for every session to it).
     tools_changed: Arc<Notify>,
-    /// Whether its upstream session serves one downstream session by design (`upstream_sessions =
-    /// "session"`): then what the proxied server asks off any call's stream is that session's.
-    sole: std::sync::atomic::AtomicBool,
     /// The level last set on the proxied server, held while a new one is set so that two
     /// sessions' `setLevel`s reach it in the order their levels were recorded.
     pub(super) upstream_level: tokio::sync::Mutex<Option<LoggingLevel>>,
@@ -91,8 +92,24 @@ struct State {
     /// The log level each session asked for; a session not here hears no log message.
     levels: HashMap<u64, LoggingLevel>,
     /// The upstream request id of a call waiting for its answer → where the proxied server's
-    /// requests made while serving it go.
-    asks: HashMap<RequestId, mpsc::Sender<Asked>>,
+    /// requests made while serving it go, and who its caller is.
+    asks: HashMap<RequestId, CallAsks>,
+}
+
+/// Where the proxied server's requests for one call in flight go: to the call, which asks its
+/// caller (a downstream session, or a 2026-07-28 request of none) whose client declared
+/// `capabilities`.
+struct CallAsks {
+    to: mpsc::Sender<Asked>,
+    session: Option<u64>,
+    capabilities: Option<ClientCapabilities>,
+}
+
+/// Who answers a request the proxied server sent: a call in flight (its caller is asked within
+/// the call's own request), or a downstream session with none.
+enum Answerer {
+    Call(mpsc::Sender<Asked>),
+    Session(Peer<RoleServer>),
 }
 
 /// What the proxied server asks of a caller while it serves the caller's call.
@@ -130,6 +147,15 @@ impl Ask {
         }
     }
 
+    /// Whether a client that declared `capabilities` can be asked this.
+    fn declared(&self, capabilities: Option<&ClientCapabilities>) -> bool {
+        capabilities.is_some_and(|c| match self {
+            Ask::Sampling(_) => c.sampling.is_some(),
+            Ask::Elicitation(_) => c.elicitation.is_some(),
+            Ask::Roots => c.roots.is_some(),
+        })
+    }
+
     /// Asks `caller` (its client declared `capabilities`, if it said): refused, without asking,
     /// when its client did not declare the capability the request needs.
     #[allow(deprecated)] // Sampling and roots are legacy in 2026-07-28, and still what servers send.
@@ -139,12 +165,7 @@ impl Ask {
         capabilities: Option<&ClientCapabilities>,
     ) -> Result<Reply, ErrorData> {
         let method = self.method();
-        let declared = capabilities.is_some_and(|c| match &self {
-            Ask::Sampling(_) => c.sampling.is_some(),
-            Ask::Elicitation(_) => c.elicitation.is_some(),
-            Ask::Roots => c.roots.is_some(),
-        });
-        if !declared {
+        if !self.declared(capabilities) {
             return Err(ErrorData::invalid_request(
                 format!("the caller's client did not declare the capability `{method}` needs: it cannot be asked"),
                 None,
@@ -169,14 +190,12 @@ impl std::fmt::Debug for Downstream {
 }
 
 impl Downstream {
-    /// No sessions yet; `tools_changed` rung when the proxied server says its tools changed;
-    /// `sole` when its upstream session serves one downstream session by design.
-    pub fn new(tools_changed: Arc<Notify>, sole: bool) -> Self {
+    /// No sessions yet; `tools_changed` rung when the proxied server says its tools changed.
+    pub fn new(tools_changed: Arc<Notify>) -> Self {
         Self {
             next: AtomicU64::new(0),
             state: Mutex::default(),
             tools_changed,
-            sole: std::sync::atomic::AtomicBool::new(sole),
             upstream_level: tokio::sync::Mutex::new(None),
             changes: tokio::sync::broadcast::Sender::new(CHANGES_KEPT),
         }
@@ -212,35 +231,47 @@ impl Downstream {
     }
 
     /// The proxied server's requests made while it serves the upstream call `upstream` go to the
-    /// returned receiver, until the route is dropped (the call has its answer, or was dropped).
-    pub fn route_asks(self: &Arc<Self>, upstream: RequestId) -> (AskRoute, mpsc::Receiver<Asked>) {
-        let (sender, receiver) = mpsc::channel(4);
-        self.state().asks.insert(upstream.clone(), sender);
+    /// returned receiver, until the route is dropped (the call has its answer, or was dropped);
+    /// its caller is downstream session `session` (`None`: a 2026-07-28 request), whose client
+    /// declared `capabilities`.
+    pub fn route_asks(
+        self: &Arc<Self>,
+        upstream: RequestId,
+        session: Option<u64>,
+        capabilities: Option<ClientCapabilities>,
+    ) -> (AskRoute, mpsc::Receiver<Asked>) {
+        let (to, receiver) = mpsc::channel(4);
+        self.state().asks.insert(upstream.clone(), CallAsks { to, session, capabilities });
         (AskRoute { upstream, downstream: self.clone() }, receiver)
     }
 
-    /// Hands `ask` to the call whose response stream it arrived on, and waits for its caller's
-    /// answer; refused when it arrived on no call's stream, or that call is no longer waiting.
+    /// Hands `ask` to the call whose response stream it arrived on, or for a request on no call's
+    /// stream to the one downstream session that can be its asker ([`Downstream::off_stream`]),
+    /// and waits for the answer; refused when there is no such call or session, or more than one.
     async fn ask(&self, context: &RequestContext<RoleClient>, ask: Ask) -> Result<Reply, ErrorData> {
         let method = ask.method();
-        let route = match context.extensions.get::<InboundStreamOrigin>() {
-            Some(InboundStreamOrigin::OutboundRequest(call)) => self.state().asks.get(call).cloned(),
-            _ => None,
+        let answerer = match context.extensions.get::<InboundStreamOrigin>() {
+            Some(InboundStreamOrigin::OutboundRequest(call)) => {
+                self.state().asks.get(call).map(|call| Answerer::Call(call.to.clone()))
+            }
+            _ => self.off_stream(&ask),
         };
-        let Some(route) = route else {
-            // An upstream session of one downstream session (`upstream_sessions = "session"`):
-            // whatever it asks is that session's caller's to answer.
-            if let Some(caller) = self.sole_session() {
+        let route = match answerer {
+            Some(Answerer::Call(route)) => route,
+            Some(Answerer::Session(caller)) => {
                 let capabilities = caller.peer_info().map(|info| info.capabilities.clone());
                 return ask.of(&caller, capabilities.as_ref()).await;
             }
-            return Err(ErrorData::invalid_request(
-                format!(
-                    "`{method}` did not come on the stream of a call in flight: the proxy, which serves many \
-                     callers, cannot tell whose it is"
-                ),
-                None,
-            ));
+            None => {
+                return Err(ErrorData::invalid_request(
+                    format!(
+                        "`{method}` did not come on the stream of a call in flight, and more than one caller on \
+                         this session to the proxied server could have asked it (or none): the proxy cannot tell \
+                         whose it is"
+                    ),
+                    None,
+                ));
+            }
         };
         let gone = || ErrorData::invalid_request(format!("the call `{method}` was asked for is over"), None);
         let (reply, answer) = oneshot::channel();
@@ -248,21 +279,28 @@ impl Downstream {
         answer.await.map_err(|_| gone())?
     }
 
-    /// From now on its upstream session serves one downstream session by design.
-    pub fn serve_one(&self) {
-        self.sole.store(true, Ordering::Relaxed);
-    }
-
-    /// The one downstream session this upstream session serves, where it serves one by design.
-    fn sole_session(&self) -> Option<Peer<RoleServer>> {
-        if !self.sole.load(Ordering::Relaxed) {
-            return None;
-        }
+    /// Who answers `ask`, which the proxied server sent on no call's stream (over stdio every
+    /// request is; a server may also ask on its own). With calls in flight on this session to it:
+    /// the one caller among them whose client declared what `ask` needs, or, none having
+    /// declared it, the one caller of them all (asked, it is refused for want of the capability).
+    /// A session's several calls are one caller; a 2026-07-28 request, which has no session, is
+    /// never one that can be asked. With no call in flight: the only downstream session on it.
+    /// `None` when there is no candidate, or more than one. Every candidate is of the scope whose
+    /// session this is, never another tenant's.
+    fn off_stream(&self, ask: &Ask) -> Option<Answerer> {
         let mut state = self.state();
         state.prune();
+        if !state.asks.is_empty() {
+            let declared: Vec<&CallAsks> =
+                state.asks.values().filter(|call| ask.declared(call.capabilities.as_ref())).collect();
+            let pool = if declared.is_empty() { state.asks.values().collect() } else { declared };
+            let first = pool.first()?;
+            let one_caller = first.session.is_some() && pool.iter().all(|call| call.session == first.session);
+            return one_caller.then(|| Answerer::Call(first.to.clone()));
+        }
         let mut sessions = state.sessions.values();
         match (sessions.next(), sessions.next()) {
-            (Some(only), None) => Some(only.clone()),
+            (Some(only), None) => Some(Answerer::Session(only.clone())),
             _ => None,
         }
     }

@@ -189,7 +189,7 @@ impl Scopes {
     ) -> Result<Arc<Self>, LinkError> {
         let tools_changed = Arc::new(Notify::new());
         let start = Start { target, config: config.clone(), clock, stop, tools_changed };
-        let shared = start.upstream(breaker, false).await?;
+        let shared = start.upstream(breaker).await?;
         let scopes = Arc::new(Self {
             mode: config.upstream_sessions,
             shared,
@@ -274,9 +274,6 @@ impl Scopes {
                 place.slot.clone()
             } else if self.adopter.set(scope.clone()).is_ok() {
                 // The first scope takes the proxy's own session: it opens nothing.
-                if self.mode == UpstreamSessions::Session {
-                    self.shared.downstream.serve_one();
-                }
                 return Ok(self.shared.clone());
             } else {
                 let unverified = caller.unverified_from().is_some();
@@ -304,8 +301,7 @@ impl Scopes {
                     .await
                     .map_err(Unopened::Refused)?;
                 let breaker = Arc::new(Breaker::new(SCOPE_BREAKER_FAILURES, SCOPE_BREAKER_COOLDOWN));
-                let sole = self.mode == UpstreamSessions::Session;
-                self.start.upstream(breaker, sole).await.map_err(Unopened::Unreachable)
+                self.start.upstream(breaker).await.map_err(Unopened::Unreachable)
             })
             .await
             .cloned();
@@ -366,9 +362,9 @@ impl Scopes {
 
 impl Start {
     /// A session to the proxied server, connected now, kept up (its breaker `breaker`) until
-    /// closed or the proxy stops; `sole` when it serves one downstream session.
-    async fn upstream(&self, breaker: Arc<Breaker>, sole: bool) -> Result<Arc<Upstream>, LinkError> {
-        let downstream = Arc::new(Downstream::new(self.tools_changed.clone(), sole));
+    /// closed or the proxy stops.
+    async fn upstream(&self, breaker: Arc<Breaker>) -> Result<Arc<Upstream>, LinkError> {
+        let downstream = Arc::new(Downstream::new(self.tools_changed.clone()));
         let relay = Relay::new(downstream.clone());
         let stop = self.stop.child_token();
         let changed = self.tools_changed.clone();

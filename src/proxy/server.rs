@@ -331,7 +331,7 @@ impl ServerHandler for ProxyServer {
         let unopened = upstream.as_ref().err().cloned();
         let session = self.membership.get().map(Membership::id);
         let progress = session.zip(context.meta.get_progress_token());
-        let asker = Asker { peer: context.peer.clone(), capabilities: context.client_capabilities() };
+        let asker = Asker { peer: context.peer.clone(), session, capabilities: context.client_capabilities() };
         let asked = request.clone();
         let meta = with_trace_context(&context);
         let outgoing = upstream.map(|upstream| Outgoing { request, meta, progress, asker, upstream });

@@ -97,10 +97,20 @@ async fn direct((program, args): (String, Vec<String>)) -> rmcp::service::Runnin
     Asked::default().serve(child).await.expect("handshake")
 }
 
-/// A client that can be asked (it declares sampling, elicitation and roots) and answers sampling,
-/// recording every request it was asked.
-#[derive(Clone, Default)]
-struct Asked(Arc<std::sync::Mutex<Vec<String>>>);
+/// A client that can be asked (it declares sampling, elicitation and roots) and answers sampling
+/// (`sampled by NAME`) and roots (`file:///work/NAME`) as its name says, recording every request
+/// it was asked.
+#[derive(Clone)]
+struct Asked {
+    asked: Arc<std::sync::Mutex<Vec<String>>>,
+    name: &'static str,
+}
+
+impl Default for Asked {
+    fn default() -> Self {
+        Self::named("the-caller-that-asked")
+    }
+}
 
 #[allow(deprecated)] // Sampling and roots are legacy in 2026-07-28, and what 2025-11-25 servers send.
 impl rmcp::ClientHandler for Asked {
@@ -117,8 +127,8 @@ impl rmcp::ClientHandler for Asked {
         params: rmcp::model::CreateMessageRequestParams,
         _context: rmcp::service::RequestContext<rmcp::RoleClient>,
     ) -> Result<rmcp::model::CreateMessageResult, rmcp::ErrorData> {
-        self.0.lock().expect("a lock nobody panicked holding").push(serde_json::to_string(&params).unwrap_or_default());
-        let answer = rmcp::model::SamplingMessage::assistant_text("sampled by the caller that asked");
+        self.asked.lock().expect("a lock nobody panicked holding").push(serde_json::to_string(&params).unwrap_or_default());
+        let answer = rmcp::model::SamplingMessage::assistant_text(format!("sampled by {}", self.name));
         Ok(rmcp::model::CreateMessageResult::new(answer, "test-model".to_owned()))
     }
 
@@ -126,14 +136,18 @@ impl rmcp::ClientHandler for Asked {
         &self,
         _context: rmcp::service::RequestContext<rmcp::RoleClient>,
     ) -> Result<rmcp::model::ListRootsResult, rmcp::ErrorData> {
-        self.0.lock().expect("a lock nobody panicked holding").push("roots/list".to_owned());
-        Ok(rmcp::model::ListRootsResult::new(vec![rmcp::model::Root::new("file:///work/the-caller-that-asked")]))
+        self.asked.lock().expect("a lock nobody panicked holding").push("roots/list".to_owned());
+        Ok(rmcp::model::ListRootsResult::new(vec![rmcp::model::Root::new(format!("file:///work/{}", self.name))]))
     }
 }
 
 impl Asked {
+    fn named(name: &'static str) -> Self {
+        Self { asked: Arc::default(), name }
+    }
+
     fn asked(&self) -> Vec<String> {
-        self.0.lock().expect("a lock nobody panicked holding").clone()
+        self.asked.lock().expect("a lock nobody panicked holding").clone()
     }
 }
 
@@ -235,7 +249,7 @@ async fn what_the_proxied_server_asks_during_a_call_reaches_that_callers_session
             .with_arguments(json!({"prompt": prompt}).as_object().cloned().unwrap_or_default())
     };
     let answered = alice.call_tool(sample("alice's question")).await.expect("answered");
-    assert!(text_of(&answered).contains("sampled by the caller that asked"), "{answered:?}");
+    assert!(text_of(&answered).contains("sampled by the-caller-that-asked"), "{answered:?}");
     let asked = alice_asked.asked();
     assert!(asked.len() == 1 && asked[0].contains("alice's question"), "alice was asked once: {asked:?}");
     assert!(carol_asked.asked().is_empty(), "carol, who can be asked too, was not");
@@ -247,15 +261,66 @@ async fn what_the_proxied_server_asks_during_a_call_reaches_that_callers_session
     assert!(said.contains("did not declare"), "the reason reaches him: {said}");
     assert_eq!((alice_asked.asked().len(), carol_asked.asked().len()), (1, 0), "nobody answered for bob");
 
-    // Over stdio nothing says which call a request is for: refused, nobody asked.
-    let proxy = Proxy::start("", command(everything("stdio"))).await;
-    let config = StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()).auth_header("alice-0123456789abcdef");
-    let dave_asked = Asked::default();
-    let dave = dave_asked.clone().serve(StreamableHttpClientTransport::from_config(config)).await.expect("connects");
-    let refused = dave.call_tool(sample("dave's question")).await;
-    let said = format!("{refused:?}");
-    assert!(!said.contains("sampled by") && said.contains("cannot tell whose it is"), "{said}");
-    assert!(dave_asked.asked().is_empty(), "{:?}", dave_asked.asked());
+}
+
+/// Over stdio nothing marks which call a request is for, but a tenant's child serves that tenant
+/// alone: what it asks goes to the one caller of its scope that can have asked (the only call in
+/// flight whose client declared the capability, else the scope's only session). Two tenants'
+/// clients, each able to be asked, each get their own answer and never the other's — the rmcp
+/// client and the Python SDK's (2025-11-25) alike; a second idle session of one tenant is not
+/// asked for the first's call; and a caller whose client cannot be asked hears why, nobody asked
+/// for it.
+#[tokio::test]
+async fn a_stdio_childs_questions_reach_the_one_caller_of_its_tenant_that_can_have_asked() {
+    let keys = ["acme-0123456789abcdef", "globex-0123456789abcdef"];
+    let toml = format!(
+        "[loop_detection]\nenabled = false\n[auth]\nkeys = [{{ sha256 = \"{}\", tenant = \"acme\" }}, \
+         {{ sha256 = \"{}\", tenant = \"globex\" }}]\n",
+        sha256_hex(keys[0]),
+        sha256_hex(keys[1])
+    );
+    let proxy = Proxy::start(&toml, command(everything("stdio"))).await;
+    let session = |key: &str| StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()).auth_header(key);
+    let (acme_asked, globex_asked) = (Asked::named("acme"), Asked::named("globex"));
+    let acme = acme_asked.clone().serve(StreamableHttpClientTransport::from_config(session(keys[0])));
+    let acme = acme.await.expect("acme connects");
+    let globex = globex_asked.clone().serve(StreamableHttpClientTransport::from_config(session(keys[1])));
+    let globex = globex.await.expect("globex connects");
+    let sample = |prompt: &str| json!({"prompt": prompt});
+    for (client, name, other) in [(&acme, "acme", &globex_asked), (&globex, "globex", &acme_asked)] {
+        let before = other.asked().len();
+        let sampled = call(client, "trigger-sampling-request", sample(&format!("{name}'s question"))).await;
+        assert!(text_of(&sampled).contains(&format!("sampled by {name}")), "{name}: {sampled:?}");
+        let roots = call(client, "get-roots-list", json!({})).await;
+        assert!(text_of(&roots).contains(&format!("file:///work/{name}")), "{name}: {roots:?}");
+        assert_eq!(other.asked().len(), before, "the other tenant was not asked for {name}");
+    }
+    // The Python SDK of the 2025-11-25 era, answering as itself: its own sampling answer; the roots
+    // are what its tenant's child learnt from its tenant (server-everything keeps them per session).
+    for (key, tenant) in [(keys[0], "acme"), (keys[1], "globex")] {
+        let (header, name) = (format!("Authorization: Bearer {key}"), format!("{tenant}-python"));
+        let steps = json!([
+            {"op": "call", "tool": "trigger-sampling-request", "args": {"prompt": "a question"}},
+            {"op": "call", "tool": "get-roots-list", "args": {}},
+        ]);
+        let walked = python::walk(&proxy.url, "legacy", steps, &["-H", &header, "--answer-as", &name]).await;
+        let text = |step: usize| walked["steps"][step]["ok"]["text"].as_str().unwrap_or_default().to_owned();
+        assert!(python::all_ok(&walked) && text(0).contains(&format!("sampled by {name}")), "{walked}");
+        assert!(text(1).contains(&format!("file:///work/{tenant}")), "{walked}");
+    }
+    // A second session of acme's, idle: acme's call in flight is the one that asked.
+    let (idle_asked, before) = (Asked::named("acme-idle"), acme_asked.asked().len());
+    let idle = idle_asked.clone().serve(StreamableHttpClientTransport::from_config(session(keys[0])));
+    let _idle = idle.await.expect("a second acme session connects");
+    let sampled = call(&acme, "trigger-sampling-request", sample("acme's again")).await;
+    assert!(text_of(&sampled).contains("sampled by acme"), "{sampled:?}");
+    assert!(idle_asked.asked().is_empty() && acme_asked.asked().len() == before + 1, "{:?}", idle_asked.asked());
+    // A made-up key's client declares nothing: its own call is the one that asked, and it cannot be.
+    let bob = ().serve(StreamableHttpClientTransport::from_config(session("bob-0123456789abcdef"))).await;
+    let (bob, asked_before) = (bob.expect("bob connects"), acme_asked.asked().len() + globex_asked.asked().len());
+    let refused = format!("{:?}", call(&bob, "trigger-sampling-request", sample("bob's question")).await);
+    assert!(refused.contains("did not declare") && !refused.contains("sampled by"), "{refused}");
+    assert_eq!(acme_asked.asked().len() + globex_asked.asked().len(), asked_before, "nobody answered for bob");
 }
 
 /// With `proxy.upstream_sessions = "session"`, a stdio child serves one downstream session, so what
