@@ -213,8 +213,19 @@ impl App {
                 mcp_at(move || McpServer::new(app.clone(), own.clone(), Transport::Http), session_manager, config)
             }
             Serving::Proxy(proxied) => {
+                let lane = crate::proxy::Lane::new(proxied.clone(), app.limits.clone(), session_manager.clone());
                 let (proxied, limits) = (proxied.clone(), app.limits.clone());
-                mcp_at(move || ProxyServer::new(proxied.clone(), limits.clone()), session_manager, config)
+                let service = StreamableHttpService::new(
+                    move || Ok(ProxyServer::new(proxied.clone(), limits.clone())),
+                    session_manager,
+                    config,
+                );
+                // The relay lane before rmcp: what the proxy only forwards, forwarded as it came.
+                let service = tower::ServiceBuilder::new()
+                    .layer(crate::http::StepLayer::new(lane))
+                    .map_response(|response: http::Response<_>| response.map(axum::body::Body::new))
+                    .service(Shared::new(service));
+                Router::new().nest_service("/mcp", service)
             }
         };
         let allowed =

@@ -6,7 +6,7 @@ pub mod server;
 pub mod stdio;
 pub mod tools;
 
-pub use mcp_ratelimit_rmcp::{limited, results, trace};
+pub use mcp_ratelimit_rmcp::{limited, raw, results, trace};
 
 pub use limited::LimitedRouter;
 pub use server::{McpServer, Transport};

@@ -237,6 +237,11 @@ pub struct Link {
     info: ArcSwapOption<ServerPeerInfo>,
     /// The child's process id, while one runs (for logs, and tests that kill it).
     child: std::sync::Mutex<Option<u32>>,
+    /// The HTTP client of its sessions (and of the relay lane): one pool of connections.
+    client: reqwest::Client,
+    /// The proxied server's id for the session over HTTP (`Mcp-Session-Id`), as rmcp's client
+    /// last sent it: what the relay lane's requests on the session carry.
+    session_id: Arc<ArcSwapOption<String>>,
 }
 
 impl std::fmt::Debug for Link {
@@ -337,6 +342,13 @@ impl Link {
             peer: ArcSwapOption::empty(),
             info: ArcSwapOption::empty(),
             child: std::sync::Mutex::new(None),
+            // A pooled client (the default one opens a connection per request), each request
+            // sent at once (`TCP_NODELAY`, reqwest's default, said here so it stays so).
+            client: reqwest::Client::builder().tcp_nodelay(true).build().map_err(|e| LinkError::Handshake {
+                target: "the proxied server".to_owned(),
+                reason: format!("no HTTP client: {e}"),
+            })?,
+            session_id: Arc::new(ArcSwapOption::empty()),
         });
         let session = link.connect(relay.clone()).await?;
         link.up(&session, &relay);
@@ -358,6 +370,16 @@ impl Link {
     /// What the proxied server said of itself at its last handshake.
     pub fn info(&self) -> Option<Arc<ServerPeerInfo>> {
         self.info.load_full()
+    }
+
+    /// The HTTP client its sessions use.
+    pub fn client(&self) -> &reqwest::Client {
+        &self.client
+    }
+
+    /// The proxied server's id for the session over HTTP (`Mcp-Session-Id`), once it gave one.
+    pub fn session_id(&self) -> Option<Arc<String>> {
+        self.session_id.load_full()
     }
 
     /// The stdio child's process id, while one runs.
@@ -419,6 +441,8 @@ impl Link {
         let connecting = async {
             match &self.target {
                 Target::Http { url, headers } => {
+                    // A new session: its id is the one rmcp's client sends from now on.
+                    self.session_id.store(None);
                     let headers: HashMap<_, _> = headers.iter().cloned().collect();
                     // As many requests at once as the proxy lets through, and the subscription
                     // it holds open ([`hear_changes`]): the transport's own limit (16) would be a
@@ -426,8 +450,8 @@ impl Link {
                     let config = StreamableHttpClientTransportConfig::with_uri(url.as_str())
                         .custom_headers(headers)
                         .max_concurrent_requests(self.concurrency.saturating_add(1));
-                    // A pooled client: the default one opens a connection per request.
-                    let transport = StreamableHttpClientTransport::with_client(Traced(reqwest::Client::new()), config);
+                    let traced = Traced { client: self.client.clone(), session_id: self.session_id.clone() };
+                    let transport = StreamableHttpClientTransport::with_client(traced, config);
                     relay
                         .serve_with_lifecycle(transport, lifecycle(self.protocol))
                         .await
@@ -455,9 +479,24 @@ impl Link {
 /// The HTTP client of a proxied server's session: reqwest, as rmcp drives it, with the W3C trace
 /// context a forwarded request carries in its `_meta` (`traceparent`, `tracestate`: the proxy's
 /// span, when traces are on) also sent as headers, where an HTTP server instrumented with
-/// OpenTelemetry reads it. Anything else passes as it is.
+/// OpenTelemetry reads it; it notes the session's id as rmcp sends it, for the relay lane.
+/// Anything else passes as it is.
 #[derive(Clone)]
-struct Traced(reqwest::Client);
+struct Traced {
+    client: reqwest::Client,
+    session_id: Arc<ArcSwapOption<String>>,
+}
+
+impl Traced {
+    /// Notes `id` as the session's, where it is a new one.
+    fn note(&self, id: Option<&Arc<str>>) {
+        if let Some(id) = id
+            && self.session_id.load().as_deref().is_none_or(|known| known.as_str() != &**id)
+        {
+            self.session_id.store(Some(Arc::new(id.to_string())));
+        }
+    }
+}
 
 /// `headers` with the trace context of `message`'s `_meta`, if it is a request carrying one.
 fn with_trace_headers(
@@ -486,7 +525,8 @@ impl StreamableHttpClient for Traced {
         custom_headers: HashMap<HeaderName, HeaderValue>,
     ) -> impl Future<Output = Result<StreamableHttpPostResponse, StreamableHttpError<Self::Error>>> + Send + '_ {
         let headers = with_trace_headers(&message, custom_headers);
-        self.0.post_message(uri, message, session_id, auth_header, headers)
+        self.note(session_id.as_ref());
+        self.client.post_message(uri, message, session_id, auth_header, headers)
     }
 
     fn post_message_with_max_sse_event_size(
@@ -499,7 +539,15 @@ impl StreamableHttpClient for Traced {
         max_sse_event_size: usize,
     ) -> impl Future<Output = Result<StreamableHttpPostResponse, StreamableHttpError<Self::Error>>> + Send + '_ {
         let headers = with_trace_headers(&message, custom_headers);
-        self.0.post_message_with_max_sse_event_size(uri, message, session_id, auth_header, headers, max_sse_event_size)
+        self.note(session_id.as_ref());
+        self.client.post_message_with_max_sse_event_size(
+            uri,
+            message,
+            session_id,
+            auth_header,
+            headers,
+            max_sse_event_size,
+        )
     }
 
     fn post_message_with_response_limits(
@@ -512,7 +560,8 @@ impl StreamableHttpClient for Traced {
         limits: StreamableHttpResponseLimits,
     ) -> impl Future<Output = Result<StreamableHttpPostResponse, StreamableHttpError<Self::Error>>> + Send + '_ {
         let headers = with_trace_headers(&message, custom_headers);
-        self.0.post_message_with_response_limits(uri, message, session_id, auth_header, headers, limits)
+        self.note(session_id.as_ref());
+        self.client.post_message_with_response_limits(uri, message, session_id, auth_header, headers, limits)
     }
 
     fn delete_session(
@@ -522,7 +571,7 @@ impl StreamableHttpClient for Traced {
         auth_header: Option<String>,
         custom_headers: HashMap<HeaderName, HeaderValue>,
     ) -> impl Future<Output = Result<(), StreamableHttpError<Self::Error>>> + Send + '_ {
-        self.0.delete_session(uri, session_id, auth_header, custom_headers)
+        self.client.delete_session(uri, session_id, auth_header, custom_headers)
     }
 
     fn get_stream(
@@ -534,7 +583,7 @@ impl StreamableHttpClient for Traced {
         custom_headers: HashMap<HeaderName, HeaderValue>,
     ) -> impl Future<Output = Result<BoxStream<'static, Result<Sse, SseError>>, StreamableHttpError<Self::Error>>> + Send + '_
     {
-        self.0.get_stream(uri, session_id, last_event_id, auth_header, custom_headers)
+        self.client.get_stream(uri, session_id, last_event_id, auth_header, custom_headers)
     }
 
     fn get_stream_with_max_sse_event_size(
@@ -547,7 +596,7 @@ impl StreamableHttpClient for Traced {
         max_sse_event_size: usize,
     ) -> impl Future<Output = Result<BoxStream<'static, Result<Sse, SseError>>, StreamableHttpError<Self::Error>>> + Send + '_
     {
-        self.0.get_stream_with_max_sse_event_size(
+        self.client.get_stream_with_max_sse_event_size(
             uri,
             session_id,
             last_event_id,

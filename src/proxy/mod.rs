@@ -35,9 +35,13 @@
 //! child get the proxy's secrets: it starts from an empty environment plus what [`ChildEnv`]
 //! allows, and never an `MCP_RL__` variable.
 
+mod came;
+pub mod lane;
 pub mod link;
+mod open_tasks;
 pub mod relay;
 pub mod scopes;
+mod seat;
 mod server;
 pub mod tasks;
 
@@ -48,13 +52,13 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use rmcp::ErrorData;
 use rmcp::model::{
-    CallToolRequest, CallToolRequestParams, CallToolResponse, ClientRequest, GetTaskParams, GetTaskRequest,
-    ProgressToken, RequestMetaObject, ServerResult, Task, TaskPayload, Tool,
+    CallToolRequest, CallToolRequestParams, ClientRequest, ProgressToken, RequestMetaObject, ServerResult, Tool,
 };
 use rmcp::service::{PeerRequestOptions, ServiceError};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+pub use lane::Lane;
 pub use link::{ChildEnv, Link, LinkError, Target};
 pub use relay::{Downstream, Relay};
 pub use scopes::{Scopes, Upstream};
@@ -65,7 +69,7 @@ use crate::clock::{Nanos, SharedClock};
 use crate::config::Config;
 use crate::guard::{Admitted, Held, Refusal, Used, Worked};
 use crate::identity::Caller;
-use crate::mcp::limited::ToolAnswer;
+use crate::mcp::limited::{Said, ToolAnswer};
 use crate::rate_limits::RateLimits;
 use crate::state::Behind;
 use crate::upstream::adaptive::AdaptiveLimit;
@@ -94,6 +98,8 @@ pub struct Proxied {
     /// How many times its tools were learnt again since it started: what a 2026-07-28
     /// subscription to `notifications/tools/list_changed` waits on.
     relearnt: tokio::sync::watch::Sender<u64>,
+    /// The initialized downstream sessions, for the relay lane.
+    seats: seat::Seats,
 }
 
 impl std::fmt::Debug for Proxied {
@@ -185,6 +191,7 @@ impl Proxied {
             mean_call: AtomicU64::new(0),
             tasks: tasks::Owners::new(clock.clone()),
             relearnt: tokio::sync::watch::Sender::new(0),
+            seats: seat::Seats::default(),
         });
         // Without its tools there is nothing to serve: a server that cannot list them is a
         // start-up error, as one that cannot be reached is.
@@ -219,6 +226,33 @@ impl Proxied {
     /// Whether it lists `name`.
     fn lists(&self, name: &str) -> bool {
         self.tools.load().iter().any(|t| t.name == name)
+    }
+
+    /// Whether it is reached over streamable HTTP (then the relay lane serves what it can).
+    fn over_http(&self) -> bool {
+        matches!(self.link().target(), Target::Http { .. })
+    }
+
+    /// What its `tools/list` annotations say of `tool`: its `readOnlyHint`.
+    fn reads_only(&self, tool: &str) -> bool {
+        let tools = self.tools();
+        let annotated = tools.iter().find(|t| t.name == tool).and_then(|t| t.annotations.as_ref());
+        annotated.and_then(|a| a.read_only_hint) == Some(true)
+    }
+
+    /// Why a scope's session could not be had, as the refusal its caller gets.
+    fn unopened_refusal(&self, what: &str, unopened: scopes::Unopened) -> Refusal {
+        match unopened {
+            scopes::Unopened::Refused(refusal) => refusal,
+            scopes::Unopened::Unreachable(error) => self.unavailable_refusal(what, &error.to_string()),
+        }
+    }
+
+    /// `upstream_unavailable` for `what`, with the breaker's time left as the wait (a second when
+    /// it is closed).
+    fn unavailable_refusal(&self, what: &str, detail: &str) -> Refusal {
+        let wait = self.breaker.open_for(self.clock.now()).unwrap_or(Nanos::from_secs(1));
+        gate::unavailable(what, detail, wait)
     }
 
     async fn learn_tools_when_changed(self: Arc<Self>, stop: CancellationToken) {
@@ -289,23 +323,21 @@ impl Proxied {
     /// session.)
     async fn work(self: Arc<Self>, admitted: Admitted<QueuePlace>, outgoing: Outgoing) -> Worked<ToolAnswer> {
         let (meta, upstream) = (outgoing.meta.clone(), outgoing.upstream.clone());
-        let holds_slot = self.limits.guard().policy().holds_slot(&outgoing.request.name);
+        let holds_slot = self.limits.guard().policy().holds_slot(&outgoing.tool);
         match self.forward(&admitted.caller, admitted.place, outgoing).await {
             // A task of a `holds_slot` tool holds its place to the proxied server, its caller's
             // slots and its price until it is final, not until its handle came back. (Only those:
             // the in-flight caps bound how many places one caller's tasks can hold.)
-            Ok((CallToolResponse::Task(task), slot)) if holds_slot => {
-                let mut held = Held::taking(&admitted.admission);
-                held.hold(slot);
-                let open = OpenTask { task: task.task.clone(), held, meta, upstream };
-                tokio::spawn(self.clone().hold_until_final(open));
-                Worked::Answer(ToolAnswer::relayed(Ok(CallToolResponse::Task(task))))
-            }
-            Ok((CallToolResponse::Complete(done), _slot)) => {
-                let done = crate::mcp::results::without_ours(server::Complete::complete(done));
-                Worked::Answer(ToolAnswer::relayed(Ok(CallToolResponse::Complete(done))))
-            }
-            Ok((other, _slot)) => Worked::Answer(ToolAnswer::relayed(Ok(other))),
+            Ok((said, slot)) => match came::task_of(&said) {
+                Some(task) if holds_slot => {
+                    let mut held = Held::taking(&admitted.admission);
+                    held.hold(slot);
+                    let open = open_tasks::OpenTask { task, held, meta, upstream };
+                    tokio::spawn(self.clone().hold_until_final(open));
+                    Worked::Answer(came::relayed(said))
+                }
+                _ => Worked::Answer(came::relayed(said)),
+            },
             Err(unanswered) => unanswered,
         }
     }
@@ -327,12 +359,12 @@ impl Proxied {
         place: QueuePlace,
         outgoing: Outgoing,
     ) -> Result<Answered, Worked<ToolAnswer>> {
-        let span = proxied_span(&outgoing.request.name);
+        let span = proxied_span(&outgoing.tool);
         // Boxed: the call's future is large, and a span around it would copy it on the stack.
         let forwarded = Box::pin(self.forward_in(caller, place, outgoing)).instrument(span.clone()).await;
         if !span.is_disabled() {
             let outcome = match &forwarded {
-                Ok((CallToolResponse::Task(_), _)) => "task",
+                Ok((said, _)) if came::task_of(said).is_some() => "task",
                 Ok(_) => "answered",
                 Err(Worked::Answer(_)) => "error",
                 Err(Worked::Refused(_, Used::Nothing)) => "not_sent",
@@ -350,10 +382,9 @@ impl Proxied {
         place: QueuePlace,
         outgoing: Outgoing,
     ) -> Result<Answered, Worked<ToolAnswer>> {
-        let Outgoing { request, meta, progress, asker, upstream } = outgoing;
+        let Outgoing { tool, meta, upstream, sending } = outgoing;
         // Its session stays open while it is in flight (a 2026-07-28 caller's has no other hold).
         let _in_flight = upstream.hold(&self.clock);
-        let tool = request.name.to_string();
         let slot = self.turn_of(caller, place, &tool).await?;
         let started = self.clock.now();
         // The proxied server's own time: what it took teaches the limit, the queue's wait does not.
@@ -368,7 +399,15 @@ impl Proxied {
             let wait = self.breaker.open_for(now).unwrap_or(Nanos::from_secs(1));
             return Err(never_sent(gate::unavailable(&tool, "it is restarting", wait)));
         };
-        let answer = self.by(deadline, ask_upstream(&peer, request, meta, progress, &asker, &upstream)).await;
+        let meta = upstream_meta_of_call(&upstream, meta);
+        let answer = match sending {
+            Sending::Rmcp(via) => {
+                let ViaRmcp { request, progress, asker } = *via;
+                let asked = ask_upstream(&peer, request, meta, progress, &asker, &upstream);
+                self.by(deadline, asked).await.map(came::Came::of_rmcp)
+            }
+            Sending::Lane(relayed) => self.by(deadline, relayed.send(&upstream, meta)).await,
+        };
         let now = self.clock.now();
         let took = now - started;
         let mean = Nanos::new(self.mean_call.load(Ordering::Relaxed));
@@ -379,8 +418,8 @@ impl Proxied {
             // any, must not shrink the limit every caller shares (see `Signal::TimedOut`).
             None if caller.unverified_from().is_none() => slot.timed_out().await,
             None => {}
-            Some(Ok(_)) => slot.accepted().await,
-            Some(Err(_)) => {}
+            Some(came::Came::Result(_)) => slot.accepted().await,
+            Some(came::Came::Error(_) | came::Came::Failed(_)) => {}
         }
         self.answered(&tool, permit, now, answer, slot)
     }
@@ -421,61 +460,40 @@ impl Proxied {
         tool: &str,
         permit: crate::breaker::Permit,
         now: Nanos,
-        answer: Option<Result<ServerResult, ServiceError>>,
+        answer: Option<came::Came>,
         slot: AccountSlot,
     ) -> Result<Answered, Worked<ToolAnswer>> {
+        let down = |detail: &str| {
+            let wait = self.breaker.open_for(now).unwrap_or(Nanos::from_secs(1));
+            unavailable_once_sent(gate::unavailable(tool, detail, wait))
+        };
         match answer {
             None => {
                 self.breaker.record(permit, false, now);
-                let wait = self.breaker.open_for(now).unwrap_or(Nanos::from_secs(1));
-                let detail = format!("it did not answer within {} ms", self.timeout.as_millis());
-                Err(unavailable_once_sent(gate::unavailable(tool, &detail, wait)))
+                Err(down(&format!("it did not answer within {} ms", self.timeout.as_millis())))
             }
-            Some(Ok(result)) => {
+            Some(came::Came::Result(said)) => {
                 self.breaker.record(permit, true, now);
-                match result {
-                    ServerResult::CallToolResult(done) => Ok((CallToolResponse::Complete(done), slot)),
-                    ServerResult::CreateTaskResult(task) => Ok((CallToolResponse::Task(task), slot)),
-                    ServerResult::InputRequiredResult(input) => Ok((CallToolResponse::InputRequired(input), slot)),
-                    _ => Err(passed_through(ErrorData::internal_error(
-                        "the proxied server answered tools/call with another kind of result",
-                        None,
-                    ))),
-                }
+                Ok((said, slot))
             }
-            Some(Err(ServiceError::McpError(error))) => {
+            Some(came::Came::Error(error)) => {
                 // It answered: it is up, and its error is the caller's to read.
                 self.breaker.record(permit, true, now);
                 Err(passed_through(error))
             }
-            Some(Err(error)) => {
+            Some(came::Came::Failed(detail)) => {
                 self.breaker.record(permit, false, now);
-                let wait = self.breaker.open_for(now).unwrap_or(Nanos::from_secs(1));
-                // The transport's errors quote the URL, with any password in it.
-                let detail = crate::redact::url(&error.to_string());
-                Err(unavailable_once_sent(gate::unavailable(tool, &detail, wait)))
+                Err(down(&detail))
             }
         }
     }
 }
 
-/// Sends the call to the proxied server under this call's trace context and waits for its
-/// answer, passing on its progress, and asking the caller what the server asks while it serves
-/// the call. Dropped before the answer (the caller cancelled, or the timeout): the proxied server
-/// is told to stop.
-async fn ask_upstream(
-    peer: &rmcp::service::Peer<rmcp::RoleClient>,
-    request: CallToolRequestParams,
-    mut meta: RequestMetaObject,
-    progress: Option<(u64, ProgressToken)>,
-    asker: &Asker,
-    upstream: &Upstream,
-) -> Result<ServerResult, ServiceError> {
-    let request = ClientRequest::CallToolRequest(CallToolRequest::new(request));
-    let mut options = PeerRequestOptions::no_options();
-    // The trace goes on from this call's span, not from the caller's: its context replaces
-    // whatever trace context the caller's `_meta` held (a tracestate the span does not carry
-    // is one it dropped).
+/// What the proxied server hears of a call's `_meta`: what the caller's may carry there
+/// ([`Upstream::upstream_meta`]), under this call's trace context — the trace goes on from this
+/// call's span, not from the caller's: its context replaces whatever trace context the caller's
+/// `_meta` held (a tracestate the span does not carry is one it dropped).
+fn upstream_meta_of_call(upstream: &Upstream, mut meta: RequestMetaObject) -> RequestMetaObject {
     if let Some(ours) = crate::telemetry::context_of(&tracing::Span::current()) {
         meta.0.remove(crate::telemetry::TRACEPARENT);
         meta.0.remove(crate::telemetry::TRACESTATE);
@@ -483,7 +501,24 @@ async fn ask_upstream(
             meta.0.insert(key, value.into());
         }
     }
-    options.meta = Some(upstream.upstream_meta(meta));
+    upstream.upstream_meta(meta)
+}
+
+/// Sends the call to the proxied server through rmcp's client (with `meta`: see
+/// [`upstream_meta_of_call`]) and waits for its answer, passing on its progress, and asking the caller what the server asks while it serves
+/// the call. Dropped before the answer (the caller cancelled, or the timeout): the proxied server
+/// is told to stop.
+async fn ask_upstream(
+    peer: &rmcp::service::Peer<rmcp::RoleClient>,
+    request: CallToolRequestParams,
+    meta: RequestMetaObject,
+    progress: Option<(u64, ProgressToken)>,
+    asker: &Asker,
+    upstream: &Upstream,
+) -> Result<ServerResult, ServiceError> {
+    let request = ClientRequest::CallToolRequest(CallToolRequest::new(request));
+    let mut options = PeerRequestOptions::no_options();
+    options.meta = Some(meta);
     let handle = peer.send_cancellable_request(request, options).await?;
     let _route = progress
         .map(|(session, token)| upstream.downstream().route_progress(handle.progress_token.clone(), session, token));
@@ -527,78 +562,33 @@ fn proxied_span(tool: &str) -> tracing::Span {
 
 /// What a sent call came back with, and its place to the proxied server: given back with the
 /// answer, kept by a task until it is final.
-type Answered = (CallToolResponse, AccountSlot);
+type Answered = (Said, AccountSlot);
 
-/// A task created through the proxy, until it is final: what it holds (its caller's admission —
-/// in-flight slots, the reserved price — and its place among `proxy.max_in_flight`), and the
-/// caller's `_meta` its `tasks/get` goes with (the tasks extension it declared).
-struct OpenTask {
-    task: Task,
-    held: Held,
-    meta: RequestMetaObject,
-    /// The session it was made on, kept open meanwhile.
-    upstream: Arc<Upstream>,
-}
-
-/// How often a task is asked after when it does not say (`pollInterval`), and the least.
-const TASK_POLL: Nanos = Nanos::from_secs(1);
-const TASK_POLL_AT_LEAST: Nanos = Nanos::from_millis(100);
-
-impl Proxied {
-    /// Keeps what `open` holds until its task is final — completed, failed or cancelled, as the
-    /// proxied server says when asked (`tasks/get`, at the task's `pollInterval`), or past its
-    /// `ttl` (a day at most), or unknown to the server — then settles its price: to the
-    /// `_meta.usage.units` a completed result reports where the tool settles by usage, else as
-    /// reserved.
-    async fn hold_until_final(self: Arc<Self>, open: OpenTask) {
-        let OpenTask { task, held, meta, upstream } = open;
-        let kept_open = upstream.hold(&self.clock);
-        let every = task.poll_interval_ms.map_or(TASK_POLL, Nanos::from_millis).max(TASK_POLL_AT_LEAST);
-        let ttl = task.ttl_ms.map_or(tasks::LONGEST, Nanos::from_millis).min(tasks::LONGEST);
-        let until = self.clock.now() + ttl;
-        let used = loop {
-            self.clock.sleep_until((self.clock.now() + every).min(until)).await;
-            if self.clock.now() >= until {
-                break Used::Unreported;
-            }
-            let Some(peer) = upstream.link().peer() else { continue };
-            let request = ClientRequest::GetTaskRequest(GetTaskRequest::new(GetTaskParams::new(task.task_id.clone())));
-            let mut options = PeerRequestOptions::no_options();
-            options.meta = Some(upstream.upstream_meta(meta.clone()));
-            let asked = async { peer.send_request_with_option(request, options).await?.await_response().await };
-            match tokio::time::timeout(link::ANSWER_WITHIN, asked).await {
-                Ok(Ok(ServerResult::GetTaskResult(got))) => match got.task.payload {
-                    TaskPayload::Working | TaskPayload::InputRequired { .. } => {}
-                    TaskPayload::Completed { result } => {
-                        let result = serde_json::from_value::<rmcp::model::CallToolResult>(result.into()).ok();
-                        let units = result.as_ref().and_then(crate::mcp::results::usage_in_meta);
-                        break units.map_or(Used::Unreported, Used::Reported);
-                    }
-                    _ => break Used::Unreported,
-                },
-                // It no longer knows the task: it is over, whatever it came to.
-                Ok(Err(ServiceError::McpError(_))) => break Used::Unreported,
-                // Not reached, or no answer in time: asked again at the next turn.
-                Ok(Ok(_) | Err(_)) | Err(_) => {}
-            }
-        };
-        // Its slots (and the session) go back now; the price settles behind them.
-        let settling = held.finish(used);
-        drop(kept_open);
-        settling.await;
-    }
-}
-
-/// A call on its way to the proxied server: the request, what its caller's `_meta` said, where its
-/// progress goes (a downstream session and the caller's token), and whom to ask what the server
-/// asks while it serves the call.
+/// A call on its way to the proxied server: its tool, what its caller's `_meta` said, the session
+/// to the proxied server it goes on (its caller's scope's), and how it is sent.
 pub(crate) struct Outgoing {
-    pub(crate) request: CallToolRequestParams,
+    pub(crate) tool: String,
     pub(crate) meta: RequestMetaObject,
+    pub(crate) upstream: Arc<Upstream>,
+    pub(crate) sending: Sending,
+}
+
+/// How a call is sent to the proxied server.
+pub(crate) enum Sending {
+    /// Through rmcp's client (a stdio child's session, or a call the relay lane did not take):
+    /// the request, where its progress goes (a downstream session and the caller's token), and
+    /// whom to ask what the server asks while it serves the call.
+    Rmcp(Box<ViaRmcp>),
+    /// Through the relay lane: the caller's request as it came ([`lane`]).
+    Lane(lane::Relayed),
+}
+
+/// A call sent through rmcp's client: the request, where its progress goes (a downstream session
+/// and the caller's token), and whom to ask what the server asks while it serves the call.
+pub(crate) struct ViaRmcp {
+    pub(crate) request: CallToolRequestParams,
     pub(crate) progress: Option<(u64, ProgressToken)>,
     pub(crate) asker: Asker,
-    /// The session to the proxied server it goes on (its caller's scope's).
-    pub(crate) upstream: Arc<Upstream>,
 }
 
 /// The caller of a call, as the proxied server's requests reach it: its session (or stateless

@@ -13,7 +13,7 @@
 //! it arrived on (rmcp's [`InboundStreamOrigin`]: a 2025-11-25 server sends a call's requests on
 //! that call's stream). A request on no call's stream — every request of a stdio child, where
 //! there are no streams, or one the server sends on its own — goes to the one downstream session
-//! that can be its asker ([`Downstream::off_stream`]): the only call in flight on this session to
+//! that can be its asker (`Downstream::off_stream`): the only call in flight on this session to
 //! the proxied server whose caller declared the capability it needs, else the only downstream
 //! session on it. With more than one candidate it is refused: the proxy cannot tell whose it is,
 //! and answering for one caller what another asked would leak. Every candidate is of the one scope
@@ -138,6 +138,23 @@ pub enum Reply {
 pub type Asked = (Ask, oneshot::Sender<Result<Reply, ErrorData>>);
 
 impl Ask {
+    /// What the proxied server asked in `request` (read by the relay lane off a call's stream);
+    /// else the answer the proxy gives itself: `{}` to a ping, an error to anything else.
+    pub fn from_request(request: rmcp::model::ServerRequest) -> Result<Self, Result<String, ErrorData>> {
+        use rmcp::model::ServerRequest;
+        match request {
+            ServerRequest::CreateMessageRequest(asked) => Ok(Ask::Sampling(asked.params)),
+            ServerRequest::ElicitRequest(asked) => Ok(Ask::Elicitation(asked.params)),
+            ServerRequest::ListRootsRequest(_) => Ok(Ask::Roots),
+            ServerRequest::PingRequest(_) => Err(Ok("{}".to_owned())),
+            _ => Err(Err(ErrorData::new(
+                rmcp::model::ErrorCode::METHOD_NOT_FOUND,
+                "the proxy answers no such request",
+                None,
+            ))),
+        }
+    }
+
     /// The method the proxied server sent.
     pub fn method(&self) -> &'static str {
         match self {
@@ -459,14 +476,35 @@ impl Relay {
     }
 }
 
+/// What the proxy's client declares: sampling, elicitation and roots (a server offers the tools
+/// that use them only to a client that does).
+fn declared() -> ClientCapabilities {
+    let mut capabilities = ClientCapabilities::default();
+    capabilities.sampling = Some(SamplingCapability::default());
+    capabilities.elicitation = Some(ElicitationCapability::default());
+    capabilities.roots = Some(RootsCapabilities::default());
+    capabilities
+}
+
+/// Who the proxy's client is.
+fn ours() -> Implementation {
+    Implementation::new("mcp-ratelimit-proxy", env!("CARGO_PKG_VERSION"))
+}
+
+/// What the proxy's client declares, as a request's `_meta` says it (2026-07-28).
+pub fn client_capabilities() -> serde_json::Value {
+    serde_json::to_value(declared()).unwrap_or_default()
+}
+
+/// Who the proxy's client is, as a request's `_meta` says it (2026-07-28).
+pub fn client_info() -> serde_json::Value {
+    serde_json::to_value(ours()).unwrap_or_default()
+}
+
 #[allow(deprecated)] // Logging and resource subscriptions are legacy in 2026-07-28, and still in use.
 impl ClientHandler for Relay {
     fn get_info(&self) -> ClientConfig {
-        let mut capabilities = ClientCapabilities::default();
-        capabilities.sampling = Some(SamplingCapability::default());
-        capabilities.elicitation = Some(ElicitationCapability::default());
-        capabilities.roots = Some(RootsCapabilities::default());
-        ClientConfig::new(capabilities, Implementation::new("mcp-ratelimit-proxy", env!("CARGO_PKG_VERSION")))
+        ClientConfig::new(declared(), ours())
     }
 
     async fn create_message(
@@ -518,11 +556,7 @@ impl ClientHandler for Relay {
         params: LoggingMessageNotificationParam,
         _context: NotificationContext<RoleClient>,
     ) {
-        let heard = severity(params.level);
-        let asked = |state: &State, id: u64| state.levels.get(&id).is_some_and(|l| heard >= severity(*l));
-        for peer in self.downstream.peers(asked) {
-            let _ = peer.notify_logging_message(params.clone()).await;
-        }
+        self.logged(params).await;
     }
 
     async fn on_resource_updated(
@@ -530,12 +564,7 @@ impl ClientHandler for Relay {
         params: ResourceUpdatedNotificationParam,
         _context: NotificationContext<RoleClient>,
     ) {
-        let uri = params.uri.clone();
-        let _ = self.downstream.changes.send(Change::Resource(uri.clone()));
-        let subscribed = |state: &State, id: u64| state.subscribed.get(&uri).is_some_and(|s| s.contains(&id));
-        for peer in self.downstream.peers(subscribed) {
-            let _ = peer.notify_resource_updated(params.clone()).await;
-        }
+        self.updated(params).await;
     }
 
     async fn on_resource_list_changed(&self, _context: NotificationContext<RoleClient>) {
@@ -552,6 +581,39 @@ impl ClientHandler for Relay {
 }
 
 impl Relay {
+    /// What the proxied server sent on its own, heard by the relay lane on a call's stream: relayed
+    /// as rmcp's client relays it (a call's progress goes to its caller's stream instead).
+    pub async fn heard(&self, notification: rmcp::model::ServerNotification) {
+        use rmcp::model::ServerNotification as Heard;
+        match notification {
+            Heard::LoggingMessageNotification(logged) => self.logged(logged.params).await,
+            Heard::ResourceUpdatedNotification(updated) => self.updated(updated.params).await,
+            Heard::ResourceListChangedNotification(_) => self.changed(Change::Resources).await,
+            Heard::PromptListChangedNotification(_) => self.changed(Change::Prompts).await,
+            Heard::ToolListChangedNotification(_) => self.tools_changed(),
+            _ => {}
+        }
+    }
+
+    /// A log message, to the sessions that asked for it, each at its own level.
+    async fn logged(&self, params: LoggingMessageNotificationParam) {
+        let heard = severity(params.level);
+        let asked = |state: &State, id: u64| state.levels.get(&id).is_some_and(|l| heard >= severity(*l));
+        for peer in self.downstream.peers(asked) {
+            let _ = peer.notify_logging_message(params.clone()).await;
+        }
+    }
+
+    /// A resource's update, to the sessions and subscriptions that subscribed to it.
+    async fn updated(&self, params: ResourceUpdatedNotificationParam) {
+        let uri = params.uri.clone();
+        let _ = self.downstream.changes.send(Change::Resource(uri.clone()));
+        let subscribed = |state: &State, id: u64| state.subscribed.get(&uri).is_some_and(|s| s.contains(&id));
+        for peer in self.downstream.peers(subscribed) {
+            let _ = peer.notify_resource_updated(params.clone()).await;
+        }
+    }
+
     /// The proxied server's tools changed: they are learnt again (then every session and
     /// subscription is told).
     pub fn tools_changed(&self) {

@@ -2,7 +2,7 @@
 //! and its resources, prompts, completions, logging and tasks passed through under the
 //! per-method limits.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 #[allow(deprecated)] // Logging and resource subscriptions are legacy in 2026-07-28, and still in use.
 use rmcp::model::{
@@ -21,31 +21,24 @@ use rmcp::service::{
 use rmcp::{ErrorData, RoleClient, RoleServer, ServerHandler};
 use tokio::sync::broadcast::error::RecvError;
 
-use super::relay::{Change, Membership};
-use super::scopes::{self, Hold, Unopened, Upstream};
-use super::{Asker, Outgoing, Proxied};
+use super::relay::Change;
+use super::scopes::{self, Unopened, Upstream};
+use super::seat::Seat;
+use super::{Asker, Outgoing, Proxied, Sending, ViaRmcp};
 use crate::config::UpstreamSessions;
 use crate::guard::{Checked, Door, Refusal, Used, Worked};
 use crate::identity::Caller;
 use crate::mcp::limited::{self, AddTo, Routed};
 use crate::mcp::results;
 use crate::rate_limits::RateLimits;
-use crate::upstream::gate;
 use crate::upstream::queue::QueuePlace;
 
 /// One downstream session's handler.
 pub struct ProxyServer {
     proxied: Arc<Proxied>,
     limits: RateLimits,
-    /// Its number among the downstream sessions (its scope under `proxy.upstream_sessions =
-    /// "session"`).
-    session: u64,
-    /// The downstream session, once initialized (a 2026-07-28 request has none).
-    peer: OnceLock<Peer<RoleServer>>,
-    /// The session to the proxied server it is on, held open while it lives.
-    attached: OnceLock<(Arc<Upstream>, Hold)>,
-    /// The session's place among those the proxied server's notifications go to.
-    membership: OnceLock<Membership>,
+    /// The session, as the proxy keeps it (shared with the relay lane).
+    seat: Arc<Seat>,
 }
 
 /// A request's way to the proxied server: its scope's session, and that session's client.
@@ -56,7 +49,7 @@ struct Asking {
 
 impl std::fmt::Debug for ProxyServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ProxyServer").field("membership", &self.membership).finish_non_exhaustive()
+        f.debug_struct("ProxyServer").field("seat", &self.seat).finish_non_exhaustive()
     }
 }
 
@@ -64,45 +57,26 @@ impl ProxyServer {
     /// A handler for one session, over HTTP or stdio: the caller is the one the HTTP layer named,
     /// and over stdio the local one ([`limited::caller_of`]).
     pub fn new(proxied: Arc<Proxied>, limits: RateLimits) -> Self {
-        let session = proxied.scopes().next_session();
-        Self { proxied, limits, session, peer: OnceLock::new(), attached: OnceLock::new(), membership: OnceLock::new() }
+        let seat = Arc::new(Seat::new(proxied.scopes().next_session()));
+        Self { proxied, limits, seat }
     }
 
     /// The scope of `caller`'s requests in this session (`None`: the proxy's own session).
     fn scope(&self, caller: &Caller) -> Option<String> {
-        self.proxied.scopes().scope_of(caller, self.peer.get().map(|_| self.session))
+        self.seat.scope(&self.proxied, caller)
     }
 
-    /// The session to the proxied server this request goes on: its caller's scope's, opened if
-    /// need be (`what` names what opened it). A downstream session stays on the one it first
-    /// got, which holds it open and tells it what the proxied server says on its own.
+    /// The session to the proxied server this request goes on ([`Seat::upstream`]).
     async fn upstream(&self, context: &RequestContext<RoleServer>, what: &str) -> Result<Arc<Upstream>, Unopened> {
-        if let Some((upstream, _)) = self.attached.get() {
-            return Ok(upstream.clone());
-        }
         let caller = limited::caller_of(&self.limits, context).map_err(|_| {
             Unopened::Refused(Refusal::upstream_unavailable(what, "the caller could not be named", 1_000))
         })?;
-        let scopes = self.proxied.scopes();
-        let upstream = scopes.get(self.scope(&caller), &caller, &self.limits, what).await?;
-        self.attach(&upstream);
-        Ok(upstream)
-    }
-
-    /// Puts an initialized downstream session on `upstream` for as long as it lives.
-    fn attach(&self, upstream: &Arc<Upstream>) {
-        let Some(peer) = self.peer.get() else { return };
-        if self.attached.set((upstream.clone(), upstream.hold(&self.proxied.clock))).is_ok() {
-            let _ = self.membership.set(upstream.downstream().join(peer.clone()));
-        }
+        self.seat.upstream(&self.proxied, &self.limits, &caller, what).await
     }
 
     /// Why a scope's session could not be had, as the refusal its caller gets.
     fn unopened_refusal(&self, what: &str, unopened: Unopened) -> Refusal {
-        match unopened {
-            Unopened::Refused(refusal) => refusal,
-            Unopened::Unreachable(error) => self.unavailable_refusal(what, &error.to_string()),
-        }
+        self.proxied.unopened_refusal(what, unopened)
     }
 
     /// Why a scope's session could not be had, as a JSON-RPC error, on the dashboard as any other
@@ -155,8 +129,7 @@ impl ProxyServer {
     /// `upstream_unavailable` for `what`, with the breaker's time left as the wait (a second when
     /// it is closed).
     fn unavailable_refusal(&self, what: &str, detail: &str) -> Refusal {
-        let wait = self.proxied.breaker.open_for(self.proxied.clock.now()).unwrap_or(crate::clock::Nanos::from_secs(1));
-        gate::unavailable(what, detail, wait)
+        self.proxied.unavailable_refusal(what, detail)
     }
 
     /// `upstream_unavailable` as a JSON-RPC error, with the refusal's data.
@@ -234,10 +207,10 @@ impl ProxyServer {
 /// arguments — where the operator trusts it to (`settle = "usage"`), and what we add goes in
 /// `_meta`.
 #[derive(Debug)]
-struct ToSession<'a> {
-    proxied: &'a Proxied,
+pub(super) struct ToSession<'a> {
+    pub(super) proxied: &'a Proxied,
     /// Why its session could not be opened, if it could not.
-    unopened: Option<Refusal>,
+    pub(super) unopened: Option<Refusal>,
 }
 
 impl Door for ToSession<'_> {
@@ -257,15 +230,6 @@ impl Door for ToSession<'_> {
 
     fn before_charging(&self, tool: &str, caller: &Caller) -> Result<QueuePlace, Refusal> {
         self.proxied.before_charging(tool, caller)
-    }
-}
-
-impl ProxyServer {
-    /// What the proxied server's `tools/list` annotations say of `tool`: its `readOnlyHint`.
-    fn reads_only(&self, tool: &str) -> bool {
-        let tools = self.proxied.tools();
-        let annotated = tools.iter().find(|t| t.name == tool).and_then(|t| t.annotations.as_ref());
-        annotated.and_then(|a| a.read_only_hint) == Some(true)
     }
 }
 
@@ -293,10 +257,15 @@ impl ServerHandler for ProxyServer {
     }
 
     async fn on_initialized(&self, context: NotificationContext<RoleServer>) {
-        let _ = self.peer.set(context.peer);
+        self.seat.initialized(context.peer);
+        // Over HTTP, the relay lane serves its requests as this session's.
+        let id = context.extensions.get::<http::request::Parts>().and_then(|parts| parts.headers.get(SESSION_ID));
+        if let Some(id) = id.and_then(|id| id.to_str().ok()) {
+            self.proxied.seats.register(id, &self.seat);
+        }
         // On the proxy's own session, every session hears its notifications from the start.
         if self.proxied.scopes().mode() == UpstreamSessions::Shared {
-            self.attach(self.proxied.scopes().shared());
+            self.seat.attach(&self.proxied, self.proxied.scopes().shared());
         }
     }
 
@@ -329,12 +298,14 @@ impl ServerHandler for ProxyServer {
         let upstream = self.upstream(&context, &request.name).await;
         let upstream = upstream.map_err(|unopened| self.unopened_refusal(&request.name, unopened));
         let unopened = upstream.as_ref().err().cloned();
-        let session = self.membership.get().map(Membership::id);
+        let session = self.seat.member();
         let progress = session.zip(context.meta.get_progress_token());
         let asker = Asker { peer: context.peer.clone(), session, capabilities: context.client_capabilities() };
         let asked = request.clone();
         let meta = with_trace_context(&context);
-        let outgoing = upstream.map(|upstream| Outgoing { request, meta, progress, asker, upstream });
+        let tool = request.name.to_string();
+        let sending = Sending::Rmcp(Box::new(ViaRmcp { request, progress, asker }));
+        let outgoing = upstream.map(|upstream| Outgoing { tool, meta, upstream, sending });
         let proxied = self.proxied.clone();
         let work = move |admitted, _: &serde_json::Value| async move {
             match outgoing {
@@ -344,7 +315,7 @@ impl ServerHandler for ProxyServer {
                 Err(refusal) => Worked::Refused(refusal, Used::Nothing),
             }
         };
-        let tool = Routed { add_to: AddTo::Meta, reads_only: self.reads_only(&asked.name) };
+        let tool = Routed { add_to: AddTo::Meta, reads_only: self.proxied.reads_only(&asked.name) };
         let door = ToSession { proxied: &self.proxied, unopened };
         let response = limited::call_tool(&self.limits, &door, tool, &asked, &context, work).await;
         // A task it answers with is the caller's: only its caller may read or cancel it.
@@ -398,7 +369,7 @@ impl ServerHandler for ProxyServer {
         let method = "resources/subscribe";
         limited::method(&self.limits, method, &context, |_| async {
             let asking = self.asking(&context, method).await?;
-            let session = self.membership.get().map(Membership::id);
+            let session = self.seat.member();
             // The upstream session subscribes once, for every downstream session on it that asked.
             let first = session.is_none_or(|s| asking.upstream.downstream().subscribe(s, &request.uri));
             if first { asking.peer.subscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
@@ -414,7 +385,7 @@ impl ServerHandler for ProxyServer {
         let method = "resources/unsubscribe";
         limited::method(&self.limits, method, &context, |_| async {
             let asking = self.asking(&context, method).await?;
-            let session = self.membership.get().map(Membership::id);
+            let session = self.seat.member();
             let last = session.is_none_or(|s| asking.upstream.downstream().unsubscribe(s, &request.uri));
             if last { asking.peer.unsubscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
         })
@@ -472,7 +443,7 @@ impl ServerHandler for ProxyServer {
         let method = "logging/setLevel";
         limited::method(&self.limits, method, &context, |_| async {
             let asking = self.asking(&context, method).await?;
-            let Some(session) = self.membership.get().map(Membership::id) else { return Ok(()) };
+            let Some(session) = self.seat.member() else { return Ok(()) };
             let downstream = asking.upstream.downstream();
             let mut set = downstream.upstream_level.lock().await;
             let wanted = downstream.set_level(session, request.level);
@@ -612,6 +583,9 @@ impl ServerHandler for ProxyServer {
     }
 }
 
+/// The header a 2025-11-25 session's requests name it by.
+const SESSION_ID: &str = "mcp-session-id";
+
 /// The most resources one 2026-07-28 subscription may ask to hear of (each is charged, and may
 /// cost a request to the proxied server).
 const MAX_RESOURCES: usize = 100;
@@ -658,17 +632,23 @@ const TRACESTATE: &str = "tracestate";
 /// [`accepted_tracestate`](crate::guard::trace::accepted_tracestate) (1 to 512 bytes of printable
 /// ASCII).
 fn with_trace_context(context: &RequestContext<RoleServer>) -> rmcp::model::RequestMetaObject {
+    let headers = context.extensions.get::<http::request::Parts>().map(|parts| &parts.headers);
+    with_trace_headers(context.meta.clone(), headers)
+}
+
+/// [`with_trace_context`] of a request's `_meta` and its HTTP headers (none over stdio).
+pub(super) fn with_trace_headers(
+    mut meta: rmcp::model::RequestMetaObject,
+    headers: Option<&http::HeaderMap>,
+) -> rmcp::model::RequestMetaObject {
     use crate::guard::trace::accepted_tracestate;
-    let mut meta = context.meta.clone();
     if meta.0.get(TRACESTATE).is_some_and(|state| !state.as_str().is_some_and(accepted_tracestate)) {
         meta.0.remove(TRACESTATE);
     }
     if meta.0.contains_key(TRACEPARENT) {
         return meta;
     }
-    let Some(headers) = context.extensions.get::<http::request::Parts>().map(|parts| &parts.headers) else {
-        return meta;
-    };
+    let Some(headers) = headers else { return meta };
     let header = |name: &str| headers.get(name).and_then(|value| value.to_str().ok()).map(str::trim);
     let Some(parent) = header(TRACEPARENT).filter(|parent| is_traceparent(parent)) else { return meta };
     meta.0.insert(TRACEPARENT.to_owned(), parent.into());

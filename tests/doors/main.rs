@@ -29,4 +29,5 @@ mod layers_alone;
 mod made_up_keys;
 mod oauth_tokens;
 mod proxy;
+mod proxy_lane;
 mod stdio;

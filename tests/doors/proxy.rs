@@ -36,7 +36,7 @@ fn installed(path: PathBuf) -> String {
 }
 
 /// Node 22 and the `everything` server's entry point, as `scripts/proxy-fixtures.sh` installed them.
-fn everything(transport: &str) -> (String, Vec<String>) {
+pub(crate) fn everything(transport: &str) -> (String, Vec<String>) {
     let node = installed(root().join(".tools/node/node_modules/.bin/node"));
     let main = installed(root().join(".tools/node/node_modules/@modelcontextprotocol/server-everything/dist/index.js"));
     (node, vec![main, transport.to_owned()])
@@ -49,19 +49,19 @@ fn fastmcp(args: &[&str]) -> (String, Vec<String>) {
     (python, std::iter::once(server).chain(args.iter().map(|a| (*a).to_owned())).collect())
 }
 
-fn command((program, args): (String, Vec<String>)) -> Target {
+pub(crate) fn command((program, args): (String, Vec<String>)) -> Target {
     Target::Command { program, args, env: ChildEnv::default() }
 }
 
 /// A proxy serving HTTP in-process on a free port, on a manual clock.
-struct Proxy {
-    app: Arc<App>,
-    clock: Arc<ManualClock>,
-    url: String,
+pub(crate) struct Proxy {
+    pub(crate) app: Arc<App>,
+    pub(crate) clock: Arc<ManualClock>,
+    pub(crate) url: String,
 }
 
 impl Proxy {
-    async fn start(toml: &str, target: Target) -> Self {
+    pub(crate) async fn start(toml: &str, target: Target) -> Self {
         Self::start_on(toml, target, ManualClock::new()).await
     }
 
@@ -127,7 +127,10 @@ impl rmcp::ClientHandler for Asked {
         params: rmcp::model::CreateMessageRequestParams,
         _context: rmcp::service::RequestContext<rmcp::RoleClient>,
     ) -> Result<rmcp::model::CreateMessageResult, rmcp::ErrorData> {
-        self.asked.lock().expect("a lock nobody panicked holding").push(serde_json::to_string(&params).unwrap_or_default());
+        self.asked
+            .lock()
+            .expect("a lock nobody panicked holding")
+            .push(serde_json::to_string(&params).unwrap_or_default());
         let answer = rmcp::model::SamplingMessage::assistant_text(format!("sampled by {}", self.name));
         Ok(rmcp::model::CreateMessageResult::new(answer, "test-model".to_owned()))
     }
@@ -169,12 +172,12 @@ fn text_of(result: &CallToolResult) -> String {
 }
 
 /// A free loopback port for a server the test starts.
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }
 
 /// Starts a server that listens on `port`, and waits (bounded) until it accepts connections.
-async fn serve_http(program: &str, args: &[String], port: u16) -> tokio::process::Child {
+pub(crate) async fn serve_http(program: &str, args: &[String], port: u16) -> tokio::process::Child {
     let child = tokio::process::Command::new(program)
         .args(args)
         .env("PORT", port.to_string())
@@ -260,7 +263,6 @@ async fn what_the_proxied_server_asks_during_a_call_reaches_that_callers_session
     assert!(!said.contains("sampled by"), "{said}");
     assert!(said.contains("did not declare"), "the reason reaches him: {said}");
     assert_eq!((alice_asked.asked().len(), carol_asked.asked().len()), (1, 0), "nobody answered for bob");
-
 }
 
 /// Over stdio nothing marks which call a request is for, but a tenant's child serves that tenant
@@ -580,7 +582,7 @@ async fn an_access_token_never_reaches_the_proxied_server_and_its_tenant_keeps_i
     assert!(().serve(StreamableHttpClientTransport::from_config(config)).await.is_err(), "refused at the door");
 }
 
-fn sha256_hex(key: &str) -> String {
+pub(crate) fn sha256_hex(key: &str) -> String {
     use sha2::Digest;
     sha2::Sha256::digest(key.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
 }

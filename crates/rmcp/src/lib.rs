@@ -16,6 +16,7 @@ pub mod limited;
 #[cfg(feature = "oauth")]
 pub mod oauth;
 pub mod rate_limits;
+pub mod raw;
 pub mod results;
 pub mod trace;
 

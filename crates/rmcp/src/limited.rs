@@ -40,7 +40,8 @@ use mcp_ratelimit_core::guard::{
 };
 use mcp_ratelimit_core::identity::Caller;
 
-pub use crate::rate_limits::ToolAnswer;
+pub use crate::rate_limits::{Said, ToolAnswer};
+use crate::raw::RawKind;
 
 /// What rmcp answers a tool call with.
 pub type Response = Result<CallToolResponse, ErrorData>;
@@ -53,29 +54,47 @@ pub use mcp_ratelimit_core::guard::Plain;
 /// one's), and the state a request for input resumes with.
 impl Answer for ToolAnswer {
     fn used(&self) -> Used {
-        match (self.response(), self.is_relayed()) {
-            (Ok(CallToolResponse::Complete(done)), true) => {
+        match (self.said(), self.is_relayed()) {
+            (Said::Typed(Ok(CallToolResponse::Complete(done))), true) => {
                 results::usage_in_meta(done).map_or(Used::Unreported, Used::Reported)
             }
-            (answer, false) => used_by(answer),
+            (Said::Typed(answer), false) => used_by(answer),
+            (Said::Raw(raw), _) if matches!(raw.kind(), RawKind::Complete { .. }) => {
+                raw.usage_in_meta().map_or(Used::Unreported, Used::Reported)
+            }
             _ => Used::Unreported,
         }
     }
 
     fn outcome(&self) -> Option<Cow<'_, serde_json::Value>> {
-        outcome_of(self.response())
+        match self.said() {
+            Said::Typed(answer) => outcome_of(answer),
+            Said::Raw(raw) => raw.outcome().map(Cow::Owned),
+        }
     }
 
     fn keepable(&self) -> Option<u64> {
-        keepable(self.response())
+        match self.said() {
+            Said::Typed(answer) => keepable(answer),
+            Said::Raw(raw) => raw.keepable(),
+        }
     }
 
     fn refusal_in(&self) -> Option<Refusal> {
-        if self.is_relayed() { None } else { refusal_in(self.response()) }
+        match self.said() {
+            Said::Typed(answer) if !self.is_relayed() => refusal_in(answer),
+            _ => None,
+        }
     }
 
     fn asks_input(&self) -> Option<&str> {
-        asks_input(self.response())
+        match self.said() {
+            Said::Typed(answer) => asks_input(answer),
+            Said::Raw(raw) => match raw.kind() {
+                RawKind::InputRequired { state } => Some(state),
+                _ => None,
+            },
+        }
     }
 }
 
@@ -287,34 +306,97 @@ where
         arrived: arrived.map(|a| a.0),
         reads_only: routed.reads_only,
     };
-    let add_to = routed.add_to;
-    match limits.guard().call(door, Some(limits.reuse()), call, work).await {
-        Called::Refused(refusal) => Ok(results::tool_result(&refusal).into()),
+    match finish(limits.guard().call(door, Some(limits.reuse()), call, work).await, routed.add_to, false) {
+        Finished::Response(response) => response,
+        // Never: asked for a response in rmcp's types.
+        Finished::Raw(editing) => editing.result.to_response(),
+    }
+}
+
+/// What a guarded call came to, as its door answers it: a response in rmcp's types, or another
+/// server's result as it came with what the guard adds to it ([`results::Editing`]: the proxy's
+/// relay lane, which writes it out itself).
+#[derive(Debug)]
+pub enum Finished {
+    /// In rmcp's types.
+    Response(Response),
+    /// Another server's result as it came, and what is added to it.
+    Raw(results::Editing),
+}
+
+/// What a guarded call came to ([`Called`]), as its door answers it: a refusal as the tool result
+/// an agent can act on, an answer with what we add to it (reused, its price, warnings) where
+/// `add_to` says it goes. A result another server sent stays as it came where `keep_raw` (the
+/// relay lane's), else is read into rmcp's types. `Err` only for a JSON-RPC error: the tool's
+/// own, a cancelled call.
+pub fn finish(called: Called<ToolAnswer>, add_to: AddTo, keep_raw: bool) -> Finished {
+    match called {
+        Called::Refused(refusal) => Finished::Response(Ok(results::tool_result(&refusal).into())),
         Called::RefusedAfter { refusal, settled } => {
-            let done = results::tool_result(&refusal);
-            Ok(settled.map_or(done.clone(), |settled| results::priced(done, settled, AddTo::StructuredContent)).into())
-        }
-        Called::Answered { answer, served, settled, warnings, no_progress } => match answer.into_response() {
-            Ok(CallToolResponse::Complete(done)) => {
-                let mut done = results::reused(done, served, add_to);
-                if let Some(settled) = settled {
-                    // Another's answer is left as it was unless its own usage report moved the price.
-                    if add_to == AddTo::StructuredContent || settled.charged != settled.reserved {
-                        done = results::priced(done, settled, add_to);
-                    }
-                }
-                if !warnings.is_empty() && done.is_error != Some(true) {
-                    done = results::with_warnings(done, &warnings, add_to);
-                }
-                if let Some(no_progress) = no_progress {
-                    done = results::with_no_progress(done, &no_progress, add_to);
-                }
-                Ok(CallToolResponse::Complete(done))
+            let mut done = results::tool_result(&refusal);
+            if let Some(settled) = settled {
+                results::priced(&mut done, settled, AddTo::StructuredContent);
             }
-            other => other,
-        },
-        Called::Cancelled => Err(ErrorData::internal_error("the request was cancelled", None)),
-        Called::Lost => Err(ErrorData::internal_error(mcp_ratelimit_core::guard::reuse::Lost.to_string(), None)),
+            Finished::Response(Ok(done.into()))
+        }
+        Called::Answered { answer, served, settled, warnings, no_progress } => {
+            let added = Added { served, settled, warnings, no_progress, add_to };
+            match answer.into_said() {
+                Said::Raw(raw) if keep_raw => {
+                    let complete = matches!(raw.kind(), RawKind::Complete { .. });
+                    let mut editing = results::Editing::of(raw);
+                    if complete {
+                        added.to(&mut editing);
+                    }
+                    Finished::Raw(editing)
+                }
+                said => {
+                    let response = match said {
+                        Said::Typed(response) => response,
+                        Said::Raw(raw) => raw.to_response(),
+                    };
+                    Finished::Response(match response {
+                        Ok(CallToolResponse::Complete(mut done)) => {
+                            added.to(&mut done);
+                            Ok(CallToolResponse::Complete(done))
+                        }
+                        other => other,
+                    })
+                }
+            }
+        }
+        Called::Cancelled => Finished::Response(Err(ErrorData::internal_error("the request was cancelled", None))),
+        Called::Lost => {
+            Finished::Response(Err(ErrorData::internal_error(mcp_ratelimit_core::guard::reuse::Lost.to_string(), None)))
+        }
+    }
+}
+
+/// What the guard adds to a complete answer.
+struct Added {
+    served: mcp_ratelimit_core::guard::reuse::Served,
+    settled: Option<mcp_ratelimit_core::guard::Settled>,
+    warnings: Vec<mcp_ratelimit_core::guard::Warning>,
+    no_progress: Option<mcp_ratelimit_core::guard::loops::NoProgress>,
+    add_to: AddTo,
+}
+
+impl Added {
+    fn to(self, done: &mut impl results::Addable) {
+        let add_to = self.add_to;
+        results::reused(done, self.served, add_to);
+        if let Some(settled) = self.settled {
+            // Another's answer is left as it was unless its own usage report moved the price.
+            if add_to == AddTo::StructuredContent || settled.charged != settled.reserved {
+                results::priced(done, settled, add_to);
+            }
+        }
+        if !self.warnings.is_empty() && !done.is_error() {
+            results::with_warnings(done, &self.warnings, add_to);
+        }
+        if let Some(no_progress) = &self.no_progress {
+            results::with_no_progress(done, no_progress, add_to);
+        }
     }
 }
 

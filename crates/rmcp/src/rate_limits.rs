@@ -51,6 +51,7 @@ use tokio_util::sync::CancellationToken;
 use crate::http::front_door::{CheckLayer, Checked};
 use crate::http::identify::{Callers, IdentifyLayer, RefuseInvalidTokens, refuse_invalid_tokens};
 use crate::http::limit::HttpLimitLayer;
+use crate::raw::RawResult;
 use mcp_ratelimit_core::clock::{SharedClock, SystemClock};
 use mcp_ratelimit_core::config::{Backend, Catalogue, ConfigError, LimitsConfig};
 use mcp_ratelimit_core::guard::reuse::Reuse;
@@ -59,31 +60,46 @@ use mcp_ratelimit_core::identity::Identifier;
 use mcp_ratelimit_core::ops::metrics::Metrics;
 use mcp_ratelimit_core::store::{MemoryStore, Store, StoreError};
 
-/// What a tool answers through rmcp: its response (a result, a task, an input request), or a
-/// JSON-RPC error; what identical calls share ([`RateLimits::reuse`]). How the one guarded call
-/// reads it is its [`Answer`](mcp_ratelimit_core::guard::Answer) (in [`crate::limited`]).
+/// What a tool answers: its response (a result, a task, an input request) in rmcp's types, or a
+/// JSON-RPC error; or another server's result as it sent it ([`RawResult`], the proxy's relay
+/// lane); what identical calls share ([`RateLimits::reuse`]). How the one guarded call reads it is
+/// its [`Answer`](mcp_ratelimit_core::guard::Answer) (in [`crate::limited`]).
 #[derive(Debug, Clone)]
 pub struct ToolAnswer {
-    response: Result<rmcp::model::CallToolResponse, rmcp::ErrorData>,
+    said: Said,
     relayed: bool,
+}
+
+/// An answer, in rmcp's types or as another server sent it.
+#[derive(Debug, Clone)]
+pub enum Said {
+    /// In rmcp's types.
+    Typed(Result<rmcp::model::CallToolResponse, rmcp::ErrorData>),
+    /// Another server's result as it came.
+    Raw(RawResult),
 }
 
 impl ToolAnswer {
     /// The answer of one of this server's own tools.
     pub fn new(response: Result<rmcp::model::CallToolResponse, rmcp::ErrorData>) -> Self {
-        Self { response, relayed: false }
+        Self { said: Said::Typed(response), relayed: false }
     }
 
     /// Another server's answer, relayed (the proxy's): its usage is believed only from its
     /// `_meta` (its `structuredContent` may echo the caller's own arguments), and an `isError`
     /// result is its own, never read as a refusal of ours.
     pub fn relayed(response: Result<rmcp::model::CallToolResponse, rmcp::ErrorData>) -> Self {
-        Self { response, relayed: true }
+        Self { said: Said::Typed(response), relayed: true }
     }
 
-    /// The response.
-    pub fn response(&self) -> &Result<rmcp::model::CallToolResponse, rmcp::ErrorData> {
-        &self.response
+    /// Another server's result as it sent it, relayed ([`ToolAnswer::relayed`]).
+    pub fn relayed_raw(result: RawResult) -> Self {
+        Self { said: Said::Raw(result), relayed: true }
+    }
+
+    /// The answer as it is held.
+    pub fn said(&self) -> &Said {
+        &self.said
     }
 
     /// Whether it is another server's ([`ToolAnswer::relayed`]).
@@ -91,9 +107,17 @@ impl ToolAnswer {
         self.relayed
     }
 
-    /// The response, as rmcp answers it.
+    /// The response, as rmcp answers it (a raw result read into rmcp's types).
     pub fn into_response(self) -> Result<rmcp::model::CallToolResponse, rmcp::ErrorData> {
-        self.response
+        match self.said {
+            Said::Typed(response) => response,
+            Said::Raw(raw) => raw.to_response(),
+        }
+    }
+
+    /// The answer as it is held.
+    pub fn into_said(self) -> Said {
+        self.said
     }
 }
 

@@ -13,6 +13,8 @@ use mcp_ratelimit_core::guard::loops::NoProgress;
 use mcp_ratelimit_core::guard::reuse::Served;
 use mcp_ratelimit_core::guard::{Refusal, Settled, Warning};
 
+use crate::raw::{RawEdit, RawKind, RawResult};
+
 /// The `isError: true` tool result carrying the refusal's message and its structured error.
 pub fn tool_result(refusal: &Refusal) -> CallToolResult {
     let mut result = CallToolResult::error(vec![ContentBlock::text(refusal.message.clone())]);
@@ -53,16 +55,95 @@ pub enum AddTo {
 /// a reverse-DNS name of our own, as the MCP spec asks of `_meta` keys.
 pub const META_PREFIX: &str = "io.github.mcp-ratelimit/";
 
+/// A tool result the guard adds to: one in rmcp's types ([`CallToolResult`]), or another server's
+/// as it came ([`Editing`]: the proxy's relay lane), each changed only where [`AddTo`] says.
+pub trait Addable {
+    /// Whether it is an `isError` result.
+    fn is_error(&self) -> bool;
+    /// Its `structuredContent`, when it is an object (only one of our own tools' is added to).
+    fn structured(&mut self) -> Option<&mut serde_json::Map<String, serde_json::Value>>;
+    /// Its `_meta`, made if it has none.
+    fn meta(&mut self) -> &mut serde_json::Map<String, serde_json::Value>;
+    /// Appends a text block to its `content`.
+    fn push_text(&mut self, text: String);
+}
+
+impl Addable for CallToolResult {
+    fn is_error(&self) -> bool {
+        self.is_error == Some(true)
+    }
+
+    fn structured(&mut self) -> Option<&mut serde_json::Map<String, serde_json::Value>> {
+        match &mut self.structured_content {
+            Some(serde_json::Value::Object(structured)) => Some(structured),
+            _ => None,
+        }
+    }
+
+    fn meta(&mut self) -> &mut serde_json::Map<String, serde_json::Value> {
+        &mut self.meta.get_or_insert_with(Default::default).0
+    }
+
+    fn push_text(&mut self, text: String) {
+        self.content.push(ContentBlock::text(text));
+    }
+}
+
+/// Another server's result as it came, and what is being changed of it.
+#[derive(Debug)]
+pub struct Editing {
+    /// The result.
+    pub result: RawResult,
+    /// The changes.
+    pub edit: RawEdit,
+}
+
+impl Editing {
+    /// `result`, unchanged so far; what describes the proxied server's connection
+    /// (`io.modelcontextprotocol/serverInfo`) and any key under our [`META_PREFIX`] it put in its
+    /// `_meta` taken out, as [`without_ours`] does to a typed one.
+    pub fn of(result: RawResult) -> Self {
+        let mut editing = Self { result, edit: RawEdit::default() };
+        if editing.result.meta_holds_ours() {
+            editing.meta().retain(|key, _| !key.starts_with(META_PREFIX) && key != THEIR_CONNECTION);
+        }
+        editing
+    }
+}
+
+/// The result `_meta` key of 2026-07-28 that describes the answering server's connection, not its
+/// answer: a proxy's callers are answered by the proxy.
+pub const THEIR_CONNECTION: &str = "io.modelcontextprotocol/serverInfo";
+
+impl Addable for Editing {
+    fn is_error(&self) -> bool {
+        matches!(self.result.kind(), RawKind::Complete { is_error: true })
+    }
+
+    /// Never: another server's `structuredContent` must still validate against its `outputSchema`.
+    fn structured(&mut self) -> Option<&mut serde_json::Map<String, serde_json::Value>> {
+        None
+    }
+
+    fn meta(&mut self) -> &mut serde_json::Map<String, serde_json::Value> {
+        self.edit.meta(&self.result)
+    }
+
+    fn push_text(&mut self, text: String) {
+        self.edit.push_text(text);
+    }
+}
+
 /// A tool result that also tells the agent which limits it is close to, so it can plan before
 /// it is refused: ours in its text and as `structuredContent.warnings`; theirs as
 /// `_meta["io.github.mcp-ratelimit/warnings"]`.
-pub fn with_warnings(mut done: CallToolResult, warnings: &[Warning], add_to: AddTo) -> CallToolResult {
+pub fn with_warnings(done: &mut impl Addable, warnings: &[Warning], add_to: AddTo) {
     if add_to == AddTo::StructuredContent {
         for warning in warnings {
-            done.content.push(ContentBlock::text(warning.sentence()));
+            done.push_text(warning.sentence());
         }
     }
-    said(done, &[("warnings", serde_json::json!(warnings))], add_to)
+    said(done, &[("warnings", serde_json::json!(warnings))], add_to);
 }
 
 /// A result whose tool keeps giving the caller the same answer, with the warning a model reads:
@@ -73,20 +154,20 @@ pub fn with_warnings(mut done: CallToolResult, warnings: &[Warning], add_to: Add
 /// `structuredContent` left as it was so it still validates against its `outputSchema`. The
 /// text is the one change to another's `content` we make, because a warning no model reads is no
 /// warning.
-pub fn with_no_progress(mut done: CallToolResult, no_progress: &NoProgress, add_to: AddTo) -> CallToolResult {
-    done.content.push(ContentBlock::text(no_progress.sentence()));
+pub fn with_no_progress(done: &mut impl Addable, no_progress: &NoProgress, add_to: AddTo) {
+    done.push_text(no_progress.sentence());
     let warning = serde_json::json!(no_progress);
     if add_to == AddTo::StructuredContent
-        && let Some(serde_json::Value::Object(structured)) = &mut done.structured_content
+        && let Some(structured) = done.structured()
     {
         let warnings = structured.entry("warnings").or_insert_with(|| serde_json::Value::Array(Vec::new()));
         if let serde_json::Value::Array(warnings) = warnings {
             warnings.push(warning);
-            return done;
+            return;
         }
         // Ours always say `warnings` as a list; anything else is not ours to add to.
     }
-    said(done, &[("no_progress", warning)], AddTo::Meta)
+    said(done, &[("no_progress", warning)], AddTo::Meta);
 }
 
 /// The size of `done`'s JSON when it may be kept for identical calls (`cache_ttl_ms`): a
@@ -100,35 +181,33 @@ pub fn keepable(done: &CallToolResult) -> Option<u64> {
 
 /// A result another call's request answered says so: `cached: true` (a kept answer) or
 /// `coalesced: true` (an identical call's, in flight), where `said` puts it.
-pub fn reused(done: CallToolResult, served: Served, add_to: AddTo) -> CallToolResult {
-    let Some(how) = served.saved() else { return done };
-    said(done, &[(how, serde_json::Value::Bool(true))], add_to)
+pub fn reused(done: &mut impl Addable, served: Served, add_to: AddTo) {
+    let Some(how) = served.saved() else { return };
+    said(done, &[(how, serde_json::Value::Bool(true))], add_to);
 }
 
 /// A result that says what its call reserved and was charged (`reserved`, `charged`), where
 /// `said` puts it.
-pub fn priced(done: CallToolResult, settled: Settled, add_to: AddTo) -> CallToolResult {
-    said(done, &[("reserved", settled.reserved.into()), ("charged", settled.charged.into())], add_to)
+pub fn priced(done: &mut impl Addable, settled: Settled, add_to: AddTo) {
+    said(done, &[("reserved", settled.reserved.into()), ("charged", settled.charged.into())], add_to);
 }
 
-/// `done` with `facts` added where `add_to` answer it is allows: an answer of ours in its
-/// `structuredContent` (an object: ours always is); anything else in `_meta`, each key prefixed
-/// with [`META_PREFIX`], beside whatever `_meta` it had.
-fn said(mut done: CallToolResult, facts: &[(&str, serde_json::Value)], add_to: AddTo) -> CallToolResult {
+/// `done` with `facts` added where `add_to` says: an answer of ours in its `structuredContent`
+/// (an object: ours always is); anything else in `_meta`, each key prefixed with
+/// [`META_PREFIX`], beside whatever `_meta` it had.
+fn said(done: &mut impl Addable, facts: &[(&str, serde_json::Value)], add_to: AddTo) {
     if add_to == AddTo::StructuredContent
-        && let Some(serde_json::Value::Object(structured)) = &mut done.structured_content
+        && let Some(structured) = done.structured()
     {
         for (key, value) in facts {
             structured.insert((*key).into(), value.clone());
         }
-        return done;
+        return;
     }
-    let mut meta = done.meta.take().unwrap_or_default();
+    let meta = done.meta();
     for (key, value) in facts {
-        meta.0.insert(format!("{META_PREFIX}{key}"), value.clone());
+        meta.insert(format!("{META_PREFIX}{key}"), value.clone());
     }
-    done.meta = Some(meta);
-    done
 }
 
 /// `done` without any `_meta` key under our [`META_PREFIX`]: what a proxied server says there is
@@ -187,7 +266,7 @@ mod tests {
         let mut structured = CallToolResult::structured(serde_json::json!({"usage": {"units": 7}}));
         assert_eq!(usage_in(&structured), Some(7));
         assert_eq!(usage_in_meta(&structured), None, "a proxied server's structured content may echo its caller");
-        structured = priced(structured, Settled { reserved: 9, charged: 7 }, AddTo::StructuredContent);
+        priced(&mut structured, Settled { reserved: 9, charged: 7 }, AddTo::StructuredContent);
         let said = structured.structured_content.as_ref().expect("structured");
         assert_eq!((said["reserved"].clone(), said["charged"].clone()), (9.into(), 7.into()));
         let mut text = CallToolResult::success(vec![ContentBlock::text("fine")]);
@@ -197,7 +276,7 @@ mod tests {
         text.meta = Some(meta);
         assert_eq!(usage_in(&text), Some(3));
         assert_eq!(usage_in_meta(&text), Some(3));
-        let text = priced(text, Settled { reserved: 5, charged: 3 }, AddTo::Meta);
+        priced(&mut text, Settled { reserved: 5, charged: 3 }, AddTo::Meta);
         assert_eq!(text.structured_content, None, "another server's result keeps its shape");
         let charged = text.meta.as_ref().map(|m| m.0["io.github.mcp-ratelimit/charged"].clone());
         assert_eq!(charged, Some(3.into()));

@@ -42,10 +42,34 @@ pub fn request_span(method: &str, context: &RequestContext<RoleServer>) -> Span 
 /// the request's, holding the guard's decision too), continuing the trace `context` carries;
 /// disabled when no subscriber wants it or the request is not traced (as [`request_span`]).
 pub fn call_span(tool: &str, context: &RequestContext<RoleServer>) -> Span {
-    let Some(parent) = traced_request(context) else { return Span::none() };
-    let span = mcp_ratelimit_core::guard::trace::call_span(tool, Some(&context.id));
+    call_span_of(tool, &context.id, Carrier::of(context))
+}
+
+/// [`call_span`] of a request read without rmcp (the proxy's relay lane): its id, and the trace
+/// context its `_meta` or HTTP headers carry.
+pub fn call_span_of(tool: &str, request_id: &dyn std::fmt::Display, carrier: Carrier<'_>) -> Span {
+    let Some(parent) = traced_carrier(carrier) else { return Span::none() };
+    let span = mcp_ratelimit_core::guard::trace::call_span(tool, Some(request_id));
     parent.adopt(&span);
     span
+}
+
+/// Where a request carries its caller's trace context: its `_meta`, and its HTTP headers (none
+/// over stdio).
+#[derive(Debug, Clone, Copy)]
+pub struct Carrier<'a> {
+    /// The request's `_meta`.
+    pub meta: &'a serde_json::Map<String, serde_json::Value>,
+    /// Its HTTP request's headers.
+    pub headers: Option<&'a http::HeaderMap>,
+}
+
+impl<'a> Carrier<'a> {
+    /// What `context`'s request carries.
+    pub fn of(context: &'a RequestContext<RoleServer>) -> Self {
+        let headers = context.extensions.get::<http::request::Parts>().map(|parts| &parts.headers);
+        Self { meta: &context.meta.0, headers }
+    }
 }
 
 /// Whether the request `context` is of makes a span, and the caller's trace it continues, if any:
@@ -54,10 +78,15 @@ pub fn call_span(tool: &str, context: &RequestContext<RoleServer>) -> Span {
 /// ([`starts_trace`](mcp_ratelimit_core::guard::trace::starts_trace)). `Some` when no subscriber
 /// wants the spans: their macro is then the cheap check.
 fn traced_request(context: &RequestContext<RoleServer>) -> Option<Parent> {
+    traced_carrier(Carrier::of(context))
+}
+
+/// [`traced_request`], of what a request carries.
+fn traced_carrier(carrier: Carrier<'_>) -> Option<Parent> {
     if !tracing::enabled!(target: TARGET, tracing::Level::INFO) {
         return Some(Parent::default());
     }
-    let parent = Parent::of(context);
+    let parent = Parent::of(carrier);
     // The draw before the look at the current span: at ratio 1 it is all there is to it.
     (parent.is_some()
         || mcp_ratelimit_core::guard::trace::starts_trace()
@@ -72,14 +101,14 @@ struct Parent(#[cfg(feature = "opentelemetry")] Option<opentelemetry::Context>);
 
 impl Parent {
     #[cfg(feature = "opentelemetry")]
-    fn of(context: &RequestContext<RoleServer>) -> Self {
+    fn of(carrier: Carrier<'_>) -> Self {
         use opentelemetry::trace::TraceContextExt;
-        let parent = opentelemetry::global::get_text_map_propagator(|propagator| propagator.extract(&Carried(context)));
+        let parent = opentelemetry::global::get_text_map_propagator(|propagator| propagator.extract(&Carried(carrier)));
         Self(parent.span().span_context().is_valid().then_some(parent))
     }
 
     #[cfg(not(feature = "opentelemetry"))]
-    fn of(_: &RequestContext<RoleServer>) -> Self {
+    fn of(_: Carrier<'_>) -> Self {
         Self::default()
     }
 
@@ -134,12 +163,12 @@ pub fn record_error<T>(span: &Span, handled: &Result<T, ErrorData>) {
 /// A request's W3C trace context, as an OpenTelemetry propagator reads it: from `_meta` when it
 /// holds a `traceparent`, else from the HTTP request's headers.
 #[cfg(feature = "opentelemetry")]
-struct Carried<'a>(&'a RequestContext<RoleServer>);
+struct Carried<'a>(Carrier<'a>);
 
 #[cfg(feature = "opentelemetry")]
 impl Carried<'_> {
     fn in_meta(&self) -> bool {
-        self.0.meta.0.get("traceparent").is_some_and(serde_json::Value::is_string)
+        self.0.meta.get("traceparent").is_some_and(serde_json::Value::is_string)
     }
 }
 
@@ -147,10 +176,9 @@ impl Carried<'_> {
 impl opentelemetry::propagation::Extractor for Carried<'_> {
     fn get(&self, key: &str) -> Option<&str> {
         let value = if self.in_meta() {
-            self.0.meta.0.get(key).and_then(serde_json::Value::as_str)
+            self.0.meta.get(key).and_then(serde_json::Value::as_str)
         } else {
-            let parts = self.0.extensions.get::<http::request::Parts>()?;
-            parts.headers.get(key).and_then(|value| value.to_str().ok())
+            self.0.headers?.get(key).and_then(|value| value.to_str().ok())
         };
         // A tracestate out of bounds is dropped, its traceparent kept.
         value.filter(|value| key != "tracestate" || mcp_ratelimit_core::guard::trace::accepted_tracestate(value))
