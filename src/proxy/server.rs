@@ -352,7 +352,7 @@ impl ServerHandler for ProxyServer {
             && let Ok(caller) = limited::caller_of(&self.limits, &context)
         {
             let key = scopes::task_key(self.scope(&caller).as_deref(), &task.task.task_id);
-            self.proxied.tasks.record(&key, task.task.ttl_ms, caller.id());
+            self.proxied.tasks.record(&key, task.task.ttl_ms, caller.id(), caller.unverified_from());
         }
         response
     }
