@@ -397,15 +397,20 @@ impl ServerHandler for ProxyServer {
     ) -> Result<(), ErrorData> {
         let method = "resources/subscribe";
         limited::method(&self.limits, method, &context, |_| async {
+            // Without a session there is nobody to tell of its updates (it has `subscriptions/listen`).
+            let sessionless = || ErrorData::invalid_request(SESSIONLESS_SUBSCRIBE, None);
+            self.peer.get().ok_or_else(sessionless)?;
             let asking = self.asking(&context, method).await?;
-            let session = self.membership.get().map(Membership::id);
+            let session = self.membership.get().map(Membership::id).ok_or_else(sessionless)?;
             // The upstream session subscribes once, for every downstream session on it that asked.
-            let first = session.is_none_or(|s| asking.upstream.downstream().subscribe(s, &request.uri));
+            let first = asking.upstream.downstream().subscribe(session, &request.uri);
             if first { asking.peer.subscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
         })
         .await
     }
 
+    /// Ends this session's subscription (upstream with the last session on its scope's to hold one).
+    /// A request without a session holds none: it ends nothing, and the proxied server is not asked.
     async fn unsubscribe(
         &self,
         request: UnsubscribeRequestParams,
@@ -413,9 +418,10 @@ impl ServerHandler for ProxyServer {
     ) -> Result<(), ErrorData> {
         let method = "resources/unsubscribe";
         limited::method(&self.limits, method, &context, |_| async {
+            let Some(_peer) = self.peer.get() else { return Ok(()) };
             let asking = self.asking(&context, method).await?;
-            let session = self.membership.get().map(Membership::id);
-            let last = session.is_none_or(|s| asking.upstream.downstream().unsubscribe(s, &request.uri));
+            let Some(session) = self.membership.get().map(Membership::id) else { return Ok(()) };
+            let last = asking.upstream.downstream().unsubscribe(session, &request.uri);
             if last { asking.peer.unsubscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
         })
         .await
@@ -611,6 +617,11 @@ impl ServerHandler for ProxyServer {
         .await
     }
 }
+
+/// Why a `resources/subscribe` without a session (2026-07-28's lifecycle) is refused.
+const SESSIONLESS_SUBSCRIBE: &str = "`resources/subscribe` needs a session (2025-11-25's `initialize`) to send \
+                                     the updates on; without one, name the resource in a `subscriptions/listen` \
+                                     request (`resourceSubscriptions`)";
 
 /// The most resources one 2026-07-28 subscription may ask to hear of (each is charged, and may
 /// cost a request to the proxied server).

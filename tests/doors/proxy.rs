@@ -2100,6 +2100,18 @@ impl rmcp::ServerHandler for Changing {
         Ok(())
     }
 
+    /// Ends the subscription to the resource (every client of this server's is the proxy's one
+    /// session per scope: the test's have one scope).
+    #[allow(deprecated)] // A 2025-11-25 session's subscription.
+    async fn unsubscribe(
+        &self,
+        request: rmcp::model::UnsubscribeRequestParams,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<(), rmcp::ErrorData> {
+        self.subscribers.lock().expect("a lock nobody panicked holding").retain(|(_, uri)| *uri != request.uri);
+        Ok(())
+    }
+
     fn accepted_subscription_filter(
         &self,
         requested: &rmcp::model::SubscriptionFilter,
@@ -2245,6 +2257,61 @@ async fn a_resource_update_reaches_the_callers_of_both_eras_that_subscribed_to_i
     let asked_upstream: Vec<String> =
         server.subscribers.lock().expect("a lock nobody panicked holding").iter().map(|(_, uri)| uri.clone()).collect();
     assert_eq!(asked_upstream, [thing, "test://never-changes"], "the server asked once per resource");
+    legacy.cancel().await.expect("closed");
+}
+
+/// A request without a session (the 2026-07-28 lifecycle: `_meta` says its version, here
+/// 2025-11-25, which rmcp then serves as a legacy request) holds no resource subscription, so it
+/// neither ends one nor opens one upstream: its `resources/unsubscribe` is answered without asking
+/// the proxied server, whose one subscription for the session of its scope that subscribed stays
+/// (that session still hears the updates), and its `resources/subscribe` is refused, naming
+/// `subscriptions/listen`. A 2026-07-28 client cannot send either (rmcp answers it "method not
+/// found").
+#[tokio::test]
+async fn a_request_without_a_session_never_ends_nor_opens_a_subscription_upstream() {
+    let server = Changing::default();
+    let target = Target::Http { url: serve_in_test(server.clone()).await, headers: Vec::new() };
+    let proxy = Proxy::start("[proxy]\nupstream_protocol = \"2025-11-25\"\n", target).await;
+    let thing = "test://thing";
+    let heard = Updates::default();
+    let transport =
+        StreamableHttpClientTransport::from_config(StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()));
+    let legacy = heard.clone().serve(transport).await.expect("a 2025-11-25 client connects");
+    #[allow(deprecated)] // A 2025-11-25 session's subscription.
+    legacy.subscribe(rmcp::model::SubscribeRequestParams::new(thing)).await.expect("subscribed");
+    let upstream = || server.subscribers.lock().expect("a lock nobody panicked holding").len();
+    assert_eq!(upstream(), 1, "subscribed upstream");
+
+    // The same caller (no key: its address's scope, the same session to the proxied server),
+    // without a session.
+    let sessionless = common::RawSession::new(&proxy.url, &[("mcp-protocol-version", "2025-11-25")]);
+    let request = |id: u64, method: &str| {
+        json!({"jsonrpc": "2.0", "id": id, "method": method, "params": {"uri": thing, "_meta": {
+            "io.modelcontextprotocol/protocolVersion": "2025-11-25",
+            "io.modelcontextprotocol/clientCapabilities": {},
+            "io.modelcontextprotocol/clientInfo": {"name": "sessionless", "version": "1"}}}})
+    };
+    let (status, _, body) = sessionless.post(request(1, "resources/unsubscribe")).await;
+    let answer = common::jsonrpc_of(&body);
+    assert_eq!((status, &answer["result"]), (200, &json!({})), "{body}");
+    assert_eq!(upstream(), 1, "the proxied server was not asked to unsubscribe");
+    let (_, _, body) = sessionless.post(request(2, "resources/subscribe")).await;
+    let answer = common::jsonrpc_of(&body);
+    let message = answer["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("subscriptions/listen"), "refused, naming the way to subscribe: {body}");
+    assert_eq!(upstream(), 1, "nor asked to subscribe");
+    // A 2026-07-28 client cannot send it at all.
+    let modern = modern_client(&proxy.url).await;
+    #[allow(deprecated)] // What the test shows a 2026-07-28 client cannot send.
+    let refused = modern.peer().unsubscribe(rmcp::model::UnsubscribeRequestParams::new(thing)).await;
+    assert!(refused.is_err(), "{refused:?}");
+    assert_eq!(upstream(), 1);
+
+    assert_eq!(text_of(&call(&legacy, "change", json!({})).await), "changed");
+    eventually("the session that subscribed still hears the update", || async {
+        heard.0.lock().expect("a lock nobody panicked holding").as_slice() == [thing.to_owned()]
+    })
+    .await;
     legacy.cancel().await.expect("closed");
 }
 
