@@ -127,7 +127,10 @@ impl rmcp::ClientHandler for Asked {
         params: rmcp::model::CreateMessageRequestParams,
         _context: rmcp::service::RequestContext<rmcp::RoleClient>,
     ) -> Result<rmcp::model::CreateMessageResult, rmcp::ErrorData> {
-        self.asked.lock().expect("a lock nobody panicked holding").push(serde_json::to_string(&params).unwrap_or_default());
+        self.asked
+            .lock()
+            .expect("a lock nobody panicked holding")
+            .push(serde_json::to_string(&params).unwrap_or_default());
         let answer = rmcp::model::SamplingMessage::assistant_text(format!("sampled by {}", self.name));
         Ok(rmcp::model::CreateMessageResult::new(answer, "test-model".to_owned()))
     }
@@ -260,7 +263,6 @@ async fn what_the_proxied_server_asks_during_a_call_reaches_that_callers_session
     assert!(!said.contains("sampled by"), "{said}");
     assert!(said.contains("did not declare"), "the reason reaches him: {said}");
     assert_eq!((alice_asked.asked().len(), carol_asked.asked().len()), (1, 0), "nobody answered for bob");
-
 }
 
 /// Over stdio nothing marks which call a request is for, but a tenant's child serves that tenant
