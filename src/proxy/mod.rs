@@ -19,7 +19,9 @@
 //! **Sessions.** Whose calls share one MCP session to the proxied server (one child process for a
 //! command) is `proxy.upstream_sessions` ([`scopes`]): each tenant its own by default, so no tenant
 //! reads what another left in a stateful server; opening one is charged, and they are capped and
-//! closed when idle. Notifications are routed back ([`relay`]) among a session's callers: progress
+//! closed when idle. The tools are learnt on the proxy's own session, which no caller over HTTP
+//! takes (only `shared` serves callers on it, and `proxy --stdio` its one caller): what a caller
+//! does to its own session never changes another's tools. Notifications are routed back ([`relay`]) among a session's callers: progress
 //! to the session that made the call, resource updates to the sessions that subscribed, log
 //! messages to the sessions that set a level (each at its own), list changes to all. A session's
 //! `logging/setLevel` is its own; the shared session's level is the most verbose any asked for.
@@ -203,7 +205,8 @@ impl Proxied {
         Ok(proxied)
     }
 
-    /// The proxy's own session to the proxied server (the one `shared` serves every caller on).
+    /// The proxy's own session to the proxied server, which the tools are learnt on (the one
+    /// `shared` serves every caller on, and `proxy --stdio` its one caller).
     pub fn link(&self) -> &Link {
         self.scopes.shared().link()
     }
@@ -271,10 +274,10 @@ impl Proxied {
         }
     }
 
-    /// Lists the proxied server's tools again (within [`link::ANSWER_WITHIN`], whatever
-    /// `proxy.timeout_ms` says of calls), keeps those it may offer ([`offered`]), forgets the
-    /// metrics and dashboard rows of every tool it no longer lists, and warns of each
-    /// `[tools.NAME]` it does not list; on an error the last list stays.
+    /// Lists the proxied server's tools again on the proxy's own session (within
+    /// [`link::ANSWER_WITHIN`], whatever `proxy.timeout_ms` says of calls), keeps those it may
+    /// offer ([`offered`]), forgets the metrics and dashboard rows of every tool it no longer
+    /// lists, and warns of each `[tools.NAME]` it does not list; on an error the last list stays.
     async fn learn_tools(&self) -> Result<(), String> {
         let peer = self.link().peer().ok_or("it is not connected")?;
         let tools = match tokio::time::timeout(link::ANSWER_WITHIN, list_tools(&peer)).await {

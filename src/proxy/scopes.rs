@@ -10,15 +10,19 @@
 //!   2026-07-28 caller, which has no session, has one per caller).
 //!
 //! The proxy always keeps one session of its own (the first, opened at start-up): it learns the
-//! tools from it, `shared` serves every caller on it, and otherwise the first scope to come takes
-//! it (one client costs one child) and keeps it. Another scope's session is opened by its first
-//! request, which is charged to the caller's `limits.method.other` (opening sessions buys
-//! nothing); at most `proxy.max_children` are open at once — a new scope beyond them takes the
-//! place of the one idle longest (no call in flight, no downstream session), or is refused `busy`
-//! with a wait — and one with no call and no downstream session for
-//! `proxy.upstream_idle_seconds` is closed, its child stopped. A scope's session that fails is
-//! started again with backoff, like the first; its breaker is its own, so one tenant's crashing
-//! child does not stop another's calls.
+//! tools every caller is offered from it, so no caller's calls go on it, except where that is the
+//! configuration's point: `shared` serves every caller on it, and over stdio (`proxy --stdio`) its
+//! one caller, `local`, takes it (one client costs one child) and keeps it. Over HTTP under
+//! `tenant` or `session` no scope takes it: the first to come could be a made-up key, and what it
+//! left in that session (a tool its server dropped from its own list) would be every tenant's.
+//!
+//! Every other scope's session is opened by its first request, which is charged to the caller's
+//! `limits.method.other` (opening sessions buys nothing); at most `proxy.max_children` are open at
+//! once — a new scope beyond them takes the place of the one idle longest (no call in flight, no
+//! downstream session), or is refused `busy` with a wait — and one with no call and no downstream
+//! session for `proxy.upstream_idle_seconds` is closed, its child stopped. A scope's session that
+//! fails is started again with backoff, like the first; its breaker is its own, so one tenant's
+//! crashing child does not stop another's calls.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -34,7 +38,7 @@ use crate::breaker::Breaker;
 use crate::clock::{Nanos, SharedClock};
 use crate::config::{ProxyConfig, UpstreamSessions};
 use crate::guard::{MethodGroup, Refusal};
-use crate::identity::Caller;
+use crate::identity::{Caller, Proof};
 use crate::rate_limits::RateLimits;
 
 /// One session to the proxied server, and the downstream sessions its notifications go to.
@@ -154,9 +158,10 @@ pub struct Scopes {
     start: Start,
     /// Downstream sessions so far, to name each one's scope under `session`.
     sessions: AtomicU64,
-    /// The scope that took the proxy's own session: the first to come, so that one client (Claude
-    /// Desktop over `proxy --stdio`, a lone tenant) costs one child, not two. It keeps it for the
-    /// proxy's life — given to another scope later, it would hand over what the first left in it.
+    /// The scope that took the proxy's own session: `proxy --stdio`'s one caller (`local`), so that
+    /// Claude Desktop costs one child, not two. It keeps it for the proxy's life. Over HTTP no
+    /// scope takes it: the tools every caller is offered are learnt from it, and the first caller
+    /// to come may be anyone, a made-up key too.
     adopter: std::sync::OnceLock<String>,
 }
 
@@ -256,7 +261,8 @@ impl Scopes {
 
     /// The session of `scope`, opened for `caller` if it is not open yet: opening it is charged
     /// to the caller's `limits.method.other`; with every place taken, the one idle longest is
-    /// closed for it, or the caller is refused `busy`.
+    /// closed for it, or the caller is refused `busy`. The scope of `proxy --stdio`'s one caller
+    /// (`local`) takes the proxy's own session instead, and keeps it.
     pub async fn get(
         &self,
         scope: Option<String>,
@@ -272,8 +278,8 @@ impl Scopes {
             let mut slots = self.slots();
             if let Some(place) = slots.get(&scope) {
                 place.slot.clone()
-            } else if self.adopter.set(scope.clone()).is_ok() {
-                // The first scope takes the proxy's own session: it opens nothing.
+            } else if caller.proof() == Proof::Local && self.adopter.set(scope.clone()).is_ok() {
+                // The stdio caller takes the proxy's own session: it opens nothing.
                 return Ok(self.shared.clone());
             } else {
                 let unverified = caller.unverified_from().is_some();

@@ -323,7 +323,7 @@ impl ServerHandler for ProxyServer {
             && let Ok(caller) = limited::caller_of(&self.limits, &context)
         {
             let key = scopes::task_key(self.scope(&caller).as_deref(), &task.task.task_id);
-            self.proxied.tasks.record(&key, task.task.ttl_ms, caller.id());
+            self.proxied.tasks.record(&key, task.task.ttl_ms, caller.id(), caller.unverified_from());
         }
         response
     }
@@ -368,15 +368,20 @@ impl ServerHandler for ProxyServer {
     ) -> Result<(), ErrorData> {
         let method = "resources/subscribe";
         limited::method(&self.limits, method, &context, |_| async {
+            // Without a session there is nobody to tell of its updates (it has `subscriptions/listen`).
+            let sessionless = || ErrorData::invalid_request(SESSIONLESS_SUBSCRIBE, None);
+            self.seat.peer().ok_or_else(sessionless)?;
             let asking = self.asking(&context, method).await?;
-            let session = self.seat.member();
+            let session = self.seat.member().ok_or_else(sessionless)?;
             // The upstream session subscribes once, for every downstream session on it that asked.
-            let first = session.is_none_or(|s| asking.upstream.downstream().subscribe(s, &request.uri));
+            let first = asking.upstream.downstream().subscribe(session, &request.uri);
             if first { asking.peer.subscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
         })
         .await
     }
 
+    /// Ends this session's subscription (upstream with the last session on its scope's to hold one).
+    /// A request without a session holds none: it ends nothing, and the proxied server is not asked.
     async fn unsubscribe(
         &self,
         request: UnsubscribeRequestParams,
@@ -384,9 +389,10 @@ impl ServerHandler for ProxyServer {
     ) -> Result<(), ErrorData> {
         let method = "resources/unsubscribe";
         limited::method(&self.limits, method, &context, |_| async {
+            let Some(_peer) = self.seat.peer() else { return Ok(()) };
             let asking = self.asking(&context, method).await?;
-            let session = self.seat.member();
-            let last = session.is_none_or(|s| asking.upstream.downstream().unsubscribe(s, &request.uri));
+            let Some(session) = self.seat.member() else { return Ok(()) };
+            let last = asking.upstream.downstream().unsubscribe(session, &request.uri);
             if last { asking.peer.unsubscribe(request).await.map_err(|e| self.passed(method, e)) } else { Ok(()) }
         })
         .await
@@ -585,6 +591,11 @@ impl ServerHandler for ProxyServer {
 
 /// The header a 2025-11-25 session's requests name it by.
 const SESSION_ID: &str = "mcp-session-id";
+
+/// Why a `resources/subscribe` without a session (2026-07-28's lifecycle) is refused.
+const SESSIONLESS_SUBSCRIBE: &str = "`resources/subscribe` needs a session (2025-11-25's `initialize`) to send \
+                                     the updates on; without one, name the resource in a `subscriptions/listen` \
+                                     request (`resourceSubscriptions`)";
 
 /// The most resources one 2026-07-28 subscription may ask to hear of (each is charged, and may
 /// cost a request to the proxied server).

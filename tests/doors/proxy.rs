@@ -600,6 +600,13 @@ async fn proxy_over_stdio_fronts_a_local_server_as_claude_desktop_runs_it() {
     let add = tools.iter().find(|t| t.name == "add").expect("the proxied server's add");
     assert!(add.description.as_deref().is_some_and(|d| d.ends_with("Costs 3 tokens.")), "{add:?}");
     assert_eq!(text_of(&call(&client, "add", json!({"a": 20, "b": 22})).await), "42");
+    // One client, one child: its one caller (`local`) is on the proxy's own session, which the
+    // tools are learnt on, so what it does to its server's list is the list it is offered.
+    assert_eq!(text_of(&call(&client, "hide", json!({"name": "add"})).await), "hid add");
+    eventually("the tool it hid is no longer listed", || async {
+        client.list_all_tools().await.expect("tools").iter().all(|t| t.name != "add")
+    })
+    .await;
 }
 
 #[test]
@@ -1588,16 +1595,16 @@ async fn pid(client: &Client) -> String {
 
 /// With `proxy.upstream_sessions = "tenant"` (the default) in front of a stateful server (over
 /// stdio, each child one client's state): what one tenant leaves in it another never reads, while
-/// the callers of one tenant share it; the first tenant takes the proxy's own child, each other
-/// one's child is opened by its first call; at most `proxy.max_children` more are open, a new scope
-/// refused `busy` while all are in use and given the place of one idle; and one idle for
+/// the callers of one tenant share it; no tenant takes the proxy's own child (the tools are learnt
+/// on it), each tenant's child is opened by its first call; at most `proxy.max_children` are open, a
+/// new scope refused `busy` while all are in use and given the place of one idle; and one idle for
 /// `proxy.upstream_idle_seconds` is closed.
 #[tokio::test]
 async fn two_tenants_never_see_each_others_state_and_the_children_are_capped_and_closed_when_idle() {
     let keys =
         ["acme-one-0123456789abcdef", "acme-two-0123456789abcdef", "globex-0123456789abcdef", "initech-0123456789abc"];
     let toml = format!(
-        "[loop_detection]\nenabled = false\n[proxy]\nmax_children = 1\nupstream_idle_seconds = 60\n[auth]\nkeys = [\
+        "[loop_detection]\nenabled = false\n[proxy]\nmax_children = 2\nupstream_idle_seconds = 60\n[auth]\nkeys = [\
          {{ sha256 = \"{}\", tenant = \"acme\" }}, {{ sha256 = \"{}\", tenant = \"acme\" }}, \
          {{ sha256 = \"{}\", tenant = \"globex\" }}, {{ sha256 = \"{}\", tenant = \"initech\" }}]\n",
         sha256_hex(keys[0]),
@@ -1614,7 +1621,7 @@ async fn two_tenants_never_see_each_others_state_and_the_children_are_capped_and
     assert_eq!(text_of(&call(&alice_too, "recall", json!({})).await), "acme's secret", "acme's callers share theirs");
     let (acme, globex) = (pid(&alice).await, pid(&bob).await);
     assert_eq!(pid(&alice_too).await, acme);
-    assert_eq!(acme, own.to_string(), "the first tenant takes the proxy's own child: one client, one child");
+    assert_ne!(acme, own.to_string(), "the first tenant has a child of its own: the tools are learnt on the proxy's");
     assert_ne!(globex, acme, "another tenant, another child");
     // The official Python SDK of both eras (a 2026-07-28 caller has no session: its scope is its
     // tenant all the same): acme's callers read acme's, globex's read nothing of it.
@@ -1628,7 +1635,7 @@ async fn two_tenants_never_see_each_others_state_and_the_children_are_capped_and
         }
     }
 
-    // The one more child open and in use (bob's session lives): a third tenant waits.
+    // Both children open and in use (alice's and bob's sessions live): a third tenant waits.
     let carol = proxy.client(Some(keys[3])).await;
     let refused = call(&carol, "pid", json!({})).await;
     assert_eq!(code_of(&refused), Some("busy"), "{refused:?}");
@@ -1644,20 +1651,57 @@ async fn two_tenants_never_see_each_others_state_and_the_children_are_capped_and
     })
     .await;
     assert!(initech != acme && initech != globex, "{initech}");
-    // Idle for a minute (carol gone too), initech's child is closed; the proxy's own, acme's,
-    // stays.
+    // Idle for a minute (carol gone too), initech's child is closed; acme's, alice's session on
+    // it, stays, and so does the proxy's own.
     carol.cancel().await.expect("carol leaves");
     let scopes = proxy.app.proxied().expect("a proxy").scopes().clone();
     eventually("carol's session is let go of", || async {
         proxy.clock.advance(Duration::from_secs(61));
-        scopes.all().len() == 1
+        scopes.all().len() == 2
     })
     .await;
     assert_eq!(pid(&alice).await, acme, "acme's child was never closed");
 }
 
-/// With `proxy.upstream_sessions = "session"`, each downstream session has its own child (the first
-/// the proxy's own), and opening one is charged to the caller's `limits.method.other`: a flood of
+/// A client that counts the tool list changes it is told of.
+#[derive(Clone, Default)]
+struct ToolsHeard(Arc<std::sync::atomic::AtomicUsize>);
+
+impl rmcp::ClientHandler for ToolsHeard {
+    async fn on_tool_list_changed(&self, _context: rmcp::service::NotificationContext<rmcp::RoleClient>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// The tools every tenant is offered are learnt from the proxy's own session, which no caller over
+/// HTTP ever takes: a made-up key that comes first, in front of a stateful server whose tool
+/// `hide` drops another tool from its own process's list (and says so), changes only its own
+/// child's list; a configured tenant who comes after still finds the tool listed and calls it.
+#[tokio::test]
+async fn a_made_up_key_that_comes_first_never_changes_the_tools_a_tenant_is_offered() {
+    let key = "acme-0123456789abcdef";
+    let toml = format!("[auth]\nkeys = [{{ sha256 = \"{}\", tenant = \"acme\" }}]\n", sha256_hex(key));
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let own = proxy.app.proxied().expect("a proxy").link().child_pid().expect("the proxy's own child");
+    let heard = ToolsHeard::default();
+    let mut config = StreamableHttpClientTransportConfig::with_uri(proxy.url.clone());
+    config = config.auth_header("made-up-0123456789abcdef");
+    let stranger = heard.clone().serve(StreamableHttpClientTransport::from_config(config)).await.expect("connects");
+    assert_eq!(text_of(&call(&stranger, "hide", json!({"name": "add"})).await), "hid add");
+    // Its child said its list changed: the proxy learnt the tools again, then told every session.
+    eventually("the proxy learnt the tools again", || async { heard.0.load(std::sync::atomic::Ordering::SeqCst) > 0 })
+        .await;
+    let tenant = proxy.client(Some(key)).await;
+    let tools = tenant.list_all_tools().await.expect("tools");
+    let names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
+    assert!(names.contains(&"add"), "still offered to the tenant: {names:?}");
+    assert_eq!(text_of(&call(&tenant, "add", json!({"a": 1, "b": 2})).await), "3", "and served from its own child");
+    let theirs = text_of(&call(&stranger, "pid", json!({})).await);
+    assert_ne!(theirs, own.to_string(), "the made-up key's calls reach a child of its own");
+}
+
+/// With `proxy.upstream_sessions = "session"`, each downstream session has its own child (never
+/// the proxy's own, which the tools are learnt on), and opening one is charged to the caller's `limits.method.other`: a flood of
 /// sessions opens what that budget allows, never more than `proxy.max_children`; and callers
 /// without a configured key hold at most their share of them (`upstream.unverified_share`), so
 /// configured tenants always find room.
@@ -1675,8 +1719,7 @@ async fn each_session_its_own_child_and_a_flood_of_sessions_opens_what_its_budge
     let (one, two) = (text_of(&call(&first, "pid", json!({})).await), text_of(&call(&second, "pid", json!({})).await));
     assert_ne!(one, two, "two sessions of one caller, two children");
     assert_eq!(text_of(&call(&first, "pid", json!({})).await), one, "a session stays on its own");
-    // The first took the proxy's own child; the second opening and one more spend its budget of
-    // two, and every session after is refused.
+    // The two openings spent its budget of two: every session after is refused.
     let mut sessions = Vec::new();
     let mut refused = Vec::new();
     for _ in 0..10 {
@@ -1685,8 +1728,7 @@ async fn each_session_its_own_child_and_a_flood_of_sessions_opens_what_its_budge
         sessions.push(session);
     }
     let rate_limited = Some("rate_limited".to_owned());
-    assert_eq!(refused[0], None, "one more opening in its budget: {refused:?}");
-    assert!(refused[1..].iter().all(|r| *r == rate_limited), "{refused:?}");
+    assert!(refused.iter().all(|r| *r == rate_limited), "{refused:?}");
     // Callers with made-up keys, each its own budget: together they open at most their share of
     // the children (half of 4: 2), whatever is free.
     let made_up = ["other-a-0123456789", "other-b-0123456789", "other-c-0123456789", "other-d-0123456789"];
@@ -1712,12 +1754,12 @@ async fn each_session_its_own_child_and_a_flood_of_sessions_opens_what_its_budge
     let open = proxy.app.proxied().expect("a proxy").scopes().all().len() - 1;
     assert_eq!(open, 4, "never more than max_children");
     // A session that could not be opened is refused by the one guarded call like any other call:
-    // each refusal on the dashboard under its tool and code (9 over the opening budget, 3 past the
+    // each refusal on the dashboard under its tool and code (10 over the opening budget, 3 past the
     // unverified callers' share of the children).
     let seen = proxy.app.state().limits.guard().activity().snapshot(proxy.clock.now());
     let pid = seen.tools.iter().find(|t| t.tool == "pid" && t.layer == "tool").expect("pid's refusals are seen");
     let count = |code: &str| pid.codes.iter().find(|c| c.code == code).map_or(0, |c| c.refused);
-    assert_eq!((count("rate_limited"), count("busy")), (9, 3), "{:?}", pid.codes);
+    assert_eq!((count("rate_limited"), count("busy")), (10, 3), "{:?}", pid.codes);
 }
 
 /// A client that keeps the log messages it hears: their text.
@@ -2102,6 +2144,18 @@ impl rmcp::ServerHandler for Changing {
         Ok(())
     }
 
+    /// Ends the subscription to the resource (every client of this server's is the proxy's one
+    /// session per scope: the test's have one scope).
+    #[allow(deprecated)] // A 2025-11-25 session's subscription.
+    async fn unsubscribe(
+        &self,
+        request: rmcp::model::UnsubscribeRequestParams,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<(), rmcp::ErrorData> {
+        self.subscribers.lock().expect("a lock nobody panicked holding").retain(|(_, uri)| *uri != request.uri);
+        Ok(())
+    }
+
     fn accepted_subscription_filter(
         &self,
         requested: &rmcp::model::SubscriptionFilter,
@@ -2180,12 +2234,13 @@ async fn a_2026_07_28_servers_changes_reach_the_proxy_and_its_callers_of_both_er
 async fn opening_subscriptions_through_the_proxy_is_charged_and_refused_past_the_budget() {
     use rmcp::model::SubscriptionFilter;
     let target = Target::Http { url: serve_in_test(Changing::default()).await, headers: Vec::new() };
-    let toml = "[limits.method.other]\nalgorithm = \"token_bucket\"\nburst = 3\nrefill_per_sec = 0.001\n";
+    let toml = "[limits.method.other]\nalgorithm = \"token_bucket\"\nburst = 4\nrefill_per_sec = 0.001\n";
     let proxy = Proxy::start(toml, target).await;
     let client = modern_client(&proxy.url).await;
     let asked = || SubscriptionFilter::builder().tools_list_changed().build();
     // rmcp acknowledges a subscription before the server's handler runs; the charge comes then,
-    // and one past the budget ends at once with the refusal. Three fit the burst.
+    // and one past the budget ends at once with the refusal. Three fit the burst of four, with the
+    // opening of their scope's session to the proxied server (charged as opening one always is).
     let mut subscriptions = Vec::new();
     for _ in 0..5 {
         subscriptions.push(client.peer().listen(asked()).await.expect("acknowledged"));
@@ -2247,6 +2302,61 @@ async fn a_resource_update_reaches_the_callers_of_both_eras_that_subscribed_to_i
     let asked_upstream: Vec<String> =
         server.subscribers.lock().expect("a lock nobody panicked holding").iter().map(|(_, uri)| uri.clone()).collect();
     assert_eq!(asked_upstream, [thing, "test://never-changes"], "the server asked once per resource");
+    legacy.cancel().await.expect("closed");
+}
+
+/// A request without a session (the 2026-07-28 lifecycle: `_meta` says its version, here
+/// 2025-11-25, which rmcp then serves as a legacy request) holds no resource subscription, so it
+/// neither ends one nor opens one upstream: its `resources/unsubscribe` is answered without asking
+/// the proxied server, whose one subscription for the session of its scope that subscribed stays
+/// (that session still hears the updates), and its `resources/subscribe` is refused, naming
+/// `subscriptions/listen`. A 2026-07-28 client cannot send either (rmcp answers it "method not
+/// found").
+#[tokio::test]
+async fn a_request_without_a_session_never_ends_nor_opens_a_subscription_upstream() {
+    let server = Changing::default();
+    let target = Target::Http { url: serve_in_test(server.clone()).await, headers: Vec::new() };
+    let proxy = Proxy::start("[proxy]\nupstream_protocol = \"2025-11-25\"\n", target).await;
+    let thing = "test://thing";
+    let heard = Updates::default();
+    let transport =
+        StreamableHttpClientTransport::from_config(StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()));
+    let legacy = heard.clone().serve(transport).await.expect("a 2025-11-25 client connects");
+    #[allow(deprecated)] // A 2025-11-25 session's subscription.
+    legacy.subscribe(rmcp::model::SubscribeRequestParams::new(thing)).await.expect("subscribed");
+    let upstream = || server.subscribers.lock().expect("a lock nobody panicked holding").len();
+    assert_eq!(upstream(), 1, "subscribed upstream");
+
+    // The same caller (no key: its address's scope, the same session to the proxied server),
+    // without a session.
+    let sessionless = common::RawSession::new(&proxy.url, &[("mcp-protocol-version", "2025-11-25")]);
+    let request = |id: u64, method: &str| {
+        json!({"jsonrpc": "2.0", "id": id, "method": method, "params": {"uri": thing, "_meta": {
+            "io.modelcontextprotocol/protocolVersion": "2025-11-25",
+            "io.modelcontextprotocol/clientCapabilities": {},
+            "io.modelcontextprotocol/clientInfo": {"name": "sessionless", "version": "1"}}}})
+    };
+    let (status, _, body) = sessionless.post(request(1, "resources/unsubscribe")).await;
+    let answer = common::jsonrpc_of(&body);
+    assert_eq!((status, &answer["result"]), (200, &json!({})), "{body}");
+    assert_eq!(upstream(), 1, "the proxied server was not asked to unsubscribe");
+    let (_, _, body) = sessionless.post(request(2, "resources/subscribe")).await;
+    let answer = common::jsonrpc_of(&body);
+    let message = answer["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("subscriptions/listen"), "refused, naming the way to subscribe: {body}");
+    assert_eq!(upstream(), 1, "nor asked to subscribe");
+    // A 2026-07-28 client cannot send it at all.
+    let modern = modern_client(&proxy.url).await;
+    #[allow(deprecated)] // What the test shows a 2026-07-28 client cannot send.
+    let refused = modern.peer().unsubscribe(rmcp::model::UnsubscribeRequestParams::new(thing)).await;
+    assert!(refused.is_err(), "{refused:?}");
+    assert_eq!(upstream(), 1);
+
+    assert_eq!(text_of(&call(&legacy, "change", json!({})).await), "changed");
+    eventually("the session that subscribed still hears the update", || async {
+        heard.0.lock().expect("a lock nobody panicked holding").as_slice() == [thing.to_owned()]
+    })
+    .await;
     legacy.cancel().await.expect("closed");
 }
 

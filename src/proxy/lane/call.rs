@@ -186,7 +186,8 @@ impl LaneState {
                 Era::Session { seat, .. } => seat.scope(proxied, caller),
                 Era::Stateless => proxied.scopes().scope_of(caller, None),
             };
-            proxied.tasks.record(&scopes::task_key(scope.as_deref(), &task), ttl_ms, caller.id());
+            let key = scopes::task_key(scope.as_deref(), &task);
+            proxied.tasks.record(&key, ttl_ms, caller.id(), caller.unverified_from());
         }
         finished
     }
