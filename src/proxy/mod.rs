@@ -24,7 +24,9 @@
 //! messages to the sessions that set a level (each at its own), list changes to all. A session's
 //! `logging/setLevel` is its own; the shared session's level is the most verbose any asked for.
 //! A 2026-07-28 server tells of changes only on a subscription: the proxy holds one on each
-//! session to it ([`link`]), and a 2026-07-28 caller's own subscription hears the lists' changes.
+//! session to it ([`link`]), and a 2026-07-28 caller's own subscription hears the lists' changes;
+//! a caller holds a bounded number of those open, the unverified callers of one address together
+//! ([`subscriptions`]).
 //!
 //! **Tasks.** A task a proxied call creates is its caller's ([`tasks`]): `tasks/get` and
 //! `tasks/cancel` for it from anyone else are refused as unknown, never passed on.
@@ -39,6 +41,7 @@ pub mod link;
 pub mod relay;
 pub mod scopes;
 mod server;
+pub mod subscriptions;
 pub mod tasks;
 
 use std::sync::Arc;
@@ -94,6 +97,8 @@ pub struct Proxied {
     /// How many times its tools were learnt again since it started: what a 2026-07-28
     /// subscription to `notifications/tools/list_changed` waits on.
     relearnt: tokio::sync::watch::Sender<u64>,
+    /// The 2026-07-28 subscriptions its callers hold open, per caller and per address.
+    subscriptions: subscriptions::Subscriptions,
 }
 
 impl std::fmt::Debug for Proxied {
@@ -122,6 +127,10 @@ impl Behind for Proxied {
 
     fn queue(&self) -> &FairQueue {
         &self.queue
+    }
+
+    fn subscriptions(&self) -> Option<usize> {
+        Some(self.subscriptions.count())
     }
 }
 
@@ -185,6 +194,7 @@ impl Proxied {
             mean_call: AtomicU64::new(0),
             tasks: tasks::Owners::new(clock.clone()),
             relearnt: tokio::sync::watch::Sender::new(0),
+            subscriptions: subscriptions::Subscriptions::new(&config.proxy),
         });
         // Without its tools there is nothing to serve: a server that cannot list them is a
         // start-up error, as one that cannot be reached is.

@@ -575,6 +575,8 @@ fn a_proxys_config_prices_tools_it_has_not_seen_and_checks_the_default_price() {
     for (toml, key) in [
         ("[proxy]\nmax_in_flight = 0\n", "proxy.max_in_flight"),
         ("[proxy]\ntimeout_ms = 0\n", "proxy.timeout_ms"),
+        ("[proxy]\nmax_subscriptions_per_caller = 0\n", "proxy.max_subscriptions_per_caller"),
+        ("[proxy]\nmax_subscriptions_per_address = 0\n", "proxy.max_subscriptions_per_address"),
         ("[proxy]\nupstream_url = \"nope\"\n", "proxy.upstream_url"),
         ("[proxy.headers]\n\"bad header\" = \"x\"\n", "proxy.headers.bad header"),
         ("[proxy.headers]\nmcp-session-id = \"x\"\n", "proxy.headers.mcp-session-id"),
