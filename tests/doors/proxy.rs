@@ -54,14 +54,14 @@ fn command((program, args): (String, Vec<String>)) -> Target {
 }
 
 /// A proxy serving HTTP in-process on a free port, on a manual clock.
-struct Proxy {
+pub(crate) struct Proxy {
     app: Arc<App>,
     clock: Arc<ManualClock>,
-    url: String,
+    pub(crate) url: String,
 }
 
 impl Proxy {
-    async fn start(toml: &str, target: Target) -> Self {
+    pub(crate) async fn start(toml: &str, target: Target) -> Self {
         Self::start_on(toml, target, ManualClock::new()).await
     }
 
@@ -1036,7 +1036,7 @@ async fn a_call_that_waited_the_timeout_for_a_turn_says_it_was_never_sent_and_co
     assert_eq!(code_of(&refused), Some("rate_limited"), "{refused:?}");
 }
 
-async fn proxy_metrics(proxy: &Proxy) -> String {
+pub(crate) async fn proxy_metrics(proxy: &Proxy) -> String {
     let url = proxy.url.replace("/mcp", "/metrics");
     reqwest::get(url).await.expect("metrics").text().await.expect("text")
 }
@@ -1350,7 +1350,7 @@ impl rmcp::ServerHandler for Tasker {
 }
 
 /// Serves `server` over streamable HTTP on a free loopback port; its `/mcp` URL.
-async fn serve_in_test<S: rmcp::ServerHandler + Clone + Send + Sync + 'static>(server: S) -> String {
+pub(crate) async fn serve_in_test<S: rmcp::ServerHandler + Clone + Send + Sync + 'static>(server: S) -> String {
     use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
     use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
     let mcp = StreamableHttpService::new(
@@ -1959,7 +1959,7 @@ async fn with_traces_on_the_proxied_server_hears_the_proxys_span_of_the_callers_
 /// its subscribers (`subscriptions/listen`) that both lists changed: the only way a 2026-07-28
 /// server tells its clients of changes.
 #[derive(Clone, Default)]
-struct Changing {
+pub(crate) struct Changing {
     changed: Arc<std::sync::atomic::AtomicBool>,
     told: Arc<tokio::sync::Notify>,
     /// The 2025-11-25 sessions that subscribed to a resource (`resources/subscribe`): `change`
