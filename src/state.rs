@@ -52,6 +52,10 @@ pub trait Behind: std::fmt::Debug + Send + Sync {
     fn jobs(&self) -> Option<&Arc<Jobs>> {
         None
     }
+    /// The 2026-07-28 subscriptions held open through it, if it takes any (a proxied server).
+    fn subscriptions(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Our tools' upstream: the paid API and the jobs running on it.
@@ -103,7 +107,7 @@ impl AppState {
         use crate::ops::metrics::{
             ACCOUNT_SLOTS, ACCOUNT_SLOTS_IN_USE, ACCOUNT_TIER_PLACES, ACCOUNT_TIER_SLOTS, BREAKER_STATE,
             EXPECTED_JOB_SECONDS, JOBS_IN_FLIGHT, QUEUE_DEPTH, QUEUEING_DELAY, SHED_LEVEL, STORE_UP,
-            UPSTREAM_CONCURRENCY_LIMIT,
+            SUBSCRIPTIONS_OPEN, UPSTREAM_CONCURRENCY_LIMIT,
         };
         let occupancy = self.behind.occupancy();
         // Per flow bucket (a 16-way hash of the tenant or caller, never its name); every bucket
@@ -128,6 +132,9 @@ impl AppState {
             metrics.sample(ACCOUNT_TIER_PLACES, labels("waiting"), tier.waiting as f64);
         }
         self.limits.metrics().sample(UPSTREAM_CONCURRENCY_LIMIT, Vec::new(), self.behind.slots() as f64);
+        if let Some(open) = self.behind.subscriptions() {
+            self.limits.metrics().sample(SUBSCRIPTIONS_OPEN, Vec::new(), open as f64);
+        }
         let jobs = self.behind.jobs().map_or(0, |jobs| jobs.in_flight());
         self.limits.metrics().sample(JOBS_IN_FLIGHT, Vec::new(), jobs as f64);
         if let Some(jobs) = self.behind.jobs() {

@@ -711,6 +711,8 @@ fn bad_session_and_timeout_settings_are_refused_naming_the_key() {
         ("HEADER_READ_TIMEOUT_MS", "-5", "server.header_read_timeout_ms"),
         ("BODY_READ_TIMEOUT_MS", "soon", "server.body_read_timeout_ms"),
         ("BODY_READ_TIMEOUT_MS", "0", "must be greater than zero"),
+        ("MAX_STREAMS_PER_CONNECTION", "0", "server.max_streams_per_connection"),
+        ("MAX_STREAMS_PER_CONNECTION", "many", "server.max_streams_per_connection"),
     ] {
         let output = std::process::Command::new(process::BINARY)
             .arg("check-config")
@@ -727,7 +729,10 @@ fn bad_session_and_timeout_settings_are_refused_naming_the_key() {
         .env("MCP_RL__SERVER__MAX_SESSIONS", "500")
         .env("MCP_RL__SERVER__HEADER_READ_TIMEOUT_MS", "2000")
         .env("MCP_RL__SERVER__BODY_READ_TIMEOUT_MS", "5000")
+        .env("MCP_RL__SERVER__MAX_STREAMS_PER_CONNECTION", "50")
         .output()
         .expect("check-config runs");
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let table = String::from_utf8_lossy(&output.stdout);
+    assert!(table.contains("50 streams each (HTTP/2)"), "the override is in force: {table}");
 }

@@ -49,6 +49,12 @@ pub struct ProxyConfig {
     /// A scope's session to the proxied server with no call and no downstream session for this
     /// long is closed (its child stopped).
     pub upstream_idle_seconds: u64,
+    /// 2026-07-28 subscriptions (`subscriptions/listen`) one configured caller may hold open at
+    /// once.
+    pub max_subscriptions_per_caller: usize,
+    /// Subscriptions the unverified callers of one address (no key, or made-up keys) may hold
+    /// open together.
+    pub max_subscriptions_per_address: usize,
 }
 
 /// `proxy.upstream_sessions`: which callers share one session to the proxied server (one child
@@ -97,6 +103,8 @@ impl std::fmt::Debug for ProxyConfig {
             .field("upstream_sessions", &self.upstream_sessions)
             .field("max_children", &self.max_children)
             .field("upstream_idle_seconds", &self.upstream_idle_seconds)
+            .field("max_subscriptions_per_caller", &self.max_subscriptions_per_caller)
+            .field("max_subscriptions_per_address", &self.max_subscriptions_per_address)
             .finish()
     }
 }
@@ -178,6 +186,14 @@ impl ProxyConfig {
         }
         if !(1..=86_400).contains(&self.upstream_idle_seconds) {
             return Err(invalid("proxy.upstream_idle_seconds", "from 1 second to a day (86400)"));
+        }
+        for (key, max) in [
+            ("proxy.max_subscriptions_per_caller", self.max_subscriptions_per_caller),
+            ("proxy.max_subscriptions_per_address", self.max_subscriptions_per_address),
+        ] {
+            if max == 0 {
+                return Err(invalid(key, "at least one subscription must be able to open"));
+            }
         }
         Ok(())
     }

@@ -42,6 +42,9 @@ pub struct ServerConfig {
     pub body_read_timeout: Duration,
     /// How many connections a listener holds, all together and per address.
     pub connections: ConnectionCaps,
+    /// Requests (streams) one HTTP/2 connection may have under way at once; a stream beyond is
+    /// refused (`REFUSED_STREAM`), and a client that heeds the limit waits for one to end.
+    pub max_streams_per_connection: u32,
     /// SHA-256 of the bearer key `GET /metrics` requires; `None`: no key (open, unless
     /// `auth.required`). The key itself is not kept.
     pub metrics_key_sha256: Option<KeyDigest>,
@@ -141,6 +144,7 @@ pub(super) struct RawServer {
     body_read_timeout_ms: u64,
     max_connections: usize,
     max_connections_per_address: usize,
+    max_streams_per_connection: u32,
     #[serde(rename = "ipv6_prefix")]
     _ipv6_prefix: serde::de::IgnoredAny,
     metrics_key: Secret,
@@ -176,6 +180,7 @@ impl RawServer {
             header_read_timeout: Duration::from_millis(self.header_read_timeout_ms),
             body_read_timeout: Duration::from_millis(self.body_read_timeout_ms),
             connections,
+            max_streams_per_connection: self.max_streams_per_connection,
             metrics_key_sha256,
         };
         Ok(server)
@@ -199,6 +204,9 @@ impl RawServer {
             if value == 0 {
                 return Err(invalid(key, "must be greater than zero"));
             }
+        }
+        if self.max_streams_per_connection == 0 {
+            return Err(invalid("server.max_streams_per_connection", "an HTTP/2 connection needs at least 1 stream"));
         }
         if !(0.0..=1.0).contains(&self.unverified_session_share) {
             return Err(invalid(

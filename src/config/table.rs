@@ -79,12 +79,13 @@ impl Config {
         let _ = writeln!(
             out,
             "sessions: {} per configured key, {} per tenant; connections: {} per listener, {} per address (IPv6 by \
-             /{}); /metrics: {}",
+             /{}), {} streams each (HTTP/2); /metrics: {}",
             self.server.sessions_per_key(),
             self.server.sessions_per_tenant(),
             self.server.connections.max,
             self.server.connections.max_per_address,
             self.server.connections.ipv6_prefix,
+            self.server.max_streams_per_connection,
             match (self.server.metrics_key_sha256.is_some(), self.limiting.auth.required) {
                 (true, _) => "server.metrics_key required",
                 (false, true) => "closed (auth.required, no server.metrics_key)",

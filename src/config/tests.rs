@@ -296,6 +296,8 @@ fn the_listeners_caps_are_checked_naming_their_keys_and_the_metrics_key_never_sh
         ("[server]\nipv6_prefix = -64\n", "server.ipv6_prefix"),
         ("[server]\nmax_connections = 0\n", "server.max_connections"),
         ("[server]\nmax_connections_per_address = 0\n", "server.max_connections_per_address"),
+        ("[server]\nmax_streams_per_connection = 0\n", "server.max_streams_per_connection"),
+        ("[server]\nmax_streams_per_connection = -1\n", "server.max_streams_per_connection"),
         ("[server]\nunverified_session_share = 1.5\n", "server.unverified_session_share"),
         ("[server]\nunverified_session_share = -0.1\n", "server.unverified_session_share"),
         ("[server]\nkey_session_share = 0.0\n", "server.key_session_share"),
@@ -313,6 +315,7 @@ fn the_listeners_caps_are_checked_naming_their_keys_and_the_metrics_key_never_sh
         (10000, 500, 64)
     );
     assert!(server.connections.exempt.is_empty() && server.metrics_key_sha256.is_none());
+    assert_eq!(server.max_streams_per_connection, 100, "hyper's own default is 200");
     assert_eq!(
         (server.unverified_sessions(), server.sessions_per_key(), server.sessions_per_tenant()),
         (2500, 500, 1250)

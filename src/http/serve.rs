@@ -28,7 +28,13 @@
 //!   the address) carrying `Retry-After: 1` and `Connection: close`, written without waiting (a
 //!   flood of refusals costs no task and no timer), and closed unread; a client that had already
 //!   sent its request may see the connection reset instead. Refusals are counted
-//!   (`mcp_ratelimit_connections_refused_total`), open connections too.
+//!   (`mcp_ratelimit_connections_refused_total`), open connections too;
+//! - **streams** of one HTTP/2 connection: at most `server.max_streams_per_connection` requests
+//!   under way at once (hyper's default is 200), announced in the connection's `SETTINGS`. One
+//!   place among the connections would otherwise carry that many long-lived requests (SSE
+//!   streams, 2026-07-28 subscriptions), which no cap on connections or sessions counts. A stream
+//!   beyond is refused (`RST_STREAM` with `REFUSED_STREAM`) before anything of it is read; a
+//!   client that heeds the setting waits for one of its streams to end.
 //!
 //! Every listener is served this way, with the same `[server]` rules ([`Deadlines::of`]), each
 //! counting its own connections: the MCP endpoint, the admin API (its body deadline behind the
@@ -129,17 +135,20 @@ pub struct Deadlines {
     pub body: BodyDeadline,
     /// Connections open at once, all together and per address.
     pub connections: ConnectionCaps,
+    /// Requests one HTTP/2 connection may have under way at once.
+    pub streams_per_connection: u32,
 }
 
 impl Deadlines {
     /// The rules `[server]` configures (`header_read_timeout_ms`, `body_read_timeout_ms`,
-    /// `max_body_bytes`, `max_connections`, `max_connections_per_address`, `ipv6_prefix`),
-    /// refused as JSON-RPC errors.
+    /// `max_body_bytes`, `max_connections`, `max_connections_per_address`, `ipv6_prefix`,
+    /// `max_streams_per_connection`), refused as JSON-RPC errors.
     pub fn of(server: &ServerConfig) -> Self {
         Self {
             headers: server.header_read_timeout,
             body: BodyDeadline::of(server),
             connections: server.connections.clone(),
+            streams_per_connection: server.max_streams_per_connection,
         }
     }
 }
@@ -165,8 +174,14 @@ pub async fn serve(
     // The watch below holds HTTP/1 headers to the deadline too; hyper's own timer, a little
     // later, is a backstop that never races it.
     builder.http1().timer(TokioTimer::new()).header_read_timeout(first_request + CLOSE_GRACE);
-    // A peer that stops answering pings is dropped even while a stream (SSE) is open.
-    builder.http2().timer(TokioTimer::new()).keep_alive_interval(first_request).keep_alive_timeout(first_request);
+    // A peer that stops answering pings is dropped even while a stream (SSE) is open; streams
+    // past the cap are refused as they open.
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(first_request)
+        .keep_alive_timeout(first_request)
+        .max_concurrent_streams(deadlines.streams_per_connection);
     let open = Arc::new(Open::new(deadlines.connections, counted));
     loop {
         // `Listener::accept` retries failed accepts itself (e.g. out of file descriptors).

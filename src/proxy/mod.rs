@@ -26,7 +26,9 @@
 //! messages to the sessions that set a level (each at its own), list changes to all. A session's
 //! `logging/setLevel` is its own; the shared session's level is the most verbose any asked for.
 //! A 2026-07-28 server tells of changes only on a subscription: the proxy holds one on each
-//! session to it ([`link`]), and a 2026-07-28 caller's own subscription hears the lists' changes.
+//! session to it ([`link`]), and a 2026-07-28 caller's own subscription hears the lists' changes;
+//! a caller holds a bounded number of those open, the unverified callers of one address together
+//! ([`subscriptions`]).
 //!
 //! **Tasks.** A task a proxied call creates is its caller's ([`tasks`]): `tasks/get` and
 //! `tasks/cancel` for it from anyone else are refused as unknown, never passed on.
@@ -45,6 +47,7 @@ pub mod relay;
 pub mod scopes;
 mod seat;
 mod server;
+pub mod subscriptions;
 pub mod tasks;
 
 use std::sync::Arc;
@@ -102,6 +105,8 @@ pub struct Proxied {
     relearnt: tokio::sync::watch::Sender<u64>,
     /// The initialized downstream sessions, for the relay lane.
     seats: seat::Seats,
+    /// The 2026-07-28 subscriptions its callers hold open, per caller and per address.
+    subscriptions: subscriptions::Subscriptions,
 }
 
 impl std::fmt::Debug for Proxied {
@@ -130,6 +135,10 @@ impl Behind for Proxied {
 
     fn queue(&self) -> &FairQueue {
         &self.queue
+    }
+
+    fn subscriptions(&self) -> Option<usize> {
+        Some(self.subscriptions.count())
     }
 }
 
@@ -194,6 +203,7 @@ impl Proxied {
             tasks: tasks::Owners::new(clock.clone()),
             relearnt: tokio::sync::watch::Sender::new(0),
             seats: seat::Seats::default(),
+            subscriptions: subscriptions::Subscriptions::new(&config.proxy),
         });
         // Without its tools there is nothing to serve: a server that cannot list them is a
         // start-up error, as one that cannot be reached is.

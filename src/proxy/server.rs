@@ -497,12 +497,19 @@ impl ServerHandler for ProxyServer {
     /// Holds a subscription open until its caller ends it (or the proxy stops), telling it of
     /// each change it accepted: the tools learnt again, and the prompts' and resources' lists as
     /// the session to the proxied server of the caller's scope hears of them (that session is
-    /// held open meanwhile). Opening one is charged as any other method (`limits.method.other`).
+    /// held open meanwhile). It holds a place among its caller's (its address's, unverified)
+    /// subscriptions meanwhile ([`super::subscriptions`]): one past the bound is refused before
+    /// anything is charged. Opening one is charged as any other method (`limits.method.other`).
     async fn listen(&self, subscription: SubscriptionContext) -> Result<(), ErrorData> {
         let method = "subscriptions/listen";
         // From its acknowledgment on: a change while its scope's session opens is not missed.
         let mut relearnt = self.proxied.relearnt();
         let context = subscription.request_context();
+        let caller = limited::caller_of(&self.limits, context)?;
+        let _place = self.proxied.subscriptions.open(&caller, method).map_err(|refusal| {
+            self.limits.guard().seen_refused(&caller, method, &refusal);
+            results::method_error(&refusal)
+        })?;
         limited::method(&self.limits, method, context, |_| async { Ok(()) }).await?;
         let upstream = self.upstream(context, method).await.map_err(|u| self.unopened(context, method, u))?;
         let _open = upstream.hold(&self.proxied.clock);

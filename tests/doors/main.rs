@@ -1,6 +1,7 @@
 //! Every door a call comes in by, and what an attacker can do at it: the HTTP layers (together and
 //! alone), stdio, the proxy in front of other MCP servers, other clients (Python's SDK, both eras,
-//! a library user's router), cancellation, who a caller is (OAuth access tokens too), made-up keys and hostile input.
+//! a library user's router), cancellation, who a caller is (OAuth access tokens too), made-up keys and hostile input,
+//! and what requests held open may cost (HTTP/2 streams, subscriptions).
 //!
 //! One test binary of modules (one per subject), so the crate is linked once for all of them.
 
@@ -31,3 +32,4 @@ mod oauth_tokens;
 mod proxy;
 mod proxy_lane;
 mod stdio;
+mod subscriptions;

@@ -649,6 +649,8 @@ fn a_proxys_config_prices_tools_it_has_not_seen_and_checks_the_default_price() {
     for (toml, key) in [
         ("[proxy]\nmax_in_flight = 0\n", "proxy.max_in_flight"),
         ("[proxy]\ntimeout_ms = 0\n", "proxy.timeout_ms"),
+        ("[proxy]\nmax_subscriptions_per_caller = 0\n", "proxy.max_subscriptions_per_caller"),
+        ("[proxy]\nmax_subscriptions_per_address = 0\n", "proxy.max_subscriptions_per_address"),
         ("[proxy]\nupstream_url = \"nope\"\n", "proxy.upstream_url"),
         ("[proxy.headers]\n\"bad header\" = \"x\"\n", "proxy.headers.bad header"),
         ("[proxy.headers]\nmcp-session-id = \"x\"\n", "proxy.headers.mcp-session-id"),
@@ -1108,7 +1110,7 @@ async fn a_call_that_waited_the_timeout_for_a_turn_says_it_was_never_sent_and_co
     assert_eq!(code_of(&refused), Some("rate_limited"), "{refused:?}");
 }
 
-async fn proxy_metrics(proxy: &Proxy) -> String {
+pub(crate) async fn proxy_metrics(proxy: &Proxy) -> String {
     let url = proxy.url.replace("/mcp", "/metrics");
     reqwest::get(url).await.expect("metrics").text().await.expect("text")
 }
@@ -1422,7 +1424,7 @@ impl rmcp::ServerHandler for Tasker {
 }
 
 /// Serves `server` over streamable HTTP on a free loopback port; its `/mcp` URL.
-async fn serve_in_test<S: rmcp::ServerHandler + Clone + Send + Sync + 'static>(server: S) -> String {
+pub(crate) async fn serve_in_test<S: rmcp::ServerHandler + Clone + Send + Sync + 'static>(server: S) -> String {
     use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
     use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
     let mcp = StreamableHttpService::new(
@@ -2066,7 +2068,7 @@ async fn with_traces_on_the_proxied_server_hears_the_proxys_span_of_the_callers_
 /// its subscribers (`subscriptions/listen`) that both lists changed: the only way a 2026-07-28
 /// server tells its clients of changes.
 #[derive(Clone, Default)]
-struct Changing {
+pub(crate) struct Changing {
     changed: Arc<std::sync::atomic::AtomicBool>,
     told: Arc<tokio::sync::Notify>,
     /// The 2025-11-25 sessions that subscribed to a resource (`resources/subscribe`): `change`

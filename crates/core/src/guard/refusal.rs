@@ -224,6 +224,37 @@ impl Refusal {
         }
     }
 
+    /// The subscriptions a proxy lets one caller hold open at once (`max`; for callers without a
+    /// configured key, `address`: those of one address together) are open, so `tool` cannot open
+    /// another; `wait` is a guess (one ends only when its holder closes it), the scope names the
+    /// bound: `proxy:max_subscriptions_per_caller` or `proxy:max_subscriptions_per_address`.
+    pub fn subscriptions_full(tool: &str, address: bool, max: u64, wait: Nanos) -> Self {
+        let wait_words = seconds(ceil_secs(wait));
+        let (message, scope) = if address {
+            let message = format!(
+                "Callers without a configured API key from your address may hold {max} subscriptions open together, \
+                 and they are open, so {tool} cannot open yours. Close one, send a configured API key, or wait \
+                 {wait_words} before opening another."
+            );
+            (message, "proxy:max_subscriptions_per_address")
+        } else {
+            let message = format!(
+                "You hold {max} subscriptions open, the most one caller may, so {tool} cannot open another. Close \
+                 one, or wait {wait_words} before opening another."
+            );
+            (message, "proxy:max_subscriptions_per_caller")
+        };
+        Self {
+            code: RefusalCode::Busy,
+            message,
+            retry_after_ms: Some(ceil_ms(wait).max(1)),
+            scope: Some(scope.into()),
+            limit: Some(max),
+            remaining: Some(0),
+            details: None,
+        }
+    }
+
     /// The queue in front of the upstream account is full; `wait` is until a place frees up.
     pub fn queue_full(tool: &str, wait: Nanos) -> Self {
         Self {

@@ -53,6 +53,9 @@ pub const ACCOUNT_TIER_PLACES: &str = "mcp_ratelimit_account_tier_places";
 pub const UPSTREAM_CONCURRENCY_LIMIT: &str = "mcp_ratelimit_upstream_concurrency_limit";
 /// `mcp_ratelimit_jobs_in_flight`: accepted jobs not yet final.
 pub const JOBS_IN_FLIGHT: &str = "mcp_ratelimit_jobs_in_flight";
+/// `mcp_ratelimit_subscriptions_open`: 2026-07-28 subscriptions (`subscriptions/listen`) callers
+/// hold open through the proxy (only a proxy reports it).
+pub const SUBSCRIPTIONS_OPEN: &str = "mcp_ratelimit_subscriptions_open";
 /// `mcp_ratelimit_store_errors_total{layer}`: decisions the limiter store could not make
 /// (`http`, `method`, `tool`, and `account` for the upstream account's shared slots and learnt
 /// limit).
@@ -237,6 +240,7 @@ pub const FAMILIES: &[Family] = &[
         "Slots toward the upstream handed out now: the static cap, or the adaptive limit learnt.",
     ),
     gauge(JOBS_IN_FLIGHT, "Accepted jobs (image and video predictions) not yet final."),
+    gauge(SUBSCRIPTIONS_OPEN, "2026-07-28 subscriptions (subscriptions/listen) callers hold open through the proxy."),
     gauge(STORE_UP, "1 while the limiter store answers, 0 while it fails."),
     gauge(BREAKER_STATE, "The upstream circuit breaker: 0 closed, 1 half-open, 2 open."),
     gauge(CONNECTIONS_OPEN, "Connections a listener holds open, by listener."),
