@@ -239,6 +239,8 @@ pub struct Link {
     child: std::sync::Mutex<Option<u32>>,
     /// The HTTP client of its sessions (and of the relay lane): one pool of connections.
     client: reqwest::Client,
+    /// Its endpoint, read once (over HTTP).
+    endpoint: Option<reqwest::Url>,
     /// The proxied server's id for the session over HTTP (`Mcp-Session-Id`), as rmcp's client
     /// last sent it: what the relay lane's requests on the session carry.
     session_id: Arc<ArcSwapOption<String>>,
@@ -335,7 +337,12 @@ impl Link {
         stop: CancellationToken,
         on_up: impl Fn() + Send + Sync + 'static,
     ) -> Result<Arc<Self>, LinkError> {
+        let endpoint = match &target {
+            Target::Http { url, .. } => reqwest::Url::parse(url).ok(),
+            Target::Command { .. } => None,
+        };
         let link = Arc::new(Self {
+            endpoint,
             target,
             concurrency: config.max_in_flight,
             protocol: config.upstream_protocol,
@@ -375,6 +382,11 @@ impl Link {
     /// The HTTP client its sessions use.
     pub fn client(&self) -> &reqwest::Client {
         &self.client
+    }
+
+    /// Its streamable HTTP endpoint, when it is reached over HTTP.
+    pub fn endpoint(&self) -> Option<&reqwest::Url> {
+        self.endpoint.as_ref()
     }
 
     /// The proxied server's id for the session over HTTP (`Mcp-Session-Id`), once it gave one.

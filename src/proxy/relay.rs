@@ -493,12 +493,16 @@ fn ours() -> Implementation {
 
 /// What the proxy's client declares, as a request's `_meta` says it (2026-07-28).
 pub fn client_capabilities() -> serde_json::Value {
-    serde_json::to_value(declared()).unwrap_or_default()
+    static DECLARED: std::sync::LazyLock<serde_json::Value> =
+        std::sync::LazyLock::new(|| serde_json::to_value(declared()).unwrap_or_default());
+    DECLARED.clone()
 }
 
 /// Who the proxy's client is, as a request's `_meta` says it (2026-07-28).
 pub fn client_info() -> serde_json::Value {
-    serde_json::to_value(ours()).unwrap_or_default()
+    static OURS: std::sync::LazyLock<serde_json::Value> =
+        std::sync::LazyLock::new(|| serde_json::to_value(ours()).unwrap_or_default());
+    OURS.clone()
 }
 
 #[allow(deprecated)] // Logging and resource subscriptions are legacy in 2026-07-28, and still in use.

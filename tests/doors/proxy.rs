@@ -43,7 +43,7 @@ pub(crate) fn everything(transport: &str) -> (String, Vec<String>) {
 }
 
 /// The virtualenv's Python (with FastMCP) and our FastMCP server.
-fn fastmcp(args: &[&str]) -> (String, Vec<String>) {
+pub(crate) fn fastmcp(args: &[&str]) -> (String, Vec<String>) {
     let python = installed(root().join(".tools/python/bin/python"));
     let server = installed(root().join("tests/fixtures/fastmcp_server.py"));
     (python, std::iter::once(server).chain(args.iter().map(|a| (*a).to_owned())).collect())
@@ -391,7 +391,7 @@ async fn a_long_tool_holds_its_slot_until_it_returns() {
     assert_eq!(text_of(&third), "released", "the slot came back when the long call returned");
 }
 
-async fn wait_until_exists(path: &Path) {
+pub(crate) async fn wait_until_exists(path: &Path) {
     let what = format!("{} appears", path.display());
     eventually_some(&what, Duration::from_secs(12), || async { path.exists().then_some(()) }).await;
 }

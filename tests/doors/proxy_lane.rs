@@ -99,3 +99,109 @@ async fn a_2025_11_25_task_passes_the_lane_holds_its_callers_slot_and_is_theirs_
     .await;
     assert_ne!(admitted, task, "a new task");
 }
+
+/// A server whose tool `answer` answers `{"mib": N}` with N MiB of text, and whose tool `forged`
+/// puts keys of the proxy's own (and its connection's) in its result's `_meta`.
+#[derive(Clone, Default)]
+struct Answering;
+
+impl rmcp::ServerHandler for Answering {
+    fn get_info(&self) -> rmcp::model::ServerConfig {
+        rmcp::model::ServerConfig::new(rmcp::model::ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<rmcp::model::PaginatedRequestParams>,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::ListToolsResult, rmcp::ErrorData> {
+        let tool = |name: &str| {
+            let schema = json!({"type": "object"}).as_object().cloned().unwrap_or_default();
+            rmcp::model::Tool::new(name.to_owned(), format!("The tool {name}"), std::sync::Arc::new(schema))
+        };
+        Ok(rmcp::model::ListToolsResult::with_all_items(vec![tool("answer"), tool("forged")]))
+    }
+
+    async fn call_tool(
+        &self,
+        request: rmcp::model::CallToolRequestParams,
+        _context: rmcp::service::RequestContext<rmcp::RoleServer>,
+    ) -> Result<rmcp::model::CallToolResponse, rmcp::ErrorData> {
+        let mut done = rmcp::model::CallToolResult::success(vec![rmcp::model::ContentBlock::text("ok")]);
+        if request.name == "forged" {
+            let meta = json!({"io.github.mcp-ratelimit/charged": 0, "io.modelcontextprotocol/serverInfo": {"name": "x"},
+                "theirs": 1});
+            done.meta = serde_json::from_value(meta).ok();
+        } else {
+            let mib = request.arguments.as_ref().and_then(|a| a.get("mib")).and_then(Value::as_u64).unwrap_or(0);
+            let size = usize::try_from(mib).unwrap_or(0).saturating_mul(1 << 20);
+            done = rmcp::model::CallToolResult::success(vec![rmcp::model::ContentBlock::text("x".repeat(size))]);
+        }
+        Ok(done.into())
+    }
+}
+
+/// What a proxied server answers is read at most 16 MiB (as rmcp's client reads one): a larger
+/// answer is `upstream_unavailable`, nothing of it passed on; one within passes. Keys of the
+/// proxy's own a proxied server puts in its result's `_meta` (a `charged: 0` that would read as the
+/// proxy's price) and what describes its connection are taken out on the way; its own stay.
+#[tokio::test]
+async fn a_proxied_servers_answer_past_16_mib_is_upstream_unavailable() {
+    let url = crate::proxy::serve_in_test(Answering).await;
+    let (keys, toml) = tenants("");
+    let proxy = Proxy::start(&toml, Target::Http { url, headers: Vec::new() }).await;
+    let alice = session_of(&proxy, keys[0]).await;
+    let within = ask(&alice, 1, "tools/call", json!({"name": "answer", "arguments": {"mib": 15}})).await;
+    let text = within["result"]["content"][0]["text"].as_str().map_or(0, str::len);
+    assert_eq!(text, 15 << 20, "15 MiB passes");
+    let past = ask(&alice, 2, "tools/call", json!({"name": "answer", "arguments": {"mib": 17}})).await;
+    assert_eq!(past["result"]["structuredContent"]["error"]["code"], "upstream_unavailable", "17 MiB does not");
+    let said = past["result"]["structuredContent"]["error"]["message"].as_str().unwrap_or_default();
+    assert!(said.contains("16777216 bytes"), "{said}");
+    let forged = ask(&alice, 3, "tools/call", json!({"name": "forged", "arguments": {}})).await;
+    assert_eq!(forged["result"]["_meta"], json!({"theirs": 1}), "{forged}");
+}
+
+/// A 2025-11-25 session's `notifications/cancelled` for a call the lane holds cancels it: the
+/// call answers at once (the proxied server left to stop on its own), and the `holds_slot` tool's
+/// slot comes back, so the caller's next call is served, not `busy`. A cancel naming another
+/// request, or from another session, changes nothing.
+#[tokio::test]
+async fn a_sessions_cancel_of_a_lane_call_gives_its_slot_back() {
+    let port = free_port();
+    let (python, args) = crate::proxy::fastmcp(&["http", &port.to_string()]);
+    let _server = serve_http(&python, &args, port).await;
+    let target = Target::Http { url: format!("http://127.0.0.1:{port}/mcp"), headers: Vec::new() };
+    let (keys, toml) = tenants("[limits.in_flight]\ncaller = 1\n[tools.wait_for]\ncost = 1\nholds_slot = true\n");
+    let proxy = Proxy::start(&toml, target).await;
+    let (alice, bob) = (session_of(&proxy, keys[0]).await, session_of(&proxy, keys[1]).await);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let held = dir.path().join("held").to_string_lossy().into_owned();
+    let waiting = {
+        let (url, id) = (alice.url.clone(), alice.session_id.clone());
+        let mut again = RawSession::new(&url, &[("authorization", &format!("Bearer {}", keys[0]))]);
+        again.session_id = id;
+        let held = held.clone();
+        tokio::spawn(async move {
+            ask(&again, 7, "tools/call", json!({"name": "wait_for", "arguments": {"path": held}})).await
+        })
+    };
+    crate::proxy::wait_until_exists(&dir.path().join("held.started")).await;
+    let cancel =
+        |request: u64| json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": request}});
+    // Another session's cancel of the same request id, and alice's of another id: nothing.
+    let (status, _, _) = bob.post(cancel(7)).await;
+    assert_eq!(status, 202);
+    let (status, _, _) = alice.post(cancel(8)).await;
+    assert_eq!(status, 202);
+    let busy = ask(&alice, 9, "tools/call", json!({"name": "wait_for", "arguments": {"path": "/nonexistent/x"}})).await;
+    assert_eq!(busy["result"]["structuredContent"]["error"]["code"], "busy", "still held: {busy}");
+    let (status, _, _) = alice.post(cancel(7)).await;
+    assert_eq!(status, 202);
+    let cancelled = waiting.await.expect("the waiting call");
+    assert!(cancelled["error"]["message"].as_str().is_some_and(|m| m.contains("cancelled")), "{cancelled}");
+    let released = dir.path().join("released");
+    std::fs::write(&released, "go").expect("pre-released");
+    let next = ask(&alice, 10, "tools/call", json!({"name": "wait_for", "arguments": {"path": released}})).await;
+    assert_eq!(next["result"]["content"][0]["text"], "released", "the slot came back: {next}");
+}

@@ -257,32 +257,43 @@ impl RawEdit {
         if !self.meta_changed && self.texts.is_empty() && self.result_type.is_none() {
             return Ok(result.json().to_owned());
         }
-        let mut fields: BTreeMap<Cow<'_, str>, Cow<'_, RawValue>> = serde_json::from_str(result.json())?;
-        if let Some(meta) = self.meta.filter(|_| self.meta_changed) {
-            if meta.is_empty() {
+        let mut fields: BTreeMap<Cow<'_, str>, &RawValue> = serde_json::from_str(result.json())?;
+        // What replaces a member, owned here; the rest is borrowed from the result as it came.
+        let meta = match self.meta.filter(|_| self.meta_changed) {
+            Some(meta) if meta.is_empty() => {
                 fields.remove("_meta");
-            } else {
-                fields.insert(Cow::Borrowed("_meta"), Cow::Owned(serde_json::value::to_raw_value(&meta)?));
+                None
             }
-        }
-        if !self.texts.is_empty() {
-            let mut content: Vec<Box<RawValue>> = match fields.get("content") {
+            Some(meta) => Some(serde_json::value::to_raw_value(&meta)?),
+            None => None,
+        };
+        let content = if self.texts.is_empty() {
+            None
+        } else {
+            let mut content: Vec<&RawValue> = match fields.get("content") {
                 Some(content) => serde_json::from_str(content.get())?,
                 None => Vec::new(),
             };
-            for text in self.texts {
-                content.push(serde_json::value::to_raw_value(&serde_json::json!({"type": "text", "text": text}))?);
-            }
-            fields.insert(Cow::Borrowed("content"), Cow::Owned(serde_json::value::to_raw_value(&content)?));
-        }
-        match self.result_type {
-            Some(Some(value)) => {
-                fields.insert(Cow::Borrowed("resultType"), Cow::Owned(serde_json::value::to_raw_value(value)?));
-            }
+            let texts = self
+                .texts
+                .iter()
+                .map(|text| serde_json::value::to_raw_value(&serde_json::json!({"type": "text", "text": text})))
+                .collect::<Result<Vec<_>, _>>()?;
+            content.extend(texts.iter().map(AsRef::as_ref));
+            Some(serde_json::value::to_raw_value(&content)?)
+        };
+        let result_type = match self.result_type {
+            Some(Some(value)) => Some(serde_json::value::to_raw_value(value)?),
             Some(None) => {
                 fields.remove("resultType");
+                None
             }
-            None => {}
+            None => None,
+        };
+        for (key, value) in [("_meta", &meta), ("content", &content), ("resultType", &result_type)] {
+            if let Some(value) = value {
+                fields.insert(Cow::Borrowed(key), &**value);
+            }
         }
         serde_json::to_string(&fields)
     }

@@ -153,12 +153,12 @@ async fn post(
     hearing: &Hearing,
 ) -> Reply {
     let link = upstream.link();
-    let Target::Http { url, headers } = link.target() else {
+    let (Target::Http { headers, .. }, Some(endpoint)) = (link.target(), link.endpoint()) else {
         return Reply::Failed("the proxied server is not reached over HTTP".to_owned());
     };
     let mut request = link
         .client()
-        .post(url.as_str())
+        .post(endpoint.clone())
         .header(CONTENT_TYPE, "application/json")
         .header(ACCEPT, "application/json, text/event-stream");
     for (header, value) in headers {
