@@ -17,16 +17,17 @@ use http::{HeaderName, HeaderValue};
 use rmcp::model::{ClientJsonRpcMessage, GetMeta};
 use rmcp::model::{ProtocolVersion, ServerNotification, ServerPeerInfo, SubscriptionFilter};
 use rmcp::service::{Peer, RunningService};
+use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::{
     SseError, StreamableHttpClient, StreamableHttpClientTransportConfig, StreamableHttpError,
     StreamableHttpPostResponse, StreamableHttpResponseLimits,
 };
-use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
 use rmcp::{ClientLifecycleMode, ClientServiceExt, RoleClient};
 use sse_stream::Sse;
 use tokio_util::sync::CancellationToken;
 
 use super::relay::{Change, Relay};
+use super::tap::Tap;
 use crate::breaker::Breaker;
 use crate::clock::SharedClock;
 use crate::config::{ProxyConfig, UpstreamProtocol};
@@ -244,6 +245,8 @@ pub struct Link {
     /// The proxied server's id for the session over HTTP (`Mcp-Session-Id`), as rmcp's client
     /// last sent it: what the relay lane's requests on the session carry.
     session_id: Arc<ArcSwapOption<String>>,
+    /// A stdio child's pipes as the relay lane shares them, while it runs.
+    tap: ArcSwapOption<Tap>,
 }
 
 impl std::fmt::Debug for Link {
@@ -356,6 +359,7 @@ impl Link {
                 reason: format!("no HTTP client: {e}"),
             })?,
             session_id: Arc::new(ArcSwapOption::empty()),
+            tap: ArcSwapOption::empty(),
         });
         let session = link.connect(relay.clone()).await?;
         link.up(&session, &relay);
@@ -394,6 +398,11 @@ impl Link {
         self.session_id.load_full()
     }
 
+    /// A stdio child's pipes, as the relay lane writes to them, while it runs.
+    pub fn tap(&self) -> Option<Arc<Tap>> {
+        self.tap.load_full()
+    }
+
     /// The stdio child's process id, while one runs.
     pub fn child_pid(&self) -> Option<u32> {
         *self.child.lock().unwrap_or_else(|p| p.into_inner())
@@ -421,6 +430,7 @@ impl Link {
             };
             self.peer.store(None);
             *self.child.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            self.tap.store(None);
             breaker.trip(clock.now());
             tracing::warn!(upstream = %self.target, reason = ?ended.ok(), "the proxied server went away; reconnecting");
             let mut wait = RESTART_FIRST;
@@ -472,11 +482,16 @@ impl Link {
                 Target::Command { program, args, env } => {
                     let mut command = tokio::process::Command::new(program);
                     command.args(args).env_clear().envs(env.variables(std::env::vars_os()));
-                    let child = TokioChildProcess::new(command)
-                        .map_err(|source| LinkError::Spawn { target: target.clone(), source })?;
-                    *self.child.lock().unwrap_or_else(|p| p.into_inner()) = child.id();
+                    command.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped());
+                    command.kill_on_drop(true);
+                    let spawned = command.spawn().and_then(|child| {
+                        *self.child.lock().unwrap_or_else(|p| p.into_inner()) = child.id();
+                        Tap::over(child)
+                    });
+                    let (pipe, tap) = spawned.map_err(|source| LinkError::Spawn { target: target.clone(), source })?;
+                    self.tap.store(Some(tap));
                     relay
-                        .serve_with_lifecycle(child, lifecycle(self.protocol))
+                        .serve_with_lifecycle(pipe, lifecycle(self.protocol))
                         .await
                         .map_err(|e| handshake(e.to_string()))
                 }

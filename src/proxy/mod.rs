@@ -48,6 +48,7 @@ pub mod scopes;
 mod seat;
 mod server;
 pub mod subscriptions;
+pub mod tap;
 pub mod tasks;
 
 use std::sync::Arc;
@@ -239,11 +240,6 @@ impl Proxied {
     /// Whether it lists `name`.
     fn lists(&self, name: &str) -> bool {
         self.tools.load().iter().any(|t| t.name == name)
-    }
-
-    /// Whether it is reached over streamable HTTP (then the relay lane serves what it can).
-    fn over_http(&self) -> bool {
-        matches!(self.link().target(), Target::Http { .. })
     }
 
     /// What its `tools/list` annotations say of `tool`: its `readOnlyHint`.

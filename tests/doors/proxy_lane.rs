@@ -38,7 +38,7 @@ async fn ask(session: &RawSession, id: u64, method: &str, params: Value) -> Valu
 }
 
 /// A 2025-11-25 client's task-augmented call (`params.task`), which rmcp would drop, reaches
-/// `server-everything` over HTTP through the lane: its `simulate-research-query` (which requires a
+/// `server-everything` through the lane, over HTTP and as a stdio child: its `simulate-research-query` (which requires a
 /// task) answers one in that era's shape, which `tasks/get` polls to `completed` and `tasks/result`
 /// reads. Under `limits.in_flight.caller = 1` with the tool `holds_slot`, the same caller's second
 /// task is `busy` while the first works, and admitted once the proxy has seen it final. Another

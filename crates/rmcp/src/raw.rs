@@ -14,6 +14,15 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
+/// The prefix of the `_meta` keys we add to a result we did not write
+/// (`io.github.mcp-ratelimit/cached`, `…/coalesced`, `…/warnings`, `…/reserved`, `…/charged`):
+/// a reverse-DNS name of our own, as the MCP spec asks of `_meta` keys.
+pub const META_PREFIX: &str = "io.github.mcp-ratelimit/";
+
+/// The result `_meta` key of 2026-07-28 that describes the answering server's connection, not its
+/// answer: a proxy's callers are answered by the proxy.
+pub const THEIR_CONNECTION: &str = "io.modelcontextprotocol/serverInfo";
+
 /// What kind of answer a result is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RawKind {
@@ -54,7 +63,7 @@ pub struct RawResult {
     /// Its `resultType`, if it says one.
     result_type: Option<String>,
     /// Its `_meta` holds a key of ours or one describing its server's connection (taken out on
-    /// the way to a caller: [`crate::results::Editing::of`]).
+    /// the way to a caller).
     ours_in_meta: bool,
 }
 
@@ -115,9 +124,7 @@ impl RawResult {
         let (usage, ours_in_meta) = match top.meta {
             Some(meta) => {
                 let keys: BTreeMap<Cow<'_, str>, serde::de::IgnoredAny> = serde_json::from_str(meta.get())?;
-                let ours = keys
-                    .keys()
-                    .any(|key| key.starts_with(crate::results::META_PREFIX) || key == crate::results::THEIR_CONNECTION);
+                let ours = keys.keys().any(|key| key.starts_with(META_PREFIX) || key == THEIR_CONNECTION);
                 let usage = serde_json::from_str::<MetaUsage>(meta.get()).ok().and_then(|m| m.usage?.units?.as_u64());
                 (usage, ours)
             }

@@ -50,10 +50,7 @@ pub enum AddTo {
     Meta,
 }
 
-/// The prefix of the `_meta` keys we add to a result we did not write
-/// (`io.github.mcp-ratelimit/cached`, `…/coalesced`, `…/warnings`, `…/reserved`, `…/charged`):
-/// a reverse-DNS name of our own, as the MCP spec asks of `_meta` keys.
-pub const META_PREFIX: &str = "io.github.mcp-ratelimit/";
+pub use crate::raw::{META_PREFIX, THEIR_CONNECTION};
 
 /// A tool result the guard adds to: one in rmcp's types ([`CallToolResult`]), or another server's
 /// as it came ([`Editing`]: the proxy's relay lane), each changed only where [`AddTo`] says.
@@ -110,10 +107,6 @@ impl Editing {
         editing
     }
 }
-
-/// The result `_meta` key of 2026-07-28 that describes the answering server's connection, not its
-/// answer: a proxy's callers are answered by the proxy.
-pub const THEIR_CONNECTION: &str = "io.modelcontextprotocol/serverInfo";
 
 impl Addable for Editing {
     fn is_error(&self) -> bool {

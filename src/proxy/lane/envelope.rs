@@ -12,25 +12,25 @@ use serde_json::{Map, Value};
 /// A JSON-RPC message, read to its envelope: a request (`method` and `id`), a notification
 /// (`method` alone), or a response (`id` with `result` or `error`).
 #[derive(Deserialize)]
-pub(super) struct Envelope<'a> {
+pub(crate) struct Envelope<'a> {
     #[serde(borrow, default)]
-    pub(super) jsonrpc: Option<Cow<'a, str>>,
+    pub(crate) jsonrpc: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    pub(super) id: Option<&'a RawValue>,
+    pub(crate) id: Option<&'a RawValue>,
     #[serde(borrow, default)]
-    pub(super) method: Option<Cow<'a, str>>,
+    pub(crate) method: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    pub(super) params: Option<&'a RawValue>,
+    pub(crate) params: Option<&'a RawValue>,
     #[serde(borrow, default)]
-    pub(super) result: Option<&'a RawValue>,
+    pub(crate) result: Option<&'a RawValue>,
     #[serde(borrow, default)]
-    pub(super) error: Option<&'a RawValue>,
+    pub(crate) error: Option<&'a RawValue>,
 }
 
 impl<'a> Envelope<'a> {
     /// `json` read to its envelope: `None` unless it is one JSON-RPC 2.0 object (a batch, or
     /// anything else, is not the lane's).
-    pub(super) fn read(json: &'a [u8]) -> Option<Self> {
+    pub(crate) fn read(json: &'a [u8]) -> Option<Self> {
         let starts = json.iter().find(|b| !b.is_ascii_whitespace());
         if starts != Some(&b'{') {
             return None;

@@ -36,6 +36,7 @@
 
 mod call;
 mod envelope;
+pub(crate) use envelope::Envelope;
 mod send;
 mod tasks;
 
@@ -57,7 +58,7 @@ use super::seat::Seat;
 use crate::http::Step;
 use crate::identity::Caller;
 use crate::rate_limits::RateLimits;
-use envelope::{Envelope, Params};
+use envelope::Params;
 
 /// The relay lane, as a step in front of rmcp ([`crate::http::StepLayer`]).
 #[derive(Clone)]
@@ -101,7 +102,7 @@ impl Era {
 
 impl Step for Lane {
     fn takes(&self, request: &Request) -> bool {
-        request.method() == Method::POST && self.0.proxied.over_http()
+        request.method() == Method::POST
     }
 
     async fn run<S>(self, request: Request, mut inner: S) -> Result<Response, S::Error>

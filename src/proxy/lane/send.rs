@@ -25,6 +25,7 @@ use crate::proxy::link::Target;
 use crate::proxy::relay::{Ask, Relay, Reply as Answered};
 use crate::proxy::scopes::Upstream;
 use crate::proxy::seat::Seat;
+use crate::proxy::tap::Tap;
 
 /// The most a reply may hold: its JSON body, or all of its event stream (as rmcp's client holds
 /// a JSON answer to).
@@ -79,7 +80,9 @@ impl Relayed {
         let meta = for_the_session(upstream, meta.0.0);
         let members = self.params.iter().map(|(key, value)| (key.as_str(), value.as_ref()));
         let body = envelope::request(&id, self.method, members, Some(&meta));
-        let stop = StopOnDrop { upstream: (!upstream.stateless()).then(|| upstream.clone()), id: id.clone() };
+        // A 2026-07-28 server over HTTP hears the request closed; any other is told.
+        let told = !upstream.stateless() || upstream.link().tap().is_some();
+        let stop = StopOnDrop { upstream: told.then(|| upstream.clone()), id: id.clone() };
         let reply = post(upstream, (self.method, Some(&self.name), &meta), body, &id, &self.hearing).await;
         stop.disarm();
         match reply {
@@ -144,8 +147,73 @@ const STATELESS: &str = "2026-07-28";
 /// OpenTelemetry reads it).
 type Said<'a> = (&'a str, Option<&'a str>, &'a Map<String, Value>);
 
-/// POSTs `body` (a message; a request's id is `id`) on `upstream`, and reads the answer.
-async fn post(
+/// Sends `body` (a message; a request's id is `id`) on `upstream` — POSTed over HTTP, a line to a
+/// stdio child — and reads the answer.
+async fn post(upstream: &Upstream, said: Said<'_>, body: Vec<u8>, id: &str, hearing: &Hearing) -> Reply {
+    match upstream.link().tap() {
+        Some(tap) => by_line(upstream, &tap, said, body, id, hearing).await,
+        None => over_http(upstream, said, body, id, hearing).await,
+    }
+}
+
+/// [`post`] to a stdio child: the line written, its answer the child's line with its id. What the
+/// child asks meanwhile comes on no call's stream (rmcp's client hears it), and reaches this call's
+/// caller as any such question does: this call is one of those in flight on the session
+/// ([`crate::proxy::Downstream::route_asks`]).
+async fn by_line(
+    upstream: &Upstream,
+    tap: &Arc<Tap>,
+    said: Said<'_>,
+    body: Vec<u8>,
+    id: &str,
+    hearing: &Hearing,
+) -> Reply {
+    let (_method, _name, meta) = said;
+    if id.is_empty() {
+        // A message that is no request (an answer, a notification): written, nothing to wait for.
+        return if tap.send(body).await { Reply::Result(String::new()) } else { gone() };
+    }
+    let (mut waiting, answer) = tap.await_answer(id);
+    if let (Some(token), Some(interim)) = (meta.get("progressToken"), &hearing.interim) {
+        tap.hear_progress(&mut waiting, token.to_string(), interim.clone());
+    }
+    let (session, capabilities) = match &hearing.asker {
+        Some(seat) => (seat.member(), seat.capabilities()),
+        None => (None, None),
+    };
+    let call = rmcp::model::RequestId::String(id.into());
+    let (_route, mut asks) = upstream.downstream().route_asks(call, session, capabilities);
+    if !tap.send(body).await {
+        return gone();
+    }
+    tokio::pin!(answer);
+    loop {
+        tokio::select! {
+            line = &mut answer => return match line {
+                Ok(line) => match Envelope::read(&line) {
+                    Some(envelope) => answer_of(&envelope),
+                    None => Reply::Failed("its answer is not a JSON-RPC response".to_owned()),
+                },
+                Err(_) => gone(),
+            },
+            Some((ask, reply)) = asks.recv() => {
+                let asker = hearing.asker.as_ref().and_then(|seat| Some((seat.peer()?, seat.capabilities())));
+                let answered = match asker {
+                    Some((peer, capabilities)) => ask.of(peer, capabilities.as_ref()).await,
+                    None => Err(unaskable()),
+                };
+                let _ = reply.send(answered);
+            }
+        }
+    }
+}
+
+fn gone() -> Reply {
+    Reply::Failed("the proxied server's process is gone".to_owned())
+}
+
+/// [`post`] over streamable HTTP.
+async fn over_http(
     upstream: &Upstream,
     (method, name, meta): Said<'_>,
     body: Vec<u8>,

@@ -388,11 +388,12 @@ impl Guard {
                     self.expect_resumed(caller, tool, args, state).await;
                 }
                 let settled = settle(answer.used()).await;
-                let no_progress = match answer.outcome() {
-                    Some(said) if compared && refused.is_none() => {
-                        self.heard(caller, (tool, args), &said, reads_only).await
-                    }
-                    _ => None,
+                // Read only where it is compared: an answer as another server sent it is parsed to
+                // say it.
+                let outcome = if compared && refused.is_none() { answer.outcome() } else { None };
+                let no_progress = match outcome {
+                    Some(said) => self.heard(caller, (tool, args), &said, reads_only).await,
+                    None => None,
                 };
                 Called::Answered { answer, served, settled, warnings, no_progress }
             }
