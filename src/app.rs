@@ -194,7 +194,7 @@ impl App {
             // parse for the common call (rmcp falls back to a stream by itself). 2025-11-25
             // sessions keep their streams either way.
             .with_json_response(true);
-        let session_manager = sessions::manager(server);
+        let session_manager = sessions::manager(server, matches!(self.serving, Serving::Tools(_)));
         let log = Arc::new(FrontDoorLog::new(app.clock.clone()));
         let stop = self.stop.child_token();
         let cap = sessions::SessionCap::new(session_manager.clone(), server, log.clone(), app.clock.clone(), stop);

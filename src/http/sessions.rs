@@ -50,11 +50,13 @@ use crate::identity::Caller;
 /// Seconds a client is told to wait when a cap is full.
 const RETRY_AFTER_SECS: u32 = 5;
 
-/// rmcp's in-memory session manager, its own idle timer at this server's idle timeout (a
-/// backstop: [`SessionCap::reap_idle`] closes idle sessions first).
-pub fn manager(server: &ServerConfig) -> Arc<LocalSessionManager> {
+/// rmcp's in-memory session manager, its own idle timer at this server's idle timeout where
+/// `backstop` (a backstop: [`SessionCap::reap_idle`] closes idle sessions first). In front of the
+/// proxy's relay lane it has none: rmcp never sees the calls the lane answers, and would close a
+/// session busy with them as idle; [`SessionCap`] sees every one.
+pub fn manager(server: &ServerConfig, backstop: bool) -> Arc<LocalSessionManager> {
     let mut manager = LocalSessionManager::default();
-    manager.session_config.keep_alive = Some(server.session_idle_timeout);
+    manager.session_config.keep_alive = backstop.then_some(server.session_idle_timeout);
     Arc::new(manager)
 }
 

@@ -205,3 +205,44 @@ async fn a_sessions_cancel_of_a_lane_call_gives_its_slot_back() {
     let next = ask(&alice, 10, "tools/call", json!({"name": "wait_for", "arguments": {"path": released}})).await;
     assert_eq!(next["result"]["content"][0]["text"], "released", "the slot came back: {next}");
 }
+
+/// What the lane does not take is rmcp's to answer, as before the lane: a 2026-07-28 call whose
+/// `Mcp-Name` header names another tool than its body (`400`), or whose `_meta` lacks the client's
+/// capabilities (`400`), a session nobody opened (`404`), a batch; none is forwarded, and a
+/// well-formed call after them is served.
+#[tokio::test]
+async fn what_the_lane_does_not_take_rmcp_answers_as_before() {
+    let url = crate::proxy::serve_in_test(Answering).await;
+    let (keys, toml) = tenants("");
+    let proxy = Proxy::start(&toml, Target::Http { url, headers: Vec::new() }).await;
+    let auth = format!("Bearer {}", keys[0]);
+    let call =
+        json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "forged", "arguments": {}}});
+    let stateless = |name: &str| {
+        let headers =
+            [("authorization", auth.as_str()), ("mcp-protocol-version", "2026-07-28"), ("mcp-method", "tools/call")];
+        let mut session = RawSession::new(&proxy.url, &headers);
+        session.headers.push(("mcp-name".to_owned(), name.to_owned()));
+        session
+    };
+    let mut well_formed = call.clone();
+    well_formed["params"]["_meta"] = json!({"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientCapabilities": {}});
+    let (status, _, body) = stateless("answer").post(well_formed.clone()).await;
+    assert_eq!(status, 400, "a name the header and the body disagree on: {body}");
+    let mut missing = well_formed.clone();
+    missing["params"]["_meta"] = json!({"io.modelcontextprotocol/protocolVersion": "2026-07-28"});
+    let (status, _, body) = stateless("forged").post(missing).await;
+    assert_eq!(status, 400, "a 2026-07-28 request without its client's capabilities: {body}");
+    let mut stranger = RawSession::new(&proxy.url, &[("authorization", &auth)]);
+    stranger.session_id = Some("no-such-session".to_owned());
+    let (status, _, _) = stranger.post(call.clone()).await;
+    assert_eq!(status, 404, "a session nobody opened");
+    let alice = session_of(&proxy, keys[0]).await;
+    let (status, _, body) = alice.post(json!([call.clone()])).await;
+    assert!(status >= 400 || !body.contains("\"theirs\""), "a batch is not the lane's: {status} {body}");
+    let (status, _, body) = stateless("forged").post(well_formed).await;
+    assert_eq!((status, jsonrpc_of(&body)["result"]["_meta"].clone()), (200, json!({"theirs": 1})), "{body}");
+    let served = ask(&alice, 2, "tools/call", json!({"name": "forged", "arguments": {}})).await;
+    assert_eq!(served["result"]["_meta"], json!({"theirs": 1}), "{served}");
+}

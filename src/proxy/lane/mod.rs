@@ -31,8 +31,9 @@
 //!
 //! **Why.** rmcp parses every message into its typed enums (serde's buffered untagged matching)
 //! on both sides of the proxy; a call through the proxy cost two full MCP stacks, 96 % of the
-//! proxy's CPU. The lane spends it on the guard instead. stdio children keep rmcp's client (the
-//! child's pipes are its transport's).
+//! proxy's CPU. The lane spends it on the guard instead. A stdio child gets the same lane: its
+//! pipes are tapped ([`crate::proxy::tap`]), rmcp's client and the lane writing whole lines to it,
+//! and the lines that answer the lane going to the lane.
 
 mod call;
 mod envelope;
@@ -179,6 +180,15 @@ impl LaneState {
             return None;
         }
         let header = |name: &str| headers.get(name).map(|value| value.to_str().ok());
+        // What a router reads in the headers must be what the body says (SEP-2243); any doubt is
+        // rmcp's to answer.
+        let name = envelope::member::<String>(params, "name").and_then(Result::ok);
+        let agrees = |header: Option<Option<&str>>, body: Option<&str>| header.is_none_or(|h| h.is_some() && h == body);
+        if !agrees(header("mcp-method"), Some(method))
+            || (method == "tools/call" && !agrees(header("mcp-name"), name.as_deref()))
+        {
+            return None;
+        }
         let version = header("mcp-protocol-version");
         let said = meta.get(PROTOCOL_VERSION);
         match header("mcp-session-id") {
@@ -196,7 +206,6 @@ impl LaneState {
                     && said.and_then(Value::as_str) == Some(STATELESS)
                     && meta.get(CLIENT_CAPABILITIES).is_some_and(Value::is_object)
                     && header("mcp-method") == Some(Some(method));
-                let name = envelope::member::<String>(params, "name").and_then(Result::ok);
                 let named = method != "tools/call" || header("mcp-name").flatten() == name.as_deref();
                 (stateless && named).then_some(Era::Stateless)
             }
