@@ -2064,6 +2064,12 @@ async fn with_traces_on_the_proxied_server_hears_the_proxys_span_of_the_callers_
     }
 }
 
+/// A tool `name` of a test's own server, taking any object.
+pub(crate) fn tool_taking_an_object(name: &str) -> rmcp::model::Tool {
+    let schema = json!({"type": "object"}).as_object().cloned().unwrap_or_default();
+    rmcp::model::Tool::new(name.to_owned(), format!("The tool {name}"), Arc::new(schema))
+}
+
 /// A 2026-07-28 server whose tool `change` adds a tool `extra` and a prompt `extra`, and tells
 /// its subscribers (`subscriptions/listen`) that both lists changed: the only way a 2026-07-28
 /// server tells its clients of changes.
@@ -2097,13 +2103,9 @@ impl rmcp::ServerHandler for Changing {
         _request: Option<rmcp::model::PaginatedRequestParams>,
         _context: rmcp::service::RequestContext<rmcp::RoleServer>,
     ) -> Result<rmcp::model::ListToolsResult, rmcp::ErrorData> {
-        let tool = |name: &str| {
-            let schema = json!({"type": "object"}).as_object().cloned().unwrap_or_default();
-            rmcp::model::Tool::new(name.to_owned(), format!("The tool {name}"), Arc::new(schema))
-        };
-        let mut tools = vec![tool("change")];
+        let mut tools = vec![tool_taking_an_object("change")];
         if self.changed.load(std::sync::atomic::Ordering::SeqCst) {
-            tools.push(tool("extra"));
+            tools.push(tool_taking_an_object("extra"));
         }
         Ok(rmcp::model::ListToolsResult::with_all_items(tools))
     }

@@ -115,10 +115,7 @@ impl rmcp::ServerHandler for Answering {
         _request: Option<rmcp::model::PaginatedRequestParams>,
         _context: rmcp::service::RequestContext<rmcp::RoleServer>,
     ) -> Result<rmcp::model::ListToolsResult, rmcp::ErrorData> {
-        let tool = |name: &str| {
-            let schema = json!({"type": "object"}).as_object().cloned().unwrap_or_default();
-            rmcp::model::Tool::new(name.to_owned(), format!("The tool {name}"), std::sync::Arc::new(schema))
-        };
+        let tool = crate::proxy::tool_taking_an_object;
         Ok(rmcp::model::ListToolsResult::with_all_items(vec![tool("answer"), tool("forged")]))
     }
 

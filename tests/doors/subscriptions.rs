@@ -9,15 +9,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use mcp_ratelimit::proxy::Target;
-use rmcp::model::{ProtocolVersion, SubscriptionFilter};
+use rmcp::model::SubscriptionFilter;
 use rmcp::service::{ServiceError, Subscription};
-use rmcp::transport::StreamableHttpClientTransport;
-use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
-use rmcp::{ClientLifecycleMode, ClientServiceExt};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use crate::clients::modern_client;
 use crate::common::{Client, eventually, metric_sum, settle};
 use crate::proxy::{Changing, Proxy, proxy_metrics, serve_in_test};
 
@@ -194,18 +192,6 @@ async fn an_http2_connection_holds_at_most_its_streams_and_a_stream_past_them_is
     eventually("and held open", || async { open_subscriptions(&proxy).await == 3.0 }).await;
 }
 
-/// A 2026-07-28 client of the proxy sending `key`.
-async fn modern_client_with(url: &str, key: &str) -> Client {
-    let config = StreamableHttpClientTransportConfig::with_uri(url).auth_header(key);
-    let preferred_versions = vec![ProtocolVersion::V_2026_07_28];
-    ().serve_with_lifecycle(
-        StreamableHttpClientTransport::from_config(config),
-        ClientLifecycleMode::Discover { preferred_versions },
-    )
-    .await
-    .expect("a 2026-07-28 client connects")
-}
-
 /// A subscription to the tools' changes, acknowledged (rmcp acknowledges one before the proxy's
 /// handler runs: one refused ends at once with the refusal).
 async fn subscribe(client: &Client) -> Subscription {
@@ -247,7 +233,7 @@ async fn made_up_keys_share_their_addresss_subscriptions_and_a_configured_key_ho
     let proxy = proxy_of_changes(toml).await;
     let mut made_up = Vec::new();
     for n in 0..5 {
-        let client = modern_client_with(&proxy.url, &format!("made-up-key-{n}")).await;
+        let client = modern_client(&proxy.url, &format!("made-up-key-{n}")).await;
         let subscription = subscribe(&client).await;
         made_up.push((client, subscription));
     }
@@ -260,7 +246,7 @@ async fn made_up_keys_share_their_addresss_subscriptions_and_a_configured_key_ho
     }
     eventually("three held by the address", || async { open_subscriptions(&proxy).await == 3.0 }).await;
 
-    let configured = modern_client_with(&proxy.url, "configured-subscriber").await;
+    let configured = modern_client(&proxy.url, "configured-subscriber").await;
     let mut own = [subscribe(&configured).await, subscribe(&configured).await, subscribe(&configured).await];
     assert_busy(&refusal_of(&mut own[2]).await, "proxy:max_subscriptions_per_caller", 2);
     eventually("and two by the configured key", || async { open_subscriptions(&proxy).await == 5.0 }).await;
@@ -268,10 +254,10 @@ async fn made_up_keys_share_their_addresss_subscriptions_and_a_configured_key_ho
     // Closed, a subscription's place is free again, for the address and for the key.
     made_up[0].1.cancel().await.expect("cancelled");
     eventually("the made-up key's place given back", || async { open_subscriptions(&proxy).await == 4.0 }).await;
-    let another = modern_client_with(&proxy.url, "made-up-key-5").await;
+    let another = modern_client(&proxy.url, "made-up-key-5").await;
     let _taken = subscribe(&another).await;
     eventually("another made-up key takes it", || async { open_subscriptions(&proxy).await == 5.0 }).await;
-    let one_more = modern_client_with(&proxy.url, "made-up-key-6").await;
+    let one_more = modern_client(&proxy.url, "made-up-key-6").await;
     assert_busy(&refusal_of(&mut subscribe(&one_more).await).await, "proxy:max_subscriptions_per_address", 3);
     own[0].cancel().await.expect("cancelled");
     eventually("the configured key's place given back", || async { open_subscriptions(&proxy).await == 4.0 }).await;
