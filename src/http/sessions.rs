@@ -18,7 +18,8 @@
 //!   server), from its arrival to the end of its answer: a long tool call is never idle. The
 //!   `GET` stream and a `DELETE` are not messages (rmcp's own idle timer counts them, so a
 //!   client sending only `GET /mcp` every few seconds kept its session for ever); rmcp's timer
-//!   stays, as a backstop that can only fire later.
+//!   stays for `serve`, as a backstop that can only fire later (not in front of the proxy's relay
+//!   lane, whose calls rmcp never sees: [`manager`]).
 //!
 //! Every cap is decided atomically: an `initialize` holds a place in each group it belongs to
 //! from its check until rmcp has answered it (and so put the session in its map), so concurrent
