@@ -243,3 +243,54 @@ async fn what_the_lane_does_not_take_rmcp_answers_as_before() {
     let served = ask(&alice, 2, "tools/call", json!({"name": "forged", "arguments": {}})).await;
     assert_eq!(served["result"]["_meta"], json!({"theirs": 1}), "{served}");
 }
+
+/// Every TCP connection the proxy opens to the proxied server sends at once (`TCP_NODELAY`):
+/// without it, Nagle's algorithm holds a small request back for the peer's delayed ACK (40 ms
+/// stalls, measured by others). Read off the sockets themselves: of this process's connections,
+/// those to the proxied server's port are the proxy's (its relay lane and rmcp's client share one
+/// pool), each copied with `pidfd_getfd` and asked.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn every_connection_the_proxy_opens_to_the_proxied_server_sends_at_once() {
+    let url = crate::proxy::serve_in_test(Answering).await;
+    let port = url.rsplit(':').next().and_then(|rest| rest.trim_end_matches("/mcp").parse().ok());
+    let port: u16 = port.expect("the server's port");
+    let (keys, toml) = tenants("");
+    let proxy = Proxy::start(&toml, Target::Http { url, headers: Vec::new() }).await;
+    let alice = session_of(&proxy, keys[0]).await;
+    let served = ask(&alice, 1, "tools/call", json!({"name": "forged", "arguments": {}})).await;
+    assert_eq!(served["result"]["_meta"], json!({"theirs": 1}), "{served}");
+    let sockets = sockets_to(port);
+    assert!(!sockets.is_empty(), "the proxy holds a connection to the proxied server");
+    let me = rustix::process::pidfd_open(rustix::process::getpid(), rustix::process::PidfdFlags::empty())
+        .expect("a pidfd of this process");
+    for fd in sockets {
+        let copy = rustix::process::pidfd_getfd(&me, fd, rustix::process::PidfdGetfdFlags::empty());
+        let copy = copy.expect("a copy of the socket");
+        assert!(rustix::net::sockopt::tcp_nodelay(&copy).expect("TCP_NODELAY read"), "fd {fd} delays small writes");
+    }
+}
+
+/// This process's file descriptors of established TCP connections whose remote port is `port`.
+#[cfg(target_os = "linux")]
+fn sockets_to(port: u16) -> Vec<i32> {
+    let mut inodes = std::collections::HashSet::new();
+    for table in ["/proc/self/net/tcp", "/proc/self/net/tcp6"] {
+        let text = std::fs::read_to_string(table).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (Some(remote), Some(state), Some(inode)) = (fields.get(2), fields.get(3), fields.get(9)) else {
+                continue;
+            };
+            let remote_port = remote.rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok());
+            if remote_port == Some(port) && *state == "01" {
+                inodes.insert(format!("socket:[{inode}]"));
+            }
+        }
+    }
+    let fds = std::fs::read_dir("/proc/self/fd").expect("this process's fds");
+    fds.filter_map(Result::ok)
+        .filter(|entry| std::fs::read_link(entry.path()).is_ok_and(|to| inodes.contains(&*to.to_string_lossy())))
+        .filter_map(|entry| entry.file_name().to_str()?.parse().ok())
+        .collect()
+}
