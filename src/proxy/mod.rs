@@ -108,6 +108,8 @@ pub struct Proxied {
     seats: seat::Seats,
     /// The 2026-07-28 subscriptions its callers hold open, per caller and per address.
     subscriptions: subscriptions::Subscriptions,
+    /// The calls of 2026-07-28 callers waiting for their input ([`lane::rounds`]).
+    rounds: Arc<lane::rounds::Rounds>,
 }
 
 impl std::fmt::Debug for Proxied {
@@ -205,6 +207,7 @@ impl Proxied {
             relearnt: tokio::sync::watch::Sender::new(0),
             seats: seat::Seats::default(),
             subscriptions: subscriptions::Subscriptions::new(&config.proxy),
+            rounds: Arc::new(lane::rounds::Rounds::new(clock.clone(), Nanos::from_millis(config.proxy.timeout_ms))),
         });
         // Without its tools there is nothing to serve: a server that cannot list them is a
         // start-up error, as one that cannot be reached is.
@@ -337,8 +340,8 @@ impl Proxied {
             // A task of a `holds_slot` tool holds its place to the proxied server, its caller's
             // slots and its price until it is final, not until its handle came back. (Only those:
             // the in-flight caps bound how many places one caller's tasks can hold.)
-            Ok((said, slot)) => match came::task_of(&said) {
-                Some(task) if holds_slot => {
+            Ok((said, slot)) => match (came::task_of(&said), slot) {
+                (Some(task), Some(slot)) if holds_slot => {
                     let mut held = Held::taking(&admitted.admission);
                     held.hold(slot);
                     let open = open_tasks::OpenTask { task, held, meta, upstream };
@@ -391,10 +394,14 @@ impl Proxied {
         place: QueuePlace,
         outgoing: Outgoing,
     ) -> Result<Answered, Worked<ToolAnswer>> {
-        let Outgoing { tool, meta, upstream, sending } = outgoing;
+        let Outgoing { tool, meta, upstream, mut sending } = outgoing;
         // Its session stays open while it is in flight (a 2026-07-28 caller's has no other hold).
         let _in_flight = upstream.hold(&self.clock);
-        let slot = self.turn_of(caller, place, &tool).await?;
+        // A call resuming a round that waits for its caller's input has the round's place.
+        let (slot, resumed) = match self.resumed(&mut sending).map_err(passed_through)? {
+            Some((exchange, slot)) => (slot, Some(exchange)),
+            None => (self.turn_of(caller, place, &tool).await?, None),
+        };
         let started = self.clock.now();
         // The proxied server's own time: what it took teaches the limit, the queue's wait does not.
         let deadline = started + self.timeout_nanos();
@@ -409,13 +416,13 @@ impl Proxied {
             return Err(never_sent(gate::unavailable(&tool, "it is restarting", wait)));
         };
         let meta = upstream_meta_of_call(&upstream, meta);
-        let answer = match sending {
+        let (answer, parking) = match sending {
             Sending::Rmcp(via) => {
                 let ViaRmcp { request, progress, asker } = *via;
                 let asked = ask_upstream(&peer, request, meta, progress, &asker, &upstream);
-                self.by(deadline, asked).await.map(came::Came::of_rmcp)
+                (self.by(deadline, asked).await.map(came::Came::of_rmcp), None)
             }
-            Sending::Lane(relayed) => self.by(deadline, relayed.send(&upstream, meta)).await,
+            Sending::Lane(relayed) => self.lane_answer(*relayed, resumed, &upstream, meta, deadline).await,
         };
         let now = self.clock.now();
         let took = now - started;
@@ -430,7 +437,15 @@ impl Proxied {
             Some(came::Came::Result(_)) => slot.accepted().await,
             Some(came::Came::Error(_) | came::Came::Failed(_)) => {}
         }
-        self.answered(&tool, permit, now, answer, slot)
+        let (said, slot) = self.answered(&tool, permit, now, answer, slot)?;
+        // A round asking its caller for input keeps its place to the proxied server meanwhile.
+        Ok(match parking {
+            Some(parking) => {
+                self.rounds.park(parking, slot);
+                (said, None)
+            }
+            None => (said, Some(slot)),
+        })
     }
 
     /// The call's timeout on the server's one clock, like every other wait: a test walks past it.
@@ -471,7 +486,7 @@ impl Proxied {
         now: Nanos,
         answer: Option<came::Came>,
         slot: AccountSlot,
-    ) -> Result<Answered, Worked<ToolAnswer>> {
+    ) -> Result<(Said, AccountSlot), Worked<ToolAnswer>> {
         let down = |detail: &str| {
             let wait = self.breaker.open_for(now).unwrap_or(Nanos::from_secs(1));
             unavailable_once_sent(gate::unavailable(tool, detail, wait))
@@ -531,8 +546,16 @@ async fn ask_upstream(
     let handle = peer.send_cancellable_request(request, options).await?;
     let _route = progress
         .map(|(session, token)| upstream.downstream().route_progress(handle.progress_token.clone(), session, token));
-    let (_asks_route, mut asks) =
-        upstream.downstream().route_asks(handle.id.clone(), asker.session, asker.capabilities.clone());
+    // A 2026-07-28 caller here (one the relay lane did not take) is never sent a request: nothing
+    // the server asks is routed to its call, and it is refused as nobody's.
+    let (_asks_route, mut asks) = match asker.session {
+        Some(session) => {
+            let (route, asks) =
+                upstream.downstream().route_asks(handle.id.clone(), Some(session), asker.capabilities.clone());
+            (Some(route), asks)
+        }
+        None => (None, tokio::sync::mpsc::channel(1).1),
+    };
     let id = handle.id.clone();
     // Dropped before the answer (the caller cancelled, or the timeout): the proxied
     // server is told to stop.
@@ -570,8 +593,9 @@ fn proxied_span(tool: &str) -> tracing::Span {
 }
 
 /// What a sent call came back with, and its place to the proxied server: given back with the
-/// answer, kept by a task until it is final.
-type Answered = (Said, AccountSlot);
+/// answer, kept by a task until it is final (`None`: kept by a round waiting for its caller's
+/// input, [`lane::rounds`]).
+type Answered = (Said, Option<AccountSlot>);
 
 /// A call on its way to the proxied server: its tool, what its caller's `_meta` said, the session
 /// to the proxied server it goes on (its caller's scope's), and how it is sent.
@@ -589,7 +613,7 @@ pub(crate) enum Sending {
     /// whom to ask what the server asks while it serves the call.
     Rmcp(Box<ViaRmcp>),
     /// Through the relay lane: the caller's request as it came ([`lane`]).
-    Lane(lane::Relayed),
+    Lane(Box<lane::Relayed>),
 }
 
 /// A call sent through rmcp's client: the request, where its progress goes (a downstream session

@@ -164,8 +164,22 @@ impl Ask {
         }
     }
 
+    /// The request as a 2026-07-28 caller is asked it in an `input_required` result's
+    /// `inputRequests`: its method and params.
+    pub fn request(&self) -> serde_json::Value {
+        let params = match self {
+            Ask::Sampling(params) => serde_json::to_value(params).ok(),
+            Ask::Elicitation(params) => serde_json::to_value(params).ok(),
+            Ask::Roots => None,
+        };
+        match params {
+            Some(params) => serde_json::json!({"method": self.method(), "params": params}),
+            None => serde_json::json!({"method": self.method()}),
+        }
+    }
+
     /// Whether a client that declared `capabilities` can be asked this.
-    fn declared(&self, capabilities: Option<&ClientCapabilities>) -> bool {
+    pub(crate) fn declared(&self, capabilities: Option<&ClientCapabilities>) -> bool {
         capabilities.is_some_and(|c| match self {
             Ask::Sampling(_) => c.sampling.is_some(),
             Ask::Elicitation(_) => c.elicitation.is_some(),
@@ -183,10 +197,7 @@ impl Ask {
     ) -> Result<Reply, ErrorData> {
         let method = self.method();
         if !self.declared(capabilities) {
-            return Err(ErrorData::invalid_request(
-                format!("the caller's client did not declare the capability `{method}` needs: it cannot be asked"),
-                None,
-            ));
+            return Err(undeclared(method));
         }
         let answered = match self {
             Ask::Sampling(params) => caller.create_message(params).await.map(Reply::Sampling),
@@ -197,6 +208,26 @@ impl Ask {
             ServiceError::McpError(error) => error,
             other => ErrorData::internal_error(format!("the caller could not be asked `{method}`: {other}"), None),
         })
+    }
+}
+
+/// The refusal of a question a caller's client did not declare it can be asked (`method`).
+pub(crate) fn undeclared(method: &str) -> ErrorData {
+    ErrorData::invalid_request(
+        format!("the caller's client did not declare the capability `{method}` needs: it cannot be asked"),
+        None,
+    )
+}
+
+impl Reply {
+    /// A caller's answer to a `method` question, read from the JSON it sent (a 2026-07-28 caller's
+    /// `inputResponses`).
+    pub fn read(method: &str, answer: serde_json::Value) -> Result<Self, serde_json::Error> {
+        match method {
+            "sampling/createMessage" => serde_json::from_value(answer).map(Reply::Sampling),
+            "elicitation/create" => serde_json::from_value(answer).map(Reply::Elicitation),
+            _ => serde_json::from_value(answer).map(Reply::Roots),
+        }
     }
 }
 
@@ -300,8 +331,9 @@ impl Downstream {
     /// request is; a server may also ask on its own). With calls in flight on this session to it:
     /// the one caller among them whose client declared what `ask` needs, or, none having
     /// declared it, the one caller of them all (asked, it is refused for want of the capability).
-    /// A session's several calls are one caller; a 2026-07-28 request, which has no session, is
-    /// never one that can be asked. With no call in flight: the only downstream session on it.
+    /// A session's several calls are one caller; a 2026-07-28 request, which has no session, is a
+    /// caller alone (asked in rounds: [`crate::proxy::lane`]). With no call in flight: the only
+    /// downstream session on it.
     /// `None` when there is no candidate, or more than one. Every candidate is of the scope whose
     /// session this is, never another tenant's.
     fn off_stream(&self, ask: &Ask) -> Option<Answerer> {
@@ -312,7 +344,11 @@ impl Downstream {
                 state.asks.values().filter(|call| ask.declared(call.capabilities.as_ref())).collect();
             let pool = if declared.is_empty() { state.asks.values().collect() } else { declared };
             let first = pool.first()?;
-            let one_caller = first.session.is_some() && pool.iter().all(|call| call.session == first.session);
+            // A session's calls are one caller; a 2026-07-28 call, of no session, is a caller alone.
+            let one_caller = match first.session {
+                Some(_) => pool.iter().all(|call| call.session == first.session),
+                None => pool.len() == 1,
+            };
             return one_caller.then(|| Answerer::Call(first.to.clone()));
         }
         let mut sessions = state.sessions.values();

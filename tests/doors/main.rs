@@ -31,5 +31,6 @@ mod made_up_keys;
 mod oauth_tokens;
 mod proxy;
 mod proxy_lane;
+mod proxy_rounds;
 mod stdio;
 mod subscriptions;

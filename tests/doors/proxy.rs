@@ -101,7 +101,7 @@ async fn direct((program, args): (String, Vec<String>)) -> rmcp::service::Runnin
 /// (`sampled by NAME`) and roots (`file:///work/NAME`) as its name says, recording every request
 /// it was asked.
 #[derive(Clone)]
-struct Asked {
+pub(crate) struct Asked {
     asked: Arc<std::sync::Mutex<Vec<String>>>,
     name: &'static str,
 }
@@ -145,16 +145,16 @@ impl rmcp::ClientHandler for Asked {
 }
 
 impl Asked {
-    fn named(name: &'static str) -> Self {
+    pub(crate) fn named(name: &'static str) -> Self {
         Self { asked: Arc::default(), name }
     }
 
-    fn asked(&self) -> Vec<String> {
+    pub(crate) fn asked(&self) -> Vec<String> {
         self.asked.lock().expect("a lock nobody panicked holding").clone()
     }
 }
 
-async fn call<H: rmcp::ClientHandler>(
+pub(crate) async fn call<H: rmcp::ClientHandler>(
     client: &rmcp::service::RunningService<rmcp::RoleClient, H>,
     tool: &str,
     args: Value,
@@ -167,7 +167,7 @@ fn code_of(result: &CallToolResult) -> Option<&str> {
     result.structured_content.as_ref().and_then(|s| s["error"]["code"].as_str())
 }
 
-fn text_of(result: &CallToolResult) -> String {
+pub(crate) fn text_of(result: &CallToolResult) -> String {
     result.content.iter().filter_map(|c| c.as_text()).map(|t| t.text.clone()).collect::<Vec<_>>().join("")
 }
 

@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::envelope::{self, Params};
+use super::rounds::{self, Binding, Bridge};
 use super::send::{Hearing, Relayed};
 use super::{Era, LaneState, json};
 use crate::guard::shed::Arrived;
@@ -119,13 +120,17 @@ impl LaneState {
         );
         let meta = with_trace_headers(meta, Some(&parts.headers));
         let (interim, heard) = mpsc::channel(INTERIM_KEPT);
-        let asker = match &era {
-            Era::Session { seat, .. } => Some(seat.clone()),
-            Era::Stateless => None,
+        let (asker, bridge) = match &era {
+            Era::Session { seat, .. } => (Some(seat.clone()), None),
+            Era::Stateless => match self.bridge(&caller, &asked, &params, &meta) {
+                Ok(bridge) => (None, Some(bridge)),
+                Err(refused) => return Some(json(envelope::error(id, &refused))),
+            },
         };
-        let hearing = Hearing { interim: Some(interim), asker };
-        let relayed =
-            Relayed { method: "tools/call", name: asked.name.clone(), params: envelope::owned(&params), hearing };
+        let capabilities = bridge.as_ref().and_then(|bridge| bridge.capabilities.clone());
+        let hearing = Hearing { interim: Some(interim), asker, rounds: None, capabilities };
+        let params = envelope::owned(&params);
+        let relayed = Relayed { method: "tools/call", name: asked.name.clone(), params, hearing, bridge };
         let arrived = parts.extensions.get::<Arrived>().map(|arrived| arrived.0);
         let (lane, id) = (self.clone(), id.to_owned());
         let finishing = async move {
@@ -133,6 +138,29 @@ impl LaneState {
             render(answered, &era, &id)
         };
         Some(respond(finishing.instrument(span), heard).await)
+    }
+
+    /// A 2026-07-28 caller's call, to be asked in rounds what the proxied server asks: what its
+    /// client declared in `meta`, and the round it resumes when its `requestState` is one of the
+    /// proxy's — refused (nothing charged) when that round does not wait for this call's answers.
+    fn bridge(
+        &self,
+        caller: &Caller,
+        asked: &Asked,
+        params: &Params<'_>,
+        meta: &RequestMetaObject,
+    ) -> Result<Bridge, ErrorData> {
+        let binding = Binding::of(caller, &asked.name, &asked.arguments);
+        let capabilities =
+            meta.0.0.get(super::CLIENT_CAPABILITIES).cloned().and_then(|c| serde_json::from_value(c).ok());
+        let resume = match asked.resumes.as_deref() {
+            Some(state) if state.starts_with(rounds::PREFIX) => {
+                let responses = envelope::member::<Value>(params, "inputResponses").and_then(Result::ok);
+                Some(self.proxied.rounds.resume_of(state, &binding, responses.as_ref())?)
+            }
+            _ => None,
+        };
+        Ok(Bridge { binding, capabilities, resume })
     }
 
     /// The call through the one guarded call ([`crate::guard::call`]) at the proxy's door; a task
@@ -158,7 +186,7 @@ impl LaneState {
         };
         let upstream = upstream.map_err(|unopened| proxied.unopened_refusal(&asked.name, unopened));
         let unopened = upstream.as_ref().err().cloned();
-        let sending = Sending::Lane(relayed);
+        let sending = Sending::Lane(Box::new(relayed));
         let outgoing = upstream.map(|upstream| Outgoing { tool: asked.name.clone(), meta, upstream, sending });
         let working = proxied.clone();
         let work = move |admitted, _: &Value| async move {

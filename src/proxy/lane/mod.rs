@@ -26,8 +26,9 @@
 //! made: [`crate::mcp::raw::RawResult`]) and passed on as it came, with what the guard adds in
 //! `_meta` ([`crate::mcp::limited::finish`]). What comes on the call's stream before the answer
 //! goes on: its progress to the caller's own stream (the response turns into an event stream
-//! then), a question to the caller's session (as rmcp asks: [`crate::proxy::relay::Ask`]),
-//! anything else as rmcp's client relays it.
+//! then), a question to the caller's session (as rmcp asks: [`crate::proxy::relay::Ask`]) or, to a
+//! 2026-07-28 caller, in an `input_required` round ([`rounds`]), anything else as rmcp's client
+//! relays it.
 //!
 //! **Why.** rmcp parses every message into its typed enums (serde's buffered untagged matching)
 //! on both sides of the proxy; a call through the proxy cost two full MCP stacks, 96 % of the
@@ -38,6 +39,7 @@
 mod call;
 mod envelope;
 pub(crate) use envelope::Envelope;
+pub mod rounds;
 mod send;
 mod tasks;
 

@@ -15,14 +15,14 @@ use rmcp::ErrorData;
 use rmcp::model::{JsonRpcRequest, RequestMetaObject, ServerNotification, ServerRequest};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use super::envelope::{self, Envelope, OwnedParams};
 use crate::mcp::limited::Said as Answer;
 use crate::mcp::raw::RawResult;
 use crate::proxy::came::Came;
 use crate::proxy::link::Target;
-use crate::proxy::relay::{Ask, Relay, Reply as Answered};
+use crate::proxy::relay::{Ask, Asked, Relay, Reply as Answered};
 use crate::proxy::scopes::Upstream;
 use crate::proxy::seat::Seat;
 use crate::proxy::tap::Tap;
@@ -58,6 +58,8 @@ pub(crate) struct Relayed {
     pub(super) name: String,
     pub(super) params: OwnedParams,
     pub(super) hearing: Hearing,
+    /// A 2026-07-28 caller's call, asked what the server asks in rounds ([`super::rounds`]).
+    pub(super) bridge: Option<super::rounds::Bridge>,
 }
 
 /// Where what the proxied server sends before its answer goes.
@@ -68,6 +70,30 @@ pub(crate) struct Hearing {
     /// The session to ask what the server asks (a 2025-11-25 session; a 2026-07-28 caller is
     /// never sent requests).
     pub(super) asker: Option<Arc<Seat>>,
+    /// For a 2026-07-28 caller: where what the server asks goes, to be asked in a round
+    /// ([`super::rounds`]), and what its client declared it can be asked.
+    pub(super) rounds: Option<mpsc::Sender<Asked>>,
+    pub(super) capabilities: Option<rmcp::model::ClientCapabilities>,
+}
+
+impl Hearing {
+    /// Hands `ask` to be asked of this call's caller: on its session, or in a round; refused when
+    /// it can be asked neither way.
+    async fn ask(&self, ask: Ask, reply: oneshot::Sender<Result<Answered, ErrorData>>) {
+        if let Some(seat) = &self.asker {
+            let answered = match seat.peer() {
+                Some(peer) => ask.of(peer, seat.capabilities().as_ref()).await,
+                None => Err(unaskable()),
+            };
+            let _ = reply.send(answered);
+        } else if let Some(rounds) = &self.rounds {
+            if let Err(mpsc::error::SendError((_, reply))) = rounds.send((ask, reply)).await {
+                let _ = reply.send(Err(unaskable()));
+            }
+        } else {
+            let _ = reply.send(Err(unaskable()));
+        }
+    }
 }
 
 impl Relayed {
@@ -148,26 +174,37 @@ const STATELESS: &str = "2026-07-28";
 type Said<'a> = (&'a str, Option<&'a str>, &'a Map<String, Value>);
 
 /// Sends `body` (a message; a request's id is `id`) on `upstream` — POSTed over HTTP, a line to a
-/// stdio child — and reads the answer.
+/// stdio child — and reads the answer. While a call whose caller can be asked is in flight, what
+/// the server asks on no call's stream (every request of a stdio child; a server's own over HTTP)
+/// may be this call's: the call is one of those in flight on the session
+/// ([`crate::proxy::Downstream::route_asks`]), and what reaches it is asked of its caller.
 async fn post(upstream: &Upstream, said: Said<'_>, body: Vec<u8>, id: &str, hearing: &Hearing) -> Reply {
-    match upstream.link().tap() {
-        Some(tap) => by_line(upstream, &tap, said, body, id, hearing).await,
-        None => over_http(upstream, said, body, id, hearing).await,
+    let sent = async {
+        match upstream.link().tap() {
+            Some(tap) => by_line(&tap, said, body, id, hearing).await,
+            None => over_http(upstream, said, body, id, hearing).await,
+        }
+    };
+    if id.is_empty() || (hearing.asker.is_none() && hearing.rounds.is_none()) {
+        return sent.await;
+    }
+    let (session, capabilities) = match &hearing.asker {
+        Some(seat) => (seat.member(), seat.capabilities()),
+        None => (None, hearing.capabilities.clone()),
+    };
+    let call = rmcp::model::RequestId::String(id.into());
+    let (_route, mut asks) = upstream.downstream().route_asks(call, session, capabilities);
+    let mut sent = std::pin::pin!(sent);
+    loop {
+        tokio::select! {
+            reply = &mut sent => return reply,
+            Some((ask, reply)) = asks.recv() => hearing.ask(ask, reply).await,
+        }
     }
 }
 
-/// [`post`] to a stdio child: the line written, its answer the child's line with its id. What the
-/// child asks meanwhile comes on no call's stream (rmcp's client hears it), and reaches this call's
-/// caller as any such question does: this call is one of those in flight on the session
-/// ([`crate::proxy::Downstream::route_asks`]).
-async fn by_line(
-    upstream: &Upstream,
-    tap: &Arc<Tap>,
-    said: Said<'_>,
-    body: Vec<u8>,
-    id: &str,
-    hearing: &Hearing,
-) -> Reply {
+/// [`post`] to a stdio child: the line written, its answer the child's line with its id.
+async fn by_line(tap: &Arc<Tap>, said: Said<'_>, body: Vec<u8>, id: &str, hearing: &Hearing) -> Reply {
     let (_method, _name, meta) = said;
     if id.is_empty() {
         // A message that is no request (an answer, a notification): written, nothing to wait for.
@@ -177,34 +214,15 @@ async fn by_line(
     if let (Some(token), Some(interim)) = (meta.get("progressToken"), &hearing.interim) {
         tap.hear_progress(&mut waiting, token.to_string(), interim.clone());
     }
-    let (session, capabilities) = match &hearing.asker {
-        Some(seat) => (seat.member(), seat.capabilities()),
-        None => (None, None),
-    };
-    let call = rmcp::model::RequestId::String(id.into());
-    let (_route, mut asks) = upstream.downstream().route_asks(call, session, capabilities);
     if !tap.send(body).await {
         return gone();
     }
-    tokio::pin!(answer);
-    loop {
-        tokio::select! {
-            line = &mut answer => return match line {
-                Ok(line) => match Envelope::read(&line) {
-                    Some(envelope) => answer_of(&envelope),
-                    None => Reply::Failed("its answer is not a JSON-RPC response".to_owned()),
-                },
-                Err(_) => gone(),
-            },
-            Some((ask, reply)) = asks.recv() => {
-                let asker = hearing.asker.as_ref().and_then(|seat| Some((seat.peer()?, seat.capabilities())));
-                let answered = match asker {
-                    Some((peer, capabilities)) => ask.of(peer, capabilities.as_ref()).await,
-                    None => Err(unaskable()),
-                };
-                let _ = reply.send(answered);
-            }
-        }
+    match answer.await {
+        Ok(line) => match Envelope::read(&line) {
+            Some(envelope) => answer_of(&envelope),
+            None => Reply::Failed("its answer is not a JSON-RPC response".to_owned()),
+        },
+        Err(_) => gone(),
     }
 }
 
@@ -346,13 +364,14 @@ async fn read_stream(upstream: &Upstream, response: reqwest::Response, id: &str,
 /// it cannot; sent back on the session.
 async fn answer_ask(upstream: &Upstream, data: &str, asked: &RawValue, hearing: &Hearing) {
     let answer: Result<String, ErrorData> = match serde_json::from_str::<JsonRpcRequest<ServerRequest>>(data) {
-        Ok(request) => match (Ask::from_request(request.request), &hearing.asker) {
-            (Ok(ask), Some(seat)) => match seat.peer() {
-                Some(peer) => ask.of(peer, seat.capabilities().as_ref()).await.and_then(|reply| written(&reply)),
-                None => Err(unaskable()),
-            },
-            (Ok(_), None) => Err(unaskable()),
-            (Err(answer), _) => answer,
+        Ok(request) => match Ask::from_request(request.request) {
+            Ok(ask) => {
+                let (reply, answered) = oneshot::channel();
+                hearing.ask(ask, reply).await;
+                let gone = || ErrorData::invalid_request("the call it was asked for is over", None);
+                answered.await.unwrap_or_else(|_| Err(gone())).and_then(|reply| written(&reply))
+            }
+            Err(answer) => answer,
         },
         Err(_) => {
             Err(ErrorData::new(rmcp::model::ErrorCode::METHOD_NOT_FOUND, "the proxy answers no such request", None))
