@@ -29,8 +29,9 @@ pub struct Tap {
     lines: Mutex<Option<mpsc::Sender<Vec<u8>>>>,
     /// The lane's requests waiting for their answer, by id.
     waiting: Mutex<HashMap<String, oneshot::Sender<Vec<u8>>>>,
-    /// The lane's calls' progress tokens (as JSON) → their callers' streams.
-    progress: Mutex<HashMap<String, mpsc::Sender<Bytes>>>,
+    /// The lane's calls' progress tokens (as JSON, each the lane's own) → their callers' streams,
+    /// and the token each caller gave (its progress is told under it).
+    progress: Mutex<HashMap<String, (mpsc::Sender<Bytes>, serde_json::Value)>>,
 }
 
 impl std::fmt::Debug for Tap {
@@ -75,10 +76,16 @@ impl Tap {
         (Waiting { tap: self.clone(), id: id.to_owned(), progress: None }, answer)
     }
 
-    /// Also sends the progress of progress token `token` (as JSON) to `to`, until the guard of
-    /// [`Tap::await_answer`] is dropped.
-    pub fn hear_progress(&self, waiting: &mut Waiting, token: String, to: mpsc::Sender<Bytes>) {
-        lock(&self.progress).insert(token.clone(), to);
+    /// Also sends the progress of progress token `token` (as JSON; the lane's own) to `to`, told
+    /// under `theirs` (the caller's token), until the guard of [`Tap::await_answer`] is dropped.
+    pub fn hear_progress(
+        &self,
+        waiting: &mut Waiting,
+        token: String,
+        to: mpsc::Sender<Bytes>,
+        theirs: serde_json::Value,
+    ) {
+        lock(&self.progress).insert(token.clone(), (to, theirs));
         waiting.progress = Some(token);
     }
 
@@ -112,8 +119,13 @@ impl Tap {
             (Some("notifications/progress"), None) => {
                 let token = envelope.params.and_then(|params| progress_token(params.get()));
                 let to = token.and_then(|token| lock(&self.progress).get(&token).cloned());
-                let Some(to) = to else { return false };
-                let _ = to.send(Bytes::copy_from_slice(line)).await;
+                let Some((to, theirs)) = to else { return false };
+                // Told under the caller's own token, which the child never saw.
+                let Ok(mut told) = serde_json::from_slice::<serde_json::Value>(line) else { return true };
+                if let Some(token) = told.pointer_mut("/params/progressToken") {
+                    *token = theirs;
+                }
+                let _ = to.send(Bytes::from(told.to_string())).await;
                 true
             }
             _ => false,

@@ -294,3 +294,46 @@ fn sockets_to(port: u16) -> Vec<i32> {
         .filter_map(|entry| entry.file_name().to_str()?.parse().ok())
         .collect()
 }
+
+/// The progress notifications in an answer's event stream.
+fn progress_in(body: &str) -> Vec<Value> {
+    body.lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+        .filter(|message| message["method"] == "notifications/progress")
+        .map(|message| message["params"].clone())
+        .collect()
+}
+
+/// Two callers of one stdio child (here two tenants sharing it) may give the same progress token,
+/// and rmcp's own client numbers its own: the child is given the lane's token for each call, and
+/// each caller hears its own call's progress, under its own token, and nothing of the other's.
+#[tokio::test]
+async fn two_callers_with_one_progress_token_on_one_child_each_hear_only_their_own_progress() {
+    use crate::proxy::{command, fastmcp, wait_until_exists};
+    let (keys, toml) = tenants("[proxy]\nupstream_sessions = \"shared\"\n");
+    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let (alice, bob) = (session_of(&proxy, keys[0]).await, session_of(&proxy, keys[1]).await);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gate = dir.path().join("go");
+    let counting = |n: u64, until: &str| {
+        json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+            "name": "count", "arguments": {"n": n, "until": until}, "_meta": {"progressToken": "p"}}})
+    };
+    let alices = {
+        let call = counting(3, &gate.display().to_string());
+        tokio::spawn(async move { alice.post(call).await })
+    };
+    // Alice's call told its first progress and waits; Bob's, with the same token, runs whole.
+    wait_until_exists(&dir.path().join("go.started")).await;
+    let (_, _, bobs) = bob.post(counting(1, "")).await;
+    let heard: Vec<Value> = progress_in(&bobs);
+    assert_eq!(heard.len(), 1, "bob hears his one report and none of alice's: {bobs}");
+    assert_eq!(heard[0]["progressToken"], "p", "under his own token: {bobs}");
+    std::fs::write(&gate, "").expect("the gate opens");
+    let (_, _, alices) = alices.await.expect("alice's call");
+    let heard: Vec<(Value, Option<f64>)> =
+        progress_in(&alices).into_iter().map(|p| (p["progressToken"].clone(), p["progress"].as_f64())).collect();
+    let expected: Vec<(Value, Option<f64>)> = [1.0, 2.0, 3.0].map(|n| (json!("p"), Some(n))).into();
+    assert_eq!(heard, expected, "alice hears all three of her reports: {alices}");
+}

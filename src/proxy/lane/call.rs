@@ -128,7 +128,7 @@ impl LaneState {
             },
         };
         let capabilities = bridge.as_ref().and_then(|bridge| bridge.capabilities.clone());
-        let hearing = Hearing { interim: Some(interim), asker, rounds: None, capabilities };
+        let hearing = Hearing { interim: Some(interim), asker, capabilities, ..Hearing::default() };
         let params = envelope::owned(&params);
         let relayed = Relayed { method: "tools/call", name: asked.name.clone(), params, hearing, bridge };
         let arrived = parts.extensions.get::<Arrived>().map(|arrived| arrived.0);

@@ -74,6 +74,9 @@ pub(crate) struct Hearing {
     /// ([`super::rounds`]), and what its client declared it can be asked.
     pub(super) rounds: Option<mpsc::Sender<Asked>>,
     pub(super) capabilities: Option<rmcp::model::ClientCapabilities>,
+    /// The caller's progress token, where a stdio child is given the lane's own: two callers on
+    /// one child may use the same token, and rmcp's client its own numbers.
+    pub(super) progress_of_caller: Option<Value>,
 }
 
 impl Hearing {
@@ -103,13 +106,18 @@ impl Relayed {
     /// request is closed.
     pub(crate) async fn send(self, upstream: &Arc<Upstream>, meta: RequestMetaObject) -> Came {
         let id = next_id();
-        let meta = for_the_session(upstream, meta.0.0);
+        let mut meta = for_the_session(upstream, meta.0.0);
+        let mut hearing = self.hearing;
+        if upstream.link().tap().is_some() {
+            hearing.progress_of_caller =
+                meta.get_mut("progressToken").map(|token| std::mem::replace(token, Value::String(id.clone())));
+        }
         let members = self.params.iter().map(|(key, value)| (key.as_str(), value.as_ref()));
         let body = envelope::request(&id, self.method, members, Some(&meta));
         // A 2026-07-28 server over HTTP hears the request closed; any other is told.
         let told = !upstream.stateless() || upstream.link().tap().is_some();
         let stop = StopOnDrop { upstream: told.then(|| upstream.clone()), id: id.clone() };
-        let reply = post(upstream, (self.method, Some(&self.name), &meta), body, &id, &self.hearing).await;
+        let reply = post(upstream, (self.method, Some(&self.name), &meta), body, &id, &hearing).await;
         stop.disarm();
         match reply {
             Reply::Result(json) => match RawResult::read(&json) {
@@ -211,8 +219,10 @@ async fn by_line(tap: &Arc<Tap>, said: Said<'_>, body: Vec<u8>, id: &str, hearin
         return if tap.send(body).await { Reply::Result(String::new()) } else { gone() };
     }
     let (mut waiting, answer) = tap.await_answer(id);
-    if let (Some(token), Some(interim)) = (meta.get("progressToken"), &hearing.interim) {
-        tap.hear_progress(&mut waiting, token.to_string(), interim.clone());
+    if let (Some(token), Some(interim), Some(theirs)) =
+        (meta.get("progressToken"), &hearing.interim, &hearing.progress_of_caller)
+    {
+        tap.hear_progress(&mut waiting, token.to_string(), interim.clone(), theirs.clone());
     }
     if !tap.send(body).await {
         return gone();
