@@ -203,8 +203,9 @@ async fn the_learnt_limit_follows_the_accounts_capacity_with_few_429s_where_a_st
 }
 
 /// The latency the mock adds to every answer, in ms, and for how long, in seconds: steady, then
-/// four times slower (an upstream whose requests queue), then back.
-const LATENCIES: [(u64, u64); 3] = [(100, 10), (400, 10), (100, 10)];
+/// four times slower (an upstream whose requests queue), then back (for longer: the limit grows
+/// back one step per sample, and a loaded machine's agent sends fewer per second of the clock).
+const LATENCIES: [(u64, u64); 3] = [(100, 10), (400, 10), (100, 20)];
 
 /// The limit a server learning as `learning` says handed out in each phase of [`LATENCIES`]
 /// (lowest, highest), its capacity never reached, and the 429s it met.
