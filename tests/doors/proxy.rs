@@ -297,19 +297,7 @@ async fn a_stdio_childs_questions_reach_the_one_caller_of_its_tenant_that_can_ha
         assert!(text_of(&roots).contains(&format!("file:///work/{name}")), "{name}: {roots:?}");
         assert_eq!(other.asked().len(), before, "the other tenant was not asked for {name}");
     }
-    // The Python SDK of the 2025-11-25 era, answering as itself: its own sampling answer; the roots
-    // are what its tenant's child learnt from its tenant (server-everything keeps them per session).
-    for (key, tenant) in [(keys[0], "acme"), (keys[1], "globex")] {
-        let (header, name) = (format!("Authorization: Bearer {key}"), format!("{tenant}-python"));
-        let steps = json!([
-            {"op": "call", "tool": "trigger-sampling-request", "args": {"prompt": "a question"}},
-            {"op": "call", "tool": "get-roots-list", "args": {}},
-        ]);
-        let walked = python::walk(&proxy.url, "legacy", steps, &["-H", &header, "--answer-as", &name]).await;
-        let text = |step: usize| walked["steps"][step]["ok"]["text"].as_str().unwrap_or_default().to_owned();
-        assert!(python::all_ok(&walked) && text(0).contains(&format!("sampled by {name}")), "{walked}");
-        assert!(text(1).contains(&format!("file:///work/{tenant}")), "{walked}");
-    }
+    python_tenants_are_asked_their_own(&proxy.url, "legacy", keys).await;
     // A second session of acme's, idle: acme's call in flight is the one that asked.
     let (idle_asked, before) = (Asked::named("acme-idle"), acme_asked.asked().len());
     let idle = idle_asked.clone().serve(StreamableHttpClientTransport::from_config(session(keys[0])));
@@ -323,6 +311,26 @@ async fn a_stdio_childs_questions_reach_the_one_caller_of_its_tenant_that_can_ha
     let refused = format!("{:?}", call(&bob, "trigger-sampling-request", sample("bob's question")).await);
     assert!(refused.contains("did not declare") && !refused.contains("sampled by"), "{refused}");
     assert_eq!(acme_asked.asked().len() + globex_asked.asked().len(), asked_before, "nobody answered for bob");
+}
+
+/// Two tenants' Python SDK clients in `mode` (`legacy`: 2025-11-25; `auto`: 2026-07-28, which
+/// drives `input_required` rounds itself), each answering as itself: its own sampling answer; the
+/// roots are what its tenant's child learnt from its tenant (server-everything keeps them per
+/// session).
+pub(crate) async fn python_tenants_are_asked_their_own(url: &str, mode: &str, keys: [&str; 2]) {
+    let version = if mode == "legacy" { "2025-11-25" } else { "2026-07-28" };
+    for (key, tenant) in [(keys[0], "acme"), (keys[1], "globex")] {
+        let (header, name) = (format!("Authorization: Bearer {key}"), format!("{tenant}-python"));
+        let steps = json!([
+            {"op": "call", "tool": "trigger-sampling-request", "args": {"prompt": "a question"}},
+            {"op": "call", "tool": "get-roots-list", "args": {}},
+        ]);
+        let walked = python::walk(url, mode, steps, &["-H", &header, "--answer-as", &name]).await;
+        let text = |step: usize| walked["steps"][step]["ok"]["text"].as_str().unwrap_or_default().to_owned();
+        assert_eq!(walked["protocol_version"], version, "{walked}");
+        assert!(python::all_ok(&walked) && text(0).contains(&format!("sampled by {name}")), "{walked}");
+        assert!(text(1).contains(&format!("file:///work/{tenant}")), "{walked}");
+    }
 }
 
 /// With `proxy.upstream_sessions = "session"`, a stdio child serves one downstream session, so what

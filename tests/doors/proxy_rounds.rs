@@ -16,7 +16,6 @@ use serde_json::{Value, json};
 
 use crate::clients::modern_client;
 use crate::proxy::{Asked, Proxy, call, command, everything, free_port, serve_http, sha256_hex, text_of};
-use crate::python;
 
 /// Two tenants' keys and the config that names them, with budgets that never run dry.
 fn tenants() -> ([&'static str; 2], String) {
@@ -63,18 +62,7 @@ async fn each_tenant_is_asked_its_own(proxy: &Proxy, keys: [&str; 2]) {
         assert_eq!(other.asked().len(), before, "the other tenant was not asked for {name}");
     }
     // The Python SDK of the 2026-07-28 era drives the rounds itself, answering as itself.
-    for (key, tenant) in [(keys[0], "acme"), (keys[1], "globex")] {
-        let (header, name) = (format!("Authorization: Bearer {key}"), format!("{tenant}-python"));
-        let steps = json!([
-            {"op": "call", "tool": "trigger-sampling-request", "args": {"prompt": "a question"}},
-            {"op": "call", "tool": "get-roots-list", "args": {}},
-        ]);
-        let walked = python::walk(&proxy.url, "auto", steps, &["-H", &header, "--answer-as", &name]).await;
-        let text = |step: usize| walked["steps"][step]["ok"]["text"].as_str().unwrap_or_default().to_owned();
-        assert_eq!(walked["protocol_version"], "2026-07-28", "{walked}");
-        assert!(python::all_ok(&walked) && text(0).contains(&format!("sampled by {name}")), "{walked}");
-        assert!(text(1).contains(&format!("file:///work/{tenant}")), "{walked}");
-    }
+    crate::proxy::python_tenants_are_asked_their_own(&proxy.url, "auto", keys).await;
     assert_eq!(proxy.app.proxied().map(|p| p.rounds_waiting()), Some(0), "every round was resumed");
 }
 
