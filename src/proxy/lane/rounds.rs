@@ -8,7 +8,7 @@
 //! `resultType: "input_required"`, the server's requests in `inputRequests`, a `requestState` —
 //! and sends the same call again with its `inputResponses` and that state.
 //!
-//! Between the two rounds the server's call stays open: the proxy *parks* it ([`Rounds`]) with its
+//! Between the two rounds the server's call stays open: the proxy *parks* it (`Rounds`) with its
 //! place to the proxied server (its account slot) and the server's questions waiting for their
 //! answers, under a `requestState` of its own (128 random bits; only its SHA-256 is kept). The
 //! call that resumes it — that caller, that tool, those arguments, that state — hands the caller's
@@ -281,7 +281,7 @@ fn input_required(asked: Vec<Asked>) -> (String, String, Questions) {
 }
 
 impl Proxied {
-    /// How many calls of 2026-07-28 callers wait for their callers' input ([`Rounds`]).
+    /// How many calls of 2026-07-28 callers wait for their callers' input (`Rounds`).
     pub fn rounds_waiting(&self) -> usize {
         self.rounds.waiting()
     }
