@@ -203,10 +203,14 @@ async fn post(upstream: &Upstream, said: Said<'_>, body: Vec<u8>, id: &str, hear
     let call = rmcp::model::RequestId::String(id.into());
     let (_route, mut asks) = upstream.downstream().route_asks(call, session, capabilities);
     let mut sent = std::pin::pin!(sent);
+    // Each question asked while the call goes on: one the server asks on the call's own stream
+    // (inside `sent`) is not held up by one asked off it, nor one off it by another.
+    let mut asking = futures::stream::FuturesUnordered::new();
     loop {
         tokio::select! {
             reply = &mut sent => return reply,
-            Some((ask, reply)) = asks.recv() => hearing.ask(ask, reply).await,
+            Some((ask, reply)) = asks.recv() => asking.push(hearing.ask(ask, reply)),
+            Some(()) = asking.next(), if !asking.is_empty() => {}
         }
     }
 }
