@@ -99,27 +99,34 @@ pub(crate) struct Exchange {
 enum Driven {
     /// The server's answer.
     Came(Came),
-    /// Questions its caller must be asked first (each with where its answer goes).
-    Asked(Exchange, Vec<Asked>),
+    /// Questions its caller must be asked first (each with where its answer goes), and the place
+    /// among its caller's rounds the round asking them takes.
+    Asked(Exchange, Vec<Asked>, Reserved),
 }
 
 impl Exchange {
     /// Drives the exchange to the server's answer, or to questions its caller can be asked. A
-    /// question the caller's client did not declare it can be asked, or that would park more than
-    /// a caller may hold (`may_park` false), is answered with the reason here, and the exchange
-    /// goes on.
-    async fn drive(mut self, capabilities: Option<&ClientCapabilities>, may_park: bool) -> Driven {
+    /// question the caller's client did not declare it can be asked, or one that would park more
+    /// rounds than `holder` may hold (its place is taken in `rounds` the moment it is asked), is
+    /// answered with the reason here, and the exchange goes on.
+    async fn drive(mut self, capabilities: Option<&ClientCapabilities>, rounds: &Arc<Rounds>, holder: &str) -> Driven {
         loop {
             let first = tokio::select! {
                 came = &mut self.answer => return Driven::Came(came),
                 Some(asked) = self.asks.recv() => asked,
             };
             let mut asking = Vec::new();
+            let mut place = None;
             let more = std::iter::from_fn(|| self.asks.try_recv().ok());
             for (ask, reply) in std::iter::once(first).chain(more.collect::<Vec<_>>()) {
                 if !ask.declared(capabilities) {
                     let _ = reply.send(Err(crate::proxy::relay::undeclared(ask.method())));
-                } else if !may_park {
+                    continue;
+                }
+                if place.is_none() {
+                    place = rounds.reserve(holder);
+                }
+                if place.is_none() {
                     let _ = reply.send(Err(ErrorData::invalid_request(
                         format!(
                             "the caller has {ROUNDS_PER_CALLER} calls waiting for its input already: `{}` cannot be \
@@ -132,8 +139,8 @@ impl Exchange {
                     asking.push((ask, reply));
                 }
             }
-            if !asking.is_empty() {
-                return Driven::Asked(self, asking);
+            if let (false, Some(place)) = (asking.is_empty(), place) {
+                return Driven::Asked(self, asking, place);
             }
         }
     }
@@ -154,15 +161,43 @@ pub(crate) struct Parking {
     binding: Binding,
     exchange: Exchange,
     pending: Questions,
+    /// Its place among its caller's rounds, counted until it is parked (then it counts itself).
+    place: Reserved,
 }
 
 /// A round's questions: the key each has in `inputRequests`, the method it asked, where its
 /// answer goes.
 type Questions = Vec<(String, &'static str, oneshot::Sender<Result<Reply, ErrorData>>)>;
 
-/// The rounds waiting for their callers' input, by the SHA-256 of their state.
+/// The rounds waiting for their callers' input, by the SHA-256 of their state, and the places taken
+/// by rounds about to be parked, by whose count they are in.
+#[derive(Default)]
+struct Ledger {
+    parked: HashMap<[u8; 32], Parked>,
+    reserved: HashMap<String, usize>,
+}
+
+/// A place among a caller's rounds, taken for a round about to be parked; given back when dropped.
+pub(crate) struct Reserved {
+    rounds: Arc<Rounds>,
+    holder: String,
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        let mut ledger = self.rounds.ledger();
+        if let Some(count) = ledger.reserved.get_mut(&self.holder) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                ledger.reserved.remove(&self.holder);
+            }
+        }
+    }
+}
+
+/// The rounds waiting for their callers' input.
 pub(crate) struct Rounds {
-    parked: Mutex<HashMap<[u8; 32], Parked>>,
+    parked: Mutex<Ledger>,
     clock: SharedClock,
     /// How long a round waits for its input (`proxy.timeout_ms`).
     wait: Nanos,
@@ -170,7 +205,7 @@ pub(crate) struct Rounds {
 
 impl std::fmt::Debug for Rounds {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Rounds").field("parked", &self.rounds().len()).finish()
+        f.debug_struct("Rounds").field("parked", &self.ledger().parked.len()).finish()
     }
 }
 
@@ -193,13 +228,13 @@ impl Rounds {
         Self { parked: Mutex::default(), clock, wait }
     }
 
-    fn rounds(&self) -> MutexGuard<'_, HashMap<[u8; 32], Parked>> {
+    fn ledger(&self) -> MutexGuard<'_, Ledger> {
         self.parked.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// How many rounds are waiting for their input.
     fn waiting(&self) -> usize {
-        self.rounds().len()
+        self.ledger().parked.len()
     }
 
     /// What a call of `binding`'s that sent `state` (one of the proxy's) and `responses` (its
@@ -212,8 +247,8 @@ impl Rounds {
         binding: &Binding,
         responses: Option<&Value>,
     ) -> Result<Resume, ErrorData> {
-        let rounds = self.rounds();
-        let parked = rounds.get(&key_of(state)).filter(|parked| &parked.binding == binding).ok_or_else(over)?;
+        let ledger = self.ledger();
+        let parked = ledger.parked.get(&key_of(state)).filter(|parked| &parked.binding == binding).ok_or_else(over)?;
         let responses = responses.and_then(Value::as_object);
         let mut answers = Vec::with_capacity(parked.pending.len());
         for (key, method, _) in &parked.pending {
@@ -228,22 +263,33 @@ impl Rounds {
         Ok(Resume { state: state.to_owned(), answers })
     }
 
-    /// Whether `binding`'s caller may hold one more round.
-    fn may_park(&self, binding: &Binding) -> bool {
-        self.rounds().values().filter(|parked| parked.binding.holder == binding.holder).count() < ROUNDS_PER_CALLER
+    /// A place for one more of `holder`'s rounds, if it holds fewer than [`ROUNDS_PER_CALLER`]
+    /// (parked, or about to be): counted and taken under one lock, so two calls of one caller
+    /// asked at once never take a fifth.
+    fn reserve(self: &Arc<Self>, holder: &str) -> Option<Reserved> {
+        let mut ledger = self.ledger();
+        let parked = ledger.parked.values().filter(|parked| parked.binding.holder == holder).count();
+        let reserved = ledger.reserved.get(holder).copied().unwrap_or(0);
+        if parked.saturating_add(reserved) >= ROUNDS_PER_CALLER {
+            return None;
+        }
+        *ledger.reserved.entry(holder.to_owned()).or_insert(0) += 1;
+        Some(Reserved { rounds: self.clone(), holder: holder.to_owned() })
     }
 
     /// Parks `parking` with `slot`, until it is resumed or its time runs out.
     pub(crate) fn park(self: &Arc<Self>, parking: Parking, slot: AccountSlot) {
-        let Parking { state, binding, exchange, pending } = parking;
+        let Parking { state, binding, exchange, pending, place } = parking;
         let key = key_of(&state);
-        self.rounds().insert(key, Parked { binding, exchange, pending, slot });
+        self.ledger().parked.insert(key, Parked { binding, exchange, pending, slot });
+        // Parked, the round counts itself (for a moment it counts twice: never one too many).
+        drop(place);
         let (rounds, until) = (Arc::downgrade(self), self.clock.now() + self.wait);
         let clock = self.clock.clone();
         tokio::spawn(async move {
             clock.sleep_until(until).await;
             // Dropped outside the lock: the proxied server is told to stop, the slot comes back.
-            let expired = rounds.upgrade().and_then(|rounds| rounds.rounds().remove(&key));
+            let expired = rounds.upgrade().and_then(|rounds| rounds.ledger().parked.remove(&key));
             drop(expired);
         });
     }
@@ -251,7 +297,7 @@ impl Rounds {
     /// Takes the round `resume` resumes and hands the server its caller's answers: the exchange to
     /// drive on, and the round's slot. `None` when it is no longer waiting.
     fn take(&self, resume: Resume) -> Option<(Exchange, AccountSlot)> {
-        let Parked { exchange, pending, slot, .. } = self.rounds().remove(&key_of(&resume.state))?;
+        let Parked { exchange, pending, slot, .. } = self.ledger().parked.remove(&key_of(&resume.state))?;
         let mut answers = resume.answers;
         for (key, _, reply) in pending {
             let answer = answers.iter().position(|(k, _)| *k == key).map(|at| answers.swap_remove(at).1);
@@ -310,15 +356,15 @@ impl Proxied {
                 Exchange { answer: Box::pin(async move { relayed.send(&upstream, meta).await }), asks }
             }
         };
-        let may_park = self.rounds.may_park(&bridge.binding);
-        match self.by(deadline, exchange.drive(bridge.capabilities.as_ref(), may_park)).await {
+        let driven = exchange.drive(bridge.capabilities.as_ref(), &self.rounds, &bridge.binding.holder);
+        match self.by(deadline, driven).await {
             None => (None, None),
             Some(Driven::Came(came)) => (Some(came), None),
-            Some(Driven::Asked(exchange, asked)) => {
+            Some(Driven::Asked(exchange, asked, place)) => {
                 let (result, state, pending) = input_required(asked);
                 match RawResult::read(&result) {
                     Ok(raw) => {
-                        let parking = Parking { state, binding: bridge.binding, exchange, pending };
+                        let parking = Parking { state, binding: bridge.binding, exchange, pending, place };
                         (Some(Came::Result(Said::Raw(raw))), Some(parking))
                     }
                     Err(error) => {
@@ -338,5 +384,26 @@ impl Proxied {
         let Sending::Lane(relayed) = sending else { return Ok(None) };
         let Some(resume) = relayed.bridge.as_mut().and_then(|bridge| bridge.resume.take()) else { return Ok(None) };
         self.rounds.take(resume).map(Some).ok_or_else(over)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Places are counted and taken under one lock: however many of a caller's calls are asked at
+    /// once, at most four take a place; one given back is free again; another caller's are its own.
+    #[test]
+    fn a_caller_never_takes_more_than_its_places_even_asked_at_once() {
+        let rounds = Arc::new(Rounds::new(crate::clock::ManualClock::new(), Nanos::from_millis(1000)));
+        let taken: Vec<Reserved> = std::thread::scope(|threads| {
+            let asked: Vec<_> = (0..16).map(|_| threads.spawn(|| rounds.reserve("tok:a"))).collect();
+            asked.into_iter().filter_map(|asked| asked.join().ok().flatten()).collect()
+        });
+        assert_eq!(taken.len(), ROUNDS_PER_CALLER);
+        assert!(rounds.reserve("tok:a").is_none() && rounds.reserve("tok:b").is_some());
+        drop(taken);
+        assert!(rounds.ledger().reserved.is_empty(), "every place given back");
+        assert!(rounds.reserve("tok:a").is_some());
     }
 }
