@@ -285,7 +285,15 @@ async fn respond(
     let mut finishing = Box::pin(finishing);
     let first = tokio::select! {
         biased;
-        done = &mut finishing => return json(done),
+        done = &mut finishing => {
+            // What came before the answer goes before it, even when both were ready at once.
+            let before: Vec<Bytes> = std::iter::from_fn(|| heard.try_recv().ok()).map(|e| event_of(&e)).collect();
+            if before.is_empty() {
+                return json(done);
+            }
+            let events = before.into_iter().chain(std::iter::once(event_of(done.as_bytes())));
+            return event_stream(Body::from_stream(futures::stream::iter(events).map(Ok::<_, Infallible>)));
+        }
         first = heard.recv() => first,
     };
     let Some(first) = first else { return json(finishing.await) };
@@ -301,7 +309,12 @@ async fn respond(
                 done = &mut finishing => Some((event_of(done.as_bytes()), (None, None, heard))),
             }
         });
-    let mut response = Response::new(Body::from_stream(events.map(Ok::<_, Infallible>)));
+    event_stream(Body::from_stream(events.map(Ok::<_, Infallible>)))
+}
+
+/// A response carrying `body`, an event stream.
+fn event_stream(body: Body) -> Response {
+    let mut response = Response::new(body);
     let headers = response.headers_mut();
     headers.insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/event-stream"));
     headers.insert(http::header::CACHE_CONTROL, http::HeaderValue::from_static("no-cache"));
@@ -320,4 +333,31 @@ fn event_of(message: &[u8]) -> Bytes {
     }
     event.push(b'\n');
     Bytes::from(event)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Progress that came before the answer is never dropped for it: with both ready when the
+    /// response is made, the progress goes first, on an event stream.
+    #[tokio::test]
+    async fn progress_ready_with_the_answer_goes_before_it() {
+        let (interim, heard) = mpsc::channel(INTERIM_KEPT);
+        for n in 1..=2 {
+            let progress =
+                format!(r#"{{"jsonrpc":"2.0","method":"notifications/progress","params":{{"progress":{n}}}}}"#);
+            interim.send(Bytes::from(progress)).await.expect("queued");
+        }
+        let answer = r#"{"jsonrpc":"2.0","id":1,"result":{}}"#.to_owned();
+        let response = respond(async move { answer }, heard).await;
+        let kind = response.headers().get(http::header::CONTENT_TYPE).cloned();
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX).await.expect("the body");
+        let body = String::from_utf8_lossy(&body);
+        assert_eq!(kind.as_ref().and_then(|k| k.to_str().ok()), Some("text/event-stream"), "{body}");
+        let said: Vec<&str> = body.lines().filter_map(|line| line.strip_prefix("data: ")).collect();
+        assert_eq!(said.len(), 3, "{body}");
+        assert!(said[0].contains(r#""progress":1"#) && said[1].contains(r#""progress":2"#), "{body}");
+        assert!(said[2].contains(r#""result""#), "{body}");
+    }
 }
