@@ -176,6 +176,15 @@ pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }
 
+/// `server-everything` over streamable HTTP on a free port (killed when the child is dropped), and
+/// the target that reaches it.
+pub(crate) async fn everything_over_http() -> (tokio::process::Child, Target) {
+    let port = free_port();
+    let (node, args) = everything("streamableHttp");
+    let server = serve_http(&node, &args, port).await;
+    (server, Target::Http { url: format!("http://127.0.0.1:{port}/mcp"), headers: Vec::new() })
+}
+
 /// Starts a server that listens on `port`, and waits (bounded) until it accepts connections.
 pub(crate) async fn serve_http(program: &str, args: &[String], port: u16) -> tokio::process::Child {
     let child = tokio::process::Command::new(program)
@@ -211,10 +220,7 @@ async fn everything_over_stdio_lists_its_tools_with_their_prices() {
 
 #[tokio::test]
 async fn everything_over_streamable_http_is_proxied_too() {
-    let port = free_port();
-    let (node, args) = everything("streamableHttp");
-    let _server = serve_http(&node, &args, port).await;
-    let target = Target::Http { url: format!("http://127.0.0.1:{port}/mcp"), headers: Vec::new() };
+    let (_server, target) = everything_over_http().await;
     let proxy = Proxy::start("", target).await;
     let client = proxy.client(None).await;
     let tools = client.list_all_tools().await.expect("tools");
@@ -229,10 +235,7 @@ async fn everything_over_streamable_http_is_proxied_too() {
 /// a request belongs to, nobody is asked.
 #[tokio::test]
 async fn what_the_proxied_server_asks_during_a_call_reaches_that_callers_session_only() {
-    let port = free_port();
-    let (node, args) = everything("streamableHttp");
-    let _server = serve_http(&node, &args, port).await;
-    let target = Target::Http { url: format!("http://127.0.0.1:{port}/mcp"), headers: Vec::new() };
+    let (_server, target) = everything_over_http().await;
     let proxy = Proxy::start("[loop_detection]\nenabled = false\n", target).await;
     let session = |key: &str| StreamableHttpClientTransportConfig::with_uri(proxy.url.clone()).auth_header(key);
     let (alice_asked, carol_asked) = (Asked::default(), Asked::default());
@@ -1195,10 +1198,7 @@ fn the_childs_environment_is_checked_and_its_values_are_in_no_debug_string() {
 
 #[tokio::test]
 async fn python_clients_of_both_eras_read_every_answer_the_proxy_passes_on_from_stdio_and_http_upstreams() {
-    let port = free_port();
-    let (node, args) = everything("streamableHttp");
-    let _server = serve_http(&node, &args, port).await;
-    let http = Target::Http { url: format!("http://127.0.0.1:{port}/mcp"), headers: Vec::new() };
+    let (_server, http) = everything_over_http().await;
     // get-sum's own budget of one call a minute: the second is refused, a result the agent reads.
     let toml = "[tools.get-sum]\ncost = 1\n[tools.get-sum.budget]\nalgorithm = \"fixed_window\"\nlimit = 1\nwindow_ms = 60000\n";
     for (upstream, target) in [("stdio", command(everything("stdio"))), ("http", http)] {

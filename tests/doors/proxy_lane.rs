@@ -8,7 +8,7 @@ use mcp_ratelimit::proxy::Target;
 use serde_json::{Value, json};
 
 use crate::common::{RawSession, eventually_some, jsonrpc_of};
-use crate::proxy::{Proxy, everything, free_port, serve_http, sha256_hex};
+use crate::proxy::{Proxy, everything_over_http, free_port, serve_http, sha256_hex};
 
 /// Two tenants' keys, and the config that names them: budgets that never run dry (the proxy's
 /// clock stands still while a test waits for a real server).
@@ -45,10 +45,7 @@ async fn ask(session: &RawSession, id: u64, method: &str, params: Value) -> Valu
 /// tenant's `tasks/get` and `tasks/cancel` of it are unknown, and its `tasks/list` holds none of it.
 #[tokio::test]
 async fn a_2025_11_25_task_passes_the_lane_holds_its_callers_slot_and_is_theirs_alone() {
-    let port = free_port();
-    let (node, args) = everything("streamableHttp");
-    let _server = serve_http(&node, &args, port).await;
-    let target = Target::Http { url: format!("http://127.0.0.1:{port}/mcp"), headers: Vec::new() };
+    let (_server, target) = everything_over_http().await;
     let (keys, toml) =
         tenants("[limits.in_flight]\ncaller = 1\n[tools.\"simulate-research-query\"]\ncost = 1\nholds_slot = true\n");
     let proxy = Proxy::start(&toml, target).await;

@@ -5,7 +5,6 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use mcp_ratelimit::proxy::Target;
 use mcp_ratelimit::state::Behind as _;
 use rmcp::model::{CallToolRequestParams, CallToolResponse, ProtocolVersion};
 use rmcp::service::RunningService;
@@ -15,7 +14,7 @@ use rmcp::{ClientLifecycleMode, ClientServiceExt, RoleClient};
 use serde_json::{Value, json};
 
 use crate::clients::modern_client;
-use crate::proxy::{Asked, Proxy, call, command, everything, free_port, serve_http, sha256_hex, text_of};
+use crate::proxy::{Asked, Proxy, call, command, everything, everything_over_http, sha256_hex, text_of};
 
 /// Two tenants' keys and the config that names them, with budgets that never run dry.
 fn tenants() -> ([&'static str; 2], String) {
@@ -79,11 +78,8 @@ async fn a_2026_caller_is_asked_in_rounds_what_its_tenants_stdio_child_asks() {
 
 #[tokio::test]
 async fn a_2026_caller_is_asked_in_rounds_what_an_http_server_of_2025_asks_on_its_call() {
-    let port = free_port();
-    let (node, args) = everything("streamableHttp");
-    let _server = serve_http(&node, &args, port).await;
+    let (_server, target) = everything_over_http().await;
     let (keys, toml) = tenants();
-    let target = Target::Http { url: format!("http://127.0.0.1:{port}/mcp"), headers: Vec::new() };
     let proxy = Proxy::start(&toml, target).await;
     each_tenant_is_asked_its_own(&proxy, keys).await;
 }
@@ -122,12 +118,9 @@ fn sampled(text: &str) -> Value {
 /// unanswered round ends after `proxy.timeout_ms`, its slot back.
 #[tokio::test]
 async fn a_rounds_state_is_its_callers_for_that_call_once_and_rounds_are_bounded() {
-    let port = free_port();
-    let (node, args) = everything("streamableHttp");
-    let _server = serve_http(&node, &args, port).await;
+    let (_server, target) = everything_over_http().await;
     let (keys, toml) = tenants();
     let toml = format!("{toml}[proxy]\ntimeout_ms = 60000\n");
-    let target = Target::Http { url: format!("http://127.0.0.1:{port}/mcp"), headers: Vec::new() };
     let proxy = Proxy::start(&toml, target).await;
     let waiting = || proxy.app.proxied().map(|p| p.rounds_waiting()).unwrap_or_default();
     let in_flight = || proxy.app.proxied().map(|p| p.occupancy().in_flight).unwrap_or_default();
