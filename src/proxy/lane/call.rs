@@ -11,7 +11,8 @@ use axum::response::Response;
 use futures::StreamExt;
 use http::request::Parts;
 use rmcp::ErrorData;
-use rmcp::model::{CallToolResponse, RequestMetaObject, ResultType};
+use rmcp::model::{CallToolResponse, ClientCapabilities, RequestMetaObject, ResultType};
+use serde::Deserialize as _;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 use tokio::sync::mpsc;
@@ -122,12 +123,16 @@ impl LaneState {
         let (interim, heard) = mpsc::channel(INTERIM_KEPT);
         let (asker, bridge) = match &era {
             Era::Session { seat, .. } => (Some(seat.clone()), None),
-            Era::Stateless => match self.bridge(&caller, &asked, &params, &meta) {
+            Era::Stateless => match self.bridge(&caller, &asked, &params) {
                 Ok(bridge) => (None, Some(bridge)),
                 Err(refused) => return Some(json(envelope::error(id, &refused))),
             },
         };
-        let capabilities = bridge.as_ref().and_then(|bridge| bridge.capabilities.clone());
+        // What a 2026-07-28 caller's client declared it can be asked (a session's is its seat's).
+        let capabilities = bridge
+            .as_ref()
+            .and_then(|_| meta.0.0.get(super::CLIENT_CAPABILITIES))
+            .and_then(|declared| ClientCapabilities::deserialize(declared).ok());
         let hearing = Hearing { interim: Some(interim), asker, capabilities, ..Hearing::default() };
         let params = envelope::owned(&params);
         let relayed = Relayed { method: "tools/call", name: asked.name.clone(), params, hearing, bridge };
@@ -140,19 +145,11 @@ impl LaneState {
         Some(respond(finishing.instrument(span), heard).await)
     }
 
-    /// A 2026-07-28 caller's call, to be asked in rounds what the proxied server asks: what its
-    /// client declared in `meta`, and the round it resumes when its `requestState` is one of the
-    /// proxy's — refused (nothing charged) when that round does not wait for this call's answers.
-    fn bridge(
-        &self,
-        caller: &Caller,
-        asked: &Asked,
-        params: &Params<'_>,
-        meta: &RequestMetaObject,
-    ) -> Result<Bridge, ErrorData> {
+    /// A 2026-07-28 caller's call, to be asked in rounds what the proxied server asks: the round it
+    /// resumes when its `requestState` is one of the proxy's — refused (nothing charged) when that
+    /// round does not wait for this call's answers.
+    fn bridge(&self, caller: &Caller, asked: &Asked, params: &Params<'_>) -> Result<Bridge, ErrorData> {
         let binding = Binding::of(caller, &asked.name, &asked.arguments);
-        let capabilities =
-            meta.0.0.get(super::CLIENT_CAPABILITIES).cloned().and_then(|c| serde_json::from_value(c).ok());
         let resume = match asked.resumes.as_deref() {
             Some(state) if state.starts_with(rounds::PREFIX) => {
                 let responses = envelope::member::<Value>(params, "inputResponses").and_then(Result::ok);
@@ -160,7 +157,7 @@ impl LaneState {
             }
             _ => None,
         };
-        Ok(Bridge { binding, capabilities, resume })
+        Ok(Bridge { binding, resume })
     }
 
     /// The call through the one guarded call ([`crate::guard::call`]) at the proxy's door; a task

@@ -74,11 +74,11 @@ impl Binding {
     }
 }
 
-/// A 2026-07-28 caller's call through the lane, which can be asked in rounds: who it is, what its
-/// client declared it can be asked, and the round it resumes, if it does.
+/// A 2026-07-28 caller's call through the lane, which can be asked in rounds: who it is, and the
+/// round it resumes, if it does (what its client declared it can be asked is the call's
+/// [`super::send::Hearing`]'s).
 pub(crate) struct Bridge {
     pub(super) binding: Binding,
-    pub(super) capabilities: Option<ClientCapabilities>,
     pub(super) resume: Option<Resume>,
 }
 
@@ -347,6 +347,7 @@ impl Proxied {
         let Some(bridge) = relayed.bridge.take() else {
             return (self.by(deadline, relayed.send(upstream, meta)).await, None);
         };
+        let capabilities = relayed.hearing.capabilities.clone();
         let exchange = match resumed {
             Some(exchange) => exchange,
             None => {
@@ -356,7 +357,7 @@ impl Proxied {
                 Exchange { answer: Box::pin(async move { relayed.send(&upstream, meta).await }), asks }
             }
         };
-        let driven = exchange.drive(bridge.capabilities.as_ref(), &self.rounds, &bridge.binding.holder);
+        let driven = exchange.drive(capabilities.as_ref(), &self.rounds, &bridge.binding.holder);
         match self.by(deadline, driven).await {
             None => (None, None),
             Some(Driven::Came(came)) => (Some(came), None),
