@@ -209,8 +209,7 @@ impl Instance {
 async fn a_crashed_instances_slots_come_back_when_its_leases_run_out() {
     let redis = TestRedis::private();
     let painter = token("painter");
-    // Leases long enough to outlast the survivor's start on a loaded machine.
-    let mut doomed = Instance::start(&redis, 2000).await;
+    let mut doomed = Instance::start(&redis, 400).await;
     let transport = rmcp::transport::StreamableHttpClientTransport::from_config(
         rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(doomed.url.clone())
             .auth_header(painter.clone()),
@@ -222,11 +221,11 @@ async fn a_crashed_instances_slots_come_back_when_its_leases_run_out() {
     }
     // The instance dies holding its 5 slots: no release, no renewal.
     doomed.child.kill().await.expect("killed");
-    let survivor = TestServer::start(&shared(&redis, "lease_ms = 2000\n", "")).await;
+    let survivor = TestServer::start(&shared(&redis, "lease_ms = 400\n", "")).await;
     let client = survivor.client(Some(&painter)).await;
     let busy = call(&client, "generate_image", json!({"prompt": "right after the crash"})).await;
     assert_eq!(error_code(&busy), Some("busy"), "the dead instance's leases still hold the slots");
-    // The leases run out on Redis's clock, 2 s after the last renewal.
+    // The leases run out on Redis's clock, 400 ms after the last renewal.
     eventually("the crashed instance's slots came back", || async {
         let status = call(&client, "rate_limit_status", json!({})).await;
         budget(&status, "in_flight:caller:")["remaining"] == 5
@@ -241,9 +240,7 @@ async fn jobs_waiting_on_an_instance_that_dies_stop_holding_the_line_and_end_fai
     let painter = token("painter");
     // Made-up keys: no share of the account is kept for configured ones.
     let settings = [("MCP_RL__UPSTREAM__MAX_IN_FLIGHT", "1"), ("MCP_RL__UPSTREAM__UNVERIFIED_SHARE", "1.0")];
-    // A lease long enough that a loaded machine's late renewal cannot free the running job's
-    // slot (and send a waiting job up) before the kill; the survivor waits it out in real time.
-    let mut doomed = Instance::start_with(&redis, 2000, &settings).await;
+    let mut doomed = Instance::start_with(&redis, 400, &settings).await;
     let transport = rmcp::transport::StreamableHttpClientTransport::from_config(
         rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(doomed.url.clone())
             .auth_header(painter.clone()),
@@ -258,14 +255,22 @@ async fn jobs_waiting_on_an_instance_that_dies_stop_holding_the_line_and_end_fai
         }
     }
     assert_eq!(waiting.len(), 2, "one runs on the account of 1, two wait in the line");
+    // A job that starts waiting is told to the line at the dispatcher's next step, after its agent
+    // is answered: both must stand in the line before the instance dies.
+    let mut connection =
+        redis::Client::open(redis.url.as_str()).expect("url").get_multiplexed_async_connection().await.expect("redis");
+    let line = || {
+        let mut connection = connection.clone();
+        async move {
+            let members: Vec<String> =
+                redis::cmd("ZRANGE").arg("{upstream}line").arg(0).arg(-1).query_async(&mut connection).await.ok()?;
+            (members.len() == 2).then_some(members)
+        }
+    };
+    let members = eventually_some("both waiting jobs stand in the line", Duration::from_secs(10), line).await;
     // The instance dies with two jobs in the line; its mark of being alive is made to run out
     // now rather than five seconds of real time later.
     doomed.child.kill().await.expect("killed");
-    let mut connection =
-        redis::Client::open(redis.url.as_str()).expect("url").get_multiplexed_async_connection().await.expect("redis");
-    let members: Vec<String> =
-        redis::cmd("ZRANGE").arg("{upstream}line").arg(0).arg(-1).query_async(&mut connection).await.expect("zrange");
-    assert_eq!(members.len(), 2, "both waiting jobs stand in the line: {members:?}");
     let dead = members[0].split('\u{1f}').nth(1).expect("the instance in the member").to_owned();
     let _: () = redis::cmd("ZADD")
         .arg("{upstream}line:alive")
@@ -276,7 +281,7 @@ async fn jobs_waiting_on_an_instance_that_dies_stop_holding_the_line_and_end_fai
         .expect("zadd");
     let survivor = TestServer::start(&shared(
         &redis,
-        "lease_ms = 2000\n",
+        "lease_ms = 400\n",
         "[upstream]\nmax_in_flight = 1\nunverified_share = 1.0\n",
     ))
     .await;
