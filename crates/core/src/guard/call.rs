@@ -332,7 +332,10 @@ impl Guard {
         let reserved = admission.take().and_then(|mut admission| admission.reserved());
         // An answer that is the upstream's refusal (its 429) is for backoff to deal with, not an
         // answer the caller keeps getting; a receipt is not the work's result.
-        let compared = !loop_exempt && !receipt && resumes.is_none();
+        // Nobody compares answers where loop detection is off (or every limit is): the answer is
+        // not read for it.
+        let listened = self.loops.is_some() && self.live.load().enabled;
+        let compared = listened && !loop_exempt && !receipt && resumes.is_none();
         let after = After { caller, tool, args: &args, reads_only, compared, warnings };
         match worked {
             None => Called::Lost,
