@@ -305,24 +305,44 @@ fn progress_in(body: &str) -> Vec<Value> {
 /// Two callers of one stdio child (here two tenants sharing it) may give the same progress token,
 /// and rmcp's own client numbers its own: the child is given the lane's token for each call, and
 /// each caller hears its own call's progress, under its own token, and nothing of the other's.
+/// Callers of both eras: 2025-11-25 sessions, then 2026-07-28 requests (no session; the token in
+/// each request's `_meta` beside its version and capabilities).
 #[tokio::test]
 async fn two_callers_with_one_progress_token_on_one_child_each_hear_only_their_own_progress() {
-    use crate::proxy::{command, fastmcp, wait_until_exists};
     let (keys, toml) = tenants("[proxy]\nupstream_sessions = \"shared\"\n");
-    let proxy = Proxy::start(&toml, command(fastmcp(&[]))).await;
+    let proxy = Proxy::start(&toml, crate::proxy::command(crate::proxy::fastmcp(&[]))).await;
     let (alice, bob) = (session_of(&proxy, keys[0]).await, session_of(&proxy, keys[1]).await);
+    each_hears_only_their_own_progress((alice, bob), json!({"progressToken": "p"})).await;
+    let stateless = |key: &str| {
+        let auth = format!("Bearer {key}");
+        let headers = [
+            ("authorization", auth.as_str()),
+            ("mcp-protocol-version", "2026-07-28"),
+            ("mcp-method", "tools/call"),
+            ("mcp-name", "count"),
+        ];
+        RawSession::new(&proxy.url, &headers)
+    };
+    let meta = json!({"progressToken": "p", "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientCapabilities": {}});
+    each_hears_only_their_own_progress((stateless(keys[0]), stateless(keys[1])), meta).await;
+}
+
+/// Alice's call of the fixture's `count` (three reports, the last after a gate opens) and Bob's
+/// (one), both with `meta` (the same progress token): each hears its own reports alone.
+async fn each_hears_only_their_own_progress((alice, bob): (RawSession, RawSession), meta: Value) {
     let dir = tempfile::tempdir().expect("tempdir");
     let gate = dir.path().join("go");
     let counting = |n: u64, until: &str| {
         json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
-            "name": "count", "arguments": {"n": n, "until": until}, "_meta": {"progressToken": "p"}}})
+            "name": "count", "arguments": {"n": n, "until": until}, "_meta": meta.clone()}})
     };
     let alices = {
         let call = counting(3, &gate.display().to_string());
         tokio::spawn(async move { alice.post(call).await })
     };
     // Alice's call told its first progress and waits; Bob's, with the same token, runs whole.
-    wait_until_exists(&dir.path().join("go.started")).await;
+    crate::proxy::wait_until_exists(&dir.path().join("go.started")).await;
     let (_, _, bobs) = bob.post(counting(1, "")).await;
     let heard: Vec<Value> = progress_in(&bobs);
     assert_eq!(heard.len(), 1, "bob hears his one report and none of alice's: {bobs}");
