@@ -239,6 +239,7 @@ async fn run(command: Command, config: Config, traces: Option<Arc<TraceQueue>>) 
             if stdio {
                 tracing::info!(upstream = %app.upstream_url(), "proxying MCP on stdio");
                 app.serve_stdio().await?;
+                app.state().limits.give_back_held().await;
             } else {
                 serve_http(&app, addr).await?;
             }
@@ -249,6 +250,7 @@ async fn run(command: Command, config: Config, traces: Option<Arc<TraceQueue>>) 
             app.reload_on_change(config_file(file));
             tracing::info!(upstream = %mcp_ratelimit::redact::url(app.upstream_url()), "serving MCP on stdio");
             app.serve_stdio().await?;
+            app.state().limits.give_back_held().await;
         }
         Command::MockUpstream { listen, .. } => {
             let addr = listen.unwrap_or(config.mock_upstream.listen);
@@ -293,6 +295,7 @@ async fn serve_http(app: &App, addr: SocketAddr) -> anyhow::Result<()> {
             app.stop();
         }
     }
+    app.state().limits.give_back_held().await;
     Ok(())
 }
 

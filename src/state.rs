@@ -106,8 +106,8 @@ impl AppState {
         use crate::breaker::BreakerState;
         use crate::ops::metrics::{
             ACCOUNT_SLOTS, ACCOUNT_SLOTS_IN_USE, ACCOUNT_TIER_PLACES, ACCOUNT_TIER_SLOTS, BREAKER_STATE,
-            EXPECTED_JOB_SECONDS, JOBS_IN_FLIGHT, QUEUE_DEPTH, QUEUEING_DELAY, SHED_LEVEL, STORE_UP,
-            SUBSCRIPTIONS_OPEN, UPSTREAM_CONCURRENCY_LIMIT,
+            EXPECTED_JOB_SECONDS, JOBS_IN_FLIGHT, QUEUE_DEPTH, QUEUEING_DELAY, SHED_LEVEL, STORE_SLICE_KEYS,
+            STORE_SLICE_UNITS, STORE_UP, SUBSCRIPTIONS_OPEN, UPSTREAM_CONCURRENCY_LIMIT,
         };
         let occupancy = self.behind.occupancy();
         // Per flow bucket (a 16-way hash of the tenant or caller, never its name); every bucket
@@ -156,6 +156,9 @@ impl AppState {
         };
         self.limits.metrics().sample(BREAKER_STATE, Vec::new(), breaker);
         self.limits.metrics().sample(STORE_UP, Vec::new(), if self.limits.guard().store_up() { 1.0 } else { 0.0 });
+        let (keys, units) = self.limits.guard().store().slices_held();
+        self.limits.metrics().sample(STORE_SLICE_KEYS, Vec::new(), keys as f64);
+        self.limits.metrics().sample(STORE_SLICE_UNITS, Vec::new(), units as f64);
         if let Some(traces) = self.traces.get() {
             self.limits.metrics().trace_queue(traces.bytes(), traces.dropped());
         }

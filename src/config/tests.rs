@@ -163,6 +163,21 @@ fn an_insurance_share_below_a_cost_names_the_instances_the_limit_and_the_tool() 
 }
 
 #[test]
+fn budget_slices_out_of_bounds_are_refused_naming_the_key() {
+    for (toml, key) in [
+        ("[store]\nslice_ms = 0\n", "store.slice_ms"),
+        ("[store]\nslice_ms = 60001\n", "store.slice_ms"),
+        ("[store]\nslice_max = 4294967297\n", "store.slice_max"),
+        ("[store]\nslice_max = -1\n", "store.slice_max"),
+    ] {
+        let e = err(toml);
+        assert!(e.contains(&format!("`{key}`")) || e.contains(key), "{toml}: {e}");
+    }
+    let off = Config::from_toml_test("[store]\nslice_max = 0\nslice_ms = 60000\n");
+    assert!(off.is_ok(), "slices off, and a minute's slices, are within bounds");
+}
+
+#[test]
 fn durations_past_a_day_are_refused_naming_the_key() {
     for (toml, key) in [
         ("[upstream]\ntimeout_ms = 86400001\n", "upstream.timeout_ms"),

@@ -33,4 +33,5 @@ mod result_loops;
 mod shared_line;
 mod shared_store;
 mod shedding;
+mod slices;
 mod tenants;

@@ -150,7 +150,8 @@ async fn with_the_documented_defaults_list_articles_fails_open_and_the_paid_tool
 #[tokio::test]
 async fn a_refused_caller_is_refused_locally_until_its_wait_is_over_without_a_round_trip() {
     let redis = TestRedis::private();
-    let server = TestServer::start(&shared(&redis, "", NO_LOOP_DETECTION)).await;
+    // Slices off: every HTTP decision is a round trip, so the count tells the tool's apart.
+    let server = TestServer::start(&shared(&redis, "slice_max = 0\n", NO_LOOP_DETECTION)).await;
     let client = server.client(Some(&token("hot"))).await;
     let (passed, refused) = spend_until_refused(&client, "save_article", json!({"title": "t", "body": "b0"}), 40).await;
     assert_eq!(passed, 30, "60 tokens, 2 a save");
@@ -507,8 +508,9 @@ async fn a_loop_round_robin_over_two_instances_is_stopped_on_its_fifth_call_not_
 #[tokio::test]
 async fn a_tool_call_costs_three_round_trips_to_redis_its_loop_check_and_answer_included() {
     let redis = TestRedis::private();
-    // Ten searches that all find nothing would be a loop by their answers at the sixth.
-    let server = TestServer::start(&shared(&redis, "", NO_PROGRESS_CHECK)).await;
+    // Ten searches that all find nothing would be a loop by their answers at the sixth. Slices
+    // off: the HTTP limits' decision is a round trip of its own every time.
+    let server = TestServer::start(&shared(&redis, "slice_max = 0\n", NO_PROGRESS_CHECK)).await;
     let client = server.client(Some(&token("counted"))).await;
     let mut per_call = Vec::new();
     for n in 0..10 {
@@ -527,6 +529,37 @@ async fn a_tool_call_costs_three_round_trips_to_redis_its_loop_check_and_answer_
     let before = redis.evalsha_calls();
     assert_eq!(error_code(&call(&client, "list_articles", same).await), Some("loop_detected"));
     assert_eq!(redis.evalsha_calls() - before, 2, "a loop is refused in the decision's own round trip");
+}
+
+/// With budget slices (the default), a busy caller's HTTP limits are decided from what this
+/// instance holds of them: its calls cost the decision's round trip and the answer's, and one more
+/// only when a slice runs out (the HTTP decision that takes the next).
+#[tokio::test]
+async fn with_slices_a_busy_callers_http_limits_cost_no_round_trip_of_their_own() {
+    let redis = TestRedis::private();
+    let server = TestServer::start(&shared(&redis, "", NO_PROGRESS_CHECK)).await;
+    let client = server.client(Some(&token("counted"))).await;
+    let mut per_call = Vec::new();
+    for n in 0..30 {
+        let before = redis.evalsha_calls();
+        let r = call(&client, "list_articles", json!({"query": format!("query {n}")})).await;
+        assert!(!is_error(&r), "call {n}: {}", text(&r));
+        per_call.push(redis.evalsha_calls() - before);
+    }
+    assert!(per_call.iter().all(|trips| (2..=3).contains(trips)), "round trips per call: {per_call:?}");
+    let late: u64 = per_call[10..].iter().sum();
+    assert!(late <= 20 * 2 + 5, "the last twenty calls: at most five HTTP decisions in Redis: {per_call:?}");
+    // What the instance holds is in its metrics (a slice may be spent to the unit: call on).
+    let held = |metrics: String| {
+        let units = metrics.lines().find_map(|line| line.strip_prefix("mcp_ratelimit_store_slice_units "));
+        units.and_then(|units| units.trim().parse::<f64>().ok()).unwrap_or(0.0)
+    };
+    let mut more = 0;
+    while held(server.metrics().await) == 0.0 {
+        assert!(more < 20, "no slice held after {more} more calls");
+        assert!(!is_error(&call(&client, "list_articles", json!({"query": format!("more {more}")})).await));
+        more += 1;
+    }
 }
 
 #[tokio::test]

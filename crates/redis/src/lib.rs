@@ -117,6 +117,7 @@ mod loop_history;
 mod records;
 mod scripts;
 mod shared;
+mod slices;
 #[cfg(test)]
 mod tests;
 
@@ -125,6 +126,7 @@ use connection::{Connection, Target};
 use errors::{bounded, classify, invalid_url};
 use leases::{GiveBack, Unanswered};
 use scripts::{micros, script_span};
+pub use slices::SliceRules;
 
 /// What the loop history answered to a call checked alone ([`RedisStore::loop_check`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -192,6 +194,12 @@ pub struct RedisStore {
     /// A client of one node, for subscriptions ([`Broadcast::hear`](mcp_ratelimit_kernel::store::Broadcast::hear)).
     /// Its URL may carry a password: never printed.
     listener: ::redis::Client,
+    /// Busy keys' budgets held here a slice at a time ([`RedisStore::with_slices`]); `None`: every
+    /// decision in Redis.
+    slices: Option<slices::Slices>,
+    /// This store, once shared ([`RedisStore::shared`]): what gives its slices back in tasks of
+    /// their own.
+    me: std::sync::OnceLock<std::sync::Weak<RedisStore>>,
 }
 
 /// The leases an instance holds: (key, lease) → (units, the key's cap).
@@ -263,6 +271,8 @@ impl RedisStore {
             lease,
             held,
             listener,
+            slices: None,
+            me: std::sync::OnceLock::new(),
         })
     }
 

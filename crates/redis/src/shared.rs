@@ -55,7 +55,21 @@ impl RedisStore {
 /// instance renews until it gives them back.
 impl Budgets for RedisStore {
     fn decide<'a>(&'a self, checks: &'a [Check<'a>], blocks: &'a [&'a str], lease: Lease) -> StoreFuture<'a, Verdict> {
-        Box::pin(async move { self.run_unless_blocked(checks, blocks, None, None, lease).await })
+        Box::pin(async move {
+            match &self.slices {
+                Some(slices) if blocks.is_empty() && super::slices::sliceable(checks) => {
+                    self.decide_sliced(slices, checks, lease).await
+                }
+                Some(slices) => {
+                    let mut verdict = self.run_unless_blocked(checks, blocks, None, None, lease).await?;
+                    if let Verdict::Decided(decisions) = &mut verdict {
+                        slices.count_held(checks, decisions);
+                    }
+                    Ok(verdict)
+                }
+                None => self.run_unless_blocked(checks, blocks, None, None, lease).await,
+            }
+        })
     }
 
     fn adjust<'a>(
@@ -136,6 +150,23 @@ impl Broadcast for RedisStore {
 impl Store for RedisStore {
     fn is_shared(&self) -> bool {
         true
+    }
+
+    /// Budgets expire in Redis by themselves; what is swept here is the memory of keys that had
+    /// slices.
+    fn sweep(&self) -> usize {
+        self.slices.as_ref().map_or(0, super::slices::Slices::sweep)
+    }
+
+    fn slices_held(&self) -> (u64, u64) {
+        RedisStore::slices_held(self)
+    }
+
+    fn give_back_held(&self) -> StoreFuture<'_, ()> {
+        Box::pin(async move {
+            self.give_back_slices().await;
+            Ok(())
+        })
     }
 
     fn loop_history(self: std::sync::Arc<Self>) -> Option<std::sync::Arc<dyn LoopHistory>> {

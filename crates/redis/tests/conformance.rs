@@ -63,6 +63,19 @@ async fn the_redis_store_passes_the_backend_suite() {
     suite::run(redis.store().await, "{suite}").await;
 }
 
+/// The same with busy keys' budgets handed out in slices: a read counts what this instance holds,
+/// and the last units are spent and refused exactly.
+#[tokio::test]
+async fn the_redis_store_with_slices_passes_the_backend_suite() {
+    let redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url, Duration::from_secs(5)).await.expect("connects to its redis-server");
+    let rules = mcp_ratelimit_redis::SliceRules { most: 64, lasts: Duration::from_secs(5) };
+    let clock = mcp_ratelimit_kernel::clock::SystemClock::shared();
+    let store = store.with_slices(rules, clock).shared();
+    suite::run(store.clone(), "{suite}").await;
+    assert!(store.slices_held().1 == 0, "the busy budget's slices were spent to the last unit");
+}
+
 #[tokio::test]
 async fn the_redis_line_passes_the_line_suite_its_memory_twin_passes() {
     let redis = RedisServer::start();

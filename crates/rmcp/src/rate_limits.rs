@@ -167,17 +167,19 @@ async fn token_verifier(
 
 /// The Redis store `config.store` names, connected.
 #[cfg(feature = "redis")]
-async fn redis_store(config: &LimitsConfig) -> Result<Arc<dyn Store>, LimitsError> {
+async fn redis_store(config: &LimitsConfig, clock: &SharedClock) -> Result<Arc<dyn Store>, LimitsError> {
     let timeout = Duration::from_millis(config.store.timeout_ms);
     let lease = Duration::from_millis(config.store.lease_ms);
     let ca = config.store.redis_ca().map_err(LimitsError::RedisCa)?;
     let redis = crate::redis::RedisStore::connect_trusting(&config.store.redis_url, timeout, ca).await?;
-    Ok(Arc::new(redis.with_lease(lease)))
+    let slices =
+        crate::redis::SliceRules { most: config.store.slice_max, lasts: Duration::from_millis(config.store.slice_ms) };
+    Ok(redis.with_lease(lease).with_slices(slices, clock.clone()).shared())
 }
 
 /// Without the feature `redis`, a config that names it is refused when the limits start.
 #[cfg(not(feature = "redis"))]
-async fn redis_store(_config: &LimitsConfig) -> Result<Arc<dyn Store>, LimitsError> {
+async fn redis_store(_config: &LimitsConfig, _clock: &SharedClock) -> Result<Arc<dyn Store>, LimitsError> {
     Err(LimitsError::NoBackend("redis"))
 }
 
@@ -266,7 +268,7 @@ impl RateLimits {
     pub async fn start(config: &LimitsConfig, tools: Catalogue, clock: SharedClock) -> Result<Self, LimitsError> {
         let store: Arc<dyn Store> = match config.store.backend {
             Backend::Memory => Arc::new(MemoryStore::on(clock.clone())),
-            Backend::Redis => redis_store(config).await?,
+            Backend::Redis => redis_store(config, &clock).await?,
         };
         let metrics = Arc::new(Metrics::new(&tools));
         let shared = store.is_shared();
@@ -349,6 +351,9 @@ impl RateLimits {
             tracing::warn!(target: "mcp_ratelimit::rate_limits", "auth.id_secret changed: every key's caller id is new, so its budgets start afresh");
         }
         self.inner.guard.reload(config);
+        // Slices of a shared store's budgets were cut under the old limits: back they go.
+        let store = self.inner.guard.store().clone();
+        tokio::spawn(async move { store.give_back_held().await });
         self.identifier().store(Arc::new(Identifier::new(config)));
         let mut oauth = self.inner.oauth.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if *oauth != config.auth.oauth {
@@ -396,6 +401,13 @@ impl RateLimits {
             limit: HttpLimitLayer::new(self.inner.guard.clone()),
             refuse: refuse_invalid_tokens(),
         }
+    }
+
+    /// Gives back whatever this instance holds of a shared store's budgets (its slices), waiting
+    /// at most two seconds: before the process exits.
+    pub async fn give_back_held(&self) {
+        let store = self.inner.guard.store().give_back_held();
+        let _ = tokio::time::timeout(Duration::from_secs(2), store).await;
     }
 
     /// Stops the housekeeping tasks now rather than when the last clone is dropped.

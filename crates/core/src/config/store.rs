@@ -57,13 +57,27 @@ pub struct StoreConfig {
     /// Server instances expected to share the store: the insurance limiter gives each
     /// 1/`expected_instances` of every limit while the store cannot decide.
     pub expected_instances: u32,
+    /// The most units of a busy key's budget an instance takes from Redis at once and decides on
+    /// itself (a slice); 0: every decision in Redis.
+    pub slice_max: u64,
+    /// The longest an instance spends from a slice before what is left goes back.
+    pub slice_ms: u64,
 }
 
 impl std::fmt::Debug for StoreConfig {
     /// The Redis URL without its password.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let Self { backend, redis_url, redis_ca_file, timeout_ms, lease_ms, sweep_interval_ms, expected_instances } =
-            self;
+        let Self {
+            backend,
+            redis_url,
+            redis_ca_file,
+            timeout_ms,
+            lease_ms,
+            sweep_interval_ms,
+            expected_instances,
+            slice_max,
+            slice_ms,
+        } = self;
         f.debug_struct("StoreConfig")
             .field("backend", backend)
             .field("redis_url", &crate::redact::url(redis_url))
@@ -72,6 +86,8 @@ impl std::fmt::Debug for StoreConfig {
             .field("lease_ms", lease_ms)
             .field("sweep_interval_ms", sweep_interval_ms)
             .field("expected_instances", expected_instances)
+            .field("slice_max", slice_max)
+            .field("slice_ms", slice_ms)
             .finish()
     }
 }
@@ -91,6 +107,10 @@ impl StoreConfig {
     }
 }
 
+/// The most units one slice may hold: far above any useful size, far below what sums can overflow.
+const MOST_A_SLICE: u64 = 1 << 32;
+const MINUTE_MS: u64 = 60_000;
+
 impl StoreConfig {
     /// The section, checked: durations above zero and within a day; with Redis, a URL the store
     /// can connect to and a readable CA.
@@ -99,6 +119,7 @@ impl StoreConfig {
             ("store.sweep_interval_ms", self.sweep_interval_ms),
             ("store.timeout_ms", self.timeout_ms),
             ("store.lease_ms", self.lease_ms),
+            ("store.slice_ms", self.slice_ms),
         ] {
             if value == 0 {
                 return Err(invalid(key, "must be greater than zero"));
@@ -106,6 +127,12 @@ impl StoreConfig {
             if value > DAY_MS {
                 return Err(invalid(key, format!("{value} is more than a day ({DAY_MS})")));
             }
+        }
+        if self.slice_max > MOST_A_SLICE {
+            return Err(invalid("store.slice_max", format!("{} is more than {MOST_A_SLICE}", self.slice_max)));
+        }
+        if self.slice_ms > MINUTE_MS {
+            return Err(invalid("store.slice_ms", format!("{} is more than a minute ({MINUTE_MS})", self.slice_ms)));
         }
         if self.expected_instances == 0 {
             return Err(invalid("store.expected_instances", "must be greater than zero"));

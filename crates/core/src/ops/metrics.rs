@@ -62,6 +62,11 @@ pub const SUBSCRIPTIONS_OPEN: &str = "mcp_ratelimit_subscriptions_open";
 pub const STORE_ERRORS: &str = "mcp_ratelimit_store_errors_total";
 /// `mcp_ratelimit_store_up`: 1 while the limiter store answers, 0 while it fails.
 pub const STORE_UP: &str = "mcp_ratelimit_store_up";
+/// `mcp_ratelimit_store_slice_units`: units of busy keys' budgets this instance holds of a shared
+/// store's, decided here without a round trip (budget slices).
+pub const STORE_SLICE_UNITS: &str = "mcp_ratelimit_store_slice_units";
+/// `mcp_ratelimit_store_slice_keys`: the keys this instance holds slices of.
+pub const STORE_SLICE_KEYS: &str = "mcp_ratelimit_store_slice_keys";
 /// `mcp_ratelimit_breaker_state`: the upstream circuit breaker (0 closed, 1 half-open, 2 open).
 pub const BREAKER_STATE: &str = "mcp_ratelimit_breaker_state";
 
@@ -242,6 +247,8 @@ pub const FAMILIES: &[Family] = &[
     gauge(JOBS_IN_FLIGHT, "Accepted jobs (image and video predictions) not yet final."),
     gauge(SUBSCRIPTIONS_OPEN, "2026-07-28 subscriptions (subscriptions/listen) callers hold open through the proxy."),
     gauge(STORE_UP, "1 while the limiter store answers, 0 while it fails."),
+    gauge(STORE_SLICE_UNITS, "Units of busy keys' budgets this instance holds of Redis's, decided here (slices)."),
+    gauge(STORE_SLICE_KEYS, "Keys this instance holds budget slices of."),
     gauge(BREAKER_STATE, "The upstream circuit breaker: 0 closed, 1 half-open, 2 open."),
     gauge(CONNECTIONS_OPEN, "Connections a listener holds open, by listener."),
     gauge(

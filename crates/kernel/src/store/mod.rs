@@ -291,6 +291,18 @@ pub trait Store: Budgets + Slots + Blocks + Broadcast {
         0
     }
 
+    /// The keys whose budgets this instance holds slices of, and the units in them (a store that
+    /// hands out none: none).
+    fn slices_held(&self) -> (u64, u64) {
+        (0, 0)
+    }
+
+    /// Gives back whatever budget this instance holds of a shared store's (its slices), before
+    /// it stops: a store that holds none has nothing to give.
+    fn give_back_held(&self) -> StoreFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
+
     /// Where every instance keeps each caller's recent calls, if this store is shared.
     fn loop_history(self: Arc<Self>) -> Option<Arc<dyn LoopHistory>> {
         None

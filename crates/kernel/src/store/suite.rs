@@ -37,6 +37,7 @@ pub async fn run(store: Arc<dyn Store>, prefix: &str) {
     adjustments_stay_within_the_bucket(&store, prefix).await;
     forgotten_budgets_are_full(&store, prefix).await;
     counters_read_what_was_bumped(&store, prefix).await;
+    a_busy_budget_is_spent_to_the_last_unit_and_no_further(&store, prefix).await;
 }
 
 /// A bucket of `capacity` that refills one unit in a thousand seconds.
@@ -187,4 +188,21 @@ pub async fn counters_read_what_was_bumped(store: &Arc<dyn Store>, prefix: &str)
     } else {
         assert_eq!((first, second, read), (0, 0, 0), "nobody to tell");
     }
+}
+
+/// A thousand units spent one call after another (what a store that hands busy keys' budgets out
+/// in slices does with them): every call admitted, a read between them counts every unit not yet
+/// spent, and the call after the thousandth is refused.
+async fn a_busy_budget_is_spent_to_the_last_unit_and_no_further(store: &Arc<dyn Store>, prefix: &str) {
+    let key = format!("{prefix}busy");
+    let limiter = bucket(1_000);
+    let call = Check { key: &key, limiter: &limiter, cost: 1, shadow: false };
+    for n in 1..=1_000u64 {
+        assert!(decided(store, &[call]).await[0].allowed, "call {n} of a thousand is admitted");
+        if n % 250 == 0 {
+            assert_eq!(remaining(store, &key, &limiter).await, 1_000 - n, "after {n} calls");
+        }
+    }
+    let refused = decided(store, &[call]).await[0];
+    assert!(!refused.allowed && refused.remaining == 0, "the 1001st call is refused: {refused:?}");
 }

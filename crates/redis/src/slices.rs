@@ -1,0 +1,545 @@
+//! Budget slices: a busy key's budget taken from Redis a slice at a time, and spent here.
+//!
+//! A call whose every check may be sliced ([`sliceable`]) is decided here when this instance holds
+//! enough of each key's budget: no round trip. Otherwise it goes to `decide.lua` as always, and
+//! behind each check of a busy key rides a *top-up*: the same key again, for the slice's units,
+//! as a shadow check. The script charges it only where the budget has it after the call's own
+//! price (a shadow check's refusal stops nothing and charges nothing), and only when the call is
+//! admitted. So every unit spent here was debited in Redis first: the instances together never
+//! admit more than the budget. Refusals always come from Redis, with its exact wait.
+//!
+//! **How big.** A key's next slice doubles while the key is busy (called again within the time a
+//! slice lasts), from the call's own cost up to [`SliceRules::most`], and is never more than an
+//! eighth of what Redis said was left: as a budget nears empty, or other instances draw on it,
+//! slices shrink to nothing, which is today's exact decision per call. A call Redis refuses gives
+//! this instance's slices of that key back at once.
+//!
+//! **How long.** A slice is spent only while what it holds could not have made a difference had it
+//! stayed in Redis:
+//! - a window's count (`fixed_window`, `sliding_window`): until the window it was counted in ends;
+//! - a bucket (`token_bucket`, `gcra`, `leaky_bucket`): until the bucket, had the slice stayed in
+//!   it, would be full again (units that came back by time alone past the capacity would be lost
+//!   to it, so a slice spent later would add to a full burst);
+//!
+//! and never longer than [`SliceRules::lasts`]. What is left goes back to Redis (`adjust.lua`,
+//! "return": only where it still counts; sent once, never again) when the key has been quiet for a
+//! quarter of that, a quarter before the slice's end, when a call finds its key's limiter changed
+//! (a reload), and when the store gives every slice back ([`crate::RedisStore::give_back_slices`]:
+//! shutdown). An instance that dies holding slices under-admits by what they held until they
+//! would have ended: at most [`SliceRules::most`] units a key, for at most [`SliceRules::lasts`].
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use mcp_ratelimit_kernel::clock::{Nanos, SharedClock};
+use mcp_ratelimit_kernel::limit::{Decision, Limiter, Shape, Taken};
+use mcp_ratelimit_kernel::store::Check;
+
+/// How slices are cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SliceRules {
+    /// The most units one slice of a key holds; 0 turns slices off (every decision in Redis).
+    pub most: u64,
+    /// The longest a slice is spent from.
+    pub lasts: Duration,
+}
+
+/// What a key's slices are given back as: the key, its limiter, the units, where they were charged.
+pub(crate) type GivenBack = (String, Limiter, u64, Taken);
+
+/// The slices this instance holds, by key.
+pub(crate) struct Slices {
+    rules: SliceRules,
+    clock: SharedClock,
+    keys: Mutex<HashMap<String, Held>>,
+    next_id: AtomicU64,
+}
+
+/// One key's slices, and what Redis last said of the key.
+struct Held {
+    limiter: Limiter,
+    pieces: Vec<Piece>,
+    /// What Redis said at its last decision of the key: the limit, what was left beside the
+    /// slices it handed out, how long until full; read at `read_at` (this instance's clock).
+    limit: u64,
+    left: u64,
+    reset_after: Nanos,
+    read_at: Nanos,
+    /// The size of the last slice asked for.
+    want: u64,
+    last_call: Nanos,
+}
+
+/// One slice: its units left, where they were charged, until when they may be spent.
+struct Piece {
+    id: u64,
+    units: u64,
+    taken: Taken,
+    until: Nanos,
+}
+
+/// What became of a slice when its time to go back was looked at.
+pub(crate) enum Due {
+    /// Spent, or given back already.
+    Gone,
+    /// Not yet: look again then.
+    Wait(Nanos),
+    /// Give these back now.
+    Back(GivenBack),
+}
+
+/// Whether a call with `checks` may be decided from slices: every check has a price, is no shadow
+/// limit, is kept by an algorithm of counts or a bucket (not a log of every call, not slots), and
+/// names a key no other check of the call names.
+pub(crate) fn sliceable(checks: &[Check<'_>]) -> bool {
+    !checks.is_empty()
+        && checks.iter().enumerate().all(|(i, check)| {
+            check.cost > 0
+                && !check.shadow
+                && !check.limiter.holds_slots()
+                && check.limiter.algorithm() != "sliding_log"
+                && checks[..i].iter().all(|before| before.key != check.key)
+        })
+}
+
+impl Slices {
+    pub(crate) fn new(rules: SliceRules, clock: SharedClock) -> Self {
+        Self { rules, clock, keys: Mutex::default(), next_id: AtomicU64::new(0) }
+    }
+
+    pub(crate) fn clock(&self) -> &SharedClock {
+        &self.clock
+    }
+
+    fn keys(&self) -> std::sync::MutexGuard<'_, HashMap<String, Held>> {
+        self.keys.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The call decided here, every check's price spent from its key's slices, when they hold
+    /// enough for all (else nothing is spent); `None` sends it to Redis.
+    pub(crate) fn spend(&self, checks: &[Check<'_>], now: Nanos) -> Option<Vec<Decision>> {
+        let mut keys = self.keys();
+        let enough = checks.iter().all(|check| {
+            keys.get(check.key).is_some_and(|held| held.limiter == *check.limiter && held.live(now) >= check.cost)
+        });
+        if !enough {
+            return None;
+        }
+        let mut decisions = Vec::with_capacity(checks.len());
+        for check in checks {
+            let held = keys.get_mut(check.key)?;
+            let mut owed = check.cost;
+            let mut charged_in = None;
+            for piece in held.pieces.iter_mut().filter(|piece| piece.until > now && piece.units > 0) {
+                let spent = owed.min(piece.units);
+                piece.units -= spent;
+                owed -= spent;
+                charged_in.get_or_insert(piece.taken);
+                if owed == 0 {
+                    break;
+                }
+            }
+            held.pieces.retain(|piece| piece.units > 0);
+            held.last_call = now;
+            let taken = charged_in.unwrap_or(Taken { at: Nanos::ZERO, reset_after: Nanos::ZERO });
+            decisions.push(Decision {
+                allowed: true,
+                limit: held.limit,
+                remaining: held.left.saturating_add(held.live(now)),
+                retry_after: Nanos::ZERO,
+                reset_after: held.reset_after - (now - held.read_at),
+                at: taken.at,
+            });
+        }
+        Some(decisions)
+    }
+
+    /// The slice to ask for behind each check: none for a key called for the first time in a
+    /// while, else twice the last (at least the call's cost), within [`SliceRules::most`], an
+    /// eighth of what Redis said was left, and what a bucket can lend for a useful while.
+    pub(crate) fn wants(&self, checks: &[Check<'_>], now: Nanos) -> Vec<u64> {
+        let lasts = Nanos::from(self.rules.lasts);
+        let keys = self.keys();
+        checks
+            .iter()
+            .map(|check| {
+                let Some(held) = keys.get(check.key).filter(|held| held.limiter == *check.limiter) else { return 0 };
+                if now - held.last_call > lasts {
+                    return 0;
+                }
+                let want = held.want.saturating_mul(2).max(check.cost).min(self.rules.most).min(held.left / 8);
+                // A slice that cannot pay for the next such call is not worth its keeping.
+                if want < check.cost {
+                    return 0;
+                }
+                // A bucket that would be full again within half a slice's life lends nothing: its
+                // slice would go back (a quarter before its end) about as soon as it came.
+                match check.limiter.shape() {
+                    Shape::Rate { period } => {
+                        let level = held.left.saturating_sub(check.cost).saturating_add(1);
+                        let short = check.limiter.capacity().saturating_sub(level);
+                        if period.as_u64().saturating_mul(short) < lasts.as_u64() / 2 { 0 } else { want }
+                    }
+                    Shape::Window { .. } | Shape::Slots => want,
+                }
+            })
+            .collect()
+    }
+
+    /// Redis's answer to a call sent with top-ups `wants`: `decisions` (the call's own, their
+    /// `remaining` counted with the slices held here) and `top_ups` (one per nonzero want, in
+    /// order). Returns the slices taken (to be given back when due: [`Slices::due`]) and those to
+    /// give back at once (a key Redis refused, a key whose limiter changed).
+    pub(crate) fn took(
+        &self,
+        checks: &[Check<'_>],
+        wants: &[u64],
+        decisions: &mut [Decision],
+        top_ups: &[Decision],
+        now: Nanos,
+    ) -> (Vec<(String, u64)>, Vec<GivenBack>) {
+        let admitted = decisions.iter().all(|d| d.allowed);
+        let mut top_ups = top_ups.iter();
+        let (mut taken, mut back) = (Vec::new(), Vec::new());
+        let mut keys = self.keys();
+        for ((check, &want), decision) in checks.iter().zip(wants).zip(decisions.iter_mut()) {
+            let top_up = if want > 0 { top_ups.next() } else { None };
+            let held = match keys.entry(check.key.to_owned()) {
+                Entry::Occupied(entry) => {
+                    let held = entry.into_mut();
+                    if held.limiter != *check.limiter {
+                        back.extend(held.give_back(check.key));
+                        held.limiter = check.limiter.clone();
+                        held.want = 0;
+                    }
+                    held
+                }
+                Entry::Vacant(entry) => entry.insert(Held::new(check.limiter.clone(), now)),
+            };
+            held.last_call = now;
+            held.limit = decision.limit;
+            held.read_at = now;
+            let granted = top_up.filter(|t| admitted && t.allowed);
+            match granted {
+                Some(top_up) => {
+                    let until = now + self.lasting(check.limiter, top_up, want);
+                    let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                    held.pieces.push(Piece { id, units: want, taken: top_up.taken(), until });
+                    held.want = want;
+                    held.left = top_up.remaining;
+                    held.reset_after = top_up.reset_after;
+                    taken.push((check.key.to_owned(), id));
+                }
+                None => {
+                    held.left = decision.remaining;
+                    held.reset_after = decision.reset_after;
+                    if !decision.allowed {
+                        // Nearly empty: what is held here goes back for exact decisions to find.
+                        held.want = 0;
+                        back.extend(held.give_back(check.key));
+                    }
+                }
+            }
+            if decision.allowed {
+                decision.remaining = held.left.saturating_add(held.live(now));
+            }
+        }
+        (taken, back)
+    }
+
+    /// `decisions` of `checks` decided in Redis without slices (a read, a call with blocks): what
+    /// each key's slices here hold counted in its `remaining`, as a sliced call's are.
+    pub(crate) fn count_held(&self, checks: &[Check<'_>], decisions: &mut [Decision]) {
+        let now = self.clock.now();
+        let keys = self.keys();
+        for (check, decision) in checks.iter().zip(decisions) {
+            if let Some(held) = keys.get(check.key).filter(|held| held.limiter == *check.limiter) {
+                decision.remaining = decision.remaining.saturating_add(held.live(now));
+            }
+        }
+    }
+
+    /// Forgets the keys that hold no slice and have not been called for a slice's life; returns
+    /// how many went.
+    pub(crate) fn sweep(&self) -> usize {
+        let now = self.clock.now();
+        let mut keys = self.keys();
+        let before = keys.len();
+        keys.retain(|_, held| !held.pieces.is_empty() || now - held.last_call <= self.lasts());
+        before - keys.len()
+    }
+
+    fn lasts(&self) -> Nanos {
+        Nanos::from(self.rules.lasts)
+    }
+
+    /// How long a slice of `want` units taken with `top_up` may be spent from.
+    fn lasting(&self, limiter: &Limiter, top_up: &Decision, want: u64) -> Nanos {
+        let bound = match limiter.shape() {
+            Shape::Window { window } => {
+                let into = top_up.at.as_u64().checked_rem(window.as_u64()).unwrap_or(0);
+                Nanos::new(window.as_u64().saturating_sub(into))
+            }
+            // Redis's level, had the slice stayed: at least `remaining + want` (and less than one
+            // unit more), full again after the shortfall's periods.
+            Shape::Rate { period } => {
+                let level = top_up.remaining.saturating_add(want).saturating_add(1);
+                Nanos::new(period.as_u64().saturating_mul(limiter.capacity().saturating_sub(level)))
+            }
+            Shape::Slots => Nanos::ZERO,
+        };
+        bound.min(self.lasts())
+    }
+
+    /// Whether slice `id` of `key` goes back now: when it is spent there is nothing to; when the
+    /// key has been quiet a quarter of a slice's life, or the slice is within that of its end, what
+    /// is left of it does.
+    pub(crate) fn due(&self, key: &str, id: u64, now: Nanos) -> Due {
+        let quiet = Nanos::new(self.lasts().as_u64() / 4);
+        let mut keys = self.keys();
+        let Some(held) = keys.get_mut(key) else { return Due::Gone };
+        let Some(at) = held.pieces.iter().position(|piece| piece.id == id) else { return Due::Gone };
+        let piece = &held.pieces[at];
+        let ends = piece.until - quiet;
+        let idle = held.last_call + quiet;
+        if now < ends && now < idle {
+            return Due::Wait(ends.min(idle));
+        }
+        let piece = held.pieces.remove(at);
+        if piece.units == 0 {
+            return Due::Gone;
+        }
+        Due::Back((key.to_owned(), held.limiter.clone(), piece.units, piece.taken))
+    }
+
+    /// Every slice held, taken out to be given back.
+    pub(crate) fn all(&self) -> Vec<GivenBack> {
+        let mut keys = self.keys();
+        keys.iter_mut().flat_map(|(key, held)| held.give_back(key)).collect()
+    }
+
+    /// The keys with slices, and the units they hold.
+    pub(crate) fn held(&self) -> (u64, u64) {
+        let now = self.clock.now();
+        let keys = self.keys();
+        let live = keys.values().map(|held| held.live(now)).filter(|units| *units > 0);
+        live.fold((0, 0), |(keys, units), held| (keys + 1, units.saturating_add(held)))
+    }
+}
+
+impl Held {
+    fn new(limiter: Limiter, now: Nanos) -> Self {
+        let (limit, left, reset_after) = (0, 0, Nanos::ZERO);
+        Held { limiter, pieces: Vec::new(), limit, left, reset_after, read_at: now, want: 0, last_call: now }
+    }
+
+    /// Units that may still be spent at `now`.
+    fn live(&self, now: Nanos) -> u64 {
+        let live = self.pieces.iter().filter(|piece| piece.until > now);
+        live.fold(0, |units, piece| units.saturating_add(piece.units))
+    }
+
+    /// Its slices, taken out to be given back (what is left of each).
+    fn give_back(&mut self, key: &str) -> Vec<GivenBack> {
+        let pieces = std::mem::take(&mut self.pieces).into_iter().filter(|piece| piece.units > 0);
+        pieces.map(|piece| (key.to_owned(), self.limiter.clone(), piece.units, piece.taken)).collect()
+    }
+}
+
+impl crate::RedisStore {
+    /// This store with busy keys' budgets held here a slice at a time, cut by `rules`, their time
+    /// told by `clock` (nothing changes where `rules.most` is 0). Slices go back to Redis in tasks
+    /// of their own once the store is [`RedisStore::shared`](crate::RedisStore::shared).
+    pub fn with_slices(mut self, rules: SliceRules, clock: SharedClock) -> Self {
+        self.slices = (rules.most > 0 && !rules.lasts.is_zero()).then(|| Slices::new(rules, clock));
+        self
+    }
+
+    /// This store, shared: as every server holds it, and as it gives slices back.
+    pub fn shared(self) -> std::sync::Arc<Self> {
+        let shared = std::sync::Arc::new(self);
+        let _ = shared.me.set(std::sync::Arc::downgrade(&shared));
+        shared
+    }
+
+    /// The keys this instance holds slices of, and the units in them.
+    pub fn slices_held(&self) -> (u64, u64) {
+        self.slices.as_ref().map_or((0, 0), Slices::held)
+    }
+
+    /// Gives every slice this instance holds back to Redis, side by side, and waits for it
+    /// (shutdown, reload).
+    pub async fn give_back_slices(&self) {
+        let Some(slices) = &self.slices else { return };
+        futures::future::join_all(slices.all().into_iter().map(|given| self.give_slice_back(given))).await;
+    }
+
+    /// A call decided from this instance's slices when they hold its price, else in Redis with a
+    /// top-up behind each busy key's check ([`Slices::took`]).
+    pub(crate) async fn decide_sliced(
+        &self,
+        slices: &Slices,
+        checks: &[Check<'_>],
+        lease: mcp_ratelimit_kernel::store::Lease,
+    ) -> Result<mcp_ratelimit_kernel::store::Verdict, mcp_ratelimit_kernel::store::StoreError> {
+        use mcp_ratelimit_kernel::store::Verdict;
+        let now = slices.clock().now();
+        if let Some(decisions) = slices.spend(checks, now) {
+            return Ok(Verdict::Decided(decisions));
+        }
+        let wants = slices.wants(checks, now);
+        let mut asked = checks.to_vec();
+        let top_ups = checks.iter().zip(&wants).filter(|(_, want)| **want > 0);
+        asked.extend(top_ups.map(|(check, want)| Check { cost: *want, shadow: true, ..*check }));
+        let verdict = self.run_unless_blocked(&asked, &[], None, None, lease).await?;
+        let Verdict::Decided(mut decisions) = verdict else { return Ok(verdict) };
+        let top_ups = decisions.split_off(checks.len().min(decisions.len()));
+        let (taken, back) = slices.took(checks, &wants, &mut decisions, &top_ups, slices.clock().now());
+        for (key, id) in taken {
+            self.give_back_when_due(key, id);
+        }
+        for given in back {
+            self.give_back_later(given);
+        }
+        Ok(Verdict::Decided(decisions))
+    }
+
+    /// Watches slice `id` of `key` until it is spent or due back ([`Slices::due`]), then gives
+    /// back what is left, in a task of its own.
+    fn give_back_when_due(&self, key: String, id: u64) {
+        let Some(store) = self.me.get().and_then(std::sync::Weak::upgrade) else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        runtime.spawn(async move {
+            let Some(slices) = &store.slices else { return };
+            loop {
+                match slices.due(&key, id, slices.clock().now()) {
+                    Due::Gone => return,
+                    Due::Wait(at) => slices.clock().sleep_until(at).await,
+                    Due::Back(given) => return store.give_slice_back(given).await,
+                }
+            }
+        });
+    }
+
+    fn give_back_later(&self, given: GivenBack) {
+        let Some(store) = self.me.get().and_then(std::sync::Weak::upgrade) else { return };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { store.give_slice_back(given).await });
+        }
+    }
+
+    /// What is left of a slice, back where it was charged. Sent once: a try that fails (or whose
+    /// answer is lost) is not sent again, so it is never applied twice; the slice then ends unused.
+    async fn give_slice_back(&self, (key, limiter, units, taken): GivenBack) {
+        use mcp_ratelimit_kernel::limit::Adjustment;
+        let budgets = [(key.as_str(), &limiter, Adjustment::Return { units, taken })];
+        if let Err(error) = self.adjust(&budgets, None, None).await {
+            tracing::debug!(target: "mcp_ratelimit::store", %error, units, "a slice could not go back: it ends unused");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use mcp_ratelimit_kernel::clock::{Clock, ManualClock};
+    use mcp_ratelimit_kernel::limit::{FixedWindow, TokenBucket};
+
+    use super::*;
+
+    const LASTS: Duration = Duration::from_secs(10);
+
+    fn slices() -> (Slices, Arc<ManualClock>) {
+        let clock = ManualClock::new();
+        (Slices::new(SliceRules { most: 64, lasts: LASTS }, clock.clone()), clock)
+    }
+
+    fn decision(allowed: bool, limit: u64, remaining: u64, at: Nanos) -> Decision {
+        Decision { allowed, limit, remaining, retry_after: Nanos::ZERO, reset_after: Nanos::from_secs(1), at }
+    }
+
+    /// Redis's answer to one call of `check` with a top-up of `want` it grants (remaining `left`
+    /// after both), at `at` on Redis's clock.
+    fn granted(slices: &Slices, check: Check<'_>, want: u64, left: u64, at: Nanos) -> Vec<(String, u64)> {
+        let now = slices.clock().now();
+        let mut decisions = [decision(true, check.limiter.capacity(), left + want, at)];
+        let top_ups = [decision(true, check.limiter.capacity(), left, at)];
+        slices.took(&[check], &[want], &mut decisions, &top_ups, now).0
+    }
+
+    #[test]
+    fn a_bucket_slice_is_spent_only_until_the_bucket_would_be_full_again() {
+        let (slices, clock) = slices();
+        // 100 units, one back every 100 ms; 60 left beside a slice of 20: the bucket, had the
+        // slice stayed, holds 80 (and less than one more) and is full after 19 periods, 1.9 s.
+        let limiter = Limiter::TokenBucket(TokenBucket::new(100, 10.0));
+        let check = Check { key: "k", limiter: &limiter, cost: 1, shadow: false };
+        assert_eq!(granted(&slices, check, 20, 60, Nanos::ZERO).len(), 1);
+        assert!(slices.spend(&[check], clock.now()).is_some(), "spent from at once");
+        clock.advance(Duration::from_millis(1_899));
+        assert!(slices.spend(&[check], clock.now()).is_some(), "until just before");
+        clock.advance(Duration::from_millis(1));
+        assert!(slices.spend(&[check], clock.now()).is_none(), "never once the bucket could be full");
+    }
+
+    #[test]
+    fn a_window_slice_is_spent_only_in_the_window_it_was_counted_in() {
+        let (slices, clock) = slices();
+        let limiter = Limiter::FixedWindow(FixedWindow::new(1_000, Nanos::from_secs(60)));
+        let check = Check { key: "w", limiter: &limiter, cost: 1, shadow: false };
+        // Counted 59.5 s into a minute's window: spendable half a second.
+        granted(&slices, check, 30, 500, Nanos::from_millis(59_500));
+        clock.advance(Duration::from_millis(499));
+        assert!(slices.spend(&[check], clock.now()).is_some());
+        clock.advance(Duration::from_millis(1));
+        assert!(slices.spend(&[check], clock.now()).is_none(), "the window it was counted in is over");
+    }
+
+    #[test]
+    fn a_slice_is_spent_only_under_the_limiter_it_was_cut_under_and_to_the_unit() {
+        let (slices, clock) = slices();
+        let limiter = Limiter::FixedWindow(FixedWindow::new(1_000, Nanos::from_secs(3_600)));
+        let lowered = Limiter::FixedWindow(FixedWindow::new(10, Nanos::from_secs(3_600)));
+        let check = Check { key: "w", limiter: &limiter, cost: 3, shadow: false };
+        granted(&slices, check, 10, 900, Nanos::ZERO);
+        assert!(slices.spend(&[Check { limiter: &lowered, ..check }], clock.now()).is_none(), "another limiter");
+        let spent: Vec<u64> = (0..3).filter_map(|_| slices.spend(&[check], clock.now())).map(|d| d[0].remaining).collect();
+        assert_eq!(spent, [907, 904, 901], "what Redis holds and what is left here");
+        assert!(slices.spend(&[check], clock.now()).is_none(), "one unit left: not enough for a call of 3");
+        assert_eq!(slices.held(), (1, 1));
+    }
+
+    #[test]
+    fn a_refusal_gives_every_slice_of_its_key_back_and_asks_for_none_after_it() {
+        let (slices, clock) = slices();
+        let limiter = Limiter::FixedWindow(FixedWindow::new(1_000, Nanos::from_secs(3_600)));
+        let check = Check { key: "w", limiter: &limiter, cost: 50, shadow: false };
+        granted(&slices, check, 40, 400, Nanos::ZERO);
+        let mut refused = [decision(false, 1_000, 10, Nanos::ZERO)];
+        let (taken, back) = slices.took(&[check], &[0], &mut refused, &[], clock.now());
+        assert!(taken.is_empty());
+        assert_eq!(back.iter().map(|(_, _, units, _)| *units).collect::<Vec<_>>(), [40]);
+        assert_eq!(slices.held(), (0, 0));
+        assert_eq!(slices.wants(&[check], clock.now()), [0], "nearly empty: exact decisions");
+    }
+
+    #[test]
+    fn a_quiet_keys_slice_goes_back_after_a_quarter_of_its_life() {
+        let (slices, clock) = slices();
+        let limiter = Limiter::FixedWindow(FixedWindow::new(1_000, Nanos::from_secs(3_600)));
+        let check = Check { key: "w", limiter: &limiter, cost: 1, shadow: false };
+        let taken = granted(&slices, check, 16, 800, Nanos::ZERO);
+        let [(key, id)] = &taken[..] else { panic!("one slice") };
+        let (key, id) = (key.as_str(), *id);
+        let Due::Wait(at) = slices.due(key, id, clock.now()) else { panic!("not due at once") };
+        assert_eq!(at, clock.now() + Nanos::from(LASTS / 4), "looked at again when the key has been quiet");
+        clock.advance(LASTS / 4);
+        let Due::Back((_, _, units, _)) = slices.due(key, id, clock.now()) else { panic!("due") };
+        assert_eq!(units, 16);
+        assert!(matches!(slices.due(key, id, clock.now()), Due::Gone));
+    }
+}

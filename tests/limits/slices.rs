@@ -1,0 +1,169 @@
+//! Budget slices on a real Redis (`crates/redis/src/slices.rs`): a busy key's budget taken a slice
+//! at a time and spent without a round trip, every unit debited in Redis first. Three instances
+//! hammering one budget never admit more than it holds, use nearly all of it, and hand back the
+//! rest; a limit lowered live is never spent from slices cut under the old one; an instance that
+//! dies holding slices costs the others at most what it held.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::test_redis::TestRedis;
+use mcp_ratelimit::clock::SystemClock;
+use mcp_ratelimit::limit::{Limiter, TokenBucket};
+use mcp_ratelimit::store::redis::SliceRules;
+use mcp_ratelimit::store::{Budgets, Check, Lease, RedisStore, Verdict};
+
+const TIMEOUT: Duration = Duration::from_secs(5);
+const RULES: SliceRules = SliceRules { most: 64, lasts: Duration::from_secs(30) };
+
+/// A budget of `capacity` that refills one unit in a thousand seconds: a fixed budget for the
+/// length of a test.
+fn budget(capacity: u64) -> Limiter {
+    Limiter::TokenBucket(TokenBucket::new(capacity, 0.001))
+}
+
+async fn store(redis: &TestRedis, rules: Option<SliceRules>) -> Arc<RedisStore> {
+    let store = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects");
+    match rules {
+        Some(rules) => store.with_slices(rules, SystemClock::shared()).shared(),
+        None => store.shared(),
+    }
+}
+
+/// Whether a call of `cost` on `key` under `limiter` is admitted.
+async fn admitted(store: &RedisStore, key: &str, limiter: &Limiter, cost: u64) -> bool {
+    decided(store, Check { key, limiter, cost, shadow: false }).await.allowed
+}
+
+/// The decision of one check, through the store as the guard asks it (`Budgets::decide`).
+async fn decided(store: &RedisStore, check: Check<'_>) -> mcp_ratelimit::limit::Decision {
+    match Budgets::decide(store, &[check], &[], Lease::new()).await {
+        Ok(Verdict::Decided(decisions)) => decisions[0],
+        other => panic!("not decided: {other:?}"),
+    }
+}
+
+/// Calls (each admitted) until the instance holds part of a slice: how many it took.
+async fn spend_until_a_slice_is_held(store: &RedisStore, key: &str, limiter: &Limiter) -> u64 {
+    let mut calls = 0;
+    while store.slices_held().1 == 0 {
+        assert!(calls < 2 * RULES.most, "no slice held after {calls} more calls");
+        assert!(admitted(store, key, limiter, 1).await, "a call while the budget is plentiful");
+        calls += 1;
+    }
+    calls
+}
+
+/// What Redis itself holds of `key`'s budget, read by an instance without slices.
+async fn in_redis(redis: &TestRedis, key: &str, limiter: &Limiter) -> u64 {
+    let plain = store(redis, None).await;
+    decided(&plain, Check { key, limiter, cost: 0, shadow: false }).await.remaining
+}
+
+#[tokio::test]
+async fn a_busy_key_is_decided_from_slices_without_a_round_trip_and_counted_to_the_unit() {
+    let redis = TestRedis::private();
+    let (key, limiter) = (redis.key("busy"), Limiter::TokenBucket(TokenBucket::new(10_000, 0.01)));
+    let sliced = store(&redis, Some(RULES)).await;
+    let before = redis.evalsha_calls();
+    for n in 0..2_000 {
+        assert!(admitted(&sliced, &key, &limiter, 1).await, "call {n}");
+    }
+    let trips = redis.evalsha_calls() - before;
+    assert!(trips <= 2_000 / 20, "2,000 calls took {trips} round trips: slices of up to 64 take a few dozen");
+    let spent = 2_000 + spend_until_a_slice_is_held(&sliced, &key, &limiter).await;
+    // What this instance reads counts what it holds; Redis holds the rest.
+    let (_, held) = sliced.slices_held();
+    assert!(held > 0 && held <= RULES.most, "a slice is held: {held}");
+    let here = decided(&sliced, Check { key: &key, limiter: &limiter, cost: 0, shadow: false }).await;
+    assert_eq!(here.remaining, 10_000 - spent, "read here: exactly what was not spent");
+    assert_eq!(in_redis(&redis, &key, &limiter).await, 10_000 - spent - held, "Redis holds all but the slice");
+    sliced.give_back_slices().await;
+    assert_eq!(sliced.slices_held(), (0, 0));
+    assert_eq!(in_redis(&redis, &key, &limiter).await, 10_000 - spent, "the slice went back whole");
+}
+
+/// Three instances, eight callers each, one budget of 1,000: never more than 1,000 admitted; with
+/// the load spread evenly at least 95 % of it while the callers press on; every unit once every
+/// instance has given its slices back.
+#[tokio::test]
+async fn three_instances_never_admit_more_than_the_budget_and_use_nearly_all_of_it() {
+    let redis = TestRedis::private();
+    let (key, limiter) = (redis.key("hot"), budget(1_000));
+    let instances = [store(&redis, Some(RULES)).await, store(&redis, Some(RULES)).await, store(&redis, Some(RULES)).await];
+    let admitted_in_all = Arc::new(AtomicU64::new(0));
+    let mut callers = Vec::new();
+    for instance in &instances {
+        for _ in 0..8 {
+            let (instance, key, limiter, count) = (instance.clone(), key.clone(), limiter.clone(), admitted_in_all.clone());
+            callers.push(tokio::spawn(async move {
+                for _ in 0..200 {
+                    if admitted(&instance, &key, &limiter, 1).await {
+                        count.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            }));
+        }
+    }
+    for caller in callers {
+        caller.await.expect("a caller");
+    }
+    let pressed = admitted_in_all.load(Ordering::SeqCst);
+    let held: u64 = instances.iter().map(|i| i.slices_held().1).sum();
+    assert!(pressed <= 1_000, "{pressed} admitted of a budget of 1,000");
+    assert_eq!(pressed + held + in_redis(&redis, &key, &limiter).await, 1_000, "every unit is spent, held or in Redis");
+    assert!(pressed >= 950, "{pressed} of 1,000 used under an even load ({held} held in slices)");
+    for instance in &instances {
+        instance.give_back_slices().await;
+    }
+    let mut after = 0;
+    while admitted(&instances[0], &key, &limiter, 1).await {
+        after += 1;
+    }
+    assert_eq!(pressed + after, 1_000, "what the slices held is spent after they went back, and no more");
+}
+
+/// A limit lowered live: the next call under the new limiter spends nothing cut under the old one,
+/// gives those slices back, and the lowered budget admits no more than it holds.
+#[tokio::test]
+async fn a_limit_lowered_live_is_never_spent_from_slices_cut_under_the_old_one() {
+    let redis = TestRedis::private();
+    let key = redis.key("lowered");
+    let (old, lowered) = (budget(1_000), budget(10));
+    let sliced = store(&redis, Some(RULES)).await;
+    for _ in 0..200 {
+        assert!(admitted(&sliced, &key, &old, 1).await);
+    }
+    spend_until_a_slice_is_held(&sliced, &key, &old).await;
+    let mut under_lowered = 0;
+    for _ in 0..50 {
+        under_lowered += u64::from(admitted(&sliced, &key, &lowered, 1).await);
+    }
+    assert!(under_lowered <= 10, "{under_lowered} admitted under a limit of 10");
+    assert_eq!(sliced.slices_held(), (0, 0), "the old slices went back, and none was cut under 10");
+}
+
+/// An instance that dies holding slices (it never gives them back) costs the others what it held,
+/// at most a slice's worth, and never lets them admit more than the budget.
+#[tokio::test]
+async fn an_instance_that_dies_holding_slices_costs_the_others_at_most_them() {
+    let redis = TestRedis::private();
+    let (key, limiter) = (redis.key("orphaned"), budget(1_000));
+    // Never shared: nothing gives its slices back, as after a crash.
+    let dying = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects").with_slices(RULES, SystemClock::shared());
+    let mut spent = 0;
+    for _ in 0..300 {
+        spent += u64::from(admitted(&dying, &key, &limiter, 1).await);
+    }
+    spent += spend_until_a_slice_is_held(&dying, &key, &limiter).await;
+    let lost = dying.slices_held().1;
+    assert!(lost > 0 && lost <= RULES.most, "it dies holding {lost}");
+    drop(dying);
+    let survivor = store(&redis, Some(RULES)).await;
+    let mut after = 0;
+    while admitted(&survivor, &key, &limiter, 1).await {
+        after += 1;
+    }
+    assert_eq!(spent + after + lost, 1_000, "the survivor spends all but what died with the other");
+}
