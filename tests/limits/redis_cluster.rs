@@ -493,6 +493,18 @@ async fn the_cluster_passes_the_backend_suite() {
     mcp_ratelimit::store::suite::run(std::sync::Arc::new(store), &cluster.key("suite", "")).await;
 }
 
+/// The same with budget slices: a busy key's top-ups ride on its own slot, and the last units are
+/// spent and refused exactly.
+#[tokio::test]
+async fn the_cluster_with_slices_passes_the_backend_suite() {
+    let cluster = TestRedisCluster::start();
+    let rules = mcp_ratelimit::store::redis::SliceRules { most: 64, lasts: Duration::from_secs(30) };
+    let store = RedisStore::connect(&cluster.url, TIMEOUT).await.expect("connects");
+    let store = store.with_slices(rules, mcp_ratelimit::clock::SystemClock::shared()).shared();
+    mcp_ratelimit::store::suite::run(store.clone(), &cluster.key("sliced", "")).await;
+    assert_eq!(store.slices_held(), (0, 0), "the busy budget's slices were spent to the last unit");
+}
+
 #[tokio::test]
 async fn two_servers_on_the_cluster_give_one_caller_one_budget_and_one_in_flight_cap() {
     let cluster = TestRedisCluster::start();
