@@ -512,13 +512,7 @@ async fn a_tool_call_costs_three_round_trips_to_redis_its_loop_check_and_answer_
     // off: the HTTP limits' decision is a round trip of its own every time.
     let server = TestServer::start(&shared(&redis, "slice_max = 0\n", NO_PROGRESS_CHECK)).await;
     let client = server.client(Some(&token("counted"))).await;
-    let mut per_call = Vec::new();
-    for n in 0..10 {
-        let before = redis.evalsha_calls();
-        let r = call(&client, "list_articles", json!({"query": format!("query {n}")})).await;
-        assert!(!is_error(&r), "call {n}: {}", text(&r));
-        per_call.push(redis.evalsha_calls() - before);
-    }
+    let per_call = round_trips_of_searches(&redis, &client, 10).await;
     // The HTTP limits', the decision's (its loop check in it), and the answer heard.
     assert_eq!(per_call, [3; 10], "round trips per call");
     // And the loop is still seen: four more of one call pass, the fifth is refused.
@@ -531,6 +525,18 @@ async fn a_tool_call_costs_three_round_trips_to_redis_its_loop_check_and_answer_
     assert_eq!(redis.evalsha_calls() - before, 2, "a loop is refused in the decision's own round trip");
 }
 
+/// The round trips to Redis each of `calls` searches for different things costs (each served).
+async fn round_trips_of_searches(redis: &TestRedis, client: &Client, calls: usize) -> Vec<u64> {
+    let mut per_call = Vec::new();
+    for n in 0..calls {
+        let before = redis.evalsha_calls();
+        let r = call(client, "list_articles", json!({"query": format!("query {n}")})).await;
+        assert!(!is_error(&r), "call {n}: {}", text(&r));
+        per_call.push(redis.evalsha_calls() - before);
+    }
+    per_call
+}
+
 /// With budget slices (the default), a busy caller's HTTP limits are decided from what this
 /// instance holds of them: its calls cost the decision's round trip and the answer's, and one more
 /// only when a slice runs out (the HTTP decision that takes the next).
@@ -539,13 +545,7 @@ async fn with_slices_a_busy_callers_http_limits_cost_no_round_trip_of_their_own(
     let redis = TestRedis::private();
     let server = TestServer::start(&shared(&redis, "", NO_PROGRESS_CHECK)).await;
     let client = server.client(Some(&token("counted"))).await;
-    let mut per_call = Vec::new();
-    for n in 0..30 {
-        let before = redis.evalsha_calls();
-        let r = call(&client, "list_articles", json!({"query": format!("query {n}")})).await;
-        assert!(!is_error(&r), "call {n}: {}", text(&r));
-        per_call.push(redis.evalsha_calls() - before);
-    }
+    let per_call = round_trips_of_searches(&redis, &client, 30).await;
     assert!(per_call.iter().all(|trips| (2..=3).contains(trips)), "round trips per call: {per_call:?}");
     let late: u64 = per_call[10..].iter().sum();
     assert!(late <= 20 * 2 + 5, "the last twenty calls: at most five HTTP decisions in Redis: {per_call:?}");

@@ -91,12 +91,14 @@ async fn a_busy_key_is_decided_from_slices_without_a_round_trip_and_counted_to_t
 async fn three_instances_never_admit_more_than_the_budget_and_use_nearly_all_of_it() {
     let redis = TestRedis::private();
     let (key, limiter) = (redis.key("hot"), budget(1_000));
-    let instances = [store(&redis, Some(RULES)).await, store(&redis, Some(RULES)).await, store(&redis, Some(RULES)).await];
+    let instances =
+        [store(&redis, Some(RULES)).await, store(&redis, Some(RULES)).await, store(&redis, Some(RULES)).await];
     let admitted_in_all = Arc::new(AtomicU64::new(0));
     let mut callers = Vec::new();
     for instance in &instances {
         for _ in 0..8 {
-            let (instance, key, limiter, count) = (instance.clone(), key.clone(), limiter.clone(), admitted_in_all.clone());
+            let (instance, key, limiter, count) =
+                (instance.clone(), key.clone(), limiter.clone(), admitted_in_all.clone());
             callers.push(tokio::spawn(async move {
                 for _ in 0..200 {
                     if admitted(&instance, &key, &limiter, 1).await {
@@ -151,7 +153,8 @@ async fn an_instance_that_dies_holding_slices_costs_the_others_at_most_them() {
     let redis = TestRedis::private();
     let (key, limiter) = (redis.key("orphaned"), budget(1_000));
     // Never shared: nothing gives its slices back, as after a crash.
-    let dying = RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects").with_slices(RULES, SystemClock::shared());
+    let dying =
+        RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects").with_slices(RULES, SystemClock::shared());
     let mut spent = 0;
     for _ in 0..300 {
         spent += u64::from(admitted(&dying, &key, &limiter, 1).await);

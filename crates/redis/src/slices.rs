@@ -170,7 +170,10 @@ impl Slices {
                 if now - held.last_call > lasts {
                     return 0;
                 }
-                let want = held.want.saturating_mul(2).max(check.cost).min(self.rules.most).min(held.left / 8);
+                // What a key holds here stays within `most`, however many calls found another
+                // key of theirs short and took a top-up of this one with it.
+                let room = self.rules.most.saturating_sub(held.live(now));
+                let want = held.want.saturating_mul(2).max(check.cost).min(room).min(held.left / 8);
                 // A slice that cannot pay for the next such call is not worth its keeping.
                 if want < check.cost {
                     return 0;
@@ -507,7 +510,8 @@ mod tests {
         let check = Check { key: "w", limiter: &limiter, cost: 3, shadow: false };
         granted(&slices, check, 10, 900, Nanos::ZERO);
         assert!(slices.spend(&[Check { limiter: &lowered, ..check }], clock.now()).is_none(), "another limiter");
-        let spent: Vec<u64> = (0..3).filter_map(|_| slices.spend(&[check], clock.now())).map(|d| d[0].remaining).collect();
+        let spent: Vec<u64> =
+            (0..3).filter_map(|_| slices.spend(&[check], clock.now())).map(|d| d[0].remaining).collect();
         assert_eq!(spent, [907, 904, 901], "what Redis holds and what is left here");
         assert!(slices.spend(&[check], clock.now()).is_none(), "one unit left: not enough for a call of 3");
         assert_eq!(slices.held(), (1, 1));
@@ -525,6 +529,29 @@ mod tests {
         assert_eq!(back.iter().map(|(_, _, units, _)| *units).collect::<Vec<_>>(), [40]);
         assert_eq!(slices.held(), (0, 0));
         assert_eq!(slices.wants(&[check], clock.now()), [0], "nearly empty: exact decisions");
+    }
+
+    #[test]
+    fn a_key_never_holds_more_than_a_slices_worth_however_often_another_key_runs_short() {
+        let (slices, clock) = slices();
+        let limiter = Limiter::FixedWindow(FixedWindow::new(1_000_000, Nanos::from_secs(3_600)));
+        let a = Check { key: "a", limiter: &limiter, cost: 1, shadow: false };
+        let b = Check { key: "b", cost: 2, ..a };
+        granted(&slices, a, 1, 999_000, Nanos::ZERO);
+        granted(&slices, b, 2, 999_000, Nanos::ZERO);
+        for _ in 0..20 {
+            // b, spent twice as fast, runs short first: the call goes to Redis and asks a top-up
+            // of both, while a still holds half of its own.
+            while slices.spend(&[a, b], clock.now()).is_some() {}
+            let wants = slices.wants(&[a, b], clock.now());
+            let now = clock.now();
+            let mut decisions = [decision(true, 1_000_000, 990_000, Nanos::ZERO); 2];
+            let top_ups: Vec<Decision> =
+                wants.iter().filter(|w| **w > 0).map(|_| decision(true, 1_000_000, 990_000, Nanos::ZERO)).collect();
+            slices.took(&[a, b], &wants, &mut decisions, &top_ups, now);
+            let keys = slices.keys();
+            assert!(keys.values().all(|held| held.live(now) <= 64), "a key holds at most a slice's worth");
+        }
     }
 
     #[test]
