@@ -226,7 +226,10 @@ function renderHealth(breaker, store) {
         : `opens after ${breaker.failures_to_open} failures in a row`;
   $("store-state").textContent = store.up ? "up" : "down";
   setCard("store-card", store.up ? "ok" : "bad");
-  $("store-note").textContent = store.backend === "redis" ? "Redis, shared by every instance" : "memory, this process";
+  $("store-note").textContent =
+    store.backend === "redis"
+      ? `Redis, shared by every instance; ${store.slice_units} units of ${store.slice_keys} busy budgets held here in slices`
+      : "memory, this process";
 }
 
 function render(data) {

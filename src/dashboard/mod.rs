@@ -230,6 +230,9 @@ struct StoreNow {
     backend: &'static str,
     /// Whether the last decision on it succeeded.
     up: bool,
+    /// Budget slices this instance holds of Redis's: the keys, and the units in them.
+    slice_keys: u64,
+    slice_units: u64,
 }
 
 impl JobsNow {
@@ -324,6 +327,8 @@ impl DashboardData {
                     Backend::Redis => "redis",
                 },
                 up: app.limits.guard().store_up(),
+                slice_keys: app.limits.guard().store().slices_held().0,
+                slice_units: app.limits.guard().store().slices_held().1,
             },
         }
     }

@@ -563,6 +563,20 @@ async fn with_slices_a_busy_callers_http_limits_cost_no_round_trip_of_their_own(
         assert!(!is_error(&call(&client, "list_articles", json!({"query": format!("more {more}")})).await));
         more += 1;
     }
+    // And in the caller's own status: which of its budgets this instance holds part of, counted
+    // in what remains.
+    let held_here = |status: &Value| {
+        let budgets = status["budgets"].as_array().cloned().unwrap_or_default();
+        budgets.iter().filter_map(|b| b["held_here"].as_u64()).max().unwrap_or(0)
+    };
+    for asked in 0.. {
+        let answer = call(&client, "rate_limit_status", json!({})).await;
+        let status = structured(&answer);
+        if held_here(status) > 0 {
+            break;
+        }
+        assert!(asked < 20, "no budget shows what is held here: {status}");
+    }
 }
 
 #[tokio::test]

@@ -162,6 +162,10 @@ impl Store for RedisStore {
         RedisStore::slices_held(self)
     }
 
+    fn slice_of(&self, key: &str, limiter: Limiter) -> u64 {
+        self.slices.as_ref().map_or(0, |slices| slices.held_of(key, &limiter))
+    }
+
     fn give_back_held(&self) -> StoreFuture<'_, ()> {
         Box::pin(async move {
             self.give_back_slices().await;

@@ -324,6 +324,12 @@ impl Slices {
         keys.iter_mut().flat_map(|(key, held)| held.give_back(key)).collect()
     }
 
+    /// The units `key` holds here under `limiter`.
+    pub(crate) fn held_of(&self, key: &str, limiter: &Limiter) -> u64 {
+        let now = self.clock.now();
+        self.keys().get(key).filter(|held| held.limiter == *limiter).map_or(0, |held| held.live(now))
+    }
+
     /// The keys with slices, and the units they hold.
     pub(crate) fn held(&self) -> (u64, u64) {
         let now = self.clock.now();

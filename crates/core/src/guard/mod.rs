@@ -644,7 +644,10 @@ impl Guard {
                 .scopes
                 .iter()
                 .zip(decided.decisions())
-                .map(|(p, d)| budget_status(&live.policy, &p.scope, p.limit, d))
+                .map(|(p, d)| BudgetStatus {
+                    held_here: decided.store.slice_of(p.scope.key(), p.limit.limiter.clone()),
+                    ..budget_status(&live.policy, &p.scope, p.limit, d)
+                })
                 .collect(),
         )
     }

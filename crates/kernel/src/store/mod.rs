@@ -297,6 +297,11 @@ pub trait Store: Budgets + Slots + Blocks + Broadcast {
         (0, 0)
     }
 
+    /// The units of `key`'s budget (under `limiter`) this instance holds in slices.
+    fn slice_of(&self, _key: &str, _limiter: crate::limit::Limiter) -> u64 {
+        0
+    }
+
     /// Gives back whatever budget this instance holds of a shared store's (its slices), before
     /// it stops: a store that holds none has nothing to give.
     fn give_back_held(&self) -> StoreFuture<'_, ()> {

@@ -35,6 +35,14 @@ pub struct BudgetStatus {
     /// A spend cap in money, when a price per unit is configured.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub money: Option<Money>,
+    /// Units of it the answering instance holds in budget slices (a shared store's budget, taken
+    /// a slice at a time and decided there without a round trip), counted in `remaining`.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub held_here: u64,
+}
+
+fn is_zero(units: &u64) -> bool {
+    *units == 0
 }
 
 /// A limit past its warning level after an admitted call, for the agent to plan with.
@@ -105,6 +113,7 @@ pub fn budget_status(policy: &Policy, scope: &Scope, limit: &Limit, d: &Decision
         reset_after_ms: ceil_ms(d.reset_after),
         shadow: !limit.enforced_mode(),
         money: money_of(policy, scope, d),
+        held_here: 0,
     }
 }
 
