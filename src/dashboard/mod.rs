@@ -309,6 +309,7 @@ impl DashboardData {
             BreakerState::HalfOpen => "half_open",
             BreakerState::Open => "open",
         };
+        let (slice_keys, slice_units) = guard.store().slices_held();
         Self {
             now_ms: now.as_u64() / NANOS_PER_MS,
             limits_enabled: app.limits.guard().enabled(),
@@ -327,8 +328,8 @@ impl DashboardData {
                     Backend::Redis => "redis",
                 },
                 up: app.limits.guard().store_up(),
-                slice_keys: app.limits.guard().store().slices_held().0,
-                slice_units: app.limits.guard().store().slices_held().1,
+                slice_keys,
+                slice_units,
             },
         }
     }

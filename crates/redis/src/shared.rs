@@ -162,8 +162,8 @@ impl Store for RedisStore {
         RedisStore::slices_held(self)
     }
 
-    fn slice_of(&self, key: &str, limiter: Limiter) -> u64 {
-        self.slices.as_ref().map_or(0, |slices| slices.held_of(key, &limiter))
+    fn slice_of(&self, key: &str, limiter: &Limiter) -> u64 {
+        self.slices.as_ref().map_or(0, |slices| slices.held_of(key, limiter))
     }
 
     fn give_back_held(&self) -> StoreFuture<'_, ()> {

@@ -29,7 +29,6 @@
 //! would have ended: at most [`SliceRules::most`] units a key, for at most [`SliceRules::lasts`].
 
 use std::collections::HashMap;
-use std::collections::hash_map::Entry;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -46,6 +45,11 @@ pub struct SliceRules {
     /// The longest a slice is spent from.
     pub lasts: Duration,
 }
+
+/// The most keys remembered here: keys come from callers (each made-up key its own), so what is
+/// kept of them is bounded however many arrive between two sweeps. A key beyond it is decided
+/// exactly, in Redis.
+const KEYS_KEPT: usize = 65_536;
 
 /// What a key's slices are given back as: the key, its limiter, the units, where they were charged.
 pub(crate) type GivenBack = (String, Limiter, u64, Taken);
@@ -100,7 +104,7 @@ pub(crate) fn sliceable(checks: &[Check<'_>]) -> bool {
             check.cost > 0
                 && !check.shadow
                 && !check.limiter.holds_slots()
-                && check.limiter.algorithm() != "sliding_log"
+                && !matches!(check.limiter, Limiter::SlidingLog(_))
                 && checks[..i].iter().all(|before| before.key != check.key)
         })
 }
@@ -122,9 +126,9 @@ impl Slices {
     /// enough for all (else nothing is spent); `None` sends it to Redis.
     pub(crate) fn spend(&self, checks: &[Check<'_>], now: Nanos) -> Option<Vec<Decision>> {
         let mut keys = self.keys();
-        let enough = checks.iter().all(|check| {
-            keys.get(check.key).is_some_and(|held| held.limiter == *check.limiter && held.live(now) >= check.cost)
-        });
+        let enough = checks
+            .iter()
+            .all(|check| keys.get(check.key).is_some_and(|held| held.live_under(check.limiter, now) >= check.cost));
         if !enough {
             return None;
         }
@@ -210,18 +214,17 @@ impl Slices {
         let mut keys = self.keys();
         for ((check, &want), decision) in checks.iter().zip(wants).zip(decisions.iter_mut()) {
             let top_up = if want > 0 { top_ups.next() } else { None };
-            let held = match keys.entry(check.key.to_owned()) {
-                Entry::Occupied(entry) => {
-                    let held = entry.into_mut();
-                    if held.limiter != *check.limiter {
-                        back.extend(held.give_back(check.key));
-                        held.limiter = check.limiter.clone();
-                        held.want = 0;
-                    }
-                    held
-                }
-                Entry::Vacant(entry) => entry.insert(Held::new(check.limiter.clone(), now)),
-            };
+            // A key first seen is remembered (to tell it busy next time) while there is room; it
+            // had no top-up (nothing is asked for a key not known here).
+            if !keys.contains_key(check.key) && keys.len() < KEYS_KEPT {
+                keys.insert(check.key.to_owned(), Held::new(check.limiter.clone(), now));
+            }
+            let Some(held) = keys.get_mut(check.key) else { continue };
+            if held.limiter != *check.limiter {
+                back.extend(held.give_back(check.key));
+                held.limiter = check.limiter.clone();
+                held.want = 0;
+            }
             held.last_call = now;
             held.limit = decision.limit;
             held.read_at = now;
@@ -259,9 +262,8 @@ impl Slices {
         let now = self.clock.now();
         let keys = self.keys();
         for (check, decision) in checks.iter().zip(decisions) {
-            if let Some(held) = keys.get(check.key).filter(|held| held.limiter == *check.limiter) {
-                decision.remaining = decision.remaining.saturating_add(held.live(now));
-            }
+            let held = keys.get(check.key).map_or(0, |held| held.live_under(check.limiter, now));
+            decision.remaining = decision.remaining.saturating_add(held);
         }
     }
 
@@ -327,7 +329,7 @@ impl Slices {
     /// The units `key` holds here under `limiter`.
     pub(crate) fn held_of(&self, key: &str, limiter: &Limiter) -> u64 {
         let now = self.clock.now();
-        self.keys().get(key).filter(|held| held.limiter == *limiter).map_or(0, |held| held.live(now))
+        self.keys().get(key).map_or(0, |held| held.live_under(limiter, now))
     }
 
     /// The keys with slices, and the units they hold.
@@ -343,6 +345,11 @@ impl Held {
     fn new(limiter: Limiter, now: Nanos) -> Self {
         let (limit, left, reset_after) = (0, 0, Nanos::ZERO);
         Held { limiter, pieces: Vec::new(), limit, left, reset_after, read_at: now, want: 0, last_call: now }
+    }
+
+    /// Units that may still be spent at `now` under `limiter` (none under another).
+    fn live_under(&self, limiter: &Limiter, now: Nanos) -> u64 {
+        if self.limiter == *limiter { self.live(now) } else { 0 }
     }
 
     /// Units that may still be spent at `now`.
@@ -419,9 +426,7 @@ impl crate::RedisStore {
     /// Watches slice `id` of `key` until it is spent or due back ([`Slices::due`]), then gives
     /// back what is left, in a task of its own.
     fn give_back_when_due(&self, key: String, id: u64) {
-        let Some(store) = self.me.get().and_then(std::sync::Weak::upgrade) else { return };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
-        runtime.spawn(async move {
+        self.in_a_task(move |store| async move {
             let Some(slices) = &store.slices else { return };
             loop {
                 match slices.due(&key, id, slices.clock().now()) {
@@ -434,9 +439,19 @@ impl crate::RedisStore {
     }
 
     fn give_back_later(&self, given: GivenBack) {
+        self.in_a_task(move |store| async move { store.give_slice_back(given).await });
+    }
+
+    /// `work` on this store in a task of its own, once the store is shared (never otherwise: a
+    /// store nobody shares has no task to outlive its caller).
+    fn in_a_task<W, F>(&self, work: W)
+    where
+        W: FnOnce(std::sync::Arc<Self>) -> F,
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
         let Some(store) = self.me.get().and_then(std::sync::Weak::upgrade) else { return };
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { store.give_slice_back(given).await });
+            runtime.spawn(work(store));
         }
     }
 
@@ -558,6 +573,20 @@ mod tests {
             let keys = slices.keys();
             assert!(keys.values().all(|held| held.live(now) <= 64), "a key holds at most a slice's worth");
         }
+    }
+
+    #[test]
+    fn the_keys_remembered_are_bounded_however_many_callers_arrive() {
+        let (slices, clock) = slices();
+        let limiter = Limiter::FixedWindow(FixedWindow::new(1_000, Nanos::from_secs(3_600)));
+        for n in 0..KEYS_KEPT + 10 {
+            let key = format!("invented:{n}");
+            let check = Check { key: &key, limiter: &limiter, cost: 1, shadow: false };
+            let mut decided = [decision(true, 1_000, 999, Nanos::ZERO)];
+            slices.took(&[check], &[0], &mut decided, &[], clock.now());
+            assert_eq!(decided[0].remaining, 999, "a key beyond the bound is decided as Redis said");
+        }
+        assert_eq!(slices.keys().len(), KEYS_KEPT);
     }
 
     #[test]

@@ -645,7 +645,7 @@ impl Guard {
                 .iter()
                 .zip(decided.decisions())
                 .map(|(p, d)| BudgetStatus {
-                    held_here: decided.store.slice_of(p.scope.key(), p.limit.limiter.clone()),
+                    held_here: decided.store.slice_of(p.scope.key(), &p.limit.limiter),
                     ..budget_status(&live.policy, &p.scope, p.limit, d)
                 })
                 .collect(),

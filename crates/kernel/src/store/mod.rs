@@ -298,7 +298,7 @@ pub trait Store: Budgets + Slots + Blocks + Broadcast {
     }
 
     /// The units of `key`'s budget (under `limiter`) this instance holds in slices.
-    fn slice_of(&self, _key: &str, _limiter: crate::limit::Limiter) -> u64 {
+    fn slice_of(&self, _key: &str, _limiter: &crate::limit::Limiter) -> u64 {
         0
     }
 
