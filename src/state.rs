@@ -159,6 +159,7 @@ impl AppState {
         let (keys, units) = self.limits.guard().store().slices_held();
         self.limits.metrics().sample(STORE_SLICE_KEYS, Vec::new(), keys as f64);
         self.limits.metrics().sample(STORE_SLICE_UNITS, Vec::new(), units as f64);
+        self.limits.metrics().store_traffic(self.limits.guard().store().traffic());
         if let Some(traces) = self.traces.get() {
             self.limits.metrics().trace_queue(traces.bytes(), traces.dropped());
         }

@@ -30,6 +30,7 @@ mod pricing;
 mod redis_cluster;
 mod redis_store;
 mod result_loops;
+mod round_trips;
 mod shared_line;
 mod shared_store;
 mod shedding;

@@ -170,3 +170,62 @@ async fn an_instance_that_dies_holding_slices_costs_the_others_at_most_them() {
     }
     assert_eq!(spent + after + lost, 1_000, "the survivor spends all but what died with the other");
 }
+
+/// A call whose budgets this instance's slices pay for still has its operator's block and its
+/// loop check read in Redis (the script then reads nothing else): a call they stop charges
+/// nothing, its price back in the slice it came from, and is not recorded as a call.
+#[tokio::test]
+async fn a_call_paid_from_slices_is_still_stopped_by_a_block_or_a_loop_and_charges_nothing() {
+    use mcp_ratelimit::store::{LoopCall, LoopHistory};
+    let redis = TestRedis::private();
+    let (key, limiter) = (redis.key("{c}budget"), budget(1_000));
+    let (block, history) = (redis.key("{c}block"), redis.key("{c}loops"));
+    let sliced = store(&redis, Some(RULES)).await;
+    let mut spent = spend_until_a_slice_is_held(&sliced, &key, &limiter).await;
+    // Slices grow while the key is busy: enough held for the four calls below.
+    while sliced.slices_held().1 < 8 {
+        assert!(spent < 200, "no slice of 8 after {spent} calls");
+        assert!(admitted(&sliced, &key, &limiter, 1).await);
+        spent += 1;
+    }
+    let check = [Check { key: &key, limiter: &limiter, cost: 1, shadow: false }];
+    let held = sliced.slices_held().1;
+    // Calls A, B, A, B, ... (signature n % 2), or calls of their own (any other signature).
+    let call = |signature: u128| LoopCall {
+        key: &history,
+        signature,
+        tool_signature: 99,
+        window: mcp_ratelimit::clock::Nanos::from_secs(60),
+        repeats: 3,
+    };
+
+    // Paid from the slice, and a round trip all the same: for the block and the loop check.
+    let before = redis.evalsha_calls();
+    for n in 0..4 {
+        let verdict = sliced.decide_after_loop_check(call(n % 2), &check, &[&block], Lease::new()).await;
+        assert!(matches!(verdict, Ok(Verdict::Decided(ref d)) if d[0].allowed), "call {n}: {verdict:?}");
+        spent += 1;
+    }
+    assert_eq!(redis.evalsha_calls() - before, 4, "one script each, for the block and the loop");
+    assert_eq!(sliced.slices_held().1, held - 4, "paid from the slice");
+
+    // A block stops the next (each checked for a loop first, and none is one): nothing charged,
+    // the slice as it was.
+    sliced.block(&block, Duration::from_secs(600)).await.expect("blocks");
+    for n in 100..106 {
+        let verdict = sliced.decide_after_loop_check(call(n), &check, &[&block], Lease::new()).await;
+        assert!(matches!(verdict, Ok(Verdict::Blocked { index: 0, .. })), "blocked: {verdict:?}");
+    }
+    assert_eq!(sliced.slices_held().1, held - 4, "a blocked call charges nothing");
+    Budgets::forget(&*sliced, &[&block]).await.expect("unblocks");
+
+    // A/B/A/B: the third turn of the alternation is the loop, and charges nothing either (the
+    // blocked calls were not recorded, or the loop would have come sooner).
+    let verdict = sliced.decide_after_loop_check(call(0), &check, &[&block], Lease::new()).await;
+    assert!(matches!(verdict, Ok(Verdict::Looping { .. })), "the alternation is a loop: {verdict:?}");
+    assert_eq!(sliced.slices_held().1, held - 4, "a looping call charges nothing");
+
+    // Every unit accounted for: what was spent, what is held here, what Redis holds.
+    sliced.give_back_slices().await;
+    assert_eq!(in_redis(&redis, &key, &limiter).await, 1_000 - spent, "nothing charged for the stopped calls");
+}

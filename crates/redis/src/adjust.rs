@@ -1,6 +1,7 @@
 //! Budgets adjusted after a decision (refunds, settlements, charges given back), at most once
 //! per mark, one script per hash slot.
 
+use crate::batch::Invocation;
 use std::collections::HashMap;
 
 use ::redis::cluster_routing::Slot;
@@ -49,7 +50,7 @@ impl RedisStore {
     /// On a cluster, the indices of `keys` grouped by hash slot, when they span more than one;
     /// `None` when they share one (always, on one Redis).
     pub(super) fn by_slot<'k>(&self, keys: impl Iterator<Item = &'k str>) -> Option<Vec<Vec<usize>>> {
-        let Connection::Cluster(_) = self.connection else { return None };
+        let Connection::Cluster(..) = self.connection else { return None };
         let mut by_slot: HashMap<Slot, Vec<usize>> = HashMap::new();
         for (i, key) in keys.enumerate() {
             by_slot.entry(Slot::for_key(key)).or_default().push(i);
@@ -67,7 +68,7 @@ impl RedisStore {
         if budgets.is_empty() {
             return Ok(Vec::new());
         }
-        let mut invocation = self.adjust.prepare_invoke();
+        let mut invocation = Invocation::of(&self.adjust);
         invocation.arg(now.map(micros).transpose()?.map_or_else(String::new, |us| us.to_string()));
         let mark_ms = once.map_or(0, |_| mcp_ratelimit_kernel::store::MARK_LIVES.as_millis());
         invocation.arg(mark_ms.to_string());

@@ -4,10 +4,14 @@
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::ClusterClient;
 use ::redis::cluster_async::ClusterConnection;
-use ::redis::{Client, FromRedisValue, RedisResult, Script, ScriptInvocation, TlsCertificates};
+use ::redis::{Client, FromRedisValue, RedisResult, Script, TlsCertificates};
 use std::time::Duration;
 
 use mcp_ratelimit_kernel::store::StoreError;
+
+use std::sync::Arc;
+
+use crate::batch::{Batcher, Invocation, Traffic, no_script};
 
 /// Where the store's Redis is, as `store.redis_url` says.
 pub(super) enum Target {
@@ -102,7 +106,13 @@ impl Target {
                     .set_max_delay(timeout);
                 let client =
                     if tls && custom_root { Client::build_with_tls(url, certificates)? } else { Client::open(url)? };
-                Ok(Connection::Node(ConnectionManager::new_with_config(client, config).await?))
+                let connection = ConnectionManager::new_with_config(client, config).await?;
+                let traffic = Arc::new(Traffic::default());
+                Ok(Connection::Node {
+                    batcher: Batcher::start(connection.clone(), traffic.clone()),
+                    connection,
+                    traffic,
+                })
             }
             Target::Cluster { nodes, tls, .. } => {
                 // One retry is also what following a MOVED takes, after slots moved.
@@ -112,7 +122,7 @@ impl Target {
                     builder = builder.certs(certificates);
                 }
                 let client = builder.build()?;
-                Ok(Connection::Cluster(client.get_async_connection().await?))
+                Ok(Connection::Cluster(client.get_async_connection().await?, Arc::default()))
             }
         }
     }
@@ -140,34 +150,67 @@ fn node_address(url: &str, schemes: &[&str]) -> Result<String, StoreError> {
 /// The connection every call of a store shares.
 #[derive(Clone)]
 pub(super) enum Connection {
-    /// One Redis, through one multiplexed connection that reconnects by itself.
-    Node(ConnectionManager),
-    /// A Redis Cluster: each call goes to the primary holding its keys' slot.
-    Cluster(ClusterConnection),
+    /// One Redis, through one multiplexed connection that reconnects by itself, and the task that
+    /// sends the script calls made at one moment together ([`Batcher`]).
+    Node { connection: ConnectionManager, batcher: Batcher, traffic: Arc<Traffic> },
+    /// A Redis Cluster: each call goes to the primary holding its keys' slot; and what went.
+    Cluster(ClusterConnection, Arc<Traffic>),
 }
 
 impl Connection {
-    /// Runs a script call (EVALSHA, loading the script where a node answers NOSCRIPT).
-    pub(super) async fn invoke<T: FromRedisValue>(&self, invocation: &ScriptInvocation<'_>) -> RedisResult<T> {
-        match self.clone() {
-            Connection::Node(mut connection) => invocation.invoke_async(&mut connection).await,
-            Connection::Cluster(mut connection) => invocation.invoke_async(&mut connection).await,
-        }
+    /// Runs a script call (EVALSHA, loading the script where a node answers NOSCRIPT): on one
+    /// Redis with the calls made at the same moment, in one pipeline ([`Batcher`]); on a cluster,
+    /// alone, to the primary of its keys' slot.
+    pub(super) async fn invoke<T: FromRedisValue>(&self, invocation: &Invocation<'_>) -> RedisResult<T> {
+        let value = match self.clone() {
+            Connection::Node { mut connection, batcher, .. } => match batcher.send(invocation.command()).await {
+                Err(error) if no_script(&error) => {
+                    invocation.script().load_async(&mut connection).await?;
+                    batcher.send(invocation.command()).await?
+                }
+                answer => answer?,
+            },
+            Connection::Cluster(mut connection, traffic) => {
+                let command = invocation.command();
+                traffic.sent(1);
+                match command.query_async(&mut connection).await {
+                    Err(error) if no_script(&error) => {
+                        invocation.script().load_async(&mut connection).await?;
+                        command.query_async(&mut connection).await?
+                    }
+                    answer => answer?,
+                }
+            }
+        };
+        Ok(::redis::from_redis_value(value)?)
     }
 
     /// Runs a plain command (routed by its key on a cluster).
     pub(super) async fn query<T: FromRedisValue>(&self, command: &::redis::Cmd) -> RedisResult<T> {
         match self.clone() {
-            Connection::Node(mut connection) => command.query_async(&mut connection).await,
-            Connection::Cluster(mut connection) => command.query_async(&mut connection).await,
+            Connection::Node { mut connection, traffic, .. } => {
+                traffic.sent(1);
+                command.query_async(&mut connection).await
+            }
+            Connection::Cluster(mut connection, traffic) => {
+                traffic.sent(1);
+                command.query_async(&mut connection).await
+            }
+        }
+    }
+
+    /// Round trips to Redis since the connection opened, and the commands they carried.
+    pub(super) fn traffic(&self) -> (u64, u64) {
+        match self {
+            Connection::Node { traffic, .. } | Connection::Cluster(_, traffic) => traffic.so_far(),
         }
     }
 
     /// Loads a script (on every node of a cluster).
     pub(super) async fn load(&self, script: &Script) -> RedisResult<()> {
         match self.clone() {
-            Connection::Node(mut connection) => script.load_async(&mut connection).await.map(drop),
-            Connection::Cluster(mut connection) => script.load_async(&mut connection).await.map(drop),
+            Connection::Node { mut connection, .. } => script.load_async(&mut connection).await.map(drop),
+            Connection::Cluster(mut connection, _) => script.load_async(&mut connection).await.map(drop),
         }
     }
 }

@@ -1,6 +1,7 @@
 //! A call's decision: its checks, operator blocks, loop check and learnt limit sent to
 //! `decide.lua` in one round trip, and a call whose budgets span hash slots decided as one.
 
+use crate::batch::Invocation;
 use std::collections::HashMap;
 
 use ::redis::cluster_routing::Slot;
@@ -125,7 +126,7 @@ impl RedisStore {
         looped: Option<&LoopCall<'_>>,
         under: Option<&LearntAt<'_>>,
     ) -> Option<Vec<bool>> {
-        let Connection::Cluster(_) = self.connection else { return None };
+        let Connection::Cluster(..) = self.connection else { return None };
         let home = looped
             .map(|call| call.key)
             .or_else(|| blocks.first().copied())
@@ -276,10 +277,10 @@ impl RedisStore {
         now_us: Option<u64>,
         lease: Lease,
     ) -> Result<(Verdict, Option<SharedLimit>), StoreError> {
-        if checks.is_empty() && looped.is_none() && under.is_none() {
+        if checks.is_empty() && blocks.is_empty() && looped.is_none() && under.is_none() {
             return Ok((Verdict::Decided(Vec::new()), None));
         }
-        let mut invocation = self.decide.prepare_invoke();
+        let mut invocation = Invocation::of(&self.decide);
         invocation.arg(now_us.map_or_else(String::new, |us| us.to_string()));
         invocation.arg(lease.id()).arg(u64::try_from(self.lease.as_micros()).unwrap_or(u64::MAX));
         match &looped {

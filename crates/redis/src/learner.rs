@@ -2,6 +2,7 @@
 //! one key (`adaptive.lua`, `learn.lua`), claimed under in the same script as the account's
 //! slots (`decide.lua`).
 
+use crate::batch::Invocation;
 use std::time::Duration;
 
 use super::{RedisStore, StoreError, bounded, micros};
@@ -80,7 +81,8 @@ impl RedisStore {
         others: Option<usize>,
         now_us: Option<u64>,
     ) -> Result<(SharedLimit, f64), StoreError> {
-        let mut invocation = self.learn.key(at.key);
+        let mut invocation = Invocation::of(&self.learn);
+        invocation.key(at.key);
         invocation.key(at.in_flight_key);
         invocation.arg(now_us.map_or_else(String::new, |us| us.to_string()));
         invocation.arg(learnt_ttl_ms()).arg(spec(at.learner));

@@ -1,6 +1,7 @@
 //! In-flight slots held under leases: given back when the work ends (or its decision was
 //! cancelled before an answer), renewed on a schedule while it runs.
 
+use crate::batch::Invocation;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -17,7 +18,8 @@ impl RedisStore {
     /// Gives back the in-flight slots `lease` holds on `key`, when the work ends. A lease that is
     /// gone already (expired, or given back) has nothing to give back.
     pub async fn release(&self, key: &str, lease: Lease) -> Result<(), StoreError> {
-        let mut invocation = self.release.key(key);
+        let mut invocation = Invocation::of(&self.release);
+        invocation.key(key);
         invocation.arg(lease.id()).arg(u64::try_from(self.lease.as_micros()).unwrap_or(u64::MAX));
         let _in_flight: i64 = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
         Ok(())
@@ -29,9 +31,9 @@ impl RedisStore {
     /// given back meanwhile is never taken again.
     pub async fn renew(&self, held: &[HeldLease<'_>]) -> Result<Vec<Renewed>, StoreError> {
         let batches: Vec<Vec<usize>> = match self.connection {
-            Connection::Node(_) => vec![(0..held.len()).collect()],
+            Connection::Node { .. } => vec![(0..held.len()).collect()],
             // A cluster runs one script on one slot's keys only; leases of many callers span many.
-            Connection::Cluster(_) => {
+            Connection::Cluster(..) => {
                 let mut by_slot: HashMap<Slot, Vec<usize>> = HashMap::new();
                 for (i, lease) in held.iter().enumerate() {
                     by_slot.entry(Slot::for_key(lease.key)).or_default().push(i);
@@ -51,7 +53,7 @@ impl RedisStore {
 
     /// [`RedisStore::renew`] for the leases at `indices` of `held`, whose keys share a slot.
     async fn renew_batch(&self, held: &[HeldLease<'_>], indices: &[usize]) -> Result<Vec<Renewed>, StoreError> {
-        let mut invocation = self.renew.prepare_invoke();
+        let mut invocation = Invocation::of(&self.renew);
         invocation.arg(u64::try_from(self.lease.as_micros()).unwrap_or(u64::MAX));
         for lease in indices.iter().filter_map(|&i| held.get(i)) {
             invocation.key(lease.key).arg(lease.lease.id()).arg(lease.units).arg(lease.capacity);
@@ -157,7 +159,8 @@ impl GiveBack {
             for key in &keys {
                 let mut pause = RELEASE_PAUSE;
                 loop {
-                    let mut invocation = self.script.key(key);
+                    let mut invocation = Invocation::of(&self.script);
+        invocation.key(key);
                     invocation.arg(lease.id()).arg(lease_us);
                     if let Some(channel) = &self.tell {
                         invocation.arg(channel);

@@ -106,6 +106,7 @@ macro_rules! with_every_algorithm {
 }
 
 mod adjust;
+mod batch;
 mod connection;
 mod decide;
 mod errors;

@@ -3,6 +3,7 @@
 //! algorithm's twin to judge and take a job's slots and gap in the same step as its turn).
 
 use super::{GiveBack, RedisStore, StoreError, Unanswered, bounded, learner};
+use crate::batch::Invocation;
 use mcp_ratelimit_kernel::clock::Nanos;
 use mcp_ratelimit_kernel::store::{
     JoinAt, LINE_ALIVE, LearntAt, LineAnswer, LineAt, LineClaim, LineEntry, LineWait, SharedLimit, SharedLine,
@@ -26,8 +27,8 @@ fn keys(name: &str) -> [String; 5] {
 
 impl RedisStore {
     /// A call of `line.lua` for `op`, its keys and first arguments set.
-    fn line_call(&self, at: LineAt<'_>, op: &str) -> ::redis::ScriptInvocation<'_> {
-        let mut invocation = self.line.prepare_invoke();
+    fn line_call(&self, at: LineAt<'_>, op: &str) -> Invocation<'_> {
+        let mut invocation = Invocation::of(&self.line);
         for key in keys(at.name) {
             invocation.key(key);
         }

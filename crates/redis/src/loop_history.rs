@@ -1,6 +1,7 @@
 //! A caller's loop history checked alone, and the answers its calls got heard
 //! (`loop_history.lua`, `loop_answer.lua`): the shared twin of the guard's loop detector.
 
+use crate::batch::Invocation;
 use mcp_ratelimit_kernel::clock::Nanos;
 use mcp_ratelimit_kernel::store::{Lease, LoopAnswered, LoopCall, StoreError, Streaked, Verdict};
 
@@ -28,7 +29,8 @@ impl RedisStore {
     /// explicit clock reading when `now` is given.
     pub async fn loop_answered(&self, heard: LoopAnswered<'_>, now: Option<Nanos>) -> Result<Streaked, StoreError> {
         let now_us = now.map(micros).transpose()?;
-        let mut invocation = self.loop_answer.key(heard.key);
+        let mut invocation = Invocation::of(&self.loop_answer);
+        invocation.key(heard.key);
         invocation.arg(now_us.map_or_else(String::new, |us| us.to_string()));
         invocation.arg(heard.window.as_u64().div_ceil(1_000)).arg(heard.repeats.max(2));
         let (signature, tool, answer) = (hex(heard.signature), hex(heard.tool_signature), hex(heard.answer));

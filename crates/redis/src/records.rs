@@ -1,6 +1,7 @@
 //! Plain keys every instance reads: shared records (a job's state), sets, deleted budgets,
 //! operator blocks and counters.
 
+use crate::batch::Invocation;
 use std::time::Duration;
 
 use mcp_ratelimit_kernel::clock::Nanos;
@@ -24,7 +25,8 @@ impl RedisStore {
     /// than `version` (`record.lua`). Returns whether it was written.
     pub async fn put_record(&self, key: &str, value: &str, version: u64, ttl: Duration) -> Result<bool, StoreError> {
         let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
-        let mut invocation = self.record.key(key);
+        let mut invocation = Invocation::of(&self.record);
+        invocation.key(key);
         invocation.arg(value).arg(version).arg(ms);
         let written: i64 = bounded(&self.address, self.timeout, self.connection.invoke(&invocation)).await?;
         Ok(written == 1)

@@ -51,25 +51,38 @@ impl RedisStore {
     }
 }
 
+impl RedisStore {
+    /// A call's decision, after its loop check when it has one: from this instance's slices where
+    /// every check may be sliced (its blocks and loop check still read in Redis), else in Redis,
+    /// what the slices hold counted in each `remaining`.
+    async fn decide_with(
+        &self,
+        checks: &[Check<'_>],
+        blocks: &[&str],
+        looped: Option<LoopCall<'_>>,
+        lease: Lease,
+    ) -> Result<Verdict, StoreError> {
+        match &self.slices {
+            Some(slices) if super::slices::sliceable(checks) => {
+                self.decide_sliced(slices, checks, (blocks, looped), lease).await
+            }
+            Some(slices) => {
+                let mut verdict = self.run_unless_blocked(checks, blocks, looped, None, lease).await?;
+                if let Verdict::Decided(decisions) = &mut verdict {
+                    slices.count_held(checks, decisions);
+                }
+                Ok(verdict)
+            }
+            None => self.run_unless_blocked(checks, blocks, looped, None, lease).await,
+        }
+    }
+}
+
 /// The shared store: every decision one script on Redis's clock, in-flight slots as leases this
 /// instance renews until it gives them back.
 impl Budgets for RedisStore {
     fn decide<'a>(&'a self, checks: &'a [Check<'a>], blocks: &'a [&'a str], lease: Lease) -> StoreFuture<'a, Verdict> {
-        Box::pin(async move {
-            match &self.slices {
-                Some(slices) if blocks.is_empty() && super::slices::sliceable(checks) => {
-                    self.decide_sliced(slices, checks, lease).await
-                }
-                Some(slices) => {
-                    let mut verdict = self.run_unless_blocked(checks, blocks, None, None, lease).await?;
-                    if let Verdict::Decided(decisions) = &mut verdict {
-                        slices.count_held(checks, decisions);
-                    }
-                    Ok(verdict)
-                }
-                None => self.run_unless_blocked(checks, blocks, None, None, lease).await,
-            }
-        })
+        Box::pin(async move { self.decide_with(checks, blocks, None, lease).await })
     }
 
     fn adjust<'a>(
@@ -162,6 +175,10 @@ impl Store for RedisStore {
         RedisStore::slices_held(self)
     }
 
+    fn traffic(&self) -> (u64, u64) {
+        self.connection.traffic()
+    }
+
     fn slice_of(&self, key: &str, limiter: &Limiter) -> u64 {
         self.slices.as_ref().map_or(0, |slices| slices.held_of(key, limiter))
     }
@@ -202,7 +219,7 @@ impl LoopHistory for RedisStore {
         blocks: &'a [&'a str],
         lease: Lease,
     ) -> StoreFuture<'a, Verdict> {
-        Box::pin(async move { self.run_unless_blocked(checks, blocks, Some(call), None, lease).await })
+        Box::pin(async move { self.decide_with(checks, blocks, Some(call), lease).await })
     }
 
     fn answered<'a>(

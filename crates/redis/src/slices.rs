@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use mcp_ratelimit_kernel::clock::{Nanos, SharedClock};
 use mcp_ratelimit_kernel::limit::{Decision, Limiter, Shape, Taken};
-use mcp_ratelimit_kernel::store::Check;
+use mcp_ratelimit_kernel::store::{Check, Lease, LoopCall, StoreError, Verdict};
 
 /// How slices are cut.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +53,9 @@ const KEYS_KEPT: usize = 65_536;
 
 /// What a key's slices are given back as: the key, its limiter, the units, where they were charged.
 pub(crate) type GivenBack = (String, Limiter, u64, Taken);
+
+/// Units drawn from slices for one call: the key, the slice's id, the units.
+pub(crate) type Drawn = Vec<(String, u64, u64)>;
 
 /// The slices this instance holds, by key.
 pub(crate) struct Slices {
@@ -123,8 +126,9 @@ impl Slices {
     }
 
     /// The call decided here, every check's price spent from its key's slices, when they hold
-    /// enough for all (else nothing is spent); `None` sends it to Redis.
-    pub(crate) fn spend(&self, checks: &[Check<'_>], now: Nanos) -> Option<Vec<Decision>> {
+    /// enough for all (else nothing is spent), with where each unit came from (to be put back
+    /// there if the call is stopped after all: [`Slices::put_back`]); `None` sends it to Redis.
+    pub(crate) fn spend(&self, checks: &[Check<'_>], now: Nanos) -> Option<(Vec<Decision>, Drawn)> {
         let mut keys = self.keys();
         let enough = checks
             .iter()
@@ -133,6 +137,7 @@ impl Slices {
             return None;
         }
         let mut decisions = Vec::with_capacity(checks.len());
+        let mut drawn = Vec::new();
         for check in checks {
             let held = keys.get_mut(check.key)?;
             let mut owed = check.cost;
@@ -141,6 +146,7 @@ impl Slices {
                 let spent = owed.min(piece.units);
                 piece.units -= spent;
                 owed -= spent;
+                drawn.push((check.key.to_owned(), piece.id, spent));
                 charged_in.get_or_insert(piece.taken);
                 if owed == 0 {
                     break;
@@ -158,7 +164,21 @@ impl Slices {
                 at: taken.at,
             });
         }
-        Some(decisions)
+        Some((decisions, drawn))
+    }
+
+    /// Units [`Slices::spend`] drew for a call that was stopped after all, back into the slices
+    /// they came from. Units of a slice gone meanwhile (spent to its end by this very call,
+    /// given back, or its key's limiter changed) stay spent: this instance admits less, by at
+    /// most the call's price, never more.
+    pub(crate) fn put_back(&self, drawn: Drawn) {
+        let mut keys = self.keys();
+        for (key, id, units) in drawn {
+            let piece = keys.get_mut(&key).and_then(|held| held.pieces.iter_mut().find(|piece| piece.id == id));
+            if let Some(piece) = piece {
+                piece.units = piece.units.saturating_add(units);
+            }
+        }
     }
 
     /// The slice to ask for behind each check: none for a key called for the first time in a
@@ -394,23 +414,36 @@ impl crate::RedisStore {
     }
 
     /// A call decided from this instance's slices when they hold its price, else in Redis with a
-    /// top-up behind each busy key's check ([`Slices::took`]).
+    /// top-up behind each busy key's check ([`Slices::took`]). What must be read in Redis all the
+    /// same, the operator's `blocks` and the caller's loop history (`looped`), is then all the
+    /// script does: a call they stop charges nothing, its price going back into the slices it
+    /// came from.
     pub(crate) async fn decide_sliced(
         &self,
         slices: &Slices,
         checks: &[Check<'_>],
-        lease: mcp_ratelimit_kernel::store::Lease,
-    ) -> Result<mcp_ratelimit_kernel::store::Verdict, mcp_ratelimit_kernel::store::StoreError> {
-        use mcp_ratelimit_kernel::store::Verdict;
+        (blocks, looped): (&[&str], Option<LoopCall<'_>>),
+        lease: Lease,
+    ) -> Result<Verdict, StoreError> {
         let now = slices.clock().now();
-        if let Some(decisions) = slices.spend(checks, now) {
-            return Ok(Verdict::Decided(decisions));
+        if let Some((decisions, drawn)) = slices.spend(checks, now) {
+            if blocks.is_empty() && looped.is_none() {
+                return Ok(Verdict::Decided(decisions));
+            }
+            let verdict = self.run_unless_blocked(&[], blocks, looped, None, lease).await;
+            if !matches!(verdict, Ok(Verdict::Decided(_))) {
+                slices.put_back(drawn);
+            }
+            return verdict.map(|verdict| match verdict {
+                Verdict::Decided(_) => Verdict::Decided(decisions),
+                stopped => stopped,
+            });
         }
         let wants = slices.wants(checks, now);
         let mut asked = checks.to_vec();
         let top_ups = checks.iter().zip(&wants).filter(|(_, want)| **want > 0);
         asked.extend(top_ups.map(|(check, want)| Check { cost: *want, shadow: true, ..*check }));
-        let verdict = self.run_unless_blocked(&asked, &[], None, None, lease).await?;
+        let verdict = self.run_unless_blocked(&asked, blocks, looped, None, lease).await?;
         let Verdict::Decided(mut decisions) = verdict else { return Ok(verdict) };
         let top_ups = decisions.split_off(checks.len().min(decisions.len()));
         let (taken, back) = slices.took(checks, &wants, &mut decisions, &top_ups, slices.clock().now());
@@ -532,7 +565,7 @@ mod tests {
         granted(&slices, check, 10, 900, Nanos::ZERO);
         assert!(slices.spend(&[Check { limiter: &lowered, ..check }], clock.now()).is_none(), "another limiter");
         let spent: Vec<u64> =
-            (0..3).filter_map(|_| slices.spend(&[check], clock.now())).map(|d| d[0].remaining).collect();
+            (0..3).filter_map(|_| slices.spend(&[check], clock.now())).map(|(d, _)| d[0].remaining).collect();
         assert_eq!(spent, [907, 904, 901], "what Redis holds and what is left here");
         assert!(slices.spend(&[check], clock.now()).is_none(), "one unit left: not enough for a call of 3");
         assert_eq!(slices.held(), (1, 1));

@@ -65,6 +65,10 @@ pub const STORE_UP: &str = "mcp_ratelimit_store_up";
 /// `mcp_ratelimit_store_slice_units`: units of busy keys' budgets this instance holds of a shared
 /// store's, decided here without a round trip (budget slices).
 pub const STORE_SLICE_UNITS: &str = "mcp_ratelimit_store_slice_units";
+/// Round trips to the shared store (Redis) since start.
+pub const STORE_ROUND_TRIPS: &str = "mcp_ratelimit_store_round_trips_total";
+/// Commands (script calls and plain commands) sent to the shared store since start.
+pub const STORE_COMMANDS: &str = "mcp_ratelimit_store_commands_total";
 /// `mcp_ratelimit_store_slice_keys`: the keys this instance holds slices of.
 pub const STORE_SLICE_KEYS: &str = "mcp_ratelimit_store_slice_keys";
 /// `mcp_ratelimit_breaker_state`: the upstream circuit breaker (0 closed, 1 half-open, 2 open).
@@ -249,6 +253,11 @@ pub const FAMILIES: &[Family] = &[
     gauge(STORE_UP, "1 while the limiter store answers, 0 while it fails."),
     gauge(STORE_SLICE_UNITS, "Units of busy keys' budgets this instance holds of Redis's, decided here (slices)."),
     gauge(STORE_SLICE_KEYS, "Keys this instance holds budget slices of."),
+    counter(
+        STORE_ROUND_TRIPS,
+        "Round trips to the shared store (Redis); the calls made at one moment travel together as one.",
+    ),
+    counter(STORE_COMMANDS, "Commands (script calls and plain commands) sent to the shared store (Redis)."),
     gauge(BREAKER_STATE, "The upstream circuit breaker: 0 closed, 1 half-open, 2 open."),
     gauge(CONNECTIONS_OPEN, "Connections a listener holds open, by listener."),
     gauge(
@@ -570,6 +579,13 @@ impl Metrics {
     pub fn trace_queue(&self, bytes: u64, dropped: u64) {
         self.recorder.register_gauge(&Key::from_name(TRACE_QUEUE_BYTES), &META).set(bytes as f64);
         self.counter(&Key::from_name(TRACE_SPANS_DROPPED)).absolute(dropped);
+    }
+
+    /// Sets the round trips to the shared store and the commands they carried, counts that only
+    /// grow, read from the store when `/metrics` is scraped.
+    pub fn store_traffic(&self, (round_trips, commands): (u64, u64)) {
+        self.counter(&Key::from_name(STORE_ROUND_TRIPS)).absolute(round_trips);
+        self.counter(&Key::from_name(STORE_COMMANDS)).absolute(commands);
     }
 
     /// Moves the in-flight gauge by `delta`.

@@ -297,6 +297,12 @@ pub trait Store: Budgets + Slots + Blocks + Broadcast {
         (0, 0)
     }
 
+    /// Round trips to a shared store since it connected, and the commands they carried (several
+    /// calls made at one moment travel as one pipeline); a store in memory makes none.
+    fn traffic(&self) -> (u64, u64) {
+        (0, 0)
+    }
+
     /// The units of `key`'s budget (under `limiter`) this instance holds in slices.
     fn slice_of(&self, _key: &str, _limiter: &crate::limit::Limiter) -> u64 {
         0
