@@ -229,3 +229,56 @@ async fn a_call_paid_from_slices_is_still_stopped_by_a_block_or_a_loop_and_charg
     sliced.give_back_slices().await;
     assert_eq!(in_redis(&redis, &key, &limiter).await, 1_000 - spent, "nothing charged for the stopped calls");
 }
+
+/// Redis killed under three instances holding slices, then started again, empty: while it is away
+/// each instance admits at most what its slices hold, and nothing else; once it is back, the
+/// budget starts afresh (no persistence, as before slices), plus at most what was still held.
+#[tokio::test]
+async fn with_redis_killed_an_instance_admits_at_most_its_slices_and_after_a_restart_no_more_than_them() {
+    let mut redis = TestRedis::private();
+    let (key, limiter) = (redis.key("{k}killed"), budget(1_000));
+    let mut instances = Vec::new();
+    for _ in 0..3 {
+        instances.push(store(&redis, Some(RULES)).await);
+    }
+    for instance in &instances {
+        spend_until_a_slice_is_held(instance, &key, &limiter).await;
+        for _ in 0..40 {
+            assert!(admitted(instance, &key, &limiter, 1).await, "a plentiful budget");
+        }
+    }
+    let held: Vec<u64> = instances.iter().map(|instance| instance.slices_held().1).collect();
+    assert!(held.iter().all(|&units| units > 0 && units <= RULES.most), "each holds a slice: {held:?}");
+
+    redis.kill();
+    for (instance, &held) in instances.iter().zip(&held) {
+        let mut spent = 0;
+        for _ in 0..200 {
+            match Budgets::decide(
+                &**instance,
+                &[Check { key: &key, limiter: &limiter, cost: 1, shadow: false }],
+                &[],
+                Lease::new(),
+            )
+            .await
+            {
+                Ok(Verdict::Decided(d)) if d[0].allowed => spent += 1,
+                _ => {}
+            }
+        }
+        assert_eq!(spent, held, "with Redis away, an instance admits exactly what its slices hold");
+    }
+
+    redis.restart();
+    let mut after = 0;
+    for n in 0..3_000 {
+        let check = Check { key: &key, limiter: &limiter, cost: 1, shadow: false };
+        match Budgets::decide(&*instances[n % 3], &[check], &[], Lease::new()).await {
+            Ok(Verdict::Decided(d)) if d[0].allowed => after += 1,
+            _ => {}
+        }
+    }
+    // Every slice was spent while Redis was away: the fresh budget is all there is.
+    assert!(after <= 1_000, "{after} admitted by a budget of 1,000 started afresh");
+    assert!(after >= 900, "the instances reconnected and spent the fresh budget: {after}");
+}
