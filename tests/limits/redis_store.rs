@@ -1085,3 +1085,38 @@ async fn slots_are_claimed_under_the_learnt_limit_in_the_same_script_and_its_key
     let (_, limit) = store.decide_under(other, &[], Lease::new(), None).await.expect("reads");
     assert_eq!(limit.current, 10, "aimd's state means nothing to gradient2");
 }
+
+/// A loop history the version before wrote in words (it is packed with MessagePack now) is still
+/// read: while a deployment rolls from one version to the other, a caller's history stays one.
+#[test]
+fn a_loop_history_written_in_words_by_the_version_before_is_still_read() {
+    use mcp_ratelimit::store::LoopCall;
+    use mcp_ratelimit::store::redis::LoopAnswer;
+    let redis = TestRedis::start();
+    let runtime = runtime();
+    let store = runtime.block_on(RedisStore::connect(&redis.url, TIMEOUT)).expect("connects to Redis");
+    let history = redis.key("words:loops");
+    let (signature, tool_signature) = (0x7e57_u128, 0x70_u128);
+    let call = LoopCall { key: &history, signature, tool_signature, window: 60 * SEC, repeats: 5 };
+    // Four identical calls a second apart, answers not yet heard, as the version before kept them.
+    let us = |n: u64| EPOCH.as_u64() / 1_000 + n * 1_000_000;
+    let sig = format!("{signature:032x}");
+    let words: Vec<String> = (0..4).map(|n| format!("c {n} {sig} {} -", us(n))).collect();
+    let state = format!("4 {}", words.join(" "));
+    runtime.block_on(async {
+        let mut admin = redis::Client::open(redis.url.as_str())
+            .expect("url")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("admin");
+        let _: () = redis::cmd("SET").arg(&history).arg(&state).query_async(&mut admin).await.expect("set");
+    });
+    let fifth = runtime.block_on(store.loop_check(call, Some(EPOCH + 4 * SEC))).expect("checks");
+    assert!(matches!(fifth, LoopAnswer::Looping { .. }), "the fifth identical call is a loop: {fifth:?}");
+    // And what it wrote back is read by this version: the stop holds.
+    let other = LoopCall { signature: 0x0123, ..call };
+    let again = runtime.block_on(store.loop_check(call, Some(EPOCH + 5 * SEC))).expect("checks");
+    assert!(matches!(again, LoopAnswer::Looping { .. }), "still stopped: {again:?}");
+    let unrelated = runtime.block_on(store.loop_check(other, Some(EPOCH + 5 * SEC))).expect("checks");
+    assert_eq!(unrelated, LoopAnswer::Recorded, "another call is not");
+}

@@ -13,11 +13,16 @@
 -- (they become '-', which matches nothing). At most 2 x repeats calls, 32 stops and 32 tools'
 -- streaks are kept; the key expires a window after its last write.
 --
--- State: "<next seq> c <seq> <signature> <at_us> <answer> ... p <signature> <until_us> <pattern>
--- ... s <tool signature> <answer> <same> <at_us> ...", calls and streaks oldest first, an answer
--- not yet heard '-', pattern 0 (repeated), 1 (oscillating) or 2 (no progress); integers written
--- with %d (exact, unlike cjson's 14 digits). A state written by an older version (no answers) is
--- unreadable, and read as an empty history.
+-- State: MessagePack (Redis's cmsgpack, in C: a third of the time the words below took to read and
+-- write), five values: the tag "h1", the next seq, then three flat arrays: the calls
+-- (<seq> <signature> <at_us> <answer> ...), the stops (<signature> <until_us> <pattern> ...) and
+-- the tools' streaks (<tool signature> <answer> <same> <at_us> ...), calls and streaks oldest
+-- first, an answer not yet heard '-', pattern 0 (repeated), 1 (oscillating) or 2 (no progress).
+-- Integers are packed as integers, exact to 2^53 (unlike cjson's 14 digits). A state in words, as
+-- the version before wrote it ("<next seq> c <seq> <signature> <at_us> <answer> ... p <signature>
+-- <until_us> <pattern> ... s <tool signature> <answer> <same> <at_us> ..."), is still read, so
+-- instances of both versions share one history while a deployment rolls (the older one reads
+-- this one's as empty). Anything else unreadable is an empty history.
 local MAX_STOPS = 32
 local MAX_STREAKS = 32
 
@@ -29,12 +34,9 @@ local MAX_STREAKS = 32
 --   {same, stopped_for_us}: identical answers of the tool in a row (1 when no_progress is 0) and,
 --   when this one stopped the tool, for how long (else 0).
 local function loop_history(key, now_us, mode, window, repeats, arg)
-  -- Reads the history; anything unreadable is an empty one.
-  local function load(raw)
+  -- Reads a history written in words (the version before); anything unreadable is an empty one.
+  local function load_words(raw)
     local state = { n = 0, c = {}, p = {}, s = {} }
-    if not raw then
-      return state
-    end
     local words = {}
     for word in string.gmatch(raw, '%S+') do
       words[#words + 1] = word
@@ -58,6 +60,46 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
     return state
   end
 
+  -- Reads the history; anything unreadable is an empty one.
+  local function load(raw)
+    local empty = { n = 0, c = {}, p = {}, s = {} }
+    if not raw then
+      return empty
+    end
+    if string.find(raw, '^%d') then
+      return load_words(raw)
+    end
+    local ok, tag, n, calls, stops, streaks = pcall(cmsgpack.unpack, raw)
+    if not ok or tag ~= 'h1' or type(n) ~= 'number' or type(calls) ~= 'table' or type(stops) ~= 'table'
+      or type(streaks) ~= 'table' or #calls % 4 ~= 0 or #stops % 3 ~= 0 or #streaks % 4 ~= 0 then
+      return empty
+    end
+    local state = { n = n, c = {}, p = {}, s = {} }
+    local number, text = 'number', 'string'
+    for i = 1, #calls, 4 do
+      local s, g, t, a = calls[i], calls[i + 1], calls[i + 2], calls[i + 3]
+      if type(s) ~= number or type(g) ~= text or type(t) ~= number or type(a) ~= text then
+        return empty
+      end
+      state.c[#state.c + 1] = { s = s, g = g, t = t, a = a }
+    end
+    for i = 1, #stops, 3 do
+      local g, u, o = stops[i], stops[i + 1], stops[i + 2]
+      if type(g) ~= text or type(u) ~= number or type(o) ~= number then
+        return empty
+      end
+      state.p[#state.p + 1] = { g = g, u = u, o = o }
+    end
+    for i = 1, #streaks, 4 do
+      local g, a, same, t = streaks[i], streaks[i + 1], streaks[i + 2], streaks[i + 3]
+      if type(g) ~= text or type(a) ~= text or type(same) ~= number or type(t) ~= number then
+        return empty
+      end
+      state.s[#state.s + 1] = { g = g, a = a, n = same, t = t }
+    end
+    return state
+  end
+
   local state = load(redis.call('GET', key))
 
   local function save()
@@ -65,17 +107,21 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
       redis.call('DEL', key)
       return
     end
-    local parts = { string.format('%d', state.n) }
-    for _, call in ipairs(state.c) do
-      parts[#parts + 1] = string.format('c %d %s %d %s', call.s, call.g, call.t, call.a)
+    -- Each list as one flat array of its fields, in order.
+    local function flat(list, fields)
+      local out = {}
+      for _, item in ipairs(list) do
+        for _, field in ipairs(fields) do
+          out[#out + 1] = item[field]
+        end
+      end
+      return out
     end
-    for _, stop in ipairs(state.p) do
-      parts[#parts + 1] = string.format('p %s %d %d', stop.g, stop.u, stop.o)
-    end
-    for _, streak in ipairs(state.s) do
-      parts[#parts + 1] = string.format('s %s %s %d %d', streak.g, streak.a, streak.n, streak.t)
-    end
-    redis.call('SET', key, table.concat(parts, ' '), 'PX', math.max(ceil_div(window, 1000), 1))
+    local calls = flat(state.c, { 's', 'g', 't', 'a' })
+    local stops = flat(state.p, { 'g', 'u', 'o' })
+    local streaks = flat(state.s, { 'g', 'a', 'n', 't' })
+    local packed = cmsgpack.pack('h1', state.n, calls, stops, streaks)
+    redis.call('SET', key, packed, 'PX', math.max(ceil_div(window, 1000), 1))
   end
 
   -- The items of `list` for which `wanted` holds, in order.
