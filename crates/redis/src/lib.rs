@@ -67,7 +67,8 @@
 //!
 //! **Connection.** To one Redis (`redis://`, or `rediss://` over TLS): one [`ConnectionManager`](::redis::aio::ConnectionManager),
 //! a single multiplexed, pipelined connection that every decision shares and that reconnects by
-//! itself. To a cluster (`redis+cluster://host1:port1,host2:port2` or `rediss+cluster://…`, or
+//! itself; the script calls made at one moment go to it together, as one pipeline (`batch.rs`:
+//! one write and one read for all of them, each script still run alone). To a cluster (`redis+cluster://host1:port1,host2:port2` or `rediss+cluster://…`, or
 //! several `redis://`/`rediss://` URLs separated by commas, the seed nodes): one
 //! [`ClusterConnection`](::redis::cluster_async::ClusterConnection), which learns the slot map from the seeds, sends
 //! each script call to the primary holding its keys' slot and follows `MOVED` when slots move.
