@@ -282,3 +282,75 @@ async fn with_redis_killed_an_instance_admits_at_most_its_slices_and_after_a_res
     assert!(after <= 1_000, "{after} admitted by a budget of 1,000 started afresh");
     assert!(after >= 900, "the instances reconnected and spent the fresh budget: {after}");
 }
+
+/// The mixed load of the issue: three instances, eight callers each, press one hot key of 1,000;
+/// once 300 are admitted the limit is lowered live to 600 (each caller's next call is under it),
+/// and once 500 are, one instance is killed holding its slices (its callers stop, nothing gives
+/// them back). No more than 1,000 are admitted in all, no more than 600 under the lowered limit,
+/// and after the survivors give theirs back and the budget is drained, still no more than 1,000.
+#[tokio::test]
+async fn a_mixed_load_with_a_limit_lowered_live_and_an_instance_killed_never_admits_more_than_the_budget() {
+    use std::sync::atomic::AtomicBool;
+    let redis = TestRedis::private();
+    let key = redis.key("mixed");
+    let (old, lowered) = (budget(1_000), budget(600));
+    let in_force = Arc::new(std::sync::Mutex::new(old.clone()));
+    // The one to be killed is never shared: nothing of it gives slices back, as after a crash.
+    let doomed = Arc::new(
+        RedisStore::connect(&redis.url, TIMEOUT).await.expect("connects").with_slices(RULES, SystemClock::shared()),
+    );
+    let instances = [store(&redis, Some(RULES)).await, store(&redis, Some(RULES)).await, doomed.clone()];
+    let (under_old, under_lowered) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let killed = Arc::new(AtomicBool::new(false));
+    let mut callers = Vec::new();
+    for (n, instance) in instances.iter().enumerate() {
+        for _ in 0..8 {
+            let (instance, key, in_force) = (instance.clone(), key.clone(), in_force.clone());
+            let (under_old, under_lowered, killed) = (under_old.clone(), under_lowered.clone(), killed.clone());
+            let (old, lowered) = (old.clone(), lowered.clone());
+            callers.push(tokio::spawn(async move {
+                for _ in 0..200 {
+                    if n == 2 && killed.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let limiter = in_force.lock().expect("limiter").clone();
+                    if !admitted(&instance, &key, &limiter, 1).await {
+                        continue;
+                    }
+                    let counted = if limiter == old { &under_old } else { &under_lowered };
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    let admitted = under_old.load(Ordering::SeqCst) + under_lowered.load(Ordering::SeqCst);
+                    if admitted >= 300 {
+                        *in_force.lock().expect("limiter") = lowered.clone();
+                    }
+                    if admitted >= 500 {
+                        killed.store(true, Ordering::SeqCst);
+                    }
+                }
+            }));
+        }
+    }
+    for caller in callers {
+        caller.await.expect("a caller");
+    }
+    let lost = doomed.slices_held().1;
+    for survivor in &instances[..2] {
+        survivor.give_back_slices().await;
+    }
+    drop(instances);
+    drop(doomed);
+    let (old_count, lowered_count) = (under_old.load(Ordering::SeqCst), under_lowered.load(Ordering::SeqCst));
+    assert!(killed.load(Ordering::SeqCst), "the instance was killed mid-load");
+    assert!(lowered_count <= 600, "{lowered_count} admitted under the lowered limit of 600");
+    assert!(old_count + lowered_count <= 1_000, "{old_count} + {lowered_count} admitted of a budget of 1,000");
+    assert!(lost <= RULES.most, "the killed instance held at most a slice: {lost}");
+    // The survivors' slices went back; the lowered budget drained: still never more than 1,000.
+    let survivor = store(&redis, Some(RULES)).await;
+    let mut after = 0;
+    while admitted(&survivor, &key, &lowered, 1).await {
+        after += 1;
+        assert!(after <= 1_000, "a drained budget refuses");
+    }
+    assert!(old_count + lowered_count + after <= 1_000, "{old_count} + {lowered_count} + {after} of 1,000");
+    assert!(lowered_count + after <= 600, "{lowered_count} + {after} under the lowered limit of 600");
+}
