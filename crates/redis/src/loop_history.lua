@@ -26,6 +26,41 @@
 local MAX_STOPS = 32
 local MAX_STREAKS = 32
 
+-- The fields of a call, a stop and a streak, in the order the packed state keeps them.
+local CALL, STOP, STREAK = { 's', 'g', 't', 'a' }, { 'g', 'u', 'o' }, { 'g', 'a', 'n', 't' }
+
+-- `list` as one flat array of each item's `fields`, in order.
+local function flat(list, fields)
+  local out = {}
+  for _, item in ipairs(list) do
+    for _, field in ipairs(fields) do
+      out[#out + 1] = item[field]
+    end
+  end
+  return out
+end
+
+-- `flat` read back: the items of `fields` in `array`, each field of the type `kinds` names; nil
+-- if the array is not that.
+local function items(array, fields, kinds)
+  local width, out = #fields, {}
+  if #array % width ~= 0 then
+    return nil
+  end
+  for i = 1, #array, width do
+    local item = {}
+    for f = 1, width do
+      local value = array[i + f - 1]
+      if type(value) ~= kinds[f] then
+        return nil
+      end
+      item[fields[f]] = value
+    end
+    out[#out + 1] = item
+  end
+  return out
+end
+
 -- The history under `key` at `now_us`, `window` (us) and `repeats`:
 -- * mode "check": `arg` is "<signature> <tool signature>", the answer {1, seq} (recorded) or
 --   {0, retry_after_us, pattern};
@@ -71,33 +106,16 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
     end
     local ok, tag, n, calls, stops, streaks = pcall(cmsgpack.unpack, raw)
     if not ok or tag ~= 'h1' or type(n) ~= 'number' or type(calls) ~= 'table' or type(stops) ~= 'table'
-      or type(streaks) ~= 'table' or #calls % 4 ~= 0 or #stops % 3 ~= 0 or #streaks % 4 ~= 0 then
+      or type(streaks) ~= 'table' then
       return empty
     end
-    local state = { n = n, c = {}, p = {}, s = {} }
-    local number, text = 'number', 'string'
-    for i = 1, #calls, 4 do
-      local s, g, t, a = calls[i], calls[i + 1], calls[i + 2], calls[i + 3]
-      if type(s) ~= number or type(g) ~= text or type(t) ~= number or type(a) ~= text then
-        return empty
-      end
-      state.c[#state.c + 1] = { s = s, g = g, t = t, a = a }
+    local c = items(calls, CALL, { 'number', 'string', 'number', 'string' })
+    local p = items(stops, STOP, { 'string', 'number', 'number' })
+    local st = items(streaks, STREAK, { 'string', 'string', 'number', 'number' })
+    if not c or not p or not st then
+      return empty
     end
-    for i = 1, #stops, 3 do
-      local g, u, o = stops[i], stops[i + 1], stops[i + 2]
-      if type(g) ~= text or type(u) ~= number or type(o) ~= number then
-        return empty
-      end
-      state.p[#state.p + 1] = { g = g, u = u, o = o }
-    end
-    for i = 1, #streaks, 4 do
-      local g, a, same, t = streaks[i], streaks[i + 1], streaks[i + 2], streaks[i + 3]
-      if type(g) ~= text or type(a) ~= text or type(same) ~= number or type(t) ~= number then
-        return empty
-      end
-      state.s[#state.s + 1] = { g = g, a = a, n = same, t = t }
-    end
-    return state
+    return { n = n, c = c, p = p, s = st }
   end
 
   local state = load(redis.call('GET', key))
@@ -107,19 +125,7 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
       redis.call('DEL', key)
       return
     end
-    -- Each list as one flat array of its fields, in order.
-    local function flat(list, fields)
-      local out = {}
-      for _, item in ipairs(list) do
-        for _, field in ipairs(fields) do
-          out[#out + 1] = item[field]
-        end
-      end
-      return out
-    end
-    local calls = flat(state.c, { 's', 'g', 't', 'a' })
-    local stops = flat(state.p, { 'g', 'u', 'o' })
-    local streaks = flat(state.s, { 'g', 'a', 'n', 't' })
+    local calls, stops, streaks = flat(state.c, CALL), flat(state.p, STOP), flat(state.s, STREAK)
     local packed = cmsgpack.pack('h1', state.n, calls, stops, streaks)
     redis.call('SET', key, packed, 'PX', math.max(ceil_div(window, 1000), 1))
   end
