@@ -1,7 +1,6 @@
 //! Budgets adjusted after a decision (refunds, settlements, charges given back), at most once
 //! per mark, one script per hash slot.
 
-use crate::batch::Invocation;
 use std::collections::HashMap;
 
 use ::redis::cluster_routing::Slot;
@@ -11,6 +10,7 @@ use mcp_ratelimit_kernel::limit::{Adjustment, Decision, Limiter};
 use mcp_ratelimit_kernel::store::{Check, StoreError};
 
 use crate::RedisStore;
+use crate::batch::Invocation;
 use crate::connection::Connection;
 use crate::errors::bounded;
 use crate::scripts::{MAX_SPAN, micros, script_span};

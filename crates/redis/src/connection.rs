@@ -4,12 +4,11 @@
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::ClusterClient;
 use ::redis::cluster_async::ClusterConnection;
-use ::redis::{Client, FromRedisValue, RedisResult, Script, TlsCertificates};
+use ::redis::{Client, Cmd, FromRedisValue, RedisResult, Script, TlsCertificates, Value};
+use std::sync::Arc;
 use std::time::Duration;
 
 use mcp_ratelimit_kernel::store::StoreError;
-
-use std::sync::Arc;
 
 use crate::batch::{Batcher, Invocation, Traffic, no_script};
 
@@ -158,52 +157,50 @@ pub(super) enum Connection {
 }
 
 impl Connection {
-    /// Runs a script call (EVALSHA, loading the script where a node answers NOSCRIPT): on one
-    /// Redis with the calls made at the same moment, in one pipeline ([`Batcher`]); on a cluster,
-    /// alone, to the primary of its keys' slot.
+    /// Runs a script call (EVALSHA, loading the script where a node answers NOSCRIPT, then
+    /// sending it again).
     pub(super) async fn invoke<T: FromRedisValue>(&self, invocation: &Invocation<'_>) -> RedisResult<T> {
-        let value = match self.clone() {
-            Connection::Node { mut connection, batcher, .. } => match batcher.send(invocation.command()).await {
-                Err(error) if no_script(&error) => {
-                    invocation.script().load_async(&mut connection).await?;
-                    batcher.send(invocation.command()).await?
-                }
-                answer => answer?,
-            },
-            Connection::Cluster(mut connection, traffic) => {
-                let command = invocation.command();
-                traffic.sent(1);
-                match command.query_async(&mut connection).await {
-                    Err(error) if no_script(&error) => {
-                        invocation.script().load_async(&mut connection).await?;
-                        command.query_async(&mut connection).await?
-                    }
-                    answer => answer?,
-                }
+        let value = match self.send(invocation.command()).await {
+            Err(error) if no_script(&error) => {
+                self.load(invocation.script()).await?;
+                self.send(invocation.command()).await?
             }
+            answer => answer?,
         };
         Ok(::redis::from_redis_value(value)?)
     }
 
-    /// Runs a plain command (routed by its key on a cluster).
-    pub(super) async fn query<T: FromRedisValue>(&self, command: &::redis::Cmd) -> RedisResult<T> {
+    /// Sends a script call: on one Redis with the calls made at the same moment, in one pipeline
+    /// ([`Batcher`]); on a cluster, alone, to the primary of its keys' slot.
+    async fn send(&self, command: Cmd) -> RedisResult<Value> {
         match self.clone() {
-            Connection::Node { mut connection, traffic, .. } => {
-                traffic.sent(1);
+            Connection::Node { batcher, .. } => batcher.send(command).await,
+            Connection::Cluster(mut connection, _) => {
+                self.counted().sent(1);
                 command.query_async(&mut connection).await
             }
-            Connection::Cluster(mut connection, traffic) => {
-                traffic.sent(1);
-                command.query_async(&mut connection).await
-            }
+        }
+    }
+
+    /// Runs a plain command (routed by its key on a cluster).
+    pub(super) async fn query<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
+        self.counted().sent(1);
+        match self.clone() {
+            Connection::Node { mut connection, .. } => command.query_async(&mut connection).await,
+            Connection::Cluster(mut connection, _) => command.query_async(&mut connection).await,
+        }
+    }
+
+    /// Where what went to Redis is counted.
+    fn counted(&self) -> &Traffic {
+        match self {
+            Connection::Node { traffic, .. } | Connection::Cluster(_, traffic) => traffic,
         }
     }
 
     /// Round trips to Redis since the connection opened, and the commands they carried.
     pub(super) fn traffic(&self) -> (u64, u64) {
-        match self {
-            Connection::Node { traffic, .. } | Connection::Cluster(_, traffic) => traffic.so_far(),
-        }
+        self.counted().so_far()
     }
 
     /// Loads a script (on every node of a cluster).

@@ -1,7 +1,6 @@
 //! A call's decision: its checks, operator blocks, loop check and learnt limit sent to
 //! `decide.lua` in one round trip, and a call whose budgets span hash slots decided as one.
 
-use crate::batch::Invocation;
 use std::collections::HashMap;
 
 use ::redis::cluster_routing::Slot;
@@ -11,6 +10,7 @@ use mcp_ratelimit_kernel::limit::{Adjustment, Decision, Limiter};
 use mcp_ratelimit_kernel::store::{Check, LearntAt, Lease, LoopCall, Pattern, SharedLimit, StoreError, Verdict};
 
 use crate::RedisStore;
+use crate::batch::Invocation;
 use crate::connection::Connection;
 use crate::errors::{STORE, bounded};
 use crate::learner::{self, learnt_ttl_ms};

@@ -2,10 +2,10 @@
 //! one key (`adaptive.lua`, `learn.lua`), claimed under in the same script as the account's
 //! slots (`decide.lua`).
 
-use crate::batch::Invocation;
 use std::time::Duration;
 
 use super::{RedisStore, StoreError, bounded, micros};
+use crate::batch::Invocation;
 use mcp_ratelimit_kernel::clock::Nanos;
 use mcp_ratelimit_kernel::limit::Decision;
 use mcp_ratelimit_kernel::limit::adaptive::{Algorithm, Learner, Sample, Signal};

@@ -1,7 +1,6 @@
 //! In-flight slots held under leases: given back when the work ends (or its decision was
 //! cancelled before an answer), renewed on a schedule while it runs.
 
-use crate::batch::Invocation;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -10,6 +9,7 @@ use ::redis::cluster_routing::Slot;
 
 use mcp_ratelimit_kernel::store::{Check, Lease, StoreError};
 
+use crate::batch::Invocation;
 use crate::connection::Connection;
 use crate::errors::bounded;
 use crate::{HeldLease, RedisStore, Renewed};

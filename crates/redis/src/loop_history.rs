@@ -1,10 +1,10 @@
 //! A caller's loop history checked alone, and the answers its calls got heard
 //! (`loop_history.lua`, `loop_answer.lua`): the shared twin of the guard's loop detector.
 
-use crate::batch::Invocation;
 use mcp_ratelimit_kernel::clock::Nanos;
 use mcp_ratelimit_kernel::store::{Lease, LoopAnswered, LoopCall, StoreError, Streaked, Verdict};
 
+use crate::batch::Invocation;
 use crate::errors::bounded;
 use crate::scripts::{hex, micros};
 use crate::{LoopAnswer, RedisStore};

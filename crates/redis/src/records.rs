@@ -1,13 +1,13 @@
 //! Plain keys every instance reads: shared records (a job's state), sets, deleted budgets,
 //! operator blocks and counters.
 
-use crate::batch::Invocation;
 use std::time::Duration;
 
 use mcp_ratelimit_kernel::clock::Nanos;
 use mcp_ratelimit_kernel::store::StoreError;
 
 use crate::RedisStore;
+use crate::batch::Invocation;
 use crate::errors::bounded;
 
 impl RedisStore {

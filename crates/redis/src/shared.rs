@@ -49,9 +49,7 @@ impl RedisStore {
         }
         Ok(())
     }
-}
 
-impl RedisStore {
     /// A call's decision, after its loop check when it has one: from this instance's slices where
     /// every check may be sliced (its blocks and loop check still read in Redis), else in Redis,
     /// what the slices hold counted in each `remaining`.

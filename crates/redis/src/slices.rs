@@ -54,8 +54,8 @@ const KEYS_KEPT: usize = 65_536;
 /// What a key's slices are given back as: the key, its limiter, the units, where they were charged.
 pub(crate) type GivenBack = (String, Limiter, u64, Taken);
 
-/// Units drawn from slices for one call: the key, the slice's id, the units.
-pub(crate) type Drawn = Vec<(String, u64, u64)>;
+/// Units drawn from slices for one call: the check's place in the call, the slice's id, the units.
+pub(crate) type Drawn = Vec<(usize, u64, u64)>;
 
 /// The slices this instance holds, by key.
 pub(crate) struct Slices {
@@ -138,7 +138,7 @@ impl Slices {
         }
         let mut decisions = Vec::with_capacity(checks.len());
         let mut drawn = Vec::new();
-        for check in checks {
+        for (at, check) in checks.iter().enumerate() {
             let held = keys.get_mut(check.key)?;
             let mut owed = check.cost;
             let mut charged_in = None;
@@ -146,7 +146,7 @@ impl Slices {
                 let spent = owed.min(piece.units);
                 piece.units -= spent;
                 owed -= spent;
-                drawn.push((check.key.to_owned(), piece.id, spent));
+                drawn.push((at, piece.id, spent));
                 charged_in.get_or_insert(piece.taken);
                 if owed == 0 {
                     break;
@@ -171,10 +171,11 @@ impl Slices {
     /// they came from. Units of a slice gone meanwhile (spent to its end by this very call,
     /// given back, or its key's limiter changed) stay spent: this instance admits less, by at
     /// most the call's price, never more.
-    pub(crate) fn put_back(&self, drawn: Drawn) {
+    pub(crate) fn put_back(&self, checks: &[Check<'_>], drawn: Drawn) {
         let mut keys = self.keys();
-        for (key, id, units) in drawn {
-            let piece = keys.get_mut(&key).and_then(|held| held.pieces.iter_mut().find(|piece| piece.id == id));
+        for (at, id, units) in drawn {
+            let held = checks.get(at).and_then(|check| keys.get_mut(check.key));
+            let piece = held.and_then(|held| held.pieces.iter_mut().find(|piece| piece.id == id));
             if let Some(piece) = piece {
                 piece.units = piece.units.saturating_add(units);
             }
@@ -432,7 +433,7 @@ impl crate::RedisStore {
             }
             let verdict = self.run_unless_blocked(&[], blocks, looped, None, lease).await;
             if !matches!(verdict, Ok(Verdict::Decided(_))) {
-                slices.put_back(drawn);
+                slices.put_back(checks, drawn);
             }
             return verdict.map(|verdict| match verdict {
                 Verdict::Decided(_) => Verdict::Decided(decisions),
