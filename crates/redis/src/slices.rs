@@ -252,13 +252,21 @@ impl Slices {
             let granted = top_up.filter(|t| admitted && t.allowed);
             match granted {
                 Some(top_up) => {
-                    let until = now + self.lasting(check.limiter, top_up, want);
-                    let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-                    held.pieces.push(Piece { id, units: want, taken: top_up.taken(), until });
+                    // Calls of one key in flight at once each asked for the room there was: what
+                    // would take the key past `most` goes straight back.
+                    let keep = want.min(self.rules.most.saturating_sub(held.live(now)));
+                    if keep < want {
+                        back.push((check.key.to_owned(), check.limiter.clone(), want - keep, top_up.taken()));
+                    }
+                    if keep > 0 {
+                        let until = now + self.lasting(check.limiter, top_up, want);
+                        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                        held.pieces.push(Piece { id, units: keep, taken: top_up.taken(), until });
+                        taken.push((check.key.to_owned(), id));
+                    }
                     held.want = want;
                     held.left = top_up.remaining;
                     held.reset_after = top_up.reset_after;
-                    taken.push((check.key.to_owned(), id));
                 }
                 None => {
                     held.left = decision.remaining;
@@ -607,6 +615,30 @@ mod tests {
             let keys = slices.keys();
             assert!(keys.values().all(|held| held.live(now) <= 64), "a key holds at most a slice's worth");
         }
+    }
+
+    #[test]
+    fn calls_of_one_key_asking_at_once_never_leave_it_holding_more_than_a_slices_worth() {
+        let (slices, clock) = slices();
+        let limiter = Limiter::FixedWindow(FixedWindow::new(1_000_000, Nanos::from_secs(3_600)));
+        let a = Check { key: "a", limiter: &limiter, cost: 1, shadow: false };
+        granted(&slices, a, 1, 999_000, Nanos::ZERO);
+        granted(&slices, a, 32, 999_000, Nanos::ZERO);
+        let now = clock.now();
+        // Eight calls in flight at once, each asking for the room there was before any answer.
+        let asked: Vec<Vec<u64>> = (0..8).map(|_| slices.wants(&[a], now)).collect();
+        assert!(asked.iter().all(|w| w[0] > 0), "each asks a top-up: {asked:?}");
+        let mut back = 0;
+        for wants in &asked {
+            let mut decisions = [decision(true, 1_000_000, 990_000, Nanos::ZERO)];
+            let top_up = [decision(true, 1_000_000, 990_000, Nanos::ZERO)];
+            let (_, given) = slices.took(&[a], wants, &mut decisions, &top_up, now);
+            back += given.iter().map(|(_, _, units, _)| units).sum::<u64>();
+        }
+        let held = slices.held_of("a", &limiter);
+        assert!(held <= 64, "a key holds at most a slice's worth: {held}");
+        let asked_in_all: u64 = asked.iter().map(|w| w[0]).sum();
+        assert_eq!(held + back, 33 + asked_in_all, "what did not fit went straight back, to the unit");
     }
 
     #[test]
