@@ -9,8 +9,10 @@
 //! admit more than the budget. Refusals always come from Redis, with its exact wait.
 //!
 //! **How big.** A key's next slice doubles while the key is busy (called again within the time a
-//! slice lasts), from the call's own cost up to [`SliceRules::most`], and is never more than an
-//! eighth of what Redis said was left: as a budget nears empty, or other instances draw on it,
+//! slice lasts), from the call's own cost up to [`SliceRules::most`]. It is never more than the
+//! key's demand here (what it was admitted at its latest pace over a quarter of a slice's life, the
+//! quiet that sends a slice back), so a slice is about spent before it would go back and a slow
+//! key is decided per call; and never more than an eighth of what Redis said was left: as a budget nears empty, or other instances draw on it,
 //! slices shrink to nothing, which is today's exact decision per call. A call Redis refuses gives
 //! this instance's slices of that key back at once.
 //!
@@ -78,6 +80,10 @@ struct Held {
     /// The size of the last slice asked for.
     want: u64,
     last_call: Nanos,
+    /// Units admitted here since `spent_from` (the last slice taken, or the start of the key's
+    /// latest stretch of calls): its demand, which a slice is sized to ([`Slices::wants`]).
+    spent: u64,
+    spent_from: Nanos,
 }
 
 /// One slice: its units left, where they were charged, until when they may be spent.
@@ -153,7 +159,7 @@ impl Slices {
                 }
             }
             held.pieces.retain(|piece| piece.units > 0);
-            held.last_call = now;
+            held.called(check.cost, now, self.lasts());
             let taken = charged_in.unwrap_or(Taken { at: Nanos::ZERO, reset_after: Nanos::ZERO });
             decisions.push(Decision {
                 allowed: true,
@@ -183,8 +189,9 @@ impl Slices {
     }
 
     /// The slice to ask for behind each check: none for a key called for the first time in a
-    /// while, else twice the last (at least the call's cost), within [`SliceRules::most`], an
-    /// eighth of what Redis said was left, and what a bucket can lend for a useful while.
+    /// while, else twice the last (at least the call's cost), within [`SliceRules::most`], the
+    /// key's demand here, an eighth of what Redis said was left, and what a bucket can lend for a
+    /// useful while.
     pub(crate) fn wants(&self, checks: &[Check<'_>], now: Nanos) -> Vec<u64> {
         let lasts = Nanos::from(self.rules.lasts);
         let keys = self.keys();
@@ -198,7 +205,8 @@ impl Slices {
                 // What a key holds here stays within `most`, however many calls found another
                 // key of theirs short and took a top-up of this one with it.
                 let room = self.rules.most.saturating_sub(held.live(now));
-                let want = held.want.saturating_mul(2).max(check.cost).min(room).min(held.left / 8);
+                let grown = held.want.saturating_mul(2).max(check.cost);
+                let want = grown.min(held.demand(now, lasts)).min(room).min(held.left / 8);
                 // A slice that cannot pay for the next such call is not worth its keeping.
                 if want < check.cost {
                     return 0;
@@ -246,7 +254,9 @@ impl Slices {
                 held.limiter = check.limiter.clone();
                 held.want = 0;
             }
-            held.last_call = now;
+            if decision.allowed {
+                held.called(check.cost, now, self.lasts());
+            }
             held.limit = decision.limit;
             held.read_at = now;
             let granted = top_up.filter(|t| admitted && t.allowed);
@@ -265,6 +275,7 @@ impl Slices {
                         taken.push((check.key.to_owned(), id));
                     }
                     held.want = want;
+                    (held.spent, held.spent_from) = (0, now);
                     held.left = top_up.remaining;
                     held.reset_after = top_up.reset_after;
                 }
@@ -373,7 +384,30 @@ impl Slices {
 impl Held {
     fn new(limiter: Limiter, now: Nanos) -> Self {
         let (limit, left, reset_after) = (0, 0, Nanos::ZERO);
-        Held { limiter, pieces: Vec::new(), limit, left, reset_after, read_at: now, want: 0, last_call: now }
+        let (want, last_call, spent, spent_from) = (0, now, 0, now);
+        Held { limiter, pieces: Vec::new(), limit, left, reset_after, read_at: now, want, last_call, spent, spent_from }
+    }
+
+    /// A call admitted here at `now` for `cost` units, counted in the key's demand; a stretch of
+    /// calls that began over a slice's life (`lasts`) ago without a slice taken starts anew.
+    fn called(&mut self, cost: u64, now: Nanos, lasts: Nanos) {
+        if now - self.spent_from > lasts {
+            (self.spent, self.spent_from) = (0, now);
+        }
+        self.spent = self.spent.saturating_add(cost);
+        self.last_call = now;
+    }
+
+    /// The units this key was admitted here at the pace of its latest stretch over a quarter of
+    /// `lasts` (the quiet that sends a slice back): what a slice can expect to be spent on before
+    /// it goes back. All at one instant: no bound.
+    fn demand(&self, now: Nanos, lasts: Nanos) -> u64 {
+        let over = (now - self.spent_from).as_u64();
+        if over == 0 {
+            return u64::MAX;
+        }
+        let paced = u128::from(self.spent) * u128::from(lasts.as_u64() / 4) / u128::from(over);
+        u64::try_from(paced).unwrap_or(u64::MAX)
     }
 
     /// Units that may still be spent at `now` under `limiter` (none under another).
@@ -669,5 +703,51 @@ mod tests {
         let Due::Back((_, _, units, _)) = slices.due(key, id, clock.now()) else { panic!("due") };
         assert_eq!(units, 16);
         assert!(matches!(slices.due(key, id, clock.now()), Due::Gone));
+    }
+    /// Redis's answer to `check` decided there with no top-up: admitted, `left` remaining.
+    fn decided_in_redis(slices: &Slices, check: Check<'_>, left: u64) {
+        let mut decisions = [decision(true, check.limiter.capacity(), left, Nanos::ZERO)];
+        slices.took(&[check], &[0], &mut decisions, &[], slices.clock().now());
+    }
+
+    #[test]
+    fn a_slice_is_sized_to_what_its_key_spends_here_before_it_would_go_back() {
+        let (slices, clock) = slices();
+        let limiter = Limiter::FixedWindow(FixedWindow::new(100_000, Nanos::from_secs(3_600)));
+        // A key called every 3 s, a slice's life 10 s: less than one call comes in the 2.5 s of
+        // quiet that sends a slice back, so none is asked for: each call is decided in Redis.
+        let slow = Check { key: "slow", limiter: &limiter, cost: 1, shadow: false };
+        for _ in 0..5 {
+            decided_in_redis(&slices, slow, 90_000);
+            clock.advance(Duration::from_secs(3));
+            assert_eq!(slices.wants(&[slow], clock.now()), [0], "a slow key holds nothing");
+        }
+        // A key called every 100 ms: about 25 calls in a quarter of a slice's life, so its slices
+        // double to that and no further, however long it keeps the pace.
+        let steady = Check { key: "steady", limiter: &limiter, cost: 1, shadow: false };
+        decided_in_redis(&slices, steady, 90_000);
+        let mut sizes = Vec::new();
+        for _ in 0..200 {
+            clock.advance(Duration::from_millis(100));
+            if slices.spend(&[steady], clock.now()).is_none() {
+                let [want] = slices.wants(&[steady], clock.now())[..] else { panic!("one check") };
+                granted(&slices, steady, want, 90_000, clock.now());
+                sizes.push(want);
+            }
+        }
+        assert_eq!(sizes[..4], [1, 2, 4, 8], "doubling while its demand is above: {sizes:?}");
+        assert!(sizes.iter().all(|want| (1..=25).contains(want)), "never past the demand: {sizes:?}");
+        assert!(sizes.iter().rev().take(5).all(|want| *want >= 16), "and at about it: {sizes:?}");
+        // Calls at one instant, as under load: the slice grows to the most.
+        let hot = Check { key: "hot", limiter: &limiter, cost: 1, shadow: false };
+        decided_in_redis(&slices, hot, 90_000);
+        let mut want = 0;
+        for _ in 0..200 {
+            if slices.spend(&[hot], clock.now()).is_none() {
+                want = slices.wants(&[hot], clock.now())[0];
+                granted(&slices, hot, want, 90_000, clock.now());
+            }
+        }
+        assert_eq!(want, 64, "a key spent at one instant is limited by the most alone");
     }
 }
