@@ -1,7 +1,8 @@
 //! What a call costs in Redis, through MCP clients of both eras: the calls a server makes at one
 //! moment travel to Redis together (`crates/redis/src/batch.rs`), and a busy caller's budgets are
 //! spent from the slices this instance holds (`crates/redis/src/slices.rs`), Redis reading only
-//! what must be read there per call: the caller's blocks and loop history.
+//! what must be read there per call: the caller's blocks and loop history. And, at the store
+//! itself, how many calls one round trip carries at most, each with its own answer.
 
 use crate::common::*;
 use crate::python;
@@ -90,4 +91,39 @@ async fn a_busy_stateless_callers_calls_cost_two_scripts_and_its_status_shows_wh
     let budgets = status["budgets"].as_array().cloned().unwrap_or_default();
     let held = budgets.iter().filter_map(|budget| budget["held_here"].as_u64()).max().unwrap_or(0);
     assert!(held > 0, "a budget shows the slice held here: {status}");
+}
+
+/// Two hundred decisions of one exact budget made at the same instant: one pipeline carries at
+/// most 64 of them, and each gets its own answer (the `remaining` of the admitted ones are every
+/// count from 149 down to 0, once each).
+#[tokio::test]
+async fn a_round_trip_carries_at_most_64_calls_and_each_its_own_answer() {
+    use mcp_ratelimit::clock::Nanos;
+    use mcp_ratelimit::limit::{FixedWindow, Limiter};
+    use mcp_ratelimit::store::{Budgets, Check, Lease, RedisStore, Store, Verdict};
+
+    let redis = TestRedis::private();
+    let store = RedisStore::connect(&redis.url, std::time::Duration::from_secs(5)).await.expect("connects").shared();
+    let limiter = Limiter::FixedWindow(FixedWindow::new(150, Nanos::from_secs(3_600)));
+    let decide = |key: &'static str| {
+        let (store, limiter) = (store.clone(), limiter.clone());
+        async move {
+            let check = Check { key, limiter: &limiter, cost: 1, shadow: false };
+            match Budgets::decide(&*store, &[check], &[], Lease::new()).await {
+                Ok(Verdict::Decided(decisions)) => decisions[0],
+                other => panic!("not decided: {other:?}"),
+            }
+        }
+    };
+    // The script loaded first, so what is counted below is the decisions alone.
+    decide("batch:warm").await;
+    let before = store.traffic();
+    let decisions = futures::future::join_all((0..200).map(|_| decide("batch:exact"))).await;
+    let (trips, commands) = (store.traffic().0 - before.0, store.traffic().1 - before.1);
+    assert_eq!(commands, 200, "one script a decision");
+    assert!(trips >= 200_u64.div_ceil(64), "{trips} round trips carried 200 commands: at most 64 go together");
+    assert!(trips <= 20, "{trips} round trips for 200 calls made at one instant");
+    let mut remaining: Vec<u64> = decisions.iter().filter(|d| d.allowed).map(|d| d.remaining).collect();
+    remaining.sort_unstable();
+    assert_eq!(remaining, (0..150).collect::<Vec<u64>>(), "150 admitted, each told its own count");
 }
