@@ -32,7 +32,8 @@
 # MCP_RL__TELEMETRY__OTLP_ENDPOINT to it: one build against itself with traces on and off is
 #   TRACES=1 scripts/bench-compare.sh HEAD HEAD
 # The server is pinned to CPU 0 and wrk (Debian's package) to CPU 1, and the server's own CPU time
-# per request is read from /proc, as in scripts/load.sh. Within a round the two builds run one
+# per request is read from /proc, as in scripts/load.sh (in the redis scenario, Redis's too, and the
+# commands and round trips a call cost by the store's own counters). Within a round the two builds run one
 # scenario back to back, the first one alternating between rounds, so drift hits both alike.
 #
 # A key one build does not know would make it refuse its whole config (it denies unknown fields,
@@ -345,9 +346,12 @@ measure() {
   local before after result metrics_before metrics_after
   metrics_before=$(curl -fsS "$url/metrics" 2>/dev/null || true)
   before=$(cpu_ticks "$SERVER_PID")
+  local redis_before=0 redis_after=0
+  [ "$scenario" = redis ] && redis_before=$(cpu_ticks "$REDIS_PID")
   result=$(SESSIONS=$sids taskset -c "$WRK_CPU" wrk -t1 -c"$CONNECTIONS" -d"${DURATION}s" -s "$script" "$url" | grep '^RESULT') ||
     { echo "$scenario on ${SIDE_LABEL[$side]}: wrk gave no result" >&2; cat "$WORK/server.log" >&2; exit 1; }
   after=$(cpu_ticks "$SERVER_PID")
+  [ "$scenario" = redis ] && redis_after=$(cpu_ticks "$REDIS_PID")
   metrics_after=$(curl -fsS "$url/metrics" 2>/dev/null || true)
   stop_server
 
@@ -362,6 +366,14 @@ measure() {
     $(metric_sum "$metrics_before" mcp_ratelimit_upstream_requests_total 'outcome="ok"') ))
   RPS[$scenario,$side,$round]=$rps
   CPU[$scenario,$side,$round]=$(awk -v t="$((after - before))" -v hz="$TICKS" -v r="$requests" 'BEGIN { printf "%.1f", (r > 0 ? t * 1e6 / hz / r : 0) }')
+  local store=""
+  if [ "$scenario" = redis ]; then
+    local commands trips
+    commands=$(( $(metric_sum "$metrics_after" mcp_ratelimit_store_commands_total) - $(metric_sum "$metrics_before" mcp_ratelimit_store_commands_total) ))
+    trips=$(( $(metric_sum "$metrics_after" mcp_ratelimit_store_round_trips_total) - $(metric_sum "$metrics_before" mcp_ratelimit_store_round_trips_total) ))
+    store=$(awk -v t="$((redis_after - redis_before))" -v hz="$TICKS" -v r="$requests" -v c="$commands" -v p="$trips" \
+      'BEGIN { if (r > 0) printf "  Redis %.1f µs CPU/request", t * 1e6 / hz / r; if (r > 0 && p > 0) printf ", %.2f commands in %.2f round trips a call", c / r, p / r }')
+  fi
   local flag=""
   case $scenario in
     tight) [ "$non_2xx" = "$requests" ] || flag="$flag $((requests - non_2xx)) not a 429;" ;;
@@ -378,8 +390,8 @@ measure() {
   [ "$errors" = 0 ] || flag="$flag $errors socket errors;"
   [ -n "$metrics_after" ] || flag="$flag no /metrics;"
   FLAG[$scenario,$side,$round]=$flag
-  printf "  %-9s round %d  %-${LABEL_WIDTH}s %8s calls/s  %7s µs CPU/request%s\n" "$scenario" "$round" "${SIDE_LABEL[$side]}" \
-    "$rps" "${CPU[$scenario,$side,$round]}" "${flag:+  CHECK:$flag}"
+  printf "  %-9s round %d  %-${LABEL_WIDTH}s %8s calls/s  %7s µs CPU/request%s%s\n" "$scenario" "$round" "${SIDE_LABEL[$side]}" \
+    "$rps" "${CPU[$scenario,$side,$round]}" "$store" "${flag:+  CHECK:$flag}"
 }
 
 for round in $(seq 1 "$ROUNDS"); do

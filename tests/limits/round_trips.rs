@@ -61,6 +61,8 @@ async fn calls_made_at_one_moment_share_their_round_trips_to_redis() {
     // Each call's decision and its answer's loop history: two scripts at least.
     assert!(commands >= 12 * 4 * 2, "{commands} commands for 48 calls");
     assert!(trips * 2 <= commands, "{trips} round trips carried {commands} commands: calls made together go together");
+    // The target: at most one round trip a served call, on average.
+    assert!(trips <= 12 * 4, "{trips} round trips for 48 served calls");
 }
 
 /// A busy 2026-07-28 caller (the Python SDK's default era, no session): its HTTP and method

@@ -84,6 +84,36 @@ async fn a_busy_key_is_decided_from_slices_without_a_round_trip_and_counted_to_t
     assert_eq!(in_redis(&redis, &key, &limiter).await, 10_000 - spent, "the slice went back whole");
 }
 
+/// Sixteen calls of one key always in flight on one instance, as one busy agent's fan-out: they
+/// ask for one slice between them, not one each, so no top-up is sent straight back (on a bucket
+/// charged since, what goes back is lost), and once the slices go back Redis has lost nothing.
+#[tokio::test]
+async fn calls_of_one_key_in_flight_at_once_take_one_slice_between_them_and_lose_nothing() {
+    let redis = TestRedis::private();
+    // Refilled one unit in 40 s: a bucket that comes back no more than a few units while it runs.
+    let (key, limiter) = (redis.key("fan-out"), Limiter::TokenBucket(TokenBucket::new(100_000, 0.025)));
+    let sliced = store(&redis, Some(RULES)).await;
+    let before = redis.evalsha_calls();
+    let workers = (0..16).map(|_| {
+        let (sliced, key, limiter) = (sliced.clone(), key.clone(), limiter.clone());
+        tokio::spawn(async move {
+            for _ in 0..125 {
+                assert!(admitted(&sliced, &key, &limiter, 1).await, "a plentiful budget");
+            }
+        })
+    });
+    for worker in futures::future::join_all(workers).await {
+        worker.expect("a worker");
+    }
+    let scripts = redis.evalsha_calls() - before;
+    sliced.give_back_slices().await;
+    let lost = 100_000 - 2_000 - in_redis(&redis, &key, &limiter).await;
+    assert_eq!(lost, 0, "2,000 admitted; with {scripts} scripts, {lost} more units gone from Redis");
+    // Each key's first call (sixteen, before it is known here), slices doubling to 64, then one
+    // top-up a slice: about 50. Asked for one each, they were over 120 and a few hundred units lost.
+    assert!(scripts <= 80, "{scripts} scripts for 2,000 calls sixteen at a time");
+}
+
 /// Three instances, eight callers each, one budget of 1,000: never more than 1,000 admitted; with
 /// the load spread evenly at least 95 % of it while the callers press on; every unit once every
 /// instance has given its slices back.

@@ -80,10 +80,17 @@ struct Held {
     /// The size of the last slice asked for.
     want: u64,
     last_call: Nanos,
-    /// Units admitted here since `spent_from` (the last slice taken, or the start of the key's
-    /// latest stretch of calls): its demand, which a slice is sized to ([`Slices::wants`]).
+    /// Units admitted here since `spent_from` (the start of the key's latest stretch of calls, at
+    /// most a quarter of a slice's life ago): its demand, which a slice is sized to
+    /// ([`Slices::wants`]).
     spent: u64,
     spent_from: Nanos,
+    /// Units of top-ups asked for and not yet answered: calls of the key in flight at once ask
+    /// for one slice between them, not one each.
+    asking: u64,
+    /// Counts the top-ups answered (or given up): what a call that found the key short while one
+    /// was asked for waits on ([`Slices::top_up_awaited`]).
+    answers: tokio::sync::watch::Sender<u64>,
 }
 
 /// One slice: its units left, where they were charged, until when they may be spent.
@@ -102,6 +109,27 @@ pub(crate) enum Due {
     Wait(Nanos),
     /// Give these back now.
     Back(GivenBack),
+}
+
+/// The top-ups a call asks for ([`Slices::wants`]): one per check, 0 for none. They count in their
+/// keys' room until this is dropped, once the answer was taken ([`Slices::took`]), or the call
+/// failed, or was given up.
+pub(crate) struct Asking<'a> {
+    slices: &'a Slices,
+    pub(crate) wants: Vec<u64>,
+    asked: Vec<(String, u64)>,
+}
+
+impl Drop for Asking<'_> {
+    fn drop(&mut self) {
+        let mut keys = self.slices.keys();
+        for (key, want) in self.asked.drain(..) {
+            if let Some(held) = keys.get_mut(&key) {
+                held.asking = held.asking.saturating_sub(want);
+                held.answers.send_modify(|answers| *answers = answers.wrapping_add(1));
+            }
+        }
+    }
 }
 
 /// Whether a call with `checks` may be decided from slices: every check has a price, is no shadow
@@ -173,6 +201,17 @@ impl Slices {
         Some((decisions, drawn))
     }
 
+    /// When a check of the call finds its key short here while a top-up of that key is being
+    /// asked for by another call: that top-up's answer, to wait for and spend from rather than ask
+    /// Redis again (calls of one key in flight at once then cost one round trip between them).
+    pub(crate) fn top_up_awaited(&self, checks: &[Check<'_>], now: Nanos) -> Option<tokio::sync::watch::Receiver<u64>> {
+        let keys = self.keys();
+        checks.iter().find_map(|check| {
+            let held = keys.get(check.key)?;
+            (held.asking > 0 && held.live_under(check.limiter, now) < check.cost).then(|| held.answers.subscribe())
+        })
+    }
+
     /// Units [`Slices::spend`] drew for a call that was stopped after all, back into the slices
     /// they came from. Units of a slice gone meanwhile (spent to its end by this very call,
     /// given back, or its key's limiter changed) stay spent: this instance admits less, by at
@@ -192,19 +231,22 @@ impl Slices {
     /// while, else twice the last (at least the call's cost), within [`SliceRules::most`], the
     /// key's demand here, an eighth of what Redis said was left, and what a bucket can lend for a
     /// useful while.
-    pub(crate) fn wants(&self, checks: &[Check<'_>], now: Nanos) -> Vec<u64> {
+    pub(crate) fn wants(&self, checks: &[Check<'_>], now: Nanos) -> Asking<'_> {
         let lasts = Nanos::from(self.rules.lasts);
-        let keys = self.keys();
-        checks
+        let mut keys = self.keys();
+        let wants: Vec<u64> = checks
             .iter()
             .map(|check| {
-                let Some(held) = keys.get(check.key).filter(|held| held.limiter == *check.limiter) else { return 0 };
+                let Some(held) = keys.get_mut(check.key).filter(|held| held.limiter == *check.limiter) else {
+                    return 0;
+                };
                 if now - held.last_call > lasts {
                     return 0;
                 }
                 // What a key holds here stays within `most`, however many calls found another
-                // key of theirs short and took a top-up of this one with it.
-                let room = self.rules.most.saturating_sub(held.live(now));
+                // key of theirs short and took a top-up of this one with it, and however many
+                // found this one short at once (what they ask for counts until it is answered).
+                let room = self.rules.most.saturating_sub(held.live(now).saturating_add(held.asking));
                 let grown = held.want.saturating_mul(2).max(check.cost);
                 let want = grown.min(held.demand(now, lasts)).min(room).min(held.left / 8);
                 // A slice that cannot pay for the next such call is not worth its keeping.
@@ -213,16 +255,22 @@ impl Slices {
                 }
                 // A bucket that would be full again within half a slice's life lends nothing: its
                 // slice would go back (a quarter before its end) about as soon as it came.
-                match check.limiter.shape() {
+                let want = match check.limiter.shape() {
                     Shape::Rate { period } => {
                         let level = held.left.saturating_sub(check.cost).saturating_add(1);
                         let short = check.limiter.capacity().saturating_sub(level);
                         if period.as_u64().saturating_mul(short) < lasts.as_u64() / 2 { 0 } else { want }
                     }
                     Shape::Window { .. } | Shape::Slots => want,
-                }
+                };
+                held.asking = held.asking.saturating_add(want);
+                want
             })
-            .collect()
+            .collect();
+        drop(keys);
+        let top_ups = checks.iter().zip(&wants).filter(|(_, want)| **want > 0);
+        let asked = top_ups.map(|(check, want)| (check.key.to_owned(), *want)).collect();
+        Asking { slices: self, wants, asked }
     }
 
     /// Redis's answer to a call sent with top-ups `wants`: `decisions` (the call's own, their
@@ -275,7 +323,6 @@ impl Slices {
                         taken.push((check.key.to_owned(), id));
                     }
                     held.want = want;
-                    (held.spent, held.spent_from) = (0, now);
                     held.left = top_up.remaining;
                     held.reset_after = top_up.reset_after;
                 }
@@ -384,14 +431,15 @@ impl Slices {
 impl Held {
     fn new(limiter: Limiter, now: Nanos) -> Self {
         let (limit, left, reset_after) = (0, 0, Nanos::ZERO);
-        let (want, last_call, spent, spent_from) = (0, now, 0, now);
-        Held { limiter, pieces: Vec::new(), limit, left, reset_after, read_at: now, want, last_call, spent, spent_from }
+        let (want, last_call, spent, spent_from, asking) = (0, now, 0, now, 0);
+        let (pieces, answers) = (Vec::new(), tokio::sync::watch::Sender::new(0));
+        Held { limiter, pieces, limit, left, reset_after, read_at: now, want, last_call, spent, spent_from, asking, answers }
     }
 
     /// A call admitted here at `now` for `cost` units, counted in the key's demand; a stretch of
-    /// calls that began over a slice's life (`lasts`) ago without a slice taken starts anew.
+    /// calls that began over a quarter of a slice's life (`lasts`) ago starts anew.
     fn called(&mut self, cost: u64, now: Nanos, lasts: Nanos) {
-        if now - self.spent_from > lasts {
+        if now - self.spent_from > Nanos::new(lasts.as_u64() / 4) {
             (self.spent, self.spent_from) = (0, now);
         }
         self.spent = self.spent.saturating_add(cost);
@@ -468,8 +516,19 @@ impl crate::RedisStore {
         (blocks, looped): (&[&str], Option<LoopCall<'_>>),
         lease: Lease,
     ) -> Result<Verdict, StoreError> {
-        let now = slices.clock().now();
-        if let Some((decisions, drawn)) = slices.spend(checks, now) {
+        let mut now = slices.clock().now();
+        let mut spent = slices.spend(checks, now);
+        // Bounded as a round trip of its own would be; past it, Redis decides.
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        while spent.is_none() {
+            let Some(mut answered) = slices.top_up_awaited(checks, now) else { break };
+            if !matches!(tokio::time::timeout_at(deadline, answered.changed()).await, Ok(Ok(()))) {
+                break;
+            }
+            now = slices.clock().now();
+            spent = slices.spend(checks, now);
+        }
+        if let Some((decisions, drawn)) = spent {
             if blocks.is_empty() && looped.is_none() {
                 return Ok(Verdict::Decided(decisions));
             }
@@ -482,14 +541,16 @@ impl crate::RedisStore {
                 stopped => stopped,
             });
         }
-        let wants = slices.wants(checks, now);
+        let asking = slices.wants(checks, now);
+        let wants = &asking.wants;
         let mut asked = checks.to_vec();
-        let top_ups = checks.iter().zip(&wants).filter(|(_, want)| **want > 0);
+        let top_ups = checks.iter().zip(wants).filter(|(_, want)| **want > 0);
         asked.extend(top_ups.map(|(check, want)| Check { cost: *want, shadow: true, ..*check }));
         let verdict = self.run_unless_blocked(&asked, blocks, looped, None, lease).await?;
         let Verdict::Decided(mut decisions) = verdict else { return Ok(verdict) };
         let top_ups = decisions.split_off(checks.len().min(decisions.len()));
-        let (taken, back) = slices.took(checks, &wants, &mut decisions, &top_ups, slices.clock().now());
+        let (taken, back) = slices.took(checks, wants, &mut decisions, &top_ups, slices.clock().now());
+        drop(asking);
         for (key, id) in taken {
             self.give_back_when_due(key, id);
         }
@@ -625,7 +686,7 @@ mod tests {
         assert!(taken.is_empty());
         assert_eq!(back.iter().map(|(_, _, units, _)| *units).collect::<Vec<_>>(), [40]);
         assert_eq!(slices.held(), (0, 0));
-        assert_eq!(slices.wants(&[check], clock.now()), [0], "nearly empty: exact decisions");
+        assert_eq!(slices.wants(&[check], clock.now()).wants, [0], "nearly empty: exact decisions");
     }
 
     #[test]
@@ -640,39 +701,46 @@ mod tests {
             // b, spent twice as fast, runs short first: the call goes to Redis and asks a top-up
             // of both, while a still holds half of its own.
             while slices.spend(&[a, b], clock.now()).is_some() {}
-            let wants = slices.wants(&[a, b], clock.now());
+            let asking = slices.wants(&[a, b], clock.now());
+            let wants = &asking.wants;
             let now = clock.now();
             let mut decisions = [decision(true, 1_000_000, 990_000, Nanos::ZERO); 2];
             let top_ups: Vec<Decision> =
                 wants.iter().filter(|w| **w > 0).map(|_| decision(true, 1_000_000, 990_000, Nanos::ZERO)).collect();
-            slices.took(&[a, b], &wants, &mut decisions, &top_ups, now);
+            slices.took(&[a, b], wants, &mut decisions, &top_ups, now);
             let keys = slices.keys();
             assert!(keys.values().all(|held| held.live(now) <= 64), "a key holds at most a slice's worth");
         }
     }
 
     #[test]
-    fn calls_of_one_key_asking_at_once_never_leave_it_holding_more_than_a_slices_worth() {
+    fn calls_of_one_key_in_flight_at_once_ask_for_one_slice_between_them() {
         let (slices, clock) = slices();
         let limiter = Limiter::FixedWindow(FixedWindow::new(1_000_000, Nanos::from_secs(3_600)));
         let a = Check { key: "a", limiter: &limiter, cost: 1, shadow: false };
         granted(&slices, a, 1, 999_000, Nanos::ZERO);
         granted(&slices, a, 32, 999_000, Nanos::ZERO);
         let now = clock.now();
-        // Eight calls in flight at once, each asking for the room there was before any answer.
-        let asked: Vec<Vec<u64>> = (0..8).map(|_| slices.wants(&[a], now)).collect();
-        assert!(asked.iter().all(|w| w[0] > 0), "each asks a top-up: {asked:?}");
+        // Eight calls in flight at once: the first asks for the room there is, the others for
+        // nothing while its answer is awaited (each of them decided in Redis, none a top-up to
+        // send back: on a bucket charged since, what goes back is lost).
+        let asked: Vec<Asking<'_>> = (0..8).map(|_| slices.wants(&[a], now)).collect();
+        let wants: Vec<u64> = asked.iter().map(|asking| asking.wants[0]).collect();
+        assert_eq!(wants, [31, 0, 0, 0, 0, 0, 0, 0], "one slice between them, within the most");
         let mut back = 0;
-        for wants in &asked {
+        for asking in &asked {
             let mut decisions = [decision(true, 1_000_000, 990_000, Nanos::ZERO)];
-            let top_up = [decision(true, 1_000_000, 990_000, Nanos::ZERO)];
-            let (_, given) = slices.took(&[a], wants, &mut decisions, &top_up, now);
+            let top_up: Vec<Decision> =
+                asking.wants.iter().filter(|w| **w > 0).map(|_| decision(true, 1_000_000, 990_000, Nanos::ZERO)).collect();
+            let (_, given) = slices.took(&[a], &asking.wants, &mut decisions, &top_up, now);
             back += given.iter().map(|(_, _, units, _)| units).sum::<u64>();
         }
-        let held = slices.held_of("a", &limiter);
-        assert!(held <= 64, "a key holds at most a slice's worth: {held}");
-        let asked_in_all: u64 = asked.iter().map(|w| w[0]).sum();
-        assert_eq!(held + back, 33 + asked_in_all, "what did not fit went straight back, to the unit");
+        drop(asked);
+        assert_eq!((slices.held_of("a", &limiter), back), (64, 0), "a slice's worth held, nothing sent back");
+        // A call that asked and failed (its answer never came) leaves the room as it was.
+        while slices.spend(&[a], now).is_some() {}
+        drop(slices.wants(&[a], now));
+        assert!(slices.wants(&[a], now).wants[0] > 0, "the room an unanswered top-up took is free again");
     }
 
     #[test]
@@ -720,7 +788,7 @@ mod tests {
         for _ in 0..5 {
             decided_in_redis(&slices, slow, 90_000);
             clock.advance(Duration::from_secs(3));
-            assert_eq!(slices.wants(&[slow], clock.now()), [0], "a slow key holds nothing");
+            assert_eq!(slices.wants(&[slow], clock.now()).wants, [0], "a slow key holds nothing");
         }
         // A key called every 100 ms: about 25 calls in a quarter of a slice's life, so its slices
         // double to that and no further, however long it keeps the pace.
@@ -730,7 +798,7 @@ mod tests {
         for _ in 0..200 {
             clock.advance(Duration::from_millis(100));
             if slices.spend(&[steady], clock.now()).is_none() {
-                let [want] = slices.wants(&[steady], clock.now())[..] else { panic!("one check") };
+                let [want] = slices.wants(&[steady], clock.now()).wants[..] else { panic!("one check") };
                 granted(&slices, steady, want, 90_000, clock.now());
                 sizes.push(want);
             }
@@ -744,7 +812,7 @@ mod tests {
         let mut want = 0;
         for _ in 0..200 {
             if slices.spend(&[hot], clock.now()).is_none() {
-                want = slices.wants(&[hot], clock.now())[0];
+                want = slices.wants(&[hot], clock.now()).wants[0];
                 granted(&slices, hot, want, 90_000, clock.now());
             }
         }
