@@ -29,34 +29,41 @@ local MAX_STREAKS = 32
 -- The fields of a call, a stop and a streak, in the order the packed state keeps them.
 local CALL, STOP, STREAK = { 's', 'g', 't', 'a' }, { 'g', 'u', 'o' }, { 'g', 'a', 'n', 't' }
 
--- `list` as one flat array of each item's `fields`, in order.
+-- `list` as one flat array of each item's `fields`, in order. (Counted, not `#out + 1`: the
+-- length operator searches, and this runs on every call and answer.)
 local function flat(list, fields)
-  local out = {}
+  local out, k, width = {}, 0, #fields
   for _, item in ipairs(list) do
-    for _, field in ipairs(fields) do
-      out[#out + 1] = item[field]
+    for f = 1, width do
+      k = k + 1
+      out[k] = item[fields[f]]
     end
   end
   return out
 end
 
--- `flat` read back: the items of `fields` in `array`, each field of the type `kinds` names; nil
--- if the array is not that.
+-- `flat` read back: the items of `fields` (three or four) in `array`, each field of the type
+-- `kinds` names; nil if the array is not that. Each item is made whole by one constructor, which
+-- sizes it once (filled a field at a time, a table is resized as it grows: this was half of what
+-- reading a history cost Redis).
 local function items(array, fields, kinds)
-  local width, out = #fields, {}
+  local width, out, k = #fields, {}, 0
   if #array % width ~= 0 then
     return nil
   end
+  local f1, f2, f3, f4 = fields[1], fields[2], fields[3], fields[4]
   for i = 1, #array, width do
-    local item = {}
     for f = 1, width do
-      local value = array[i + f - 1]
-      if type(value) ~= kinds[f] then
+      if type(array[i + f - 1]) ~= kinds[f] then
         return nil
       end
-      item[fields[f]] = value
     end
-    out[#out + 1] = item
+    k = k + 1
+    if f4 then
+      out[k] = { [f1] = array[i], [f2] = array[i + 1], [f3] = array[i + 2], [f4] = array[i + 3] }
+    else
+      out[k] = { [f1] = array[i], [f2] = array[i + 1], [f3] = array[i + 2] }
+    end
   end
   return out
 end
