@@ -430,10 +430,11 @@ impl Slices {
 
 impl Held {
     fn new(limiter: Limiter, now: Nanos) -> Self {
-        let (limit, left, reset_after) = (0, 0, Nanos::ZERO);
-        let (want, last_call, spent, spent_from, asking) = (0, now, 0, now, 0);
-        let (pieces, answers) = (Vec::new(), tokio::sync::watch::Sender::new(0));
-        Held { limiter, pieces, limit, left, reset_after, read_at: now, want, last_call, spent, spent_from, asking, answers }
+        let answers = tokio::sync::watch::Sender::new(0);
+        let (read_at, last_call, spent_from) = (now, now, now);
+        let (limit, left, reset_after, want, spent, asking) = (0, 0, Nanos::ZERO, 0, 0, 0);
+        let pieces = Vec::new();
+        Held { limiter, pieces, limit, left, reset_after, read_at, want, last_call, spent, spent_from, asking, answers }
     }
 
     /// A call admitted here at `now` for `cost` units, counted in the key's demand; a stretch of
@@ -730,8 +731,12 @@ mod tests {
         let mut back = 0;
         for asking in &asked {
             let mut decisions = [decision(true, 1_000_000, 990_000, Nanos::ZERO)];
-            let top_up: Vec<Decision> =
-                asking.wants.iter().filter(|w| **w > 0).map(|_| decision(true, 1_000_000, 990_000, Nanos::ZERO)).collect();
+            let top_up: Vec<Decision> = asking
+                .wants
+                .iter()
+                .filter(|w| **w > 0)
+                .map(|_| decision(true, 1_000_000, 990_000, Nanos::ZERO))
+                .collect();
             let (_, given) = slices.took(&[a], &asking.wants, &mut decisions, &top_up, now);
             back += given.iter().map(|(_, _, units, _)| units).sum::<u64>();
         }
