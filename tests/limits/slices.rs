@@ -114,6 +114,41 @@ async fn calls_of_one_key_in_flight_at_once_take_one_slice_between_them_and_lose
     assert!(scripts <= 80, "{scripts} scripts for 2,000 calls sixteen at a time");
 }
 
+/// Redis frozen while a top-up is on its way: the calls of its key that wait for that answer fail
+/// within `store.timeout_ms` of their start, as a call alone does, not after the wait and a try of
+/// their own as well.
+#[tokio::test]
+async fn calls_waiting_on_a_top_up_redis_never_answers_fail_within_the_store_timeout() {
+    // A wait and a try of its own would take twice the timeout, past it with the slack.
+    const TIMEOUT_HERE: Duration = Duration::from_millis(400);
+    const SLACK: Duration = Duration::from_millis(200);
+    let redis = TestRedis::private();
+    let (key, limiter) = (redis.key("frozen"), budget(1_000));
+    let connected = RedisStore::connect(&redis.url, TIMEOUT_HERE).await.expect("connects");
+    let sliced = connected.with_slices(RULES, SystemClock::shared()).shared();
+    spend_until_a_slice_is_held(&sliced, &key, &limiter).await;
+    while sliced.slices_held().1 > 0 {
+        assert!(admitted(&sliced, &key, &limiter, 1).await, "spent from the slice");
+    }
+    redis.pause();
+    let calls = (0..8).map(|_| {
+        let (sliced, key, limiter) = (sliced.clone(), key.clone(), limiter.clone());
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let check = Check { key: &key, limiter: &limiter, cost: 1, shadow: false };
+            let outcome = Budgets::decide(&*sliced, &[check], &[], Lease::new()).await;
+            (started.elapsed(), outcome.is_err())
+        })
+    });
+    let outcomes = futures::future::join_all(calls).await;
+    redis.resume();
+    for outcome in outcomes {
+        let (took, failed) = outcome.expect("a call");
+        assert!(failed, "a frozen Redis decides nothing");
+        assert!(took < TIMEOUT_HERE + SLACK, "a call took {took:?} against a store timeout of {TIMEOUT_HERE:?}");
+    }
+}
+
 /// Three instances, eight callers each, one budget of 1,000: never more than 1,000 admitted; with
 /// the load spread evenly at least 95 % of it while the callers press on; every unit once every
 /// instance has given its slices back.

@@ -39,6 +39,8 @@ use mcp_ratelimit_kernel::clock::{Nanos, SharedClock};
 use mcp_ratelimit_kernel::limit::{Decision, Limiter, Shape, Taken};
 use mcp_ratelimit_kernel::store::{Check, Lease, LoopCall, StoreError, Verdict};
 
+use crate::errors::STORE;
+
 /// How slices are cut.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SliceRules {
@@ -519,16 +521,38 @@ impl crate::RedisStore {
     ) -> Result<Verdict, StoreError> {
         let mut now = slices.clock().now();
         let mut spent = slices.spend(checks, now);
-        // Bounded as a round trip of its own would be; past it, Redis decides.
+        // A call that finds a key short while another's top-up of it is on its way waits for that
+        // answer; then what it does in Redis counts within the same `store.timeout_ms`, so a
+        // request waits on Redis no longer for having waited on another.
         let deadline = tokio::time::Instant::now() + self.timeout;
+        let mut waited = false;
         while spent.is_none() {
             let Some(mut answered) = slices.top_up_awaited(checks, now) else { break };
+            waited = true;
             if !matches!(tokio::time::timeout_at(deadline, answered.changed()).await, Ok(Ok(()))) {
                 break;
             }
             now = slices.clock().now();
             spent = slices.spend(checks, now);
         }
+        let rest = self.decide_after_slices(slices, checks, (blocks, looped), lease, (spent, now));
+        if !waited {
+            return rest.await;
+        }
+        let timed_out = || StoreError::Timeout { store: STORE, address: self.address.clone(), timeout: self.timeout };
+        tokio::time::timeout_at(deadline, rest).await.unwrap_or_else(|_| Err(timed_out()))
+    }
+
+    /// [`RedisStore::decide_sliced`] once the slices were tried (`spent`, at `now`): what was spent
+    /// from them, its blocks and loop check read in Redis; else the call in Redis, with top-ups.
+    async fn decide_after_slices(
+        &self,
+        slices: &Slices,
+        checks: &[Check<'_>],
+        (blocks, looped): (&[&str], Option<LoopCall<'_>>),
+        lease: Lease,
+        (spent, now): (Option<(Vec<Decision>, Drawn)>, Nanos),
+    ) -> Result<Verdict, StoreError> {
         if let Some((decisions, drawn)) = spent {
             if blocks.is_empty() && looped.is_none() {
                 return Ok(Verdict::Decided(decisions));
