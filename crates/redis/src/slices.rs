@@ -12,9 +12,10 @@
 //! slice lasts), from the call's own cost up to [`SliceRules::most`]. It is never more than the
 //! key's demand here (what it was admitted at its latest pace over a quarter of a slice's life, the
 //! quiet that sends a slice back), so a slice is about spent before it would go back and a slow
-//! key is decided per call; and never more than an eighth of what Redis said was left: as a budget nears empty, or other instances draw on it,
-//! slices shrink to nothing, which is today's exact decision per call. A call Redis refuses gives
-//! this instance's slices of that key back at once.
+//! key is decided per call; and never more than an eighth of what Redis said was left: as a
+//! budget nears empty, or other instances draw on it, slices shrink to nothing, which is today's
+//! exact decision per call. A call Redis refuses gives this instance's slices of that key back at
+//! once.
 //!
 //! **How long.** A slice is spent only while what it holds could not have made a difference had it
 //! stayed in Redis:
@@ -522,11 +523,12 @@ impl crate::RedisStore {
         let mut now = slices.clock().now();
         let mut spent = slices.spend(checks, now);
         // A call that finds a key short while another's top-up of it is on its way waits for that
-        // answer; then what it does in Redis counts within the same `store.timeout_ms`, so a
-        // request waits on Redis no longer for having waited on another.
+        // answer, where that saves it a round trip: not when its blocks or loop check send it to
+        // Redis anyway (its budgets then ride in that script). What it then does in Redis counts
+        // within the same `store.timeout_ms`: a request waits on Redis no longer for having waited.
         let deadline = tokio::time::Instant::now() + self.timeout;
         let mut waited = false;
-        while spent.is_none() {
+        while spent.is_none() && blocks.is_empty() && looped.is_none() {
             let Some(mut answered) = slices.top_up_awaited(checks, now) else { break };
             waited = true;
             if !matches!(tokio::time::timeout_at(deadline, answered.changed()).await, Ok(Ok(()))) {
