@@ -117,18 +117,18 @@ pub(crate) enum Due {
 /// The top-ups a call asks for ([`Slices::wants`]): one per check, 0 for none. They count in their
 /// keys' room until this is dropped, once the answer was taken ([`Slices::took`]), or the call
 /// failed, or was given up.
-pub(crate) struct Asking<'a> {
+pub(crate) struct Asking<'a, 'c> {
     slices: &'a Slices,
+    checks: &'c [Check<'c>],
     pub(crate) wants: Vec<u64>,
-    asked: Vec<(String, u64)>,
 }
 
-impl Drop for Asking<'_> {
+impl Drop for Asking<'_, '_> {
     fn drop(&mut self) {
         let mut keys = self.slices.keys();
-        for (key, want) in self.asked.drain(..) {
-            if let Some(held) = keys.get_mut(&key) {
-                held.asking = held.asking.saturating_sub(want);
+        for (check, want) in self.checks.iter().zip(&self.wants).filter(|(_, want)| **want > 0) {
+            if let Some(held) = keys.get_mut(check.key) {
+                held.asking = held.asking.saturating_sub(*want);
                 held.answers.send_modify(|answers| *answers = answers.wrapping_add(1));
             }
         }
@@ -234,7 +234,7 @@ impl Slices {
     /// while, else twice the last (at least the call's cost), within [`SliceRules::most`], the
     /// key's demand here, an eighth of what Redis said was left, and what a bucket can lend for a
     /// useful while.
-    pub(crate) fn wants(&self, checks: &[Check<'_>], now: Nanos) -> Asking<'_> {
+    pub(crate) fn wants<'c>(&self, checks: &'c [Check<'c>], now: Nanos) -> Asking<'_, 'c> {
         let lasts = Nanos::from(self.rules.lasts);
         let mut keys = self.keys();
         let wants: Vec<u64> = checks
@@ -271,9 +271,7 @@ impl Slices {
             })
             .collect();
         drop(keys);
-        let top_ups = checks.iter().zip(&wants).filter(|(_, want)| **want > 0);
-        let asked = top_ups.map(|(check, want)| (check.key.to_owned(), *want)).collect();
-        Asking { slices: self, wants, asked }
+        Asking { slices: self, checks, wants }
     }
 
     /// Redis's answer to a call sent with top-ups `wants`: `decisions` (the call's own, their

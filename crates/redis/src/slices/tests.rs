@@ -95,8 +95,9 @@ fn a_key_never_holds_more_than_a_slices_worth_however_often_another_key_runs_sho
     for _ in 0..20 {
         // b, spent twice as fast, runs short first: the call goes to Redis and asks a top-up
         // of both, while a still holds half of its own.
-        while slices.spend(&[a, b], clock.now()).is_some() {}
-        let asking = slices.wants(&[a, b], clock.now());
+        let both = [a, b];
+        while slices.spend(&both, clock.now()).is_some() {}
+        let asking = slices.wants(&both, clock.now());
         let wants = &asking.wants;
         let now = clock.now();
         let mut decisions = [decision(true, 1_000_000, 990_000, Nanos::ZERO); 2];
@@ -117,9 +118,10 @@ fn calls_of_one_key_in_flight_at_once_ask_for_one_slice_between_them() {
     granted(&slices, a, 32, 999_000, Nanos::ZERO);
     let now = clock.now();
     // Eight calls in flight at once: the first asks for the room there is, the others for
-    // nothing while its answer is awaited (each of them decided in Redis, none a top-up to
-    // send back: on a bucket charged since, what goes back is lost).
-    let asked: Vec<Asking<'_>> = (0..8).map(|_| slices.wants(&[a], now)).collect();
+    // nothing while its answer is awaited (none a top-up to send back: on a bucket charged
+    // since, what goes back is lost).
+    let one = [a];
+    let asked: Vec<Asking<'_, '_>> = (0..8).map(|_| slices.wants(&one, now)).collect();
     let wants: Vec<u64> = asked.iter().map(|asking| asking.wants[0]).collect();
     assert_eq!(wants, [31, 0, 0, 0, 0, 0, 0, 0], "one slice between them, within the most");
     let mut back = 0;
