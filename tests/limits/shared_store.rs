@@ -1222,12 +1222,15 @@ async fn a_job_another_instance_ended_for_an_instance_taken_for_dead_is_never_su
         members
     };
     eventually("A's waiting job joined the line", || async { line().await.len() == 1 }).await;
-    // A looks dead for a moment (cut off from Redis, say): its mark of being alive runs out.
+    // A looks dead for a moment (cut off from Redis, say): its mark of being alive runs out, and
+    // the grace the next claim would give it too.
     let instance = line().await[0].split('\u{1f}').nth(1).expect("the instance in the member").to_owned();
     let _: () = redis::cmd("ZADD")
         .arg("{upstream}line:alive")
         .arg(1)
         .arg(&instance)
+        .arg(1)
+        .arg(format!("~{instance}"))
         .query_async(&mut connection.clone())
         .await
         .expect("zadd");
@@ -1265,6 +1268,72 @@ async fn a_job_another_instance_ended_for_an_instance_taken_for_dead_is_never_su
     three.step(1_000).await;
     assert_eq!(tenant_left(&x).await, charged_both + price, "given back once");
     assert_eq!(left(&x, "spend:tenant:x").await, spent_both + price, "given back once, in the day's window too");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_waiting_on_an_instance_whose_mark_ran_out_while_redis_was_away_is_not_taken_for_dead() {
+    // The soak's failure: Redis away longer than a mark of being alive lasts (5 s) left every mark
+    // run out at once; the first claim after its return took A's waiting jobs for a dead
+    // instance's, ended them and gave their price back, while A, alive, had sent them upstream
+    // (billed, and charged by nobody). Now the claim that notices gives A a grace to say so.
+    let three = Three::start(1, &x_and_y("default")).await;
+    let x = three.agent(0, "x-backlog-key").await;
+    Three::image(&x, "x running").await;
+    let waiting = Three::image(&x, "x waiting").await;
+    let charged_both = tenant_left(&x).await;
+    let connection = redis::Client::open(three.redis.url.as_str())
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis");
+    let line = || async {
+        let members: Vec<String> = redis::cmd("ZRANGE")
+            .arg("{upstream}line")
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut connection.clone())
+            .await
+            .expect("zrange");
+        members
+    };
+    eventually("A's waiting job joined the line", || async { line().await.len() == 1 }).await;
+    // Every instance's mark runs out, as while Redis was away for longer than one lasts.
+    let marks: Vec<String> = redis::cmd("ZRANGE")
+        .arg("{upstream}line:alive")
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut connection.clone())
+        .await
+        .expect("zrange");
+    for mark in &marks {
+        let _: () = redis::cmd("ZADD")
+            .arg("{upstream}line:alive")
+            .arg(1)
+            .arg(mark)
+            .query_async(&mut connection.clone())
+            .await
+            .expect("zadd");
+    }
+    // C's claim comes first after the return: A's job stays in line, not ended, nothing given back.
+    let y = three.agent(2, "y-single-key").await;
+    let after = Three::image(&y, "y").await;
+    let x_on_c = three.agent(2, "x-backlog-key").await;
+    for _ in 0..3 {
+        three.step(100).await;
+        let r = call(&x_on_c, "get_prediction", json!({ "predict_id": waiting })).await;
+        assert_ne!(structured(&r)["status"], "failed", "taken for dead: {}", text(&r));
+    }
+    assert_eq!(tenant_left(&x_on_c).await, charged_both, "nothing given back");
+    // The slot freed goes on down the line: A's job, waiting first, then C's.
+    for slot in 1..=2 {
+        three.step(1_000).await;
+        eventually("the freed slot was taken again", || async { three.submitted().await.len() > slot }).await;
+    }
+    let submitted = three.submitted().await;
+    assert!(submitted.contains(&waiting), "A's job went upstream: {submitted:?}");
+    let r = call(&x, "get_prediction", json!({ "predict_id": waiting })).await;
+    assert_ne!(structured(&r)["status"], "failed", "{}", text(&r));
+    let _ = after;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

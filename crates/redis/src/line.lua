@@ -15,12 +15,13 @@
 -- and it leaves the line; otherwise nothing changes, and the instance waits to hear a slot freed
 -- (release.lua says so) or asks again a second later. A claim may bring a candidate that has not
 -- joined (a job at the door): it goes at once only if it would be next. Every claim and join
--- marks its instance alive for ALIVE_US; a job of an instance not marked alive is dropped from
--- the line, so a dead instance's jobs never hold the line.
+-- marks its instance alive for ALIVE_US; a job of an instance not marked alive (nor in the grace
+-- a mark that ran out is given: mark_alive) is dropped from the line, so a dead instance's jobs
+-- never hold the line.
 --
 -- KEYS: 1 the line (a sorted set: member -> tag), 2 the flows (a hash: flow -> "count tail"),
 -- 3 the line's virtual time (a string), 4 the instances alive (a sorted set: instance ->
--- until, epoch us), 5 each member's flow (a hash); for a claim, then: 6 the account's slots,
+-- until, epoch us; "~" and an instance -> the end of its grace), 5 each member's flow (a hash); for a claim, then: 6 the account's slots,
 -- 7 the unverified callers' share, 8 the learnt limit (read only with a learner), then one key
 -- per class with a gap, then one per tier.
 -- ARGV[1]: the operation (join, leave, alive, claim). ARGV[2]: the instance. ARGV[3]: how long a
@@ -78,9 +79,26 @@ local function parse(member, in_line)
   }
 end
 
+-- An instance whose mark ran out is given one more mark's life from the moment a call notices, a
+-- grace (kept as "~" and its name: instances are named in hex), before its jobs are dropped: after
+-- Redis was away longer than a mark lasts, every mark has run out at once, and the instances alive
+-- say so again within a heartbeat of its return, before their jobs (some of them sent to the
+-- upstream while Redis was away) are taken for a dead instance's. An instance silent through its
+-- grace too is dead.
+local GRACE = '~'
 local function mark_alive()
-  redis.call('ZADD', ALIVE, now_us + alive_us, instance)
+  local graced = {}
+  for _, who in ipairs(redis.call('ZRANGEBYSCORE', ALIVE, '-inf', now_us)) do
+    if string.sub(who, 1, 1) ~= GRACE and not redis.call('ZSCORE', ALIVE, GRACE .. who) then
+      graced[#graced + 1] = who
+    end
+  end
   redis.call('ZREMRANGEBYSCORE', ALIVE, '-inf', now_us)
+  for _, who in ipairs(graced) do
+    redis.call('ZADD', ALIVE, now_us + alive_us, GRACE .. who)
+  end
+  redis.call('ZADD', ALIVE, now_us + alive_us, instance)
+  redis.call('ZREM', ALIVE, GRACE .. instance)
   redis.call('PEXPIRE', ALIVE, IDLE_MS)
 end
 
@@ -259,7 +277,8 @@ local alive = {}
 local function is_alive(who)
   if alive[who] == nil then
     local until_us = tonumber(redis.call('ZSCORE', ALIVE, who) or '0') or 0
-    alive[who] = until_us > now_us
+    local grace_us = tonumber(redis.call('ZSCORE', ALIVE, GRACE .. who) or '0') or 0
+    alive[who] = math.max(until_us, grace_us) > now_us
   end
   return alive[who]
 end

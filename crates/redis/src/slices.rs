@@ -307,8 +307,15 @@ impl Slices {
                 held.called(check.cost, now, self.lasts());
             }
             held.limit = decision.limit;
-            held.read_at = now;
             let granted = top_up.filter(|t| admitted && t.allowed);
+            // What an allowed check of a call refused elsewhere says is the level its charge would
+            // have left: never written, so it is no reading of the key. (A call spent from slices
+            // is settled by the reading it was spent under: a level read lower than the key's
+            // would give back more than its units still owe.)
+            let read = admitted || !decision.allowed;
+            if read {
+                held.read_at = now;
+            }
             match granted {
                 Some(top_up) => {
                     // Calls of one key in flight at once each asked for the room there was: what
@@ -327,7 +334,7 @@ impl Slices {
                     held.left = top_up.remaining;
                     held.reset_after = top_up.reset_after;
                 }
-                None => {
+                None if read => {
                     held.left = decision.remaining;
                     held.reset_after = decision.reset_after;
                     if !decision.allowed {
@@ -336,9 +343,11 @@ impl Slices {
                         back.extend(held.give_back(check.key));
                     }
                 }
+                None => {}
             }
             if decision.allowed {
-                decision.remaining = held.left.saturating_add(held.live(now));
+                let left = if read { held.left } else { decision.remaining };
+                decision.remaining = left.saturating_add(held.live(now));
             }
         }
         (taken, back)

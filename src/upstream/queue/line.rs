@@ -10,7 +10,8 @@
 //! (counted and logged, like every store failure); when it answers again, every job here joins
 //! again with the tag it had, so the line is whole again. An instance says it is alive every
 //! [`LINE_HEARTBEAT`] while it has jobs in the line; one that stops (it died) has its jobs dropped
-//! from the line after [`LINE_ALIVE`](crate::store::LINE_ALIVE), so they never hold it.
+//! from the line once its mark and a grace have run out ([`LINE_ALIVE`](crate::store::LINE_ALIVE)
+//! each), so they never hold it.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

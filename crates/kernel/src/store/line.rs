@@ -16,9 +16,12 @@ use super::{LearntAt, Lease, SharedLimit, StoreFuture};
 use crate::clock::Nanos;
 use crate::limit::Limiter;
 
-/// How long an instance counts as alive after its last word to the line; its jobs are dropped
-/// from the line after that, so a dead instance never holds it. Instances say so every
-/// [`LINE_HEARTBEAT`].
+/// How long an instance counts as alive after its last word to the line. A mark that ran out is
+/// given one more such life from the moment a call to the line notices (a grace: after the store
+/// was away longer than a mark lasts, every mark runs out at once, and the instances alive say so
+/// again before their jobs, some sent upstream meanwhile, are taken for a dead instance's); an
+/// instance silent through that too is dead, and its jobs are dropped from the line, so a dead
+/// instance never holds it. Instances say so every [`LINE_HEARTBEAT`].
 pub const LINE_ALIVE: Duration = Duration::from_secs(5);
 
 /// How often an instance with jobs in the line says it is alive.

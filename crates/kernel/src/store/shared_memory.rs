@@ -79,18 +79,31 @@ struct Line {
     vtime: f64,
     /// Each instance → until when it counts as alive.
     alive: HashMap<String, Nanos>,
+    /// Each instance whose mark ran out → the end of its grace (`line.lua`'s `mark_alive`).
+    graces: HashMap<String, Nanos>,
     /// Joins so far.
     sequence: u64,
 }
 
 impl Line {
+    /// Marks `instance` alive; a mark that ran out is given one more mark's life from now, once,
+    /// before its instance counts as dead (as `line.lua` does: after the store was away longer
+    /// than a mark lasts, the instances alive say so again before their jobs are dropped).
     fn mark_alive(&mut self, instance: &str, now: Nanos) {
+        let lives = Nanos::from(LINE_ALIVE);
+        let ran_out: Vec<String> =
+            self.alive.iter().filter(|(_, until)| **until <= now).map(|(who, _)| who.clone()).collect();
+        let graced: Vec<String> = ran_out.into_iter().filter(|who| !self.graces.contains_key(who)).collect();
         self.alive.retain(|_, until| *until > now);
-        self.alive.insert(instance.to_owned(), now + Nanos::from(LINE_ALIVE));
+        self.graces.retain(|_, until| *until > now);
+        self.graces.extend(graced.into_iter().map(|who| (who, now + lives)));
+        self.alive.insert(instance.to_owned(), now + lives);
+        self.graces.remove(instance);
     }
 
     fn is_alive(&self, instance: &str, now: Nanos) -> bool {
-        self.alive.get(instance).is_some_and(|until| *until > now)
+        let until = |marks: &HashMap<String, Nanos>| marks.get(instance).copied().unwrap_or(Nanos::ZERO);
+        until(&self.alive).max(until(&self.graces)) > now
     }
 
     fn next_tag(&self, flow: &str, weight: f64) -> f64 {

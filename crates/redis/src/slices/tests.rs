@@ -215,3 +215,24 @@ fn a_slice_is_sized_to_what_its_key_spends_here_before_it_would_go_back() {
     }
     assert_eq!(want, 64, "a key spent at one instant is limited by the most alone");
 }
+
+#[test]
+fn a_check_allowed_in_a_call_refused_elsewhere_is_no_reading_of_its_key() {
+    let (slices, clock) = slices();
+    // 100 units, one back every 100 ms; a slice of 20 taken, Redis's reading 1 s from full.
+    let limiter = Limiter::TokenBucket(TokenBucket::new(100, 10.0));
+    let other = Limiter::TokenBucket(TokenBucket::new(10, 1.0));
+    let check = Check { key: "k", limiter: &limiter, cost: 5, shadow: false };
+    granted(&slices, check, 20, 60, Nanos::ZERO);
+    // A call of k and j: k would have been charged (its answer says the level that would have
+    // left, 0.5 s further from full), j refused it, so nothing was written.
+    let checks = [check, Check { key: "j", limiter: &other, cost: 1, shadow: false }];
+    let would = Decision { reset_after: Nanos::from_millis(1_500), ..decision(true, 100, 55, Nanos::ZERO) };
+    let mut answered = [would, decision(false, 10, 0, Nanos::ZERO)];
+    slices.took(&checks, &[0, 0], &mut answered, &[], clock.now());
+    // A call spent from the slice is settled by the key's reading: the real one, not the level a
+    // charge never made would have left (which would give a refund more than its units owe).
+    let (spent, _) = slices.spend(&[check], clock.now()).expect("the slice holds 20");
+    assert_eq!(spent[0].reset_after, Nanos::from_secs(1), "the last reading Redis wrote");
+    assert_eq!(spent[0].remaining, 60 + 15, "what Redis holds and what is left here");
+}
