@@ -520,11 +520,40 @@ mod tests {
         line.join(at("b"), &LineEntry { weight: 0.5, ..job("b0", "tenant:b") }, &JoinAt::Back).await.expect("joins");
         let (answer, dropped) = claim(&line, "t", "b", 10, 0.0, None).await;
         assert!(matches!(answer, LineAnswer::Wait { why: LineWait::Theirs, .. }) && dropped.is_empty(), "{answer:?}");
-        // Five seconds after its last word, it is taken for dead.
+        // Five seconds after its last word its mark has run out: the claim that notices gives it
+        // a grace of five seconds more (as after the store was away longer than a mark lasts).
         clock.advance(Duration::from_secs(2));
+        let (answer, dropped) = claim(&line, "t", "b", 10, 0.0, None).await;
+        assert!(matches!(answer, LineAnswer::Wait { why: LineWait::Theirs, .. }) && dropped.is_empty(), "{answer:?}");
+        clock.advance(Duration::from_millis(4_999));
+        let (answer, dropped) = claim(&line, "t", "b", 10, 0.0, None).await;
+        assert!(matches!(answer, LineAnswer::Wait { why: LineWait::Theirs, .. }) && dropped.is_empty(), "{answer:?}");
+        // Silent through its grace too: taken for dead.
+        clock.advance(Duration::from_millis(1));
         let (answer, dropped) = claim(&line, "t", "b", 10, 0.0, None).await;
         assert_eq!((went(&answer), dropped), (Some("b0"), vec!["d0".to_owned()]));
         assert!(store.lines()["t"].order.is_empty() && store.lines()["t"].flows.is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_instance_that_speaks_within_its_grace_keeps_its_jobs() {
+        let clock = ManualClock::new();
+        let store = Arc::new(SharedMemory::on(clock.clone()));
+        let line: Arc<dyn SharedLine> = store.clone();
+        let at = |instance| LineAt { name: "t", instance };
+        line.join(at("a"), &job("a0", "tenant:a"), &JoinAt::Back).await.expect("joins");
+        line.join(at("b"), &LineEntry { weight: 0.5, ..job("b0", "tenant:b") }, &JoinAt::Back).await.expect("joins");
+        for round in 0..2 {
+            // Every mark runs out at once (the store away longer than one lasts).
+            clock.advance(Duration::from_secs(6));
+            let (answer, dropped) = claim(&line, "t", "b", 10, 0.0, None).await;
+            assert!(matches!(answer, LineAnswer::Wait { why: LineWait::Theirs, .. }) && dropped.is_empty(), "{round}");
+            // a says it is alive within its grace: a mark again, and a grace the next time.
+            clock.advance(Duration::from_secs(1));
+            line.alive(at("a")).await.expect("alive");
+        }
+        let (answer, dropped) = claim(&line, "t", "b", 10, 0.0, None).await;
+        assert!(matches!(answer, LineAnswer::Wait { why: LineWait::Theirs, .. }) && dropped.is_empty(), "{answer:?}");
     }
 
     #[tokio::test]
