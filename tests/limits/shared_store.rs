@@ -273,14 +273,16 @@ async fn jobs_waiting_on_an_instance_that_dies_stop_holding_the_line_and_end_fai
         }
     };
     let members = eventually_some("both waiting jobs stand in the line", Duration::from_secs(10), line).await;
-    // The instance dies with two jobs in the line; its mark of being alive is made to run out
-    // now rather than five seconds of real time later.
+    // The instance dies with two jobs in the line; its mark of being alive, and the grace a claim
+    // would give it then, are made to run out now rather than ten seconds of real time later.
     doomed.child.kill().await.expect("killed");
     let dead = members[0].split('\u{1f}').nth(1).expect("the instance in the member").to_owned();
     let _: () = redis::cmd("ZADD")
         .arg("{upstream}line:alive")
         .arg(1)
         .arg(&dead)
+        .arg(1)
+        .arg(format!("~{dead}"))
         .query_async(&mut connection)
         .await
         .expect("zadd");
