@@ -23,49 +23,120 @@
 -- <until_us> <pattern> ... s <tool signature> <answer> <same> <at_us> ..."), is still read, so
 -- instances of both versions share one history while a deployment rolls (the older one reads
 -- this one's as empty). Anything else unreadable is an empty history.
+--
+-- The three arrays are worked on as they are unpacked, flat, an item a run of fields (a call's at
+-- base b: b + 1 its seq, b + 2 its signature, b + 3 its instant, b + 4 its answer): no table is
+-- made for an item, and what is dropped is dropped in place (a table an item, made on every read
+-- and flattened again on every write, was most of what a history cost Redis).
 local MAX_STOPS = 32
 local MAX_STREAKS = 32
 
--- The fields of a call, a stop and a streak, in the order the packed state keeps them.
-local CALL, STOP, STREAK = { 's', 'g', 't', 'a' }, { 'g', 'u', 'o' }, { 'g', 'a', 'n', 't' }
+-- Each item's width in its array, and the type of each of its fields.
+local CALL_KINDS = { 'number', 'string', 'number', 'string' }
+local STOP_KINDS = { 'string', 'number', 'number' }
+local STREAK_KINDS = { 'string', 'string', 'number', 'number' }
+local CALL, STOP, STREAK = #CALL_KINDS, #STOP_KINDS, #STREAK_KINDS
 
--- `list` as one flat array of each item's `fields`, in order. (Counted, not `#out + 1`: the
--- length operator searches, and this runs on every call and answer.)
-local function flat(list, fields)
-  local out, k, width = {}, 0, #fields
-  for _, item in ipairs(list) do
-    for f = 1, width do
-      k = k + 1
-      out[k] = item[fields[f]]
-    end
+-- Whether `array` is whole items whose fields are of the types `kinds` names.
+local function whole(array, kinds)
+  local width, length = #kinds, #array
+  if length % width ~= 0 then
+    return false
   end
-  return out
-end
-
--- `flat` read back: the items of `fields` (three or four) in `array`, each field of the type
--- `kinds` names; nil if the array is not that. Each item is made whole by one constructor, which
--- sizes it once (filled a field at a time, a table is resized as it grows: this was half of what
--- reading a history cost Redis).
-local function items(array, fields, kinds)
-  local width, out, k = #fields, {}, 0
-  if #array % width ~= 0 then
-    return nil
-  end
-  local f1, f2, f3, f4 = fields[1], fields[2], fields[3], fields[4]
-  for i = 1, #array, width do
+  for i = 1, length, width do
     for f = 1, width do
       if type(array[i + f - 1]) ~= kinds[f] then
-        return nil
+        return false
       end
     end
-    k = k + 1
-    if f4 then
-      out[k] = { [f1] = array[i], [f2] = array[i + 1], [f3] = array[i + 2], [f4] = array[i + 3] }
-    else
-      out[k] = { [f1] = array[i], [f2] = array[i + 1], [f3] = array[i + 2] }
+  end
+  return true
+end
+
+-- Keeps, in place and in order, the items (each `width` fields) of `array` for which
+-- `wanted(array, base)` holds, `base` the index before the item's first field; their count.
+local function keep(array, width, wanted)
+  local length, kept = #array, 0
+  for base = 0, length - width, width do
+    if wanted(array, base) then
+      if kept ~= base then
+        for f = 1, width do
+          array[kept + f] = array[base + f]
+        end
+      end
+      kept = kept + width
     end
   end
-  return out
+  for i = length, kept + 1, -1 do
+    array[i] = nil
+  end
+  return kept / width
+end
+
+-- Takes out the item of `width` fields at `base` (the others closing up behind it).
+local function take_out(array, width, base)
+  local length = #array
+  for i = base + 1, length - width do
+    array[i] = array[i + width]
+  end
+  for i = length, length - width + 1, -1 do
+    array[i] = nil
+  end
+end
+
+-- Reads a history written in words (the version before): its next seq and its three arrays;
+-- anything unreadable is an empty one.
+local function load_words(raw)
+  local words = {}
+  for word in string.gmatch(raw, '%S+') do
+    words[#words + 1] = word
+  end
+  local n = tonumber(words[1]) or 0
+  local calls, stops, streaks = {}, {}, {}
+  local i, count = 2, #words
+  while i <= count do
+    local mark, k = words[i], nil
+    if mark == 'c' and i + 4 <= count then
+      k = #calls
+      calls[k + 1], calls[k + 2], calls[k + 3], calls[k + 4] =
+        tonumber(words[i + 1]), words[i + 2], tonumber(words[i + 3]), words[i + 4]
+      i = i + 5
+    elseif mark == 'p' and i + 3 <= count then
+      k = #stops
+      stops[k + 1], stops[k + 2], stops[k + 3] = words[i + 1], tonumber(words[i + 2]), tonumber(words[i + 3])
+      i = i + 4
+    elseif mark == 's' and i + 4 <= count then
+      k = #streaks
+      streaks[k + 1], streaks[k + 2], streaks[k + 3], streaks[k + 4] =
+        words[i + 1], words[i + 2], tonumber(words[i + 3]), tonumber(words[i + 4])
+      i = i + 5
+    else
+      return n, {}, {}, {}
+    end
+  end
+  if not whole(calls, CALL_KINDS) or not whole(stops, STOP_KINDS) or not whole(streaks, STREAK_KINDS) then
+    return n, {}, {}, {}
+  end
+  return n, calls, stops, streaks
+end
+
+-- Reads the history: its next seq and its three arrays; anything unreadable is an empty one.
+local function load(raw)
+  if not raw then
+    return 0, {}, {}, {}
+  end
+  if string.find(raw, '^%d') then
+    return load_words(raw)
+  end
+  local ok, tag, n, calls, stops, streaks = pcall(cmsgpack.unpack, raw)
+  if not ok or tag ~= 'h1' or type(n) ~= 'number' or type(calls) ~= 'table' or type(stops) ~= 'table'
+    or type(streaks) ~= 'table' then
+    return 0, {}, {}, {}
+  end
+  if not whole(calls, CALL_KINDS) or not whole(stops, STOP_KINDS) or not whole(streaks, STREAK_KINDS) then
+    return 0, {}, {}, {}
+  end
+  return n, calls, stops, streaks
 end
 
 -- The history under `key` at `now_us`, `window` (us) and `repeats`:
@@ -76,95 +147,36 @@ end
 --   {same, stopped_for_us}: identical answers of the tool in a row (1 when no_progress is 0) and,
 --   when this one stopped the tool, for how long (else 0).
 local function loop_history(key, now_us, mode, window, repeats, arg)
-  -- Reads a history written in words (the version before); anything unreadable is an empty one.
-  local function load_words(raw)
-    local state = { n = 0, c = {}, p = {}, s = {} }
-    local words = {}
-    for word in string.gmatch(raw, '%S+') do
-      words[#words + 1] = word
-    end
-    state.n = tonumber(words[1]) or 0
-    local i = 2
-    while i <= #words do
-      if words[i] == 'c' and i + 4 <= #words then
-        state.c[#state.c + 1] = { s = tonumber(words[i + 1]), g = words[i + 2], t = tonumber(words[i + 3]), a = words[i + 4] }
-        i = i + 5
-      elseif words[i] == 'p' and i + 3 <= #words then
-        state.p[#state.p + 1] = { g = words[i + 1], u = tonumber(words[i + 2]), o = tonumber(words[i + 3]) }
-        i = i + 4
-      elseif words[i] == 's' and i + 4 <= #words then
-        state.s[#state.s + 1] = { g = words[i + 1], a = words[i + 2], n = tonumber(words[i + 3]), t = tonumber(words[i + 4]) }
-        i = i + 5
-      else
-        return { n = state.n, c = {}, p = {}, s = {} }
-      end
-    end
-    return state
-  end
-
-  -- Reads the history; anything unreadable is an empty one.
-  local function load(raw)
-    local empty = { n = 0, c = {}, p = {}, s = {} }
-    if not raw then
-      return empty
-    end
-    if string.find(raw, '^%d') then
-      return load_words(raw)
-    end
-    local ok, tag, n, calls, stops, streaks = pcall(cmsgpack.unpack, raw)
-    if not ok or tag ~= 'h1' or type(n) ~= 'number' or type(calls) ~= 'table' or type(stops) ~= 'table'
-      or type(streaks) ~= 'table' then
-      return empty
-    end
-    local c = items(calls, CALL, { 'number', 'string', 'number', 'string' })
-    local p = items(stops, STOP, { 'string', 'number', 'number' })
-    local st = items(streaks, STREAK, { 'string', 'string', 'number', 'number' })
-    if not c or not p or not st then
-      return empty
-    end
-    return { n = n, c = c, p = p, s = st }
-  end
-
-  local state = load(redis.call('GET', key))
+  local n, calls, stops, streaks = load(redis.call('GET', key))
 
   local function save()
-    if #state.c == 0 and #state.p == 0 and #state.s == 0 then
+    if #calls == 0 and #stops == 0 and #streaks == 0 then
       redis.call('DEL', key)
       return
     end
-    local calls, stops, streaks = flat(state.c, CALL), flat(state.p, STOP), flat(state.s, STREAK)
-    local packed = cmsgpack.pack('h1', state.n, calls, stops, streaks)
-    redis.call('SET', key, packed, 'PX', math.max(ceil_div(window, 1000), 1))
+    redis.call('SET', key, cmsgpack.pack('h1', n, calls, stops, streaks), 'PX', math.max(ceil_div(window, 1000), 1))
   end
 
-  -- The items of `list` for which `wanted` holds, in order.
-  local function kept(list, wanted)
-    local out = {}
-    for _, item in ipairs(list) do
-      if wanted(item) then
-        out[#out + 1] = item
-      end
-    end
-    return out
-  end
-
+  -- Stops `sig` for a window with `pattern`: in place of its stop, if it had one; the stop that
+  -- ends soonest makes room when MAX_STOPS are kept.
   local function stop(sig, pattern)
-    state.p = kept(state.p, function(s) return s.g ~= sig end)
-    if #state.p >= MAX_STOPS then
-      local soonest = 1
-      for i, s in ipairs(state.p) do
-        if s.u < state.p[soonest].u then
-          soonest = i
+    local count = keep(stops, STOP, function(a, base) return a[base + 1] ~= sig end)
+    if count >= MAX_STOPS then
+      local soonest = 0
+      for base = STOP, #stops - STOP, STOP do
+        if stops[base + 2] < stops[soonest + 2] then
+          soonest = base
         end
       end
-      table.remove(state.p, soonest)
+      take_out(stops, STOP, soonest)
     end
-    state.p[#state.p + 1] = { g = sig, u = now_us + window, o = pattern }
+    local k = #stops
+    stops[k + 1], stops[k + 2], stops[k + 3] = sig, now_us + window, pattern
   end
 
   if mode == 'forget' then
     local seq = tonumber(arg)
-    state.c = kept(state.c, function(call) return call.s ~= seq end)
+    keep(calls, CALL, function(a, base) return a[base + 1] ~= seq end)
     save()
     return { 1 }
   end
@@ -175,54 +187,52 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
     -- The latest call of the signature still waiting for its answer gets it; if the one before
     -- it got another answer, the earlier calls stop counting.
     local this = nil
-    for i = #state.c, 1, -1 do
-      if state.c[i].g == signature and state.c[i].a == '-' then
-        this = i
+    for base = #calls - CALL, 0, -CALL do
+      if calls[base + 2] == signature and calls[base + 4] == '-' then
+        this = base
         break
       end
     end
     if this then
       local changed = false
-      for i = this - 1, 1, -1 do
-        if state.c[i].g == signature and state.c[i].a ~= '-' then
-          changed = state.c[i].a ~= answer
+      for base = this - CALL, 0, -CALL do
+        if calls[base + 2] == signature and calls[base + 4] ~= '-' then
+          changed = calls[base + 4] ~= answer
           break
         end
       end
       if changed then
-        for i = 1, this - 1 do
-          if state.c[i].g == signature then
-            state.c[i].g = '-'
+        for base = 0, this - CALL, CALL do
+          if calls[base + 2] == signature then
+            calls[base + 2] = '-'
           end
         end
       end
-      state.c[this].a = answer
+      calls[this + 4] = answer
     end
     local same, stopped_for = 1, 0
     if no_progress >= 2 then
-      local streaks, found = {}, nil
-      for _, streak in ipairs(state.s) do
-        if now_us - streak.t < window then
-          streaks[#streaks + 1] = streak
-          if streak.g == tool then
-            found = streak
-          end
+      keep(streaks, STREAK, function(a, base) return now_us - a[base + 4] < window end)
+      local found = nil
+      for base = 0, #streaks - STREAK, STREAK do
+        if streaks[base + 1] == tool then
+          found = base
         end
       end
-      state.s = streaks
       if found then
-        if found.a == answer then
-          found.n = found.n + 1
+        if streaks[found + 2] == answer then
+          streaks[found + 3] = streaks[found + 3] + 1
         else
-          found.n = 1
+          streaks[found + 3] = 1
         end
-        found.a, found.t = answer, now_us
-        same = found.n
+        streaks[found + 2], streaks[found + 4] = answer, now_us
+        same = streaks[found + 3]
       else
-        if #state.s >= MAX_STREAKS then
-          table.remove(state.s, 1)
+        if #streaks >= MAX_STREAKS * STREAK then
+          take_out(streaks, STREAK, 0)
         end
-        state.s[#state.s + 1] = { g = tool, a = answer, n = 1, t = now_us }
+        local k = #streaks
+        streaks[k + 1], streaks[k + 2], streaks[k + 3], streaks[k + 4] = tool, answer, 1, now_us
       end
       if same >= no_progress then
         stop(tool, 2)
@@ -235,20 +245,19 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
 
   local signature, tool = string.match(arg, '^(%S+) (%S+)$')
 
-  state.p = kept(state.p, function(stop) return stop.u > now_us end)
-  for _, stop in ipairs(state.p) do
-    if stop.g == signature or stop.g == tool then
-      return { 0, stop.u - now_us, stop.o }
+  keep(stops, STOP, function(a, base) return a[base + 2] > now_us end)
+  for base = 0, #stops - STOP, STOP do
+    if stops[base + 1] == signature or stops[base + 1] == tool then
+      return { 0, stops[base + 2] - now_us, stops[base + 3] }
     end
   end
 
   -- A call stamped a hair after now (another instance read the clock later) is live.
-  local calls = kept(state.c, function(call) return now_us - call.t < window end)
-  state.c = calls
+  local count = keep(calls, CALL, function(a, base) return now_us - a[base + 3] < window end)
 
   local same = 1
-  for i = #calls, 1, -1 do
-    if calls[i].g ~= signature then
+  for base = #calls - CALL, 0, -CALL do
+    if calls[base + 2] ~= signature then
       break
     end
     same = same + 1
@@ -259,13 +268,14 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
     return { 0, window, 0 }
   end
 
-  if #calls >= 1 and calls[#calls].g ~= signature and calls[#calls].g ~= '-' then
-    local other = calls[#calls].g
-    local alternating, expect, i = 2, signature, #calls - 1
-    while i >= 1 and calls[i].g == expect do
+  local last = #calls - CALL
+  if count >= 1 and calls[last + 2] ~= signature and calls[last + 2] ~= '-' then
+    local other = calls[last + 2]
+    local alternating, expect, base = 2, signature, last - CALL
+    while base >= 0 and calls[base + 2] == expect do
       alternating = alternating + 1
       expect = (expect == signature) and other or signature
-      i = i - 1
+      base = base - CALL
     end
     if ceil_div(alternating, 2) >= repeats then
       stop(signature, 1)
@@ -275,12 +285,13 @@ local function loop_history(key, now_us, mode, window, repeats, arg)
     end
   end
 
-  if #calls >= 2 * repeats then
-    table.remove(calls, 1)
+  if count >= 2 * repeats then
+    take_out(calls, CALL, 0)
   end
-  local seq = state.n
-  calls[#calls + 1] = { s = seq, g = signature, t = now_us, a = '-' }
-  state.n = seq + 1
+  local seq = n
+  local k = #calls
+  calls[k + 1], calls[k + 2], calls[k + 3], calls[k + 4] = seq, signature, now_us, '-'
+  n = seq + 1
   save()
   return { 1, seq }
 end
