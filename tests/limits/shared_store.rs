@@ -1197,45 +1197,52 @@ async fn tenant_left(agent: &Client) -> u64 {
     left(agent, "tenant:x").await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_job_another_instance_ended_for_an_instance_taken_for_dead_is_never_submitted() {
-    // A daily spend cap: a window, where a price given back twice would show (a bucket never
-    // takes back more than the charge left out).
-    let three = Three::start(1, &format!("{}[spend_caps]\ndaily_units = 500\n", x_and_y("default"))).await;
+/// The members of the sorted set `key` in the test's Redis, lowest score first.
+async fn sorted_set(connection: &redis::aio::MultiplexedConnection, key: &str) -> Vec<String> {
+    redis::cmd("ZRANGE").arg(key).arg(0).arg(-1).query_async(&mut connection.clone()).await.expect("zrange")
+}
+
+/// Marks of being alive in the shared line (an instance's, or `~` and its name: its grace) made
+/// to have run out long ago, as they would after their time in real time.
+async fn run_out(connection: &redis::aio::MultiplexedConnection, marks: &[String]) {
+    for mark in marks {
+        let zadd = redis::cmd("ZADD").arg("{upstream}line:alive").arg(1).arg(mark).to_owned();
+        let _: () = zadd.query_async(&mut connection.clone()).await.expect("zadd");
+    }
+}
+
+/// X's agent on A with one job running (the account's one slot) and one waiting in the line
+/// behind it: the agent, the waiting job's id, what is left of tenant x's budget (it never refills
+/// here) once both were charged, and a connection to the test's Redis.
+async fn a_job_waiting_on_a(three: &Three) -> (Client, String, u64, redis::aio::MultiplexedConnection) {
     let x = three.agent(0, "x-backlog-key").await;
     Three::image(&x, "x running").await;
     let waiting = Three::image(&x, "x waiting").await;
-    // Tenant x's budget (it never refills here), charged for both calls.
     let charged_both = tenant_left(&x).await;
-    let spent_both = left(&x, "spend:tenant:x").await;
     let connection = redis::Client::open(three.redis.url.as_str())
         .expect("url")
         .get_multiplexed_async_connection()
         .await
         .expect("redis");
-    let line = || async {
-        let members: Vec<String> = redis::cmd("ZRANGE")
-            .arg("{upstream}line")
-            .arg(0)
-            .arg(-1)
-            .query_async(&mut connection.clone())
-            .await
-            .expect("zrange");
-        members
-    };
-    eventually("A's waiting job joined the line", || async { line().await.len() == 1 }).await;
+    eventually("A's waiting job joined the line", || async {
+        sorted_set(&connection, "{upstream}line").await.len() == 1
+    })
+    .await;
+    (x, waiting, charged_both, connection)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_another_instance_ended_for_an_instance_taken_for_dead_is_never_submitted() {
+    // A daily spend cap: a window, where a price given back twice would show (a bucket never
+    // takes back more than the charge left out).
+    let three = Three::start(1, &format!("{}[spend_caps]\ndaily_units = 500\n", x_and_y("default"))).await;
+    let (x, waiting, charged_both, connection) = a_job_waiting_on_a(&three).await;
+    let spent_both = left(&x, "spend:tenant:x").await;
     // A looks dead for a moment (cut off from Redis, say): its mark of being alive runs out, and
     // the grace the next claim would give it too.
-    let instance = line().await[0].split('\u{1f}').nth(1).expect("the instance in the member").to_owned();
-    let _: () = redis::cmd("ZADD")
-        .arg("{upstream}line:alive")
-        .arg(1)
-        .arg(&instance)
-        .arg(1)
-        .arg(format!("~{instance}"))
-        .query_async(&mut connection.clone())
-        .await
-        .expect("zadd");
+    let members = sorted_set(&connection, "{upstream}line").await;
+    let instance = members[0].split('\u{1f}').nth(1).expect("the instance in the member").to_owned();
+    run_out(&connection, &[instance.clone(), format!("~{instance}")]).await;
     // C's next claim takes A's job out of the line and ends it for its agent.
     let y = three.agent(2, "y-single-key").await;
     let after = Three::image(&y, "y").await;
@@ -1279,43 +1286,9 @@ async fn a_job_waiting_on_an_instance_whose_mark_ran_out_while_redis_was_away_is
     // instance's, ended them and gave their price back, while A, alive, had sent them upstream
     // (billed, and charged by nobody). Now the claim that notices gives A a grace to say so.
     let three = Three::start(1, &x_and_y("default")).await;
-    let x = three.agent(0, "x-backlog-key").await;
-    Three::image(&x, "x running").await;
-    let waiting = Three::image(&x, "x waiting").await;
-    let charged_both = tenant_left(&x).await;
-    let connection = redis::Client::open(three.redis.url.as_str())
-        .expect("url")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("redis");
-    let line = || async {
-        let members: Vec<String> = redis::cmd("ZRANGE")
-            .arg("{upstream}line")
-            .arg(0)
-            .arg(-1)
-            .query_async(&mut connection.clone())
-            .await
-            .expect("zrange");
-        members
-    };
-    eventually("A's waiting job joined the line", || async { line().await.len() == 1 }).await;
+    let (x, waiting, charged_both, connection) = a_job_waiting_on_a(&three).await;
     // Every instance's mark runs out, as while Redis was away for longer than one lasts.
-    let marks: Vec<String> = redis::cmd("ZRANGE")
-        .arg("{upstream}line:alive")
-        .arg(0)
-        .arg(-1)
-        .query_async(&mut connection.clone())
-        .await
-        .expect("zrange");
-    for mark in &marks {
-        let _: () = redis::cmd("ZADD")
-            .arg("{upstream}line:alive")
-            .arg(1)
-            .arg(mark)
-            .query_async(&mut connection.clone())
-            .await
-            .expect("zadd");
-    }
+    run_out(&connection, &sorted_set(&connection, "{upstream}line:alive").await).await;
     // C's claim comes first after the return: A's job stays in line, not ended, nothing given back.
     let y = three.agent(2, "y-single-key").await;
     let after = Three::image(&y, "y").await;
