@@ -7,10 +7,11 @@
 //! - each instance's RSS at the end within 10 % of its RSS after the warm-up;
 //! - per caller, the cost charged through Redis never above what its budget allows over the
 //!   run (burst + refill × duration, the duration on the wall clock: Redis's `TIME`, which the
-//!   budgets refill by, so a wall clock stepped mid-run is counted as Redis counts it): what each call's result says it was charged, a job's once
-//!   it is final (its price settled from the upstream's bill: a canceled or failed job is billed
-//!   nothing, and its reservation comes back); what the fail-open tool got from the insurance
-//!   limiter while Redis was down is reported separately;
+//!   budgets refill by, so a wall clock stepped mid-run is counted as Redis counts it): what
+//!   each call's result says it was charged, a job's once it is final (its price settled from
+//!   the upstream's bill: a canceled or failed job is billed nothing, and its reservation comes
+//!   back); what the fail-open tool got from the insurance limiter while Redis was down is
+//!   reported separately;
 //! - no settlement of a price given up (Redis is never away for the minute it is tried);
 //! - every prediction reaches a final state, and no in-flight slot is still held at the end;
 //! - no stale view of a job on another instance than its owner (see [`stale_views`]), during the

@@ -91,9 +91,8 @@ impl Line {
     /// than a mark lasts, the instances alive say so again before their jobs are dropped).
     fn mark_alive(&mut self, instance: &str, now: Nanos) {
         let lives = Nanos::from(LINE_ALIVE);
-        let ran_out: Vec<String> =
-            self.alive.iter().filter(|(_, until)| **until <= now).map(|(who, _)| who.clone()).collect();
-        let graced: Vec<String> = ran_out.into_iter().filter(|who| !self.graces.contains_key(who)).collect();
+        let ran_out = self.alive.iter().filter(|(who, until)| **until <= now && !self.graces.contains_key(*who));
+        let graced: Vec<String> = ran_out.map(|(who, _)| who.clone()).collect();
         self.alive.retain(|_, until| *until > now);
         self.graces.retain(|_, until| *until > now);
         self.graces.extend(graced.into_iter().map(|who| (who, now + lives)));
