@@ -303,7 +303,9 @@ impl Slices {
                 held.limiter = check.limiter.clone();
                 held.want = 0;
             }
-            if decision.allowed {
+            // Only an admitted call spent the key: a check allowed in a call refused elsewhere
+            // adds nothing to its demand, nor makes it busy.
+            if admitted {
                 held.called(check.cost, now, self.lasts());
             }
             held.limit = decision.limit;

@@ -236,3 +236,23 @@ fn a_check_allowed_in_a_call_refused_elsewhere_is_no_reading_of_its_key() {
     assert_eq!(spent[0].reset_after, Nanos::from_secs(1), "the last reading Redis wrote");
     assert_eq!(spent[0].remaining, 60 + 15, "what Redis holds and what is left here");
 }
+
+#[test]
+fn a_check_allowed_in_a_call_refused_elsewhere_adds_nothing_to_its_keys_demand() {
+    let (slices, clock) = slices();
+    let limiter = Limiter::FixedWindow(FixedWindow::new(100_000, Nanos::from_secs(60)));
+    let other = Limiter::TokenBucket(TokenBucket::new(10, 1.0));
+    let one = Check { key: "k", limiter: &limiter, cost: 1, shadow: false };
+    slices.took(&[one], &[0], &mut [decision(true, 100_000, 90_000, Nanos::ZERO)], &[], clock.now());
+    clock.advance(Duration::from_secs(1));
+    // Fifty calls of k, four units each, and of j: k would have been charged, j refused them all.
+    let four = Check { cost: 4, ..one };
+    let checks = [four, Check { key: "j", limiter: &other, cost: 1, shadow: false }];
+    for _ in 0..50 {
+        let mut answered = [decision(true, 100_000, 89_996, Nanos::ZERO), decision(false, 10, 0, Nanos::ZERO)];
+        slices.took(&checks, &[0, 0], &mut answered, &[], clock.now());
+    }
+    // k was spent one unit in a second: at that pace a slice of four would go back about unspent
+    // (counting the refused calls, 201 units, it was cut).
+    assert_eq!(slices.wants(&[four], clock.now()).wants[0], 0, "a slice cut for calls never admitted");
+}
