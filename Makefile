@@ -1,7 +1,7 @@
 # The two commands a new user needs: `make run` and `make test`.
 CARGO ?= cargo
 
-.PHONY: run test proxy-fixtures docs fuzz check fmt inspector build install bench bench-redis bench-compare load conformance burst cluster soak idle-abuse simulate chromium dashboard-screenshot
+.PHONY: run test proxy-fixtures docs fuzz check fmt inspector build install bench bench-redis bench-compare load conformance burst cluster soak valkey idle-abuse simulate chromium dashboard-screenshot
 
 ## Serve MCP on http://127.0.0.1:3000/mcp with the defaults (in-memory limits, embedded mock upstream).
 run:
@@ -81,6 +81,10 @@ burst:
 ## Redis, one mock upstream and three instances: one caller gets one budget, not three.
 cluster:
 	scripts/cluster.sh
+
+## `make test` with Valkey in Redis's place (valkey-server on PATH, or VALKEY_BIN=<dir>): not in CI, whose Debian has none.
+valkey:
+	scripts/valkey.sh
 
 ## 10 minutes of three instances, a Redis killed every 2 minutes, a chaos upstream, 50 callers at twice their budget: the report.
 soak:
