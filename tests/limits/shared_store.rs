@@ -262,7 +262,7 @@ async fn jobs_waiting_on_an_instance_that_dies_stop_holding_the_line_and_end_fai
     assert_eq!(waiting.len(), 2, "one runs on the account of 1, two wait in the line");
     // A job that starts waiting is told to the line at the dispatcher's next step, after its agent
     // is answered: both must stand in the line before the instance dies.
-    let mut connection =
+    let connection =
         redis::Client::open(redis.url.as_str()).expect("url").get_multiplexed_async_connection().await.expect("redis");
     let line = || {
         let mut connection = connection.clone();
@@ -276,16 +276,7 @@ async fn jobs_waiting_on_an_instance_that_dies_stop_holding_the_line_and_end_fai
     // The instance dies with two jobs in the line; its mark of being alive, and the grace a claim
     // would give it then, are made to run out now rather than ten seconds of real time later.
     doomed.child.kill().await.expect("killed");
-    let dead = members[0].split('\u{1f}').nth(1).expect("the instance in the member").to_owned();
-    let _: () = redis::cmd("ZADD")
-        .arg("{upstream}line:alive")
-        .arg(1)
-        .arg(&dead)
-        .arg(1)
-        .arg(format!("~{dead}"))
-        .query_async(&mut connection)
-        .await
-        .expect("zadd");
+    taken_for_dead(&connection, &members[0]).await;
     let survivor = TestServer::start(&shared(
         &redis,
         "lease_ms = 400\n",
@@ -1211,6 +1202,13 @@ async fn run_out(connection: &redis::aio::MultiplexedConnection, marks: &[String
     }
 }
 
+/// The instance whose job is the line's `member` made to look dead: its mark of being alive, and
+/// the grace the next claim would give it, run out.
+async fn taken_for_dead(connection: &redis::aio::MultiplexedConnection, member: &str) {
+    let instance = member.split('\u{1f}').nth(1).expect("the instance in the member");
+    run_out(connection, &[instance.to_owned(), format!("~{instance}")]).await;
+}
+
 /// X's agent on A with one job running (the account's one slot) and one waiting in the line
 /// behind it: the agent, the waiting job's id, what is left of tenant x's budget (it never refills
 /// here) once both were charged, and a connection to the test's Redis.
@@ -1240,9 +1238,7 @@ async fn a_job_another_instance_ended_for_an_instance_taken_for_dead_is_never_su
     let spent_both = left(&x, "spend:tenant:x").await;
     // A looks dead for a moment (cut off from Redis, say): its mark of being alive runs out, and
     // the grace the next claim would give it too.
-    let members = sorted_set(&connection, "{upstream}line").await;
-    let instance = members[0].split('\u{1f}').nth(1).expect("the instance in the member").to_owned();
-    run_out(&connection, &[instance.clone(), format!("~{instance}")]).await;
+    taken_for_dead(&connection, &sorted_set(&connection, "{upstream}line").await[0]).await;
     // C's next claim takes A's job out of the line and ends it for its agent.
     let y = three.agent(2, "y-single-key").await;
     let after = Three::image(&y, "y").await;
