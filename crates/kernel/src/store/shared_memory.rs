@@ -508,6 +508,13 @@ mod tests {
         line_suite::run(store, "suite").await;
     }
 
+    /// Instance b's claim of line `t`: it waits on the jobs of others in line before its own, and
+    /// drops none of theirs.
+    async fn b_waits_on_the_others(line: &Arc<dyn SharedLine>) {
+        let (answer, dropped) = claim(line, "t", "b", 10, 0.0, None).await;
+        assert!(matches!(answer, LineAnswer::Wait { why: LineWait::Theirs, .. }) && dropped.is_empty(), "{answer:?}");
+    }
+
     #[tokio::test]
     async fn a_dead_instances_jobs_stop_holding_the_line_and_are_handed_to_the_claimer() {
         let clock = ManualClock::new();
@@ -517,16 +524,13 @@ mod tests {
         line.join(at("dead"), &job("d0", "tenant:d"), &JoinAt::Back).await.expect("joins");
         clock.advance(Duration::from_secs(3));
         line.join(at("b"), &LineEntry { weight: 0.5, ..job("b0", "tenant:b") }, &JoinAt::Back).await.expect("joins");
-        let (answer, dropped) = claim(&line, "t", "b", 10, 0.0, None).await;
-        assert!(matches!(answer, LineAnswer::Wait { why: LineWait::Theirs, .. }) && dropped.is_empty(), "{answer:?}");
+        b_waits_on_the_others(&line).await;
         // Five seconds after its last word its mark has run out: the claim that notices gives it
         // a grace of five seconds more (as after the store was away longer than a mark lasts).
         clock.advance(Duration::from_secs(2));
-        let (answer, dropped) = claim(&line, "t", "b", 10, 0.0, None).await;
-        assert!(matches!(answer, LineAnswer::Wait { why: LineWait::Theirs, .. }) && dropped.is_empty(), "{answer:?}");
+        b_waits_on_the_others(&line).await;
         clock.advance(Duration::from_millis(4_999));
-        let (answer, dropped) = claim(&line, "t", "b", 10, 0.0, None).await;
-        assert!(matches!(answer, LineAnswer::Wait { why: LineWait::Theirs, .. }) && dropped.is_empty(), "{answer:?}");
+        b_waits_on_the_others(&line).await;
         // Silent through its grace too: taken for dead.
         clock.advance(Duration::from_millis(1));
         let (answer, dropped) = claim(&line, "t", "b", 10, 0.0, None).await;
@@ -542,17 +546,15 @@ mod tests {
         let at = |instance| LineAt { name: "t", instance };
         line.join(at("a"), &job("a0", "tenant:a"), &JoinAt::Back).await.expect("joins");
         line.join(at("b"), &LineEntry { weight: 0.5, ..job("b0", "tenant:b") }, &JoinAt::Back).await.expect("joins");
-        for round in 0..2 {
+        for _ in 0..2 {
             // Every mark runs out at once (the store away longer than one lasts).
             clock.advance(Duration::from_secs(6));
-            let (answer, dropped) = claim(&line, "t", "b", 10, 0.0, None).await;
-            assert!(matches!(answer, LineAnswer::Wait { why: LineWait::Theirs, .. }) && dropped.is_empty(), "{round}");
+            b_waits_on_the_others(&line).await;
             // a says it is alive within its grace: a mark again, and a grace the next time.
             clock.advance(Duration::from_secs(1));
             line.alive(at("a")).await.expect("alive");
         }
-        let (answer, dropped) = claim(&line, "t", "b", 10, 0.0, None).await;
-        assert!(matches!(answer, LineAnswer::Wait { why: LineWait::Theirs, .. }) && dropped.is_empty(), "{answer:?}");
+        b_waits_on_the_others(&line).await;
     }
 
     #[tokio::test]
